@@ -1,0 +1,11 @@
+"""jaxpipe: pipeline, expert and context parallel LLM training in JAX."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # Lazy so that `jaxpipe.pipeline` (schedule IR, no JAX) imports without JAX.
+  if name == "Trainer":
+    from jaxpipe.trainer import Trainer
+    return Trainer
+  raise AttributeError(name)

@@ -1,0 +1,7 @@
+"""Every test process sees 8 host CPU devices; the flag must be set before jax is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
