@@ -1,0 +1,62 @@
+"""Checks a schedule: placement, completeness, dependency order, and freedom from deadlock."""
+from __future__ import annotations
+
+import collections
+
+from jaxpipe.pipeline.deps import list_schedule
+from jaxpipe.pipeline.ir import Schedule
+
+
+class ScheduleError(ValueError):
+  """An invalid schedule; the message ends with the step x rank grid, bad cells marked >like<."""
+
+
+def _fail(schedule: Schedule, why: str, cells) -> None:
+  raise ScheduleError(f"schedule {schedule.name!r}: {why}\n{schedule.to_grid(mark=cells)}")
+
+
+def validate(schedule: Schedule) -> None:
+  """Raises ScheduleError naming the first problem, with the offending cells marked."""
+  pl = schedule.placement
+  m = schedule.num_microbatches
+  seen = collections.defaultdict(list)  # (kind, stage, mb) -> [(rank, position)]
+  for r, i, a in schedule.actions():
+    if not 0 <= a.microbatch < m:
+      _fail(schedule, f"{a} names micro-batch {a.microbatch}, outside [0, {m})", [(r, i)])
+    if not 0 <= a.stage < pl.num_virtual_stages:
+      _fail(schedule, f"{a} names stage {a.stage}, outside [0, {pl.num_virtual_stages})",
+            [(r, i)])
+    if pl.stage_rank[a.stage] != r:
+      _fail(schedule, f"{a} is on rank {r} but stage {a.stage} is placed on rank "
+            f"{pl.stage_rank[a.stage]}", [(r, i)])
+    if a.stage not in schedule.route(a.microbatch):
+      _fail(schedule, f"{a}: micro-batch {a.microbatch} follows route "
+            f"{schedule.route(a.microbatch)}, which does not pass stage {a.stage}", [(r, i)])
+    seen[(a.kind, a.stage, a.microbatch)].append((r, i))
+  for key, cells in seen.items():
+    if len(cells) > 1:
+      _fail(schedule, f"{key[1]}{key[0]}{key[2]} appears {len(cells)} times", cells)
+  for mb in range(m):
+    for s in schedule.route(mb):
+      name = f"stage {s}, micro-batch {mb}"
+      if ("F", s, mb) not in seen:
+        _fail(schedule, f"{name} has no forward ({s}F{mb})", [])
+      has_b = ("B", s, mb) in seen
+      has_i, has_w = ("I", s, mb) in seen, ("W", s, mb) in seen
+      if has_b and (has_i or has_w):
+        _fail(schedule, f"{name} has both a full backward and a split one",
+              seen.get(("B", s, mb), []) + seen.get(("I", s, mb), []) +
+              seen.get(("W", s, mb), []))
+      if not has_b and not (has_i and has_w):
+        missing = "B, or I and W" if not (has_i or has_w) else ("W" if has_i else "I")
+        _fail(schedule, f"{name} lacks its backward ({missing})",
+              seen.get(("I", s, mb), []) + seen.get(("W", s, mb), []))
+  for r, ops in enumerate(schedule.ranks):
+    for i, op in enumerate(ops):
+      if len(op.parts()) == 2 and op.parts()[0].microbatch == op.parts()[1].microbatch and \
+          op.parts()[0].stage == op.parts()[1].stage:
+        _fail(schedule, f"{op} overlaps a forward with its own backward", [(r, i)])
+  timeline = list_schedule(schedule, cost=lambda op: 1.0)
+  if timeline.blocked:
+    _fail(schedule, "deadlock: the marked ops wait on each other (or on an op ordered after "
+          "them on the same rank) and can never run", timeline.blocked)
