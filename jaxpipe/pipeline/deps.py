@@ -17,8 +17,9 @@ def produces(schedule: Schedule, a: Action) -> Key:
 
 def requires(schedule: Schedule, a: Action) -> list[Key]:
   """What `a` waits for: the previous stage's output, the next stage's input gradient, its own F/I."""
-  route = schedule.route(a.microbatch)
-  i = route.index(a.stage)
+  which = schedule.microbatch_route[a.microbatch]
+  route = schedule.placement.routes[which]
+  i = schedule.placement.route_positions[which][a.stage]
   if a.kind == "F":
     return [("F", route[i - 1], a.microbatch)] if i > 0 else []
   if a.kind == "W":

@@ -8,7 +8,9 @@ stage, as in Chimera and DualPipe) layouts are all the same table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence, Union
+import functools
+import os
+from typing import Iterator, Mapping, Sequence, Union
 
 KINDS = ("F", "B", "I", "W")  # forward, full backward, input gradient, weight gradient
 
@@ -99,12 +101,22 @@ class Placement:
     """Parameter copies of each model stage (2 for bidirectional placements)."""
     return self.num_virtual_stages // self.num_stages
 
+  @functools.cached_property
+  def _rank_stages(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s for s in range(self.num_virtual_stages) if self.stage_rank[s] == r)
+                 for r in range(self.num_ranks))
+
+  @functools.cached_property
+  def route_positions(self) -> tuple[dict[int, int], ...]:
+    """[route] -> {virtual stage: its position along the route}."""
+    return tuple({s: i for i, s in enumerate(route)} for route in self.routes)
+
   def rank_stages(self, rank: int) -> tuple[int, ...]:
     """Virtual stages on `rank`, in ascending order; position = local chunk index."""
-    return tuple(s for s in range(self.num_virtual_stages) if self.stage_rank[s] == rank)
+    return self._rank_stages[rank]
 
   def local_chunk(self, stage: int) -> int:
-    return self.rank_stages(self.stage_rank[stage]).index(stage)
+    return self._rank_stages[self.stage_rank[stage]].index(stage)
 
   def stage_copy(self, stage: int) -> int:
     """Which copy of its model stage a virtual stage holds (0 or 1 in bidirectional layouts)."""
@@ -182,8 +194,42 @@ class Schedule:
     validate(self)
     return self
 
-  def to_grid(self, mark: Sequence[tuple[int, int]] = ()) -> str:
-    """Text grid, one row per rank, one column per position in the rank's list."""
+  def same_ops(self, other: Schedule) -> bool:
+    """Same placement, micro-batches, routes and per-rank ops (names and options aside)."""
+    return (self.placement == other.placement and self.ranks == other.ranks and
+            self.num_microbatches == other.num_microbatches and
+            self.microbatch_route == other.microbatch_route)
+
+  def simulate(self, costs: Mapping[str, float] | None = None, lockstep: bool = False,
+               latency: float = 0.0):
+    """Simulated timelines, bubble and activations; see jaxpipe.pipeline.simulate."""
+    from jaxpipe.pipeline.simulate import simulate
+    return simulate(self, costs=costs, lockstep=lockstep, latency=latency)
+
+  def to_csv(self, grid: str = "lockstep") -> str:
+    """torch.distributed.pipelining's CSV; see jaxpipe.pipeline.export.to_csv."""
+    from jaxpipe.pipeline.export import to_csv
+    return to_csv(self, grid=grid)
+
+  @classmethod
+  def from_csv(cls, text_or_path: Union[str, os.PathLike], name: str | None = None) -> Schedule:
+    """Loads (and validates) a schedule from torch's CSV text or a path to it."""
+    from jaxpipe.pipeline.export import from_csv
+    return from_csv(text_or_path, name=name)
+
+  def to_perfetto(self, costs: Mapping[str, float] | None = None, lockstep: bool = False) -> str:
+    """Chrome trace JSON (opens in Perfetto); see jaxpipe.pipeline.export.to_perfetto."""
+    from jaxpipe.pipeline.export import to_perfetto
+    return to_perfetto(self, costs=costs, lockstep=lockstep)
+
+  def to_grid(self, mark: Sequence[tuple[int, int]] = (), aligned: bool = False) -> str:
+    """Text grid, one row per rank, one column per position in the rank's list.
+
+    `aligned`: one column per lock-step tick instead, so idle cells show the bubble.
+    """
+    if aligned:
+      from jaxpipe.pipeline.export import text_grid
+      return text_grid(self)
     width = max([len(str(op)) for ops in self.ranks for op in ops] + [1]) + 3
     steps = max([len(ops) for ops in self.ranks] + [0])
     marked = set(mark)
