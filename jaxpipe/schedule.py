@@ -1,0 +1,173 @@
+"""Build, check, measure and draw a pipeline schedule from the command line (no JAX).
+
+  python -m jaxpipe.schedule 1f1b --pp 4 --microbatches 8 --format stats
+  python -m jaxpipe.schedule interleaved-1f1b --pp 4 --microbatches 8 --chunks 2 --format grid
+  python -m jaxpipe.schedule my_schedule.csv --format stats   # torch CSV: load, validate, measure
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+from jaxpipe.pipeline import SCHEDULE_NAMES, Schedule, make_schedule
+from jaxpipe.pipeline.export import text_grid, to_csv, to_perfetto, to_png
+from jaxpipe.pipeline.formulas import anchor
+from jaxpipe.pipeline.simulate import resolve_costs, simulate
+
+
+def parse_costs(text: str | None) -> dict[str, float]:
+  """'F=1,I=1,W=1' -> {'F': 1.0, ...}; keys F, B, I, W, F&B."""
+  out = {}
+  for item in filter(None, (text or "").split(",")):
+    key, sep, value = item.partition("=")
+    try:
+      out[key.strip()] = float(value)
+    except ValueError:
+      raise ValueError(f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)")
+    if not sep:
+      raise ValueError(f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)")
+  resolve_costs(out)  # rejects unknown kinds and negative values
+  return out
+
+
+def parse_options(items: list[str]) -> dict:
+  """['group=4'] -> {'group': 4}: ints, floats, true/false, else strings."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--option {item!r} must look like name=value, e.g. group=4")
+    low = value.lower()
+    if low in ("true", "false"):
+      out[key] = low == "true"
+      continue
+    for kind in (int, float):
+      try:
+        out[key] = kind(value)
+        break
+      except ValueError:
+        pass
+    else:
+      out[key] = value
+  return out
+
+
+def stats(schedule: Schedule, args) -> str:
+  """Async and lock-step bubble, rate, peak activations, beside the anchors.md figures."""
+  a = simulate(schedule, args.costs, latency=args.latency)
+  ls = simulate(schedule, args.costs, lockstep=True, latency=args.latency)
+  pl = schedule.placement
+  c = a.costs
+  fb = "F+B" if c["F&B"] is None else f"{c['F&B']:g}"
+  top = max(range(schedule.num_ranks), key=lambda r: a.peak_activations[r])
+  lines = [
+      f"schedule {schedule.name}: p={schedule.num_ranks}, m={schedule.num_microbatches}, "
+      f"chunks per rank {pl.chunks_per_rank}, model stages {pl.num_stages}, "
+      f"parameter copies {pl.copies}",
+      f"costs F={c['F']:g} B={c['B']:g} I={c['I']:g} W={c['W']:g} F&B={fb}"
+      + (f", latency {args.latency:g}" if args.latency else ""),
+      f"{'':34}{'async':>12}{'lock-step':>12}",
+      f"{'makespan':34}{a.makespan:>12g}{ls.makespan:>12g}",
+      f"{'bubble, single step (max rank)':34}{a.max_bubble:>12g}{ls.max_bubble:>12g}",
+      f"{'bubble, steady state (max rank)':34}{a.max_steady_bubble:>12g}"
+      f"{ls.max_steady_bubble:>12g}",
+      f"{'bubble rate (mean rank/makespan)':34}{100 * a.bubble_rate:>11.1f}%"
+      f"{100 * ls.bubble_rate:>11.1f}%",
+      f"lock-step ticks {ls.ticks}; lock-step / async makespan {ls.makespan / a.makespan:.3f}"
+      if a.makespan else f"lock-step ticks {ls.ticks}",
+      f"peak activations {a.peak_activations[top]} micro-batch-stages on rank {top} = "
+      f"{a.peak_activations_rank[top]:g} whole-rank units",
+      f"per rank: bubble (async, single step) {[round(x, 6) for x in a.bubble]}",
+      f"per rank: peak activations {list(a.peak_activations)}",
+  ]
+  name = schedule.name
+  if name in SCHEDULE_NAMES:
+    try:
+      f = anchor(name, schedule.num_ranks, schedule.num_microbatches, pl.chunks_per_rank,
+                 args.costs, schedule.options.get("group"))
+    except ValueError as e:
+      lines.append(f"anchors.md: {e}")
+    else:
+      bubble = (f"bubble {f.bubble_text()} ({f.bubble_view}, units {f.bubble_units})"
+                if f.bubble is not None else f"bubble {f.bubble_text()}")
+      lines.append(f"anchors.md: {bubble}; activations {f.activations_text()} "
+                   f"({f.activations_units}); {f.source}" + ("" if f.exact else
+                                                              "; * = bound or approximation"))
+  return "\n".join(lines)
+
+
+def _png(schedule: Schedule, args) -> None:
+  if not args.out:
+    raise ValueError("--format png writes a file: pass --out FILE.png")
+  to_png(schedule, args.out, costs=args.costs, lockstep=args.lockstep)
+
+
+# Output formats: name -> writer(schedule, args) returning text for stdout/--out, or None when it
+# wrote --out itself. Other layers register theirs here (a tick-table printer adds "ticks");
+# import anything heavy inside the writer so that this CLI stays free of JAX.
+FORMATS: dict[str, Callable[[Schedule, argparse.Namespace], Optional[str]]] = {
+    "grid": lambda s, args: text_grid(s),
+    "csv": lambda s, args: to_csv(s),
+    "perfetto": lambda s, args: to_perfetto(s, costs=args.costs, lockstep=args.lockstep),
+    "png": _png,
+    "stats": stats,
+}
+
+
+def load(args) -> Schedule:
+  """The schedule named by args.schedule (a generator name or a CSV path), validated."""
+  if args.schedule.endswith(".csv") or os.path.isfile(args.schedule):
+    if not os.path.isfile(args.schedule):
+      raise FileNotFoundError(f"no such schedule file {args.schedule!r}")
+    schedule = Schedule.from_csv(args.schedule)
+    for flag, want, got in (("--pp", args.pp, schedule.num_ranks),
+                            ("--microbatches", args.microbatches, schedule.num_microbatches),
+                            ("--chunks", args.chunks, schedule.placement.chunks_per_rank)):
+      if want is not None and want != got:
+        raise ValueError(f"{flag} {want} disagrees with {args.schedule}, which has {got}; "
+                         f"drop {flag} or fix the file")
+    return schedule
+  if args.pp is None or args.microbatches is None:
+    raise ValueError(f"schedule {args.schedule!r} needs --pp and --microbatches")
+  return make_schedule(args.schedule, pp=args.pp, microbatches=args.microbatches,
+                       chunks=args.chunks, **args.options)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m jaxpipe.schedule", description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, or a torch CSV path")
+  parser.add_argument("--pp", type=int, help="pipeline ranks")
+  parser.add_argument("--microbatches", type=int, help="micro-batches per step")
+  parser.add_argument("--chunks", type=int, help="model chunks per rank (interleaved-1f1b)")
+  parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                      help="generator option, e.g. group=4 for interleaved-1f1b; repeatable")
+  parser.add_argument("--costs", default="", help="per-kind costs, e.g. F=1,I=1,W=1 (B=I+W)")
+  parser.add_argument("--latency", type=float, default=0.0, help="cross-rank latency")
+  parser.add_argument("--lockstep", action="store_true",
+                      help="perfetto/png: draw the lock-step timeline instead of async")
+  parser.add_argument("--format", default="grid", choices=sorted(FORMATS))
+  parser.add_argument("--out", help="write here instead of stdout")
+  args = parser.parse_args(argv)
+  try:
+    args.costs = parse_costs(args.costs)
+    args.options = parse_options(args.option)
+    schedule = load(args)
+    text = FORMATS[args.format](schedule, args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if text is not None:
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    else:
+      print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
