@@ -1,0 +1,95 @@
+"""Projection GEMMs fused with Ulysses' all-to-alls, chunked so transfers hide behind matmuls.
+
+An all-to-all over P ranks is P-1 point-to-point exchanges plus a local copy. Both projections
+around attention factor along the same split:
+
+- input side (x -> QKV -> all_to_all): the heads destined for rank d are x @ W[:, heads(d)],
+  so step s computes the chunk for rank r+s and ppermutes it by s; step s+1's GEMM has no
+  dependence on step s's transfer and runs while it is in flight.
+- output side (o -> all_to_all -> W_o): out = sum over source ranks of o_from(src) @ W_o[heads(src)],
+  so every transfer is issued up front and step s's GEMM starts as soon as chunk s lands,
+  while the later chunks are still moving.
+
+Everything here runs inside `shard_map` over the context axis and is plain JAX (`ppermute`,
+`dot_general`), so it differentiates and runs on any backend; XLA's scheduler turns the
+independent collective-permutes into async start/done pairs around the GEMMs on GPU.
+`kernels_pallas/gemm_a2a.py` is the same decomposition as one persistent GPU kernel.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpipe.parallel.ulysses import heads_to_seq, seq_to_heads
+
+
+def _shift(x: jax.Array, shift: int, axis_name: str, size: int) -> jax.Array:
+  """Sends x from rank i to rank (i + shift) % size."""
+  if shift % size == 0:
+    return x
+  return lax.ppermute(x, axis_name, [(i, (i + shift) % size) for i in range(size)])
+
+
+def _heads_of(w: jax.Array, rank: jax.Array, per_rank: int, axis: int) -> jax.Array:
+  """The `per_rank` heads of `rank` along `axis` of a weight (a dynamic slice: rank is traced)."""
+  return lax.dynamic_slice_in_dim(w, rank * per_rank, per_rank, axis=axis)
+
+
+def _check_heads(heads: int, cp: int, what: str) -> int:
+  if heads % cp:
+    raise ValueError(f"{what}: {heads} heads do not divide over {cp} context ranks; "
+                     f"use a context size that divides {heads}")
+  return heads // cp
+
+
+def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+  """seq_to_heads(x @ w) in P chunked steps: [B, L/P, D] -> [B, L, N/P, K], inside shard_map."""
+  cp = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_local")
+  batch, seq, _ = x_BxSxD.shape
+  out_BxLxNpxK = jnp.zeros((batch, seq * cp, heads_per, w_DxNxK.shape[2]),
+                           jnp.result_type(x_BxSxD, w_DxNxK))
+  for step in range(cp):
+    dest = (rank + step) % cp
+    y_BxSxNpxK = jnp.einsum("bsd,dnk->bsnk", x_BxSxD, _heads_of(w_DxNxK, dest, heads_per, 1))
+    y_BxSxNpxK = _shift(y_BxSxNpxK, step, axis_name, cp)  # now holds rank (r - step)'s tokens
+    src = (rank - step) % cp
+    out_BxLxNpxK = lax.dynamic_update_slice_in_dim(out_BxLxNpxK, y_BxSxNpxK, src * seq, axis=1)
+  return out_BxLxNpxK
+
+
+def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+  """heads_to_seq(o) @ w in P chunked steps: [B, L, N/P, K] -> [B, L/P, D], inside shard_map."""
+  cp = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_local")
+  if o_BxLxNpxK.shape[2] != heads_per:
+    raise ValueError(f"a2a_proj_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but w has "
+                     f"{w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)")
+  if o_BxLxNpxK.shape[1] % cp:
+    raise ValueError(f"a2a_proj_local: sequence {o_BxLxNpxK.shape[1]} is not divisible by {cp}")
+  seq = o_BxLxNpxK.shape[1] // cp
+  # Issue every transfer first: none depends on a GEMM, so all are in flight while GEMMs run.
+  received = []
+  for step in range(cp):
+    dest = (rank + step) % cp
+    chunk_BxSxNpxK = lax.dynamic_slice_in_dim(o_BxLxNpxK, dest * seq, seq, axis=1)
+    received.append(_shift(chunk_BxSxNpxK, step, axis_name, cp))
+  out_BxSxD = None
+  for step, chunk_BxSxNpxK in enumerate(received):
+    src = (rank - step) % cp  # the chunk carries rank src's heads of my tokens
+    part = jnp.einsum("bsnk,nkd->bsd", chunk_BxSxNpxK, _heads_of(w_NxKxD, src, heads_per, 0))
+    out_BxSxD = part if out_BxSxD is None else out_BxSxD + part
+  return out_BxSxD
+
+
+def proj_then_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+  """Unfused reference for proj_a2a_local: one GEMM, then one all_to_all."""
+  return seq_to_heads(jnp.einsum("bsd,dnk->bsnk", x_BxSxD, w_DxNxK), axis_name)
+
+
+def a2a_then_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+  """Unfused reference for a2a_proj_local: one all_to_all, then one GEMM."""
+  return jnp.einsum("bsnk,nkd->bsd", heads_to_seq(o_BxLxNpxK, axis_name), w_NxKxD)
