@@ -24,6 +24,15 @@ phase 0 is the down route, on the second half it is the up route (`phase ^=
 is_in_second_half`), and `half_rank = min(r, p-1-r)` plays the rank's part. DualPipeV
 (`Placement.vshape`): rank r holds stage r (phase 0) and stage 2p-1-r (phase 1) of a 2p-stage
 V, and every micro-batch passes both.
+
+Requirements are the reference's asserts: an even p and an even m >= 2p for DualPipe,
+m >= 2p for DualPipeV (the step counts stay non-negative down to m = 2p-2 and 2p-1, but
+the reference does not run those, so neither do we).
+
+Bubble, as the README's table states it (PP stages; makespan minus busy time): with
+F = I >= W and F&B = F + B every rank idles exactly (PP/2-1)(F&B + B - 3W); with a cheaper
+overlapped pair, 2F <= F&B < F + B, that is the worst rank's idle time. Outside those
+ranges (I > F, W > F, F&B < 2F) the formula is not what this order gives.
 """
 from __future__ import annotations
 
@@ -105,19 +114,21 @@ def _eight_steps(half_ranks: int, half_rank: int, chunks: int, unoverlapped_firs
   return ops
 
 
-def _check_args(name: str, pp: int, chunks: int | None, options: dict) -> None:
+def _check_args(name: str, pp: int, microbatches: int, chunks: int | None,
+                options: dict) -> None:
   if options:
     raise ValueError(f"{name} takes no options, got {sorted(options)}; remove them")
   if chunks not in (None, 2):
     raise ValueError(f"{name} runs exactly 2 chunks per rank, got chunks={chunks}; pass "
                      "chunks=None or 2")
-  if not isinstance(pp, int) or pp < 1:
-    raise ValueError(f"{name}: pp={pp!r} must be a positive integer")
+  for arg, value in (("pp", pp), ("microbatches", microbatches)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}: {arg}={value!r} must be a positive integer")
 
 
 def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
   """DualPipe on `pp` ranks: two copies of `pp` model stages, half the micro-batches each way."""
-  _check_args("dualpipe", pp, chunks, options)
+  _check_args("dualpipe", pp, microbatches, chunks, options)
   p, m = pp, microbatches
   if p % 2:
     raise ValueError(f"dualpipe needs an even number of ranks, got pp={p}; use pp={p + 1}")
@@ -140,7 +151,7 @@ def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -
 
 def dualpipev(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
   """DualPipeV on `pp` ranks: 2*pp model stages in a V, every micro-batch down and back up."""
-  _check_args("dualpipev", pp, chunks, options)
+  _check_args("dualpipev", pp, microbatches, chunks, options)
   p, m = pp, microbatches
   if m < 2 * p:
     raise ValueError(f"dualpipev needs at least 2*pp = {2 * p} micro-batches, got "
