@@ -56,6 +56,12 @@ def validate(schedule: Schedule) -> None:
       if len(op.parts()) == 2 and op.parts()[0].microbatch == op.parts()[1].microbatch and \
           op.parts()[0].stage == op.parts()[1].stage:
         _fail(schedule, f"{op} overlaps a forward with its own backward", [(r, i)])
+  for (kind, s, mb), cells in seen.items():  # same stage, same rank: order is visible directly
+    before = {"B": "F", "I": "F", "W": "I"}.get(kind)
+    if before and cells[0][1] <= seen[(before, s, mb)][0][1]:
+      _fail(schedule, f"{s}{kind}{mb} runs before {s}{before}{mb} on rank {cells[0][0]}, which "
+            f"it needs ({'W needs its I' if kind == 'W' else 'a backward needs its forward'})",
+            [cells[0], seen[(before, s, mb)][0]])
   timeline = list_schedule(schedule, cost=lambda op: 1.0)
   if timeline.blocked:
     _fail(schedule, "deadlock: the marked ops wait on each other (or on an op ordered after "
