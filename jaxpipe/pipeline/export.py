@@ -104,10 +104,15 @@ def _infer_placement(num_ranks: int, stage_rank: dict[int, int],
     placement = Placement(num_ranks, ranks, tuple(range(h)) * 2,
                           (tuple(range(h)), tuple(range(h, n))))
     return placement, route
-  odd = next(mb for mb, seen in sorted(mb_stages.items()) if seen not in (every, low, high))
-  raise ValueError(f"micro-batch {odd} visits stages {sorted(mb_stages[odd])}: every micro-batch "
-                   f"must visit all {n} stages, or (bidirectional) exactly stages 0..{h - 1} or "
-                   f"{h}..{n - 1}")
+  rule = (f"every micro-batch must visit all {n} stages, or (bidirectional) every one exactly "
+          f"stages 0..{h - 1} or {h}..{n - 1}")
+  odd = [mb for mb, seen in sorted(mb_stages.items()) if seen not in (every, low, high)]
+  if odd:
+    raise ValueError(f"micro-batch {odd[0]} visits stages {sorted(mb_stages[odd[0]])}: {rule}")
+  full = [mb for mb, seen in sorted(mb_stages.items()) if seen == every]
+  half = [mb for mb, seen in sorted(mb_stages.items()) if seen != every]
+  raise ValueError(f"micro-batch {full[0]} visits all stages but micro-batch {half[0]} only "
+                   f"stages {sorted(mb_stages[half[0]])}: {rule}")
 
 
 def from_csv(text_or_path: Union[str, os.PathLike], name: str | None = None,

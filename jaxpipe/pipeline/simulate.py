@@ -161,10 +161,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
     steady.append(max(e for _, e, _ in spans) - spans[0][0] - work if spans else 0.0)
   peaks = peak_activations(schedule)
   pl = schedule.placement
-  unit = pl.num_ranks / pl.num_stages
   return SimResult(
       name=schedule.name, lockstep=lockstep, costs=c, timelines=tuple(timelines),
       makespan=makespan, busy=tuple(busy), bubble=tuple(makespan - b for b in busy),
       steady_bubble=tuple(steady), peak_activations=tuple(peaks),
-      peak_activations_rank=tuple(k * unit for k in peaks), param_copies=pl.copies,
+      peak_activations_rank=tuple(k * pl.num_ranks / pl.num_stages for k in peaks), param_copies=pl.copies,
       chunks=pl.chunks_per_rank, ticks=ticks)
