@@ -1,0 +1,120 @@
+"""All nine schedules side by side, simulated, beside the anchors.md figures; traces and PNGs.
+
+  python -m experiments.schedule_sweep [--out out/schedule_sweep] [--no-files]
+
+Costs F = I = W = 1, B = 2, F&B = F + B (no overlap credit). Columns: bubble in time units,
+single step (makespan - busy, max over ranks) and steady state (idle between a rank's first and
+last op, max over ranks), asynchronous and lock-step; rate = mean bubble / makespan; activations
+as micro-batch-stages on the busiest rank and in whole-rank units (count * p / stages); the
+formula columns are anchors.md's, `*` marking bounds and approximations, `w` whole-rank units.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
+from jaxpipe.pipeline.export import to_perfetto, to_png
+from jaxpipe.pipeline.formulas import anchor
+from jaxpipe.pipeline.schedules import GENERATORS
+
+CASES = ((4, 8), (8, 32))
+CHUNKS = {"interleaved-1f1b": 2}
+TOL = 1e-9
+
+
+def generator_missing(name: str) -> bool:
+  """True while the module or function behind `name` has not been written yet."""
+  module, fn = GENERATORS[name].split(":")
+  try:
+    mod = importlib.import_module(f"jaxpipe.pipeline.schedules.{module}")
+  except ModuleNotFoundError as e:
+    if e.name == f"jaxpipe.pipeline.schedules.{module}":
+      return True
+    raise
+  return not hasattr(mod, fn)
+
+
+def check_bubble(f, a) -> str:
+  if f.bubble is None:
+    return "ok" if abs(a.bubble_rate - f.rate) < 1e-6 else f"rate {100 * a.bubble_rate:.1f}%"
+  got = a.max_bubble if f.bubble_view == "single step" else a.max_steady_bubble
+  if f.exact:
+    return "ok" if abs(got - f.bubble) < TOL else "MISMATCH"
+  return "<= ok" if got <= f.bubble + TOL else "ABOVE"
+
+
+def check_activations(f, a) -> str:
+  got = max(a.peak_activations if f.activations_units == "micro-batch-stages"
+            else a.peak_activations_rank)
+  if f.activations_bound == "=":
+    return "ok" if abs(got - f.activations) < TOL else "MISMATCH"
+  if f.activations_bound == "<=":
+    return "<= ok" if got <= f.activations + TOL else "ABOVE"
+  if f.activations_bound == "between":
+    return "in range" if f.activations - TOL <= got <= f.activations_hi + TOL else "OUTSIDE"
+  return f"{got - f.activations:+g}"
+
+
+HEADER = ("schedule", "p", "m", "v", "bubble async", "steady", "lock-step", "formula", "view",
+          "check", "rate async", "rate lock", "formula rate", "act", "act w", "formula act",
+          "check", "params", "lock/async")
+
+
+def row(name: str, p: int, m: int, out: str | None) -> tuple:
+  v = CHUNKS.get(name)
+  if generator_missing(name):
+    return (name, p, m, v or "", "missing") + ("",) * (len(HEADER) - 5)
+  try:
+    s = make_schedule(name, pp=p, microbatches=m, chunks=v)
+  except ValueError as e:
+    return (name, p, m, v or "", f"error: {str(e).splitlines()[0]}") + ("",) * (len(HEADER) - 5)
+  a = s.simulate()
+  ls = s.simulate(lockstep=True)
+  f = anchor(name, p, m, s.placement.chunks_per_rank, group=s.options.get("group"))
+  if out:
+    stem = os.path.join(out, f"{name}_p{p}_m{m}")
+    with open(stem + ".json", "w") as fh:
+      fh.write(to_perfetto(s))
+    with open(stem + "_lockstep.json", "w") as fh:
+      fh.write(to_perfetto(s, lockstep=True))
+    to_png(s, stem + ".png")
+  rate = "" if f.rate is None else f"{100 * f.rate:.1f}%"
+  return (name, p, m, s.placement.chunks_per_rank, f"{a.max_bubble:g}",
+          f"{a.max_steady_bubble:g}", f"{ls.max_bubble:g}",
+          f.bubble_text() if f.bubble is not None else "", f.bubble_view if f.bubble is not None
+          else "rate", check_bubble(f, a), f"{100 * a.bubble_rate:.1f}%",
+          f"{100 * ls.bubble_rate:.1f}%", rate, max(a.peak_activations),
+          f"{max(a.peak_activations_rank):g}", f.activations_text(), check_activations(f, a),
+          s.placement.copies, f"{ls.makespan / a.makespan:.3f}")
+
+
+def table(rows: list[tuple]) -> str:
+  cells = [tuple(str(c) for c in r) for r in [HEADER] + rows]
+  width = [max(len(r[i]) for r in cells) for i in range(len(HEADER))]
+  line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |"
+  return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in width) + "|"] +
+                   [line(r) for r in cells[1:]])
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="out/schedule_sweep", help="traces and PNGs go here")
+  parser.add_argument("--no-files", action="store_true", help="print the table only")
+  args = parser.parse_args(argv)
+  out = None if args.no_files else args.out
+  if out:
+    os.makedirs(out, exist_ok=True)
+  rows = [row(name, p, m, out) for p, m in CASES for name in SCHEDULE_NAMES]
+  print(table(rows))
+  print("\nbubble: time units (F = 1; VPP per chunk), max over ranks; view of the formula in "
+        "'view'; rate = mean bubble / makespan; act = peak micro-batch-stages on the busiest "
+        "rank, act w = whole-rank units; params = copies of each model stage; lock/async = "
+        "lock-step makespan / asynchronous makespan; * = bound or approximation")
+  if out:
+    print(f"traces (Perfetto: ui.perfetto.dev) and PNGs in {out}/")
+
+
+if __name__ == "__main__":
+  main()
