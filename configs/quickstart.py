@@ -1,0 +1,21 @@
+"""Quickstart: a 4-layer byte-level LM on the Python standard library's source, on any machine.
+
+  python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
+"""
+from jaxpipe.config import default_config
+
+
+def get_config(arg=None):
+  del arg
+  c = default_config()
+  c.model.d_model = 128
+  c.model.n_layers = 4
+  c.model.n_heads = 4
+  c.model.n_kv_heads = 2
+  c.model.head_dim = 32
+  c.model.d_ff = 384
+  c.data.source = "stdlib"
+  c.data.seq_len = 128
+  c.data.batch = 16
+  c.train.steps = 300
+  return c

@@ -1,0 +1,233 @@
+"""Run configuration: the default ml_collections tree, its validation, and gin bindings onto it.
+
+A config file (`configs/*.py`) defines `get_config(arg=None)` that starts from `default_config()`
+and overrides fields. The tree is locked, so a misspelt key fails naming the closest valid one.
+Validation runs before any device work.
+"""
+import dataclasses
+import os
+from typing import Iterable
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxpipe.models.transformer import TransformerConfig
+
+# Mesh axes, outermost first: pipeline, data, expert, context, tensor.
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
+             "dualpipe", "dualpipev")
+DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = ("stdlib", "synthetic")
+# Sections a gin file can bind, e.g. `model.d_model = 256`.
+GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the value and the fix."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every field the trainer reads, with its default; locked."""
+  c = ml_collections.ConfigDict()
+
+  # Field meanings and defaults live on TransformerConfig, the one place that defines them.
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(TransformerConfig()))
+
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.pp = 1  # pipeline stages
+  ms.dp = config_dict.placeholder(int)  # data-parallel size; unset = all devices left over
+  ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
+  ms.cp = 1  # context-parallel size (splits the sequence)
+  ms.tp = 1  # tensor-parallel size
+
+  c.pipeline = p = ml_collections.ConfigDict()
+  p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
+  p.microbatches = 1  # micro-batches per step (gradient accumulation when pp = 1)
+  p.chunks = 1  # model chunks per pipeline rank (virtual stages)
+  p.recompute = False  # recompute stage forwards in the backward instead of keeping residuals
+
+  c.data = d = ml_collections.ConfigDict()
+  d.source = "stdlib"  # 'stdlib': bytes of Python's own .py files; 'synthetic': for tests
+  d.seq_len = 128  # tokens per sequence
+  d.batch = 32  # global batch, sequences per step
+  d.eval_fraction = 0.02  # tail of the corpus held out for evaluation
+  d.seed = 0  # seed of the step-indexed sampler
+
+  c.optimizer = o = ml_collections.ConfigDict()
+  o.lr = 3e-3  # peak learning rate
+  o.warmup_steps = 30  # linear warm-up from 0 to lr
+  o.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+  o.b1 = 0.9  # AdamW first-moment decay
+  o.b2 = 0.95  # AdamW second-moment decay
+  o.eps = 1e-8  # AdamW epsilon
+  o.weight_decay = 0.1  # decoupled weight decay on matrices (not norms)
+  o.clip_norm = 1.0  # global gradient-norm clip; 0 disables
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 300  # optimizer steps in the whole run
+  t.seed = 0  # parameter initialisation seed
+  t.log_every = 10  # steps between metric writes (and the non-finite check)
+  t.eval_every = 100  # steps between evaluations; 0 disables
+  t.eval_batches = 4  # batches per evaluation
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.every = 100  # steps between checkpoints; 0 saves only at the end and on SIGTERM
+  k.keep = 3  # checkpoints kept (the newest)
+  k.async_save = True  # write in a background thread while training continues
+
+  c.lock()
+  return c
+
+
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+  """The model section as the model's own dataclass."""
+  return TransformerConfig(**config.model.to_dict())
+
+
+def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Axis sizes with an unset `dp` filled from the device count; raises ConfigError if they cannot fit."""
+  for axis in MESH_AXES:
+    size = mesh[axis]
+    if axis == "dp" and size is None:
+      continue
+    if not isinstance(size, int) or size < 1:
+      raise ConfigError(f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
+                        "to leave the axis unused")
+  others = [a for a in MESH_AXES if a != "dp"]
+  rest = 1
+  for a in others:
+    rest *= mesh[a]
+  sizes = {a: mesh[a] for a in MESH_AXES}
+  if mesh.dp is None:
+    if num_devices % rest:
+      raise ConfigError(
+          f"mesh {' x '.join(f'{a}={mesh[a]}' for a in others)} = {rest} devices does not divide the "
+          f"{num_devices} available, so no data-parallel size fits; choose axis sizes whose product "
+          f"divides {num_devices}")
+    sizes["dp"] = num_devices // rest
+  product = rest * sizes["dp"]
+  if product != num_devices:
+    shape = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+    raise ConfigError(
+        f"mesh {shape} = {product} devices, but {num_devices} are available; the product must equal "
+        f"the device count (leave mesh.dp unset to fill the remaining devices with data parallelism)")
+  return sizes
+
+
+def _positive(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
+  for name in names:
+    value = cfg[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"{section}.{name}={value!r} must be a positive integer")
+
+
+def _non_negative(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
+  for name in names:
+    value = cfg[name]
+    if not value >= 0:
+      raise ConfigError(f"{section}.{name}={value!r} must be >= 0")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Checks every value the run depends on, before any device work; returns the mesh shape."""
+  m, p, d, o, t, k = (config.model, config.pipeline, config.data, config.optimizer, config.train,
+                      config.checkpoint)
+  _positive("model", m, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"))
+  _positive("pipeline", p, ("microbatches", "chunks"))
+  _positive("data", d, ("seq_len", "batch"))
+  _positive("train", t, ("steps", "log_every", "eval_batches"))
+  _positive("checkpoint", k, ("keep",))
+  _non_negative("train", t, ("eval_every",))
+  _non_negative("checkpoint", k, ("every",))
+  _non_negative("optimizer", o, ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm",
+                                 "eps"))
+  for name in ("b1", "b2"):
+    if not 0 <= o[name] < 1:
+      raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs "
+                      "of channels")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                      f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
+                      "number of query heads, so pick n_kv_heads among the divisors of n_heads")
+  if m.rope_theta <= 0:
+    raise ConfigError(f"model.rope_theta={m.rope_theta!r} must be > 0")
+  if m.dtype not in DTYPES:
+    raise ConfigError(f"model.dtype={m.dtype!r} is unknown; use one of {DTYPES}")
+  if d.source not in SOURCES:
+    raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
+  if d.source == "stdlib" and m.vocab < 256:
+    raise ConfigError(f"model.vocab={m.vocab} cannot hold the byte-level stdlib corpus; set "
+                      "--config.model.vocab=256 (or more)")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
+  schedule = p.schedule
+  if not isinstance(schedule, str) or not (schedule in SCHEDULES or schedule.endswith(".csv")):
+    raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} "
+                      "or the path of a torch.distributed.pipelining schedule CSV (ending in .csv)")
+  if schedule.endswith(".csv") and not os.path.isfile(schedule):
+    raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
+
+  shape = mesh_shape(config.mesh, num_devices)
+  stages = shape["pp"] * p.chunks
+  if m.n_layers % stages:
+    raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pp x pipeline.chunks = "
+                      f"{shape['pp']} x {p.chunks} = {stages} pipeline stages; every stage holds the "
+                      "same number of layers, so change n_layers, pp or chunks")
+  cp = shape["cp"]
+  for name in ("n_heads", "n_kv_heads"):
+    if m[name] % cp:
+      raise ConfigError(f"model.{name}={m[name]} is not divisible by mesh.cp={cp}; context "
+                        "parallelism gives each context rank an equal share of the heads, so use "
+                        f"a cp that divides {m[name]}")
+  if d.seq_len % cp:
+    raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
+  replicas = shape["dp"] * shape["ep"]
+  if d.batch % (replicas * p.microbatches):
+    raise ConfigError(
+        f"data.batch={d.batch} is not divisible by data-parallel ranks (mesh.dp x mesh.ep = "
+        f"{shape['dp']} x {shape['ep']}) x pipeline.microbatches={p.microbatches} = "
+        f"{replicas * p.microbatches}; use a batch that is a multiple of "
+        f"{replicas * p.microbatches}")
+  return shape
+
+
+_GIN_CONFIGURABLES: dict = {}
+
+
+def _section_configurable(section: str):
+  """A gin configurable named after the section that returns whatever was bound to it."""
+  import gin
+  # gin keeps one global registry, so each section is registered once per process.
+  if section not in _GIN_CONFIGURABLES:
+    def bindings(**kwargs):
+      return kwargs
+    _GIN_CONFIGURABLES[section] = gin.external_configurable(bindings, name=section,
+                                                            module="jaxpipe.config")
+  return _GIN_CONFIGURABLES[section]
+
+
+def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
+              bindings: Iterable[str] = ()) -> ml_collections.ConfigDict:
+  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings) onto `config`."""
+  import gin
+  files, bindings = list(files), list(bindings)
+  if not files and not bindings:
+    return config
+  fns = {s: _section_configurable(s) for s in GIN_SECTIONS}
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(files, bindings)
+  except ValueError as e:
+    raise ConfigError(f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. "
+                      "'model.d_model = 256'") from e
+  for section, fn in fns.items():
+    for key, value in fn().items():
+      try:
+        config[section][key] = value
+      except (AttributeError, KeyError, TypeError) as e:
+        raise ConfigError(f"gin binding {section}.{key} = {value!r}: {e}") from e
+  gin.clear_config()
+  return config

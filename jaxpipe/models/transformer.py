@@ -1,0 +1,186 @@
+"""Decoder-only Transformer LM: a Flax layer, exposed as pure functions over a parameter dict.
+
+Parameters are a plain dict pytree:
+
+  {'embed': [vocab, d_model],
+   'layers': per-layer params stacked on a leading [n_layers] axis,
+   'final_norm': {'scale': [d_model]},
+   'head': [d_model, vocab]}              # absent when cfg.tied_embeddings
+
+The model is `embed -> apply_layers -> head_loss`. `apply_layers` is a `lax.scan` over whatever
+leading layer axis it is given, so any contiguous slice of `params['layers']` is a valid block:
+reshaping every leaf to `[num_stages, layers_per_stage, ...]` and indexing a stage gives that
+pipeline stage's `(params, x) -> x` function.
+"""
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpipe.models.attention import attention
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Model hyper-parameters; hashable, so it can be a static jit argument."""
+  vocab: int = 256  # vocabulary size; 256 = raw bytes
+  d_model: int = 128  # residual stream width
+  n_layers: int = 4  # decoder layers
+  n_heads: int = 4  # query heads
+  n_kv_heads: int = 2  # key/value heads; divides n_heads (grouped-query attention)
+  head_dim: int = 32  # width of one head; even
+  d_ff: int = 512  # SwiGLU hidden width
+  rope_theta: float = 10_000.0  # rotary embedding base
+  norm_eps: float = 1e-6  # RMSNorm epsilon
+  tied_embeddings: bool = True  # head reuses the embedding matrix
+  attention: str = "xla"  # backend name passed to jaxpipe.models.attention.attention
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  remat: bool = False  # recompute each layer's activations in the backward pass
+  moe: Any = None  # MoE FFN sub-config; None = dense FFN in every layer
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+
+def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+  """x / rms(x) * scale, computed in float32."""
+  x = x_BxLxD.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+  return (y * scale_D).astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, channels i and i + K/2 forming a pair (the GPT-NeoX / Llama layout)."""
+  half = x_BxLxHxK.shape[-1] // 2
+  freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
+  sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+  x = x_BxLxHxK.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BxLxHxK.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    scale_D = self.param("scale", nn.initializers.ones, (x_BxLxD.shape[-1],), jnp.float32)
+    return rms_norm(x_BxLxD, scale_D, self.eps)
+
+
+class Attention(nn.Module):
+  """Causal grouped-query self-attention with rotary positions."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_L):
+    c = self.cfg
+    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=c.compute_dtype,
+                              param_dtype=jnp.float32)
+    q_BxLxHxK = dense((c.n_heads, c.head_dim), name="q")(x_BxLxD)
+    k_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="k")(x_BxLxD)
+    v_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="v")(x_BxLxD)
+    q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
+    k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
+    o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, backend=c.attention)
+    return dense(c.d_model, axis=(-2, -1), name="o")(o_BxLxHxK)
+
+
+class Mlp(nn.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    c = self.cfg
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=c.compute_dtype,
+                              param_dtype=jnp.float32)
+    h_BxLxF = nn.silu(dense(c.d_ff, name="gate")(x_BxLxD)) * dense(c.d_ff, name="up")(x_BxLxD)
+    return dense(c.d_model, name="down")(h_BxLxF)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder layer."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_L):
+    c = self.cfg
+    x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD),
+                                                  positions_L)
+    return x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
+
+
+def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
+  """Fresh float32 parameters; `layers` leaves carry a leading [n_layers] axis."""
+  k_embed, k_layers, k_head = jax.random.split(rng, 3)
+  x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
+  block = Block(cfg)
+  layers = jax.vmap(lambda k: block.init(k, x_1x1xD, jnp.arange(1))["params"])(
+      jax.random.split(k_layers, cfg.n_layers))
+  # Unit-variance logits at init: normalised x (entries ~1) times entries of scale d_model^-1/2.
+  scale = cfg.d_model ** -0.5
+  params = {
+      "embed": scale * jax.random.normal(k_embed, (cfg.vocab, cfg.d_model), jnp.float32),
+      "layers": layers,
+      "final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)},
+  }
+  if not cfg.tied_embeddings:
+    params["head"] = scale * jax.random.normal(k_head, (cfg.d_model, cfg.vocab), jnp.float32)
+  return params
+
+
+def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
+  """Token embedding lookup, in the compute dtype."""
+  return jnp.take(params["embed"], tokens_BxL, axis=0).astype(cfg.compute_dtype)
+
+
+def apply_layers(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
+                 positions_L: jax.Array | None = None) -> jax.Array:
+  """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1."""
+  if positions_L is None:
+    positions_L = jnp.arange(x_BxLxD.shape[1])
+  block = Block(cfg)
+
+  def body(x_BxLxD, layer):
+    return block.apply({"params": layer}, x_BxLxD, positions_L), None
+
+  if cfg.remat:
+    body = jax.checkpoint(body)
+  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, layers)
+  return x_BxLxD
+
+
+def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
+  """Final norm and output head; float32 logits."""
+  x_BxLxD = rms_norm(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps)
+  w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
+  return jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype),
+                 preferred_element_type=jnp.float32)
+
+
+def head_loss(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array, targets_BxL: jax.Array,
+              mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of masked next-token cross-entropy, number of valid tokens); the caller divides."""
+  logits_BxLxV = logits(cfg, params, x_BxLxD)
+  logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+  target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+  mask_BxL = mask_BxL.astype(jnp.float32)
+  return jnp.sum((logz_BxL - target_BxL) * mask_BxL), jnp.sum(mask_BxL)
+
+
+def forward(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
+  """Next-token logits [B, L, vocab], float32."""
+  return logits(cfg, params, apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL)))
+
+
+def loss(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+         mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(summed masked cross-entropy, valid-token count) of the whole model."""
+  x_BxLxD = apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+  return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)

@@ -1,0 +1,330 @@
+"""Trainer: one optimizer step on a named mesh, and the loop around it (logging, eval, checkpoints).
+
+The gradient computation is one replaceable function, chosen from the config by
+`make_loss_and_grads`:
+
+  loss_and_grads(params, batch) -> (loss, grads, metrics)
+
+`batch` holds global `[batch, seq]` arrays (`tokens`, `targets`, `mask`); `loss` is the masked
+cross-entropy divided by the global number of valid tokens (all micro-batches, all data ranks, as
+Megatron does) and `grads` its gradient; `metrics` is a dict of scalars (at least `tokens`, that
+count). Everything around it (optimizer, state, sharding, checkpoints) stays the same whichever
+function is chosen.
+"""
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import tqdm
+
+from jaxpipe import config as config_lib
+from jaxpipe import data as data_lib
+from jaxpipe.checkpoint import Checkpointer
+from jaxpipe.mesh import batch_sharding, make_mesh, replicated
+from jaxpipe.metrics import MetricWriter
+from jaxpipe.models import transformer
+from jaxpipe.models.transformer import TransformerConfig
+
+LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # optimizer steps taken so far
+  params: dict
+  opt_state: optax.OptState
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN/inf loss or gradient; the message names the steps and the checkpoint."""
+
+
+def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+  """Linear warm-up to `opt.lr`, then cosine decay to `opt.lr * opt.min_lr_ratio` at `steps`."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
+      decay_steps=max(steps, opt.warmup_steps + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def _decays(params: dict) -> dict:
+  # Norm scales are stacked into 2-D arrays, so decide by name, not by rank.
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> optax.GradientTransformation:
+  """AdamW with warm-up + cosine schedule, after global-norm clipping."""
+  adamw = optax.adamw(learning_rate(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                      weight_decay=opt.weight_decay, mask=_decays)
+  return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw) if opt.clip_norm else adamw
+
+
+def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
+  """`jax.value_and_grad` of the whole model; XLA splits the batch over the data axes.
+
+  With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
+  the result equals the single-slice one up to float rounding.
+  """
+
+  def loss_sum(params, batch):
+    return transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    if microbatches == 1:
+      (total, count), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j: a reshape that keeps the batch axis's sharding.
+      split = jax.tree.map(
+          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
+                                 0, 1), batch)
+
+      def body(carry, mb):
+        (s, n), g = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (s, n, g)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+               jax.tree.map(jnp.zeros_like, params))
+      (total, count, grads), _ = jax.lax.scan(body, zeros, split)
+    denom = jnp.maximum(count, 1.0)
+    return total / denom, jax.tree.map(lambda g: g / denom, grads), {"tokens": count}
+
+  return loss_and_grads
+
+
+def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfig,
+                        mesh_shape: dict[str, int]) -> LossAndGrads:
+  """The gradient computation the config asks for."""
+  if mesh_shape["pp"] > 1:
+    raise NotImplementedError(
+        f"mesh.pp={mesh_shape['pp']}: pipeline-parallel training (pipeline.schedule="
+        f"{config.pipeline.schedule!r}) has no loss_and_grads yet; run with --config.mesh.pp=1")
+  return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
+
+
+class Trainer:
+  """Trains the config's model on a named mesh; drives the same code from a script or a notebook.
+
+    trainer = Trainer(config, workdir=None)   # validates the config, builds the mesh
+    trainer.init()                            # restores the latest checkpoint in workdir, or inits
+    metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
+    trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
+    summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
+
+  `trainer.loss_and_grads` may be replaced before the first step. Steps donate the previous
+  state's buffers: keep `trainer.state`, not an older reference.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
+    self.config = config
+    self.mesh_shape = config_lib.validate(config, jax.device_count())
+    self.model_cfg = config_lib.model_config(config)
+    self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape)
+    self.mesh = make_mesh(config.mesh)
+    self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
+    self.optimizer = make_optimizer(config.optimizer, config.train.steps)
+    self.workdir = workdir
+    self.checkpointer = None
+    if workdir is not None:
+      self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
+                                       config.checkpoint.async_save)
+    self.state: TrainState | None = None
+    self.resumed_from: int | None = None
+    self._batch_sharding = batch_sharding(self.mesh)
+    self._state_sharding = None
+    self._train_step = None
+    self._eval_step = None
+
+  # -- state ------------------------------------------------------------------------------------
+
+  def _fresh_state(self, rng: jax.Array) -> TrainState:
+    params = transformer.init_params(self.model_cfg, rng)
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+  @property
+  def state_sharding(self) -> Any:
+    """The TrainState's shardings: replicated on every device (pure data parallelism)."""
+    if self._state_sharding is None:
+      shapes = jax.eval_shape(self._fresh_state, jax.random.key(0))
+      self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), shapes)
+    return self._state_sharding
+
+  def init(self) -> TrainState:
+    """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
+    shapes = jax.eval_shape(self._fresh_state, jax.random.key(0))
+    restored = None
+    if self.checkpointer is not None:
+      abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              shapes, self.state_sharding)
+      restored = self.checkpointer.restore_latest(abstract)
+    if restored is not None:
+      self.resumed_from, self.state = restored
+    else:
+      init = jax.jit(self._fresh_state, out_shardings=self.state_sharding)
+      self.state = init(jax.random.key(self.config.train.seed))
+    return self.state
+
+  # -- batches ----------------------------------------------------------------------------------
+
+  def shard_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Places a global numpy batch on the mesh (each device takes its slice)."""
+    return {k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
+            for k, v in host_batch.items()}
+
+  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
+    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s."""
+    d = self.config.data
+    return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+
+  # -- one step ---------------------------------------------------------------------------------
+
+  def _build_train_step(self):
+    loss_and_grads, optimizer = self.loss_and_grads, self.optimizer
+    lr = learning_rate(self.config.optimizer, self.config.train.steps)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+      loss, grads, metrics = loss_and_grads(state.params, batch)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state.step)}
+      return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
+                   out_shardings=(self.state_sharding, replicated(self.mesh)), donate_argnums=0)
+
+  def step(self, batch: dict | None = None) -> dict[str, jax.Array]:
+    """One optimizer step on `batch` (numpy or on-mesh arrays; default: the next train batch)."""
+    if self.state is None:
+      self.init()
+    if batch is None:
+      batch = self.batch(int(self.state.step))
+    elif not all(isinstance(v, jax.Array) for v in batch.values()):
+      batch = self.shard_batch({k: np.asarray(v) for k, v in batch.items()})
+    if self._train_step is None:
+      self._train_step = self._build_train_step()
+    self.state, metrics = self._train_step(self.state, batch)
+    return metrics
+
+  def evaluate(self) -> float:
+    """Mean per-token loss over `train.eval_batches` eval batches."""
+    if self._eval_step is None:
+      cfg = self.model_cfg
+      self._eval_step = jax.jit(
+          lambda params, b: transformer.loss(cfg, params, b["tokens"], b["targets"], b["mask"]))
+    total = count = 0.0
+    for i in range(self.config.train.eval_batches):
+      s, n = jax.device_get(self._eval_step(self.state.params, self.batch(i, "eval")))
+      total, count = total + float(s), count + float(n)
+    return total / max(count, 1.0)
+
+  # -- the loop ---------------------------------------------------------------------------------
+
+  def train(self, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Trains up to step `steps` (default train.steps), resuming from the workdir.
+
+    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted'}. SIGTERM saves
+    a checkpoint after the current step and returns with preempted=True. A non-finite loss or
+    gradient raises NonFiniteLossError naming the steps; nothing after the last finite step is
+    saved.
+    """
+    cfg = self.config
+    total = cfg.train.steps if steps is None else steps
+    if self.state is None:
+      self.init()
+    start = int(self.state.step)
+    writer = MetricWriter(self.workdir) if self.workdir else None
+    if self.workdir and jax.process_index() == 0:
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2))
+    stop = threading.Event()
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread():
+      previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    tokens_per_step = cfg.data.batch * cfg.data.seq_len
+    summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
+               "eval_loss": None, "preempted": False}
+    pending: list[tuple[int, dict]] = []
+    checked = start  # every step up to here had a finite loss and gradient
+    bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
+                    desc="train")
+    t_last, steps_last = None, start
+
+    def flush(step: int) -> None:
+      nonlocal checked, t_last, steps_last
+      rows = jax.device_get(pending)
+      pending.clear()
+      now = time.perf_counter()
+      timing = {}
+      if t_last is not None and step > steps_last:
+        step_s = (now - t_last) / (step - steps_last)
+        timing = {"step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s}
+      t_last, steps_last = now, step  # the first interval holds compilation; it is not timed
+      for s, m in rows:
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+          if writer:
+            writer.write(s, {k: float(v) for k, v in m.items()})
+            writer.close()
+          if self.checkpointer:
+            self.checkpointer.wait()
+          good = self.checkpointer.latest_step() if self.checkpointer else None
+          raise NonFiniteLossError(
+              f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at step {s}; "
+              f"steps {checked + 1}..{s - 1} were finite (checked in blocks of train.log_every="
+              f"{cfg.train.log_every}). Stopped without saving; the last good checkpoint is "
+              + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
+              + ". Lower optimizer.lr, raise warmup_steps or clip harder, then resume.")
+        checked = s
+        summary["last_loss"] = float(m["loss"])
+        if summary["first_loss"] is None:
+          summary["first_loss"] = float(m["loss"])
+        if writer:
+          writer.write(s, {**{k: float(v) for k, v in m.items()}, **(timing if s == step else {})})
+      if writer:
+        writer.flush()
+      postfix = {"loss": f"{summary['last_loss']:.4f}"}
+      if timing:
+        postfix.update(tok_s=f"{timing['tokens_per_s']:.0f}",
+                       step_ms=f"{1e3 * timing['step_time_s']:.0f}")
+      bar.set_postfix(postfix, refresh=False)
+
+    try:
+      for index in range(start, total):
+        pending.append((index + 1, self.step(self.batch(index))))
+        done = index + 1
+        bar.update(1)
+        eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
+        save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                                          or done == total or stop.is_set())
+        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now
+            or stop.is_set() or done == start + 1):
+          flush(done)
+        if eval_now or done == total:
+          summary["eval_loss"] = self.evaluate()
+          if writer:
+            writer.write(done, {"eval_loss": summary["eval_loss"]})
+            writer.flush()
+        if save_now:
+          self.checkpointer.save(done, self.state, force=stop.is_set())
+        summary["step"] = done
+        if stop.is_set():
+          summary["preempted"] = True
+          break
+    finally:
+      bar.close()
+      if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
+      if self.checkpointer:
+        self.checkpointer.wait()
+      if writer:
+        writer.close()
+    return summary
