@@ -38,46 +38,102 @@ class Timeline:
   blocked: list[tuple[int, int]]  # (rank, position) of ops that could never start (deadlock)
 
 
-def list_schedule(schedule: Schedule, cost: Callable[[Op], float],
+def _dependency_table(schedule: Schedule):
+  """[rank][position] -> (keys the op needs, keys it makes), keys as ints for fast hashing.
+
+  Key (what, stage, mb) -> (what * S + stage) * M + mb with what 0: F output, 1: input grad.
+  """
+  pl = schedule.placement
+  n_s, m = pl.num_virtual_stages, schedule.num_microbatches
+  grad = n_s * m
+  routes, positions, which = pl.routes, pl.route_positions, schedule.microbatch_route
+  needs, makes = [], []
+  for ops in schedule.ranks:
+    need_r, make_r = [], []
+    for op in ops:
+      need, make = [], []
+      for a in op.parts():
+        s, mb, kind = a.stage, a.microbatch, a.kind
+        w = which[mb]
+        route, i = routes[w], positions[w][s]
+        if kind == "F":
+          if i:
+            need.append(route[i - 1] * m + mb)
+          make.append(s * m + mb)
+        elif kind == "W":
+          need.append(grad + s * m + mb)
+        else:
+          need.append(s * m + mb)
+          if i + 1 < len(route):
+            need.append(grad + route[i + 1] * m + mb)
+          make.append(grad + s * m + mb)
+      need_r.append(need)
+      make_r.append(make)
+    needs.append(need_r)
+    makes.append(make_r)
+  return needs, makes
+
+
+def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
                   latency: float = 0.0) -> Timeline:
   """Runs each rank's ops in order, each as soon as its rank is free and its inputs arrived.
 
-  Cross-rank inputs arrive `latency` after they are produced. Ops that wait forever are
-  reported in `blocked` rather than raised, so the validator can draw them.
+  `cost=None` gives every op one unit (the lock-step tick grid). Cross-rank inputs arrive
+  `latency` after they are produced. Ops that wait forever are reported in `blocked` rather
+  than raised, so the validator can draw them. Linear in the number of ops: a rank waiting on
+  an input is parked under that input's key and resumed once, when it is produced.
   """
+  needs, makes = _dependency_table(schedule)
+  p = schedule.num_ranks
+  n_s, m = schedule.placement.num_virtual_stages, schedule.num_microbatches
   rank_of = schedule.placement.stage_rank
-  ready: dict[Key, tuple[float, int]] = {}  # key -> (time produced, rank)
-  waiting: dict[Key, list[int]] = {}
-  ptr = [0] * schedule.num_ranks
-  free = [0.0] * schedule.num_ranks
+  ready: dict[int, float] = {}  # key -> time produced
+  waiting: dict[int, list[int]] = {}
+  ptr = [0] * p
+  free = [0.0] * p
+  dur = [[1.0] * len(ops) if cost is None else [float(cost(op)) for op in ops]
+         for ops in schedule.ranks]
   start = [[0.0] * len(ops) for ops in schedule.ranks]
   end = [[0.0] * len(ops) for ops in schedule.ranks]
-  needs = [[[k for a in op.parts() for k in requires(schedule, a)] for op in ops]
-           for ops in schedule.ranks]
-  stack = list(range(schedule.num_ranks))[::-1]
+  stack = list(range(p))[::-1]
   while stack:
     r = stack.pop()
-    ops = schedule.ranks[r]
-    while ptr[r] < len(ops):
-      i = ptr[r]
-      t = free[r]
+    need_r, make_r, dur_r, start_r, end_r = needs[r], makes[r], dur[r], start[r], end[r]
+    i, n, t_free = ptr[r], len(need_r), free[r]
+    while i < n:
+      t = t_free
       missing = None
-      for k in needs[r][i]:
+      for k in need_r[i]:
         got = ready.get(k)
         if got is None:
           missing = k
           break
-        t = max(t, got[0] + (latency if got[1] != r else 0.0))
+        if latency and rank_of[(k // m) % n_s] != r:
+          got += latency
+        if got > t:
+          t = got
       if missing is not None:
         waiting.setdefault(missing, []).append(r)
         break
-      op = ops[i]
-      start[r][i] = t
-      end[r][i] = free[r] = t + cost(op)
-      ptr[r] = i + 1
-      for a in op.parts():
-        k = produces(schedule, a)
-        ready[k] = (free[r], rank_of[a.stage])
-        stack.extend(waiting.pop(k, ()))
-  blocked = [(r, ptr[r]) for r in range(schedule.num_ranks) if ptr[r] < len(schedule.ranks[r])]
+      start_r[i] = t
+      t_free = end_r[i] = t + dur_r[i]
+      for k in make_r[i]:
+        ready[k] = t_free
+        woken = waiting.pop(k, None)
+        if woken:
+          stack.extend(woken)
+      i += 1
+    ptr[r], free[r] = i, t_free
+  blocked = [(r, ptr[r]) for r in range(p) if ptr[r] < len(schedule.ranks[r])]
   return Timeline(start, end, blocked)
+
+
+def unit_timeline(schedule: Schedule) -> Timeline:
+  """list_schedule with unit costs (validator's deadlock check, lock-step ticks), cached."""
+  key = (schedule.ranks, schedule.placement, schedule.microbatch_route)
+  cached = schedule.__dict__.get("_unit_timeline")
+  if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+    return cached[1]
+  timeline = list_schedule(schedule)
+  schedule.__dict__["_unit_timeline"] = (key, timeline)
+  return timeline

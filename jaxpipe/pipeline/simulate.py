@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 from typing import Mapping
 
-from jaxpipe.pipeline.deps import list_schedule
+from jaxpipe.pipeline.deps import list_schedule, unit_timeline
 from jaxpipe.pipeline.ir import Op, Schedule
 
 COST_KEYS = ("F", "B", "I", "W", "F&B")
@@ -104,10 +105,21 @@ class SimResult:
 
 def lockstep_ticks(schedule: Schedule) -> list[list[int]]:
   """[rank][position] -> the tick the op runs in under lock-step execution."""
-  timeline = list_schedule(schedule, cost=lambda op: 1.0)
+  timeline = _timeline(schedule, None, 0.0)
+  return [[int(t) for t in row] for row in timeline.start]
+
+
+def _timeline(schedule: Schedule, cost, latency: float):
+  """list_schedule, raising the validator's error for schedules that cannot run."""
+  try:
+    timeline = (unit_timeline(schedule) if cost is None and not latency else
+                list_schedule(schedule, cost, latency))
+  except (KeyError, IndexError):  # an action off its route or out of range
+    schedule.validate()
+    raise
   if timeline.blocked:
     schedule.validate()  # raises with the deadlocked cells marked
-  return [[int(t) for t in row] for row in timeline.start]
+  return timeline
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
@@ -136,29 +148,29 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
   ticks = None
   if lockstep:
     tick_of = lockstep_ticks(schedule)
+    dur = [[cost(op) for op in ops] for ops in schedule.ranks]
     ticks = 1 + max((t for row in tick_of for t in row), default=-1)
     length = [0.0] * ticks
-    for ops, row in zip(schedule.ranks, tick_of):
-      for op, t in zip(ops, row):
-        length[t] = max(length[t], cost(op))
+    for row, d_row in zip(tick_of, dur):
+      for t, d in zip(row, d_row):
+        if d > length[t]:
+          length[t] = d
     begin = [0.0] * (ticks + 1)
     for t in range(ticks):
       begin[t + 1] = begin[t] + length[t] + latency
     starts = [[begin[t] for t in row] for row in tick_of]
+    ends = [[s + d for s, d in zip(row, d_row)] for row, d_row in zip(starts, dur)]
     makespan = begin[ticks] - (latency if ticks else 0.0)
   else:
-    timeline = list_schedule(schedule, cost, latency)
-    if timeline.blocked:
-      schedule.validate()
-    starts = timeline.start
-    makespan = max((e for row in timeline.end for e in row), default=0.0)
+    timeline = _timeline(schedule, cost, latency)
+    starts, ends = timeline.start, timeline.end
+    makespan = max((row[-1] for row in ends if row), default=0.0)
   timelines, busy, steady = [], [], []
-  for ops, row in zip(schedule.ranks, starts):
-    spans = tuple((s, s + cost(op), op) for s, op in zip(row, ops))
-    timelines.append(spans)
-    work = sum(e - s for s, e, _ in spans)
+  for ops, s_row, e_row in zip(schedule.ranks, starts, ends):
+    timelines.append(tuple(zip(s_row, e_row, ops)))
+    work = sum(map(operator.sub, e_row, s_row))
     busy.append(work)
-    steady.append(max(e for _, e, _ in spans) - spans[0][0] - work if spans else 0.0)
+    steady.append(e_row[-1] - s_row[0] - work if ops else 0.0)
   peaks = peak_activations(schedule)
   pl = schedule.placement
   return SimResult(

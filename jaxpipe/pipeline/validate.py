@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxpipe.pipeline.deps import list_schedule
+from jaxpipe.pipeline.deps import unit_timeline
 from jaxpipe.pipeline.ir import Schedule
 
 
@@ -19,20 +19,24 @@ def validate(schedule: Schedule) -> None:
   """Raises ScheduleError naming the first problem, with the offending cells marked."""
   pl = schedule.placement
   m = schedule.num_microbatches
+  n_s = pl.num_virtual_stages
+  positions, which = pl.route_positions, schedule.microbatch_route
   seen = collections.defaultdict(list)  # (kind, stage, mb) -> [(rank, position)]
-  for r, i, a in schedule.actions():
-    if not 0 <= a.microbatch < m:
-      _fail(schedule, f"{a} names micro-batch {a.microbatch}, outside [0, {m})", [(r, i)])
-    if not 0 <= a.stage < pl.num_virtual_stages:
-      _fail(schedule, f"{a} names stage {a.stage}, outside [0, {pl.num_virtual_stages})",
-            [(r, i)])
-    if pl.stage_rank[a.stage] != r:
-      _fail(schedule, f"{a} is on rank {r} but stage {a.stage} is placed on rank "
-            f"{pl.stage_rank[a.stage]}", [(r, i)])
-    if a.stage not in schedule.route(a.microbatch):
-      _fail(schedule, f"{a}: micro-batch {a.microbatch} follows route "
-            f"{schedule.route(a.microbatch)}, which does not pass stage {a.stage}", [(r, i)])
-    seen[(a.kind, a.stage, a.microbatch)].append((r, i))
+  for r, ops in enumerate(schedule.ranks):
+    for i, op in enumerate(ops):
+      for a in op.parts():
+        s, mb = a.stage, a.microbatch
+        if not 0 <= mb < m:
+          _fail(schedule, f"{a} names micro-batch {mb}, outside [0, {m})", [(r, i)])
+        if not 0 <= s < n_s:
+          _fail(schedule, f"{a} names stage {s}, outside [0, {n_s})", [(r, i)])
+        if pl.stage_rank[s] != r:
+          _fail(schedule, f"{a} is on rank {r} but stage {s} is placed on rank "
+                f"{pl.stage_rank[s]}", [(r, i)])
+        if s not in positions[which[mb]]:
+          _fail(schedule, f"{a}: micro-batch {mb} follows route {schedule.route(mb)}, which "
+                f"does not pass stage {s}", [(r, i)])
+        seen[(a.kind, s, mb)].append((r, i))
   for key, cells in seen.items():
     if len(cells) > 1:
       _fail(schedule, f"{key[1]}{key[0]}{key[2]} appears {len(cells)} times", cells)
@@ -62,7 +66,7 @@ def validate(schedule: Schedule) -> None:
       _fail(schedule, f"{s}{kind}{mb} runs before {s}{before}{mb} on rank {cells[0][0]}, which "
             f"it needs ({'W needs its I' if kind == 'W' else 'a backward needs its forward'})",
             [cells[0], seen[(before, s, mb)][0]])
-  timeline = list_schedule(schedule, cost=lambda op: 1.0)
+  timeline = unit_timeline(schedule)
   if timeline.blocked:
     _fail(schedule, "deadlock: the marked ops wait on each other (or on an op ordered after "
           "them on the same rank) and can never run", timeline.blocked)
