@@ -142,3 +142,19 @@ def test_bad_inputs_raise(shapes, dtype, kwargs, match):
   k = jnp.zeros(shapes[1], dtype)
   with pytest.raises(ValueError, match=match):
     flash_attention(q, k, k, interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_for_gpu(dtype):
+  """Pallas' Triton lowering (run here on CPU) accepts all three kernels at GPU block sizes."""
+  q = jax.ShapeDtypeStruct((2, 256, 8, 128), dtype)
+  kv = jax.ShapeDtypeStruct((2, 256, 2, 128), dtype)
+  seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+
+  def grads(q, k, v, seg):
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                                   interpret=False).astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dK/dV, dQ
