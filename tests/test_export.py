@@ -28,6 +28,7 @@ def test_csv_cells_on_the_tick_grid():
 
 
 def test_text_grid_shows_idle_ticks():
+  assert hand_1f1b().to_grid(aligned=True) == text_grid(hand_1f1b())
   lines = text_grid(hand_1f1b()).splitlines()
   assert lines[1].split() == ["rank", "0", "0F0", "0F1", ".", "0B0", ".", "0B1"]
   assert lines[2].split() == ["rank", "1", ".", "1F0", "1B0", "1F1", "1B1", "."]
@@ -116,13 +117,25 @@ def test_perfetto_trace():
     assert e["cname"] == {"F": "thread_state_running", "B": "terrible"}[e["cat"]]
     assert e["name"] == f"{e['cat']}{e['args']['microbatch']}"
     assert e["tid"] == s.placement.local_chunk(e["args"]["stage"])
-  tracks = {}
-  for e in slices:
-    tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
-  for spans in tracks.values():  # nothing overlaps on a track
-    spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
   assert max(e["ts"] + e["dur"] for e in slices) == 1000 * s.simulate().makespan
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_perfetto_tracks_never_overlap(name):
+  try:
+    s = make_schedule(name, pp=4, microbatches=8)
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"generator for {name} not present yet: {e}")
+  for lockstep in (False, True):
+    slices = [e for e in json.loads(s.to_perfetto(lockstep=lockstep))["traceEvents"]
+              if e["ph"] == "X"]
+    assert len(slices) == sum(len(op.parts()) for ops in s.ranks for op in ops)
+    tracks = {}
+    for e in slices:
+      tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in tracks.values():
+      spans.sort()
+      assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def test_perfetto_overlap_on_one_chunk_gets_its_own_track():

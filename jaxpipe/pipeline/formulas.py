@@ -27,6 +27,7 @@ class Anchor:
   exact: bool  # True when the bubble formula is exact under these costs
   source: str
   activations_hi: float | None = None  # upper end when activations_bound is "between"
+  assumes: dict | None = None  # costs the bubble formula presumes, where they differ from ours
 
   def bubble_text(self) -> str:
     if self.bubble is None:
@@ -71,9 +72,11 @@ def anchor(name: str, pp: int, microbatches: int, chunks: int | None = None,
     return Anchor(0.0, "steady state", "F", 0.0, p, "whole-rank", "<=", f == c["I"] == w,
                   "sail-sg zero-bubble README")
   if name == "chimera":
+    # The paper counts equal time slots for forward and backward: exact at B = F only.
     return Anchor(None, "single step", "F", (p - 2) / (2 * m + p - 2), p / 2 + 1,
-                  "micro-batch-stages", "between", False,
-                  "Li & Hoefler SC21, as commonly quoted (cost assumption to re-derive)", p)
+                  "micro-batch-stages", "between", b == f,
+                  "Li & Hoefler SC21, (D-2)/(2N+D-2) in equal slots (B = F)", p,
+                  assumes=None if b == f else {"B": f})
   if name == "dualpipe":
     return Anchor((p / 2 - 1) * (fb + b - 3 * w), "single step", "F (F&B as F+B unless set)",
                   None, p + 1, "micro-batch-stages", "=", False, "DualPipe README table")
