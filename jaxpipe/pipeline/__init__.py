@@ -2,3 +2,11 @@
 from jaxpipe.pipeline.ir import Action, Op, Overlap, Placement, Schedule
 from jaxpipe.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.validate import ScheduleError, validate
+
+
+def __getattr__(name):
+  # JAX only when the executor is asked for, so the schedule IR imports without it.
+  if name == "value_and_grad":
+    from jaxpipe.pipeline.api import value_and_grad
+    return value_and_grad
+  raise AttributeError(f"module 'jaxpipe.pipeline' has no attribute {name!r}")

@@ -338,13 +338,13 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
 def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
   """[stages, ...] -> [ranks, chunks, ...]: each rank's chunks, copies of a stage included."""
-  idx = np.asarray(layout).reshape(-1)
-  return jax.tree.map(lambda a: a[idx].reshape(layout.shape + a.shape[1:]), stage_params)
+  idx = jnp.reshape(layout, (-1,))
+  return jax.tree.map(lambda a: a[idx].reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
 
 
 def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int) -> PyTree:
   """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies."""
-  idx = np.asarray(layout).reshape(-1)
+  idx = jnp.reshape(layout, (-1,))
   return jax.tree.map(
       lambda g: jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx].add(
           g.reshape((-1,) + g.shape[2:])), local_grads)

@@ -1,0 +1,142 @@
+"""`jaxpipe.pipeline.value_and_grad`: any schedule, any stage function, exact gradients."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxpipe.pipeline.executor import ExecSpec, Model, from_local, make_executor, to_local
+from jaxpipe.pipeline.ir import Schedule
+from jaxpipe.pipeline.lower import Lowered, lower
+from jaxpipe.pipeline.schedules import make_schedule
+
+PyTree = Any
+
+
+def resolve_schedule(schedule: Schedule | str, *, pp: int, microbatches: int,
+                     chunks: int | None = None) -> Schedule:
+  """A Schedule, a generator name, or a path to a torch-format CSV -> a validated Schedule."""
+  if isinstance(schedule, Schedule):
+    return schedule.validate()
+  if not isinstance(schedule, (str, os.PathLike)):
+    raise TypeError(f"schedule={schedule!r}: pass a Schedule, a schedule name or a CSV path")
+  path = os.fspath(schedule)
+  if path.endswith(".csv") or os.path.isfile(path):
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"no such schedule file {path!r}")
+    return Schedule.from_csv(path)
+  return make_schedule(path, pp=pp, microbatches=microbatches, chunks=chunks)
+
+
+def _key(schedule: Schedule):
+  return (schedule.name, schedule.placement, schedule.ranks, schedule.microbatch_route)
+
+
+_LOWERED: dict = {}
+
+
+def lowered_for(schedule: Schedule) -> Lowered:
+  """`lower(schedule)`, memoised on the schedule's contents."""
+  key = _key(schedule)
+  if key not in _LOWERED:
+    if len(_LOWERED) > 256:
+      _LOWERED.clear()
+    _LOWERED[key] = lower(schedule)
+  return _LOWERED[key]
+
+
+def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyTree,
+                 xs: PyTree, targets: PyTree, data_axes: tuple[str, ...]) -> None:
+  """Raises ValueError naming the first disagreement between the schedule and the inputs."""
+  if pp_axis not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}; name it "
+                     "or pass pp_axis=")
+  if schedule.num_ranks != mesh.shape[pp_axis]:
+    raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but mesh "
+                     f"axis {pp_axis!r} has {mesh.shape[pp_axis]} devices; build the schedule "
+                     f"with pp={mesh.shape[pp_axis]}")
+  leaves = jax.tree.leaves(stage_params)
+  if not leaves:
+    raise ValueError("stage_params has no arrays")
+  lead = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in leaves}
+  if lead != {schedule.num_stages}:
+    raise ValueError(f"stage_params leaves have leading sizes {sorted(lead, key=str)} but schedule "
+                     f"{schedule.name!r} has {schedule.num_stages} model stages; stack one entry "
+                     "per stage on axis 0")
+  m = schedule.num_microbatches
+  data = math.prod(mesh.shape[a] for a in data_axes)
+  for what, tree in (("xs", xs), ("targets", targets)):
+    for a in jax.tree.leaves(tree):
+      shape = jnp.shape(a)
+      if len(shape) < 2 or shape[0] != m:
+        raise ValueError(f"{what} has shape {shape}; the schedule runs {m} micro-batches, so it "
+                         f"must be [{m}, batch, ...]")
+      if shape[1] % data:
+        raise ValueError(f"{what} has batch {shape[1]} per micro-batch, not divisible by the "
+                         f"{data} data-parallel shards of mesh axes {data_axes}")
+
+
+@functools.lru_cache(maxsize=64)
+def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
+             data_axes: tuple[str, ...]) -> Callable:
+  run = make_executor(model, spec, mesh, pp_axis, data_axes)
+
+  @jax.jit
+  def program(table, layout, stage_params, xs, targets, head_params, embed_params):
+    local = to_local(stage_params, layout)
+    loss, local_grads, head_g, embed_g = run(table, local, xs, targets, head_params,
+                                             embed_params)
+    return loss, from_local(local_grads, layout, num_stages), head_g, embed_g
+
+  return program
+
+
+@functools.lru_cache(maxsize=64)
+def _headless(loss_fn: Callable) -> Callable:
+  return lambda head_params, y, target: loss_fn(y, target)
+
+
+def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
+                            schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
+                            embed_params: PyTree = (), recompute: bool = False,
+                            pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None):
+  """The general entry point: also returns head and embedding gradients (trainer's path)."""
+  if data_axes is None:
+    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
+  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes)
+  lowered = lowered_for(schedule)
+  spec = ExecSpec.covering([lowered], recompute=recompute)
+  program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes))
+  return program(lowered.table, lowered.layout(), stage_params, xs, targets, head_params,
+                 embed_params)
+
+
+def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,
+                   loss_fn: Callable, *, schedule: Schedule | str, mesh: Mesh,
+                   chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp"):
+  """Pipelined `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))(stage_params)`.
+
+  f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
+  stage_params: leaves [S, ...], S the schedule's model stages (pp * chunks for interleaved and
+  V schedules; pp for bidirectional ones, whose two copies of each stage get the same
+  parameters and summed gradients). xs: [microbatches, batch, ...]; targets: leaves
+  [microbatches, batch, ...]. schedule: a Schedule, a name (built for this mesh and
+  microbatch count, `chunks` per rank) or a torch-format CSV path. Every mesh axis other than
+  `pp_axis` is a data axis: the batch dimension is split over them and the result summed, so
+  `loss_fn` should sum (not average) over its batch for the result to equal one device's.
+  Returns (loss summed over micro-batches, gradients shaped like stage_params).
+  """
+  if pp_axis not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
+  m = jnp.shape(xs)[0] if jnp.ndim(xs) else 0
+  schedule = resolve_schedule(schedule, pp=mesh.shape[pp_axis], microbatches=m, chunks=chunks)
+  model = Model(stage_fn, _headless(loss_fn))
+  loss, grads, _, _ = pipeline_value_and_grad(model, stage_params, xs, targets,
+                                              schedule=schedule, mesh=mesh, recompute=recompute,
+                                              pp_axis=pp_axis)
+  return loss, grads
