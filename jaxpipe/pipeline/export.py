@@ -214,18 +214,21 @@ def to_png(schedule: Schedule, path: Union[str, os.PathLike],
   ax = fig.add_subplot()
   label = nops <= 1200
   chunks = schedule.placement.chunks_per_rank
+  bars: dict[tuple, list] = {}  # (y, height, kind, chunk) -> [(start, width)], one call each
   for r, spans in enumerate(result.timelines):
     for start, end, op in spans:
       parts = op.parts()
       h = 0.8 / len(parts)
       for j, a in enumerate(parts):
         y = r - 0.4 + j * h
-        shade = 1.0 - 0.45 * schedule.placement.local_chunk(a.stage) / max(chunks - 1, 1)
-        ax.broken_barh([(start, end - start)], (y, h), facecolors=COLOURS[a.kind],
-                       alpha=shade, edgecolors="white", linewidth=0.5)
+        chunk = schedule.placement.local_chunk(a.stage)
+        bars.setdefault((y, h, a.kind, chunk), []).append((start, end - start))
         if label and end - start > 0:
           ax.text(start + (end - start) / 2, y + h / 2, str(a.microbatch), ha="center",
                   va="center", fontsize=6)
+  for (y, h, kind, chunk), xs in bars.items():
+    ax.broken_barh(xs, (y, h), facecolors=COLOURS[kind], edgecolors="white", linewidth=0.5,
+                   alpha=1.0 - 0.45 * chunk / max(chunks - 1, 1))
   ax.set_ylim(p - 0.5, -0.5)
   ax.set_xlim(0, max(result.makespan, 1e-9))
   ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
