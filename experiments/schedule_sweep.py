@@ -95,7 +95,7 @@ def row(name: str, p: int, m: int, out: str | None) -> tuple:
   whole = (lambda x: f"{x:g} ({x / v:g}w)") if f.bubble_units.startswith("per-chunk") else \
       (lambda x: f"{x:g}")
   return (name, p, m, v, whole(a.max_bubble), f"{a.max_steady_bubble:g}",
-          whole(ls.max_bubble), whole(f.bubble) if f.bubble is not None else "",
+          whole(ls.max_bubble), "" if f.bubble is None else whole(f.bubble) + ("" if f.exact else "*"),
           f.bubble_view if f.bubble is not None
           else "rate", check_bubble(f, a, s), f"{100 * a.bubble_rate:.1f}%",
           f"{100 * ls.bubble_rate:.1f}%", rate, max(a.peak_activations),
