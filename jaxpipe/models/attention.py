@@ -5,9 +5,15 @@ flash attention through `jax.nn.dot_product_attention`, CUDA GPUs only), `pallas
 flash attention, compiled on GPU, interpreted elsewhere), and `auto`, which picks the fastest
 backend that can serve the call on the current platform: cudnn, then pallas, then xla on GPU;
 xla elsewhere (interpreted Pallas is a correctness tool, not a fast path).
+
+Inside `with context_parallel("cp"):` (entered within a `shard_map` whose sequence is split over
+"cp"), the same call runs Ulysses attention over that axis, so a model written for one device
+needs no change to train with context parallelism.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -17,6 +23,18 @@ from kernels_pallas import flash_attention as fa
 
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
+_CONTEXT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_axis",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(axis_name: str | None = "cp"):
+  """While tracing inside, `attention` takes sequence shards over `axis_name` (Ulysses)."""
+  token = _CONTEXT_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _CONTEXT_AXIS.reset(token)
 
 
 @functools.cache
@@ -80,6 +98,12 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
               sm_scale: float | None = None) -> jax.Array:
   """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads)."""
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+  axis_name = _CONTEXT_AXIS.get()
+  if axis_name is not None:
+    from jaxpipe.parallel.ulysses import ulysses_attention_local  # it calls back in here
+    with context_parallel(None):
+      return ulysses_attention_local(q, k, v, axis_name=axis_name, causal=causal, backend=backend,
+                                     segment_ids_BxS=segment_ids, sm_scale=sm_scale)
   name = resolve_backend(backend, q, k, v, segment_ids)
   if name == "pallas":
     return fa.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids)

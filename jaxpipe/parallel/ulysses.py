@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -90,3 +91,59 @@ def ulysses_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax
   check_vma = backend != "pallas"
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec,
                        check_vma=check_vma)(*args)
+
+
+def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
+                                    axis_name: str = "cp",
+                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
+  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
+
+  Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
+  with rotary positions offset to its slice; `attention` runs Ulysses (see
+  `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
+  partials and are added outside, so the gradient of the replicated parameters is the sum of
+  every rank's contribution whether or not shard_map checks varying axes.
+  """
+  from jaxpipe.models import transformer
+  from jaxpipe.models.attention import context_parallel
+
+  spec = P(batch_axes, axis_name)
+  every_axis = P(tuple(mesh.axis_names))
+
+  def local_sums(params, tokens_BxS, targets_BxS, mask_BxS):
+    with context_parallel(axis_name):
+      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
+      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
+      x_BxSxD = transformer.apply_layers(cfg, params["layers"], x_BxSxD, positions_S)
+      total, count = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, mask_BxS)
+    return total[None], count[None]
+
+  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
+                          out_specs=(every_axis, every_axis),
+                          check_vma=cfg.attention != "pallas")
+
+  def loss_sums(params, batch):
+    totals, counts = sharded(params, batch["tokens"], batch["targets"], batch["mask"])
+    return jnp.sum(totals), jnp.sum(counts)
+
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    if microbatches == 1:
+      (total, count), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
+      split = jax.tree.map(lambda x: jnp.swapaxes(
+          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+
+      def body(carry, mb):
+        (s, n), g = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (s, n, g)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+               jax.tree.map(jnp.zeros_like, params))
+      (total, count, grads), _ = lax.scan(body, zeros, split)
+    denom = jnp.maximum(count, 1.0)
+    return total / denom, jax.tree.map(lambda g: g / denom, grads), {"tokens": count}
+
+  return loss_and_grads
