@@ -75,15 +75,16 @@ def _dependency_table(schedule: Schedule):
 
 
 def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
-                  latency: float = 0.0) -> Timeline:
+                  latency: float = 0.0, durations: list[list[float]] | None = None) -> Timeline:
   """Runs each rank's ops in order, each as soon as its rank is free and its inputs arrived.
 
-  `cost=None` gives every op one unit (the lock-step tick grid). Cross-rank inputs arrive
+  `cost=None` gives every op one unit (the lock-step tick grid); `durations[rank][position]`,
+  if given, replaces `cost`. Cross-rank inputs arrive
   `latency` after they are produced. Ops that wait forever are reported in `blocked` rather
   than raised, so the validator can draw them. Linear in the number of ops: a rank waiting on
   an input is parked under that input's key and resumed once, when it is produced.
   """
-  needs, makes = _dependency_table(schedule)
+  needs, makes = _cached(schedule, "_dependency_table", _dependency_table)
   p = schedule.num_ranks
   n_s, m = schedule.placement.num_virtual_stages, schedule.num_microbatches
   rank_of = schedule.placement.stage_rank
@@ -91,8 +92,8 @@ def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
   waiting: dict[int, list[int]] = {}
   ptr = [0] * p
   free = [0.0] * p
-  dur = [[1.0] * len(ops) if cost is None else [float(cost(op)) for op in ops]
-         for ops in schedule.ranks]
+  dur = durations or [[1.0] * len(ops) if cost is None else [float(cost(op)) for op in ops]
+                      for ops in schedule.ranks]
   start = [[0.0] * len(ops) for ops in schedule.ranks]
   end = [[0.0] * len(ops) for ops in schedule.ranks]
   stack = list(range(p))[::-1]
@@ -128,12 +129,17 @@ def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
   return Timeline(start, end, blocked)
 
 
-def unit_timeline(schedule: Schedule) -> Timeline:
-  """list_schedule with unit costs (validator's deadlock check, lock-step ticks), cached."""
+def _cached(schedule: Schedule, name: str, build):
+  """`build(schedule)`, remembered on the schedule until its ops, placement or routes change."""
   key = (schedule.ranks, schedule.placement, schedule.microbatch_route)
-  cached = schedule.__dict__.get("_unit_timeline")
+  cached = schedule.__dict__.get(name)
   if cached is not None and all(a is b for a, b in zip(cached[0], key)):
     return cached[1]
-  timeline = list_schedule(schedule)
-  schedule.__dict__["_unit_timeline"] = (key, timeline)
-  return timeline
+  value = build(schedule)
+  schedule.__dict__[name] = (key, value)
+  return value
+
+
+def unit_timeline(schedule: Schedule) -> Timeline:
+  """list_schedule with unit costs (validator's deadlock check, lock-step ticks), cached."""
+  return _cached(schedule, "_unit_timeline", list_schedule)

@@ -109,11 +109,11 @@ def lockstep_ticks(schedule: Schedule) -> list[list[int]]:
   return [[int(t) for t in row] for row in timeline.start]
 
 
-def _timeline(schedule: Schedule, cost, latency: float):
+def _timeline(schedule: Schedule, durations, latency: float):
   """list_schedule, raising the validator's error for schedules that cannot run."""
   try:
-    timeline = (unit_timeline(schedule) if cost is None and not latency else
-                list_schedule(schedule, cost, latency))
+    timeline = (unit_timeline(schedule) if durations is None and not latency else
+                list_schedule(schedule, None, latency, durations))
   except (KeyError, IndexError):  # an action off its route or out of range
     schedule.validate()
     raise
@@ -144,11 +144,12 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
   c = resolve_costs(costs)
   if not isinstance(latency, numbers.Real) or latency < 0:
     raise ValueError(f"latency={latency!r} must be a non-negative number")
-  cost = lambda op: op_cost(op, c)
+  single = {k: c[k] for k in ("F", "B", "I", "W")}
+  dur = [[single[op.kind] if op.kind in single else op_cost(op, c) for op in ops]
+         for ops in schedule.ranks]
   ticks = None
   if lockstep:
     tick_of = lockstep_ticks(schedule)
-    dur = [[cost(op) for op in ops] for ops in schedule.ranks]
     ticks = 1 + max((t for row in tick_of for t in row), default=-1)
     length = [0.0] * ticks
     for row, d_row in zip(tick_of, dur):
@@ -162,7 +163,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
     ends = [[s + d for s, d in zip(row, d_row)] for row, d_row in zip(starts, dur)]
     makespan = begin[ticks] - (latency if ticks else 0.0)
   else:
-    timeline = _timeline(schedule, cost, latency)
+    timeline = _timeline(schedule, dur, latency)
     starts, ends = timeline.start, timeline.end
     makespan = max((row[-1] for row in ends if row), default=0.0)
   timelines, busy, steady = [], [], []
