@@ -1,0 +1,247 @@
+"""Mixture-of-experts FFN: router -> dispatch -> SwiGLU experts (grouped GEMM) -> combine.
+
+Experts are sharded over an expert mesh axis and tokens over the data axes that include it;
+`moe_ffn` runs inside `shard_map` (an enclosing pipeline executor calls it there directly),
+`moe_layer` wraps it in one. `dense_reference` computes the same function on one device,
+every expert on every token, and is what the sharded layer is tested against.
+"""
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.models import router as router_lib
+from jaxpipe.parallel import expert as ep_lib
+
+Params = dict[str, jax.Array]
+ROUTERS = ("softmax", "sigmoid")
+DISPATCH = ("dropless", "capacity")
+DROPLESS_IMPLS = ("auto", "padded", "ragged", "ragged_emulated")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """One MoE FFN; ep-independent checks run at construction, `validate(ep)` adds the mesh ones."""
+  num_experts: int = 8            # routed experts E
+  top_k: int = 2                  # experts per token K
+  d_ff: int = 64                  # hidden width of each SwiGLU expert
+  num_shared_experts: int = 0     # always-on experts, fused into one SwiGLU of width n * d_ff
+  router: str = "softmax"         # 'softmax' (Switch/Mixtral) or 'sigmoid' (DeepSeek-V3)
+  norm_topk_prob: bool = True     # softmax, K > 1: renormalise the K weights (Mixtral); sigmoid always does
+  routed_scaling: float = 1.0     # multiplier on the routed weights (DeepSeek-V3 uses 2.5)
+  n_groups: int = 1               # contiguous expert groups for group-limited routing; 1 = off
+  topk_groups: int = 1            # groups a token may use (node-limited when groups are ranks)
+  jitter: float = 0.0             # router input noise U(1-j, 1+j), applied only when an rng is given
+  lb_loss_coef: float = 0.01      # weight of the Switch load-balancing loss
+  z_loss_coef: float = 0.001      # weight of the router z-loss
+  bias_update_rate: float = 0.0   # sigmoid router's balancing-bias step per training step; 0 = off
+  dispatch: str = "dropless"      # 'dropless' or 'capacity' (fixed buffers, overflow dropped and counted)
+  capacity_factor: float = 1.25   # capacity mode: rows per destination = cf * T * min(K, ep) / ep
+  dropless_impl: str = "auto"     # 'auto' (ragged on GPU/TPU, else padded), 'padded', 'ragged', 'ragged_emulated'
+  fp8_dispatch: bool = False      # send the dispatch payload as e4m3 with per-block scales
+  fp8_block: int = 128            # channels sharing one fp8 scale
+
+  def __post_init__(self):
+    e, k = self.num_experts, self.top_k
+    if e < 1 or k < 1:
+      raise ValueError(f"num_experts={e} and top_k={k} must be >= 1")
+    if k > e:
+      raise ValueError(f"top_k={k} exceeds num_experts={e}; use top_k <= {e}")
+    if self.capacity_factor <= 0:
+      raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25)")
+    if self.router not in ROUTERS:
+      raise ValueError(f"router={self.router!r} is unknown; use one of {ROUTERS}")
+    if self.dispatch not in DISPATCH:
+      raise ValueError(f"dispatch={self.dispatch!r} is unknown; use one of {DISPATCH}")
+    if self.dropless_impl not in DROPLESS_IMPLS:
+      raise ValueError(f"dropless_impl={self.dropless_impl!r} is unknown; use one of {DROPLESS_IMPLS}")
+    if self.n_groups < 1 or e % self.n_groups:
+      raise ValueError(f"n_groups={self.n_groups} must divide num_experts={e}")
+    if not 1 <= self.topk_groups <= self.n_groups:
+      raise ValueError(f"topk_groups={self.topk_groups} must lie in [1, n_groups={self.n_groups}]")
+    if k > self.topk_groups * (e // self.n_groups):
+      raise ValueError(f"top_k={k} exceeds the {self.topk_groups * (e // self.n_groups)} experts in "
+                       f"topk_groups={self.topk_groups} groups of {e // self.n_groups}; "
+                       "raise topk_groups or lower top_k")
+    if self.bias_update_rate and self.router != "sigmoid":
+      raise ValueError(f"bias_update_rate={self.bias_update_rate} needs router='sigmoid'")
+    if self.fp8_block < 1:
+      raise ValueError(f"fp8_block={self.fp8_block} must be >= 1")
+
+  def validate(self, ep: int) -> None:
+    """Checks against an expert axis of size `ep`."""
+    e = self.num_experts
+    if ep < 1 or e % ep:
+      raise ValueError(f"num_experts={e} is not divisible by the expert axis size ep={ep}; "
+                       f"use a multiple of {ep} experts or a smaller expert axis")
+    if self.n_groups > 1 and self.n_groups % ep and ep % self.n_groups:
+      raise ValueError(f"n_groups={self.n_groups} does not fit ep={ep}: a group must be a set of "
+                       "whole ranks or lie within one rank; use n_groups dividing or divisible by ep")
+
+
+def init_moe_params(cfg: MoEConfig, key: jax.Array, d_model: int, dtype=jnp.float32) -> Params:
+  """Fan-in scaled normal weights; the balancing bias starts at zero."""
+  e, f = cfg.num_experts, cfg.d_ff
+  ks = jax.random.split(key, 7)
+  nrm = lambda k, shape, fan_in: (jax.random.normal(k, shape) / jnp.sqrt(fan_in)).astype(dtype)
+  p = {
+      "router_DxE": nrm(ks[0], (d_model, e), d_model).astype(jnp.float32),
+      "wi_gate_ExDxF": nrm(ks[1], (e, d_model, f), d_model),
+      "wi_up_ExDxF": nrm(ks[2], (e, d_model, f), d_model),
+      "wo_ExFxD": nrm(ks[3], (e, f, d_model), f),
+  }
+  if cfg.router == "sigmoid":
+    p["expert_bias_E"] = jnp.zeros((e,), jnp.float32)
+  if cfg.num_shared_experts:
+    s = cfg.num_shared_experts * f
+    p["shared_gate_DxS"] = nrm(ks[4], (d_model, s), d_model)
+    p["shared_up_DxS"] = nrm(ks[5], (d_model, s), d_model)
+    p["shared_down_SxD"] = nrm(ks[6], (s, d_model), s)
+  return p
+
+
+def param_specs(params: Params, ep_axis: str | None) -> dict[str, P]:
+  """Experts sharded over the expert axis on their leading dim; the rest replicated."""
+  return {k: P(ep_axis) if k.startswith(("wi_", "wo_")) else P() for k in params}
+
+
+def _swiglu(x, gate, up, down):
+  h = jax.nn.silu(jnp.dot(x, gate, preferred_element_type=jnp.float32))
+  h = h * jnp.dot(x, up, preferred_element_type=jnp.float32)
+  return jnp.dot(h.astype(x.dtype), down, preferred_element_type=jnp.float32)
+
+
+def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int) -> jax.Array:
+  """SwiGLU of every received (row, local expert) as a grouped GEMM, weighted and summed per row."""
+  n, k = recv.eid_NxK.shape
+  flat = recv.eid_NxK.reshape(-1)
+  # Sorting puts the (row, expert) entries of expert 0 first, ..., then the empty ones; a row
+  # has at most min(K, n_local) experts here, which bounds the entries that are real.
+  m = n * min(k, n_local)
+  order = jnp.argsort(flat, stable=True)[:m]
+  sizes = jnp.zeros((n_local + 1,), jnp.int32).at[flat].add(1)[:n_local]
+  rows = order // k
+  xs = recv.x_NxD[rows]
+  gmm = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+  h = jax.nn.silu(gmm(xs, params["wi_gate_ExDxF"])) * gmm(xs, params["wi_up_ExDxF"])
+  ys = gmm(h.astype(xs.dtype), params["wo_ExFxD"])
+  ws = recv.w_NxK.reshape(-1)[order]  # 0 on empty entries, so their (finite) outputs vanish
+  return jax.ops.segment_sum(ys * ws[:, None], rows, num_segments=n)
+
+
+def _resolve_impl(cfg: MoEConfig) -> tuple[float | None, str]:
+  if cfg.dispatch == "capacity":
+    return cfg.capacity_factor, "fixed"
+  impl = cfg.dropless_impl
+  if impl == "auto":
+    impl = "ragged" if jax.default_backend() in ("gpu", "tpu") else "padded"
+  return None, "fixed" if impl == "padded" else impl
+
+
+def _axes_size(axes) -> int:
+  return 1 if not axes else jax.lax.psum(1, tuple(axes))
+
+
+def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | None,
+            token_axes: tuple[str, ...] = (), rng: jax.Array | None = None
+            ) -> tuple[jax.Array, dict[str, Any]]:
+  """MoE FFN of this device's T tokens inside `shard_map`.
+
+  `params` holds this device's E/ep experts; `token_axes` are all mesh axes the tokens are split
+  over (they must include `ep_axis`); losses and statistics are over all tokens of those axes.
+  """
+  ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
+  cfg.validate(ep)
+  if ep > 1 and ep_axis not in token_axes:
+    raise ValueError(f"token_axes={token_axes} must include the expert axis {ep_axis!r}: "
+                     "expert parallelism moves tokens that are split over it")
+  t, d = x_TxD.shape
+  if cfg.fp8_dispatch and d % cfg.fp8_block:
+    raise ValueError(f"fp8 dispatch needs d_model={d} divisible by fp8_block={cfg.fp8_block}")
+  if rng is not None and token_axes:
+    for a in token_axes:  # independent jitter on every token shard
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
+  r = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x_TxD, rng)
+  cf, impl = _resolve_impl(cfg)
+  plan = ep_lib.make_plan(t, cfg.top_k, cfg.num_experts, ep, cf, impl)
+  recv, handle = ep_lib.dispatch(x_TxD, r.idx_TxK, r.w_TxK, plan, axis=ep_axis,
+                                 fp8_block=cfg.fp8_block if cfg.fp8_dispatch else None)
+  out_NxD = experts_grouped(params, recv, plan.n_local)
+  y = ep_lib.combine(out_NxD, handle, plan, axis=ep_axis)
+  if cfg.num_shared_experts:
+    y = y + _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"])
+  lay = handle.layout
+  psum = (lambda v: jax.lax.psum(v, token_axes)) if token_axes else (lambda v: v)
+  n_tokens = t * _axes_size(token_axes)
+  stats = {
+      "tokens_per_expert": psum(lay.num_tokens_per_expert_E),
+      "dropped": psum(jnp.sum(~lay.kept_TxK, dtype=jnp.int32)),
+      "dropped_pairs": psum(jnp.sum(lay.is_token_in_rank_TxR, dtype=jnp.int32)
+                            - jnp.sum(lay.carrier_TxK, dtype=jnp.int32)),
+      "recv_rows": psum(jnp.sum(recv.eid_NxK < plan.n_local, axis=1).astype(bool).sum()),
+  }
+  aux = _aux(cfg, psum(r.probs_TxE.sum(0)), stats["tokens_per_expert"],
+             psum(router_lib.z_loss(r.logits_TxE)), n_tokens)
+  return y.astype(x_TxD.dtype), {**aux, **stats}
+
+
+def _aux(cfg: MoEConfig, probs_sum_E, counts_E, z_sum, n_tokens) -> dict[str, jax.Array]:
+  lb = router_lib.load_balancing_loss(probs_sum_E, counts_E, n_tokens, cfg.top_k)
+  z = z_sum / n_tokens
+  counts = counts_E.astype(jnp.float32)
+  return {"loss": cfg.lb_loss_coef * lb + cfg.z_loss_coef * z, "lb_loss": lb, "z_loss": z,
+          "imbalance": counts.max() / counts.mean()}
+
+
+def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
+              ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
+              seq_axis: str | None = None, rng: jax.Array | None = None
+              ) -> tuple[jax.Array, dict[str, Any]]:
+  """MoE FFN of a [B, L, D] batch: `shard_map` over `mesh` (None: one device, no collectives)."""
+  b, l, d = x_BxLxD.shape
+  if mesh is None:
+    y, aux = moe_ffn(cfg, params, x_BxLxD.reshape(b * l, d), ep_axis=None, rng=rng)
+    return y.reshape(b, l, d), aux
+  batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+  token_axes = batch_axes + ((seq_axis,) if seq_axis else ())
+  x_spec = P(batch_axes or None, seq_axis, None)
+  cfg.validate(mesh.shape[ep_axis] if ep_axis else 1)
+
+  def local(params, x, rng):
+    bl, ll, _ = x.shape
+    y, aux = moe_ffn(cfg, params, x.reshape(bl * ll, d), ep_axis=ep_axis, token_axes=token_axes,
+                     rng=rng)
+    return y.reshape(bl, ll, d), aux
+
+  aux_spec = {k: P() for k in ("loss", "lb_loss", "z_loss", "imbalance", "tokens_per_expert",
+                               "dropped", "dropped_pairs", "recv_rows")}
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, ep_axis), x_spec, P()),
+                     out_specs=(x_spec, aux_spec))
+  return fn(params, x_BxLxD, rng)
+
+
+def dense_reference(cfg: MoEConfig, params: Params, x_TxD: jax.Array,
+                    keep_TxK: jax.Array | None = None, x_expert_TxD: jax.Array | None = None
+                    ) -> tuple[jax.Array, dict[str, Any]]:
+  """One device, no dispatch: every expert on every token, mixed by the routing weights.
+
+  `keep_TxK` zeroes the assignments a capacity-mode layer dropped; `x_expert_TxD` is what the
+  routed experts see instead of `x_TxD` (the fp8 round trip of the dispatch payload).
+  """
+  r = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x_TxD)
+  w_TxK = r.w_TxK if keep_TxK is None else jnp.where(keep_TxK, r.w_TxK, 0.0)
+  mix_TxE = jnp.zeros((x_TxD.shape[0], cfg.num_experts), jnp.float32).at[
+      jnp.arange(x_TxD.shape[0])[:, None], r.idx_TxK].add(w_TxK)
+  hp = jax.lax.Precision.HIGHEST
+  xe = x_TxD if x_expert_TxD is None else x_expert_TxD
+  h_ExTxF = (jax.nn.silu(jnp.einsum("td,edf->etf", xe, params["wi_gate_ExDxF"], precision=hp))
+             * jnp.einsum("td,edf->etf", xe, params["wi_up_ExDxF"], precision=hp))
+  y_ExTxD = jnp.einsum("etf,efd->etd", h_ExTxF, params["wo_ExFxD"], precision=hp)
+  y = jnp.einsum("etd,te->td", y_ExTxD, mix_TxE, precision=hp)
+  if cfg.num_shared_experts:
+    y = y + _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"])
+  counts_E = jnp.zeros((cfg.num_experts,), jnp.int32).at[r.idx_TxK.ravel()].add(1)
+  aux = _aux(cfg, r.probs_TxE.sum(0), counts_E, router_lib.z_loss(r.logits_TxE), x_TxD.shape[0])
+  return y.astype(x_TxD.dtype), {**aux, "tokens_per_expert": counts_E}
