@@ -60,11 +60,12 @@ def executor(p, chunks, dp, recompute=False):
 @functools.cache
 def data(num_stages, p):
   """Parameters for num_stages stages and inputs for 3p micro-batches (runs use a prefix)."""
-  k = jax.random.split(jax.random.key(num_stages * 100 + p), 4)
-  params = {"w": jax.random.normal(k[0], (num_stages, D, D)) / np.sqrt(D),
-            "b": 0.1 * jax.random.normal(k[1], (num_stages, D))}
-  xs = jax.random.normal(k[2], (3 * p, B, L, D))
-  ts = jax.random.normal(k[3], (3 * p, B, L, D))
+  rng = np.random.default_rng(num_stages * 100 + p)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  params = {"w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
+            "b": f32(0.1 * rng.normal(size=(num_stages, D)))}
+  xs = f32(rng.normal(size=(3 * p, B, L, D)))
+  ts = f32(rng.normal(size=(3 * p, B, L, D)))
   return params, xs, ts
 
 

@@ -81,6 +81,26 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
                          f"{data} data-parallel shards of mesh axes {data_axes}")
 
 
+def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: PyTree,
+                embed_params: PyTree) -> None:
+  """Traces (without compiling) one stage and the loss on one micro-batch to check shapes."""
+  params0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), stage_params)
+  x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), xs)
+  t0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), targets)
+  if model.embed_fn is not None:
+    x0 = jax.eval_shape(model.embed_fn, embed_params, x0)
+  y0 = jax.eval_shape(model.stage_fn, params0, x0)
+  if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (x0.shape,
+                                                                                   x0.dtype):
+    raise ValueError(f"stage_fn maps one micro-batch of shape {x0.shape} {x0.dtype} to "
+                     f"{getattr(y0, 'shape', y0)} {getattr(y0, 'dtype', '')}; a pipeline stage "
+                     "must keep its input's shape and dtype")
+  loss = jax.eval_shape(model.loss_fn, head_params, y0, t0)
+  if not hasattr(loss, "shape") or loss.shape != ():
+    raise ValueError(f"loss_fn must return a scalar for one micro-batch, got "
+                     f"{getattr(loss, 'shape', loss)}")
+
+
 @functools.lru_cache(maxsize=64)
 def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
              data_axes: tuple[str, ...]) -> Callable:
@@ -109,6 +129,7 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes)
+  check_model(model, stage_params, xs, targets, head_params, embed_params)
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes))

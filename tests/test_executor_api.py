@@ -1,0 +1,152 @@
+"""jaxpipe.pipeline.value_and_grad: names, hand-written CSVs, data parallelism, bad input."""
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpipe.pipeline
+from jaxpipe.pipeline import api, make_schedule
+
+B, L, D = 4, 3, 8
+
+
+def stage_fn(params, x_BxLxD):
+  return jnp.tanh(x_BxLxD @ params["w"]) + params["b"]
+
+
+def loss_fn(y_BxLxD, t_BxL):
+  # cross-entropy over D classes, summed over tokens
+  logp = jax.nn.log_softmax(y_BxLxD, axis=-1)
+  return -jnp.sum(jnp.take_along_axis(logp, t_BxL[..., None], axis=-1))
+
+
+def make_mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def make_data(num_stages, m, seed=0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  params = {"w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
+            "b": f32(0.1 * rng.normal(size=(num_stages, D)))}
+  xs = f32(rng.normal(size=(m, B, L, D)))
+  ts = jnp.asarray(rng.integers(0, D, size=(m, B, L)), jnp.int32)
+  return params, xs, ts
+
+
+def sequential(params, xs, ts):
+  total = 0.0
+  for i in range(xs.shape[0]):
+    x = xs[i]
+    for s in range(jax.tree.leaves(params)[0].shape[0]):
+      x = stage_fn(jax.tree.map(lambda a: a[s], params), x)
+    total = total + loss_fn(x, ts[i])
+  return total
+
+
+def assert_matches(loss, grads, params, xs, ts):
+  want_loss, want_grads = jax.jit(jax.value_and_grad(sequential))(params, xs, ts)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for k in want_grads:
+    scale = np.max(np.abs(want_grads[k]))
+    np.testing.assert_allclose(grads[k], want_grads[k], rtol=0, atol=1e-5 * scale)
+
+
+def test_named_schedule_with_data_parallel_axis():
+  mesh = make_mesh((2, 2), ("dp", "pp"))
+  params, xs, ts = make_data(2, 4)
+  loss, grads = jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, ts, loss_fn,
+                                                schedule="zb-h1", mesh=mesh)
+  assert_matches(loss, grads, params, xs, ts)
+
+
+# A zero-bubble-like schedule written by hand in torch.distributed.pipelining's CSV:
+# split backwards, an idle step and an overlapped F&B pair.
+HAND_CSV = """\
+0F0,0F1,,0I0,(0F2;0I1)OVERLAP_F_B,0W0,0W1,0I2,0W2
+1F0,1I0,1F1,1W0,1I1,1F2,1W1,1I2,1W2
+"""
+
+
+def test_hand_written_csv_schedule(tmp_path):
+  path = tmp_path / "hand.csv"
+  path.write_text(HAND_CSV)
+  mesh = make_mesh((2,), ("pp",))
+  params, xs, ts = make_data(2, 3, seed=1)
+  loss, grads = jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, ts, loss_fn,
+                                                schedule=str(path), mesh=mesh)
+  assert_matches(loss, grads, params, xs, ts)
+
+
+def test_value_and_grad_inside_jit():
+  mesh = make_mesh((2,), ("pp",))
+  params, xs, ts = make_data(4, 4, seed=2)
+  sched = make_schedule("interleaved-1f1b", pp=2, microbatches=4, chunks=2)
+  f = jax.jit(lambda ps: jaxpipe.pipeline.value_and_grad(stage_fn, ps, xs, ts, loss_fn,
+                                                         schedule=sched, mesh=mesh))
+  loss, grads = f(params)
+  assert_matches(loss, grads, params, xs, ts)
+
+
+def expect_error_before_compiling(match, **overrides):
+  mesh = make_mesh((2,), ("pp",))
+  params, xs, ts = make_data(2, 4)
+  kwargs = dict(stage_fn=stage_fn, stage_params=params, xs=xs, targets=ts, loss_fn=loss_fn,
+                schedule="1f1b", mesh=mesh)
+  kwargs.update(overrides)
+  with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
+    with pytest.raises(ValueError, match=match):
+      jaxpipe.pipeline.value_and_grad(**kwargs)
+
+
+def test_error_schedule_ranks_disagree_with_mesh():
+  expect_error_before_compiling("4 ranks but mesh axis 'pp' has 2",
+                                schedule=make_schedule("1f1b", pp=4, microbatches=4))
+
+
+def test_error_stage_count_disagrees_with_params():
+  params, _, _ = make_data(3, 4)
+  expect_error_before_compiling("leading sizes \\[3\\].*2 model stages", stage_params=params)
+
+
+def test_error_microbatches_disagree_with_schedule():
+  expect_error_before_compiling("runs 6 micro-batches",
+                                schedule=make_schedule("gpipe", pp=2, microbatches=6))
+
+
+def test_error_forbidden_microbatch_count():
+  _, xs, ts = make_data(2, 2)
+  expect_error_before_compiling("dualpipe", schedule="dualpipe", xs=xs, targets=ts)
+
+
+def test_error_stage_changes_shape():
+  expect_error_before_compiling("keep its input's shape",
+                                stage_fn=lambda p, x: x[..., :4])
+
+
+def test_error_targets_shape():
+  _, _, ts = make_data(2, 3)
+  expect_error_before_compiling("targets has shape", targets=ts)
+
+
+def test_error_batch_not_divisible_by_data_axis():
+  mesh = make_mesh((4, 2), ("dp", "pp"))
+  params, xs, ts = make_data(2, 4)
+  expect_error_before_compiling("not divisible by the 4 data-parallel", mesh=mesh,
+                                xs=xs[:, :2], targets=ts[:, :2])
+
+
+def test_error_mesh_without_pipeline_axis():
+  expect_error_before_compiling("lack the pipeline axis 'pp'", mesh=make_mesh((2,), ("x",)))
+
+
+def test_residuals_exclude_the_stage_weights():
+  # A matmul stage's vjp closure holds its weight; the executor must not store it per slot.
+  from jaxpipe.pipeline.executor import _Residuals
+  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+            "b": jax.ShapeDtypeStruct((D,), jnp.float32)}
+  res = _Residuals.probe(stage_fn, params, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
+  assert 1 in res.param_of_leaf  # leaf 1 of {"b", "w"} is w
+  assert all(s.shape != (D, D) for s in res.stored)
