@@ -109,6 +109,10 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
     raise NotImplementedError(
         f"mesh.pp={mesh_shape['pp']}: pipeline-parallel training (pipeline.schedule="
         f"{config.pipeline.schedule!r}) has no loss_and_grads yet; run with --config.mesh.pp=1")
+  if mesh_shape["cp"] > 1:
+    # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
+    from jaxpipe.parallel.ulysses import context_parallel_loss_and_grads
+    return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
 
 
