@@ -5,6 +5,7 @@ and overrides fields. The tree is locked, so a misspelt key fails naming the clo
 Validation runs before any device work.
 """
 import dataclasses
+import difflib
 import os
 from typing import Iterable
 
@@ -225,9 +226,13 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
                       "'model.d_model = 256'") from e
   for section, fn in fns.items():
     for key, value in fn().items():
+      if key not in config[section]:
+        close = difflib.get_close_matches(key, list(config[section].keys()), n=1)
+        hint = f"did you mean {section}.{close[0]}?" if close else f"fields: {list(config[section])}"
+        raise ConfigError(f"gin binding {section}.{key}: no such field; {hint}")
       try:
         config[section][key] = value
-      except (AttributeError, KeyError, TypeError) as e:
+      except TypeError as e:
         raise ConfigError(f"gin binding {section}.{key} = {value!r}: {e}") from e
   gin.clear_config()
   return config

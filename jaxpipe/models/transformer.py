@@ -64,6 +64,10 @@ def rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Arra
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BxLxHxK.dtype)
 
 
+# Normal, not Flax's default truncated normal: same scale, and XLA compiles it several times faster.
+_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+
+
 class RMSNorm(nn.Module):
   eps: float
 
@@ -80,8 +84,8 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, positions_L):
     c = self.cfg
-    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=c.compute_dtype,
-                              param_dtype=jnp.float32)
+    dense = functools.partial(nn.DenseGeneral, use_bias=False, kernel_init=_KERNEL_INIT,
+                              dtype=c.compute_dtype, param_dtype=jnp.float32)
     q_BxLxHxK = dense((c.n_heads, c.head_dim), name="q")(x_BxLxD)
     k_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="k")(x_BxLxD)
     v_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="v")(x_BxLxD)
@@ -98,8 +102,8 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     c = self.cfg
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=c.compute_dtype,
-                              param_dtype=jnp.float32)
+    dense = functools.partial(nn.Dense, use_bias=False, kernel_init=_KERNEL_INIT,
+                              dtype=c.compute_dtype, param_dtype=jnp.float32)
     h_BxLxF = nn.silu(dense(c.d_ff, name="gate")(x_BxLxD)) * dense(c.d_ff, name="up")(x_BxLxD)
     return dense(c.d_model, name="down")(h_BxLxF)
 

@@ -1,0 +1,124 @@
+"""Config validation: each bad value fails before device work, naming the value and the fix."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import quickstart, tiny
+from jaxpipe import config as config_lib
+from jaxpipe.config import ConfigError, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(**overrides):
+  c = tiny.get_config()
+  for dotted, value in overrides.items():
+    section, key = dotted.split("__")
+    c[section][key] = value
+  return c
+
+
+def test_defaults_and_examples_validate():
+  assert validate(quickstart.get_config(), 8) == {"pp": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1}
+  assert validate(tiny.get_config(), 1)["dp"] == 1
+  assert validate(_cfg(mesh__pp=2, mesh__ep=2), 8) == {"pp": 2, "dp": 2, "ep": 2, "cp": 1, "tp": 1}
+
+
+@pytest.mark.parametrize("overrides, devices, needle", [
+    # mesh product != device count
+    (dict(mesh__dp=3), 8, "mesh pp=1 x dp=3 x ep=1 x cp=1 x tp=1 = 3 devices, but 8 are available"),
+    (dict(mesh__pp=3), 8, "does not divide the 8 available"),
+    # layers not divisible by pipeline stages
+    (dict(mesh__pp=4), 8, "model.n_layers=2 is not divisible by mesh.pp x pipeline.chunks = 4 x 1"),
+    (dict(mesh__pp=2, pipeline__chunks=2), 8, "mesh.pp x pipeline.chunks = 2 x 2 = 4"),
+    # heads not divisible by kv heads, or by the context axis
+    (dict(model__n_kv_heads=3), 8, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    (dict(model__n_heads=6, model__n_kv_heads=3, mesh__cp=2), 8,
+     "model.n_kv_heads=3 is not divisible by mesh.cp=2"),
+    (dict(model__n_heads=2, model__n_kv_heads=2, mesh__cp=4), 8,
+     "model.n_heads=2 is not divisible by mesh.cp=4"),
+    # batch not divisible by data x micro-batches
+    (dict(data__batch=12), 8, "data.batch=12 is not divisible by data-parallel ranks"),
+    (dict(pipeline__microbatches=4), 8, "(mesh.dp x mesh.ep = 8 x 1) x pipeline.microbatches=4 = 32"),
+    (dict(mesh__ep=2, data__batch=8, pipeline__microbatches=2), 8, "= 4 x 2) x pipeline.microbatches=2"),
+    # unknown schedule
+    (dict(pipeline__schedule="1f1b-interleaved"), 8, "pipeline.schedule='1f1b-interleaved' is unknown"),
+    (dict(pipeline__schedule="missing.csv"), 8, "pipeline.schedule='missing.csv': no such file"),
+    # negative / zero sizes
+    (dict(model__d_model=0), 8, "model.d_model=0 must be a positive integer"),
+    (dict(model__n_layers=-2), 8, "model.n_layers=-2 must be a positive integer"),
+    (dict(data__seq_len=0), 8, "data.seq_len=0 must be a positive integer"),
+    (dict(pipeline__microbatches=0), 8, "pipeline.microbatches=0 must be a positive integer"),
+    (dict(mesh__ep=0), 8, "mesh.ep=0 must be a positive integer"),
+    (dict(mesh__dp=-8), 8, "mesh.dp=-8 must be a positive integer"),
+    (dict(train__steps=0), 8, "train.steps=0 must be a positive integer"),
+    (dict(optimizer__lr=-1e-3), 8, "optimizer.lr=-0.001 must be >= 0"),
+    # other values the run cannot use
+    (dict(model__head_dim=7), 8, "model.head_dim=7 must be even"),
+    (dict(model__dtype="fp8"), 8, "model.dtype='fp8' is unknown"),
+    (dict(data__source="c4"), 8, "data.source='c4' is unknown"),
+    (dict(data__source="stdlib"), 8, "model.vocab=64 cannot hold the byte-level stdlib corpus"),
+    (dict(data__seq_len=9, mesh__cp=2), 8, "data.seq_len=9 is not divisible by mesh.cp=2"),
+])
+def test_bad_values_raise_clear_errors(overrides, devices, needle):
+  with pytest.raises(ConfigError) as e:
+    validate(_cfg(**overrides), devices)
+  assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("name", config_lib.SCHEDULES)
+def test_every_schedule_name_is_accepted(name):
+  validate(_cfg(pipeline__schedule=name), 8)
+
+
+def test_schedule_csv_path_is_accepted(tmp_path):
+  path = tmp_path / "mine.csv"
+  path.write_text("0F0,1F0\n")
+  validate(_cfg(pipeline__schedule=str(path)), 8)
+
+
+def test_trainer_validates_before_device_work():
+  from jaxpipe.trainer import Trainer
+  with pytest.raises(ConfigError, match="model.n_heads=4 is not divisible by model.n_kv_heads=3"):
+    Trainer(_cfg(model__n_kv_heads=3))
+
+
+def test_config_is_locked_and_names_the_closest_key():
+  c = tiny.get_config()
+  with pytest.raises(AttributeError, match='Did you mean "d_model"'):
+    c.model.d_modle = 3
+
+
+def test_model_section_is_the_model_dataclass():
+  c = _cfg(model__d_model=48, model__tied_embeddings=False)
+  m = config_lib.model_config(c)
+  assert m.d_model == 48 and not m.tied_embeddings and m.vocab == 64
+
+
+def test_gin_bindings_override_sections(tmp_path):
+  gin_file = tmp_path / "sweep.gin"
+  gin_file.write_text("model.d_model = 64\noptimizer.lr = 0.02\n")
+  c = config_lib.apply_gin(tiny.get_config(), [str(gin_file)], ["mesh.dp = 4", "optimizer.lr = 0.05"])
+  assert (c.model.d_model, c.optimizer.lr, c.mesh.dp) == (64, 0.05, 4)
+
+
+@pytest.mark.parametrize("binding, needle", [
+    ("model.d_modle = 3", "no such field; did you mean model.d_model?"),
+    ("modl.d_model = 3", "No configurable matching 'modl'"),
+    ("model.d_model = 'x'", "gin binding model.d_model = 'x'"),
+])
+def test_bad_gin_bindings_raise_clear_errors(binding, needle):
+  with pytest.raises(ConfigError) as e:
+    config_lib.apply_gin(tiny.get_config(), [], [binding])
+  assert needle in str(e.value)
+
+
+def test_cli_misspelt_override_names_the_closest_key():
+  r = subprocess.run([sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py",
+                      "--config.model.d_modle=3"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode != 0
+  assert 'Did you mean "d_model" instead of "d_modle"?' in r.stderr
+  assert "Traceback" not in r.stderr
