@@ -106,9 +106,9 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
                         mesh_shape: dict[str, int]) -> LossAndGrads:
   """The gradient computation the config asks for."""
   if mesh_shape["pp"] > 1:
-    raise NotImplementedError(
-        f"mesh.pp={mesh_shape['pp']}: pipeline-parallel training (pipeline.schedule="
-        f"{config.pipeline.schedule!r}) has no loss_and_grads yet; run with --config.mesh.pp=1")
+    # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
+    from jaxpipe.pipeline.lm import pipeline_loss_and_grads
+    return pipeline_loss_and_grads(cfg, config.pipeline, make_mesh(config.mesh))
   if mesh_shape["cp"] > 1:
     # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
     from jaxpipe.parallel.ulysses import context_parallel_loss_and_grads
@@ -267,6 +267,7 @@ class Trainer:
       nonlocal checked, t_last, steps_last
       rows = jax.device_get(pending)
       pending.clear()
+      block_start = checked + 1
       now = time.perf_counter()
       timing = {}
       if t_last is not None and step > steps_last:
@@ -282,11 +283,11 @@ class Trainer:
             self.checkpointer.wait()
           good = self.checkpointer.latest_step() if self.checkpointer else None
           raise NonFiniteLossError(
-              f"non-finite loss {float(m['loss'])} / grad norm {float(m['grad_norm'])} at step {s}; "
-              f"steps {checked + 1}..{s - 1} were finite (checked in blocks of train.log_every="
-              f"{cfg.train.log_every}). Stopped without saving; the last good checkpoint is "
+              f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}, "
+              f"found when checking steps {block_start}..{step}. Stopped without saving; the last "
+              "good checkpoint is "
               + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
-              + ". Lower optimizer.lr, raise warmup_steps or clip harder, then resume.")
+              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume.")
         checked = s
         summary["last_loss"] = float(m["loss"])
         if summary["first_loss"] is None:

@@ -1,0 +1,96 @@
+"""The Transformer LM on the pipeline executor: the trainer's `loss_and_grads` when mesh.pp > 1.
+
+Stage s runs layers [s*k, (s+1)*k) (`transformer.apply_layers`); the first virtual stage of
+every route also embeds the tokens and the last applies the final norm, the head and the loss
+(the executor's `embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and
+whose gradients are summed over it). The loss is summed per micro-batch and divided, with the
+gradients, by the global count of valid tokens once the step is done.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh
+
+from jaxpipe.models import transformer
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.pipeline.api import pipeline_value_and_grad, resolve_schedule
+from jaxpipe.pipeline.executor import Model
+from jaxpipe.pipeline.ir import Schedule
+
+BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.mesh.BATCH_AXES)
+
+
+def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
+  """config.pipeline -> the validated schedule for `pp` ranks."""
+  chunks = pipeline.chunks if pipeline.chunks != 1 else None
+  schedule = resolve_schedule(pipeline.schedule, pp=pp, microbatches=pipeline.microbatches,
+                              chunks=chunks)
+  if schedule.num_ranks != pp:
+    raise ValueError(f"pipeline.schedule={pipeline.schedule!r} has {schedule.num_ranks} ranks but "
+                     f"mesh.pp={pp}")
+  if schedule.num_microbatches != pipeline.microbatches:
+    raise ValueError(f"pipeline.schedule={pipeline.schedule!r} runs {schedule.num_microbatches} "
+                     f"micro-batches but pipeline.microbatches={pipeline.microbatches}; make "
+                     "them equal")
+  return schedule
+
+
+@functools.lru_cache(maxsize=16)
+def lm_model(cfg: TransformerConfig) -> Model:
+  """Stage, embedding and head functions of the LM; cached so compiled programs are reused."""
+
+  def stage_fn(layers, x_BxLxD):
+    return transformer.apply_layers(cfg, layers, x_BxLxD)
+
+  def embed_fn(embed_params, tokens_BxL):
+    return transformer.embed(cfg, embed_params, tokens_BxL)
+
+  def loss_fn(head_params, x_BxLxD, target):
+    targets_BxL, mask_BxL = target
+    return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
+
+  return Model(stage_fn, loss_fn, embed_fn)
+
+
+def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
+                            mesh: Mesh):
+  """`loss_and_grads(params, batch) -> (loss, grads, {'tokens': count})` run as a pipeline."""
+  for axis in mesh.axis_names:
+    if axis not in ("pp",) + BATCH_AXES and mesh.shape[axis] > 1:
+      raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
+                       f"data parallelism ({', '.join(BATCH_AXES)}) only; set mesh.{axis}=1")
+  schedule = lm_schedule(pipeline, mesh.shape["pp"])
+  stages = schedule.num_stages
+  if cfg.n_layers % stages:
+    raise ValueError(f"model.n_layers={cfg.n_layers} does not split into the {stages} model "
+                     f"stages of schedule {schedule.name!r}; use a multiple of {stages}")
+  m = schedule.num_microbatches
+  model = lm_model(cfg)
+  data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+  def loss_and_grads(params, batch):
+    # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
+    split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]),
+                                                0, 1), batch)
+    stage_params = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]),
+                                params["layers"])
+    head_params = {k: v for k, v in params.items() if k != "layers"}
+    total, stage_grads, head_grads, embed_grads = pipeline_value_and_grad(
+        model, stage_params, split["tokens"], (split["targets"], split["mask"]),
+        schedule=schedule, mesh=mesh, head_params=head_params,
+        embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
+        data_axes=data_axes)
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    denom = jnp.maximum(count, 1.0)
+    grads = dict(head_grads)
+    grads["embed"] = grads["embed"] + embed_grads["embed"]
+    grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
+                                   stage_grads)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    return total / denom, grads, {"tokens": count}
+
+  return loss_and_grads
