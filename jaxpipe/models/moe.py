@@ -1,13 +1,18 @@
 """Mixture-of-experts FFN: router -> dispatch -> SwiGLU experts (grouped GEMM) -> combine.
 
-Experts are sharded over an expert mesh axis and tokens over the data axes that include it;
-`moe_ffn` runs inside `shard_map` (an enclosing pipeline executor calls it there directly),
-`moe_layer` wraps it in one. `dense_reference` computes the same function on one device,
-every expert on every token, and is what the sharded layer is tested against.
+Experts are sharded over an expert mesh axis and tokens over the data axes that include it.
+`moe_ffn` is the per-device program; `moe_layer` runs it on a [B, L, D] batch: directly when
+called inside a `shard_map` that splits the expert axis, else in a `shard_map` over the mesh
+it is given or the one set by `with expert_parallel(mesh):`, else on one device.
+`dense_reference` computes the same function on one device, every expert on every token, and
+is what the sharded layer is tested against.
 """
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -195,16 +200,71 @@ def _aux(cfg: MoEConfig, probs_sum_E, counts_E, z_sum, n_tokens) -> dict[str, ja
           "imbalance": counts.max() / counts.mean()}
 
 
+AUX_KEYS = ("loss", "lb_loss", "z_loss", "imbalance", "tokens_per_expert", "dropped",
+            "dropped_pairs", "recv_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  mesh: Any
+  ep_axis: str | None
+  batch_axes: tuple[str, ...]
+  seq_axis: str | None
+
+
+_PLACEMENT: contextvars.ContextVar[_Placement | None] = contextvars.ContextVar("moe_placement",
+                                                                               default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(mesh, ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
+                    seq_axis: str | None = "cp"):
+  """While tracing inside, `moe_layer` calls without a mesh shard over `mesh` this way."""
+  token = _PLACEMENT.set(_Placement(mesh, ep_axis, tuple(batch_axes), seq_axis))
+  try:
+    yield
+  finally:
+    _PLACEMENT.reset(token)
+
+
+def _local_experts(cfg: MoEConfig, params: Params, ep_axis: str | None, ep: int) -> Params:
+  """This rank's slice of expert weights that arrive whole (replicated into a `shard_map`)."""
+  if ep == 1 or params["wi_gate_ExDxF"].shape[0] != cfg.num_experts:
+    return params
+  n = cfg.num_experts // ep
+  start = jax.lax.axis_index(ep_axis) * n
+  return {k: jax.lax.dynamic_slice_in_dim(v, start, n) if k.startswith(("wi_", "wo_")) else v
+          for k, v in params.items()}
+
+
 def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
               ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
-              seq_axis: str | None = None, rng: jax.Array | None = None
+              seq_axis: str | None = "cp", rng: jax.Array | None = None
               ) -> tuple[jax.Array, dict[str, Any]]:
-  """MoE FFN of a [B, L, D] batch: `shard_map` over `mesh` (None: one device, no collectives)."""
+  """MoE FFN of a [B, L, D] batch, placed as the module docstring says; returns (y, aux).
+
+  Axes named here but absent from the mesh are ignored. aux holds the weighted auxiliary
+  `loss` to add to the training loss and the routing statistics (AUX_KEYS), over all tokens.
+  """
   b, l, d = x_BxLxD.shape
+  placement = _PLACEMENT.get()
+  if mesh is None and placement is not None:
+    mesh, ep_axis, batch_axes, seq_axis = (placement.mesh, placement.ep_axis, placement.batch_axes,
+                                           placement.seq_axis)
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  if ep_axis is not None and ep_axis in manual:  # already inside a shard_map: x is the local block
+    token_axes = tuple(a for a in batch_axes + (seq_axis,) if a in manual)
+    ep = jax.lax.axis_size(ep_axis)
+    y, aux = moe_ffn(cfg, _local_experts(cfg, params, ep_axis, ep), x_BxLxD.reshape(b * l, d),
+                     ep_axis=ep_axis, token_axes=token_axes, rng=rng)
+    return y.reshape(b, l, d), aux
   if mesh is None:
     y, aux = moe_ffn(cfg, params, x_BxLxD.reshape(b * l, d), ep_axis=None, rng=rng)
     return y.reshape(b, l, d), aux
-  batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+  names = mesh.axis_names
+  ep_axis = ep_axis if ep_axis in names else None
+  batch_axes = tuple(a for a in batch_axes if a in names)
+  seq_axis = seq_axis if seq_axis in names else None
   token_axes = batch_axes + ((seq_axis,) if seq_axis else ())
   x_spec = P(batch_axes or None, seq_axis, None)
   cfg.validate(mesh.shape[ep_axis] if ep_axis else 1)
@@ -215,8 +275,7 @@ def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
                      rng=rng)
     return y.reshape(bl, ll, d), aux
 
-  aux_spec = {k: P() for k in ("loss", "lb_loss", "z_loss", "imbalance", "tokens_per_expert",
-                               "dropped", "dropped_pairs", "recv_rows")}
+  aux_spec = {k: P() for k in AUX_KEYS}
   fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, ep_axis), x_spec, P()),
                      out_specs=(x_spec, aux_spec))
   return fn(params, x_BxLxD, rng)
@@ -245,3 +304,44 @@ def dense_reference(cfg: MoEConfig, params: Params, x_TxD: jax.Array,
   counts_E = jnp.zeros((cfg.num_experts,), jnp.int32).at[r.idx_TxK.ravel()].add(1)
   aux = _aux(cfg, r.probs_TxE.sum(0), counts_E, router_lib.z_loss(r.logits_TxE), x_TxD.shape[0])
   return y.astype(x_TxD.dtype), {**aux, "tokens_per_expert": counts_E}
+
+
+class MoEFFN(nn.Module):
+  """Flax face of `moe_layer`: parameters from `init_moe_params`, placement from the context."""
+  cfg: MoEConfig
+  dtype: Any = jnp.float32  # compute dtype of the experts; the router stays float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    d = x_BxLxD.shape[-1]
+    shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
+    params = {name: self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
+              for name in shapes}
+    params = {k: v if k in ("router_DxE", "expert_bias_E") else v.astype(self.dtype)
+              for k, v in params.items()}
+    return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype))
+
+
+def step_metrics(aux_GxX: dict[str, jax.Array], n_tokens, top_k: int) -> dict[str, jax.Array]:
+  """Scalar training metrics from the aux of G MoE layers (leading axis G)."""
+  counts = aux_GxX["tokens_per_expert"].astype(jnp.float32)
+  return {"moe_aux_loss": aux_GxX["loss"].sum(), "moe_lb_loss": aux_GxX["lb_loss"].mean(),
+          "moe_z_loss": aux_GxX["z_loss"].mean(),
+          "moe_imbalance": (counts.max(-1) / counts.mean(-1)).max(),
+          "moe_dropped_frac": aux_GxX["dropped"].sum() / (n_tokens * top_k * counts.shape[0])}
+
+
+def update_biases(cfg: MoEConfig, old_params: Any, new_params: Any,
+                  tokens_per_expert_GxE: jax.Array) -> Any:
+  """Every `expert_bias_E` leaf becomes its old value plus the balancing step.
+
+  The optimizer's update of the bias (weight decay; its gradient is zero) is discarded: the bias
+  moves only by DeepSeek-V3's sign rule.
+  """
+  def pick(path, old, new):
+    if getattr(path[-1], "key", None) != "expert_bias_E":
+      return new
+    counts = tokens_per_expert_GxE.reshape(old.shape)
+    return router_lib.update_expert_bias(old, counts, cfg.bias_update_rate) if cfg.bias_update_rate \
+        else old
+  return jax.tree_util.tree_map_with_path(pick, old_params, new_params)

@@ -88,6 +88,9 @@ def z_loss(logits_TxE: jax.Array) -> jax.Array:
 
 
 def update_expert_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
-  """DeepSeek-V3's step: raise the bias of underloaded experts by `rate`, lower overloaded ones."""
+  """DeepSeek-V3's step: raise the bias of underloaded experts by `rate`, lower overloaded ones.
+
+  Leading axes (stacked layers) are independent.
+  """
   load = tokens_per_expert_E.astype(jnp.float32)
-  return bias_E + rate * jnp.sign(load.mean() - load).astype(bias_E.dtype)
+  return bias_E + rate * jnp.sign(load.mean(-1, keepdims=True) - load).astype(bias_E.dtype)
