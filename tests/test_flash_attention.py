@@ -38,15 +38,18 @@ def _inputs(batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32, 
 
 
 def _out_and_grads(fn, q, k, v, do):
-  out, vjp = jax.vjp(fn, q, k, v)
-  return (out, *vjp(do))
+  """fn(q, k, v) and its vjp of `do`, as one compiled program."""
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+  return jax.jit(run)(q, k, v, do)
 
 
 @functools.lru_cache(maxsize=None)
 def _case_results(name):
   _, batch, q_len, kv_len, heads, kv_heads, head_dim, causal = next(c for c in CASES if c[0] == name)
   q, k, v, do = _inputs(batch, q_len, kv_len, heads, kv_heads, head_dim)
-  pallas = jax.jit(functools.partial(flash_attention, causal=causal, interpret=True, **BLOCKS))
+  pallas = functools.partial(flash_attention, causal=causal, interpret=True, **BLOCKS)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
   return _out_and_grads(pallas, q, k, v, do), _out_and_grads(xla, q, k, v, do)
 
@@ -75,7 +78,7 @@ def test_segment_ids_with_padding_match_masked_xla():
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                                      implementation="xla")
-  got, want = _out_and_grads(jax.jit(pallas), q, k, v, do), _out_and_grads(xla, q, k, v, do)
+  got, want = _out_and_grads(pallas, q, k, v, do), _out_and_grads(xla, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert _rel(g, w) < 1e-5, label
 
@@ -86,7 +89,7 @@ def test_query_that_sees_no_key_gives_zero():
   kv_ids = jnp.array([[1] * 12 + [2] * 12], jnp.int32)
   fn = lambda q, k, v: flash_attention(q, k, v, segment_ids=(q_ids, kv_ids), interpret=True,
                                        **BLOCKS)
-  out, dq, dk, dv = _out_and_grads(jax.jit(fn), q, k, v, do)
+  out, dq, dk, dv = _out_and_grads(fn, q, k, v, do)
   assert np.all(np.asarray(out[:, 10:13]) == 0.0)
   assert np.all(np.asarray(dq[:, 10:13]) == 0.0)
   keep = np.r_[0:10, 13:20]
@@ -103,7 +106,7 @@ def test_query_that_sees_no_key_gives_zero():
 def test_half_precision_within_rounding(dtype):
   """Half inputs against a float32 reference on the same (rounded) inputs: within one ulp of the max."""
   q, k, v, do = _inputs(1, 48, 48, 4, 2, 32, dtype=dtype, seed=3)
-  fn = jax.jit(functools.partial(flash_attention, causal=True, interpret=True, **BLOCKS))
+  fn = functools.partial(flash_attention, causal=True, interpret=True, **BLOCKS)
   got = _out_and_grads(fn, q, k, v, do)
   f32 = lambda x: x.astype(jnp.float32)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")

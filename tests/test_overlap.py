@@ -20,11 +20,18 @@ def _rel(a, b) -> float:
 
 
 def _value_and_grads(fn, *args):
-  """One compiled program: fn(*args) and the gradient of <fn(*args), cotangent> for all args."""
+  """fn(*args) and the gradient of <fn(*args), cotangent> for all args (to be traced in a jit)."""
   def run(ct, *args):
     out, vjp = jax.vjp(fn, *args)
     return (out, *vjp(ct))
-  return jax.jit(run)
+  return run
+
+
+def _fused_unfused_dense(fused, unfused, dense, ct, *args):
+  """The three variants' outputs and gradients, compiled as one program."""
+  def run(ct, *args):
+    return [_value_and_grads(f, *args)(ct, *args) for f in (fused, unfused, dense)]
+  return jax.jit(run)(ct, *args)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -36,9 +43,9 @@ def test_input_side_equals_unfused_and_dense(cp):
   ct = jax.random.normal(kc, (2, 4 * cp, 2 * cp, 8))
   wrap = lambda f: jax.shard_map(functools.partial(f, axis_name="cp"), mesh=mesh,
                                  in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"))
-  fused = _value_and_grads(wrap(overlap.proj_a2a_local), x, w)(ct, x, w)
-  unfused = _value_and_grads(wrap(overlap.proj_then_a2a_local), x, w)(ct, x, w)
-  dense = _value_and_grads(lambda x, w: jnp.einsum("bld,dnk->blnk", x, w), x, w)(ct, x, w)
+  fused, unfused, dense = _fused_unfused_dense(
+      wrap(overlap.proj_a2a_local), wrap(overlap.proj_then_a2a_local),
+      lambda x, w: jnp.einsum("bld,dnk->blnk", x, w), ct, x, w)
   for label, a, b, c in zip(("out", "dx", "dw"), fused, unfused, dense):
     assert _rel(a, b) < 1e-5, label
     assert _rel(a, c) < 1e-5, label
@@ -53,9 +60,9 @@ def test_output_side_equals_unfused_and_dense(cp):
   ct = jax.random.normal(kc, (2, 4 * cp, 16))
   wrap = lambda f: jax.shard_map(functools.partial(f, axis_name="cp"), mesh=mesh,
                                  in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"))
-  fused = _value_and_grads(wrap(overlap.a2a_proj_local), o, w)(ct, o, w)
-  unfused = _value_and_grads(wrap(overlap.a2a_then_proj_local), o, w)(ct, o, w)
-  dense = _value_and_grads(lambda o, w: jnp.einsum("blnk,nkd->bld", o, w), o, w)(ct, o, w)
+  fused, unfused, dense = _fused_unfused_dense(
+      wrap(overlap.a2a_proj_local), wrap(overlap.a2a_then_proj_local),
+      lambda o, w: jnp.einsum("blnk,nkd->bld", o, w), ct, o, w)
   for label, a, b, c in zip(("out", "do", "dw"), fused, unfused, dense):
     assert _rel(a, b) < 1e-5, label
     assert _rel(a, c) < 1e-5, label
@@ -86,8 +93,8 @@ def test_overlapped_attention_sublayer_equals_dense():
   sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "cp"),) + (P(),) * 4,
                           out_specs=P(None, "cp"))
   args = (x, wq, wk, wv, wo)
-  got = _value_and_grads(sharded, *args)(ct, *args)
-  want = _value_and_grads(dense, *args)(ct, *args)
+  got, want = jax.jit(lambda ct, *a: [_value_and_grads(f, *a)(ct, *a) for f in (sharded, dense)])(
+      ct, *args)
   for label, a, b in zip(("y", "dx", "dwq", "dwk", "dwv", "dwo"), got, want):
     assert _rel(a, b) < 1e-5, label
 
