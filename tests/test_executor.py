@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
-from jaxpipe.pipeline.executor import ExecSpec, Model, make_executor, to_local, from_local
+from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered, make_executor,
+                                       to_local)
 from jaxpipe.pipeline.lower import lower
 
 B, L, D = 2, 4, 8  # micro-batch, sequence, width: tiny, so compiling dominates
@@ -22,6 +23,8 @@ def loss_fn(head_params, y_BxLxD, t_BxLxD):
 
 
 MODEL = Model(stage_fn, loss_fn)
+# Two layers per stage, seen layer by layer: I keeps per-layer cotangents for W.
+LAYERED = Model(layered(stage_fn), loss_fn)
 
 
 def build(name, p, m):
@@ -50,20 +53,20 @@ def schedules(p):
 
 
 @functools.cache
-def executor(p, chunks, dp, recompute=False):
+def executor(p, chunks, dp, recompute=False, model=MODEL):
   """One compiled program for every schedule with p ranks and `chunks` per rank."""
   group = [lo for lo in schedules(p).values() if lo.schedule.placement.chunks_per_rank == chunks]
   spec = ExecSpec.covering(group, recompute=recompute)
-  return spec, make_executor(MODEL, spec, mesh_for(p, dp))
+  return spec, make_executor(model, spec, mesh_for(p, dp))
 
 
 @functools.cache
-def data(num_stages, p):
+def data(num_stages, p, layers=()):
   """Parameters for num_stages stages and inputs for 3p micro-batches (runs use a prefix)."""
   rng = np.random.default_rng(num_stages * 100 + p)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  params = {"w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
-            "b": f32(0.1 * rng.normal(size=(num_stages, D)))}
+  params = {"w": f32(rng.normal(size=(num_stages, *layers, D, D)) / np.sqrt(D)),
+            "b": f32(0.1 * rng.normal(size=(num_stages, *layers, D)))}
   xs = f32(rng.normal(size=(3 * p, B, L, D)))
   ts = f32(rng.normal(size=(3 * p, B, L, D)))
   return params, xs, ts
@@ -71,24 +74,26 @@ def data(num_stages, p):
 
 @jax.jit
 def reference(params, xs, ts, mask):
-  """Unpipelined: loss summed over the micro-batches in `mask`, stages applied in order."""
+  """Unpipelined: loss summed over the micro-batches in `mask`, layers applied in order."""
   def total(params):
+    flat = {"w": params["w"].reshape(-1, D, D), "b": params["b"].reshape(-1, D)}
+
     def one(x, t):
       def layer(x, ps):
         return stage_fn(ps, x), None
-      y, _ = jax.lax.scan(layer, x, params)
+      y, _ = jax.lax.scan(layer, x, flat)
       return loss_fn((), y, t)
     return jnp.sum(jax.vmap(one)(xs, ts) * mask)
   return jax.value_and_grad(total)(params)
 
 
-def run(name, p, m, dp, recompute=False):
+def run(name, p, m, dp, recompute=False, model=MODEL):
   lowered = schedules(p)[name, m]
   chunks = lowered.schedule.placement.chunks_per_rank
-  spec, fn = executor(p, chunks, dp, recompute)
+  spec, fn = executor(p, chunks, dp, recompute, model)
   spec.check(lowered)
   num_stages = lowered.schedule.num_stages
-  params, xs, ts = data(num_stages, p)
+  params, xs, ts = data(num_stages, p, (2,) if model is LAYERED else ())
   layout = lowered.layout()
   loss, local_grads, _, _ = fn(lowered.padded(spec.num_ticks), to_local(params, layout), xs, ts,
                                (), ())
@@ -122,6 +127,21 @@ def test_schedule_matches_unpipelined_value_and_grad(name, p, mult, dp):
 @pytest.mark.parametrize("name", ["zb-h2", "dualpipev"])
 def test_recompute_gives_the_same_gradients(name):
   loss, grads, want_loss, want_grads = run(name, 2, 4, False, recompute=True)
+  assert_close(loss, want_loss)
+  for k in want_grads:
+    assert_close(grads[k], want_grads[k])
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_layered_stages_match_unpipelined_value_and_grad(name):
+  loss, grads, want_loss, want_grads = run(name, 4, 8, False, model=LAYERED)
+  assert_close(loss, want_loss)
+  for k in want_grads:
+    assert_close(grads[k], want_grads[k])
+
+
+def test_layered_stages_with_recompute():
+  loss, grads, want_loss, want_grads = run("zb-v", 2, 4, True, recompute=True, model=LAYERED)
   assert_close(loss, want_loss)
   for k in want_grads:
     assert_close(grads[k], want_grads[k])

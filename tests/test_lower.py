@@ -19,12 +19,13 @@ def build(name, p, m):
 def interpret(lowered):
   """Runs the tables on symbolic tokens; asserts every read finds the value the math needs.
 
-  Returns (actions run, peak live residuals per rank, lock-step time recomputed from the table).
+  Returns (actions run, {buffer: peak values held per rank}, lock-step time from the table).
   """
   sched = lowered.schedule
   pl, p, table = sched.placement, sched.num_ranks, lowered.table
-  act, res, cot = ([{} for _ in range(p)] for _ in range(3))
-  ran, peak, time = [], [0] * p, 0
+  act, res, cot, wg = ([{} for _ in range(p)] for _ in range(4))
+  ran, time = [], 0
+  peak = {"act": [0] * p, "res": [0] * p, "cot": [0] * p, "wg": [0] * p}
   for t in range(table.shape[0]):
     writes, sent = [], {}  # writes happen after every read of the tick
     tick_cost = 0
@@ -53,11 +54,17 @@ def interpret(lowered):
             writes.append((act[r], row[COL["f_local"]], ("y", stage, mb)))
         else:
           assert res[r][row[COL[f"{pre}_res"]]] == ("res", stage, mb), (t, r, kind)
-          assert cot[r][row[COL[f"{pre}_cot"]]] == ("dy", stage, mb), (t, r, kind)
+          if kind in ("B", "I"):
+            assert cot[r].pop(row[COL["b_cot"]]) == ("dy", stage, mb), (t, r, kind)
+          if kind == "I":  # what W needs from I waits in a wg slot
+            writes.append((wg[r], row[COL["b_wg"]], ("g", stage, mb)))
+          if kind == "B":
+            assert row[COL["b_wg"]] == -1
+          if kind == "W":
+            assert wg[r].pop(row[COL["w_wg"]]) == ("g", stage, mb), (t, r, kind)
           if kind in ("B", "W"):
             assert row[COL["g_chunk"]] == chunk
             res[r].pop(row[COL[f"{pre}_res"]])
-            cot[r].pop(row[COL[f"{pre}_cot"]])
           if kind in ("B", "I"):
             assert row[COL["b_first"]] == (i == 0)
             sent[r]["grad"] = ("dy", route[i - 1], mb) if i > 0 else None
@@ -74,10 +81,11 @@ def interpret(lowered):
     for buf, slot, token in writes:
       assert slot >= 0 and slot not in buf, ("slot taken", t, slot, token)
       buf[slot] = token
-    for r in range(p):
-      peak[r] = max(peak[r], len(res[r]))
+    for name, bufs in (("act", act), ("res", res), ("cot", cot), ("wg", wg)):
+      for r in range(p):
+        peak[name][r] = max(peak[name][r], len(bufs[r]))
     time += tick_cost
-  assert all(not b for bufs in (act, res, cot) for b in bufs), "values left in slots"
+  assert all(not b for bufs in (act, res, cot, wg) for b in bufs), "values left in slots"
   return ran, peak, time
 
 
@@ -114,7 +122,8 @@ def test_tables_move_every_value_where_it_is_needed(name, p, m):
     lowered = lower(sched, variants=[opts])
     ran, peak, time = interpret(lowered)
     assert normalise(ran) == normalise(expected_actions(sched))
-    assert lowered.res_slots == max(peak)  # slots are exactly the peak in flight
+    for buf in ("act", "res", "cot", "wg"):  # slots are exactly the peak in flight
+      assert getattr(lowered, f"{buf}_slots") == max(peak[buf]), buf
     assert time == lowered.lockstep_time
     # memory follows the schedule: no more residuals than its own order holds
     assert lowered.res_slots <= max(sched.simulate().peak_activations)

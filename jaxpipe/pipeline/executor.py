@@ -41,6 +41,7 @@ class ExecSpec:
   act_slots: int  # activation arrival slots per rank
   res_slots: int  # residual slots per rank
   cot_slots: int  # output cotangent slots per rank
+  wg_slots: int  # slots for what a split backward's I keeps for its W, per rank
   branches: tuple[int, ...]  # branch codes (indices into lower.BRANCHES) to compile
   channels: tuple[bool, ...]  # which lower.CHANNELS to ppermute every tick
   recompute: bool = False  # store only stage inputs, recompute the forward in I, B and W
@@ -61,6 +62,7 @@ class ExecSpec:
         act_slots=max(lo.act_slots for lo in lowered),
         res_slots=max(lo.res_slots for lo in lowered),
         cot_slots=max(lo.cot_slots for lo in lowered),
+        wg_slots=max(lo.wg_slots for lo in lowered),
         branches=tuple(sorted({0} | {b for lo in lowered for b in lo.branches})),
         channels=tuple(any(lo.channels[i] for lo in lowered) for i in range(len(CHANNELS))),
         recompute=recompute)
@@ -71,7 +73,7 @@ class ExecSpec:
     if pl.num_ranks != self.num_ranks or pl.chunks_per_rank != self.chunks:
       problems.append(f"{pl.num_ranks} ranks x {pl.chunks_per_rank} chunks, spec has "
                       f"{self.num_ranks} x {self.chunks}")
-    for name in ("num_ticks", "act_slots", "res_slots", "cot_slots"):
+    for name in ("num_ticks", "act_slots", "res_slots", "cot_slots", "wg_slots"):
       if getattr(lowered, name) > getattr(self, name):
         problems.append(f"{name} {getattr(lowered, name)} > {getattr(self, name)}")
     if set(lowered.branches) - set(self.branches):
@@ -103,19 +105,48 @@ def _acc_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
+class Layered:
+  """A stage that runs `layer_fn(params_of_one_layer, x) -> x` over its params' leading axis.
+
+  Called as a stage function it is a `lax.scan` over the layers. The executor also sees the
+  layers: a split backward's I then keeps each layer's output cotangent, so W computes only
+  weight cotangents instead of redoing the input-cotangent chain through the stage.
+  """
+
+  def __init__(self, layer_fn: Callable):
+    self.layer_fn = layer_fn
+
+  def __call__(self, params: PyTree, x):
+    return lax.scan(lambda x, p: (self.layer_fn(p, x), None), x, params)[0]
+
+  def __eq__(self, other):
+    return isinstance(other, Layered) and other.layer_fn == self.layer_fn
+
+  def __hash__(self):
+    return hash((Layered, self.layer_fn))
+
+  def __repr__(self):
+    return f"layered({self.layer_fn!r})"
+
+
+def layered(layer_fn: Callable) -> Layered:
+  """Marks a stage as layers of `layer_fn` (stage params: leaves [layers_per_stage, ...])."""
+  return Layered(layer_fn)
+
+
 @dataclasses.dataclass
 class _Residuals:
-  """How one stage's `jax.vjp` closure splits into stored leaves and live parameters."""
+  """How one function's `jax.vjp` closure splits into stored leaves and live parameters."""
   treedef: Any
   param_of_leaf: tuple[int | None, ...]  # closure leaf -> index of the parameter leaf it is
   stored: tuple[jax.ShapeDtypeStruct, ...]  # the other leaves, in order
 
   @classmethod
-  def probe(cls, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct) -> _Residuals:
+  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct) -> _Residuals:
     found = {}
 
     def f(params, x):
-      _, vjp_fn = jax.vjp(stage_fn, params, x)
+      _, vjp_fn = jax.vjp(fn, params, x)
       leaves, treedef = jax.tree.flatten(vjp_fn)
       found["treedef"] = treedef
       found["param_of_leaf"] = _match(leaves, jax.tree.leaves(params))
@@ -142,6 +173,119 @@ class _Residuals:
 
 def _match(leaves, param_leaves) -> tuple[int | None, ...]:
   return tuple(next((j for j, q in enumerate(param_leaves) if l is q), None) for l in leaves)
+
+
+class _StageOps:
+  """Forward, input-cotangent (I), weight-cotangent (W) and full backward (B) of one stage.
+
+  `stored` is what F keeps per micro-batch (vjp residuals without the parameters, or just the
+  input when recomputing); `g` is what I hands to W (the output cotangent, or per layer).
+  `need_dx` (traced bool) is False where the input cotangent has no consumer.
+  """
+
+  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool):
+    self.fn, self.recompute = stage_fn, recompute
+    self.layered = isinstance(stage_fn, Layered)
+    self.x = x
+    if self.layered:
+      self.num_layers = jax.tree.leaves(params)[0].shape[0]
+      one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+      self.resid = _Residuals.probe(stage_fn.layer_fn, one, x)
+      stack = lambda s: jax.ShapeDtypeStruct((self.num_layers,) + s.shape, s.dtype)
+      kept = tuple(stack(s) for s in self.resid.stored)
+      self.g = stack(x)
+    else:
+      self.resid = None if recompute else _Residuals.probe(stage_fn, params, x)
+      kept = None if recompute else self.resid.stored
+      self.g = x
+    self.stored = (x,) if recompute else kept
+
+  def zero_x(self):
+    return jnp.zeros(self.x.shape, self.x.dtype)
+
+  # -- forward ---------------------------------------------------------------------------------
+
+  def _layer_residuals(self, params, x):
+    def body(x, p):
+      y, vjp_fn = jax.vjp(self.fn.layer_fn, p, x)
+      return y, self.resid.split(vjp_fn, p)
+    return lax.scan(body, x, params)
+
+  def forward(self, params, x):
+    """-> (y, stored)"""
+    if self.recompute:
+      return self.fn(params, x), [x]
+    if self.layered:
+      return self._layer_residuals(params, x)
+    y, vjp_fn = jax.vjp(self.fn, params, x)
+    return y, self.resid.split(vjp_fn, params)
+
+  def _residuals(self, params, stored):
+    if self.recompute and self.layered:
+      return self._layer_residuals(params, stored[0])[1]
+    return stored
+
+  def _vjp(self, params, stored):
+    if self.recompute:
+      return jax.vjp(self.fn, params, stored[0])[1]
+    return self.resid.join(stored, params)
+
+  # -- backward --------------------------------------------------------------------------------
+
+  def _layers_back(self, params, res, dy, need_dx, weights: bool):
+    """Reverse over layers 1..L-1 in a scan, layer 0 last so its dx can be skipped."""
+    layer = lambda l: (_index(params, l), [r[l] for r in res])
+    rest = (jax.tree.map(lambda a: a[1:], params), [r[1:] for r in res])
+
+    def body(g, xs):
+      p, r = xs
+      dp, dx = self.resid.join(r, p)(g)
+      return dx, ((dp, g) if weights else g)
+
+    g0, outs = lax.scan(body, dy, rest, reverse=True)
+    p0, r0 = layer(0)
+    vjp0 = self.resid.join(r0, p0)
+    if weights:
+      dp_rest, g_rest = outs
+      dp0, dx = lax.cond(need_dx, lambda: vjp0(g0), lambda: (vjp0(g0)[0], self.zero_x()))
+      dparams = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), dp0, dp_rest)
+    else:
+      g_rest, dparams = outs, None
+      dx = lax.cond(need_dx, lambda: vjp0(g0)[1], self.zero_x)
+    g = jnp.concatenate([g0[None], g_rest])
+    return dx, dparams, g
+
+  def input_grad(self, params, stored, dy, need_dx):
+    """I: -> (dx, g)"""
+    if self.layered:
+      dx, _, g = self._layers_back(params, self._residuals(params, stored), dy, need_dx, False)
+      return dx, g
+    vjp_fn = self._vjp(params, stored)
+    return lax.cond(need_dx, lambda: vjp_fn(dy)[1], self.zero_x), dy
+
+  def weight_grad(self, params, stored, g):
+    """W: -> dparams"""
+    if self.layered:
+      def body(_, xs):
+        p, r, g_l = xs
+        return None, self.resid.join(r, p)(g_l)[0]
+      return lax.scan(body, None, (params, self._residuals(params, stored), g))[1]
+    return self._vjp(params, stored)(g)[0]
+
+  def full_grad(self, params, stored, dy, need_dx):
+    """B: -> (dx, dparams)"""
+    if self.layered:
+      dx, dparams, _ = self._layers_back(params, self._residuals(params, stored), dy, need_dx,
+                                         True)
+      return dx, dparams
+    vjp_fn = self._vjp(params, stored)
+    dparams, dx = lax.cond(need_dx, lambda: vjp_fn(dy), lambda: (vjp_fn(dy)[0], self.zero_x()))
+    return dx, dparams
+
+
+def _put(buf, slot, value):
+  """buf[slot] = value; slot -1 (nothing to write) drops the write."""
+  return buf.at[jnp.where(slot < 0, buf.shape[0], slot)].set(value, mode="drop")
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,31 +330,19 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
       raise ValueError(f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
                        f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}")
-    if spec.recompute:
-      stored_sd = (x_sd,)
-      resid = None
-    else:
-      resid = _Residuals.probe(stage_fn, chunk0, x_sd)
-      stored_sd = resid.stored
-    zero_x = jnp.zeros(x_sd.shape, x_sd.dtype)
+    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute)
+    zero_x = ops.zero_x()
     zero_params = _zeros(chunk0)
     zero_head = _zeros(head_params)
     zero_embed = _zeros(embed_params)
-
-    def vjp_from(stored, params):
-      if spec.recompute:
-        return jax.vjp(stage_fn, params, stored[0])[1]
-      return resid.join(stored, params)
+    zero_g = jnp.zeros(ops.g.shape, ops.g.dtype)
+    zero_loss = jnp.zeros((), jnp.float32)
 
     def forward(row, act):
       mb = row[COL["f_mb"]]
       params = _index(local, row[COL["f_chunk"]])
       x = lax.cond(row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: act[row[COL["f_in"]]])
-      if spec.recompute:
-        y, stored = stage_fn(params, x), [x]
-      else:
-        y, vjp_fn = jax.vjp(stage_fn, params, x)
-        stored = resid.split(vjp_fn, params)
+      y, stored = ops.forward(params, x)
 
       def last():
         target = jax.tree.map(lambda t: t[mb], targets)
@@ -218,45 +350,44 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
         return loss.astype(jnp.float32), dy, dhead
 
       loss, dy, dhead = lax.cond(row[COL["f_last"]] == 1, last,
-                                 lambda: (jnp.zeros((), jnp.float32), zero_x, zero_head))
+                                 lambda: (zero_loss, zero_x, zero_head))
       return y, stored, dy, loss, dhead
 
     def backward(row, res, cot, full: bool):
+      """I or B: -> (dx, dparams or None, g or None, dembed)"""
       params = _index(local, row[COL["b_chunk"]])
-      vjp_fn = vjp_from([b[row[COL["b_res"]]] for b in res], params)
+      stored = [b[row[COL["b_res"]]] for b in res]
       dy = cot[row[COL["b_cot"]]]
       first = row[COL["b_first"]] == 1
+      # The first stage's input cotangent feeds only the embedding, if there is one.
+      need_dx = jnp.logical_not(first) if embed_fn is None else jnp.bool_(True)
+      if full:
+        (dx, dparams), g = ops.full_grad(params, stored, dy, need_dx), None
+      else:
+        (dx, g), dparams = ops.input_grad(params, stored, dy, need_dx), None
       if embed_fn is None:
-        # The first stage's input cotangent has no consumer: skip computing it.
-        if full:
-          dparams, dx = lax.cond(first, lambda: (vjp_fn(dy)[0], zero_x), lambda: vjp_fn(dy))
-        else:
-          dparams, dx = None, lax.cond(first, lambda: zero_x, lambda: vjp_fn(dy)[1])
-        return dx, dparams, zero_embed
-      dparams, dx = vjp_fn(dy)
+        return dx, dparams, g, zero_embed
       mb = row[COL["b_mb"]]
 
       def embed_grad():
         _, embed_vjp = jax.vjp(lambda e: embed_fn(e, xs[mb]), embed_params)
         return embed_vjp(dx)[0]
 
-      dembed = lax.cond(first, embed_grad, lambda: zero_embed)
-      return dx, (dparams if full else None), dembed
+      return dx, dparams, g, lax.cond(first, embed_grad, lambda: zero_embed)
 
-    def weight(row, res, cot):
+    def weight(row, res, wg):
       params = _index(local, row[COL["w_chunk"]])
-      vjp_fn = vjp_from([b[row[COL["w_res"]]] for b in res], params)
-      return vjp_fn(cot[row[COL["w_cot"]]])[0]
+      return ops.weight_grad(params, [b[row[COL["w_res"]]] for b in res], wg[row[COL["w_wg"]]])
 
     def make_branch(code):
       name = BRANCHES[code]
       parts = () if name == "idle" else tuple(name.split("+"))
 
-      def branch(row, act, res, cot):
+      def branch(row, act, res, cot, wg):
         y, stored, dy_last, loss, dhead = (zero_x, [jnp.zeros(s.shape, s.dtype)
-                                                    for s in stored_sd], zero_x,
-                                           jnp.zeros((), jnp.float32), zero_head)
-        dx, dparams, dembed = zero_x, zero_params, zero_embed
+                                                    for s in ops.stored], zero_x,
+                                           zero_loss, zero_head)
+        dx, dparams, g, dembed = zero_x, zero_params, zero_g, zero_embed
         with jax.named_scope(f"tick/{name}"):
           if "F" in parts:
             with jax.named_scope("F"):
@@ -264,13 +395,13 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           for kind in ("I", "B"):
             if kind in parts:
               with jax.named_scope(kind):
-                dx, dp, dembed = backward(row, res, cot, full=kind == "B")
-              if dp is not None:
-                dparams = dp
+                dx, dp, g_new, dembed = backward(row, res, cot, full=kind == "B")
+              dparams = dp if dp is not None else dparams
+              g = g_new if g_new is not None else g
           if "W" in parts:
             with jax.named_scope("W"):
-              dparams = weight(row, res, cot)
-        return y, list(stored), dy_last, loss, dhead, dx, dparams, dembed
+              dparams = weight(row, res, wg)
+        return y, list(stored), dy_last, loss, dhead, dx, dparams, g, dembed
 
       return branch
 
@@ -278,15 +409,16 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     lut_arr = jnp.asarray(lut)
 
     def tick(carry, row):
-      act, res, cot, grads, loss, head_g, embed_g = carry
-      y, stored, dy_last, dloss, dhead, dx, dparams, dembed = lax.switch(
-          lut_arr[row[COL["branch"]]], branches, row, act, res, cot)
-      res = [b.at[row[COL["f_res"]]].set(s) for b, s in zip(res, stored)]
-      cot = cot.at[row[COL["f_cot"]]].set(dy_last)
-      act = act.at[row[COL["f_local"]]].set(y)
-      cot = cot.at[row[COL["b_local"]]].set(dx)
-      g = row[COL["g_chunk"]]
-      grads = jax.tree.map(lambda acc, d: acc.at[g].add(d.astype(acc.dtype)), grads, dparams)
+      act, res, cot, wg, grads, loss, head_g, embed_g = carry
+      y, stored, dy_last, dloss, dhead, dx, dparams, g, dembed = lax.switch(
+          lut_arr[row[COL["branch"]]], branches, row, act, res, cot, wg)
+      res = [_put(b, row[COL["f_res"]], s) for b, s in zip(res, stored)]
+      cot = _put(cot, row[COL["f_cot"]], dy_last)
+      act = _put(act, row[COL["f_local"]], y)
+      cot = _put(cot, row[COL["b_local"]], dx)
+      wg = _put(wg, row[COL["b_wg"]], g)
+      c = row[COL["g_chunk"]]
+      grads = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(acc.dtype)), grads, dparams)
       loss = loss + dloss
       head_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), head_g, dhead)
       embed_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), embed_g, dembed)
@@ -299,20 +431,22 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
         got = lax.ppermute(y if kind == "act" else dx, pp_axis, perms[direction])
         slot = row[COL[f"recv_{ch}"]]
         if kind == "act":
-          act = act.at[slot].set(got)
+          act = _put(act, slot, got)
         else:
-          cot = cot.at[slot].set(got)
-      return (act, res, cot, grads, loss, head_g, embed_g), None
+          cot = _put(cot, slot, got)
+      return (act, res, cot, wg, grads, loss, head_g, embed_g), None
 
-    # one spare slot at the end of every buffer: -1 in the table writes there harmlessly
-    act = jnp.zeros((spec.act_slots + 1,) + x_sd.shape, x_sd.dtype)
-    res = [jnp.zeros((spec.res_slots + 1,) + s.shape, s.dtype) for s in stored_sd]
-    cot = jnp.zeros((spec.cot_slots + 1,) + x_sd.shape, x_sd.dtype)
+    # at least one slot, so that branches reading a buffer trace even when none is used
+    slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
+    act = slots(spec.act_slots, x_sd)
+    res = [slots(spec.res_slots, s) for s in ops.stored]
+    cot = slots(spec.cot_slots, x_sd)
+    wg = slots(spec.wg_slots, ops.g)
     grads = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), local)
     head_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), head_params)
     embed_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), embed_params)
-    carry = (act, res, cot, grads, jnp.zeros((), jnp.float32), head_g, embed_g)
-    (_, _, _, grads, loss, head_g, embed_g), _ = lax.scan(tick, carry, table)
+    carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g)
+    (_, _, _, _, grads, loss, head_g, embed_g), _ = lax.scan(tick, carry, table)
     loss = lax.psum(loss, all_axes)
     if data_axes:
       grads = lax.psum(grads, tuple(data_axes))

@@ -7,9 +7,10 @@ split a B into I and W ticks, pack independent cheap parts of later ops into a t
 long anyway, and (optionally) pull a pending W forward into an idle tick. It tries a few such
 variants and keeps the one with the shortest lock-step time (then the least memory).
 
-Activations, residuals and output cotangents live in per-rank slot buffers; a slot is taken
-when its value is written (end of a tick) and freed after its last read, so each buffer holds
-exactly the peak number of values in flight at once on any rank.
+Activations, residuals, output cotangents and, between a split backward's I and W, what W
+needs from I (the output cotangents of the stage's layers) live in per-rank slot buffers; a slot
+is taken when its value is written (end of a tick) and freed after its last read, so each buffer
+holds exactly the peak number of values in flight at once on any rank.
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ FIELDS = (
     # forward part
     "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_cot", "f_local",
     # input-side backward part (I or B)
-    "b_mb", "b_chunk", "b_first", "b_res", "b_cot", "b_local",
-    # weight-gradient part
-    "w_mb", "w_chunk", "w_res", "w_cot",
+    "b_mb", "b_chunk", "b_first", "b_res", "b_cot", "b_local", "b_wg",
+    # weight-gradient part (reads what its I left in a wg slot)
+    "w_mb", "w_chunk", "w_res", "w_wg",
     # chunk whose gradient receives this tick's weight cotangent (from B or W)
     "g_chunk",
     # where the values arriving over each ppermute land (-1: nothing for this rank)
@@ -81,6 +82,7 @@ class Lowered:
   act_slots: int  # activation arrivals waiting for their forward, peak per rank
   res_slots: int  # stored forward residuals, peak per rank
   cot_slots: int  # output cotangents waiting for their backward, peak per rank
+  wg_slots: int  # layer cotangents kept from an I for its W, peak per rank
   channels: tuple[bool, ...]  # which of CHANNELS the tables use
   durations: np.ndarray  # float [ticks]: each tick's length = its slowest rank
   async_makespan: float  # the schedule run asynchronously with the same costs
@@ -143,8 +145,9 @@ class Lowered:
   def summary(self) -> str:
     return (f"{self.schedule.name}: {self.num_ticks} ticks, lock-step {self.lockstep_time:g} vs "
             f"async {self.async_makespan:g} ({100 * self.overhead:+.1f}%), bubble "
-            f"{100 * self.bubble:.1f}%, slots act/res/cot {self.act_slots}/{self.res_slots}/"
-            f"{self.cot_slots}, split={self.options.split} pull_w={self.options.pull_w}")
+            f"{100 * self.bubble:.1f}%, slots act/res/cot/wg {self.act_slots}/{self.res_slots}/"
+            f"{self.cot_slots}/{self.wg_slots}, split={self.options.split} "
+            f"pull_w={self.options.pull_w}")
 
 
 def idle_row() -> np.ndarray:
@@ -170,8 +173,8 @@ def lower(schedule: Schedule, costs: Costs = Costs(),
   best, best_key = None, None
   for opts in variants:
     lowered = _lower_one(schedule, costs, opts, makespan)
-    key = (round(lowered.lockstep_time, 9), lowered.res_slots + lowered.cot_slots +
-           lowered.act_slots, lowered.num_ticks)
+    key = (round(lowered.lockstep_time, 9), lowered.res_slots, lowered.wg_slots +
+           lowered.cot_slots + lowered.act_slots, lowered.num_ticks)
     if best_key is None or key < best_key:
       best, best_key = lowered, key
   return best
@@ -353,31 +356,34 @@ def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions,
         elif a.kind in ("B", "I"):
           when[("G", a.stage, a.microbatch)] = t
         if a.kind in ("B", "W"):
-          when[("L", a.stage, a.microbatch)] = t  # last read of residuals and cotangent
+          when[("L", a.stage, a.microbatch)] = t  # last read of the residuals
 
-  act, res, cot = _Pool(p), _Pool(p), _Pool(p)
+  act, res, cot, wg = _Pool(p), _Pool(p), _Pool(p), _Pool(p)
   sends = []  # (tick, src rank, dst rank, channel kind "act"/"grad", key) for transfers
   for mb in range(schedule.num_microbatches):
     route = schedule.route(mb)
     for i, s in enumerate(route):
       r = pl.stage_rank[s]
       tf, tl = when[("F", s, mb)], when[("L", s, mb)]
+      tg = when[("G", s, mb)]
       res.add(r, tf, tl, ("res", s, mb))
+      if tl > tg:  # split backward: W reads what I kept
+        wg.add(r, tg, tl, ("wg", s, mb))
       if i + 1 == len(route):
-        cot.add(r, tf, tl, ("cot", s, mb))
+        cot.add(r, tf, tg, ("cot", s, mb))
       if i > 0:
         prev = route[i - 1]
         rp = pl.stage_rank[prev]
         tp = when[("F", prev, mb)]
         act.add(r, tp, tf, ("act", s, mb))
         sends.append((tp, rp, r, "act", ("act", s, mb)))
-        # this stage's input cotangent goes back to `prev` and is read until prev's last read
-        tg = when[("G", s, mb)]
-        cot.add(rp, tg, when[("L", prev, mb)], ("cot", prev, mb))
+        # this stage's input cotangent goes back to `prev`, read by prev's I or B
+        cot.add(rp, tg, when[("G", prev, mb)], ("cot", prev, mb))
         sends.append((tg, r, rp, "grad", ("cot", prev, mb)))
   act_slot, n_act = act.allocate()
   res_slot, n_res = res.allocate()
   cot_slot, n_cot = cot.allocate()
+  wg_slot, n_wg = wg.allocate()
 
   table = np.tile(idle_row(), (len(ticks), p, 1))
   used = dict.fromkeys(CHANNELS, False)
@@ -407,20 +413,21 @@ def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions,
             put(t, r, "f_last", 1)
             put(t, r, "f_cot", cot_slot[(r, ("cot", a.stage, a.microbatch))])
         else:
-          cs = cot_slot[(r, ("cot", a.stage, a.microbatch))]
           if a.kind in ("B", "I"):
             names.append(a.kind)
             put(t, r, "b_mb", a.microbatch)
             put(t, r, "b_chunk", chunk)
             put(t, r, "b_res", rs)
-            put(t, r, "b_cot", cs)
+            put(t, r, "b_cot", cot_slot[(r, ("cot", a.stage, a.microbatch))])
             put(t, r, "b_first", int(i == 0))
+            if a.kind == "I":
+              put(t, r, "b_wg", wg_slot[(r, ("wg", a.stage, a.microbatch))])
           else:
             names.append("W")
             put(t, r, "w_mb", a.microbatch)
             put(t, r, "w_chunk", chunk)
             put(t, r, "w_res", rs)
-            put(t, r, "w_cot", cs)
+            put(t, r, "w_wg", wg_slot[(r, ("wg", a.stage, a.microbatch))])
           if a.kind in ("B", "W"):
             put(t, r, "g_chunk", chunk)
       put(t, r, "branch", _BRANCH_OF["+".join(names) if names else "idle"])
@@ -445,6 +452,6 @@ def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions,
 
   return Lowered(schedule=schedule, table=table, ticks=[tuple(tuple(c) for c in tick)
                                                          for tick in ticks],
-                 act_slots=n_act, res_slots=n_res, cot_slots=n_cot,
+                 act_slots=n_act, res_slots=n_res, cot_slots=n_cot, wg_slots=n_wg,
                  channels=tuple(used[c] for c in CHANNELS), durations=durations,
                  async_makespan=makespan, costs=costs, options=opts)

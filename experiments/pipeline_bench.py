@@ -1,0 +1,213 @@
+"""The executor on every schedule: compile time, memory, lock-step bubble, CPU time vs unpipelined.
+
+  python -m experiments.pipeline_bench [--pp 4] [--microbatches 16] [--reps 3]
+      [--schedules 1f1b,zb-h2] [--recompute] [--profile out/pipeline_bench]
+
+One model for every schedule: `layers` residual tanh-dense layers of width D on micro-batches of
+[mb, L, D], split into the schedule's model stages (pp for plain and bidirectional schedules,
+2pp for interleaved with 2 chunks and V shapes). Columns:
+- ticks, lock-step/async: the lowered tables' length and their lock-step time (F = I = W = 1,
+  B = 2) over the schedule's asynchronous makespan; bubble: idle fraction of the lock-step time;
+- compile s: lowering + XLA compile of the executor;
+- temp MB: per-device temporaries from `compiled.memory_analysis()`; the ratio is against
+  GPipe by autodiff (a scan over m + p - 1 forward ticks differentiated by `jax.grad`, as
+  MaxText pipelines) on the same model;
+- CPU ratio: process CPU time of one pipelined step over that of the unpipelined
+  `jax.value_and_grad` (same micro-batches, one device), measured in the same run.
+`--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
+Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
+tick n is row/column n of the tick table.
+"""
+from __future__ import annotations
+
+from jaxpipe import runtime
+
+if __name__ == "__main__":
+  runtime.use_host_devices()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
+from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
+                                       make_executor, to_local)
+from jaxpipe.pipeline.lower import lower  # noqa: E402
+
+CHUNKS = {"interleaved-1f1b": 2}
+
+
+def layer(w_DxD, b_D, x_BxLxD):
+  return x_BxLxD + jnp.tanh(x_BxLxD @ w_DxD + b_D)
+
+
+def layer_fn(params, x_BxLxD):
+  return layer(params["w"], params["b"], x_BxLxD)
+
+
+# A stage is some layers in order (params leaves [layers_per_stage, ...]); `layered` lets the
+# executor keep per-layer cotangents between a split backward's I and W.
+stage_fn = layered(layer_fn)
+
+
+def loss_fn(head_params, y_BxLxD, t_BxLxD):
+  return jnp.sum((y_BxLxD - t_BxLxD) ** 2)
+
+
+MODEL = Model(stage_fn, loss_fn)
+
+
+def make_data(layers, m, mb, seq, d, seed=0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  params = {"w": f32(rng.normal(size=(layers, d, d)) / np.sqrt(d) / 4),
+            "b": f32(0.1 * rng.normal(size=(layers, d)))}
+  xs = f32(rng.normal(size=(m, mb, seq, d)))
+  ts = f32(rng.normal(size=(m, mb, seq, d)))
+  return params, xs, ts
+
+
+def stacked(params, stages):
+  return jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), params)
+
+
+def unpipelined(params, xs, ts):
+  """value_and_grad of the sequential model, micro-batch by micro-batch (same matmul shapes)."""
+  def total(params):
+    def body(acc, xt):
+      return acc + loss_fn((), stage_fn(params, xt[0]), xt[1]), None
+    return lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))[0]
+  return jax.value_and_grad(total)(params)
+
+
+def gpipe_autodiff(mesh, p, m):
+  """GPipe as MaxText runs it: m + p - 1 forward ticks of every stage, then jax.grad of all."""
+  perm = [(i, (i + 1) % p) for i in range(p)]
+
+  def local(params, xs, ts):
+    params = jax.tree.map(lambda a: a[0], params)
+    r = lax.axis_index("pp")
+
+    def body(carry, t):
+      state, loss = carry
+      x = jnp.where(r == 0, xs[jnp.minimum(t, m - 1)], state)
+      y = stage_fn(params, x)
+      mb = t - (p - 1)
+      here = (r == p - 1) & (mb >= 0)
+      loss = loss + jnp.where(here, loss_fn((), y, ts[jnp.clip(mb, 0, m - 1)]), 0.0)
+      return (lax.ppermute(y, "pp", perm), loss), None
+
+    init = (jnp.zeros(xs.shape[1:], xs.dtype), jnp.zeros((), jnp.float32))
+    (_, loss), _ = lax.scan(body, init, jnp.arange(m + p - 1))
+    return loss[None]
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=P("pp"),
+                          check_vma=False)
+  return jax.jit(jax.value_and_grad(lambda ps, xs, ts: jnp.sum(sharded(ps, xs, ts))))
+
+
+def cpu_time(fn, args, reps):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.process_time()
+    jax.block_until_ready(fn(*args))
+    times.append(time.process_time() - t0)
+  return float(np.median(times))
+
+
+def rel_err(got, want):
+  pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
+             for g, w in pairs)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--pp", type=int, default=4)
+  ap.add_argument("--microbatches", type=int, default=16)
+  ap.add_argument("--layers", type=int, default=8, help="model layers (divisible by 2 pp)")
+  ap.add_argument("--mb", type=int, default=8, help="sequences per micro-batch")
+  ap.add_argument("--seq", type=int, default=64)
+  ap.add_argument("--d", type=int, default=256)
+  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--schedules", default=",".join(SCHEDULE_NAMES))
+  ap.add_argument("--recompute", action="store_true")
+  ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
+  args = ap.parse_args(argv)
+  p, m = args.pp, args.microbatches
+  if len(jax.devices()) < p:
+    raise SystemExit(f"--pp {p} needs {p} devices, have {len(jax.devices())}")
+  mesh = jax.make_mesh((p,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:p])
+  params, xs, ts = make_data(args.layers, m, args.mb, args.seq, args.d)
+  print(f"p={p} m={m}: {args.layers} layers of width {args.d}, micro-batch "
+        f"[{args.mb}, {args.seq}, {args.d}], {len(jax.devices())} {jax.devices()[0].platform} "
+        f"devices, recompute={args.recompute}")
+
+  dev0 = jax.devices()[0]
+  args1 = jax.device_put((params, xs, ts), dev0)
+  base = jax.jit(unpipelined)
+  want = base(*args1)
+  base_cpu = cpu_time(base, args1, args.reps)
+
+  gp = gpipe_autodiff(mesh, p, m)
+  gp_params = stacked(params, p)
+  t0 = time.perf_counter()
+  gp_compiled = gp.lower(gp_params, xs, ts).compile()
+  gp_compile = time.perf_counter() - t0
+  gp_temp = gp_compiled.memory_analysis().temp_size_in_bytes
+  gp_out = gp_compiled(gp_params, xs, ts)
+  gp_err = max(rel_err(gp_out[0], want[0]),
+               rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]))
+  gp_cpu = cpu_time(gp_compiled, (gp_params, xs, ts), args.reps)
+
+  header = (f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
+            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio':>10}{'rel err':>9}")
+  print(f"unpipelined value_and_grad: {1e3 * base_cpu:.0f} ms CPU per step")
+  print(header)
+  print("-" * len(header))
+  print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
+        f"{1.0:>12.2f}{gp_cpu / base_cpu:>10.2f}{gp_err:>9.1e}")
+  rows = {}
+  for name in args.schedules.split(","):
+    sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
+    t0 = time.perf_counter()
+    lowered = lower(sched)
+    spec = ExecSpec.covering([lowered], recompute=args.recompute)
+    run = make_executor(MODEL, spec, mesh)
+    layout = lowered.layout()
+    local = to_local(stacked(params, sched.num_stages), layout)
+    call = (lowered.table, local, xs, ts, (), ())
+    compiled = run.lower(*call).compile()
+    compile_s = time.perf_counter() - t0
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    loss, local_grads, _, _ = compiled(*call)
+    grads = from_local(local_grads, layout, sched.num_stages)
+    grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grads)
+    err = max(rel_err(loss, want[0]), rel_err(grads, want[1]))
+    cpu = cpu_time(compiled, call, args.reps)
+    rows[name] = temp
+    print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
+          f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
+          f"{temp / gp_temp:>12.2f}{cpu / base_cpu:>10.2f}{err:>9.1e}", flush=True)
+    if args.profile:
+      os.makedirs(args.profile, exist_ok=True)
+      with open(os.path.join(args.profile, f"{name}.perfetto.json"), "w") as f:
+        f.write(sched.to_perfetto())
+      with open(os.path.join(args.profile, f"{name}.ticks.csv"), "w") as f:
+        f.write(lowered.to_csv())
+      with jax.profiler.trace(os.path.join(args.profile, f"{name}.jax_trace")):
+        jax.block_until_ready(compiled(*call))
+  if "1f1b" in rows and "zb-h2" in rows:
+    print(f"zb-h2 / 1f1b temp memory: {rows['zb-h2'] / rows['1f1b']:.2f}")
+
+
+if __name__ == "__main__":
+  main()
