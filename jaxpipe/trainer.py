@@ -200,7 +200,8 @@ class Trainer:
       loss, grads, metrics = loss_and_grads(state.params, batch)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state.step)}
+      grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+      metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
       return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
@@ -307,11 +308,12 @@ class Trainer:
         pending.append((index + 1, self.step(self.batch(index))))
         done = index + 1
         bar.update(1)
+        stopping = stop.is_set()  # read once: the signal may land anywhere in this iteration
         eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
         save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                                          or done == total or stop.is_set())
-        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now
-            or stop.is_set() or done == start + 1):
+                                          or done == total or stopping)
+        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
+            or done == start + 1):
           flush(done)
         if eval_now or done == total:
           summary["eval_loss"] = self.evaluate()
@@ -319,9 +321,9 @@ class Trainer:
             writer.write(done, {"eval_loss": summary["eval_loss"]})
             writer.flush()
         if save_now:
-          self.checkpointer.save(done, self.state, force=stop.is_set())
+          self.checkpointer.save(done, self.state, force=stopping)
         summary["step"] = done
-        if stop.is_set():
+        if stopping:
           summary["preempted"] = True
           break
     finally:
