@@ -12,6 +12,7 @@ from jaxpipe import runtime
 if __name__ == "__main__":
   runtime.use_host_devices()
 
+import os  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -44,7 +45,8 @@ def main(argv: list[str]) -> None:
   step_s = (time.perf_counter() - t0) / _STEPS.value
   model_flops = flops.training_flops_per_step(cfg, d.batch, d.seq_len)
   n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; mesh {dict(trainer.mesh.shape)}")
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; mesh {dict(trainer.mesh.shape)}; "
+        f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
   print(f"model: {n_params:,} parameters; batch {d.batch} x {d.seq_len} = {d.batch * d.seq_len} "
         f"tokens/step")
   print(f"first {_WARMUP.value} steps (with compilation): {compile_s:.1f} s")

@@ -122,3 +122,11 @@ def test_cli_misspelt_override_names_the_closest_key():
   assert r.returncode != 0
   assert 'Did you mean "d_model" instead of "d_modle"?' in r.stderr
   assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("gin_file", sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
+                                            if f.endswith(".gin")))
+def test_example_gin_files_apply_to_the_quickstart(gin_file):
+  c = config_lib.apply_gin(quickstart.get_config(), [os.path.join(ROOT, "configs", gin_file)])
+  assert c.to_dict() != quickstart.get_config().to_dict()
+  validate(c, 8)
