@@ -40,7 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
   ms.dp = config_dict.placeholder(int)  # data-parallel size; unset = all devices left over
   ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
   ms.cp = 1  # context-parallel size (splits the sequence)
-  ms.tp = 1  # tensor-parallel size
+  ms.tp = 1  # tensor-parallel size; no layer is split over it yet (its ranks repeat the work)
 
   c.pipeline = p = ml_collections.ConfigDict()
   p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
@@ -220,12 +220,16 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
   fns = {s: _section_configurable(s) for s in GIN_SECTIONS}
   gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings(files, bindings)
-  except ValueError as e:
-    raise ConfigError(f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. "
-                      "'model.d_model = 256'") from e
-  for section, fn in fns.items():
-    for key, value in fn().items():
+    try:
+      gin.parse_config_files_and_bindings(files, bindings)
+    except (ValueError, OSError) as e:
+      raise ConfigError(f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. "
+                        "'model.d_model = 256'") from e
+    bound = {section: fn() for section, fn in fns.items()}
+  finally:
+    gin.clear_config()
+  for section, values in bound.items():
+    for key, value in values.items():
       if key not in config[section]:
         close = difflib.get_close_matches(key, list(config[section].keys()), n=1)
         hint = f"did you mean {section}.{close[0]}?" if close else f"fields: {list(config[section])}"
@@ -234,5 +238,4 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
         config[section][key] = value
       except TypeError as e:
         raise ConfigError(f"gin binding {section}.{key} = {value!r}: {e}") from e
-  gin.clear_config()
   return config

@@ -108,6 +108,7 @@ def test_gin_bindings_override_sections(tmp_path):
     ("model.d_modle = 3", "no such field; did you mean model.d_model?"),
     ("modl.d_model = 3", "No configurable matching 'modl'"),
     ("model.d_model = 'x'", "gin binding model.d_model = 'x'"),
+    ("include 'missing.gin'", "gin: "),
 ])
 def test_bad_gin_bindings_raise_clear_errors(binding, needle):
   with pytest.raises(ConfigError) as e:
