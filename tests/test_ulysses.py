@@ -93,7 +93,8 @@ def test_bad_splits_raise(seq, heads, kv_heads, match):
     ulysses.ulysses_attention(q, k, v, mesh=mesh)
 
 
-@pytest.mark.parametrize("microbatches", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the Trainer test below covers microbatches = 1 in CI
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_model_loss_and_grads_with_context_parallelism(microbatches):
   """The LM with its sequence split over cp=2 (and batch over dp=2) equals jax.grad on one device."""
   from jaxpipe.models import transformer
@@ -116,3 +117,32 @@ def test_model_loss_and_grads_with_context_parallelism(microbatches):
   assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
     assert _rel(g, w) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_quickstart_cp_config_matches_cp1_and_trains():
+  """configs/quickstart_cp.py (cp = 2) through the Trainer: its loss and gradients equal the
+  cp = 1 trainer's (plain jax.value_and_grad of the model), and its steps lower the loss."""
+  from configs import quickstart_cp
+  from jaxpipe.trainer import Trainer
+
+  def trainer(cp):
+    c = quickstart_cp.get_config()
+    c.mesh.cp = cp  # dp fills the remaining host devices
+    c.model.update(vocab=32, d_model=16, n_layers=1, d_ff=32, head_dim=4)
+    c.data.update(source="synthetic", seq_len=16, batch=8)
+    t = Trainer(c, workdir=None)
+    t.init()
+    assert t.mesh.shape["cp"] == cp
+    return t
+
+  assert quickstart_cp.get_config().mesh.cp == 2
+  cp2, cp1 = trainer(2), trainer(1)
+  loss2, grads2, m2 = jax.jit(cp2.loss_and_grads)(cp2.state.params, cp2.batch(0))
+  loss1, grads1, m1 = jax.jit(cp1.loss_and_grads)(cp1.state.params, cp1.batch(0))
+  assert float(m2["tokens"]) == float(m1["tokens"])
+  assert abs(float(loss2) - float(loss1)) < 1e-5 * abs(float(loss1))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads2), jax.tree.leaves(grads1)):
+    assert _rel(a, b) < 1e-5, jax.tree_util.keystr(path)
+  losses = [float(cp2.step()["loss"]) for _ in range(3)]
+  assert losses[0] == pytest.approx(float(loss1), rel=1e-5)
+  assert losses[-1] < losses[0]
