@@ -148,5 +148,42 @@ def test_residuals_exclude_the_stage_weights():
   params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
             "b": jax.ShapeDtypeStruct((D,), jnp.float32)}
   res = _Residuals.probe(stage_fn, params, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
-  assert 1 in res.param_of_leaf  # leaf 1 of {"b", "w"} is w
+  assert ("param", 1) in res.kinds  # leaf 1 of {"b", "w"} is w
   assert all(s.shape != (D, D) for s in res.stored)
+
+
+def scaled_stage_fn(params, x_BxLxD):
+  # the closure holds w * scale and its cast, functions of the parameters alone
+  w = (params["w"] * params["scale"]).astype(jnp.bfloat16).astype(jnp.float32)
+  return jnp.tanh(x_BxLxD @ w) + params["b"]
+
+
+def test_parameter_derived_residuals_are_recomputed_not_stored():
+  from jaxpipe.pipeline.executor import _Residuals
+  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+            "b": jax.ShapeDtypeStruct((D,), jnp.float32),
+            "scale": jax.ShapeDtypeStruct((), jnp.float32)}
+  res = _Residuals.probe(scaled_stage_fn, params, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
+  assert ("derived",) in res.kinds
+  assert all(s.shape != (D, D) for s in res.stored)
+  mesh = make_mesh((2,), ("pp",))
+  p, xs, ts = make_data(2, 4, seed=3)
+  p["scale"] = jnp.array([0.5, 2.0], jnp.float32)
+  for schedule in ("1f1b", "zb-h1"):
+    loss, grads = jaxpipe.pipeline.value_and_grad(scaled_stage_fn, p, xs, ts, loss_fn,
+                                                  schedule=schedule, mesh=mesh)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(scaled_sequential))(p, xs, ts)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for k in want_grads:
+      scale = np.max(np.abs(want_grads[k]))
+      np.testing.assert_allclose(grads[k], want_grads[k], rtol=0, atol=1e-5 * scale)
+
+
+def scaled_sequential(params, xs, ts):
+  total = 0.0
+  for i in range(xs.shape[0]):
+    x = xs[i]
+    for s in range(2):
+      x = scaled_stage_fn(jax.tree.map(lambda a: a[s], params), x)
+    total = total + loss_fn(x, ts[i])
+  return total

@@ -22,6 +22,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -136,10 +137,18 @@ def layered(layer_fn: Callable) -> Layered:
 
 @dataclasses.dataclass
 class _Residuals:
-  """How one function's `jax.vjp` closure splits into stored leaves and live parameters."""
+  """How one function's `jax.vjp` closure splits into what F stores and what B/W rebuild.
+
+  Each closure leaf is one of: a parameter leaf itself (matched by identity while tracing; the
+  backward passes the live parameter), derived from the parameters alone (e.g. a weight cast to
+  the compute dtype; the backward recomputes it from the live parameters), or stored per
+  micro-batch in a residual slot.
+  """
+  fn: Callable
+  x: jax.ShapeDtypeStruct
   treedef: Any
-  param_of_leaf: tuple[int | None, ...]  # closure leaf -> index of the parameter leaf it is
-  stored: tuple[jax.ShapeDtypeStruct, ...]  # the other leaves, in order
+  kinds: tuple[tuple, ...]  # per closure leaf: ("param", j) | ("derived",) | ("stored",)
+  stored: tuple[jax.ShapeDtypeStruct, ...]  # the stored leaves, in order
 
   @classmethod
   def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct) -> _Residuals:
@@ -150,29 +159,56 @@ class _Residuals:
       leaves, treedef = jax.tree.flatten(vjp_fn)
       found["treedef"] = treedef
       found["param_of_leaf"] = _match(leaves, jax.tree.leaves(params))
-      return [l for l, j in zip(leaves, found["param_of_leaf"]) if j is None]
+      return leaves
 
-    stored = jax.eval_shape(f, params, x)
-    return cls(found["treedef"], found["param_of_leaf"],
-               tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in stored))
+    closed = jax.make_jaxpr(f)(params, x)
+    on_x = _depends_on_inputs(closed.jaxpr, range(len(jax.tree.leaves(params)),
+                                                  len(closed.jaxpr.invars)))
+    kinds, stored = [], []
+    for j, dep, out in zip(found["param_of_leaf"], on_x, closed.out_avals):
+      if j is not None:
+        kinds.append(("param", j))
+      elif not dep:
+        kinds.append(("derived",))
+      else:
+        kinds.append(("stored",))
+        stored.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
+    return cls(fn, x, found["treedef"], tuple(kinds), tuple(stored))
 
   def split(self, vjp_fn, params: PyTree) -> list[jax.Array]:
     leaves = jax.tree.leaves(vjp_fn)
     got = _match(leaves, jax.tree.leaves(params))
-    if got != self.param_of_leaf:
+    want = tuple(k[1] if k[0] == "param" else None for k in self.kinds)
+    if any(w is not None and g != w for g, w in zip(got, want)) or len(got) != len(want):
       raise RuntimeError("the stage's vjp closure changed structure between traces; "
-                         f"expected parameter leaves at {self.param_of_leaf}, got {got}")
-    return [l for l, j in zip(leaves, got) if j is None]
+                         f"expected parameter leaves at {want}, got {got}")
+    return [l for l, k in zip(leaves, self.kinds) if k[0] == "stored"]
 
   def join(self, stored: Sequence[jax.Array], params: PyTree):
     live = jax.tree.leaves(params)
+    derived = None
+    if any(k[0] == "derived" for k in self.kinds):
+      # Only the parameter-derived leaves of this trace are used; XLA drops the rest.
+      zeros = jnp.zeros(self.x.shape, self.x.dtype)
+      derived = jax.tree.leaves(jax.vjp(self.fn, params, zeros)[1])
     it = iter(stored)
-    leaves = [next(it) if j is None else live[j] for j in self.param_of_leaf]
+    leaves = [live[k[1]] if k[0] == "param" else derived[i] if k[0] == "derived" else next(it)
+              for i, k in enumerate(self.kinds)]
     return jax.tree.unflatten(self.treedef, leaves)
 
 
 def _match(leaves, param_leaves) -> tuple[int | None, ...]:
   return tuple(next((j for j, q in enumerate(param_leaves) if l is q), None) for l in leaves)
+
+
+def _depends_on_inputs(jaxpr, inputs) -> list[bool]:
+  """Per output of `jaxpr`: whether it may depend on the input variables at `inputs`."""
+  tainted = {jaxpr.invars[i] for i in inputs}
+  is_var = lambda v: not isinstance(v, jax.extend.core.Literal)
+  for eqn in jaxpr.eqns:
+    if any(is_var(v) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return [is_var(v) and v in tainted for v in jaxpr.outvars]
 
 
 class _StageOps:

@@ -1,6 +1,6 @@
 """The Transformer LM on the pipeline executor: the trainer's `loss_and_grads` when mesh.pp > 1.
 
-Stage s runs layers [s*k, (s+1)*k) (`transformer.apply_layers`); the first virtual stage of
+Stage s runs layers [s*k, (s+1)*k) (`transformer.Block`, one layer at a time); the first virtual stage of
 every route also embeds the tokens and the last applies the final norm, the head and the loss
 (the executor's `embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and
 whose gradients are summed over it). The loss is summed per micro-batch and divided, with the
@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.pipeline.api import pipeline_value_and_grad, resolve_schedule
-from jaxpipe.pipeline.executor import Model
+from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir import Schedule
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.mesh.BATCH_AXES)
@@ -43,8 +43,10 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 def lm_model(cfg: TransformerConfig) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused."""
 
-  def stage_fn(layers, x_BxLxD):
-    return transformer.apply_layers(cfg, layers, x_BxLxD)
+  block = transformer.Block(cfg)
+
+  def layer_fn(layer, x_BxLxD):
+    return block.apply({"params": layer}, x_BxLxD, jnp.arange(x_BxLxD.shape[1]))
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -53,7 +55,9 @@ def lm_model(cfg: TransformerConfig) -> Model:
     targets_BxL, mask_BxL = target
     return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
 
-  return Model(stage_fn, loss_fn, embed_fn)
+  # Layer by layer, so a split backward's W needs no recomputation (the same function as
+  # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
+  return Model(layered(layer_fn), loss_fn, embed_fn)
 
 
 def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
