@@ -113,7 +113,16 @@ FORMATS: dict[str, Callable[[Schedule, argparse.Namespace], Optional[str]]] = {
     "perfetto": lambda s, args: to_perfetto(s, costs=args.costs, lockstep=args.lockstep),
     "png": _png,
     "stats": stats,
+    "ticks": lambda s, args: _ticks(s, args),
 }
+
+
+def _ticks(schedule: Schedule, args) -> str:
+  """The executor's lowered tick table (one cell per tick, packed parts joined by ';')."""
+  from jaxpipe.pipeline.lower import Costs, lower
+  lowered = lower(schedule, Costs(**{k: v for k, v in args.costs.items() if k in "FIW"}))
+  print(lowered.summary(), file=sys.stderr)
+  return lowered.to_csv()
 
 
 def load(args) -> Schedule:

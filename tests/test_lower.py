@@ -184,3 +184,21 @@ def test_non_adjacent_stages_are_refused():
   sched = Schedule("far", pl, 1, ranks).validate()
   with pytest.raises(ValueError, match="not neighbours"):
     lower(sched)
+
+
+def test_cli_prints_the_tick_table(capsys):
+  import re
+  from jaxpipe.schedule import main
+  assert main(["zb-h1", "--pp", "4", "--microbatches", "8", "--format", "ticks"]) == 0
+  rows = capsys.readouterr().out.strip().splitlines()
+  assert len(rows) == 4
+  cells = [row.split(",") for row in rows]
+  assert len({len(c) for c in cells}) == 1  # one column per tick on every rank
+  ran = []
+  for r, row in enumerate(cells):
+    for cell in row:
+      for part in filter(None, cell.split(";")):
+        stage, kind, mb = re.fullmatch(r"(\d+)([FIWB])(\d+)", part).groups()
+        assert int(stage) == r  # plain placement: stage r on rank r
+        ran.append(Action(kind, int(stage), int(mb)))
+  assert normalise(ran) == normalise(expected_actions(build("zb-h1", 4, 8)))

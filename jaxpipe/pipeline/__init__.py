@@ -9,4 +9,7 @@ def __getattr__(name):
   if name == "value_and_grad":
     from jaxpipe.pipeline.api import value_and_grad
     return value_and_grad
+  if name == "layered":
+    from jaxpipe.pipeline.executor import layered
+    return layered
   raise AttributeError(f"module 'jaxpipe.pipeline' has no attribute {name!r}")
