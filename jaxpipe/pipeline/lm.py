@@ -67,6 +67,10 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     if axis not in ("pp",) + BATCH_AXES and mesh.shape[axis] > 1:
       raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
                        f"data parallelism ({', '.join(BATCH_AXES)}) only; set mesh.{axis}=1")
+  if getattr(cfg, "moe", None) is not None:
+    raise ValueError("model.moe with mesh.pp > 1: the pipeline stages run dense layers only "
+                     "(MoE layers return auxiliary losses the executor does not carry); train "
+                     "MoE models with mesh.pp=1")
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
   if cfg.n_layers % stages:
