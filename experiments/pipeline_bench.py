@@ -14,7 +14,8 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   MaxText pipelines) on the same model;
 - CPU ratio: process CPU time of one pipelined step over that of the unpipelined
   `jax.value_and_grad` (same micro-batches, one device), measured in the same run.
-`--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
+First a table of the lowered lock-step time against the asynchronous makespan for all nine at
+(p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
 Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
 tick n is row/column n of the tick table.
 """
@@ -128,6 +129,19 @@ def rel_err(got, want):
              for g, w in pairs)
 
 
+def lockstep_table(cases=((4, 8), (8, 32))):
+  """Lowered lock-step time against the asynchronous makespan (F = I = W = 1, B = 2)."""
+  print(f"{'p, m':<8}{'schedule':<17}{'ticks':>6}{'lock-step':>10}{'async':>7}{'over':>8}"
+        f"{'bubble':>8}  lowering")
+  for p, m in cases:
+    for name in SCHEDULE_NAMES:
+      lo = lower(make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name)))
+      print(f"{f'{p}, {m}':<8}{name:<17}{lo.num_ticks:>6}{lo.lockstep_time:>10g}"
+            f"{lo.async_makespan:>7g}{100 * lo.overhead:>+7.1f}%{100 * lo.bubble:>7.1f}%  "
+            f"split={lo.options.split}{' pull_w' if lo.options.pull_w else ''}")
+  print()
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--pp", type=int, default=4)
@@ -141,6 +155,7 @@ def main(argv=None):
   ap.add_argument("--recompute", action="store_true")
   ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
   args = ap.parse_args(argv)
+  lockstep_table()
   p, m = args.pp, args.microbatches
   if len(jax.devices()) < p:
     raise SystemExit(f"--pp {p} needs {p} devices, have {len(jax.devices())}")

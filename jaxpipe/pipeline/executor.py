@@ -4,16 +4,21 @@ Per tick every rank reads its row of the table, runs its parts with one `lax.swi
 branch names the parts: F, I, B, W and packed pairs), and then every rank takes part in the same
 `ppermute`s, outside the switch. The backward is explicit: F keeps the leaves of the `jax.vjp`
 closure in a residual slot, except leaves that are the stage's own parameters (matched by
-identity while tracing), which the backward takes from the live parameters instead. I applies
-that closure for the input cotangent, W for the weight cotangent, which is added to the
-gradient at once.
+identity while tracing) or functions of the parameters alone (casts, transposes), which the
+backward takes from, or recomputes from, the live parameters. I applies that closure for the
+input cotangent, W for the weight cotangent, which is added to the gradient at once. For a
+`layered` stage the closure is kept per layer and I hands W each layer's output cotangent, so
+W computes weight cotangents only; for an opaque stage W re-derives them from the stage's
+output cotangent (the input-cotangent chain inside the stage runs again).
 
+Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops the write.
 The tables are array arguments, not constants, so one compiled program runs any schedule with
 the same `ExecSpec` (ranks, chunks per rank, padded ticks and slots, branch set).
 
 In a profiler trace the scan body appears once per branch: ops are named `tick/<branch>/<part>`
-(e.g. `tick/F+I/F`, `tick/W/W`); which stage and micro-batch a tick ran is in the lowered
-table (`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
+(e.g. `tick/F+I/F`, `tick/W/W`) in their HLO metadata (`op_name`; GPU traces show it, CPU
+traces show the HLO instruction names); which stage and micro-batch a tick ran is in the
+lowered table (`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
 """
 from __future__ import annotations
 

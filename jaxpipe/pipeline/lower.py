@@ -277,6 +277,13 @@ def _assign_ticks(schedule: Schedule, costs: Costs, opts: LowerOptions):
         while pending[r] and _fits(content[r], pending[r][0], dur, costs) and \
             ready(pending[r][0], t, content[r]):
           content[r].extend(pending[r].pop(0))
+        if opts.pull_w:
+          # Room left in a long tick: a later W whose I already ran fills it.
+          for j, item in enumerate(pending[r]):
+            if len(item) == 1 and item[0].kind == "W" and _fits(content[r], item, dur, costs) \
+                and ready(item, t, content[r]):
+              content[r].extend(pending[r].pop(j))
+              break
     for r in range(p):
       for a in content[r]:
         key = ("F" if a.kind == "F" else "G" if a.kind in ("B", "I") else "W", a.stage,
