@@ -18,10 +18,12 @@ import jax.numpy as jnp
 from jaxpipe.models.attention import attention, unsupported_reason
 
 # Published H100 anchors (shared/anchors.md) printed beside our table.
-ANCHORS = "FlashAttention-3: up to 740 TFLOP/s bf16 forward; cuDNN: 497-617 TFLOP/s forward at head dim 128 (H100)."
+ANCHORS = ("FlashAttention-3: up to 740 TFLOP/s bf16 forward; "
+           "cuDNN: 497-617 TFLOP/s forward at head dim 128 (H100).")
 
 
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool, backward: bool) -> float:
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
+                    backward: bool) -> float:
   fwd = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
   return fwd * 3.5 if backward else fwd
 
@@ -62,8 +64,8 @@ def gpu_table(seqs, heads, head_dim, tokens, backends, repeats, dtype) -> None:
             continue
           fwd = functools.partial(attention, causal=causal, backend=backend)
           if backward:
-            fn = jax.jit(jax.grad(lambda q, k, v, fwd=fwd: jnp.sum(fwd(q, k, v).astype(jnp.float32)),
-                                  argnums=(0, 1, 2)))
+            loss = lambda q, k, v, fwd=fwd: jnp.sum(fwd(q, k, v).astype(jnp.float32))
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
           else:
             fn = jax.jit(fwd)
           try:
@@ -73,8 +75,8 @@ def gpu_table(seqs, heads, head_dim, tokens, backends, repeats, dtype) -> None:
             continue
           flops = attention_flops(batch, seq, heads, head_dim, causal, backward)
           cells.append(f"{flops / seconds / 1e12:.0f}")
-        print(f"| {seq} | {causal} | {'fwd+bwd' if backward else 'fwd'} | " + " | ".join(cells) + " |",
-              flush=True)
+        kind = "fwd+bwd" if backward else "fwd"
+        print(f"| {seq} | {causal} | {kind} | " + " | ".join(cells) + " |", flush=True)
   print(f"\nReference figures: {ANCHORS}")
 
 
@@ -91,7 +93,8 @@ def interpret_check() -> None:
                                                  (37, 2, 2, 16, True), (96, 8, 2, 128, True)]:
     q, k, v = _inputs(1, seq, heads, kv_heads, head_dim, jnp.float32)
     do = jax.random.normal(jax.random.key(1), q.shape)
-    blocks = dict(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32)
+    blocks = dict(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32, block_q_dq=32,
+                  block_k_dq=32)
 
     def run(fn):
       out, vjp = jax.vjp(fn, q, k, v)
@@ -99,7 +102,8 @@ def interpret_check() -> None:
 
     got = jax.jit(lambda: run(functools.partial(flash_attention, causal=causal, interpret=True,
                                                 **blocks)))()
-    want = run(functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla"))
+    want = run(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                 implementation="xla"))
     errs = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want)]
     worst = max(worst, *errs)
     print(f"| {seq} | {heads}/{kv_heads} | {head_dim} | {causal} | "

@@ -1,4 +1,4 @@
-"""Flash attention as Pallas (Triton-lowering) GPU kernels, forward and backward, beside its pure-JAX reference.
+"""Flash attention as Pallas (Triton-lowering) GPU kernels, forward and backward, and a reference.
 
 Layout is that of `jax.nn.dot_product_attention`: q `[B, L, H, K]`, k/v `[B, S, G, K]` with
 H a multiple of G (grouped-query heads: query head h reads KV head h // (H // G); repeated
@@ -69,7 +69,8 @@ def _dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = F
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(cfg: _Config, q_start, k_start, block_q: int, block_k: int, q_seg, kv_seg, kv_padded: bool):
+def _mask(cfg: _Config, q_start, k_start, block_q: int, block_k: int, q_seg, kv_seg,
+          kv_padded: bool):
   """Boolean [block_q, block_k] of allowed (query, key) pairs, or None when all are allowed."""
   mask = None
   span_q = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
@@ -218,7 +219,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, kv_padded: bool):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
+               kv_padded: bool):
   if cfg.has_segments:
     qseg_ref, kvseg_ref, dq_ref = refs
   else:

@@ -298,15 +298,15 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
         def store_scope(out_smem):
           out_smem[...] = acc.astype(out_smem.dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              out_smem, y_gmem.at[pl.ds(t * cfg.tile_m, cfg.tile_m), pl.ds(n * cfg.tile_n, cfg.tile_n)])
+          rows, cols = pl.ds(t * cfg.tile_m, cfg.tile_m), pl.ds(n * cfg.tile_n, cfg.tile_n)
+          plgpu.copy_smem_to_gmem(out_smem, y_gmem.at[rows, cols])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(store_scope, plgpu.SMEM((cfg.tile_m, cfg.tile_n), y_gmem.dtype))
 
 
 def to_kernel_layout(o_BxLxNpxK, w_NxKxD, p: int):
-  """[B, L, Np, K] -> [P(dest), B·L/P, C]; W [N, K, D] -> [P(src), C, D] (rank p owns heads p·Np..)."""
+  """o [B, L, Np, K] -> [P(dest), B·L/P, C]; w [N, K, D] -> [P(src), C, D] (rank p: heads p·Np..)."""
   batch, seq, heads_per, head_dim = o_BxLxNpxK.shape
   c = heads_per * head_dim
   o_PxMxC = (o_BxLxNpxK.reshape(batch, p, seq // p, c).transpose(1, 0, 2, 3)

@@ -1,4 +1,4 @@
-"""Pallas flash attention (interpret mode on CPU) against jax.nn.dot_product_attention's XLA path."""
+"""Pallas flash attention (interpret mode on CPU) against jax.nn.dot_product_attention (XLA)."""
 import functools
 
 import jax
@@ -47,7 +47,8 @@ def _out_and_grads(fn, q, k, v, do):
 
 @functools.lru_cache(maxsize=None)
 def _case_results(name):
-  _, batch, q_len, kv_len, heads, kv_heads, head_dim, causal = next(c for c in CASES if c[0] == name)
+  case = next(c for c in CASES if c[0] == name)
+  _, batch, q_len, kv_len, heads, kv_heads, head_dim, causal = case
   q, k, v, do = _inputs(batch, q_len, kv_len, heads, kv_heads, head_dim)
   pallas = functools.partial(flash_attention, causal=causal, interpret=True, **BLOCKS)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
@@ -104,7 +105,7 @@ def test_query_that_sees_no_key_gives_zero():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_within_rounding(dtype):
-  """Half inputs against a float32 reference on the same (rounded) inputs: within one ulp of the max."""
+  """Half inputs against float32 on the same (rounded) inputs: within one ulp of the max."""
   q, k, v, do = _inputs(1, 48, 48, 4, 2, 32, dtype=dtype, seed=3)
   fn = functools.partial(flash_attention, causal=True, interpret=True, **BLOCKS)
   got = _out_and_grads(fn, q, k, v, do)

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import gemm_a2a as ga
 
 
-def _simulate_global(p, batch, seq, heads, head_dim, d, plan_kw, tiles, seed=0, plan_cls=ga.TilePlan):
+def _simulate_global(p, batch, seq, heads, head_dim, d, plan_kw, tiles, seed=0,
+                     plan_cls=ga.TilePlan):
   """Global o [B, L, H, K] and w [H, K, D] through the per-rank layout and the simulated kernel."""
   rng = np.random.default_rng(seed)
   o = rng.standard_normal((batch, seq, heads, head_dim))
@@ -28,11 +29,12 @@ def _simulate_global(p, batch, seq, heads, head_dim, d, plan_kw, tiles, seed=0, 
   return got, np.einsum("blnk,nkd->bld", o, w)
 
 
-@pytest.mark.parametrize("p,comm,gemm,seed", [(2, 1, 1, 0), (4, 2, 3, 1), (8, 3, 5, 2), (4, 7, 2, 3)])
+@pytest.mark.parametrize("p,comm,gemm,seed",
+                         [(2, 1, 1, 0), (4, 2, 3, 1), (8, 3, 5, 2), (4, 7, 2, 3)])
 def test_protocol_matches_dense_math(p, comm, gemm, seed):
   tiles = dict(tile_m=4, tile_c=8, tile_n=4)
-  got, want = _simulate_global(p, 2, 8 * p, 2 * p, 8, 12, dict(comm_workers=comm, gemm_workers=gemm),
-                               tiles, seed=seed)
+  workers = dict(comm_workers=comm, gemm_workers=gemm)
+  got, want = _simulate_global(p, 2, 8 * p, 2 * p, 8, 12, workers, tiles, seed=seed)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -45,7 +47,7 @@ class _SignalTooFew(ga.TilePlan):
 
 @dataclasses.dataclass(frozen=True)
 class _SharedSemaphore(ga.TilePlan):
-  """One semaphore per row tile for all sources: a signal from one source releases another's reader."""
+  """One semaphore per row tile for all sources: one source's signal releases another's reader."""
   def sem_index(self, src, tile):
     return tile
 
@@ -86,7 +88,7 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu():
 
 @pytest.mark.parametrize("o_shape,w_shape,dtype,cfg,match", [
     ((1, 128, 4, 64), (4, 64, 256), jnp.float32, {}, "bfloat16/float16"),
-    ((1, 128, 4, 64), (4, 64, 200), jnp.bfloat16, {}, "model dim 200 is not a multiple of the tile 128"),
+    ((1, 128, 4, 64), (4, 64, 200), jnp.bfloat16, {}, "model dim 200 is not a multiple of the tile"),
     ((1, 128, 4, 64), (4, 64, 256), jnp.bfloat16, {"comm_sms": 8}, "comm_sms=8 must lie in"),
 ])
 def test_bad_inputs_raise(o_shape, w_shape, dtype, cfg, match):

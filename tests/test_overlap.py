@@ -3,11 +3,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.parallel import overlap, ulysses
+from jaxpipe.parallel import overlap
 
 
 def _mesh(cp):

@@ -96,7 +96,7 @@ def test_bad_splits_raise(seq, heads, kv_heads, match):
 @pytest.mark.slow  # the Trainer test below covers microbatches = 1 in CI
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_model_loss_and_grads_with_context_parallelism(microbatches):
-  """The LM with its sequence split over cp=2 (and batch over dp=2) equals jax.grad on one device."""
+  """The LM with its sequence over cp=2 (batch over dp=2) equals jax.grad on one device."""
   from jaxpipe.models import transformer
   cfg = transformer.TransformerConfig(vocab=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
                                       head_dim=4, d_ff=32)

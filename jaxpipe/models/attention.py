@@ -96,7 +96,10 @@ def resolve_backend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array,
 def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
               causal: bool = True, backend: str = "xla", segment_ids: jax.Array | None = None,
               sm_scale: float | None = None) -> jax.Array:
-  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads)."""
+  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
+
+  Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs).
+  """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
   axis_name = _CONTEXT_AXIS.get()
   if axis_name is not None:

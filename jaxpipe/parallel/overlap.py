@@ -6,7 +6,7 @@ around attention factor along the same split:
 - input side (x -> QKV -> all_to_all): the heads destined for rank d are x @ W[:, heads(d)],
   so step s computes the chunk for rank r+s and ppermutes it by s; step s+1's GEMM has no
   dependence on step s's transfer and runs while it is in flight.
-- output side (o -> all_to_all -> W_o): out = sum over source ranks of o_from(src) @ W_o[heads(src)],
+- output side (o -> all_to_all -> W_o): out = sum over sources of o_from(src) @ W_o[heads(src)],
   so every transfer is issued up front and step s's GEMM starts as soon as chunk s lands,
   while the later chunks are still moving.
 
@@ -60,7 +60,8 @@ def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "
   return out_BxLxNpxK
 
 
-def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
+                   axis_name: str = "cp") -> jax.Array:
   """heads_to_seq(o) @ w in P chunked steps: [B, L, N/P, K] -> [B, L/P, D], inside shard_map."""
   cp = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
@@ -85,11 +86,13 @@ def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str 
   return out_BxSxD
 
 
-def proj_then_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+def proj_then_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *,
+                        axis_name: str = "cp") -> jax.Array:
   """Unfused reference for proj_a2a_local: one GEMM, then one all_to_all."""
   return seq_to_heads(jnp.einsum("bsd,dnk->bsnk", x_BxSxD, w_DxNxK), axis_name)
 
 
-def a2a_then_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp") -> jax.Array:
+def a2a_then_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
+                        axis_name: str = "cp") -> jax.Array:
   """Unfused reference for a2a_proj_local: one all_to_all, then one GEMM."""
   return jnp.einsum("bsnk,nkd->bsd", heads_to_seq(o_BxLxNpxK, axis_name), w_NxKxD)

@@ -22,7 +22,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpipe.models.attention import attention
 
 
-def check_divisible(seq_len: int, heads: int, kv_heads: int, cp: int, axis_name: str = "cp") -> None:
+def check_divisible(seq_len: int, heads: int, kv_heads: int, cp: int,
+                    axis_name: str = "cp") -> None:
   """Raises ValueError when the sequence or the (KV) heads do not split evenly over cp ranks."""
   if seq_len % cp:
     raise ValueError(f"sequence length {seq_len} is not divisible by the context axis "
@@ -32,7 +33,8 @@ def check_divisible(seq_len: int, heads: int, kv_heads: int, cp: int, axis_name:
                      f"size {cp}; use a context size that divides {heads}")
   if kv_heads % cp:
     raise ValueError(f"{kv_heads} key/value heads do not divide over the context axis "
-                     f"{axis_name!r} of size {cp}; use cp <= {kv_heads} dividing it, or more KV heads")
+                     f"{axis_name!r} of size {cp}; use a cp that divides {kv_heads}, or more KV "
+                     f"heads")
 
 
 def seq_to_heads(x_BxSxNxK: jax.Array, axis_name: str = "cp") -> jax.Array:
@@ -71,7 +73,8 @@ def ulysses_attention_local(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGx
 
 
 def ulysses_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
-                      mesh: Mesh, axis_name: str = "cp", batch_axes: str | tuple[str, ...] | None = None,
+                      mesh: Mesh, axis_name: str = "cp",
+                      batch_axes: str | tuple[str, ...] | None = None,
                       causal: bool = True, backend: str = "xla",
                       segment_ids_BxL: jax.Array | None = None,
                       sm_scale: float | None = None) -> jax.Array:
