@@ -169,7 +169,7 @@ def test_parameter_derived_residuals_are_recomputed_not_stored():
   mesh = make_mesh((2,), ("pp",))
   p, xs, ts = make_data(2, 4, seed=3)
   p["scale"] = jnp.array([0.5, 2.0], jnp.float32)
-  for schedule in ("1f1b", "zb-h1"):
+  for schedule in ("zb-h1",):  # split backward: W rebuilds the closure from the live params
     loss, grads = jaxpipe.pipeline.value_and_grad(scaled_stage_fn, p, xs, ts, loss_fn,
                                                   schedule=schedule, mesh=mesh)
     want_loss, want_grads = jax.jit(jax.value_and_grad(scaled_sequential))(p, xs, ts)
