@@ -13,7 +13,7 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   GPipe by autodiff (a scan over m + p - 1 forward ticks differentiated by `jax.grad`, as
   MaxText pipelines) on the same model;
 - CPU ratio: process CPU time of one pipelined step over that of the unpipelined
-  `jax.value_and_grad` (same micro-batches, one device), measured in the same run.
+  `jax.value_and_grad` (same micro-batches, one device), alternating runs, best of `--reps`.
 First a table of the lowered lock-step time against the asynchronous makespan for all nine at
 (p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
 Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
@@ -113,14 +113,21 @@ def gpipe_autodiff(mesh, p, m):
   return jax.jit(jax.value_and_grad(lambda ps, xs, ts: jnp.sum(sharded(ps, xs, ts))))
 
 
-def cpu_time(fn, args, reps):
+def cpu_ratio(fn, args, base, base_args, reps):
+  """min CPU time of fn over min CPU time of base, runs alternating so load drift cancels.
+
+  CPU time (all threads of this process), not wall time: the host devices share the cores.
+  The minimum is the run least disturbed by other processes on the machine.
+  """
   jax.block_until_ready(fn(*args))
-  times = []
+  jax.block_until_ready(base(*base_args))
+  t_fn, t_base = [], []
   for _ in range(reps):
-    t0 = time.process_time()
-    jax.block_until_ready(fn(*args))
-    times.append(time.process_time() - t0)
-  return float(np.median(times))
+    for f, a, out in ((fn, args, t_fn), (base, base_args, t_base)):
+      t0 = time.process_time()
+      jax.block_until_ready(f(*a))
+      out.append(time.process_time() - t0)
+  return min(t_fn) / min(t_base), min(t_base)
 
 
 def rel_err(got, want):
@@ -170,7 +177,6 @@ def main(argv=None):
   args1 = jax.device_put((params, xs, ts), dev0)
   base = jax.jit(unpipelined)
   want = base(*args1)
-  base_cpu = cpu_time(base, args1, args.reps)
 
   gp = gpipe_autodiff(mesh, p, m)
   gp_params = stacked(params, p)
@@ -181,7 +187,7 @@ def main(argv=None):
   gp_out = gp_compiled(gp_params, xs, ts)
   gp_err = max(rel_err(gp_out[0], want[0]),
                rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]))
-  gp_cpu = cpu_time(gp_compiled, (gp_params, xs, ts), args.reps)
+  gp_ratio, base_cpu = cpu_ratio(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
 
   header = (f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
             f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio':>10}{'rel err':>9}")
@@ -189,7 +195,7 @@ def main(argv=None):
   print(header)
   print("-" * len(header))
   print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
-        f"{1.0:>12.2f}{gp_cpu / base_cpu:>10.2f}{gp_err:>9.1e}")
+        f"{1.0:>12.2f}{gp_ratio:>10.2f}{gp_err:>9.1e}")
   rows = {}
   for name in args.schedules.split(","):
     sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
@@ -207,11 +213,11 @@ def main(argv=None):
     grads = from_local(local_grads, layout, sched.num_stages)
     grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grads)
     err = max(rel_err(loss, want[0]), rel_err(grads, want[1]))
-    cpu = cpu_time(compiled, call, args.reps)
+    ratio, _ = cpu_ratio(compiled, call, base, args1, args.reps)
     rows[name] = temp
     print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
           f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
-          f"{temp / gp_temp:>12.2f}{cpu / base_cpu:>10.2f}{err:>9.1e}", flush=True)
+          f"{temp / gp_temp:>12.2f}{ratio:>10.2f}{err:>9.1e}", flush=True)
     if args.profile:
       os.makedirs(args.profile, exist_ok=True)
       with open(os.path.join(args.profile, f"{name}.perfetto.json"), "w") as f:
