@@ -47,6 +47,7 @@ class MoEConfig:
   dropless_impl: str = "auto"     # 'auto' (ragged on GPU/TPU, else padded), 'padded', 'ragged', 'ragged_emulated'
   fp8_dispatch: bool = False      # send the dispatch payload as e4m3 with per-block scales
   fp8_block: int = 128            # channels sharing one fp8 scale
+  every: int = 1                  # in the LM: layers k-1, 2k-1, ... use this FFN, the rest the dense one
 
   def __post_init__(self):
     e, k = self.num_experts, self.top_k
@@ -74,6 +75,8 @@ class MoEConfig:
       raise ValueError(f"bias_update_rate={self.bias_update_rate} needs router='sigmoid'")
     if self.fp8_block < 1:
       raise ValueError(f"fp8_block={self.fp8_block} must be >= 1")
+    if self.every < 1:
+      raise ValueError(f"every={self.every} must be >= 1 (1: an MoE FFN in every layer)")
 
   def validate(self, ep: int) -> None:
     """Checks against an expert axis of size `ep`."""
@@ -317,6 +320,8 @@ class MoEFFN(nn.Module):
     shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
     params = {name: self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
               for name in shapes}
+    if self.is_initializing():  # the output is discarded; tracing the dispatch would cost compile time
+      return jnp.zeros_like(x_BxLxD), {}
     params = {k: v if k in ("router_DxE", "expert_bias_E") else v.astype(self.dtype)
               for k, v in params.items()}
     return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype))
