@@ -11,6 +11,12 @@ The model is `embed -> apply_layers -> head_loss`. `apply_layers` is a `lax.scan
 leading layer axis it is given, so any contiguous slice of `params['layers']` is a valid block:
 reshaping every leaf to `[num_stages, layers_per_stage, ...]` and indexing a stage gives that
 pipeline stage's `(params, x) -> x` function.
+
+With `cfg.moe` (an MoE FFN every `moe.every` = k layers) the scanned unit is a group of k
+layers, k-1 dense then one MoE, so the leading axis of `params['layers']` counts groups,
+n_layers / k of them: `{'dense': [groups, k-1, ...], 'moe': [groups, ...]}` ('dense' absent for
+k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and routing statistics;
+`apply_layers` folds the auxiliary losses into the gradient instead (`attach_aux_loss`).
 """
 import dataclasses
 import functools
@@ -20,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.attention import attention
 
 
@@ -39,7 +46,14 @@ class TransformerConfig:
   attention: str = "xla"  # backend name passed to jaxpipe.models.attention.attention
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False  # recompute each layer's activations in the backward pass
-  moe: Any = None  # MoE FFN sub-config; None = dense FFN in every layer
+  moe: Any = None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
+
+  def __post_init__(self):
+    if isinstance(self.moe, dict):  # from an ml_collections config
+      object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
+    if self.moe is not None and self.n_layers % self.moe.every:
+      raise ValueError(f"n_layers={self.n_layers} is not a multiple of moe.every={self.moe.every}; "
+                       "layers come in groups of moe.every (the last of each is MoE)")
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -109,14 +123,19 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm decoder layer."""
+  """One pre-norm decoder layer; with `moe` its FFN is `cfg.moe` and it returns (x, moe aux)."""
   cfg: TransformerConfig
+  moe: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_L):
     c = self.cfg
     x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD),
                                                   positions_L)
+    if self.moe:
+      y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, name="moe")(
+          RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
+      return x_BxLxD + y_BxLxD, aux
     return x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
 
 
@@ -125,8 +144,20 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
   k_embed, k_layers, k_head = jax.random.split(rng, 3)
   x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
   block = Block(cfg)
-  layers = jax.vmap(lambda k: block.init(k, x_1x1xD, jnp.arange(1))["params"])(
-      jax.random.split(k_layers, cfg.n_layers))
+  init_dense = lambda k: block.init(k, x_1x1xD, jnp.arange(1))["params"]
+  if cfg.moe is None:
+    layers = jax.vmap(init_dense)(jax.random.split(k_layers, cfg.n_layers))
+  else:
+    every = cfg.moe.every
+
+    def init_group(k):
+      k_dense, k_moe = jax.random.split(k)
+      group = {"moe": Block(cfg, moe=True).init(k_moe, x_1x1xD, jnp.arange(1))["params"]}
+      if every > 1:
+        group["dense"] = jax.vmap(init_dense)(jax.random.split(k_dense, every - 1))
+      return group
+
+    layers = jax.vmap(init_group)(jax.random.split(k_layers, cfg.n_layers // every))
   # Unit-variance logits at init: normalised x (entries ~1) times entries of scale d_model^-1/2.
   scale = cfg.d_model ** -0.5
   params = {
@@ -146,7 +177,33 @@ def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Ar
 
 def apply_layers(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
                  positions_L: jax.Array | None = None) -> jax.Array:
-  """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1."""
+  """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1.
+
+  MoE layers' auxiliary losses join the gradient through `attach_aux_loss`, weighted by the
+  tokens of `x`, as if `aux * tokens` were added to a summed loss.
+  """
+  return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=True)[0]
+
+
+def apply_layers_aux(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
+                     positions_L: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """`apply_layers` without attachment, plus the MoE layers' aux (leading axis: MoE layers).
+
+  aux is `moe.moe_layer`'s dict ({} for a dense model); its 'loss' is for the caller to add.
+  """
+  return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=False)
+
+
+@jax.custom_vjp
+def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
+  """Identity on x whose backward also sends cotangent 1 to `aux_loss` (Megatron's aux-loss scaler)."""
+  return x
+
+
+attach_aux_loss.defvjp(lambda x, a: (x, a), lambda a, g: (g, jnp.ones_like(a)))
+
+
+def _apply_layers(cfg, layers, x_BxLxD, positions_L, attach):
   if positions_L is None:
     positions_L = jnp.arange(x_BxLxD.shape[1])
   block = Block(cfg)
@@ -154,10 +211,22 @@ def apply_layers(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
   def body(x_BxLxD, layer):
     return block.apply({"params": layer}, x_BxLxD, positions_L), None
 
+  if cfg.moe is not None:
+    dense_body, moe_block = body, Block(cfg, moe=True)
+
+    def body(x_BxLxD, group):
+      if "dense" in group:
+        x_BxLxD, _ = jax.lax.scan(dense_body, x_BxLxD, group["dense"])
+      x_BxLxD, aux = moe_block.apply({"params": group["moe"]}, x_BxLxD, positions_L)
+      if attach:
+        n_tokens = x_BxLxD.shape[0] * x_BxLxD.shape[1]
+        x_BxLxD = attach_aux_loss(x_BxLxD, aux["loss"] * n_tokens)
+      return x_BxLxD, aux
+
   if cfg.remat:
     body = jax.checkpoint(body)
-  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, layers)
-  return x_BxLxD
+  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers)
+  return x_BxLxD, {} if aux is None else aux
 
 
 def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
@@ -188,3 +257,10 @@ def loss(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array, targets_Bx
   """(summed masked cross-entropy, valid-token count) of the whole model."""
   x_BxLxD = apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL))
   return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)
+
+
+def loss_and_aux(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array,
+                 targets_BxL: jax.Array, mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+  """`loss` and the MoE layers' aux (`apply_layers_aux`); the caller adds aux['loss'].sum()."""
+  x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+  return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
