@@ -31,6 +31,7 @@ from jaxpipe import data as data_lib
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
+from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 
@@ -102,9 +103,64 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   return loss_and_grads
 
 
+def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
+  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
+
+  The loss is the mean cross-entropy plus every MoE layer's weighted auxiliary loss; metrics add
+  the routing statistics (`moe.step_metrics`) and `moe_tokens_per_expert` [MoE layers, experts],
+  summed over micro-batches, which the train step consumes to move the balancing biases.
+  """
+  moe_cfg = cfg.moe
+
+  def loss_sum(params, batch):
+    with moe_lib.expert_parallel(mesh):
+      total, count, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
+                                                   batch["mask"])
+    # Summed like the cross-entropy, over valid tokens, so that the mean adds aux once.
+    return total + aux["loss"].sum() * count, (count, aux)
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    if microbatches == 1:
+      (total, (count, aux)), grads = grad_fn(params, batch)
+    else:
+      split = jax.tree.map(
+          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
+                                 0, 1), batch)
+
+      def body(carry, mb):
+        (s, (n, a)), g = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (s, n, a, g)), None
+
+      first = jax.tree.map(lambda x: x[0], split)
+      shapes = jax.eval_shape(grad_fn, params, first)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           (shapes[0][0], shapes[0][1][0], shapes[0][1][1], shapes[1]))
+      (total, count, aux, grads), _ = jax.lax.scan(body, zeros, split)
+      # Counts add up over micro-batches; losses and ratios are averaged.
+      aux = {k: v if k in ("tokens_per_expert", "dropped", "dropped_pairs", "recv_rows")
+             else v / microbatches for k, v in aux.items()}
+    denom = jnp.maximum(count, 1.0)
+    metrics = {"tokens": count, **moe_lib.step_metrics(aux, n_tokens, moe_cfg.top_k),
+               "moe_tokens_per_expert": aux["tokens_per_expert"]}
+    return total / denom, jax.tree.map(lambda g: g / denom, grads), metrics
+
+  return loss_and_grads
+
+
 def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfig,
                         mesh_shape: dict[str, int]) -> LossAndGrads:
   """The gradient computation the config asks for."""
+  if cfg.moe is not None:
+    cfg.moe.validate(mesh_shape["ep"])
+    if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
+      return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
+    if cfg.moe.bias_update_rate:
+      raise NotImplementedError(
+          f"model.moe.bias_update_rate={cfg.moe.bias_update_rate} needs the routing loads, which "
+          "only the pp = 1, cp = 1 path reports; set it to 0 or train with pp = cp = 1")
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.pipeline.lm import pipeline_loss_and_grads
@@ -200,6 +256,9 @@ class Trainer:
       loss, grads, metrics = loss_and_grads(state.params, batch)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
+      if "moe_tokens_per_expert" in metrics:  # balancing biases move by their own rule
+        params = moe_lib.update_biases(self.model_cfg.moe, state.params, params,
+                                       metrics.pop("moe_tokens_per_expert"))
       grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
       return TrainState(state.step + 1, params, opt_state), metrics
