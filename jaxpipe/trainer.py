@@ -11,6 +11,7 @@ Megatron does) and `grads` its gradient; `metrics` is a dict of scalars (at leas
 count). Everything around it (optimizer, state, sharding, checkpoints) stays the same whichever
 function is chosen.
 """
+import functools
 import math
 import os
 import signal
@@ -211,21 +212,24 @@ class Trainer:
     params = transformer.init_params(self.model_cfg, rng)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
+  @functools.cached_property
+  def state_shapes(self) -> TrainState:
+    """The TrainState's shapes and dtypes (traced, nothing computed)."""
+    return jax.eval_shape(self._fresh_state, jax.random.key(0))
+
   @property
   def state_sharding(self) -> Any:
     """The TrainState's shardings: replicated on every device (pure data parallelism)."""
     if self._state_sharding is None:
-      shapes = jax.eval_shape(self._fresh_state, jax.random.key(0))
-      self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), shapes)
+      self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), self.state_shapes)
     return self._state_sharding
 
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
-    shapes = jax.eval_shape(self._fresh_state, jax.random.key(0))
     restored = None
     if self.checkpointer is not None:
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              shapes, self.state_sharding)
+                              self.state_shapes, self.state_sharding)
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
