@@ -125,7 +125,12 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
                             schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
                             embed_params: PyTree = (), recompute: bool = False,
                             pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None):
-  """The general entry point: also returns head and embedding gradients (trainer's path)."""
+  """-> (loss, stage grads, head grads, embed grads); the trainer's path.
+
+  `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
+  `model.loss_fn(head_params, y, targets[mb])` closes the last; both parameter sets are
+  replicated over the pipeline and their gradients summed over it.
+  """
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes)
@@ -150,6 +155,8 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   microbatch count, `chunks` per rank) or a torch-format CSV path. Every mesh axis other than
   `pp_axis` is a data axis: the batch dimension is split over them and the result summed, so
   `loss_fn` should sum (not average) over its batch for the result to equal one device's.
+  A stage made of layers is best given as `jaxpipe.pipeline.layered(layer_fn)` with leaves
+  [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
   Returns (loss summed over micro-batches, gradients shaped like stage_params).
   """
   if pp_axis not in mesh.axis_names:
