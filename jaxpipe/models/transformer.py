@@ -203,25 +203,31 @@ def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
 attach_aux_loss.defvjp(lambda x, a: (x, a), lambda a, g: (g, jnp.ones_like(a)))
 
 
+def apply_unit(cfg: TransformerConfig, unit: Any, x_BxLxD: jax.Array, positions_L: jax.Array,
+               attach: bool = True):
+  """One element of the layers' leading axis: a layer, or with `cfg.moe` a group ending in MoE.
+
+  Returns x, or (x, aux) for an MoE group with attach=False; with attach=True the group's
+  auxiliary loss rides on x's gradient (`attach_aux_loss`).
+  """
+  if cfg.moe is None:
+    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L)
+  if "dense" in unit:
+    dense = lambda x, layer: (Block(cfg).apply({"params": layer}, x, positions_L), None)
+    x_BxLxD, _ = jax.lax.scan(dense, x_BxLxD, unit["dense"])
+  x_BxLxD, aux = Block(cfg, moe=True).apply({"params": unit["moe"]}, x_BxLxD, positions_L)
+  if not attach:
+    return x_BxLxD, aux
+  return attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
+
+
 def _apply_layers(cfg, layers, x_BxLxD, positions_L, attach):
   if positions_L is None:
     positions_L = jnp.arange(x_BxLxD.shape[1])
-  block = Block(cfg)
 
-  def body(x_BxLxD, layer):
-    return block.apply({"params": layer}, x_BxLxD, positions_L), None
-
-  if cfg.moe is not None:
-    dense_body, moe_block = body, Block(cfg, moe=True)
-
-    def body(x_BxLxD, group):
-      if "dense" in group:
-        x_BxLxD, _ = jax.lax.scan(dense_body, x_BxLxD, group["dense"])
-      x_BxLxD, aux = moe_block.apply({"params": group["moe"]}, x_BxLxD, positions_L)
-      if attach:
-        n_tokens = x_BxLxD.shape[0] * x_BxLxD.shape[1]
-        x_BxLxD = attach_aux_loss(x_BxLxD, aux["loss"] * n_tokens)
-      return x_BxLxD, aux
+  def body(x_BxLxD, unit):
+    out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach)
+    return out if isinstance(out, tuple) else (out, None)
 
   if cfg.remat:
     body = jax.checkpoint(body)
