@@ -148,3 +148,50 @@ def test_bad_moe_configs_fail_before_device_work():
     Trainer(moe_config(every=3))
   with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
     Trainer(moe_config(top_k=9))
+
+
+def test_moe_inside_the_pipeline_executor():
+  """pp = 2 x dp = 2 x ep = 2: stages of `apply_unit` (aux attached) equal the explicit objective.
+
+  Inside the executor's shard_map the MoE layers find the expert axis manual and take their
+  experts from the replicated stage parameters.
+  """
+  from jaxpipe.mesh import make_mesh
+  from jaxpipe.pipeline.api import pipeline_value_and_grad, resolve_schedule
+  from jaxpipe.pipeline.executor import Model, layered
+
+  c = moe_config(ep=2)
+  c.model.n_layers, c.model.moe.every, c.mesh.pp = 2, 1, 2
+  cfg = config_lib.model_config(c)
+  mesh = make_mesh(c.mesh)
+  m = 2
+  schedule = resolve_schedule("zb-h1", pp=2, microbatches=m)
+  params = jax.tree.map(jnp.asarray, _random_params(cfg))
+  batch = jax.device_get(_trainer(ep=2).batch(0))
+  split = {k: np.stack([v[j::m] for j in range(m)]) for k, v in batch.items()}
+  model = Model(
+      layered(lambda unit, x: transformer.apply_unit(cfg, unit, x, jnp.arange(x.shape[1]))),
+      lambda head, x, t: transformer.head_loss(cfg, head, x, *t)[0],
+      lambda emb, tokens: transformer.embed(cfg, emb, tokens))
+  stage_params = jax.tree.map(lambda a: a.reshape(2, a.shape[0] // 2, *a.shape[1:]), params["layers"])
+  head = {k: v for k, v in params.items() if k != "layers"}
+  total, stage_g, head_g, embed_g = pipeline_value_and_grad(
+      model, stage_params, split["tokens"], (split["targets"], split["mask"]), schedule=schedule,
+      mesh=mesh, head_params=head, embed_params={"embed": params["embed"]}, data_axes=("dp", "ep"))
+
+  def objective(p):
+    """Per micro-batch: summed cross-entropy plus tokens x aux losses, as `apply_layers` weighs them."""
+    ce = obj = 0.0
+    for j in range(m):
+      t, _, aux = transformer.loss_and_aux(cfg, p, split["tokens"][j], split["targets"][j],
+                                           split["mask"][j])
+      ce, obj = ce + t, obj + t + aux["loss"].sum() * split["tokens"][j].size
+    return obj, ce
+
+  (_, ce), want = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+  _close(total, ce, "summed cross-entropy")
+  got = {**head_g, "embed": head_g["embed"] + embed_g["embed"],
+         "layers": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), stage_g)}
+  want_flat = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+    _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
