@@ -194,13 +194,30 @@ def apply_layers_aux(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=False)
 
 
-@jax.custom_vjp
 def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
-  """Identity on x whose backward also sends cotangent 1 to `aux_loss` (Megatron's aux-loss scaler)."""
+  """Identity on x whose backward also sends cotangent 1 to `aux_loss` (Megatron's aux-loss scaler).
+
+  Inside a `shard_map` the loss is first cast to vary like x, so that the cotangents of every
+  shard's copy are summed on the way back.
+  """
+  missing = tuple(sorted(_varying_axes(x) - _varying_axes(aux_loss)))
+  if missing:
+    aux_loss = jax.lax.pcast(aux_loss, missing, to="varying")
+  return _attach(x, aux_loss)
+
+
+def _varying_axes(v) -> frozenset:
+  aval = jax.typeof(v)
+  mat = getattr(aval, "mat", None)  # JAX 0.10 keeps them here, later versions as `vma`
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+@jax.custom_vjp
+def _attach(x, aux_loss):
   return x
 
 
-attach_aux_loss.defvjp(lambda x, a: (x, a), lambda a, g: (g, jnp.ones_like(a)))
+_attach.defvjp(lambda x, a: (x, a), lambda a, g: (g, jnp.ones_like(a)))
 
 
 def apply_unit(cfg: TransformerConfig, unit: Any, x_BxLxD: jax.Array, positions_L: jax.Array,
