@@ -195,3 +195,26 @@ def test_moe_inside_the_pipeline_executor():
   want_flat = dict(jax.tree_util.tree_flatten_with_path(want)[0])
   for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
     _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
+def test_moe_under_context_parallelism():
+  """cp = 2 x dp = 2 x ep = 2: the context-parallel trainer path trains the attached aux losses."""
+  c = moe_config(ep=2)
+  c.model.n_layers, c.model.moe.every, c.mesh.cp = 2, 1, 2
+  trainer = Trainer(c)
+  cfg = trainer.model_cfg
+  params = jax.tree.map(jnp.asarray, _random_params(cfg))
+  batch = trainer.batch(0)
+  loss, grads, _ = jax.jit(trainer.loss_and_grads)(params, batch)
+  host = jax.device_get(batch)
+
+  def objective(p):
+    """Mean cross-entropy plus tokens x aux losses over the valid-token count."""
+    t, n, aux = transformer.loss_and_aux(cfg, p, host["tokens"], host["targets"], host["mask"])
+    return (t + aux["loss"].sum() * host["tokens"].size) / n, t / n
+
+  (_, ce), want = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+  _close(loss, ce, "cross-entropy")
+  want_flat = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
