@@ -1,10 +1,11 @@
 """The Transformer LM on the pipeline executor: the trainer's `loss_and_grads` when mesh.pp > 1.
 
-Stage s runs layers [s*k, (s+1)*k) (`transformer.Block`, one layer at a time); the first virtual stage of
-every route also embeds the tokens and the last applies the final norm, the head and the loss
-(the executor's `embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and
+Stage s runs layers [s*k, (s+1)*k) (`transformer.apply_unit`: one layer, or one group of
+layers ending in an MoE layer, at a time); the first virtual stage of every route also embeds
+the tokens and the last applies the final norm, the head and the loss (the executor's `embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and
 whose gradients are summed over it). The loss is summed per micro-batch and divided, with the
-gradients, by the global count of valid tokens once the step is done.
+gradients, by the global count of valid tokens once the step is done. MoE auxiliary losses
+enter the gradient (as `transformer.apply_layers` attaches them) but not the reported loss.
 """
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 def lm_model(cfg: TransformerConfig) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused."""
 
-  block = transformer.Block(cfg)
-
-  def layer_fn(layer, x_BxLxD):
-    return block.apply({"params": layer}, x_BxLxD, jnp.arange(x_BxLxD.shape[1]))
+  def layer_fn(unit, x_BxLxD):
+    # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
+    # the gradient of its output
+    return transformer.apply_unit(cfg, unit, x_BxLxD, jnp.arange(x_BxLxD.shape[1]))
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -55,7 +56,7 @@ def lm_model(cfg: TransformerConfig) -> Model:
     targets_BxL, mask_BxL = target
     return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
 
-  # Layer by layer, so a split backward's W needs no recomputation (the same function as
+  # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
   return Model(layered(layer_fn), loss_fn, embed_fn)
 
@@ -67,15 +68,15 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     if axis not in ("pp",) + BATCH_AXES and mesh.shape[axis] > 1:
       raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
                        f"data parallelism ({', '.join(BATCH_AXES)}) only; set mesh.{axis}=1")
-  if getattr(cfg, "moe", None) is not None:
-    raise ValueError("model.moe with mesh.pp > 1: the pipeline stages run dense layers only "
-                     "(MoE layers return auxiliary losses the executor does not carry); train "
-                     "MoE models with mesh.pp=1")
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
-  if cfg.n_layers % stages:
-    raise ValueError(f"model.n_layers={cfg.n_layers} does not split into the {stages} model "
-                     f"stages of schedule {schedule.name!r}; use a multiple of {stages}")
+  every = cfg.moe.every if cfg.moe is not None else 1
+  units = cfg.n_layers // every  # entries on params['layers'] leading axis
+  if units % stages:
+    what = f"{units} groups of moe.every={every} layers" if every > 1 else "layers"
+    raise ValueError(f"model.n_layers={cfg.n_layers} ({what}) does not split into the "
+                     f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
+                     f"{stages * every}")
   m = schedule.num_microbatches
   model = lm_model(cfg)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
