@@ -350,3 +350,22 @@ def update_biases(cfg: MoEConfig, old_params: Any, new_params: Any,
     return router_lib.update_expert_bias(old, counts, cfg.bias_update_rate) if cfg.bias_update_rate \
         else old
   return jax.tree_util.tree_map_with_path(pick, old_params, new_params)
+
+
+EXPERT_WEIGHTS = ("wi_gate_ExDxF", "wi_up_ExDxF", "wo_ExFxD")
+
+
+def expert_shardings(tree: Any, mesh, ep_axis: str = "ep") -> Any:
+  """NamedShardings for a tree holding model parameters (train state, optimizer moments too).
+
+  Expert weights (any leading stacked axes, then [E, ., .]) are split over `ep_axis` on E, so
+  each rank stores its own experts; everything else is replicated.
+  """
+  from jax.sharding import NamedSharding
+
+  def spec(path, leaf):
+    if getattr(path[-1], "key", None) in EXPERT_WEIGHTS and ep_axis in mesh.axis_names:
+      return NamedSharding(mesh, P(*(None,) * (len(leaf.shape) - 3), ep_axis))
+    return NamedSharding(mesh, P())
+
+  return jax.tree_util.tree_map_with_path(spec, tree)
