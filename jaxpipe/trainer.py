@@ -219,9 +219,12 @@ class Trainer:
 
   @property
   def state_sharding(self) -> Any:
-    """The TrainState's shardings: replicated on every device (pure data parallelism)."""
+    """The TrainState's shardings: replicated on every device, but MoE experts split over ep."""
     if self._state_sharding is None:
-      self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), self.state_shapes)
+      if self.model_cfg.moe is not None:
+        self._state_sharding = moe_lib.expert_shardings(self.state_shapes, self.mesh)
+      else:
+        self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), self.state_shapes)
     return self._state_sharding
 
   def init(self) -> TrainState:
