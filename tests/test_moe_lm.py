@@ -218,3 +218,15 @@ def test_moe_under_context_parallelism():
   want_flat = dict(jax.tree_util.tree_flatten_with_path(want)[0])
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
+def test_train_state_splits_experts_over_ep():
+  trainer = _trainer()
+  sh = trainer.state_sharding
+  wi = sh.params["layers"]["moe"]["moe"]["wi_gate_ExDxF"]
+  assert wi.spec == jax.sharding.PartitionSpec(None, "ep")
+  assert wi.shard_shape((2, 8, 32, 16)) == (2, 2, 32, 16)  # 2 of the 8 experts per ep rank
+  mu = jax.tree_util.tree_flatten_with_path(sh.opt_state)[0]
+  moments = [s for p, s in mu if jax.tree_util.keystr(p).endswith("['wo_ExFxD']")]
+  assert moments and all(s.spec == jax.sharding.PartitionSpec(None, "ep") for s in moments)
+  assert sh.params["layers"]["moe"]["moe"]["router_DxE"].spec == jax.sharding.PartitionSpec()
