@@ -132,10 +132,14 @@ def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int) -> jax.
   sizes = jnp.zeros((n_local + 1,), jnp.int32).at[flat].add(1)[:n_local]
   rows = order // k
   xs = recv.x_NxD[rows]
-  gmm = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+  # Rows past the groups are the backend's to fill (zeros on CPU): select them away right at
+  # each product, so nothing non-finite reaches a nonlinearity or its gradient.
+  real = (jnp.arange(m) < sizes.sum())[:, None]
+  gmm = lambda a, b: jnp.where(
+      real, jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), 0.0)
   h = jax.nn.silu(gmm(xs, params["wi_gate_ExDxF"])) * gmm(xs, params["wi_up_ExDxF"])
   ys = gmm(h.astype(xs.dtype), params["wo_ExFxD"])
-  ws = recv.w_NxK.reshape(-1)[order]  # 0 on empty entries, so their (finite) outputs vanish
+  ws = recv.w_NxK.reshape(-1)[order]  # 0 on entries that are not experts of this rank
   return jax.ops.segment_sum(ys * ws[:, None], rows, num_segments=n)
 
 
