@@ -4,7 +4,8 @@
 
 Costs F = I = W = 1, B = 2, F&B = F + B (no overlap credit). Columns: bubble in time units,
 single step (makespan - busy, max over ranks) and steady state (idle between a rank's first and
-last op, max over ranks), asynchronous and lock-step; rate = mean bubble / makespan; activations
+last op, max over ranks), asynchronous and lock-step (the published order tick by tick, and the
+tick tables the executor really runs after lowering); rate = mean bubble / makespan; activations
 as micro-batch-stages on the busiest rank and in whole-rank units (count * p / stages); the
 formula columns are anchors.md's, `*` marking bounds and approximations, `w` whole-rank units.
 """
@@ -17,6 +18,7 @@ import os
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.export import to_perfetto, to_png
 from jaxpipe.pipeline.formulas import anchor
+from jaxpipe.pipeline.lower import lower
 from jaxpipe.pipeline.schedules import GENERATORS
 
 CASES = ((4, 8), (8, 32))
@@ -68,7 +70,7 @@ def check_activations(f, a) -> str:
 
 HEADER = ("schedule", "p", "m", "v", "bubble async", "steady", "lock-step", "formula", "view",
           "check", "rate async", "rate lock", "formula rate", "act", "act w", "formula act",
-          "check", "params", "lock/async")
+          "check", "params", "lock/async", "lowered/async")
 
 
 def row(name: str, p: int, m: int, out: str | None) -> tuple:
@@ -100,7 +102,8 @@ def row(name: str, p: int, m: int, out: str | None) -> tuple:
           else "rate", check_bubble(f, a, s), f"{100 * a.bubble_rate:.1f}%",
           f"{100 * ls.bubble_rate:.1f}%", rate, max(a.peak_activations),
           f"{max(a.peak_activations_rank):g}", f.activations_text(), check_activations(f, a),
-          s.placement.copies, f"{ls.makespan / a.makespan:.3f}")
+          s.placement.copies, f"{ls.makespan / a.makespan:.3f}",
+          f"{lower(s).lockstep_time / a.makespan:.3f}")
 
 
 def table(rows: list[tuple]) -> str:
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
   print("\nbubble: time units (F = 1 per chunk; (..w) = VPP in whole-rank units), max over ranks; view of the formula in "
         "'view'; rate = mean bubble / makespan; act = peak micro-batch-stages on the busiest "
         "rank, act w = whole-rank units; params = copies of each model stage; lock/async = "
-        "lock-step makespan / asynchronous makespan; * = bound or approximation")
+        "lock-step makespan / asynchronous makespan running the published per-rank order tick by "
+        "tick; lowered/async = the same for the tick tables the executor runs "
+        "(jaxpipe.pipeline.lower); * = bound or approximation")
   if out:
     print(f"traces (Perfetto: ui.perfetto.dev) and PNGs in {out}/")
 
