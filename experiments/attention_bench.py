@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from experiments.timing import median_time
 from jaxpipe.models.attention import attention, unsupported_reason
 
 # Published H100 anchors (shared/anchors.md) printed beside our table.
@@ -36,14 +35,6 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, dtype, seed=0):
   return q, k, v
 
 
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def gpu_table(seqs, heads, head_dim, tokens, backends, repeats, dtype) -> None:
@@ -69,7 +60,7 @@ def gpu_table(seqs, heads, head_dim, tokens, backends, repeats, dtype) -> None:
           else:
             fn = jax.jit(fwd)
           try:
-            seconds = _time(fn, q, k, v, repeats=repeats)
+            seconds = median_time(fn, q, k, v, repeats=repeats)
           except Exception as e:  # an OOM or a kernel limit is a table cell, not a crash
             cells.append(f"failed ({type(e).__name__})")
             continue

@@ -18,14 +18,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments.timing import median_time  # noqa: E402
 from jaxpipe.models import moe  # noqa: E402
 from jaxpipe.parallel import expert  # noqa: E402
 
@@ -34,14 +33,6 @@ ANCHORS = ("DeepEP (H800, NVLink, EP8, normal kernels): 153 GB/s dispatch, 158 G
            "top-8, FP8).")
 
 
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def _mesh(n_dev: int, ep: int):
@@ -74,7 +65,7 @@ def layer_table(args, x, g, params, n_dev, dtype, on_accelerator) -> None:
   ref = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))
   dev0 = jax.devices()[0]
   p0, x0 = jax.device_put((params, x), dev0)
-  t = _time(ref, p0, x0, repeats=args.repeats)
+  t = median_time(ref, p0, x0, repeats=args.repeats)
   (_, aux), _ = ref(p0, x0)
   print(f"| dense reference (1 device, all experts on all tokens) | 1 | {tokens / t:,.0f} | "
         f"{1e3 * t:.1f} | {float(aux['imbalance']):.2f} | 0 | - |")
@@ -90,7 +81,7 @@ def layer_table(args, x, g, params, n_dev, dtype, on_accelerator) -> None:
         return jnp.sum(y.astype(jnp.float32) * g) + aux["loss"], aux
 
       fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
-      t = _time(fn, params, x, repeats=args.repeats)
+      t = median_time(fn, params, x, repeats=args.repeats)
       (_, aux), _ = fn(params, x)
       plan = expert.make_plan(args.tokens, args.top_k, args.experts, ep,
                               cfg.capacity_factor if cfg.dispatch == "capacity" else None,
@@ -136,8 +127,8 @@ def transport_table(args, x, n_dev, dtype, on_accelerator) -> None:
       recv_x, handle, rows = d_fn(xt, idx, w)
       c_fn = jax.jit(sm(lambda y, h, plan=plan: expert.combine(y, h, plan, axis="ep"),
                         in_specs=(tok, tok), out_specs=tok))
-      td = _time(d_fn, xt, idx, w, repeats=args.repeats)
-      tc = _time(c_fn, recv_x, handle, repeats=args.repeats)
+      td = median_time(d_fn, xt, idx, w, repeats=args.repeats)
+      tc = median_time(c_fn, recv_x, handle, repeats=args.repeats)
       row_bytes = args.d_model * jnp.dtype(dtype).itemsize
       payload_c = float(np.mean(np.asarray(rows))) * row_bytes
       payload_d = payload_c / jnp.dtype(dtype).itemsize * (1 + 4 / 128) if fp8 else payload_c

@@ -1,7 +1,5 @@
 """Lowering: tables interpreted symbolically move every value where the schedule needs it. No JAX."""
-import itertools
 
-import numpy as np
 import pytest
 
 from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, make_schedule

@@ -3,6 +3,9 @@ from jaxpipe.pipeline.ir import Action, Op, Overlap, Placement, Schedule
 from jaxpipe.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.validate import ScheduleError, validate
 
+__all__ = ["Action", "Op", "Overlap", "Placement", "Schedule", "SCHEDULE_NAMES", "make_schedule",
+           "ScheduleError", "validate", "value_and_grad", "layered"]
+
 
 def __getattr__(name):
   # JAX only when the executor is asked for, so the schedule IR imports without it.

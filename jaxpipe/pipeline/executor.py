@@ -348,7 +348,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
   all_axes = (pp_axis,) + tuple(data_axes)
-  p, v = spec.num_ranks, spec.chunks
+  p = spec.num_ranks
   batch_spec = P(None, data_axes) if data_axes else P()
   codes = list(spec.branches)
   lut = np.zeros(len(BRANCHES), np.int32)

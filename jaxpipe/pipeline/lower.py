@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
