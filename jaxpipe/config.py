@@ -13,6 +13,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.pipeline import Placement, Schedule, make_schedule
 
 # Mesh axes, outermost first: pipeline, data, expert, context, tensor.
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -172,11 +173,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
 
   shape = mesh_shape(config.mesh, num_devices)
-  stages = shape["pp"] * p.chunks
-  if m.n_layers % stages:
-    raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pp x pipeline.chunks = "
-                      f"{shape['pp']} x {p.chunks} = {stages} pipeline stages; every stage holds the "
-                      "same number of layers, so change n_layers, pp or chunks")
+  every = 1
+  if m.moe is not None:
+    every = m.moe.every
+    if not isinstance(every, int) or every < 1:
+      raise ConfigError(f"model.moe.every={every!r} must be a positive integer (1: every layer MoE)")
+    if m.n_layers % every:
+      raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
+                        "layers come in groups of moe.every (the last of each is MoE), so use a "
+                        f"multiple of {every} layers")
+  if shape["pp"] > 1 or schedule.endswith(".csv"):
+    _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
   cp = shape["cp"]
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:
@@ -193,6 +200,62 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"{replicas * p.microbatches}; use a batch that is a multiple of "
         f"{replicas * p.microbatches}")
   return shape
+
+
+def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
+  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX); ConfigError if none."""
+  name = pipeline.schedule
+  if name.endswith(".csv"):
+    try:
+      schedule = Schedule.from_csv(name)
+    except (ValueError, OSError) as e:
+      raise ConfigError(f"pipeline.schedule={name!r} is not a valid schedule: {e}") from e
+    if schedule.num_ranks != pp:
+      raise ConfigError(f"pipeline.schedule={name!r} has {schedule.num_ranks} ranks but mesh.pp="
+                        f"{pp}; set --config.mesh.pp={schedule.num_ranks} or write the schedule "
+                        f"for {pp} ranks")
+    if schedule.num_microbatches != pipeline.microbatches:
+      raise ConfigError(f"pipeline.schedule={name!r} runs {schedule.num_microbatches} micro-batches "
+                        f"but pipeline.microbatches={pipeline.microbatches}; set "
+                        f"--config.pipeline.microbatches={schedule.num_microbatches}")
+    chunks = schedule.placement.chunks_per_rank
+    if pipeline.chunks not in (1, chunks):
+      raise ConfigError(f"pipeline.schedule={name!r} places {chunks} chunk"
+                        f"{'s' if chunks > 1 else ''} on each rank but "
+                        f"pipeline.chunks={pipeline.chunks}; leave pipeline.chunks at 1 (the "
+                        "file decides) or set it to the file's count")
+    return schedule
+  # chunks = 1 is the default: the generator's own choice (2 for interleaved and V schedules).
+  chunks = None if pipeline.chunks == 1 else pipeline.chunks
+  try:
+    return make_schedule(name, pp=pp, microbatches=pipeline.microbatches, chunks=chunks)
+  except ValueError as e:
+    raise ConfigError(f"pipeline.schedule={name!r} cannot run mesh.pp={pp} with "
+                      f"pipeline.microbatches={pipeline.microbatches}"
+                      + (f", pipeline.chunks={chunks}" if chunks else "") + f": {e}") from e
+
+
+def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
+  """Every model stage of `schedule` must get the same whole number of layers (MoE: groups)."""
+  pl = schedule.placement
+  stages, pp = schedule.num_stages, schedule.num_ranks
+  units = n_layers // every
+  if units % stages == 0:
+    return
+  if pl.copies > 1:
+    how = f"one per rank on mesh.pp={pp} ranks, each stage held twice, once per direction"
+  elif pl == Placement.vshape(pp):
+    how = (f"2 per rank on mesh.pp={pp} ranks, in a V: each rank's layers split into two equal "
+           "chunks, so each rank needs an even number of them")
+  elif pl.chunks_per_rank > 1:
+    how = f"mesh.pp={pp} ranks x {pl.chunks_per_rank} chunks per rank"
+  else:
+    how = f"one per rank on mesh.pp={pp} ranks"
+  what = f" ({units} groups of model.moe.every={every} layers)" if every > 1 else ""
+  raise ConfigError(f"model.n_layers={n_layers}{what} does not split into the {stages} model "
+                    f"stages of schedule {schedule.name!r} ({how}); every stage holds the same "
+                    f"number of layers, so use a multiple of {stages * every} layers or change "
+                    "mesh.pp, pipeline.chunks or the schedule")
 
 
 _GIN_CONFIGURABLES: dict = {}

@@ -1,13 +1,17 @@
 """Config validation: each bad value fails before device work, naming the value and the fix."""
 import os
+import dataclasses
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from configs import quickstart, tiny
 from jaxpipe import config as config_lib
 from jaxpipe.config import ConfigError, validate
+from jaxpipe.models.moe import MoEConfig
+from jaxpipe.pipeline import make_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,9 +34,38 @@ def test_defaults_and_examples_validate():
     # mesh product != device count
     (dict(mesh__dp=3), 8, "mesh pp=1 x dp=3 x ep=1 x cp=1 x tp=1 = 3 devices, but 8 are available"),
     (dict(mesh__pp=3), 8, "does not divide the 8 available"),
-    # layers not divisible by pipeline stages
-    (dict(mesh__pp=4), 8, "model.n_layers=2 is not divisible by mesh.pp x pipeline.chunks = 4 x 1"),
-    (dict(mesh__pp=2, pipeline__chunks=2), 8, "mesh.pp x pipeline.chunks = 2 x 2 = 4"),
+    # layers not divisible by the schedule's model stages (its own count, not pp x chunks)
+    (dict(mesh__pp=4), 8, "model.n_layers=2 does not split into the 4 model stages of schedule "
+     "'1f1b' (one per rank on mesh.pp=4 ranks)"),
+    (dict(mesh__pp=2, pipeline__schedule="interleaved-1f1b", pipeline__microbatches=2), 8,
+     "model.n_layers=2 does not split into the 4 model stages of schedule 'interleaved-1f1b' "
+     "(mesh.pp=2 ranks x 2 chunks per rank)"),
+    (dict(mesh__pp=2, pipeline__schedule="interleaved-1f1b", pipeline__chunks=3,
+          pipeline__microbatches=2, model__n_layers=4), 8, "the 6 model stages"),
+    (dict(mesh__pp=2, pipeline__schedule="zb-v"), 8,
+     "model.n_layers=2 does not split into the 4 model stages of schedule 'zb-v' (2 per rank on "
+     "mesh.pp=2 ranks, in a V: each rank's layers split into two equal chunks, so each rank "
+     "needs an even number of them)"),
+    (dict(mesh__pp=2, pipeline__schedule="dualpipev", model__n_layers=6, pipeline__microbatches=4,
+          data__batch=32), 8, "model.n_layers=6 does not split into the 4 model stages of "
+     "schedule 'dualpipev' (2 per rank on mesh.pp=2 ranks, in a V"),
+    (dict(mesh__pp=2, pipeline__schedule="chimera", model__n_layers=3, pipeline__microbatches=2),
+     8, "model.n_layers=3 does not split into the 2 model stages of schedule 'chimera' (one per "
+     "rank on mesh.pp=2 ranks, each stage held twice"),
+    (dict(mesh__pp=4, mesh__dp=2, pipeline__schedule="dualpipe", model__n_layers=6,
+          pipeline__microbatches=8), 8, "the 4 model stages of schedule 'dualpipe'"),
+    # micro-batch counts (and chunks) the schedule forbids: the generator's own message
+    (dict(mesh__pp=2, pipeline__schedule="dualpipe", pipeline__microbatches=2), 8,
+     "pipeline.schedule='dualpipe' cannot run mesh.pp=2 with pipeline.microbatches=2: dualpipe "
+     "needs an even number of micro-batches of at least 2*pp = 4, got microbatches=2"),
+    (dict(mesh__pp=2, pipeline__schedule="dualpipe", pipeline__microbatches=5, data__batch=20,
+          mesh__dp=4), 8, "dualpipe needs an even number of micro-batches"),
+    (dict(mesh__pp=2, pipeline__schedule="dualpipev", pipeline__microbatches=2), 8,
+     "dualpipev needs at least 2*pp = 4 micro-batches, got microbatches=2"),
+    (dict(mesh__pp=2, pipeline__schedule="chimera", pipeline__microbatches=1), 8,
+     "chimera splits micro-batches evenly between its down and up pipelines"),
+    (dict(mesh__pp=2, pipeline__chunks=2), 8, "pipeline.schedule='1f1b' cannot run mesh.pp=2 with "
+     "pipeline.microbatches=1, pipeline.chunks=2: 1f1b runs one chunk per rank"),
     # heads not divisible by kv heads, or by the context axis
     (dict(model__n_kv_heads=3), 8, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
     (dict(model__n_heads=6, model__n_kv_heads=3, mesh__cp=2), 8,
@@ -73,10 +106,61 @@ def test_every_schedule_name_is_accepted(name):
   validate(_cfg(pipeline__schedule=name), 8)
 
 
-def test_schedule_csv_path_is_accepted(tmp_path):
-  path = tmp_path / "mine.csv"
-  path.write_text("0F0,1F0\n")
-  validate(_cfg(pipeline__schedule=str(path)), 8)
+def test_schedules_with_their_own_stage_counts_are_accepted():
+  # p model stages held twice (chimera, dualpipe) and 2p in a V (zb-v, dualpipev)
+  validate(_cfg(mesh__pp=2, pipeline__schedule="dualpipe", pipeline__microbatches=4), 8)
+  validate(_cfg(mesh__pp=2, pipeline__schedule="chimera", pipeline__microbatches=2), 8)
+  validate(_cfg(mesh__pp=2, pipeline__schedule="zb-v", model__n_layers=4), 8)
+  validate(_cfg(mesh__pp=2, pipeline__schedule="dualpipev", model__n_layers=8,
+                pipeline__microbatches=4, data__batch=32), 8)
+
+
+def _moe_cfg(**overrides):
+  c = _cfg(**overrides)
+  c.model.moe = ml_collections.ConfigDict(dataclasses.asdict(MoEConfig(every=2)))
+  return c
+
+
+def test_moe_layer_groups_must_split_into_the_stages():
+  # 4 layers are 2 groups of (dense, MoE): two 1f1b stages hold one each, four zb-v stages cannot
+  validate(_moe_cfg(mesh__pp=2, model__n_layers=4), 8)
+  with pytest.raises(ConfigError, match=r"model.n_layers=4 \(2 groups of model.moe.every=2 "
+                     r"layers\) does not split into the 4 model stages of schedule 'zb-v'.* use "
+                     "a multiple of 8 layers"):
+    validate(_moe_cfg(mesh__pp=2, model__n_layers=4, pipeline__schedule="zb-v"), 8)
+  with pytest.raises(ConfigError, match="model.n_layers=3 is not a multiple of model.moe.every=2"):
+    validate(_moe_cfg(model__n_layers=3), 8)
+
+
+def _csv(tmp_path, name, pp, microbatches):
+  path = tmp_path / f"{name}.csv"
+  path.write_text(make_schedule(name, pp=pp, microbatches=microbatches).to_csv())
+  return str(path)
+
+
+def test_schedule_csv_path_is_loaded_and_checked_against_the_mesh(tmp_path):
+  path = _csv(tmp_path, "1f1b", 2, 2)
+  validate(_cfg(pipeline__schedule=path, mesh__pp=2, pipeline__microbatches=2), 8)
+  for overrides, needle in [
+      (dict(mesh__pp=4, pipeline__microbatches=2), f"pipeline.schedule={path!r} has 2 ranks but "
+       "mesh.pp=4; set --config.mesh.pp=2"),
+      (dict(mesh__pp=1, pipeline__microbatches=2), "has 2 ranks but mesh.pp=1"),
+      (dict(mesh__pp=2, pipeline__microbatches=4), "runs 2 micro-batches but "
+       "pipeline.microbatches=4; set --config.pipeline.microbatches=2"),
+      (dict(mesh__pp=2, pipeline__microbatches=2, pipeline__chunks=2), "places 1 chunk on each "
+       "rank but pipeline.chunks=2"),
+  ]:
+    with pytest.raises(ConfigError) as e:
+      validate(_cfg(pipeline__schedule=path, **overrides), 8)
+    assert needle in str(e.value)
+  # a V-shaped file: 4 model stages on 2 ranks, so 2 layers do not split
+  zbv = _csv(tmp_path, "zb-v", 2, 2)
+  with pytest.raises(ConfigError, match="model.n_layers=2 does not split into the 4 model stages"):
+    validate(_cfg(pipeline__schedule=zbv, mesh__pp=2, pipeline__microbatches=2), 8)
+  bad = tmp_path / "bad.csv"
+  bad.write_text("0F0,1F0\n")  # two stages on one rank, no backward
+  with pytest.raises(ConfigError, match=f"pipeline.schedule={str(bad)!r} is not a valid schedule"):
+    validate(_cfg(pipeline__schedule=str(bad)), 8)
 
 
 def test_trainer_validates_before_device_work():

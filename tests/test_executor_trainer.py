@@ -64,6 +64,7 @@ def test_trainer_steps_with_pipeline():
 
 
 def test_layers_must_split_into_the_schedule_stages():
-  # zb-v puts 2p model stages on p ranks: 4 stages do not split 6 layers
-  with pytest.raises(ValueError, match="n_layers=6 .*does not split into the 4 model stages"):
+  # zb-v puts 2p model stages on p ranks: 4 stages do not split 6 layers (caught by validation)
+  with pytest.raises(config_lib.ConfigError,
+                     match="n_layers=6 .*does not split into the 4 model stages"):
     Trainer(tiny_config(2, "zb-v", n_layers=6))

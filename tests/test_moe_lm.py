@@ -144,7 +144,7 @@ def test_train_step_moves_balancing_bias_by_the_sign_rule():
 def test_bad_moe_configs_fail_before_device_work():
   with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert axis size ep=4"):
     Trainer(moe_config(num_experts=6))
-  with pytest.raises(ValueError, match="n_layers=4 is not a multiple of moe.every=3"):
+  with pytest.raises(ValueError, match="model.n_layers=4 is not a multiple of model.moe.every=3"):
     Trainer(moe_config(every=3))
   with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
     Trainer(moe_config(top_k=9))

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh
 
+from jaxpipe import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.pipeline.api import pipeline_value_and_grad, resolve_schedule
+from jaxpipe.pipeline.api import pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir import Schedule
 
@@ -26,18 +27,8 @@ BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.mesh.BATCH_
 
 
 def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
-  """config.pipeline -> the validated schedule for `pp` ranks."""
-  chunks = pipeline.chunks if pipeline.chunks != 1 else None
-  schedule = resolve_schedule(pipeline.schedule, pp=pp, microbatches=pipeline.microbatches,
-                              chunks=chunks)
-  if schedule.num_ranks != pp:
-    raise ValueError(f"pipeline.schedule={pipeline.schedule!r} has {schedule.num_ranks} ranks but "
-                     f"mesh.pp={pp}")
-  if schedule.num_microbatches != pipeline.microbatches:
-    raise ValueError(f"pipeline.schedule={pipeline.schedule!r} runs {schedule.num_microbatches} "
-                     f"micro-batches but pipeline.microbatches={pipeline.microbatches}; make "
-                     "them equal")
-  return schedule
+  """config.pipeline -> the validated schedule for `pp` ranks (as config validation builds it)."""
+  return config_lib.pipeline_schedule(pipeline, pp)
 
 
 @functools.lru_cache(maxsize=16)
