@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 import optax
 import tqdm
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
@@ -173,6 +174,38 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
 
 
+def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep") -> Any:
+  """NamedShardings for a tree holding parameters or their likes (train state, optimizer moments).
+
+  Leaves under a `layers` key are split over `pp_axis` (when it has more than one rank) on their
+  leading layer axis, so each pipeline rank stores 1/pp of the layer stack, its gradients and
+  its optimizer moments; MoE expert weights are split over `ep_axis` on their expert axis;
+  everything else is replicated.
+
+  The layer axis stays in canonical order (rank r holds layers [r·L/pp, (r+1)·L/pp)), so a
+  checkpoint is the same arrays whatever the schedule and restores onto any mesh. Under a
+  contiguous placement (GPipe, 1F1B, ZB-H1/H2: stage r on rank r) that block is exactly what
+  rank r runs; under interleaved, V-shaped and bidirectional placements the stages a rank runs
+  are not its stored block, and XLA moves the parameters to their ranks inside each step (and the
+  gradients back), at the cost of that communication.
+  """
+  pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
+  has_ep = ep_axis in mesh.axis_names
+
+  def spec(path, leaf):
+    keys = [getattr(k, "key", None) for k in path]
+    axes = [None] * len(leaf.shape)
+    if pp > 1 and "layers" in keys and leaf.shape and leaf.shape[0] % pp == 0:
+      axes[0] = pp_axis
+    if has_ep and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
+      axes[-3] = ep_axis  # [..., E, in, out]
+    while axes and axes[-1] is None:
+      axes.pop()
+    return NamedSharding(mesh, P(*axes))
+
+  return jax.tree_util.tree_map_with_path(spec, tree)
+
+
 class Trainer:
   """Trains the config's model on a named mesh; drives the same code from a script or a notebook.
 
@@ -219,12 +252,9 @@ class Trainer:
 
   @property
   def state_sharding(self) -> Any:
-    """The TrainState's shardings: replicated on every device, but MoE experts split over ep."""
+    """The TrainState's shardings (`state_shardings`): layers split over pp, experts over ep."""
     if self._state_sharding is None:
-      if self.model_cfg.moe is not None:
-        self._state_sharding = moe_lib.expert_shardings(self.state_shapes, self.mesh)
-      else:
-        self._state_sharding = jax.tree.map(lambda _: replicated(self.mesh), self.state_shapes)
+      self._state_sharding = state_shardings(self.state_shapes, self.mesh)
     return self._state_sharding
 
   def init(self) -> TrainState:

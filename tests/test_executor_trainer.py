@@ -1,4 +1,8 @@
 """The trainer with mesh.pp > 1: one step of the real LM equals the unpipelined gradient."""
+import json
+import os
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -46,10 +50,29 @@ def test_pipelined_loss_and_grads_equal_unpipelined(pp, schedule):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def _assert_layers_split_over_pp(trainer, state, pp):
+  """Pipeline rank r stores layers [r·L/pp, (r+1)·L/pp) of params and Adam moments; the rest whole."""
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  layers = [(p, x) for p, x in flat if "'layers'" in jax.tree_util.keystr(p)]
+  assert len(layers) == 3 * len(jax.tree.leaves(state.params["layers"]))  # params, mu, nu
+  for path, x in flat:
+    n = x.shape[0] if x.shape else 0
+    for shard in x.addressable_shards:
+      if (path, x) in layers:
+        r = int(np.argwhere(trainer.mesh.devices == shard.device)[0][0])  # pp is the first axis
+        assert shard.data.shape == (n // pp,) + x.shape[1:], jax.tree_util.keystr(path)
+        assert shard.index[0] == slice(r * n // pp, (r + 1) * n // pp)
+      else:
+        assert shard.data.shape == x.shape, jax.tree_util.keystr(path)
+
+
 def test_trainer_steps_with_pipeline():
   # The quickstart's pp = 2 path: the first step's loss and gradient norm are the unpipelined ones.
   trainer = Trainer(tiny_config(2, "zb-h1"))
   state = trainer.init()
+  _assert_layers_split_over_pp(trainer, state, 2)
+  bytes_of = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  state_bytes, layer_bytes = bytes_of(state), bytes_of(state.params["layers"])
   batch = trainer.batch(0)
   want_loss, want_grads, _ = jax.jit(data_parallel_loss_and_grads(trainer.model_cfg))(
       state.params, batch)
@@ -61,6 +84,51 @@ def test_trainer_steps_with_pipeline():
   third = trainer.step(batch)  # the same batch: lower after a step down its gradient
   assert float(third["loss"]) < float(first["loss"])
   assert int(trainer.state.step) == 3
+  _assert_layers_split_over_pp(trainer, trainer.state, 2)
+  # The compiled step's inputs per device: the state with its layers (params, Adam's two moments)
+  # halved, and a quarter of the batch (dp = 4).
+  memory = trainer._train_step.lower(trainer.state, batch).compile().memory_analysis()
+  assert memory.argument_size_in_bytes == state_bytes - 3 * layer_bytes // 2 + bytes_of(batch) // 4
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def test_pipeline_checkpoint_resumes_exactly(tmp_path):
+  """pp = 2: a run resumed from a checkpoint repeats the uninterrupted run's steps bit for bit."""
+  c = tiny_config(2, "zb-h1", microbatches=2)
+  c.train.steps, c.train.log_every, c.train.eval_every, c.checkpoint.every = 4, 1, 0, 2
+  c.optimizer.warmup_steps = 1
+  workdir = str(tmp_path)
+  first = Trainer(c, workdir)
+  first.train(progress=False)
+  want = jax.device_get(first.state)
+  assert first.checkpointer.steps() == [2, 4]
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))  # as if killed before saving step 4
+
+  second = Trainer(c, workdir)
+  state = second.init()
+  assert second.resumed_from == 2 and int(state.step) == 2
+  _assert_layers_split_over_pp(second, state, 2)  # restored onto the split, not replicated
+  second._train_step = first._train_step  # the same config's compiled step: saves a compile
+  second.train(progress=False)
+  losses = _losses(workdir)
+  assert [s for s, _ in losses] == [1, 2, 3, 4, 3, 4]
+  assert losses[4:] == losses[2:4]  # bit-identical
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                          jax.tree.leaves(jax.device_get(second.state))):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+  # Layers are stored in canonical order, so the checkpoint also restores without a pipeline.
+  c1 = tiny_config(1, "zb-h1", microbatches=2)
+  plain = Trainer(c1, workdir)
+  restored = jax.device_get(plain.init())
+  assert plain.resumed_from == 4
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                          jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_layers_must_split_into_the_schedule_stages():

@@ -8,9 +8,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from jaxpipe.pipeline.executor import ExecSpec, Model, from_local, make_executor, to_local
+from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, is_contiguous, make_executor,
+                                       to_local)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -103,11 +105,16 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
 
 @functools.lru_cache(maxsize=64)
 def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
-             data_axes: tuple[str, ...]) -> Callable:
+             data_axes: tuple[str, ...], contiguous: bool) -> Callable:
   run = make_executor(model, spec, mesh, pp_axis, data_axes)
+  # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
+  # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
+  fixed = np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(
+      spec.num_ranks, spec.chunks) if contiguous else None
 
   @jax.jit
   def program(table, layout, stage_params, xs, targets, head_params, embed_params):
+    layout = fixed if contiguous else layout
     local = to_local(stage_params, layout)
     loss, local_grads, head_g, embed_g = run(table, local, xs, targets, head_params,
                                              embed_params)
@@ -137,9 +144,10 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   check_model(model, stage_params, xs, targets, head_params, embed_params)
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
-  program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes))
-  return program(lowered.table, lowered.layout(), stage_params, xs, targets, head_params,
-                 embed_params)
+  layout = lowered.layout()
+  program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
+                     is_contiguous(layout) and layout.size == schedule.num_stages)
+  return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 
 def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,

@@ -511,14 +511,30 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   return jax.jit(run)
 
 
+def is_contiguous(layout) -> bool:
+  """Whether rank r's chunks are model stages r·v .. r·v+v-1 in order (no copies): a reshape."""
+  if not isinstance(layout, np.ndarray):
+    return False
+  return bool(np.array_equal(layout, np.arange(layout.size).reshape(layout.shape)))
+
+
 def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
-  """[stages, ...] -> [ranks, chunks, ...]: each rank's chunks, copies of a stage included."""
+  """[stages, ...] -> [ranks, chunks, ...]: each rank's chunks, copies of a stage included.
+
+  A contiguous numpy layout is a reshape, so a stage stack already split over the pipeline axis
+  stays in place; any other layout (or a traced one) is a gather, for which XLA moves the
+  stages to their ranks.
+  """
+  if is_contiguous(layout):
+    return jax.tree.map(lambda a: a.reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
   idx = jnp.reshape(layout, (-1,))
   return jax.tree.map(lambda a: a[idx].reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
 
 
 def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int) -> PyTree:
   """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies."""
+  if is_contiguous(layout) and layout.size == num_stages:
+    return jax.tree.map(lambda g: g.reshape((num_stages,) + g.shape[2:]), local_grads)
   idx = jnp.reshape(layout, (-1,))
   return jax.tree.map(
       lambda g: jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx].add(
