@@ -14,6 +14,11 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   MaxText pipelines) on the same model;
 - CPU ratio: process CPU time of one pipelined step over that of the unpipelined
   `jax.value_and_grad` (same micro-batches, one device), alternating runs, best of `--reps`.
+  glibc maps every allocation over 32 MB afresh and unmaps it on free, so a program whose XLA
+  temporaries pass that size (GPipe's m residual slots, the unpipelined baseline) page-faults
+  through all of them on every step (~1.4 us per 4 KB page, ~0.1 s per step here) while a
+  smaller one reuses warm heap. Device allocators pool their memory, so the bench keeps freed
+  host memory in one heap (`mallopt`); `--system-malloc` measures with glibc's defaults.
 First a table of the lowered lock-step time against the asynchronous makespan for all nine at
 (p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
 Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
@@ -27,6 +32,7 @@ if __name__ == "__main__":
   runtime.use_host_devices()
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
@@ -130,6 +136,17 @@ def cpu_ratio(fn, args, base, base_args, reps):
   return min(t_fn) / min(t_base), min(t_base)
 
 
+def keep_host_memory():
+  """glibc: serve every allocation from one heap and never give freed memory back to the OS."""
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return False
+  m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+  return all(libc.mallopt(opt, val) == 1 for opt, val in
+             ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)))
+
+
 def rel_err(got, want):
   pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
   return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
@@ -161,7 +178,10 @@ def main(argv=None):
   ap.add_argument("--schedules", default=",".join(SCHEDULE_NAMES))
   ap.add_argument("--recompute", action="store_true")
   ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
+  ap.add_argument("--system-malloc", action="store_true",
+                  help="keep glibc's default of unmapping freed allocations over 32 MB")
   args = ap.parse_args(argv)
+  pooled = not args.system_malloc and keep_host_memory()
   lockstep_table()
   p, m = args.pp, args.microbatches
   if len(jax.devices()) < p:
@@ -171,7 +191,8 @@ def main(argv=None):
   params, xs, ts = make_data(args.layers, m, args.mb, args.seq, args.d)
   print(f"p={p} m={m}: {args.layers} layers of width {args.d}, micro-batch "
         f"[{args.mb}, {args.seq}, {args.d}], {len(jax.devices())} {jax.devices()[0].platform} "
-        f"devices, recompute={args.recompute}")
+        f"devices, recompute={args.recompute}, host memory "
+        f"{'pooled' if pooled else 'glibc default'}")
 
   dev0 = jax.devices()[0]
   args1 = jax.device_put((params, xs, ts), dev0)
