@@ -7,9 +7,22 @@ The gradient computation is one replaceable function, chosen from the config by
 
 `batch` holds global `[batch, seq]` arrays (`tokens`, `targets`, `mask`); `loss` is the masked
 cross-entropy divided by the global number of valid tokens (all micro-batches, all data ranks, as
-Megatron does) and `grads` its gradient; `metrics` is a dict of scalars (at least `tokens`, that
-count). Everything around it (optimizer, state, sharding, checkpoints) stays the same whichever
-function is chosen.
+Megatron does); `metrics` is a dict of scalars (at least `tokens`, that count). Everything around
+it (optimizer, state, sharding, checkpoints) stays the same whichever function is chosen.
+
+With MoE layers every path (data/expert-parallel, pipeline, context-parallel) differentiates the
+same objective,
+
+  cross-entropy summed over valid tokens / valid tokens  +  mean over micro-batches of
+  sum over MoE layers of (lb_loss_coef · load-balancing loss + z_loss_coef · z-loss),
+
+each micro-batch's auxiliary losses computed over all of its tokens (on every data rank). This is
+Megatron's convention (`MoEAuxLossAutoScaler` scaled by 1/micro-batches): the coefficients weigh
+the aux losses exactly as configured, whatever the padding and the micro-batch count. Weighting
+them by valid tokens instead would make their strength follow the padding although padded tokens
+are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
+alone on every path, comparable with dense models and with `Trainer.evaluate`; the
+data/expert-parallel path also reports `moe_aux_loss` and the routing statistics.
 """
 import functools
 import math
@@ -108,46 +121,48 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
 def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
   """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
 
-  The loss is the mean cross-entropy plus every MoE layer's weighted auxiliary loss; metrics add
-  the routing statistics (`moe.step_metrics`) and `moe_tokens_per_expert` [MoE layers, experts],
-  summed over micro-batches, which the train step consumes to move the balancing biases.
+  Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
+  weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
+  `loss`. Metrics add the routing statistics (`moe.step_metrics`) and `moe_tokens_per_expert`
+  [MoE layers, experts], summed over micro-batches, which the train step consumes to move the
+  balancing biases.
   """
   moe_cfg = cfg.moe
 
-  def loss_sum(params, batch):
+  def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):
-      total, count, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
-                                                   batch["mask"])
-    # Summed like the cross-entropy, over valid tokens, so that the mean adds aux once.
-    return total + aux["loss"].sum() * count, (count, aux)
+      total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
+                                               batch["mask"])
+    ce = total / denom
+    return ce + aux["loss"].sum() / microbatches, (ce, aux)
 
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
 
   def loss_and_grads(params, batch):
     n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    denom = jnp.maximum(count, 1.0)
     if microbatches == 1:
-      (total, (count, aux)), grads = grad_fn(params, batch)
+      (_, (loss, aux)), grads = grad_fn(params, batch, denom)
     else:
       split = jax.tree.map(
           lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
                                  0, 1), batch)
 
       def body(carry, mb):
-        (s, (n, a)), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, carry, (s, n, a, g)), None
+        (_, (ce, a)), g = grad_fn(params, mb, denom)
+        return jax.tree.map(jnp.add, carry, (ce, a, g)), None
 
       first = jax.tree.map(lambda x: x[0], split)
-      shapes = jax.eval_shape(grad_fn, params, first)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           (shapes[0][0], shapes[0][1][0], shapes[0][1][1], shapes[1]))
-      (total, count, aux, grads), _ = jax.lax.scan(body, zeros, split)
+      (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
+      (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
       # Counts add up over micro-batches; losses and ratios are averaged.
       aux = {k: v if k in ("tokens_per_expert", "dropped", "dropped_pairs", "recv_rows")
              else v / microbatches for k, v in aux.items()}
-    denom = jnp.maximum(count, 1.0)
     metrics = {"tokens": count, **moe_lib.step_metrics(aux, n_tokens, moe_cfg.top_k),
                "moe_tokens_per_expert": aux["tokens_per_expert"]}
-    return total / denom, jax.tree.map(lambda g: g / denom, grads), metrics
+    return loss, grads, metrics
 
   return loss_and_grads
 

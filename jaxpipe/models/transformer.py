@@ -270,6 +270,18 @@ def head_loss(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array, targets_
   return jnp.sum((logz_BxL - target_BxL) * mask_BxL), jnp.sum(mask_BxL)
 
 
+def mean_weights(mask_BxL: jax.Array) -> jax.Array:
+  """Per-token loss weights mask · N / (valid tokens): summed over the N tokens, a mean over valid ones.
+
+  For paths whose MoE auxiliary losses ride on the gradient (`apply_layers` weighs each with the
+  tokens it saw, N/m per micro-batch): weighted cross-entropy plus attached aux, divided by the
+  static N, is the mean cross-entropy over valid tokens plus the mean over micro-batches of the
+  aux losses (the trainer's objective), with no data-dependent scale inside the layers.
+  """
+  mask_BxL = mask_BxL.astype(jnp.float32)
+  return mask_BxL * (mask_BxL.size / jnp.maximum(jnp.sum(mask_BxL), 1.0))
+
+
 def forward(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
   """Next-token logits [B, L, vocab], float32."""
   return logits(cfg, params, apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL)))

@@ -106,6 +106,10 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
   `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
   partials and are added outside, so the gradient of the replicated parameters is the sum of
   every rank's contribution whether or not shard_map checks varying axes.
+
+  As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
+  losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
+  step's token count gives the trainer's objective; the reported loss is the cross-entropy.
   """
   from jaxpipe.models import transformer
   from jaxpipe.models.attention import context_parallel
@@ -113,40 +117,39 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
 
-  def local_sums(params, tokens_BxS, targets_BxS, mask_BxS):
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
     with context_parallel(axis_name):
       x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
       positions_S = positions_local(tokens_BxS.shape[1], axis_name)
       x_BxSxD = transformer.apply_layers(cfg, params["layers"], x_BxSxD, positions_S)
-      total, count = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, mask_BxS)
-    return total[None], count[None]
+      total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
+    return total[None]
 
   sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                          out_specs=(every_axis, every_axis),
-                          check_vma=cfg.attention != "pallas")
+                          out_specs=every_axis, check_vma=cfg.attention != "pallas")
 
-  def loss_sums(params, batch):
-    totals, counts = sharded(params, batch["tokens"], batch["targets"], batch["mask"])
-    return jnp.sum(totals), jnp.sum(counts)
+  def loss_sum(params, batch):
+    return jnp.sum(sharded(params, batch["tokens"], batch["targets"], batch["weights"]))
 
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  grad_fn = jax.value_and_grad(loss_sum)
 
   def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
+             "weights": transformer.mean_weights(batch["mask"])}
     if microbatches == 1:
-      (total, count), grads = grad_fn(params, batch)
+      total, grads = grad_fn(params, batch)
     else:
       # Row i*m + j goes to micro-batch j, as in the data-parallel path.
       split = jax.tree.map(lambda x: jnp.swapaxes(
           x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
 
       def body(carry, mb):
-        (s, n), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, carry, (s, n, g)), None
+        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
 
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-               jax.tree.map(jnp.zeros_like, params))
-      (total, count, grads), _ = lax.scan(body, zeros, split)
-    denom = jnp.maximum(count, 1.0)
-    return total / denom, jax.tree.map(lambda g: g / denom, grads), {"tokens": count}
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+      (total, grads), _ = lax.scan(body, zeros, split)
+    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), {"tokens": count}
 
   return loss_and_grads

@@ -2,10 +2,16 @@
 
 Stage s runs layers [s*k, (s+1)*k) (`transformer.apply_unit`: one layer, or one group of
 layers ending in an MoE layer, at a time); the first virtual stage of every route also embeds
-the tokens and the last applies the final norm, the head and the loss (the executor's `embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and
-whose gradients are summed over it). The loss is summed per micro-batch and divided, with the
-gradients, by the global count of valid tokens once the step is done. MoE auxiliary losses
-enter the gradient (as `transformer.apply_layers` attaches them) but not the reported loss.
+the tokens and the last applies the final norm, the head and the loss (the executor's
+`embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and whose gradients
+are summed over it).
+
+The head weighs each token's cross-entropy by `transformer.mean_weights` (mask · N / valid
+tokens, N the step's tokens) and MoE groups attach their auxiliary losses weighted by the N/m
+tokens of their micro-batch; the executor sums both over micro-batches and data shards, and
+dividing that and the gradients by N gives the trainer's objective (mean cross-entropy plus the
+mean over micro-batches of the aux losses) with nothing data-dependent inside the stages. The
+reported loss is the cross-entropy alone.
 """
 from __future__ import annotations
 
@@ -73,9 +79,12 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
   def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    weighted = {**batch, "mask": transformer.mean_weights(batch["mask"])}
     # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
     split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]),
-                                                0, 1), batch)
+                                                0, 1), weighted)
     stage_params = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]),
                                 params["layers"])
     head_params = {k: v for k, v in params.items() if k != "layers"}
@@ -84,13 +93,11 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
         schedule=schedule, mesh=mesh, head_params=head_params,
         embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
         data_axes=data_axes)
-    count = jnp.sum(batch["mask"].astype(jnp.float32))
-    denom = jnp.maximum(count, 1.0)
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
                                    stage_grads)
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    return total / denom, grads, {"tokens": count}
+    grads = jax.tree.map(lambda g: g / n_tokens, grads)
+    return total / n_tokens, grads, {"tokens": count}
 
   return loss_and_grads
