@@ -332,11 +332,22 @@ class Trainer:
     return metrics
 
   def evaluate(self) -> float:
-    """Mean per-token loss over `train.eval_batches` eval batches."""
+    """Mean per-token cross-entropy over `train.eval_batches` eval batches.
+
+    Runs the training path's `loss_and_grads` and drops the gradients (XLA then drops the
+    backward), so the loss is the one training reports and the layout is training's: layers
+    stay split over pp (a plain forward would gather the whole stack on every device), the
+    sequence over cp, experts over ep.
+    """
     if self._eval_step is None:
-      cfg = self.model_cfg
-      self._eval_step = jax.jit(
-          lambda params, b: transformer.loss(cfg, params, b["tokens"], b["targets"], b["mask"]))
+      loss_and_grads = self.loss_and_grads
+
+      def eval_step(params, batch):
+        loss, _, metrics = loss_and_grads(params, batch)
+        return loss * metrics["tokens"], metrics["tokens"]
+
+      self._eval_step = jax.jit(eval_step,
+                                in_shardings=(self.state_sharding.params, self._batch_sharding))
     total = count = 0.0
     for i in range(self.config.train.eval_batches):
       s, n = jax.device_get(self._eval_step(self.state.params, self.batch(i, "eval")))

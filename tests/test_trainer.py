@@ -14,7 +14,8 @@ import pytest
 
 from configs import tiny
 from jaxpipe.models import transformer
-from jaxpipe.trainer import NonFiniteLossError, Trainer, data_parallel_loss_and_grads, learning_rate
+from jaxpipe.trainer import (NonFiniteLossError, Trainer, TrainState, data_parallel_loss_and_grads,
+                             learning_rate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +70,29 @@ def test_data_parallel_gradients_equal_one_device(trained, microbatches):
   assert float(metrics["tokens"]) == host["mask"].sum()
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   _assert_tree_close(grads, want_grads, 1e-5)
+
+
+def test_evaluate_is_the_same_with_pipeline_and_context_parallelism(trained):
+  """pp = 2 and cp = 2 evaluate the trained parameters to the one-device mean cross-entropy."""
+  trainer, summary, _ = trained
+  params = jax.device_get(trainer.state.params)
+  c = tiny.get_config()
+  hosts = [trainer.source.batch("eval", i, c.data.batch, c.data.seq_len)
+           for i in range(c.train.eval_batches)]
+  sums = [_one_device_loss_and_grads(trainer.model_cfg, params, h)[0] * h["mask"].sum()
+          for h in hosts]
+  want = float(np.sum(sums) / np.sum([h["mask"].sum() for h in hosts]))
+  np.testing.assert_allclose(trainer.evaluate(), want, rtol=1e-5)
+  for axis in ("pp", "cp"):
+    c = tiny.get_config()
+    c.mesh[axis] = 2
+    other = Trainer(c)
+    other.state = TrainState(jnp.zeros((), jnp.int32),
+                             jax.device_put(params, other.state_sharding.params), None)
+    np.testing.assert_allclose(other.evaluate(), want, rtol=1e-5, err_msg=axis)
+    if axis == "pp":  # the layers stay split over the pipeline: nothing gathers them
+      hlo = other._eval_step.lower(other.state.params, other.batch(0, "eval")).compile().as_text()
+      assert "all-gather" not in hlo
 
 
 def test_learning_rate_schedule_formula():
