@@ -448,6 +448,11 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
     branches = [make_branch(c) for c in codes]
     lut_arr = jnp.asarray(lut)
+    parts_of = [set(BRANCHES[c].split("+")) for c in range(len(BRANCHES))]
+    has_f = jnp.asarray(["F" in parts for parts in parts_of])
+    # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per
+    # tick, so the activation and cotangent channels of one direction can share a ppermute.
+    shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in codes)
 
     def tick(carry, row):
       act, res, cot, wg, grads, loss, head_g, embed_g = carry
@@ -465,16 +470,20 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       embed_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), embed_g, dembed)
       # The same collectives on every rank, every tick: a rank with nothing to send sends
       # zeros and its neighbour's table discards them.
-      for ch, on in zip(CHANNELS, spec.channels):
-        if not on:
-          continue
-        kind, direction = ch.split("_")
-        got = lax.ppermute(y if kind == "act" else dx, pp_axis, perms[direction])
-        slot = row[COL[f"recv_{ch}"]]
-        if kind == "act":
-          act = _put(act, slot, got)
+      for direction in ("down", "up"):
+        on = [kind for kind in ("act", "grad")
+              if spec.channels[CHANNELS.index(f"{kind}_{direction}")]]
+        if shared_link and len(on) == 2:
+          # y and dx going the same way never leave a rank in the same tick: one ppermute.
+          got = lax.ppermute(jnp.where(has_f[row[COL["branch"]]], y, dx), pp_axis, perms[direction])
+          got = {"act": got, "grad": got}
         else:
-          cot = _put(cot, slot, got)
+          got = {kind: lax.ppermute(y if kind == "act" else dx, pp_axis, perms[direction])
+                 for kind in on}
+        if "act" in got:
+          act = _put(act, row[COL[f"recv_act_{direction}"]], got["act"])
+        if "grad" in got:
+          cot = _put(cot, row[COL[f"recv_grad_{direction}"]], got["grad"])
       return (act, res, cot, wg, grads, loss, head_g, embed_g), None
 
     # at least one slot, so that branches reading a buffer trace even when none is used
