@@ -51,7 +51,7 @@ def test_pipelined_loss_and_grads_equal_unpipelined(pp, schedule):
 
 
 def _assert_layers_split_over_pp(trainer, state, pp):
-  """Pipeline rank r stores layers [r·L/pp, (r+1)·L/pp) of params and Adam moments; the rest whole."""
+  """pp rank r stores layers [r·L/pp, (r+1)·L/pp) of params and moments; other leaves whole."""
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   layers = [(p, x) for p, x in flat if "'layers'" in jax.tree_util.keystr(p)]
   assert len(layers) == 3 * len(jax.tree.leaves(state.params["layers"]))  # params, mu, nu
@@ -112,7 +112,8 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path):
   state = second.init()
   assert second.resumed_from == 2 and int(state.step) == 2
   _assert_layers_split_over_pp(second, state, 2)  # restored onto the split, not replicated
-  second._train_step = first._train_step  # the same config's compiled step: saves a compile
+  # the same config's compiled step and evaluation: saves two compiles
+  second._train_step, second._eval_step = first._train_step, first._eval_step
   second.train(progress=False)
   losses = _losses(workdir)
   assert [s for s, _ in losses] == [1, 2, 3, 4, 3, 4]

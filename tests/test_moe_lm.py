@@ -143,7 +143,8 @@ def test_train_step_moves_balancing_bias_by_the_sign_rule():
   metrics = trainer.step(batch)
   assert "moe_tokens_per_expert" not in metrics and np.isfinite(float(metrics["moe_imbalance"]))
   cfg = trainer.model_cfg
-  _, (_, aux) = jax.jit(functools.partial(_one_device_objective, cfg))(before, jax.device_get(batch))
+  objective = jax.jit(functools.partial(_one_device_objective, cfg))
+  _, (_, aux) = objective(before, jax.device_get(batch))
   load = np.asarray(aux["tokens_per_expert"], np.float64)
   step = rate * np.sign(load.mean(1, keepdims=True) - load)
   after = jax.device_get(trainer.state.params)["layers"]["moe"]["moe"]["expert_bias_E"]

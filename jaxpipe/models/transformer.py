@@ -271,7 +271,7 @@ def head_loss(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array, targets_
 
 
 def mean_weights(mask_BxL: jax.Array) -> jax.Array:
-  """Per-token loss weights mask · N / (valid tokens): summed over the N tokens, a mean over valid ones.
+  """Loss weights mask · N / (valid tokens): a weighted sum over all N tokens is the valid mean.
 
   For paths whose MoE auxiliary losses ride on the gradient (`apply_layers` weighs each with the
   tokens it saw, N/m per micro-batch): weighted cross-entropy plus attached aux, divided by the
