@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, is_contiguous, make_executor,
-                                       to_local)
+                                       param_specs_key, to_local)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -105,8 +105,9 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
 
 @functools.lru_cache(maxsize=64)
 def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
-             data_axes: tuple[str, ...], contiguous: bool) -> Callable:
-  run = make_executor(model, spec, mesh, pp_axis, data_axes)
+             data_axes: tuple[str, ...], contiguous: bool,
+             param_specs: tuple | None) -> Callable:
+  run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
   # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
   fixed = np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(
@@ -131,12 +132,15 @@ def _headless(loss_fn: Callable) -> Callable:
 def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
                             schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
                             embed_params: PyTree = (), recompute: bool = False,
-                            pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None):
+                            pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None,
+                            param_specs: PyTree | None = None):
   """-> (loss, stage grads, head grads, embed grads); the trainer's path.
 
   `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
   `model.loss_fn(head_params, y, targets[mb])` closes the last; both parameter sets are
-  replicated over the pipeline and their gradients summed over it.
+  replicated over the pipeline and their gradients summed over it. `param_specs`, a pytree like
+  one stage's params with PartitionSpec (or None) leaves over that stage's own dims, splits
+  leaves over data axes (e.g. experts over 'ep'); the stage function then sees its slice.
   """
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
@@ -146,7 +150,8 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
   program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
-                     is_contiguous(layout) and layout.size == schedule.num_stages)
+                     is_contiguous(layout) and layout.size == schedule.num_stages,
+                     param_specs_key(param_specs))
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 

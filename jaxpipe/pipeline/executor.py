@@ -2,14 +2,25 @@
 
 Per tick every rank reads its row of the table, runs its parts with one `lax.switch` (the
 branch names the parts: F, I, B, W and packed pairs), and then every rank takes part in the same
-`ppermute`s, outside the switch. The backward is explicit: F keeps the leaves of the `jax.vjp`
-closure in a residual slot, except leaves that are the stage's own parameters (matched by
-identity while tracing) or functions of the parameters alone (casts, transposes), which the
-backward takes from, or recomputes from, the live parameters. I applies that closure for the
-input cotangent, W for the weight cotangent, which is added to the gradient at once. For a
-`layered` stage the closure is kept per layer and I hands W each layer's output cotangent, so
-W computes weight cotangents only; for an opaque stage W re-derives them from the stage's
-output cotangent (the input-cotangent chain inside the stage runs again).
+`ppermute`s, outside the switch. Collectives over the other mesh axes may sit inside a stage
+(an MoE layer's `all_to_all` over `ep`, a psum over a data axis): the table is indexed by the
+pp rank only, so all devices of such a collective, which share their pp rank, read the same row,
+take the same branch and reach it at the same tick. Only pp-axis collectives, whose members are
+on different rows, must stay outside the switch.
+
+Stage parameters are replicated over the other mesh axes unless `param_specs` shards a leaf
+over some of them (experts over `ep`): each device then holds and updates only its slice, the
+stage function sees that slice, and the leaf's gradient is reduced over the remaining data axes
+only (its shards are different parameters, not copies).
+
+The backward is explicit: F keeps the leaves of the `jax.vjp` closure in a residual slot, except
+leaves that are the stage's own parameters (matched by identity while tracing) or functions of
+the parameters alone (casts, transposes), which the backward takes from, or recomputes from, the
+live parameters. I applies that closure for the input cotangent, W for the weight cotangent,
+which is added to the gradient at once. For a `layered` stage the closure is kept per layer and
+I hands W each layer's output cotangent, so W computes weight cotangents only; for an opaque
+stage W re-derives them from the stage's output cotangent (the input-cotangent chain inside the
+stage runs again).
 
 Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops the write.
 The tables are array arguments, not constants, so one compiled program runs any schedule with
@@ -329,16 +340,37 @@ def _put(buf, slot, value):
   return buf.at[jnp.where(slot < 0, buf.shape[0], slot)].set(value, mode="drop")
 
 
+def param_specs_key(param_specs: PyTree | None) -> tuple | None:
+  """A stage's spec pytree (PartitionSpec or None leaves) -> a hashable (treedef, leaves) key."""
+  if param_specs is None:
+    return None
+  leaves, treedef = jax.tree.flatten(param_specs, is_leaf=lambda v: v is None or isinstance(v, P))
+  bad = [v for v in leaves if v is not None and not isinstance(v, P)]
+  if bad:
+    raise TypeError(f"param_specs leaves must be PartitionSpec or None, got {bad[0]!r}")
+  return treedef, tuple(P() if v is None else v for v in leaves)
+
+
+def _leaf_axes(spec: P) -> tuple[str, ...]:
+  names = []
+  for entry in spec:
+    names += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+  return tuple(names)
+
+
 @functools.lru_cache(maxsize=64)
 def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
-                  data_axes: tuple[str, ...] | None = None) -> Callable:
+                  data_axes: tuple[str, ...] | None = None,
+                  param_specs: tuple | None = None) -> Callable:
   """A jitted `run(table, local_params, xs, targets, head_params, embed_params)`.
 
   table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
   [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, ...], the
-  batch axis split over `data_axes` (default: every mesh axis but `pp_axis`). Returns
-  (loss summed over micro-batches and data shards, local gradients like local_params,
-  head_params gradients, embed_params gradients), all reduced over the data axes.
+  batch axis split over `data_axes` (default: every mesh axis but `pp_axis`). `param_specs`
+  (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over the chunk's
+  own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
+  micro-batches and data shards, local gradients like local_params, head_params gradients,
+  embed_params gradients), each reduced over the data axes its parameter is not sharded over.
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -348,6 +380,15 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
   all_axes = (pp_axis,) + tuple(data_axes)
+  leaf_specs = None
+  if param_specs is not None:
+    specs_treedef, leaf_specs = param_specs
+    for leaf_spec in leaf_specs:
+      bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes]
+      if bad:
+        raise ValueError(f"param_specs entry {leaf_spec} shards over {bad}, which are not "
+                         f"data axes {tuple(data_axes)} of this executor; parameters split over "
+                         f"{pp_axis!r} go on the leading [ranks, chunks] axes instead")
   p = spec.num_ranks
   batch_spec = P(None, data_axes) if data_axes else P()
   codes = list(spec.branches)
@@ -498,23 +539,36 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g)
     (_, _, _, _, grads, loss, head_g, embed_g), _ = lax.scan(tick, carry, table)
     loss = lax.psum(loss, all_axes)
-    if data_axes:
-      grads = lax.psum(grads, tuple(data_axes))
+    if leaf_specs is None:
+      grads = lax.psum(grads, tuple(data_axes)) if data_axes else grads
+    else:
+      # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
+      flat = []
+      for g, leaf_spec in zip(specs_treedef.flatten_up_to(grads), leaf_specs):
+        axes = tuple(a for a in data_axes if a not in _leaf_axes(leaf_spec))
+        flat.append(lax.psum(g, axes) if axes else g)
+      grads = jax.tree.unflatten(specs_treedef, flat)
     head_g = lax.psum(head_g, all_axes)
     embed_g = lax.psum(embed_g, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
     return (loss, jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
             jax.tree.map(cast, head_g, head_params), jax.tree.map(cast, embed_g, embed_params))
 
+  local_spec = P(pp_axis)
+  if leaf_specs is not None:
+    local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
   mapped = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P(None, pp_axis), P(pp_axis), batch_spec, batch_spec, P(), P()),
-      out_specs=(P(), P(pp_axis), P(), P()),
+      in_specs=(P(None, pp_axis), local_spec, batch_spec, batch_spec, P(), P()),
+      out_specs=(P(), local_spec, P(), P()),
       # The carries mix per-rank values with replicated ones and every branch must return
       # the same types; the reductions at the end are explicit, so vma checking is off.
       check_vma=False)
 
   def run(table, local_params, xs, targets, head_params, embed_params):
+    if leaf_specs is not None and jax.tree.structure(local_params) != specs_treedef:
+      raise ValueError(f"param_specs has structure {specs_treedef} but the stage params have "
+                       f"{jax.tree.structure(local_params)}; give one spec per parameter leaf")
     return mapped(table, local_params, xs, targets, head_params, embed_params)
 
   return jax.jit(run)
