@@ -322,10 +322,17 @@ class MoEFFN(nn.Module):
   def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
     d = x_BxLxD.shape[-1]
     shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
-    params = {name: self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
-              for name in shapes}
     if self.is_initializing():  # the output is discarded; tracing the dispatch would cost compile time
+      for name in shapes:
+        self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
       return jnp.zeros_like(x_BxLxD), {}
+    # Read, not `self.param`: inside a shard_map that splits experts over the expert axis (the
+    # pipeline executor) the expert weights arrive as this rank's E/ep slice, which `moe_layer`
+    # takes as is, while `self.param` would insist on the full init shape.
+    missing = [name for name in shapes if not self.has_variable("params", name)]
+    if missing:
+      raise ValueError(f"MoE parameters {missing} are missing; build them with init_moe_params")
+    params = {name: self.get_variable("params", name) for name in shapes}
     params = {k: v if k in ("router_DxE", "expert_bias_E") else v.astype(self.dtype)
               for k, v in params.items()}
     return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype))

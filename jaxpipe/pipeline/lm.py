@@ -12,6 +12,12 @@ tokens of their micro-batch; the executor sums both over micro-batches and data 
 dividing that and the gradients by N gives the trainer's objective (mean cross-entropy plus the
 mean over micro-batches of the aux losses) with nothing data-dependent inside the stages. The
 reported loss is the cross-entropy alone.
+
+Expert parallelism runs inside the stages: expert weights stay split over `ep` as the trainer
+stores them (the executor's `param_specs`), each MoE layer moves its tokens with `all_to_all`
+over `ep` to the ranks holding their experts, and expert gradients are reduced over `dp` only.
+That collective sits inside the executor's per-tick `lax.switch`, which is safe because the
+devices of one ep group share their pp rank, hence their table row, branch and tick.
 """
 from __future__ import annotations
 
@@ -20,9 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe import config as config_lib
+from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.pipeline.api import pipeline_value_and_grad
@@ -58,6 +65,15 @@ def lm_model(cfg: TransformerConfig) -> Model:
   return Model(layered(layer_fn), loss_fn, embed_fn)
 
 
+def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
+  """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
+  def spec(path, leaf):
+    if ep_axis is None or getattr(path[-1], "key", None) not in moe_lib.EXPERT_WEIGHTS:
+      return P()
+    return P(*(None,) * (len(leaf.shape) - 4), ep_axis)  # leaf: [stages, ..., E, in, out]
+  return jax.tree_util.tree_map_with_path(spec, stage_layers)
+
+
 def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
                             mesh: Mesh):
   """`loss_and_grads(params, batch) -> (loss, grads, {'tokens': count})` run as a pipeline."""
@@ -77,6 +93,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   m = schedule.num_microbatches
   model = lm_model(cfg)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
 
   def loss_and_grads(params, batch):
     n_tokens = batch["tokens"].size
@@ -92,7 +109,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
         model, stage_params, split["tokens"], (split["targets"], split["mask"]),
         schedule=schedule, mesh=mesh, head_params=head_params,
         embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
-        data_axes=data_axes)
+        data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis))
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
