@@ -3,7 +3,9 @@
   python -m jaxpipe.train --config configs/quickstart_cp.py --workdir /tmp/qs_cp
 
 The same as `--config configs/quickstart.py --config.mesh.cp=2`; on a CPU-only machine the
-runner's 8 host devices become dp = 4 x cp = 2.
+runner's 8 host devices become dp = 4 x cp = 2. Add `--config.model.cp_overlap=True` to fuse
+the attention projections with the all-to-alls (a chunked ppermute ring, same parameters and
+checkpoints).
 """
 from configs import quickstart
 

@@ -154,6 +154,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
                       f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
                       "number of query heads, so pick n_kv_heads among the divisors of n_heads")
+  if not isinstance(m.cp_overlap, bool):
+    raise ConfigError(f"model.cp_overlap={m.cp_overlap!r} must be True or False")
   if m.rope_theta <= 0:
     raise ConfigError(f"model.rope_theta={m.rope_theta!r} must be > 0")
   if m.dtype not in DTYPES:

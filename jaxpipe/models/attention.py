@@ -37,6 +37,11 @@ def context_parallel(axis_name: str | None = "cp"):
     _CONTEXT_AXIS.reset(token)
 
 
+def context_axis() -> str | None:
+  """The axis the sequence is split over while tracing inside `context_parallel`, else None."""
+  return _CONTEXT_AXIS.get()
+
+
 @functools.cache
 def _gpu_major() -> int | None:
   """CUDA compute capability major version of device 0, or None off GPU."""

@@ -25,9 +25,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe.models import moe as moe_lib
-from jaxpipe.models.attention import attention
+from jaxpipe.models.attention import attention, context_axis, context_parallel
+from jaxpipe.parallel import overlap
+from jaxpipe.parallel.ulysses import check_divisible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,7 @@ class TransformerConfig:
   attention: str = "xla"  # backend name passed to jaxpipe.models.attention.attention
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False  # recompute each layer's activations in the backward pass
+  cp_overlap: bool = False  # cp > 1: fuse projections with Ulysses' all-to-alls (ppermute ring)
   moe: Any = None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
 
   def __post_init__(self):
@@ -91,6 +95,19 @@ class RMSNorm(nn.Module):
     return rms_norm(x_BxLxD, scale_D, self.eps)
 
 
+class Kernel(nn.Module):
+  """A bias-free DenseGeneral's kernel alone (same name, shape and init), for fused callers."""
+  shape: tuple[int, ...]
+  in_dims: int  # leading axes of `shape` that the projection contracts
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    def init(rng, shape, dtype):  # DenseGeneral's: fan-in over all contracted axes together
+      flat = (int(np.prod(shape[:self.in_dims])), int(np.prod(shape[self.in_dims:])))
+      return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
+    return self.param("kernel", init, self.shape, jnp.float32)
+
+
 class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary positions."""
   cfg: TransformerConfig
@@ -98,6 +115,9 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, positions_L):
     c = self.cfg
+    axis_name = context_axis()
+    if c.cp_overlap and axis_name is not None:
+      return self._overlapped(x_BxLxD, positions_L, axis_name)
     dense = functools.partial(nn.DenseGeneral, use_bias=False, kernel_init=_KERNEL_INIT,
                               dtype=c.compute_dtype, param_dtype=jnp.float32)
     q_BxLxHxK = dense((c.n_heads, c.head_dim), name="q")(x_BxLxD)
@@ -107,6 +127,32 @@ class Attention(nn.Module):
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
     o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, backend=c.attention)
     return dense(c.d_model, axis=(-2, -1), name="o")(o_BxLxHxK)
+
+  def _overlapped(self, x_BxSxD, positions_S, axis_name):
+    """Ulysses with each projection fused into its all-to-all (`jaxpipe.parallel.overlap`).
+
+    x holds this rank's L/P tokens; between the two fused steps every rank holds all L tokens
+    of H/P heads. Parameters are the DenseGeneral path's, so either path reads a checkpoint.
+    """
+    c = self.cfg
+    cp = jax.lax.axis_size(axis_name)
+    check_divisible(x_BxSxD.shape[1] * cp, c.n_heads, c.n_kv_heads, cp, axis_name)
+    dt = c.compute_dtype
+    x_BxSxD = x_BxSxD.astype(dt)
+    w = {name: Kernel(shape, 1, name=name)().astype(dt) for name, shape in
+         (("q", (c.d_model, c.n_heads, c.head_dim)), ("k", (c.d_model, c.n_kv_heads, c.head_dim)),
+          ("v", (c.d_model, c.n_kv_heads, c.head_dim)))}
+    w_o_HxKxD = Kernel((c.n_heads, c.head_dim, c.d_model), 2, name="o")().astype(dt)
+    # Rotary angles are per token, so they commute with the all-to-all: rotate after it, at the
+    # positions of the whole (gathered) sequence.
+    positions_L = jax.lax.all_gather(positions_S, axis_name, tiled=True)
+    q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK = (
+        overlap.proj_a2a_local(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv")
+    q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
+    k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
+    with context_parallel(None):  # head shards of the full sequence: a plain attention core
+      o_BxLxHpxK = attention(q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK, causal=True, backend=c.attention)
+    return overlap.a2a_proj_local(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name)
 
 
 class Mlp(nn.Module):
