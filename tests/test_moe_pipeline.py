@@ -123,3 +123,63 @@ def test_param_specs_must_name_data_axes_and_match_the_params():
                             param_specs={"w": P()})
   with pytest.raises(TypeError, match="must be PartitionSpec or None"):
     param_specs_key({"w": "dp"})
+
+
+def _tanh_layer(params, x_BxD):
+  return jnp.tanh(x_BxD @ params["w"] + params["b"])
+
+
+def _layer_with_aux(params, x_BxD):
+  y = _tanh_layer(params, x_BxD)
+  return y, {"ysum": jnp.sum(y), "rows": jnp.asarray(x_BxD.shape[0], jnp.int32)}
+
+
+@pytest.mark.parametrize("name,layers,recompute", [
+    ("dualpipe", True, False),  # bidirectional: two copies of each stage, summed
+    ("zb-v", False, True),  # V placement, an opaque stage, recomputed in the backward
+    ("interleaved-1f1b", True, False),
+])
+def test_stage_aux_is_summed_per_stage_and_data_shard(name, layers, recompute):
+  """A stage's aux comes back per stage (and layer) and data shard, summed over micro-batches, as
+  an unpipelined loop over stages computes it; loss and gradients stay those of jax.grad."""
+  from jaxpipe.pipeline.executor import layered
+  pp, dp, m, b, d, per_stage = 2, 2, 4, 4, 8, 2
+  mesh = jax.make_mesh((pp, dp), ("pp", "dp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  schedule = resolve_schedule(name, pp=pp, microbatches=m,
+                              chunks=2 if name == "interleaved-1f1b" else None)
+  stages = schedule.num_stages
+  rng = np.random.default_rng(0)
+  lead = (stages, per_stage) if layers else (stages,)
+  params = {"w": jnp.asarray(rng.normal(size=(*lead, d, d)) / np.sqrt(d), jnp.float32),
+            "b": jnp.asarray(0.1 * rng.normal(size=(*lead, d)), jnp.float32)}
+  xs = jnp.asarray(rng.normal(size=(m, b, d)), jnp.float32)
+  ts = jnp.asarray(rng.normal(size=(m, b, d)), jnp.float32)
+  loss_fn = lambda h, y, t: jnp.sum((y - t) ** 2)
+  if layers:
+    model = Model(layered(_layer_with_aux), loss_fn, stage_aux=True)
+  else:
+    stage = lambda p, x: (_tanh_layer(p, x), {"ysum": jnp.sum(_tanh_layer(p, x)),
+                                              "rows": jnp.asarray(x.shape[0], jnp.int32)})
+    model = Model(stage, loss_fn, stage_aux=True)
+  loss, grads, _, _, aux = pipeline_value_and_grad(model, params, xs, ts, schedule=schedule,
+                                                   mesh=mesh, recompute=recompute)
+  flat = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[len(lead):]), params)
+
+  def unpipelined(flat):
+    total, ysum = 0.0, []
+    for i in range(m):
+      x, row = xs[i], []
+      for l in range(flat["w"].shape[0]):
+        x = _tanh_layer({"w": flat["w"][l], "b": flat["b"][l]}, x)
+        row.append(x.reshape(dp, b // dp, d).sum((1, 2)))
+      total, ysum = total + loss_fn(None, x, ts[i]), ysum + [jnp.stack(row)]
+    return total, sum(ysum)  # ysum: [layers, data shards]
+
+  (want_loss, want_ysum), want_grads = jax.value_and_grad(unpipelined, has_aux=True)(flat)
+  _close(loss, want_loss, "loss")
+  for k in params:
+    _close(np.asarray(grads[k]).reshape(want_grads[k].shape), want_grads[k], f"grad {k}")
+  ysum = np.asarray(want_ysum).reshape(*lead, dp)
+  want = np.moveaxis(ysum, -1, 1)  # [stages, data shards(, layers)]
+  _close(aux["ysum"], want, "aux ysum")
+  np.testing.assert_array_equal(aux["rows"], np.full(want.shape, m * b // dp))

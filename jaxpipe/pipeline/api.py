@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, is_contiguous, make_executor,
-                                       param_specs_key, to_local)
+                                       param_specs_key, to_local, with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -91,7 +91,7 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
   t0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), targets)
   if model.embed_fn is not None:
     x0 = jax.eval_shape(model.embed_fn, embed_params, x0)
-  y0 = jax.eval_shape(model.stage_fn, params0, x0)
+  y0 = jax.eval_shape(with_aux(model.stage_fn, model.stage_aux), params0, x0)[0]
   if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (x0.shape,
                                                                                    x0.dtype):
     raise ValueError(f"stage_fn maps one micro-batch of shape {x0.shape} {x0.dtype} to "
@@ -117,9 +117,11 @@ def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages:
   def program(table, layout, stage_params, xs, targets, head_params, embed_params):
     layout = fixed if contiguous else layout
     local = to_local(stage_params, layout)
-    loss, local_grads, head_g, embed_g = run(table, local, xs, targets, head_params,
-                                             embed_params)
-    return loss, from_local(local_grads, layout, num_stages), head_g, embed_g
+    loss, local_grads, head_g, embed_g, *stats = run(table, local, xs, targets, head_params,
+                                                     embed_params)
+    # copies of a stage (bidirectional schedules) ran different micro-batches: their aux adds up
+    return (loss, from_local(local_grads, layout, num_stages), head_g, embed_g,
+            *(from_local(s, layout, num_stages) for s in stats))
 
   return program
 
@@ -134,13 +136,16 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
                             embed_params: PyTree = (), recompute: bool = False,
                             pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None,
                             param_specs: PyTree | None = None):
-  """-> (loss, stage grads, head grads, embed grads); the trainer's path.
+  """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
   `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
   `model.loss_fn(head_params, y, targets[mb])` closes the last; both parameter sets are
   replicated over the pipeline and their gradients summed over it. `param_specs`, a pytree like
   one stage's params with PartitionSpec (or None) leaves over that stage's own dims, splits
   leaves over data axes (e.g. experts over 'ep'); the stage function then sees its slice.
+  With `model.stage_aux` the stage function returns (x, aux) and a fifth result holds aux summed
+  over micro-batches, leaves [stages, data shards, ...] (per layer after stages for a layered
+  stage), not reduced over the data shards.
   """
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)

@@ -13,6 +13,12 @@ over some of them (experts over `ep`): each device then holds and updates only i
 stage function sees that slice, and the leaf's gradient is reduced over the remaining data axes
 only (its shards are different parameters, not copies).
 
+A stage may also report statistics: with `Model.stage_aux` the stage function (a `layered`
+stage's layer function) returns `(y, aux)`, a pytree of arrays it computed on the way (e.g. how
+many tokens each expert received). F adds each micro-batch's aux into a buffer per local chunk
+(per layer for a layered stage), returned after the gradients, unreduced over the data axes:
+a stage that already reduced over them reports the same value on every data shard.
+
 The backward is explicit: F keeps the leaves of the `jax.vjp` closure in a residual slot, except
 leaves that are the stage's own parameters (matched by identity while tracing) or functions of
 the parameters alone (casts, transposes), which the backward takes from, or recomputes from, the
@@ -108,6 +114,19 @@ class Model:
   stage_fn: Callable  # (params of one stage, x) -> x of the same shape
   loss_fn: Callable  # (head_params, y, target) -> scalar, on the last stage's output
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
+  stage_aux: bool = False  # stage_fn (layer_fn if layered) returns (x, aux); aux summed by F
+
+
+def _no_aux(fn: Callable) -> Callable:
+  return lambda params, x: (fn(params, x), ())
+
+
+def with_aux(stage_fn: Callable, stage_aux: bool) -> Callable:
+  """The stage function as `(params, x) -> (y, aux)`; a layered stage stacks aux per layer."""
+  if isinstance(stage_fn, Layered):
+    layer_fn = stage_fn.layer_fn if stage_aux else _no_aux(stage_fn.layer_fn)
+    return Layered(layer_fn, has_aux=True)
+  return stage_fn if stage_aux else _no_aux(stage_fn)
 
 
 def _index(tree: PyTree, i) -> PyTree:
@@ -122,6 +141,11 @@ def _acc_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def _aux_dtype(dtype):
+  # counts stay exact integers; floats add up in at least float32
+  return dtype if jnp.issubdtype(dtype, jnp.integer) else _acc_dtype(dtype)
+
+
 class Layered:
   """A stage that runs `layer_fn(params_of_one_layer, x) -> x` over its params' leading axis.
 
@@ -130,17 +154,21 @@ class Layered:
   weight cotangents instead of redoing the input-cotangent chain through the stage.
   """
 
-  def __init__(self, layer_fn: Callable):
+  def __init__(self, layer_fn: Callable, has_aux: bool = False):
     self.layer_fn = layer_fn
+    self.has_aux = has_aux  # layer_fn returns (x, aux); the stage returns (x, aux per layer)
 
   def __call__(self, params: PyTree, x):
+    if self.has_aux:
+      return lax.scan(lambda x, p: self.layer_fn(p, x), x, params)
     return lax.scan(lambda x, p: (self.layer_fn(p, x), None), x, params)[0]
 
   def __eq__(self, other):
-    return isinstance(other, Layered) and other.layer_fn == self.layer_fn
+    return (isinstance(other, Layered) and other.layer_fn == self.layer_fn
+            and other.has_aux == self.has_aux)
 
   def __hash__(self):
-    return hash((Layered, self.layer_fn))
+    return hash((Layered, self.layer_fn, self.has_aux))
 
   def __repr__(self):
     return f"layered({self.layer_fn!r})"
@@ -167,11 +195,14 @@ class _Residuals:
   stored: tuple[jax.ShapeDtypeStruct, ...]  # the stored leaves, in order
 
   @classmethod
-  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct) -> _Residuals:
+  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct, has_aux: bool = False
+            ) -> _Residuals:
+    """`fn(params, x) -> y`, or `-> (y, aux)` with has_aux."""
+    fn = fn if has_aux else _no_aux(fn)
     found = {}
 
     def f(params, x):
-      _, vjp_fn = jax.vjp(fn, params, x)
+      _, vjp_fn, _ = jax.vjp(fn, params, x, has_aux=True)
       leaves, treedef = jax.tree.flatten(vjp_fn)
       found["treedef"] = treedef
       found["param_of_leaf"] = _match(leaves, jax.tree.leaves(params))
@@ -206,7 +237,7 @@ class _Residuals:
     if any(k[0] == "derived" for k in self.kinds):
       # Only the parameter-derived leaves of this trace are used; XLA drops the rest.
       zeros = jnp.zeros(self.x.shape, self.x.dtype)
-      derived = jax.tree.leaves(jax.vjp(self.fn, params, zeros)[1])
+      derived = jax.tree.leaves(jax.vjp(self.fn, params, zeros, has_aux=True)[1])
     it = iter(stored)
     leaves = [live[k[1]] if k[0] == "param" else derived[i] if k[0] == "derived" else next(it)
               for i, k in enumerate(self.kinds)]
@@ -232,22 +263,24 @@ class _StageOps:
 
   `stored` is what F keeps per micro-batch (vjp residuals without the parameters, or just the
   input when recomputing); `g` is what I hands to W (the output cotangent, or per layer).
-  `need_dx` (traced bool) is False where the input cotangent has no consumer.
+  `need_dx` (traced bool) is False where the input cotangent has no consumer. `stage_fn` returns
+  (y, aux) (`with_aux`); only F keeps aux.
   """
 
   def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool):
     self.fn, self.recompute = stage_fn, recompute
     self.layered = isinstance(stage_fn, Layered)
     self.x = x
+    self.aux = jax.eval_shape(stage_fn, params, x)[1]
     if self.layered:
       self.num_layers = jax.tree.leaves(params)[0].shape[0]
       one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-      self.resid = _Residuals.probe(stage_fn.layer_fn, one, x)
+      self.resid = _Residuals.probe(stage_fn.layer_fn, one, x, has_aux=True)
       stack = lambda s: jax.ShapeDtypeStruct((self.num_layers,) + s.shape, s.dtype)
       kept = tuple(stack(s) for s in self.resid.stored)
       self.g = stack(x)
     else:
-      self.resid = None if recompute else _Residuals.probe(stage_fn, params, x)
+      self.resid = None if recompute else _Residuals.probe(stage_fn, params, x, has_aux=True)
       kept = None if recompute else self.resid.stored
       self.g = x
     self.stored = (x,) if recompute else kept
@@ -258,28 +291,31 @@ class _StageOps:
   # -- forward ---------------------------------------------------------------------------------
 
   def _layer_residuals(self, params, x):
+    """-> (y, (stored, aux stacked per layer))"""
     def body(x, p):
-      y, vjp_fn = jax.vjp(self.fn.layer_fn, p, x)
-      return y, self.resid.split(vjp_fn, p)
+      y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
+      return y, (self.resid.split(vjp_fn, p), aux)
     return lax.scan(body, x, params)
 
   def forward(self, params, x):
-    """-> (y, stored)"""
+    """-> (y, stored, aux)"""
     if self.recompute:
-      return self.fn(params, x), [x]
+      y, aux = self.fn(params, x)
+      return y, [x], aux
     if self.layered:
-      return self._layer_residuals(params, x)
-    y, vjp_fn = jax.vjp(self.fn, params, x)
-    return y, self.resid.split(vjp_fn, params)
+      y, (stored, aux) = self._layer_residuals(params, x)
+      return y, stored, aux
+    y, vjp_fn, aux = jax.vjp(self.fn, params, x, has_aux=True)
+    return y, self.resid.split(vjp_fn, params), aux
 
   def _residuals(self, params, stored):
     if self.recompute and self.layered:
-      return self._layer_residuals(params, stored[0])[1]
+      return self._layer_residuals(params, stored[0])[1][0]
     return stored
 
   def _vjp(self, params, stored):
     if self.recompute:
-      return jax.vjp(self.fn, params, stored[0])[1]
+      return jax.vjp(self.fn, params, stored[0], has_aux=True)[1]
     return self.resid.join(stored, params)
 
   # -- backward --------------------------------------------------------------------------------
@@ -370,7 +406,9 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over the chunk's
   own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
   micro-batches and data shards, local gradients like local_params, head_params gradients,
-  embed_params gradients), each reduced over the data axes its parameter is not sharded over.
+  embed_params gradients), each reduced over the data axes its parameter is not sharded over,
+  and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data
+  shards, ...] (rank r's chunk c as seen by data shard d, the shards in `data_axes` order).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -399,7 +437,8 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       "down": [(i, (i + 1) % p) for i in range(p)],
       "up": [(i, (i - 1) % p) for i in range(p)],
   }
-  stage_fn, loss_fn, embed_fn = model.stage_fn, model.loss_fn, model.embed_fn
+  stage_fn = with_aux(model.stage_fn, model.stage_aux)
+  loss_fn, embed_fn = model.loss_fn, model.embed_fn
 
   def body(table, local, xs, targets, head_params, embed_params):
     table = table[:, 0]
@@ -408,7 +447,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
     x_sd = jax.eval_shape(first_in, 0)
     x_sd = jax.ShapeDtypeStruct(x_sd.shape, x_sd.dtype)
-    y_sd = jax.eval_shape(stage_fn, chunk0, x_sd)
+    y_sd = jax.eval_shape(stage_fn, chunk0, x_sd)[0]
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
       raise ValueError(f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
                        f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}")
@@ -419,12 +458,13 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     zero_embed = _zeros(embed_params)
     zero_g = jnp.zeros(ops.g.shape, ops.g.dtype)
     zero_loss = jnp.zeros((), jnp.float32)
+    zero_aux = _zeros(ops.aux)
 
     def forward(row, act):
       mb = row[COL["f_mb"]]
       params = _index(local, row[COL["f_chunk"]])
       x = lax.cond(row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: act[row[COL["f_in"]]])
-      y, stored = ops.forward(params, x)
+      y, stored, aux = ops.forward(params, x)
 
       def last():
         target = jax.tree.map(lambda t: t[mb], targets)
@@ -433,7 +473,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
       loss, dy, dhead = lax.cond(row[COL["f_last"]] == 1, last,
                                  lambda: (zero_loss, zero_x, zero_head))
-      return y, stored, dy, loss, dhead
+      return y, stored, dy, loss, dhead, aux
 
     def backward(row, res, cot, full: bool):
       """I or B: -> (dx, dparams or None, g or None, dembed)"""
@@ -466,14 +506,14 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       parts = () if name == "idle" else tuple(name.split("+"))
 
       def branch(row, act, res, cot, wg):
-        y, stored, dy_last, loss, dhead = (zero_x, [jnp.zeros(s.shape, s.dtype)
-                                                    for s in ops.stored], zero_x,
-                                           zero_loss, zero_head)
+        y, stored, dy_last, loss, dhead, aux = (zero_x, [jnp.zeros(s.shape, s.dtype)
+                                                         for s in ops.stored], zero_x,
+                                                zero_loss, zero_head, zero_aux)
         dx, dparams, g, dembed = zero_x, zero_params, zero_g, zero_embed
         with jax.named_scope(f"tick/{name}"):
           if "F" in parts:
             with jax.named_scope("F"):
-              y, stored, dy_last, loss, dhead = forward(row, act)
+              y, stored, dy_last, loss, dhead, aux = forward(row, act)
           for kind in ("I", "B"):
             if kind in parts:
               with jax.named_scope(kind):
@@ -483,7 +523,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           if "W" in parts:
             with jax.named_scope("W"):
               dparams = weight(row, res, wg)
-        return y, list(stored), dy_last, loss, dhead, dx, dparams, g, dembed
+        return y, list(stored), dy_last, loss, dhead, dx, dparams, g, dembed, aux
 
       return branch
 
@@ -496,8 +536,8 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in codes)
 
     def tick(carry, row):
-      act, res, cot, wg, grads, loss, head_g, embed_g = carry
-      y, stored, dy_last, dloss, dhead, dx, dparams, g, dembed = lax.switch(
+      act, res, cot, wg, grads, loss, head_g, embed_g, stats = carry
+      y, stored, dy_last, dloss, dhead, dx, dparams, g, dembed, aux = lax.switch(
           lut_arr[row[COL["branch"]]], branches, row, act, res, cot, wg)
       res = [_put(b, row[COL["f_res"]], s) for b, s in zip(res, stored)]
       cot = _put(cot, row[COL["f_cot"]], dy_last)
@@ -509,6 +549,11 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       loss = loss + dloss
       head_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), head_g, dhead)
       embed_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), embed_g, dembed)
+      # aux is zero on ticks without F, whatever chunk the row names
+      fc = row[COL["f_chunk"]]
+      fc = jnp.where(fc < 0, spec.chunks, fc)
+      stats = jax.tree.map(lambda acc, a: acc.at[fc].add(a.astype(acc.dtype), mode="drop"),
+                           stats, aux)
       # The same collectives on every rank, every tick: a rank with nothing to send sends
       # zeros and its neighbour's table discards them.
       for direction in ("down", "up"):
@@ -525,7 +570,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           act = _put(act, row[COL[f"recv_act_{direction}"]], got["act"])
         if "grad" in got:
           cot = _put(cot, row[COL[f"recv_grad_{direction}"]], got["grad"])
-      return (act, res, cot, wg, grads, loss, head_g, embed_g), None
+      return (act, res, cot, wg, grads, loss, head_g, embed_g, stats), None
 
     # at least one slot, so that branches reading a buffer trace even when none is used
     slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
@@ -536,8 +581,10 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     grads = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), local)
     head_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), head_params)
     embed_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), embed_params)
-    carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g)
-    (_, _, _, _, grads, loss, head_g, embed_g), _ = lax.scan(tick, carry, table)
+    stats = jax.tree.map(lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)),
+                         ops.aux)
+    carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g, stats)
+    (_, _, _, _, grads, loss, head_g, embed_g, stats), _ = lax.scan(tick, carry, table)
     loss = lax.psum(loss, all_axes)
     if leaf_specs is None:
       grads = lax.psum(grads, tuple(data_axes)) if data_axes else grads
@@ -551,8 +598,11 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     head_g = lax.psum(head_g, all_axes)
     embed_g = lax.psum(embed_g, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
-    return (loss, jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
-            jax.tree.map(cast, head_g, head_params), jax.tree.map(cast, embed_g, embed_params))
+    out = (loss, jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
+           jax.tree.map(cast, head_g, head_params), jax.tree.map(cast, embed_g, embed_params))
+    if model.stage_aux:
+      out += (jax.tree.map(lambda a: a[None, :, None], stats),)
+    return out
 
   local_spec = P(pp_axis)
   if leaf_specs is not None:
@@ -560,7 +610,8 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   mapped = jax.shard_map(
       body, mesh=mesh,
       in_specs=(P(None, pp_axis), local_spec, batch_spec, batch_spec, P(), P()),
-      out_specs=(P(), local_spec, P(), P()),
+      out_specs=(P(), local_spec, P(), P())
+      + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every branch must return
       # the same types; the reductions at the end are explicit, so vma checking is off.
       check_vma=False)
