@@ -21,8 +21,9 @@ Megatron's convention (`MoEAuxLossAutoScaler` scaled by 1/micro-batches): the co
 the aux losses exactly as configured, whatever the padding and the micro-batch count. Weighting
 them by valid tokens instead would make their strength follow the padding although padded tokens
 are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
-alone on every path, comparable with dense models and with `Trainer.evaluate`; the
-data/expert-parallel path also reports `moe_aux_loss` and the routing statistics.
+alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
+also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
+train step moves the sigmoid router's balancing biases.
 """
 import functools
 import math
@@ -123,9 +124,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
   Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
   weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
-  `loss`. Metrics add the routing statistics (`moe.step_metrics`) and `moe_tokens_per_expert`
-  [MoE layers, experts], summed over micro-batches, which the train step consumes to move the
-  balancing biases.
+  `loss`. Metrics add the routing statistics (`moe.train_metrics`), as every MoE path does.
   """
   moe_cfg = cfg.moe
 
@@ -157,11 +156,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
       (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
-      # Counts add up over micro-batches; losses and ratios are averaged.
-      aux = {k: v if k in ("tokens_per_expert", "dropped", "dropped_pairs", "recv_rows")
-             else v / microbatches for k, v in aux.items()}
-    metrics = {"tokens": count, **moe_lib.step_metrics(aux, n_tokens, moe_cfg.top_k),
-               "moe_tokens_per_expert": aux["tokens_per_expert"]}
+    metrics = {"tokens": count,
+               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k)}
     return loss, grads, metrics
 
   return loss_and_grads
@@ -174,10 +170,6 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
     cfg.moe.validate(mesh_shape["ep"])
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
-    if cfg.moe.bias_update_rate:
-      raise NotImplementedError(
-          f"model.moe.bias_update_rate={cfg.moe.bias_update_rate} needs the routing loads, which "
-          "only the pp = 1, cp = 1 path reports; set it to 0 or train with pp = cp = 1")
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.pipeline.lm import pipeline_loss_and_grads

@@ -171,14 +171,45 @@ def _path_config(**mesh):
   return c
 
 
-def test_aux_loss_convention_is_the_same_on_every_path():
+PATHS = [("dp4 x ep2", {}), ("pp2 x dp2 x ep2", {"pp": 2}), ("cp2 x dp2 x ep2", {"cp": 2})]
+RATE = 0.01  # balancing-bias step
+
+
+@pytest.fixture(scope="module")
+def every_path():
+  """One train step on each path (2 micro-batches of one padded batch, sigmoid router with a
+  balancing bias), keeping what its `loss_and_grads` returned: loss, grads, the routing counts."""
+  params = host = None
+  steps = {}
+  for name, mesh in PATHS:
+    c = _path_config(**mesh)
+    c.model.moe.update(router="sigmoid", bias_update_rate=RATE)
+    trainer = Trainer(c)
+    if params is None:
+      params = _random_params(trainer.model_cfg)  # numpy: the steps donate their state
+      host = trainer.source.batch("train", 0, 16, 8)
+    real = trainer.loss_and_grads
+
+    def keep(p, b, real=real):
+      loss, grads, metrics = real(p, b)
+      # the step consumes moe_tokens_per_expert (to move the biases); keep a copy
+      return loss, grads, {**metrics, "grads": grads, "ce": loss,
+                           "counts": metrics["moe_tokens_per_expert"]}
+
+    trainer.loss_and_grads = keep
+    state = TrainState(jnp.zeros((), jnp.int32), params, jax.jit(trainer.optimizer.init)(params))
+    trainer.state = jax.device_put(state, trainer.state_sharding)
+    metrics = jax.device_get(trainer.step(host))
+    assert "moe_tokens_per_expert" not in metrics
+    metrics["bias"] = jax.device_get(trainer.state.params)["layers"]["moe"]["moe"]["expert_bias_E"]
+    steps[name] = metrics
+  return dict(cfg=trainer.model_cfg, params=params, host=host, steps=steps)
+
+
+def test_aux_loss_convention_is_the_same_on_every_path(every_path):
   """dp x ep, pp = 2 (executor, aux attached) and cp = 2 (Ulysses, aux attached), 2 micro-batches
   of a padded batch: the same loss and gradients as the one-device objective."""
-  trainers = {name: Trainer(_path_config(**mesh)) for name, mesh in [
-      ("dp4 x ep2", {}), ("pp2 x dp2 x ep2", {"pp": 2}), ("cp2 x dp2 x ep2", {"cp": 2})]}
-  cfg = trainers["dp4 x ep2"].model_cfg
-  params = jax.tree.map(jnp.asarray, _random_params(cfg))
-  host = trainers["dp4 x ep2"].source.batch("train", 0, 16, 8)
+  cfg, params, host = every_path["cfg"], every_path["params"], every_path["host"]
   valid = host["mask"].reshape(8, 2, 8).sum((0, 2))  # valid tokens of micro-batches 0 and 1
   assert valid[0] != valid[1] and valid.sum() < host["mask"].size  # padding, unequal micro-batches
 
@@ -199,11 +230,11 @@ def test_aux_loss_convention_is_the_same_on_every_path():
   router = lambda g: np.asarray(g["layers"]["moe"]["moe"]["router_DxE"])
   # the two conventions differ by more than the tolerance below
   assert np.abs(router(other) - router(want)).max() > 1e-2 * np.abs(router(want)).max()
-  for name, trainer in trainers.items():
-    loss, grads, metrics = jax.jit(trainer.loss_and_grads)(params, trainer.shard_batch(host))
+  for name, metrics in every_path["steps"].items():
     assert float(metrics["tokens"]) == host["mask"].sum()
-    _close(loss, want_loss, f"{name}: loss (cross-entropy)")
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    _close(metrics["ce"], want_loss, f"{name}: loss (cross-entropy)")
+    _close(metrics["loss"], want_loss, f"{name}: reported loss")
+    for path, g in jax.tree_util.tree_flatten_with_path(metrics["grads"])[0]:
       _close(g, want_flat[path], f"{name}: {jax.tree_util.keystr(path)}")
 
 
@@ -217,3 +248,53 @@ def test_train_state_splits_experts_over_ep():
   moments = [s for p, s in mu if jax.tree_util.keystr(p).endswith("['wo_ExFxD']")]
   assert moments and all(s.spec == jax.sharding.PartitionSpec(None, "ep") for s in moments)
   assert sh.params["layers"]["moe"]["moe"]["router_DxE"].spec == jax.sharding.PartitionSpec()
+
+
+def _routed_counts(cfg, params, host, microbatches, monkeypatch):
+  """One device, micro-batch by micro-batch: ([MoE layers, experts] assignments summed over
+  micro-batches, counted with numpy from the router's inputs as the top-k of sigmoid(x W) + bias;
+  the mean over micro-batches of the summed aux losses)."""
+  from jaxpipe.models import router as router_lib
+  seen = []
+  real = router_lib.route
+
+  def spy(cfg_, w_DxE, bias_E, x_TxD, rng=None):
+    jax.debug.callback(lambda *a: seen.append([np.asarray(v, np.float64) for v in a]),
+                       w_DxE, bias_E, x_TxD, ordered=True)
+    return real(cfg_, w_DxE, bias_E, x_TxD, rng)
+
+  monkeypatch.setattr(router_lib, "route", spy)
+  m = microbatches
+  run = jax.jit(lambda p, b: sum(
+      transformer.loss_and_aux(cfg, p, b["tokens"][j::m], b["targets"][j::m],
+                               b["mask"][j::m])[2]["loss"].sum() for j in range(m)) / m)
+  aux_loss = float(run(params, host))
+  jax.effects_barrier()
+  monkeypatch.setattr(router_lib, "route", real)
+  units = cfg.n_layers // cfg.moe.every
+  assert len(seen) == units * m
+  counts = np.zeros((units, cfg.moe.num_experts), np.int64)
+  for i, (w, bias, x) in enumerate(seen):
+    select = 1 / (1 + np.exp(-(x @ w))) + bias
+    top = np.argsort(-select, axis=1)[:, :cfg.moe.top_k]
+    counts[i % units] += np.bincount(top.ravel(), minlength=cfg.moe.num_experts)
+  return counts, aux_loss
+
+
+def test_routing_statistics_and_bias_step_are_the_same_on_every_path(every_path, monkeypatch):
+  """dp x ep, pp = 2 and cp = 2 on one batch: the tokens per expert, imbalance, dropped fraction
+  and aux loss they report, and the bias their train step leaves, equal an independent count of
+  the router's top-k on one device."""
+  cfg, params, host = every_path["cfg"], every_path["params"], every_path["host"]
+  counts, want_aux = _routed_counts(cfg, params, host, 2, monkeypatch)
+  assert counts.sum() == host["tokens"].size * cfg.moe.top_k * counts.shape[0]
+  assert counts.max() > counts.min()  # not trivially balanced
+  before = np.asarray(params["layers"]["moe"]["moe"]["expert_bias_E"])
+  want_bias = before + RATE * np.sign(counts.mean(1, keepdims=True) - counts)
+  assert np.sum(np.abs(want_bias - before) > RATE / 2) > counts.size // 2  # most biases move
+  for name, metrics in every_path["steps"].items():
+    np.testing.assert_array_equal(metrics["counts"], counts, err_msg=name)
+    _close(metrics["moe_imbalance"], (counts.max(1) / counts.mean(1)).max(), f"{name}: imbalance")
+    assert float(metrics["moe_dropped_frac"]) == 0.0, name
+    _close(metrics["moe_aux_loss"], want_aux, f"{name}: aux loss")
+    np.testing.assert_allclose(metrics["bias"], want_bias, rtol=0, atol=1e-7, err_msg=name)

@@ -347,6 +347,21 @@ def step_metrics(aux_GxX: dict[str, jax.Array], n_tokens, top_k: int) -> dict[st
           "moe_dropped_frac": aux_GxX["dropped"].sum() / (n_tokens * top_k * counts.shape[0])}
 
 
+COUNT_KEYS = ("tokens_per_expert", "dropped", "dropped_pairs", "recv_rows")
+
+
+def train_metrics(aux_sum_GxX: dict[str, jax.Array], microbatches: int, n_tokens,
+                  top_k: int) -> dict[str, jax.Array]:
+  """A training step's MoE metrics from its G layers' aux summed over its micro-batches.
+
+  Counts add up over micro-batches and losses and ratios are averaged; `n_tokens` is the step's
+  tokens. Adds `moe_tokens_per_expert` [G, E], which the train step consumes to move the
+  balancing biases (`update_biases`).
+  """
+  aux = {k: v if k in COUNT_KEYS else v / microbatches for k, v in aux_sum_GxX.items()}
+  return {**step_metrics(aux, n_tokens, top_k), "moe_tokens_per_expert": aux["tokens_per_expert"]}
+
+
 def update_biases(cfg: MoEConfig, old_params: Any, new_params: Any,
                   tokens_per_expert_GxE: jax.Array) -> Any:
   """Every `expert_bias_E` leaf becomes its old value plus the balancing step.

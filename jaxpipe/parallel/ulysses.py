@@ -110,28 +110,41 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
   As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
   losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
   step's token count gives the trainer's objective; the reported loss is the cross-entropy.
+  With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
+  summed over all token shards inside the shard_map.
   """
+  from jaxpipe.models import moe as moe_lib
   from jaxpipe.models import transformer
   from jaxpipe.models.attention import context_parallel
+  from jaxpipe.pipeline.lm import moe_unit
 
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
+  aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
+
+  def apply_layers(layers, x_BxSxD, positions_S):
+    if cfg.moe is None:
+      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
+    # transformer.apply_layers, keeping each MoE group's statistics
+    body = lambda x, unit: moe_unit(cfg, unit, x, positions_S)
+    return lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
     with context_parallel(axis_name):
       x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
       positions_S = positions_local(tokens_BxS.shape[1], axis_name)
-      x_BxSxD = transformer.apply_layers(cfg, params["layers"], x_BxSxD, positions_S)
+      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
-    return total[None]
+    return total[None], aux
 
   sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                          out_specs=every_axis, check_vma=cfg.attention != "pallas")
+                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
 
   def loss_sum(params, batch):
-    return jnp.sum(sharded(params, batch["tokens"], batch["targets"], batch["weights"]))
+    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
+    return jnp.sum(total), aux
 
-  grad_fn = jax.value_and_grad(loss_sum)
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
   def loss_and_grads(params, batch):
     n_tokens = batch["tokens"].size
@@ -139,7 +152,7 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
     batch = {"tokens": batch["tokens"], "targets": batch["targets"],
              "weights": transformer.mean_weights(batch["mask"])}
     if microbatches == 1:
-      total, grads = grad_fn(params, batch)
+      (total, aux), grads = grad_fn(params, batch)
     else:
       # Row i*m + j goes to micro-batch j, as in the data-parallel path.
       split = jax.tree.map(lambda x: jnp.swapaxes(
@@ -148,8 +161,13 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
       def body(carry, mb):
         return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
 
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-      (total, grads), _ = lax.scan(body, zeros, split)
-    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), {"tokens": count}
+      first = jax.tree.map(lambda x: x[0], split)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      ((total, aux), grads), _ = lax.scan(body, zeros, split)
+    metrics = {"tokens": count}
+    if cfg.moe is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads

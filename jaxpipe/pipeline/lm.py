@@ -50,8 +50,11 @@ def lm_model(cfg: TransformerConfig) -> Model:
 
   def layer_fn(unit, x_BxLxD):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
-    # the gradient of its output
-    return transformer.apply_unit(cfg, unit, x_BxLxD, jnp.arange(x_BxLxD.shape[1]))
+    # the gradient of its output and whose routing statistics are the executor's stage aux
+    positions_L = jnp.arange(x_BxLxD.shape[1])
+    if cfg.moe is None:
+      return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
+    return moe_unit(cfg, unit, x_BxLxD, positions_L)
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -62,7 +65,15 @@ def lm_model(cfg: TransformerConfig) -> Model:
 
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
-  return Model(layered(layer_fn), loss_fn, embed_fn)
+  return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None)
+
+
+def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
+  """An MoE group with its auxiliary loss attached to x (`transformer.apply_unit`) -> (x, aux)."""
+  x_BxLxD, aux = transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
+  x_BxLxD = transformer.attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0]
+                                                                * x_BxLxD.shape[1]))
+  return x_BxLxD, {k: aux[k] for k in moe_lib.AUX_KEYS}
 
 
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
@@ -76,7 +87,11 @@ def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
 
 def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
                             mesh: Mesh):
-  """`loss_and_grads(params, batch) -> (loss, grads, {'tokens': count})` run as a pipeline."""
+  """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
+
+  metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
+  (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
+  """
   for axis in mesh.axis_names:
     if axis not in ("pp",) + BATCH_AXES and mesh.shape[axis] > 1:
       raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
@@ -105,7 +120,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     stage_params = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]),
                                 params["layers"])
     head_params = {k: v for k, v in params.items() if k != "layers"}
-    total, stage_grads, head_grads, embed_grads = pipeline_value_and_grad(
+    total, stage_grads, head_grads, embed_grads, *stage_aux = pipeline_value_and_grad(
         model, stage_params, split["tokens"], (split["targets"], split["mask"]),
         schedule=schedule, mesh=mesh, head_params=head_params,
         embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
@@ -115,6 +130,12 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
                                    stage_grads)
     grads = jax.tree.map(lambda g: g / n_tokens, grads)
-    return total / n_tokens, grads, {"tokens": count}
+    metrics = {"tokens": count}
+    if stage_aux:
+      # [stages, data shards, units per stage, ...]: MoE statistics are sums over every token
+      # shard already, the same on each data shard.
+      aux = jax.tree.map(lambda a: a[:, 0].reshape(units, *a.shape[3:]), stage_aux[0])
+      metrics.update(moe_lib.train_metrics(aux, m, n_tokens, cfg.moe.top_k))
+    return total / n_tokens, grads, metrics
 
   return loss_and_grads
