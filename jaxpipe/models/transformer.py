@@ -345,3 +345,10 @@ def loss_and_aux(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array,
   """`loss` and the MoE layers' aux (`apply_layers_aux`); the caller adds aux['loss'].sum()."""
   x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
+
+
+def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
+  """An MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
+  x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
+  x_BxLxD = attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
+  return x_BxLxD, {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -116,7 +116,6 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
   from jaxpipe.models import moe as moe_lib
   from jaxpipe.models import transformer
   from jaxpipe.models.attention import context_parallel
-  from jaxpipe.pipeline.lm import moe_unit
 
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
@@ -126,7 +125,7 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
     if cfg.moe is None:
       return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
     # transformer.apply_layers, keeping each MoE group's statistics
-    body = lambda x, unit: moe_unit(cfg, unit, x, positions_S)
+    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
     return lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):

@@ -54,7 +54,7 @@ def lm_model(cfg: TransformerConfig) -> Model:
     positions_L = jnp.arange(x_BxLxD.shape[1])
     if cfg.moe is None:
       return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
-    return moe_unit(cfg, unit, x_BxLxD, positions_L)
+    return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -66,14 +66,6 @@ def lm_model(cfg: TransformerConfig) -> Model:
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
   return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None)
-
-
-def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
-  """An MoE group with its auxiliary loss attached to x (`transformer.apply_unit`) -> (x, aux)."""
-  x_BxLxD, aux = transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
-  x_BxLxD = transformer.attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0]
-                                                                * x_BxLxD.shape[1]))
-  return x_BxLxD, {k: aux[k] for k in moe_lib.AUX_KEYS}
 
 
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
