@@ -7,23 +7,15 @@ import jax
 import numpy as np
 import pytest
 
+from configs import tiny
 from jaxpipe import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.trainer import Trainer, data_parallel_loss_and_grads
 
 
 def tiny_config(pp, schedule, microbatches=4, n_layers=4):
-  c = config_lib.default_config()
-  c.model.vocab = 64
-  c.model.d_model = 32
+  c = tiny.get_config()
   c.model.n_layers = n_layers
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 2
-  c.model.head_dim = 8
-  c.model.d_ff = 64
-  c.data.source = "synthetic"
-  c.data.seq_len = 16
-  c.data.batch = 16
   c.mesh.pp = pp
   c.pipeline.schedule = schedule
   c.pipeline.microbatches = microbatches
