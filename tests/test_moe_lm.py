@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxpipe import config as config_lib
+from configs import tiny
 from jaxpipe.models import moe
 from jaxpipe.models import transformer
 from jaxpipe.trainer import Trainer, TrainState
@@ -16,18 +16,11 @@ MOE = dict(num_experts=8, top_k=2, d_ff=16, every=2, lb_loss_coef=0.1, z_loss_co
 
 
 def moe_config(ep=4, **moe_kwargs):
-  c = config_lib.default_config()
-  c.model.vocab = 64
-  c.model.d_model = 32
+  c = tiny.get_config()
   c.model.n_layers = 4
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 2
-  c.model.head_dim = 8
   c.model.d_ff = 48
   c.model.moe = ml_collections.ConfigDict({**MOE, **moe_kwargs})
-  c.data.source = "synthetic"
   c.data.seq_len = 8
-  c.data.batch = 16
   c.mesh.ep = ep
   return c
 
