@@ -187,3 +187,19 @@ def scaled_sequential(params, xs, ts):
       x = scaled_stage_fn(jax.tree.map(lambda a: a[s], params), x)
     total = total + loss_fn(x, ts[i])
   return total
+
+
+def test_error_sequence_not_divisible_by_seq_axes():
+  from jaxpipe.pipeline.executor import Model
+  mesh = make_mesh((2, 2), ("pp", "cp"))
+  params, xs, ts = make_data(2, 4)  # sequence L = 3
+  model = Model(stage_fn, lambda h, y, t: loss_fn(y, t))
+  schedule = make_schedule("1f1b", pp=2, microbatches=4)
+  with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
+    with pytest.raises(ValueError, match=r"sequence axis \(axis 2\) must divide into the 2 "
+                                         r"context-parallel shards of mesh axes \('cp',\)"):
+      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
+                                  seq_axes=("cp",))
+    with pytest.raises(ValueError, match="seq_axes entry 'pp' must be a mesh axis"):
+      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
+                                  seq_axes=("pp",))

@@ -129,3 +129,30 @@ def test_layers_must_split_into_the_schedule_stages():
   with pytest.raises(config_lib.ConfigError,
                      match="n_layers=6 .*does not split into the 4 model stages"):
     Trainer(tiny_config(2, "zb-v", n_layers=6))
+
+
+def test_pipeline_with_context_parallelism():
+  """pp = 2 x dp = 2 x cp = 2 with a split backward: each stage holds half of every sequence and
+  runs Ulysses all-to-alls over cp inside the ticks; loss and gradients are the unpipelined ones."""
+  from test_moe_pipeline import _axis_groups, _groups
+  c = tiny_config(2, "zb-h2")
+  c.mesh.cp, c.mesh.dp = 2, 2
+  trainer = Trainer(c)
+  params = transformer.init_params(trainer.model_cfg, jax.random.key(0))
+  batch = trainer.batch(0)
+  compiled = jax.jit(trainer.loss_and_grads).lower(params, batch).compile()
+  loss, grads, _ = compiled(params, batch)
+  want_loss, want_grads, _ = jax.jit(data_parallel_loss_and_grads(trainer.model_cfg))(params, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  want = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    w = np.asarray(want[path])
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)),
+                               err_msg=jax.tree_util.keystr(path))
+  a2a = [l for l in compiled.as_text().splitlines() if " all-to-all(" in l]
+  # q, k, v in and o out in F; their transposes in I
+  assert len(a2a) >= 8
+  names = " ".join(l.split('op_name="')[1].split('"')[0] for l in a2a)
+  assert "/tick/F/" in names and "/tick/I/" in names, names
+  for line in a2a:
+    assert _groups(line) == _axis_groups(trainer.mesh, "cp"), line.strip()[:200]

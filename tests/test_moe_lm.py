@@ -164,7 +164,8 @@ def _path_config(**mesh):
   return c
 
 
-PATHS = [("dp4 x ep2", {}), ("pp2 x dp2 x ep2", {"pp": 2}), ("cp2 x dp2 x ep2", {"cp": 2})]
+PATHS = [("dp4 x ep2", {}), ("pp2 x dp2 x ep2", {"pp": 2}), ("cp2 x dp2 x ep2", {"cp": 2}),
+         ("pp2 x cp2 x ep2", {"pp": 2, "cp": 2, "dp": 1})]
 RATE = 0.01  # balancing-bias step
 
 
@@ -200,8 +201,8 @@ def every_path():
 
 
 def test_aux_loss_convention_is_the_same_on_every_path(every_path):
-  """dp x ep, pp = 2 (executor, aux attached) and cp = 2 (Ulysses, aux attached), 2 micro-batches
-  of a padded batch: the same loss and gradients as the one-device objective."""
+  """dp x ep, pp = 2 (executor, aux attached), cp = 2 (Ulysses, aux attached) and pp x cp (both),
+  2 micro-batches of a padded batch: the same loss and gradients as the one-device objective."""
   cfg, params, host = every_path["cfg"], every_path["params"], every_path["host"]
   valid = host["mask"].reshape(8, 2, 8).sum((0, 2))  # valid tokens of micro-batches 0 and 1
   assert valid[0] != valid[1] and valid.sum() < host["mask"].size  # padding, unequal micro-batches
@@ -275,7 +276,7 @@ def _routed_counts(cfg, params, host, microbatches, monkeypatch):
 
 
 def test_routing_statistics_and_bias_step_are_the_same_on_every_path(every_path, monkeypatch):
-  """dp x ep, pp = 2 and cp = 2 on one batch: the tokens per expert, imbalance, dropped fraction
+  """dp x ep, pp = 2, cp = 2 and pp x cp on one batch: the tokens per expert, imbalance, dropped fraction
   and aux loss they report, and the bias their train step leaves, equal an independent count of
   the router's top-k on one device."""
   cfg, params, host = every_path["cfg"], every_path["params"], every_path["host"]

@@ -175,3 +175,15 @@ def test_cp_overlap_must_be_a_bool():
     c.model.cp_overlap = 1
   with pytest.raises(config_lib.ConfigError, match="model.cp_overlap=1 must be True or False"):
     config_lib.validate(c, 8)
+
+
+def test_cp_overlap_with_a_pipeline_is_refused_at_config_time():
+  from jaxpipe import config as config_lib
+  c = config_lib.default_config()
+  c.model.cp_overlap = True
+  c.mesh.pp, c.mesh.cp = 2, 2
+  c.pipeline.microbatches = 2
+  with pytest.raises(config_lib.ConfigError, match=r"cp_overlap=True cannot run with mesh.pp=2"):
+    config_lib.validate(c, 8)
+  c.mesh.pp = 1
+  assert config_lib.validate(c, 8)["cp"] == 2

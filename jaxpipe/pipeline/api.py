@@ -53,7 +53,8 @@ def lowered_for(schedule: Schedule) -> Lowered:
 
 
 def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyTree,
-                 xs: PyTree, targets: PyTree, data_axes: tuple[str, ...]) -> None:
+                 xs: PyTree, targets: PyTree, data_axes: tuple[str, ...],
+                 seq_axes: tuple[str, ...] = ()) -> None:
   """Raises ValueError naming the first disagreement between the schedule and the inputs."""
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}; name it "
@@ -71,7 +72,12 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
                      f"{schedule.name!r} has {schedule.num_stages} model stages; stack one entry "
                      "per stage on axis 0")
   m = schedule.num_microbatches
+  for a in seq_axes:
+    if a not in mesh.axis_names or a == pp_axis or a in data_axes:
+      raise ValueError(f"seq_axes entry {a!r} must be a mesh axis {mesh.axis_names} other than "
+                       f"the pipeline axis {pp_axis!r} and the data axes {data_axes}")
   data = math.prod(mesh.shape[a] for a in data_axes)
+  seq = math.prod(mesh.shape[a] for a in seq_axes)
   for what, tree in (("xs", xs), ("targets", targets)):
     for a in jax.tree.leaves(tree):
       shape = jnp.shape(a)
@@ -81,6 +87,9 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
       if shape[1] % data:
         raise ValueError(f"{what} has batch {shape[1]} per micro-batch, not divisible by the "
                          f"{data} data-parallel shards of mesh axes {data_axes}")
+      if seq_axes and (len(shape) < 3 or shape[2] % seq):
+        raise ValueError(f"{what} has shape {shape}; its sequence axis (axis 2) must divide into "
+                         f"the {seq} context-parallel shards of mesh axes {seq_axes}")
 
 
 def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: PyTree,
@@ -106,8 +115,8 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
 @functools.lru_cache(maxsize=64)
 def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
              data_axes: tuple[str, ...], contiguous: bool,
-             param_specs: tuple | None) -> Callable:
-  run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs)
+             param_specs: tuple | None, seq_axes: tuple[str, ...] = ()) -> Callable:
+  run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs, seq_axes)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
   # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
   fixed = np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(
@@ -135,7 +144,7 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
                             schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
                             embed_params: PyTree = (), recompute: bool = False,
                             pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None,
-                            param_specs: PyTree | None = None):
+                            param_specs: PyTree | None = None, seq_axes: tuple[str, ...] = ()):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
   `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
@@ -145,18 +154,21 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   leaves over data axes (e.g. experts over 'ep'); the stage function then sees its slice.
   With `model.stage_aux` the stage function returns (x, aux) and a fifth result holds aux summed
   over micro-batches, leaves [stages, data shards, ...] (per layer after stages for a layered
-  stage), not reduced over the data shards.
+  stage), not reduced over the data shards. `seq_axes` split axis 2 of xs and targets (the
+  sequence; context parallelism): every function then sees its slice of each sequence, and
+  `check_model` traces it unsplit outside the `shard_map`, so it must run either way.
   """
+  seq_axes = tuple(seq_axes)
   if data_axes is None:
-    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
-  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes)
+    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
+  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
   check_model(model, stage_params, xs, targets, head_params, embed_params)
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
   program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
                      is_contiguous(layout) and layout.size == schedule.num_stages,
-                     param_specs_key(param_specs))
+                     param_specs_key(param_specs), seq_axes)
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 

@@ -397,27 +397,35 @@ def _leaf_axes(spec: P) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=64)
 def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
                   data_axes: tuple[str, ...] | None = None,
-                  param_specs: tuple | None = None) -> Callable:
+                  param_specs: tuple | None = None, seq_axes: tuple[str, ...] = ()) -> Callable:
   """A jitted `run(table, local_params, xs, targets, head_params, embed_params)`.
 
   table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
-  [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, ...], the
-  batch axis split over `data_axes` (default: every mesh axis but `pp_axis`). `param_specs`
+  [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, seq, ...],
+  the batch axis split over `data_axes` (default: every mesh axis but `pp_axis` and
+  `seq_axes`) and the sequence axis over `seq_axes` (context parallelism: the stage, embedding
+  and loss functions then see a slice of every sequence and run their own collectives over
+  those axes; a data shard, in what follows, is one slice over data and sequence axes). `param_specs`
   (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over the chunk's
   own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
   micro-batches and data shards, local gradients like local_params, head_params gradients,
   embed_params gradients), each reduced over the data axes its parameter is not sharded over,
   and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data
-  shards, ...] (rank r's chunk c as seen by data shard d, the shards in `data_axes` order).
+  shards, ...] (rank r's chunk c as seen by data shard d, ordered over `data_axes` then
+  `seq_axes`).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
   if mesh.shape[pp_axis] != spec.num_ranks:
     raise ValueError(f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
                      f"{mesh.shape[pp_axis]} devices; make them equal")
+  seq_axes = tuple(seq_axes)
   if data_axes is None:
-    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis)
-  all_axes = (pp_axis,) + tuple(data_axes)
+    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
+  batch_axes = tuple(data_axes)
+  # Sequence shards hold different tokens, exactly as data shards do: sums run over both.
+  data_axes = batch_axes + seq_axes
+  all_axes = (pp_axis,) + data_axes
   leaf_specs = None
   if param_specs is not None:
     specs_treedef, leaf_specs = param_specs
@@ -428,7 +436,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
                          f"data axes {tuple(data_axes)} of this executor; parameters split over "
                          f"{pp_axis!r} go on the leading [ranks, chunks] axes instead")
   p = spec.num_ranks
-  batch_spec = P(None, data_axes) if data_axes else P()
+  batch_spec = P(None, batch_axes or None, *((seq_axes,) if seq_axes else ()))
   codes = list(spec.branches)
   lut = np.zeros(len(BRANCHES), np.int32)
   for i, code in enumerate(codes):

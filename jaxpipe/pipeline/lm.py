@@ -18,6 +18,11 @@ stores them (the executor's `param_specs`), each MoE layer moves its tokens with
 over `ep` to the ranks holding their experts, and expert gradients are reduced over `dp` only.
 That collective sits inside the executor's per-tick `lax.switch`, which is safe because the
 devices of one ep group share their pp rank, hence their table row, branch and tick.
+
+Context parallelism runs the same way: with mesh.cp > 1 the executor splits every
+micro-batch's sequence over `cp` (its `seq_axes`), each stage runs norms and MLPs on its
+L/cp tokens with rotary positions offset to its slice, and attention's Ulysses all-to-alls
+over `cp` sit inside the branch beside the MoE ones, for the same reason.
 """
 from __future__ import annotations
 
@@ -31,12 +36,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpipe import config as config_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
+from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.pipeline.api import pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir import Schedule
+from jaxpipe.parallel.ulysses import positions_local
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.mesh.BATCH_AXES)
+CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
 
 
 def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
@@ -45,16 +53,27 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 
 
 @functools.lru_cache(maxsize=16)
-def lm_model(cfg: TransformerConfig) -> Model:
-  """Stage, embedding and head functions of the LM; cached so compiled programs are reused."""
+def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
+  """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
+
+  With `context_axis`, inside the executor's shard_map (where that axis is manual) each stage
+  holds a contiguous slice of every sequence and attention runs Ulysses over the axis; traced
+  outside it (the executor's shape check) the stage is the plain one-device model.
+  """
 
   def layer_fn(unit, x_BxLxD):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
-    positions_L = jnp.arange(x_BxLxD.shape[1])
-    if cfg.moe is None:
-      return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
-    return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    cp_axis = context_axis if context_axis in manual else None
+    with context_parallel(cp_axis):
+      if cp_axis is None:
+        positions_L = jnp.arange(x_BxLxD.shape[1])
+      else:
+        positions_L = positions_local(x_BxLxD.shape[1], cp_axis)
+      if cfg.moe is None:
+        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
+      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -85,9 +104,10 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
   """
   for axis in mesh.axis_names:
-    if axis not in ("pp",) + BATCH_AXES and mesh.shape[axis] > 1:
+    if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
       raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
-                       f"data parallelism ({', '.join(BATCH_AXES)}) only; set mesh.{axis}=1")
+                       f"data ({', '.join(BATCH_AXES)}) and context ({CONTEXT_AXIS}) parallelism "
+                       f"only; set mesh.{axis}=1")
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
   every = cfg.moe.every if cfg.moe is not None else 1
@@ -98,7 +118,8 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
                      f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
                      f"{stages * every}")
   m = schedule.num_microbatches
-  model = lm_model(cfg)
+  seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
+  model = lm_model(cfg, seq_axes[0] if seq_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
 
@@ -116,7 +137,8 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
         model, stage_params, split["tokens"], (split["targets"], split["mask"]),
         schedule=schedule, mesh=mesh, head_params=head_params,
         embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
-        data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis))
+        data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis),
+        seq_axes=seq_axes)
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
