@@ -95,6 +95,11 @@ def layer_table(args, x, g, params, n_dev, dtype, on_accelerator) -> None:
 
 
 def transport_table(args, x, n_dev, dtype, on_accelerator) -> None:
+  if not any(n_dev % ep == 0 and args.experts % ep == 0 and ep > 1 for ep in args.eps):
+    print(f"\n## dispatch and combine alone: skipped; they move tokens between devices, and no "
+          f"expert-axis size > 1 in --eps {args.eps} divides this machine's {n_dev} device(s). "
+          f"The figures to hold them against: {ANCHORS}")
+    return
   print(f"\n## dispatch and combine alone (forward); payload per device = token rows it receives "
         f"(own included) x d_model x {jnp.dtype(dtype).itemsize} B (fp8: 1 B + a 4 B scale per 128)")
   print("| transport | ep | dispatch us | combine us | dispatch GB/s | combine GB/s |")

@@ -1,0 +1,150 @@
+"""On a CUDA GPU: the compiled kernels and the ragged dispatch against their references.
+
+Skipped elsewhere (CI has no GPU); `bash experiments/gpu_check.sh` runs them with the benches.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _inputs(batch, seq, heads, kv_heads, head_dim, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shape = lambda h: (batch, seq, h, head_dim)
+  q, k, v, do = (jax.random.normal(key, shape(h), jnp.float32).astype(dtype)
+                 for key, h in zip(keys, (heads, kv_heads, kv_heads, heads)))
+  return q, k, v, do
+
+
+def _out_and_grads(fn, q, k, v, do):
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+  return jax.jit(run)(q, k, v, do)
+
+
+def _xla_f32(causal, q, k, v, do):
+  """The XLA reference in float32 at full matmul precision (no TF32)."""
+  f32 = lambda x: x.astype(jnp.float32)
+  xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
+  with jax.default_matmul_precision("highest"):
+    return _out_and_grads(xla, f32(q), f32(k), f32(v), f32(do))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq,heads,kv_heads,head_dim", [(1000, 8, 4, 64), (1024, 8, 2, 128)])
+def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim):
+  q, k, v, do = _inputs(2, seq, heads, kv_heads, head_dim, jnp.float32)
+  got = _out_and_grads(functools.partial(_fa(), causal=causal, interpret=False), q, k, v, do)
+  want = _xla_f32(causal, q, k, v, do)
+  for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert _rel(g, w) < 1e-5, label
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_flash_attention_half_within_rounding(dtype, causal):
+  """Against float32 on the same rounded inputs: within one ulp of the largest entry."""
+  q, k, v, do = _inputs(2, 512, 8, 2, 128, dtype, seed=1)
+  got = _out_and_grads(functools.partial(_fa(), causal=causal, interpret=False), q, k, v, do)
+  want = _xla_f32(causal, q, k, v, do)
+  for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert g.dtype == dtype, label
+    assert _rel(g, w) < float(jnp.finfo(dtype).eps), label
+
+
+def test_compiled_flash_attention_segments():
+  q, k, v, do = _inputs(2, 300, 4, 2, 64, jnp.float32, seed=2)
+  seg = jnp.concatenate([jnp.ones((2, 120), jnp.int32), 2 * jnp.ones((2, 150), jnp.int32),
+                         jnp.zeros((2, 30), jnp.int32)], axis=1)
+  got = _out_and_grads(lambda q, k, v: _fa()(q, k, v, causal=True, segment_ids=seg,
+                                             interpret=False), q, k, v, do)
+  mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                     implementation="xla")
+  with jax.default_matmul_precision("highest"):
+    want = _out_and_grads(xla, q, k, v, do)
+  for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert _rel(g, w) < 1e-5, label
+
+
+def _fa():
+  from kernels_pallas.flash_attention import flash_attention
+  return flash_attention
+
+
+def test_attention_backends_agree_on_gpu():
+  """auto resolves to a GPU backend; pallas and cudnn match xla on a bf16 causal GQA call."""
+  from jaxpipe.models.attention import attention, resolve_backend
+  q, k, v, _ = _inputs(2, 1024, 8, 2, 128, jnp.bfloat16, seed=3)
+  assert resolve_backend("auto", q, k, v) in ("cudnn", "pallas")
+  with jax.default_matmul_precision("highest"):
+    want = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                     causal=True, backend="xla")
+  for backend in ("pallas", "cudnn"):
+    got = jax.jit(functools.partial(attention, causal=True, backend=backend))(q, k, v)
+    assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps), backend
+
+
+def test_ragged_dispatch_equals_padded():
+  """Dropless MoE through jax.lax.ragged_all_to_all equals the padded all_to_all path."""
+  from jaxpipe.models import moe
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+  base = moe.MoEConfig(num_experts=8 * n, top_k=2, d_ff=64, dispatch="dropless")
+  params = moe.init_moe_params(base, jax.random.key(0), 32)
+  x = jax.random.normal(jax.random.key(1), (4 * n, 64, 32), jnp.float32)
+  results = {}
+  for impl in ("ragged", "padded"):
+    cfg = dataclasses.replace(base, dropless_impl=impl)
+
+    def loss(params, x, cfg=cfg):
+      y, aux = moe.moe_layer(cfg, params, x, mesh=mesh, ep_axis="ep", batch_axes=("ep",))
+      return jnp.sum(y * jnp.cos(x)), aux["tokens_per_expert"]
+
+    (value, counts), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x)
+    results[impl] = (value, counts, grads)
+  (v_r, c_r, g_r), (v_p, c_p, g_p) = results["ragged"], results["padded"]
+  np.testing.assert_array_equal(c_r, c_p)
+  assert _rel(v_r, v_p) < 1e-5
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_r), jax.tree.leaves(g_p)):
+    assert _rel(a, b) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_gemm_a2a_kernel_runs_on_all_gpus():
+  """The Mosaic GPU kernel compiles and equals heads_to_seq + projection on the GPUs present."""
+  from jax.lax import all_to_all
+  from kernels_pallas import gemm_a2a as ga
+  if jax.devices()[0].compute_capability.split(".")[0] != "9":
+    pytest.skip("the kernel uses Hopper wgmma")
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+  heads, head_dim, d = 4 * n, 64, 256
+  keys = jax.random.split(jax.random.key(0), 2)
+  o = jax.random.normal(keys[0], (2, 128 * n, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (heads, head_dim, d), jnp.float32) / 16).astype(jnp.bfloat16)
+
+  def reference(o_local, w):
+    o_seq = all_to_all(o_local, "cp", split_axis=1, concat_axis=2, tiled=True)
+    return jnp.einsum("blnk,nkd->bld", o_seq.astype(jnp.float32), w.astype(jnp.float32),
+                      precision="highest")
+
+  specs = dict(mesh=mesh, in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"),
+               check_vma=False)
+  got = jax.jit(jax.shard_map(functools.partial(ga.gemm_a2a, axis_name="cp"), **specs))(o, w)
+  want = jax.jit(jax.shard_map(reference, **specs))(o, w)
+  assert got.shape == want.shape
+  # bf16 output of a float32 accumulation: one bf16 rounding of the largest entry
+  assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
