@@ -41,7 +41,7 @@ def default_config() -> ml_collections.ConfigDict:
   ms.dp = config_dict.placeholder(int)  # data-parallel size; unset = all devices left over
   ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
   ms.cp = 1  # context-parallel size (splits the sequence)
-  ms.tp = 1  # tensor-parallel size; no layer is split over it yet (its ranks repeat the work)
+  ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
 
   c.pipeline = p = ml_collections.ConfigDict()
   p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
@@ -96,6 +96,10 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     if not isinstance(size, int) or size < 1:
       raise ConfigError(f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
                         "to leave the axis unused")
+  if mesh.tp != 1:
+    raise ConfigError(f"mesh.tp={mesh.tp}: no layer is split over the tensor axis yet, so its ranks "
+                      "would repeat the same work; set --config.mesh.tp=1 and give those devices to "
+                      "dp, ep, cp or pp")
   others = [a for a in MESH_AXES if a != "dp"]
   rest = 1
   for a in others:
