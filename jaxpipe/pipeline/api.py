@@ -9,7 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, is_contiguous, make_executor,
                                        param_specs_key, to_local, with_aux)
@@ -93,8 +93,22 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
 
 
 def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: PyTree,
-                embed_params: PyTree) -> None:
-  """Traces (without compiling) one stage and the loss on one micro-batch to check shapes."""
+                embed_params: PyTree, mesh: Mesh | None = None,
+                seq_axes: tuple[str, ...] = ()) -> None:
+  """Traces (without compiling) one stage and the loss on one micro-batch to check shapes.
+
+  With `seq_axes` the functions are traced inside a `shard_map` over `mesh` on their sequence
+  slices, where they may name those axes in collectives, as the executor runs them.
+  """
+  if seq_axes:
+    seq_spec = P(None, None, seq_axes)
+    in_specs = (P(), jax.tree.map(lambda _: seq_spec, xs), jax.tree.map(lambda _: seq_spec, targets),
+                P(), P())
+    check = functools.partial(check_model, model)
+    jax.eval_shape(jax.shard_map(lambda *a: check(*a) or jnp.zeros(()), mesh=mesh,
+                                 in_specs=in_specs, out_specs=P(), check_vma=False),
+                   stage_params, xs, targets, head_params, embed_params)
+    return
   params0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), stage_params)
   x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), xs)
   t0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), targets)
@@ -155,14 +169,14 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   With `model.stage_aux` the stage function returns (x, aux) and a fifth result holds aux summed
   over micro-batches, leaves [stages, data shards, ...] (per layer after stages for a layered
   stage), not reduced over the data shards. `seq_axes` split axis 2 of xs and targets (the
-  sequence; context parallelism): every function then sees its slice of each sequence, and
-  `check_model` traces it unsplit outside the `shard_map`, so it must run either way.
+  sequence; context parallelism): every function then sees its slice of each sequence and may
+  run collectives over those axes.
   """
   seq_axes = tuple(seq_axes)
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
-  check_model(model, stage_params, xs, targets, head_params, embed_params)
+  check_model(model, stage_params, xs, targets, head_params, embed_params, mesh, seq_axes)
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
@@ -174,7 +188,8 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
 
 def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,
                    loss_fn: Callable, *, schedule: Schedule | str, mesh: Mesh,
-                   chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp"):
+                   chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp",
+                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None):
   """Pipelined `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))(stage_params)`.
 
   f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
@@ -187,6 +202,9 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   `loss_fn` should sum (not average) over its batch for the result to equal one device's.
   A stage made of layers is best given as `jaxpipe.pipeline.layered(layer_fn)` with leaves
   [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
+  `seq_axes` (mesh axes, then not data axes) split axis 2 of xs and targets instead, for
+  context-parallel stages that run their own collectives over them; `param_specs` splits
+  stage_params leaves over data axes (see `pipeline_value_and_grad`).
   Returns (loss summed over micro-batches, gradients shaped like stage_params).
   """
   if pp_axis not in mesh.axis_names:
@@ -196,5 +214,6 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   model = Model(stage_fn, _headless(loss_fn))
   loss, grads, _, _ = pipeline_value_and_grad(model, stage_params, xs, targets,
                                               schedule=schedule, mesh=mesh, recompute=recompute,
-                                              pp_axis=pp_axis)
+                                              pp_axis=pp_axis, seq_axes=seq_axes,
+                                              param_specs=param_specs)
   return loss, grads

@@ -56,21 +56,18 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
 
-  With `context_axis`, inside the executor's shard_map (where that axis is manual) each stage
-  holds a contiguous slice of every sequence and attention runs Ulysses over the axis; traced
-  outside it (the executor's shape check) the stage is the plain one-device model.
+  With `context_axis` (the executor's `seq_axes`) each stage holds a contiguous slice of every
+  sequence and attention runs Ulysses over that axis.
   """
 
   def layer_fn(unit, x_BxLxD):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    cp_axis = context_axis if context_axis in manual else None
-    with context_parallel(cp_axis):
-      if cp_axis is None:
+    with context_parallel(context_axis):
+      if context_axis is None:
         positions_L = jnp.arange(x_BxLxD.shape[1])
       else:
-        positions_L = positions_local(x_BxLxD.shape[1], cp_axis)
+        positions_L = positions_local(x_BxLxD.shape[1], context_axis)
       if cfg.moe is None:
         return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
       return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
