@@ -210,8 +210,9 @@ def test_sequence_split_over_seq_axes():
   cp = 2 beside dp = 2: the pipelined loss and gradients equal jax.grad of the unsplit model."""
   mesh = make_mesh((2, 2, 2), ("pp", "dp", "cp"))
   params, xs, ts = make_data(2, 4)
-  xs = jnp.concatenate([xs, xs[:, :, ::-1]], axis=2)  # sequence 6: 3 tokens per cp rank
-  ts = jnp.concatenate([ts, ts[:, :, ::-1]], axis=2)
+  _, xs2, ts2 = make_data(2, 4, seed=1)
+  xs = jnp.concatenate([xs, xs2], axis=2)  # sequence 6: 3 tokens per cp rank, unrelated halves
+  ts = jnp.concatenate([ts, ts2], axis=2)
 
   seen = set()
 
@@ -238,3 +239,39 @@ def test_sequence_split_over_seq_axes():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for k in params:
     np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
+
+
+def test_param_specs_split_leaves_the_stage_gathers():
+  """A weight split over dp that the stage all-gathers: the shape check and the executor both
+  hand the stage its slice; loss and gradients equal jax.grad of the unsplit model."""
+  from jax.sharding import PartitionSpec as P
+  mesh = make_mesh((2, 2), ("pp", "dp"))
+  params, xs, ts = make_data(2, 4)
+
+  def gathering_stage(params, x_BxLxD):
+    w_DxD = jax.lax.all_gather(params["w"], "dp", axis=1, tiled=True)
+    return stage_fn({"w": w_DxD, "b": params["b"]}, x_BxLxD)
+
+  loss, grads = jaxpipe.pipeline.value_and_grad(
+      gathering_stage, params, xs, ts, loss_fn, schedule="1f1b", mesh=mesh,
+      param_specs={"w": P(None, "dp"), "b": None})
+  want_loss, want_grads = jax.value_and_grad(sequential)(params, xs, ts)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for k in params:
+    np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
+
+
+def test_error_axes_named_twice_or_not_auto():
+  from jaxpipe.pipeline.executor import Model
+  params, xs, ts = make_data(2, 4)
+  model = Model(stage_fn, lambda h, y, t: loss_fn(y, t))
+  schedule = make_schedule("1f1b", pp=2, microbatches=4)
+  mesh = make_mesh((2, 2), ("pp", "dp"))
+  with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
+    with pytest.raises(ValueError, match="seq_axes entry 'dp' must be a mesh axis"):
+      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
+                                  data_axes=("dp",), seq_axes="dp")
+    explicit = jax.make_mesh((2, 2), ("pp", "dp"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match=r"mesh axes \['pp', 'dp'\] are not Auto"):
+      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=explicit)

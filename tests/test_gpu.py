@@ -55,13 +55,17 @@ def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiled_flash_attention_half_within_rounding(dtype, causal):
-  """Against float32 on the same rounded inputs: within one ulp of the largest entry."""
+  """Against float32 on the same rounded inputs: within one ulp of the largest entry, or (as
+  FlashAttention's tests hold it) within twice the error of XLA run in the same dtype."""
   q, k, v, do = _inputs(2, 512, 8, 2, 128, dtype, seed=1)
   got = _out_and_grads(functools.partial(_fa(), causal=causal, interpret=False), q, k, v, do)
   want = _xla_f32(causal, q, k, v, do)
-  for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+  xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
+  same_dtype = _out_and_grads(xla, q, k, v, do)
+  for label, g, w, h in zip(("out", "dq", "dk", "dv"), got, want, same_dtype):
     assert g.dtype == dtype, label
-    assert _rel(g, w) < float(jnp.finfo(dtype).eps), label
+    err = _rel(g, w)
+    assert err < max(float(jnp.finfo(dtype).eps), 2 * _rel(h, w)), (label, err, _rel(h, w))
 
 
 def test_compiled_flash_attention_segments():
@@ -98,7 +102,9 @@ def test_attention_backends_agree_on_gpu():
 
 
 def test_ragged_dispatch_equals_padded():
-  """Dropless MoE through jax.lax.ragged_all_to_all equals the padded all_to_all path."""
+  """Dropless MoE through jax.lax.ragged_all_to_all equals the padded all_to_all path and the
+  emulated ragged one (on one GPU the exchange is a local copy: offsets between devices need
+  several)."""
   from jaxpipe.models import moe
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -106,7 +112,7 @@ def test_ragged_dispatch_equals_padded():
   params = moe.init_moe_params(base, jax.random.key(0), 32)
   x = jax.random.normal(jax.random.key(1), (4 * n, 64, 32), jnp.float32)
   results = {}
-  for impl in ("ragged", "padded"):
+  for impl in ("ragged", "padded", "ragged_emulated"):
     cfg = dataclasses.replace(base, dropless_impl=impl)
 
     def loss(params, x, cfg=cfg):
@@ -116,18 +122,22 @@ def test_ragged_dispatch_equals_padded():
     (value, counts), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         params, x)
     results[impl] = (value, counts, grads)
-  (v_r, c_r, g_r), (v_p, c_p, g_p) = results["ragged"], results["padded"]
-  np.testing.assert_array_equal(c_r, c_p)
-  assert _rel(v_r, v_p) < 1e-5
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_r), jax.tree.leaves(g_p)):
-    assert _rel(a, b) < 1e-5, jax.tree_util.keystr(path)
+  v_r, c_r, g_r = results["ragged"]
+  for other in ("padded", "ragged_emulated"):
+    v_o, c_o, g_o = results[other]
+    np.testing.assert_array_equal(c_r, c_o, err_msg=other)
+    assert _rel(v_r, v_o) < 1e-5, other
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_r), jax.tree.leaves(g_o)):
+      assert _rel(a, b) < 1e-5, (other, jax.tree_util.keystr(path))
 
 
 def test_gemm_a2a_kernel_runs_on_all_gpus():
-  """The Mosaic GPU kernel compiles and equals heads_to_seq + projection on the GPUs present."""
+  """The Mosaic GPU kernel compiles and equals heads_to_seq + projection on the GPUs present
+  (on one GPU only its local GEMM path runs; the transfers need several)."""
   from jax.lax import all_to_all
+  from jaxpipe.models.attention import _gpu_major
   from kernels_pallas import gemm_a2a as ga
-  if jax.devices()[0].compute_capability.split(".")[0] != "9":
+  if _gpu_major() != 9:
     pytest.skip("the kernel uses Hopper wgmma")
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, is_contiguous, make_executor,
-                                       param_specs_key, to_local, with_aux)
+from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, from_local, io_spec,
+                                       is_contiguous, make_executor, param_specs_key, to_local,
+                                       with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -72,10 +73,17 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
                      f"{schedule.name!r} has {schedule.num_stages} model stages; stack one entry "
                      "per stage on axis 0")
   m = schedule.num_microbatches
-  for a in seq_axes:
-    if a not in mesh.axis_names or a == pp_axis or a in data_axes:
-      raise ValueError(f"seq_axes entry {a!r} must be a mesh axis {mesh.axis_names} other than "
-                       f"the pipeline axis {pp_axis!r} and the data axes {data_axes}")
+  for what, axes in (("data_axes", data_axes), ("seq_axes", seq_axes)):
+    for a in axes:
+      if a not in mesh.axis_names or a == pp_axis or (what == "seq_axes" and a in data_axes):
+        raise ValueError(f"{what} entry {a!r} must be a mesh axis {mesh.axis_names} other than "
+                         f"the pipeline axis {pp_axis!r}"
+                         + (f" and the data axes {data_axes}" if what == "seq_axes" else ""))
+  explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t != jax.sharding.AxisType.Auto]
+  if explicit:
+    raise ValueError(f"mesh axes {explicit} are not Auto; the executor places its inputs itself: "
+                     "build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * ndim")
   data = math.prod(mesh.shape[a] for a in data_axes)
   seq = math.prod(mesh.shape[a] for a in seq_axes)
   for what, tree in (("xs", xs), ("targets", targets)):
@@ -93,20 +101,26 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
 
 
 def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: PyTree,
-                embed_params: PyTree, mesh: Mesh | None = None,
-                seq_axes: tuple[str, ...] = ()) -> None:
+                embed_params: PyTree, mesh: Mesh | None = None, data_axes: tuple[str, ...] = (),
+                seq_axes: tuple[str, ...] = (), param_specs: tuple | None = None) -> None:
   """Traces (without compiling) one stage and the loss on one micro-batch to check shapes.
 
-  With `seq_axes` the functions are traced inside a `shard_map` over `mesh` on their sequence
-  slices, where they may name those axes in collectives, as the executor runs them.
+  Given a mesh, the functions are traced inside a `shard_map` over it on the slices the executor
+  gives them (batch over `data_axes`, sequence over `seq_axes`, parameter leaves split by
+  `param_specs`, a `param_specs_key`), so they may use collectives over those axes.
   """
-  if seq_axes:
-    seq_spec = P(None, None, seq_axes)
-    in_specs = (P(), jax.tree.map(lambda _: seq_spec, xs), jax.tree.map(lambda _: seq_spec, targets),
+  if mesh is not None:
+    if param_specs is None:
+      params_spec = P()
+    else:
+      treedef, leaf_specs = param_specs
+      params_spec = jax.tree.unflatten(treedef, [P(None, *ls) for ls in leaf_specs])
+    io = io_spec(tuple(data_axes), tuple(seq_axes))
+    in_specs = (params_spec, jax.tree.map(lambda _: io, xs), jax.tree.map(lambda _: io, targets),
                 P(), P())
-    check = functools.partial(check_model, model)
-    jax.eval_shape(jax.shard_map(lambda *a: check(*a) or jnp.zeros(()), mesh=mesh,
-                                 in_specs=in_specs, out_specs=P(), check_vma=False),
+    local = lambda *args: check_model(model, *args) or jnp.zeros(())
+    jax.eval_shape(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                                 check_vma=False),
                    stage_params, xs, targets, head_params, embed_params)
     return
   params0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), stage_params)
@@ -170,19 +184,23 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   over micro-batches, leaves [stages, data shards, ...] (per layer after stages for a layered
   stage), not reduced over the data shards. `seq_axes` split axis 2 of xs and targets (the
   sequence; context parallelism): every function then sees its slice of each sequence and may
-  run collectives over those axes.
+  run collectives over those axes, and the aux's data shards run over `data_axes` then
+  `seq_axes`. Parameters are whole on every sequence shard.
   """
-  seq_axes = tuple(seq_axes)
+  seq_axes = as_axes(seq_axes)
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
+  data_axes = as_axes(data_axes)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
-  check_model(model, stage_params, xs, targets, head_params, embed_params, mesh, seq_axes)
+  specs_key = param_specs_key(param_specs)
+  check_model(model, stage_params, xs, targets, head_params, embed_params, mesh, data_axes,
+              seq_axes, specs_key)
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
   program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
                      is_contiguous(layout) and layout.size == schedule.num_stages,
-                     param_specs_key(param_specs), seq_axes)
+                     specs_key, seq_axes)
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 

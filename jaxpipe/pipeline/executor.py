@@ -387,6 +387,18 @@ def param_specs_key(param_specs: PyTree | None) -> tuple | None:
   return treedef, tuple(P() if v is None else v for v in leaves)
 
 
+def io_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:
+  """Spec of xs/targets leaves [microbatches, batch, seq, ...]: batch and sequence split."""
+  return P(None, batch_axes or None, *((seq_axes,) if seq_axes else ()))
+
+
+def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
+  """A mesh axis name or a sequence of them -> a tuple of names."""
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def _leaf_axes(spec: P) -> tuple[str, ...]:
   names = []
   for entry in spec:
@@ -419,10 +431,14 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if mesh.shape[pp_axis] != spec.num_ranks:
     raise ValueError(f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
                      f"{mesh.shape[pp_axis]} devices; make them equal")
-  seq_axes = tuple(seq_axes)
+  seq_axes = as_axes(seq_axes)
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
-  batch_axes = tuple(data_axes)
+  batch_axes = as_axes(data_axes)
+  both = sorted(set(batch_axes) & set(seq_axes))
+  if both or pp_axis in batch_axes + seq_axes:
+    raise ValueError(f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
+                     f"out the pipeline axis {pp_axis!r}; drop {both or [pp_axis]} from one")
   # Sequence shards hold different tokens, exactly as data shards do: sums run over both.
   data_axes = batch_axes + seq_axes
   all_axes = (pp_axis,) + data_axes
@@ -430,13 +446,14 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if param_specs is not None:
     specs_treedef, leaf_specs = param_specs
     for leaf_spec in leaf_specs:
-      bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes]
+      bad = [a for a in _leaf_axes(leaf_spec) if a not in batch_axes]
       if bad:
         raise ValueError(f"param_specs entry {leaf_spec} shards over {bad}, which are not "
-                         f"data axes {tuple(data_axes)} of this executor; parameters split over "
-                         f"{pp_axis!r} go on the leading [ranks, chunks] axes instead")
+                         f"data axes {batch_axes} of this executor; parameters split over "
+                         f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
+                         f"sequence axes {seq_axes} hold whole parameters")
   p = spec.num_ranks
-  batch_spec = P(None, batch_axes or None, *((seq_axes,) if seq_axes else ()))
+  batch_spec = io_spec(batch_axes, seq_axes)
   codes = list(spec.branches)
   lut = np.zeros(len(BRANCHES), np.int32)
   for i, code in enumerate(codes):

@@ -116,6 +116,10 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
                      f"{stages * every}")
   m = schedule.num_microbatches
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
+  if seq_axes and cfg.cp_overlap:
+    raise ValueError("cp_overlap=True cannot run inside the pipeline: its ppermute ring would sit "
+                     "in the per-tick branch, where a ppermute waits for every device of the "
+                     "program; set cp_overlap=False (plain Ulysses all-to-alls) with pp > 1")
   model = lm_model(cfg, seq_axes[0] if seq_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
