@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, from_local, io_spec,
-                                       is_contiguous, make_executor, param_specs_key, to_local,
-                                       with_aux)
+from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs, from_local,
+                                       io_spec, is_contiguous, make_executor, param_specs_key,
+                                       to_local, with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -193,6 +193,8 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   data_axes = as_axes(data_axes)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
   specs_key = param_specs_key(param_specs)
+  if specs_key is not None:
+    check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params)
   check_model(model, stage_params, xs, targets, head_params, embed_params, mesh, data_axes,
               seq_axes, specs_key)
   lowered = lowered_for(schedule)

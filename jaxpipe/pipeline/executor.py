@@ -399,6 +399,23 @@ def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def check_param_specs(param_specs: tuple, data_axes: tuple[str, ...], seq_axes: tuple[str, ...],
+                      pp_axis: str, params: PyTree | None = None) -> None:
+  """Raises ValueError unless a `param_specs_key` splits leaves over data axes only (and, given
+  one stage's params, has their structure)."""
+  treedef, leaf_specs = param_specs
+  if params is not None and jax.tree.structure(params) != treedef:
+    raise ValueError(f"param_specs has structure {treedef} but the stage params have "
+                     f"{jax.tree.structure(params)}; give one spec per parameter leaf")
+  for leaf_spec in leaf_specs:
+    bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes]
+    if bad:
+      raise ValueError(f"param_specs entry {leaf_spec} shards over {bad}, which are not "
+                       f"data axes {data_axes} of this executor; parameters split over "
+                       f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
+                       f"sequence axes {seq_axes} hold whole parameters")
+
+
 def _leaf_axes(spec: P) -> tuple[str, ...]:
   names = []
   for entry in spec:
@@ -445,13 +462,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   leaf_specs = None
   if param_specs is not None:
     specs_treedef, leaf_specs = param_specs
-    for leaf_spec in leaf_specs:
-      bad = [a for a in _leaf_axes(leaf_spec) if a not in batch_axes]
-      if bad:
-        raise ValueError(f"param_specs entry {leaf_spec} shards over {bad}, which are not "
-                         f"data axes {batch_axes} of this executor; parameters split over "
-                         f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
-                         f"sequence axes {seq_axes} hold whole parameters")
+    check_param_specs(param_specs, batch_axes, seq_axes, pp_axis)
   p = spec.num_ranks
   batch_spec = io_spec(batch_axes, seq_axes)
   codes = list(spec.branches)
