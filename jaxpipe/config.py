@@ -198,12 +198,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
                         f"a cp that divides {m[name]}")
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
-  if m.cp_overlap and cp > 1 and shape["pp"] > 1:
-    # Inside the executor the stages run in a per-tick lax.switch; a ppermute there waits for
-    # every device of the program, and ranks on other branches never arrive.
-    raise ConfigError(f"model.cp_overlap=True cannot run with mesh.pp={shape['pp']}: its ppermute "
-                      "ring would sit inside the pipeline's per-tick branch; keep "
-                      "model.cp_overlap=False (plain Ulysses all-to-alls) with pp > 1")
   replicas = shape["dp"] * shape["ep"]
   if d.batch % (replicas * p.microbatches):
     raise ConfigError(

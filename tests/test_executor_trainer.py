@@ -1,6 +1,7 @@
 """The trainer with mesh.pp > 1: one step of the real LM equals the unpipelined gradient."""
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -131,12 +132,15 @@ def test_layers_must_split_into_the_schedule_stages():
     Trainer(tiny_config(2, "zb-v", n_layers=6))
 
 
-def test_pipeline_with_context_parallelism():
+@pytest.mark.parametrize("cp_overlap", [False, True])
+def test_pipeline_with_context_parallelism(cp_overlap):
   """pp = 2 x dp = 2 x cp = 2 with a split backward: each stage holds half of every sequence and
-  runs Ulysses all-to-alls over cp inside the ticks; loss and gradients are the unpipelined ones."""
+  runs Ulysses all-to-alls over cp inside the ticks (with cp_overlap, chunked ones fused with the
+  projections, and no ppermute but the pipeline's); loss and gradients are the unpipelined ones."""
   from test_moe_pipeline import _axis_groups, _groups
   c = tiny_config(2, "zb-h2")
   c.mesh.cp, c.mesh.dp = 2, 2
+  c.model.cp_overlap = cp_overlap
   trainer = Trainer(c)
   params = transformer.init_params(trainer.model_cfg, jax.random.key(0))
   batch = trainer.batch(0)
@@ -149,9 +153,14 @@ def test_pipeline_with_context_parallelism():
     w = np.asarray(want[path])
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)),
                                err_msg=jax.tree_util.keystr(path))
-  a2a = [l for l in compiled.as_text().splitlines() if " all-to-all(" in l]
-  # q, k, v in and o out in F; their transposes in I
-  assert len(a2a) >= 8
+  hlo = compiled.as_text().splitlines()
+  a2a = [l for l in hlo if " all-to-all(" in l]
+  # q, k, v in and o out in F; their transposes in I (twice as many in 2 chunks with cp_overlap)
+  assert len(a2a) >= (16 if cp_overlap else 8)
+  pp_groups = [set(g) for g in _axis_groups(trainer.mesh, "pp")]
+  for line in (l for l in hlo if " collective-permute(" in l):
+    pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+    assert pairs and all(any({int(a), int(b)} <= g for g in pp_groups) for a, b in pairs), line
   names = " ".join(l.split('op_name="')[1].split('"')[0] for l in a2a)
   assert "/tick/F/" in names and "/tick/I/" in names, names
   for line in a2a:

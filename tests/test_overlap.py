@@ -37,8 +37,14 @@ def _fused_unfused_dense(fused, unfused, dense, ct, *args):
   return jax.jit(run)(ct, *args)
 
 
+FUSED = {"ring": (overlap.proj_a2a_local, overlap.a2a_proj_local),
+         "chunked": (functools.partial(overlap.proj_a2a_chunked_local, chunks=2),
+                     functools.partial(overlap.a2a_proj_chunked_local, chunks=2))}
+
+
+@pytest.mark.parametrize("variant", list(FUSED))
 @pytest.mark.parametrize("cp", [2, 4])
-def test_input_side_equals_unfused_and_dense(cp):
+def test_input_side_equals_unfused_and_dense(cp, variant):
   mesh = _mesh(cp)
   kx, kw, kc = jax.random.split(jax.random.key(cp), 3)
   x = jax.random.normal(kx, (2, 4 * cp, 16))
@@ -47,15 +53,16 @@ def test_input_side_equals_unfused_and_dense(cp):
   wrap = lambda f: jax.shard_map(functools.partial(f, axis_name="cp"), mesh=mesh,
                                  in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"))
   fused, unfused, dense = _fused_unfused_dense(
-      wrap(overlap.proj_a2a_local), wrap(overlap.proj_then_a2a_local),
+      wrap(FUSED[variant][0]), wrap(overlap.proj_then_a2a_local),
       lambda x, w: jnp.einsum("bld,dnk->blnk", x, w), ct, x, w)
   for label, a, b, c in zip(("out", "dx", "dw"), fused, unfused, dense):
     assert _rel(a, b) < 1e-5, label
     assert _rel(a, c) < 1e-5, label
 
 
+@pytest.mark.parametrize("variant", list(FUSED))
 @pytest.mark.parametrize("cp", [2, 4])
-def test_output_side_equals_unfused_and_dense(cp):
+def test_output_side_equals_unfused_and_dense(cp, variant):
   mesh = _mesh(cp)
   ko, kw, kc = jax.random.split(jax.random.key(10 + cp), 3)
   o = jax.random.normal(ko, (2, 4 * cp, 2 * cp, 8))
@@ -64,7 +71,7 @@ def test_output_side_equals_unfused_and_dense(cp):
   wrap = lambda f: jax.shard_map(functools.partial(f, axis_name="cp"), mesh=mesh,
                                  in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"))
   fused, unfused, dense = _fused_unfused_dense(
-      wrap(overlap.a2a_proj_local), wrap(overlap.a2a_then_proj_local),
+      wrap(FUSED[variant][1]), wrap(overlap.a2a_then_proj_local),
       lambda o, w: jnp.einsum("blnk,nkd->bld", o, w), ct, o, w)
   for label, a, b, c in zip(("out", "do", "dw"), fused, unfused, dense):
     assert _rel(a, b) < 1e-5, label
@@ -177,13 +184,18 @@ def test_cp_overlap_must_be_a_bool():
     config_lib.validate(c, 8)
 
 
-def test_cp_overlap_with_a_pipeline_is_refused_at_config_time():
-  from jaxpipe import config as config_lib
-  c = config_lib.default_config()
-  c.model.cp_overlap = True
-  c.mesh.pp, c.mesh.cp = 2, 2
-  c.pipeline.microbatches = 2
-  with pytest.raises(config_lib.ConfigError, match=r"cp_overlap=True cannot run with mesh.pp=2"):
-    config_lib.validate(c, 8)
-  c.mesh.pp = 1
-  assert config_lib.validate(c, 8)["cp"] == 2
+def test_chunked_variant_uses_all_to_alls_only():
+  """The chunked form runs `chunks` all-to-alls per side and no ppermute (so it can sit inside
+  a branch that other devices do not take); chunks must divide the rank's tokens."""
+  mesh = _mesh(2)
+  fn = lambda x, w, wo: overlap.a2a_proj_chunked_local(
+      overlap.proj_a2a_chunked_local(x, w, chunks=4), wo, chunks=4)
+  sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "cp"), P(), P()),
+                                  out_specs=P(None, "cp")))
+  hlo = sharded.lower(jnp.zeros((1, 16, 8)), jnp.zeros((8, 4, 2)), jnp.zeros((4, 2, 8))).as_text()
+  assert hlo.count("all_to_all") + hlo.count("all-to-all") >= 8
+  assert "collective_permute" not in hlo and "collective-permute" not in hlo
+  with pytest.raises(ValueError, match="chunks=3 must be >= 1 and divide this rank's 8 tokens"):
+    jax.shard_map(functools.partial(overlap.proj_a2a_chunked_local, chunks=3), mesh=mesh,
+                  in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"))(
+                      jnp.zeros((1, 16, 8)), jnp.zeros((8, 4, 2)))

@@ -25,21 +25,36 @@ BACKENDS = ("xla", "cudnn", "pallas", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
 _CONTEXT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_axis",
                                                                            default=None)
+_POINT_TO_POINT: contextvars.ContextVar[bool] = contextvars.ContextVar("point_to_point",
+                                                                       default=True)
 
 
 @contextlib.contextmanager
-def context_parallel(axis_name: str | None = "cp"):
-  """While tracing inside, `attention` takes sequence shards over `axis_name` (Ulysses)."""
-  token = _CONTEXT_AXIS.set(axis_name)
+def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None = None):
+  """While tracing inside, `attention` takes sequence shards over `axis_name` (Ulysses).
+
+  point_to_point=False: the code runs where a `ppermute` cannot (a branch that other devices
+  of the program do not take), so layers move data with all_to_alls only; None keeps the
+  enclosing setting (True at the top).
+  """
+  if point_to_point is None:
+    point_to_point = _POINT_TO_POINT.get()
+  tokens = _CONTEXT_AXIS.set(axis_name), _POINT_TO_POINT.set(point_to_point)
   try:
     yield
   finally:
-    _CONTEXT_AXIS.reset(token)
+    _CONTEXT_AXIS.reset(tokens[0])
+    _POINT_TO_POINT.reset(tokens[1])
 
 
 def context_axis() -> str | None:
   """The axis the sequence is split over while tracing inside `context_parallel`, else None."""
   return _CONTEXT_AXIS.get()
+
+
+def point_to_point() -> bool:
+  """Whether `ppermute` may run here (see `context_parallel`)."""
+  return _POINT_TO_POINT.get()
 
 
 @functools.cache

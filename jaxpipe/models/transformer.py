@@ -20,6 +20,7 @@ k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and rou
 """
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe.models import moe as moe_lib
-from jaxpipe.models.attention import attention, context_axis, context_parallel
+from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel.ulysses import check_divisible
 
@@ -146,13 +147,19 @@ class Attention(nn.Module):
     # Rotary angles are per token, so they commute with the all-to-all: rotate after it, at the
     # positions of the whole (gathered) sequence.
     positions_L = jax.lax.all_gather(positions_S, axis_name, tiled=True)
+    if point_to_point():  # a ppermute ring
+      proj_a2a, a2a_proj = overlap.proj_a2a_local, overlap.a2a_proj_local
+    else:  # chunks of tokens, each its own all_to_all
+      chunks = math.gcd(x_BxSxD.shape[1], cp)
+      proj_a2a = functools.partial(overlap.proj_a2a_chunked_local, chunks=chunks)
+      a2a_proj = functools.partial(overlap.a2a_proj_chunked_local, chunks=chunks)
     q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK = (
-        overlap.proj_a2a_local(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv")
+        proj_a2a(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv")
     q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
     k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
     with context_parallel(None):  # head shards of the full sequence: a plain attention core
       o_BxLxHpxK = attention(q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK, causal=True, backend=c.attention)
-    return overlap.a2a_proj_local(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name)
+    return a2a_proj(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name)
 
 
 class Mlp(nn.Module):

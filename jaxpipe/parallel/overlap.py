@@ -14,6 +14,11 @@ Everything here runs inside `shard_map` over the context axis and is plain JAX (
 `dot_general`), so it differentiates and runs on any backend; XLA's scheduler turns the
 independent collective-permutes into async start/done pairs around the GEMMs on GPU.
 `kernels_pallas/gemm_a2a.py` is the same decomposition as one persistent GPU kernel.
+
+Where a `ppermute` cannot run (inside the pipeline executor's per-tick branch, where it would
+wait for every device of the program), the `*_chunked_local` variants split the work along this
+rank's tokens instead: chunk j's GEMM and its own (smaller) all_to_all, so chunk j+1's GEMM
+can run while chunk j's all_to_all is in flight.
 """
 from __future__ import annotations
 
@@ -84,6 +89,47 @@ def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
     part = jnp.einsum("bsnk,nkd->bsd", chunk_BxSxNpxK, _heads_of(w_NxKxD, src, heads_per, 0))
     out_BxSxD = part if out_BxSxD is None else out_BxSxD + part
   return out_BxSxD
+
+
+def _check_chunks(seq: int, chunks: int, what: str) -> int:
+  if chunks < 1 or seq % chunks:
+    raise ValueError(f"{what}: chunks={chunks} must be >= 1 and divide this rank's {seq} tokens; "
+                     f"use a divisor of {seq}")
+  return seq // chunks
+
+
+def proj_a2a_chunked_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
+                           chunks: int = 2) -> jax.Array:
+  """seq_to_heads(x @ w) as `chunks` GEMM + all_to_all pairs over slices of this rank's tokens."""
+  cp = lax.axis_size(axis_name)
+  heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_chunked_local")
+  batch, seq, _ = x_BxSxD.shape
+  c = _check_chunks(seq, chunks, "proj_a2a_chunked_local")
+  parts = []
+  for j in range(chunks):
+    y_BxCxNxK = jnp.einsum("bsd,dnk->bsnk", x_BxSxD[:, j * c:(j + 1) * c], w_DxNxK)
+    parts.append(seq_to_heads(y_BxCxNxK, axis_name))  # [B, P·c, N/P, K], source rank major
+  # token (source r, chunk j, t) sits at r·S + j·c + t of the whole sequence
+  out = jnp.stack(parts, axis=1).reshape(batch, chunks, cp, c, heads_per, -1)
+  return out.transpose(0, 2, 1, 3, 4, 5).reshape(batch, cp * seq, heads_per, -1)
+
+
+def a2a_proj_chunked_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
+                           axis_name: str = "cp", chunks: int = 2) -> jax.Array:
+  """heads_to_seq(o) @ w as `chunks` all_to_all + GEMM pairs over slices of each rank's tokens."""
+  cp = lax.axis_size(axis_name)
+  heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_chunked_local")
+  batch, length, _, head_dim = o_BxLxNpxK.shape
+  if length % cp:
+    raise ValueError(f"a2a_proj_chunked_local: sequence {length} is not divisible by {cp}")
+  c = _check_chunks(length // cp, chunks, "a2a_proj_chunked_local")
+  o = o_BxLxNpxK.reshape(batch, cp, chunks, c, heads_per, head_dim)
+  parts = []
+  for j in range(chunks):
+    o_BxPCxNpxK = o[:, :, j].reshape(batch, cp * c, heads_per, head_dim)
+    mine_BxCxNxK = heads_to_seq(o_BxPCxNpxK, axis_name)  # chunk j of my tokens, every head
+    parts.append(jnp.einsum("bsnk,nkd->bsd", mine_BxCxNxK, w_NxKxD))
+  return jnp.concatenate(parts, axis=1)
 
 
 def proj_then_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *,

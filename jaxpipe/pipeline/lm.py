@@ -22,7 +22,8 @@ devices of one ep group share their pp rank, hence their table row, branch and t
 Context parallelism runs the same way: with mesh.cp > 1 the executor splits every
 micro-batch's sequence over `cp` (its `seq_axes`), each stage runs norms and MLPs on its
 L/cp tokens with rotary positions offset to its slice, and attention's Ulysses all-to-alls
-over `cp` sit inside the branch beside the MoE ones, for the same reason.
+over `cp` sit inside the branch beside the MoE ones, for the same reason. A ppermute there would
+wait for every device of the program, so `cp_overlap` runs its chunked all-to-all form.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
   def layer_fn(unit, x_BxLxD):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
-    with context_parallel(context_axis):
+    # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
+    with context_parallel(context_axis, point_to_point=False):
       if context_axis is None:
         positions_L = jnp.arange(x_BxLxD.shape[1])
       else:
@@ -116,10 +118,6 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
                      f"{stages * every}")
   m = schedule.num_microbatches
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
-  if seq_axes and cfg.cp_overlap:
-    raise ValueError("cp_overlap=True cannot run inside the pipeline: its ppermute ring would sit "
-                     "in the per-tick branch, where a ppermute waits for every device of the "
-                     "program; set cp_overlap=False (plain Ulysses all-to-alls) with pp > 1")
   model = lm_model(cfg, seq_axes[0] if seq_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
