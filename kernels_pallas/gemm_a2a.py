@@ -48,6 +48,44 @@ def _rem(a, b):
   return a % b if isinstance(a, int) else lax.rem(a, b)
 
 
+def ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def row_major(flat, n_tiles: int):
+  """Flat output-tile index -> (row tile, column tile); row-major so early rows finish first."""
+  return _div(flat, n_tiles), _rem(flat, n_tiles)
+
+
+def tile_matmul(acc_ref, a_gmem, b_gmem, t, n, *, tile_m: int, tile_n: int, tile_k: int,
+                max_concurrent_steps: int) -> None:
+  """acc_ref += a_gmem[row tile t] @ b_gmem[:, column tile n], as a pipelined wgmma loop."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  plgpu.emit_pipeline(
+      lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem),
+      grid=(a_gmem.shape[1] // tile_k,),
+      in_specs=[
+          plgpu.BlockSpec((tile_m, tile_k), lambda k: (t, k), delay_release=1),
+          plgpu.BlockSpec((tile_k, tile_n), lambda k: (k, n), delay_release=1),
+      ],
+      max_concurrent_steps=max_concurrent_steps,
+  )(a_gmem, b_gmem)
+
+
+def store_tile(acc, dst_gmem, *, wait_read_only: bool) -> None:
+  """Writes the accumulator tile `acc` to `dst_gmem` (a tile-shaped GMEM view) through SMEM."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def scope(out_smem):
+    out_smem[...] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst_gmem)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=wait_read_only)
+
+  pl.run_scoped(scope, plgpu.SMEM(acc.shape, dst_gmem.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
   """Every index decision of the tile protocol; works on Python ints and on traced int32."""
@@ -70,7 +108,7 @@ class TilePlan:
 
   @property
   def sends_per_worker(self) -> int:
-    return -(-self.num_sends // self.comm_workers)
+    return ceil_div(self.num_sends, self.comm_workers)
 
   def send_item(self, flat):
     """Flat send index -> (step, row tile); step-major so step 1 lands first.
@@ -110,11 +148,10 @@ class TilePlan:
 
   @property
   def items_per_worker(self) -> int:
-    return -(-self.num_gemm_items // self.gemm_workers)
+    return ceil_div(self.num_gemm_items, self.gemm_workers)
 
   def gemm_item(self, flat):
-    """Flat output-tile index -> (row tile, column tile); row-major so early rows finish first."""
-    return _div(flat, self.n_tiles), _rem(flat, self.n_tiles)
+    return row_major(flat, self.n_tiles)
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -177,6 +214,17 @@ def simulate(o_PxPxMxC: np.ndarray, w_PxCxD: np.ndarray, plan: TilePlan, *, tile
 
   workers = [comm(r, w) for r in range(p) for w in range(plan.comm_workers)]
   workers += [gemm(r, w) for r in range(p) for w in range(plan.gemm_workers)]
+  interleave(workers, seed)
+  if sems.any():
+    raise ProtocolError(f"semaphores not back to 0 at exit: {sems}")
+  if np.isnan(y).any():
+    raise ProtocolError("some output tile was never written")
+  return y
+
+
+def interleave(workers: list, seed: int) -> None:
+  """Steps generator `workers` in a random order until all finish; a worker yields "blocked"
+  while it waits. Raises ProtocolError when every live worker stays blocked (a deadlock)."""
   rng = random.Random(seed)
   live = list(workers)
   blocked_rounds = 0
@@ -192,11 +240,6 @@ def simulate(o_PxPxMxC: np.ndarray, w_PxCxD: np.ndarray, plan: TilePlan, *, tile
     blocked_rounds = blocked_rounds + 1 if state == "blocked" else 0
     if blocked_rounds > 100 * len(live) + 1000:
       raise ProtocolError(f"deadlock with {len(live)} workers blocked")
-  if sems.any():
-    raise ProtocolError(f"semaphores not back to 0 at exit: {sems}")
-  if np.isnan(y).any():
-    raise ProtocolError("some output tile was never written")
-  return y
 
 
 # ----------------------------------------------------------------------------- GPU kernel
@@ -233,7 +276,6 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
 
   rank = lax.axis_index(axis_name)
   sm = lax.axis_index("sm")
-  contraction = w_gmem.shape[1]
 
   @pl.when(sm < plan.comm_workers)
   def _comm():
@@ -272,16 +314,9 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
         t, n = plan.gemm_item(flat)
 
         def acc_scope(acc_ref):
-          def accumulate(a_gmem, b_gmem):
-            plgpu.emit_pipeline(
-                lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem),
-                grid=(contraction // cfg.tile_k,),
-                in_specs=[
-                    plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), lambda k: (t, k), delay_release=1),
-                    plgpu.BlockSpec((cfg.tile_k, cfg.tile_n), lambda k: (k, n), delay_release=1),
-                ],
-                max_concurrent_steps=cfg.max_concurrent_steps,
-            )(a_gmem, b_gmem)
+          accumulate = functools.partial(
+              tile_matmul, acc_ref, t=t, n=n, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
+              tile_k=cfg.tile_k, max_concurrent_steps=cfg.max_concurrent_steps)
 
           accumulate(o_gmem.at[rank], w_gmem.at[rank])  # own heads: nothing to wait for
 
@@ -294,15 +329,8 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
           return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, cfg.tile_n)))
-
-        def store_scope(out_smem):
-          out_smem[...] = acc.astype(out_smem.dtype)
-          plgpu.commit_smem()
-          rows, cols = pl.ds(t * cfg.tile_m, cfg.tile_m), pl.ds(n * cfg.tile_n, cfg.tile_n)
-          plgpu.copy_smem_to_gmem(out_smem, y_gmem.at[rows, cols])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        pl.run_scoped(store_scope, plgpu.SMEM((cfg.tile_m, cfg.tile_n), y_gmem.dtype))
+        rows, cols = pl.ds(t * cfg.tile_m, cfg.tile_m), pl.ds(n * cfg.tile_n, cfg.tile_n)
+        store_tile(acc, y_gmem.at[rows, cols], wait_read_only=True)
 
 
 def to_kernel_layout(o_BxLxNpxK, w_NxKxD, p: int):

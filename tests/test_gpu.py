@@ -158,3 +158,26 @@ def test_gemm_a2a_kernel_runs_on_all_gpus():
   assert got.shape == want.shape
   # bf16 output of a float32 accumulation: one bf16 rounding of the largest entry
   assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
+
+
+def test_proj_a2a_kernel_runs_on_all_gpus():
+  """The input-side Mosaic GPU kernel compiles and equals projection + seq_to_heads on the GPUs
+  present (on one GPU its stores all go to the device itself)."""
+  from jaxpipe.models.attention import _gpu_major
+  from jaxpipe.parallel.overlap import proj_then_a2a_local
+  from kernels_pallas import proj_a2a as pa
+  if _gpu_major() != 9:
+    pytest.skip("the kernel uses Hopper wgmma")
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+  keys = jax.random.split(jax.random.key(1), 2)
+  x = jax.random.normal(keys[0], (2, 128 * n, 256), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (256, 2 * n, 64), jnp.float32) / 16).astype(jnp.bfloat16)
+  reference = lambda x, w: proj_then_a2a_local(x.astype(jnp.float32), w.astype(jnp.float32))
+  specs = dict(mesh=mesh, in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"),
+               check_vma=False)
+  got = jax.jit(jax.shard_map(functools.partial(pa.proj_a2a, axis_name="cp"), **specs))(x, w)
+  with jax.default_matmul_precision("highest"):
+    want = jax.jit(jax.shard_map(reference, **specs))(x, w)
+  assert got.shape == want.shape
+  assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)

@@ -13,7 +13,8 @@ around attention factor along the same split:
 Everything here runs inside `shard_map` over the context axis and is plain JAX (`ppermute`,
 `dot_general`), so it differentiates and runs on any backend; XLA's scheduler turns the
 independent collective-permutes into async start/done pairs around the GEMMs on GPU.
-`kernels_pallas/gemm_a2a.py` is the same decomposition as one persistent GPU kernel.
+`kernels_pallas/proj_a2a.py` and `kernels_pallas/gemm_a2a.py` are the two sides as persistent
+GPU kernels.
 
 Where a `ppermute` cannot run (inside the pipeline executor's per-tick branch, where it would
 wait for every device of the program), the `*_chunked_local` variants split the work along this
