@@ -103,21 +103,27 @@ class TilePlan:
 
   # --- communication side
   @property
-  def num_sends(self) -> int:
-    return (self.num_devices - 1) * self.m_tiles
+  def steps(self) -> range:
+    """Destinations as offsets from the rank, in order (step 1 lands first)."""
+    return range(1, self.num_devices)
+
+  @property
+  def sends_per_step(self) -> int:
+    return self.m_tiles
 
   @property
   def sends_per_worker(self) -> int:
-    return ceil_div(self.num_sends, self.comm_workers)
+    """Sends one communication worker makes per step."""
+    return ceil_div(self.sends_per_step, self.comm_workers)
 
-  def send_item(self, flat):
-    """Flat send index -> (step, row tile); step-major so step 1 lands first.
+  def send_tile(self, flat):
+    """Send index within a step -> the row tile it moves.
 
     A send moves all c_chunks column chunks of the row tile before it signals: a count of
     chunks cannot tell one consumer's chunks from another's (the simulator found a plan that
     signalled per chunk letting a consumer pass after the first chunk).
     """
-    return 1 + _div(flat, self.m_tiles), _rem(flat, self.m_tiles)
+    return flat
 
   def dest(self, rank, step):
     return _rem(rank + step, self.num_devices)
@@ -176,11 +182,11 @@ def simulate(o_PxPxMxC: np.ndarray, w_PxCxD: np.ndarray, plan: TilePlan, *, tile
   y = np.full((p, m, d), np.nan)
 
   def comm(rank, worker):
-    for i in range(plan.sends_per_worker):
+    for step, i in ((s, i) for s in plan.steps for i in range(plan.sends_per_worker)):
       flat = worker + i * plan.comm_workers
-      if flat >= plan.num_sends:
+      if flat >= plan.sends_per_step:
         continue
-      step, t = plan.send_item(flat)
+      t = plan.send_tile(flat)
       dest = plan.dest(rank, step)
       rows = slice(t * tile_m, (t + 1) * tile_m)
       for ch in range(plan.c_chunks):
@@ -280,24 +286,28 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
   @pl.when(sm < plan.comm_workers)
   def _comm():
     def scope(buf_smem, copied):
-      @pl.loop(0, plan.sends_per_worker)
-      def _send(i):
-        flat = sm + i * plan.comm_workers
+      # Steps are unrolled: a strided remote store is a TMA copy whose descriptor is built on
+      # the host, so its peer may depend on the device id but not on the SM or a loop.
+      for step in plan.steps:
+        dest = plan.dest(rank, step)
+        peer_recv = plgpu.remote_ref(recv_gmem, {axis_name: dest})
 
-        @pl.when(flat < plan.num_sends)
-        def _():
-          step, t = plan.send_item(flat)
-          dest = plan.dest(rank, step)
-          rows = pl.ds(t * cfg.tile_m, cfg.tile_m)
-          peer_recv = plgpu.remote_ref(recv_gmem, {axis_name: dest})
-          for ch in range(plan.c_chunks):
-            cols = pl.ds(ch * cfg.tile_c, cfg.tile_c)
-            plgpu.copy_gmem_to_smem(o_gmem.at[dest, rows, cols], buf_smem, copied)
-            plgpu.barrier_wait(copied)
-            plgpu.copy_smem_to_gmem(buf_smem, peer_recv.at[rank, rows, cols])
-            plgpu.wait_smem_to_gmem(0)  # buf_smem is reused; the rows land before the signal
-          pl.semaphore_signal(ready_sem.at[plan.sem_index(rank, t)], plan.signals_per_send,
-                              device_id={axis_name: dest})
+        @pl.loop(0, plan.sends_per_worker)
+        def _send(i, dest=dest, peer_recv=peer_recv):
+          flat = sm + i * plan.comm_workers
+
+          @pl.when(flat < plan.sends_per_step)
+          def _():
+            t = plan.send_tile(flat)
+            rows = pl.ds(t * cfg.tile_m, cfg.tile_m)
+            for ch in range(plan.c_chunks):
+              cols = pl.ds(ch * cfg.tile_c, cfg.tile_c)
+              plgpu.copy_gmem_to_smem(o_gmem.at[dest, rows, cols], buf_smem, copied)
+              plgpu.barrier_wait(copied)
+              plgpu.copy_smem_to_gmem(buf_smem, peer_recv.at[rank, rows, cols])
+              plgpu.wait_smem_to_gmem(0)  # buf_smem is reused; the rows land before the signal
+            pl.semaphore_signal(ready_sem.at[plan.sem_index(rank, t)], plan.signals_per_send,
+                                device_id={axis_name: dest})
 
     pl.run_scoped(scope, plgpu.SMEM((cfg.tile_m, cfg.tile_c), o_gmem.dtype), plgpu.Barrier())
 

@@ -56,11 +56,11 @@ class _SharedSemaphore(ga.TilePlan):
 class _SignalPerChunk(ga.TilePlan):
   """Signals after the first column chunk only: consumers may read rows still in flight."""
   @property
-  def num_sends(self):
-    return (self.num_devices - 1) * self.m_tiles * self.c_chunks
+  def sends_per_step(self):
+    return self.m_tiles * self.c_chunks
 
-  def send_item(self, flat):
-    return 1 + flat // (self.m_tiles * self.c_chunks), (flat // self.c_chunks) % self.m_tiles
+  def send_tile(self, flat):
+    return flat // self.c_chunks
 
 
 @pytest.mark.parametrize("plan_cls,match", [
@@ -73,15 +73,17 @@ def test_simulator_catches_broken_protocols(plan_cls, match):
                      plan_cls=plan_cls)
 
 
-def test_kernel_lowers_to_mosaic_gpu_on_cpu():
-  """Traces the kernel and runs Pallas' Mosaic GPU lowering (shapes, layouts, wgmma operands)."""
+@pytest.mark.parametrize("heads", [4, 8])  # a transfer chunk spans the rank's heads, or half
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(heads):
+  """Traces the kernel and runs Pallas' Mosaic GPU lowering (shapes, layouts, wgmma operands,
+  remote copies whose peers the host must be able to compute)."""
   mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])
   cfg = ga.GemmA2AConfig(num_sms=8, comm_sms=2)
   fn = jax.shard_map(functools.partial(ga.gemm_a2a, axis_name="cp", config=cfg), mesh=mesh,
                      in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"), check_vma=False)
-  o = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((4, 64, 256), jnp.bfloat16)
+  o = jax.ShapeDtypeStruct((2, 128, heads, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((heads, 64, 256), jnp.bfloat16)
   lowered = jax.jit(fn).trace(o, w).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 

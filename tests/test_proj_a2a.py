@@ -75,15 +75,17 @@ def _sharded(config, p=2):
                        check_vma=False)
 
 
-def test_kernel_lowers_to_mosaic_gpu_on_cpu():
-  """Traces the kernel and runs Pallas' Mosaic GPU lowering (shapes, layouts, wgmma operands)."""
+@pytest.mark.parametrize("heads", [4, 8])  # an output tile spans the rank's heads, or half
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(heads):
+  """Traces the kernel and runs Pallas' Mosaic GPU lowering (shapes, layouts, wgmma operands,
+  remote stores whose peers the host must be able to compute)."""
   x = jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((256, 4, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, heads, 64), jnp.bfloat16)
   fn = _sharded(pa.ProjA2AConfig(num_sms=8))
   lowered = jax.jit(fn).trace(x, w).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
   out = jax.eval_shape(fn, x, w)
-  assert out.shape == (2, 128, 4, 64) and out.dtype == jnp.bfloat16
+  assert out.shape == (2, 128, heads, 64) and out.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("x_shape,w_shape,dtype,match", [
