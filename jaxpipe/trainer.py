@@ -164,8 +164,13 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
 
 def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfig,
-                        mesh_shape: dict[str, int]) -> LossAndGrads:
-  """The gradient computation the config asks for."""
+                        mesh_shape: dict[str, int],
+                        layers_in_placement_order: bool = False) -> LossAndGrads:
+  """The gradient computation the config asks for.
+
+  layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
+  `layer_order` (the Trainer's storage), not the model's order.
+  """
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
@@ -173,12 +178,39 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.pipeline.lm import pipeline_loss_and_grads
-    return pipeline_loss_and_grads(cfg, config.pipeline, make_mesh(config.mesh))
+    return pipeline_loss_and_grads(cfg, config.pipeline, make_mesh(config.mesh),
+                                   layers_in_placement_order)
   if mesh_shape["cp"] > 1:
     # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
     from jaxpipe.parallel.ulysses import context_parallel_loss_and_grads
     return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
+
+
+def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
+                mesh_shape: dict[str, int]) -> np.ndarray | None:
+  """The order in which the Trainer stacks params['layers'] (None: the model's own order).
+
+  Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
+  contiguous block of the model's layers; stacking them rank by rank instead means the pp split
+  of the stack gives each rank exactly its stages, and no parameter moves inside a step.
+  """
+  if mesh_shape["pp"] == 1:
+    return None
+  from jaxpipe.pipeline.lm import lm_schedule, placement_order
+  units = cfg.n_layers // (cfg.moe.every if cfg.moe is not None else 1)
+  return placement_order(lm_schedule(config.pipeline, mesh_shape["pp"]), units)
+
+
+def reorder_layers(tree: Any, order: np.ndarray) -> Any:
+  """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
+  `leaf[order]`; everything else unchanged."""
+  def reorder(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    if "layers" in keys and getattr(x, "ndim", 0) and x.shape[0] == len(order):
+      return x[order]
+    return x
+  return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
 def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep") -> Any:
@@ -189,12 +221,11 @@ def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "
   its optimizer moments; MoE expert weights are split over `ep_axis` on their expert axis;
   everything else is replicated.
 
-  The layer axis stays in canonical order (rank r holds layers [r·L/pp, (r+1)·L/pp)), so a
-  checkpoint is the same arrays whatever the schedule and restores onto any mesh. Under a
-  contiguous placement (GPipe, 1F1B, ZB-H1/H2: stage r on rank r) that block is exactly what
-  rank r runs; under interleaved, V-shaped and bidirectional placements the stages a rank runs
-  are not its stored block, and XLA moves the parameters to their ranks inside each step (and the
-  gradients back), at the cost of that communication.
+  Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
+  that this block is what rank r runs (`layer_order`): the model's order under contiguous
+  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones.
+  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks; their parameters
+  stay in model order and XLA moves the copies to their ranks inside each step.
   """
   pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
   has_ep = ep_axis in mesh.axis_names
@@ -224,13 +255,20 @@ class Trainer:
 
   `trainer.loss_and_grads` may be replaced before the first step. Steps donate the previous
   state's buffers: keep `trainer.state`, not an older reference.
+
+  Under interleaved and V-shaped schedules `trainer.state` stacks params['layers'] (and their
+  moments) in `trainer.layer_order`, rank by rank, so that no parameter moves inside a step;
+  `trainer.loss_and_grads` takes them that way, `trainer.model_params()` gives the model's
+  order, and checkpoints hold the model's order (any schedule restores them).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
     self.config = config
     self.mesh_shape = config_lib.validate(config, jax.device_count())
     self.model_cfg = config_lib.model_config(config)
-    self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape)
+    self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
+    self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape,
+                                              self.layer_order is not None)
     self.mesh = make_mesh(config.mesh)
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
     self.optimizer = make_optimizer(config.optimizer, config.train.steps)
@@ -250,7 +288,29 @@ class Trainer:
 
   def _fresh_state(self, rng: jax.Array) -> TrainState:
     params = transformer.init_params(self.model_cfg, rng)
+    if self.layer_order is not None:
+      params = reorder_layers(params, self.layer_order)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+  def _reordered(self, tree: Any, to_model: bool) -> Any:
+    """`tree` (state or params, on the mesh) between the stored and the model's layer order."""
+    order = self.layer_order if not to_model else np.argsort(self.layer_order)
+    return reorder_layers(tree, order)
+
+  def model_params(self, params: dict | None = None) -> dict:
+    """`params` (default the state's) with the layers in the model's order."""
+    params = self.state.params if params is None else params
+    if self.layer_order is None:
+      return params
+    return jax.jit(functools.partial(self._reordered, to_model=True),
+                   out_shardings=self.state_sharding.params)(params)
+
+  def _checkpoint_state(self) -> TrainState:
+    """The state as checkpoints hold it: layers in the model's order."""
+    if self.layer_order is None:
+      return self.state
+    return jax.jit(functools.partial(self._reordered, to_model=True),
+                   out_shardings=self.state_sharding)(self.state)
 
   @functools.cached_property
   def state_shapes(self) -> TrainState:
@@ -273,6 +333,9 @@ class Trainer:
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
+      if self.layer_order is not None:  # checkpoints hold the model's order
+        self.state = jax.jit(functools.partial(self._reordered, to_model=False),
+                             out_shardings=self.state_sharding, donate_argnums=0)(self.state)
     else:
       init = jax.jit(self._fresh_state, out_shardings=self.state_sharding)
       self.state = init(jax.random.key(self.config.train.seed))
@@ -435,7 +498,7 @@ class Trainer:
             writer.write(done, {"eval_loss": summary["eval_loss"]})
             writer.flush()
         if save_now:
-          self.checkpointer.save(done, self.state, force=stopping)
+          self.checkpointer.save(done, self._checkpoint_state(), force=stopping)
         summary["step"] = done
         if stopping:
           summary["preempted"] = True

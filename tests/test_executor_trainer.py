@@ -165,3 +165,48 @@ def test_pipeline_with_context_parallelism(cp_overlap):
   assert "/tick/F/" in names and "/tick/I/" in names, names
   for line in a2a:
     assert _groups(line) == _axis_groups(trainer.mesh, "cp"), line.strip()[:200]
+
+
+def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_path):
+  """ZB-V on pp = 2: rank r stores exactly the stages it runs (r and 3 - r), the step moves no
+  parameter between pipeline ranks, the first step is the unpipelined one, and the checkpoint
+  holds the model's layer order, restored as such by a 1F1B trainer."""
+  from jaxpipe.pipeline.lm import lm_schedule
+  trainer = Trainer(tiny_config(2, "zb-v", n_layers=4), workdir=str(tmp_path))
+  assert trainer.layer_order.tolist() == [0, 3, 1, 2]
+  state = trainer.init()
+  model = transformer.init_params(trainer.model_cfg, jax.random.key(trainer.config.train.seed))
+  placement = lm_schedule(trainer.config.pipeline, 2).placement
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params["layers"])[0]:
+    want = np.asarray(dict(jax.tree_util.tree_flatten_with_path(model["layers"])[0])[path])
+    for shard in leaf.addressable_shards:
+      r = int(np.argwhere(trainer.mesh.devices == shard.device)[0][0])  # pp is the first axis
+      stages = [placement.stage_model[s] for s in placement.rank_stages(r)]
+      # (init compiled in another program: equal up to float32 rounding)
+      np.testing.assert_allclose(shard.data, want[stages], rtol=0, atol=1e-6,
+                                 err_msg=jax.tree_util.keystr(path))
+  for a, b in zip(jax.tree.leaves(trainer.model_params()), jax.tree.leaves(model)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+  batch = trainer.batch(0)
+  step = trainer._build_train_step().lower(state, batch).compile().as_text()
+  # Stored in model order, the gather to each rank's stages (and the scatter of their gradients
+  # back) would add collective-permutes of their own; only the executor's ppermute remains.
+  permutes = [l for l in step.splitlines() if " collective-permute(" in l]
+  assert permutes
+  for line in permutes:
+    assert re.search(r'op_name="[^"]*/ppermute"', line), f"parameters move: {line.strip()[:200]}"
+  want_loss, want_grads, _ = jax.jit(data_parallel_loss_and_grads(trainer.model_cfg))(model, batch)
+  first = trainer.step(batch)
+  np.testing.assert_allclose(first["loss"], want_loss, rtol=1e-5)
+  want_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(want_grads)))
+  np.testing.assert_allclose(first["grad_norm"], want_norm, rtol=1e-5)
+
+  trainer.train(steps=2, progress=False)
+  expect = jax.device_get(trainer.model_params())
+  other = Trainer(tiny_config(2, "1f1b", n_layers=4), workdir=str(tmp_path))
+  assert other.layer_order is None
+  restored = other.init()
+  assert other.resumed_from == 2
+  for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)), jax.tree.leaves(expect)):
+    np.testing.assert_array_equal(a, b)

@@ -172,7 +172,8 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
                             schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
                             embed_params: PyTree = (), recompute: bool = False,
                             pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None,
-                            param_specs: PyTree | None = None, seq_axes: tuple[str, ...] = ()):
+                            param_specs: PyTree | None = None, seq_axes: tuple[str, ...] = (),
+                            stage_order: str = "model"):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
   `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
@@ -186,7 +187,14 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   sequence; context parallelism): every function then sees its slice of each sequence and may
   run collectives over those axes, and the aux's data shards run over `data_axes` then
   `seq_axes`. Parameters are whole on every sequence shard.
+
+  stage_order="placement": the leading axis of stage_params (and of the stage gradients and aux
+  returned) lists stages rank by rank, each rank's chunks in order (`Lowered.layout()`
+  flattened), so a stack split over the pipeline axis already sits where it runs; for
+  placements that put every stage on one rank (not the bidirectional ones, which copy stages).
   """
+  if stage_order not in ("model", "placement"):
+    raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
   seq_axes = as_axes(seq_axes)
   if data_axes is None:
     data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
@@ -200,9 +208,15 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
+  contiguous = is_contiguous(layout) and layout.size == schedule.num_stages
+  if stage_order == "placement":
+    if layout.size != schedule.num_stages:
+      raise ValueError(f"stage_order='placement' needs every stage on one rank, but schedule "
+                       f"{schedule.name!r} holds {layout.size} stage copies for "
+                       f"{schedule.num_stages} stages; pass stages in model order")
+    layout, contiguous = np.arange(layout.size, dtype=np.int32).reshape(layout.shape), True
   program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
-                     is_contiguous(layout) and layout.size == schedule.num_stages,
-                     specs_key, seq_axes)
+                     contiguous, specs_key, seq_axes)
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 

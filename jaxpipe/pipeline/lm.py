@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe import config as config_lib
@@ -39,7 +40,7 @@ from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.pipeline.api import pipeline_value_and_grad
+from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.parallel.ulysses import positions_local
@@ -86,6 +87,18 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
   return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None)
 
 
+def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
+  """The order of the layer stack (its `units` entries) that puts on each pipeline rank, when
+  split over pp, exactly the stages it runs: stage by stage as `Lowered.layout()` lists them, rank
+  by rank. None when that is the model's own order (contiguous placements) or when a stage runs
+  on two ranks (bidirectional placements hold copies)."""
+  layout = lowered_for(schedule).layout().ravel()
+  if layout.size != schedule.num_stages or np.array_equal(layout, np.arange(layout.size)):
+    return None
+  per_stage = units // schedule.num_stages
+  return (layout[:, None] * per_stage + np.arange(per_stage)).ravel()
+
+
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
   """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
   def spec(path, leaf):
@@ -96,11 +109,14 @@ def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
 
 
 def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
-                            mesh: Mesh):
+                            mesh: Mesh, layers_in_placement_order: bool = False):
   """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
 
   metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
   (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
+  layers_in_placement_order: params['layers'] (and the layer gradients and per-layer statistics
+  returned) are stacked in `placement_order(schedule, units)` where that is not None, so that no
+  parameter moves between pipeline ranks inside the step.
   """
   for axis in mesh.axis_names:
     if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
@@ -117,6 +133,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
                      f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
                      f"{stages * every}")
   m = schedule.num_microbatches
+  in_placement = layers_in_placement_order and placement_order(schedule, units) is not None
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
   model = lm_model(cfg, seq_axes[0] if seq_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -137,7 +154,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
         schedule=schedule, mesh=mesh, head_params=head_params,
         embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
         data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis),
-        seq_axes=seq_axes)
+        seq_axes=seq_axes, stage_order="placement" if in_placement else "model")
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
