@@ -210,3 +210,8 @@ def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_pat
   assert other.resumed_from == 2
   for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)), jax.tree.leaves(expect)):
     np.testing.assert_array_equal(a, b)
+  # resuming ZB-V puts the layers back rank by rank, moments included
+  again = Trainer(tiny_config(2, "zb-v", n_layers=4), workdir=str(tmp_path))
+  resumed = jax.device_get(again.init())
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(jax.device_get(trainer.state))):
+    np.testing.assert_array_equal(a, b)
