@@ -207,9 +207,12 @@ def reorder_layers(tree: Any, order: np.ndarray) -> Any:
   `leaf[order]`; everything else unchanged."""
   def reorder(path, x):
     keys = [getattr(k, "key", None) for k in path]
-    if "layers" in keys and getattr(x, "ndim", 0) and x.shape[0] == len(order):
-      return x[order]
-    return x
+    if "layers" not in keys or not getattr(x, "ndim", 0):
+      return x
+    if x.shape[0] != len(order):
+      raise ValueError(f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
+                       f"the layer order {len(order)}; is this tree the model's?")
+    return x[order]
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
@@ -253,13 +256,15 @@ class Trainer:
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
 
-  `trainer.loss_and_grads` may be replaced before the first step. Steps donate the previous
-  state's buffers: keep `trainer.state`, not an older reference.
+  `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
+  params, in the stored order below). Steps donate the previous state's buffers: keep
+  `trainer.state`, not an older reference.
 
   Under interleaved and V-shaped schedules `trainer.state` stacks params['layers'] (and their
   moments) in `trainer.layer_order`, rank by rank, so that no parameter moves inside a step;
-  `trainer.loss_and_grads` takes them that way, `trainer.model_params()` gives the model's
-  order, and checkpoints hold the model's order (any schedule restores them).
+  `trainer.loss_and_grads` takes them that way. `trainer.model_params()` gives the model's
+  order and `trainer.stored_params(params)` turns the model's order into the state's;
+  checkpoints hold the model's order (any schedule restores them).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -292,25 +297,35 @@ class Trainer:
       params = reorder_layers(params, self.layer_order)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
-  def _reordered(self, tree: Any, to_model: bool) -> Any:
-    """`tree` (state or params, on the mesh) between the stored and the model's layer order."""
-    order = self.layer_order if not to_model else np.argsort(self.layer_order)
-    return reorder_layers(tree, order)
+  @functools.cached_property
+  def _reorder(self) -> dict[str, Callable]:
+    """Compiled-once moves of a state or params between the stored and the model's order."""
+    to_model, to_stored = np.argsort(self.layer_order), self.layer_order
+    fn = lambda order, sharding: jax.jit(functools.partial(reorder_layers, order=order),
+                                         out_shardings=sharding)
+    return {"state_to_model": fn(to_model, self.state_sharding),
+            "state_to_stored": fn(to_stored, self.state_sharding),
+            "params_to_model": fn(to_model, self.state_sharding.params),
+            "params_to_stored": fn(to_stored, self.state_sharding.params)}
 
   def model_params(self, params: dict | None = None) -> dict:
-    """`params` (default the state's) with the layers in the model's order."""
+    """A copy of `params` (default the state's) with the layers in the model's order."""
     params = self.state.params if params is None else params
     if self.layer_order is None:
+      return jax.tree.map(jnp.copy, params)  # the next step donates the state's buffers
+    return self._reorder["params_to_model"](params)
+
+  def stored_params(self, params: dict) -> dict:
+    """Model-order `params` (e.g. `transformer.init_params`) in the state's layer order."""
+    if self.layer_order is None:
       return params
-    return jax.jit(functools.partial(self._reordered, to_model=True),
-                   out_shardings=self.state_sharding.params)(params)
+    return self._reorder["params_to_stored"](params)
 
   def _checkpoint_state(self) -> TrainState:
     """The state as checkpoints hold it: layers in the model's order."""
     if self.layer_order is None:
       return self.state
-    return jax.jit(functools.partial(self._reordered, to_model=True),
-                   out_shardings=self.state_sharding)(self.state)
+    return self._reorder["state_to_model"](self.state)
 
   @functools.cached_property
   def state_shapes(self) -> TrainState:
@@ -334,8 +349,7 @@ class Trainer:
     if restored is not None:
       self.resumed_from, self.state = restored
       if self.layer_order is not None:  # checkpoints hold the model's order
-        self.state = jax.jit(functools.partial(self._reordered, to_model=False),
-                             out_shardings=self.state_sharding, donate_argnums=0)(self.state)
+        self.state = self._reorder["state_to_stored"](self.state)
     else:
       init = jax.jit(self._fresh_state, out_shardings=self.state_sharding)
       self.state = init(jax.random.key(self.config.train.seed))

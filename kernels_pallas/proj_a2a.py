@@ -8,10 +8,13 @@ of one rank's heads):
 Instead of a GEMM followed by an all_to_all, the SMs of rank src share the output tiles
 (row tile t, column tile n) of x_src @ W[:, heads(dest)] for dest = src + s, step by step,
 remote destinations first (s = 1..P-1, own heads last), and store each finished tile straight
-into dest's output buffer (`remote_ref`), then signal dest's ready semaphore once. A tile's
-transfer thus runs while the next tiles are multiplied. SM 0 of each rank ends by waiting for
-all P·m·n tiles it receives (its own included), so the kernel returns only with its output
-whole and the semaphore back at 0 (Mosaic GPU's contract for scratch semaphores).
+into dest's output buffer (`remote_ref`), then signal dest's ready semaphore for source src
+once. While some SMs' stores are in flight, the others multiply. SM 0 of each rank ends by
+waiting for the m·n tiles of every source (its own included), so the kernel returns only with
+its output whole and every semaphore back at 0 (Mosaic GPU's contract for scratch semaphores).
+One semaphore per source, not one in all: a source that finished this call may already be
+signalling for the next one (q, k and v run back to back), and those signals must not count
+for a source still sending this call's tiles.
 
 What is verified where, as for `gemm_a2a` (the output side): `ProjPlan` holds every index
 decision, both the kernel and `simulate` call it; `simulate` runs P virtual devices on CPU
@@ -69,45 +72,61 @@ class ProjPlan:
   def dest(self, rank, step):
     return _rem(rank + step, self.num_devices)
 
+  def sem_index(self, src):
+    """The receiver's ready semaphore for tiles from rank `src`."""
+    return src
+
   @property
-  def expected_signals(self) -> int:
-    """Tiles (one signal each) a rank receives, its own included."""
-    return self.num_devices * self.m_tiles * self.n_tiles
+  def num_sems(self) -> int:
+    return self.num_devices
+
+  @property
+  def signals_per_source(self) -> int:
+    """Tiles (one signal each) a rank receives from each source, itself included."""
+    return self.m_tiles * self.n_tiles
 
 
 def simulate(x_PxMxD: np.ndarray, w_PxDxC: np.ndarray, plan: ProjPlan, *, tile_m: int,
-             tile_n: int, seed: int = 0) -> np.ndarray:
+             tile_n: int, seed: int = 0, calls: int = 1) -> np.ndarray:
   """Runs the protocol for P virtual devices under a random interleaving; returns q [P, P, M, C].
 
   x_PxMxD[r] is rank r's tokens, w_PxDxC[d] the weight columns of rank d's heads; the result's
-  [r, src] is what rank r holds for src's tokens when its kernel returns.
+  [r, src] is what rank r holds for src's tokens when its kernel returns. `calls` runs the
+  kernel that many times back to back on every device (as q, k, v do), sharing the semaphores;
+  a device starts call i+1 only when all its SMs finished call i. Returns the last call's.
   """
   p = plan.num_devices
   m, c = x_PxMxD.shape[1], w_PxDxC.shape[2]
-  out = np.full((p, p, m, c), np.nan)  # [device, src, M, C]; NaN = not yet written
-  sems = np.zeros(p, np.int64)
-  returned = [None] * p  # each rank's output as its kernel returned
+  out = np.full((calls, p, p, m, c), np.nan)  # [call, device, src, M, C]; NaN = not written
+  sems = np.zeros((p, plan.num_sems), np.int64)
+  finished = np.zeros((calls, p), np.int64)  # SMs of a device done with a call
+  returned = [None] * p
 
   def worker(rank, w):
-    for step, i in ((s, i) for s in plan.steps for i in range(plan.items_per_worker)):
-      flat = w + i * plan.workers
-      if flat >= plan.items_per_step:
-        continue
-      t, n = plan.tile(flat)
-      dest = plan.dest(rank, step)
-      rows, cols = slice(t * tile_m, (t + 1) * tile_m), slice(n * tile_n, (n + 1) * tile_n)
-      tile = x_PxMxD[rank, rows] @ w_PxDxC[dest][:, cols]
-      yield  # the GEMM
-      out[dest, rank, rows, cols] = tile
-      yield  # the store to the peer in flight; the signal must come after it completes
-      sems[dest] += 1
-    if w == 0:
-      while sems[rank] < plan.expected_signals:
-        yield "blocked"
-      sems[rank] -= plan.expected_signals
-      if np.isnan(out[rank]).any():
-        raise ProtocolError(f"device {rank} returned before all its tiles arrived")
-      returned[rank] = out[rank].copy()
+    for call in range(calls):
+      while call and finished[call - 1, rank] < plan.workers:
+        yield "blocked"  # the device's previous kernel is still running
+      for step, i in ((s, i) for s in plan.steps for i in range(plan.items_per_worker)):
+        flat = w + i * plan.workers
+        if flat >= plan.items_per_step:
+          continue
+        t, n = plan.tile(flat)
+        dest = plan.dest(rank, step)
+        rows, cols = slice(t * tile_m, (t + 1) * tile_m), slice(n * tile_n, (n + 1) * tile_n)
+        tile = x_PxMxD[rank, rows] @ w_PxDxC[dest][:, cols]
+        yield  # the GEMM
+        out[call, dest, rank, rows, cols] = tile
+        yield  # the store to the peer in flight; the signal must come after it completes
+        sems[dest, plan.sem_index(rank)] += 1
+      if w == 0:
+        for src in range(p):
+          while sems[rank, plan.sem_index(src)] < plan.signals_per_source:
+            yield "blocked"
+          sems[rank, plan.sem_index(src)] -= plan.signals_per_source
+        if np.isnan(out[call, rank]).any():
+          raise ProtocolError(f"device {rank} returned call {call} before all its tiles arrived")
+        returned[rank] = out[call, rank].copy()
+      finished[call, rank] += 1
 
   interleave([worker(r, w) for r in range(p) for w in range(plan.workers)], seed)
   if sems.any():
@@ -159,11 +178,12 @@ def _kernel(x_gmem, w_gmem, out_gmem, ready_sem, *, plan: ProjPlan, cfg: ProjA2A
         peer_out = plgpu.remote_ref(out_gmem, {axis_name: dest})
         # wait for the whole store, not just the SMEM read: the tile lands before the signal
         store_tile(acc, peer_out.at[rank, rows, cols], wait_read_only=False)
-        pl.semaphore_signal(ready_sem.at[0], 1, device_id={axis_name: dest})
+        pl.semaphore_signal(ready_sem.at[plan.sem_index(rank)], 1, device_id={axis_name: dest})
 
   @pl.when(sm == 0)
   def _wait():
-    pl.semaphore_wait(ready_sem.at[0], plan.expected_signals)
+    for src in range(plan.num_devices):
+      pl.semaphore_wait(ready_sem.at[plan.sem_index(src)], plan.signals_per_source)
 
 
 def to_kernel_layout(x_BxSxD, w_DxNxK, p: int):
@@ -204,7 +224,7 @@ def proj_a2a(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
   out_PxMxC = plgpu.kernel(
       functools.partial(_kernel, plan=plan, cfg=config, axis_name=axis_name),
       out_type=jax.ShapeDtypeStruct((p, m, c), x_BxSxD.dtype),
-      scratch_types=[plgpu.SemaphoreType.REGULAR((1,))],
+      scratch_types=[plgpu.SemaphoreType.REGULAR((plan.num_sems,))],
       grid=(num_sms,),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(

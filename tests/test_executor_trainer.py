@@ -187,6 +187,8 @@ def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_pat
                                  err_msg=jax.tree_util.keystr(path))
   for a, b in zip(jax.tree.leaves(trainer.model_params()), jax.tree.leaves(model)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(trainer.stored_params(model)), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
   batch = trainer.batch(0)
   step = trainer._build_train_step().lower(state, batch).compile().as_text()

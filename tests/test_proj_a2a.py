@@ -13,7 +13,7 @@ from kernels_pallas import proj_a2a as pa
 
 
 def _simulate_global(p, batch, seq, d, heads, head_dim, workers, tiles, seed=0,
-                     plan_cls=pa.ProjPlan):
+                     plan_cls=pa.ProjPlan, calls=1):
   """Global x [B, L, D] and w [D, N, K] through the per-rank layout and the simulated kernel;
   returns (what each rank holds as [B, L, N/P, K], the dense x @ w split the same way)."""
   rng = np.random.default_rng(seed)
@@ -26,7 +26,7 @@ def _simulate_global(p, batch, seq, d, heads, head_dim, workers, tiles, seed=0,
   m, c = x_PxMxD.shape[1], w_PxDxC.shape[2]
   plan = plan_cls(num_devices=p, m_tiles=m // tiles["tile_m"], n_tiles=c // tiles["tile_n"],
                   workers=workers)
-  q = pa.simulate(x_PxMxD, w_PxDxC, plan, seed=seed, **tiles)  # [rank, src, M, C]
+  q = pa.simulate(x_PxMxD, w_PxDxC, plan, seed=seed, calls=calls, **tiles)  # [rank, src, M, C]
   hp = heads // p
   got = q.reshape(p, p, batch, s, hp, head_dim).transpose(0, 2, 1, 3, 4, 5)
   got = got.reshape(p, batch, seq, hp, head_dim)
@@ -35,19 +35,36 @@ def _simulate_global(p, batch, seq, d, heads, head_dim, workers, tiles, seed=0,
   return got, want
 
 
-@pytest.mark.parametrize("p,workers,seed", [(2, 1, 0), (4, 3, 1), (8, 5, 2), (4, 11, 3)])
-def test_protocol_matches_dense_math(p, workers, seed):
+@pytest.mark.parametrize("p,workers,seed,calls", [(2, 1, 0, 1), (4, 3, 1, 1), (8, 5, 2, 1),
+                                                   (4, 11, 3, 1), (4, 2, 4, 3), (3, 1, 5, 3)])
+def test_protocol_matches_dense_math(p, workers, seed, calls):
   got, want = _simulate_global(p, 2, 4 * p, 12, 2 * p, 8, workers, dict(tile_m=4, tile_n=4),
-                               seed=seed)
+                               seed=seed, calls=calls)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 @dataclasses.dataclass(frozen=True)
 class _WaitTooFew(pa.ProjPlan):
-  """Returns after all but one tile: a rank may hand back rows still in flight."""
+  """Returns after all but one tile of each source: a rank may hand back rows still in flight."""
   @property
-  def expected_signals(self):
-    return self.num_devices * self.m_tiles * self.n_tiles - 1
+  def signals_per_source(self):
+    return self.m_tiles * self.n_tiles - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneSemaphore(pa.ProjPlan):
+  """Every source signals one counter: a fast source's next-call signals stand in for a slow
+  source's tiles of this call."""
+  def sem_index(self, src):
+    return 0
+
+  @property
+  def num_sems(self):
+    return 1
+
+  @property
+  def signals_per_source(self):
+    return self.m_tiles * self.n_tiles  # waited once per source: P·m·n in all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +75,15 @@ class _SkipOwnHeads(pa.ProjPlan):
     return list(range(1, self.num_devices))
 
 
-@pytest.mark.parametrize("plan_cls,match", [
-    (_WaitTooFew, "before all its tiles arrived|not back to 0"), (_SkipOwnHeads, "deadlock")])
-def test_simulator_catches_broken_protocols(plan_cls, match):
+@pytest.mark.parametrize("plan_cls,calls,match", [
+    (_WaitTooFew, 1, "before all its tiles arrived|not back to 0"),
+    (_SkipOwnHeads, 1, "deadlock"),
+    (_OneSemaphore, 3, "before all its tiles arrived")])
+def test_simulator_catches_broken_protocols(plan_cls, calls, match):
   with pytest.raises(ga.ProtocolError, match=match):
-    for seed in range(8):  # a race shows under some interleaving
+    for seed in range(20):  # a race shows under some interleaving
       _simulate_global(4, 1, 16, 8, 8, 4, 3, dict(tile_m=2, tile_n=4), seed=seed,
-                       plan_cls=plan_cls)
+                       plan_cls=plan_cls, calls=calls)
 
 
 def _sharded(config, p=2):

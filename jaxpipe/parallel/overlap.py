@@ -120,6 +120,9 @@ def a2a_proj_chunked_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
   """heads_to_seq(o) @ w as `chunks` all_to_all + GEMM pairs over slices of each rank's tokens."""
   cp = lax.axis_size(axis_name)
   heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_chunked_local")
+  if o_BxLxNpxK.shape[2] != heads_per:
+    raise ValueError(f"a2a_proj_chunked_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but "
+                     f"w has {w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)")
   batch, length, _, head_dim = o_BxLxNpxK.shape
   if length % cp:
     raise ValueError(f"a2a_proj_chunked_local: sequence {length} is not divisible by {cp}")
