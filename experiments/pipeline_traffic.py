@@ -1,0 +1,95 @@
+"""Bytes a pipelined train step moves between pipeline ranks, per schedule, from the compiled step.
+
+  python -m experiments.pipeline_traffic [--pp 4] [--microbatches 8] [--layers 8] [--d_model 256]
+
+For each schedule, the Trainer's compiled step (the one `jaxpipe.train` runs) on a pp × dp mesh
+of 8 host devices, counted from its HLO: the executor's ppermute (activations and cotangents,
+once per tick of the scan) and every other collective-permute, which is parameters and their
+gradients moving to the ranks that run them (bidirectional schedules hold each stage on two
+ranks). Bytes are per device and per step; the parameter figure is set beside the layer stack a
+rank stores.
+"""
+from jaxpipe import runtime
+
+if __name__ == "__main__":
+  runtime.use_host_devices()
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "chimera", "dualpipe",
+             "dualpipev")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def _permutes(hlo: str) -> list[tuple[int, bool]]:
+  """(bytes, from the executor's ppermute) for each collective-permute of a compiled module."""
+  out = []
+  for line in hlo.splitlines():
+    if " collective-permute(" not in line:
+      continue
+    lhs = line.split(" collective-permute(")[0]
+    size = sum(_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs))
+    out.append((size, bool(re.search(r'op_name="[^"]*/ppermute"', line))))
+  return out
+
+
+def measure(name: str, args) -> dict:
+  import jax
+
+  from configs import tiny
+  from jaxpipe.pipeline.lm import lm_schedule
+  from jaxpipe.trainer import Trainer
+  c = tiny.get_config()
+  c.model.update(n_layers=args.layers, d_model=args.d_model, d_ff=4 * args.d_model,
+                 n_heads=8, n_kv_heads=8, head_dim=args.d_model // 8)
+  c.data.update(batch=args.batch, seq_len=args.seq)
+  c.mesh.pp, c.pipeline.schedule, c.pipeline.microbatches = args.pp, name, args.microbatches
+  trainer = Trainer(c)
+  state = jax.eval_shape(trainer._fresh_state, jax.random.key(0))
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                       trainer.state_sharding)
+  batch = {k: jax.ShapeDtypeStruct((args.batch, args.seq), np.int32 if k != "mask" else np.float32,
+                                   sharding=trainer._batch_sharding)
+           for k in ("tokens", "targets", "mask")}
+  hlo = trainer._build_train_step().lower(state, batch).compile().as_text()
+  permutes = _permutes(hlo)
+  ticks = lm_schedule(c.pipeline, args.pp)
+  from jaxpipe.pipeline.api import lowered_for
+  num_ticks = lowered_for(ticks).num_ticks
+  layer_bytes = sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(state.params["layers"]))
+  return {"schedule": name, "ticks": num_ticks,
+          "activations": num_ticks * sum(b for b, pp in permutes if pp),
+          "parameters": sum(b for b, pp in permutes if not pp),
+          "stored": layer_bytes / args.pp, "stored_order": trainer.layer_order is not None}
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--pp", type=int, default=4)
+  ap.add_argument("--microbatches", type=int, default=8)
+  ap.add_argument("--layers", type=int, default=8)
+  ap.add_argument("--d_model", type=int, default=256)
+  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--seq", type=int, default=64)
+  ap.add_argument("--schedules", default=",".join(SCHEDULES))
+  args = ap.parse_args(argv)
+  print(f"# bytes per device per step between pipeline ranks: pp = {args.pp}, "
+        f"m = {args.microbatches}, {args.layers} layers of d_model {args.d_model}, batch "
+        f"{args.batch} x {args.seq}, float32, 8 host devices")
+  print("| schedule | ticks | activations + cotangents (ppermute) | parameters + gradients "
+        "(other collective-permutes) | layer stack stored per rank | layers stacked |")
+  print("|---|---|---|---|---|---|")
+  mib = lambda b: f"{b / 2**20:.2f} MiB"
+  for name in args.schedules.split(","):
+    r = measure(name, args)
+    order = "rank by rank" if r["stored_order"] else "model order"
+    print(f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['parameters'])} | "
+          f"{mib(r['stored'])} | {order} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
