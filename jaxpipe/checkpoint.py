@@ -6,12 +6,14 @@ Here a step counts only once orbax has written its commit marker; a step directo
 or one that fails to restore while an older one restores, is renamed `<step>.incomplete` or
 `<step>.corrupt` (kept for inspection, invisible to orbax).
 """
+import collections
 import json
 import logging
 import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 _COMMIT_FILE = "commit_success.txt"
@@ -51,7 +53,7 @@ class Checkpointer:
           logging.warning("checkpoint %s was never committed (half-written?); moved to %s", path,
                           _set_aside(path, "incomplete"))
     self.manager = ocp.CheckpointManager(
-        self.directory,
+        self.directory, item_handlers=ocp.StandardCheckpointHandler(),  # metadata without a save
         options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                              enable_async_checkpointing=async_save, create=True))
 
@@ -75,6 +77,13 @@ class Checkpointer:
     """
     failed, first_error = [], None
     for step in reversed(self.steps()):
+      mismatch = self._mismatch(step, abstract_state)
+      if mismatch is not None:  # decided from metadata: no array read is started
+        logging.warning("checkpoint step %d in %s does not fit the model: %s", step,
+                        self.directory, mismatch)
+        failed.append(step)
+        first_error = first_error or ValueError(mismatch)
+        continue
       try:
         state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
       except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for bad files
@@ -95,6 +104,27 @@ class Checkpointer:
           f"the newest failed with: {first_error}. If the model or mesh config changed, start a new "
           "--workdir; if the files are damaged, move those step directories away") from first_error
     return None
+
+  def _mismatch(self, step: int, abstract_state: Any) -> str | None:
+    """Which saved array has no counterpart of its shape and dtype in `abstract_state` (and the
+    other way round), from `step`'s metadata alone; None when they pair up or the metadata
+    cannot be read (the restore then reports what is wrong)."""
+    try:
+      saved = [(jax.tree_util.keystr(p), tuple(m.shape), np.dtype(m.dtype)) for p, m in
+               jax.tree_util.tree_flatten_with_path(self.manager.item_metadata(step).tree)[0]]
+    except Exception:  # noqa: BLE001 -- missing or unreadable metadata
+      return None
+    want = [(jax.tree_util.keystr(p), tuple(a.shape), np.dtype(a.dtype))
+            for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+    extra = collections.Counter(x[1:] for x in saved) - collections.Counter(x[1:] for x in want)
+    missing = collections.Counter(x[1:] for x in want) - collections.Counter(x[1:] for x in saved)
+    if not extra and not missing:
+      return None
+    describe = lambda x: f"{x[0]} {x[1]} {x[2]}" if x else "nothing"
+    ours = next((x for x in saved if x[1:] in extra), None)
+    theirs = next((x for x in want if x[1:] in missing), None)
+    return (f"the checkpoint holds {describe(ours)} where the model needs {describe(theirs)} "
+            f"({sum(extra.values())} of the saved arrays unmatched)")
 
   def wait(self) -> None:
     """Blocks until background saves are committed."""
