@@ -11,27 +11,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.flash_attention import flash_attention
+from test_flash_attention import _inputs, _out_and_grads, _rel
+
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _inputs(batch, seq, heads, kv_heads, head_dim, dtype, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 4)
-  shape = lambda h: (batch, seq, h, head_dim)
-  q, k, v, do = (jax.random.normal(key, shape(h), jnp.float32).astype(dtype)
-                 for key, h in zip(keys, (heads, kv_heads, kv_heads, heads)))
-  return q, k, v, do
-
-
-def _out_and_grads(fn, q, k, v, do):
-  def run(q, k, v, do):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return (out, *vjp(do))
-  return jax.jit(run)(q, k, v, do)
 
 
 def _xla_f32(causal, q, k, v, do):
@@ -45,8 +28,9 @@ def _xla_f32(causal, q, k, v, do):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq,heads,kv_heads,head_dim", [(1000, 8, 4, 64), (1024, 8, 2, 128)])
 def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim):
-  q, k, v, do = _inputs(2, seq, heads, kv_heads, head_dim, jnp.float32)
-  got = _out_and_grads(functools.partial(_fa(), causal=causal, interpret=False), q, k, v, do)
+  q, k, v, do = _inputs(2, seq, seq, heads, kv_heads, head_dim, dtype=jnp.float32)
+  compiled = functools.partial(flash_attention, causal=causal, interpret=False)
+  got = _out_and_grads(compiled, q, k, v, do)
   want = _xla_f32(causal, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert _rel(g, w) < 1e-5, label
@@ -57,8 +41,9 @@ def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim
 def test_compiled_flash_attention_half_within_rounding(dtype, causal):
   """Against float32 on the same rounded inputs: within one ulp of the largest entry, or (as
   FlashAttention's tests hold it) within twice the error of XLA run in the same dtype."""
-  q, k, v, do = _inputs(2, 512, 8, 2, 128, dtype, seed=1)
-  got = _out_and_grads(functools.partial(_fa(), causal=causal, interpret=False), q, k, v, do)
+  q, k, v, do = _inputs(2, 512, 512, 8, 2, 128, dtype=dtype, seed=1)
+  compiled = functools.partial(flash_attention, causal=causal, interpret=False)
+  got = _out_and_grads(compiled, q, k, v, do)
   want = _xla_f32(causal, q, k, v, do)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
   same_dtype = _out_and_grads(xla, q, k, v, do)
@@ -69,11 +54,11 @@ def test_compiled_flash_attention_half_within_rounding(dtype, causal):
 
 
 def test_compiled_flash_attention_segments():
-  q, k, v, do = _inputs(2, 300, 4, 2, 64, jnp.float32, seed=2)
+  q, k, v, do = _inputs(2, 300, 300, 4, 2, 64, dtype=jnp.float32, seed=2)
   seg = jnp.concatenate([jnp.ones((2, 120), jnp.int32), 2 * jnp.ones((2, 150), jnp.int32),
                          jnp.zeros((2, 30), jnp.int32)], axis=1)
-  got = _out_and_grads(lambda q, k, v: _fa()(q, k, v, causal=True, segment_ids=seg,
-                                             interpret=False), q, k, v, do)
+  got = _out_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                                       interpret=False), q, k, v, do)
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                                      implementation="xla")
@@ -83,15 +68,10 @@ def test_compiled_flash_attention_segments():
     assert _rel(g, w) < 1e-5, label
 
 
-def _fa():
-  from kernels_pallas.flash_attention import flash_attention
-  return flash_attention
-
-
 def test_attention_backends_agree_on_gpu():
   """auto resolves to a GPU backend; pallas and cudnn match xla on a bf16 causal GQA call."""
   from jaxpipe.models.attention import attention, resolve_backend
-  q, k, v, _ = _inputs(2, 1024, 8, 2, 128, jnp.bfloat16, seed=3)
+  q, k, v, _ = _inputs(2, 1024, 1024, 8, 2, 128, dtype=jnp.bfloat16, seed=3)
   assert resolve_backend("auto", q, k, v) in ("cudnn", "pallas")
   with jax.default_matmul_precision("highest"):
     want = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
