@@ -197,9 +197,8 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   """
   if mesh_shape["pp"] == 1:
     return None
-  from jaxpipe.pipeline.lm import lm_schedule, placement_order
-  units = cfg.n_layers // (cfg.moe.every if cfg.moe is not None else 1)
-  return placement_order(lm_schedule(config.pipeline, mesh_shape["pp"]), units)
+  from jaxpipe.pipeline.lm import lm_layer_order
+  return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
 
 
 def reorder_layers(tree: Any, order: np.ndarray) -> Any:

@@ -99,6 +99,13 @@ def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
   return (layout[:, None] * per_stage + np.arange(per_stage)).ravel()
 
 
+def lm_layer_order(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
+                   pp: int) -> np.ndarray | None:
+  """`placement_order` of the LM's layer stack (an entry per layer, or per moe.every group)."""
+  every = cfg.moe.every if cfg.moe is not None else 1
+  return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
+
+
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
   """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
   def spec(path, leaf):
