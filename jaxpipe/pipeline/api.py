@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs, from_local,
-                                       io_spec, is_contiguous, make_executor, param_specs_key,
-                                       to_local, with_aux)
+from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
+                                       data_axes_of, from_local, io_spec, is_contiguous,
+                                       make_executor, param_specs_key, to_local, with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -196,9 +196,7 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
   seq_axes = as_axes(seq_axes)
-  if data_axes is None:
-    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
-  data_axes = as_axes(data_axes)
+  data_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
   specs_key = param_specs_key(param_specs)
   if specs_key is not None:

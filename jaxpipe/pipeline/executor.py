@@ -399,6 +399,15 @@ def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def data_axes_of(mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None,
+                 seq_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes that split the batch: `data_axes`, or by default every mesh axis but the pipeline
+  and sequence axes."""
+  if data_axes is None:
+    return tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
+  return as_axes(data_axes)
+
+
 def check_param_specs(param_specs: tuple, data_axes: tuple[str, ...], seq_axes: tuple[str, ...],
                       pp_axis: str, params: PyTree | None = None) -> None:
   """Raises ValueError unless a `param_specs_key` splits leaves over data axes only (and, given
@@ -449,9 +458,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     raise ValueError(f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
                      f"{mesh.shape[pp_axis]} devices; make them equal")
   seq_axes = as_axes(seq_axes)
-  if data_axes is None:
-    data_axes = tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
-  batch_axes = as_axes(data_axes)
+  batch_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
   both = sorted(set(batch_axes) & set(seq_axes))
   if both or pp_axis in batch_axes + seq_axes:
     raise ValueError(f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
@@ -653,9 +660,8 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       check_vma=False)
 
   def run(table, local_params, xs, targets, head_params, embed_params):
-    if leaf_specs is not None and jax.tree.structure(local_params) != specs_treedef:
-      raise ValueError(f"param_specs has structure {specs_treedef} but the stage params have "
-                       f"{jax.tree.structure(local_params)}; give one spec per parameter leaf")
+    if param_specs is not None:
+      check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
     return mapped(table, local_params, xs, targets, head_params, embed_params)
 
   return jax.jit(run)
