@@ -52,6 +52,19 @@ def ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def check_tiles(kernel: str, config: object, sizes) -> None:
+  """Raises ValueError naming the first (name, size, tile) whose size is not a tile multiple."""
+  for name, size, tile in sizes:
+    if size % tile:
+      raise ValueError(f"{kernel}: {name} {size} is not a multiple of the tile {tile}; "
+                       f"change {type(config).__name__} or the shapes")
+
+
+def grid_sms(requested: int | None) -> int:
+  """SMs of the persistent grid: `requested`, else the device's count (132 if it says none)."""
+  return requested or getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def row_major(flat, n_tiles: int):
   """Flat output-tile index -> (row tile, column tile); row-major so early rows finish first."""
   return _div(flat, n_tiles), _rem(flat, n_tiles)
@@ -264,11 +277,8 @@ class GemmA2AConfig:
 
 
 def _plan(p: int, m: int, c: int, d: int, cfg: GemmA2AConfig, num_sms: int) -> TilePlan:
-  for name, size, tile in (("rows", m, cfg.tile_m), ("head channels", c, cfg.tile_c),
-                           ("head channels", c, cfg.tile_k), ("model dim", d, cfg.tile_n)):
-    if size % tile:
-      raise ValueError(f"gemm_a2a: {name} {size} is not a multiple of the tile {tile}; "
-                       f"change GemmA2AConfig or the shapes")
+  check_tiles("gemm_a2a", cfg, (("rows", m, cfg.tile_m), ("head channels", c, cfg.tile_c),
+                               ("head channels", c, cfg.tile_k), ("model dim", d, cfg.tile_n)))
   if not 0 < cfg.comm_sms < num_sms:
     raise ValueError(f"gemm_a2a: comm_sms={cfg.comm_sms} must lie in [1, {num_sms - 1}]")
   return TilePlan(num_devices=p, m_tiles=m // cfg.tile_m, c_chunks=c // cfg.tile_c,
@@ -370,7 +380,7 @@ def gemm_a2a(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
                      f"{p} ranks (need seq % {p} == 0 and w heads == {heads_per} * {p})")
   seq_local, c, d = seq // p, heads_per * head_dim, w_NxKxD.shape[2]
   o_PxMxC, w_PxCxD = to_kernel_layout(o_BxLxNpxK, w_NxKxD, p)
-  num_sms = config.num_sms or getattr(jax.devices()[0], "core_count", None) or 132
+  num_sms = grid_sms(config.num_sms)
   plan = _plan(p, batch * seq_local, c, d, config, num_sms)
   y_MxD, _ = plgpu.kernel(
       functools.partial(_kernel, plan=plan, cfg=config, axis_name=axis_name),

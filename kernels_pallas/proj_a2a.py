@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.gemm_a2a import (ProtocolError, _rem, ceil_div, interleave, row_major,
-                                     store_tile, tile_matmul)
+from kernels_pallas.gemm_a2a import (ProtocolError, _rem, ceil_div, check_tiles, grid_sms,
+                                     interleave, row_major, store_tile, tile_matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +212,9 @@ def proj_a2a(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
     raise ValueError(f"proj_a2a: x {x_BxSxD.shape} and w {w_DxNxK.shape} do not fit {p} ranks "
                      f"(need w [{d}, N, K] with N % {p} == 0)")
   m, c = batch * seq, heads // p * head_dim
-  for name, size, tile in (("rows", m, config.tile_m), ("head channels", c, config.tile_n),
-                           ("model dim", d, config.tile_k)):
-    if size % tile:
-      raise ValueError(f"proj_a2a: {name} {size} is not a multiple of the tile {tile}; "
-                       f"change ProjA2AConfig or the shapes")
-  num_sms = config.num_sms or getattr(jax.devices()[0], "core_count", None) or 132
+  check_tiles("proj_a2a", config, (("rows", m, config.tile_m), ("head channels", c, config.tile_n),
+                                   ("model dim", d, config.tile_k)))
+  num_sms = grid_sms(config.num_sms)
   plan = ProjPlan(num_devices=p, m_tiles=m // config.tile_m, n_tiles=c // config.tile_n,
                   workers=num_sms)
   x_MxD, w_PxDxC = to_kernel_layout(x_BxSxD, w_DxNxK, p)
