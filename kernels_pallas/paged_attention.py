@@ -57,6 +57,7 @@ def check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_sc
       raise ValueError(f"{name} must be [G, P, page] = {(g, p, s)}; got {tuple(sc.shape)}")
 
 
+@functools.partial(jax.jit, static_argnames="sm_scale")
 def paged_attention_reference(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN,
                               lengths_B, *, k_scales_GxPxS=None, v_scales_GxPxS=None,
                               sm_scale: float | None = None) -> jax.Array:
