@@ -27,7 +27,17 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.flash_attention import MASK_VALUE, _dot
 
 QUANT_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-MIN_ROWS = 16  # Triton's smallest dot tile: a KV head's query heads are padded up to it
+MIN_ROWS = 16  # Triton's smallest dot tile: query heads per KV head and keys per block reach it
+
+
+def compiled_unsupported(head_dim: int, page_size: int) -> str | None:
+  """Why the compiled (Triton) kernel cannot serve these pages, or None; interpret mode serves all."""
+  pow2 = lambda x: x > 0 and not x & (x - 1)
+  if not pow2(head_dim) or head_dim < MIN_ROWS:
+    return f"needs head_dim a power of two >= {MIN_ROWS}, got {head_dim}"
+  if not pow2(page_size):
+    return f"needs page_size a power of two, got {page_size}"
+  return None
 
 
 def check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None):
@@ -157,8 +167,10 @@ def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPx
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
   quantized = k_scales_GxPxS is not None
   # Each split gets a whole number of blocks; table entries past a row's pages are never read
-  # unmasked (0 is a valid page index for the padding).
+  # unmasked (0 is a valid page index for the padding). Compiled, a block holds >= MIN_ROWS keys.
   pages_per_block = min(pages_per_block, pl.next_power_of_2(-(-n // k_splits)))
+  if not interpret:
+    pages_per_block = max(pages_per_block, -(-MIN_ROWS // s))
   pages_per_split = -(-n // (k_splits * pages_per_block)) * pages_per_block
   tables_BxN = jnp.pad(block_tables_BxN, ((0, 0), (0, pages_per_split * k_splits - n)))
   r = h // g

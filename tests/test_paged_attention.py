@@ -17,20 +17,19 @@ from kernels_pallas.paged_attention import paged_attention, paged_attention_refe
 PAGE = 4
 
 
-def _inputs(lengths, heads, kv_heads, head_dim=16, num_pages=None, seed=0):
+def _inputs(lengths, heads, kv_heads, head_dim=16, page=PAGE, seed=0):
   """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order), lengths."""
   rng = np.random.default_rng(seed)
-  b, n = len(lengths), max(-(-max(lengths) // PAGE), 1)
-  num_pages = num_pages or b * n + 3
+  b, n = len(lengths), max(-(-max(lengths) // page), 1)
+  num_pages = b * n + 3
   q = rng.standard_normal((b, heads, head_dim)).astype(np.float32)
-  k = np.full((kv_heads, num_pages, PAGE, head_dim), np.nan, np.float32)
+  k = np.full((kv_heads, num_pages, page, head_dim), np.nan, np.float32)
   v = np.full_like(k, np.nan)
   tables = rng.permutation(num_pages)[:b * n].reshape(b, n).astype(np.int32)
   for row, length in enumerate(lengths):
-    for t in range(length):
-      page, slot = tables[row, t // PAGE], t % PAGE
-      k[:, page, slot] = rng.standard_normal((kv_heads, head_dim))
-      v[:, page, slot] = rng.standard_normal((kv_heads, head_dim))
+    pages, slots = tables[row, np.arange(length) // page], np.arange(length) % page
+    k[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
+    v[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
   return q, k, v, tables, np.asarray(lengths, np.int32)
 
 
@@ -120,9 +119,17 @@ def test_registry_backends_agree():
   want = paged_attention_reference(q, k, v, tables, lens)
   for backend in ("xla", "pallas", "auto"):
     assert _rel(attn.paged_attention(q, k, v, tables, lens, backend=backend), want) < 1e-5
-  assert attn.resolve_paged_backend("auto") == "xla"  # on CPU
+  assert attn.resolve_paged_backend("auto", 16, 4) == "xla"  # on CPU
   with pytest.raises(ValueError, match="unknown paged attention backend 'cudnn'"):
-    attn.resolve_paged_backend("cudnn")
+    attn.resolve_paged_backend("cudnn", 16, 4)
+
+
+def test_auto_on_gpu_picks_the_kernel_where_it_compiles(monkeypatch):
+  monkeypatch.setattr(attn, "_gpu_major", lambda: 9)
+  assert attn.resolve_paged_backend("auto", 128, 16) == "pallas"
+  assert attn.resolve_paged_backend("auto", 8, 16) == "xla"  # below Triton's smallest tile
+  with pytest.raises(ValueError, match="page_size a power of two, got 12"):
+    attn.resolve_paged_backend("pallas", 128, 12)
 
 
 @pytest.mark.parametrize("change,words", [

@@ -20,7 +20,7 @@ from jaxpipe.serve import model as serve_model
 from test_moe_lm import _random_params
 
 DENSE = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=8, d_ff=64)
+                                      head_dim=16, d_ff=64)  # the compiled kernel's smallest head
 MOE = dataclasses.replace(DENSE, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, d_ff=32, every=2))
 CONFIGS = {"dense": DENSE, "moe": MOE}
 CONTEXT, PAGE = 48, 4

@@ -161,12 +161,16 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
                                       implementation=name)
 
 
-def resolve_paged_backend(backend: str) -> str:
-  """The concrete paged-attention backend: validates the name, resolves 'auto'."""
+def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
+  """The concrete paged-attention backend for these pages: validates the choice, resolves 'auto'
+  (the compiled kernel on GPU when it serves the shapes, else xla)."""
   if backend not in PAGED_BACKENDS:
     raise ValueError(f"unknown paged attention backend {backend!r}; choose one of {PAGED_BACKENDS}")
+  reason = pa.compiled_unsupported(head_dim, page_size) if _gpu_major() is not None else None
   if backend == "auto":
-    return "pallas" if _gpu_major() is not None else "xla"
+    return "pallas" if _gpu_major() is not None and reason is None else "xla"
+  if backend == "pallas" and reason is not None:
+    raise ValueError(f"paged attention backend 'pallas' {reason}; use 'xla'")
   return backend
 
 
@@ -177,6 +181,7 @@ def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPx
   """One query token per row attending over its first `lengths[b]` paged keys (`kernels_pallas.paged_attention`)."""
   scales = dict(k_scales_GxPxS=k_scales_GxPxS, v_scales_GxPxS=v_scales_GxPxS)
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
-  if resolve_paged_backend(backend) == "pallas":
+  _, _, page_size, head_dim = k_pages_GxPxSxK.shape
+  if resolve_paged_backend(backend, head_dim, page_size) == "pallas":
     return pa.paged_attention(*args, **scales, interpret=_gpu_major() is None)
   return pa.paged_attention_reference(*args, **scales)

@@ -35,7 +35,7 @@ from jaxpipe.models.attention import resolve_paged_backend
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
-from jaxpipe.serve.sampling import SamplingBatch, SamplingParams, sample
+from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
@@ -150,7 +150,7 @@ class Engine:
     self.cfg = model_lib.serving_config(model_cfg)
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
     self.max_tokens_per_step, self.max_seq_len, self.eos_id = max_tokens_per_step, max_seq_len, eos_id
-    self.backend = resolve_paged_backend(attention)
+    self.backend = resolve_paged_backend(attention, model_cfg.head_dim, page_size)
     self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
     self.token_buckets = _check_buckets("token_buckets", token_buckets, max_tokens_per_step,
                                         _buckets(max_tokens_per_step, min(8, max_tokens_per_step)))
@@ -351,16 +351,12 @@ class Engine:
   def _program(self, t: int, n: int) -> jax.stages.Compiled:
     """The compiled step for T = t tokens and n pages per sequence (compiled once each)."""
     if (t, n) not in self._programs:
-      cfg, backend, mesh, r = self.cfg, self.backend, self.mesh, self.max_batch
-
-      def step(params, kv, batch, sampling):
-        logits_RxV, kv = model_lib.forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
-        return sample(logits_RxV, sampling), jnp.all(jnp.isfinite(logits_RxV), axis=-1), kv
-
+      r = self.max_batch
+      step = functools.partial(model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh)
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
       batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
-      sampling = SamplingBatch(jax.ShapeDtypeStruct((r,), jnp.float32), i32(r),
-                               jax.ShapeDtypeStruct((r,), jnp.float32), i32(r), i32(r))
+      f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
+      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r))
       rep = self._replicated
       self._programs[(t, n)] = jax.jit(
           step, donate_argnums=1, in_shardings=(rep, self._kv_sharding, rep, rep),

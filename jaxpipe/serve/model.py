@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpipe.models import attention as attention_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.serve.sampling import SamplingBatch, sample
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
 
@@ -153,6 +154,14 @@ def forward_paged(cfg: TransformerConfig, params: dict, kv: KVPages, batch: Toke
                                     (params["layers"], jnp.arange(units)))
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
   return logits_1xRxV[0], KVPages(k, v, kv.num_pages)
+
+
+def serve_step(cfg: TransformerConfig, params: dict, kv: KVPages, batch: TokenBatch,
+               sampling: SamplingBatch, *, backend: str = "auto", mesh: Mesh | None = None
+               ) -> tuple[jax.Array, jax.Array, KVPages]:
+  """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools)."""
+  logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
+  return sample(logits_RxV, sampling), jnp.all(jnp.isfinite(logits_RxV), axis=-1), kv
 
 
 _forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend",
