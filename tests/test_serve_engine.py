@@ -206,6 +206,26 @@ def test_cancel_frees_pages_at_once():
   assert not engine.running
 
 
+def test_fork_shares_pages_and_copies_on_write():
+  """Two greedy samples of one prompt, the second forked mid-page: both follow the oracle."""
+  engine = _engine("dense")
+  prompt = _prompts(seed=7, n=1)[0][:10]  # 10 tokens: the last page is half full
+  copies = engine.counts["page_copies"]
+  rid = engine.add_request(prompt, 8, eos_id=None)
+  while not engine.requests[rid].output:
+    engine.step()
+  twin = engine.fork(rid)
+  assert engine.requests[twin].pages == engine.requests[rid].pages
+  assert all(engine.allocator.refs[p] >= 2 for p in engine.requests[rid].pages)
+  _check_pages(engine)
+  while engine.has_work():
+    engine.step()
+    _check_pages(engine)
+  done = {r.id: r.output for r in engine.finished()}
+  assert done[rid] == done[twin] == oracle("dense", [prompt], 8)[0]
+  assert engine.counts["page_copies"] > copies
+
+
 def test_export_import_moves_a_request_to_an_engine_on_other_devices():
   """Prefill on one device, decode on two others (KV heads split over them): oracle tokens."""
   first = _engine("dense")

@@ -237,6 +237,27 @@ class Engine:
       return
     self._finish(r, "cancelled")
 
+  def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
+    """A second sample of a running request: it continues from the same tokens, sharing every
+    page (copied when either writes into a shared one). Returns the new request's id."""
+    r = self.requests[rid]
+    if r.state != RUNNING:
+      raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
+    if len(self.running) >= self.max_batch:
+      raise ValueError(f"the batch is full ({self.max_batch} running requests); fork later")
+    sampling = sampling or r.sampling
+    reason = sampling.check()
+    if reason:
+      raise ValueError(reason)
+    new = dataclasses.replace(
+        r, id=self._next_id, sampling=sampling, output=list(r.output),
+        pages=self.allocator.fork(r.pages), token_times=list(r.token_times),
+        page_keys=list(r.page_keys), cached_tokens=0, preemptions=0)
+    self._next_id += 1
+    self.requests[new.id] = new
+    self.running.append(new)
+    return new.id
+
   def finished(self) -> list[Request]:
     """Requests finished since the last call (they leave `requests`)."""
     done, self._finished = self._finished, []
