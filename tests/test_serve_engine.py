@@ -197,13 +197,22 @@ def test_a_prompt_that_never_fits_the_pool_is_refused():
 def test_cancel_frees_pages_at_once():
   engine = _engine("dense")
   used = engine.allocator.num_used
-  rid = engine.add_request(list(range(20)), 10)
-  engine.step()
+  rid = engine.add_request(list(range(18)), 10)
+  while not engine.requests[rid].output:
+    engine.step()
+  pages = list(engine.requests[rid].pages)
   assert engine.allocator.num_used > used
   engine.cancel(rid)
-  assert engine.allocator.num_used <= used + math.ceil(20 / PAGE)  # only the prefix cache's now
+  assert engine.allocator.num_used <= used + 18 // PAGE  # only the prefix cache's full pages now
   assert [r.finish_reason for r in engine.finished()] == ["cancelled"]
   assert not engine.running
+  freed = [p for p in pages if engine.allocator.refs[p] == 0]
+  assert freed  # the last, partly filled page is never cached
+  engine._flush_fills()  # what the next step does first: freed pages become NaN on the device
+  k = np.asarray(engine.kv.k).reshape(DENSE.n_kv_heads, DENSE.n_layers, engine.num_pages, PAGE, -1)
+  assert np.isnan(k[:, :, freed]).all()
+  kept = [p for p in pages if engine.allocator.refs[p] > 0]
+  assert not np.isnan(k[:, :, kept]).any()
 
 
 def test_fork_shares_pages_and_copies_on_write():

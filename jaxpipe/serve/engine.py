@@ -301,9 +301,10 @@ class Engine:
     r.pages += [self.allocator.alloc() for _ in range(new)]
     return True
 
-  def _admit(self, r: Request, budget: int) -> int:
+  def _admit(self, r: Request, budget: int, use_cache: bool = True) -> int:
     """Tokens of r to schedule now (0: it does not fit); takes its cached prefix first."""
-    if self.prefix_cache is not None and r.computed == 0:
+    matched = use_cache and self.prefix_cache is not None and r.computed == 0
+    if matched:
       r.pages = self.prefix_cache.match(r.tokens)
       # The last token is always computed: its logits give the next token.
       r.computed = min(len(r.pages) * self.page_size, len(r.tokens) - 1)
@@ -312,8 +313,11 @@ class Engine:
       r.cached_tokens += r.computed
       self.counts["cached_tokens"] += r.computed
       return n
-    self.allocator.free(r.pages)
-    r.pages, r.computed = [], 0
+    if matched:
+      self.allocator.free(r.pages)
+      r.pages, r.computed = [], 0
+      if not self.running:  # a shared page to copy can be one too many for a pool-sized request
+        return self._admit(r, budget, use_cache=False)
     return 0
 
   def _schedule(self) -> list[tuple[Request, int]]:
@@ -406,6 +410,9 @@ class Engine:
     """One iteration; returns the tokens each request generated in it (by request id)."""
     plan = self._schedule()
     if not plan:
+      if self.waiting and not self.running:  # cannot happen for a checked request
+        raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine "
+                           f"({self.allocator.num_free} free pages)")
       return {}
     s, r_max = self.page_size, self.max_batch
     t_real = sum(n for _, n in plan)
