@@ -16,6 +16,8 @@ and run one compiled step per iteration. Each `step()`:
 
 Bad requests (empty prompt, tokens outside the vocabulary, too long for the context or the pool,
 bad sampling values) finish at once with an `error`; the engine keeps serving the others.
+`fork` starts a second sample of a running request on shared pages; `export_request` and
+`import_request` move a running request, K/V included, to another engine.
 """
 from __future__ import annotations
 
