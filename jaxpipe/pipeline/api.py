@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
                                        data_axes_of, from_local, io_spec, is_contiguous,
                                        make_executor, param_specs_key, to_local, with_aux)
+from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -221,8 +222,9 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
 def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,
                    loss_fn: Callable, *, schedule: Schedule | str, mesh: Mesh,
                    chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp",
-                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None):
-  """Pipelined `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))(stage_params)`.
+                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None,
+                   check_mean: bool = True):
+  """Pipelined `jax.value_and_grad` of the loss over all micro-batches; -> (loss, grads).
 
   f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
   stage_params: leaves [S, ...], S the schedule's model stages (pp * chunks for interleaved and
@@ -230,22 +232,42 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   parameters and summed gradients). xs: [microbatches, batch, ...]; targets: leaves
   [microbatches, batch, ...]. schedule: a Schedule, a name (built for this mesh and
   microbatch count, `chunks` per rank) or a torch-format CSV path. Every mesh axis other than
-  `pp_axis` is a data axis: the batch dimension is split over them and the result summed, so
-  `loss_fn` should sum (not average) over its batch for the result to equal one device's.
+  `pp_axis` is a data axis: the batch dimension is split over them.
+
+  `loss_fn(y, target)` sees one micro-batch's slice on one data (and sequence) shard, and the
+  results are added over micro-batches and shards. Return either
+  - the loss summed (not averaged) over the slice: the result is then
+    `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))`, as on one device;
+  - or a pair (loss_sum, weight), e.g. (masked token losses summed, valid tokens): the summed
+    loss and its gradients are divided by the weight summed over all micro-batches and shards,
+    the globally normalised loss (Megatron's token scaling; the weight must come from the
+    targets, not from y).
+  A loss averaged over its slice would come out scaled by the number of shards; with
+  `check_mean` (and concrete inputs on a mesh with data or sequence shards) loss_fn is run once
+  on a doubled micro-batch and a result that does not grow is refused with a ValueError.
   A stage made of layers is best given as `jaxpipe.pipeline.layered(layer_fn)` with leaves
   [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
   `seq_axes` (mesh axes, then not data axes) split axis 2 of xs and targets instead, for
   context-parallel stages that run their own collectives over them; `param_specs` splits
   stage_params leaves over data axes (see `pipeline_value_and_grad`).
-  Returns (loss summed over micro-batches, gradients shaped like stage_params).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
   m = jnp.shape(xs)[0] if jnp.ndim(xs) else 0
   schedule = resolve_schedule(schedule, pp=mesh.shape[pp_axis], microbatches=m, chunks=chunks)
-  model = Model(stage_fn, _headless(loss_fn))
+  seq_axes = as_axes(seq_axes)
+  data_axes = data_axes_of(mesh, pp_axis, None, seq_axes)
+  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
+  weighted = loss_lib.is_weighted(loss_fn, mesh, xs, targets, data_axes, seq_axes)
+  if check_mean:
+    loss_lib.check_not_mean(loss_fn, weighted, mesh, xs, targets, data_axes, seq_axes)
+  model = Model(stage_fn, _headless(loss_lib.summed(loss_fn) if weighted else loss_fn))
   loss, grads, _, _ = pipeline_value_and_grad(model, stage_params, xs, targets,
                                               schedule=schedule, mesh=mesh, recompute=recompute,
                                               pp_axis=pp_axis, seq_axes=seq_axes,
                                               param_specs=param_specs)
-  return loss, grads
+  if not weighted:
+    return loss, grads
+  weight = loss_lib.global_weight(loss_fn, mesh, xs, targets, data_axes, seq_axes)
+  denom = jnp.where(weight == 0, 1.0, weight)  # nothing weighed: the sum, 0 for a masked loss
+  return loss / denom, jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
