@@ -113,3 +113,19 @@ def test_checkpoint_resumes_copies_and_restores_into_a_contiguous_schedule(copie
   restored = jax.device_get(plain.init())
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(jax.device_get(trainer._checkpoint_state()))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_copy_partners_of_a_placement():
+  from jaxpipe.pipeline.api import copy_partners
+  from jaxpipe.pipeline.lower import lower
+  from jaxpipe.pipeline import make_schedule
+  layout = lower(make_schedule("chimera", pp=4, microbatches=8)).layout()
+  assert layout.tolist() == [[0, 3], [1, 2], [2, 1], [3, 0]]
+  pairs, chunks = copy_partners(layout)
+  assert pairs == ((3, 0), (2, 1), (1, 2), (0, 3))  # rank r's copies sit on rank 3 - r
+  assert chunks == ((1, 0),) * 4  # in its other chunk
+  assert copy_partners(np.arange(8).reshape(4, 2)) is None
+  with pytest.raises(ValueError, match="each rank's partners on one rank"):
+    copy_partners(np.array([[0, 1], [1, 2], [2, 0]]))
+  with pytest.raises(ValueError, match="stage 0 has 3 copies"):
+    copy_partners(np.array([[0, 0], [0, 1], [1, 1]]))

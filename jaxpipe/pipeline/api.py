@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
                                        data_axes_of, from_local, io_spec, is_contiguous,
                                        make_executor, param_specs_key, to_local, with_aux)
-from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
