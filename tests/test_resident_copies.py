@@ -3,7 +3,7 @@
 Each rank stores the two stages it runs (twice the parameter and moment memory), the copies'
 gradients are summed by one ppermute between their two holders, both copies take the same
 update and stay bit-identical, the clipping norm counts each parameter once, and checkpoints
-hold the model's order. The oracle is the unpipelined trainer (pp = 1, the same micro-batches),
+hold the model's order. The oracle is the unpipelined trainer (pp = 1, the whole batch at once),
 which 1F1B equals (tests/test_executor_trainer.py).
 """
 import jax
@@ -36,7 +36,7 @@ def run(trainer):
 
 @pytest.fixture(scope="module")
 def reference():
-  trainer = Trainer(tiny_config(1, "1f1b", microbatches=2))  # dp = 8: 2 rows per micro-batch
+  trainer = Trainer(tiny_config(1, "1f1b", microbatches=1))  # dp = 8, the whole batch at once
   return trainer, run(trainer)[0]
 
 
