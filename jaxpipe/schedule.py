@@ -3,6 +3,12 @@
   python -m jaxpipe.schedule 1f1b --pp 4 --microbatches 8 --format stats
   python -m jaxpipe.schedule interleaved-1f1b --pp 4 --microbatches 8 --chunks 2 --format grid
   python -m jaxpipe.schedule my_schedule.csv --format stats   # torch CSV: load, validate, measure
+  python -m jaxpipe.schedule zb-v --pp 4 --microbatches 8 --costs costs.json --format stats
+  python -m jaxpipe.schedule auto --pp 4 --microbatches 8,16 --costs costs.json --memory-limit 2
+
+`--costs` takes per-kind costs (F=1,I=1,W=1) or a cost file from `python -m jaxpipe.measure`
+(seconds; the entry for the schedule's micro-batch and stage counts, one ppermute as the
+latency). `auto` ranks every schedule the cost file can price by its predicted step time.
 """
 from __future__ import annotations
 
@@ -12,9 +18,15 @@ import sys
 from typing import Callable, Optional
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, Schedule, make_schedule
+from jaxpipe.pipeline import auto as auto_lib
+from jaxpipe.pipeline import costs as costs_lib
 from jaxpipe.pipeline.export import text_grid, to_csv, to_perfetto, to_png
 from jaxpipe.pipeline.formulas import anchor
 from jaxpipe.pipeline.simulate import resolve_costs, simulate
+
+
+def is_cost_file(text: str | None) -> bool:
+  return bool(text) and (text.endswith(".json") or os.path.isfile(text))
 
 
 def parse_costs(text: str | None) -> dict[str, float]:
@@ -29,6 +41,19 @@ def parse_costs(text: str | None) -> dict[str, float]:
     if not sep:
       raise ValueError(f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)")
   resolve_costs(out)  # rejects unknown kinds and negative values
+  return out
+
+
+def parse_ints(flag: str, text: str | None) -> list[int] | None:
+  """'8,16' -> [8, 16]; None stays None."""
+  if text is None:
+    return None
+  try:
+    out = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"{flag} {text!r} must be a whole number (auto: a comma list like 8,16)")
+  if not out or min(out) < 1:
+    raise ValueError(f"{flag} {text!r} must be positive whole numbers")
   return out
 
 
@@ -125,6 +150,26 @@ def _ticks(schedule: Schedule, args) -> str:
   return lowered.to_csv()
 
 
+def use_cost_file(schedule: Schedule, args) -> None:
+  """--costs FILE: the schedule's entry as per-kind costs, one ppermute as the latency."""
+  entry = args.cost_file.entry(schedule.num_microbatches, schedule.num_stages)
+  args.costs = entry.kinds()
+  if args.latency == 0.0:
+    args.latency = entry.seconds["ppermute"]
+
+
+def auto(args) -> str:
+  """Ranks every generator at --microbatches (comma list) by predicted step time."""
+  if args.cost_file is None or args.pp is None or args.microbatches_list is None:
+    raise ValueError("auto needs --pp, --microbatches and --costs FILE (from python -m "
+                     "jaxpipe.measure)")
+  names = tuple(filter(None, args.schedules.split(","))) or SCHEDULE_NAMES
+  limit = args.memory_limit * auto_lib.GB if args.memory_limit else None
+  ranking = auto_lib.rank(args.pp, args.microbatches_list, args.cost_file, limit, args.layers,
+                          names)
+  return ranking.report()
+
+
 def load(args) -> Schedule:
   """The schedule named by args.schedule (a generator name or a CSV path), validated."""
   if args.schedule.endswith(".csv") or os.path.isfile(args.schedule):
@@ -148,13 +193,19 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m jaxpipe.schedule", description=__doc__.splitlines()[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, or a torch CSV path")
+  parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, a torch CSV path, "
+                      "or auto (rank them all with --costs FILE)")
   parser.add_argument("--pp", type=int, help="pipeline ranks")
-  parser.add_argument("--microbatches", type=int, help="micro-batches per step")
+  parser.add_argument("--microbatches", help="micro-batches per step (auto: a comma list)")
   parser.add_argument("--chunks", type=int, help="model chunks per rank (interleaved-1f1b)")
   parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                       help="generator option, e.g. group=4 for interleaved-1f1b; repeatable")
-  parser.add_argument("--costs", default="", help="per-kind costs, e.g. F=1,I=1,W=1 (B=I+W)")
+  parser.add_argument("--costs", default="", help="per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), "
+                      "or a cost file (python -m jaxpipe.measure)")
+  parser.add_argument("--memory-limit", type=float, default=0.0,
+                      help="auto: GB per device; schedules predicted to need more are dropped")
+  parser.add_argument("--layers", type=int, help="auto: layers every stage count must divide")
+  parser.add_argument("--schedules", default="", help="auto: generators to rank (default all)")
   parser.add_argument("--latency", type=float, default=0.0, help="cross-rank latency")
   parser.add_argument("--lockstep", action="store_true",
                       help="perfetto/png: draw the lock-step timeline instead of async")
@@ -162,10 +213,20 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", help="write here instead of stdout")
   args = parser.parse_args(argv)
   try:
-    args.costs = parse_costs(args.costs)
+    args.cost_file = costs_lib.load(args.costs) if is_cost_file(args.costs) else None
+    args.costs = {} if args.cost_file else parse_costs(args.costs)
+    args.microbatches_list = parse_ints("--microbatches", args.microbatches)
     args.options = parse_options(args.option)
-    schedule = load(args)
-    text = FORMATS[args.format](schedule, args)
+    if args.schedule == "auto":
+      text = auto(args)
+    else:
+      if args.microbatches_list is not None and len(args.microbatches_list) > 1:
+        raise ValueError("--microbatches takes one count, except for auto")
+      args.microbatches = args.microbatches_list[0] if args.microbatches_list else None
+      schedule = load(args)
+      if args.cost_file:
+        use_cost_file(schedule, args)
+      text = FORMATS[args.format](schedule, args)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
