@@ -695,3 +695,12 @@ def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int) -> PyTr
   return jax.tree.map(
       lambda g: jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx].add(
           g.reshape((-1,) + g.shape[2:])), local_grads)
+
+
+# --- measurement hook: jaxpipe.measure times these parts as the executor compiles them ---------
+
+def stage_ops(model: Model, params: PyTree, x: jax.ShapeDtypeStruct,
+              recompute: bool = False) -> _StageOps:
+  """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
+  built as `make_executor` builds them for stage params `params` and input `x`."""
+  return _StageOps(with_aux(model.stage_fn, model.stage_aux), params, x, recompute)
