@@ -19,6 +19,7 @@ from jaxpipe.pipeline import Placement, Schedule, make_schedule
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
              "dualpipe", "dualpipev")
+AUTO = "auto"  # pipeline.schedule: choose among SCHEDULES from measured costs
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "synthetic")
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
@@ -44,10 +45,14 @@ def default_config() -> ml_collections.ConfigDict:
   ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
 
   c.pipeline = p = ml_collections.ConfigDict()
-  p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
+  p.schedule = "1f1b"  # one of SCHEDULES, "auto", or a torch.distributed.pipelining CSV path
   p.microbatches = 1  # micro-batches per step (gradient accumulation when pp = 1)
   p.chunks = 1  # model chunks per pipeline rank (virtual stages)
   p.recompute = False  # recompute stage forwards in the backward instead of keeping residuals
+  p.costs = ""  # auto: cost file (python -m jaxpipe.measure); empty = measure before training
+  p.memory_limit_gb = 0.0  # auto: drop schedules predicted to need more per device; 0 = no limit
+  p.auto_microbatches = ()  # auto: micro-batch counts to consider; empty = all the batch allows
+  p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULES
 
   c.data = d = ml_collections.ConfigDict()
   d.source = "stdlib"  # 'stdlib': bytes of Python's own .py files; 'synthetic': for tests
@@ -172,9 +177,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
   schedule = p.schedule
-  if not isinstance(schedule, str) or not (schedule in SCHEDULES or schedule.endswith(".csv")):
+  if not isinstance(schedule, str) or not (schedule in SCHEDULES + (AUTO,)
+                                           or schedule.endswith(".csv")):
     raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} "
-                      "or the path of a torch.distributed.pipelining schedule CSV (ending in .csv)")
+                      f"or {AUTO!r}, or the path of a torch.distributed.pipelining schedule CSV "
+                      "(ending in .csv)")
   if schedule.endswith(".csv") and not os.path.isfile(schedule):
     raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
 
@@ -188,7 +195,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
       raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
                         "layers come in groups of moe.every (the last of each is MoE), so use a "
                         f"multiple of {every} layers")
-  if shape["pp"] > 1 or schedule.endswith(".csv"):
+  if schedule == AUTO:
+    _check_auto(config, shape, every)
+  elif shape["pp"] > 1 or schedule.endswith(".csv"):
     _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
   cp = shape["cp"]
   for name in ("n_heads", "n_kv_heads"):
@@ -199,7 +208,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
   replicas = shape["dp"] * shape["ep"]
-  if d.batch % (replicas * p.microbatches):
+  if schedule != AUTO and d.batch % (replicas * p.microbatches):
     raise ConfigError(
         f"data.batch={d.batch} is not divisible by data-parallel ranks (mesh.dp x mesh.ep = "
         f"{shape['dp']} x {shape['ep']}) x pipeline.microbatches={p.microbatches} = "
@@ -239,6 +248,40 @@ def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
     raise ConfigError(f"pipeline.schedule={name!r} cannot run mesh.pp={pp} with "
                       f"pipeline.microbatches={pipeline.microbatches}"
                       + (f", pipeline.chunks={chunks}" if chunks else "") + f": {e}") from e
+
+
+def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int], every: int) -> None:
+  """pipeline.schedule = 'auto': its fields, and at least one candidate the IR can build."""
+  from jaxpipe.pipeline import auto as auto_lib
+  from jaxpipe.pipeline import costs as costs_lib
+  p = config.pipeline
+  if shape["pp"] == 1:
+    raise ConfigError("pipeline.schedule='auto' chooses among pipeline schedules; set "
+                      "--config.mesh.pp to 2 or more, or name a schedule")
+  if not p.memory_limit_gb >= 0:
+    raise ConfigError(f"pipeline.memory_limit_gb={p.memory_limit_gb!r} must be >= 0 (0: no limit)")
+  per_replica = config.data.batch // (shape["dp"] * shape["ep"])
+  for mb in p.auto_microbatches:
+    if not isinstance(mb, int) or mb < 1 or config.data.batch % (shape["dp"] * shape["ep"] * mb):
+      raise ConfigError(f"pipeline.auto_microbatches entry {mb!r} does not split the batch: "
+                        f"data.batch={config.data.batch} over {shape['dp'] * shape['ep']} data "
+                        f"ranks leaves {per_replica} sequences each; use divisors of {per_replica}")
+  bad = [n for n in p.auto_schedules if n not in SCHEDULES]
+  if bad:
+    raise ConfigError(f"pipeline.auto_schedules has {bad}; choose among {', '.join(SCHEDULES)}")
+  if p.costs:
+    try:
+      costs_lib.load(p.costs)
+    except costs_lib.CostFileError as e:
+      raise ConfigError(f"pipeline.costs={p.costs!r}: {e}") from e
+  mbs = sorted(set(p.auto_microbatches)) or [k for k in range(1, per_replica + 1)
+                                               if per_replica % k == 0]
+  try:
+    auto_lib.require_runnable(auto_lib.candidates(shape["pp"], mbs, tuple(p.auto_schedules)
+                                                  or SCHEDULES, config.model.n_layers // every),
+                              shape["pp"])
+  except auto_lib.AutoError as e:
+    raise ConfigError(f"pipeline.schedule='auto': {e}") from e
 
 
 def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:

@@ -8,12 +8,15 @@
 For each micro-batch count and stage count: one virtual stage of the config's model (its first
 n_layers/stages layers) on one micro-batch of this mesh's per-device shape, its parts built by
 the executor's own `stage_ops` (F keeps the `jax.vjp` residuals, I and W are the two halves of
-that vjp, B both). Every device of the mesh runs the part at once, as in a tick where every rank
-works, inside a `lax.scan` of `--inner` iterations whose inputs are tied to the loop (so XLA
-cannot hoist the work out), and the median over `--repeats` calls, after one that compiles and
-warms up, divided by `--inner` is the part's time. The same for one ppermute of an activation to
-the next pipeline rank, the embedding (first stage) and the head and loss (last stage), and the
-optimizer update on the real train state. Bytes come from the shapes: exact.
+that vjp, B both). One compiled program runs any part, chosen by an argument, n times in a loop
+whose inputs are tied to the iteration (so XLA cannot hoist the work out), on every device of
+the mesh at once, as in a tick where every rank works; n is chosen so a call lasts ~50 ms. After
+a warm-up, `--repeats` rounds time every part once each (so load that drifts during the run
+hits all parts alike); a part's time is its median call less the median call that runs nothing
+(dispatch), over n. The same for one ppermute of an activation to the next pipeline rank, the
+embedding (first stage), the head and loss (last stage), and the optimizer update on the real
+train state; `--paired` adds the config's own train step to the rounds. Bytes come from the
+shapes: exact.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ from jaxpipe import runtime
 if __name__ == "__main__":
   runtime.use_host_devices()
 
-import functools  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -54,25 +56,15 @@ def _nbytes(tree) -> int:
 
 # The parts one compiled program runs, chosen by an argument; "" runs nothing (the baseline).
 KINDS = costs_lib.SECONDS + ("",)
+TARGET_S = 0.05  # a timed call runs a part this long (repeated inside), to dwarf dispatch
 
 
-def time_call(fn: Callable, args: tuple, repeats: int) -> float:
-  """Median seconds of `fn(*args)` over `repeats` calls, after one call that compiles and warms."""
-  return time_kinds(lambda _, *a: fn(*a), [None], args, repeats)[0]
-
-
-def time_kinds(fn: Callable, kinds: list, args: tuple, repeats: int) -> list[float]:
-  """Median seconds of `fn(kind, *args)` for each kind over `repeats` rounds, after one warm-up
-  round; each round times every kind once, so load that drifts during the run hits all alike."""
-  for k in kinds:
-    jax.block_until_ready(fn(k, *args))
-  times = [[] for _ in kinds]
-  for _ in range(repeats):
-    for i, k in enumerate(kinds):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(k, *args))
-      times[i].append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in times]
+def _seconds(fn: Callable, *args) -> tuple[float, float]:
+  """(wall, process CPU) seconds of one call: CPU time counts every device's work on the host
+  and little of what other processes take from the cores."""
+  t0, c0 = time.perf_counter(), time.process_time()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _tied(tree, carry):
@@ -100,117 +92,166 @@ def microbatch_shape(config: ml_collections.ConfigDict, mesh_shape: dict, microb
   return config.data.batch // (replicas * microbatches), config.data.seq_len // mesh_shape["cp"]
 
 
-def stage_entry(cfg: transformer.TransformerConfig, mesh: jax.sharding.Mesh, microbatches: int,
-                stages: int, shape: tuple[int, int], repeats: int, inner: int) -> dict:
-  """Seconds and bytes of one virtual stage (n_layers/stages layers) on a [b, L] micro-batch."""
-  every = cfg.moe.every if cfg.moe is not None else 1
-  units = cfg.n_layers // every
-  if units % stages:
-    raise config_lib.ConfigError(f"model.n_layers={cfg.n_layers} does not split into {stages} "
-                                 "stages; measure a stage count that divides the layers")
-  seq_axes = (CONTEXT_AXIS,) if mesh.shape[CONTEXT_AXIS] > 1 else ()
-  model = lm_model(cfg, seq_axes[0] if seq_axes else None)
-  params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
-  stage = jax.tree.map(lambda a: a[:units // stages], params["layers"])
-  head = {k: v for k, v in params.items() if k != "layers"}
-  embed = {"embed": params["embed"]}
-  b, seq = shape
-  data = [a for a in BATCH_AXES if a in mesh.axis_names]
-  replicas = math.prod(mesh.shape[a] for a in data)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.vocab, (b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
-  targets = np.roll(tokens, -1, axis=1)
-  mask = np.ones(tokens.shape, np.float32)
-  io = P(tuple(data), *seq_axes)
-  devices = P(tuple(mesh.axis_names))  # a leading axis over every device: per-device values
-  ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
-  leading = jax.tree.map(lambda a: a[None], stage)
-  stage_spec = stage_param_specs(leading, ep_axis)  # over one stage's own dims
-  in_specs = (stage_spec, P(), P(), io, io, io)
-  args = (stage, head, embed, tokens, targets, mask)
-  perm = [(i, (i + 1) % mesh.shape["pp"]) for i in range(mesh.shape["pp"])]
+class StageTimer:
+  """One virtual stage (n_layers/stages layers) of the model on one [b, L] micro-batch per
+  device: a compiled program that runs any of KINDS `n` times in a loop on every device."""
 
-  def make_ops(stage, x):
-    return stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  def __init__(self, cfg: transformer.TransformerConfig, mesh: jax.sharding.Mesh,
+               microbatches: int, stages: int, shape: tuple[int, int]):
+    every = cfg.moe.every if cfg.moe is not None else 1
+    units = cfg.n_layers // every
+    if units % stages:
+      raise config_lib.ConfigError(f"model.n_layers={cfg.n_layers} does not split into {stages} "
+                                   "stages; measure a stage count that divides the layers")
+    self.microbatches, self.stages, self.shape = microbatches, stages, shape
+    self.layers = units // stages * every
+    seq_axes = (CONTEXT_AXIS,) if mesh.shape[CONTEXT_AXIS] > 1 else ()
+    model = lm_model(cfg, seq_axes[0] if seq_axes else None)
+    params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
+    stage = jax.tree.map(lambda a: a[:units // stages], params["layers"])
+    head = {k: v for k, v in params.items() if k != "layers"}
+    embed = {"embed": params["embed"]}
+    b, seq = shape
+    data = [a for a in BATCH_AXES if a in mesh.axis_names]
+    replicas = math.prod(mesh.shape[a] for a in data)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab, (b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    mask = np.ones(tokens.shape, np.float32)
+    io = P(tuple(data), *seq_axes)
+    devices = P(tuple(mesh.axis_names))  # a leading axis over every device: per-device values
+    ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
+    stage_spec = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
+    in_specs = (stage_spec, P(), P(), io, io, io)
+    perm = [(i, (i + 1) % mesh.shape["pp"]) for i in range(mesh.shape["pp"])]
+    found: dict = {}
 
-  def prepare(stage, head, embed, tokens, targets, mask):
-    """-> what every part starts from on this device: x, y, stored residuals, dy, g."""
-    x = model.embed_fn(embed, tokens)
-    ops = make_ops(stage, x)
-    found["bytes"] = {"activation": _nbytes(x), "residual": _nbytes(ops.stored),
-                      "wg": _nbytes(ops.g)}
-    y, stored, _ = ops.forward(stage, x)
-    dy = jnp.ones_like(y) / y.size
-    _, g = ops.input_grad(stage, list(stored), dy, jnp.bool_(True))
-    return jax.tree.map(lambda a: a[None], (x, y, list(stored), dy, g))
+    def make_ops(stage, x):
+      return stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
-  def program(kind, stage, head, embed, tokens, targets, mask, values):
-    """`inner` iterations of part KINDS[kind] in a scan, each reading what the last wrote."""
-    x, y, stored, dy, g = jax.tree.map(lambda a: a[0], values)
-    ops = make_ops(stage, x)
-    yes = jnp.bool_(True)
-    target = (targets, mask)
+    def prepare(stage, head, embed, tokens, targets, mask):
+      """-> what every part starts from on this device: x, y, stored residuals, dy, g."""
+      x = model.embed_fn(embed, tokens)
+      ops = make_ops(stage, x)
+      found["bytes"] = {"activation": _nbytes(x), "residual": _nbytes(ops.stored),
+                        "wg": _nbytes(ops.g)}
+      y, stored, _ = ops.forward(stage, x)
+      dy = jnp.ones_like(y) / y.size
+      _, g = ops.input_grad(stage, list(stored), dy, jnp.bool_(True))
+      return jax.tree.map(lambda a: a[None], (x, y, list(stored), dy, g))
 
-    def forward(c):
-      y, st, _ = ops.forward(stage, c["x"])
-      return {**c, "x": y, "stored": list(st)}
+    def program(kind, n, stage, head, embed, tokens, targets, mask, values):
+      """Part KINDS[kind] n times in a loop, each iteration reading what the last wrote."""
+      x, y, stored, dy, g = jax.tree.map(lambda a: a[0], values)
+      ops = make_ops(stage, x)
+      yes = jnp.bool_(True)
+      target = (targets, mask)
 
-    def input_grad(c):
-      dx, gg = ops.input_grad(stage, stored, c["dy"], yes)
-      return {**c, "dy": dx, "g": gg}
+      def forward(c):
+        y, st, _ = ops.forward(stage, c["x"])
+        return {**c, "x": y, "stored": list(st)}
 
-    def weight_grad(c):
-      p, st, gg = _tied((stage, stored, g), c["grads"])
-      return {**c, "grads": _acc(c["grads"], ops.weight_grad(p, st, gg))}
+      def input_grad(c):
+        dx, gg = ops.input_grad(stage, stored, c["dy"], yes)
+        return {**c, "dy": dx, "g": gg}
 
-    def full_grad(c):
-      dx, dp = ops.full_grad(stage, stored, c["dy"], yes)
-      return {**c, "dy": dx, "grads": _acc(c["grads"], dp)}
+      def weight_grad(c):
+        p, st, gg = _tied((stage, stored, g), c["grads"])
+        return {**c, "grads": _acc(c["grads"], ops.weight_grad(p, st, gg))}
 
-    def embed_part(c):
-      e, t, d = _tied((embed, tokens, x), c["embed"])
-      _, vjp = jax.vjp(lambda e: model.embed_fn(e, t), e)
-      return {**c, "embed": _acc(c["embed"], vjp(d)[0])}
+      def full_grad(c):
+        dx, dp = ops.full_grad(stage, stored, c["dy"], yes)
+        return {**c, "dy": dx, "grads": _acc(c["grads"], dp)}
 
-    def head_part(c):
-      h, yy = _tied((head, y), c["head"])
-      _, (dh, dyy) = jax.value_and_grad(model.loss_fn, argnums=(0, 1))(h, yy, target)
-      return {**c, "head": _acc(c["head"], dh), "dy": dyy}
+      def embed_part(c):
+        e, t, d = _tied((embed, tokens, x), c["embed"])
+        _, vjp = jax.vjp(lambda e: model.embed_fn(e, t), e)
+        return {**c, "embed": _acc(c["embed"], vjp(d)[0])}
 
-    parts = {"F": forward, "B": full_grad, "I": input_grad, "W": weight_grad,
-             "F&B": lambda c: full_grad(forward(c)),
-             "ppermute": lambda c: {**c, "x": lax.ppermute(c["x"], "pp", perm)},
-             "embed": embed_part, "head": head_part, "": lambda c: c}
-    branches = [parts[k] for k in KINDS]
-    init = {"x": x, "stored": stored, "dy": dy, "g": g, "grads": _f32_zeros(stage),
-            "embed": _f32_zeros(embed), "head": _f32_zeros(head)}
-    out = lax.scan(lambda c, _: (lax.switch(kind, branches, c), None), init, None,
-                   length=inner)[0]
-    return jnp.stack([jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(out)])[None]
+      def head_part(c):
+        h, yy = _tied((head, y), c["head"])
+        _, (dh, dyy) = jax.value_and_grad(model.loss_fn, argnums=(0, 1))(h, yy, target)
+        return {**c, "head": _acc(c["head"], dh), "dy": dyy}
 
-  shard = lambda fn, specs: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                                                  out_specs=devices, check_vma=False))
-  found: dict = {}
-  values = shard(prepare, in_specs)(*args)
-  run = shard(program, (P(),) + in_specs + (devices,))
-  kinds = [k for k in KINDS if k != "ppermute" or mesh.shape["pp"] > 1]
-  times = time_kinds(run, [np.int32(KINDS.index(k)) for k in kinds], args + (values,), repeats)
-  empty = times[kinds.index("")]  # what a call costs around the loop: dispatch, arguments
-  seconds = {k: max(t - empty, 0.0) / inner for k, t in zip(kinds, times) if k}
-  seconds.setdefault("ppermute", 0.0)
-  return {"microbatches": microbatches, "stages": stages, "microbatch": [b, seq],
-          "layers_per_stage": units // stages * every, "seconds": seconds,
-          "bytes": found["bytes"]}
+      parts = {"F": forward, "B": full_grad, "I": input_grad, "W": weight_grad,
+               "F&B": lambda c: full_grad(forward(c)),
+               "ppermute": lambda c: {**c, "x": lax.ppermute(c["x"], "pp", perm)},
+               "embed": embed_part, "head": head_part, "": lambda c: c}
+      branches = [parts[k] for k in KINDS]
+      init = {"x": x, "stored": stored, "dy": dy, "g": g, "grads": _f32_zeros(stage),
+              "embed": _f32_zeros(embed), "head": _f32_zeros(head)}
+      out = lax.fori_loop(0, n, lambda _, c: lax.switch(kind, branches, c), init)
+      return jnp.stack([jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(out)])[None]
+
+    shard = lambda fn, specs: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                                                    out_specs=devices, check_vma=False))
+    args = (stage, head, embed, tokens, targets, mask)
+    self._args = args + (shard(prepare, in_specs)(*args),)
+    self.bytes = found["bytes"]
+    self._run = shard(program, (P(), P()) + in_specs + (devices,))
+    self.kinds = [k for k in KINDS if k != "ppermute" or mesh.shape["pp"] > 1]
+    self.repeat = {}  # kind -> iterations per timed call
+
+  def call(self, kind: str, n: int | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call running `kind` n (default: its chosen count) times."""
+    return _seconds(self._run, np.int32(KINDS.index(kind)), np.int32(n or self.repeat[kind]),
+                    *self._args)
+
+  def warm_up(self) -> None:
+    """Compiles, then picks each part's iterations per call so that a call lasts ~TARGET_S."""
+    for k in self.kinds:
+      self.call(k, 1)
+    for k in self.kinds:
+      once = max(self.call(k, 4)[0] / 4, 1e-6)
+      self.repeat[k] = int(min(max(round(TARGET_S / once), 1), 256)) if k else 1
+
+  def entry(self, samples: dict[str, list[tuple[float, float]]]) -> dict:
+    """The cost file entry from per-call (wall, CPU) samples of every kind: the median call,
+    less the median call that runs nothing (dispatch, arguments), per iteration."""
+    out = {}
+    for i, name in ((0, "seconds"), (1, "cpu_seconds")):
+      empty = statistics.median(x[i] for x in samples[""])
+      out[name] = {k: max(statistics.median(x[i] for x in v) - empty, 0.0) / self.repeat[k]
+                   for k, v in samples.items() if k}
+      out[name].setdefault("ppermute", 0.0)
+    return {"microbatches": self.microbatches, "stages": self.stages,
+            "microbatch": list(self.shape), "layers_per_stage": self.layers,
+            "bytes": self.bytes, **out}
 
 
-def step_section(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-                 repeats: int) -> dict:
-  """The optimizer update's seconds on the real train state (layers split over pp, one copy)
-  and the state's and gradients' bytes per device, the layer stack's share apart."""
+def time_rounds(timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] = {}
+                ) -> tuple[list[dict], dict[str, list[tuple[float, float]]]]:
+  """`repeats` rounds, each timing every part of every timer once (and each of `extra`), so
+  that load drifting during the run hits all of them alike."""
+  samples = [{k: [] for k in t.kinds} for t in timers]
+  others = {name: [] for name in extra}
+  for _ in range(repeats):
+    for t, out in zip(timers, samples):
+      for k in t.kinds:
+        out[k].append(t.call(k))
+    for name, fn in extra.items():
+      others[name].append(fn())
+  return samples, others
+
+
+def load_average() -> str:
+  try:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+  except OSError:
+    return "unknown"
+
+
+def update_timer(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+                 ) -> tuple[Callable[[], tuple[float, float]], dict]:
+  """A call timing one optimizer update on the real train state (layers split over pp, one
+  copy), and the state's and gradients' bytes per device, the layer stack's share apart."""
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
-  init = lambda: TrainState(jnp.zeros((), jnp.int32), *(lambda p: (p, optimizer.init(p)))(
-      transformer.init_params(cfg, jax.random.key(0))))
+
+  def init():
+    params = transformer.init_params(cfg, jax.random.key(0))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
   shapes = jax.eval_shape(init)
   shardings = state_shardings(shapes, mesh)
   state = jax.jit(init, out_shardings=shardings)()
@@ -221,20 +262,28 @@ def step_section(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
     return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
 
   run = jax.jit(update, in_shardings=(shardings,), out_shardings=shardings)
-  update_s = time_call(run, (state,), repeats)
   per_device = lambda s, sh: math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
   in_layers = lambda path: "layers" in [getattr(k, "key", None) for k in path]
-  state_b = {True: 0, False: 0}
-  grad_b = {True: 0, False: 0}
-  leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-  for (path, s), sh in zip(leaves, jax.tree.leaves(shardings)):
-    state_b[in_layers(path)] += per_device(s, sh)
-  for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(shapes.params)[0],
-                           jax.tree.leaves(shardings.params)):
-    grad_b[in_layers(path)] += per_device(s, sh)
-  return {"update_s": update_s, "layer_state_bytes": state_b[True],
-          "shared_state_bytes": state_b[False], "layer_grad_bytes": grad_b[True],
-          "shared_grad_bytes": grad_b[False]}
+  sizes = {"state": {True: 0, False: 0}, "grad": {True: 0, False: 0}}
+  for what, tree, shard in (("state", shapes, shardings), ("grad", shapes.params,
+                                                           shardings.params)):
+    for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
+                             jax.tree.leaves(shard)):
+      sizes[what][in_layers(path)] += per_device(s, sh)
+  _seconds(run, state)  # compiles
+  return (lambda: _seconds(run, state), {
+      "layer_state_bytes": sizes["state"][True], "shared_state_bytes": sizes["state"][False],
+      "layer_grad_bytes": sizes["grad"][True], "shared_grad_bytes": sizes["grad"][False]})
+
+
+def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, float]]:
+  """A call timing one train step of the config (its schedule) on a batch already on the mesh."""
+  from jaxpipe.trainer import Trainer
+  trainer = Trainer(config)
+  trainer.compile()
+  batch = trainer.batch(0)
+  _seconds(trainer.step, batch)
+  return lambda: _seconds(trainer.step, batch)
 
 
 def load_average() -> str:
@@ -245,30 +294,56 @@ def load_average() -> str:
 
 
 def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
-            repeats: int = 5, inner: int = 8, log: Callable[[str], None] | None = None) -> dict:
-  """The cost file's contents for the config's model and mesh at each (micro-batches, stages)."""
+            repeats: int = 5, log: Callable[[str], None] | None = None,
+            paired: bool = False) -> dict:
+  """The cost file's contents for the config's model and mesh at each (micro-batches, stages).
+
+  paired: also time the config's own train step in the same rounds (setup.paired.step_s), so a
+  prediction from these costs meets a step measured under the same load."""
   mesh_shape = config_lib.mesh_shape(config.mesh, jax.device_count())
   mesh = make_mesh(config.mesh)
   cfg = config_lib.model_config(config)
   load_before = load_average()
-  entries = []
-  for m, s in sorted(set(pairs)):
-    shape = microbatch_shape(config, mesh_shape, m)
-    t0 = time.perf_counter()
-    entries.append(stage_entry(cfg, mesh, m, s, shape, repeats, inner))
-    if log:
-      sec = entries[-1]["seconds"]
-      log(f"measured m={m} over {s} stages (micro-batch {list(shape)} per device) in "
-          f"{time.perf_counter() - t0:.1f} s: " + ", ".join(f"{k} {1e3 * v:.3f} ms"
-                                                           for k, v in sec.items()))
-  step = step_section(config, mesh, repeats)
+  t0 = time.perf_counter()
+  timers = [StageTimer(cfg, mesh, m, s, microbatch_shape(config, mesh_shape, m))
+            for m, s in sorted(set(pairs))]
+  for t in timers:
+    t.warm_up()
+  update, step_bytes = update_timer(config, mesh)
+  extra = {"update": update}
+  if paired:
+    extra["step"] = step_timer(config)
+  compiled = time.perf_counter() - t0
+  samples, others = time_rounds(timers, repeats, extra)
+  entries = [t.entry(s) for t, s in zip(timers, samples)]
+  if log:
+    for e in entries:
+      log(f"measured m={e['microbatches']} over {e['stages']} stages (micro-batch "
+          f"{e['microbatch']} per device): " + ", ".join(f"{k} {1e3 * v:.3f} ms"
+                                                          for k, v in e["seconds"].items()))
   d = jax.devices()[0]
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  devices = {"platform": d.platform, "count": jax.device_count(), "cores": cores,
+             "parallel": d.platform != "cpu" or jax.device_count() <= cores}
+  median = lambda xs, i: statistics.median(x[i] for x in xs)
   setup = {"model": config.model.to_dict(), "mesh": mesh_shape,
            "batch": [config.data.batch, config.data.seq_len],
            "devices": f"{jax.device_count()} x {d.platform} ({d.device_kind})",
-           "repeats": repeats, "inner": inner, "jax": jax.__version__,
+           "repeats": repeats, "iterations_per_call": {f"m={t.microbatches}/{t.stages}": t.repeat
+                                                   for t in timers},
+           "jax": jax.__version__, "seconds": {"compile": compiled,
+                                               "timing": time.perf_counter() - t0 - compiled},
            "load_average": f"{load_before} before, {load_average()} after (1, 5, 15 min)"}
-  out = {"format": costs_lib.FORMAT, "setup": setup, "step": step, "entries": entries}
+  if paired:
+    p = config.pipeline
+    setup["paired"] = {"schedule": p.schedule, "microbatches": p.microbatches,
+                       "chunks": p.chunks, "step_s": median(others["step"], 0),
+                       "step_cpu_s": median(others["step"], 1),
+                       "samples": [list(x) for x in others["step"]]}
+  step = {"update_s": median(others["update"], 0), costs_lib.STEP_CPU: median(others["update"], 1),
+          **step_bytes}
+  out = {"format": costs_lib.FORMAT, "setup": setup, "devices": devices, "step": step,
+         "entries": entries}
   costs_lib.parse(out)
   return out
 
@@ -344,12 +419,16 @@ def main(argv: list[str]) -> None:
       config_lib.validate(config, jax.device_count())
       sched = config_lib.pipeline_schedule(config.pipeline, mesh_shape["pp"])
       pairs = [(sched.num_microbatches, sched.num_stages)]
-    out = measure(config, pairs, f.repeats, f.inner, log=print)
+    out = measure(config, pairs, f.repeats, log=print, paired=f.paired)
   except (config_lib.ConfigError, ValueError) as e:
     sys.exit(f"error: {e}")
   costs_lib.dump(out, f.out)
+  paired = out["setup"].get("paired")
   print(f"wrote {f.out}: {len(out['entries'])} entries, update "
-        f"{1e3 * out['step']['update_s']:.2f} ms; load {out['setup']['load_average']}")
+        f"{1e3 * out['step']['update_s']:.2f} ms"
+        + (f", train step {1e3 * paired['step_s']:.2f} ms ({paired['step_cpu_s']:.3f} s CPU)"
+           if paired else "")
+        + f"; load {out['setup']['load_average']}")
 
 
 if __name__ == "__main__":
@@ -363,7 +442,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).")
   flags.DEFINE_string("stages", "", "Model stage counts, e.g. 4,8 (default: the config "
                       "schedule's).")
-  flags.DEFINE_integer("repeats", 5, "Timed calls per part; the median is kept.")
-  flags.DEFINE_integer("inner", 8, "Iterations of the part inside one timed call.")
+  flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.")
+  flags.DEFINE_bool("paired", False, "Also time the config's own train step in the same "
+                    "rounds, for a prediction against a step measured under the same load.")
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -4,7 +4,9 @@
       [--gin_file F.gin ...] [--gin_param 'model.d_model = 256' ...]
 
 Gin bindings are applied after the config file and its --config overrides. Without an
-accelerator the run gets 8 CPU host devices ($JAXPIPE_HOST_DEVICES to change).
+accelerator the run gets 8 CPU host devices ($JAXPIPE_HOST_DEVICES to change). With
+--config.pipeline.schedule=auto the schedule is chosen from measured stage costs first (the
+ranking is printed; auto.json and costs.json go to the workdir).
 """
 import sys
 
@@ -47,6 +49,8 @@ def main(argv: list[str]) -> None:
     trainer = Trainer(config, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
+  if trainer.auto_report:
+    print(trainer.auto_report)
   d = config.data
   print(f"mesh {dict(trainer.mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} "
         f"devices; batch {d.batch} x {d.seq_len} tokens, {config.train.steps} steps")

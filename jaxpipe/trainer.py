@@ -26,6 +26,7 @@ also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), fr
 train step moves the sigmoid router's balancing biases.
 """
 import functools
+import json
 import math
 import os
 import signal
@@ -295,8 +296,12 @@ class Trainer:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
-    self.config = config
     self.mesh_shape = config_lib.validate(config, jax.device_count())
+    self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won
+    if config.pipeline.schedule == config_lib.AUTO:
+      config = self._choose_schedule(config, workdir)
+      self.mesh_shape = config_lib.validate(config, jax.device_count())
+    self.config = config
     self.model_cfg = config_lib.model_config(config)
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None
@@ -326,6 +331,38 @@ class Trainer:
     self._state_sharding = None
     self._train_step = None
     self._eval_step = None
+    self.compile_stats: dict[str, float] = {}  # set by compile(): seconds, bytes per device
+
+  def _choose_schedule(self, config: ml_collections.ConfigDict,
+                       workdir: str | None) -> ml_collections.ConfigDict:
+    """pipeline.schedule = 'auto' -> a copy of the config running the best-ranked candidate.
+
+    The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
+    workdir; a run resumed there keeps its first choice.
+    """
+    from jaxpipe import measure
+    from jaxpipe.pipeline import auto as auto_lib
+    from jaxpipe.pipeline import costs as costs_lib
+    path = os.path.join(workdir, "auto.json") if workdir else None
+    if path and os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+      choice, self.auto_report = saved["choice"], saved["report"]
+    else:
+      try:
+        ranking, measured = measure.choose(config, self.mesh_shape)
+      except (auto_lib.AutoError, costs_lib.CostFileError) as e:
+        raise config_lib.ConfigError(f"pipeline.schedule='auto': {e}") from e
+      choice, self.auto_report = dict(auto_lib.choice_config(ranking.best)), ranking.report()
+      if path and jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        if measured is not None:
+          costs_lib.dump(measured, os.path.join(workdir, "costs.json"))
+        with open(path, "w") as f:
+          json.dump({"choice": choice, "report": self.auto_report}, f, indent=1)
+    config = config.copy_and_resolve_references()  # the caller's config stays 'auto'
+    config.pipeline.update(choice)
+    return config
 
   # -- state ------------------------------------------------------------------------------------
 
@@ -445,6 +482,27 @@ class Trainer:
     return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
                    out_shardings=(self.state_sharding, replicated(self.mesh)), donate_argnums=0)
 
+  def compile(self) -> jax.stages.Compiled:
+    """Compiles the train step ahead of time for the state's and batches' shapes (later steps
+    reuse it) and records `compile_stats`: seconds, and the compiled program's bytes per device
+    from `memory_analysis()` (peak = arguments + outputs - donated aliases + temporaries)."""
+    if self.state is None:
+      self.init()
+    if self._train_step is None:
+      self._train_step = self._build_train_step()
+    batch = self.batch(int(self.state.step))
+    t0 = time.perf_counter()
+    compiled = self._train_step.lower(self.state, batch).compile()
+    stats = {"compile_s": time.perf_counter() - t0}
+    mem = compiled.memory_analysis()
+    if mem is not None:  # some backends do not report it
+      sizes = {name: int(getattr(mem, f"{name}_size_in_bytes"))
+               for name in ("argument", "output", "alias", "temp")}
+      stats.update({f"{k}_bytes": v for k, v in sizes.items()})
+      stats["peak_bytes"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+    self.compile_stats = stats
+    return compiled
+
   def step(self, batch: dict | None = None) -> dict[str, jax.Array]:
     """One optimizer step on `batch` (numpy or on-mesh arrays; default: the next train batch)."""
     if self.state is None:
@@ -500,6 +558,11 @@ class Trainer:
     if self.workdir and jax.process_index() == 0:
       with open(os.path.join(self.workdir, "config.json"), "w") as f:
         f.write(cfg.to_json_best_effort(indent=2))
+    if start < total:
+      self.compile()
+      if self.workdir and jax.process_index() == 0:
+        with open(os.path.join(self.workdir, "compile.json"), "w") as f:
+          json.dump(self.compile_stats, f, indent=1)
     stop = threading.Event()
     previous_handler = None
     if threading.current_thread() is threading.main_thread():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-from jaxpipe.pipeline.costs import CostFile, Prediction, predict
+from jaxpipe.pipeline.costs import CostFile, Prediction
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import SCHEDULE_NAMES, make_schedule
@@ -61,20 +61,29 @@ class Ranking:
 
   def table(self) -> str:
     """One line per candidate: predicted step, its parts, bubble, memory, or why it was dropped."""
-    head = (f"{'rank':>4}  {'candidate':<24}{'step ms':>9}{'ticks ms':>9}{'send ms':>8}"
+    head = (f"{'rank':>4}  {'candidate':<24}{'step ms':>9}{'lock-step':>10}{'CPU ms':>9}"
             f"{'ticks':>6}{'bubble':>8}{'memory MB':>10}  note")
     lines = [head]
     for i, c in enumerate(self.candidates):
       pos = f"{i + 1:>4}" if not c.dropped else f"{'-':>4}"
       pr = c.prediction
       if pr is None:
-        lines.append(f"{pos}  {c.label:<24}{'':>9}{'':>9}{'':>8}{'':>6}{'':>8}{'':>10}  "
+        lines.append(f"{pos}  {c.label:<24}{'':>9}{'':>10}{'':>9}{'':>6}{'':>8}{'':>10}  "
                      f"{c.dropped}")
         continue
-      lines.append(f"{pos}  {c.label:<24}{1e3 * pr.step_s:>9.2f}{1e3 * pr.ticks_s:>9.2f}"
-                   f"{1e3 * pr.send_s:>8.2f}{c.lowered.num_ticks:>6}{100 * pr.bubble:>7.1f}%"
+      cpu = f"{1e3 * pr.cpu_s:>9.2f}" if pr.cpu_s is not None else f"{'':>9}"
+      lines.append(f"{pos}  {c.label:<24}{1e3 * pr.step_s:>9.2f}{1e3 * pr.lockstep_s:>10.2f}"
+                   f"{cpu}{c.lowered.num_ticks:>6}{100 * pr.bubble:>7.1f}%"
                    f"{pr.memory_bytes / 2**20:>10.2f}  {c.dropped}")
     return "\n".join(lines)
+
+  def model_text(self) -> str:
+    b = self.best.prediction
+    if b.model == "shared cores":
+      return ("step ms: the devices share the host's cores, so a tick costs its ranks' CPU "
+              "seconds together (CPU ms) over the cores; lock-step: what parallel devices "
+              "would take (each tick its slowest rank)")
+    return "step ms: lock-step, each tick as long as its slowest rank, plus its ppermutes"
 
   def reason(self) -> str:
     """Why the best candidate won, against the runner-up."""
@@ -82,37 +91,34 @@ class Ranking:
     b = best.prediction
     limit = (f", within the {self.memory_limit / GB:g} GB limit" if self.memory_limit
              else "")
-    text = (f"auto chose {best.label}: predicted {1e3 * b.step_s:.2f} ms per step "
-            f"({1e3 * b.ticks_s:.2f} in {best.lowered.num_ticks} ticks at "
-            f"{100 * b.bubble:.1f}% lock-step bubble, {1e3 * b.send_s:.2f} in ppermutes, "
-            f"{1e3 * b.update_s:.2f} in the update), {b.memory_bytes / 2**20:.2f} MB per "
-            f"device{limit}")
+    text = (f"auto chose {best.label}: predicted {1e3 * b.step_s:.2f} ms per step ({b.model}; "
+            f"{best.lowered.num_ticks} ticks at {100 * b.bubble:.1f}% lock-step bubble), "
+            f"{b.memory_bytes / 2**20:.2f} MB per device{limit}")
     over = [c for c in self.candidates if c.dropped.startswith("over")]
     if over:
       text += f"; {len(over)} ruled out by memory ({', '.join(c.label for c in over)})"
     if len(self.ranked) > 1:
       r = self.ranked[1]
       q = r.prediction
-      why = []
-      if abs(b.ticks_s - q.ticks_s) > 1e-12:
-        why.append(f"{1e3 * abs(q.ticks_s - b.ticks_s):.2f} ms {'less' if b.ticks_s < q.ticks_s else 'more'}"
-                   f" in ticks ({best.lowered.num_ticks} vs {r.lowered.num_ticks} ticks, bubble "
-                   f"{100 * b.bubble:.1f}% vs {100 * q.bubble:.1f}%)")
-      if abs(b.send_s - q.send_s) > 1e-12:
-        why.append(f"{1e3 * abs(q.send_s - b.send_s):.2f} ms {'less' if b.send_s < q.send_s else 'more'}"
-                   " in ppermutes")
       gap = 100 * (q.step_s / b.step_s - 1) if b.step_s else 0.0
-      if not why:
-        text += (f". {r.label} ties with it ({1e3 * q.step_s:.2f} ms, the same ticks); it ranks "
-                 f"first on memory ({b.memory_bytes / 2**20:.2f} vs "
-                 f"{q.memory_bytes / 2**20:.2f} MB), then on the generators' order")
+      if abs(q.step_s - b.step_s) <= 1e-12:
+        text += (f". {r.label} ties with it; it ranks first on memory "
+                 f"({b.memory_bytes / 2**20:.2f} vs {q.memory_bytes / 2**20:.2f} MB), then on "
+                 "the generators' order")
       else:
-        text += (f". Runner-up {r.label} at {1e3 * q.step_s:.2f} ms ({gap:.1f}% slower): the "
-                 f"winner spends {' and '.join(why)}")
+        why = [f"{best.lowered.num_ticks} vs {r.lowered.num_ticks} ticks",
+               f"lock-step bubble {100 * b.bubble:.1f}% vs {100 * q.bubble:.1f}%"]
+        if b.cpu_s is not None and q.cpu_s is not None:
+          why.append(f"{1e3 * b.cpu_s:.2f} vs {1e3 * q.cpu_s:.2f} ms of CPU")
+        if abs(b.send_s - q.send_s) > 1e-12:
+          why.append(f"{1e3 * abs(q.send_s - b.send_s):.2f} ms "
+                     f"{'less' if b.send_s < q.send_s else 'more'} in ppermutes")
+        text += (f". Runner-up {r.label} at {1e3 * q.step_s:.2f} ms ({gap:.1f}% slower): "
+                 + ", ".join(why))
     return text
 
   def report(self) -> str:
-    return f"{self.table()}\n{self.reason()}"
+    return f"{self.table()}\n{self.model_text()}\n{self.reason()}"
 
 
 def chunk_choices(name: str, pp: int, layers: int | None,
@@ -165,7 +171,7 @@ def rank(pp: int, microbatches: Sequence[int], costs: CostFile, memory_limit: fl
       c.dropped = f"no measured costs for m={m} over {s} stages in {costs.path}"
       continue
     c.lowered = lower(c.schedule)
-    c.prediction = predict(c.lowered, costs.entry(m, s), costs.step)
+    c.prediction = costs.predict(c.lowered)
     need = c.prediction.memory_bytes
     if memory_limit is not None and need > memory_limit:
       c.dropped = f"over the memory limit: needs {need / GB:.3g} GB > {memory_limit / GB:g} GB"

@@ -19,9 +19,17 @@ of the layer stack and the rest.
      "entries": [{"microbatches": 8, "stages": 4, "seconds": {"F": .., ...},
                   "bytes": {"activation": .., ...}}, ...]}
 
+Where the devices share the host's cores (CPU host devices: 8 devices on 2 cores) wall time
+says little: the devices do not run in parallel, and other processes take the cores. There the
+file also holds `cpu_seconds` (the process's CPU time for the same calls, every device's work
+summed) and `devices.parallel` is false.
+
 `predict` turns a lowered schedule and an entry into a step time: the ticks as the executor runs
-them (each tick as long as its slowest rank's parts), one ppermute per used link per tick, and
-the update; and into a per-device memory: state, gradients and the slot buffers.
+them, one ppermute per used link per tick, and the update. With parallel devices (lock-step)
+each tick lasts as long as its slowest rank's parts. With devices sharing cores a tick costs
+what all ranks' parts cost together: the mean over ranks of the all-devices CPU seconds (an idle
+rank costs nothing), and the step's wall time on an idle host is that CPU time over the cores.
+It also predicts a per-device memory: state, gradients and the slot buffers.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ SECONDS = PARTS + ("ppermute", "embed", "head")
 BYTES = ("activation", "residual", "wg")
 STEP = ("update_s", "layer_state_bytes", "shared_state_bytes", "layer_grad_bytes",
         "shared_grad_bytes")
+STEP_CPU = "update_cpu_s"  # optional in `step`, with `cpu_seconds` in the entries
 MEASURE = "python -m jaxpipe.measure"
 
 
@@ -48,12 +57,22 @@ class CostFileError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Devices:
+  """What the costs were measured on."""
+  platform: str = "unknown"
+  count: int = 1  # devices in the mesh
+  cores: int = 1  # host cores, where the devices share them
+  parallel: bool = True  # False: the devices share the host's cores (CPU host devices)
+
+
+@dataclasses.dataclass(frozen=True)
 class StageCosts:
   """One entry: a virtual stage's parts for `microbatches` micro-batches and `stages` stages."""
   microbatches: int
   stages: int
-  seconds: Mapping[str, float]  # SECONDS
+  seconds: Mapping[str, float]  # SECONDS, wall time
   bytes: Mapping[str, int]  # BYTES, per device
+  cpu_seconds: Mapping[str, float] | None = None  # SECONDS, process CPU time (shared cores)
 
   def kinds(self) -> dict[str, float]:
     """The per-kind costs the simulators take (`Schedule.simulate(costs=...)`)."""
@@ -64,8 +83,9 @@ class StageCosts:
 class CostFile:
   path: str
   setup: Mapping  # what was measured where: model, mesh, devices, load; for reports
-  step: Mapping[str, float]  # STEP
+  step: Mapping[str, float]  # STEP (and STEP_CPU)
   entries: tuple[StageCosts, ...]
+  devices: Devices = Devices()
 
   def entry(self, microbatches: int, stages: int) -> StageCosts:
     """The entry measured for `microbatches` micro-batches over `stages` model stages."""
@@ -76,6 +96,12 @@ class CostFile:
         f"{self.path} has no costs for microbatches={microbatches} over {stages} model stages "
         f"(it has {self.keys_text()}); measure them with `{MEASURE} --microbatches "
         f"{microbatches} --stages {stages}`")
+
+  def predict(self, lowered: Lowered) -> Prediction:
+    """`predict` with this file's entry for the lowered schedule, its step and devices."""
+    s = lowered.schedule
+    return predict(lowered, self.entry(s.num_microbatches, s.num_stages), self.step,
+                   self.devices)
 
   def has(self, microbatches: int, stages: int) -> bool:
     return any((e.microbatches, e.stages) == (microbatches, stages) for e in self.entries)
@@ -111,7 +137,17 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
     got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
     raise CostFileError(f"{path} is not a cost file (format {got!r}, expected {FORMAT!r}); "
                         f"write one with `{MEASURE}`")
-  step = _section(path, "step", data.get("step"), STEP)
+  got_step = dict(data.get("step") or {}) if isinstance(data.get("step"), Mapping) else None
+  cpu_update = got_step.pop(STEP_CPU, None) if got_step is not None else None
+  step = _section(path, "step", got_step, STEP)
+  if cpu_update is not None:
+    step[STEP_CPU] = _number(path, f"step.{STEP_CPU}", cpu_update)
+  dev = data.get("devices", {})
+  if not isinstance(dev, Mapping) or not set(dev) <= {f.name for f in
+                                                      dataclasses.fields(Devices)}:
+    raise CostFileError(f"{path}: devices must be an object with platform, count, cores, "
+                        f"parallel; got {dev!r}")
+  devices = Devices(**dev)
   entries = data.get("entries")
   if not isinstance(entries, list) or not entries:
     raise CostFileError(f"{path}: entries must be a non-empty list; `{MEASURE}` writes one per "
@@ -129,9 +165,15 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
     if (m, s) in seen:
       raise CostFileError(f"{path}: {where} appears twice; keep one")
     seen.add((m, s))
+    cpu = e.get("cpu_seconds")
+    if cpu is not None:
+      cpu = _section(path, f"{where} cpu_seconds", cpu, SECONDS)
+    if not devices.parallel and (cpu is None or STEP_CPU not in step):
+      raise CostFileError(f"{path}: devices share cores (parallel: false) but {where} lacks "
+                          f"cpu_seconds or step lacks {STEP_CPU}; remeasure with `{MEASURE}`")
     out.append(StageCosts(m, s, _section(path, f"{where} seconds", e.get("seconds"), SECONDS),
-                          _section(path, f"{where} bytes", e.get("bytes"), BYTES, True)))
-  return CostFile(path, dict(data.get("setup") or {}), step, tuple(out))
+                          _section(path, f"{where} bytes", e.get("bytes"), BYTES, True), cpu))
+  return CostFile(path, dict(data.get("setup") or {}), step, tuple(out), devices)
 
 
 def load(path: str | os.PathLike) -> CostFile:
@@ -170,31 +212,34 @@ def ppermutes_per_tick(lowered: Lowered) -> int:
   return n
 
 
-def rank_tick_seconds(schedule: Schedule, parts, costs: StageCosts) -> float:
+def rank_tick_seconds(schedule: Schedule, parts, seconds: Mapping[str, float]) -> float:
   """Seconds one rank's parts take in one tick: a forward beside a full backward costs `F&B`,
   a route's first forward adds `embed`, its last forward `head`."""
-  s = costs.seconds
   kinds = [a.kind for a in parts]
-  total = sum(s[k] for k in kinds)
+  total = sum(seconds[k] for k in kinds)
   if "F" in kinds and "B" in kinds:
-    total += s["F&B"] - s["F"] - s["B"]
+    total += seconds["F&B"] - seconds["F"] - seconds["B"]
   for a in parts:
     if a.kind == "F":
       route = schedule.route(a.microbatch)
-      total += s["embed"] * (a.stage == route[0]) + s["head"] * (a.stage == route[-1])
+      total += seconds["embed"] * (a.stage == route[0]) + seconds["head"] * (a.stage == route[-1])
   return total
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
   """What a lowered schedule is predicted to cost per step on the measured devices."""
-  step_s: float  # ticks_s + send_s + update_s
+  step_s: float  # wall seconds on these devices: lockstep_s, or cpu_s / cores if they share
+  model: str  # "lock-step" (parallel devices) or "shared cores"
+  lockstep_s: float  # ticks_s + send_s + update_s: devices in parallel, in lock-step
   ticks_s: float  # sum over ticks of the slowest rank's parts
   send_s: float  # ticks x ppermutes per tick x one ppermute
   update_s: float  # optimizer update, outside the pipeline
+  cpu_s: float | None  # shared cores: CPU seconds, each tick the mean of its ranks' parts
   tick_s: tuple[float, ...]  # [tick] the slowest rank's parts
   rank_tick_s: tuple[tuple[float, ...], ...]  # [tick][rank] each rank's parts
-  bubble: float  # idle fraction of rank-time within the ticks
+  planned_tick_s: tuple[float, ...]  # [tick] wall seconds under `model`, the tick's sends included
+  bubble: float  # idle fraction of rank-time within the lock-step ticks
   buffer_bytes: int  # per device: activation, residual, cotangent and wg slots
   state_bytes: int  # per device: parameters and optimizer moments
   grad_bytes: int  # per device: the gradients the step produces
@@ -204,7 +249,8 @@ class Prediction:
     return self.buffer_bytes + self.state_bytes + self.grad_bytes
 
 
-def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float]) -> Prediction:
+def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
+            devices: Devices = Devices()) -> Prediction:
   """Step time and per-device memory of `lowered` (the tables the executor runs) from costs."""
   schedule = lowered.schedule
   pl = schedule.placement
@@ -212,12 +258,13 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float]) -> P
     raise CostFileError(f"costs measured for microbatches={costs.microbatches} over "
                         f"{costs.stages} stages cannot price {schedule.name!r} with "
                         f"microbatches={schedule.num_microbatches} over {schedule.num_stages}")
-  rank_tick = tuple(tuple(rank_tick_seconds(schedule, parts, costs) for parts in tick)
-                    for tick in lowered.ticks)
+  price = lambda seconds: tuple(tuple(rank_tick_seconds(schedule, parts, seconds)
+                                      for parts in tick) for tick in lowered.ticks)
+  rank_tick = price(costs.seconds)
   tick_s = tuple(max(t) for t in rank_tick)
   ticks_s = sum(tick_s)
   busy = sum(map(sum, rank_tick))
-  send_s = lowered.num_ticks * ppermutes_per_tick(lowered) * costs.seconds["ppermute"]
+  sends = lowered.num_ticks * ppermutes_per_tick(lowered)
   b = costs.bytes
   slots = lambda n: max(n, 1)  # the executor keeps at least one slot per buffer
   buffers = (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"] + \
@@ -227,9 +274,22 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float]) -> P
   grads = step["shared_grad_bytes"] + step["layer_grad_bytes"] * copies
   # the update is elementwise over the state: its time grows with the copies' share
   one_copy = step["shared_state_bytes"] + step["layer_state_bytes"]
-  update = step["update_s"] * (state / one_copy if one_copy else 1.0)
+  scale = state / one_copy if one_copy else 1.0
+  lockstep = ticks_s + sends * costs.seconds["ppermute"] + step["update_s"] * scale
+  per_tick = ppermutes_per_tick(lowered)
+  planned = tuple(t + per_tick * costs.seconds["ppermute"] for t in tick_s)
+  cpu = None
+  if costs.cpu_seconds is not None and STEP_CPU in step:
+    cpu_ticks = tuple(sum(t) / len(t) + per_tick * costs.cpu_seconds["ppermute"]
+                      for t in price(costs.cpu_seconds))
+    cpu = sum(cpu_ticks) + step[STEP_CPU] * scale
+  shared = not devices.parallel and cpu is not None
+  if shared:
+    planned = tuple(t / devices.cores for t in cpu_ticks)
   return Prediction(
-      step_s=ticks_s + send_s + update, ticks_s=ticks_s, send_s=send_s,
-      update_s=update, tick_s=tick_s, rank_tick_s=rank_tick,
+      step_s=cpu / devices.cores if shared else lockstep,
+      model="shared cores" if shared else "lock-step", lockstep_s=lockstep, ticks_s=ticks_s,
+      send_s=sends * costs.seconds["ppermute"], update_s=step["update_s"] * scale, cpu_s=cpu,
+      tick_s=tick_s, rank_tick_s=rank_tick, planned_tick_s=planned,
       bubble=1.0 - busy / (pl.num_ranks * ticks_s) if ticks_s else 0.0,
       buffer_bytes=int(buffers), state_bytes=int(state), grad_bytes=int(grads))
