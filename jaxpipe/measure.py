@@ -45,7 +45,9 @@ from jaxpipe.mesh import BATCH_AXES, make_mesh  # noqa: E402
 from jaxpipe.models import transformer  # noqa: E402
 from jaxpipe.pipeline import auto as auto_lib  # noqa: E402
 from jaxpipe.pipeline import costs as costs_lib  # noqa: E402
-from jaxpipe.pipeline.executor import stage_ops  # noqa: E402
+from jaxpipe.pipeline.executor import (ExecSpec, make_executor, param_specs_key,  # noqa: E402
+                                       stage_ops)
+from jaxpipe.pipeline.lower import BRANCHES, COL, idle_row  # noqa: E402
 from jaxpipe.pipeline.lm import CONTEXT_AXIS, lm_model, stage_param_specs  # noqa: E402
 from jaxpipe.trainer import TrainState, make_optimizer, state_shardings  # noqa: E402
 
@@ -54,9 +56,8 @@ def _nbytes(tree) -> int:
   return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-# The parts one compiled program runs, chosen by an argument; "" runs nothing (the baseline).
-KINDS = costs_lib.SECONDS + ("",)
-TARGET_S = 0.05  # a timed call runs a part this long (repeated inside), to dwarf dispatch
+TARGET_S = 0.05  # the ppermute loop runs this long per call, to dwarf dispatch
+TICKS = 10  # rows of a measuring table: one that sets up, then the part on every rank
 
 
 def _seconds(fn: Callable, *args) -> tuple[float, float]:
@@ -65,19 +66,6 @@ def _seconds(fn: Callable, *args) -> tuple[float, float]:
   t0, c0 = time.perf_counter(), time.process_time()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - t0, time.process_time() - c0
-
-
-def _tied(tree, carry):
-  """`tree` as a value of this loop iteration (via `carry`), so XLA cannot hoist work on it."""
-  return lax.optimization_barrier((tree, carry))[0]
-
-
-def _acc(acc, d):
-  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d)
-
-
-def _f32_zeros(tree):
-  return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), tree)
 
 
 def microbatch_shape(config: ml_collections.ConfigDict, mesh_shape: dict, microbatches: int
@@ -92,12 +80,53 @@ def microbatch_shape(config: ml_collections.ConfigDict, mesh_shape: dict, microb
   return config.data.batch // (replicas * microbatches), config.data.seq_len // mesh_shape["cp"]
 
 
+def part_table(kind: str, ticks: int, ranks: int) -> np.ndarray:
+  """Executor rows [ticks, ranks, FIELDS] where every rank runs `kind` on every tick after the
+  first (which runs a first-and-last forward, and for W then an I, to fill the slots the part
+  reads); each part reads slot 0 and writes its output back there, so ticks chain."""
+  table = np.tile(idle_row(), (ticks, ranks, 1))
+
+  def put(t, branch, **fields):
+    table[t, :, COL["branch"]] = BRANCHES.index(branch)
+    for k, v in fields.items():
+      table[t, :, COL[k]] = v
+
+  fwd = dict(f_mb=0, f_chunk=0, f_res=0, f_in=0, f_local=0)
+  bwd = dict(b_mb=0, b_chunk=0, b_res=0, b_cot=0, b_local=0)
+  put(0, "F", **fwd, f_first=1, f_last=1, f_cot=0)
+  start = 1
+  if kind == "W":
+    put(1, "I", **bwd, b_wg=0)
+    start = 2
+  for t in range(start, ticks):
+    if kind in ("F", "embed", "head"):
+      put(t, "F", **fwd, f_first=int(kind == "embed"), f_last=int(kind == "head"),
+          f_cot=0 if kind == "head" else -1)
+    elif kind == "I":
+      put(t, "I", **bwd, b_wg=0)
+    elif kind == "B":
+      put(t, "B", **bwd, g_chunk=0)
+    elif kind == "W":
+      put(t, "W", w_mb=0, w_chunk=0, w_res=0, w_wg=0, g_chunk=0)
+    elif kind == "F&B":
+      put(t, "F+B", **fwd, **bwd, g_chunk=0)
+    elif kind != "idle":
+      raise ValueError(f"no table for part {kind!r}")
+  return table
+
+
+PARTS = ("F", "I", "B", "W", "F&B", "embed", "head", "idle")
+
+
 class StageTimer:
   """One virtual stage (n_layers/stages layers) of the model on one [b, L] micro-batch per
-  device: a compiled program that runs any of KINDS `n` times in a loop on every device."""
+  device, run by the executor itself (`make_executor`) on tables where every rank runs the same
+  part every tick; a part's seconds are its table's less the idle table's, per tick. An idle
+  tick (the switch, the slot writes, one ppermute) and what a call costs around its ticks come
+  from the idle table at two lengths; one more ppermute from a loop of them."""
 
   def __init__(self, cfg: transformer.TransformerConfig, mesh: jax.sharding.Mesh,
-               microbatches: int, stages: int, shape: tuple[int, int]):
+               microbatches: int, stages: int, shape: tuple[int, int], ticks: int = TICKS):
     every = cfg.moe.every if cfg.moe is not None else 1
     units = cfg.n_layers // every
     if units % stages:
@@ -105,6 +134,8 @@ class StageTimer:
                                    "stages; measure a stage count that divides the layers")
     self.microbatches, self.stages, self.shape = microbatches, stages, shape
     self.layers = units // stages * every
+    self.ticks = ticks
+    p = mesh.shape["pp"]
     seq_axes = (CONTEXT_AXIS,) if mesh.shape[CONTEXT_AXIS] > 1 else ()
     model = lm_model(cfg, seq_axes[0] if seq_axes else None)
     params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
@@ -112,108 +143,85 @@ class StageTimer:
     head = {k: v for k, v in params.items() if k != "layers"}
     embed = {"embed": params["embed"]}
     b, seq = shape
-    data = [a for a in BATCH_AXES if a in mesh.axis_names]
+    data = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     replicas = math.prod(mesh.shape[a] for a in data)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab, (b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
-    targets = np.roll(tokens, -1, axis=1)
-    mask = np.ones(tokens.shape, np.float32)
-    io = P(tuple(data), *seq_axes)
-    devices = P(tuple(mesh.axis_names))  # a leading axis over every device: per-device values
+    tokens = rng.integers(0, cfg.vocab, (1, b * replicas, seq * mesh.shape[CONTEXT_AXIS]),
+                          np.int32)
+    target = (np.roll(tokens, -1, axis=2), np.ones(tokens.shape, np.float32))
     ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
-    stage_spec = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
-    in_specs = (stage_spec, P(), P(), io, io, io)
-    perm = [(i, (i + 1) % mesh.shape["pp"]) for i in range(mesh.shape["pp"])]
+    stage_specs = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
+    local = jax.tree.map(lambda a: jnp.broadcast_to(a[None, None], (p, 1) + a.shape), stage)
+    self._args = (local, tokens, target, head, embed)
+    codes = tuple(sorted(BRANCHES.index(b) for b in ("idle", "F", "I", "B", "W", "F+B")))
+    make = lambda n, branches: make_executor(
+        model, ExecSpec(num_ranks=p, chunks=1, num_ticks=n, act_slots=1, res_slots=1,
+                        cot_slots=1, wg_slots=1, branches=branches,
+                        channels=(True, False, False, False)),
+        mesh, "pp", data, param_specs_key(stage_specs), seq_axes)
+    self._run = make(ticks, codes)
+    self._short = make(1, (0,))  # one idle tick: what a call costs around its ticks
+    self._tables = {k: part_table(k, ticks, p) for k in PARTS}
+    self._one_idle = part_table("idle", 1, p)
+    # a ppermute of one activation to the next rank, in a loop: what each extra channel adds
+    perm = [(i, (i + 1) % p) for i in range(p)]
+    io = P(data, *seq_axes)
     found: dict = {}
 
-    def make_ops(stage, x):
-      return stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
-
-    def prepare(stage, head, embed, tokens, targets, mask):
-      """-> what every part starts from on this device: x, y, stored residuals, dy, g."""
-      x = model.embed_fn(embed, tokens)
-      ops = make_ops(stage, x)
+    def sizes(stage, embed, tokens):
+      x = model.embed_fn(embed, tokens[0])
+      ops = stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
       found["bytes"] = {"activation": _nbytes(x), "residual": _nbytes(ops.stored),
                         "wg": _nbytes(ops.g)}
-      y, stored, _ = ops.forward(stage, x)
-      dy = jnp.ones_like(y) / y.size
-      _, g = ops.input_grad(stage, list(stored), dy, jnp.bool_(True))
-      return jax.tree.map(lambda a: a[None], (x, y, list(stored), dy, g))
+      found["x"] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      return jnp.zeros(())
 
-    def program(kind, n, stage, head, embed, tokens, targets, mask, values):
-      """Part KINDS[kind] n times in a loop, each iteration reading what the last wrote."""
-      x, y, stored, dy, g = jax.tree.map(lambda a: a[0], values)
-      ops = make_ops(stage, x)
-      yes = jnp.bool_(True)
-      target = (targets, mask)
-
-      def forward(c):
-        y, st, _ = ops.forward(stage, c["x"])
-        return {**c, "x": y, "stored": list(st)}
-
-      def input_grad(c):
-        dx, gg = ops.input_grad(stage, stored, c["dy"], yes)
-        return {**c, "dy": dx, "g": gg}
-
-      def weight_grad(c):
-        p, st, gg = _tied((stage, stored, g), c["grads"])
-        return {**c, "grads": _acc(c["grads"], ops.weight_grad(p, st, gg))}
-
-      def full_grad(c):
-        dx, dp = ops.full_grad(stage, stored, c["dy"], yes)
-        return {**c, "dy": dx, "grads": _acc(c["grads"], dp)}
-
-      def embed_part(c):
-        e, t, d = _tied((embed, tokens, x), c["embed"])
-        _, vjp = jax.vjp(lambda e: model.embed_fn(e, t), e)
-        return {**c, "embed": _acc(c["embed"], vjp(d)[0])}
-
-      def head_part(c):
-        h, yy = _tied((head, y), c["head"])
-        _, (dh, dyy) = jax.value_and_grad(model.loss_fn, argnums=(0, 1))(h, yy, target)
-        return {**c, "head": _acc(c["head"], dh), "dy": dyy}
-
-      parts = {"F": forward, "B": full_grad, "I": input_grad, "W": weight_grad,
-               "F&B": lambda c: full_grad(forward(c)),
-               "ppermute": lambda c: {**c, "x": lax.ppermute(c["x"], "pp", perm)},
-               "embed": embed_part, "head": head_part, "": lambda c: c}
-      branches = [parts[k] for k in KINDS]
-      init = {"x": x, "stored": stored, "dy": dy, "g": g, "grads": _f32_zeros(stage),
-              "embed": _f32_zeros(embed), "head": _f32_zeros(head)}
-      out = lax.fori_loop(0, n, lambda _, c: lax.switch(kind, branches, c), init)
-      return jnp.stack([jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(out)])[None]
-
-    shard = lambda fn, specs: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                                                    out_specs=devices, check_vma=False))
-    args = (stage, head, embed, tokens, targets, mask)
-    self._args = args + (shard(prepare, in_specs)(*args),)
+    jax.eval_shape(jax.shard_map(sizes, mesh=mesh, in_specs=(stage_specs, P(), P(None, *io)),
+                                 out_specs=P(), check_vma=False), stage, embed, tokens)
     self.bytes = found["bytes"]
-    self._run = shard(program, (P(), P()) + in_specs + (devices,))
-    self.kinds = [k for k in KINDS if k != "ppermute" or mesh.shape["pp"] > 1]
-    self.repeat = {}  # kind -> iterations per timed call
+    x_sd = found["x"]
 
-  def call(self, kind: str, n: int | None = None) -> tuple[float, float]:
-    """(wall, CPU) seconds of one call running `kind` n (default: its chosen count) times."""
-    return _seconds(self._run, np.int32(KINDS.index(kind)), np.int32(n or self.repeat[kind]),
-                    *self._args)
+    def hops(n, x):
+      return lax.fori_loop(0, n, lambda _, x: lax.ppermute(x, "pp", perm), x[0])[None]
+
+    all_axes = P(tuple(mesh.axis_names))
+    self._hops = jax.jit(jax.shard_map(hops, mesh=mesh, in_specs=(P(), all_axes),
+                                       out_specs=all_axes, check_vma=False))
+    self._x = jnp.zeros((mesh.size,) + x_sd.shape, x_sd.dtype)
+    self.kinds = list(PARTS) + ["short", "hops"]
+    self.hops = 1
+
+  def call(self, kind: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call: a part's table, the one-tick table, or the hop loop."""
+    if kind == "short":
+      return _seconds(self._short, self._one_idle, *self._args)
+    if kind == "hops":
+      return _seconds(self._hops, np.int32(self.hops), self._x)
+    return _seconds(self._run, self._tables[kind], *self._args)
 
   def warm_up(self) -> None:
-    """Compiles, then picks each part's iterations per call so that a call lasts ~TARGET_S."""
+    """Compiles, then picks the hop count so that a call of them lasts ~TARGET_S."""
     for k in self.kinds:
-      self.call(k, 1)
-    for k in self.kinds:
-      once = max(self.call(k, 4)[0] / 4, 1e-6)
-      self.repeat[k] = int(min(max(round(TARGET_S / once), 1), 256)) if k else 1
+      self.call(k)
+    self.hops = 16
+    once = max(self.call("hops")[0] / 16, 1e-6)
+    self.hops = int(min(max(round(TARGET_S / once), 16), 4096))
 
   def entry(self, samples: dict[str, list[tuple[float, float]]]) -> dict:
-    """The cost file entry from per-call (wall, CPU) samples of every kind: the median call,
-    less the median call that runs nothing (dispatch, arguments), per iteration."""
+    """The cost file entry from per-call (wall, CPU) samples of every kind, medians."""
     out = {}
+    steady = self.ticks - 1
     for i, name in ((0, "seconds"), (1, "cpu_seconds")):
-      empty = statistics.median(x[i] for x in samples[""])
-      out[name] = {k: max(statistics.median(x[i] for x in v) - empty, 0.0) / self.repeat[k]
-                   for k, v in samples.items() if k}
-      out[name].setdefault("ppermute", 0.0)
+      med = {k: statistics.median(x[i] for x in v) for k, v in samples.items()}
+      idle = med["idle"]
+      part = lambda k, n=steady: max(med[k] - idle, 0.0) / n
+      tick = max(idle - med["short"], 0.0) / (self.ticks - 1)
+      out[name] = {"F": part("F"), "I": part("I"), "B": part("B"), "F&B": part("F&B"),
+                   "W": part("W", self.ticks - 2),
+                   "embed": max(med["embed"] - med["F"], 0.0) / steady,
+                   "head": max(med["head"] - med["F"], 0.0) / steady,
+                   "ppermute": med["hops"] / self.hops, "tick": tick,
+                   "call": max(med["short"] - tick, 0.0)}
     return {"microbatches": self.microbatches, "stages": self.stages,
             "microbatch": list(self.shape), "layers_per_stage": self.layers,
             "bytes": self.bytes, **out}
@@ -329,8 +337,8 @@ def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
   setup = {"model": config.model.to_dict(), "mesh": mesh_shape,
            "batch": [config.data.batch, config.data.seq_len],
            "devices": f"{jax.device_count()} x {d.platform} ({d.device_kind})",
-           "repeats": repeats, "iterations_per_call": {f"m={t.microbatches}/{t.stages}": t.repeat
-                                                   for t in timers},
+           "repeats": repeats, "ticks_per_table": TICKS, "ppermutes_per_call": {
+               f"m={t.microbatches}/{t.stages}": t.hops for t in timers},
            "jax": jax.__version__, "seconds": {"compile": compiled,
                                                "timing": time.perf_counter() - t0 - compiled},
            "load_average": f"{load_before} before, {load_average()} after (1, 5, 15 min)"}

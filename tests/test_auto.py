@@ -10,7 +10,7 @@ from jaxpipe.pipeline import costs as costs_lib
 from jaxpipe.pipeline.lower import BRANCHES, COL, lower
 
 SECONDS = dict(F=1.0, B=5.0, I=2.0, W=3.0, **{"F&B": 7.0}, ppermute=0.125, embed=0.25,
-               head=0.5)
+               head=0.5, tick=0.375, call=0.03125)
 STEP = dict(update_s=0.0625, layer_state_bytes=100, shared_state_bytes=100, layer_grad_bytes=10,
             shared_grad_bytes=10)
 BYTES = dict(activation=1000, residual=10000, wg=100000)
@@ -88,20 +88,23 @@ def test_predicted_step_prices_each_tick_of_the_table_by_its_slowest_rank(name, 
   copies = 2 if name in ("chimera", "dualpipe") else 1
   update = STEP["update_s"] * (100 + 100 * copies) / 200
   assert pred.ticks_s == pytest.approx(ticks_s, rel=1e-12)
-  assert pred.send_s == pytest.approx(lowered.num_ticks * links * SECONDS["ppermute"])
-  assert pred.step_s == pytest.approx(ticks_s + pred.send_s + update, rel=1e-12)
+  # an idle tick holds one ppermute, each further one adds its own
+  per_tick = SECONDS["tick"] + (links - 1) * SECONDS["ppermute"]
+  assert pred.overhead_s == pytest.approx(lowered.num_ticks * per_tick)
+  assert pred.step_s == pytest.approx(ticks_s + lowered.num_ticks * per_tick + SECONDS["call"]
+                                      + update, rel=1e-12)
   assert pred.bubble == pytest.approx(1 - busy / (p * ticks_s), rel=1e-12)
 
 
 def test_gpipe_two_ranks_one_microbatch_by_hand():
-  # 0F0 (embed) | 1F0 (head) | 1I0 | 0I0 beside 1W0 | 0W0; one ppermute per tick
+  # 0F0 (embed) | 1F0 (head) | 1I0 | 0I0 beside 1W0 | 0W0; one ppermute per tick, in `tick`
   lowered = lower(make_schedule("gpipe", pp=2, microbatches=1))
   pred = costs_lib.predict(lowered, costs_lib.parse(cost_data([(1, 2, SECONDS, BYTES)])).entry(
       1, 2), dict(STEP, layer_state_bytes=0, shared_state_bytes=0))
   assert [[str(a) for a in t[r]] for t in lowered.ticks for r in range(2)] == [
       ["0F0"], [], [], ["1F0"], [], ["1I0"], ["0I0"], ["1W0"], ["0W0"], []]
   assert pred.ticks_s == 1.25 + 1.5 + 2 + 3 + 3
-  assert pred.step_s == 10.75 + 5 * 0.125 + 0.0625
+  assert pred.step_s == 10.75 + 5 * 0.375 + 0.03125 + 0.0625
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
@@ -124,7 +127,7 @@ def uniform_costs(m=8, ppermute=0.0, only_res=False):
   entries = []
   for stages, scale in ((4, 1.0), (8, 0.5)):
     sec = {k: scale * v for k, v in dict(F=1, B=2, I=1, W=1, **{"F&B": 3}).items()}
-    sec.update(ppermute=ppermute, embed=0.0, head=0.0)
+    sec.update(ppermute=ppermute, embed=0.0, head=0.0, tick=ppermute, call=0.0)
     b = dict(activation=0, residual=1 << 30, wg=0) if only_res else BYTES
     entries.append((m, stages, sec, b))
   step = dict(STEP, update_s=0.0, layer_state_bytes=0, shared_state_bytes=0, layer_grad_bytes=0,
@@ -155,15 +158,15 @@ def test_a_memory_limit_nothing_fits_names_the_smallest_need():
 
 
 def test_auto_trades_interleaving_bubble_against_twice_the_ticks():
-  # anchors.md: VPP's bubble is 1/v of 1F1B's, but it runs twice the ticks. Free sends: the
-  # interleaved schedule wins; a ppermute as long as a forward: 1F1B does.
+  # anchors.md: VPP's bubble is 1/v of 1F1B's, but it runs twice the ticks. Free ticks: the
+  # interleaved schedule wins; a tick's overhead as long as a forward: 1F1B does.
   names = ("1f1b", "interleaved-1f1b")
   free = auto_lib.rank(4, [8], uniform_costs(ppermute=0.0), layers=8, names=names)
   assert free.best.name == "interleaved-1f1b" and free.best.chunks == 2
   assert free.best.lowered.num_ticks > 1.7 * free.ranked[1].lowered.num_ticks
   costly = auto_lib.rank(4, [8], uniform_costs(ppermute=1.0), layers=8, names=names)
   assert costly.best.name == "1f1b"
-  assert "less in ppermutes" in costly.reason()
+  assert "less in per-tick overhead" in costly.reason()
 
 
 def test_schedule_cli_auto_prints_the_ranking_and_its_errors(tmp_path, capsys):

@@ -149,6 +149,24 @@ def test_planned_and_measured_ticks_line_up_per_rank(auto_trainer, cost_file):
   assert trace["otherData"]["planned_s"] == pytest.approx(sum(prediction.planned_tick_s))
 
 
+@pytest.mark.parametrize("pipeline,pp,needle", [
+    (dict(), 1, "chooses among pipeline schedules; set --config.mesh.pp to 2 or more"),
+    (dict(auto_schedules=("1f1b", "zb-h3")), 2, "pipeline.auto_schedules has ['zb-h3']"),
+    (dict(auto_microbatches=(3,)), 2, "entry 3 does not split the batch: data.batch=16 over 4 "
+                                      "data ranks leaves 4 sequences each"),
+    (dict(memory_limit_gb=-1.0), 2, "pipeline.memory_limit_gb=-1.0 must be >= 0"),
+    (dict(costs="nowhere.json"), 2, "no such cost file 'nowhere.json'"),
+    (dict(auto_schedules=("zb-v",)), 2, "the layers split into none of the stage counts [4]"),
+])
+def test_bad_auto_configs_fail_validation(pipeline, pp, needle):
+  c = tiny.get_config()
+  c.mesh.pp = pp
+  c.pipeline.update(dict(schedule="auto", **pipeline))
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c, 8)
+  assert needle in str(e.value)
+
+
 def test_bad_sweep_inputs_fail_before_anything_runs(tmp_path, capsys):
   out = str(tmp_path / "never")
   base = ["--config", "configs/tiny.py", "--out", out]

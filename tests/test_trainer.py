@@ -178,7 +178,7 @@ def _run_until_sigterm(cmd, env, metrics, lines):
     if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= lines:
       break
     time.sleep(0.1)
-  proc.send_signal(signal.SIGTERM)
+  proc.overhead_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=180)
   return proc.returncode, out, err
 

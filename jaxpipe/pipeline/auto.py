@@ -110,9 +110,9 @@ class Ranking:
                f"lock-step bubble {100 * b.bubble:.1f}% vs {100 * q.bubble:.1f}%"]
         if b.cpu_s is not None and q.cpu_s is not None:
           why.append(f"{1e3 * b.cpu_s:.2f} vs {1e3 * q.cpu_s:.2f} ms of CPU")
-        if abs(b.send_s - q.send_s) > 1e-12:
-          why.append(f"{1e3 * abs(q.send_s - b.send_s):.2f} ms "
-                     f"{'less' if b.send_s < q.send_s else 'more'} in ppermutes")
+        if abs(b.overhead_s - q.overhead_s) > 1e-12:
+          why.append(f"{1e3 * abs(q.overhead_s - b.overhead_s):.2f} ms "
+                     f"{'less' if b.overhead_s < q.overhead_s else 'more'} in per-tick overhead")
         text += (f". Runner-up {r.label} at {1e3 * q.step_s:.2f} ms ({gap:.1f}% slower): "
                  + ", ".join(why))
     return text

@@ -2,11 +2,12 @@
 
 `python -m jaxpipe.measure` writes the file for one model, mesh and batch. Each entry is keyed by
 the micro-batch count and the number of model stages (both change what one stage computes) and
-holds, in seconds, one virtual stage's parts on one micro-batch as the executor compiles them
+holds, in seconds, one virtual stage's parts on one micro-batch as the executor runs them
 (every device of the mesh running the part at once, as in a full tick): `F`, `B`, `I`, `W`,
-`F&B`; `ppermute`, one activation sent to the next pipeline rank; `embed`, the first stage's
-token embedding (forward and backward); `head`, the last stage's norm, head and loss with their
-gradient. And, in bytes per device, what stays in flight: `activation` (one stage input, also
+`F&B`; `embed`, what a route's first forward adds (the token embedding); `head`, what its last
+adds (norm, head, loss and its gradient); `tick`, an idle tick (the switch, the slot writes and
+one ppermute); `ppermute`, each further activation sent to the next pipeline rank; `call`, what
+the executor costs around its ticks (buffers, the gradients' reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
 the size of an output cotangent), `residual` (what F keeps for the backward), `wg` (what I keeps
 for its W). The `step` section holds what the schedule changes only through the copies of the
 layer stack it keeps (two under Chimera and DualPipe): the optimizer update's seconds and the
@@ -44,7 +45,7 @@ from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, Lowered
 
 FORMAT = "jaxpipe-costs/1"
 PARTS = ("F", "B", "I", "W", "F&B")  # one virtual stage on one micro-batch
-SECONDS = PARTS + ("ppermute", "embed", "head")
+SECONDS = PARTS + ("ppermute", "embed", "head", "tick", "call")
 BYTES = ("activation", "residual", "wg")
 STEP = ("update_s", "layer_state_bytes", "shared_state_bytes", "layer_grad_bytes",
         "shared_grad_bytes")
@@ -231,14 +232,14 @@ class Prediction:
   """What a lowered schedule is predicted to cost per step on the measured devices."""
   step_s: float  # wall seconds on these devices: lockstep_s, or cpu_s / cores if they share
   model: str  # "lock-step" (parallel devices) or "shared cores"
-  lockstep_s: float  # ticks_s + send_s + update_s: devices in parallel, in lock-step
+  lockstep_s: float  # ticks_s + overhead_s + call + update_s: devices in parallel, in lock-step
   ticks_s: float  # sum over ticks of the slowest rank's parts
-  send_s: float  # ticks x ppermutes per tick x one ppermute
+  overhead_s: float  # ticks x (an idle tick + its further ppermutes): the executor per tick
   update_s: float  # optimizer update, outside the pipeline
   cpu_s: float | None  # shared cores: CPU seconds, each tick the mean of its ranks' parts
   tick_s: tuple[float, ...]  # [tick] the slowest rank's parts
   rank_tick_s: tuple[tuple[float, ...], ...]  # [tick][rank] each rank's parts
-  planned_tick_s: tuple[float, ...]  # [tick] wall seconds under `model`, the tick's sends included
+  planned_tick_s: tuple[float, ...]  # [tick] wall seconds under `model`, its overhead included
   bubble: float  # idle fraction of rank-time within the lock-step ticks
   buffer_bytes: int  # per device: activation, residual, cotangent and wg slots
   state_bytes: int  # per device: parameters and optimizer moments
@@ -264,7 +265,6 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
   tick_s = tuple(max(t) for t in rank_tick)
   ticks_s = sum(tick_s)
   busy = sum(map(sum, rank_tick))
-  sends = lowered.num_ticks * ppermutes_per_tick(lowered)
   b = costs.bytes
   slots = lambda n: max(n, 1)  # the executor keeps at least one slot per buffer
   buffers = (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"] + \
@@ -275,21 +275,24 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
   # the update is elementwise over the state: its time grows with the copies' share
   one_copy = step["shared_state_bytes"] + step["layer_state_bytes"]
   scale = state / one_copy if one_copy else 1.0
-  lockstep = ticks_s + sends * costs.seconds["ppermute"] + step["update_s"] * scale
-  per_tick = ppermutes_per_tick(lowered)
-  planned = tuple(t + per_tick * costs.seconds["ppermute"] for t in tick_s)
+  # an idle tick runs one ppermute; each further one the executor issues adds its own
+  extra = ppermutes_per_tick(lowered) - 1
+  overhead = lambda sec: sec["tick"] + extra * sec["ppermute"]
+  s = costs.seconds
+  planned = tuple(t + overhead(s) for t in tick_s)
+  lockstep = sum(planned) + s["call"] + step["update_s"] * scale
   cpu = None
   if costs.cpu_seconds is not None and STEP_CPU in step:
-    cpu_ticks = tuple(sum(t) / len(t) + per_tick * costs.cpu_seconds["ppermute"]
-                      for t in price(costs.cpu_seconds))
-    cpu = sum(cpu_ticks) + step[STEP_CPU] * scale
+    c = costs.cpu_seconds
+    cpu_ticks = tuple(sum(t) / len(t) + overhead(c) for t in price(c))
+    cpu = sum(cpu_ticks) + c["call"] + step[STEP_CPU] * scale
   shared = not devices.parallel and cpu is not None
   if shared:
     planned = tuple(t / devices.cores for t in cpu_ticks)
   return Prediction(
       step_s=cpu / devices.cores if shared else lockstep,
       model="shared cores" if shared else "lock-step", lockstep_s=lockstep, ticks_s=ticks_s,
-      send_s=sends * costs.seconds["ppermute"], update_s=step["update_s"] * scale, cpu_s=cpu,
+      overhead_s=lowered.num_ticks * overhead(s), update_s=step["update_s"] * scale, cpu_s=cpu,
       tick_s=tick_s, rank_tick_s=rank_tick, planned_tick_s=planned,
       bubble=1.0 - busy / (pl.num_ranks * ticks_s) if ticks_s else 0.0,
       buffer_bytes=int(buffers), state_bytes=int(state), grad_bytes=int(grads))
