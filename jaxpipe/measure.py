@@ -6,17 +6,16 @@
   python -m jaxpipe.schedule auto --pp 4 --microbatches 8 --costs costs.json
 
 For each micro-batch count and stage count: one virtual stage of the config's model (its first
-n_layers/stages layers) on one micro-batch of this mesh's per-device shape, its parts built by
-the executor's own `stage_ops` (F keeps the `jax.vjp` residuals, I and W are the two halves of
-that vjp, B both). One compiled program runs any part, chosen by an argument, n times in a loop
-whose inputs are tied to the iteration (so XLA cannot hoist the work out), on every device of
-the mesh at once, as in a tick where every rank works; n is chosen so a call lasts ~50 ms. After
-a warm-up, `--repeats` rounds time every part once each (so load that drifts during the run
-hits all parts alike); a part's time is its median call less the median call that runs nothing
-(dispatch), over n. The same for one ppermute of an activation to the next pipeline rank, the
-embedding (first stage), the head and loss (last stage), and the optimizer update on the real
-train state; `--paired` adds the config's own train step to the rounds. Bytes come from the
-shapes: exact.
+n_layers/stages layers) on one micro-batch of this mesh's per-device shape, run by the executor
+itself (`make_executor`) on tables in which every rank runs the same part on every tick (F, I,
+B, W, F&B; a forward that embeds, one that ends in the head and loss), each tick reading what
+the last wrote. A part's seconds are its table's less the idle table's, per tick; the idle
+table at two lengths gives an idle tick (the switch, slot writes, gradient accumulator, one
+ppermute) and the call around the ticks; a loop of ppermutes what each further channel adds;
+the optimizer update is timed on the real train state, and `--paired` adds the config's own
+train step. After a warm-up, `--repeats` rounds time every kind once each (so load that drifts
+during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
+from the shapes (`executor.stage_ops`): exact.
 """
 from __future__ import annotations
 
@@ -208,20 +207,24 @@ class StageTimer:
     self.hops = int(min(max(round(TARGET_S / once), 16), 4096))
 
   def entry(self, samples: dict[str, list[tuple[float, float]]]) -> dict:
-    """The cost file entry from per-call (wall, CPU) samples of every kind, medians."""
+    """The cost file entry from per-call (wall, CPU) samples of every kind, medians.
+
+    Every table starts with a first-and-last forward (and W's with an I): a table's time is
+    call + that start + its ticks' overheads + its parts, and the one-tick table's call + one."""
     out = {}
-    steady = self.ticks - 1
+    n = self.ticks - 1  # ticks running the part
     for i, name in ((0, "seconds"), (1, "cpu_seconds")):
       med = {k: statistics.median(x[i] for x in v) for k, v in samples.items()}
-      idle = med["idle"]
-      part = lambda k, n=steady: max(med[k] - idle, 0.0) / n
-      tick = max(idle - med["short"], 0.0) / (self.ticks - 1)
-      out[name] = {"F": part("F"), "I": part("I"), "B": part("B"), "F&B": part("F&B"),
-                   "W": part("W", self.ticks - 2),
-                   "embed": max(med["embed"] - med["F"], 0.0) / steady,
-                   "head": max(med["head"] - med["F"], 0.0) / steady,
-                   "ppermute": med["hops"] / self.hops, "tick": tick,
-                   "call": max(med["short"] - tick, 0.0)}
+      part = lambda k, ticks=n: max(med[k] - med["idle"], 0.0) / ticks
+      sec = {k: part(k) for k in ("F", "I", "B", "F&B")}
+      sec["W"] = max(med["W"] - med["idle"] - sec["I"], 0.0) / (n - 1)
+      sec["embed"] = max(med["embed"] - med["F"], 0.0) / n
+      sec["head"] = max(med["head"] - med["F"], 0.0) / n
+      start = sec["F"] + sec["embed"] + sec["head"]
+      sec["tick"] = max(med["idle"] - med["short"] - start, 0.0) / n
+      sec["call"] = max(med["short"] - sec["tick"], 0.0)
+      sec["ppermute"] = med["hops"] / self.hops
+      out[name] = sec
     return {"microbatches": self.microbatches, "stages": self.stages,
             "microbatch": list(self.shape), "layers_per_stage": self.layers,
             "bytes": self.bytes, **out}
@@ -407,10 +410,8 @@ def choose(config: ml_collections.ConfigDict, mesh_shape: dict,
 
 def main(argv: list[str]) -> None:
   from absl import flags
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  config = config_lib.apply_gin(f.config, f.gin_file, f.gin_param)
+  config = config_lib.runner_config(argv)
   try:
     mesh_shape = config_lib.mesh_shape(config.mesh, jax.device_count())
     if f.microbatches or f.stages:
@@ -441,11 +442,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                  lock_config=True)
-  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.")
-  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'model.d_model = 256'.")
+  config_lib.define_runner_flags()
   flags.DEFINE_string("out", "costs.json", "Cost file to write.")
   flags.DEFINE_string("microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).")
   flags.DEFINE_string("stages", "", "Model stage counts, e.g. 4,8 (default: the config "
@@ -453,5 +450,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.")
   flags.DEFINE_bool("paired", False, "Also time the config's own train step in the same "
                     "rounds, for a prediction against a step measured under the same load.")
-  flags.mark_flag_as_required("config")
   app.run(main)

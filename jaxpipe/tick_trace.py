@@ -38,6 +38,7 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxpipe import config as config_lib  # noqa: E402
 from jaxpipe.pipeline.costs import Prediction  # noqa: E402
 from jaxpipe.pipeline.lower import BRANCHES, COL, Lowered  # noqa: E402
 
@@ -259,19 +260,19 @@ def profile_step(trainer, directory: str) -> tuple[str, str]:
 def main(argv: list[str]) -> None:
   from absl import flags
 
-  from jaxpipe import config as config_lib
   from jaxpipe.measure import measure
   from jaxpipe.pipeline import costs as costs_lib
   from jaxpipe.pipeline.api import lowered_for
   from jaxpipe.pipeline.lm import lm_schedule
   from jaxpipe.trainer import Trainer
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  config = config_lib.apply_gin(f.config, f.gin_file, f.gin_param)
+  config = config_lib.runner_config(argv)
   try:
     trainer = Trainer(config)
     config = trainer.config
+    if trainer.mesh_shape["pp"] == 1:
+      raise config_lib.ConfigError("there are no ticks without a pipeline: set "
+                                   "--config.mesh.pp to 2 or more")
     schedule = lm_schedule(config.pipeline, trainer.mesh_shape["pp"])
     lowered = lowered_for(schedule)
     key = (schedule.num_microbatches, schedule.num_stages)
@@ -296,12 +297,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                  lock_config=True)
-  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.")
-  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'model.d_model = 256'.")
+  config_lib.define_runner_flags()
   flags.DEFINE_string("costs", "", "Cost file (python -m jaxpipe.measure); empty: measure now.")
   flags.DEFINE_string("out", "ticks.perfetto.json", "Perfetto file to write.")
-  flags.mark_flag_as_required("config")
   app.run(main)

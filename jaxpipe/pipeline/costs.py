@@ -5,20 +5,22 @@ the micro-batch count and the number of model stages (both change what one stage
 holds, in seconds, one virtual stage's parts on one micro-batch as the executor runs them
 (every device of the mesh running the part at once, as in a full tick): `F`, `B`, `I`, `W`,
 `F&B`; `embed`, what a route's first forward adds (the token embedding); `head`, what its last
-adds (norm, head, loss and its gradient); `tick`, an idle tick (the switch, the slot writes and
-one ppermute); `ppermute`, each further activation sent to the next pipeline rank; `call`, what
-the executor costs around its ticks (buffers, the gradients' reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
+adds (norm, head, loss and its gradient); `tick`, an idle tick (the switch, the slot writes, the
+gradient accumulator, one ppermute); `ppermute`, each further activation sent to the next
+pipeline rank; `call`, what the executor costs around its ticks (buffers, the gradients'
+reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
 the size of an output cotangent), `residual` (what F keeps for the backward), `wg` (what I keeps
 for its W). The `step` section holds what the schedule changes only through the copies of the
 layer stack it keeps (two under Chimera and DualPipe): the optimizer update's seconds and the
 train state's and gradients' bytes per device, each split into this device's share of one copy
 of the layer stack and the rest.
 
-    {"format": "jaxpipe-costs/1", "setup": {...},
-     "step": {"update_s": .., "layer_state_bytes": .., "shared_state_bytes": ..,
-              "layer_grad_bytes": .., "shared_grad_bytes": ..},
+    {"format": "jaxpipe-costs/1", "setup": {...}, "devices": {"platform": "cpu", "count": 8,
+                                                              "cores": 2, "parallel": false},
+     "step": {"update_s": .., "update_cpu_s": .., "layer_state_bytes": ..,
+              "shared_state_bytes": .., "layer_grad_bytes": .., "shared_grad_bytes": ..},
      "entries": [{"microbatches": 8, "stages": 4, "seconds": {"F": .., ...},
-                  "bytes": {"activation": .., ...}}, ...]}
+                  "cpu_seconds": {"F": .., ...}, "bytes": {"activation": .., ...}}, ...]}
 
 Where the devices share the host's cores (CPU host devices: 8 devices on 2 cores) wall time
 says little: the devices do not run in parallel, and other processes take the cores. There the
@@ -26,11 +28,12 @@ file also holds `cpu_seconds` (the process's CPU time for the same calls, every 
 summed) and `devices.parallel` is false.
 
 `predict` turns a lowered schedule and an entry into a step time: the ticks as the executor runs
-them, one ppermute per used link per tick, and the update. With parallel devices (lock-step)
-each tick lasts as long as its slowest rank's parts. With devices sharing cores a tick costs
-what all ranks' parts cost together: the mean over ranks of the all-devices CPU seconds (an idle
-rank costs nothing), and the step's wall time on an idle host is that CPU time over the cores.
-It also predicts a per-device memory: state, gradients and the slot buffers.
+them, each with its overhead (`tick`, and `ppermute` for each further channel it sends on), the
+call and the update. With parallel devices (lock-step) each tick lasts as long as its slowest
+rank's parts. With devices sharing cores a tick costs what all ranks' parts cost together: the
+mean over ranks of the all-devices CPU seconds (an idle rank costs nothing), and the step's wall
+time on an idle host is that CPU time over the cores. It also predicts a per-device memory:
+state, gradients and the slot buffers.
 """
 from __future__ import annotations
 
