@@ -162,6 +162,8 @@ class StageTimer:
     self._short = make(1, (0,))  # one idle tick: what a call costs around its ticks
     self._tables = {k: part_table(k, ticks, p) for k in PARTS}
     self._one_idle = part_table("idle", 1, p)
+    self._temp = self._run.lower(self._tables["idle"], *self._args).compile(
+        ).memory_analysis().temp_size_in_bytes
     # a ppermute of one activation to the next rank, in a loop: what each extra channel adds
     perm = [(i, (i + 1) % p) for i in range(p)]
     io = P(data, *seq_axes)
@@ -178,6 +180,8 @@ class StageTimer:
     jax.eval_shape(jax.shard_map(sizes, mesh=mesh, in_specs=(stage_specs, P(), P(None, *io)),
                                  out_specs=P(), check_vma=False), stage, embed, tokens)
     self.bytes = found["bytes"]
+    b = self.bytes  # this executor's own slots: one of each
+    self.bytes["work"] = max(self._temp - 2 * b["activation"] - b["residual"] - b["wg"], 0)
     x_sd = found["x"]
 
     def hops(n, x):

@@ -13,7 +13,7 @@ SECONDS = dict(F=1.0, B=5.0, I=2.0, W=3.0, **{"F&B": 7.0}, ppermute=0.125, embed
                head=0.5, tick=0.375, call=0.03125)
 STEP = dict(update_s=0.0625, layer_state_bytes=100, shared_state_bytes=100, layer_grad_bytes=10,
             shared_grad_bytes=10)
-BYTES = dict(activation=1000, residual=10000, wg=100000)
+BYTES = dict(activation=1000, residual=10000, wg=100000, work=0)
 
 
 def cost_data(entries, step=STEP):
@@ -99,12 +99,15 @@ def test_predicted_step_prices_each_tick_of_the_table_by_its_slowest_rank(name, 
 def test_gpipe_two_ranks_one_microbatch_by_hand():
   # 0F0 (embed) | 1F0 (head) | 1I0 | 0I0 beside 1W0 | 0W0; one ppermute per tick, in `tick`
   lowered = lower(make_schedule("gpipe", pp=2, microbatches=1))
-  pred = costs_lib.predict(lowered, costs_lib.parse(cost_data([(1, 2, SECONDS, BYTES)])).entry(
+  work = dict(BYTES, work=12345)
+  pred = costs_lib.predict(lowered, costs_lib.parse(cost_data([(1, 2, SECONDS, work)])).entry(
       1, 2), dict(STEP, layer_state_bytes=0, shared_state_bytes=0))
   assert [[str(a) for a in t[r]] for t in lowered.ticks for r in range(2)] == [
       ["0F0"], [], [], ["1F0"], [], ["1I0"], ["0I0"], ["1W0"], ["0W0"], []]
   assert pred.ticks_s == 1.25 + 1.5 + 2 + 3 + 3
   assert pred.step_s == 10.75 + 5 * 0.375 + 0.03125 + 0.0625
+  # one slot of each buffer (activation and cotangent: activation bytes) and the work bytes
+  assert pred.buffer_bytes == 2 * 1000 + 10000 + 100000 + 12345
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
@@ -113,7 +116,7 @@ def test_predicted_memory_holds_the_published_peak_activations(name):
   # (anchors.md: 1F1B p, GPipe m, ZB-H2 2p-1, ...), as the event simulator counts them
   schedule = make_schedule(name, pp=4, microbatches=8)
   s = schedule.num_stages
-  only_res = dict(activation=0, residual=1 << 20, wg=0)
+  only_res = dict(activation=0, residual=1 << 20, wg=0, work=0)
   pred = costs_lib.predict(lower(schedule), costs_lib.parse(cost_data(
       [(8, s, SECONDS, only_res)])).entry(8, s), STEP)
   copies = schedule.placement.copies
@@ -128,7 +131,7 @@ def uniform_costs(m=8, ppermute=0.0, only_res=False):
   for stages, scale in ((4, 1.0), (8, 0.5)):
     sec = {k: scale * v for k, v in dict(F=1, B=2, I=1, W=1, **{"F&B": 3}).items()}
     sec.update(ppermute=ppermute, embed=0.0, head=0.0, tick=ppermute, call=0.0)
-    b = dict(activation=0, residual=1 << 30, wg=0) if only_res else BYTES
+    b = dict(activation=0, residual=1 << 30, wg=0, work=0) if only_res else BYTES
     entries.append((m, stages, sec, b))
   step = dict(STEP, update_s=0.0, layer_state_bytes=0, shared_state_bytes=0, layer_grad_bytes=0,
               shared_grad_bytes=0)

@@ -10,7 +10,8 @@ gradient accumulator, one ppermute); `ppermute`, each further activation sent to
 pipeline rank; `call`, what the executor costs around its ticks (buffers, the gradients'
 reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
 the size of an output cotangent), `residual` (what F keeps for the backward), `wg` (what I keeps
-for its W). The `step` section holds what the schedule changes only through the copies of the
+for its W), `work` (the executor's other temporaries: a running part's intermediates, the
+gradient accumulators; its compiled temporaries less its slots). The `step` section holds what the schedule changes only through the copies of the
 layer stack it keeps (two under Chimera and DualPipe): the optimizer update's seconds and the
 train state's and gradients' bytes per device, each split into this device's share of one copy
 of the layer stack and the rest.
@@ -49,7 +50,7 @@ from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, Lowered
 FORMAT = "jaxpipe-costs/1"
 PARTS = ("F", "B", "I", "W", "F&B")  # one virtual stage on one micro-batch
 SECONDS = PARTS + ("ppermute", "embed", "head", "tick", "call")
-BYTES = ("activation", "residual", "wg")
+BYTES = ("activation", "residual", "wg", "work")
 STEP = ("update_s", "layer_state_bytes", "shared_state_bytes", "layer_grad_bytes",
         "shared_grad_bytes")
 STEP_CPU = "update_cpu_s"  # optional in `step`, with `cpu_seconds` in the entries
@@ -244,7 +245,7 @@ class Prediction:
   rank_tick_s: tuple[tuple[float, ...], ...]  # [tick][rank] each rank's parts
   planned_tick_s: tuple[float, ...]  # [tick] wall seconds under `model`, its overhead included
   bubble: float  # idle fraction of rank-time within the lock-step ticks
-  buffer_bytes: int  # per device: activation, residual, cotangent and wg slots
+  buffer_bytes: int  # per device: activation, residual, cotangent and wg slots, and `work`
   state_bytes: int  # per device: parameters and optimizer moments
   grad_bytes: int  # per device: the gradients the step produces
 
@@ -271,7 +272,7 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
   b = costs.bytes
   slots = lambda n: max(n, 1)  # the executor keeps at least one slot per buffer
   buffers = (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"] + \
-      slots(lowered.res_slots) * b["residual"] + slots(lowered.wg_slots) * b["wg"]
+      slots(lowered.res_slots) * b["residual"] + slots(lowered.wg_slots) * b["wg"] + b["work"]
   copies = pl.copies  # resident copies of the layer stack (bidirectional placements: 2)
   state = step["shared_state_bytes"] + step["layer_state_bytes"] * copies
   grads = step["shared_grad_bytes"] + step["layer_grad_bytes"] * copies
