@@ -94,7 +94,8 @@ def parse_value(config: ml_collections.ConfigDict, key: str, text: str):
       return kind(text)
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
-    raise SweepError(f"{key}={text!r} is not a {kind.__name__}, the type of config field {key}")
+    raise SweepError(f"{key}={text!r} is not of type {kind.__name__}, the type of config field "
+                     f"{key}; give values of that type")
 
 
 def check_key(config: ml_collections.ConfigDict, key: str, flag: str) -> None:
