@@ -17,8 +17,10 @@ of the tick (the slot writes, the ppermutes and waiting for the slowest rank) it
 Per rank the file holds a `planned` track (parts and their priced length), a `measured` track
 (the branch and its duration on the rank's first data shard) and a `slack` track (measured time
 outside the branch), and the JSON's `otherData` the per-tick table. On CPU host devices the
-events come from the XLA CPU runtime's thunk executor; a backend whose trace lacks `hlo_op`
-stats or the conditional's own event cannot be read this way, and the error says which.
+events come from the XLA CPU runtime's thunk executor. Where a device's trace shows kernels but
+not the conditional itself (as GPU traces may), ticks are closed by the scan body's ppermutes
+instead, each tick running each of them once; a trace without `hlo_op` stats cannot be read,
+and the error says what it lacks.
 """
 from __future__ import annotations
 
@@ -59,10 +61,11 @@ class HloIndex:
   op_name: dict  # instruction name -> op_name metadata
   switches: frozenset  # conditionals whose branches hold the executor's tick/<branch> ops
   body: tuple  # op_name prefixes of the scan bodies that hold them (what a tick runs)
+  permutes: frozenset  # the collective-permutes that end every tick (its ppermutes)
 
   @classmethod
   def parse(cls, hlo_text: str) -> HloIndex:
-    op_name, comp_of, branches_of, ticks_in = {}, {}, {}, {}
+    op_name, comp_of, branches_of, ticks_in, opcode = {}, {}, {}, {}, {}
     comp = None
     for line in hlo_text.splitlines():
       if (m := _COMP.match(line)) and "=" not in line.split("(")[0]:
@@ -73,6 +76,7 @@ class HloIndex:
         continue
       name = m[1]
       comp_of[name] = comp
+      opcode[name] = m[2]
       if n := _OP_NAME.search(line):
         op_name[name] = n[1]
         if _TICK.search(n[1]):
@@ -83,7 +87,10 @@ class HloIndex:
         name for name, comps in branches_of.items()
         if not _TICK.search(op_name.get(name, "")) and any(ticks_in.get(c) for c in comps))
     body = tuple(sorted({op_name.get(n, "").rsplit("/", 1)[0] + "/" for n in switches}))
-    return cls(op_name, switches, body)
+    permutes = frozenset(n for n, code in opcode.items()
+                         if code in ("collective-permute", "collective-permute-start")
+                         and op_name.get(n, "").startswith(body or ("\0",)))
+    return cls(op_name, switches, body, permutes)
 
   def in_body(self, hlo_op: str) -> bool:
     return self.op_name.get(hlo_op, "").startswith(self.body)
@@ -132,11 +139,29 @@ def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex) -> l
     last = opens[k + 1] if k + 1 < len(opens) else len(events)
     stop = events[last][1] if last < len(events) else max(
         s + d for o, s, d in events[i:] if index.in_body(o))
-    named = [(index.branch(o), s + d) for o, s, d in events[i + 1:last] if index.branch(o)]
-    branch = named[0][0] if named else "idle"
-    work_end = max([start + dur] + [end for _, end in named])
-    ticks.append(MeasuredTick(start, stop, work_end - start, branch))
+    ticks.append(_tick(events[i + 1:last], index, start, stop, start + dur))
   return ticks
+
+
+def permute_ticks(events: list[tuple[str, float, float]], index: HloIndex) -> list[MeasuredTick]:
+  """One device's ticks where the switch leaves no event of its own (device traces that show
+  kernels, not control flow): every tick ends with the body's ppermutes, one event each."""
+  events = sorted(events, key=lambda e: (e[1], -e[2]))
+  per_tick = len(index.permutes)
+  ends = [i for i, e in enumerate(events) if e[0] in index.permutes][per_tick - 1::per_tick]
+  ticks, first = [], next((i for i, e in enumerate(events) if index.in_body(e[0])), 0)
+  for i in ends:
+    start = events[first][1]
+    stop = events[i][1] + events[i][2]
+    ticks.append(_tick(events[first:i + 1], index, start, stop, start))
+    first = i + 1
+  return ticks
+
+
+def _tick(inside, index: HloIndex, start: float, stop: float, work_end: float) -> MeasuredTick:
+  named = [(index.branch(o), s + d) for o, s, d in inside if index.branch(o)]
+  work_end = max([work_end] + [end for _, end in named])
+  return MeasuredTick(start, stop, work_end - start, named[0][0] if named else "idle")
 
 
 def rank_devices(mesh) -> list[int]:
@@ -151,8 +176,11 @@ def rank_devices(mesh) -> list[int]:
   return out
 
 
-def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int) -> list[list[MeasuredTick]]:
-  """[rank][tick] from a profile of exactly one step; TraceError says what is missing."""
+def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int,
+                 by: str = "switch") -> list[list[MeasuredTick]]:
+  """[rank][tick] from a profile of exactly one step, ticks opened by the switch's events (or,
+  `by="ppermute"` or where the trace has none, closed by the ppermutes'); TraceError says what
+  the trace lacks."""
   index = HloIndex.parse(hlo_text)
   if not index.switches:
     raise TraceError("the compiled HLO has no conditional with tick/<branch> ops: is this the "
@@ -164,15 +192,22 @@ def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int) -> list[
                      "recovered from it")
   out = []
   for r, dev in enumerate(rank_devices(mesh)):
-    ticks = measured_ticks(events.get(dev, []), index)
+    mine = events.get(dev, [])
+    has_switch = any(op in index.switches for op, _, _ in mine)
+    if by == "switch" and has_switch:
+      ticks = measured_ticks(mine, index)
+    elif index.permutes:
+      ticks = permute_ticks(mine, index)
+    else:
+      raise TraceError(f"device {dev} (pp rank {r}) shows no event of the tick switch "
+                       f"{sorted(index.switches)} and the step has no ppermute to close ticks")
     if len(ticks) != num_ticks:
-      seen = {op for op, _, _ in events.get(dev, [])}
+      seen = {op for op, _, _ in mine}
       raise TraceError(
-          f"device {dev} (pp rank {r}) shows {len(ticks)} runs of the tick switch "
-          f"{sorted(index.switches)}, the tables have {num_ticks} ticks; the trace names "
-          f"{len(seen)} HLO instructions on it" + ("" if ticks else
-                                                    " but not the conditional itself (its "
-                                                    "control flow is not traced here)"))
+          f"device {dev} (pp rank {r}) shows {len(ticks)} ticks "
+          + (f"(runs of the switch {sorted(index.switches)})" if by == "switch" and has_switch
+             else f"(every {len(index.permutes)} of the ppermutes {sorted(index.permutes)})")
+          + f", the tables have {num_ticks}; the trace names {len(seen)} HLO instructions on it")
     out.append(ticks)
   return out
 
@@ -200,9 +235,10 @@ def tick_table(lowered: Lowered, prediction: Prediction,
   return rows
 
 
-def to_perfetto(lowered: Lowered, prediction: Prediction,
-                measured: list[list[MeasuredTick]]) -> str:
-  """Chrome trace JSON: per rank a planned, a measured and a slack track, one time axis in us."""
+def to_perfetto(lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]],
+                extra: dict | None = None) -> str:
+  """Chrome trace JSON: per rank a planned, a measured and a slack track, one time axis in us;
+  `extra` joins the per-tick table in otherData."""
   p = lowered.schedule.num_ranks
   events = []
   tracks = ("planned", "measured", "measured slack (outside the branch)")
@@ -239,7 +275,7 @@ def to_perfetto(lowered: Lowered, prediction: Prediction,
   meta = {"schedule": lowered.schedule.name, "ticks": lowered.num_ticks,
           "model": prediction.model, "planned_s": plan_at,
           "measured_s": max(m[-1].end_ns for m in measured) * 1e-9 - t0 * 1e-9,
-          "per_tick": tick_table(lowered, prediction, measured)}
+          "per_tick": tick_table(lowered, prediction, measured), **(extra or {})}
   return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta})
 
 
@@ -282,9 +318,12 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
       xspace, hlo = profile_step(trainer, tmp)
       measured = read_profile(xspace, hlo, trainer.mesh, lowered.num_ticks)
+      # the same ticks closed by their ppermutes instead, as traces without the switch are read
+      by_permute = read_profile(xspace, hlo, trainer.mesh, lowered.num_ticks, by="ppermute")
   except (config_lib.ConfigError, costs_lib.CostFileError, TraceError) as e:
     sys.exit(f"error: {e}")
-  text = to_perfetto(lowered, prediction, measured)
+  text = to_perfetto(lowered, prediction, measured, {
+      "branches_by_ppermute": [[t.branch for t in ticks] for ticks in by_permute]})
   with open(f.out, "w") as out:
     out.write(text)
   meta = json.loads(text)["otherData"]
