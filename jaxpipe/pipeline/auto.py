@@ -144,7 +144,12 @@ def candidates(pp: int, microbatches: Sequence[int], names: Sequence[str] = SCHE
   out = []
   for m in microbatches:
     for name in names:
-      for v in chunk_choices(name, pp, layers, stage_counts):
+      choices = chunk_choices(name, pp, layers, stage_counts)
+      if not choices:
+        out.append(Candidate(name, None, m, dropped=(
+            f"no chunk count v >= 2 splits {layers} layers into pp*v stages" if layers else
+            "the cost file has no stage count for two or more chunks per rank")))
+      for v in choices:
         c = Candidate(name, v, m)
         out.append(c)
         try:
