@@ -21,7 +21,8 @@ take. The children share a JAX compilation cache
 (DIR/jax-cache unless $JAX_COMPILATION_CACHE_DIR is set). `--trace` also writes
 DIR/<cell>/ticks.perfetto.json (`python -m jaxpipe.tick_trace`: planned against measured
 ticks). Results: DIR/sweep.csv, DIR/sweep.md, DIR/sweep.png; `load` is the 1-minute load
-average when the cell started.
+average when the cell started. Under the table, what `pipeline.schedule=auto` chooses from the
+cells' own costs and where that cell's measured step ranks among them.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from typing import Sequence
 import ml_collections
 
 from jaxpipe import config as config_lib
+from jaxpipe.pipeline import auto as auto_lib
 from jaxpipe.pipeline import costs as costs_lib
 from jaxpipe.pipeline.lower import lower
 
@@ -201,7 +203,7 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   overrides = fixed + cell.args() + [f"--config.train.steps={args.steps}",
                                      f"--config.train.log_every={args.log_every}",
                                      "--config.train.eval_every=0", "--config.checkpoint.every=0"]
-  row = {"cell": cell.name, "status": "failed", "load": load_average()}
+  row = {"cell": cell.name, "dir": cell.dirname, "status": "failed", "load": load_average()}
   rc, last = run([sys.executable, "-m", "jaxpipe.train", "--config", args.config,
                   "--workdir", workdir] + overrides + gin, os.path.join(workdir, "log.txt"),
                  args.timeout)
@@ -264,6 +266,41 @@ def predict_cell(row: dict, resolved: ml_collections.ConfigDict, overrides: list
 
 def load_average() -> str:
   return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def auto_among(rows: list[dict], out: str) -> str | None:
+  """What auto chooses from the cells' own costs (the first measured entry for each micro-batch
+  and stage count), and where that cell's step measured among the cells'."""
+  ok = [r for r in rows if r["status"] == "ok" and r.get("paired_ms") is not None]
+  if len(ok) < 2:
+    return None
+  entries, first = {}, None
+  for r in ok:
+    with open(os.path.join(out, r["dir"], "costs.json")) as f:
+      data = json.load(f)
+    first = first or data
+    for e in data["entries"]:
+      entries.setdefault((e["microbatches"], e["stages"]), e)
+  costs = costs_lib.parse({**first, "entries": list(entries.values())}, "the cells' costs")
+  model = first["setup"]["model"]
+  layers = model["n_layers"] // (model["moe"]["every"] if model.get("moe") else 1)
+  ranking = auto_lib.rank(first["setup"]["mesh"]["pp"], sorted({int(r["microbatches"])
+                                                                for r in ok}),
+                          costs, layers=layers, names=sorted({r["schedule"] for r in ok}))
+  best = ranking.best
+  key = lambda r: float(r["paired_ms"])
+  order = sorted(ok, key=key)
+  mine = [r for r in ok if (r["schedule"], int(r["microbatches"])) == (best.name,
+                                                                         best.microbatches)]
+  if not mine:
+    return f"auto over the cells' costs chooses {best.label}, which is not a cell of this sweep"
+  place = order.index(mine[0]) + 1
+  unit = mine[0].get("unit", "")
+  return (f"auto over the cells' costs chooses {best.label} (predicted "
+          f"{1e3 * best.prediction.step_s:.1f} ms per step); that cell measured "
+          f"{key(mine[0]):.1f} ms {unit}, #{place} of {len(order)}, "
+          f"{100 * (key(mine[0]) / key(order[0]) - 1):.1f}% above the fastest "
+          f"({order[0]['cell']}, {key(order[0]):.1f} ms)")
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -374,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     writer.writeheader()
     writer.writerows(rows)
   table = markdown(rows)
+  choice = auto_among(rows, args.out)
+  if choice:
+    table += f"\n{choice}\n"
   with open(os.path.join(args.out, "sweep.md"), "w") as f:
     f.write(table)
   plot(rows, os.path.join(args.out, "sweep.png"), f"{args.config} {' '.join(fixed)}")
