@@ -152,6 +152,11 @@ def set_field(config: ml_collections.ConfigDict, key: str, value) -> None:
   node[leaf] = value
 
 
+def cell_dir(name: str) -> str:
+  """A cell's workdir under the sweep directory, from its name."""
+  return re.sub(r"[^\w.=,+-]", "_", name).replace(",", "__")
+
+
 @dataclasses.dataclass
 class Cell:
   values: dict[str, str]  # grid key -> value text
@@ -162,7 +167,7 @@ class Cell:
 
   @property
   def dirname(self) -> str:
-    return re.sub(r"[^\w.=,+-]", "_", self.name).replace(",", "__")
+    return cell_dir(self.name)
 
   def args(self) -> list[str]:
     return [f"--config.{k}={v}" for k, v in self.values.items()]
@@ -203,7 +208,7 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   overrides = fixed + cell.args() + [f"--config.train.steps={args.steps}",
                                      f"--config.train.log_every={args.log_every}",
                                      "--config.train.eval_every=0", "--config.checkpoint.every=0"]
-  row = {"cell": cell.name, "dir": cell.dirname, "status": "failed", "load": load_average()}
+  row = {"cell": cell.name, "status": "failed", "load": load_average()}
   rc, last = run([sys.executable, "-m", "jaxpipe.train", "--config", args.config,
                   "--workdir", workdir] + overrides + gin, os.path.join(workdir, "log.txt"),
                  args.timeout)
@@ -276,7 +281,7 @@ def auto_among(rows: list[dict], out: str) -> str | None:
     return None
   entries, first = {}, None
   for r in ok:
-    with open(os.path.join(out, r["dir"], "costs.json")) as f:
+    with open(os.path.join(out, cell_dir(r["cell"]), "costs.json")) as f:
       data = json.load(f)
     first = first or data
     for e in data["entries"]:
