@@ -399,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
       print(f"[{i + 1}/{len(cells)}] {cell.name}: done before, skipped", flush=True)
     else:
       print(f"[{i + 1}/{len(cells)}] {cell.name}: running", flush=True)
-      row = run_cell(cell, args, fixed, gin, args.out)
+      try:
+        row = run_cell(cell, args, fixed, gin, args.out)
+      except Exception as e:  # a cell's outputs that cannot be read: record it, go on
+        row = {"cell": cell.name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
       if row["status"] == "ok":
         with open(result, "w") as f:
           json.dump(row, f, indent=1)
