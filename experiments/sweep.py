@@ -22,7 +22,7 @@ take. The children share a JAX compilation cache
 DIR/<cell>/ticks.perfetto.json (`python -m jaxpipe.tick_trace`: planned against measured
 ticks). Results: DIR/sweep.csv, DIR/sweep.md, DIR/sweep.png; `load` is the 1-minute load
 average when the cell started. Under the table, what `pipeline.schedule=auto` chooses from the
-cells' own costs and where that cell's measured step ranks among them.
+cells' own costs (merged into DIR/costs.json) and where that cell's measured step ranks.
 """
 from __future__ import annotations
 
@@ -275,7 +275,8 @@ def load_average() -> str:
 
 def auto_among(rows: list[dict], out: str) -> str | None:
   """What auto chooses from the cells' own costs (the first measured entry for each micro-batch
-  and stage count), and where that cell's step measured among the cells'."""
+  and stage count, written to DIR/costs.json), and where that cell's step measured among the
+  cells'."""
   ok = [r for r in rows if r["status"] == "ok" and r.get("paired_ms") is not None]
   if len(ok) < 2:
     return None
@@ -286,7 +287,10 @@ def auto_among(rows: list[dict], out: str) -> str | None:
     first = first or data
     for e in data["entries"]:
       entries.setdefault((e["microbatches"], e["stages"]), e)
-  costs = costs_lib.parse({**first, "entries": list(entries.values())}, "the cells' costs")
+  merged = {**first, "entries": list(entries.values())}
+  path = os.path.join(out, "costs.json")  # for python -m jaxpipe.schedule auto --costs
+  costs_lib.dump(merged, path)
+  costs = costs_lib.load(path)
   model = first["setup"]["model"]
   layers = model["n_layers"] // (model["moe"]["every"] if model.get("moe") else 1)
   ranking = auto_lib.rank(first["setup"]["mesh"]["pp"], sorted({int(r["microbatches"])
