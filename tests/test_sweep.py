@@ -117,13 +117,9 @@ def test_measured_cost_files_are_complete_and_their_bytes_exact(swept):
 
 
 @pytest.fixture(scope="module")
-def both_costs(swept, tmp_path_factory):
-  """One cost file with both cells' entries (same model and mesh), as auto reads it."""
-  files = [json.load(open(cell_costs(swept[0], m))) for m in MICROBATCHES]
-  merged = {**files[0], "entries": [f["entries"][0] for f in files]}
-  path = str(tmp_path_factory.mktemp("costs") / "costs.json")
-  costs_lib.dump(merged, path)
-  return path
+def both_costs(swept):
+  """The cells' cost files merged by the sweep (same model and mesh), as auto reads them."""
+  return os.path.join(swept[0], "costs.json")
 
 
 def test_auto_choice_is_measured_among_the_top_cells_of_the_sweep(swept, both_costs):
@@ -134,6 +130,8 @@ def test_auto_choice_is_measured_among_the_top_cells_of_the_sweep(swept, both_co
   # each cell's step CPU time, measured in the rounds of its own costs; the choice must be
   # within 10% of the fastest
   assert cpu[ranking.best.microbatches] <= 1.1 * min(cpu.values()), (ranking.report(), cpu)
+  with open(os.path.join(swept[0], "sweep.md")) as f:
+    assert f"auto over the cells' costs chooses {ranking.best.label}" in f.read()
 
 
 def auto_config(costs, **pipeline):
