@@ -26,11 +26,11 @@ also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), fr
 train step moves the sigmoid router's balancing biases.
 """
 import functools
+import logging
 import math
 import os
-import signal
-import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import flax
@@ -50,6 +50,8 @@ from jaxpipe.metrics import MetricWriter
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.preemption import StopRequest
+from jaxpipe.workdir import Workdir
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 
@@ -62,7 +64,8 @@ class TrainState:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN/inf loss or gradient; the message names the steps and the checkpoint."""
+  """Training produced a NaN/inf loss or gradient; the message names which, the steps and the
+  checkpoint."""
 
 
 def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
@@ -278,6 +281,11 @@ class Trainer:
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
+    trainer.close()                           # waits for saves, releases the workdir (or `with`)
+
+  With a workdir the trainer holds it (`jaxpipe.workdir`: one process at a time, one config
+  per run) from construction to `close()`, so a second run, or a config that would train
+  something else, fails before any device work.
 
   `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
   params, in the stored order below). Steps donate the previous state's buffers: keep
@@ -294,10 +302,30 @@ class Trainer:
   the model's order (any schedule restores them).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None,
+               existing_run: str = "resume"):
+    """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
+    the config changes what is trained, `jaxpipe.workdir`), 'resume_changed' (continue it under
+    the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
     self.config = config
-    self.mesh_shape = config_lib.validate(config, jax.device_count())
+    self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.model_cfg = config_lib.model_config(config)
+    self.workdir = workdir
+    self.checkpointer = None
+    self.notices: list[str] = []  # what the workdir check accepted and the user should know
+    if workdir is not None:  # before any device work: a busy or mismatched workdir stops here
+      self._workdir = Workdir(workdir)
+      if jax.process_index() == 0:
+        self._workdir.lock()
+      self._release = weakref.finalize(self, self._workdir.unlock)
+      try:
+        self.notices = self._workdir.check_config(config, existing_run,
+                                                  write=jax.process_index() == 0)
+      except BaseException:
+        self.close()
+        raise
+      for notice in self.notices:
+        logging.warning("%s", notice)
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None
     copies = False
@@ -315,8 +343,6 @@ class Trainer:
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
     self.optimizer = make_optimizer(config.optimizer, config.train.steps,
                                     self.grad_norm if copies else None)
-    self.workdir = workdir
-    self.checkpointer = None
     if workdir is not None:
       self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
                                        config.checkpoint.async_save)
@@ -326,6 +352,21 @@ class Trainer:
     self._state_sharding = None
     self._train_step = None
     self._eval_step = None
+
+  def close(self) -> None:
+    """Waits for background saves and releases the workdir (also done when garbage-collected)."""
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+    finally:
+      if self.workdir is not None:
+        self._release()
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # -- state ------------------------------------------------------------------------------------
 
@@ -486,27 +527,32 @@ class Trainer:
   def train(self, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Trains up to step `steps` (default train.steps), resuming from the workdir.
 
-    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted'}. SIGTERM saves
-    a checkpoint after the current step and returns with preempted=True. A non-finite loss or
-    gradient raises NonFiniteLossError naming the steps; nothing after the last finite step is
-    saved.
+    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted', 'stop_signal'}.
+    SIGTERM or a first SIGINT (Ctrl-C) saves a checkpoint after the current step and returns with
+    preempted=True and stop_signal naming the signal; a second SIGINT raises KeyboardInterrupt at
+    once, without saving. A non-finite loss or gradient raises NonFiniteLossError naming which and
+    the steps; nothing after the last finite step is saved. A checkpoint that cannot be written
+    raises CheckpointSaveError as soon as that is known: before the first step when the disk has
+    no room for one, else at the step after the failed write; the last good checkpoint stays.
     """
     cfg = self.config
     total = cfg.train.steps if steps is None else steps
     if self.state is None:
       self.init()
     start = int(self.state.step)
-    writer = MetricWriter(self.workdir) if self.workdir else None
-    if self.workdir and jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
-    stop = threading.Event()
-    previous_handler = None
-    if threading.current_thread() is threading.main_thread():
-      previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
-               "eval_loss": None, "preempted": False}
+               "eval_loss": None, "preempted": False, "stop_signal": None}
+    if start > total:
+      raise config_lib.ConfigError(
+          f"the run stands at step {start} (checkpoint in {self.checkpointer.directory}), past the "
+          f"{total} steps asked for (train.steps); nothing to train. Raise train.steps above "
+          f"{start} (with --resume_changed) or pass another --workdir")
+    if start == total:
+      return summary
+    if self.checkpointer:
+      self.checkpointer.check_space(self.state)
+    writer = MetricWriter(self.workdir, start) if self.workdir else None
+    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
     checked = start  # every step up to here had a finite loss and gradient
     bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
@@ -525,23 +571,26 @@ class Trainer:
         timing = {"step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s}
       t_last, steps_last = now, step  # the first interval holds compilation; it is not timed
       for s, m in rows:
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(norm)):
           if writer:
             writer.write(s, {k: float(v) for k, v in m.items()})
             writer.close()
           if self.checkpointer:
             self.checkpointer.wait()
           good = self.checkpointer.latest_step() if self.checkpointer else None
+          what = (f"non-finite loss {loss} (gradient norm {norm})" if not math.isfinite(loss) else
+                  f"non-finite gradient norm {norm} (the loss, {loss:.4f}, is finite)")
           raise NonFiniteLossError(
-              f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}, "
-              f"found when checking steps {block_start}..{step}. Stopped without saving; the last "
-              "good checkpoint is "
+              f"{what} at step {s}, found when checking steps {block_start}..{step}. Stopped "
+              "without saving; the last good checkpoint is "
               + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
-              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume.")
+              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume with "
+              "--resume_changed.")
         checked = s
-        summary["last_loss"] = float(m["loss"])
+        summary["last_loss"] = loss
         if summary["first_loss"] is None:
-          summary["first_loss"] = float(m["loss"])
+          summary["first_loss"] = loss
         if writer:
           writer.write(s, {**{k: float(v) for k, v in m.items()}, **(timing if s == step else {})})
       if writer:
@@ -552,35 +601,38 @@ class Trainer:
                        step_ms=f"{1e3 * timing['step_time_s']:.0f}")
       bar.set_postfix(postfix, refresh=False)
 
-    try:
-      for index in range(start, total):
-        pending.append((index + 1, self.step(self.batch(index))))
-        done = index + 1
-        bar.update(1)
-        stopping = stop.is_set()  # read once: the signal may land anywhere in this iteration
-        eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
-        save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                                          or done == total or stopping)
-        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
-            or done == start + 1):
-          flush(done)
-        if eval_now or done == total:
-          summary["eval_loss"] = self.evaluate()
+    with StopRequest() as stop:
+      try:
+        for index in range(start, total):
+          pending.append((index + 1, self.step(self.batch(index))))
+          done = index + 1
+          bar.update(1)
+          if self.checkpointer:
+            self.checkpointer.poll()  # a background save that failed stops the run now
+          stopping = stop.agreed()  # read once: the signal may land anywhere in this iteration
+          eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
+          save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                                            or done == total or stopping)
+          if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
+              or done == start + 1):
+            flush(done)
+          if eval_now or done == total:
+            summary["eval_loss"] = self.evaluate()
+            if writer:
+              writer.write(done, {"eval_loss": summary["eval_loss"]})
+              writer.flush()
+          if save_now:
+            self.checkpointer.save(done, self._checkpoint_state(), force=bool(stopping))
+          summary["step"] = done
+          if stopping:
+            summary["preempted"], summary["stop_signal"] = True, stopping
+            break
+      finally:
+        bar.close()
+        try:
+          if self.checkpointer:
+            self.checkpointer.wait()
+        finally:
           if writer:
-            writer.write(done, {"eval_loss": summary["eval_loss"]})
-            writer.flush()
-        if save_now:
-          self.checkpointer.save(done, self._checkpoint_state(), force=stopping)
-        summary["step"] = done
-        if stopping:
-          summary["preempted"] = True
-          break
-    finally:
-      bar.close()
-      if previous_handler is not None:
-        signal.signal(signal.SIGTERM, previous_handler)
-      if self.checkpointer:
-        self.checkpointer.wait()
-      if writer:
-        writer.close()
+            writer.close()
     return summary

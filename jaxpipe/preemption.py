@@ -1,0 +1,49 @@
+"""Stop requests: SIGTERM or a first Ctrl-C asks the training loop to save and stop; a second
+Ctrl-C aborts at once.
+
+The loop reads `StopRequest.agreed()` once per step and acts on it after that step. In one
+process that is the local request. Several processes must act on the same step (each saves its
+shards of one checkpoint), so a multi-process run replaces `agreed` with a reduction of
+`requested` over processes (any rank asked: all stop), at the same point of every step.
+"""
+import signal
+import sys
+import threading
+from types import FrameType
+
+
+class StopRequest:
+  """`with StopRequest() as stop:` handles SIGTERM and SIGINT inside the block (main thread only;
+  elsewhere signals keep their handlers and `requested` stays None)."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.requested: str | None = None  # the name of the first signal that asked to stop
+    self._previous: dict[int, object] = {}
+
+  def __enter__(self) -> "StopRequest":
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+  def _handle(self, signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    if self.requested is not None:
+      if signum == signal.SIGINT:  # Ctrl-C while stopping: give up on the save
+        self.__exit__()
+        raise KeyboardInterrupt(f"{name} while stopping after {self.requested}")
+      return  # a repeated SIGTERM changes nothing
+    self.requested = name
+    if signum == signal.SIGINT:
+      print("\nSIGINT: finishing this step and saving before stopping; Ctrl-C again aborts without "
+            "saving", file=sys.stderr, flush=True)
+
+  def agreed(self) -> str | None:
+    """The stop decision every process acts on (one process: its own request)."""
+    return self.requested
