@@ -208,6 +208,10 @@ def test_first_sigint_saves_and_a_second_aborts_at_once(tmp_path):
 def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
   workdir = str(tmp_path)
   _checkpoint_at(_config(4, every=2), workdir, 4)
+  with Trainer(_config(4, every=2), workdir) as trainer:  # the same config: a finished run
+    summary = trainer.train(progress=False)
+    assert (summary["start"], summary["step"], summary["first_loss"]) == (4, 4, None)
+  assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))  # nothing trained, nothing logged
   stored = open(os.path.join(workdir, "config.json")).read()
 
   # The README's override example on a finished run's workdir.
@@ -402,6 +406,7 @@ def test_schedule_cli_names_the_file_it_wrote(tmp_path, capsys):
 def test_configs_are_part_of_the_package(tmp_path):
   """A wheel built from the tree holds the config files, so `from configs import quickstart`
   works wherever jaxpipe is installed."""
+  pytest.importorskip("setuptools")  # the build backend, built without isolation (no download)
   src = tmp_path / "src"
   shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
       ".git", "tests", "notebooks", "docs", "build", "*.egg-info", "__pycache__"))
