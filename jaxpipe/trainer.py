@@ -533,7 +533,8 @@ class Trainer:
     once, without saving. A non-finite loss or gradient raises NonFiniteLossError naming which and
     the steps; nothing after the last finite step is saved. A checkpoint that cannot be written
     raises CheckpointSaveError as soon as that is known: before the first step when the disk has
-    no room for one, else at the step after the failed write; the last good checkpoint stays.
+    no room for one, else after the first step that ends once the failed write has; the last
+    good checkpoint stays.
     """
     cfg = self.config
     total = cfg.train.steps if steps is None else steps
@@ -543,10 +544,11 @@ class Trainer:
     summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
                "eval_loss": None, "preempted": False, "stop_signal": None}
     if start > total:
+      where = f" (checkpoint in {self.checkpointer.directory})" if self.checkpointer else ""
       raise config_lib.ConfigError(
-          f"the run stands at step {start} (checkpoint in {self.checkpointer.directory}), past the "
-          f"{total} steps asked for (train.steps); nothing to train. Raise train.steps above "
-          f"{start} (with --resume_changed) or pass another --workdir")
+          f"the run stands at step {start}{where}, past the {total} steps asked for; nothing to "
+          f"train. Raise train.steps above {start} (with --resume_changed) or pass another "
+          "--workdir")
     if start == total:
       return summary
     if self.checkpointer:

@@ -200,7 +200,7 @@ def test_first_sigint_saves_and_a_second_aborts_at_once(tmp_path):
     trainer.source = _SigintAt(source, index=6, times=2)  # step 7's
     with pytest.raises(KeyboardInterrupt):
       trainer.train(progress=False)
-    assert trainer.checkpointer.steps() == [2, 4, 5, 6]  # nothing saved after the second Ctrl-C
+    assert trainer.checkpointer.steps() == [4, 5, 6]  # keep = 3; nothing saved after the 2nd Ctrl-C
     assert [s for s, _ in _loss_rows(tmp_path)] == [1, 2, 3, 4, 5, 6]
   assert signal.getsignal(signal.SIGINT) is before
 
