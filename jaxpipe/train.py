@@ -14,6 +14,7 @@ second Ctrl-C aborts without saving (status 130). Anything else that stops the r
 `error:` line (--debug adds the traceback): status 2 for usage and config errors, 1 for faults
 at run time (a non-finite loss, a failed checkpoint save, a workdir in use).
 """
+import ast
 import logging as std_logging
 import os
 import sys
@@ -48,13 +49,18 @@ _DEBUG = flags.DEFINE_bool("debug", False, "On an error, show the traceback (and
 
 
 def _one_line(e: BaseException, argv: list[str] = ()) -> str:
-  """An exception's message on one line: KeyError's quotes undone, a config file's traceback cut
-  to its last line, the misspelt --config override named."""
-  text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-  lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+  """An exception's message on one line: a quoted KeyError text undone, a config file's traceback
+  cut to its last line, the misspelt --config override named."""
+  text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+  if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a KeyError's repr, re-raised
+    try:
+      text = str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      pass
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
   if not lines:
     return type(e).__name__
-  if isinstance(e, KeyError) and len(lines) > 1:  # ml_collections: "'dmodel'\nDid you mean ...?"
+  if len(lines) > 1 and lines[1].startswith("Did you mean"):  # ml_collections: "'dmodel'\nDid..."
     key = lines[0].strip("'\"")
     flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
                  and a.split("=")[0].endswith("." + key)), None)
