@@ -6,6 +6,7 @@ process that is the local request. Several processes must act on the same step (
 shards of one checkpoint), so a multi-process run replaces `agreed` with a reduction of
 `requested` over processes (any rank asked: all stop), at the same point of every step.
 """
+import os
 import signal
 import sys
 import threading
@@ -41,8 +42,13 @@ class StopRequest:
       return  # a repeated SIGTERM changes nothing
     self.requested = name
     if signum == signal.SIGINT:
-      print("\nSIGINT: finishing this step and saving before stopping; Ctrl-C again aborts without "
-            "saving", file=sys.stderr, flush=True)
+      message = ("\nSIGINT: finishing this step and saving before stopping; Ctrl-C again aborts "
+                 "without saving\n")
+      try:
+        sys.stderr.write(message)
+        sys.stderr.flush()
+      except RuntimeError:  # the signal interrupted a write to stderr: "reentrant call"
+        os.write(2, message.encode())
 
   def agreed(self) -> str | None:
     """The stop decision every process acts on (one process: its own request)."""
