@@ -13,6 +13,7 @@ the last committed step's size after it), so a full disk is found before anythin
 """
 import json
 import logging
+import math
 import os
 import shutil
 from typing import Any
@@ -105,12 +106,12 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def needed_bytes(self, state: Any) -> int:
-    """Room one more checkpoint of `state` takes: the newest committed step's size on disk, or
+    """Room one more checkpoint of `state` (arrays or their shapes) takes: the newest committed step's size on disk, or
     the arrays' own size before any step is committed."""
     latest = self.latest_step()
     if latest is not None:
       return directory_bytes(os.path.join(self.directory, str(latest)))
-    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
   def check_space(self, state: Any, step: int | None = None) -> int:
     """The bytes a checkpoint of `state` takes; CheckpointSaveError if the filesystem has less."""

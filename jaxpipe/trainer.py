@@ -429,21 +429,23 @@ class Trainer:
     return self._state_sharding
 
   @functools.cached_property
+  def model_state_shapes(self) -> TrainState:
+    """The state's shapes and dtypes in the model's order (as checkpoints hold it)."""
+    return jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
+
+  @functools.cached_property
   def model_state_sharding(self) -> Any:
     """Shardings of the state in the model's order (as checkpoints hold it)."""
     if self.layer_order is None or len(self.layer_order) == self._units:
       return self.state_sharding
-    shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
-    return state_shardings(shapes, self.mesh)
+    return state_shardings(self.model_state_shapes, self.mesh)
 
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
     restored = None
     if self.checkpointer is not None:
-      shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False),
-                              jax.random.key(0))
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              shapes, self.model_state_sharding)
+                              self.model_state_shapes, self.model_state_sharding)
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
@@ -552,7 +554,7 @@ class Trainer:
     if start == total:
       return summary
     if self.checkpointer:
-      self.checkpointer.check_space(self.state)
+      self.checkpointer.check_space(self.model_state_shapes)
     writer = MetricWriter(self.workdir, start) if self.workdir else None
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
