@@ -45,6 +45,7 @@ def default_config() -> ml_collections.ConfigDict:
   ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
   ms.cp = 1  # context-parallel size (splits the sequence)
   ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
+  ms.order = ",".join(MESH_AXES)  # device order, outermost (spans processes first) to innermost
 
   c.pipeline = p = ml_collections.ConfigDict()
   p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
@@ -124,6 +125,19 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
   return sizes
 
 
+def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """mesh.order as a tuple of every axis, outermost first: the axes it lists lead, the others
+  follow in MESH_AXES order. ConfigError names an unknown or repeated axis."""
+  listed = [a.strip() for a in str(mesh.order).split(",") if a.strip()]
+  bad = [a for a in listed if a not in MESH_AXES]
+  if bad or len(set(listed)) != len(listed):
+    what = f"unknown axis {bad[0]!r}" if bad else "an axis twice"
+    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes ({', '.join(MESH_AXES)})"
+                      " outermost first, e.g. --config.mesh.order=dp,pp to put data parallelism "
+                      "across processes and the pipeline within each")
+  return tuple(listed) + tuple(a for a in MESH_AXES if a not in listed)
+
+
 def _positive(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
   for name in names:
     value = cfg[name]
@@ -191,6 +205,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
 
   shape = mesh_shape(config.mesh, num_devices)
+  mesh_order(config.mesh)
   every = 1
   if m.moe is not None:
     every = m.moe.every

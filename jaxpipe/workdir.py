@@ -10,11 +10,11 @@ runs into one set of checkpoints and one metrics file. `check_config` compares t
 the stored `config.json`, field by field:
 
 - cadence fields (logging, evaluation, checkpoint cadence) change freely;
-- layout fields (mesh, pipeline schedule and micro-batches, recomputation, attention backend)
-  change how the same model is computed, not what: they pass with a notice (the losses equal
-  an unchanged run's up to float rounding). Not under MoE where they change the objective:
+- layout fields (mesh, its device order, pipeline schedule and micro-batches, recomputation,
+  attention backend) change how the same model is computed, not what: they pass with a notice
+  (the losses equal an unchanged run's up to float rounding). Not under MoE where they change the objective:
   micro-batches (the auxiliary losses are averaged per micro-batch) and, with capacity
-  dispatch, the mesh (it sets which tokens overflow);
+  dispatch, the mesh's sizes (they set which tokens overflow);
 - every other field (model, optimizer, data, train.steps, train.seed) refuses, unless the
   caller chose 'resume_changed' (continue under the new config) or 'restart' (move the old run
   aside and start over). train.steps is one of them on purpose: it sets the length of the
@@ -64,8 +64,8 @@ def field_kind(key: str, config: ml_collections.ConfigDict) -> str:
     return "cadence"
   if key.startswith("mesh.") or key in LAYOUT:
     moe = config.model.moe
-    if moe is not None and (key == "pipeline.microbatches"
-                            or (key.startswith("mesh.") and moe.dispatch == "capacity")):
+    if key != "mesh.order" and moe is not None and (
+        key == "pipeline.microbatches" or (key.startswith("mesh.") and moe.dispatch == "capacity")):
       return "run"
     return "layout"
   return "run"
