@@ -4,7 +4,11 @@ Orbax lists every integer-named directory as a step, so an empty or half-copied 
 taken as the latest and, worse, make orbax skip every later save with a smaller step number.
 Here a step counts only once orbax has written its commit marker; a step directory without one,
 or one that fails to restore while an older one restores, is renamed `<step>.incomplete` or
-`<step>.corrupt` (kept for inspection, invisible to orbax).
+`<step>.corrupt` (kept for inspection, invisible to orbax). Only the run that writes the
+directory renames anything, and in a multi-process run only process 0, before the others list
+the directory: every process of the run has started by then and the workdir lock keeps other
+runs out, so no writer is still filling an uncommitted step. A reader (`read_only`, e.g. a
+server loading the newest checkpoint of a run that may be saving right now) renames nothing.
 
 A save that fails (a full disk, a quota) raises CheckpointSaveError as soon as it is noticed: at
 once for a synchronous save, at the next `poll()` for a background one. Before writing, `save`
@@ -21,6 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxpipe import multihost
 
 _COMMIT_FILE = "commit_success.txt"
 _METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -78,21 +84,27 @@ def _by_path(tree: Any) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], np.
 
 
 class Checkpointer:
-  """Saves and restores a state pytree under `directory/<step>`."""
+  """Saves and restores a state pytree under `directory/<step>`; with `read_only`, restores only
+  and never renames or deletes anything (a reader beside a run that may be writing)."""
 
-  def __init__(self, directory: str, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, keep: int, async_save: bool = True, read_only: bool = False):
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
-    if jax.process_index() == 0:
-      for name in os.listdir(self.directory):
-        path = os.path.join(self.directory, name)
-        if name.isdigit() and os.path.isdir(path) and not is_committed(path):
-          logging.warning("checkpoint %s was never committed (half-written?); moved to %s", path,
-                          _set_aside(path, "incomplete"))
+    self.read_only = read_only
+    if not read_only:  # a collective in a multi-process run: every process constructs it
+      os.makedirs(self.directory, exist_ok=True)
+      if jax.process_index() == 0:
+        for name in os.listdir(self.directory):
+          path = os.path.join(self.directory, name)
+          if name.isdigit() and os.path.isdir(path) and not is_committed(path):
+            logging.warning("checkpoint %s was never committed (half-written?); moved to %s", path,
+                            _set_aside(path, "incomplete"))
+      multihost.barrier(f"jaxpipe.Checkpointer {self.directory}")  # then the others list it
+    options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
+               ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                            create=True, cleanup_tmp_directories=True))
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers=ocp.StandardCheckpointHandler(),  # metadata without a save
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                             enable_async_checkpointing=async_save, create=True))
+        options=options)
     self._pending: int | None = None  # the step being saved, until its outcome is known
     self._needed = 0
 
@@ -114,9 +126,10 @@ class Checkpointer:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
   def check_space(self, state: Any, step: int | None = None) -> int:
-    """The bytes a checkpoint of `state` takes; CheckpointSaveError if the filesystem has less."""
+    """The bytes a checkpoint of `state` takes; CheckpointSaveError if the filesystem has less
+    (on any process of the run: all of them stop)."""
     needed, free = self.needed_bytes(state), shutil.disk_usage(self.directory).free
-    if free < needed:
+    if multihost.any_process(free < needed):
       what = f"not saving step {step}" if step is not None else "no checkpoint fits"
       raise self._error(f"{what} in {self.directory}: {free:,} bytes free there, fewer than the "
                         f"{needed:,} bytes a checkpoint takes", needed)
@@ -128,6 +141,8 @@ class Checkpointer:
     Raises CheckpointSaveError, before writing, when the disk has no room for it, and when an
     earlier background save failed or this synchronous one fails.
     """
+    if self.read_only:
+      raise ValueError(f"{self.directory} was opened read-only (a reader); not saving step {step}")
     self.wait()  # orbax would wait for the previous save anyway; its failure is its own
     self._needed = self.check_space(state, step)
     self._pending = step
@@ -174,9 +189,10 @@ class Checkpointer:
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any] | None:
     """(step, state) of the newest step that restores onto `abstract_state`'s shapes and shardings.
 
-    A newer step that fails while an older one restores is corrupt and is set aside; if none
-    restores, the newest step's error is raised: CheckpointMismatchError when every step's
-    metadata disagrees with the model (a config change), else RuntimeError.
+    A newer step that fails (on any process) while an older one restores is corrupt and is set
+    aside (left in place by a reader); if none restores, the newest step's error is raised:
+    CheckpointMismatchError when every step's metadata disagrees with the model (a config
+    change), else RuntimeError.
     """
     failed, first_error, mismatched = [], None, True
     for step in reversed(self.steps()):
@@ -187,18 +203,25 @@ class Checkpointer:
         failed.append(step)
         first_error = first_error or ValueError(mismatch)
         continue
+      error = None
       try:
         state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
       except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for bad files
-        logging.warning("checkpoint step %d in %s does not restore: %s", step, self.directory, e)
+        error = e
+      if multihost.any_process(error is not None):  # every process resumes from the same step
+        error = error or RuntimeError(f"step {step} does not restore on another process")
+        logging.warning("checkpoint step %d in %s does not restore: %s", step, self.directory,
+                        error)
         failed.append(step)
-        first_error, mismatched = first_error or e, False
+        first_error, mismatched = first_error or error, False
         continue
-      if failed and jax.process_index() == 0:
-        for bad in failed:
-          path = os.path.join(self.directory, str(bad))
-          logging.warning("checkpoint %s is unreadable; moved to %s and resumed from step %d", path,
-                          _set_aside(path, "corrupt"), step)
+      if failed and not self.read_only:
+        if jax.process_index() == 0:
+          for bad in failed:
+            path = os.path.join(self.directory, str(bad))
+            logging.warning("checkpoint %s is unreadable; moved to %s and resumed from step %d",
+                            path, _set_aside(path, "corrupt"), step)
+        multihost.barrier(f"jaxpipe.Checkpointer set aside {self.directory}")
         self.manager.reload()
       return step, state
     if first_error is not None:
