@@ -3,14 +3,16 @@ Ctrl-C aborts at once.
 
 The loop reads `StopRequest.agreed()` once per step and acts on it after that step. In one
 process that is the local request. Several processes must act on the same step (each saves its
-shards of one checkpoint), so a multi-process run replaces `agreed` with a reduction of
-`requested` over processes (any rank asked: all stop), at the same point of every step.
+shards of one checkpoint), so a multi-process run passes `agree`, a reduction of the requests
+over processes (any rank asked: all stop), which `agreed` calls at the same point of every step
+on every process: `jaxpipe.multihost.OneStepLate`, which answers a step late.
 """
 import os
 import signal
 import sys
 import threading
 from types import FrameType
+from typing import Callable
 
 
 class StopRequest:
@@ -19,8 +21,11 @@ class StopRequest:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, agree: Callable[[int], int] | None = None):
+    """agree: the run's request from this process's (signal numbers, 0 for none; the maximum over
+    processes); None in a single process."""
     self.requested: str | None = None  # the name of the first signal that asked to stop
+    self._agree = agree
     self._previous: dict[int, object] = {}
 
   def __enter__(self) -> "StopRequest":
@@ -52,4 +57,7 @@ class StopRequest:
 
   def agreed(self) -> str | None:
     """The stop decision every process acts on (one process: its own request)."""
-    return self.requested
+    if self._agree is None:
+      return self.requested
+    run = self._agree(signal.Signals[self.requested].value if self.requested else 0)
+    return signal.Signals(run).name if run else None

@@ -7,10 +7,17 @@
 Gin bindings are applied after the config file and its --config overrides. Without an
 accelerator the run gets 8 CPU host devices ($JAXPIPE_HOST_DEVICES to change).
 
+Across processes (one per host), each runs the same command and joins the run through
+`jax.distributed`: --coordinator_address/--num_processes/--process_id, or $JAX_COORDINATOR_ADDRESS
+and friends, or SLURM/Open MPI detected (`jaxpipe.runtime.initialize`); `python -m jaxpipe.launch`
+starts such a run on one machine. Process 0 prints, logs metrics and holds the workdir; every
+process reads its own rows of each batch and writes its shards of each checkpoint.
+
 Rerunning the same command resumes from the workdir's newest checkpoint; a config that changes
 what is trained is refused unless --resume_changed or --restart says what to do
 (`jaxpipe.workdir`). SIGTERM or Ctrl-C saves after the current step and exits with status 0; a
-second Ctrl-C aborts without saving (status 130). Anything else that stops the run ends with one
+second Ctrl-C aborts without saving (status 130). Across processes, a signal to any of them
+stops every one after the same step. Anything else that stops the run ends with one
 `error:` line (--debug adds the traceback): status 2 for usage and config errors, 1 for faults
 at run time (a non-finite loss, a failed checkpoint save, a workdir in use).
 """
@@ -46,6 +53,15 @@ _RESTART = flags.DEFINE_bool("restart", False, "Move the workdir's run to previo
                              "over.")
 _DEBUG = flags.DEFINE_bool("debug", False, "On an error, show the traceback (and orbax's log of a "
                            "failed save) instead of one line.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 in a "
+                                   "multi-process run ($JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run, "
+                                      "one per host ($JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1 "
+                                   "($JAX_PROCESS_ID).")
+# What a failed collective says when another process of the run has gone.
+_PEER_GONE = ("Gloo", "Connection closed by peer", "Connection reset by peer", "heartbeat",
+              "coordination service", "Barrier")
 
 
 def _one_line(e: BaseException, argv: list[str] = ()) -> str:
@@ -137,30 +153,38 @@ def _train(argv: list[str]) -> None:
   if (_RESUME_CHANGED.value or _RESTART.value) and not _WORKDIR.value:
     raise app.UsageError("--resume_changed and --restart act on a --workdir; pass one")
   config = _load_config()
+  try:
+    runtime.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   import jax
 
+  from jaxpipe.mesh import describe
   from jaxpipe.trainer import Trainer
   existing = "resume_changed" if _RESUME_CHANGED.value else "restart" if _RESTART.value else "resume"
+  say = print if jax.process_index() == 0 else lambda *args: None  # process 0 speaks
   with Trainer(config, _WORKDIR.value, existing_run=existing) as trainer:
     d = config.data
-    print(f"mesh {dict(trainer.mesh.shape)} on {jax.device_count()} {jax.default_backend()} "
-          f"devices; batch {d.batch} x {d.seq_len} tokens, {config.train.steps} steps")
+    order = f" (order {config.mesh.order})" if jax.process_count() > 1 else ""
+    say(f"mesh {describe(trainer.mesh)}{order}; batch {d.batch} x {d.seq_len} tokens, "
+        f"{config.train.steps} steps")
     trainer.init()
     if trainer.resumed_from is not None:
-      print(f"resumed from step {trainer.resumed_from} in {trainer.checkpointer.directory}")
+      say(f"resumed from step {trainer.resumed_from} in {trainer.checkpointer.directory}")
     summary = trainer.train()
-  if summary["preempted"]:
-    print(f"{summary['stop_signal']}: saved step {summary['step']} and stopped; rerun the same "
-          "command to resume")
+  if summary["preempted"]:  # every process: each saved its shards of this step
+    rank = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+    print(f"{rank}{summary['stop_signal']}: saved step {summary['step']} and stopped; rerun the "
+          "same command to resume")
     return
   if summary["first_loss"] is None:
-    print(f"nothing to train: the run in {_WORKDIR.value} is at step {summary['step']} = "
-          "train.steps; raise train.steps (with --resume_changed) to train on")
+    say(f"nothing to train: the run in {_WORKDIR.value} is at step {summary['step']} = "
+        "train.steps; raise train.steps (with --resume_changed) to train on")
     return
-  print(f"loss: first {summary['first_loss']:.4f} (step {summary['start'] + 1}) -> last "
-        f"{summary['last_loss']:.4f} (step {summary['step']}); eval loss {summary['eval_loss']:.4f}")
+  say(f"loss: first {summary['first_loss']:.4f} (step {summary['start'] + 1}) -> last "
+      f"{summary['last_loss']:.4f} (step {summary['step']}); eval loss {summary['eval_loss']:.4f}")
   if _WORKDIR.value:
-    print(f"checkpoints, metrics.jsonl, tensorboard/ in {_WORKDIR.value}")
+    say(f"checkpoints, metrics.jsonl, tensorboard/ in {_WORKDIR.value}")
 
 
 def _status(e: BaseException) -> int:
@@ -168,6 +192,22 @@ def _status(e: BaseException) -> int:
   from jaxpipe.checkpoint import CheckpointMismatchError
   from jaxpipe.config import ConfigError
   return USAGE if isinstance(e, (app.UsageError, ConfigError, CheckpointMismatchError)) else FAULT
+
+
+def _multiprocess() -> bool:
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.distributed.is_initialized()
+
+
+def _exit(status: int) -> None:
+  """sys.exit; in a multi-process run os._exit, since JAX's shutdown would wait (minutes) for the
+  other processes, which may be stuck in a collective with this one: gone, this process makes
+  that collective fail at once on them."""
+  if _multiprocess():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)
 
 
 def main(argv: list[str]) -> None:
@@ -183,15 +223,20 @@ def main(argv: list[str]) -> None:
       raise
     print("\nerror: interrupted (Ctrl-C): stopped without saving; rerun the same command to resume "
           "from the last checkpoint", file=sys.stderr)
-    sys.exit(INTERRUPTED)
+    _exit(INTERRUPTED)
   except Exception as e:  # noqa: BLE001 -- every failure ends with one line
     if _DEBUG.value:
       raise
     status = _status(e)
     known = status == USAGE or type(e).__module__.startswith("jaxpipe")
-    print(f"error: {_one_line(e)}" if known else
-          f"error: {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)", file=sys.stderr)
-    sys.exit(status)
+    if _multiprocess() and any(p in str(e) for p in _PEER_GONE):
+      print(f"error: another process of this run has stopped or failed ({_one_line(e)[:300]}); "
+            "this one stops too. The first process to fail has the cause in its output",
+            file=sys.stderr)
+    else:
+      print(f"error: {_one_line(e)}" if known else f"error: {type(e).__name__}: {_one_line(e)} "
+            "(--debug shows the traceback)", file=sys.stderr)
+    _exit(status)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
+from jaxpipe import multihost
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
@@ -53,7 +54,7 @@ from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.preemption import StopRequest
-from jaxpipe.workdir import Workdir
+from jaxpipe.workdir import Workdir, WorkdirError
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 
@@ -360,6 +361,12 @@ class Trainer:
   per run) from construction to `close()`, so a second run, or a config that would train
   something else, fails before any device work.
 
+  In a multi-process run (`jaxpipe.runtime.initialize`) every process builds the same Trainer
+  and makes the same calls: process 0 holds the workdir and writes config.json, metrics and the
+  progress bar; each process reads only its rows of each batch (`local_rows`) and writes its
+  shards of each checkpoint; a stop signal to any process stops all after the same step. Read
+  arrays split over other processes with `jaxpipe.multihost.to_host`.
+
   `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
   params, in the stored order below). Steps donate the previous state's buffers: keep
   `trainer.state`, not an older reference.
@@ -387,16 +394,20 @@ class Trainer:
     self.checkpointer = None
     self.notices: list[str] = []  # what the workdir check accepted and the user should know
     if workdir is not None:  # before any device work: a busy or mismatched workdir stops here
+      # Process 0 takes the lock and checks the config for the whole run; the others wait for its
+      # verdict, so that none of them goes on to a collective that process 0 never reaches.
       self._workdir = Workdir(workdir)
-      if jax.process_index() == 0:
-        self._workdir.lock()
       self._release = weakref.finalize(self, self._workdir.unlock)
-      try:
-        self.notices = self._workdir.check_config(config, existing_run,
-                                                  write=jax.process_index() == 0)
-      except BaseException:
+      refused = None
+      if jax.process_index() == 0:
+        try:
+          self._workdir.lock()
+          self.notices = self._workdir.check_config(config, existing_run)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, once the others know
+          refused = e
+      if multihost.any_process(refused is not None):
         self.close()
-        raise
+        raise refused or WorkdirError(f"process 0 refused --workdir {workdir}; its error says why")
       for notice in self.notices:
         logging.warning("%s", notice)
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
@@ -536,10 +547,27 @@ class Trainer:
     return {k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
             for k, v in host_batch.items()}
 
-  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
-    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s."""
+  @functools.cached_property
+  def local_rows(self) -> np.ndarray | None:
+    """The rows of each batch that this process's devices hold, ascending; None when they hold
+    every row (one process, or a batch axis that stays within processes)."""
     d = self.config.data
-    return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    index_map = self._batch_sharding.addressable_devices_indices_map((d.batch, d.seq_len))
+    rows = np.unique(np.concatenate([np.arange(d.batch)[idx[0]] for idx in index_map.values()]))
+    return None if len(rows) == d.batch else rows
+
+  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
+    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s.
+
+    Across processes each process reads only the rows its devices hold (`local_rows`)."""
+    d = self.config.data
+    rows = self.local_rows
+    if rows is None:
+      return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    local = self.source.batch(split, index, d.batch, d.seq_len, rows=rows)
+    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v,
+                                                      (d.batch, d.seq_len))
+            for k, v in local.items()}
 
   # -- one step ---------------------------------------------------------------------------------
 
@@ -632,8 +660,8 @@ class Trainer:
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
     checked = start  # every step up to here had a finite loss and gradient
-    bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
-                    desc="train")
+    bar = tqdm.tqdm(total=total, initial=start, dynamic_ncols=True, desc="train",
+                    disable=not progress or jax.process_index() != 0)
     t_last, steps_last = None, start
 
     def flush(step: int) -> None:
@@ -678,7 +706,8 @@ class Trainer:
                        step_ms=f"{1e3 * timing['step_time_s']:.0f}")
       bar.set_postfix(postfix, refresh=False)
 
-    with StopRequest() as stop:
+    # Across processes every rank stops after the same step: the requests are agreed a step late.
+    with StopRequest(multihost.OneStepLate() if jax.process_count() > 1 else None) as stop:
       try:
         for index in range(start, total):
           pending.append((index + 1, self.step(self.batch(index))))
