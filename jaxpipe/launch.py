@@ -30,6 +30,11 @@ _GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expecte
                    rb"connected peer ranks is : \d*\n?")
 _GLOO_PIECE = re.compile(rb"(?m)^(\[Gloo\] Rank |\d* ?is connected to \d+ peer ranks\..*|\d+)\s*$")
 
+# Lines of a crash's stack dumps (Python's faulthandler, absl's check failures): in the log, not in
+# the summary of a failed rank, where they would push out the message that says why.
+_STACK_DUMP = re.compile(r'^\s*(File "|Thread 0x|Current thread 0x|Extension modules:|@ +0x|'
+                         r'\*\*\* Check failure|Fatal Python error)')
+
 
 def without_gloo_notices(text: bytes) -> bytes:
   """`text` without gloo's notices, whole or in pieces."""
@@ -90,8 +95,9 @@ class Rank:
     for line in text.replace(b"\r", b"\r\0").replace(b"\n", b"\n\0").split(b"\0"):
       if line.strip():
         out.append(prefix + line)
-        if line.endswith(b"\n"):
-          self.last_lines.append(line.decode(errors="replace").rstrip())
+        text = line.decode(errors="replace").rstrip()
+        if line.endswith(b"\n") and not _STACK_DUMP.match(text):
+          self.last_lines.append(text)
     with self._lock:
       sys.stdout.buffer.write(b"".join(out))
       sys.stdout.buffer.flush()

@@ -184,6 +184,29 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   np.testing.assert_allclose([loss for _, loss in evals], want_evals, rtol=1e-6, atol=0)
 
 
+def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
+  """Rank 1 frozen (SIGSTOP) in the middle of collectives: its connections stay open, so only the
+  heartbeat (5 s here) finds it; rank 0 stops naming it and the launcher ends the run."""
+  script = tmp_path / "hang.py"
+  script.write_text("from jaxpipe import runtime\nruntime.initialize()\n"
+                    "from jaxpipe import multihost\nprint('ready', flush=True)\n"
+                    "while True:\n  multihost.any_process(False)\n")
+  launcher = _launch(tmp_path, "hang", sys.executable, str(script), grace=1)
+  pids = _rank_pids(tmp_path, "hang")
+  while _output(tmp_path, "hang").count("] ready") < 2:
+    assert launcher.poll() is None, _output(tmp_path, "hang")
+    time.sleep(0.1)
+  os.kill(pids[1], signal.SIGSTOP)
+  frozen = time.monotonic()
+  status = launcher.wait(timeout=120)
+  took = time.monotonic() - frozen
+  out = _output(tmp_path, "hang")
+  assert status == 128 + signal.SIGABRT and took < 60, (status, took, out[-3000:])
+  assert "error: rank 0 failed first (killed by SIGABRT); rank 1 killed after the grace " in out
+  summary = out.split("error: rank 0 failed first")[1]
+  assert "The following tasks are unhealthy (stopped sending heartbeats):\n  1\n" in summary
+
+
 def test_launcher_ends_the_other_ranks_when_one_fails(tmp_path):
   """Rank 1 fails at once while rank 0 would run on: rank 0's process group is killed after the
   grace period and the launcher exits with rank 1's status, naming it, with its last lines."""
