@@ -95,9 +95,9 @@ class Rank:
     for line in text.replace(b"\r", b"\r\0").replace(b"\n", b"\n\0").split(b"\0"):
       if line.strip():
         out.append(prefix + line)
-        text = line.decode(errors="replace").rstrip()
-        if line.endswith(b"\n") and not _STACK_DUMP.match(text):
-          self.last_lines.append(text)
+        decoded = line.decode(errors="replace").rstrip()
+        if line.endswith(b"\n") and not _STACK_DUMP.match(decoded):
+          self.last_lines.append(decoded)
     with self._lock:
       sys.stdout.buffer.write(b"".join(out))
       sys.stdout.buffer.flush()
