@@ -24,11 +24,12 @@ import tempfile
 import threading
 import time
 
-# gloo's notice for every new communicator (kept in the rank's log). Its threads write it in
-# pieces, so notices land inside one another and inside other lines, leaving pieces behind.
-_GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
-                   rb"connected peer ranks is : \d*\n?")
-_GLOO_PIECE = re.compile(rb"(?m)^(\[Gloo\] Rank |\d* ?is connected to \d+ peer ranks\..*|\d+)\s*$")
+# gloo's notice for every new communicator (kept in the rank's log) is written by several threads
+# in pieces that land inside one another: the fixed pieces go, then the lines left with only
+# the numbers.
+_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|Expected number of "
+                          rb"connected peer ranks is : ")
+_NUMBERS_LINE = re.compile(rb"(?m)^[\d ]+(\n|$)")
 
 # Lines of a crash's stack dumps (Python's faulthandler, absl's check failures): in the log, not in
 # the summary of a failed rank, where they would push out the message that says why.
@@ -38,11 +39,9 @@ _STACK_DUMP = re.compile(r'^\s*(File "|Thread 0x|Current thread 0x|Extension mod
 
 def without_gloo_notices(text: bytes) -> bytes:
   """`text` without gloo's notices, whole or in pieces."""
-  if b"connected peer ranks" not in text:
+  if b"peer ranks" not in text:
     return text
-  while (shorter := _GLOO.sub(b"", text)) != text:  # a notice inside another is whole once the
-    text = shorter                                     # outer one's pieces are gone
-  return _GLOO_PIECE.sub(b"", text)
+  return _NUMBERS_LINE.sub(b"", _GLOO_PIECES.sub(b"", text))
 
 
 def free_port() -> int:
@@ -91,13 +90,13 @@ class Rank:
         self._show(prefix, pending + b"\n")
 
   def _show(self, prefix: bytes, text: bytes) -> None:
-    text, out = without_gloo_notices(text), []
-    for line in text.replace(b"\r", b"\r\0").replace(b"\n", b"\n\0").split(b"\0"):
-      if line.strip():
-        out.append(prefix + line)
-        decoded = line.decode(errors="replace").rstrip()
-        if line.endswith(b"\n") and not _STACK_DUMP.match(decoded):
-          self.last_lines.append(decoded)
+    for line in text.split(b"\n"):  # the summary's lines: whole ones, nothing of gloo's
+      decoded = line.decode(errors="replace").rstrip()
+      if decoded.strip() and not (b"\r" in line or _GLOO_PIECES.search(line)
+                                  or _STACK_DUMP.match(decoded)):
+        self.last_lines.append(decoded)
+    out = [prefix + line for line in without_gloo_notices(text).replace(b"\r", b"\r\0")
+           .replace(b"\n", b"\n\0").split(b"\0") if line.strip()]
     with self._lock:
       sys.stdout.buffer.write(b"".join(out))
       sys.stdout.buffer.flush()

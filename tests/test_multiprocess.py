@@ -22,6 +22,7 @@ from jaxpipe import mesh as mesh_lib
 from jaxpipe import multihost, runtime
 from jaxpipe.checkpoint import is_committed
 from jaxpipe.config import ConfigError, default_config
+from jaxpipe.launch import without_gloo_notices
 from jaxpipe.pipeline import value_and_grad
 from jaxpipe.trainer import Trainer
 
@@ -158,8 +159,10 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   out = _output(tmp_path, "fourth")
   assert status != 0 and took < 60, (status, took, out[-3000:])
   assert f"resumed from step {third_stop} in " in out
-  assert "error: rank 1 failed first (killed by SIGKILL); rank 0 status 1." in out, out[-3000:]
-  assert "[0] error: another process of this run has stopped or failed" in out, out[-3000:]
+  assert "error: rank 1 failed first (killed by SIGKILL); rank 0 " in out, out[-3000:]
+  assert "rank 0 killed after the grace period" not in out  # it stopped by itself, saying why:
+  assert ("[0] error: another process of this run has stopped or failed" in out  # a collective
+          or "[0] F" in out and "stopped sending heartbeats" in out), out[-3000:]  # or JAX's
   steps = sorted(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit())
   assert all(is_committed(str(workdir / "checkpoints" / str(n))) for n in steps), steps
 
@@ -223,6 +226,16 @@ def test_launcher_ends_the_other_ranks_when_one_fails(tmp_path):
   assert ("error: rank 1 failed first (status 3); rank 0 killed after the grace period. Its last "
           f"lines ({tmp_path / 'fail' / 'rank1.log'}):\n  rank 1 of 2 True") in out
   assert (tmp_path / "fail" / "rank0.log").read_text() == "rank 0 of 2 True\n"
+
+
+def test_gloo_notices_stay_out_of_the_console():
+  """gloo's threads write their notices in pieces, inside one another (as seen in a rank's log)."""
+  raw = (b"loss 3.5\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+         b"ranks is : 1\n[Gloo] Rank [Gloo] Rank 0 is connected to 31 is connected to 3 peer ranks.  "
+         b"peer ranks. Expected number of connected peer ranks is : 3\nExpected number of connected "
+         b"peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n")
+  assert without_gloo_notices(raw) == b"loss 3.5\n\rtrain:   5%| 2/40\n12 steps\n"
+  assert without_gloo_notices(b"1\n2 3\n") == b"1\n2 3\n"  # numbers of its own are kept
 
 
 def test_bad_multiprocess_settings_are_named(monkeypatch):
