@@ -350,6 +350,8 @@ def test_metrics_past_the_restored_step_are_dropped(tmp_path):
      "XLA:CPU has no float16 matmul"),
     ([], {"config": "configs/missing.py"}, "error: --config configs/missing.py: no such file"),
     ([], {"JAXPIPE_HOST_DEVICES": "abc"}, "error: JAXPIPE_HOST_DEVICES='abc' must be a positive"),
+    (["--num_processes=2", "--process_id=0"], {}, "error: a multi-process run needs "
+     "--coordinator_address as well"),
 ])
 def test_cli_bad_inputs_end_with_one_error_line(args, env, needle):
   env = dict(env)
