@@ -111,7 +111,8 @@ def test_attached_aux_loss_is_in_the_gradient():
   mask = jnp.ones((2, 8))
 
   def attached(p):
-    return transformer.loss(cfg, p, tokens, tokens, mask)[0]
+    x = transformer.apply_layers(cfg, p["layers"], transformer.embed(cfg, p, tokens))
+    return transformer.head_loss(cfg, p, x, tokens, mask)[0]
 
   def explicit(p, with_aux):
     total, _, aux = transformer.loss_and_aux(cfg, p, tokens, tokens, mask)
