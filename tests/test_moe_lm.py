@@ -1,4 +1,5 @@
 """MoE FFNs in the LM and the trainer: expert-parallel steps equal the one-device model."""
+import dataclasses
 import functools
 
 import jax
@@ -125,6 +126,25 @@ def test_attached_aux_loss_is_in_the_gradient():
   assert np.abs(np.asarray(router - no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
   for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
     _close(g, dict(jax.tree_util.tree_flatten_with_path(want)[0])[path], jax.tree_util.keystr(path))
+
+
+def test_loss_refuses_moe_and_forward_gradient_has_no_aux_loss():
+  """`loss` would return the CE while its gradient holds the aux losses too, so it refuses MoE;
+  a function of `forward`'s logits has its own gradient, whatever the aux coefficients."""
+  cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**MOE, "every": 1}))
+  params = _random_params(cfg)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
+  with pytest.raises(ValueError, match="transformer.loss takes dense models; with cfg.moe use "
+                                       "loss_and_aux"):
+    transformer.loss(cfg, params, tokens, tokens, jnp.ones((2, 8)))
+  no_aux = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, lb_loss_coef=0.0,
+                                                            z_loss_coef=0.0))
+  g_BxLxV = jax.random.normal(jax.random.key(3), (2, 8, 64))
+  grad = lambda c, p: jax.grad(lambda p: jnp.sum(transformer.forward(c, p, tokens) * g_BxLxV))(p)
+  got, want = jax.jit(lambda p: (grad(cfg, p), grad(no_aux, p)))(params)
+  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+    np.testing.assert_array_equal(g, dict(jax.tree_util.tree_flatten_with_path(want)[0])[path])
 
 
 def test_train_step_moves_balancing_bias_by_the_sign_rule():
