@@ -40,8 +40,10 @@ _CONFIG_PY = '''"""Fine-tuning config of the Hugging Face checkpoint converted f
   python -m jaxpipe.train --config {workdir}/config.py --workdir {workdir}
 
 Written by `python -m jaxpipe.convert hf-to-orbax`: the model section is the checkpoint's
-({model_type}, from hf/config.json) and must stay so; override training fields (mesh,
-pipeline, data, optimizer, train) here or with --config.key=value.
+({model_type}, from hf/config.json). Override training fields (mesh, pipeline, data, optimizer,
+train) and runtime options (model.attention, model.remat, model.moe.dispatch,
+model.moe.lb_loss_form, ...) here or with --config.key=value; fields that shape the parameters
+must stay, and so must optimizer.clip_norm > 0 (checkpoints/0 holds that optimizer's state).
 """
 import os
 

@@ -353,6 +353,8 @@ def _edited(case, tmp_path, config=None, tensors=None):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None, r"rope_scaling=.*llama3"),
     ({"q_lora_rank": 1536}, None, r"field 'q_lora_rank' .* is not understood"),
     ({"hidden_act": "gelu"}, None, r"hidden_act='gelu' is not implemented"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, None,
+     r"layer_types \['full_attention', 'sliding_attention'\] are not implemented"),
     (None, {"model.layers.1.mlp.up_proj.weight": None},
      r"tensor model.layers.1.mlp.up_proj.weight is missing"),
     (None, {"model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)},
@@ -360,8 +362,8 @@ def _edited(case, tmp_path, config=None, tensors=None):
     (None, {"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)},
      r"tensor model.layers.1.self_attn.k_proj.weight has shape \[32, 32\], but config.json "
      r"implies \[16, 32\]"),
-], ids=["model_type", "bias", "rope_scaling", "mla_field", "activation", "missing", "unknown",
-        "shape"])
+], ids=["model_type", "bias", "rope_scaling", "mla_field", "activation", "sliding_layers",
+        "missing", "unknown", "shape"])
 def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(cases, tmp_path, no_device_work,
                                                                 config, tensors, message):
   src = _edited(cases["llama"], tmp_path, config, tensors)
@@ -370,6 +372,15 @@ def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(cases, tmp_path,
   with pytest.raises(SystemExit, match="^error: .*" + message):
     convert.main(["hf-to-orbax", src, str(tmp_path / "run")])
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_derived_tensors_are_reported_not_read(cases, tmp_path):
+  inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"  # older Llama checkpoints carry it
+  src = _edited(cases["llama"], tmp_path, {"layer_types": ["full_attention"] * 2},
+                {inv_freq: np.ones(4, np.float32)})
+  plan = hf.check(src)
+  assert plan.ignored == {inv_freq: "rotary frequencies, recomputed from rope_theta"}
+  assert inv_freq not in dict(hf.hf_tensors(*hf.load(plan), "llama"))
 
 
 def test_mixtral_sliding_window_and_qwen3_sliding_window_are_refused(cases, tmp_path):

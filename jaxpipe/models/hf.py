@@ -120,7 +120,7 @@ def config_from_hf(hf: dict) -> transformer.TransformerConfig:
   known = (_METADATA | set(defaults) | moe_keys.get(model_type, set())
            | {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_scaling",
-              "rope_parameters"})
+              "rope_parameters", "layer_types"})
   for key, value in hf.items():
     if key not in known:
       raise CheckpointError(f"config.json: field {key!r} (= {value!r}) is not understood for "
@@ -139,6 +139,10 @@ def config_from_hf(hf: dict) -> transformer.TransformerConfig:
     if (key in hf or key in defaults) and get(key) != want:
       raise CheckpointError(f"config.json: {key}={get(key)!r} is not implemented ({_WHY[key]}); "
                             f"jaxpipe reads {key}={want!r}")
+  kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
+  if kinds != ["full_attention"]:
+    raise CheckpointError(f"config.json: layer_types {kinds} are not implemented (attention is "
+                          "full causal); jaxpipe reads 'full_attention' layers only")
   if model_type == "mixtral" and get("sliding_window") is not None:
     raise CheckpointError(f"config.json: sliding_window={get('sliding_window')!r} is not "
                           f"implemented ({_WHY['sliding_window']}); jaxpipe reads null")
@@ -562,8 +566,7 @@ def save(cfg: transformer.TransformerConfig, params: dict, directory: str,
   dtype = np.dtype(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32")
   if dtype.name not in _DTYPES.values():
     raise ValueError(f"dtype={dtype.name!r}: write one of {sorted(_DTYPES.values())}")
-  hf.pop("torch_dtype", None)
-  hf["dtype"] = dtype.name
+  hf["torch_dtype" if "torch_dtype" in hf and "dtype" not in hf else "dtype"] = dtype.name
   os.makedirs(directory, exist_ok=True)
   for name in os.listdir(directory):
     if name == INDEX_FILE or name.endswith(".safetensors"):
