@@ -60,6 +60,7 @@ _DEFAULTS = {
                       hidden_act="silu", attention_bias=False, attention_dropout=0.0,
                       use_sliding_window=False, sliding_window=None, max_window_layers=None,
                       decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[],
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                       output_router_logits=False, router_aux_loss_coef=0.001),
 }
 # Values a field must have, because jaxpipe computes only that case; a dict value checks keys.
@@ -151,9 +152,8 @@ def config_from_hf(hf: dict) -> transformer.TransformerConfig:
   head_dim = hf.get("head_dim") or get("hidden_size") // heads
   moe = None
   if model_type != "llama":
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
-    if experts is None:
-      raise CheckpointError("config.json: num_local_experts (or num_experts) is missing")
+    experts = hf.get("num_local_experts", hf.get("num_experts")) or get(
+        "num_local_experts" if model_type == "mixtral" else "num_experts")
     aux = get("output_router_logits")  # transformers adds the aux loss only then
     renorm = True if model_type == "mixtral" else bool(get("norm_topk_prob"))
     moe = moe_lib.MoEConfig(
