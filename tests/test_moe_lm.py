@@ -1,5 +1,4 @@
 """MoE FFNs in the LM and the trainer: expert-parallel steps equal the one-device model."""
-import dataclasses
 import functools
 
 import jax
@@ -103,13 +102,17 @@ def test_expert_parallel_step_equals_one_device():
     _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
-def test_attached_aux_loss_is_in_the_gradient():
-  """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too."""
+def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
+  """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too;
+  `forward`'s logits carry none, and `loss` (CE value, CE + aux gradient) refuses MoE models."""
   cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                       head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**MOE, "every": 1}))
   params = _random_params(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
   mask = jnp.ones((2, 8))
+  with pytest.raises(ValueError, match="transformer.loss takes dense models; with cfg.moe use "
+                                       "loss_and_aux"):
+    transformer.loss(cfg, params, tokens, tokens, mask)
 
   def attached(p):
     x = transformer.apply_layers(cfg, p["layers"], transformer.embed(cfg, p, tokens))
@@ -119,32 +122,22 @@ def test_attached_aux_loss_is_in_the_gradient():
     total, _, aux = transformer.loss_and_aux(cfg, p, tokens, tokens, mask)
     return total + with_aux * aux["loss"].sum() * tokens.size
 
-  got, want, no_aux = jax.jit(lambda p: (jax.grad(attached)(p), jax.grad(explicit)(p, 1.0),
-                                         jax.grad(explicit)(p, 0.0)))(params)
+  def via_forward(p):  # the summed cross-entropy, from the logits
+    logits_BxLxV = transformer.forward(cfg, p, tokens)
+    target_BxL = jnp.take_along_axis(logits_BxLxV, tokens[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL)
+
+  got, want, no_aux, forward = jax.jit(lambda p: (
+      jax.grad(attached)(p), jax.grad(explicit)(p, 1.0), jax.grad(explicit)(p, 0.0),
+      jax.grad(via_forward)(p)))(params)
   router = want["layers"]["moe"]["moe"]["router_DxE"]
-  no_aux = no_aux["layers"]["moe"]["moe"]["router_DxE"]
-  assert np.abs(np.asarray(router - no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    _close(g, dict(jax.tree_util.tree_flatten_with_path(want)[0])[path], jax.tree_util.keystr(path))
-
-
-def test_loss_refuses_moe_and_forward_gradient_has_no_aux_loss():
-  """`loss` would return the CE while its gradient holds the aux losses too, so it refuses MoE;
-  a function of `forward`'s logits has its own gradient, whatever the aux coefficients."""
-  cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**MOE, "every": 1}))
-  params = _random_params(cfg)
-  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
-  with pytest.raises(ValueError, match="transformer.loss takes dense models; with cfg.moe use "
-                                       "loss_and_aux"):
-    transformer.loss(cfg, params, tokens, tokens, jnp.ones((2, 8)))
-  no_aux = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, lb_loss_coef=0.0,
-                                                            z_loss_coef=0.0))
-  g_BxLxV = jax.random.normal(jax.random.key(3), (2, 8, 64))
-  grad = lambda c, p: jax.grad(lambda p: jnp.sum(transformer.forward(c, p, tokens) * g_BxLxV))(p)
-  got, want = jax.jit(lambda p: (grad(cfg, p), grad(no_aux, p)))(params)
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    np.testing.assert_array_equal(g, dict(jax.tree_util.tree_flatten_with_path(want)[0])[path])
+  router_no_aux = no_aux["layers"]["moe"]["moe"]["router_DxE"]
+  assert np.abs(np.asarray(router - router_no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
+  flat = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+  for path, g in flat(got).items():
+    _close(g, flat(want)[path], jax.tree_util.keystr(path))
+  for path, g in flat(forward).items():
+    _close(g, flat(no_aux)[path], jax.tree_util.keystr(path))
 
 
 def test_train_step_moves_balancing_bias_by_the_sign_rule():

@@ -116,8 +116,8 @@ def test_top1_renormalisation_and_unnormalised_sigmoid():
   r = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True), LOGITS)
   np.testing.assert_array_equal(r.idx_TxK, [[2], [2]])
   np.testing.assert_array_equal(r.w_TxK, [[1.0], [1.0]])
-  g = jax.grad(lambda w: router_lib.route(
-      MoEConfig(num_experts=4, top_k=1, norm_top1=True), w, None, jnp.eye(2)).w_TxK.sum())(
+  g = jax.jit(jax.grad(lambda w: router_lib.route(
+      MoEConfig(num_experts=4, top_k=1, norm_top1=True), w, None, jnp.eye(2)).w_TxK.sum()))(
           jnp.asarray(LOGITS, jnp.float32))
   assert np.abs(g).max() < 1e-7  # a weight of 1 carries no router gradient (but rounding)
   off = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True, norm_topk_prob=False), LOGITS)
