@@ -128,13 +128,11 @@ def _batch(ids):
 def _one_device(cfg):
   """jit of params -> ((objective, logits), grads): mean cross-entropy + the MoE aux objective."""
   def objective(params, batch):
-    logits = transformer.forward(cfg, params, batch["tokens"])
-    if cfg.moe is None:
-      total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
-      return total / count, logits
-    total, count, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
-                                                 batch["mask"])
-    return total / count + moe.aux_objective(cfg.moe, aux), logits
+    x, aux = transformer.apply_layers_aux(cfg, params["layers"],
+                                          transformer.embed(cfg, params, batch["tokens"]))
+    total, count = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
+    aux_loss = moe.aux_objective(cfg.moe, aux) if cfg.moe is not None else 0.0
+    return total / count + aux_loss, transformer.logits(cfg, params, x)
   return jax.jit(jax.value_and_grad(objective, has_aux=True))
 
 
