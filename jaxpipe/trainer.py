@@ -80,11 +80,30 @@ def _decays(params: dict) -> dict:
       lambda path, _: getattr(path[-1], "key", None) != "scale", params)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> optax.GradientTransformation:
-  """AdamW with warm-up + cosine schedule, after global-norm clipping."""
+def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` with the norm computed by `norm` (e.g. `Trainer.grad_norm`)."""
+
+  def update(updates, state, params=None):
+    del params
+    g_norm = norm(updates)
+    trigger = g_norm < max_norm
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+                        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, steps: int,
+                   norm: Callable[[Any], jax.Array] | None = None) -> optax.GradientTransformation:
+  """AdamW with warm-up + cosine schedule, after clipping by the global norm (`norm`, default
+  optax's over every leaf)."""
   adamw = optax.adamw(learning_rate(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                       weight_decay=opt.weight_decay, mask=_decays)
-  return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw) if opt.clip_norm else adamw
+  if not opt.clip_norm:
+    return adamw
+  clip = optax.clip_by_global_norm(opt.clip_norm) if norm is None else clip_by_norm(opt.clip_norm,
+                                                                                    norm)
+  return optax.chain(clip, adamw)
 
 
 def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
@@ -205,6 +224,8 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
   contiguous block of the model's layers; stacking them rank by rank instead means the pp split
   of the stack gives each rank exactly its stages, and no parameter moves inside a step.
+  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
+  each layer twice, a resident copy on each of them.
   """
   if mesh_shape["pp"] == 1:
     return None
@@ -212,16 +233,19 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
 
 
-def reorder_layers(tree: Any, order: np.ndarray) -> Any:
+def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any:
   """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
-  `leaf[order]`; everything else unchanged."""
+  `leaf[order]`; everything else unchanged. `size`: the layer axis the tree must have (default
+  len(order), a permutation; an order that repeats or drops entries says it)."""
+  size = len(order) if size is None else size
+
   def reorder(path, x):
     keys = [getattr(k, "key", None) for k in path]
     if "layers" not in keys or not getattr(x, "ndim", 0):
       return x
-    if x.shape[0] != len(order):
+    if x.shape[0] != size:
       raise ValueError(f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
-                       f"the layer order {len(order)}; is this tree the model's?")
+                       f"the layer order takes {size}; is this tree the model's?")
     return x[order]
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
@@ -236,9 +260,9 @@ def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "
 
   Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
   that this block is what rank r runs (`layer_order`): the model's order under contiguous
-  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones.
-  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks; their parameters
-  stay in model order and XLA moves the copies to their ranks inside each step.
+  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones, and
+  rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones (Chimera,
+  DualPipe), which run every stage on two ranks.
   """
   pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
   has_ep = ep_axis in mesh.axis_names
@@ -272,9 +296,13 @@ class Trainer:
 
   Under interleaved and V-shaped schedules `trainer.state` stacks params['layers'] (and their
   moments) in `trainer.layer_order`, rank by rank, so that no parameter moves inside a step;
-  `trainer.loss_and_grads` takes them that way. `trainer.model_params()` gives the model's
-  order and `trainer.stored_params(params)` turns the model's order into the state's;
-  checkpoints hold the model's order (any schedule restores them).
+  `trainer.loss_and_grads` takes them that way. Under bidirectional ones (Chimera, DualPipe)
+  the state holds two resident copies of every layer, one on each rank that runs it (twice the
+  parameter and moment memory): their gradients are summed between the two holders, they are
+  updated alike and stay equal, and the clipping norm and `grad_norm` count each parameter once
+  (`trainer.grad_norm`). `trainer.model_params()` gives the model's order (one copy) and
+  `trainer.stored_params(params)` turns the model's order into the state's; checkpoints hold
+  the model's order (any schedule restores them).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -282,11 +310,22 @@ class Trainer:
     self.mesh_shape = config_lib.validate(config, jax.device_count())
     self.model_cfg = config_lib.model_config(config)
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
+    self._units = self._to_model = self._counted = None
+    copies = False
+    if self.layer_order is not None:
+      self._units = int(self.layer_order.max()) + 1  # entries of the model's layer axis
+      # the stored entry read for each of the model's units (its first copy)
+      self._to_model = np.unique(self.layer_order, return_index=True)[1]
+      copies = len(self.layer_order) != self._units
+    if copies:  # [stored units] 1 on each unit's first copy, 0 on the other: counted once
+      self._counted = np.zeros(len(self.layer_order), np.float32)
+      self._counted[self._to_model] = 1.0
     self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape,
                                               self.layer_order is not None)
     self.mesh = make_mesh(config.mesh)
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
-    self.optimizer = make_optimizer(config.optimizer, config.train.steps)
+    self.optimizer = make_optimizer(config.optimizer, config.train.steps,
+                                    self.grad_norm if copies else None)
     self.workdir = workdir
     self.checkpointer = None
     if workdir is not None:
@@ -301,22 +340,32 @@ class Trainer:
 
   # -- state ------------------------------------------------------------------------------------
 
-  def _fresh_state(self, rng: jax.Array) -> TrainState:
+  def _fresh_state(self, rng: jax.Array, stored: bool = True) -> TrainState:
     params = transformer.init_params(self.model_cfg, rng)
-    if self.layer_order is not None:
-      params = reorder_layers(params, self.layer_order)
+    if stored and self.layer_order is not None:
+      params = reorder_layers(params, self.layer_order, self._units)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+  def grad_norm(self, grads: dict) -> jax.Array:
+    """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""
+    def squares(path, g):
+      s = jnp.square(g.astype(jnp.float32))
+      if self._counted is not None and "layers" in [getattr(k, "key", None) for k in path]:
+        s = s * self._counted.reshape((-1,) + (1,) * (g.ndim - 1))  # local to each rank
+      return jnp.sum(s)
+    return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(squares, grads))))
 
   @functools.cached_property
   def _reorder(self) -> dict[str, Callable]:
     """Compiled-once moves of a state or params between the stored and the model's order."""
-    to_model, to_stored = np.argsort(self.layer_order), self.layer_order
-    fn = lambda order, sharding: jax.jit(functools.partial(reorder_layers, order=order),
-                                         out_shardings=sharding)
-    return {"state_to_model": fn(to_model, self.state_sharding),
-            "state_to_stored": fn(to_stored, self.state_sharding),
-            "params_to_model": fn(to_model, self.state_sharding.params),
-            "params_to_stored": fn(to_stored, self.state_sharding.params)}
+    stored, model = len(self.layer_order), self._units
+    fn = lambda order, size, sharding: jax.jit(
+        functools.partial(reorder_layers, order=order, size=size), out_shardings=sharding)
+    to_model, to_stored = self._to_model, self.layer_order
+    return {"state_to_model": fn(to_model, stored, self.model_state_sharding),
+            "state_to_stored": fn(to_stored, model, self.state_sharding),
+            "params_to_model": fn(to_model, stored, self.model_state_sharding.params),
+            "params_to_stored": fn(to_stored, model, self.state_sharding.params)}
 
   def model_params(self, params: dict | None = None) -> dict:
     """A copy of `params` (default the state's) with the layers in the model's order."""
@@ -349,12 +398,22 @@ class Trainer:
       self._state_sharding = state_shardings(self.state_shapes, self.mesh)
     return self._state_sharding
 
+  @functools.cached_property
+  def model_state_sharding(self) -> Any:
+    """Shardings of the state in the model's order (as checkpoints hold it)."""
+    if self.layer_order is None or len(self.layer_order) == self._units:
+      return self.state_sharding
+    shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
+    return state_shardings(shapes, self.mesh)
+
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
     restored = None
     if self.checkpointer is not None:
+      shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False),
+                              jax.random.key(0))
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              self.state_shapes, self.state_sharding)
+                              shapes, self.model_state_sharding)
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
@@ -390,7 +449,7 @@ class Trainer:
       if "moe_tokens_per_expert" in metrics:  # balancing biases move by their own rule
         params = moe_lib.update_biases(self.model_cfg.moe, state.params, params,
                                        metrics.pop("moe_tokens_per_expert"))
-      grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+      grad_norm = self.grad_norm(grads)
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
       return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -30,7 +30,11 @@ def test_pipelined_loss_and_grads_equal_unpipelined(pp, schedule):
   cfg = trainer.model_cfg
   params = transformer.init_params(cfg, jax.random.key(0))
   batch = trainer.batch(0)
-  loss, grads, metrics = jax.jit(trainer.loss_and_grads)(params, batch)
+  if schedule == "dualpipe":  # stores each layer twice, rank by rank
+    with pytest.raises(ValueError, match="has 4 entries but this step takes 8.*stored_params"):
+      trainer.loss_and_grads(params, batch)
+  loss, grads, metrics = jax.jit(trainer.loss_and_grads)(trainer.stored_params(params), batch)
+  grads = trainer.model_params(grads)
   want_loss, want_grads, want_metrics = jax.jit(data_parallel_loss_and_grads(cfg))(params, batch)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert float(metrics["tokens"]) == float(want_metrics["tokens"])
