@@ -127,10 +127,9 @@ def _copy_files(src: str, dst: str, weights: bool) -> None:
 
 def workdir_model(workdir: str) -> transformer.TransformerConfig:
   """The model a workdir trains: its last run's config.json, else the converted config.py's."""
-  path = os.path.join(workdir, "config.json")  # written by the trainer
-  if os.path.isfile(path):
-    with open(path) as f:
-      return transformer.TransformerConfig(**json.load(f)["model"])
+  from jaxpipe.serve.restore import run_config
+  if os.path.isfile(os.path.join(workdir, "config.json")):  # written by the trainer
+    return config_lib.model_config(run_config(workdir))
   if os.path.isfile(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)):
     return config_lib.model_config(finetune_config(workdir))
   raise ValueError(f"{workdir} has neither config.json (a training run's) nor {HF_DIR}/"
@@ -146,7 +145,12 @@ def committed_steps(workdir: str) -> list[int]:
 
 
 def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, mesh) -> dict:
-  """The params of checkpoint `step` (model order) on `mesh`; optimizer moments are not read."""
+  """The params of checkpoint `step` (model order) on `mesh`; optimizer moments are not read.
+
+  Unlike `jaxpipe.serve.restore.restore_params` (the newest readable step, whole TrainState, one
+  device), this reads a third of the bytes, needs no optimizer config and splits the model
+  over pp and ep, as an export of a model too large for one device must.
+  """
   import orbax.checkpoint as ocp
   shapes, shardings = _param_shardings(cfg, mesh)
   abstract = {"params": jax.tree.map(
