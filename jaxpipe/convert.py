@@ -7,8 +7,10 @@
 hf-to-orbax checks SRC_DIR (config.json, the safetensors headers) before any device work, streams
 the weights onto a pp x ep mesh of the first P·E devices (`jaxpipe.models.hf`) and writes
 WORKDIR/checkpoints/0, a training state at step 0 (fresh optimizer moments);
-WORKDIR/config.py, the fine-tuning config (`finetune_config`); and WORKDIR/hf/, the source's
-config.json, tokenizer and other files, which the export carries along. The training runner
+WORKDIR/config.py, the fine-tuning config (`finetune_config`), and config.json, that config
+resolved as a training run writes it (so `python -m jaxpipe.serve --workdir WORKDIR` serves the
+imported model at once); and WORKDIR/hf/, the source's config.json, tokenizer and other files,
+which the export carries along. The training runner
 then resumes from step 0 under any schedule and mesh: that is fine-tuning. orbax-to-hf writes
 the newest committed step (or --step) of a workdir in transformers' layout, by default in the
 source's dtype, with the files of WORKDIR/hf/ beside it.
@@ -74,14 +76,15 @@ def finetune_config(workdir: str) -> ml_collections.ConfigDict:
   return c
 
 
-def _mesh(config: ml_collections.ConfigDict, pp: int, ep: int):
+def _mesh(pp: int, ep: int):
   """A pp x ep mesh over the first pp·ep devices (dp = 1), for placing one copy of the model."""
   from jaxpipe.mesh import make_mesh
   if pp * ep > jax.device_count():
     raise ValueError(f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are "
                      "visible")
-  config.mesh.pp, config.mesh.ep, config.mesh.dp = pp, ep, 1
-  return make_mesh(config.mesh, devices=jax.devices()[:pp * ep])
+  mesh = config_lib.default_config().mesh
+  mesh.pp, mesh.ep, mesh.dp = pp, ep, 1
+  return make_mesh(mesh, devices=jax.devices()[:pp * ep])
 
 
 def _param_shardings(cfg: transformer.TransformerConfig, mesh):
@@ -102,7 +105,9 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1) -> hf.Plan:
     f.write(_CONFIG_PY.format(src=os.path.abspath(src), workdir=os.path.abspath(workdir),
                               model_type=plan.hf_config["model_type"]))
   config = finetune_config(workdir)
-  mesh = _mesh(config, pp, ep)
+  with open(os.path.join(workdir, "config.json"), "w") as f:  # as a run writes it (serving reads it)
+    f.write(config.to_json_best_effort(indent=2))
+  mesh = _mesh(pp, ep)
   _, shardings = _param_shardings(plan.cfg, mesh)
   _, params = hf.load(plan, shardings)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
@@ -126,7 +131,7 @@ def _copy_files(src: str, dst: str, weights: bool) -> None:
 
 
 def workdir_model(workdir: str) -> transformer.TransformerConfig:
-  """The model a workdir trains: its last run's config.json, else the converted config.py's."""
+  """The model a workdir trains: its config.json (a run's or the conversion's), else hf/'s."""
   from jaxpipe.serve.restore import run_config
   if os.path.isfile(os.path.join(workdir, "config.json")):  # written by the trainer
     return config_lib.model_config(run_config(workdir))
@@ -184,8 +189,7 @@ def orbax_to_hf(workdir: str, dst: str, step: int | None = None, dtype: str | No
     step = steps[-1]
   elif step not in steps:
     raise ValueError(f"--step {step}: not a committed checkpoint of {workdir}; have {steps}")
-  config = config_lib.default_config()
-  params = restore_params(workdir, step, cfg, _mesh(config, pp, ep))
+  params = restore_params(workdir, step, cfg, _mesh(pp, ep))
   if os.path.isdir(os.path.join(workdir, HF_DIR)):
     _copy_files(os.path.join(workdir, HF_DIR), dst, weights=False)
   return hf.save(cfg, params, dst, hf_config=base, dtype=dtype)
