@@ -1,7 +1,7 @@
 """Hugging Face checkpoints to training workdirs and back.
 
   python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR [--pp P] [--ep E]
-  python -m jaxpipe.train --config WORKDIR/config.py --workdir WORKDIR [--config.key=value ...]
+  python -m jaxpipe.train --workdir WORKDIR [--config.key=value ...]
   python -m jaxpipe.convert orbax-to-hf WORKDIR DST_DIR [--step S] [--dtype D] [--pp P] [--ep E]
 
 hf-to-orbax checks SRC_DIR (config.json, the safetensors headers) before any device work, streams
@@ -39,7 +39,7 @@ from jaxpipe.models import transformer  # noqa: E402
 HF_DIR = "hf"  # WORKDIR/hf: the source's config.json and its other non-weight files
 _CONFIG_PY = '''"""Fine-tuning config of the Hugging Face checkpoint converted from {src}.
 
-  python -m jaxpipe.train --config {workdir}/config.py --workdir {workdir}
+  python -m jaxpipe.train --workdir {workdir}
 
 Written by `python -m jaxpipe.convert hf-to-orbax`: the model section is the checkpoint's
 ({model_type}, from hf/config.json). Override training fields (mesh, pipeline, data, optimizer,
@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> None:
       print(f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
             f"{plan.dtype}) -> {args.workdir}/checkpoints/0"
             + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items())))
-      print(f"fine-tune: python -m jaxpipe.train --config {args.workdir}/config.py "
-            f"--workdir {args.workdir}")
+      print(f"fine-tune: python -m jaxpipe.train --workdir {args.workdir}")
     else:
       written = orbax_to_hf(args.workdir, args.dst, args.step, args.dtype, args.pp, args.ep)
       print(f"{written['model_type']} ({written['dtype']}) -> {args.dst}")

@@ -289,8 +289,7 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
   convert.main(["hf-to-orbax", case.src, workdir])
   assert convert.committed_steps(workdir) == [0]
-  cmd = [sys.executable, "-m", "jaxpipe.train", "--config", f"{workdir}/config.py",
-         "--workdir", workdir, "--config.mesh.pp=2", "--config.mesh.ep=2",
+  cmd = [sys.executable, "-m", "jaxpipe.train", "--workdir", workdir, "--config.mesh.pp=2", "--config.mesh.ep=2",
          "--config.pipeline.schedule=zb-v", "--config.pipeline.microbatches=2",
          "--config.model.moe.lb_loss_form=per_layer", "--config.train.steps=2",
          "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=0",
