@@ -13,7 +13,9 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   GPipe by autodiff (a scan over m + p - 1 forward ticks differentiated by `jax.grad`, as
   MaxText pipelines) on the same model;
 - CPU ratio: process CPU time of one pipelined step over that of the unpipelined
-  `jax.value_and_grad` (same micro-batches, one device), alternating runs, best of `--reps`.
+  `jax.value_and_grad` (same micro-batches, one device), the two run back to back in each of
+  `--reps` repeats: the median ratio and, in brackets, the lowest and highest; load: the
+  highest 1-minute load average seen while the row ran (timings above ~1 per core are noisy).
   glibc maps every allocation over 32 MB afresh and unmaps it on free, so a program whose XLA
   temporaries pass that size (GPipe's m residual slots, the unpipelined baseline) page-faults
   through all of them on every step (~1.4 us per 4 KB page, ~0.1 s per step here) while a
@@ -119,21 +121,34 @@ def gpipe_autodiff(mesh, p, m):
   return jax.jit(jax.value_and_grad(lambda ps, xs, ts: jnp.sum(sharded(ps, xs, ts))))
 
 
-def cpu_ratio(fn, args, base, base_args, reps):
-  """min CPU time of fn over min CPU time of base, runs alternating so load drift cancels.
+def cpu_ratios(fn, args, base, base_args, reps):
+  """Per repeat, CPU time of fn over that of base, the two run back to back so load drift hits
+  both alike; -> (ratios, base CPU seconds per repeat).
 
   CPU time (all threads of this process), not wall time: the host devices share the cores.
-  The minimum is the run least disturbed by other processes on the machine.
   """
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(base(*base_args))
-  t_fn, t_base = [], []
+  ratios, t_base = [], []
   for _ in range(reps):
-    for f, a, out in ((fn, args, t_fn), (base, base_args, t_base)):
+    t = []
+    for f, a in ((fn, args), (base, base_args)):
       t0 = time.process_time()
       jax.block_until_ready(f(*a))
-      out.append(time.process_time() - t0)
-  return min(t_fn) / min(t_base), min(t_base)
+      t.append(time.process_time() - t0)
+    ratios.append(t[0] / t[1])
+    t_base.append(t[1])
+  return ratios, t_base
+
+
+def spread(ratios) -> str:
+  """median (min-max) of the per-repeat ratios"""
+  return f"{np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def load() -> float:
+  """The machine's 1-minute load average."""
+  return os.getloadavg()[0]
 
 
 def keep_host_memory():
@@ -208,17 +223,23 @@ def main(argv=None):
   gp_out = gp_compiled(gp_params, xs, ts)
   gp_err = max(rel_err(gp_out[0], want[0]),
                rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]))
-  gp_ratio, base_cpu = cpu_ratio(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
+  load0 = load()
+  gp_ratios, base_cpu = cpu_ratios(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
 
   header = (f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
-            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio':>10}{'rel err':>9}")
-  print(f"unpipelined value_and_grad: {1e3 * base_cpu:.0f} ms CPU per step")
+            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio (range)':>19}{'load':>6}"
+            f"{'rel err':>9}")
+  print(f"unpipelined value_and_grad: {1e3 * np.median(base_cpu):.0f} ms CPU per step (median of "
+        f"{args.reps}, {1e3 * min(base_cpu):.0f}-{1e3 * max(base_cpu):.0f}); CPU ratio = median "
+        f"over {args.reps} repeats of pipelined / unpipelined CPU time, run back to back; load = "
+        f"highest 1-min load average during the row, on {os.cpu_count()} cores")
   print(header)
   print("-" * len(header))
   print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
-        f"{1.0:>12.2f}{gp_ratio:>10.2f}{gp_err:>9.1e}")
+        f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}")
   rows = {}
   for name in args.schedules.split(","):
+    load0 = load()
     sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
     t0 = time.perf_counter()
     lowered = lower(sched)
@@ -234,11 +255,12 @@ def main(argv=None):
     grads = from_local(local_grads, layout, sched.num_stages)
     grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grads)
     err = max(rel_err(loss, want[0]), rel_err(grads, want[1]))
-    ratio, _ = cpu_ratio(compiled, call, base, args1, args.reps)
+    ratios, _ = cpu_ratios(compiled, call, base, args1, args.reps)
     rows[name] = temp
     print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
           f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
-          f"{temp / gp_temp:>12.2f}{ratio:>10.2f}{err:>9.1e}", flush=True)
+          f"{temp / gp_temp:>12.2f}{spread(ratios):>19}{max(load0, load()):>6.1f}{err:>9.1e}",
+          flush=True)
     if args.profile:
       os.makedirs(args.profile, exist_ok=True)
       with open(os.path.join(args.profile, f"{name}.perfetto.json"), "w") as f:

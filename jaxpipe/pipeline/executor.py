@@ -402,11 +402,6 @@ def _add(acc: PyTree, index: tuple, value: PyTree) -> PyTree:
   return jax.tree.map(one, acc, value)
 
 
-def _put(buf, slot, value):
-  """buf[slot] = value; slot -1 (nothing to write) drops the write."""
-  return buf.at[jnp.where(slot < 0, buf.shape[0], slot)].set(value, mode="drop")
-
-
 def _gated(row, col: int, fn: Callable, state: PyTree, unset: int = 0) -> PyTree:
   """`fn(row, state)` where row[col] != unset, else `state`, updating `state` in place.
 
@@ -535,10 +530,20 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   # direction can share a ppermute.
   shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in spec.branches)
   out_f, out_b = ("out", "out") if shared_link else ("out_y", "out_dx")
+  sends = []  # the ppermutes of a tick: (direction, kinds of value it carries, buffer it sends)
+  for direction in ("down", "up"):
+    on = tuple(kind for kind in ("act", "grad")
+               if spec.channels[CHANNELS.index(f"{kind}_{direction}")])
+    if shared_link and len(on) == 2:
+      sends.append((direction, on, "out"))
+    else:
+      sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
+  link_col = len(COL) + len(PARTS)  # then one flag per ppermute: does any rank receive?
 
-  def body(table, local, xs, targets, head_params, embed_params):
+  def body(table, links, local, xs, targets, head_params, embed_params):
     table = table[:, 0]
-    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]]], axis=1)
+    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links],
+                           axis=1)
     local = _index(local, 0)  # [chunks, ...] on this rank
     chunk0 = _index(local, 0)
     first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
@@ -613,22 +618,21 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
         if kind in present:
           with jax.named_scope(f"tick/{kind}"):
             s = _gated(row, run_col[kind], part_fns[kind], s)
-      # The same collectives on every rank, every tick: a rank with nothing to send sends
+      # A ppermute runs where some rank receives over it this tick (its flag is the same on
+      # every rank, so every rank takes part or none does); a rank with nothing to send sends
       # whatever its buffer holds and its neighbour's table discards it.
-      for direction in ("down", "up"):
-        on = [kind for kind in ("act", "grad")
-              if spec.channels[CHANNELS.index(f"{kind}_{direction}")]]
-        if shared_link and len(on) == 2:
-          got = lax.ppermute(s["out"], pp_axis, perms[direction])
-          got = {"act": got, "grad": got}
-        else:
-          got = {kind: lax.ppermute(s[out_f if kind == "act" else out_b], pp_axis,
-                                    perms[direction]) for kind in on}
-        if "act" in got:
-          s["act"] = _put(s["act"], row[COL[f"recv_act_{direction}"]], got["act"])
-        if "grad" in got:
-          s["cot"] = _put(s["cot"], row[COL[f"recv_grad_{direction}"]], got["grad"])
+      for i, (direction, kinds, buf) in enumerate(sends):
+        with jax.named_scope(f"tick/send_{direction}"):
+          s = _gated(row, link_col + i, functools.partial(send, direction, kinds, buf), s)
       return s, None
+
+    def send(direction, kinds, buf, row, s):
+      got = lax.ppermute(s[buf], pp_axis, perms[direction])
+      for kind in kinds:
+        col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
+        s = _gated(row, col, lambda row, s: dict(s, **{name: _set(s[name], (row[col],), got)}),
+                   s, unset=-1)
+      return s
 
     # at least one slot, so that parts reading a buffer trace even when none is used
     slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
@@ -668,7 +672,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
   mapped = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P(None, pp_axis), local_spec, batch_spec, batch_spec, P(), P()),
+      in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P()),
       out_specs=(P(), local_spec, P(), P())
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
@@ -678,7 +682,12 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   def run(table, local_params, xs, targets, head_params, embed_params):
     if param_specs is not None:
       check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
-    return mapped(table, local_params, xs, targets, head_params, embed_params)
+    # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
+    links = jnp.stack([jnp.any(jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]]
+                                          for kind in kinds]) >= 0, axis=(0, 2))
+                       for direction, kinds, _ in sends] or [jnp.zeros(table.shape[0], bool)],
+                      axis=1)[:, :len(sends)].astype(jnp.int32)
+    return mapped(table, links, local_params, xs, targets, head_params, embed_params)
 
   return jax.jit(run)
 
