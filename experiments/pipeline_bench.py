@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments import op_breakdown  # noqa: E402
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
                                        make_executor, to_local)
@@ -193,6 +194,8 @@ def main(argv=None):
   ap.add_argument("--schedules", default=",".join(SCHEDULE_NAMES))
   ap.add_argument("--recompute", action="store_true")
   ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
+  ap.add_argument("--breakdown", action="store_true",
+                  help="then profile steps of each program and split them by kind of op")
   ap.add_argument("--system-malloc", action="store_true",
                   help="keep glibc's default of unmapping freed allocations over 32 MB")
   args = ap.parse_args(argv)
@@ -238,6 +241,8 @@ def main(argv=None):
   print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
         f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}")
   rows = {}
+  programs = [("unpipelined", base.lower(*args1).compile(), args1),
+              ("gpipe-autodiff", gp_compiled, (gp_params, xs, ts))]
   for name in args.schedules.split(","):
     load0 = load()
     sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
@@ -257,6 +262,7 @@ def main(argv=None):
     err = max(rel_err(loss, want[0]), rel_err(grads, want[1]))
     ratios, _ = cpu_ratios(compiled, call, base, args1, args.reps)
     rows[name] = temp
+    programs.append((name, compiled, call))
     print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
           f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
           f"{temp / gp_temp:>12.2f}{spread(ratios):>19}{max(load0, load()):>6.1f}{err:>9.1e}",
@@ -271,6 +277,26 @@ def main(argv=None):
         jax.block_until_ready(compiled(*call))
   if "1f1b" in rows and "zb-h2" in rows:
     print(f"zb-h2 / 1f1b temp memory: {rows['zb-h2'] / rows['1f1b']:.2f}")
+  if args.breakdown:
+    print_breakdown(programs, args.reps)
+
+
+def print_breakdown(programs, reps):
+  """Per program, ms per step by kind of op, and MB written per step by the data movers."""
+  kinds = op_breakdown.KINDS
+  print(f"\nper step, by kind of op (`experiments/op_breakdown.py`, mean of {reps} profiled "
+        f"steps): ms of wall time on the device threads summed over devices | MB written")
+  header = f"{'program':<17}" + "".join(f"{k:>11}" for k in kinds) + f"{'total':>8}  |" + \
+      "".join(f"{k:>11}" for k in op_breakdown.MOVES) + f"{'load':>6}"
+  print(header)
+  print("-" * len(header))
+  for name, compiled, call in programs:
+    load0 = load()
+    got = op_breakdown.breakdown(compiled, call, reps)
+    print(f"{name:<17}" + "".join(f"{1e3 * got[k][0]:>11.1f}" for k in kinds) +
+          f"{1e3 * sum(v[0] for v in got.values()):>8.1f}  |" +
+          "".join(f"{got[k][1] / 2**20:>11.1f}" for k in op_breakdown.MOVES) +
+          f"{max(load0, load()):>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -402,8 +402,9 @@ def _add(acc: PyTree, index: tuple, value: PyTree) -> PyTree:
   return jax.tree.map(one, acc, value)
 
 
-def _gated(row, col: int, fn: Callable, state: PyTree, unset: int = 0) -> PyTree:
-  """`fn(row, state)` where row[col] != unset, else `state`, updating `state` in place.
+def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset: int = 0) -> dict:
+  """`state` with its entries `keys` replaced by `fn(row, those entries)` where row[col] !=
+  unset, updated in place.
 
   A `lax.cond` returns fresh buffers, so every slot buffer it passed through untouched would be
   copied on every tick; a while loop of 0 or 1 trips updates its carry in place. `fn` reads the
@@ -413,9 +414,10 @@ def _gated(row, col: int, fn: Callable, state: PyTree, unset: int = 0) -> PyTree
   read by several loops at once, and be copied for each.
   """
   def body(carry):
-    row, state = carry
-    return row.at[col].set(unset), lax.optimization_barrier(fn(row, state))
-  return lax.while_loop(lambda c: c[0][col] != unset, body, (row, state))[1]
+    row, part = carry
+    return row.at[col].set(unset), lax.optimization_barrier(fn(row, part))
+  part = {k: state[k] for k in keys}
+  return {**state, **lax.while_loop(lambda c: c[0][col] != unset, body, (row, part))[1]}
 
 
 def param_specs_key(param_specs: PyTree | None) -> tuple | None:
@@ -565,7 +567,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
       s[out_f] = y
       s = _gated(row, COL["f_local"], lambda row, s: dict(
-          s, act=_set(s["act"], (row[COL["f_local"]],), y)), s, unset=-1)
+          s, act=_set(s["act"], (row[COL["f_local"]],), y)), s, ("act",), unset=-1)
 
       def last(row, s):
         target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
@@ -574,7 +576,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
                     head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
                     cot=_set(s["cot"], (row[COL["f_cot"]],), dy))
 
-      return _gated(row, COL["f_last"], last, s)
+      return _gated(row, COL["f_last"], last, s, ("loss", "head_g", "cot"))
 
     def backward(full: bool):
       def part(row, s):
@@ -591,7 +593,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           s = dict(s, wg=wg)
         s[out_b] = dx
         s = _gated(row, COL["b_local"], lambda row, s: dict(
-            s, cot=_set(s["cot"], (row[COL["b_local"]],), dx)), s, unset=-1)
+            s, cot=_set(s["cot"], (row[COL["b_local"]],), dx)), s, ("cot",), unset=-1)
         if embed_fn is None:
           return s
 
@@ -600,7 +602,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           return dict(s, embed_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["embed_g"],
                                               embed_vjp(dx)[0]))
 
-        return _gated(row, COL["b_first"], embed_grad, s)
+        return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
       return part
 
     def weight(row, s):
@@ -612,26 +614,30 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
     # res and cot, writes cot and wg; F reads act, writes res, cot and act), receipts last.
     part_fns = {"W": weight, "I": backward(False), "B": backward(True), "F": forward}
+    part_keys = {"W": ("res", "wg", "grads"), "I": ("res", "cot", "wg", out_b, "embed_g"),
+                 "B": ("res", "cot", "grads", out_b, "embed_g"),
+                 "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats")}
 
     def tick(s, row):
       for kind in ("W", "I", "B", "F"):
         if kind in present:
           with jax.named_scope(f"tick/{kind}"):
-            s = _gated(row, run_col[kind], part_fns[kind], s)
+            s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
       # A ppermute runs where some rank receives over it this tick (its flag is the same on
       # every rank, so every rank takes part or none does); a rank with nothing to send sends
       # whatever its buffer holds and its neighbour's table discards it.
       for i, (direction, kinds, buf) in enumerate(sends):
         with jax.named_scope(f"tick/send_{direction}"):
-          s = _gated(row, link_col + i, functools.partial(send, direction, kinds, buf), s)
+          s = _gated(row, link_col + i, functools.partial(send, direction, kinds, buf), s,
+                     (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds))
       return s, None
 
     def send(direction, kinds, buf, row, s):
       got = lax.ppermute(s[buf], pp_axis, perms[direction])
       for kind in kinds:
         col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
-        s = _gated(row, col, lambda row, s: dict(s, **{name: _set(s[name], (row[col],), got)}),
-                   s, unset=-1)
+        s = _gated(row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,),
+                   unset=-1)
       return s
 
     # at least one slot, so that parts reading a buffer trace even when none is used
