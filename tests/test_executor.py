@@ -1,5 +1,4 @@
 """Executor: every schedule's loss and gradients equal unpipelined jax.value_and_grad."""
-import collections
 import functools
 import re
 
@@ -8,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import op_breakdown
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered, make_executor,
                                        to_local)
@@ -155,21 +155,7 @@ def _runs_per_instruction(compiled, args, trace_dir):
   with jax.profiler.trace(str(trace_dir)):
     jax.block_until_ready(compiled(*args))
   (path,) = trace_dir.glob("**/*.xplane.pb")
-  data = jax.profiler.ProfileData.from_file(str(path))
-  return collections.Counter(e.name for plane in data.planes for line in plane.lines
-                             for e in line.events)
-
-
-def _matmuls(hlo: str) -> dict[str, str]:
-  """{instruction that runs a matmul (a dot, or a fusion around one): its op_name}"""
-  with_dot = {name for name, body in re.findall(r"^%([\w.\-]+) .*\{\n((?:  .*\n)*?)\}", hlo, re.M)
-              if " dot(" in body}
-  out = {}
-  for name, rest in re.findall(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$", hlo, re.M):
-    calls = re.search(r"calls=%([\w.\-]+)", rest)
-    if re.match(r"\S+ dot\(", rest) or (calls and calls[1] in with_dot):
-      out[name] = re.search(r'op_name="([^"]*)"', rest)[1]
-  return out
+  return op_breakdown.exclusive_times(str(path))[1]
 
 
 def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
@@ -183,9 +169,11 @@ def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
   args = (lowered.table, to_local(params, lowered.layout()), xs[:m], ts[:m], (), ())
   compiled = make_executor(MODEL, spec, mesh_for(p, False)).lower(*args).compile()
   hlo = compiled.as_text()
-  matmuls = _matmuls(hlo)
+  op_names = dict(re.findall(r'%([\w.\-]+) = .*op_name="([^"]*)"', hlo))
+  of_kind = lambda want: [n for n, (kind, _) in op_breakdown.op_kinds(hlo).items() if kind == want]
+  matmuls = of_kind("matmul")
   runs = _runs_per_instruction(compiled, args, tmp_path)
-  ran = {part: sum(runs[name] for name, op in matmuls.items() if f"/tick/{part}/" in op)
+  ran = {part: sum(runs[name] for name in matmuls if f"/tick/{part}/" in op_names.get(name, ""))
          for part in ("F", "I", "W")}
   kinds = [a.kind for tick in lowered.ticks for parts in tick for a in parts]
   assert "B" not in kinds and kinds.count("F") == kinds.count("W") == m * p
@@ -198,6 +186,5 @@ def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
   table = lowered.table
   receiving = sum(int(np.any(table[:, :, COL[f"recv_{c}"]] >= 0, axis=1).sum())
                   for c in ("act_down", "grad_up"))
-  permutes = set(re.findall(r"%([\w.\-]+) = \S+ collective-permute\(", hlo))
-  assert 0 < receiving * p == sum(runs[name] for name in permutes) < \
+  assert 0 < receiving * p == sum(runs[name] for name in of_kind("ppermute")) < \
       lowered.num_ticks * p * sum(lowered.channels)

@@ -566,8 +566,6 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       y, res, aux = ops.forward(_index(local, c), x, s["res"], row[COL["f_res"]])
       s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
       s[out_f] = y
-      s = _gated(row, COL["f_local"], lambda row, s: dict(
-          s, act=_set(s["act"], (row[COL["f_local"]],), y)), s, ("act",), unset=-1)
 
       def last(row, s):
         target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
@@ -592,8 +590,6 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
           dx, wg = ops.input_grad(params, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]])
           s = dict(s, wg=wg)
         s[out_b] = dx
-        s = _gated(row, COL["b_local"], lambda row, s: dict(
-            s, cot=_set(s["cot"], (row[COL["b_local"]],), dx)), s, ("cot",), unset=-1)
         if embed_fn is None:
           return s
 
@@ -617,12 +613,23 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     part_keys = {"W": ("res", "wg", "grads"), "I": ("res", "cot", "wg", out_b, "embed_g"),
                  "B": ("res", "cot", "grads", out_b, "embed_g"),
                  "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats")}
+    # A value for the same rank (V shapes) goes from the send buffer to its slot after the part
+    # that made it: a part that wrote a slot buffer it also reads would make XLA copy it.
+    local_after = {"B": ("b_local", out_b, "cot"), "F": ("f_local", out_f, "act")}
+    makes_local = {"B": {"I", "B"}, "F": {"F"}}
+
+    def keep_local(field, buf, slot_buf, row, s):
+      return dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
 
     def tick(s, row):
       for kind in ("W", "I", "B", "F"):
         if kind in present:
           with jax.named_scope(f"tick/{kind}"):
             s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
+        if kind in local_after and present & makes_local[kind]:
+          field, buf, slot_buf = local_after[kind]
+          s = _gated(row, COL[field], functools.partial(keep_local, field, buf, slot_buf), s,
+                     (buf, slot_buf), unset=-1)
       # A ppermute runs where some rank receives over it this tick (its flag is the same on
       # every rank, so every rank takes part or none does); a rank with nothing to send sends
       # whatever its buffer holds and its neighbour's table discards it.
