@@ -139,10 +139,6 @@ def _index(tree: PyTree, i) -> PyTree:
   return jax.tree.map(lambda a: a[i], tree)
 
 
-def _zeros(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-
-
 def _acc_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
@@ -608,28 +604,27 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
     # A part reads only values written in earlier ticks, and a slot freed by its last read may
     # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
-    # res and cot, writes cot and wg; F reads act, writes res, cot and act), receipts last.
+    # res and cot and writes wg; F reads act and writes res and cot), receipts last.
     part_fns = {"W": weight, "I": backward(False), "B": backward(True), "F": forward}
     part_keys = {"W": ("res", "wg", "grads"), "I": ("res", "cot", "wg", out_b, "embed_g"),
                  "B": ("res", "cot", "grads", out_b, "embed_g"),
                  "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats")}
-    # A value for the same rank (V shapes) goes from the send buffer to its slot after the part
-    # that made it: a part that wrote a slot buffer it also reads would make XLA copy it.
-    local_after = {"B": ("b_local", out_b, "cot"), "F": ("f_local", out_f, "act")}
-    makes_local = {"B": {"I", "B"}, "F": {"F"}}
 
-    def keep_local(field, buf, slot_buf, row, s):
-      return dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
+    def keep_local(row, s, field, buf, slot_buf):
+      """A value for the same rank (V shapes) goes from its send buffer to its slot after the part
+      that made it: a part writing a slot buffer it also reads would make XLA copy the buffer."""
+      move = lambda row, s: dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
+      return _gated(row, COL[field], move, s, (buf, slot_buf), unset=-1)
 
     def tick(s, row):
       for kind in ("W", "I", "B", "F"):
         if kind in present:
           with jax.named_scope(f"tick/{kind}"):
             s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
-        if kind in local_after and present & makes_local[kind]:
-          field, buf, slot_buf = local_after[kind]
-          s = _gated(row, COL[field], functools.partial(keep_local, field, buf, slot_buf), s,
-                     (buf, slot_buf), unset=-1)
+        if kind == "B" and present & {"I", "B"}:
+          s = keep_local(row, s, "b_local", out_b, "cot")
+        if kind == "F" and "F" in present:
+          s = keep_local(row, s, "f_local", out_f, "act")
       # A ppermute runs where some rank receives over it this tick (its flag is the same on
       # every rank, so every rank takes part or none does); a rank with nothing to send sends
       # whatever its buffer holds and its neighbour's table discards it.
