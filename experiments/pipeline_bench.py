@@ -1,7 +1,7 @@
 """The executor on every schedule: compile time, memory, lock-step bubble, CPU time vs unpipelined.
 
   python -m experiments.pipeline_bench [--pp 4] [--microbatches 16] [--reps 3]
-      [--schedules 1f1b,zb-h2] [--recompute] [--profile out/pipeline_bench]
+      [--schedules 1f1b,zb-h2] [--recompute] [--profile out/pipeline_bench] [--breakdown]
 
 One model for every schedule: `layers` residual tanh-dense layers of width D on micro-batches of
 [mb, L, D], split into the schedule's model stages (pp for plain and bidirectional schedules,
@@ -22,9 +22,12 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   smaller one reuses warm heap. Device allocators pool their memory, so the bench keeps freed
   host memory in one heap (`mallopt`); `--system-malloc` measures with glibc's defaults.
 First a table of the lowered lock-step time against the asynchronous makespan for all nine at
-(p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
-Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
-tick n is row/column n of the tick table.
+(p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a
+jax.profiler trace of one step next to the schedule's Perfetto trace (`<name>.perfetto.json`)
+and its tick table (`<name>.ticks.csv`); the scan's tick n is row/column n of the tick table.
+`--breakdown` then profiles `--reps` steps of every program and splits them by kind of op
+(`experiments/op_breakdown.py`): time on the device threads, and the bytes that slot reads,
+slot writes, copies and fills and ppermutes write, which do not depend on the machine's load.
 """
 from __future__ import annotations
 
