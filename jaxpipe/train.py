@@ -1,6 +1,7 @@
 """Train a language model.
 
   python -m jaxpipe.train --config configs/quickstart.py [--config.key=value ...] [--workdir DIR]
+  python -m jaxpipe.train --workdir DIR [--config.key=value ...]   # DIR/config.py as --config
       [--gin_file F.gin ...] [--gin_param 'model.d_model = 256' ...]
       [--resume_changed | --restart] [--debug]
 
@@ -94,8 +95,22 @@ def _check_config_file(filename: str) -> None:
                          "pass a config file, e.g. --config configs/quickstart.py")
 
 
+def _workdir_config(argv: list[str]) -> list[str]:
+  """argv with `--config WORKDIR/config.py` added when it names no --config and the workdir holds
+  one (`python -m jaxpipe.convert hf-to-orbax` writes it), so `--workdir` alone fine-tunes."""
+  if any(a == "--config" or a.startswith("--config=") for a in argv):
+    return argv
+  workdir = next((argv[i + 1] if a == "--workdir" else a.split("=", 1)[1]
+                  for i, a in enumerate(argv) if (a == "--workdir" and i + 1 < len(argv))
+                  or a.startswith("--workdir=")), None)
+  if workdir is None or not os.path.isfile(os.path.join(workdir, "config.py")):
+    return argv
+  return argv[:1] + ["--config", os.path.join(workdir, "config.py")] + argv[1:]
+
+
 def _parse(argv: list[str]) -> list[str]:
   """absl parsing, with errors (a misspelt key, a bad type) as one line instead of a trace."""
+  argv = _workdir_config(argv)
   try:
     for i, arg in enumerate(argv):  # first, or its --config.x overrides are "unknown flags"
       if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
@@ -132,7 +147,8 @@ def _load_config():
   """The --config file's config (with overrides) and gin bindings; UsageError/ConfigError if bad."""
   from jaxpipe import config as config_lib
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required, e.g. --config configs/quickstart.py")
+    raise app.UsageError("--config is required, e.g. --config configs/quickstart.py (a workdir "
+                         "that holds a config.py, as `jaxpipe.convert` writes, needs none)")
   filename = config_flags.get_config_filename(flags.FLAGS["config"])
   _check_config_file(filename)
   try:

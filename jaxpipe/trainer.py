@@ -23,7 +23,9 @@ them by valid tokens instead would make their strength follow the padding althou
 are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
 alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
 also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
-train step moves the sigmoid router's balancing biases.
+train step moves the sigmoid router's balancing biases. `moe.aux_objective` is the aux term; with
+`moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
+pooled over the layers.
 """
 import functools
 import logging
@@ -158,7 +160,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
                                                batch["mask"])
     ce = total / denom
-    return ce + aux["loss"].sum() / microbatches, (ce, aux)
+    aux_loss = moe_lib.aux_objective(moe_cfg, aux)
+    return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -182,7 +185,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
       (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
     metrics = {"tokens": count,
-               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k)}
+               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
+               "moe_aux_loss": aux["objective"] / microbatches}  # the pooled form's lb included
     return loss, grads, metrics
 
   return loss_and_grads
@@ -270,6 +274,13 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   """
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
+    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and (
+        mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1):
+      raise config_lib.ConfigError(
+          "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
+          "layers, which the pipeline and context-parallel paths keep apart; set "
+          "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
+          "between the two) or run with mesh.pp = mesh.cp = 1")
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:

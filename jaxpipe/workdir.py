@@ -12,10 +12,12 @@ the stored `config.json`, field by field:
 - cadence fields (logging, evaluation, checkpoint cadence) change freely;
 - layout fields (mesh, its device order, pipeline schedule and micro-batches, recomputation,
   attention backend) change how the same model is computed, not what: they pass with a notice
-  (the losses equal an unchanged run's up to float rounding). Not under MoE where they change the objective:
-  micro-batches (the auxiliary losses are averaged per micro-batch) and, with capacity
-  dispatch, the mesh's sizes (they set which tokens overflow);
-- every other field (model, optimizer, data, train.steps, train.seed) refuses, unless the
+  (the losses equal an unchanged run's up to float rounding). Not under MoE where they change
+  the objective: micro-batches (the auxiliary losses are averaged per micro-batch) and, with
+  capacity dispatch, the mesh's sizes (they set which tokens overflow);
+- every other field (model, optimizer, data, train.steps, train.seed) refuses, unless nothing
+  has been trained yet (no checkpoint, or only the step-0 one an import writes: there is no run
+  to splice into), or the
   caller chose 'resume_changed' (continue under the new config) or 'restart' (move the old run
   aside and start over). train.steps is one of them on purpose: it sets the length of the
   learning-rate schedule, so extending a finished run splices a new schedule onto the old one.
@@ -213,14 +215,17 @@ class Workdir:
       if moved:
         notices.append(f"--restart: moved the previous run ({at}) to {moved}")
         self._record(write, "restart", changes, step, moved)
-    elif kinds["run"] and existing_run == "resume":
+    elif kinds["run"] and existing_run == "resume" and step:
       raise WorkdirError(
           f"{self.path} holds a run with another config ({at}): {_describe(kinds['run'])}. Pass "
           "another --workdir for a new run; or rerun with --resume_changed (Trainer(..., "
           "existing_run='resume_changed')) to continue this one under the new config; or with "
           f"--restart to start over here (the old run moves to {self._next_previous()})")
     else:
-      if kinds["run"]:
+      if kinds["run"] and not step:
+        notices.append(f"nothing trained yet ({at}): taking the new config (recorded in "
+                       f"config_history.jsonl): {_describe(kinds['run'])}")
+      elif kinds["run"]:
         notices.append(f"resuming ({at}) under a changed config (recorded in config_history.jsonl)"
                        f": {_describe(kinds['run'])}")
       if kinds["layout"]:

@@ -275,6 +275,29 @@ def test_field_kinds():
   assert field_kind("pipeline.schedule", moe) == "layout"
 
 
+def test_a_workdir_with_nothing_trained_takes_a_changed_config(tmp_path):
+  """No checkpoint, or only an import's step 0: nothing to splice, so the change is taken."""
+  workdir = Workdir(str(tmp_path))
+  assert workdir.check_config(_config(4)) == []
+  changed = _config(8)
+  changed.optimizer.lr = 0.5
+  notices = workdir.check_config(changed)
+  assert len(notices) == 1 and notices[0].startswith("nothing trained yet (no checkpoint yet)")
+  assert "optimizer.lr" in notices[0] and "train.steps 4 -> 8" in notices[0]
+  step0 = tmp_path / "checkpoints" / "0"
+  step0.mkdir(parents=True)
+  (step0 / "commit_success.txt").write_text("")
+  assert workdir.latest_step() == 0
+  notices = workdir.check_config(_config(4))
+  assert notices[0].startswith("nothing trained yet (checkpoint at step 0)")
+  history = [json.loads(line) for line in open(tmp_path / "config_history.jsonl")]
+  assert [h["step"] for h in history] == [None, 0]
+  (tmp_path / "checkpoints" / "3").mkdir()
+  (tmp_path / "checkpoints" / "3" / "commit_success.txt").write_text("")
+  with pytest.raises(WorkdirError, match="holds a run with another config"):
+    workdir.check_config(changed)
+
+
 def test_model_changed_under_a_checkpoint_names_the_same_array(tmp_path):
   _checkpoint_at(_config(2, every=2), tmp_path, 2)
   wider = _config(2, every=2)
