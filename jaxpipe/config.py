@@ -132,9 +132,9 @@ def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
   bad = [a for a in listed if a not in MESH_AXES]
   if bad or len(set(listed)) != len(listed):
     what = f"unknown axis {bad[0]!r}" if bad else "an axis twice"
-    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes ({', '.join(MESH_AXES)})"
-                      " outermost first, e.g. --config.mesh.order=dp,pp to put data parallelism "
-                      "across processes and the pipeline within each")
+    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes "
+                      f"({', '.join(MESH_AXES)}) outermost first, e.g. --config.mesh.order=dp,pp "
+                      "to put data parallelism across processes and the pipeline within each")
   return tuple(listed) + tuple(a for a in MESH_AXES if a not in listed)
 
 

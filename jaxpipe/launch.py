@@ -117,7 +117,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(
       prog="python -m jaxpipe.launch", usage="%(prog)s --processes N [options] -- COMMAND ...",
       description="Start N processes of one multi-process JAX run on this machine.")
-  parser.add_argument("--processes", type=int, required=True, help="ranks to start (emulated hosts)")
+  parser.add_argument("--processes", type=int, required=True,
+                      help="ranks to start (emulated hosts)")
   parser.add_argument("--devices-per-process", type=int, default=None,
                       help="CPU devices per rank (sets JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu)")
   parser.add_argument("--log-dir", default=None, help="where rank<i>.log go (default: a new "

@@ -41,7 +41,7 @@ def axes_across_processes(mesh: Mesh) -> tuple[str, ...]:
 
 def describe(mesh: Mesh) -> str:
   """The axis sizes and devices, and across processes which axes span them."""
-  sizes = "{" + ", ".join(f"{a}: {n}" for a, n in mesh.shape.items()) + "}"
+  sizes = str(dict(mesh.shape))
   where = f"on {mesh.devices.size} {mesh.devices.flat[0].platform} devices"
   processes = jax.process_count()
   if processes == 1:

@@ -1,4 +1,4 @@
-"""What the processes of a multi-process run (`jax.distributed`) agree on, and host reads across them.
+"""What the processes of a multi-process run (`jax.distributed`) agree on; host reads across them.
 
 Each function is a collective: every process calls it at the same point of the program. In a
 single process each returns at once, without device work.

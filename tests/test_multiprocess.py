@@ -230,10 +230,10 @@ def test_launcher_ends_the_other_ranks_when_one_fails(tmp_path):
 
 def test_gloo_notices_stay_out_of_the_console():
   """gloo's threads write their notices in pieces, inside one another (as seen in a rank's log)."""
-  raw = (b"loss 3.5\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
-         b"ranks is : 1\n[Gloo] Rank [Gloo] Rank 0 is connected to 31 is connected to 3 peer ranks.  "
-         b"peer ranks. Expected number of connected peer ranks is : 3\nExpected number of connected "
-         b"peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n")
+  raw = (b"loss 3.5\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
+         b"peer ranks is : 1\n[Gloo] Rank [Gloo] Rank 0 is connected to 31 is connected to 3 peer "
+         b"ranks.  peer ranks. Expected number of connected peer ranks is : 3\nExpected number of "
+         b"connected peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n")
   assert without_gloo_notices(raw) == b"loss 3.5\n\rtrain:   5%| 2/40\n12 steps\n"
   assert without_gloo_notices(b"1\n2 3\n") == b"1\n2 3\n"  # numbers of its own are kept
 
