@@ -3,6 +3,7 @@
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
   python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
+  python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
 
 A seeded workload: Poisson arrivals at each rate (requests/s), prompt and output lengths
 uniform in the given ranges (inclusive), prompt tokens uniform over the vocabulary, greedy
@@ -250,7 +251,13 @@ def main() -> None:
   p.add_argument("--attention", default="auto")
   p.add_argument("--kernel", action="store_true", help="time the decode kernel alone (GPU)")
   p.add_argument("--repeats", type=int, default=20, help="--kernel: timed calls per cell")
+  p.add_argument("--url", help="drive this OpenAI-compatible server instead (experiments/serve_client.py)")
+  p.add_argument("--compare", action="store_true", help="--url: also run its engine in-process")
   args = p.parse_args()
+  if args.url:
+    from experiments import serve_client
+    serve_client.main(args)
+    return
   if args.kernel:
     kernel_table(args.repeats)
     return

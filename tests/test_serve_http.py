@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from configs import tiny
+from experiments import serve_bench, serve_client
 from jaxpipe import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.serve.engine import Engine
@@ -275,6 +276,14 @@ def test_a_full_server_answers_429_with_retry_after(url, client):
   _wait(url, lambda m: m.get(abort, 0) == before + total)
   retrying = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)
   assert retrying.completions.create(model="tiny", prompt="01", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_bench_client_reads_every_token_from_the_stream(url):
+  work = serve_bench.workload(6, 50.0, (1, 20), (2, 12), 64, seed=0)
+  done, makespan, (tokens, slots, steps) = serve_client.http_run(url, "tiny", work)
+  assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
+  assert all(d.ttft > 0 for d in done) and makespan > 0
+  assert 0 < tokens <= slots and steps >= max(w.max_tokens for w in work)
 
 
 def test_sigterm_drains_finishes_or_cancels_and_exits_0():

@@ -13,6 +13,7 @@ served as one continuously batched workload. --http serves POST /v1/completions,
 /health and /metrics (jaxpipe/serve/server.py) until SIGTERM, after which running requests get
 --drain_s seconds to finish before they are cancelled; every step program is compiled first.
 """
+import dataclasses
 import os
 import sys
 import time
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     sys.exit(f"error: {e}")
   if _HTTP.value:
-    _serve_http(engine, source)
+    _serve_http(engine, cfg, source)
     return
   try:
     prompts = [list(p.encode("utf-8")) for p in _PROMPT.value]
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> None:
     print(f"# tokens: {out}")
 
 
-def _serve_http(engine, source: str) -> None:
+def _serve_http(engine, cfg, source: str) -> None:
   import jax
   try:
     from jaxpipe.serve.server import CompletionServer
@@ -134,7 +135,8 @@ def _serve_http(engine, source: str) -> None:
           "max_batch": engine.max_batch, "max_tokens_per_step": engine.max_tokens_per_step,
           "max_seq_len": engine.max_seq_len, "token_buckets": list(engine.token_buckets),
           "page_buckets": list(engine.page_buckets), "attention": engine.backend,
-          "device": jax.devices()[0].device_kind, "source": source}
+          "device": jax.devices()[0].device_kind, "source": source,
+          "model": dataclasses.asdict(cfg)}
   try:
     server = CompletionServer(engine, model_name=name, max_batch=engine.max_batch,
                               max_queue=_MAX_QUEUE.value, drain_s=_DRAIN_S.value, engine_info=info)
