@@ -33,13 +33,13 @@ from experiments.serve_bench import Done, Paged, Work, serve, workload
 VOCAB = 256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
 HEADER = ("| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
           "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |\n|---|---|---|---|---|---|---|")
-KV_METRICS = ("jaxpipe_kv_tokens_stored_total", "jaxpipe_kv_slots_held_total",
-              "jaxpipe_engine_steps_total")
+SERVER_METRICS = ("jaxpipe_kv_tokens_stored_total", "jaxpipe_kv_slots_held_total",
+              "jaxpipe_engine_steps_total", "process_cpu_seconds_total")
 
 
 def row(name: str, rate: float, done: list[Done], makespan: float, generated: int,
-        kv: tuple[float, float, float] | None) -> str:
-  """One table row; kv: (tokens stored, slots held, steps), summed over the run's steps."""
+        kv: tuple[float, ...] | None) -> str:
+  """One table row; kv: (tokens stored, slots held, steps, ...), summed over the run's steps."""
   pct = lambda xs, q: 1e3 * float(np.percentile(xs, q))
   ttft = [d.ttft for d in done]
   tpot = [d.tpot for d in done if d.tpot is not None]
@@ -81,17 +81,17 @@ async def _run(url: str, model: str, work: list[Work]) -> tuple[list[Done], floa
   return list(done), time.perf_counter() - t0 - work[0].arrival
 
 
-def _kv_totals(url: str) -> tuple[float, ...] | None:
+def _server_totals(url: str) -> tuple[float, ...] | None:
   values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
             for s in f.samples}
-  return tuple(values[k] for k in KV_METRICS) if all(k in values for k in KV_METRICS) else None
+  return tuple(values[k] for k in SERVER_METRICS) if all(k in values for k in SERVER_METRICS) else None
 
 
 def http_run(url: str, model: str, work: list[Work]) -> tuple[list[Done], float, tuple | None]:
-  """(requests, makespan, KV sums and steps over the run if the server reports them)."""
-  before = _kv_totals(url)
+  """(requests, makespan, and if the server reports them: KV sums, steps and its CPU seconds)."""
+  before = _server_totals(url)
   done, makespan = asyncio.run(_run(url, model, work))
-  after = _kv_totals(url)
+  after = _server_totals(url)
   return done, makespan, tuple(a - b for a, b in zip(after, before)) if before and after else None
 
 
@@ -130,16 +130,27 @@ def main(args) -> None:
       raise SystemExit("--compare needs a jaxpipe server (python -m jaxpipe.serve --http): "
                        "its /v1/models describes the engine to build here")
     engine = _twin(model["engine"])
+  cpu_rows = []
   vocab = min(VOCAB, model.get("engine", {}).get("model", {}).get("vocab", VOCAB))
   print(HEADER)
   for rate in (float(r) for r in args.rates.split(",")):
     work = workload(args.requests, rate, prompt, output, vocab, args.seed)
     generated = sum(w.max_tokens for w in work)
     if engine is not None:
-      paged = Paged(engine)
+      paged, cpu = Paged(engine), time.process_time()
       makespan = serve(paged, work)
+      cpu = time.process_time() - cpu
       tokens, slots = np.asarray(paged.usage, np.float64).sum(0)
       print(row("in-process", rate, paged.done, makespan, generated,
                 (tokens, slots, len(paged.usage))), flush=True)
+    client_cpu = time.process_time()
     done, makespan, kv = http_run(url, model["id"], work)
+    client_cpu = time.process_time() - client_cpu
     print(row("over HTTP", rate, done, makespan, generated, kv), flush=True)
+    if engine is not None and kv:
+      cpu_rows.append(f"| {rate:g} | {1e3 * cpu / generated:.2f} | {1e3 * kv[3] / generated:.2f} | "
+                      f"{1e3 * client_cpu / generated:.2f} |")
+  if cpu_rows:
+    print("\nCPU time per generated token (ms; all threads: XLA's and Python's):\n"
+          "| rate (req/s) | in-process engine | server | HTTP client |\n|---|---|---|---|")
+    print("\n".join(cpu_rows))

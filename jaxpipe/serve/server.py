@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 import pydantic
 import uvicorn
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               ProcessCollector, generate_latest)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -235,10 +235,11 @@ class Seq:
 
 
 class Metrics:
-  """Prometheus metrics of one server (its own registry)."""
+  """Prometheus metrics of one server (its own registry), and the process' own (CPU, memory)."""
 
   def __init__(self):
     r = self.registry = CollectorRegistry()
+    ProcessCollector(registry=r)
     self.running = Gauge("jaxpipe_num_requests_running", "Sequences in the running batch.", registry=r)
     self.waiting = Gauge("jaxpipe_num_requests_waiting", "Sequences accepted, not yet running.",
                          registry=r)
