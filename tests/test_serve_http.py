@@ -280,10 +280,10 @@ def test_a_full_server_answers_429_with_retry_after(url, client):
 
 def test_the_bench_client_reads_every_token_from_the_stream(url):
   work = serve_bench.workload(6, 50.0, (1, 20), (2, 12), 64, seed=0)
-  done, makespan, (tokens, slots, steps) = serve_client.http_run(url, "tiny", work)
+  done, makespan, (tokens, slots, steps, cpu_s) = serve_client.http_run(url, "tiny", work)
   assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
   assert all(d.ttft > 0 for d in done) and makespan > 0
-  assert 0 < tokens <= slots and steps >= max(w.max_tokens for w in work)
+  assert 0 < tokens <= slots and steps >= max(w.max_tokens for w in work) and cpu_s > 0
 
 
 def test_sigterm_drains_finishes_or_cancels_and_exits_0():
