@@ -175,15 +175,20 @@ def _wait(url, done, timeout=60):
   return m
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_pages(url, client):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_pages(url, client, stream):
   abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
   before = _metrics(url).get(abort, 0)
-  stream = client.completions.create(model="tiny", prompt="0123456789" * 3, max_tokens=450,
-                                     temperature=0, stream=True)
-  chunks = iter(stream)
-  next(chunks), next(chunks)
-  assert _metrics(url)[("jaxpipe_kv_pages_running",)] >= 2  # 32 tokens: two pages of 16
-  stream.close()
+  kw = dict(model="tiny", prompt="0123456789" * 3, max_tokens=450, temperature=0)
+  if stream:
+    response = client.completions.create(**kw, stream=True)
+    chunks = iter(response)
+    next(chunks), next(chunks)
+    assert _metrics(url)[("jaxpipe_kv_pages_running",)] >= 2  # 32 tokens: two pages of 16
+    response.close()
+  else:
+    with pytest.raises(httpx.ReadTimeout):  # gives up waiting for the whole completion
+      httpx.post(url + "/v1/completions", json=kw, timeout=httpx.Timeout(10, read=0.1))
   m = _wait(url, lambda m: m.get(abort, 0) == before + 1)  # cancelled, not run to its length
   assert m[("jaxpipe_num_requests_running",)] == m[("jaxpipe_num_requests_waiting",)] == 0
   assert m[("jaxpipe_kv_pages_running",)] == 0

@@ -508,8 +508,8 @@ class CompletionServer:
     updates = self._updates(sink, seqs, choices)
     if req.stream:
       include_usage = bool(req.stream_options and req.stream_options.include_usage)
-      return StreamingResponse(self._sse(updates, head, choices, seqs, prompt_tokens, include_usage),
-                               media_type="text/event-stream")
+      return _Stream(self._sse(updates, head, choices, prompt_tokens, include_usage),
+                     media_type="text/event-stream", on_close=lambda: self._cancel(seqs))
     collect = asyncio.ensure_future(self._collect(updates))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -614,8 +614,8 @@ class CompletionServer:
       return str(e)
     return None
 
-  async def _sse(self, updates, head: dict, choices: list[Choice], seqs: list[Seq],
-                 prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+  async def _sse(self, updates, head: dict, choices: list[Choice], prompt_tokens: int,
+                 include_usage: bool) -> AsyncIterator[str]:
     try:
       left = len(choices)
       async for c, text, tokens in updates:
@@ -628,8 +628,6 @@ class CompletionServer:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(prompt_tokens, choices)})}\n\n"
     except RuntimeError as e:
       yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
-    finally:  # also when the client disconnects and the stream is cancelled
-      self._cancel(seqs)
     yield "data: [DONE]\n\n"
 
   @staticmethod
@@ -681,6 +679,21 @@ class _DrainingServer(uvicorn.Server):
     finally:
       for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+class _Stream(StreamingResponse):
+  """A streamed response that calls `on_close` however it ends: done, failed, or the client gone
+  (Starlette then cancels the stream, possibly before it has started)."""
+
+  def __init__(self, content, *, media_type: str, on_close):
+    super().__init__(content, media_type=media_type)
+    self._on_close = on_close
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self._on_close()
 
 
 async def _disconnected(request: Request) -> None:
