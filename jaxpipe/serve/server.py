@@ -334,7 +334,8 @@ class EngineLoop:
         if stopping or (self._deadline is not None and time.perf_counter() >= self._deadline):
           for rid in list(live):
             self.backend.cancel(rid)
-        new = self.backend.step() if self.backend.has_work() else {}
+        stepped = self.backend.has_work()
+        new = self.backend.step() if stepped else {}
       except Exception as e:  # noqa: BLE001 -- an engine fault fails its requests, not the server
         log.exception("engine loop failed")
         self.failed = f"{type(e).__name__}: {e}"
@@ -352,7 +353,7 @@ class EngineLoop:
         reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
         events.setdefault(s, [[], None, None])[1:] = [reason, r.error if reason == "error" else None]
         self._observe_finish(s, reason)
-      self._update_gauges(new, now, window)
+      self._update_gauges(stepped, new, now, window)
       if events:
         self._send([(s, *e) for s, e in events.items()])
 
@@ -392,11 +393,11 @@ class EngineLoop:
     if s.n_tokens > 1:
       m.tpot.observe((s.last - s.first) / (s.n_tokens - 1))
 
-  def _update_gauges(self, new: dict, now: float, window: collections.deque) -> None:
+  def _update_gauges(self, stepped: bool, new: dict, now: float, window: collections.deque) -> None:
     m, b = self.metrics, self.backend
     generated = sum(len(t) for t in new.values())
     usage = b.kv_usage()
-    if new or b.running:
+    if stepped:  # as serve_bench sums them: after every step
       m.steps.inc()
       m.kv_tokens.inc(usage["tokens"])
       m.kv_slots.inc(usage["slots"])
@@ -499,7 +500,7 @@ class CompletionServer:
       self.metrics.rejected.labels(str(e.status)).inc()
       return error_response(e)
     sink = seqs[0].sink
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    stops = _stops(req.stop)
     eos = None if req.ignore_eos else self.backend.eos_id
     choices = [Choice(i, stops, eos) for i in range(len(seqs))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -535,7 +536,7 @@ class CompletionServer:
     n = 1 if req.n is None else req.n
     if n < 1:
       raise BadRequest(f"n={n} must be >= 1", "n")
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    stops = _stops(req.stop)
     if len(stops) > MAX_STOPS or any(not s for s in stops):
       raise BadRequest(f"stop={req.stop!r}: give at most {MAX_STOPS} non-empty strings", "stop")
     prompts = prompts_of(req.prompt)
@@ -700,6 +701,10 @@ async def _disconnected(request: Request) -> None:
   """Returns when the client disconnects (the body must have been read)."""
   while (await request.receive())["type"] != "http.disconnect":
     pass
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+  return [stop] if isinstance(stop, str) else stop or []
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
