@@ -28,7 +28,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from experiments.serve_bench import Done, Paged, Work, serve, workload
+from experiments.serve_bench import Done, Paged, parse_lengths, serve
+from jaxpipe.serve.workload import Work, generate
 
 VOCAB = 256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
 HEADER = ("| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
@@ -118,9 +119,9 @@ def main(args) -> None:
     (model,) = httpx.get(url + "/v1/models").json()["data"]
   except (httpx.HTTPError, ValueError, KeyError) as e:
     raise SystemExit(f"--url={args.url}: no OpenAI-compatible server answers /v1/models ({e})")
-  prompt, output = (tuple(int(x) for x in v.split(":")) for v in (args.prompt, args.output))
+  prompt, output = parse_lengths(args)
   print(f"# serve_bench over HTTP: {url}, model {model['id']!r}; {args.requests} requests per "
-        f"rate, Poisson arrivals, prompt U{prompt}, output U{output} tokens, seed {args.seed}; "
+        f"rate, Poisson arrivals, prompt {prompt}, output {output} tokens, seed {args.seed}; "
         "greedy, ignore_eos, streamed")
   if "engine" in model:
     print(f"# server engine: {json.dumps(model['engine'])}")
@@ -129,12 +130,15 @@ def main(args) -> None:
     if "model" not in model.get("engine", {}):
       raise SystemExit("--compare needs a jaxpipe server (python -m jaxpipe.serve --http): "
                        "its /v1/models describes the engine to build here")
+    if model["engine"].get("mode", "engine") != "engine":
+      raise SystemExit(f"--compare builds one engine; the server runs a {model['engine']['mode']} "
+                       "deployment (compare deployments in-process with serve_bench --mode)")
     engine = _twin(model["engine"])
   cpu_rows = []
   vocab = min(VOCAB, model.get("engine", {}).get("model", {}).get("vocab", VOCAB))
   print(HEADER)
   for rate in (float(r) for r in args.rates.split(",")):
-    work = workload(args.requests, rate, prompt, output, vocab, args.seed)
+    work = generate(args.requests, rate, prompt, output, vocab, args.seed)
     generated = sum(w.max_tokens for w in work)
     if engine is not None:
       paged, cpu = Paged(engine), time.process_time()

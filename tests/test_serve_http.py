@@ -1,5 +1,7 @@
 """The OpenAI-compatible server, driven with the real `openai` client, against `Engine.generate`."""
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -16,9 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from configs import tiny
-from experiments import serve_bench, serve_client
+from experiments import serve_client
 from jaxpipe import config as config_lib
 from jaxpipe.models import transformer
+from jaxpipe.serve import deploy, workload
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.server import CompletionServer
 
@@ -41,12 +44,11 @@ def reference(model):
   return Engine(*model, **ENGINE)
 
 
-@pytest.fixture(scope="module")
-def url(model):
-  engine = Engine(*model, **ENGINE)
-  engine.precompile()
-  app = CompletionServer(engine, model_name="tiny", max_batch=ENGINE["max_batch"],
-                         max_queue=MAX_QUEUE, drain_s=5)
+@contextlib.contextmanager
+def _serving(backend, **kw):
+  """The app over `backend`, served by uvicorn on a thread on a free port: yields its URL."""
+  app = CompletionServer(backend, model_name="tiny", max_batch=ENGINE["max_batch"],
+                         max_queue=MAX_QUEUE, **kw)
   sock = socket.create_server(("127.0.0.1", 0))
   server = app.uvicorn_server()
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -57,6 +59,24 @@ def url(model):
   server.should_exit = True
   thread.join(30)
   assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def url(model):
+  engine = Engine(*model, **ENGINE)
+  engine.precompile()
+  with _serving(engine, drain_s=5) as url:
+    yield url
+
+
+@pytest.fixture(scope="module")
+def disagg_url(model):
+  """The server over a disaggregated deployment: one prefill and one decode worker."""
+  devices = jax.devices()
+  deployment = deploy.Disaggregated(*model, [devices[1:2]], [devices[2:3]], **ENGINE)
+  deployment.precompile()
+  with _serving(deployment) as url:
+    yield url
 
 
 @pytest.fixture
@@ -195,6 +215,81 @@ def test_a_client_that_disconnects_frees_its_pages(url, client, stream):
   assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]  # only the prefix cache
 
 
+def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(disagg_url,
+                                                                              reference):
+  client = openai.OpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+  prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 64, 5 + 9 * i)] for i in range(3)]
+  want = reference.generate(prompts, max_tokens=20)
+
+  async def main():
+    aclient = openai.AsyncOpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+    async def one(prompt):
+      return [t async for ch in await aclient.completions.create(
+          model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+              for c in ch.choices for t in c.token_ids]
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+  assert asyncio.run(main()) == want  # prefilled on one worker, decoded on the other
+  abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
+  stream = client.completions.create(model="tiny", prompt="0123456789" * 3, max_tokens=450,
+                                     temperature=0, stream=True)
+  chunks = iter(stream)
+  next(chunks), next(chunks)
+  stream.close()
+  m = _wait(disagg_url, lambda m: m.get(abort, 0) == 1)
+  assert m[("jaxpipe_kv_pages_running",)] == 0  # summed over both workers
+  assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]
+
+
+class _Failing:
+  """A backend that generates token 48 twice, then its device work fails."""
+  max_seq_len, eos_id, running, waiting = 64, None, [], []
+
+  def __init__(self):
+    self.steps = None
+
+  def check_request(self, prompt, max_tokens, sampling):
+    return None
+
+  def add_request(self, prompt, max_tokens, sampling, *, eos_id):
+    self.steps = 0
+    return 0
+
+  def step(self):
+    self.steps += 1
+    if self.steps > 2:
+      raise RuntimeError("device lost")
+    return {0: [48]}
+
+  def finished(self):
+    return []
+
+  def has_work(self):
+    return self.steps is not None
+
+  def kv_usage(self):
+    return dict(pages_total=8, pages_in_use=0, pages_running=0, cached_pages=0, tokens=0, slots=0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_engine_fault_fails_its_requests_and_health_says_so(stream):
+  with _serving(_Failing()) as url:
+    body = {"prompt": "01", "max_tokens": 8, "stream": stream}
+    r = httpx.post(url + "/v1/completions", json=body)
+    if stream:  # the tokens so far, then the error, then the end
+      events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+      assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["0", "0"]
+      assert json.loads(events[2])["error"]["message"] == "the engine failed: RuntimeError: device lost"
+      assert events[3:] == ["[DONE]"]
+    else:
+      assert r.status_code == 500
+      assert r.json()["error"]["message"] == "the engine failed: RuntimeError: device lost"
+    assert httpx.get(url + "/health").json() == {
+        "status": "failed", "error": "RuntimeError: device lost"}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
+
+
 def test_metrics_parse_and_count_what_was_served(url, client):
   before = _metrics(url)
   for n in (3, 5, 7):
@@ -284,7 +379,8 @@ def test_a_full_server_answers_429_with_retry_after(url, client):
 
 
 def test_the_bench_client_reads_every_token_from_the_stream(url):
-  work = serve_bench.workload(6, 50.0, (1, 20), (2, 12), 64, seed=0)
+  work = workload.generate(6, 50.0, workload.Lengths.parse("1:20"), workload.Lengths.parse("2:12"),
+                           64, seed=0)
   done, makespan, (tokens, slots, steps, cpu_s) = serve_client.http_run(url, "tiny", work)
   assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
   assert all(d.ttft > 0 for d in done) and makespan > 0

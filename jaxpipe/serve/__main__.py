@@ -5,6 +5,7 @@
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
       [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256] [--page_buckets 16]
+      [--mode disaggregated --prefill_workers 1 --decode_workers 2 --devices_per_worker 1]
 
 --workdir serves the newest checkpoint of a `python -m jaxpipe.train` run (its config.json
 gives the model); --config serves the fresh parameters of a config file. Prompts are UTF-8
@@ -12,6 +13,8 @@ bytes, one token each (the byte-level models of the quickstarts); several --prom
 served as one continuously batched workload. --http serves POST /v1/completions, GET /v1/models,
 /health and /metrics (jaxpipe/serve/server.py) until SIGTERM, after which running requests get
 --drain_s seconds to finish before they are cancelled; every step program is compiled first.
+--mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
+behind the same endpoint, each worker with the engine flags; the default is one engine.
 """
 import dataclasses
 import os
@@ -54,6 +57,12 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "--http: sequences waiting be
                                   "before requests are answered 429.")
 _DRAIN_S = flags.DEFINE_float("drain_s", 30.0, "--http: seconds running requests may go on after "
                               "SIGTERM before they are cancelled.")
+_MODE = flags.DEFINE_enum("mode", "engine", ["engine", "colocated", "disaggregated"],
+                          "--http: one engine, or a deployment of workers (serve/deploy.py).")
+_WORKERS = flags.DEFINE_integer("workers", 2, "--mode colocated: workers.")
+_PREFILL_WORKERS = flags.DEFINE_integer("prefill_workers", 1, "--mode disaggregated: prefill workers.")
+_DECODE_WORKERS = flags.DEFINE_integer("decode_workers", 1, "--mode disaggregated: decode workers.")
+_DEVICES_PER_WORKER = flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "--http: the served model's name; default "
                                   "the workdir's or config file's name.")
 
@@ -73,6 +82,8 @@ def main(argv: list[str]) -> None:
                          "parameters)")
   if _HTTP.value == bool(_PROMPT.value):
     raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')
+  if _MODE.value != "engine" and not _HTTP.value:
+    raise app.UsageError(f"--mode={_MODE.value} serves over HTTP only; add --http")
   token_buckets = _ints("token_buckets", _TOKEN_BUCKETS.value)
   page_buckets = _ints("page_buckets", _PAGE_BUCKETS.value)
   logging.set_verbosity(logging.WARNING)
@@ -95,13 +106,14 @@ def main(argv: list[str]) -> None:
   cfg = config_lib.model_config(config)
   max_seq_len = _MAX_SEQ_LEN.value or config.data.seq_len
   max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
+  # One page bucket (the whole context) by default: one program per token bucket.
+  kw = dict(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value, max_batch=max_batch,
+            max_tokens_per_step=_MAX_TOKENS_PER_STEP.value, max_seq_len=max_seq_len,
+            token_buckets=token_buckets,
+            page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
+            attention=_ATTENTION.value)
   try:
-    # One page bucket (the whole context) by default: one program per token bucket.
-    engine = Engine(cfg, params, page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
-                    max_batch=max_batch, max_tokens_per_step=_MAX_TOKENS_PER_STEP.value,
-                    max_seq_len=max_seq_len, token_buckets=token_buckets,
-                    page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
-                    attention=_ATTENTION.value)
+    engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)
   except ValueError as e:
     sys.exit(f"error: {e}")
   if _HTTP.value:
@@ -121,29 +133,47 @@ def main(argv: list[str]) -> None:
     print(f"# tokens: {out}")
 
 
-def _serve_http(engine, cfg, source: str) -> None:
+def _deployment(cfg, params, kw: dict):
+  """--mode colocated or disaggregated: workers on disjoint groups of --devices_per_worker."""
+  from jaxpipe.serve import deploy
+  n = _DEVICES_PER_WORKER.value
+  if _MODE.value == "colocated":
+    return deploy.Colocated(cfg, params, deploy.device_groups(_WORKERS.value, n), **kw)
+  p = _PREFILL_WORKERS.value
+  groups = deploy.device_groups(p + _DECODE_WORKERS.value, n)
+  return deploy.Disaggregated(cfg, params, groups[:p], groups[p:], **kw)
+
+
+def _serve_http(backend, cfg, source: str) -> None:
   import jax
   try:
-    from jaxpipe.serve.server import CompletionServer
+    from jaxpipe.serve.server import CompletionServer, engines_of
   except ImportError as e:
     sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
   name = _MODEL_NAME.value or os.path.basename(os.path.normpath(
       _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(flags.FLAGS["config"]))[0]))
   start = time.perf_counter()
-  engine.precompile()
-  info = {"page_size": engine.page_size, "num_pages": engine.num_pages,
-          "max_batch": engine.max_batch, "max_tokens_per_step": engine.max_tokens_per_step,
-          "max_seq_len": engine.max_seq_len, "token_buckets": list(engine.token_buckets),
-          "page_buckets": list(engine.page_buckets), "attention": engine.backend,
-          "device": jax.devices()[0].device_kind, "source": source,
+  backend.precompile()
+  engines = engines_of(backend)
+  engine = engines[-1]  # a decode worker's settings when disaggregated
+  # Sequences running at once: every worker's batch, a decode worker's when disaggregated.
+  batch = engine.max_batch * len([e for e in engines if not e.prefill_only])
+  info = {"mode": _MODE.value, "workers": len(engines), "page_size": engine.page_size,
+          "num_pages": engine.num_pages, "max_batch": engine.max_batch,
+          "max_tokens_per_step": engine.max_tokens_per_step, "max_seq_len": engine.max_seq_len,
+          "token_buckets": list(engine.token_buckets), "page_buckets": list(engine.page_buckets),
+          "attention": engine.backend, "device": jax.devices()[0].device_kind, "source": source,
           "model": dataclasses.asdict(cfg)}
   try:
-    server = CompletionServer(engine, model_name=name, max_batch=engine.max_batch,
+    server = CompletionServer(backend, model_name=name, max_batch=batch,
                               max_queue=_MAX_QUEUE.value, drain_s=_DRAIN_S.value, engine_info=info)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  print(f"# {source}; {jax.devices()[0].platform}, paged attention {engine.backend}, "
-        f"{len(engine.programs)} step programs compiled in {time.perf_counter() - start:.1f} s; "
+  programs = sum(len(e.programs) for e in engines)
+  workers = f" ({len(engines)} workers)" if len(engines) > 1 else ""
+  print(f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
+        f"attention {engine.backend}, {programs} step programs compiled in "
+        f"{time.perf_counter() - start:.1f} s; "
         f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
         f"{_DRAIN_S.value:g} s)", flush=True)
   try:

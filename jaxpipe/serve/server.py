@@ -54,11 +54,8 @@ FINISH = {"eos": "stop", "length": "length", "cancelled": "abort"}  # engine rea
 
 
 class Backend(Protocol):
-  """What the server drives: `Engine`, or a deployment with the same interface."""
-  max_seq_len: int
-  eos_id: int | None
-  waiting: Sequence[Any]  # requests queued in the backend
-  running: Sequence[Any]  # requests in its running batch
+  """What the server drives: an `Engine`, or a deployment of several (`serve.deploy`: Colocated,
+  Disaggregated) that lists them in `engines`; limits and gauges are read from those engines."""
 
   def check_request(self, prompt: Sequence[int], max_tokens: int,
                     sampling: SamplingParams) -> str | None: ...  # reads configuration only
@@ -68,7 +65,11 @@ class Backend(Protocol):
   def cancel(self, rid: int) -> None: ...
   def finished(self) -> list[Any]: ...  # objects with .id, .finish_reason, .error
   def has_work(self) -> bool: ...
-  def kv_usage(self) -> dict[str, float]: ...
+
+
+def engines_of(backend: Backend) -> list:
+  """The engines behind a backend: a deployment's live workers', or the engine itself."""
+  return list(getattr(backend, "engines", None) or [backend])
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -336,24 +337,26 @@ class EngineLoop:
             self.backend.cancel(rid)
         stepped = self.backend.has_work()
         new = self.backend.step() if stepped else {}
+        now = time.perf_counter()
+        for rid, tokens in new.items():
+          s = live[rid]
+          s.first = s.first or now
+          s.last, s.n_tokens = now, s.n_tokens + len(tokens)
+          events[s] = [list(tokens), None, None]
+        for r in self.backend.finished():
+          s = live.pop(r.id, None)
+          if s is None:  # reported finished twice
+            continue
+          reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
+          events.setdefault(s, [[], None, None])[1:] = [reason, r.error if reason == "error" else None]
+          self._observe_finish(s, reason)
+        self._update_gauges(stepped, new, now, window)
       except Exception as e:  # noqa: BLE001 -- an engine fault fails its requests, not the server
         log.exception("engine loop failed")
         self.failed = f"{type(e).__name__}: {e}"
         added = [s for kind, arg in commands if kind == "add" for s in arg]
-        self._fail(set(live.values()) | set(added), stopping)
+        self._fail(set(live.values()) | set(added) | set(events), stopping)
         return
-      now = time.perf_counter()
-      for rid, tokens in new.items():
-        s = live[rid]
-        s.first = s.first or now
-        s.last, s.n_tokens = now, s.n_tokens + len(tokens)
-        events[s] = [list(tokens), None, None]
-      for r in self.backend.finished():
-        s = live.pop(r.id)
-        reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
-        events.setdefault(s, [[], None, None])[1:] = [reason, r.error if reason == "error" else None]
-        self._observe_finish(s, reason)
-      self._update_gauges(stepped, new, now, window)
       if events:
         self._send([(s, *e) for s, e in events.items()])
 
@@ -394,9 +397,11 @@ class EngineLoop:
       m.tpot.observe((s.last - s.first) / (s.n_tokens - 1))
 
   def _update_gauges(self, stepped: bool, new: dict, now: float, window: collections.deque) -> None:
-    m, b = self.metrics, self.backend
+    m, engines = self.metrics, engines_of(self.backend)
     generated = sum(len(t) for t in new.values())
-    usage = b.kv_usage()
+    usage = collections.Counter()
+    for e in engines:
+      usage.update(e.kv_usage())
     if stepped:  # as serve_bench sums them: after every step
       m.steps.inc()
       m.kv_tokens.inc(usage["tokens"])
@@ -406,8 +411,8 @@ class EngineLoop:
     while window[0][0] < now - self.WINDOW_S:
       window.popleft()
     m.tokens_per_second.set(sum(n for _, n in window) / self.WINDOW_S)
-    m.running.set(len(b.running))
-    m.waiting.set(len(b.waiting))
+    m.running.set(sum(len(e.running) for e in engines))
+    m.waiting.set(sum(len(e.waiting) for e in engines))
     m.pages_total.set(usage["pages_total"])
     m.pages_used.set(usage["pages_in_use"])
     m.pages_running.set(usage["pages_running"])
@@ -427,6 +432,8 @@ class CompletionServer:
     if max_queue < 0 or drain_s < 0:
       raise ValueError(f"max_queue={max_queue} and drain_s={drain_s} must be >= 0")
     self.backend, self.model_name, self.drain_s = backend, model_name, drain_s
+    engines = engines_of(backend)
+    self.max_seq_len, self.eos_id = min(e.max_seq_len for e in engines), engines[0].eos_id
     self.capacity = max_batch + max_queue
     self.engine_info = engine_info or {}
     self.metrics = Metrics()
@@ -477,7 +484,7 @@ class CompletionServer:
   async def models(self, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{
         "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxpipe",
-        "max_model_len": self.backend.max_seq_len, "engine": self.engine_info}]})
+        "max_model_len": self.max_seq_len, "engine": self.engine_info}]})
 
   async def prometheus(self, request: Request) -> Response:
     return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -501,7 +508,7 @@ class CompletionServer:
       return error_response(e)
     sink = seqs[0].sink
     stops = _stops(req.stop)
-    eos = None if req.ignore_eos else self.backend.eos_id
+    eos = None if req.ignore_eos else self.eos_id
     choices = [Choice(i, stops, eos) for i in range(len(seqs))]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": self.model_name}
