@@ -74,7 +74,6 @@ def disagg_url(model):
   """The server over a disaggregated deployment: one prefill and one decode worker."""
   devices = jax.devices()
   deployment = deploy.Disaggregated(*model, [devices[1:2]], [devices[2:3]], **ENGINE)
-  deployment.precompile()
   with _serving(deployment) as url:
     yield url
 
