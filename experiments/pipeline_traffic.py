@@ -3,8 +3,8 @@
   python -m experiments.pipeline_traffic [--pp 4] [--microbatches 8] [--layers 8] [--d_model 256]
 
 For each schedule, the Trainer's compiled step (the one `jaxpipe.train` runs) on a pp × dp mesh
-of 8 host devices, counted from its HLO: the executor's ppermute (activations and cotangents,
-once per tick of the scan), the ppermute that sums the gradients of a stage's two resident
+of 8 host devices, counted from its HLO: the executor's ppermutes (activations and cotangents,
+each run in the ticks of the scan where some rank receives over it, from the lowered table), the ppermute that sums the gradients of a stage's two resident
 copies between their holders (`sum_copies`; bidirectional schedules, Chimera and DualPipe,
 hold each stage on two ranks), and every other collective-permute, which would be parameters
 or their gradients moving to the ranks that run them. Bytes are per device and per step, set
@@ -37,10 +37,29 @@ def _permutes(hlo: str) -> list[tuple[int, str]]:
                for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs))
     name = re.search(r'op_name="([^"]*)"', line)
     name = name.group(1) if name else ""
+    send = re.search(r"tick/send_(down|up)/", name)
     kind = ("copies" if "/sum_copies/ppermute" in name else
-            "ticks" if name.endswith("/ppermute") else "other")
+            f"send_{send.group(1)}" if send else "other")
     out.append((size, kind))
   return out
+
+
+def _tick_bytes(permutes: list[tuple[int, str]], table: np.ndarray) -> int:
+  """Bytes the executor's ppermutes move in one step: each runs only in the ticks where some rank
+  receives over it (a direction's activations and cotangents share one ppermute, or have one each)."""
+  from jaxpipe.pipeline.lower import COL
+  total = 0
+  for direction in ("down", "up"):
+    sizes = [b for b, kind in permutes if kind == f"send_{direction}"]
+    if not sizes:
+      continue
+    recv = [table[:, :, COL[f"recv_{k}_{direction}"]] >= 0 for k in ("act", "grad")]
+    if len(sizes) == 1:  # one ppermute carries both kinds
+      total += sizes[0] * int(np.any(recv[0] | recv[1], axis=1).sum())
+    else:
+      assert len(sizes) == 2 and sizes[0] == sizes[1], sizes
+      total += sizes[0] * sum(int(np.any(r, axis=1).sum()) for r in recv)
+  return total
 
 
 def measure(name: str, args) -> dict:
@@ -65,11 +84,11 @@ def measure(name: str, args) -> dict:
   permutes = _permutes(hlo)
   ticks = lm_schedule(c.pipeline, args.pp)
   from jaxpipe.pipeline.api import lowered_for
-  num_ticks = lowered_for(ticks).num_ticks
+  lowered = lowered_for(ticks)
   layer_bytes = sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(state.params["layers"]))
   order = trainer.layer_order
-  return {"schedule": name, "ticks": num_ticks,
-          "activations": num_ticks * sum(b for b, kind in permutes if kind == "ticks"),
+  return {"schedule": name, "ticks": lowered.num_ticks,
+          "activations": _tick_bytes(permutes, lowered.table),
           "copies": sum(b for b, kind in permutes if kind == "copies"),
           "parameters": sum(b for b, kind in permutes if kind == "other"),
           "stored": layer_bytes / args.pp,

@@ -23,15 +23,17 @@ them by valid tokens instead would make their strength follow the padding althou
 are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
 alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
 also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
-train step moves the sigmoid router's balancing biases.
+train step moves the sigmoid router's balancing biases. `moe.aux_objective` is the aux term; with
+`moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
+pooled over the layers.
 """
 import functools
 import json
+import logging
 import math
 import os
-import signal
-import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import flax
@@ -45,12 +47,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
+from jaxpipe import multihost
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
+from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.parallel.ulysses import positions_local
+from jaxpipe.preemption import StopRequest
+from jaxpipe.workdir import Workdir, WorkdirError
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 
@@ -63,7 +70,8 @@ class TrainState:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN/inf loss or gradient; the message names the steps and the checkpoint."""
+  """Training produced a NaN/inf loss or gradient; the message names which, the steps and the
+  checkpoint."""
 
 
 def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
@@ -153,7 +161,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
                                                batch["mask"])
     ce = total / denom
-    return ce + aux["loss"].sum() / microbatches, (ce, aux)
+    aux_loss = moe_lib.aux_objective(moe_cfg, aux)
+    return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -177,8 +186,81 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
       (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
     metrics = {"tokens": count,
-               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k)}
+               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
+               "moe_aux_loss": aux["objective"] / microbatches}  # the pooled form's lb included
     return loss, grads, metrics
+
+  return loss_and_grads
+
+
+def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbatches: int = 1, *,
+                                    axis_name: str = "cp",
+                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
+  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
+
+  Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
+  with rotary positions offset to its slice; `attention` runs Ulysses (see
+  `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
+  partials and are added outside, so the gradient of the replicated parameters is the sum of
+  every rank's contribution whether or not shard_map checks varying axes.
+
+  As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
+  losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
+  step's token count gives the trainer's objective; the reported loss is the cross-entropy.
+  With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
+  summed over all token shards inside the shard_map.
+  """
+  spec = P(batch_axes, axis_name)
+  every_axis = P(tuple(mesh.axis_names))
+  aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
+
+  def apply_layers(layers, x_BxSxD, positions_S):
+    if cfg.moe is None:
+      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
+    # transformer.apply_layers, keeping each MoE group's statistics
+    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
+    return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
+
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
+    with context_parallel(axis_name):
+      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
+      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
+      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
+      total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
+    return total[None], aux
+
+  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
+                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
+
+  def loss_sum(params, batch):
+    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
+    return jnp.sum(total), aux
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
+             "weights": transformer.mean_weights(batch["mask"])}
+    if microbatches == 1:
+      (total, aux), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
+      split = jax.tree.map(lambda x: jnp.swapaxes(
+          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+
+      def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+
+      first = jax.tree.map(lambda x: x[0], split)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      ((total, aux), grads), _ = jax.lax.scan(body, zeros, split)
+    metrics = {"tokens": count}
+    if cfg.moe is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads
 
@@ -193,6 +275,13 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   """
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
+    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and (
+        mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1):
+      raise config_lib.ConfigError(
+          "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
+          "layers, which the pipeline and context-parallel paths keep apart; set "
+          "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
+          "between the two) or run with mesh.pp = mesh.cp = 1")
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
@@ -202,7 +291,6 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
                                    layers_in_placement_order)
   if mesh_shape["cp"] > 1:
     # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
-    from jaxpipe.parallel.ulysses import context_parallel_loss_and_grads
     return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
 
@@ -279,6 +367,17 @@ class Trainer:
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
+    trainer.close()                           # waits for saves, releases the workdir (or `with`)
+
+  With a workdir the trainer holds it (`jaxpipe.workdir`: one process at a time, one config
+  per run) from construction to `close()`, so a second run, or a config that would train
+  something else, fails before any device work.
+
+  In a multi-process run (`jaxpipe.runtime.initialize`) every process builds the same Trainer
+  and makes the same calls: process 0 holds the workdir and writes config.json, metrics and the
+  progress bar; each process reads only its rows of each batch (`local_rows`) and writes its
+  shards of each checkpoint; a stop signal to any process stops all after the same step. Read
+  arrays split over other processes with `jaxpipe.multihost.to_host`.
 
   `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
   params, in the stored order below). Steps donate the previous state's buffers: keep
@@ -295,14 +394,38 @@ class Trainer:
   the model's order (any schedule restores them).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
-    self.mesh_shape = config_lib.validate(config, jax.device_count())
-    self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won
-    if config.pipeline.schedule == config_lib.AUTO:
-      config = self._choose_schedule(config, workdir)
-      self.mesh_shape = config_lib.validate(config, jax.device_count())
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None,
+               existing_run: str = "resume"):
+    """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
+    the config changes what is trained, `jaxpipe.workdir`), 'resume_changed' (continue it under
+    the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
     self.config = config
+    self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
+    self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won
     self.model_cfg = config_lib.model_config(config)
+    self.workdir = workdir
+    self.checkpointer = None
+    self.notices: list[str] = []  # what the workdir check accepted and the user should know
+    if workdir is not None:  # before any device work: a busy or mismatched workdir stops here
+      # Process 0 takes the lock and checks the config for the whole run; the others wait for its
+      # verdict, so that none of them goes on to a collective that process 0 never reaches.
+      self._workdir = Workdir(workdir)
+      self._release = weakref.finalize(self, self._workdir.unlock)
+      refused = None
+      if jax.process_index() == 0:
+        try:
+          self._workdir.lock()
+          self.notices = self._workdir.check_config(config, existing_run)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, once the others know
+          refused = e
+      if multihost.any_process(refused is not None):
+        self.close()
+        raise refused or WorkdirError(f"process 0 refused --workdir {workdir}; its error says why")
+      for notice in self.notices:
+        logging.warning("%s", notice)
+    if config.pipeline.schedule == config_lib.AUTO:  # after the workdir check: this measures
+      config = self.config = self._choose_schedule(config, workdir, existing_run == "restart")
+      self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None
     copies = False
@@ -320,8 +443,6 @@ class Trainer:
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
     self.optimizer = make_optimizer(config.optimizer, config.train.steps,
                                     self.grad_norm if copies else None)
-    self.workdir = workdir
-    self.checkpointer = None
     if workdir is not None:
       self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
                                        config.checkpoint.async_save)
@@ -333,18 +454,18 @@ class Trainer:
     self._eval_step = None
     self.compile_stats: dict[str, float] = {}  # set by compile(): seconds, bytes per device
 
-  def _choose_schedule(self, config: ml_collections.ConfigDict,
-                       workdir: str | None) -> ml_collections.ConfigDict:
+  def _choose_schedule(self, config: ml_collections.ConfigDict, workdir: str | None,
+                       afresh: bool) -> ml_collections.ConfigDict:
     """pipeline.schedule = 'auto' -> a copy of the config running the best-ranked candidate.
 
     The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
-    workdir; a run resumed there keeps its first choice.
+    workdir; a run resumed there keeps its first choice unless `afresh` (a restart).
     """
     from jaxpipe import measure
     from jaxpipe.pipeline import auto as auto_lib
     from jaxpipe.pipeline import costs as costs_lib
     path = os.path.join(workdir, "auto.json") if workdir else None
-    if path and os.path.exists(path):
+    if path and os.path.exists(path) and not afresh:
       with open(path) as f:
         saved = json.load(f)
       choice, self.auto_report = saved["choice"], saved["report"]
@@ -363,6 +484,21 @@ class Trainer:
     config = config.copy_and_resolve_references()  # the caller's config stays 'auto'
     config.pipeline.update(choice)
     return config
+
+  def close(self) -> None:
+    """Waits for background saves and releases the workdir (also done when garbage-collected)."""
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+    finally:
+      if self.workdir is not None:
+        self._release()
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # -- state ------------------------------------------------------------------------------------
 
@@ -425,21 +561,23 @@ class Trainer:
     return self._state_sharding
 
   @functools.cached_property
+  def model_state_shapes(self) -> TrainState:
+    """The state's shapes and dtypes in the model's order (as checkpoints hold it)."""
+    return jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
+
+  @functools.cached_property
   def model_state_sharding(self) -> Any:
     """Shardings of the state in the model's order (as checkpoints hold it)."""
     if self.layer_order is None or len(self.layer_order) == self._units:
       return self.state_sharding
-    shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
-    return state_shardings(shapes, self.mesh)
+    return state_shardings(self.model_state_shapes, self.mesh)
 
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
     restored = None
     if self.checkpointer is not None:
-      shapes = jax.eval_shape(functools.partial(self._fresh_state, stored=False),
-                              jax.random.key(0))
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              shapes, self.model_state_sharding)
+                              self.model_state_shapes, self.model_state_sharding)
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
@@ -457,10 +595,27 @@ class Trainer:
     return {k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
             for k, v in host_batch.items()}
 
-  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
-    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s."""
+  @functools.cached_property
+  def local_rows(self) -> np.ndarray | None:
+    """The rows of each batch that this process's devices hold, ascending; None when they hold
+    every row (one process, or a batch axis that stays within processes)."""
     d = self.config.data
-    return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    index_map = self._batch_sharding.addressable_devices_indices_map((d.batch, d.seq_len))
+    rows = np.unique(np.concatenate([np.arange(d.batch)[idx[0]] for idx in index_map.values()]))
+    return None if len(rows) == d.batch else rows
+
+  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
+    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s.
+
+    Across processes each process reads only the rows its devices hold (`local_rows`)."""
+    d = self.config.data
+    rows = self.local_rows
+    if rows is None:
+      return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    local = self.source.batch(split, index, d.batch, d.seq_len, rows=rows)
+    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v,
+                                                      (d.batch, d.seq_len))
+            for k, v in local.items()}
 
   # -- one step ---------------------------------------------------------------------------------
 
@@ -544,36 +699,42 @@ class Trainer:
   def train(self, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Trains up to step `steps` (default train.steps), resuming from the workdir.
 
-    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted'}. SIGTERM saves
-    a checkpoint after the current step and returns with preempted=True. A non-finite loss or
-    gradient raises NonFiniteLossError naming the steps; nothing after the last finite step is
-    saved.
+    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted', 'stop_signal'}.
+    SIGTERM or a first SIGINT (Ctrl-C) saves a checkpoint after the current step and returns with
+    preempted=True and stop_signal naming the signal; a second SIGINT raises KeyboardInterrupt at
+    once, without saving. A non-finite loss or gradient raises NonFiniteLossError naming which and
+    the steps; nothing after the last finite step is saved. A checkpoint that cannot be written
+    raises CheckpointSaveError as soon as that is known: before the first step when the disk has
+    no room for one, else after the first step that ends once the failed write has; the last
+    good checkpoint stays.
     """
     cfg = self.config
     total = cfg.train.steps if steps is None else steps
     if self.state is None:
       self.init()
     start = int(self.state.step)
-    writer = MetricWriter(self.workdir) if self.workdir else None
-    if self.workdir and jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
-    if start < total:
-      self.compile()
-      if self.workdir and jax.process_index() == 0:
-        with open(os.path.join(self.workdir, "compile.json"), "w") as f:
-          json.dump(self.compile_stats, f, indent=1)
-    stop = threading.Event()
-    previous_handler = None
-    if threading.current_thread() is threading.main_thread():
-      previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
-               "eval_loss": None, "preempted": False}
+               "eval_loss": None, "preempted": False, "stop_signal": None}
+    if start > total:
+      where = f" (checkpoint in {self.checkpointer.directory})" if self.checkpointer else ""
+      raise config_lib.ConfigError(
+          f"the run stands at step {start}{where}, past the {total} steps asked for; nothing to "
+          f"train. Raise train.steps above {start} (with --resume_changed) or pass another "
+          "--workdir")
+    if start == total:
+      return summary
+    if self.checkpointer:
+      self.checkpointer.check_space(self.model_state_shapes)
+    self.compile()
+    if self.workdir and jax.process_index() == 0:
+      with open(os.path.join(self.workdir, "compile.json"), "w") as f:
+        json.dump(self.compile_stats, f, indent=1)
+    writer = MetricWriter(self.workdir, start) if self.workdir else None
+    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
     checked = start  # every step up to here had a finite loss and gradient
-    bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
-                    desc="train")
+    bar = tqdm.tqdm(total=total, initial=start, dynamic_ncols=True, desc="train",
+                    disable=not progress or jax.process_index() != 0)
     t_last, steps_last = None, start
 
     def flush(step: int) -> None:
@@ -588,23 +749,26 @@ class Trainer:
         timing = {"step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s}
       t_last, steps_last = now, step  # the first interval holds compilation; it is not timed
       for s, m in rows:
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(norm)):
           if writer:
             writer.write(s, {k: float(v) for k, v in m.items()})
             writer.close()
           if self.checkpointer:
             self.checkpointer.wait()
           good = self.checkpointer.latest_step() if self.checkpointer else None
+          what = (f"non-finite loss {loss} (gradient norm {norm})" if not math.isfinite(loss) else
+                  f"non-finite gradient norm {norm} (the loss, {loss:.4f}, is finite)")
           raise NonFiniteLossError(
-              f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}, "
-              f"found when checking steps {block_start}..{step}. Stopped without saving; the last "
-              "good checkpoint is "
+              f"{what} at step {s}, found when checking steps {block_start}..{step}. Stopped "
+              "without saving; the last good checkpoint is "
               + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
-              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume.")
+              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume with "
+              "--resume_changed.")
         checked = s
-        summary["last_loss"] = float(m["loss"])
+        summary["last_loss"] = loss
         if summary["first_loss"] is None:
-          summary["first_loss"] = float(m["loss"])
+          summary["first_loss"] = loss
         if writer:
           writer.write(s, {**{k: float(v) for k, v in m.items()}, **(timing if s == step else {})})
       if writer:
@@ -615,35 +779,39 @@ class Trainer:
                        step_ms=f"{1e3 * timing['step_time_s']:.0f}")
       bar.set_postfix(postfix, refresh=False)
 
-    try:
-      for index in range(start, total):
-        pending.append((index + 1, self.step(self.batch(index))))
-        done = index + 1
-        bar.update(1)
-        stopping = stop.is_set()  # read once: the signal may land anywhere in this iteration
-        eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
-        save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                                          or done == total or stopping)
-        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
-            or done == start + 1):
-          flush(done)
-        if eval_now or done == total:
-          summary["eval_loss"] = self.evaluate()
+    # Across processes every rank stops after the same step: the requests are agreed a step late.
+    with StopRequest(multihost.OneStepLate() if jax.process_count() > 1 else None) as stop:
+      try:
+        for index in range(start, total):
+          pending.append((index + 1, self.step(self.batch(index))))
+          done = index + 1
+          bar.update(1)
+          if self.checkpointer:
+            self.checkpointer.poll()  # a background save that failed stops the run now
+          stopping = stop.agreed()  # read once: the signal may land anywhere in this iteration
+          eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
+          save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                                            or done == total or stopping)
+          if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
+              or done == start + 1):
+            flush(done)
+          if eval_now or done == total:
+            summary["eval_loss"] = self.evaluate()
+            if writer:
+              writer.write(done, {"eval_loss": summary["eval_loss"]})
+              writer.flush()
+          if save_now:
+            self.checkpointer.save(done, self._checkpoint_state(), force=bool(stopping))
+          summary["step"] = done
+          if stopping:
+            summary["preempted"], summary["stop_signal"] = True, stopping
+            break
+      finally:
+        bar.close()
+        try:
+          if self.checkpointer:
+            self.checkpointer.wait()
+        finally:
           if writer:
-            writer.write(done, {"eval_loss": summary["eval_loss"]})
-            writer.flush()
-        if save_now:
-          self.checkpointer.save(done, self._checkpoint_state(), force=stopping)
-        summary["step"] = done
-        if stopping:
-          summary["preempted"] = True
-          break
-    finally:
-      bar.close()
-      if previous_handler is not None:
-        signal.signal(signal.SIGTERM, previous_handler)
-      if self.checkpointer:
-        self.checkpointer.wait()
-      if writer:
-        writer.close()
+            writer.close()
     return summary

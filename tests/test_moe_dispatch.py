@@ -25,17 +25,17 @@ def test_layout_hand_case():
   np.testing.assert_array_equal(lay.carrier_TxK, [[1, 0], [1, 1], [1, 0], [0, 0]])
   np.testing.assert_array_equal(lay.send_pos_TxK, [[0, 0], [1, 2], [3, 3], [4, 4]])
   np.testing.assert_array_equal(lay.src_S, [0, 2, 3, 4])  # flat t*K+k of each row's carrier
-  np.testing.assert_array_equal(lay.overhead_sizes_R, [2, 2])
+  np.testing.assert_array_equal(lay.send_sizes_R, [2, 2])
   packed = expert.make_layout(idx, expert.make_plan(4, 2, 4, 2, impl="ragged"))
   np.testing.assert_array_equal(packed.send_pos_TxK, [[0, 0], [1, 3], [4, 4], [2, 5]])
-  np.testing.assert_array_equal(packed.overhead_sizes_R, [3, 3])
+  np.testing.assert_array_equal(packed.send_sizes_R, [3, 3])
 
 
 def test_ragged_emulation_matches_documented_example():
   """The two-device example of `jax.lax.ragged_all_to_all`'s docstring."""
   mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
   arrays = dict(operand=[[1, 2, 2], [3, 4, 0]], output=[[0] * 4] * 2, input_offsets=[[0, 1], [0, 1]],
-                overhead_sizes=[[1, 2], [1, 1]], output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
+                send_sizes=[[1, 2], [1, 1]], output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
   args = [jnp.asarray(v, jnp.int32).reshape(-1) for v in arrays.values()]
   fn = jax.shard_map(functools.partial(expert.ragged_all_to_all_emulated, axis_name="x"), mesh=mesh,
                      in_specs=(P("x"),) * 6, out_specs=P("x"))

@@ -93,7 +93,8 @@ def test_step_moves_no_parameters_only_one_gradient_sum(copied):
   from experiments.pipeline_traffic import _permutes
   trainer, _, hlo, _ = copied
   permutes = _permutes(hlo)
-  assert {kind for _, kind in permutes} == {"ticks", "copies"}  # nothing else moves
+  kinds = {kind for _, kind in permutes}
+  assert "copies" in kinds and kinds <= {"send_down", "send_up", "copies"}  # nothing else moves
   summed = sum(b for b, kind in permutes if kind == "copies")
   # one rank's layer gradients, both of its stages, cross once
   layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state.params["layers"]))

@@ -85,7 +85,7 @@ def test_sweep_runs_cells_records_failures_and_resumes(swept):
     assert float(r["paired_ms"]) == pytest.approx(1e3 * paired["step_cpu_s"])
   assert os.path.getsize(os.path.join(out, "sweep.png")) > 0
   with open(os.path.join(out, "sweep.md")) as f:
-    assert f"| microbatches={FAILS} | failed: train exited 1: config error: data.batch=16" in \
+    assert f"| microbatches={FAILS} | failed: train exited 2: error: data.batch=16" in \
         f.read()
   # the same command again: finished cells are skipped, the failed one runs again
   again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -83,7 +83,7 @@ class Layout(NamedTuple):
   carrier_TxK: jax.Array            # kept, and the first choice of its token on that rank
   send_pos_TxK: jax.Array           # send-buffer row of the choice's pair (send_rows if dropped)
   src_S: jax.Array                  # per send row, the carrier choice t*K+k (T*K: empty row)
-  overhead_sizes_R: jax.Array           # rows sent to each destination
+  send_sizes_R: jax.Array           # rows sent to each destination
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -104,46 +104,46 @@ def make_layout(idx_TxK: jax.Array, plan: Plan) -> Layout:
   carrier_TxK = kept_TxK & ~repeat_TxK
   if plan.impl == "fixed":
     base_R = jnp.arange(plan.ep, dtype=jnp.int32) * plan.capacity
-    overhead_sizes_R = jnp.minimum(per_rank_R, plan.capacity)
+    send_sizes_R = jnp.minimum(per_rank_R, plan.capacity)
   else:
-    base_R, overhead_sizes_R = _exclusive_cumsum(per_rank_R), per_rank_R
+    base_R, send_sizes_R = _exclusive_cumsum(per_rank_R), per_rank_R
   s = plan.send_rows
   send_pos_TxK = jnp.where(kept_TxK, base_R[rank_TxK] + slot_TxK, s).astype(jnp.int32)
   src_S = jnp.full((s,), t * k, jnp.int32).at[jnp.where(carrier_TxK, send_pos_TxK, s).ravel()].set(
       jnp.arange(t * k, dtype=jnp.int32), mode="drop")
   per_expert_E = jnp.zeros((plan.num_experts,), jnp.int32).at[idx_TxK.ravel()].add(1)
   return Layout(rank_TxK, in_rank_TxR.astype(bool), per_rank_R, per_expert_E, kept_TxK, carrier_TxK,
-                send_pos_TxK, src_S, overhead_sizes_R.astype(jnp.int32))
+                send_pos_TxK, src_S, send_sizes_R.astype(jnp.int32))
 
 
 class Ragged(NamedTuple):
   """Offsets for `ragged_all_to_all` both ways, from an all_gather of the send sizes."""
   input_offsets_R: jax.Array   # where my rows for each destination start in my send buffer
-  overhead_sizes_R: jax.Array
+  send_sizes_R: jax.Array
   output_offsets_R: jax.Array  # where my rows land in each destination's receive buffer
   recv_sizes_R: jax.Array      # rows I receive from each source
   recv_offsets_R: jax.Array    # where each source's rows start in my receive buffer
   back_offsets_R: jax.Array    # where my rows came from in each source's send buffer
 
 
-def ragged_offsets(overhead_sizes_R: jax.Array, axis: str) -> Ragged:
+def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
   """Offsets of a packed dispatch; rows from source s land after those of sources < s."""
   me = jax.lax.axis_index(axis)
-  sizes_RxR = jax.lax.all_gather(overhead_sizes_R, axis)  # [source, destination]
+  sizes_RxR = jax.lax.all_gather(send_sizes_R, axis)  # [source, destination]
   in_off_RxR = _exclusive_cumsum(sizes_RxR, axis=1)
   out_off_RxR = _exclusive_cumsum(sizes_RxR, axis=0)
-  return Ragged(in_off_RxR[me], overhead_sizes_R, out_off_RxR[me], sizes_RxR[:, me],
+  return Ragged(in_off_RxR[me], send_sizes_R, out_off_RxR[me], sizes_RxR[:, me],
                 out_off_RxR[:, me], in_off_RxR[:, me])
 
 
-def ragged_all_to_all_emulated(operand, output, input_offsets, overhead_sizes, output_offsets,
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, *, axis_name):
   """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers, for backends without it."""
   del recv_sizes  # implied by the senders' sizes
   me = jax.lax.axis_index(axis_name)
   all_ops = jax.lax.all_gather(operand, axis_name)
   starts = jax.lax.all_gather(output_offsets, axis_name)[:, me]
-  sizes = jax.lax.all_gather(overhead_sizes, axis_name)[:, me]
+  sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
   froms = jax.lax.all_gather(input_offsets, axis_name)[:, me]
   i = jnp.arange(output.shape[0])
   tail = (1,) * (output.ndim - 1)
@@ -172,9 +172,9 @@ def _move(mv: _Move, x, rg: Ragged | None, fill=0):
   rows = plan.recv_rows if mv.forward else plan.send_rows
   out = jnp.full((rows,) + x.shape[1:], fill, x.dtype)
   if mv.forward:
-    args = (rg.input_offsets_R, rg.overhead_sizes_R, rg.output_offsets_R, rg.recv_sizes_R)
+    args = (rg.input_offsets_R, rg.send_sizes_R, rg.output_offsets_R, rg.recv_sizes_R)
   else:
-    args = (rg.recv_offsets_R, rg.recv_sizes_R, rg.back_offsets_R, rg.overhead_sizes_R)
+    args = (rg.recv_offsets_R, rg.recv_sizes_R, rg.back_offsets_R, rg.send_sizes_R)
   if plan.impl == "ragged":
     return jax.lax.ragged_all_to_all(x, out, *args, axis_name=mv.axis)
   return ragged_all_to_all_emulated(x, out, *args, axis_name=mv.axis)
@@ -239,7 +239,7 @@ def dispatch(x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Array, plan: Plan,
   if plan.ep > 1 and axis is None:
     raise ValueError(f"plan.ep={plan.ep} needs the expert axis name")
   layout = make_layout(idx_TxK, plan)
-  rg = ragged_offsets(layout.overhead_sizes_R, axis) if plan.impl != "fixed" and axis is not None else None
+  rg = ragged_offsets(layout.send_sizes_R, axis) if plan.impl != "fixed" and axis is not None else None
   pair_S = layout.src_S
   x_pad = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)])
   send_x = x_pad[pair_S // k]
