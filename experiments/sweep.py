@@ -201,6 +201,16 @@ def read_metrics(workdir: str) -> dict:
   return {"step_s": step, "windows": steps, "final_loss": losses[-1] if losses else None}
 
 
+def resolved_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a cell's runner trained: its config.json, with auto's choice (auto.json)."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    resolved = ml_collections.ConfigDict(json.load(f))
+  if resolved.pipeline.schedule == config_lib.AUTO:
+    with open(os.path.join(workdir, "auto.json")) as f:
+      resolved.pipeline.update(json.load(f)["choice"])
+  return resolved
+
+
 def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> dict:
   """Trains one cell, measures its costs beside its own step, predicts; -> its result row."""
   workdir = os.path.join(out, cell.dirname)
@@ -215,8 +225,7 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   if rc != 0:
     row["error"] = f"train exited {rc}: {last}"
     return row
-  with open(os.path.join(workdir, "config.json")) as f:
-    resolved = ml_collections.ConfigDict(json.load(f))
+  resolved = resolved_config(workdir)
   p = resolved.pipeline
   row.update(schedule=p.schedule, microbatches=p.microbatches, chunks=p.chunks)
   metrics = read_metrics(workdir)
@@ -249,6 +258,19 @@ def predict_cell(row: dict, resolved: ml_collections.ConfigDict, overrides: list
   if rc != 0:
     row["error"] = f"measure exited {rc}: {last}"
     return
+  add_prediction(row, resolved, path)
+  if args.trace:
+    rc, last = run([sys.executable, "-m", "jaxpipe.tick_trace", "--config", args.config,
+                    "--costs", path, "--out", os.path.join(workdir, "ticks.perfetto.json")]
+                   + overrides, os.path.join(workdir, "trace.log.txt"), args.timeout)
+    if rc != 0:
+      row["error"] = f"tick_trace exited {rc}: {last}"
+
+
+def add_prediction(row: dict, resolved: ml_collections.ConfigDict, path: str) -> None:
+  """The prediction columns from the cell's cost file `path` beside the step measured with it
+  (also for a finished cell read back, so that the table follows the current cost model)."""
+  schedule = config_lib.pipeline_schedule(resolved.pipeline, resolved.mesh.pp)
   costs = costs_lib.load(path)
   lowered = lower(schedule)  # the tables the executor runs (api.lowered_for)
   pred = costs.predict(lowered)
@@ -261,12 +283,6 @@ def predict_cell(row: dict, resolved: ml_collections.ConfigDict, overrides: list
              lockstep_ms=1e3 * pred.lockstep_s, predicted_mb=pred.memory_bytes / 2**20,
              bubble_pct=100 * pred.bubble, ticks=lowered.num_ticks,
              error_pct=100 * (want / got - 1), measure_load=costs.setup["load_average"])
-  if args.trace:
-    rc, last = run([sys.executable, "-m", "jaxpipe.tick_trace", "--config", args.config,
-                    "--costs", path, "--out", os.path.join(workdir, "ticks.perfetto.json")]
-                   + overrides, os.path.join(workdir, "trace.log.txt"), args.timeout)
-    if rc != 0:
-      row["error"] = f"tick_trace exited {rc}: {last}"
 
 
 def load_average() -> str:
@@ -400,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(result):
       with open(result) as f:
         row = json.load(f)
+      costs = os.path.join(args.out, cell.dirname, "costs.json")
+      if row.get("predicted_ms") is not None and os.path.exists(costs):
+        add_prediction(row, resolved_config(os.path.dirname(costs)), costs)
       print(f"[{i + 1}/{len(cells)}] {cell.name}: done before, skipped", flush=True)
     else:
       print(f"[{i + 1}/{len(cells)}] {cell.name}: running", flush=True)

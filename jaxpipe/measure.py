@@ -10,8 +10,9 @@ n_layers/stages layers) on one micro-batch of this mesh's per-device shape, run 
 itself (`make_executor`) on tables in which every rank runs the same part on every tick (F, I,
 B, W, F&B; a forward that embeds, one that ends in the head and loss), each tick reading what
 the last wrote. A part's seconds are its table's less the idle table's, per tick; the idle
-table at two lengths gives an idle tick (the switch, slot writes, gradient accumulator, one
-ppermute) and the call around the ticks; a loop of ppermutes what each further channel adds;
+table at two lengths gives an idle tick (the parts' gates, slot writes, gradient accumulator;
+no ppermute, as none is received) and the call around the ticks; a loop of ppermutes what each
+ppermute a tick runs adds;
 the optimizer update is timed on the real train state, and `--paired` adds the config's own
 train step. After a warm-up, `--repeats` rounds time every kind once each (so load that drifts
 during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
@@ -121,8 +122,9 @@ class StageTimer:
   """One virtual stage (n_layers/stages layers) of the model on one [b, L] micro-batch per
   device, run by the executor itself (`make_executor`) on tables where every rank runs the same
   part every tick; a part's seconds are its table's less the idle table's, per tick. An idle
-  tick (the switch, the slot writes, one ppermute) and what a call costs around its ticks come
-  from the idle table at two lengths; one more ppermute from a loop of them."""
+  tick (the parts' gates, the slot writes; nothing is received, so no ppermute runs) and what a
+  call costs around its ticks come from the idle table at two lengths; a ppermute from a loop
+  of them."""
 
   def __init__(self, cfg: transformer.TransformerConfig, mesh: jax.sharding.Mesh,
                microbatches: int, stages: int, shape: tuple[int, int], ticks: int = TICKS):

@@ -5,8 +5,8 @@ the micro-batch count and the number of model stages (both change what one stage
 holds, in seconds, one virtual stage's parts on one micro-batch as the executor runs them
 (every device of the mesh running the part at once, as in a full tick): `F`, `B`, `I`, `W`,
 `F&B`; `embed`, what a route's first forward adds (the token embedding); `head`, what its last
-adds (norm, head, loss and its gradient); `tick`, an idle tick (the switch, the slot writes, the
-gradient accumulator, one ppermute); `ppermute`, each further activation sent to the next
+adds (norm, head, loss and its gradient); `tick`, an idle tick (the parts' gates, the slot writes,
+the gradient accumulator); `ppermute`, each activation or cotangent sent to a neighbouring
 pipeline rank; `call`, what the executor costs around its ticks (buffers, the gradients'
 reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
 the size of an output cotangent), `residual` (what F keeps for the backward), `wg` (what I keeps
@@ -29,7 +29,8 @@ file also holds `cpu_seconds` (the process's CPU time for the same calls, every 
 summed) and `devices.parallel` is false.
 
 `predict` turns a lowered schedule and an entry into a step time: the ticks as the executor runs
-them, each with its overhead (`tick`, and `ppermute` for each further channel it sends on), the
+them, each with its overhead (`tick`, and `ppermute` for each channel something arrives on in
+that tick: the executor runs only those), the
 call and the update. With parallel devices (lock-step) each tick lasts as long as its slowest
 rank's parts. With devices sharing cores a tick costs what all ranks' parts cost together: the
 mean over ranks of the all-devices CPU seconds (an idle rank costs nothing), and the step's wall
@@ -45,7 +46,7 @@ import os
 from typing import Mapping
 
 from jaxpipe.pipeline.ir import Schedule
-from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, Lowered
+from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, COL, Lowered
 
 FORMAT = "jaxpipe-costs/1"
 PARTS = ("F", "B", "I", "W", "F&B")  # one virtual stage on one micro-batch
@@ -204,17 +205,21 @@ def dump(costs: Mapping, path: str | os.PathLike) -> None:
 
 # --- prediction ------------------------------------------------------------------------------
 
-def ppermutes_per_tick(lowered: Lowered) -> int:
-  """ppermutes every tick runs, as `executor.make_executor` issues them for these tables: one
-  per used channel, except that activations and cotangents going the same way share one when
-  no branch runs a forward beside a backward."""
+def sends_per_tick(lowered: Lowered) -> tuple[int, ...]:
+  """[tick] ppermutes the executor runs, as `executor.make_executor` issues them for these
+  tables: one per used channel, except that activations and cotangents going the same way share
+  one when no branch runs a forward beside a backward; each only on ticks where some rank
+  receives over it."""
   parts = [set(BRANCHES[c].split("+")) for c in lowered.branches]
   shared = not any("F" in p and p & {"I", "B"} for p in parts)
-  n = 0
+  links = []  # the table columns each ppermute delivers to
   for direction in ("down", "up"):
-    on = sum(lowered.channels[CHANNELS.index(f"{kind}_{direction}")] for kind in ("act", "grad"))
-    n += 1 if shared and on == 2 else on
-  return n
+    on = [COL[f"recv_{kind}_{direction}"] for kind in ("act", "grad")
+          if lowered.channels[CHANNELS.index(f"{kind}_{direction}")]]
+    links += [on] if shared and len(on) == 2 else [[c] for c in on]
+  table = lowered.table
+  return tuple(int(sum((table[t][:, cols] >= 0).any() for cols in links))
+               for t in range(lowered.num_ticks))
 
 
 def rank_tick_seconds(schedule: Schedule, parts, seconds: Mapping[str, float]) -> float:
@@ -238,7 +243,7 @@ class Prediction:
   model: str  # "lock-step" (parallel devices) or "shared cores"
   lockstep_s: float  # ticks_s + overhead_s + call + update_s: devices in parallel, in lock-step
   ticks_s: float  # sum over ticks of the slowest rank's parts
-  overhead_s: float  # ticks x (an idle tick + its further ppermutes): the executor per tick
+  overhead_s: float  # over ticks, an idle tick + the tick's ppermutes: the executor per tick
   update_s: float  # optimizer update, outside the pipeline
   cpu_s: float | None  # shared cores: CPU seconds, each tick the mean of its ranks' parts
   tick_s: tuple[float, ...]  # [tick] the slowest rank's parts
@@ -279,16 +284,16 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
   # the update is elementwise over the state: its time grows with the copies' share
   one_copy = step["shared_state_bytes"] + step["layer_state_bytes"]
   scale = state / one_copy if one_copy else 1.0
-  # an idle tick runs one ppermute; each further one the executor issues adds its own
-  extra = ppermutes_per_tick(lowered) - 1
-  overhead = lambda sec: sec["tick"] + extra * sec["ppermute"]
+  # an idle tick runs no ppermute; each one the executor issues in a tick adds its own
+  sends = sends_per_tick(lowered)
+  overhead = lambda sec, t: sec["tick"] + sends[t] * sec["ppermute"]
   s = costs.seconds
-  planned = tuple(t + overhead(s) for t in tick_s)
+  planned = tuple(x + overhead(s, t) for t, x in enumerate(tick_s))
   lockstep = sum(planned) + s["call"] + step["update_s"] * scale
   cpu = None
   if costs.cpu_seconds is not None and STEP_CPU in step:
     c = costs.cpu_seconds
-    cpu_ticks = tuple(sum(t) / len(t) + overhead(c) for t in price(c))
+    cpu_ticks = tuple(sum(x) / len(x) + overhead(c, t) for t, x in enumerate(price(c)))
     cpu = sum(cpu_ticks) + c["call"] + step[STEP_CPU] * scale
   shared = not devices.parallel and cpu is not None
   if shared:
@@ -296,7 +301,7 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
   return Prediction(
       step_s=cpu / devices.cores if shared else lockstep,
       model="shared cores" if shared else "lock-step", lockstep_s=lockstep, ticks_s=ticks_s,
-      overhead_s=lowered.num_ticks * overhead(s), update_s=step["update_s"] * scale, cpu_s=cpu,
+      overhead_s=sum(overhead(s, t) for t in range(lowered.num_ticks)), update_s=step["update_s"] * scale, cpu_s=cpu,
       tick_s=tick_s, rank_tick_s=rank_tick, planned_tick_s=planned,
       bubble=1.0 - busy / (pl.num_ranks * ticks_s) if ticks_s else 0.0,
       buffer_bytes=int(buffers), state_bytes=int(state), grad_bytes=int(grads))
