@@ -8,19 +8,22 @@ The planned ticks are the executor's tables priced with the cost file (`costs.pr
 tick as long as its slowest rank plus its ppermutes on parallel devices; on CPU host devices
 sharing cores, the mean of its ranks' CPU seconds over the cores). The measured ones come from a
 `jax.profiler` trace of one step after warm-up: every event that carries an `hlo_op` is matched,
-through the compiled HLO's metadata, to its `op_name`, so the executor's per-tick `lax.switch`
-(a conditional whose branches hold ops named `tick/<branch>/...`) marks where each tick starts
-on each device and the ops inside it name the branch that ran. A tick lasts from the start of
-its switch to the start of the next; up to the end of the branch's last op is its work, the rest
-of the tick (the slot writes, the ppermutes and waiting for the slowest rank) its slack.
+through the compiled HLO's metadata, to its `op_name`. The executor runs each part of a tick,
+and each ppermute, as a while loop of 0 or 1 trips under the name `tick/<part>` (`tick/F`,
+`tick/I`, `tick/B`, `tick/W`, `tick/send_<direction>`), every tick and in the same order: the
+k-th run of those loops on a device is its tick k, which starts with the first of them and ends
+where tick k+1 starts. A part ran where ops of its loop's body ran inside the loop's event; the
+parts that ran name the tick's branch (`F+I`, `W`, `idle`, ...) and their loops' time is its
+work; the rest of the tick (the ppermutes and waiting for the other devices at them, the slot
+moves) is its slack.
 
 Per rank the file holds a `planned` track (parts and their priced length), a `measured` track
 (the branch and its duration on the rank's first data shard) and a `slack` track (measured time
-outside the branch), and the JSON's `otherData` the per-tick table. On CPU host devices the
-events come from the XLA CPU runtime's thunk executor. Where a device's trace shows kernels but
-not the conditional itself (as GPU traces may), ticks are closed by the scan body's ppermutes
-instead, each tick running each of them once; a trace without `hlo_op` stats cannot be read,
-and the error says what it lacks.
+outside the parts), and the JSON's `otherData` the per-tick table. On CPU host devices the
+events come from the XLA CPU runtime's thunk executor, which records each while loop as one
+event. A device trace that shows kernels but not the loops themselves (as GPU traces may)
+cannot be cut into ticks this way, and the error says so; so does a trace without `hlo_op`
+stats.
 """
 from __future__ import annotations
 
@@ -42,13 +45,12 @@ import numpy as np  # noqa: E402
 
 from jaxpipe import config as config_lib  # noqa: E402
 from jaxpipe.pipeline.costs import Prediction  # noqa: E402
+from jaxpipe.pipeline.executor import PARTS  # noqa: E402
 from jaxpipe.pipeline.lower import BRANCHES, COL, Lowered  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\b([\w\-]+)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TICK = re.compile(r"/tick/([\w+]+)(?:/|$)")
+_LOOP = re.compile(r"/tick/(\w+)/while$")  # a part's (or a ppermute's) 0/1-trip loop
 
 
 class TraceError(RuntimeError):
@@ -57,55 +59,36 @@ class TraceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class HloIndex:
-  """What the trace's `hlo_op` names mean: op_name per instruction, the tick switches."""
+  """What the trace's `hlo_op` names mean: op_name per instruction, the ticks' gated loops."""
   op_name: dict  # instruction name -> op_name metadata
-  switches: frozenset  # conditionals whose branches hold the executor's tick/<branch> ops
-  body: tuple  # op_name prefixes of the scan bodies that hold them (what a tick runs)
-  permutes: frozenset  # the collective-permutes that end every tick (its ppermutes)
+  loops: dict  # while instruction -> what it runs: a part (F, I, B, W) or send_<direction>
 
   @classmethod
   def parse(cls, hlo_text: str) -> HloIndex:
-    op_name, comp_of, branches_of, ticks_in, opcode = {}, {}, {}, {}, {}
-    comp = None
+    op_name, loops = {}, {}
     for line in hlo_text.splitlines():
-      if (m := _COMP.match(line)) and "=" not in line.split("(")[0]:
-        comp = m[1]
-        continue
       m = _INSTR.match(line)
-      if not m:
+      if not m or not (n := _OP_NAME.search(line)):
         continue
-      name = m[1]
-      comp_of[name] = comp
-      opcode[name] = m[2]
-      if n := _OP_NAME.search(line):
-        op_name[name] = n[1]
-        if _TICK.search(n[1]):
-          ticks_in[comp] = True
-      if m[2] == "conditional" and (b := _BRANCHES.search(line)):
-        branches_of[name] = [x.strip().lstrip("%") for x in b[1].split(",")]
-    switches = frozenset(
-        name for name, comps in branches_of.items()
-        if not _TICK.search(op_name.get(name, "")) and any(ticks_in.get(c) for c in comps))
-    body = tuple(sorted({op_name.get(n, "").rsplit("/", 1)[0] + "/" for n in switches}))
-    permutes = frozenset(n for n, code in opcode.items()
-                         if code in ("collective-permute", "collective-permute-start")
-                         and op_name.get(n, "").startswith(body or ("\0",)))
-    return cls(op_name, switches, body, permutes)
+      op_name[m[1]] = n[1]
+      if m[2] == "while" and (k := _LOOP.search(n[1])):
+        loops[m[1]] = k[1]
+    return cls(op_name, loops)
 
-  def in_body(self, hlo_op: str) -> bool:
-    return self.op_name.get(hlo_op, "").startswith(self.body)
-
-  def branch(self, hlo_op: str) -> str | None:
-    """The tick branch an instruction belongs to (e.g. 'F+I'), or None."""
-    m = _TICK.search(self.op_name.get(hlo_op, ""))
-    return m[1] if m else None
+  def body_of(self, hlo_op: str) -> str | None:
+    """The tick part whose loop body runs this instruction, or None."""
+    name = self.op_name.get(hlo_op, "")
+    for kind in PARTS:
+      if f"/tick/{kind}/while/body/" in name:
+        return kind
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredTick:
   start_ns: float
-  end_ns: float  # the next tick's start (the last: its last event's end)
-  work_ns: float  # from the switch's start to the end of the branch's last op
+  end_ns: float  # the next tick's start (the last: its last loop's end)
+  work_ns: float  # the loops of the parts that ran
   branch: str
 
 
@@ -127,41 +110,37 @@ def events_by_device(xspace_path: str) -> dict[int, list[tuple[str, float, float
   return out
 
 
-def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex) -> list[MeasuredTick]:
-  """One device's ticks: each switch event opens a tick; the ops named tick/<branch> inside it
-  name the branch and, up to the end of the last of them, are its work (the CPU runtime's
-  conditional event ends when the branch is dispatched, not when it is done)."""
+def branch_name(parts: set[str]) -> str:
+  """The BRANCHES entry running exactly `parts` ('idle' for none)."""
+  return next(b for b in BRANCHES if set(b.split("+")) - {"idle"} == parts)
+
+
+def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex,
+                   num_ticks: int) -> list[MeasuredTick]:
+  """One device's ticks: the k-th run of every tick loop is tick k (see the module docstring)."""
   events = sorted(events, key=lambda e: (e[1], -e[2]))
-  opens = [i for i, e in enumerate(events) if e[0] in index.switches]
+  runs = {}  # loop -> its events, in order
+  for e in events:
+    if e[0] in index.loops:
+      runs.setdefault(e[0], []).append(e)
+  wrong = {op: len(r) for op, r in runs.items() if len(r) != num_ticks}
+  if wrong:
+    raise TraceError(f"tick loops ran {wrong} times, not once per tick of the {num_ticks} in the "
+                     "tables: is the profile of exactly one step?")
+  body = [(index.body_of(op), s) for op, s, _ in events if index.body_of(op)]
+  starts = [min(r[k][1] for r in runs.values()) for k in range(num_ticks)]
+  last_end = max(s + d for r in runs.values() for _, s, d in r)
   ticks = []
-  for k, i in enumerate(opens):
-    start, dur = events[i][1], events[i][2]
-    last = opens[k + 1] if k + 1 < len(opens) else len(events)
-    stop = events[last][1] if last < len(events) else max(
-        s + d for o, s, d in events[i:] if index.in_body(o))
-    ticks.append(_tick(events[i + 1:last], index, start, stop, start + dur))
+  for k in range(num_ticks):
+    end = starts[k + 1] if k + 1 < num_ticks else last_end
+    ran, work = set(), 0.0
+    for op, r in runs.items():
+      kind, (_, s, d) = index.loops[op], r[k]
+      if kind in PARTS and any(b == kind and s <= t <= s + d for b, t in body):
+        ran.add(kind)
+        work += d
+    ticks.append(MeasuredTick(starts[k], end, work, branch_name(ran)))
   return ticks
-
-
-def permute_ticks(events: list[tuple[str, float, float]], index: HloIndex) -> list[MeasuredTick]:
-  """One device's ticks where the switch leaves no event of its own (device traces that show
-  kernels, not control flow): every tick ends with the body's ppermutes, one event each."""
-  events = sorted(events, key=lambda e: (e[1], -e[2]))
-  per_tick = len(index.permutes)
-  ends = [i for i, e in enumerate(events) if e[0] in index.permutes][per_tick - 1::per_tick]
-  ticks, first = [], next((i for i, e in enumerate(events) if index.in_body(e[0])), 0)
-  for i in ends:
-    start = events[first][1]
-    stop = events[i][1] + events[i][2]
-    ticks.append(_tick(events[first:i + 1], index, start, stop, start))
-    first = i + 1
-  return ticks
-
-
-def _tick(inside, index: HloIndex, start: float, stop: float, work_end: float) -> MeasuredTick:
-  named = [(index.branch(o), s + d) for o, s, d in inside if index.branch(o)]
-  work_end = max([work_end] + [end for _, end in named])
-  return MeasuredTick(start, stop, work_end - start, named[0][0] if named else "idle")
 
 
 def rank_devices(mesh) -> list[int]:
@@ -176,15 +155,13 @@ def rank_devices(mesh) -> list[int]:
   return out
 
 
-def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int,
-                 by: str = "switch") -> list[list[MeasuredTick]]:
-  """[rank][tick] from a profile of exactly one step, ticks opened by the switch's events (or,
-  `by="ppermute"` or where the trace has none, closed by the ppermutes'); TraceError says what
-  the trace lacks."""
+def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int
+                 ) -> list[list[MeasuredTick]]:
+  """[rank][tick] from a profile of exactly one step; TraceError says what the trace lacks."""
   index = HloIndex.parse(hlo_text)
-  if not index.switches:
-    raise TraceError("the compiled HLO has no conditional with tick/<branch> ops: is this the "
-                     "pipeline executor's step (mesh.pp > 1)?")
+  if not any(kind in PARTS for kind in index.loops.values()):
+    raise TraceError("the compiled HLO has no tick/<part> loops: is this the pipeline "
+                     "executor's step (mesh.pp > 1)?")
   events = events_by_device(xspace_path)
   if not events:
     raise TraceError(f"{xspace_path} has no events with hlo_op and device stats; this backend's "
@@ -193,22 +170,14 @@ def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int,
   out = []
   for r, dev in enumerate(rank_devices(mesh)):
     mine = events.get(dev, [])
-    has_switch = any(op in index.switches for op, _, _ in mine)
-    if by == "switch" and has_switch:
-      ticks = measured_ticks(mine, index)
-    elif index.permutes:
-      ticks = permute_ticks(mine, index)
-    else:
-      raise TraceError(f"device {dev} (pp rank {r}) shows no event of the tick switch "
-                       f"{sorted(index.switches)} and the step has no ppermute to close ticks")
-    if len(ticks) != num_ticks:
-      seen = {op for op, _, _ in mine}
+    if not any(op in index.loops for op, _, _ in mine):
+      named = sum(index.body_of(op) is not None for op, _, _ in mine)
       raise TraceError(
-          f"device {dev} (pp rank {r}) shows {len(ticks)} ticks "
-          + (f"(runs of the switch {sorted(index.switches)})" if by == "switch" and has_switch
-             else f"(every {len(index.permutes)} of the ppermutes {sorted(index.permutes)})")
-          + f", the tables have {num_ticks}; the trace names {len(seen)} HLO instructions on it")
-    out.append(ticks)
+          f"device {dev} (pp rank {r}) shows no event of the tick loops "
+          f"{sorted(set(index.loops.values()))} (while instructions "
+          f"{sorted(index.loops)[:4]}...), only {named} events of ops inside them: this "
+          "backend's trace records kernels, not the loops, so ticks cannot be delimited")
+    out.append(measured_ticks(mine, index, num_ticks))
   return out
 
 
@@ -241,7 +210,7 @@ def to_perfetto(lowered: Lowered, prediction: Prediction, measured: list[list[Me
   `extra` joins the per-tick table in otherData."""
   p = lowered.schedule.num_ranks
   events = []
-  tracks = ("planned", "measured", "measured slack (outside the branch)")
+  tracks = ("planned", "measured", "measured slack (outside the parts)")
   for r in range(p):
     events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
@@ -318,12 +287,9 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
       xspace, hlo = profile_step(trainer, tmp)
       measured = read_profile(xspace, hlo, trainer.mesh, lowered.num_ticks)
-      # the same ticks closed by their ppermutes instead, as traces without the switch are read
-      by_permute = read_profile(xspace, hlo, trainer.mesh, lowered.num_ticks, by="ppermute")
   except (config_lib.ConfigError, costs_lib.CostFileError, TraceError) as e:
     sys.exit(f"error: {e}")
-  text = to_perfetto(lowered, prediction, measured, {
-      "branches_by_ppermute": [[t.branch for t in ticks] for ticks in by_permute]})
+  text = to_perfetto(lowered, prediction, measured)
   with open(f.out, "w") as out:
     out.write(text)
   meta = json.loads(text)["otherData"]

@@ -177,8 +177,6 @@ def test_planned_and_measured_ticks_line_up_per_rank(swept):
   # every tick of every rank, read back from the profiler trace, ran the branch its table names
   measured = [[row["branch"][r] for row in per_tick] for r in range(2)]
   assert measured == tick_trace.branch_of_table(lo)
-  # and so does the reading that closes ticks by their ppermutes (traces without the switch)
-  assert trace["otherData"]["branches_by_ppermute"] == measured
   for row in per_tick:
     assert all(0 <= w for w in row["measured_work_s"]) and row["measured_s"] > 0
   prediction = costs_lib.load(cell_costs(out, m)).predict(lo)
