@@ -46,7 +46,7 @@ def swept(tmp_path_factory):
   out = str(tmp / "out")
   cmd = [sys.executable, "-m", "experiments.sweep", "--config", "configs/tiny.py",
          "--config.mesh.pp=2", "--grid", f"pipeline.microbatches=1,4,{FAILS}", "--steps", "3",
-         "--log_every", "1", "--repeats", "2", "--trace", "--out", out]
+         "--log_every", "1", "--repeats", "3", "--trace", "--out", out]
   env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
