@@ -7,7 +7,8 @@
 
 Each cell runs `python -m jaxpipe.train` in its own workdir DIR/<cell>/ (log.txt holds its
 output) with the config file, the fixed --config.* overrides, gin, the cell's values and
---steps. A cell with a result.json is skipped, so rerunning the command resumes the sweep; a
+--steps. A cell with a result.json is skipped (its prediction derived again from its cost
+file), so rerunning the command resumes the sweep; a
 cell that fails is recorded with the last line of its error and the sweep goes on (it runs
 again next time). Per cell, from the runner: tokens/s and step time (median of its logged
 windows, the compiling first step excluded), compile seconds and peak bytes per device from the
