@@ -12,10 +12,11 @@ through the compiled HLO's metadata, to its `op_name`. The executor runs each pa
 and each ppermute, as a while loop of 0 or 1 trips under the name `tick/<part>` (`tick/F`,
 `tick/I`, `tick/B`, `tick/W`, `tick/send_<direction>`), every tick and in the same order: the
 k-th run of those loops on a device is its tick k, which starts with the first of them and ends
-where tick k+1 starts. A part ran where ops of its loop's body ran inside the loop's event; the
-parts that ran name the tick's branch (`F+I`, `W`, `idle`, ...) and their loops' time is its
-work; the rest of the tick (the ppermutes and waiting for the other devices at them, the slot
-moves) is its slack.
+where tick k+1 starts. A part ran where ops of its loop's body ran after the loop started,
+within the tick; the parts that ran name the tick's branch (`F+I`, `W`, `idle`, ...), and from
+each one's loop start to the end of its body's last op (the CPU runtime may close a loop's own
+event when it has dispatched the body) is the tick's work; the rest of the tick (the ppermutes
+and waiting for the other devices at them, the slot moves) is its slack.
 
 Per rank the file holds a `planned` track (parts and their priced length), a `measured` track
 (the branch and its duration on the rank's first data shard) and a `slack` track (measured time
@@ -127,18 +128,21 @@ def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex,
   if wrong:
     raise TraceError(f"tick loops ran {wrong} times, not once per tick of the {num_ticks} in the "
                      "tables: is the profile of exactly one step?")
-  body = [(index.body_of(op), s) for op, s, _ in events if index.body_of(op)]
+  body = [(index.body_of(op), s, s + d) for op, s, d in events if index.body_of(op)]
   starts = [min(r[k][1] for r in runs.values()) for k in range(num_ticks)]
-  last_end = max(s + d for r in runs.values() for _, s, d in r)
+  last_end = max([s + d for r in runs.values() for _, s, d in r] + [e for _, _, e in body])
   ticks = []
   for k in range(num_ticks):
     end = starts[k + 1] if k + 1 < num_ticks else last_end
     ran, work = set(), 0.0
     for op, r in runs.items():
       kind, (_, s, d) = index.loops[op], r[k]
-      if kind in PARTS and any(b == kind and s <= t <= s + d for b, t in body):
+      # the runtime may end a loop's event once its body is dispatched: its work lasts until
+      # the body's last op inside this tick ends
+      ends = [e for b, t, e in body if b == kind and s <= t < end]
+      if kind in PARTS and ends:
         ran.add(kind)
-        work += d
+        work += max([s + d] + ends) - s
     ticks.append(MeasuredTick(starts[k], end, work, branch_name(ran)))
   return ticks
 
