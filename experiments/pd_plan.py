@@ -58,10 +58,10 @@ class Workload:
   def arrivals(self, rate: float) -> list[tuple[float, int, int]]:
     """(arrival, prompt tokens, output tokens): one seeded draw per request index, so a longer
     run extends a shorter one; arrivals scaled to `rate`."""
+    n = max(self.requests, math.ceil(rate * self.horizon))
     if self.vocab:
       return [(w.arrival, len(w.prompt), w.max_tokens) for w in
-              generate(self.requests, rate, self.prompt, self.output, self.vocab, self.seed)]
-    n = max(self.requests, math.ceil(rate * self.horizon))
+              generate(n, rate, self.prompt, self.output, self.vocab, self.seed)]
     return [(a / rate, p, o) for a, p, o in _base(self.prompt, self.output, n, self.seed)]
 
 
@@ -201,6 +201,11 @@ def cluster_table(args) -> None:
         f"us; workload: Poisson arrivals, prompt {work.prompt}, output {work.output} tokens, "
         f"max({work.requests}, rate x {work.horizon:g} s) requests per probe, seed {work.seed}; "
         f"pages of {page}")
+  print("| model | GPUs | colocated, chunked prefill: goodput (req/s) | colocated, prefill-first | "
+        "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO it meets at "
+        "chunked colocated's goodput, times tighter (chunked / prefill-first) | GPUs "
+        "disaggregated needs for chunked colocated's goodput | figures from |")
+  print("|---|---|---|---|---|---|---|---|---|")
   rows = []
   for name in args.models.split(","):
     model, slo = models[name]
@@ -236,28 +241,41 @@ def cluster_table(args) -> None:
                    key=lambda kg: kg[1])
         found[policy] = {"role": "colocated", "kind": k, "estimate": g * gpus,
                          "label": f"{gpus // k.tp} x [{k.label()}]"}
-      splits = best_split(gpus, pre, dec, args.top)
       found["disaggregated"] = [
           {"role": "disaggregated", "prefill": (pk, n_p), "decode": (dk, n_d), "estimate": est,
            "label": f"{n_p} x P tp{pk.tp} + {n_d} x D tp{dk.tp} batch {dk.max_batch}"}
-          for est, pk, n_p, dk, n_d in splits]
+          for est, pk, n_p, dk, n_d in best_split(gpus, pre, dec, args.top)]
+      cc, cp = found["decode-first"], found["prefill-first"]
+      # Splitwise's question: how many GPUs does disaggregation need for colocated's goodput?
+      fewer = next((n for n in range(2, gpus + 1)
+                    if best_split(n, pre, dec, 1) and best_split(n, pre, dec, 1)[0][0]
+                    >= cc["estimate"]), None)
+      tighter = ""
       if gpus <= args.max_sim_gpus:  # simulate whole clusters; keep the best disaggregated one
-        for choice in [found["decode-first"], found["prefill-first"]] + found["disaggregated"]:
+        whole = dataclasses.replace(work, horizon=work.horizon / 4)  # many workers queue sooner
+        for choice in [cc, cp] + found["disaggregated"]:
           c = scale_cluster(model, page, choice, gpus)
           t0 = time.perf_counter()
-          choice["simulated"] = goodput(c, work, slo, max(choice["estimate"], 1e-3),
+          choice["cluster"] = c
+          choice["simulated"] = goodput(c, whole, slo, max(choice["estimate"], 1e-3),
                                         args.probes).goodput
           log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated whole "
               f"({time.perf_counter() - t0:.1f} s)")
         found["disaggregated"] = max(found["disaggregated"], key=lambda c: c["simulated"])
+        # DistServe's other question: at colocated's goodput, how tight an SLO can each meet?
+        rate = max(cc["simulated"], 1e-3)
+        scale = {name: slo.tightest_scale(sim.simulate(found[name]["cluster"], whole.arrivals(rate)))
+                 for name in ("decode-first", "prefill-first", "disaggregated")}
+        tighter = (f"{scale['decode-first'] / scale['disaggregated']:.2f}x / "
+                   f"{scale['prefill-first'] / scale['disaggregated']:.2f}x")
       else:
         found["disaggregated"] = found["disaggregated"][0]
       rows.append((model, slo, gpus, found))
       fig = lambda c: c.get("simulated", c["estimate"])
-      d, cc, cp = found["disaggregated"], found["decode-first"], found["prefill-first"]
+      d = found["disaggregated"]
       print(f"| {model.name} | {gpus} | {cc['label']}: {fig(cc):,.1f} | {cp['label']}: "
-            f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x | "
-            f"{fig(d) / max(fig(cp), 1e-9):.2f}x | "
+            f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x / "
+            f"{fig(d) / max(fig(cp), 1e-9):.2f}x | {tighter} | {fewer or '> ' + str(gpus)} | "
             f"{'whole cluster' if 'simulated' in d else 'per instance x count'} |", flush=True)
 
 
@@ -335,7 +353,7 @@ def cpu_plan(args) -> None:
   table = profile_engine(engine, args.repeats, calibration, print)
   sb.kv_bytes_per_token = kv_bytes(cfg, 1, 1)
   sb.transfer_bw = math.inf  # a host memcpy: measured below, negligible beside a step
-  work = Workload(prompt, output, sb.requests, sb.seed, vocab=cfg.vocab)
+  work = Workload(prompt, output, sb.requests, sb.seed, sb.horizon, vocab=cfg.vocab)
   rates = [float(r) for r in sb.rates.split(",")]
   n = sb.prefill_workers + sb.decode_workers
   print(f"# plan for {n} host devices sharing {args.cores} cores, one device per worker; "
@@ -407,7 +425,7 @@ def main() -> None:
   p.add_argument("--budgets", default="512,2048", help="colocated tokens per step to try")
   p.add_argument("--probes", type=int, default=9, help="rates probed per goodput search")
   p.add_argument("--top", type=int, default=3, help="best splits simulated whole")
-  p.add_argument("--max-sim-gpus", type=int, default=16,
+  p.add_argument("--max-sim-gpus", type=int, default=8,
                  help="largest cluster simulated whole (beyond: per-instance goodput x count)")
   p.add_argument("--verbose", action="store_true", help="print every configuration's goodput")
   args = p.parse_args()

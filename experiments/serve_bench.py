@@ -310,6 +310,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
                  help="CPU host devices to create (ignored on GPU)")
   g.add_argument("--ttft-slo", "--ttft_slo", type=float, default=0.25, help="seconds")
   g.add_argument("--tpot-slo", "--tpot_slo", type=float, default=0.1, help="seconds")
+  g.add_argument("--horizon", type=float, default=10.0,
+                 help="seconds of arrivals at least: max(--requests, rate x horizon) requests, so "
+                      "that a fast rate runs long enough to queue")
   g.add_argument("--probes", type=int, default=6,
                  help="goodput search: most rates run per deployment (the --rates included)")
   g.add_argument("--stream-layers", "--stream_layers", action="store_true",
@@ -453,8 +456,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   else:
     max_prompt, max_len = prompt.high, prompt.high + output.high
   max_len = math.ceil(max_len / s) * s
-  work_at = lambda rate: (at_rate(trace, rate) if trace else
-                          generate(args.requests, rate, prompt, output, cfg.vocab, args.seed))
+  work_at = lambda rate: (at_rate(trace, rate) if trace else generate(
+      max(args.requests, math.ceil(rate * args.horizon)), rate, prompt, output, cfg.vocab, args.seed))
   if args.trace_out:
     write_csv(args.trace_out, work_at(rates[0]))
   os.makedirs(args.out, exist_ok=True)
@@ -462,7 +465,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   say(f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
       f"model (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
       f"heads), {cfg.dtype}; " + (f"trace {args.trace_in} ({len(trace)} requests)" if trace else
-      f"{args.requests} requests, Poisson arrivals, prompt {prompt}, output {output} tokens") +
+      f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt {prompt}, "
+      f"output {output} tokens") +
       f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
       f"for {100 * slo.attainment:g}% of requests")
   say(f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "

@@ -101,6 +101,12 @@ def test_slo_attainment_percentiles():
   assert [slo.met(r) for r in reqs] == [True, True, False, False, True, False, False]
   assert attainment(reqs, slo) == pytest.approx(3 / 7)
   assert slo.scaled(2) == SLO(1.0, 0.2)
+  # tightest scale: per request max(ttft / 0.5, tpot / 0.1) = 0.5, 1, 1.2, 2, 0.2, inf, inf; the
+  # share 3/7 needs the third smallest, 1.0; the scaled SLO is met by exactly that share
+  loose = SLO(0.5, 0.1, attainment=3 / 7)
+  assert loose.tightest_scale(reqs) == pytest.approx(1.0)
+  assert attainment(reqs, loose.scaled(1.0)) >= 3 / 7 > attainment(reqs, loose.scaled(0.99))
+  assert SLO(0.5, 0.1, attainment=1.0).tightest_scale(reqs) == math.inf
   assert percentiles([3.0, None, 1.0, 2.0], (0, 50, 100)) == [1.0, 2.0, 3.0]
   assert math.isnan(percentiles([None])[0])
   assert e2e(R(0, 0, arrival=1.0, finish=3.5)) == 2.5 and e2e(R(0, 0)) is None

@@ -39,6 +39,14 @@ class SLO:
     """Both targets times `factor` (DistServe's SLO scale)."""
     return SLO(self.ttft * factor, self.tpot * factor, self.attainment)
 
+  def tightest_scale(self, requests: Sequence) -> float:
+    """The smallest factor f for which `scaled(f)` is met by the `attainment` share of the
+    requests (inf if failed requests alone exceed the rest): how tight an SLO they can meet."""
+    need = [math.inf if getattr(r, "error", None) or r.ttft is None else
+            max(r.ttft / self.ttft, (r.tpot or 0.0) / self.tpot) for r in requests]
+    k = math.ceil(self.attainment * len(need) - 1e-9)
+    return sorted(need)[k - 1] if need else math.inf
+
 
 def attainment(requests: Sequence, slo: SLO) -> float:
   """The share of requests that met the SLO."""
