@@ -285,25 +285,21 @@ def cluster_table(args) -> None:
 def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTable:
   """Times every compiled step program on the engine's device, then fits host time per step and
   per sequence from the engine serving `calibration` (a list of workload.Work) alone."""
-  import jax.numpy as jnp
-
   from jaxpipe.serve import model as model_lib
   from jaxpipe.serve.sampling import SamplingBatch
   engine.precompile()
-  r = engine.max_batch
-  times = {}
-  for t, n in engine.programs:
-    i32 = lambda *shape: np.zeros(shape, np.int32)
-    batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
-    sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r), i32(r))
-    samples = []
-    for _ in range(repeats + 1):
+  r, i32 = engine.max_batch, lambda *shape: np.zeros(shape, np.int32)
+  samples = {tn: [] for tn in engine.programs}
+  for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
+    for t, n in engine.programs:
+      batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
+      sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r),
+                               i32(r))
       t0 = time.perf_counter()
       out, _, engine.kv = engine._program(t, n)(engine.params, engine.kv, batch, sampling)
       np.asarray(out)
-      samples.append(time.perf_counter() - t0)
-    times[(t, n)] = float(np.median(samples[1:]))
-  del jnp
+      samples[(t, n)].append(time.perf_counter() - t0)
+  times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}
   # host time: wall of each step of a real run minus its program's time, against its rows
   walls, rows = [], []
   for w in calibration:
@@ -330,10 +326,12 @@ def cpu_cluster(table: sim.StepTable, args, colocated: int = 0, prefill: int = 0
   pages = args.kv_tokens // args.page_size
   mk = lambda count, batch: sim.Pool(count, table, batch, args.token_budget, pages)
   if colocated:
-    return sim.Cluster(args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True)
+    return sim.Cluster(args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True,
+                       cores=args.cores)
   return sim.Cluster(args.page_size, prefill=mk(prefill, args.max_batch),
                      decode=mk(decode, decode_batch or args.max_batch), lockstep=True,
-                     kv_bytes_per_token=args.kv_bytes_per_token, transfer_bw=args.transfer_bw)
+                     cores=args.cores, kv_bytes_per_token=args.kv_bytes_per_token,
+                     transfer_bw=args.transfer_bw)
 
 
 def cpu_plan(args) -> None:
@@ -352,7 +350,8 @@ def cpu_plan(args) -> None:
   calibration = generate(24, 1.0, prompt, output, cfg.vocab, sb.seed + 1)
   table = profile_engine(engine, args.repeats, calibration, print)
   sb.kv_bytes_per_token = kv_bytes(cfg, 1, 1)
-  sb.transfer_bw = math.inf  # a host memcpy: measured below, negligible beside a step
+  sb.transfer_bw = math.inf  # a host memcpy: negligible beside a step
+  sb.cores = args.cores
   work = Workload(prompt, output, sb.requests, sb.seed, sb.horizon, vocab=cfg.vocab)
   rates = [float(r) for r in sb.rates.split(",")]
   n = sb.prefill_workers + sb.decode_workers
@@ -382,7 +381,7 @@ def cpu_plan(args) -> None:
     for rate in rates:
       predicted[(mode, rate)] = summary(sim.simulate(configs[mode], work.arrivals(rate)), slo)
     predicted[(mode, "goodput")] = goodput(configs[mode], work, slo, rates[0], args.probes).goodput
-  measured = serve_bench.measure(sb, modes, slo, rates, quiet=not args.measure) if args.measure \
+  measured = serve_bench.measure(sb, modes, slo, rates) if args.measure \
       else {}
   print("| deployment | rate (req/s) | TTFT p50 / p90 (ms) predicted | measured | "
         "TPOT p50 / p90 (ms) predicted | measured | SLO met predicted | measured |")
@@ -410,7 +409,8 @@ def main() -> None:
   p.add_argument("--bench-args", default="--mode both --rates 4,16",
                  help="--cpu: serve_bench flags of the deployments to predict (and measure)")
   p.add_argument("--repeats", type=int, default=5, help="--cpu: timed runs per step program")
-  p.add_argument("--cores", type=int, default=2, help="--cpu: for the record")
+  p.add_argument("--cores", type=int, default=2,
+                 help="--cpu: cores the host devices share (the lock-step clock packs steps on them)")
   p.add_argument("--models", default="8b,70b")
   p.add_argument("--gpus", default="8,16,32,64", help="cluster sizes")
   p.add_argument("--prompt", default="lognormal:512:4096")

@@ -3,6 +3,19 @@
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
   python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
+  python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill-workers 2
+      --decode-workers 6 --rates 2,6 --requests 64 --ttft-slo 0.25 --tpot-slo 0.1
+      [--prompt lognormal:64:512 --trace-in trace.csv --trace-out trace.csv --stream-layers]
+
+--mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
+(`--host-devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
+`--workers`, default prefill + decode workers) and disaggregated (prefill workers, decode
+workers, a K/V copy between them). For each it prints TTFT / TPOT / end-to-end percentiles, the
+share of requests meeting both SLOs and the K/V bytes moved at each rate, then searches its
+goodput (the highest rate at which 90% meet both, DistServe's definition) with up to `--probes`
+runs; each run has max(--requests, rate x --horizon) requests so that fast rates queue. It
+writes a Perfetto trace of every run (a track per worker and P->D link: queue, prefill, handoff,
+transfer and decode spans) and a TTFT / TPOT CDF plot into --out.
 
 A seeded workload: Poisson arrivals at each rate (requests/s), prompt and output lengths
 uniform in the given ranges (inclusive), prompt tokens uniform over the vocabulary, greedy
@@ -49,7 +62,7 @@ from jaxpipe.serve.deploy import Colocated, Disaggregated, device_groups
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.sampling import SamplingBatch
-from jaxpipe.serve.slo import SLO, attainment, e2e, percentiles, search_goodput
+from jaxpipe.serve.slo import SLO, GoodputSearch, attainment, e2e, percentiles
 from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
 
 ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
@@ -324,22 +337,12 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
   g.add_argument("--out", default="out/serve_bench", help="Perfetto traces and latency CDF plot")
 
 
-class Deployed:
-  """A deployment (serve.deploy), driven request by request like `Paged`."""
-
-  def __init__(self, deployment):
-    self.d, self.done, self.usage = deployment, [], []
-
-  def add(self, w: Work, t0: float) -> None:
-    rid = self.d.add_request(w.prompt, w.max_tokens, eos_id=None)
-    self.d.requests[rid].arrival = t0 + w.arrival
-
-  def busy(self) -> bool:
-    return self.d.has_work()
+class Deployed(Paged):
+  """A deployment (serve.deploy: the Engine's interface), keeping its finished requests whole."""
 
   def step(self) -> None:
-    self.d.step()
-    self.done += self.d.finished()
+    self.engine.step()
+    self.done += self.engine.finished()
 
 
 def check_deployment_args(args) -> tuple[list[str], "SLO"]:
@@ -478,32 +481,38 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
       "TPOT p50 / p90 / p99 (ms) | e2e p50 / p90 (ms) | SLO met | KV moved |")
   say("|---|---|---|---|---|---|---|---|")
   curves, out = {}, {}
-  for mode in modes:
-    dep = build_deployment(mode, args, cfg, params, max_len, max_prompt)
-    t_start = time.perf_counter()
+  deps = {mode: build_deployment(mode, args, cfg, params, max_len, max_prompt) for mode in modes}
 
-    def attain_at(rate: float) -> float:
-      system = Deployed(dep)
-      makespan = serve(system, work_at(rate))
-      done = system.done
-      say(deployment_row(mode, rate, done, makespan, slo), flush=True)
-      ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
-      out[(mode, rate)] = {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0],
-                           "tpot90": tpot[1], "met": attainment(done, slo)}
-      if rate in rates:
-        curves[f"{mode} {rate:g}/s"] = done
-      with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
-        f.write(perfetto(done, min(r.arrival for r in done)))
-      return out[(mode, rate)]["met"]
+  def probe(mode: str, rate: float) -> float:
+    system = Deployed(deps[mode])
+    makespan = serve(system, work_at(rate))
+    done = system.done
+    say(deployment_row(mode, rate, done, makespan, slo), flush=True)
+    ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
+    out[(mode, rate)] = {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0],
+                         "tpot90": tpot[1], "met": attainment(done, slo)}
+    if rate in rates:
+      curves[f"{mode} {rate:g}/s"] = done
+    with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
+      f.write(perfetto(done, min(r.arrival for r in done)))
+    return out[(mode, rate)]["met"]
 
-    search = search_goodput(attain_at, rates, slo.attainment, max_probes=args.probes)
-    out[(mode, "goodput")] = search.goodput
-    tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(search.tried.items()))
-    above = f"; {search.above:g} req/s missed it" if search.above else ""
-    say(f"# {mode}: goodput {search.goodput:g} req/s (SLO met at each rate probed: {tried}{above}); "
+  # the deployments take turns, rate by rate, so that the machine's load drifts over both alike
+  searches = {mode: GoodputSearch(rates, slo.attainment, max_probes=args.probes) for mode in modes}
+  while any(s.next_rate() is not None for s in searches.values()):
+    for mode, search in searches.items():
+      rate = search.next_rate()
+      if rate is not None:
+        search.record(rate, probe(mode, rate))
+  for mode, search in searches.items():
+    result, dep = search.result(), deps[mode]
+    out[(mode, "goodput")] = result.goodput
+    tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(result.tried.items()))
+    above = f"; {result.above:g} req/s missed it" if result.above else ""
+    say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}{above}); "
         f"{dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
         f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
-        f"{dep.counts['recomputes']} recomputed, {time.perf_counter() - t_start:.0f} s", flush=True)
+        f"{dep.counts['recomputes']} recomputed", flush=True)
   cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)
   say(f"# Perfetto traces (ui.perfetto.dev) and latency_cdf.png in {args.out}/")
   return out

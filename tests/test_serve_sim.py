@@ -73,13 +73,16 @@ def test_copies_cost_their_pages_over_the_link_and_delay_decoding():
 
 def test_lockstep_iterations_last_the_sum_of_the_workers_steps():
   """One host loop over two colocated workers, each with one request: every iteration costs both
-  steps, so each request's TPOT is twice a step; on independent clocks it is one step."""
+  steps on one core, so each request's TPOT is twice a step; on two cores, or on independent
+  clocks, it is one step."""
   step = 0.01
   pool = sim.Pool(2, Linear(step), 4, 64, BIG)
   work = [(0.0, 8, 5), (0.0, 8, 5)]
   lock = sim.simulate(sim.Cluster(4, colocated=pool, lockstep=True), work)
+  two = sim.simulate(sim.Cluster(4, colocated=pool, lockstep=True, cores=2), work)
   free = sim.simulate(sim.Cluster(4, colocated=pool), work)
   assert [r.tpot for r in lock] == pytest.approx([2 * step] * 2)
+  assert [r.tpot for r in two] == pytest.approx([step] * 2)  # two steps packed on two cores
   assert [r.tpot for r in free] == pytest.approx([step] * 2)
   assert [r.ttft for r in free] == pytest.approx([step] * 2)
 

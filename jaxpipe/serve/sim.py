@@ -14,8 +14,9 @@ left to compute on a prefill worker, requests on a colocated one), as `serve.dep
 
 Two clocks: `lockstep=False` (GPUs): every worker runs its steps back to back on its own
 devices. `lockstep=True` (this machine's driver): one host loop steps every busy worker in turn
-and the iteration lasts the sum of their step times (they share the host's cores), copies land
-in the next iteration, as `serve.deploy` runs them on CPU host devices.
+and the iteration lasts max(longest step, sum of the steps / cores), the steps sharing the
+host's `cores` (perfect packing: a lower bound); copies land in the next iteration, as
+`serve.deploy` runs them on CPU host devices.
 
 Cost models give a step's seconds from what it computes: `step_time(new, context)`, `new[i]`
 tokens of sequence i computed at context lengths `context[i]` (keys cached after the step).
@@ -158,6 +159,7 @@ class Cluster:
   transfer_bw: float = math.inf  # bytes/s of one copy
   transfer_latency: float = 0.0  # seconds per copy
   lockstep: bool = False  # one host loop steps every worker in turn (CPU host devices)
+  cores: int = 1  # lockstep: the workers' steps share this many cores
   iteration_overhead: float = 0.0  # lockstep: host seconds per iteration beyond the steps
 
   def __post_init__(self):
@@ -435,7 +437,8 @@ class _Sim:
           raise RuntimeError(f"{left} requests cannot be served: nothing runs and none can move")
         now = max(now, queue[0].arrival)
         continue
-      now += sum(w.cost(p) for w, p in plans) + self.cluster.iteration_overhead
+      costs = [w.cost(p) for w, p in plans] or [0.0]
+      now += max(max(costs), sum(costs) / self.cluster.cores) + self.cluster.iteration_overhead
       for w, p in plans:
         out = w.apply(p, now)
         left -= sum(r.finish_time is not None for r in out)
