@@ -283,8 +283,11 @@ def cluster_table(args) -> None:
 
 
 def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTable:
-  """Times every compiled step program on the engine's device, then fits host time per step and
-  per sequence from the engine serving `calibration` (a list of workload.Work) alone."""
+  """Times every compiled step program on the engine's device (dispatch to result), then fits
+  the host time of a step (scheduling, dispatch, applying results) per step and per sequence from
+  the engine serving `calibration` (a list of workload.Work) alone."""
+  import jax
+
   from jaxpipe.serve import model as model_lib
   from jaxpipe.serve.sampling import SamplingBatch
   engine.precompile()
@@ -300,20 +303,25 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
       np.asarray(out)
       samples[(t, n)].append(time.perf_counter() - t0)
   times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}
-  # host time: wall of each step of a real run minus its program's time, against its rows
-  walls, rows = [], []
+  # host time of a real run's steps: scheduling and dispatch, then applying the results once the
+  # program is done (not waiting for it), against the sequences in the step
+  hosts, rows = [], []
   for w in calibration:
     engine.add_request(w.prompt, w.max_tokens, eos_id=None)
   while engine.has_work():
     t0 = time.perf_counter()
     launched = engine.launch()
+    t1 = time.perf_counter()
+    if launched is not None:
+      jax.block_until_ready((launched.new_R, launched.finite_R))
+    t2 = time.perf_counter()
     engine.collect(launched)
     if launched is not None:
-      walls.append(time.perf_counter() - t0 - times[(launched.t, launched.pages)])
+      hosts.append(t1 - t0 + time.perf_counter() - t2)
       rows.append(len(launched.plan))
   engine.finished()
   a = np.stack([np.ones(len(rows)), np.asarray(rows, float)], 1)
-  (host_step, host_row), *_ = np.linalg.lstsq(a, np.asarray(walls), rcond=None)
+  (host_step, host_row), *_ = np.linalg.lstsq(a, np.asarray(hosts), rcond=None)
   log(f"# profile: {len(times)} step programs, {1e3 * min(times.values()):.2f}-"
       f"{1e3 * max(times.values()):.2f} ms; host {1e3 * host_step:.2f} ms per step + "
       f"{1e6 * host_row:.0f} us per sequence (fitted over {len(walls)} steps)")

@@ -87,6 +87,17 @@ def test_lockstep_iterations_last_the_sum_of_the_workers_steps():
   assert [r.ttft for r in free] == pytest.approx([step] * 2)
 
 
+def test_lockstep_host_time_is_serial_and_device_time_shares_the_cores():
+  """Three busy workers, 1 ms of host and 4 ms of program each, on 2 cores: an iteration is
+  3 * 1 + max(4, 12 / 2) = 9 ms."""
+  table = sim.StepTable({(8, 1): 0.004}, page_size=16, host_step=0.001)
+  pool = sim.Pool(3, table, 4, 8, BIG)
+  done = sim.simulate(sim.Cluster(16, colocated=pool, lockstep=True, cores=2),
+                      [(0.0, 4, 3)] * 3)
+  assert [r.tpot for r in done] == pytest.approx([0.009] * 3)
+  assert [r.ttft for r in done] == pytest.approx([0.009] * 3)
+
+
 def test_a_small_pool_preempts_and_every_request_still_finishes():
   pool = sim.Pool(1, Linear(0.001, 1e-5), 8, 32, kv_pages=12)
   done = sim.simulate(sim.Cluster(4, colocated=pool), [(0.01 * i, 20, 12) for i in range(10)])
