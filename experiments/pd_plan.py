@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from jaxpipe.serve import sim
-from jaxpipe.serve.slo import SLO, attainment, percentiles, search_goodput
+from jaxpipe.serve.slo import SLO, attainment, search_goodput, summary
 from jaxpipe.serve.workload import Lengths, generate
 
 NIC_BW = 50e9  # bytes/s: one 400 Gb/s InfiniBand NDR NIC per GPU
@@ -78,12 +78,6 @@ def _base(prompt: Lengths, output: Lengths, n: int, seed: int) -> list[tuple[flo
     lengths = [(prompt.sample(rng), output.sample(rng)) for _ in range(n)]
     have = _BASES[key] = [(float(a), p, o) for a, (p, o) in zip(np.cumsum(gaps), lengths)]
   return have[:n]
-
-
-def summary(done: list[sim.SimRequest], slo: SLO) -> dict[str, float]:
-  ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
-  return {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0], "tpot90": tpot[1],
-          "met": attainment(done, slo)}
 
 
 def goodput(cluster: sim.Cluster, work: Workload, slo: SLO, start: float, probes: int = 9):
@@ -202,8 +196,8 @@ def cluster_table(args) -> None:
         f"max({work.requests}, rate x {work.horizon:g} s) requests per probe, seed {work.seed}; "
         f"pages of {page}")
   print("| model | GPUs | colocated, chunked prefill: goodput (req/s) | colocated, prefill-first | "
-        "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO disaggregated meets at "
-        "the lower goodput of the two, times tighter (chunked / prefill-first) | GPUs "
+        "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO disaggregated "
+        "meets at the lower goodput of the two, times tighter (chunked / prefill-first) | GPUs "
         "disaggregated needs for chunked colocated's goodput | figures from |")
   print("|---|---|---|---|---|---|---|---|---|")
   rows = []
@@ -259,12 +253,13 @@ def cluster_table(args) -> None:
           choice["cluster"] = c
           choice["simulated"] = goodput(c, whole, slo, max(choice["estimate"], 1e-3),
                                         args.probes).goodput
-          log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated whole "
-              f"({time.perf_counter() - t0:.1f} s)")
+          log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated "
+              f"whole ({time.perf_counter() - t0:.1f} s)")
         found["disaggregated"] = max(found["disaggregated"], key=lambda c: c["simulated"])
         # DistServe's other question: at a rate both carry, how tight an SLO can each meet?
         rate = max(min(cc["simulated"], found["disaggregated"]["simulated"]), 1e-3)
-        scale = {name: slo.tightest_scale(sim.simulate(found[name]["cluster"], whole.arrivals(rate)))
+        scale = {name: slo.tightest_scale(sim.simulate(found[name]["cluster"],
+                                                       whole.arrivals(rate)))
                  for name in ("decode-first", "prefill-first", "disaggregated")}
         tighter = (f"{scale['decode-first'] / scale['disaggregated']:.2f}x / "
                    f"{scale['prefill-first'] / scale['disaggregated']:.2f}x")
@@ -418,7 +413,7 @@ def main() -> None:
                  help="--cpu: serve_bench flags of the deployments to predict (and measure)")
   p.add_argument("--repeats", type=int, default=5, help="--cpu: timed runs per step program")
   p.add_argument("--cores", type=int, default=2,
-                 help="--cpu: cores the host devices share (the lock-step clock packs steps on them)")
+                 help="--cpu: cores the host devices share (the lock-step clock packs the steps)")
   p.add_argument("--models", default="8b,70b")
   p.add_argument("--gpus", default="8,16,32,64", help="cluster sizes")
   p.add_argument("--prompt", default="lognormal:512:4096")

@@ -62,7 +62,7 @@ from jaxpipe.serve.deploy import Colocated, Disaggregated, device_groups
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.sampling import SamplingBatch
-from jaxpipe.serve.slo import SLO, GoodputSearch, attainment, e2e, percentiles
+from jaxpipe.serve.slo import SLO, GoodputSearch, attainment, e2e, percentiles, summary
 from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
 
 ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
@@ -333,7 +333,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
   g.add_argument("--trace-in", "--trace_in", default="",
                  help="CSV trace of requests (arrival_s,prompt_len,output_len[,prompt]) to replay; "
                       "each rate rescales its arrivals")
-  g.add_argument("--trace-out", "--trace_out", default="", help="write the first rate's requests as CSV")
+  g.add_argument("--trace-out", "--trace_out", default="",
+                 help="write the first rate's requests as CSV")
   g.add_argument("--out", default="out/serve_bench", help="Perfetto traces and latency CDF plot")
 
 
@@ -413,7 +414,8 @@ def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: "SL
   moved = [r.kv_bytes for r in done]
   tokens = sum(len(r.output) for r in done)
   return (f"| {mode} | {rate:g} | {tokens / makespan:,.0f} | {ms(ttft)} | "
-          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | {ms(percentiles(map(e2e, done), (50, 90)))} | "
+          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | "
+          f"{ms(percentiles(map(e2e, done), (50, 90)))} | "
           f"{100 * attainment(done, slo):.0f}% | {sum(moved) / 2**20:,.2f} MiB "
           f"({np.mean(moved) / 2**10:,.1f} KiB/req) |")
 
@@ -460,7 +462,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     max_prompt, max_len = prompt.high, prompt.high + output.high
   max_len = math.ceil(max_len / s) * s
   work_at = lambda rate: (at_rate(trace, rate) if trace else generate(
-      max(args.requests, math.ceil(rate * args.horizon)), rate, prompt, output, cfg.vocab, args.seed))
+      max(args.requests, math.ceil(rate * args.horizon)), rate, prompt, output, cfg.vocab,
+      args.seed))
   if args.trace_out:
     write_csv(args.trace_out, work_at(rates[0]))
   os.makedirs(args.out, exist_ok=True)
@@ -468,8 +471,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   say(f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
       f"model (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
       f"heads), {cfg.dtype}; " + (f"trace {args.trace_in} ({len(trace)} requests)" if trace else
-      f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt {prompt}, "
-      f"output {output} tokens") +
+      f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt "
+      f"{prompt}, output {output} tokens") +
       f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
       f"for {100 * slo.attainment:g}% of requests")
   say(f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "
@@ -488,9 +491,7 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     makespan = serve(system, work_at(rate))
     done = system.done
     say(deployment_row(mode, rate, done, makespan, slo), flush=True)
-    ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
-    out[(mode, rate)] = {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0],
-                         "tpot90": tpot[1], "met": attainment(done, slo)}
+    out[(mode, rate)] = summary(done, slo)
     if rate in rates:
       curves[f"{mode} {rate:g}/s"] = done
     with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
@@ -509,8 +510,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     out[(mode, "goodput")] = result.goodput
     tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(result.tried.items()))
     above = f"; {result.above:g} req/s missed it" if result.above else ""
-    say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}{above}); "
-        f"{dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
+    say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}"
+        f"{above}); {dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
         f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
         f"{dep.counts['recomputes']} recomputed", flush=True)
   cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)

@@ -181,7 +181,8 @@ class Cluster:
   def transfer_time(self, tokens: int) -> float:
     """One request's copy: its pages' K/V (pages rounded up) over the link."""
     pages = math.ceil(tokens / self.page_size)
-    return self.transfer_latency + pages * self.page_size * self.kv_bytes_per_token / self.transfer_bw
+    nbytes = pages * self.page_size * self.kv_bytes_per_token
+    return self.transfer_latency + nbytes / self.transfer_bw
 
 
 @dataclasses.dataclass(eq=False)

@@ -64,6 +64,14 @@ def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 90, 9
   return [float(np.percentile(xs, q)) if xs else math.nan for q in qs]
 
 
+def summary(requests: Sequence, slo: SLO) -> dict[str, float]:
+  """TTFT and TPOT p50 and p90 (seconds) and the share that met the SLO."""
+  (ttft50, ttft90), (tpot50, tpot90) = (percentiles((getattr(r, m) for r in requests), (50, 90))
+                                        for m in ("ttft", "tpot"))
+  return {"ttft50": ttft50, "ttft90": ttft90, "tpot50": tpot50, "tpot90": tpot90,
+          "met": attainment(requests, slo)}
+
+
 @dataclasses.dataclass
 class Search:
   goodput: float  # the highest probed rate that met the SLO (0: none did)
