@@ -511,7 +511,7 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(result.tried.items()))
     above = f"; {result.above:g} req/s missed it" if result.above else ""
     say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}"
-        f"{above}); {dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
+        f"{above}); {dep.steps} iterations, {dep.counts['transfers']} K/V transfers, "
         f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
         f"{dep.counts['recomputes']} recomputed", flush=True)
   cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)
