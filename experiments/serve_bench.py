@@ -6,6 +6,7 @@
   python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill-workers 2
       --decode-workers 6 --rates 2,6 --requests 64 --ttft-slo 0.25 --tpot-slo 0.1
       [--prompt lognormal:64:512 --trace-in trace.csv --trace-out trace.csv --stream-layers]
+  python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
 
 --mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
 (`--host-devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
@@ -541,13 +542,18 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--attention", default="auto")
   p.add_argument("--kernel", action="store_true", help="time the decode kernel alone (GPU)")
   p.add_argument("--repeats", type=int, default=20, help="--kernel: timed calls per cell")
+  p.add_argument("--url", help="drive this OpenAI-compatible server instead (experiments/serve_client.py)")
+  p.add_argument("--compare", action="store_true", help="--url: also run its engine in-process")
   add_deployment_arguments(p)
   return p
 
 
 def main() -> None:
   args = parser().parse_args()
-  if args.kernel:
+  if args.url:
+    from experiments import serve_client
+    serve_client.main(args)
+  elif args.kernel:
     kernel_table(args.repeats)
   elif args.mode:
     jax.config.update("jax_num_cpu_devices", args.host_devices)  # before JAX starts its backend

@@ -41,8 +41,9 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict,
   sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                           jax.eval_shape(fresh, jax.random.key(0)))
+  # a reader: the run may be saving into this directory right now, so nothing is renamed
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
-                              async_save=False)
+                              async_save=False, read_only=True)
   try:
     restored = checkpointer.restore_latest(abstract)
   finally:
