@@ -195,8 +195,8 @@ class _Deployment:
       return
     if r in self._pending:
       self._pending.remove(r)
+    self._finish(r, "cancelled")  # first: draining the workers then skips it, so it finishes once
     self._cancel_on_workers(r)
-    self._finish(r, "cancelled")
 
   def finished(self) -> list[Served]:
     """Requests finished since the last call (they leave `requests`)."""
