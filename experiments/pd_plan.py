@@ -180,13 +180,49 @@ def best_split(gpus: int, prefill: dict[Kind, float], decode: dict[Kind, float],
   return options[:top]
 
 
+MODELS = {"8b": sim.LLAMA3_8B, "70b": sim.LLAMA3_70B}
+
+
+def _ints(flag: str, text: str) -> list[int]:
+  try:
+    xs = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise SystemExit(f"--{flag}={text!r}: give comma-separated integers, e.g. 8,16") from None
+  if min(xs) < 1:
+    raise SystemExit(f"--{flag}={text!r}: every value must be >= 1")
+  return xs
+
+
+def check_args(args) -> None:
+  """Bad flags end the run here with one line naming them, before any profiling or simulation."""
+  for flag in ("repeats", "cores", "requests", "probes", "top", "max_sim_gpus"):
+    if getattr(args, flag) < 1:
+      raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+  if not args.horizon >= 0:
+    raise SystemExit(f"--horizon={args.horizon} must be >= 0 seconds")
+  for flag in ("gpus", "batches", "budgets"):
+    _ints(flag, getattr(args, flag))
+  unknown = [m for m in args.models.split(",") if m not in MODELS]
+  if unknown:
+    raise SystemExit(f"--models: unknown {unknown}; choose from {','.join(MODELS)}")
+  for flag in ("slo_8b", "slo_70b"):
+    try:
+      SLO(*getattr(args, flag))
+    except ValueError as e:
+      raise SystemExit(f"--{flag.replace('_', '-')}: {e}") from None
+  for flag in ("prompt", "output"):
+    try:
+      Lengths.parse(getattr(args, flag))
+    except ValueError as e:
+      raise SystemExit(f"--{flag}: {e}") from None
+
+
 def cluster_table(args) -> None:
   page = 16
   work = Workload(Lengths.parse(args.prompt), Lengths.parse(args.output), args.requests, args.seed,
                   args.horizon)
-  models = {"8b": (sim.LLAMA3_8B, SLO(args.slo_8b[0], args.slo_8b[1])),
-            "70b": (sim.LLAMA3_70B, SLO(args.slo_70b[0], args.slo_70b[1]))}
-  sizes = [int(x) for x in args.gpus.split(",")]
+  models = {"8b": (MODELS["8b"], SLO(*args.slo_8b)), "70b": (MODELS["70b"], SLO(*args.slo_70b))}
+  sizes = _ints("gpus", args.gpus)
   each = SLO(1.0, 1.0, 0.95)
   print(f"# simulated, not measured: roofline costs on H200 ({sim.H200.flops / 1e12:.0f} TFLOP/s "
         f"bf16, {sim.H200.hbm_bw / 1e12:.1f} TB/s HBM, {sim.H200.memory / 1e9:.0f} GB, NVLink "
@@ -205,8 +241,7 @@ def cluster_table(args) -> None:
     model, slo = models[name]
     inst = lambda role_slo: SLO(role_slo[0], role_slo[1], each.attainment)
     tps = [t for t in (1, 2, 4, 8) if fits(model, t)]
-    batches = [int(b) for b in args.batches.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    batches, budgets = _ints("batches", args.batches), _ints("budgets", args.budgets)
     kvb = model.kv_bytes_per_token()
     r1 = sim.Roofline(model, tp=tps[0])
     mean_p = int(np.mean([p for _, p, _ in work.arrivals(1.0)]))
@@ -404,7 +439,7 @@ def cpu_plan(args) -> None:
     print(f"| {mode} | {rate:g} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cpu", action="store_true", help="plan for this machine's host devices")
   p.add_argument("--measure", action="store_true",
@@ -431,7 +466,12 @@ def main() -> None:
   p.add_argument("--max-sim-gpus", type=int, default=8,
                  help="largest cluster simulated whole (beyond: per-instance goodput x count)")
   p.add_argument("--verbose", action="store_true", help="print every configuration's goodput")
-  args = p.parse_args()
+  return p
+
+
+def main() -> None:
+  args = parser().parse_args()
+  check_args(args)
   if args.cpu:
     cpu_plan(args)
   else:

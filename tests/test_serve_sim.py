@@ -172,3 +172,17 @@ def test_cluster_checks():
     sim.Cluster(16)
   with pytest.raises(ValueError, match="at least one prefill and one decode"):
     sim.Cluster(16, prefill=sim.Pool(0, FREE, 1, 1, 1), decode=pool)
+
+
+@pytest.mark.parametrize("flags, words", [
+    ("--slo-8b 0 0.02", "--slo-8b: ttft SLO=0.0 must be"),
+    ("--slo-70b 0.5 -1", "--slo-70b: tpot SLO=-1.0 must be"),
+    ("--models 8b,9b", r"--models: unknown \['9b'\]"),
+    ("--gpus 8,4x", "--gpus='8,4x': give comma-separated integers"),
+    ("--gpus 0", "--gpus='0': every value must be >= 1"),
+    ("--prompt 9:3", "--prompt: length spec '9:3' needs 1 <= MIN <= MAX"),
+    ("--probes 0", "--probes=0 must be >= 1"),
+])
+def test_planner_flags_fail_in_one_line(flags, words):
+  with pytest.raises(SystemExit, match=words):
+    pd_plan.check_args(pd_plan.parser().parse_args(flags.split()))
