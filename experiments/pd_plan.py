@@ -195,9 +195,11 @@ def _ints(flag: str, text: str) -> list[int]:
 
 def check_args(args) -> None:
   """Bad flags end the run here with one line naming them, before any profiling or simulation."""
-  for flag in ("repeats", "cores", "requests", "probes", "top", "max_sim_gpus"):
+  for flag in ("repeats", "requests", "probes", "top", "max_sim_gpus"):
     if getattr(args, flag) < 1:
       raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+  if not args.cores > 0:
+    raise SystemExit(f"--cores={args.cores} must be > 0 (a fraction: the share of a core)")
   if not args.horizon >= 0:
     raise SystemExit(f"--horizon={args.horizon} must be >= 0 seconds")
   for flag in ("gpus", "batches", "budgets"):
@@ -447,8 +449,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--bench-args", default="--mode both --rates 4,16",
                  help="--cpu: serve_bench flags of the deployments to predict (and measure)")
   p.add_argument("--repeats", type=int, default=5, help="--cpu: timed runs per step program")
-  p.add_argument("--cores", type=int, default=2,
-                 help="--cpu: cores the host devices share (the lock-step clock packs the steps)")
+  p.add_argument("--cores", type=float, default=2,
+                 help="--cpu: cores the host devices share (the lock-step clock packs the steps); "
+                 "on a loaded host, the share of them this process gets")
   p.add_argument("--models", default="8b,70b")
   p.add_argument("--gpus", default="8,16,32,64", help="cluster sizes")
   p.add_argument("--prompt", default="lognormal:512:4096")

@@ -182,6 +182,7 @@ def test_cluster_checks():
     ("--gpus 0", "--gpus='0': every value must be >= 1"),
     ("--prompt 9:3", "--prompt: length spec '9:3' needs 1 <= MIN <= MAX"),
     ("--probes 0", "--probes=0 must be >= 1"),
+    ("--cpu --cores 0", "--cores=0.0 must be > 0"),
 ])
 def test_planner_flags_fail_in_one_line(flags, words):
   with pytest.raises(SystemExit, match=words):
