@@ -164,7 +164,7 @@ class Cluster:
   transfer_bw: float = math.inf  # bytes/s of one copy
   transfer_latency: float = 0.0  # seconds per copy
   lockstep: bool = False  # one host loop steps every worker in turn (CPU host devices)
-  cores: float = 1  # lockstep: the workers' steps share this many cores (< 1: a loaded host's share)
+  cores: float = 1  # lockstep: the workers' steps share this many cores (< 1: a loaded share)
   iteration_overhead: float = 0.0  # lockstep: host seconds per iteration beyond the steps
 
   def __post_init__(self):
