@@ -364,8 +364,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
   xs = range(len(ok))
-  ax.bar([x - 0.27 for x in xs], [r["step_ms"] for r in ok], 0.27, label="runner",
-         color="#4c8bd6")
+  ax.bar([x - 0.27 for x in xs], [r["step_ms"] for r in ok], 0.27,
+         label="runner (wall time, carries the load)", color="#4c8bd6")
   unit = ok[0].get("unit", "wall") if ok else "wall"
   ax.bar(list(xs), [r.get("paired_ms") or 0 for r in ok], 0.27,
          label=f"measured beside the costs ({unit} time)", color="#6aab5e")
@@ -374,7 +374,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   ax.set_xticks(list(xs), [r["cell"] for r in ok], rotation=60, ha="right", fontsize=7)
   ax.set_ylabel("step time (ms)")
   ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=7, loc="upper left")
+  ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
