@@ -47,6 +47,7 @@ from jaxpipe import data as data_lib
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
@@ -59,6 +60,7 @@ class TrainState:
   step: jax.Array  # optimizer steps taken so far
   params: dict
   opt_state: optax.OptState
+  fp8: Any = None  # model.fp8='delayed': amax histories, `fp8.state_of(params)` leaves [..., 3, H]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -108,13 +110,13 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
 
       def body(carry, mb):
         (s, n), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, carry, (s, n, g)), None
+        return fp8_lib.accumulate(carry, (s, n, g)), None
 
       zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                jax.tree.map(jnp.zeros_like, params))
       (total, count, grads), _ = jax.lax.scan(body, zeros, split)
     denom = jnp.maximum(count, 1.0)
-    return total / denom, jax.tree.map(lambda g: g / denom, grads), {"tokens": count}
+    return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
 
   return loss_and_grads
 
@@ -150,7 +152,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
       def body(carry, mb):
         (_, (ce, a)), g = grad_fn(params, mb, denom)
-        return jax.tree.map(jnp.add, carry, (ce, a, g)), None
+        return fp8_lib.accumulate(carry, (ce, a, g)), None
 
       first = jax.tree.map(lambda x: x[0], split)
       (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
@@ -294,7 +296,10 @@ class Trainer:
     params = transformer.init_params(self.model_cfg, rng)
     if self.layer_order is not None:
       params = reorder_layers(params, self.layer_order)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    history = None
+    if self.model_cfg.fp8 == "delayed":
+      history = fp8_lib.init_history(params, self.model_cfg.fp8_history)
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), history)
 
   @functools.cached_property
   def _reorder(self) -> dict[str, Callable]:
@@ -371,17 +376,26 @@ class Trainer:
   def _build_train_step(self):
     loss_and_grads, optimizer = self.loss_and_grads, self.optimizer
     lr = learning_rate(self.config.optimizer, self.config.train.steps)
+    cfg = self.model_cfg
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
       loss, grads, metrics = loss_and_grads(state.params, batch)
+      history = state.fp8
+      if history is not None:  # a delayed scale's "gradient" is the amax its GEMMs saw
+        seen = fp8_lib.state_of(grads)
+        grads = fp8_lib.with_state(grads, jax.tree.map(jnp.zeros_like, seen))
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       if "moe_tokens_per_expert" in metrics:  # balancing biases move by their own rule
         params = moe_lib.update_biases(self.model_cfg.moe, state.params, params,
                                        metrics.pop("moe_tokens_per_expert"))
+      if history is not None:  # and the scales by TE's (the optimizer's update is discarded)
+        scales, history = fp8_lib.advance(fp8_lib.state_of(state.params), history, seen,
+                                          cfg.fp8_margin, cfg.fp8_amax)
+        params = fp8_lib.with_state(params, scales)
       grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
-      return TrainState(state.step + 1, params, opt_state), metrics
+      return TrainState(state.step + 1, params, opt_state, history), metrics
 
     return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
                    out_shardings=(self.state_sharding, replicated(self.mesh)), donate_argnums=0)

@@ -113,9 +113,16 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
   With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
   summed over all token shards inside the shard_map.
   """
+  from jaxpipe.models import fp8 as fp8_lib
   from jaxpipe.models import moe as moe_lib
   from jaxpipe.models import transformer
   from jaxpipe.models.attention import context_parallel
+
+  if cfg.fp8 == "delayed" and cfg.attention == "pallas":
+    # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
+    # where it tracks varying axes, which interpreted Pallas kernels need switched off
+    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
+                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
 
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
@@ -158,7 +165,7 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
           x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
 
       def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
 
       first = jax.tree.map(lambda x: x[0], split)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
@@ -167,6 +174,6 @@ def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
     metrics = {"tokens": count}
     if cfg.moe is not None:
       metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
-    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), metrics
+    return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads

@@ -157,7 +157,7 @@ def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages:
     loss, local_grads, head_g, embed_g, *stats = run(table, local, xs, targets, head_params,
                                                      embed_params)
     # copies of a stage (bidirectional schedules) ran different micro-batches: their aux adds up
-    return (loss, from_local(local_grads, layout, num_stages), head_g, embed_g,
+    return (loss, from_local(local_grads, layout, num_stages, model), head_g, embed_g,
             *(from_local(s, layout, num_stages) for s in stats))
 
   return program

@@ -115,6 +115,14 @@ class Model:
   loss_fn: Callable  # (head_params, y, target) -> scalar, on the last stage's output
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
   stage_aux: bool = False  # stage_fn (layer_fn if layered) returns (x, aux); aux summed by F
+  # (key path of a stage parameter leaf) -> True where that leaf's gradient is combined by max
+  # over micro-batches, data shards and stage copies instead of summed (observed statistics)
+  max_grads: Callable | None = None
+
+
+def combines_by_max(model: Model, path) -> bool:
+  """Whether `model` combines the gradient of the stage parameter leaf at `path` by max."""
+  return model.max_grads is not None and bool(model.max_grads(path))
 
 
 def _no_aux(fn: Callable) -> Callable:
@@ -588,7 +596,9 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       cot = _put(cot, row[COL["b_local"]], dx)
       wg = _put(wg, row[COL["b_wg"]], g)
       c = row[COL["g_chunk"]]
-      grads = jax.tree.map(lambda acc, d: acc.at[c].add(d.astype(acc.dtype)), grads, dparams)
+      grads = jax.tree_util.tree_map_with_path(
+          lambda path, acc, d: (acc.at[c].max if combines_by_max(model, path) else acc.at[c].add)(
+              d.astype(acc.dtype)), grads, dparams)
       loss = loss + dloss
       head_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), head_g, dhead)
       embed_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), embed_g, dembed)
@@ -629,15 +639,15 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g, stats)
     (_, _, _, _, grads, loss, head_g, embed_g, stats), _ = lax.scan(tick, carry, table)
     loss = lax.psum(loss, all_axes)
-    if leaf_specs is None:
-      grads = lax.psum(grads, tuple(data_axes)) if data_axes else grads
-    else:
-      # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
-      flat = []
-      for g, leaf_spec in zip(specs_treedef.flatten_up_to(grads), leaf_specs):
-        axes = tuple(a for a in data_axes if a not in _leaf_axes(leaf_spec))
-        flat.append(lax.psum(g, axes) if axes else g)
-      grads = jax.tree.unflatten(specs_treedef, flat)
+    # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
+    flat, grads_treedef = jax.tree_util.tree_flatten_with_path(grads)
+    reduced = []
+    for i, (path, g) in enumerate(flat):
+      axes = tuple(data_axes) if leaf_specs is None else tuple(
+          a for a in data_axes if a not in _leaf_axes(leaf_specs[i]))
+      reduce = lax.pmax if combines_by_max(model, path) else lax.psum
+      reduced.append(reduce(g, axes) if axes else g)
+    grads = jax.tree.unflatten(grads_treedef, reduced)
     head_g = lax.psum(head_g, all_axes)
     embed_g = lax.psum(embed_g, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
@@ -687,11 +697,17 @@ def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
   return jax.tree.map(lambda a: a[idx].reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
 
 
-def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int) -> PyTree:
-  """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies."""
+def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int,
+               model: Model | None = None) -> PyTree:
+  """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies (or taking
+  their max, for the leaves `model` combines by max)."""
   if is_contiguous(layout) and layout.size == num_stages:
     return jax.tree.map(lambda g: g.reshape((num_stages,) + g.shape[2:]), local_grads)
   idx = jnp.reshape(layout, (-1,))
-  return jax.tree.map(
-      lambda g: jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx].add(
-          g.reshape((-1,) + g.shape[2:])), local_grads)
+
+  def gather(path, g):
+    out = jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx]
+    by_max = model is not None and combines_by_max(model, path)
+    return (out.max if by_max else out.add)(g.reshape((-1,) + g.shape[2:]))
+
+  return jax.tree_util.tree_map_with_path(gather, local_grads)
