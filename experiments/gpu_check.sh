@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one run: versions, tests/test_gpu.py (compiled Pallas kernels,
-# ragged_all_to_all, cuDNN), then the attention and MoE benches. Logs go to $OUT (default
-# ./gpu_out); each stage has its own time limit, so the run ends within about 6.5 minutes.
+# ragged_all_to_all, cuDNN), then the attention and MoE benches, then FP8 (cuBLAS FP8 GEMMs in
+# the compiled program, step time and TFLOP/s per recipe against bf16). Logs go to $OUT
+# (default ./gpu_out); each stage has its own time limit, so the run ends within about 11 minutes.
 # With the argument `cpu_suite` it runs only the whole test suite on that machine's CPUs
 # instead (its JAX version, no GPU needed), within about 4 minutes.
 #
@@ -41,3 +42,5 @@ fi
 stage test_gpu 170 cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
 stage attention_bench 150 cuda python3 -m experiments.attention_bench --repeats 5
 stage moe_bench 60 cuda python3 -m experiments.moe_bench --tokens 4096 --d_model 1024 --d_ff 2048
+stage fp8_gpu_test 60 cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8.py -k gpu
+stage fp8_bench 200 cuda python3 -m experiments.fp8_bench --parts gpu --repeats 5

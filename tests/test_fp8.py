@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe.config import ConfigError, validate
+from jaxpipe.config import ConfigError, model_config, validate
 from jaxpipe.models import fp8
 from jaxpipe.models import transformer
 from jaxpipe.trainer import Trainer
@@ -272,7 +272,7 @@ def _one_device_seen(params, host):
   return fp8.state_of(jax.grad(loss)(params))
 
 
-_MODEL = Trainer(_config()).model_cfg
+_MODEL = model_config(_config())
 
 
 def _seen_on_one_device(params, host):
@@ -399,3 +399,13 @@ def test_short_block_run_tracks_float32():
 def test_bad_fp8_config_is_refused(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     validate(_config("none", **overrides), 8)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (cuBLAS FP8 GEMMs)")
+def test_gpu_compiles_delayed_gemms_to_cublas_fp8():
+  """On a Hopper GPU the three GEMMs of a delayed projection become cuBLASLt FP8 GEMMs."""
+  x = jnp.ones((256, 512), jnp.bfloat16)
+  w = jnp.ones((512, 384), jnp.bfloat16)
+  fn = jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(fp8.dot(a, b, 1, "delayed", jnp.ones(3), jnp.bfloat16)), argnums=(0, 1)))
+  assert fn.lower(x, w).compile().as_text().count("__cublas$lt$matmul$f8") == 3

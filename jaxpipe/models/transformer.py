@@ -17,6 +17,12 @@ layers, k-1 dense then one MoE, so the leading axis of `params['layers']` counts
 n_layers / k of them: `{'dense': [groups, k-1, ...], 'moe': [groups, ...]}` ('dense' absent for
 k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and routing statistics;
 `apply_layers` folds the auxiliary losses into the gradient instead (`attach_aux_loss`).
+
+Every projection (QKV, attention output, MLP) is a `Dense`, whose matmul runs in `cfg.fp8`
+(`jaxpipe.models.fp8`: none, or Transformer Engine's delayed, current or block recipe); MoE
+experts take the same recipe in their grouped GEMM. With 'delayed' each projection also holds
+an `fp8_scale` leaf [3] (see fp8.py). Embedding, head, norms, router and attention core stay in
+the compute dtype.
 """
 import dataclasses
 import functools
@@ -61,6 +67,9 @@ class TransformerConfig:
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
+    if self.fp8 != "none" and self.cp_overlap:
+      raise ValueError(f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
+                       "Ulysses' all-to-alls run in the compute dtype only; set cp_overlap=False")
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
     if self.moe is not None and self.n_layers % self.moe.every:
