@@ -254,7 +254,7 @@ class Trainer:
     trainer = Trainer(config, workdir=None)   # validates the config, builds the mesh
     trainer.init()                            # restores the latest checkpoint in workdir, or inits
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
-    trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
+    trainer.state, trainer.mesh               # TrainState(step, params, opt_state, fp8); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
 
   `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
