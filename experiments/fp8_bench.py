@@ -205,6 +205,18 @@ def _cublas_fp8_gemms(compiled_text: str) -> int:
   return compiled_text.count("__cublas$lt$matmul$f8")
 
 
+def gpu_config():
+  """The GPU step's model: 0.6 B parameters, bf16, one device."""
+  c = quickstart.get_config()
+  m = c.model
+  m.vocab, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff = (
+      32768, 2048, 8, 16, 8, 128, 8192)
+  m.dtype, m.attention = "bfloat16", "auto"
+  c.data.source, c.data.batch, c.data.seq_len = "synthetic", 8, 2048
+  c.mesh.dp = 1
+  return c
+
+
 def gpu_part(args) -> None:
   if jax.default_backend() != "gpu":
     print("GPU part skipped: no GPU here (backend "
@@ -237,13 +249,8 @@ def gpu_part(args) -> None:
           f"{base / t:5.2f}x bf16  (cuBLAS FP8 GEMMs: {_cublas_fp8_gemms(hlo)})", flush=True)
   print(f"  Transformer Engine, H200: FP8 GEMM {TE_GEMM_SPEEDUP}x bf16")
 
-  c = quickstart.get_config()
+  c = gpu_config()
   m = c.model
-  m.vocab, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff = (
-      32768, 2048, 8, 16, 8, 128, 8192)
-  m.dtype, m.attention = "bfloat16", "auto"
-  c.data.source, c.data.batch, c.data.seq_len = "synthetic", 8, 2048
-  c.mesh.dp = 1
   print(f"\nstep: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}x{m.head_dim} heads "
         f"({m.n_kv_heads} KV), d_ff {m.d_ff}, vocab {m.vocab}, batch {c.data.batch} x "
         f"{c.data.seq_len}, bf16 compute, AdamW (median of {args.repeats} steps):")
