@@ -1,7 +1,7 @@
 """The executor on every schedule: compile time, memory, lock-step bubble, CPU time vs unpipelined.
 
   python -m experiments.pipeline_bench [--pp 4] [--microbatches 16] [--reps 3]
-      [--schedules 1f1b,zb-h2] [--recompute] [--profile out/pipeline_bench]
+      [--schedules 1f1b,zb-h2] [--recompute] [--profile out/pipeline_bench] [--breakdown]
 
 One model for every schedule: `layers` residual tanh-dense layers of width D on micro-batches of
 [mb, L, D], split into the schedule's model stages (pp for plain and bidirectional schedules,
@@ -13,16 +13,21 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   GPipe by autodiff (a scan over m + p - 1 forward ticks differentiated by `jax.grad`, as
   MaxText pipelines) on the same model;
 - CPU ratio: process CPU time of one pipelined step over that of the unpipelined
-  `jax.value_and_grad` (same micro-batches, one device), alternating runs, best of `--reps`.
+  `jax.value_and_grad` (same micro-batches, one device), the two run back to back in each of
+  `--reps` repeats: the median ratio and, in brackets, the lowest and highest; load: the
+  highest 1-minute load average seen while the row ran (timings above ~1 per core are noisy).
   glibc maps every allocation over 32 MB afresh and unmaps it on free, so a program whose XLA
   temporaries pass that size (GPipe's m residual slots, the unpipelined baseline) page-faults
   through all of them on every step (~1.4 us per 4 KB page, ~0.1 s per step here) while a
   smaller one reuses warm heap. Device allocators pool their memory, so the bench keeps freed
   host memory in one heap (`mallopt`); `--system-malloc` measures with glibc's defaults.
 First a table of the lowered lock-step time against the asynchronous makespan for all nine at
-(p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a jax.profiler trace of one step next to the schedule's
-Perfetto trace (`<name>.perfetto.json`) and its tick table (`<name>.ticks.csv`); the scan's
-tick n is row/column n of the tick table.
+(p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a
+jax.profiler trace of one step next to the schedule's Perfetto trace (`<name>.perfetto.json`)
+and its tick table (`<name>.ticks.csv`); the scan's tick n is row/column n of the tick table.
+`--breakdown` then profiles `--reps` steps of every program and splits them by kind of op
+(`experiments/op_breakdown.py`): time on the device threads, and the bytes that slot reads,
+slot writes, copies and fills and ppermutes write, which do not depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments import op_breakdown  # noqa: E402
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
                                        make_executor, to_local)
@@ -119,21 +125,34 @@ def gpipe_autodiff(mesh, p, m):
   return jax.jit(jax.value_and_grad(lambda ps, xs, ts: jnp.sum(sharded(ps, xs, ts))))
 
 
-def cpu_ratio(fn, args, base, base_args, reps):
-  """min CPU time of fn over min CPU time of base, runs alternating so load drift cancels.
+def cpu_ratios(fn, args, base, base_args, reps):
+  """Per repeat, CPU time of fn over that of base, the two run back to back so load drift hits
+  both alike; -> (ratios, base CPU seconds per repeat).
 
   CPU time (all threads of this process), not wall time: the host devices share the cores.
-  The minimum is the run least disturbed by other processes on the machine.
   """
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(base(*base_args))
-  t_fn, t_base = [], []
+  ratios, t_base = [], []
   for _ in range(reps):
-    for f, a, out in ((fn, args, t_fn), (base, base_args, t_base)):
+    t = []
+    for f, a in ((fn, args), (base, base_args)):
       t0 = time.process_time()
       jax.block_until_ready(f(*a))
-      out.append(time.process_time() - t0)
-  return min(t_fn) / min(t_base), min(t_base)
+      t.append(time.process_time() - t0)
+    ratios.append(t[0] / t[1])
+    t_base.append(t[1])
+  return ratios, t_base
+
+
+def spread(ratios) -> str:
+  """median (min-max) of the per-repeat ratios"""
+  return f"{np.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def load() -> float:
+  """The machine's 1-minute load average."""
+  return os.getloadavg()[0]
 
 
 def keep_host_memory():
@@ -178,6 +197,8 @@ def main(argv=None):
   ap.add_argument("--schedules", default=",".join(SCHEDULE_NAMES))
   ap.add_argument("--recompute", action="store_true")
   ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
+  ap.add_argument("--breakdown", action="store_true",
+                  help="then profile steps of each program and split them by kind of op")
   ap.add_argument("--system-malloc", action="store_true",
                   help="keep glibc's default of unmapping freed allocations over 32 MB")
   args = ap.parse_args(argv)
@@ -208,17 +229,25 @@ def main(argv=None):
   gp_out = gp_compiled(gp_params, xs, ts)
   gp_err = max(rel_err(gp_out[0], want[0]),
                rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]))
-  gp_ratio, base_cpu = cpu_ratio(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
+  load0 = load()
+  gp_ratios, base_cpu = cpu_ratios(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
 
   header = (f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
-            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio':>10}{'rel err':>9}")
-  print(f"unpipelined value_and_grad: {1e3 * base_cpu:.0f} ms CPU per step")
+            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio (range)':>19}{'load':>6}"
+            f"{'rel err':>9}")
+  print(f"unpipelined value_and_grad: {1e3 * np.median(base_cpu):.0f} ms CPU per step (median of "
+        f"{args.reps}, {1e3 * min(base_cpu):.0f}-{1e3 * max(base_cpu):.0f}); CPU ratio = median "
+        f"over {args.reps} repeats of pipelined / unpipelined CPU time, run back to back; load = "
+        f"highest 1-min load average during the row, on {os.cpu_count()} cores")
   print(header)
   print("-" * len(header))
   print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
-        f"{1.0:>12.2f}{gp_ratio:>10.2f}{gp_err:>9.1e}")
+        f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}")
   rows = {}
+  programs = [("unpipelined", base.lower(*args1).compile(), args1),
+              ("gpipe-autodiff", gp_compiled, (gp_params, xs, ts))]
   for name in args.schedules.split(","):
+    load0 = load()
     sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
     t0 = time.perf_counter()
     lowered = lower(sched)
@@ -234,11 +263,13 @@ def main(argv=None):
     grads = from_local(local_grads, layout, sched.num_stages)
     grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), grads)
     err = max(rel_err(loss, want[0]), rel_err(grads, want[1]))
-    ratio, _ = cpu_ratio(compiled, call, base, args1, args.reps)
+    ratios, _ = cpu_ratios(compiled, call, base, args1, args.reps)
     rows[name] = temp
+    programs.append((name, compiled, call))
     print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
           f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
-          f"{temp / gp_temp:>12.2f}{ratio:>10.2f}{err:>9.1e}", flush=True)
+          f"{temp / gp_temp:>12.2f}{spread(ratios):>19}{max(load0, load()):>6.1f}{err:>9.1e}",
+          flush=True)
     if args.profile:
       os.makedirs(args.profile, exist_ok=True)
       with open(os.path.join(args.profile, f"{name}.perfetto.json"), "w") as f:
@@ -249,6 +280,26 @@ def main(argv=None):
         jax.block_until_ready(compiled(*call))
   if "1f1b" in rows and "zb-h2" in rows:
     print(f"zb-h2 / 1f1b temp memory: {rows['zb-h2'] / rows['1f1b']:.2f}")
+  if args.breakdown:
+    print_breakdown(programs, args.reps)
+
+
+def print_breakdown(programs, reps):
+  """Per program, ms per step by kind of op, and MB written per step by the data movers."""
+  kinds = op_breakdown.KINDS
+  print(f"\nper step, by kind of op (`experiments/op_breakdown.py`, mean of {reps} profiled "
+        f"steps): ms of wall time on the device threads summed over devices | MB written")
+  header = f"{'program':<17}" + "".join(f"{k:>11}" for k in kinds) + f"{'total':>8}  |" + \
+      "".join(f"{k:>11}" for k in op_breakdown.MOVES) + f"{'load':>6}"
+  print(header)
+  print("-" * len(header))
+  for name, compiled, call in programs:
+    load0 = load()
+    got = op_breakdown.breakdown(compiled, call, reps)
+    print(f"{name:<17}" + "".join(f"{1e3 * got[k][0]:>11.1f}" for k in kinds) +
+          f"{1e3 * sum(v[0] for v in got.values()):>8.1f}  |" +
+          "".join(f"{got[k][1] / 2**20:>11.1f}" for k in op_breakdown.MOVES) +
+          f"{max(load0, load()):>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
   python -m experiments.pipeline_traffic [--pp 4] [--microbatches 8] [--layers 8] [--d_model 256]
 
 For each schedule, the Trainer's compiled step (the one `jaxpipe.train` runs) on a pp × dp mesh
-of 8 host devices, counted from its HLO: the executor's ppermute (activations and cotangents,
-once per tick of the scan) and every other collective-permute, which is parameters and their
-gradients moving to the ranks that run them (bidirectional schedules hold each stage on two
-ranks). Bytes are per device and per step; the parameter figure is set beside the layer stack a
-rank stores.
+of 8 host devices, counted from its HLO: the executor's ppermutes (activations and cotangents,
+each run in the ticks of the scan where some rank receives over it, from the lowered table), the ppermute that sums the gradients of a stage's two resident
+copies between their holders (`sum_copies`; bidirectional schedules, Chimera and DualPipe,
+hold each stage on two ranks), and every other collective-permute, which would be parameters
+or their gradients moving to the ranks that run them. Bytes are per device and per step, set
+beside the layer stack a rank stores.
 """
 from jaxpipe import runtime
 
@@ -24,8 +25,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "chi
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
 
-def _permutes(hlo: str) -> list[tuple[int, bool]]:
-  """(bytes, from the executor's ppermute) for each collective-permute of a compiled module."""
+def _permutes(hlo: str) -> list[tuple[int, str]]:
+  """(bytes, "ticks" | "copies" | "other") for each collective-permute of a compiled module:
+  the executor's per-tick ppermute, the resident copies' gradient sum, anything else."""
   out = []
   for line in hlo.splitlines():
     if " collective-permute(" not in line:
@@ -33,8 +35,31 @@ def _permutes(hlo: str) -> list[tuple[int, bool]]:
     lhs = line.split(" collective-permute(")[0]
     size = sum(_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
                for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs))
-    out.append((size, bool(re.search(r'op_name="[^"]*/ppermute"', line))))
+    name = re.search(r'op_name="([^"]*)"', line)
+    name = name.group(1) if name else ""
+    send = re.search(r"tick/send_(down|up)/", name)
+    kind = ("copies" if "/sum_copies/ppermute" in name else
+            f"send_{send.group(1)}" if send else "other")
+    out.append((size, kind))
   return out
+
+
+def _tick_bytes(permutes: list[tuple[int, str]], table: np.ndarray) -> int:
+  """Bytes the executor's ppermutes move in one step: each runs only in the ticks where some rank
+  receives over it (a direction's activations and cotangents share one ppermute, or have one each)."""
+  from jaxpipe.pipeline.lower import COL
+  total = 0
+  for direction in ("down", "up"):
+    sizes = [b for b, kind in permutes if kind == f"send_{direction}"]
+    if not sizes:
+      continue
+    recv = [table[:, :, COL[f"recv_{k}_{direction}"]] >= 0 for k in ("act", "grad")]
+    if len(sizes) == 1:  # one ppermute carries both kinds
+      total += sizes[0] * int(np.any(recv[0] | recv[1], axis=1).sum())
+    else:
+      assert len(sizes) == 2 and sizes[0] == sizes[1], sizes
+      total += sizes[0] * sum(int(np.any(r, axis=1).sum()) for r in recv)
+  return total
 
 
 def measure(name: str, args) -> dict:
@@ -59,12 +84,17 @@ def measure(name: str, args) -> dict:
   permutes = _permutes(hlo)
   ticks = lm_schedule(c.pipeline, args.pp)
   from jaxpipe.pipeline.api import lowered_for
-  num_ticks = lowered_for(ticks).num_ticks
+  lowered = lowered_for(ticks)
   layer_bytes = sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(state.params["layers"]))
-  return {"schedule": name, "ticks": num_ticks,
-          "activations": num_ticks * sum(b for b, pp in permutes if pp),
-          "parameters": sum(b for b, pp in permutes if not pp),
-          "stored": layer_bytes / args.pp, "stored_order": trainer.layer_order is not None}
+  order = trainer.layer_order
+  return {"schedule": name, "ticks": lowered.num_ticks,
+          "activations": _tick_bytes(permutes, lowered.table),
+          "copies": sum(b for b, kind in permutes if kind == "copies"),
+          "parameters": sum(b for b, kind in permutes if kind == "other"),
+          "stored": layer_bytes / args.pp,
+          "stored_order": ("model order" if order is None else
+                           "rank by rank" if len(order) == len(set(order.tolist())) else
+                           "rank by rank, two copies")}
 
 
 def main(argv=None) -> None:
@@ -80,15 +110,15 @@ def main(argv=None) -> None:
   print(f"# bytes per device per step between pipeline ranks: pp = {args.pp}, "
         f"m = {args.microbatches}, {args.layers} layers of d_model {args.d_model}, batch "
         f"{args.batch} x {args.seq}, float32, 8 host devices")
-  print("| schedule | ticks | activations + cotangents (ppermute) | parameters + gradients "
-        "(other collective-permutes) | layer stack stored per rank | layers stacked |")
-  print("|---|---|---|---|---|---|")
-  mib = lambda b: f"{b / 2**20:.2f} MiB"
+  print("| schedule | ticks | activations + cotangents (ppermute) | copies' gradient sum | "
+        "parameters + gradients moved (other collective-permutes) | layer stack stored per rank "
+        "| layers stacked |")
+  print("|---|---|---|---|---|---|---|")
+  mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "0"
   for name in args.schedules.split(","):
     r = measure(name, args)
-    order = "rank by rank" if r["stored_order"] else "model order"
-    print(f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['parameters'])} | "
-          f"{mib(r['stored'])} | {order} |", flush=True)
+    print(f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['copies'])} | "
+          f"{mib(r['parameters'])} | {mib(r['stored'])} | {r['stored_order']} |", flush=True)
 
 
 if __name__ == "__main__":

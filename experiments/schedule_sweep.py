@@ -8,6 +8,8 @@ last op, max over ranks), asynchronous and lock-step (the published order tick b
 tick tables the executor really runs after lowering); rate = mean bubble / makespan; activations
 as micro-batch-stages on the busiest rank and in whole-rank units (count * p / stages); the
 formula columns are anchors.md's, `*` marking bounds and approximations, `w` whole-rank units.
+A second table sets ZB-V below m = 2p - 1 from the Zero Bubble authors' V generator (the
+default) beside torch's rule (the 2p - 1 order less its extra micro-batches).
 """
 from __future__ import annotations
 
@@ -106,9 +108,24 @@ def row(name: str, p: int, m: int, out: str | None) -> tuple:
           f"{lower(s).lockstep_time / a.makespan:.3f}")
 
 
-def table(rows: list[tuple]) -> str:
-  cells = [tuple(str(c) for c in r) for r in [HEADER] + rows]
-  width = [max(len(r[i]) for r in cells) for i in range(len(HEADER))]
+ZBV_CASES = ((4, (4, 5, 6, 7)), (8, (8, 10, 12, 14, 15)))
+ZBV_HEADER = ("p", "m", "steady: generator", "steady: torch rule", "bound 2p-1-m",
+              "single step: generator", "single step: torch rule", "act: generator",
+              "act: torch rule")
+
+
+def zbv_row(p: int, m: int) -> tuple:
+  """ZB-V at p, m: the authors' generator (default) and torch's rule, F = I = W = 1."""
+  gen = make_schedule("zb-v", pp=p, microbatches=m).simulate()
+  drop = make_schedule("zb-v", pp=p, microbatches=m, fewer="drop").simulate()
+  return (p, m, f"{gen.max_steady_bubble:g}", f"{drop.max_steady_bubble:g}",
+          max(0, 2 * p - 1 - m), f"{gen.max_bubble:g}", f"{drop.max_bubble:g}",
+          max(gen.peak_activations), max(drop.peak_activations))
+
+
+def table(rows: list[tuple], header: tuple = HEADER) -> str:
+  cells = [tuple(str(c) for c in r) for r in [header] + rows]
+  width = [max(len(r[i]) for r in cells) for i in range(len(header))]
   line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |"
   return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in width) + "|"] +
                    [line(r) for r in cells[1:]])
@@ -130,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         "lock-step makespan / asynchronous makespan running the published per-rank order tick by "
         "tick; lowered/async = the same for the tick tables the executor runs "
         "(jaxpipe.pipeline.lower); * = bound or approximation")
+  print("\nZB-V below m = 2p-1 (steady state and single step in F, act in micro-batch-stages):")
+  print(table([zbv_row(p, m) for p, ms in ZBV_CASES for m in ms], ZBV_HEADER))
   if out:
     print(f"traces (Perfetto: ui.perfetto.dev) and PNGs in {out}/")
 

@@ -21,6 +21,9 @@ MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
              "dualpipe", "dualpipev")
 DTYPES = ("float32", "bfloat16", "float16")
+# Compute dtypes a backend cannot run, and why (found by validation, not by the first step's XLA error).
+UNSUPPORTED_DTYPES = {"cpu": {"float16": "XLA:CPU has no float16 matmul with float32 accumulation "
+                                         "(dot_general precision F16_F16_F32)"}}
 SOURCES = ("stdlib", "synthetic")
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
 GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
@@ -43,6 +46,7 @@ def default_config() -> ml_collections.ConfigDict:
   ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
   ms.cp = 1  # context-parallel size (splits the sequence)
   ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
+  ms.order = ",".join(MESH_AXES)  # device order, outermost (spans processes first) to innermost
 
   c.pipeline = p = ml_collections.ConfigDict()
   p.schedule = "1f1b"  # one of SCHEDULES, or a torch.distributed.pipelining CSV path
@@ -122,6 +126,19 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
   return sizes
 
 
+def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """mesh.order as a tuple of every axis, outermost first: the axes it lists lead, the others
+  follow in MESH_AXES order. ConfigError names an unknown or repeated axis."""
+  listed = [a.strip() for a in str(mesh.order).split(",") if a.strip()]
+  bad = [a for a in listed if a not in MESH_AXES]
+  if bad or len(set(listed)) != len(listed):
+    what = f"unknown axis {bad[0]!r}" if bad else "an axis twice"
+    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes "
+                      f"({', '.join(MESH_AXES)}) outermost first, e.g. --config.mesh.order=dp,pp "
+                      "to put data parallelism across processes and the pipeline within each")
+  return tuple(listed) + tuple(a for a in MESH_AXES if a not in listed)
+
+
 def _positive(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
   for name in names:
     value = cfg[name]
@@ -136,8 +153,12 @@ def _non_negative(section: str, cfg: ml_collections.ConfigDict, names: Iterable[
       raise ConfigError(f"{section}.{name}={value!r} must be >= 0")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Checks every value the run depends on, before any device work; returns the mesh shape."""
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             platform: str | None = None) -> dict[str, int]:
+  """Checks every value the run depends on, before any device work; returns the mesh shape.
+
+  platform: the backend the run will use ('cpu', 'gpu', 'tpu'), for the dtypes it cannot run.
+  """
   m, p, d, o, t, k = (config.model, config.pipeline, config.data, config.optimizer, config.train,
                       config.checkpoint)
   _positive("model", m, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"))
@@ -165,6 +186,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     raise ConfigError(f"model.rope_theta={m.rope_theta!r} must be > 0")
   if m.dtype not in DTYPES:
     raise ConfigError(f"model.dtype={m.dtype!r} is unknown; use one of {DTYPES}")
+  why = UNSUPPORTED_DTYPES.get(platform, {}).get(m.dtype)
+  if why:
+    runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
+    raise ConfigError(f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} "
+                      "there")
   _check_fp8(m)
   if d.source not in SOURCES:
     raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
@@ -181,6 +207,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
 
   shape = mesh_shape(config.mesh, num_devices)
+  mesh_order(config.mesh)
   every = 1
   if m.moe is not None:
     every = m.moe.every
@@ -190,6 +217,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
       raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
                         "layers come in groups of moe.every (the last of each is MoE), so use a "
                         f"multiple of {every} layers")
+    try:  # the MoE layer's own checks: at construction, then against the expert axis
+      model_config(config).moe.validate(shape["ep"])
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"model.moe: {e}") from e
   if shape["pp"] > 1 or schedule.endswith(".csv"):
     _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
   cp = shape["cp"]
@@ -317,6 +348,9 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
   files, bindings = list(files), list(bindings)
   if not files and not bindings:
     return config
+  for f in files:  # gin would log its own error before raising
+    if not os.path.isfile(f):
+      raise ConfigError(f"--gin_file {f}: no such file (relative paths start at {os.getcwd()})")
   fns = {s: _section_configurable(s) for s in GIN_SECTIONS}
   gin.clear_config()
   try:

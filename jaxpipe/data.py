@@ -3,6 +3,8 @@
 Because nothing depends on how many batches were drawn before, a run resumed at step s sees
 exactly the batches an uninterrupted run would have seen. Batches are numpy dicts:
 `tokens` and `targets` int32 [batch, seq_len], `mask` float32 [batch, seq_len] (1 = counted).
+`rows` asks for some rows of the batch only (what one process of a multi-process run feeds its
+devices), equal to those rows of the whole batch.
 """
 import functools
 import pathlib
@@ -16,8 +18,9 @@ SPLITS = ("train", "eval")
 
 
 class Source(Protocol):
-  def batch(self, split: str, index: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Batch number `index` of `split`."""
+  def batch(self, split: str, index: int, batch: int, seq_len: int,
+            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Batch number `index` of `split` (only its `rows`, in that order, when given)."""
 
 
 def _rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -26,6 +29,11 @@ def _rng(seed: int, split: str, index: int) -> np.random.Generator:
   if index < 0:
     raise ValueError(f"batch index {index} must be >= 0")
   return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+def _rows(per_row_B: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+  """The entries of the batch's rows asked for (all when `rows` is None)."""
+  return per_row_B if rows is None else per_row_B[rows]
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,16 +56,17 @@ class ByteCorpus:
     self.splits = {"train": data_N[:len(data_N) - n_eval], "eval": data_N[len(data_N) - n_eval:]}
     self.seed = seed
 
-  def batch(self, split: str, index: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+  def batch(self, split: str, index: int, batch: int, seq_len: int,
+            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     rng = _rng(self.seed, split, index)
     data = self.splits[split]
     if len(data) < seq_len + 1:
       raise ValueError(f"the {split} split has {len(data)} bytes, fewer than seq_len + 1 = "
                        f"{seq_len + 1}; shorten data.seq_len or enlarge data.eval_fraction")
-    start_B = rng.integers(0, len(data) - seq_len, size=batch)
-    window_BxL1 = data[start_B[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-    return {"tokens": window_BxL1[:, :-1], "targets": window_BxL1[:, 1:],
-            "mask": np.ones((batch, seq_len), np.float32)}
+    start_R = _rows(rng.integers(0, len(data) - seq_len, size=batch), rows)
+    window_RxL1 = data[start_R[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"tokens": window_RxL1[:, :-1], "targets": window_RxL1[:, 1:],
+            "mask": np.ones((len(start_R), seq_len), np.float32)}
 
 
 class Synthetic:
@@ -70,16 +79,17 @@ class Synthetic:
   def __init__(self, vocab: int, seed: int):
     self.vocab, self.seed = vocab, seed
 
-  def batch(self, split: str, index: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+  def batch(self, split: str, index: int, batch: int, seq_len: int,
+            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     rng = _rng(self.seed, split, index)
-    start_B = rng.integers(0, self.vocab, size=batch)
-    stride_B = rng.integers(1, 4, size=batch)
-    seq_BxL1 = (start_B[:, None] + stride_B[:, None] * np.arange(seq_len + 1)) % self.vocab
-    length_B = rng.integers(seq_len // 2, seq_len + 1, size=batch)
-    mask_BxL = (np.arange(seq_len)[None, :] < length_B[:, None]).astype(np.float32)
-    seq_BxL1 = seq_BxL1.astype(np.int32)
-    return {"tokens": seq_BxL1[:, :-1], "targets": seq_BxL1[:, 1:] * mask_BxL.astype(np.int32),
-            "mask": mask_BxL}
+    start_R = _rows(rng.integers(0, self.vocab, size=batch), rows)
+    stride_R = _rows(rng.integers(1, 4, size=batch), rows)
+    seq_RxL1 = (start_R[:, None] + stride_R[:, None] * np.arange(seq_len + 1)) % self.vocab
+    length_R = _rows(rng.integers(seq_len // 2, seq_len + 1, size=batch), rows)
+    mask_RxL = (np.arange(seq_len)[None, :] < length_R[:, None]).astype(np.float32)
+    seq_RxL1 = seq_RxL1.astype(np.int32)
+    return {"tokens": seq_RxL1[:, :-1], "targets": seq_RxL1[:, 1:] * mask_RxL.astype(np.int32),
+            "mask": mask_RxL}
 
 
 def make_source(data: ml_collections.ConfigDict, vocab: int) -> Source:

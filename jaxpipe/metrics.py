@@ -1,4 +1,9 @@
-"""Scalar metrics to `metrics.jsonl` (one JSON object per step) and TensorBoard."""
+"""Scalar metrics to `metrics.jsonl` (one JSON object per step) and TensorBoard.
+
+A run that resumes from step s (after kill -9, or from an older checkpoint than its last step)
+first drops what the earlier attempt logged past s: `metrics.jsonl` is rewritten without those
+rows, and TensorBoard is told to purge them (`purge_step`), so every step appears once.
+"""
 import json
 import math
 import os
@@ -6,18 +11,57 @@ import os
 import jax
 
 
-class MetricWriter:
-  """Appends `{"step": s, name: value, ...}` lines and TensorBoard scalars under `workdir`."""
+def _rows(lines: list[str]) -> list[dict]:
+  rows = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:  # a line cut short by a killed writer
+      continue
+    if isinstance(row, dict) and isinstance(row.get("step"), int):
+      rows.append(row)
+  return rows
 
-  def __init__(self, workdir: str):
+
+def read_rows(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl; a line cut short by a killed writer is skipped."""
+  with open(path) as f:
+    return _rows(f.readlines())
+
+
+def drop_rows_after(path: str, step: int) -> int:
+  """Rewrites `path` without the rows past `step` (or cut short), atomically; returns how many
+  lines went."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [r for r in _rows(lines) if r["step"] <= step]
+  if len(kept) == len(lines) and (not lines or lines[-1].endswith("\n")):
+    return 0
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in kept)
+  os.replace(path + ".tmp", path)
+  return len(lines) - len(kept)
+
+
+class MetricWriter:
+  """Appends `{"step": s, name: value, ...}` lines and TensorBoard scalars under `workdir`.
+
+  start_step: the step the run (re)starts from; anything logged past it is dropped first.
+  """
+
+  def __init__(self, workdir: str, start_step: int = 0):
     # Only one process writes, so multi-host runs do not interleave lines.
     self.enabled = jax.process_index() == 0
     if not self.enabled:
       return
     from tensorboardX import SummaryWriter
     os.makedirs(workdir, exist_ok=True)
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    path = os.path.join(workdir, "metrics.jsonl")
+    drop_rows_after(path, start_step)
+    self.jsonl = open(path, "a")
+    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.enabled:

@@ -169,12 +169,17 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if text is not None and not args.out:
+    print(text)
+    return 0
   if text is not None:
-    if args.out:
+    try:
       with open(args.out, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
-    else:
-      print(text)
+    except OSError as e:
+      print(f"error: --out {args.out}: {e.strerror}", file=sys.stderr)
+      return 1
+  print(f"wrote {args.format} to {args.out}")
   return 0
 
 

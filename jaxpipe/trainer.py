@@ -23,14 +23,16 @@ them by valid tokens instead would make their strength follow the padding althou
 are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
 alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
 also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
-train step moves the sigmoid router's balancing biases.
+train step moves the sigmoid router's balancing biases. `moe.aux_objective` is the aux term; with
+`moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
+pooled over the layers.
 """
 import functools
+import logging
 import math
 import os
-import signal
-import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import flax
@@ -44,13 +46,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
+from jaxpipe import multihost
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
 from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
+from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.parallel.ulysses import positions_local
+from jaxpipe.preemption import StopRequest
+from jaxpipe.workdir import Workdir, WorkdirError
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 
@@ -64,7 +71,8 @@ class TrainState:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN/inf loss or gradient; the message names the steps and the checkpoint."""
+  """Training produced a NaN/inf loss or gradient; the message names which, the steps and the
+  checkpoint."""
 
 
 def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
@@ -80,11 +88,30 @@ def _decays(params: dict) -> dict:
       lambda path, _: getattr(path[-1], "key", None) != "scale", params)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> optax.GradientTransformation:
-  """AdamW with warm-up + cosine schedule, after global-norm clipping."""
+def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` with the norm computed by `norm` (e.g. `Trainer.grad_norm`)."""
+
+  def update(updates, state, params=None):
+    del params
+    g_norm = norm(updates)
+    trigger = g_norm < max_norm
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+                        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, steps: int,
+                   norm: Callable[[Any], jax.Array] | None = None) -> optax.GradientTransformation:
+  """AdamW with warm-up + cosine schedule, after clipping by the global norm (`norm`, default
+  optax's over every leaf)."""
   adamw = optax.adamw(learning_rate(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                       weight_decay=opt.weight_decay, mask=_decays)
-  return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw) if opt.clip_norm else adamw
+  if not opt.clip_norm:
+    return adamw
+  clip = optax.clip_by_global_norm(opt.clip_norm) if norm is None else clip_by_norm(opt.clip_norm,
+                                                                                    norm)
+  return optax.chain(clip, adamw)
 
 
 def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
@@ -135,7 +162,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
                                                batch["mask"])
     ce = total / denom
-    return ce + aux["loss"].sum() / microbatches, (ce, aux)
+    aux_loss = moe_lib.aux_objective(moe_cfg, aux)
+    return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -159,8 +187,86 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
       (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
     metrics = {"tokens": count,
-               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k)}
+               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
+               "moe_aux_loss": aux["objective"] / microbatches}  # the pooled form's lb included
     return loss, grads, metrics
+
+  return loss_and_grads
+
+
+def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbatches: int = 1, *,
+                                    axis_name: str = "cp",
+                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
+  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
+
+  Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
+  with rotary positions offset to its slice; `attention` runs Ulysses (see
+  `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
+  partials and are added outside, so the gradient of the replicated parameters is the sum of
+  every rank's contribution whether or not shard_map checks varying axes.
+
+  As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
+  losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
+  step's token count gives the trainer's objective; the reported loss is the cross-entropy.
+  With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
+  summed over all token shards inside the shard_map.
+  """
+  if cfg.fp8 == "delayed" and cfg.attention == "pallas":
+    # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
+    # where it tracks varying axes, which interpreted Pallas kernels need switched off
+    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
+                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
+  spec = P(batch_axes, axis_name)
+  every_axis = P(tuple(mesh.axis_names))
+  aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
+
+  def apply_layers(layers, x_BxSxD, positions_S):
+    if cfg.moe is None:
+      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
+    # transformer.apply_layers, keeping each MoE group's statistics
+    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
+    return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
+
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
+    with context_parallel(axis_name):
+      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
+      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
+      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
+      total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
+    return total[None], aux
+
+  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
+                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
+
+  def loss_sum(params, batch):
+    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
+    return jnp.sum(total), aux
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
+             "weights": transformer.mean_weights(batch["mask"])}
+    if microbatches == 1:
+      (total, aux), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
+      split = jax.tree.map(lambda x: jnp.swapaxes(
+          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+
+      def body(carry, mb):
+        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
+
+      first = jax.tree.map(lambda x: x[0], split)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      ((total, aux), grads), _ = jax.lax.scan(body, zeros, split)
+    metrics = {"tokens": count}
+    if cfg.moe is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+    return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads
 
@@ -175,6 +281,13 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   """
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
+    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and (
+        mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1):
+      raise config_lib.ConfigError(
+          "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
+          "layers, which the pipeline and context-parallel paths keep apart; set "
+          "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
+          "between the two) or run with mesh.pp = mesh.cp = 1")
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
@@ -184,7 +297,6 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
                                    layers_in_placement_order)
   if mesh_shape["cp"] > 1:
     # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
-    from jaxpipe.parallel.ulysses import context_parallel_loss_and_grads
     return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)
 
@@ -196,6 +308,8 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
   contiguous block of the model's layers; stacking them rank by rank instead means the pp split
   of the stack gives each rank exactly its stages, and no parameter moves inside a step.
+  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
+  each layer twice, a resident copy on each of them.
   """
   if mesh_shape["pp"] == 1:
     return None
@@ -203,16 +317,19 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
 
 
-def reorder_layers(tree: Any, order: np.ndarray) -> Any:
+def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any:
   """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
-  `leaf[order]`; everything else unchanged."""
+  `leaf[order]`; everything else unchanged. `size`: the layer axis the tree must have (default
+  len(order), a permutation; an order that repeats or drops entries says it)."""
+  size = len(order) if size is None else size
+
   def reorder(path, x):
     keys = [getattr(k, "key", None) for k in path]
     if "layers" not in keys or not getattr(x, "ndim", 0):
       return x
-    if x.shape[0] != len(order):
+    if x.shape[0] != size:
       raise ValueError(f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
-                       f"the layer order {len(order)}; is this tree the model's?")
+                       f"the layer order takes {size}; is this tree the model's?")
     return x[order]
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
@@ -227,9 +344,9 @@ def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "
 
   Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
   that this block is what rank r runs (`layer_order`): the model's order under contiguous
-  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones.
-  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks; their parameters
-  stay in model order and XLA moves the copies to their ranks inside each step.
+  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones, and
+  rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones (Chimera,
+  DualPipe), which run every stage on two ranks.
   """
   pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
   has_ep = ep_axis in mesh.axis_names
@@ -256,6 +373,17 @@ class Trainer:
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state, fp8); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
+    trainer.close()                           # waits for saves, releases the workdir (or `with`)
+
+  With a workdir the trainer holds it (`jaxpipe.workdir`: one process at a time, one config
+  per run) from construction to `close()`, so a second run, or a config that would train
+  something else, fails before any device work.
+
+  In a multi-process run (`jaxpipe.runtime.initialize`) every process builds the same Trainer
+  and makes the same calls: process 0 holds the workdir and writes config.json, metrics and the
+  progress bar; each process reads only its rows of each batch (`local_rows`) and writes its
+  shards of each checkpoint; a stop signal to any process stops all after the same step. Read
+  arrays split over other processes with `jaxpipe.multihost.to_host`.
 
   `trainer.loss_and_grads` may be replaced before the first step (it receives the state's
   params, in the stored order below). Steps donate the previous state's buffers: keep
@@ -263,23 +391,60 @@ class Trainer:
 
   Under interleaved and V-shaped schedules `trainer.state` stacks params['layers'] (and their
   moments) in `trainer.layer_order`, rank by rank, so that no parameter moves inside a step;
-  `trainer.loss_and_grads` takes them that way. `trainer.model_params()` gives the model's
-  order and `trainer.stored_params(params)` turns the model's order into the state's;
-  checkpoints hold the model's order (any schedule restores them).
+  `trainer.loss_and_grads` takes them that way. Under bidirectional ones (Chimera, DualPipe)
+  the state holds two resident copies of every layer, one on each rank that runs it (twice the
+  parameter and moment memory): their gradients are summed between the two holders, they are
+  updated alike and stay equal, and the clipping norm and `grad_norm` count each parameter once
+  (`trainer.grad_norm`). `trainer.model_params()` gives the model's order (one copy) and
+  `trainer.stored_params(params)` turns the model's order into the state's; checkpoints hold
+  the model's order (any schedule restores them).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None,
+               existing_run: str = "resume"):
+    """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
+    the config changes what is trained, `jaxpipe.workdir`), 'resume_changed' (continue it under
+    the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
     self.config = config
-    self.mesh_shape = config_lib.validate(config, jax.device_count())
+    self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.model_cfg = config_lib.model_config(config)
+    self.workdir = workdir
+    self.checkpointer = None
+    self.notices: list[str] = []  # what the workdir check accepted and the user should know
+    if workdir is not None:  # before any device work: a busy or mismatched workdir stops here
+      # Process 0 takes the lock and checks the config for the whole run; the others wait for its
+      # verdict, so that none of them goes on to a collective that process 0 never reaches.
+      self._workdir = Workdir(workdir)
+      self._release = weakref.finalize(self, self._workdir.unlock)
+      refused = None
+      if jax.process_index() == 0:
+        try:
+          self._workdir.lock()
+          self.notices = self._workdir.check_config(config, existing_run)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, once the others know
+          refused = e
+      if multihost.any_process(refused is not None):
+        self.close()
+        raise refused or WorkdirError(f"process 0 refused --workdir {workdir}; its error says why")
+      for notice in self.notices:
+        logging.warning("%s", notice)
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
+    self._units = self._to_model = self._counted = None
+    copies = False
+    if self.layer_order is not None:
+      self._units = int(self.layer_order.max()) + 1  # entries of the model's layer axis
+      # the stored entry read for each of the model's units (its first copy)
+      self._to_model = np.unique(self.layer_order, return_index=True)[1]
+      copies = len(self.layer_order) != self._units
+    if copies:  # [stored units] 1 on each unit's first copy, 0 on the other: counted once
+      self._counted = np.zeros(len(self.layer_order), np.float32)
+      self._counted[self._to_model] = 1.0
     self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape,
                                               self.layer_order is not None)
     self.mesh = make_mesh(config.mesh)
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
-    self.optimizer = make_optimizer(config.optimizer, config.train.steps)
-    self.workdir = workdir
-    self.checkpointer = None
+    self.optimizer = make_optimizer(config.optimizer, config.train.steps,
+                                    self.grad_norm if copies else None)
     if workdir is not None:
       self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
                                        config.checkpoint.async_save)
@@ -290,27 +455,52 @@ class Trainer:
     self._train_step = None
     self._eval_step = None
 
+  def close(self) -> None:
+    """Waits for background saves and releases the workdir (also done when garbage-collected)."""
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+    finally:
+      if self.workdir is not None:
+        self._release()
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   # -- state ------------------------------------------------------------------------------------
 
-  def _fresh_state(self, rng: jax.Array) -> TrainState:
+  def _fresh_state(self, rng: jax.Array, stored: bool = True) -> TrainState:
     params = transformer.init_params(self.model_cfg, rng)
-    if self.layer_order is not None:
-      params = reorder_layers(params, self.layer_order)
+    if stored and self.layer_order is not None:
+      params = reorder_layers(params, self.layer_order, self._units)
     history = None
     if self.model_cfg.fp8 == "delayed":
       history = fp8_lib.init_history(params, self.model_cfg.fp8_history)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), history)
 
+  def grad_norm(self, grads: dict) -> jax.Array:
+    """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""
+    def squares(path, g):
+      s = jnp.square(g.astype(jnp.float32))
+      if self._counted is not None and "layers" in [getattr(k, "key", None) for k in path]:
+        s = s * self._counted.reshape((-1,) + (1,) * (g.ndim - 1))  # local to each rank
+      return jnp.sum(s)
+    return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(squares, grads))))
+
   @functools.cached_property
   def _reorder(self) -> dict[str, Callable]:
     """Compiled-once moves of a state or params between the stored and the model's order."""
-    to_model, to_stored = np.argsort(self.layer_order), self.layer_order
-    fn = lambda order, sharding: jax.jit(functools.partial(reorder_layers, order=order),
-                                         out_shardings=sharding)
-    return {"state_to_model": fn(to_model, self.state_sharding),
-            "state_to_stored": fn(to_stored, self.state_sharding),
-            "params_to_model": fn(to_model, self.state_sharding.params),
-            "params_to_stored": fn(to_stored, self.state_sharding.params)}
+    stored, model = len(self.layer_order), self._units
+    fn = lambda order, size, sharding: jax.jit(
+        functools.partial(reorder_layers, order=order, size=size), out_shardings=sharding)
+    to_model, to_stored = self._to_model, self.layer_order
+    return {"state_to_model": fn(to_model, stored, self.model_state_sharding),
+            "state_to_stored": fn(to_stored, model, self.state_sharding),
+            "params_to_model": fn(to_model, stored, self.model_state_sharding.params),
+            "params_to_stored": fn(to_stored, model, self.state_sharding.params)}
 
   def model_params(self, params: dict | None = None) -> dict:
     """A copy of `params` (default the state's) with the layers in the model's order."""
@@ -343,12 +533,24 @@ class Trainer:
       self._state_sharding = state_shardings(self.state_shapes, self.mesh)
     return self._state_sharding
 
+  @functools.cached_property
+  def model_state_shapes(self) -> TrainState:
+    """The state's shapes and dtypes in the model's order (as checkpoints hold it)."""
+    return jax.eval_shape(functools.partial(self._fresh_state, stored=False), jax.random.key(0))
+
+  @functools.cached_property
+  def model_state_sharding(self) -> Any:
+    """Shardings of the state in the model's order (as checkpoints hold it)."""
+    if self.layer_order is None or len(self.layer_order) == self._units:
+      return self.state_sharding
+    return state_shardings(self.model_state_shapes, self.mesh)
+
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
     restored = None
     if self.checkpointer is not None:
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              self.state_shapes, self.state_sharding)
+                              self.model_state_shapes, self.model_state_sharding)
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
@@ -366,10 +568,27 @@ class Trainer:
     return {k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
             for k, v in host_batch.items()}
 
-  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
-    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s."""
+  @functools.cached_property
+  def local_rows(self) -> np.ndarray | None:
+    """The rows of each batch that this process's devices hold, ascending; None when they hold
+    every row (one process, or a batch axis that stays within processes)."""
     d = self.config.data
-    return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    index_map = self._batch_sharding.addressable_devices_indices_map((d.batch, d.seq_len))
+    rows = np.unique(np.concatenate([np.arange(d.batch)[idx[0]] for idx in index_map.values()]))
+    return None if len(rows) == d.batch else rows
+
+  def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
+    """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s.
+
+    Across processes each process reads only the rows its devices hold (`local_rows`)."""
+    d = self.config.data
+    rows = self.local_rows
+    if rows is None:
+      return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
+    local = self.source.batch(split, index, d.batch, d.seq_len, rows=rows)
+    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v,
+                                                      (d.batch, d.seq_len))
+            for k, v in local.items()}
 
   # -- one step ---------------------------------------------------------------------------------
 
@@ -393,7 +612,7 @@ class Trainer:
         scales, history = fp8_lib.advance(fp8_lib.state_of(state.params), history, seen,
                                           cfg.fp8_margin, cfg.fp8_amax)
         params = fp8_lib.with_state(params, scales)
-      grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+      grad_norm = self.grad_norm(grads)
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
       return TrainState(state.step + 1, params, opt_state, history), metrics
 
@@ -441,31 +660,38 @@ class Trainer:
   def train(self, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Trains up to step `steps` (default train.steps), resuming from the workdir.
 
-    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted'}. SIGTERM saves
-    a checkpoint after the current step and returns with preempted=True. A non-finite loss or
-    gradient raises NonFiniteLossError naming the steps; nothing after the last finite step is
-    saved.
+    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted', 'stop_signal'}.
+    SIGTERM or a first SIGINT (Ctrl-C) saves a checkpoint after the current step and returns with
+    preempted=True and stop_signal naming the signal; a second SIGINT raises KeyboardInterrupt at
+    once, without saving. A non-finite loss or gradient raises NonFiniteLossError naming which and
+    the steps; nothing after the last finite step is saved. A checkpoint that cannot be written
+    raises CheckpointSaveError as soon as that is known: before the first step when the disk has
+    no room for one, else after the first step that ends once the failed write has; the last
+    good checkpoint stays.
     """
     cfg = self.config
     total = cfg.train.steps if steps is None else steps
     if self.state is None:
       self.init()
     start = int(self.state.step)
-    writer = MetricWriter(self.workdir) if self.workdir else None
-    if self.workdir and jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
-    stop = threading.Event()
-    previous_handler = None
-    if threading.current_thread() is threading.main_thread():
-      previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
-               "eval_loss": None, "preempted": False}
+               "eval_loss": None, "preempted": False, "stop_signal": None}
+    if start > total:
+      where = f" (checkpoint in {self.checkpointer.directory})" if self.checkpointer else ""
+      raise config_lib.ConfigError(
+          f"the run stands at step {start}{where}, past the {total} steps asked for; nothing to "
+          f"train. Raise train.steps above {start} (with --resume_changed) or pass another "
+          "--workdir")
+    if start == total:
+      return summary
+    if self.checkpointer:
+      self.checkpointer.check_space(self.model_state_shapes)
+    writer = MetricWriter(self.workdir, start) if self.workdir else None
+    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
     checked = start  # every step up to here had a finite loss and gradient
-    bar = tqdm.tqdm(total=total, initial=start, disable=not progress, dynamic_ncols=True,
-                    desc="train")
+    bar = tqdm.tqdm(total=total, initial=start, dynamic_ncols=True, desc="train",
+                    disable=not progress or jax.process_index() != 0)
     t_last, steps_last = None, start
 
     def flush(step: int) -> None:
@@ -480,23 +706,26 @@ class Trainer:
         timing = {"step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s}
       t_last, steps_last = now, step  # the first interval holds compilation; it is not timed
       for s, m in rows:
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(norm)):
           if writer:
             writer.write(s, {k: float(v) for k, v in m.items()})
             writer.close()
           if self.checkpointer:
             self.checkpointer.wait()
           good = self.checkpointer.latest_step() if self.checkpointer else None
+          what = (f"non-finite loss {loss} (gradient norm {norm})" if not math.isfinite(loss) else
+                  f"non-finite gradient norm {norm} (the loss, {loss:.4f}, is finite)")
           raise NonFiniteLossError(
-              f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}, "
-              f"found when checking steps {block_start}..{step}. Stopped without saving; the last "
-              "good checkpoint is "
+              f"{what} at step {s}, found when checking steps {block_start}..{step}. Stopped "
+              "without saving; the last good checkpoint is "
               + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
-              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume.")
+              + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume with "
+              "--resume_changed.")
         checked = s
-        summary["last_loss"] = float(m["loss"])
+        summary["last_loss"] = loss
         if summary["first_loss"] is None:
-          summary["first_loss"] = float(m["loss"])
+          summary["first_loss"] = loss
         if writer:
           writer.write(s, {**{k: float(v) for k, v in m.items()}, **(timing if s == step else {})})
       if writer:
@@ -507,35 +736,39 @@ class Trainer:
                        step_ms=f"{1e3 * timing['step_time_s']:.0f}")
       bar.set_postfix(postfix, refresh=False)
 
-    try:
-      for index in range(start, total):
-        pending.append((index + 1, self.step(self.batch(index))))
-        done = index + 1
-        bar.update(1)
-        stopping = stop.is_set()  # read once: the signal may land anywhere in this iteration
-        eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
-        save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                                          or done == total or stopping)
-        if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
-            or done == start + 1):
-          flush(done)
-        if eval_now or done == total:
-          summary["eval_loss"] = self.evaluate()
+    # Across processes every rank stops after the same step: the requests are agreed a step late.
+    with StopRequest(multihost.OneStepLate() if jax.process_count() > 1 else None) as stop:
+      try:
+        for index in range(start, total):
+          pending.append((index + 1, self.step(self.batch(index))))
+          done = index + 1
+          bar.update(1)
+          if self.checkpointer:
+            self.checkpointer.poll()  # a background save that failed stops the run now
+          stopping = stop.agreed()  # read once: the signal may land anywhere in this iteration
+          eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
+          save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+                                            or done == total or stopping)
+          if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
+              or done == start + 1):
+            flush(done)
+          if eval_now or done == total:
+            summary["eval_loss"] = self.evaluate()
+            if writer:
+              writer.write(done, {"eval_loss": summary["eval_loss"]})
+              writer.flush()
+          if save_now:
+            self.checkpointer.save(done, self._checkpoint_state(), force=bool(stopping))
+          summary["step"] = done
+          if stopping:
+            summary["preempted"], summary["stop_signal"] = True, stopping
+            break
+      finally:
+        bar.close()
+        try:
+          if self.checkpointer:
+            self.checkpointer.wait()
+        finally:
           if writer:
-            writer.write(done, {"eval_loss": summary["eval_loss"]})
-            writer.flush()
-        if save_now:
-          self.checkpointer.save(done, self._checkpoint_state(), force=stopping)
-        summary["step"] = done
-        if stopping:
-          summary["preempted"] = True
-          break
-    finally:
-      bar.close()
-      if previous_handler is not None:
-        signal.signal(signal.SIGTERM, previous_handler)
-      if self.checkpointer:
-        self.checkpointer.wait()
-      if writer:
-        writer.close()
+            writer.close()
     return summary

@@ -68,6 +68,15 @@ def test_unfinished_and_corrupt_steps_are_not_latest(tmp_path):
   os.makedirs(os.path.join(d, "9"))  # half-copied: a step directory with no commit marker
   os.makedirs(os.path.join(d, "8.orbax-checkpoint-tmp-1700000000"))  # orbax write interrupted
   _corrupt(os.path.join(d, "6"))
+  listed = sorted(os.listdir(d))
+  reader = Checkpointer(d, keep=10, read_only=True)  # beside a run that may be writing: no renames
+  step, tree = reader.restore_latest(_abstract(_tree(0)))
+  assert step == 4 and reader.steps() == [2, 4, 6] and sorted(os.listdir(d)) == listed
+  np.testing.assert_array_equal(tree["w"], _tree(4)["w"])
+  with pytest.raises(ValueError, match="opened read-only"):
+    reader.save(7, _tree(7))
+  reader.close()
+  assert sorted(os.listdir(d)) == listed
   ckpt = Checkpointer(d, keep=10)
   assert ckpt.steps() == [2, 4, 6]  # 9 never committed: set aside at once
   step, tree = ckpt.restore_latest(_abstract(_tree(0)))
@@ -75,6 +84,7 @@ def test_unfinished_and_corrupt_steps_are_not_latest(tmp_path):
   np.testing.assert_array_equal(tree["w"], _tree(4)["w"])
   assert ckpt.steps() == [2, 4]
   assert {"9.incomplete", "6.corrupt"} <= set(os.listdir(d))
+  assert not [n for n in os.listdir(d) if "orbax-checkpoint-tmp" in n]  # the writer cleans up
   # Later saves are not mistaken for older than the discarded steps.
   assert ckpt.save(5, _tree(5))
   ckpt.wait()

@@ -66,3 +66,13 @@ def test_synthetic_source_is_deterministic_and_masked():
   stride = (a["tokens"][:, 1] - a["tokens"][:, 0]) % 64
   np.testing.assert_array_equal(a["targets"][valid], ((a["tokens"] + stride[:, None]) % 64)[valid])
   assert np.all(a["targets"][~valid] == 0)
+
+
+@pytest.mark.parametrize("source", [data.ByteCorpus(np.arange(5000) % 251, 0.1, seed=2),
+                                    data.Synthetic(vocab=64, seed=1)], ids=["bytes", "synthetic"])
+def test_some_rows_equal_those_rows_of_the_whole_batch(source):
+  """What one process of a multi-process run reads: its rows only, the whole batch's rows."""
+  whole = source.batch("train", 3, 16, 24)
+  rows = np.array([2, 3, 10, 11])
+  part = source.batch("train", 3, 16, 24, rows=rows)
+  assert _same(part, {k: v[rows] for k, v in whole.items()})

@@ -1,15 +1,17 @@
 """Executor: every schedule's loss and gradients equal unpipelined jax.value_and_grad."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import op_breakdown
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered, make_executor,
                                        to_local)
-from jaxpipe.pipeline.lower import lower
+from jaxpipe.pipeline.lower import CHANNELS, COL, LowerOptions, lower
 
 B, L, D = 2, 4, 8  # micro-batch, sequence, width: tiny, so compiling dominates
 
@@ -145,3 +147,44 @@ def test_layered_stages_with_recompute():
   assert_close(loss, want_loss)
   for k in want_grads:
     assert_close(grads[k], want_grads[k])
+
+
+def _runs_per_instruction(compiled, args, trace_dir):
+  """{HLO instruction name: times it ran on all devices} in one call, from a profiler trace."""
+  jax.block_until_ready(compiled(*args))
+  with jax.profiler.trace(str(trace_dir)):
+    jax.block_until_ready(compiled(*args))
+  (path,) = trace_dir.glob("**/*.xplane.pb")
+  return op_breakdown.exclusive_times(str(path))[1]
+
+
+def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
+  # Every backward split into I and W ticks, one part per tick: F, I and W each run one matmul
+  # (x @ w, dy @ w.T, x.T @ dy) per action, and I skips its matmul on the first stage, whose
+  # input cotangent nothing reads.
+  p, m = 4, 4
+  lowered = lower(build("1f1b", p, m), variants=(LowerOptions(split="all", pack=False),))
+  spec = ExecSpec.covering([lowered])
+  params, xs, ts = data(p, p)
+  args = (lowered.table, to_local(params, lowered.layout()), xs[:m], ts[:m], (), ())
+  compiled = make_executor(MODEL, spec, mesh_for(p, False)).lower(*args).compile()
+  hlo = compiled.as_text()
+  op_names = dict(re.findall(r'%([\w.\-]+) = .*op_name="([^"]*)"', hlo))
+  of_kind = lambda want: [n for n, (kind, _) in op_breakdown.op_kinds(hlo).items() if kind == want]
+  matmuls = of_kind("matmul")
+  runs = _runs_per_instruction(compiled, args, tmp_path)
+  ran = {part: sum(runs[name] for name in matmuls if f"/tick/{part}/" in op_names.get(name, ""))
+         for part in ("F", "I", "W")}
+  kinds = [a.kind for tick in lowered.ticks for parts in tick for a in parts]
+  assert "B" not in kinds and kinds.count("F") == kinds.count("W") == m * p
+  # all matmuls are in the parts, none hoisted to run on every tick
+  assert ran == {"F": m * p, "I": m * (p - 1), "W": m * p}
+  assert sum(runs[name] for name in matmuls) == sum(ran.values())
+  # One ppermute down (activations), one up (cotangents), each run on every rank in exactly
+  # the ticks where some rank receives over it.
+  assert lowered.channels == tuple(c in ("act_down", "grad_up") for c in CHANNELS)
+  table = lowered.table
+  receiving = sum(int(np.any(table[:, :, COL[f"recv_{c}"]] >= 0, axis=1).sum())
+                  for c in ("act_down", "grad_up"))
+  assert 0 < receiving * p == sum(runs[name] for name in of_kind("ppermute")) < \
+      lowered.num_ticks * p * sum(lowered.channels)

@@ -46,8 +46,8 @@ def sequential(params, xs, ts):
   return total
 
 
-def assert_matches(loss, grads, params, xs, ts):
-  want_loss, want_grads = jax.jit(jax.value_and_grad(sequential))(params, xs, ts)
+def assert_matches(loss, grads, params, xs, ts, oracle=sequential):
+  want_loss, want_grads = jax.jit(jax.value_and_grad(oracle))(params, xs, ts)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for k in want_grads:
     scale = np.max(np.abs(want_grads[k]))
@@ -275,3 +275,73 @@ def test_error_axes_named_twice_or_not_auto():
                              axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"mesh axes \['pp', 'dp'\] are not Auto"):
       api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=explicit)
+
+
+def masked_loss(y_BxLxD, target):
+  """(cross-entropy summed over the valid tokens, number of valid tokens)."""
+  t_BxL, mask_BxL = target
+  logp = jax.nn.log_softmax(y_BxLxD, axis=-1)
+  nll_BxL = -jnp.take_along_axis(logp, t_BxL[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll_BxL * mask_BxL), jnp.sum(mask_BxL)
+
+
+def padded_data(num_stages, m, seq_halves=1):
+  """Params, inputs and (targets, mask) with a random third of the tokens padding."""
+  params, xs, ts = make_data(num_stages, m)
+  for seed in range(1, seq_halves):
+    _, more_xs, more_ts = make_data(num_stages, m, seed=seed)
+    xs, ts = jnp.concatenate([xs, more_xs], axis=2), jnp.concatenate([ts, more_ts], axis=2)
+  mask = np.random.default_rng(7).random(ts.shape) > 1 / 3
+  mask[0, 0] = False  # one shard's slice wholly padding in the first micro-batch
+  return params, xs, (ts, jnp.asarray(mask, jnp.float32))
+
+
+def globally_normalised(params, xs, targets):
+  """One device: summed masked loss over all micro-batches / all valid tokens."""
+  total = count = 0.0
+  for i in range(xs.shape[0]):
+    x = xs[i]
+    for s in range(jax.tree.leaves(params)[0].shape[0]):
+      x = stage_fn(jax.tree.map(lambda a: a[s], params), x)
+    loss_sum, weight = masked_loss(x, jax.tree.map(lambda t: t[i], targets))
+    total, count = total + loss_sum, count + weight
+  return total / count
+
+
+@pytest.mark.parametrize("shape,names,schedule", [
+    ((2, 4), ("dp", "pp"), "1f1b"),
+    ((2, 2, 2), ("pp", "dp", "cp"), "zb-h1"),
+])
+def test_weighted_loss_is_normalised_by_the_global_weight(shape, names, schedule):
+  """loss_fn -> (sum, weight): value and gradients of sum over everything / weight over
+  everything, whatever the shards' shares of padding."""
+  pp = shape[names.index("pp")]
+  seq_axes = ("cp",) if "cp" in names else ()
+  params, xs, targets = padded_data(pp, 4, seq_halves=2 if seq_axes else 1)
+  loss, grads = jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, targets, masked_loss,
+                                                schedule=schedule, mesh=make_mesh(shape, names),
+                                                seq_axes=seq_axes)
+  assert_matches(loss, grads, params, xs, targets, globally_normalised)
+
+
+def test_per_shard_mean_is_refused():
+  mesh = make_mesh((2, 2), ("dp", "pp"))
+  params, xs, targets = padded_data(2, 4)
+  mean_loss = lambda y, t: masked_loss(y, t)[0] / masked_loss(y, t)[1]
+  with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
+    with pytest.raises(ValueError, match=r"loss_fn averages over its batch.*each of the 2 "
+                                         r"data/sequence shards.*\(loss_sum, weight\)"):
+      jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, targets, mean_loss,
+                                      schedule="1f1b", mesh=mesh)
+    mean_pair = lambda y, t: (mean_loss(y, t), jnp.ones(()))
+    with pytest.raises(ValueError, match="the loss_sum part of loss_fn averages"):
+      jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, targets, mean_pair,
+                                      schedule="1f1b", mesh=mesh)
+    y_weight = lambda y, t: (masked_loss(y, t)[0], jnp.sum(y))
+    with pytest.raises(ValueError, match="weight computed from the stage output y"):
+      jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, targets, y_weight,
+                                      schedule="1f1b", mesh=mesh)
+    triple = lambda y, t: masked_loss(y, t) + (1.0,)
+    with pytest.raises(ValueError, match=r"a scalar .* or a pair of scalars \(loss_sum, weight\)"):
+      jaxpipe.pipeline.value_and_grad(stage_fn, params, xs, targets, triple,
+                                      schedule="1f1b", mesh=mesh)

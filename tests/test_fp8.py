@@ -330,7 +330,9 @@ def test_delayed_amaxes_of_expert_parallel_moe_are_maxima():
 
 def test_executor_combines_stage_copies_by_max():
   """Bidirectional schedules run a stage on two ranks: its ordinary gradients add up, the
-  leaves the model combines by max (delayed scaling's amaxes) take the larger copy."""
+  leaves the model combines by max (delayed scaling's amaxes) take the larger copy, whether the
+  copies stay resident (`sum_copies`) or are gathered into one stack (`from_local`)."""
+  from jaxpipe.pipeline.api import copy_partners, sum_copies
   from jaxpipe.pipeline.executor import Model, from_local
   model = Model(stage_fn=None, loss_fn=None, max_grads=fp8.is_state)
   local = {"kernel": jnp.asarray([[[1.0], [2.0]], [[3.0], [4.0]]]),  # [ranks, chunks, ...]
@@ -339,6 +341,12 @@ def test_executor_combines_stage_copies_by_max():
   got = from_local(local, layout, 2, model)
   np.testing.assert_array_equal(got["kernel"], [[1.0 + 4.0], [2.0 + 3.0]])
   np.testing.assert_array_equal(got["fp8_scale"], [[4.0], [5.0]])
+  mesh = jax.make_mesh((2,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  both = sum_copies(local, copy_partners(layout), mesh, "pp", jax.sharding.PartitionSpec("pp"),
+                    model)
+  np.testing.assert_array_equal(both["kernel"], [[[5.0], [5.0]], [[5.0], [5.0]]])
+  np.testing.assert_array_equal(both["fp8_scale"], [[[4.0], [5.0]], [[5.0], [4.0]]])
 
 
 def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
@@ -359,6 +367,7 @@ def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
   losses += [float(trainer.step()["loss"]) for _ in range(2)]
   straight = jax.device_get(trainer.state)
   assert np.count_nonzero(np.asarray(straight.fp8["layers"]["mlp"]["up"]["fp8_scale"])) == 4 * 2 * 3
+  trainer.close()
 
   resumed = Trainer(c, str(tmp_path))
   resumed._train_step = trainer._train_step  # the same compiled step: only the state is new

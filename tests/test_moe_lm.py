@@ -102,28 +102,42 @@ def test_expert_parallel_step_equals_one_device():
     _close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
-def test_attached_aux_loss_is_in_the_gradient():
-  """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too."""
+def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
+  """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too;
+  `forward`'s logits carry none, and `loss` (CE value, CE + aux gradient) refuses MoE models."""
   cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                       head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**MOE, "every": 1}))
   params = _random_params(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
   mask = jnp.ones((2, 8))
+  with pytest.raises(ValueError, match="transformer.loss takes dense models; with cfg.moe use "
+                                       "loss_and_aux"):
+    transformer.loss(cfg, params, tokens, tokens, mask)
 
   def attached(p):
-    return transformer.loss(cfg, p, tokens, tokens, mask)[0]
+    x = transformer.apply_layers(cfg, p["layers"], transformer.embed(cfg, p, tokens))
+    return transformer.head_loss(cfg, p, x, tokens, mask)[0]
 
   def explicit(p, with_aux):
     total, _, aux = transformer.loss_and_aux(cfg, p, tokens, tokens, mask)
     return total + with_aux * aux["loss"].sum() * tokens.size
 
-  got, want, no_aux = jax.jit(lambda p: (jax.grad(attached)(p), jax.grad(explicit)(p, 1.0),
-                                         jax.grad(explicit)(p, 0.0)))(params)
+  def via_forward(p):  # the summed cross-entropy, from the logits
+    logits_BxLxV = transformer.forward(cfg, p, tokens)
+    target_BxL = jnp.take_along_axis(logits_BxLxV, tokens[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL)
+
+  got, want, no_aux, forward = jax.jit(lambda p: (
+      jax.grad(attached)(p), jax.grad(explicit)(p, 1.0), jax.grad(explicit)(p, 0.0),
+      jax.grad(via_forward)(p)))(params)
   router = want["layers"]["moe"]["moe"]["router_DxE"]
-  no_aux = no_aux["layers"]["moe"]["moe"]["router_DxE"]
-  assert np.abs(np.asarray(router - no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
-  for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-    _close(g, dict(jax.tree_util.tree_flatten_with_path(want)[0])[path], jax.tree_util.keystr(path))
+  router_no_aux = no_aux["layers"]["moe"]["moe"]["router_DxE"]
+  assert np.abs(np.asarray(router - router_no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
+  flat = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+  for path, g in flat(got).items():
+    _close(g, flat(want)[path], jax.tree_util.keystr(path))
+  for path, g in flat(forward).items():
+    _close(g, flat(no_aux)[path], jax.tree_util.keystr(path))
 
 
 def test_train_step_moves_balancing_bias_by_the_sign_rule():

@@ -138,15 +138,14 @@ def lm_problem():
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def lm(request, lm_problem):
   """The LM's compiled (loss, grads) over dp = 2 x cp ranks, with cp_overlap off and on."""
-  from jaxpipe.parallel import ulysses
+  from jaxpipe.trainer import context_parallel_loss_and_grads
   cfg, params, batch, dense = lm_problem
   cp = request.param
   mesh = jax.make_mesh((2, 1, cp), ("dp", "ep", "cp"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
                        devices=jax.devices()[:2 * cp])
   compiled = {}
   for overlapped in (False, True):
-    fn = ulysses.context_parallel_loss_and_grads(dataclasses.replace(cfg, cp_overlap=overlapped),
-                                                 mesh)
+    fn = context_parallel_loss_and_grads(dataclasses.replace(cfg, cp_overlap=overlapped), mesh)
     compiled[overlapped] = jax.jit(fn).lower(params, batch).compile()
   return compiled, dense, params, batch
 

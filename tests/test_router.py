@@ -109,3 +109,56 @@ def test_jitter_scales_each_token_input():
   # x = identity: token t's only nonzero input is multiplied by one draw from U(0.9, 1.1).
   assert np.all((ratio >= 0.9) & (ratio <= 1.1)) and not np.allclose(ratio, 1.0)
   np.testing.assert_allclose(ratio, ratio[:, :1].repeat(2, 1), rtol=1e-6)
+
+
+def test_top1_renormalisation_and_unnormalised_sigmoid():
+  # Mixtral and Qwen3 renormalise the single chosen weight to 1; Switch keeps the probability.
+  r = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True), LOGITS)
+  np.testing.assert_array_equal(r.idx_TxK, [[2], [2]])
+  np.testing.assert_array_equal(r.w_TxK, [[1.0], [1.0]])
+  g = jax.jit(jax.grad(lambda w: router_lib.route(
+      MoEConfig(num_experts=4, top_k=1, norm_top1=True), w, None, jnp.eye(2)).w_TxK.sum()))(
+          jnp.asarray(LOGITS, jnp.float32))
+  assert np.abs(g).max() < 1e-7  # a weight of 1 carries no router gradient (but rounding)
+  off = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True, norm_topk_prob=False), LOGITS)
+  z0 = 1 + math.e + math.e**2 + math.e**3
+  np.testing.assert_allclose(off.w_TxK[0], [math.e**3 / z0], rtol=1e-6)
+  # The sigmoid router's raw scores when norm_topk_prob is off (DeepSeek's norm_topk_prob=False).
+  cfg = MoEConfig(num_experts=4, top_k=2, router="sigmoid", norm_topk_prob=False,
+                  routed_scaling=2.5)
+  r = _route(cfg, [[0.0, 1.0, 2.0, -1.0]])
+  np.testing.assert_allclose(r.w_TxK, [[2.5 * _sig(2.0), 2.5 * _sig(1.0)]], rtol=1e-6)
+
+
+def test_aux_objective_forms_and_the_factor_between_them():
+  """Per-layer sum vs transformers' pooled form; (K/G) apart when every layer routes alike."""
+  from jaxpipe.models import moe
+  rng = np.random.default_rng(0)
+  g, t, e, k, coef = 3, 16, 4, 2, 0.1
+  logits = rng.standard_normal((g, t, e))
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  idx = np.argsort(-probs, -1)[..., :k]
+  counts = np.stack([np.bincount(idx[l].ravel(), minlength=e) for l in range(g)])
+
+  def aux(cfg, layers):
+    lb = e * np.sum(counts[layers] / (t * k) * probs[layers].mean(1), -1)
+    return {"loss": jnp.asarray(coef * lb if cfg.lb_loss_form == "per_layer" else 0 * lb),
+            "tokens_per_expert": jnp.asarray(counts[layers]),
+            "router_probs": jnp.asarray(probs[layers].mean(1))}, lb
+
+  per_layer = MoEConfig(num_experts=e, top_k=k, lb_loss_coef=coef, z_loss_coef=0.0)
+  pooled = dataclasses.replace(per_layer, lb_loss_form="pooled")
+  layers = np.arange(g)
+  a, lb = aux(per_layer, layers)
+  np.testing.assert_allclose(moe.aux_objective(per_layer, a), coef * lb.sum(), rtol=1e-6)
+  # transformers' load_balancing_loss_func: num_experts * sum(tokens_per_expert * router_prob),
+  # each the mean over all layers' tokens, tokens_per_expert counting top-k assignments.
+  hf_lb = e * np.sum(counts.sum(0) / (g * t) * probs.reshape(g * t, e).mean(0))
+  np.testing.assert_allclose(moe.aux_objective(pooled, aux(pooled, layers)[0]), coef * hf_lb,
+                             rtol=1e-6)
+  same = np.zeros(g, int)  # every layer routes as layer 0
+  np.testing.assert_allclose(moe.aux_objective(pooled, aux(pooled, same)[0]),
+                             k / g * moe.aux_objective(per_layer, aux(per_layer, same)[0]),
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="lb_loss_form='mean' is unknown"):
+    MoEConfig(lb_loss_form="mean")

@@ -5,6 +5,8 @@ micro-batch each, i.e. B = F; its bubble rate (D-2)/(2N+D-2) is in those units (
 stages, N = m micro-batches). The single-step view (makespan minus a rank's busy time) is
 the one it states; the steady-state view is checked beside it. Activations are counted in
 (stage, micro-batch) pairs whose forward ran and whose backward has not yet run.
+Both ways of running more micro-batches than p are checked: the authors' direct concatenation
+(`concat="direct"`) and the merged units (the default), against 1F1B's (p-1)(F+B) at B = 2F.
 """
 import pytest
 
@@ -100,7 +102,7 @@ def test_registry_builds_it():
 @pytest.mark.parametrize("p,m", sorted(REFERENCE_GRIDS))
 def test_matches_reference_generator(p, m):
   """Same per-rank order as the authors' generator, units concatenated 2p slots apart."""
-  s = chimera(p, m)
+  s = chimera(p, m, concat="direct")
   grid = REFERENCE_GRIDS[(p, m)]
   for r in range(p):
     seen = {}
@@ -117,11 +119,12 @@ def test_matches_reference_generator(p, m):
   assert _bubbles(s)[2] == max(len(row.split()) for row in grid)
 
 
+@pytest.mark.parametrize("concat", ["direct", "merged"])
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (4, 12), (6, 12), (8, 8), (8, 32),
                                  (10, 20)])
-def test_bubble_rate_in_slots(p, m):
+def test_bubble_rate_in_slots(p, m, concat):
   """Paper: (D-2)/(2N+D-2) with F = B; the single-step view, equal on every rank."""
-  single, steady, makespan = _bubbles(chimera(p, m))
+  single, steady, makespan = _bubbles(chimera(p, m, concat=concat))
   assert single == [p - 2] * p
   assert makespan == 2 * m + p - 2
   assert single[0] / makespan == pytest.approx((p - 2) / (2 * m + p - 2), rel=1e-12)
@@ -137,15 +140,40 @@ def test_direct_concatenation_leaves_gaps_when_backward_is_longer(p):
   """With B = 2F the slot-derived order idles more than (p/2-1)(F+B) per rank, and more with
   every unit concatenated: the intermediate bubbles that the paper's forward doubling and
   backward halving exist to remove. The formula is a count of equal slots."""
-  one_unit, _, _ = _bubbles(chimera(p, p), b=2.0)
-  two_units, _, _ = _bubbles(chimera(p, 2 * p), b=2.0)
+  one_unit, _, _ = _bubbles(chimera(p, p, concat="direct"), b=2.0)
+  two_units, _, _ = _bubbles(chimera(p, 2 * p, concat="direct"), b=2.0)
   assert max(two_units) > max(one_unit) >= (p / 2 - 1) * 3
+
+
+@pytest.mark.parametrize("p,m", [(4, 6), (4, 16), (6, 10), (6, 24), (8, 14), (8, 32), (10, 40)])
+def test_merged_units_leave_no_intermediate_bubble(p, m):
+  """The merged order at B = 2F: below 1F1B's (p-1)(F+B) (at p = 8, m = 32: 21, where direct
+  concatenation idles 30), and every rank idles (p-2)·B, one unit's bubble, for every m (single
+  step; the steady-state view's worst rank the same); at F = 2B it is (p-2)·F. No rank holds
+  more than p micro-batch-stages."""
+  s = chimera(p, m)
+  assert s.options["concat"] == "merged"
+  for f, b in ((1.0, 2.0), (2.0, 3.0), (2.0, 1.0)):
+    single, steady, _ = _bubbles(s, f, b)
+    assert single == [(p - 2) * max(f, b)] * p, (f, b, single)
+    assert max(steady) == (p - 2) * max(f, b), (f, b, steady)
+    assert max(single) < (p - 1) * (f + b)  # 1F1B
+  assert max(_peak_activations(s)) == p
+  if (p, m) == (8, 32):
+    direct, _, _ = _bubbles(chimera(p, m, concat="direct"), b=2.0)
+    assert max(direct) == 30 > 21 > 12 == max(_bubbles(s, b=2.0)[0])
+
+
+def test_merged_needs_2p_minus_2_microbatches_else_concatenates():
+  for p, m in ((4, 4), (8, 8), (8, 12)):
+    assert chimera(p, m).ranks == chimera(p, m, concat="direct").ranks
+    assert chimera(p, m).options["concat"] == "direct"
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 12), (6, 12), (8, 16), (10, 20)])
 def test_activations_between_half_and_full_depth(p, m):
   """Paper: activation memory between (D/2+1) and D micro-batches of one stage per worker."""
-  peaks = _peak_activations(chimera(p, m))
+  peaks = _peak_activations(chimera(p, m, concat="direct"))
   assert min(peaks) == peaks[0] == peaks[-1] == p // 2 + 1
   assert max(peaks) == p
 
@@ -155,7 +183,8 @@ def test_activations_between_half_and_full_depth(p, m):
     (dict(pp=1, microbatches=2), r"even number of ranks.*pp=1; use pp=2"),
     (dict(pp=4, microbatches=7), r"microbatches=7; use an even number.*such as 8"),
     (dict(pp=4, microbatches=8, chunks=4), r"chunks=4"),
-    (dict(pp=4, microbatches=8, doubling=True), r"no options.*doubling"),
+    (dict(pp=4, microbatches=8, doubling=True), r"only the option concat.*doubling"),
+    (dict(pp=4, microbatches=8, concat="doubled"), r"concat='doubled' is not one of"),
 ])
 def test_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):

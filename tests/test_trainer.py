@@ -2,10 +2,6 @@
 import functools
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +12,6 @@ from configs import tiny
 from jaxpipe.models import transformer
 from jaxpipe.trainer import (NonFiniteLossError, Trainer, TrainState, data_parallel_loss_and_grads,
                              learning_rate)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _read_metrics(workdir):
@@ -167,41 +161,3 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   assert trainer.checkpointer.steps() == [4]
   rows = _read_metrics(str(tmp_path))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[-1]["loss"] == "nan"
-
-
-def _run_until_sigterm(cmd, env, metrics, lines):
-  """Starts `cmd`, sends SIGTERM once metrics.jsonl has `lines` lines, returns (rc, stdout, stderr)."""
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE)
-  deadline = time.time() + 180
-  while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= lines:
-      break
-    time.sleep(0.1)
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=180)
-  return proc.returncode, out, err
-
-
-def test_cli_sigterm_saves_and_the_same_command_resumes(tmp_path):
-  workdir = str(tmp_path / "run")
-  metrics = os.path.join(workdir, "metrics.jsonl")
-  cmd = [sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py", "--workdir", workdir,
-         "--config.train.log_every=1", "--config.train.eval_every=0",
-         "--config.train.steps=100000", "--config.checkpoint.every=0"]  # only SIGTERM saves
-  # The second process compiles exactly what the first did: share a compilation cache.
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-  rc, out, err = _run_until_sigterm(cmd, env, metrics, 3)
-  assert rc == 0, err[-3000:]
-  saved = int(out.split("SIGTERM: saved step ")[1].split()[0])
-  assert saved >= 3 and os.listdir(os.path.join(workdir, "checkpoints")) == [str(saved)]
-
-  rc, out, err = _run_until_sigterm(cmd, env, metrics, saved + 2)
-  assert rc == 0, err[-3000:]
-  assert f"resumed from step {saved} in " in out
-  again = int(out.split("SIGTERM: saved step ")[1].split()[0])
-  assert again >= saved + 2
-  steps = [r["step"] for r in _read_metrics(workdir)]
-  assert steps == list(range(1, again + 1))  # no step lost or repeated across the restart

@@ -98,6 +98,7 @@ def test_bad_splits_raise(seq, heads, kv_heads, match):
 def test_model_loss_and_grads_with_context_parallelism(microbatches):
   """The LM with its sequence over cp=2 (batch over dp=2) equals jax.grad on one device."""
   from jaxpipe.models import transformer
+  from jaxpipe.trainer import context_parallel_loss_and_grads
   cfg = transformer.TransformerConfig(vocab=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
                                       head_dim=4, d_ff=32)
   params = transformer.init_params(cfg, jax.random.key(0))
@@ -106,7 +107,7 @@ def test_model_loss_and_grads_with_context_parallelism(microbatches):
                mask=jnp.ones((4, 16)).at[:, -1].set(0.0))
   mesh = _mesh((2, 1, 2), ("dp", "ep", "cp"))
   loss, grads, metrics = jax.jit(
-      ulysses.context_parallel_loss_and_grads(cfg, mesh, microbatches))(params, batch)
+      context_parallel_loss_and_grads(cfg, mesh, microbatches))(params, batch)
 
   def mean_loss(params):
     total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])

@@ -8,7 +8,13 @@ xla elsewhere (interpreted Pallas is a correctness tool, not a fast path).
 
 Inside `with context_parallel("cp"):` (entered within a `shard_map` whose sequence is split over
 "cp"), the same call runs Ulysses attention over that axis, so a model written for one device
-needs no change to train with context parallelism.
+needs no change to train with context parallelism. Inside `with kv_cache(hook):` the call hands
+its q, k, v to the hook instead (serving: store the new keys/values in pages, attend over the
+cached ones), so the same layers serve a paged KV cache.
+
+Paged (decode) attention has its own backends behind `paged_attention`: `xla` (the pure-JAX
+gather reference), `pallas` (`kernels_pallas.paged_attention`, compiled on GPU, interpreted
+elsewhere) and `auto` (pallas on GPU, xla elsewhere).
 """
 from __future__ import annotations
 
@@ -20,13 +26,16 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import flash_attention as fa
+from kernels_pallas import paged_attention as pa
 
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
+PAGED_BACKENDS = ("xla", "pallas", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
 _CONTEXT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_axis",
                                                                            default=None)
 _POINT_TO_POINT: contextvars.ContextVar[bool] = contextvars.ContextVar("point_to_point",
                                                                        default=True)
+_KV_CACHE: contextvars.ContextVar = contextvars.ContextVar("kv_cache", default=None)
 
 
 @contextlib.contextmanager
@@ -45,6 +54,16 @@ def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None =
   finally:
     _CONTEXT_AXIS.reset(tokens[0])
     _POINT_TO_POINT.reset(tokens[1])
+
+
+@contextlib.contextmanager
+def kv_cache(hook):
+  """While tracing inside, `attention(q, k, v, causal=True)` returns `hook(q, k, v)` instead."""
+  token = _KV_CACHE.set(hook)
+  try:
+    yield
+  finally:
+    _KV_CACHE.reset(token)
 
 
 def context_axis() -> str | None:
@@ -121,6 +140,11 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
   Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs).
   """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+  hook = _KV_CACHE.get()
+  if hook is not None:
+    if not causal or segment_ids is not None or sm_scale is not None:
+      raise ValueError("a KV cache serves causal attention without segment_ids or sm_scale")
+    return hook(q, k, v)
   axis_name = _CONTEXT_AXIS.get()
   if axis_name is not None:
     from jaxpipe.parallel.ulysses import ulysses_attention_local  # it calls back in here
@@ -135,3 +159,29 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, is_causal=causal,
                                       implementation=name)
+
+
+def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
+  """The concrete paged-attention backend for these pages: validates the choice, resolves 'auto'
+  (the compiled kernel on GPU when it serves the shapes, else xla)."""
+  if backend not in PAGED_BACKENDS:
+    raise ValueError(f"unknown paged attention backend {backend!r}; choose one of {PAGED_BACKENDS}")
+  reason = pa.compiled_unsupported(head_dim, page_size) if _gpu_major() is not None else None
+  if backend == "auto":
+    return "pallas" if _gpu_major() is not None and reason is None else "xla"
+  if backend == "pallas" and reason is not None:
+    raise ValueError(f"paged attention backend 'pallas' {reason}; use 'xla'")
+  return backend
+
+
+def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPxSxK: jax.Array,
+                    block_tables_BxN: jax.Array, lengths_B: jax.Array, *, backend: str = "auto",
+                    k_scales_GxPxS: jax.Array | None = None,
+                    v_scales_GxPxS: jax.Array | None = None) -> jax.Array:
+  """One query token per row attending over its first `lengths[b]` paged keys (`kernels_pallas.paged_attention`)."""
+  scales = dict(k_scales_GxPxS=k_scales_GxPxS, v_scales_GxPxS=v_scales_GxPxS)
+  args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
+  _, _, page_size, head_dim = k_pages_GxPxSxK.shape
+  if resolve_paged_backend(backend, head_dim, page_size) == "pallas":
+    return pa.paged_attention(*args, **scales, interpret=_gpu_major() is None)
+  return pa.paged_attention_reference(*args, **scales)

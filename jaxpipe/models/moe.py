@@ -25,6 +25,7 @@ Params = dict[str, jax.Array]
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
 DROPLESS_IMPLS = ("auto", "padded", "ragged", "ragged_emulated")
+LB_LOSS_FORMS = ("per_layer", "pooled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +36,14 @@ class MoEConfig:
   d_ff: int = 64                  # hidden width of each SwiGLU expert
   num_shared_experts: int = 0     # always-on experts, fused into one SwiGLU of width n * d_ff
   router: str = "softmax"         # 'softmax' (Switch/Mixtral) or 'sigmoid' (DeepSeek-V3)
-  norm_topk_prob: bool = True     # softmax, K > 1: renormalise the K weights (Mixtral); sigmoid always does
+  norm_topk_prob: bool = True     # renormalise the K chosen weights to sum 1 (Mixtral; Qwen3's option; DeepSeek-V3's)
+  norm_top1: bool = False         # softmax, K = 1: renormalise too (weight 1, as Mixtral/Qwen3); False: Switch's p
   routed_scaling: float = 1.0     # multiplier on the routed weights (DeepSeek-V3 uses 2.5)
   n_groups: int = 1               # contiguous expert groups for group-limited routing; 1 = off
   topk_groups: int = 1            # groups a token may use (node-limited when groups are ranks)
   jitter: float = 0.0             # router input noise U(1-j, 1+j), applied only when an rng is given
   lb_loss_coef: float = 0.01      # weight of the Switch load-balancing loss
+  lb_loss_form: str = "per_layer"  # 'per_layer' (Megatron) or 'pooled' over layers (transformers): aux_objective
   z_loss_coef: float = 0.001      # weight of the router z-loss
   bias_update_rate: float = 0.0   # sigmoid router's balancing-bias step per training step; 0 = off
   dispatch: str = "dropless"      # 'dropless' or 'capacity' (fixed buffers, overflow dropped and counted)
@@ -62,6 +65,8 @@ class MoEConfig:
       raise ValueError(f"router={self.router!r} is unknown; use one of {ROUTERS}")
     if self.dispatch not in DISPATCH:
       raise ValueError(f"dispatch={self.dispatch!r} is unknown; use one of {DISPATCH}")
+    if self.lb_loss_form not in LB_LOSS_FORMS:
+      raise ValueError(f"lb_loss_form={self.lb_loss_form!r} is unknown; use one of {LB_LOSS_FORMS}")
     if self.dropless_impl not in DROPLESS_IMPLS:
       raise ValueError(f"dropless_impl={self.dropless_impl!r} is unknown; use one of {DROPLESS_IMPLS}")
     if self.n_groups < 1 or e % self.n_groups:
@@ -222,15 +227,39 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
 
 
 def _aux(cfg: MoEConfig, probs_sum_E, counts_E, z_sum, n_tokens) -> dict[str, jax.Array]:
+  """The layer's losses; its 'loss' holds the load-balancing term only in the per-layer form."""
   lb = router_lib.load_balancing_loss(probs_sum_E, counts_E, n_tokens, cfg.top_k)
   z = z_sum / n_tokens
   counts = counts_E.astype(jnp.float32)
-  return {"loss": cfg.lb_loss_coef * lb + cfg.z_loss_coef * z, "lb_loss": lb, "z_loss": z,
-          "imbalance": counts.max() / counts.mean()}
+  lb_term = cfg.lb_loss_coef * lb if cfg.lb_loss_form == "per_layer" else 0.0
+  return {"loss": lb_term + cfg.z_loss_coef * z, "lb_loss": lb, "z_loss": z,
+          "imbalance": counts.max() / counts.mean(), "router_probs": probs_sum_E / n_tokens}
 
 
-AUX_KEYS = ("loss", "lb_loss", "z_loss", "imbalance", "tokens_per_expert", "dropped",
-            "dropped_pairs", "recv_rows")
+AUX_KEYS = ("loss", "lb_loss", "z_loss", "imbalance", "router_probs", "tokens_per_expert",
+            "dropped", "dropped_pairs", "recv_rows")
+
+
+def aux_objective(cfg: MoEConfig, aux_GxX: dict[str, jax.Array]) -> jax.Array:
+  """The auxiliary loss of G MoE layers (aux with a leading G axis), to add to the mean cross-entropy.
+
+  With f_le = c_le / T (assignments to expert e in layer l per token; they sum to K) and P_le the
+  mean router probability of e in layer l over the T tokens:
+    'per_layer' (Megatron's): sum_l lb_loss_coef · (E/K) sum_e f_le P_le + z_loss_coef · z_l,
+      1 per layer at perfect balance, G for the model;
+    'pooled' (transformers' `load_balancing_loss_func`): lb_loss_coef · E sum_e f_e P_e with f_e
+      and P_e averaged over the layers first, K at perfect balance; plus the same z-losses.
+  When every layer routes alike, pooled = (K / G) × per-layer sum: matching a transformers run
+  takes lb_loss_coef = router_aux_loss_coef with 'pooled', or router_aux_loss_coef · K / G with
+  'per_layer' at balance. The pooled form couples the layers, so it needs all of them in one
+  program (`transformer.loss_and_aux`); per-layer losses ride on each layer's gradient anywhere.
+  """
+  loss = aux_GxX["loss"].sum()
+  if cfg.lb_loss_form == "pooled":
+    counts_GxE = aux_GxX["tokens_per_expert"].astype(jnp.float32)
+    f_E = (cfg.top_k * counts_GxE / counts_GxE.sum(-1, keepdims=True)).mean(0)
+    loss = loss + cfg.lb_loss_coef * cfg.num_experts * jnp.sum(f_E * aux_GxX["router_probs"].mean(0))
+  return loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ class RouterSettings(Protocol):
   top_k: int
   router: str
   norm_topk_prob: bool
+  norm_top1: bool
   routed_scaling: float
   n_groups: int
   topk_groups: int
@@ -67,7 +68,7 @@ def route(cfg: RouterSettings, w_DxE: jax.Array, bias_E: jax.Array | None, x_TxD
     select = jnp.where(keep > 0, select, -jnp.inf)
   _, idx = jax.lax.top_k(select, cfg.top_k)
   w = jnp.take_along_axis(scores, idx, axis=-1)
-  if cfg.router == "sigmoid" or (cfg.norm_topk_prob and cfg.top_k > 1):
+  if cfg.norm_topk_prob and (cfg.top_k > 1 or cfg.norm_top1 or cfg.router == "sigmoid"):
     w = w / w.sum(-1, keepdims=True)
   return Routing(idx.astype(jnp.int32), w * cfg.routed_scaling, probs, logits)
 

@@ -53,6 +53,7 @@ class TransformerConfig:
   head_dim: int = 32  # width of one head; even
   d_ff: int = 512  # SwiGLU hidden width
   rope_theta: float = 10_000.0  # rotary embedding base
+  qk_norm: bool = False  # RMSNorm of each query and key head over head_dim before rotary (Qwen3)
   norm_eps: float = 1e-6  # RMSNorm epsilon
   tied_embeddings: bool = True  # head reuses the embedding matrix
   attention: str = "xla"  # backend name passed to jaxpipe.models.attention.attention
@@ -159,10 +160,18 @@ class Attention(nn.Module):
     q_BxLxHxK = Dense((c.n_heads, c.head_dim), c, name="q")(x_BxLxD)
     k_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="k")(x_BxLxD)
     v_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="v")(x_BxLxD)
+    q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
     q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
     o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, backend=c.attention)
     return Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK)
+
+  def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
+    """Per-head RMSNorm of queries and keys with `cfg.qk_norm` (one scale per channel, all heads)."""
+    if not self.cfg.qk_norm:
+      return q_BxLxHxK, k_BxLxGxK
+    eps = self.cfg.norm_eps
+    return RMSNorm(eps, name="q_norm")(q_BxLxHxK), RMSNorm(eps, name="k_norm")(k_BxLxGxK)
 
   def _overlapped(self, x_BxSxD, positions_S, axis_name):
     """Ulysses with each projection fused into its all-to-all (`jaxpipe.parallel.overlap`).
@@ -190,6 +199,7 @@ class Attention(nn.Module):
       a2a_proj = functools.partial(overlap.a2a_proj_chunked_local, chunks=chunks)
     q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK = (
         proj_a2a(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv")
+    q_BxLxHpxK, k_BxLxGpxK = self._qk_norm(q_BxLxHpxK, k_BxLxGpxK)  # per token and head: after the a2a
     q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
     k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
     with context_parallel(None):  # head shards of the full sequence: a plain attention core
@@ -276,7 +286,8 @@ def apply_layers_aux(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
                      positions_L: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """`apply_layers` without attachment, plus the MoE layers' aux (leading axis: MoE layers).
 
-  aux is `moe.moe_layer`'s dict ({} for a dense model); its 'loss' is for the caller to add.
+  aux is `moe.moe_layer`'s dict ({} for a dense model); `moe.aux_objective` of it is for the
+  caller to add.
   """
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=False)
 
@@ -316,6 +327,15 @@ def apply_unit(cfg: TransformerConfig, unit: Any, x_BxLxD: jax.Array, positions_
   x_BxLxD, aux = Block(cfg, moe=True).apply({"params": unit["moe"]}, x_BxLxD, positions_L)
   if not attach:
     return x_BxLxD, aux
+  return _attach_unit_aux(cfg, x_BxLxD, aux)
+
+
+def _attach_unit_aux(cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict) -> jax.Array:
+  """x with the MoE group's auxiliary loss on its gradient, weighted by the tokens of x."""
+  if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef:
+    raise ValueError("moe.lb_loss_form='pooled' couples all MoE layers, so it cannot ride on each "
+                     "layer's gradient (pipeline and context-parallel paths); use "
+                     "loss_and_aux with moe.aux_objective, or moe.lb_loss_form='per_layer'")
   return attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
 
 
@@ -364,20 +384,30 @@ def mean_weights(mask_BxL: jax.Array) -> jax.Array:
 
 
 def forward(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-  """Next-token logits [B, L, vocab], float32."""
-  return logits(cfg, params, apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL)))
+  """Next-token logits [B, L, vocab], float32; their gradient is theirs alone (no MoE aux loss)."""
+  x_BxLxD, _ = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+  return logits(cfg, params, x_BxLxD)
 
 
 def loss(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array, targets_BxL: jax.Array,
          mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(summed masked cross-entropy, valid-token count) of the whole model."""
+  """(summed masked cross-entropy, valid-token count) of a dense model; MoE: `loss_and_aux`."""
+  if cfg.moe is not None:
+    # Attached aux losses would make the gradient that of CE sum + B·L·aux while the value is the
+    # CE sum alone, so jax.grad(loss / n) would not scale the aux term by 1/n.
+    raise ValueError("transformer.loss takes dense models; with cfg.moe use loss_and_aux, which "
+                     "returns the MoE layers' aux, and add moe.aux_objective(cfg.moe, aux) to the "
+                     "mean cross-entropy")
   x_BxLxD = apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL))
   return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)
 
 
 def loss_and_aux(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array,
                  targets_BxL: jax.Array, mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
-  """`loss` and the MoE layers' aux (`apply_layers_aux`); the caller adds aux['loss'].sum()."""
+  """`loss` and the MoE layers' aux (`apply_layers_aux`), none of it on the gradient.
+
+  The training objective adds `moe.aux_objective(cfg.moe, aux)` to the mean cross-entropy.
+  """
   x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
@@ -385,5 +415,4 @@ def loss_and_aux(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array,
 def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
   """An MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
   x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
-  x_BxLxD = attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
-  return x_BxLxD, {k: aux[k] for k in moe_lib.AUX_KEYS}
+  return _attach_unit_aux(cfg, x_BxLxD, aux), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -94,86 +93,3 @@ def ulysses_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax
   check_vma = backend != "pallas"
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec,
                        check_vma=check_vma)(*args)
-
-
-def context_parallel_loss_and_grads(cfg, mesh: Mesh, microbatches: int = 1, *,
-                                    axis_name: str = "cp",
-                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
-  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
-
-  Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
-  with rotary positions offset to its slice; `attention` runs Ulysses (see
-  `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
-  partials and are added outside, so the gradient of the replicated parameters is the sum of
-  every rank's contribution whether or not shard_map checks varying axes.
-
-  As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
-  losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
-  step's token count gives the trainer's objective; the reported loss is the cross-entropy.
-  With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
-  summed over all token shards inside the shard_map.
-  """
-  from jaxpipe.models import fp8 as fp8_lib
-  from jaxpipe.models import moe as moe_lib
-  from jaxpipe.models import transformer
-  from jaxpipe.models.attention import context_parallel
-
-  if cfg.fp8 == "delayed" and cfg.attention == "pallas":
-    # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
-    # where it tracks varying axes, which interpreted Pallas kernels need switched off
-    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
-                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
-
-  spec = P(batch_axes, axis_name)
-  every_axis = P(tuple(mesh.axis_names))
-  aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
-
-  def apply_layers(layers, x_BxSxD, positions_S):
-    if cfg.moe is None:
-      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
-    # transformer.apply_layers, keeping each MoE group's statistics
-    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
-    return lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
-
-  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
-    with context_parallel(axis_name):
-      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
-      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
-      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
-      total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
-    return total[None], aux
-
-  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
-
-  def loss_sum(params, batch):
-    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
-    return jnp.sum(total), aux
-
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
-
-  def loss_and_grads(params, batch):
-    n_tokens = batch["tokens"].size
-    count = jnp.sum(batch["mask"].astype(jnp.float32))
-    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
-             "weights": transformer.mean_weights(batch["mask"])}
-    if microbatches == 1:
-      (total, aux), grads = grad_fn(params, batch)
-    else:
-      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
-      split = jax.tree.map(lambda x: jnp.swapaxes(
-          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
-
-      def body(carry, mb):
-        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
-
-      first = jax.tree.map(lambda x: x[0], split)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           jax.eval_shape(grad_fn, params, first))
-      ((total, aux), grads), _ = lax.scan(body, zeros, split)
-    metrics = {"tokens": count}
-    if cfg.moe is not None:
-      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
-    return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
-
-  return loss_and_grads

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
-                                       data_axes_of, from_local, io_spec, is_contiguous,
-                                       make_executor, param_specs_key, to_local, with_aux)
+                                       combines_by_max, data_axes_of, from_local, io_spec,
+                                       is_contiguous, make_executor, param_specs_key, to_local,
+                                       with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -55,8 +57,11 @@ def lowered_for(schedule: Schedule) -> Lowered:
 
 def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyTree,
                  xs: PyTree, targets: PyTree, data_axes: tuple[str, ...],
-                 seq_axes: tuple[str, ...] = ()) -> None:
-  """Raises ValueError naming the first disagreement between the schedule and the inputs."""
+                 seq_axes: tuple[str, ...] = (), stage_copies: bool = False) -> None:
+  """Raises ValueError naming the first disagreement between the schedule and the inputs.
+
+  stage_copies: stage_params holds every copy of a stage the placement has (placement order).
+  """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}; name it "
                      "or pass pp_axis=")
@@ -68,10 +73,14 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
   if not leaves:
     raise ValueError("stage_params has no arrays")
   lead = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in leaves}
-  if lead != {schedule.num_stages}:
+  pl = schedule.placement
+  want = pl.num_virtual_stages if stage_copies else schedule.num_stages
+  if lead != {want}:
+    what = (f"holds {want} stage copies ({pl.copies} of each of its {schedule.num_stages} "
+            "stages); stack one entry per copy, rank by rank" if stage_copies else
+            f"has {want} model stages; stack one entry per stage on axis 0")
     raise ValueError(f"stage_params leaves have leading sizes {sorted(lead, key=str)} but schedule "
-                     f"{schedule.name!r} has {schedule.num_stages} model stages; stack one entry "
-                     "per stage on axis 0")
+                     f"{schedule.name!r} {what}")
   m = schedule.num_microbatches
   for what, axes in (("data_axes", data_axes), ("seq_axes", seq_axes)):
     for a in axes:
@@ -140,11 +149,71 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
                      f"{getattr(loss, 'shape', loss)}")
 
 
+def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
+  """Where the other copy of each rank's chunks lives: (ppermute pairs (holder, rank), the
+  holder's chunk for each [rank][chunk]); None without copies. Every stage must have two copies,
+  and all of a rank's partners must sit on one rank (as in bidirectional placements)."""
+  holders: dict[int, list[tuple[int, int]]] = {}
+  for (r, c), stage in np.ndenumerate(layout):
+    holders.setdefault(int(stage), []).append((r, c))
+  if all(len(h) == 1 for h in holders.values()):
+    return None
+  partner_rank, partner_chunk = {}, {}
+  for stage, h in holders.items():
+    if len(h) != 2:
+      raise ValueError(f"stage {stage} has {len(h)} copies at (rank, chunk) {h}; resident copies "
+                       "need exactly two of every stage; pass stages in model order")
+    for (r, c), (r2, c2) in (h, h[::-1]):
+      partner_rank.setdefault(r, set()).add(r2)
+      partner_chunk[r, c] = c2
+  if any(len(v) != 1 for v in partner_rank.values()):
+    raise ValueError(f"the copies of rank-local stages {layout.tolist()} sit on several ranks; "
+                     "resident copies need each rank's partners on one rank; pass stages in "
+                     "model order")
+  holder = {r: v.pop() for r, v in partner_rank.items()}
+  if sorted(holder.values()) != sorted(holder):
+    raise ValueError(f"copy holders {holder} are not a permutation of the ranks; pass stages in "
+                     "model order")
+  pairs = tuple((holder[r], r) for r in range(layout.shape[0]))
+  chunks = tuple(tuple(partner_chunk[r, c] for c in range(layout.shape[1]))
+                 for r in range(layout.shape[0]))
+  return pairs, chunks
+
+
+def sum_copies(tree: PyTree, partners: tuple[tuple, tuple], mesh: Mesh, pp_axis: str,
+               spec: PyTree, model: Model | None = None) -> PyTree:
+  """Leaves [ranks, chunks, ...] (split over pp_axis as `spec` says): each copy of a stage gets
+  the sum of both copies' values (their max for the leaves `model` combines by max), one
+  ppermute between the two holders (`copy_partners`)."""
+  pairs, chunks = partners
+  chunk_of = np.asarray(chunks, np.int32)
+
+  def local(t):
+    with jax.named_scope("sum_copies"):
+      other = jax.lax.ppermute(t, pp_axis, pairs)
+      mine = jnp.asarray(chunk_of)[jax.lax.axis_index(pp_axis)]
+      # a + b and b + a round alike: both holders get bit-identical sums
+      both = lambda p, a, b: (jnp.maximum if combines_by_max(model, p) else jnp.add)(
+          a, jnp.take(b, mine, axis=1))
+      return jax.tree_util.tree_map_with_path(both, t, other)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(tree)
+
+
 @functools.lru_cache(maxsize=64)
 def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
              data_axes: tuple[str, ...], contiguous: bool,
-             param_specs: tuple | None, seq_axes: tuple[str, ...] = ()) -> Callable:
+             param_specs: tuple | None, seq_axes: tuple[str, ...] = (),
+             partners: tuple | None = None) -> Callable:
+  """The jitted step; `partners` (`copy_partners`): stage copies stored resident, their
+  gradients (and aux) summed between their two holders."""
   run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs, seq_axes)
+  if partners is not None:
+    local_spec = P(pp_axis)
+    if param_specs is not None:
+      treedef, leaf_specs = param_specs
+      local_spec = jax.tree.unflatten(treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
+    aux_spec = P(pp_axis, None, (data_axes + seq_axes) or None)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
   # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
   fixed = np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(
@@ -156,6 +225,9 @@ def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages:
     local = to_local(stage_params, layout)
     loss, local_grads, head_g, embed_g, *stats = run(table, local, xs, targets, head_params,
                                                      embed_params)
+    if partners is not None:
+      local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec, model)
+      stats = [sum_copies(s, partners, mesh, pp_axis, aux_spec) for s in stats]
     # copies of a stage (bidirectional schedules) ran different micro-batches: their aux adds up
     return (loss, from_local(local_grads, layout, num_stages, model), head_g, embed_g,
             *(from_local(s, layout, num_stages) for s in stats))
@@ -190,14 +262,18 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
 
   stage_order="placement": the leading axis of stage_params (and of the stage gradients and aux
   returned) lists stages rank by rank, each rank's chunks in order (`Lowered.layout()`
-  flattened), so a stack split over the pipeline axis already sits where it runs; for
-  placements that put every stage on one rank (not the bidirectional ones, which copy stages).
+  flattened), so a stack split over the pipeline axis already sits where it runs. Placements
+  that run a stage on two ranks (bidirectional: Chimera, DualPipe) then take both copies,
+  resident where they run (twice the parameters), and return each copy the sum of the two
+  copies' gradients (and aux), added by one ppermute between the two holders; equal copies
+  stay equal under any elementwise update.
   """
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
   seq_axes = as_axes(seq_axes)
   data_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
-  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
+  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes,
+               stage_copies=stage_order == "placement")
   specs_key = param_specs_key(param_specs)
   if specs_key is not None:
     check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params)
@@ -207,22 +283,22 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
   contiguous = is_contiguous(layout) and layout.size == schedule.num_stages
+  stored, partners = schedule.num_stages, None
   if stage_order == "placement":
-    if layout.size != schedule.num_stages:
-      raise ValueError(f"stage_order='placement' needs every stage on one rank, but schedule "
-                       f"{schedule.name!r} holds {layout.size} stage copies for "
-                       f"{schedule.num_stages} stages; pass stages in model order")
+    partners = copy_partners(layout)
+    stored = layout.size
     layout, contiguous = np.arange(layout.size, dtype=np.int32).reshape(layout.shape), True
-  program = _program(model, spec, mesh, pp_axis, schedule.num_stages, tuple(data_axes),
-                     contiguous, specs_key, seq_axes)
+  program = _program(model, spec, mesh, pp_axis, stored, tuple(data_axes), contiguous, specs_key,
+                     seq_axes, partners)
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 
 def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,
                    loss_fn: Callable, *, schedule: Schedule | str, mesh: Mesh,
                    chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp",
-                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None):
-  """Pipelined `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))(stage_params)`.
+                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None,
+                   check_mean: bool = True):
+  """Pipelined `jax.value_and_grad` of the loss over all micro-batches; -> (loss, grads).
 
   f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
   stage_params: leaves [S, ...], S the schedule's model stages (pp * chunks for interleaved and
@@ -230,22 +306,42 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   parameters and summed gradients). xs: [microbatches, batch, ...]; targets: leaves
   [microbatches, batch, ...]. schedule: a Schedule, a name (built for this mesh and
   microbatch count, `chunks` per rank) or a torch-format CSV path. Every mesh axis other than
-  `pp_axis` is a data axis: the batch dimension is split over them and the result summed, so
-  `loss_fn` should sum (not average) over its batch for the result to equal one device's.
+  `pp_axis` is a data axis: the batch dimension is split over them.
+
+  `loss_fn(y, target)` sees one micro-batch's slice on one data (and sequence) shard, and the
+  results are added over micro-batches and shards. Return either
+  - the loss summed (not averaged) over the slice: the result is then
+    `jax.value_and_grad(lambda ps: sum_i loss_fn(f(ps, xs[i]), targets[i]))`, as on one device;
+  - or a pair (loss_sum, weight), e.g. (masked token losses summed, valid tokens): the summed
+    loss and its gradients are divided by the weight summed over all micro-batches and shards,
+    the globally normalised loss (Megatron's token scaling; the weight must come from the
+    targets, not from y).
+  A loss averaged over its slice would come out scaled by the number of shards; with
+  `check_mean` (and concrete inputs on a mesh with data or sequence shards) loss_fn is run once
+  on a doubled micro-batch and a result that does not grow is refused with a ValueError.
   A stage made of layers is best given as `jaxpipe.pipeline.layered(layer_fn)` with leaves
   [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
   `seq_axes` (mesh axes, then not data axes) split axis 2 of xs and targets instead, for
   context-parallel stages that run their own collectives over them; `param_specs` splits
   stage_params leaves over data axes (see `pipeline_value_and_grad`).
-  Returns (loss summed over micro-batches, gradients shaped like stage_params).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
   m = jnp.shape(xs)[0] if jnp.ndim(xs) else 0
   schedule = resolve_schedule(schedule, pp=mesh.shape[pp_axis], microbatches=m, chunks=chunks)
-  model = Model(stage_fn, _headless(loss_fn))
+  seq_axes = as_axes(seq_axes)
+  data_axes = data_axes_of(mesh, pp_axis, None, seq_axes)
+  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
+  weighted = loss_lib.is_weighted(loss_fn, mesh, xs, targets, data_axes, seq_axes)
+  if check_mean:
+    loss_lib.check_not_mean(loss_fn, weighted, mesh, xs, targets, data_axes, seq_axes)
+  model = Model(stage_fn, _headless(loss_lib.summed(loss_fn) if weighted else loss_fn))
   loss, grads, _, _ = pipeline_value_and_grad(model, stage_params, xs, targets,
                                               schedule=schedule, mesh=mesh, recompute=recompute,
                                               pp_axis=pp_axis, seq_axes=seq_axes,
                                               param_specs=param_specs)
-  return loss, grads
+  if not weighted:
+    return loss, grads
+  weight = loss_lib.global_weight(loss_fn, mesh, xs, targets, data_axes, seq_axes)
+  denom = jnp.where(weight == 0, 1.0, weight)  # nothing weighed: the sum, 0 for a masked loss
+  return loss / denom, jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)

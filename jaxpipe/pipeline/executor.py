@@ -1,12 +1,16 @@
 """Scan executor: runs lowered tables as one `lax.scan` over ticks inside `shard_map`.
 
-Per tick every rank reads its row of the table, runs its parts with one `lax.switch` (the
-branch names the parts: F, I, B, W and packed pairs), and then every rank takes part in the same
-`ppermute`s, outside the switch. Collectives over the other mesh axes may sit inside a stage
-(an MoE layer's `all_to_all` over `ep`, a psum over a data axis): the table is indexed by the
-pp rank only, so all devices of such a collective, which share their pp rank, read the same row,
-take the same branch and reach it at the same tick. Only pp-axis collectives, whose members are
-on different rows, must stay outside the switch.
+Per tick every rank reads its row of the table and runs the parts it names (W, then I or B,
+then F: readers of a slot before its next writer), each only where the row asks for it, and
+then every rank takes part in the same `ppermute`s, outside the parts. A part reads its inputs
+from the rank's slot buffers and writes its outputs into them in place (residuals layer by
+layer, weight cotangents straight into the gradient), so a tick costs what its parts compute
+and move: no zero-filled outputs for parts a rank does not run, no copies of buffers it leaves
+alone. Collectives over the other mesh axes may sit inside a stage (an MoE layer's
+`all_to_all` over `ep`, a psum over a data axis): the table is indexed by the pp rank only, so
+all devices of such a collective, which share their pp rank, read the same row, run the same
+parts and reach them at the same tick. Only pp-axis collectives, whose members are on
+different rows, must stay outside the parts.
 
 Stage parameters are replicated over the other mesh axes unless `param_specs` shards a leaf
 over some of them (experts over `ep`): each device then holds and updates only its slice, the
@@ -32,10 +36,10 @@ Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops 
 The tables are array arguments, not constants, so one compiled program runs any schedule with
 the same `ExecSpec` (ranks, chunks per rank, padded ticks and slots, branch set).
 
-In a profiler trace the scan body appears once per branch: ops are named `tick/<branch>/<part>`
-(e.g. `tick/F+I/F`, `tick/W/W`) in their HLO metadata (`op_name`; GPU traces show it, CPU
-traces show the HLO instruction names); which stage and micro-batch a tick ran is in the
-lowered table (`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
+In a profiler trace a tick's parts are named `tick/<part>` (`tick/F`, `tick/I`, `tick/B`,
+`tick/W`) in their HLO metadata (`op_name`; GPU traces show it, CPU traces show the HLO
+instruction names); which stage and micro-batch a tick ran is in the lowered table
+(`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, COL, Lowered
+
+PARTS = ("F", "I", "B", "W")  # the parts a branch may run in one tick
 
 PyTree = Any
 
@@ -120,9 +126,9 @@ class Model:
   max_grads: Callable | None = None
 
 
-def combines_by_max(model: Model, path) -> bool:
+def combines_by_max(model: Model | None, path) -> bool:
   """Whether `model` combines the gradient of the stage parameter leaf at `path` by max."""
-  return model.max_grads is not None and bool(model.max_grads(path))
+  return model is not None and model.max_grads is not None and bool(model.max_grads(path))
 
 
 def _no_aux(fn: Callable) -> Callable:
@@ -139,10 +145,6 @@ def with_aux(stage_fn: Callable, stage_aux: bool) -> Callable:
 
 def _index(tree: PyTree, i) -> PyTree:
   return jax.tree.map(lambda a: a[i], tree)
-
-
-def _zeros(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def _acc_dtype(dtype):
@@ -267,16 +269,22 @@ def _depends_on_inputs(jaxpr, inputs) -> list[bool]:
 
 
 class _StageOps:
-  """Forward, input-cotangent (I), weight-cotangent (W) and full backward (B) of one stage.
+  """Forward, input-cotangent (I), weight-cotangent (W) and full backward (B) of one stage, each
+  reading and writing the rank's slot buffers in place.
 
-  `stored` is what F keeps per micro-batch (vjp residuals without the parameters, or just the
-  input when recomputing); `g` is what I hands to W (the output cotangent, or per layer).
-  `need_dx` (traced bool) is False where the input cotangent has no consumer. `stage_fn` returns
-  (y, aux) (`with_aux`); only F keeps aux.
+  F keeps `stored` per micro-batch in the residual buffers `res` (vjp residuals without the
+  parameters, one entry per layer for a layered stage, or just the input when recomputing); I
+  leaves `g` for W in the `wg` buffer (the output cotangent, or one per layer). B and W add weight
+  cotangents into `grads[chunk]` (layer by layer for a layered stage). `need_dx` (traced bool) is
+  False where the input cotangent has no consumer. `stage_fn` returns (y, aux) (`with_aux`); only
+  F keeps aux.
   """
 
-  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool):
+  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool,
+               model: Model | None = None):
     self.fn, self.recompute = stage_fn, recompute
+    # per parameter leaf: weight cotangents combined by max (Model.max_grads) rather than added
+    self.by_max = jax.tree_util.tree_map_with_path(lambda p, _: combines_by_max(model, p), params)
     self.layered = isinstance(stage_fn, Layered)
     self.x = x
     self.aux = jax.eval_shape(stage_fn, params, x)[1]
@@ -305,83 +313,122 @@ class _StageOps:
       return y, (self.resid.split(vjp_fn, p), aux)
     return lax.scan(body, x, params)
 
-  def forward(self, params, x):
-    """-> (y, stored, aux)"""
+  def forward(self, params, x, res, slot):
+    """-> (y, res holding this micro-batch's stored values at `slot`, aux)"""
     if self.recompute:
       y, aux = self.fn(params, x)
-      return y, [x], aux
+      return y, [_set(res[0], (slot,), x)], aux
     if self.layered:
-      y, (stored, aux) = self._layer_residuals(params, x)
-      return y, stored, aux
+      def body(carry, layer):
+        (x, res), (p, l) = carry, layer
+        y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
+        # each layer's residuals go straight into their slot: no stacked copy to move later
+        res = [_set(b, (slot, l), v) for b, v in zip(res, self.resid.split(vjp_fn, p))]
+        return (y, res), aux
+      (y, res), aux = lax.scan(body, (x, res), (params, jnp.arange(self.num_layers)))
+      return y, res, aux
     y, vjp_fn, aux = jax.vjp(self.fn, params, x, has_aux=True)
-    return y, self.resid.split(vjp_fn, params), aux
+    return y, [_set(b, (slot,), v) for b, v in zip(res, self.resid.split(vjp_fn, params))], aux
 
-  def _residuals(self, params, stored):
-    if self.recompute and self.layered:
-      return self._layer_residuals(params, stored[0])[1][0]
-    return stored
-
-  def _vjp(self, params, stored):
+  def _layer_vjp(self, params, res, slot) -> Callable:
+    """layer -> that layer's vjp function, from what F stored at `slot` (layered stages)."""
     if self.recompute:
-      return jax.vjp(self.fn, params, stored[0], has_aux=True)[1]
-    return self.resid.join(stored, params)
+      stacked = self._layer_residuals(params, res[0][slot])[1][0]
+      read = lambda l: [r[l] for r in stacked]
+    else:
+      read = lambda l: [b[slot, l] for b in res]
+    return lambda l: self.resid.join(read(l), _index(params, l))
+
+  def _vjp(self, params, res, slot):
+    """The stage's vjp function, from what F stored at `slot` (opaque stages)."""
+    if self.recompute:
+      return jax.vjp(self.fn, params, res[0][slot], has_aux=True)[1]
+    return self.resid.join([b[slot] for b in res], params)
 
   # -- backward --------------------------------------------------------------------------------
+  # Layers run in reverse, layers L-1..1 in a scan and layer 0 last, so that its input cotangent
+  # can be skipped where nothing needs it.
 
-  def _layers_back(self, params, res, dy, need_dx, weights: bool):
-    """Reverse over layers 1..L-1 in a scan, layer 0 last so its dx can be skipped."""
-    layer = lambda l: (_index(params, l), [r[l] for r in res])
-    rest = (jax.tree.map(lambda a: a[1:], params), [r[1:] for r in res])
+  def _dx(self, vjp_fn, g, need_dx):
+    return lax.cond(need_dx, lambda: vjp_fn(g)[1], self.zero_x)
 
-    def body(g, xs):
-      p, r = xs
-      dp, dx = self.resid.join(r, p)(g)
-      return dx, ((dp, g) if weights else g)
+  def input_grad(self, params, res, slot, dy, need_dx, wg, wg_slot):
+    """I: -> (dx, wg holding what W needs at `wg_slot`)"""
+    if not self.layered:
+      return self._dx(self._vjp(params, res, slot), dy, need_dx), _set(wg, (wg_slot,), dy)
+    vjp_of = self._layer_vjp(params, res, slot)
 
-    g0, outs = lax.scan(body, dy, rest, reverse=True)
-    p0, r0 = layer(0)
-    vjp0 = self.resid.join(r0, p0)
-    if weights:
-      dp_rest, g_rest = outs
-      dp0, dx = lax.cond(need_dx, lambda: vjp0(g0), lambda: (vjp0(g0)[0], self.zero_x()))
-      dparams = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), dp0, dp_rest)
-    else:
-      g_rest, dparams = outs, None
-      dx = lax.cond(need_dx, lambda: vjp0(g0)[1], self.zero_x)
-    g = jnp.concatenate([g0[None], g_rest])
-    return dx, dparams, g
+    def body(carry, l):
+      g, wg = carry
+      return (vjp_of(l)(g)[1], _set(wg, (wg_slot, l), g)), None
 
-  def input_grad(self, params, stored, dy, need_dx):
-    """I: -> (dx, g)"""
-    if self.layered:
-      dx, _, g = self._layers_back(params, self._residuals(params, stored), dy, need_dx, False)
-      return dx, g
-    vjp_fn = self._vjp(params, stored)
-    return lax.cond(need_dx, lambda: vjp_fn(dy)[1], self.zero_x), dy
+    (g0, wg), _ = lax.scan(body, (dy, wg), jnp.arange(self.num_layers - 1, 0, -1))
+    return self._dx(vjp_of(0), g0, need_dx), _set(wg, (wg_slot, 0), g0)
 
-  def weight_grad(self, params, stored, g):
-    """W: -> dparams"""
-    if self.layered:
-      def body(_, xs):
-        p, r, g_l = xs
-        return None, self.resid.join(r, p)(g_l)[0]
-      return lax.scan(body, None, (params, self._residuals(params, stored), g))[1]
-    return self._vjp(params, stored)(g)[0]
+  def full_grad(self, params, res, slot, dy, need_dx, grads, chunk):
+    """B: -> (dx, grads plus this micro-batch's weight cotangents at `chunk`)"""
+    if not self.layered:
+      vjp_fn = self._vjp(params, res, slot)
+      return self._dx(vjp_fn, dy, need_dx), _add(grads, (chunk,), vjp_fn(dy)[0], self.by_max)
+    vjp_of = self._layer_vjp(params, res, slot)
 
-  def full_grad(self, params, stored, dy, need_dx):
-    """B: -> (dx, dparams)"""
-    if self.layered:
-      dx, dparams, _ = self._layers_back(params, self._residuals(params, stored), dy, need_dx,
-                                         True)
-      return dx, dparams
-    vjp_fn = self._vjp(params, stored)
-    dparams, dx = lax.cond(need_dx, lambda: vjp_fn(dy), lambda: (vjp_fn(dy)[0], self.zero_x()))
-    return dx, dparams
+    def body(carry, l):
+      g, grads = carry
+      dp, dx = vjp_of(l)(g)
+      return (dx, _add(grads, (chunk, l), dp, self.by_max)), None
+
+    (g0, grads), _ = lax.scan(body, (dy, grads), jnp.arange(self.num_layers - 1, 0, -1))
+    vjp0 = vjp_of(0)
+    return self._dx(vjp0, g0, need_dx), _add(grads, (chunk, 0), vjp0(g0)[0], self.by_max)
+
+  def weight_grad(self, params, res, slot, wg, wg_slot, grads, chunk):
+    """W: -> grads plus the weight cotangents of what I left at `wg_slot`, at `chunk`"""
+    if not self.layered:
+      return _add(grads, (chunk,), self._vjp(params, res, slot)(wg[wg_slot])[0], self.by_max)
+    vjp_of = self._layer_vjp(params, res, slot)
+
+    def body(grads, l):
+      return _add(grads, (chunk, l), vjp_of(l)(wg[wg_slot, l])[0], self.by_max), None
+
+    return lax.scan(body, grads, jnp.arange(self.num_layers))[0]
 
 
-def _put(buf, slot, value):
-  """buf[slot] = value; slot -1 (nothing to write) drops the write."""
-  return buf.at[jnp.where(slot < 0, buf.shape[0], slot)].set(value, mode="drop")
+def _set(buf, index: tuple, value):
+  """buf[index] = value for an index in range: an in-place dynamic-update-slice."""
+  start = tuple(index) + (0,) * value.ndim
+  value = value.astype(buf.dtype).reshape((1,) * len(index) + value.shape)
+  return lax.dynamic_update_slice(buf, value, tuple(jnp.asarray(i, jnp.int32) for i in start))
+
+
+def _add(acc: PyTree, index: tuple, value: PyTree, by_max: PyTree | None = None) -> PyTree:
+  """acc[index] += value, leaf by leaf, in place (accumulators may be wider than the values);
+  max(acc[index], value) instead where the `by_max` tree of bools says so."""
+  def one(a, v, maxed=False):
+    start = tuple(jnp.asarray(i, jnp.int32) for i in tuple(index) + (0,) * v.ndim)
+    old = lax.dynamic_slice(a, start, (1,) * len(index) + v.shape)
+    v = v.astype(a.dtype).reshape(old.shape)
+    return lax.dynamic_update_slice(a, jnp.maximum(old, v) if maxed else old + v, start)
+  if by_max is None:
+    return jax.tree.map(one, acc, value)
+  return jax.tree.map(one, acc, value, by_max)
+
+
+def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset: int = 0) -> dict:
+  """`state` with its entries `keys` replaced by `fn(row, those entries)` where row[col] !=
+  unset, updated in place.
+
+  A `lax.cond` returns fresh buffers, so every slot buffer it passed through untouched would be
+  copied on every tick; a while loop of 0 or 1 trips updates its carry in place. `fn` reads the
+  row from the loop's carry, which the loop changes, so that XLA cannot hoist the part's work
+  out of the loop as invariant and run it on every tick. The state leaves through an
+  optimization barrier: a buffer the loop only reads would otherwise pass straight through, be
+  read by several loops at once, and be copied for each.
+  """
+  def body(carry):
+    row, part = carry
+    return row.at[col].set(unset), lax.optimization_barrier(fn(row, part))
+  part = {k: state[k] for k in keys}
+  return {**state, **lax.while_loop(lambda c: c[0][col] != unset, body, (row, part))[1]}
 
 
 def param_specs_key(param_specs: PyTree | None) -> tuple | None:
@@ -480,19 +527,36 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     check_param_specs(param_specs, batch_axes, seq_axes, pp_axis)
   p = spec.num_ranks
   batch_spec = io_spec(batch_axes, seq_axes)
-  codes = list(spec.branches)
-  lut = np.zeros(len(BRANCHES), np.int32)
-  for i, code in enumerate(codes):
-    lut[code] = i
+  # Which parts a tick runs, per branch code: the row gets one flag column per part.
+  parts_of = [set(BRANCHES[c].split("+")) - {"idle"} for c in range(len(BRANCHES))]
+  part_flags = np.array([[kind in parts for kind in PARTS] for parts in parts_of], np.int32)
+  run_col = {kind: len(COL) + i for i, kind in enumerate(PARTS)}
+  present = set().union(*(parts_of[c] for c in spec.branches))
   perms = {
       "down": [(i, (i + 1) % p) for i in range(p)],
       "up": [(i, (i - 1) % p) for i in range(p)],
   }
   stage_fn = with_aux(model.stage_fn, model.stage_aux)
   loss_fn, embed_fn = model.loss_fn, model.embed_fn
+  # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per tick,
+  # so both can leave through one buffer, and the activation and cotangent channels of one
+  # direction can share a ppermute.
+  shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in spec.branches)
+  out_f, out_b = ("out", "out") if shared_link else ("out_y", "out_dx")
+  sends = []  # the ppermutes of a tick: (direction, kinds of value it carries, buffer it sends)
+  for direction in ("down", "up"):
+    on = tuple(kind for kind in ("act", "grad")
+               if spec.channels[CHANNELS.index(f"{kind}_{direction}")])
+    if shared_link and len(on) == 2:
+      sends.append((direction, on, "out"))
+    else:
+      sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
+  link_col = len(COL) + len(PARTS)  # then one flag per ppermute: does any rank receive?
 
-  def body(table, local, xs, targets, head_params, embed_params):
+  def body(table, links, local, xs, targets, head_params, embed_params):
     table = table[:, 0]
+    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links],
+                           axis=1)
     local = _index(local, 0)  # [chunks, ...] on this rank
     chunk0 = _index(local, 0)
     first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
@@ -502,143 +566,112 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
       raise ValueError(f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
                        f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}")
-    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute)
-    zero_x = ops.zero_x()
-    zero_params = _zeros(chunk0)
-    zero_head = _zeros(head_params)
-    zero_embed = _zeros(embed_params)
-    zero_g = jnp.zeros(ops.g.shape, ops.g.dtype)
-    zero_loss = jnp.zeros((), jnp.float32)
-    zero_aux = _zeros(ops.aux)
+    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model)
 
-    def forward(row, act):
-      mb = row[COL["f_mb"]]
-      params = _index(local, row[COL["f_chunk"]])
-      x = lax.cond(row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: act[row[COL["f_in"]]])
-      y, stored, aux = ops.forward(params, x)
+    # Each part is fn(row, state) -> state: it reads its inputs from the slot buffers and writes
+    # its outputs into them in place, so that a tick costs what its parts compute and move.
+    def forward(row, s):
+      mb, c = row[COL["f_mb"]], row[COL["f_chunk"]]
+      x = lax.cond(row[COL["f_first"]] == 1, lambda: first_in(mb),
+                   lambda: s["act"][row[COL["f_in"]]])
+      y, res, aux = ops.forward(_index(local, c), x, s["res"], row[COL["f_res"]])
+      s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
+      s[out_f] = y
 
-      def last():
-        target = jax.tree.map(lambda t: t[mb], targets)
+      def last(row, s):
+        target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
         loss, (dhead, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head_params, y, target)
-        return loss.astype(jnp.float32), dy, dhead
+        return dict(s, loss=s["loss"] + loss.astype(jnp.float32),
+                    head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
+                    cot=_set(s["cot"], (row[COL["f_cot"]],), dy))
 
-      loss, dy, dhead = lax.cond(row[COL["f_last"]] == 1, last,
-                                 lambda: (zero_loss, zero_x, zero_head))
-      return y, stored, dy, loss, dhead, aux
+      return _gated(row, COL["f_last"], last, s, ("loss", "head_g", "cot"))
 
-    def backward(row, res, cot, full: bool):
-      """I or B: -> (dx, dparams or None, g or None, dembed)"""
-      params = _index(local, row[COL["b_chunk"]])
-      stored = [b[row[COL["b_res"]]] for b in res]
-      dy = cot[row[COL["b_cot"]]]
-      first = row[COL["b_first"]] == 1
-      # The first stage's input cotangent feeds only the embedding, if there is one.
-      need_dx = jnp.logical_not(first) if embed_fn is None else jnp.bool_(True)
-      if full:
-        (dx, dparams), g = ops.full_grad(params, stored, dy, need_dx), None
-      else:
-        (dx, g), dparams = ops.input_grad(params, stored, dy, need_dx), None
-      if embed_fn is None:
-        return dx, dparams, g, zero_embed
-      mb = row[COL["b_mb"]]
-
-      def embed_grad():
-        _, embed_vjp = jax.vjp(lambda e: embed_fn(e, xs[mb]), embed_params)
-        return embed_vjp(dx)[0]
-
-      return dx, dparams, g, lax.cond(first, embed_grad, lambda: zero_embed)
-
-    def weight(row, res, wg):
-      params = _index(local, row[COL["w_chunk"]])
-      return ops.weight_grad(params, [b[row[COL["w_res"]]] for b in res], wg[row[COL["w_wg"]]])
-
-    def make_branch(code):
-      name = BRANCHES[code]
-      parts = () if name == "idle" else tuple(name.split("+"))
-
-      def branch(row, act, res, cot, wg):
-        y, stored, dy_last, loss, dhead, aux = (zero_x, [jnp.zeros(s.shape, s.dtype)
-                                                         for s in ops.stored], zero_x,
-                                                zero_loss, zero_head, zero_aux)
-        dx, dparams, g, dembed = zero_x, zero_params, zero_g, zero_embed
-        with jax.named_scope(f"tick/{name}"):
-          if "F" in parts:
-            with jax.named_scope("F"):
-              y, stored, dy_last, loss, dhead, aux = forward(row, act)
-          for kind in ("I", "B"):
-            if kind in parts:
-              with jax.named_scope(kind):
-                dx, dp, g_new, dembed = backward(row, res, cot, full=kind == "B")
-              dparams = dp if dp is not None else dparams
-              g = g_new if g_new is not None else g
-          if "W" in parts:
-            with jax.named_scope("W"):
-              dparams = weight(row, res, wg)
-        return y, list(stored), dy_last, loss, dhead, dx, dparams, g, dembed, aux
-
-      return branch
-
-    branches = [make_branch(c) for c in codes]
-    lut_arr = jnp.asarray(lut)
-    parts_of = [set(BRANCHES[c].split("+")) for c in range(len(BRANCHES))]
-    has_f = jnp.asarray(["F" in parts for parts in parts_of])
-    # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per
-    # tick, so the activation and cotangent channels of one direction can share a ppermute.
-    shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in codes)
-
-    def tick(carry, row):
-      act, res, cot, wg, grads, loss, head_g, embed_g, stats = carry
-      y, stored, dy_last, dloss, dhead, dx, dparams, g, dembed, aux = lax.switch(
-          lut_arr[row[COL["branch"]]], branches, row, act, res, cot, wg)
-      res = [_put(b, row[COL["f_res"]], s) for b, s in zip(res, stored)]
-      cot = _put(cot, row[COL["f_cot"]], dy_last)
-      act = _put(act, row[COL["f_local"]], y)
-      cot = _put(cot, row[COL["b_local"]], dx)
-      wg = _put(wg, row[COL["b_wg"]], g)
-      c = row[COL["g_chunk"]]
-      grads = jax.tree_util.tree_map_with_path(
-          lambda path, acc, d: (acc.at[c].max if combines_by_max(model, path) else acc.at[c].add)(
-              d.astype(acc.dtype)), grads, dparams)
-      loss = loss + dloss
-      head_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), head_g, dhead)
-      embed_g = jax.tree.map(lambda a, d: a + d.astype(a.dtype), embed_g, dembed)
-      # aux is zero on ticks without F, whatever chunk the row names
-      fc = row[COL["f_chunk"]]
-      fc = jnp.where(fc < 0, spec.chunks, fc)
-      stats = jax.tree.map(lambda acc, a: acc.at[fc].add(a.astype(acc.dtype), mode="drop"),
-                           stats, aux)
-      # The same collectives on every rank, every tick: a rank with nothing to send sends
-      # zeros and its neighbour's table discards them.
-      for direction in ("down", "up"):
-        on = [kind for kind in ("act", "grad")
-              if spec.channels[CHANNELS.index(f"{kind}_{direction}")]]
-        if shared_link and len(on) == 2:
-          # y and dx going the same way never leave a rank in the same tick: one ppermute.
-          got = lax.ppermute(jnp.where(has_f[row[COL["branch"]]], y, dx), pp_axis, perms[direction])
-          got = {"act": got, "grad": got}
+    def backward(full: bool):
+      def part(row, s):
+        c = row[COL["b_chunk"]]
+        params, slot = _index(local, c), row[COL["b_res"]]
+        dy = s["cot"][row[COL["b_cot"]]]
+        # The first stage's input cotangent feeds only the embedding, if there is one.
+        need_dx = row[COL["b_first"]] == 0 if embed_fn is None else jnp.bool_(True)
+        if full:
+          dx, grads = ops.full_grad(params, s["res"], slot, dy, need_dx, s["grads"], c)
+          s = dict(s, grads=grads)
         else:
-          got = {kind: lax.ppermute(y if kind == "act" else dx, pp_axis, perms[direction])
-                 for kind in on}
-        if "act" in got:
-          act = _put(act, row[COL[f"recv_act_{direction}"]], got["act"])
-        if "grad" in got:
-          cot = _put(cot, row[COL[f"recv_grad_{direction}"]], got["grad"])
-      return (act, res, cot, wg, grads, loss, head_g, embed_g, stats), None
+          dx, wg = ops.input_grad(params, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]])
+          s = dict(s, wg=wg)
+        s[out_b] = dx
+        if embed_fn is None:
+          return s
 
-    # at least one slot, so that branches reading a buffer trace even when none is used
+        def embed_grad(row, s):
+          _, embed_vjp = jax.vjp(lambda e: embed_fn(e, xs[row[COL["b_mb"]]]), embed_params)
+          return dict(s, embed_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["embed_g"],
+                                              embed_vjp(dx)[0]))
+
+        return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
+      return part
+
+    def weight(row, s):
+      c = row[COL["w_chunk"]]
+      return dict(s, grads=ops.weight_grad(_index(local, c), s["res"], row[COL["w_res"]],
+                                           s["wg"], row[COL["w_wg"]], s["grads"], c))
+
+    # A part reads only values written in earlier ticks, and a slot freed by its last read may
+    # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
+    # res and cot and writes wg; F reads act and writes res and cot), receipts last.
+    part_fns = {"W": weight, "I": backward(False), "B": backward(True), "F": forward}
+    part_keys = {"W": ("res", "wg", "grads"), "I": ("res", "cot", "wg", out_b, "embed_g"),
+                 "B": ("res", "cot", "grads", out_b, "embed_g"),
+                 "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats")}
+
+    def keep_local(row, s, field, buf, slot_buf):
+      """A value for the same rank (V shapes) goes from its send buffer to its slot after the part
+      that made it: a part writing a slot buffer it also reads would make XLA copy the buffer."""
+      move = lambda row, s: dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
+      return _gated(row, COL[field], move, s, (buf, slot_buf), unset=-1)
+
+    def tick(s, row):
+      for kind in ("W", "I", "B", "F"):
+        if kind in present:
+          with jax.named_scope(f"tick/{kind}"):
+            s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
+        if kind == "B" and present & {"I", "B"}:
+          s = keep_local(row, s, "b_local", out_b, "cot")
+        if kind == "F" and "F" in present:
+          s = keep_local(row, s, "f_local", out_f, "act")
+      # A ppermute runs where some rank receives over it this tick (its flag is the same on
+      # every rank, so every rank takes part or none does); a rank with nothing to send sends
+      # whatever its buffer holds and its neighbour's table discards it.
+      for i, (direction, kinds, buf) in enumerate(sends):
+        with jax.named_scope(f"tick/send_{direction}"):
+          s = _gated(row, link_col + i, functools.partial(send, direction, kinds, buf), s,
+                     (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds))
+      return s, None
+
+    def send(direction, kinds, buf, row, s):
+      got = lax.ppermute(s[buf], pp_axis, perms[direction])
+      for kind in kinds:
+        col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
+        s = _gated(row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,),
+                   unset=-1)
+      return s
+
+    # at least one slot, so that parts reading a buffer trace even when none is used
     slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
-    act = slots(spec.act_slots, x_sd)
-    res = [slots(spec.res_slots, s) for s in ops.stored]
-    cot = slots(spec.cot_slots, x_sd)
-    wg = slots(spec.wg_slots, ops.g)
-    grads = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), local)
-    head_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), head_params)
-    embed_g = jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), embed_params)
-    stats = jax.tree.map(lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)),
-                         ops.aux)
-    carry = (act, res, cot, wg, grads, zero_loss, head_g, embed_g, stats)
-    (_, _, _, _, grads, loss, head_g, embed_g, stats), _ = lax.scan(tick, carry, table)
-    loss = lax.psum(loss, all_axes)
+    acc = lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype))
+    state = dict(
+        act=slots(spec.act_slots, x_sd), res=[slots(spec.res_slots, s) for s in ops.stored],
+        cot=slots(spec.cot_slots, x_sd), wg=slots(spec.wg_slots, ops.g),
+        grads=jax.tree.map(acc, local), loss=jnp.zeros((), jnp.float32),
+        head_g=jax.tree.map(acc, head_params), embed_g=jax.tree.map(acc, embed_params),
+        stats=jax.tree.map(lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)),
+                           ops.aux))
+    for name in {out_f, out_b}:
+      state[name] = ops.zero_x()
+    state, _ = lax.scan(tick, state, rows)
+    grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
+    loss = lax.psum(state["loss"], all_axes)
     # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
     flat, grads_treedef = jax.tree_util.tree_flatten_with_path(grads)
     reduced = []
@@ -662,17 +695,22 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
   mapped = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P(None, pp_axis), local_spec, batch_spec, batch_spec, P(), P()),
+      in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P()),
       out_specs=(P(), local_spec, P(), P())
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
-      # The carries mix per-rank values with replicated ones and every branch must return
-      # the same types; the reductions at the end are explicit, so vma checking is off.
+      # The carries mix per-rank values with replicated ones and every part must return the
+      # same types; the reductions at the end are explicit, so vma checking is off.
       check_vma=False)
 
   def run(table, local_params, xs, targets, head_params, embed_params):
     if param_specs is not None:
       check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
-    return mapped(table, local_params, xs, targets, head_params, embed_params)
+    # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
+    links = jnp.stack([jnp.any(jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]]
+                                          for kind in kinds]) >= 0, axis=(0, 2))
+                       for direction, kinds, _ in sends] or [jnp.zeros(table.shape[0], bool)],
+                      axis=1)[:, :len(sends)].astype(jnp.int32)
+    return mapped(table, links, local_params, xs, targets, head_params, embed_params)
 
   return jax.jit(run)
 
@@ -707,7 +745,6 @@ def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int,
 
   def gather(path, g):
     out = jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx]
-    by_max = model is not None and combines_by_max(model, path)
-    return (out.max if by_max else out.add)(g.reshape((-1,) + g.shape[2:]))
+    return (out.max if combines_by_max(model, path) else out.add)(g.reshape((-1,) + g.shape[2:]))
 
   return jax.tree_util.tree_map_with_path(gather, local_grads)

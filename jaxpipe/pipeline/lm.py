@@ -90,12 +90,13 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
 
 
 def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
-  """The order of the layer stack (its `units` entries) that puts on each pipeline rank, when
+  """The order of the layer stack (entries of its `units`) that puts on each pipeline rank, when
   split over pp, exactly the stages it runs: stage by stage as `Lowered.layout()` lists them, rank
-  by rank. None when that is the model's own order (contiguous placements) or when a stage runs
-  on two ranks (bidirectional placements hold copies)."""
+  by rank. None when that is the model's own order (contiguous placements). A placement that runs
+  a stage on two ranks (bidirectional: Chimera, DualPipe) lists its units twice, one resident
+  copy on each rank that runs them."""
   layout = lowered_for(schedule).layout().ravel()
-  if layout.size != schedule.num_stages or np.array_equal(layout, np.arange(layout.size)):
+  if np.array_equal(layout, np.arange(layout.size)):
     return None
   per_stage = units // schedule.num_stages
   return (layout[:, None] * per_stage + np.arange(per_stage)).ravel()
@@ -125,7 +126,8 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
   layers_in_placement_order: params['layers'] (and the layer gradients and per-layer statistics
   returned) are stacked in `placement_order(schedule, units)` where that is not None, so that no
-  parameter moves between pipeline ranks inside the step.
+  parameter moves between pipeline ranks inside the step; under bidirectional placements that
+  holds each layer twice, and both copies get the sum of their gradients.
   """
   for axis in mesh.axis_names:
     if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
@@ -142,20 +144,30 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
                      f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
                      f"{stages * every}")
   m = schedule.num_microbatches
-  in_placement = layers_in_placement_order and placement_order(schedule, units) is not None
+  order = placement_order(schedule, units) if layers_in_placement_order else None
+  in_placement = order is not None
+  entries = order.size // (units // stages) if in_placement else stages  # stage blocks stored
+  # each unit's first copy in the stored order (all of them without copies): metrics count once
+  once = np.unique(order, return_index=True)[1] if in_placement else None
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
   model = lm_model(cfg, seq_axes[0] if seq_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
 
   def loss_and_grads(params, batch):
+    stored = jax.tree.leaves(params["layers"])[0].shape[0]
+    if stored != (order.size if in_placement else units):
+      raise ValueError(f"params['layers'] has {stored} entries but this step takes "
+                       + (f"{order.size}, the layers stacked rank by rank (each twice under "
+                          f"{schedule.name!r}); pass Trainer.stored_params(params)" if in_placement
+                          else f"{units}, one per layer unit in the model's order"))
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
     weighted = {**batch, "mask": transformer.mean_weights(batch["mask"])}
     # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
     split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]),
                                                 0, 1), weighted)
-    stage_params = jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]),
+    stage_params = jax.tree.map(lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]),
                                 params["layers"])
     head_params = {k: v for k, v in params.items() if k != "layers"}
     total, stage_grads, head_grads, embed_grads, *stage_aux = pipeline_value_and_grad(
@@ -171,10 +183,13 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     grads = fp8_lib.map_grads(lambda g: g / n_tokens, grads)
     metrics = {"tokens": count}
     if stage_aux:
-      # [stages, data shards, units per stage, ...]: MoE statistics are sums over every token
-      # shard already, the same on each data shard.
-      aux = jax.tree.map(lambda a: a[:, 0].reshape(units, *a.shape[3:]), stage_aux[0])
-      metrics.update(moe_lib.train_metrics(aux, m, n_tokens, cfg.moe.top_k))
+      # [stage blocks, data shards, units per stage, ...]: MoE statistics are sums over every
+      # token shard already, the same on each data shard.
+      aux = jax.tree.map(lambda a: a[:, 0].reshape(-1, *a.shape[3:]), stage_aux[0])
+      counted = aux if once is None or once.size == order.size else jax.tree.map(
+          lambda a: a[once], aux)  # resident copies: both hold the summed statistics
+      metrics.update(moe_lib.train_metrics(counted, m, n_tokens, cfg.moe.top_k))
+      metrics["moe_tokens_per_expert"] = aux["tokens_per_expert"]  # the stored order's biases
     return total / n_tokens, grads, metrics
 
   return loss_and_grads

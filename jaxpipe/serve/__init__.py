@@ -1,0 +1,19 @@
+"""Serving: a paged KV cache, PagedAttention and a continuous-batching engine on the training model.
+
+  from jaxpipe.serve import Engine
+  engine = Engine(model_cfg, params, page_size=16, num_pages=256, max_batch=16)
+  engine.generate([[1, 2, 3], [4, 5]], max_tokens=32)
+
+`python -m jaxpipe.serve --workdir DIR --prompt "def "` serves a training run's newest checkpoint.
+"""
+
+
+def __getattr__(name):
+  # Lazy, so that `python -m jaxpipe.serve` can set up host devices before JAX is imported.
+  if name in ("Engine", "Request", "KVState"):
+    from jaxpipe.serve import engine
+    return getattr(engine, name)
+  if name == "SamplingParams":
+    from jaxpipe.serve.sampling import SamplingParams
+    return SamplingParams
+  raise AttributeError(name)

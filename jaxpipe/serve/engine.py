@@ -1,0 +1,586 @@
+"""Continuous-batching engine over a paged KV cache (iteration-level scheduling, as Orca and vLLM).
+
+The host owns the requests, the page allocator and the prefix cache; the devices own the pools
+and run one compiled step per iteration. Each `step()`:
+
+1. schedules under a token budget: running requests first, oldest first (a decode token each,
+   or the next chunk of a prompt), then waiting requests while the batch, the budget and the
+   free pages allow (a new prompt first takes what the prefix cache holds of it);
+2. gives every scheduled request the pages its new tokens go to, copying a shared page before
+   writing into it; when none is free, the newest running request is preempted: its pages are
+   freed and it waits again at the head of the queue, to be recomputed from its tokens;
+3. runs the model once over all scheduled tokens (padded to a bucket of tokens and of pages per
+   sequence, so the number of compiled programs is bounded: `programs`) and samples a token for
+   every request whose tokens are all cached;
+4. finishes requests on EOS or `max_tokens`, freeing their pages at once.
+
+Bad requests (empty prompt, tokens outside the vocabulary, too long for the context or the pool,
+bad sampling values) finish at once with an `error`; the engine keeps serving the others.
+`fork` starts a second sample of a running request on shared pages; `export_request` and
+`import_request` move a running request, K/V included, to another engine.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpipe.models.attention import resolve_paged_backend
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.serve import model as model_lib
+from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
+from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One generation request and its state; times are `time.perf_counter()` seconds."""
+  id: int
+  prompt: list[int]
+  max_tokens: int
+  sampling: SamplingParams
+  eos_id: int | None
+  output: list[int] = dataclasses.field(default_factory=list)  # generated tokens
+  pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
+  computed: int = 0  # leading tokens whose K/V are in `pages`
+  state: str = WAITING
+  finish_reason: str | None = None  # 'eos', 'length', 'cancelled', 'error'
+  error: str | None = None
+  arrival: float = 0.0
+  first_token_time: float | None = None
+  finish_time: float | None = None
+  token_times: list[float] = dataclasses.field(default_factory=list)
+  preemptions: int = 0
+  cached_tokens: int = 0  # prompt tokens taken from the prefix cache (summed over admissions)
+  page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of full pages
+  registered: int = 0  # full pages offered to the prefix cache since the last admission
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def ttft(self) -> float | None:
+    """Time to first token."""
+    return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+  @property
+  def tpot(self) -> float | None:
+    """Mean time per output token after the first."""
+    if len(self.token_times) < 2:
+      return None
+    return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclasses.dataclass
+class KVState:
+  """A request and its cached K/V, to move it to another engine (`export_request`)."""
+  prompt: list[int]
+  output: list[int]
+  max_tokens: int
+  sampling: SamplingParams
+  eos_id: int | None
+  computed: int
+  k: np.ndarray  # [G, n_layers, pages, page_size, head_dim]
+  v: np.ndarray
+  arrival: float
+  first_token_time: float | None
+  token_times: list[float]
+
+
+def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
+  """Powers of two from `start` below `limit`, then `limit`."""
+  out, b = [], start
+  while b < limit:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (limit,)
+
+
+def _check_buckets(name: str, buckets: Sequence[int] | None, limit: int,
+                   default: tuple[int, ...]) -> tuple[int, ...]:
+  if buckets is None:
+    return default
+  out = tuple(sorted({int(b) for b in buckets if 0 < b < limit} | {limit}))
+  if any(not 0 < b <= limit for b in buckets):
+    raise ValueError(f"{name}={tuple(buckets)} must lie in [1, {limit}]")
+  return out
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  return next(b for b in buckets if b >= n)
+
+
+class Engine:
+  """Serves one model from a paged KV cache on `devices` (default: the first device).
+
+  With several devices the pools' KV heads are split over them (n_kv_heads must divide by
+  their count) and the rest is replicated; two engines on disjoint devices are independent.
+  """
+
+  def __init__(self, model_cfg: TransformerConfig, params: dict, *, page_size: int = 16,
+               num_pages: int = 256, max_batch: int = 16, max_tokens_per_step: int = 256,
+               max_seq_len: int = 2048, devices: Sequence[jax.Device] | None = None,
+               attention: str = "auto", eos_id: int | None = None, prefix_caching: bool = True,
+               token_buckets: Sequence[int] | None = None,
+               page_buckets: Sequence[int] | None = None, nan_freed_pages: bool = False):
+    """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
+    per sequence; default powers of two up to the limits, which are always included);
+    nan_freed_pages: pools start as NaN and every freed page is refilled with NaN (tests: a
+    read of a slot a sequence does not own would show in its output)."""
+    for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
+                        ("max_tokens_per_step", max_tokens_per_step), ("max_seq_len", max_seq_len)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if num_pages < 2:
+      raise ValueError(f"num_pages={num_pages} must be >= 2: page 0 is the scratch page")
+    devices = list(devices) if devices is not None else jax.devices()[:1]
+    if model_cfg.n_kv_heads % len(devices):
+      raise ValueError(f"n_kv_heads={model_cfg.n_kv_heads} does not split over {len(devices)} "
+                       f"devices; give the engine a number of devices that divides it")
+    self.cfg = model_lib.serving_config(model_cfg)
+    self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
+    self.max_tokens_per_step, self.max_seq_len, self.eos_id = max_tokens_per_step, max_seq_len, eos_id
+    self.backend = resolve_paged_backend(attention, model_cfg.head_dim, page_size)
+    self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
+    self.token_buckets = _check_buckets("token_buckets", token_buckets, max_tokens_per_step,
+                                        _buckets(max_tokens_per_step, min(8, max_tokens_per_step)))
+    self.page_buckets = _check_buckets("page_buckets", page_buckets, self.max_pages_per_seq,
+                                       _buckets(self.max_pages_per_seq))
+    self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
+    self._replicated = NamedSharding(self.mesh, P())
+    self._pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
+    self._kv_sharding = model_lib.KVPages(self._pool_sharding, self._pool_sharding, num_pages)
+    self.params = jax.device_put(params, self._replicated)
+    self.nan_freed_pages = nan_freed_pages
+    self.kv = model_lib.init_kv(self.cfg, num_pages, page_size,
+                                fill=float("nan") if nan_freed_pages else 0.0,
+                                sharding=self._pool_sharding)
+    self._to_fill: list[int] = []
+    self.allocator = PageAllocator(num_pages,
+                                   on_free=self._to_fill.append if nan_freed_pages else None)
+    self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_caching else None
+    self.requests: dict[int, Request] = {}
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self._finished: list[Request] = []
+    self._next_id = 0
+    self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+    self.steps = 0
+    self.counts = collections.Counter()  # preemptions, page_copies, cached_tokens, tokens, ...
+
+  # -- requests ---------------------------------------------------------------------------------
+
+  def check_request(self, prompt: Sequence[int], max_tokens: int,
+                    sampling: SamplingParams) -> str | None:
+    """Why this request cannot be served, or None."""
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+      return f"max_tokens={max_tokens!r} must be a positive integer"
+    reason = sampling.check()
+    if reason:
+      return reason
+    if len(prompt) == 0:
+      return "the prompt is empty; give at least one token"
+    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
+    if bad:
+      return (f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
+              f"({len(bad)} such tokens)")
+    total = len(prompt) + max_tokens
+    if total > self.max_seq_len:
+      return (f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+              f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens")
+    pages = math.ceil(total / self.page_size)
+    if pages > self.num_pages - 1:
+      return (f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
+              f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages")
+    return None
+
+  def add_request(self, prompt: Sequence[int], max_tokens: int = 16,
+                  sampling: SamplingParams | None = None, *,
+                  eos_id: int | None | str = ENGINE_EOS) -> int:
+    """Queues a request and returns its id; a bad one is finished at once with `error` set.
+
+    eos_id: the token that ends it (kept in its output); None: only max_tokens does.
+    """
+    sampling = sampling or SamplingParams()
+    rid = self._next_id
+    self._next_id += 1
+    r = Request(rid, [int(t) if isinstance(t, (int, np.integer)) else t for t in prompt],
+                max_tokens, sampling, self.eos_id if eos_id == ENGINE_EOS else eos_id,
+                arrival=time.perf_counter())
+    self.requests[rid] = r
+    error = self.check_request(r.prompt, max_tokens, sampling)
+    if error:
+      r.error = error
+      self._finish(r, "error")
+    else:
+      self.waiting.append(r)
+    return rid
+
+  def cancel(self, rid: int) -> None:
+    """Stops a request now; its pages are freed at once. A finished request is left as it is."""
+    r = self.requests[rid]
+    if r.state == WAITING:
+      self.waiting.remove(r)
+    elif r.state == RUNNING:
+      self.running.remove(r)
+    else:
+      return
+    self._finish(r, "cancelled")
+
+  def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
+    """A second sample of a running request: it continues from the same tokens, sharing every
+    page (copied when either writes into a shared one). Returns the new request's id."""
+    r = self.requests[rid]
+    if r.state != RUNNING:
+      raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
+    if len(self.running) >= self.max_batch:
+      raise ValueError(f"the batch is full ({self.max_batch} running requests); fork later")
+    sampling = sampling or r.sampling
+    reason = sampling.check()
+    if reason:
+      raise ValueError(reason)
+    new = dataclasses.replace(
+        r, id=self._next_id, sampling=sampling, output=list(r.output),
+        pages=self.allocator.fork(r.pages), token_times=list(r.token_times),
+        page_keys=list(r.page_keys), cached_tokens=0, preemptions=0)
+    self._next_id += 1
+    self.requests[new.id] = new
+    self.running.append(new)
+    return new.id
+
+  def finished(self) -> list[Request]:
+    """Requests finished since the last call (they leave `requests`)."""
+    done, self._finished = self._finished, []
+    for r in done:
+      self.requests.pop(r.id, None)
+    return done
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def _finish(self, r: Request, reason: str) -> None:
+    if r.pages:
+      self.allocator.free(r.pages)
+      r.pages = []
+    r.state, r.finish_reason, r.finish_time = FINISHED, reason, time.perf_counter()
+    self._finished.append(r)
+
+  def _preempt(self, r: Request) -> None:
+    """Recompute preemption: drop the request's pages; it waits first in line with its tokens."""
+    self.running.remove(r)
+    self.allocator.free(r.pages)
+    r.pages, r.computed, r.registered, r.state = [], 0, 0, WAITING
+    r.preemptions += 1
+    self.counts["preemptions"] += 1
+    self.waiting.appendleft(r)
+
+  # -- scheduling -------------------------------------------------------------------------------
+
+  def _reserve(self, r: Request, n: int) -> bool:
+    """Pages for r's tokens computed..computed+n-1, shared ones copied first; False if short."""
+    s = self.page_size
+    new = math.ceil((r.computed + n) / s) - len(r.pages)
+    shared = [i for i in range(r.computed // s, len(r.pages)) if self.allocator.refs[r.pages[i]] > 1]
+    if not self.allocator.can_alloc(new + len(shared)):
+      return False
+    for i in shared:
+      page, source = self.allocator.writable(r.pages[i])
+      self._copy_page(source, page)
+      self.counts["page_copies"] += 1
+      r.pages[i] = page
+    r.pages += [self.allocator.alloc() for _ in range(new)]
+    return True
+
+  def _admit(self, r: Request, budget: int, use_cache: bool = True) -> int:
+    """Tokens of r to schedule now (0: it does not fit); takes its cached prefix first."""
+    matched = use_cache and self.prefix_cache is not None and r.computed == 0
+    if matched:
+      r.pages = self.prefix_cache.match(r.tokens)
+      # The last token is always computed: its logits give the next token.
+      r.computed = min(len(r.pages) * self.page_size, len(r.tokens) - 1)
+    n = min(len(r.tokens) - r.computed, budget)
+    if self._reserve(r, n):
+      r.cached_tokens += r.computed
+      self.counts["cached_tokens"] += r.computed
+      return n
+    if matched:
+      self.allocator.free(r.pages)
+      r.pages, r.computed = [], 0
+      if not self.running:  # a shared page to copy can be one too many for a pool-sized request
+        return self._admit(r, budget, use_cache=False)
+    return 0
+
+  def _schedule(self) -> list[tuple[Request, int]]:
+    budget, plan, i = self.max_tokens_per_step, [], 0
+    while i < len(self.running) and budget > 0:
+      r = self.running[i]
+      n = min(len(r.tokens) - r.computed, budget)
+      if self._reserve(r, n):
+        plan.append((r, n))
+        budget -= n
+        i += 1
+      else:  # preempt the newest; if that is r itself, the next request moves into slot i
+        self._preempt(self.running[-1])
+    while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+      r = self.waiting[0]
+      n = self._admit(r, budget)
+      if n == 0:
+        break
+      self.waiting.popleft()
+      r.state = RUNNING
+      self.running.append(r)
+      plan.append((r, n))
+      budget -= n
+    return plan
+
+  # -- device work ------------------------------------------------------------------------------
+
+  @functools.cached_property
+  def _copy_fn(self):
+    def copy(kv, src, dst):  # one page in every layer's pool
+      pages = jnp.arange(kv.n_layers) * kv.num_pages
+      return model_lib.KVPages(kv.k.at[:, pages + dst].set(kv.k[:, pages + src]),
+                               kv.v.at[:, pages + dst].set(kv.v[:, pages + src]), kv.num_pages)
+    return jax.jit(copy, donate_argnums=0, out_shardings=self._kv_sharding)
+
+  @functools.cached_property
+  def _fill_fn(self):
+    def fill(kv, pages_F):  # NaN into the listed pages of every layer; entries past the pool drop
+      idx = (jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_F[None, :]).reshape(-1)
+      idx = jnp.where(jnp.tile(pages_F, kv.n_layers) < kv.num_pages, idx, kv.k.shape[1])
+      nan = lambda x: x.at[:, idx].set(jnp.nan, mode="drop")
+      return model_lib.KVPages(nan(kv.k), nan(kv.v), kv.num_pages)
+    return jax.jit(fill, donate_argnums=0, out_shardings=self._kv_sharding)
+
+  def _copy_page(self, src: int, dst: int) -> None:
+    self._flush_fills()
+    self.kv = self._copy_fn(self.kv, np.int32(src), np.int32(dst))
+
+  def _flush_fills(self) -> None:
+    if self._to_fill:
+      pages = np.full(self.num_pages, self.num_pages, np.int32)
+      pages[:len(self._to_fill)] = self._to_fill
+      self._to_fill.clear()
+      self.kv = self._fill_fn(self.kv, pages)
+
+  def _program(self, t: int, n: int) -> jax.stages.Compiled:
+    """The compiled step for T = t tokens and n pages per sequence (compiled once each)."""
+    if (t, n) not in self._programs:
+      r = self.max_batch
+      step = functools.partial(model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh)
+      i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+      batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
+      f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
+      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r))
+      rep = self._replicated
+      self._programs[(t, n)] = jax.jit(
+          step, donate_argnums=1, in_shardings=(rep, self._kv_sharding, rep, rep),
+          out_shardings=(rep, rep, self._kv_sharding)).lower(
+              self.params, self.kv, batch, sampling).compile()
+    return self._programs[(t, n)]
+
+  @property
+  def programs(self) -> list[tuple[int, int]]:
+    """(tokens, pages per sequence) of every step program compiled so far."""
+    return sorted(self._programs)
+
+  @property
+  def max_programs(self) -> int:
+    """The bound on `programs`: token buckets x page buckets."""
+    return len(self.token_buckets) * len(self.page_buckets)
+
+  def precompile(self, max_pages: int | None = None) -> None:
+    """Compiles every step program up to `max_pages` pages per sequence (default all)."""
+    for n in self.page_buckets:
+      if max_pages is None or n <= _bucket(max_pages, self.page_buckets):
+        for t in self.token_buckets:
+          self._program(t, n)
+
+  def step(self) -> dict[int, list[int]]:
+    """One iteration; returns the tokens each request generated in it (by request id)."""
+    plan = self._schedule()
+    if not plan:
+      if self.waiting and not self.running:  # cannot happen for a checked request
+        raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine "
+                           f"({self.allocator.num_free} free pages)")
+      return {}
+    s, r_max = self.page_size, self.max_batch
+    t_real = sum(n for _, n in plan)
+    t = _bucket(t_real, self.token_buckets)
+    n_pages = _bucket(max(len(r.pages) for r, _ in plan), self.page_buckets)
+    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)
+    rows = np.zeros(r_max, np.int32)
+    temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
+    top_k, seed, index = (np.zeros(r_max, np.int32) for _ in range(3))
+    sampled, at = [], 0
+    for r, n in plan:
+      pos = np.arange(r.computed, r.computed + n)
+      tokens[at:at + n] = r.tokens[r.computed:r.computed + n]
+      positions[at:at + n] = pos
+      table = np.asarray(r.pages, np.int32)
+      slots[at:at + n] = table[pos // s] * s + pos % s
+      tables[at:at + n, :len(table)] = table
+      at += n
+      if r.computed + n == len(r.tokens):  # all its tokens cached after this step: sample
+        j = len(sampled)
+        rows[j] = at - 1
+        sp = r.sampling
+        temp[j], top_k[j], top_p[j], seed[j], index[j] = (sp.temperature, sp.top_k, sp.top_p,
+                                                          sp.seed, len(r.output))
+        sampled.append(r)
+    self._flush_fills()
+    batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
+    new_R, finite_R, self.kv = self._program(t, n_pages)(
+        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index))
+    new_R, finite_R = np.asarray(new_R), np.asarray(finite_R)
+    now = time.perf_counter()
+    self.steps += 1
+    self.counts["step_tokens"] += t_real
+    self.counts["padded_tokens"] += t - t_real
+    for r, n in plan:
+      r.computed += n
+    out: dict[int, list[int]] = {}
+    for j, r in enumerate(sampled):
+      if not finite_R[j]:
+        r.error = f"non-finite logits at output token {len(r.output)}; the request was stopped"
+        self.running.remove(r)
+        self._finish(r, "error")
+        continue
+      token = int(new_R[j])
+      r.output.append(token)
+      r.token_times.append(now)
+      if r.first_token_time is None:
+        r.first_token_time = now
+      out[r.id] = [token]
+      if token == r.eos_id or len(r.output) >= r.max_tokens:
+        self.running.remove(r)
+        self._finish(r, "eos" if token == r.eos_id else "length")
+    if self.prefix_cache is not None:
+      for r, _ in plan:
+        if r.state == RUNNING:
+          self._register(r)
+    return out
+
+  def _register(self, r: Request) -> None:
+    """Offers r's newly completed full pages to the prefix cache."""
+    full = r.computed // self.page_size
+    s = self.page_size
+    while len(r.page_keys) < full:
+      i = len(r.page_keys)
+      r.page_keys.append(page_key(r.page_keys[-1] if i else b"", r.tokens[i * s:(i + 1) * s]))
+    for i in range(r.registered, full):
+      self.prefix_cache.insert(r.page_keys[i], r.pages[i])
+    r.registered = max(r.registered, full)
+
+  # -- whole batches ----------------------------------------------------------------------------
+
+  def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0,
+               seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> list[list[int]]:
+    """Generated tokens of every prompt (request i samples with seed + i).
+
+    Raises ValueError naming every bad prompt before any work.
+    """
+    samplings = [SamplingParams(temperature, top_k, top_p, seed + i) for i in range(len(prompts))]
+    errors = [(i, self.check_request(p, max_tokens, sp))
+              for i, (p, sp) in enumerate(zip(prompts, samplings))]
+    errors = [f"prompt {i}: {e}" for i, e in errors if e]
+    if errors:
+      raise ValueError("; ".join(errors))
+    ids = [self.add_request(p, max_tokens, sp) for p, sp in zip(prompts, samplings)]
+    done = {}
+    while len(done) < len(ids):
+      self.step()
+      done.update({r.id: r for r in self.finished()})
+      if len(done) < len(ids) and not self.has_work():
+        raise RuntimeError("requests were lost: none waiting or running, some not finished")
+    failed = [f"prompt {i}: {done[rid].error}" for i, rid in enumerate(ids) if done[rid].error]
+    if failed:
+      raise RuntimeError("; ".join(failed))
+    return [done[rid].output for rid in ids]
+
+  # -- metrics ----------------------------------------------------------------------------------
+
+  def kv_usage(self) -> dict[str, float]:
+    """Pages in use and how full they are: tokens stored / slots of the pages running requests hold."""
+    owned = {p for r in self.running for p in r.pages}
+    tokens = sum(r.computed for r in self.running)
+    slots = sum(len(r.pages) for r in self.running) * self.page_size
+    return {"pages_total": self.num_pages - 1, "pages_in_use": self.allocator.num_used,
+            "pages_running": len(owned), "cached_pages": len(self.prefix_cache or ()),
+            "tokens": tokens, "slots": slots, "tokens_per_slot": tokens / slots if slots else 1.0}
+
+  # -- moving requests between engines ----------------------------------------------------------
+
+  @functools.cached_property
+  def _gather_fn(self):
+    def gather(kv, pages_N):
+      idx = (jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_N[None, :])
+      return kv.k[:, idx], kv.v[:, idx]  # [G, n_layers, N, page, K]
+    return jax.jit(gather, out_shardings=(self._replicated,) * 2)
+
+  @functools.cached_property
+  def _scatter_fn(self):
+    def scatter(kv, pages_N, k, v):
+      idx = jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_N[None, :]
+      idx = jnp.where(pages_N[None, :] < kv.num_pages, idx, kv.k.shape[1])
+      return model_lib.KVPages(kv.k.at[:, idx].set(k.astype(kv.k.dtype), mode="drop"),
+                               kv.v.at[:, idx].set(v.astype(kv.v.dtype), mode="drop"), kv.num_pages)
+    return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
+
+  def export_request(self, rid: int) -> KVState:
+    """A running request's tokens and cached K/V (host arrays), to `import_request` elsewhere."""
+    r = self.requests[rid]
+    if r.state != RUNNING:
+      raise ValueError(f"request {rid} is {r.state}; only a running request has pages to export")
+    used = math.ceil(r.computed / self.page_size)
+    n = _bucket(max(used, 1), self.page_buckets)
+    pages = np.zeros(n, np.int32)
+    pages[:used] = r.pages[:used]
+    self._flush_fills()
+    k, v = jax.device_get(self._gather_fn(self.kv, pages))
+    return KVState(list(r.prompt), list(r.output), r.max_tokens, r.sampling, r.eos_id, r.computed,
+                   k[:, :, :used], v[:, :, :used], r.arrival, r.first_token_time,
+                   list(r.token_times))
+
+  def import_request(self, state: KVState) -> int:
+    """Adds a request with its K/V already cached (from `export_request`); returns its id."""
+    error = self.check_request(state.prompt, state.max_tokens, state.sampling)
+    g, layers, used = state.k.shape[:3]
+    if error is None and (g, layers) != (self.cfg.n_kv_heads, self.cfg.n_layers):
+      error = f"the K/V has {g} heads x {layers} layers; this model has " \
+              f"{self.cfg.n_kv_heads} x {self.cfg.n_layers}"
+    if error is None and len(self.running) >= self.max_batch:
+      error = f"the batch is full ({self.max_batch} running requests)"
+    if error is None and not self.allocator.can_alloc(used):
+      error = f"{used} free pages are needed to import the request, {self.allocator.num_free} are free"
+    if error is not None:
+      raise ValueError(f"cannot import the request: {error}")
+    rid = self._next_id
+    self._next_id += 1
+    r = Request(rid, list(state.prompt), state.max_tokens, state.sampling, state.eos_id,
+                output=list(state.output), computed=state.computed, state=RUNNING,
+                arrival=state.arrival, first_token_time=state.first_token_time,
+                token_times=list(state.token_times))
+    r.pages = [self.allocator.alloc() for _ in range(used)]
+    n = _bucket(max(used, 1), self.page_buckets)
+    pages = np.full(n, self.num_pages, np.int32)
+    pages[:used] = r.pages
+    pad = ((0, 0), (0, 0), (0, n - used), (0, 0), (0, 0))
+    self._flush_fills()
+    self.kv = self._scatter_fn(self.kv, pages, np.pad(state.k, pad), np.pad(state.v, pad))
+    self.requests[rid] = r
+    self.running.append(r)
+    return rid

@@ -1,0 +1,201 @@
+"""The model over a paged KV cache: the training layers, with attention reading K/V through pages.
+
+Nothing here re-implements a layer: each decoder layer is `transformer.Block` applied to the
+training parameter dict, inside `attention.kv_cache(hook)`, so that its attention core hands the
+new (rotated) keys and values to the hook, which writes them into their pages and attends over
+every cached key of the token's sequence.
+
+A step is one flat batch of T tokens from any number of sequences (prefill chunks and decode
+tokens alike): token t has its position, the cache slot it writes (page * page_size + offset)
+and its sequence's block table; it sees the keys at positions 0..position of that sequence,
+which is causal attention. Padding tokens write the scratch page.
+
+The pools of all layers share two arrays `[G, n_layers * P, page, K]`: layer l's pool is the
+pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, head_dim]`
+layout of the kernel, so a layer's attention needs no copy of its pool (its block tables are
+offset by l*P instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpipe.models import attention as attention_lib
+from jaxpipe.models import transformer
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.serve.sampling import SamplingBatch, sample
+
+KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
+
+
+@flax.struct.dataclass
+class KVPages:
+  """K and V pools of every layer; layer l owns pages [l*num_pages, (l+1)*num_pages)."""
+  k: jax.Array  # [G, n_layers * num_pages, page_size, head_dim]
+  v: jax.Array
+  num_pages: int = flax.struct.field(pytree_node=False)  # pages per layer, scratch page 0 included
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def n_layers(self) -> int:
+    return self.k.shape[1] // self.num_pages
+
+
+@flax.struct.dataclass
+class TokenBatch:
+  """T tokens of one step and the R rows whose next-token logits are wanted."""
+  tokens_T: jax.Array  # int32
+  positions_T: jax.Array  # int32; the token sees keys at positions 0..position of its sequence
+  slots_T: jax.Array  # int32 page * page_size + offset (in layer 0's numbering); padding: 0
+  tables_TxN: jax.Array  # int32 the token's sequence's block table (padding entries: 0)
+  rows_R: jax.Array  # int32 token index of each wanted row (padding: 0)
+
+
+def kv_bytes(cfg: TransformerConfig, num_pages: int, page_size: int, dtype=None) -> int:
+  """Bytes of both pools: 2 · layers · kv_heads · head_dim · bytes per element · slots."""
+  itemsize = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+  return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize * num_pages * page_size
+
+
+def init_kv(cfg: TransformerConfig, num_pages: int, page_size: int, fill: float = 0.0,
+            sharding=None) -> KVPages:
+  """Pools for `num_pages` pages per layer, every slot `fill` (NaN in tests of page ownership).
+
+  sharding: of each pool (default: the default device).
+  """
+  shape = (cfg.n_kv_heads, cfg.n_layers * num_pages, page_size, cfg.head_dim)
+  make = jax.jit(lambda: jnp.full(shape, fill, cfg.compute_dtype), out_shardings=sharding)
+  return KVPages(make(), make(), num_pages)
+
+
+def serving_config(cfg: TransformerConfig) -> TransformerConfig:
+  """The model as served: MoE layers dropless, so that no token's output depends on its batch."""
+  if cfg.moe is None or cfg.moe.dispatch == "dropless":
+    return cfg
+  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
+
+
+class _PagedHook:
+  """What `attention` calls inside `kv_cache`: store this layer's new K/V, attend through pages."""
+
+  def __init__(self, kv: KVPages, batch: TokenBatch, backend: str, mesh: Mesh | None):
+    self.k, self.v, self.num_pages = kv.k, kv.v, kv.num_pages
+    self.batch, self.backend, self.mesh = batch, backend, mesh
+    self.layer = None  # set before each layer (a traced index inside the layer scan)
+
+  def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK):
+    b = self.batch
+    offset = self.layer * self.num_pages
+    fn = lambda *a: _write_and_attend(*a, backend=self.backend)
+    if self.mesh is not None and self.mesh.size > 1:
+      heads, rep = P(None, KV_AXIS, None), P()
+      fn = jax.shard_map(fn, mesh=self.mesh, check_vma=False,
+                         in_specs=(heads, heads, heads, P(KV_AXIS), P(KV_AXIS), rep, rep, rep, rep),
+                         out_specs=(heads, P(KV_AXIS), P(KV_AXIS)))
+    o_TxHxK, self.k, self.v = fn(q_1xTxHxK[0], k_1xTxGxK[0], v_1xTxGxK[0], self.k, self.v,
+                                 b.slots_T, b.tables_TxN + offset, b.positions_T + 1, offset)
+    return o_TxHxK[None]
+
+
+def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, k_pool, v_pool, slots_T, tables_TxN, lengths_T,
+                      offset, *, backend):
+  s = k_pool.shape[2]
+  g_G = jnp.arange(k_pool.shape[0])[None, :]
+  page_Tx1, off_Tx1 = (offset + slots_T // s)[:, None], (slots_T % s)[:, None]
+  k_pool = k_pool.at[g_G, page_Tx1, off_Tx1].set(k_TxGxK.astype(k_pool.dtype))
+  v_pool = v_pool.at[g_G, page_Tx1, off_Tx1].set(v_TxGxK.astype(v_pool.dtype))
+  o_TxHxK = attention_lib.paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T,
+                                          backend=backend)
+  return o_TxHxK.astype(q_TxHxK.dtype), k_pool, v_pool
+
+
+def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):
+  hook.layer = index
+  with attention_lib.kv_cache(hook):
+    out = transformer.Block(cfg, moe=moe).apply({"params": layer_params}, x_1xTxD, positions_T)
+  return out[0] if moe else out
+
+
+def forward_paged(cfg: TransformerConfig, params: dict, kv: KVPages, batch: TokenBatch, *,
+                  backend: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
+  """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written)."""
+  cfg = serving_config(cfg)
+  hook = _PagedHook(kv, batch, backend, mesh)
+  x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
+  every = 1 if cfg.moe is None else cfg.moe.every
+  positions_T = batch.positions_T
+
+  def unit_body(carry, xs):
+    x, hook.k, hook.v = carry
+    unit, u = xs
+    if cfg.moe is None:
+      x = _layer(cfg, hook, unit, u, x, positions_T, moe=False)
+    else:
+      if "dense" in unit:
+        def dense_body(carry, xs):
+          x, hook.k, hook.v = carry
+          layer, j = xs
+          return (_layer(cfg, hook, layer, u * every + j, x, positions_T, False), hook.k, hook.v), None
+        (x, hook.k, hook.v), _ = jax.lax.scan(dense_body, (x, hook.k, hook.v),
+                                              (unit["dense"], jnp.arange(every - 1)))
+      x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, moe=True)
+    return (x, hook.k, hook.v), None
+
+  units = cfg.n_layers // every
+  (x_1xTxD, k, v), _ = jax.lax.scan(unit_body, (x_1xTxD, kv.k, kv.v),
+                                    (params["layers"], jnp.arange(units)))
+  logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
+  return logits_1xRxV[0], KVPages(k, v, kv.num_pages)
+
+
+def serve_step(cfg: TransformerConfig, params: dict, kv: KVPages, batch: TokenBatch,
+               sampling: SamplingBatch, *, backend: str = "auto", mesh: Mesh | None = None
+               ) -> tuple[jax.Array, jax.Array, KVPages]:
+  """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools)."""
+  logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
+  return sample(logits_RxV, sampling), jnp.all(jnp.isfinite(logits_RxV), axis=-1), kv
+
+
+_forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend",
+                       donate_argnums=2)
+
+
+def _batch(tokens, positions, slots, tables, rows) -> TokenBatch:
+  as_i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+  return TokenBatch(*(as_i32(x) for x in (tokens, positions, slots, tables, rows)))
+
+
+def prefill(cfg: TransformerConfig, params: dict, kv: KVPages, tokens: list[int], start: int,
+            block_table: list[int], *, backend: str = "auto") -> tuple[jax.Array, KVPages]:
+  """A prompt chunk at positions start.. of one sequence -> (its last token's logits [V], pools).
+
+  `block_table` must already hold pages for positions 0..start+len(tokens)-1.
+  """
+  s = kv.page_size
+  positions = np.arange(start, start + len(tokens))
+  table = np.asarray(block_table)
+  batch = _batch(tokens, positions, table[positions // s] * s + positions % s,
+                 np.broadcast_to(table, (len(tokens), len(table))), [len(tokens) - 1])
+  logits, kv = _forward_jit(cfg, params, kv, batch, backend=backend)
+  return logits[0], kv
+
+
+def decode_step(cfg: TransformerConfig, params: dict, kv: KVPages, tokens_B: list[int],
+                lengths_B: list[int], block_tables_BxN, *, backend: str = "auto"
+                ) -> tuple[jax.Array, KVPages]:
+  """One token per sequence, at position lengths[b] (the tokens cached before it) -> ([B, V], pools)."""
+  s = kv.page_size
+  positions = np.asarray(lengths_B)
+  tables = np.asarray(block_tables_BxN)
+  slots = tables[np.arange(len(positions)), positions // s] * s + positions % s
+  batch = _batch(tokens_B, positions, slots, tables, np.arange(len(positions)))
+  return _forward_jit(cfg, params, kv, batch, backend=backend)
+
