@@ -34,8 +34,8 @@ entry per optimizer step (max over its micro-batches), whatever the gradient acc
 flax's `Fp8DirectDotGeneralOp` is not used as a whole: it keeps the high-precision inputs as
 residuals beside their FP8 copies, and carries its state as a Flax collection updated through
 the gradient with an extended dtype whose sum is a max, which neither the pipeline executor's
-explicit accumulation nor a psum can carry. Its building blocks (`quantize`, `dequantize`,
-`compute_scale`, `compute_amax_history`, `get_fp8_max`) are used as they are.
+explicit accumulation nor a psum can carry. Its building blocks (`quantize`, `compute_scale`,
+`compute_amax_history`, `get_fp8_max`) are used as they are.
 """
 from __future__ import annotations
 
