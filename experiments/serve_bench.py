@@ -3,6 +3,7 @@
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
   python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
+  python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
 
 A seeded workload: Poisson arrivals at each rate (requests/s), prompt and output lengths
 uniform in the given ranges (inclusive), prompt tokens uniform over the vocabulary, greedy
@@ -33,29 +34,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
+import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.timing import median_time
 from jaxpipe.models import transformer
 from jaxpipe.serve import model as serve_model
+from jaxpipe.serve.deploy import Colocated, Disaggregated, device_groups
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.sampling import SamplingBatch
+from jaxpipe.serve.slo import SLO, attainment, e2e, percentiles, search_goodput
+from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
 
 ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
            "those systems used 20.4-38.2% of reserved KV memory for tokens; paged KV wastes at most "
            "the last page of each sequence (block size 16).")
-
-
-@dataclasses.dataclass
-class Work:
-  arrival: float  # seconds after the start
-  prompt: list[int]
-  max_tokens: int
+PD_ANCHORS = ("DistServe (OSDI'24): 7.4x more requests or 12.6x tighter SLO with >90% of requests "
+              "meeting both targets; Splitwise (ISCA'24): 1.4x throughput at 20% lower cost; vLLM's "
+              "docs: disaggregation tunes TTFT and inter-token latency separately, it does not raise "
+              "throughput.")
 
 
 @dataclasses.dataclass
@@ -71,15 +75,6 @@ class Done:
   def tpot(self) -> float | None:
     n = len(self.token_times)
     return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-
-def workload(n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], vocab: int,
-             seed: int) -> list[Work]:
-  """Poisson arrivals (exponential gaps, mean 1/rate) with uniform prompt and output lengths."""
-  rng = np.random.default_rng(seed)
-  arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-  return [Work(float(a), list(map(int, rng.integers(0, vocab, rng.integers(prompt[0], prompt[1] + 1)))),
-               int(rng.integers(output[0], output[1] + 1))) for a in arrivals]
 
 
 class Paged:
@@ -236,43 +231,45 @@ def kernel_table(repeats: int) -> None:
     print(f"| {batch} | {context} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--requests", type=int, default=64)
-  p.add_argument("--rates", default="2,8,32", help="arrival rates to run, requests/s")
-  p.add_argument("--prompt", default="8:96", help="prompt length range, min:max tokens")
-  p.add_argument("--output", default="8:96", help="output length range, min:max tokens")
-  p.add_argument("--kv_tokens", type=int, default=3072, help="KV slots per layer for either system")
-  p.add_argument("--page_size", type=int, default=16)
-  p.add_argument("--max_batch", type=int, default=32, help="paged: most requests running at once")
-  p.add_argument("--token_budget", type=int, default=128, help="paged: tokens per step")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--attention", default="auto")
-  p.add_argument("--kernel", action="store_true", help="time the decode kernel alone (GPU)")
-  p.add_argument("--repeats", type=int, default=20, help="--kernel: timed calls per cell")
-  args = p.parse_args()
-  if args.kernel:
-    kernel_table(args.repeats)
-    return
-  prompt, output = (tuple(int(x) for x in v.split(":")) for v in (args.prompt, args.output))
-  cfg = transformer.TransformerConfig(vocab=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                                      head_dim=32, d_ff=384)  # configs/quickstart.py's model
-  params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
+QUICKSTART = transformer.TransformerConfig(vocab=256, d_model=128, n_layers=4, n_heads=4,
+                                          n_kv_heads=2, head_dim=32, d_ff=384)  # configs/quickstart.py
+
+
+def quickstart_params(cfg: transformer.TransformerConfig = QUICKSTART) -> dict:
+  """Fresh parameters (seed 0)."""
+  return jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
+
+
+def parse_lengths(args) -> tuple[Lengths, Lengths]:
+  try:
+    return Lengths.parse(args.prompt), Lengths.parse(args.output)
+  except ValueError as e:
+    raise SystemExit(f"--prompt/--output: {e}") from None
+
+
+def engine_args(args, max_len: int) -> dict:
+  """The engine settings both benches share: pages, pool, batch, budget and step buckets."""
   s = args.page_size
-  max_len = math.ceil((prompt[1] + output[1]) / s) * s
+  pages_per_seq = max_len // s
+  return dict(page_size=s, num_pages=args.kv_tokens // s + 1, max_batch=args.max_batch,
+              max_tokens_per_step=args.token_budget, max_seq_len=max_len, attention=args.attention,
+              token_buckets=sorted({8, 32, args.token_budget}),
+              page_buckets=sorted({max(1, pages_per_seq // 3), pages_per_seq // 2 or 1,
+                                   pages_per_seq}))
+
+
+def paged_vs_static(args) -> None:
+  prompt, output = parse_lengths(args)
+  cfg, params = QUICKSTART, quickstart_params()
+  s = args.page_size
+  max_len = math.ceil((prompt.high + output.high) / s) * s
   static_batch = args.kv_tokens // max_len
   if static_batch < 1:
     raise SystemExit(f"--kv_tokens={args.kv_tokens} cannot hold one {max_len}-token sequence")
-  pages_per_seq = max_len // s
-  engine_args = dict(page_size=s, num_pages=args.kv_tokens // s + 1, max_batch=args.max_batch,
-                     max_tokens_per_step=args.token_budget, max_seq_len=max_len,
-                     attention=args.attention,
-                     token_buckets=sorted({8, 32, args.token_budget}),
-                     page_buckets=sorted({max(1, pages_per_seq // 3), pages_per_seq // 2 or 1, pages_per_seq}))
   print(f"# serve_bench on {jax.devices()[0].device_kind}: quickstart model (d_model {cfg.d_model}, "
         f"{cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}), "
-        f"{cfg.dtype}; {args.requests} requests per rate, Poisson arrivals, prompt U{prompt}, "
-        f"output U{output} tokens, seed {args.seed}")
+        f"{cfg.dtype}; {args.requests} requests per rate, Poisson arrivals, prompt {prompt}, "
+        f"output {output} tokens, seed {args.seed}")
   print(f"# KV memory: {args.kv_tokens} slots per layer "
         f"({serve_model.kv_bytes(cfg, args.kv_tokens, 1) / 2**20:.1f} MiB) for both; "
         f"paged: pages of {s}, <= {args.max_batch} running, {args.token_budget} tokens per step; "
@@ -280,12 +277,12 @@ def main() -> None:
   print("| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
         "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |")
   print("|---|---|---|---|---|---|---|")
-  engine = Engine(cfg, params, **engine_args)
+  engine = Engine(cfg, params, **engine_args(args, max_len))
   engine.precompile()
-  static = Static(cfg, params, static_batch, max_len, prompt[1], s, engine.backend)
+  static = Static(cfg, params, static_batch, max_len, prompt.high, s, engine.backend)
   static.warm_up()
   for rate in (float(r) for r in args.rates.split(",")):
-    work = workload(args.requests, rate, prompt, output, cfg.vocab, args.seed)
+    work = generate(args.requests, rate, prompt, output, cfg.vocab, args.seed)
     generated = sum(w.max_tokens for w in work)
     paged = Paged(engine)
     print(row("paged, continuous", rate, paged, serve(paged, work), generated), flush=True)
@@ -295,6 +292,260 @@ def main() -> None:
         f"{engine.counts['preemptions']} preemptions, {engine.counts['cached_tokens']} prompt "
         "tokens from the prefix cache over all rates")
   print(f"# anchors: {ANCHORS}")
+
+
+# -- colocated vs disaggregated ------------------------------------------------------------------
+
+
+def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
+  g = p.add_argument_group("colocated vs disaggregated (--mode)")
+  g.add_argument("--mode", default="", help="colocated, disaggregated or both (comma-separated): "
+                 "serve the same requests through each deployment")
+  g.add_argument("--prefill-workers", "--prefill_workers", type=int, default=2)
+  g.add_argument("--decode-workers", "--decode_workers", type=int, default=6)
+  g.add_argument("--workers", type=int, default=0,
+                 help="colocated workers (default: prefill + decode workers, the same devices)")
+  g.add_argument("--devices-per-worker", "--devices_per_worker", type=int, default=1,
+                 help="devices of each worker (KV heads split over them)")
+  g.add_argument("--host-devices", "--host_devices", type=int, default=8,
+                 help="CPU host devices to create (ignored on GPU)")
+  g.add_argument("--ttft-slo", "--ttft_slo", type=float, default=0.25, help="seconds")
+  g.add_argument("--tpot-slo", "--tpot_slo", type=float, default=0.1, help="seconds")
+  g.add_argument("--probes", type=int, default=6,
+                 help="goodput search: most rates run per deployment (the --rates included)")
+  g.add_argument("--stream-layers", "--stream_layers", action="store_true",
+                 help="disaggregated: copy K/V one layer at a time")
+  g.add_argument("--trace-in", "--trace_in", default="",
+                 help="CSV trace of requests (arrival_s,prompt_len,output_len[,prompt]) to replay; "
+                      "each rate rescales its arrivals")
+  g.add_argument("--trace-out", "--trace_out", default="", help="write the first rate's requests as CSV")
+  g.add_argument("--out", default="out/serve_bench", help="Perfetto traces and latency CDF plot")
+
+
+class Deployed:
+  """A deployment (serve.deploy), driven request by request like `Paged`."""
+
+  def __init__(self, deployment):
+    self.d, self.done, self.usage = deployment, [], []
+
+  def add(self, w: Work, t0: float) -> None:
+    rid = self.d.add_request(w.prompt, w.max_tokens, eos_id=None)
+    self.d.requests[rid].arrival = t0 + w.arrival
+
+  def busy(self) -> bool:
+    return self.d.has_work()
+
+  def step(self) -> None:
+    self.d.step()
+    self.done += self.d.finished()
+
+
+def check_deployment_args(args) -> tuple[list[str], "SLO"]:
+  """Every bad flag, before any device work: one line naming the value and the fix."""
+  modes = [m.strip() for m in args.mode.split(",")]
+  modes = ["colocated", "disaggregated"] if modes == ["both"] else modes
+  bad = [m for m in modes if m not in ("colocated", "disaggregated")]
+  if bad:
+    raise SystemExit(f"--mode {bad[0]!r}: use colocated, disaggregated or both")
+  if "disaggregated" in modes:
+    for flag, n in (("--prefill-workers", args.prefill_workers),
+                    ("--decode-workers", args.decode_workers)):
+      if n < 1:
+        raise SystemExit(f"{flag}={n} leaves no {flag[2:-8]} worker; give at least 1")
+  try:
+    slo = SLO(args.ttft_slo, args.tpot_slo)
+  except ValueError as e:
+    raise SystemExit(f"--{str(e).split()[0]}-slo: {e}") from None
+  if args.requests < 1 or args.probes < 1:
+    raise SystemExit(f"--requests={args.requests} and --probes={args.probes} must be >= 1")
+  if any(not float(r) > 0 for r in args.rates.split(",")):
+    raise SystemExit(f"--rates={args.rates}: every rate must be > 0 requests/s")
+  return modes, slo
+
+
+def perfetto(requests, t0: float) -> str:
+  """Chrome trace JSON of the requests' spans: a process per worker (and per P->D link), a
+  thread per request."""
+  names = sorted({w for r in requests for w, *_ in r.spans})
+  pid = {w: i for i, w in enumerate(names)}
+  events = [{"ph": "M", "name": "process_name", "pid": i, "args": {"name": w}}
+            for w, i in pid.items()]
+  colours = {"queue": "grey", "prefill": "thread_state_running", "handoff": "yellow",
+             "transfer": "rail_load", "decode": "good"}
+  for r in requests:
+    for w, kind, start, end in r.spans:
+      events.append({"name": f"{kind} r{r.id}", "cat": kind, "ph": "X", "pid": pid[w], "tid": r.id,
+                     "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start), "cname": colours[kind],
+                     "args": {"request": r.id, "prompt": len(r.prompt), "output": len(r.output),
+                              "kv_bytes": r.kv_bytes}})
+  return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+def cdf_plot(path: str, runs: dict[str, list], slo: "SLO") -> None:
+  """TTFT and TPOT CDFs, a line per (deployment, rate), the SLO targets dashed."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(11, 4))
+  FigureCanvasAgg(fig)
+  for i, (metric, target) in enumerate((("ttft", slo.ttft), ("tpot", slo.tpot))):
+    ax = fig.add_subplot(1, 2, i + 1)
+    for label, done in runs.items():
+      xs = np.sort([1e3 * getattr(r, metric) for r in done if getattr(r, metric) is not None])
+      ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=label)
+    ax.axvline(1e3 * target, color="k", linestyle="--", linewidth=0.8)
+    ax.axhline(slo.attainment, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{metric.upper()} (ms)")
+    ax.set_ylabel("share of requests")
+  fig.axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: "SLO") -> str:
+  ms = lambda xs: " / ".join(f"{1e3 * x:,.0f}" for x in xs)
+  ttft, tpot = percentiles(r.ttft for r in done), percentiles(r.tpot for r in done)
+  moved = [r.kv_bytes for r in done]
+  tokens = sum(len(r.output) for r in done)
+  return (f"| {mode} | {rate:g} | {tokens / makespan:,.0f} | {ms(ttft)} | "
+          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | {ms(percentiles(map(e2e, done), (50, 90)))} | "
+          f"{100 * attainment(done, slo):.0f}% | {sum(moved) / 2**20:,.2f} MiB "
+          f"({np.mean(moved) / 2**10:,.1f} KiB/req) |")
+
+
+def build_deployment(mode: str, args, cfg, params, max_len: int, max_prompt: int):
+  """The deployment and its engines, every step program compiled."""
+  kw = engine_args(args, max_len)
+  dpw = args.devices_per_worker
+  if mode == "colocated":
+    groups = device_groups(args.workers or args.prefill_workers + args.decode_workers, dpw)
+    dep = Colocated(cfg, params, groups, **kw)
+  else:
+    p, d = args.prefill_workers, args.decode_workers
+    groups = device_groups(p + d, dpw)
+    dep = Disaggregated(cfg, params, groups[:p], groups[p:], stream_layers=args.stream_layers,
+                        **kw)
+  dep.precompile(max_prompt)
+  return dep
+
+
+def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = True) -> dict:
+  """Serves the workload through each deployment at `rates`, then searches its goodput; returns
+  {(mode, rate): TTFT/TPOT p50 and p90 and the share meeting the SLO, (mode, 'goodput'): rate}.
+  Writes a Perfetto trace per run and the latency CDFs of the `rates` runs into args.out."""
+  prompt, output = parse_lengths(args)
+  cfg = QUICKSTART
+  try:
+    trace = read_csv(args.trace_in, cfg.vocab, args.seed) if args.trace_in else None
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"--trace-in: {e}") from None
+  workers = {"colocated": args.workers or args.prefill_workers + args.decode_workers,
+             "disaggregated": args.prefill_workers + args.decode_workers}
+  for m in modes:
+    try:
+      device_groups(workers[m], args.devices_per_worker)
+    except ValueError as e:
+      raise SystemExit(f"--mode {m}: {e}") from None
+  params = quickstart_params()
+  s = args.page_size
+  if trace:
+    max_prompt = max(len(w.prompt) for w in trace)
+    max_len = max(len(w.prompt) + w.max_tokens for w in trace)
+  else:
+    max_prompt, max_len = prompt.high, prompt.high + output.high
+  max_len = math.ceil(max_len / s) * s
+  work_at = lambda rate: (at_rate(trace, rate) if trace else
+                          generate(args.requests, rate, prompt, output, cfg.vocab, args.seed))
+  if args.trace_out:
+    write_csv(args.trace_out, work_at(rates[0]))
+  os.makedirs(args.out, exist_ok=True)
+  say = print if show else (lambda *a, **k: None)
+  say(f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
+      f"model (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
+      f"heads), {cfg.dtype}; " + (f"trace {args.trace_in} ({len(trace)} requests)" if trace else
+      f"{args.requests} requests, Poisson arrivals, prompt {prompt}, output {output} tokens") +
+      f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
+      f"for {100 * slo.attainment:g}% of requests")
+  say(f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "
+      f"pages of {s}, <= {args.max_batch} running, {args.token_budget} tokens per step; "
+      f"colocated: {workers['colocated']} workers; disaggregated: {args.prefill_workers} prefill "
+      f"+ {args.decode_workers} decode workers" + (", K/V streamed per layer"
+                                                   if args.stream_layers else ""))
+  say("| deployment | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
+      "TPOT p50 / p90 / p99 (ms) | e2e p50 / p90 (ms) | SLO met | KV moved |")
+  say("|---|---|---|---|---|---|---|---|")
+  curves, out = {}, {}
+  for mode in modes:
+    dep = build_deployment(mode, args, cfg, params, max_len, max_prompt)
+    t_start = time.perf_counter()
+
+    def attain_at(rate: float) -> float:
+      system = Deployed(dep)
+      makespan = serve(system, work_at(rate))
+      done = system.done
+      say(deployment_row(mode, rate, done, makespan, slo), flush=True)
+      ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
+      out[(mode, rate)] = {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0],
+                           "tpot90": tpot[1], "met": attainment(done, slo)}
+      if rate in rates:
+        curves[f"{mode} {rate:g}/s"] = done
+      with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
+        f.write(perfetto(done, min(r.arrival for r in done)))
+      return out[(mode, rate)]["met"]
+
+    search = search_goodput(attain_at, rates, slo.attainment, max_probes=args.probes)
+    out[(mode, "goodput")] = search.goodput
+    tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(search.tried.items()))
+    above = f"; {search.above:g} req/s missed it" if search.above else ""
+    say(f"# {mode}: goodput {search.goodput:g} req/s (SLO met at each rate probed: {tried}{above}); "
+        f"{dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
+        f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
+        f"{dep.counts['recomputes']} recomputed, {time.perf_counter() - t_start:.0f} s", flush=True)
+  cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)
+  say(f"# Perfetto traces (ui.perfetto.dev) and latency_cdf.png in {args.out}/")
+  return out
+
+
+def deployments(args) -> None:
+  modes, slo = check_deployment_args(args)
+  measure(args, modes, slo, [float(r) for r in args.rates.split(",")])
+  print(f"# anchors: {PD_ANCHORS}")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--requests", type=int, default=64)
+  p.add_argument("--rates", "--rate", default="2,8,32", help="arrival rates to run, requests/s")
+  p.add_argument("--prompt", default="8:96", help="prompt lengths: N, MIN:MAX or "
+                 "lognormal:MEDIAN:MAX[:SIGMA] tokens")
+  p.add_argument("--output", default="8:96", help="output lengths, as --prompt")
+  p.add_argument("--kv_tokens", type=int, default=3072,
+                 help="KV slots per layer for either system (--mode: per worker)")
+  p.add_argument("--page_size", type=int, default=16)
+  p.add_argument("--max_batch", type=int, default=32, help="paged: most requests running at once")
+  p.add_argument("--token_budget", type=int, default=128, help="paged: tokens per step")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--attention", default="auto")
+  p.add_argument("--kernel", action="store_true", help="time the decode kernel alone (GPU)")
+  p.add_argument("--repeats", type=int, default=20, help="--kernel: timed calls per cell")
+  p.add_argument("--url", help="drive this OpenAI-compatible server instead (experiments/serve_client.py)")
+  p.add_argument("--compare", action="store_true", help="--url: also run its engine in-process")
+  add_deployment_arguments(p)
+  return p
+
+
+def main() -> None:
+  args = parser().parse_args()
+  if args.url:
+    from experiments import serve_client
+    serve_client.main(args)
+  elif args.kernel:
+    kernel_table(args.repeats)
+  elif args.mode:
+    jax.config.update("jax_num_cpu_devices", args.host_devices)  # before JAX starts its backend
+    deployments(args)
+  else:
+    paged_vs_static(args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from typing import Any
 
 import jax
@@ -107,6 +108,7 @@ class Checkpointer:
         options=options)
     self._pending: int | None = None  # the step being saved, until its outcome is known
     self._needed = 0
+    self._failed_steps: set[int] = set()  # whose partial writes close() removes again
 
   def steps(self) -> list[int]:
     """Committed steps, oldest first (orbax also lists a step while it is being written)."""
@@ -169,10 +171,8 @@ class Checkpointer:
   def _failed(self, error: BaseException) -> CheckpointSaveError:
     """The error for the pending save, whose partial write is removed (orbax never commits it)."""
     step, self._pending = self._pending, None
-    if jax.process_index() == 0:
-      for name in os.listdir(self.directory):
-        if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self._failed_steps.add(step)
+    self._remove_partial(step)
     self.manager.reload()
     free = shutil.disk_usage(self.directory).free
     return self._error(f"saving step {step} in {self.directory} failed: {_os_cause(error)} (a "
@@ -262,5 +262,25 @@ class Checkpointer:
                                                   (missing, "missing"), (extra, "extra")) if x]
     return f"{first} (of {len(want)} arrays: {', '.join(counts)})"
 
+  def _remove_partial(self, step: int) -> bool:
+    """Removes what a failed save of `step` wrote (orbax never commits it); True if there was any."""
+    found = False
+    if jax.process_index() == 0:
+      for name in os.listdir(self.directory):
+        if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+          found = True
+    return found
+
   def close(self) -> None:
-    self.manager.close()
+    try:
+      self.manager.close()
+    finally:
+      # tensorstore's other writes of a failed save can still land after its error was raised
+      # and the manager closed, recreating the step's temporary directory: remove it until it
+      # stays gone for a few tenths of a second (at most a few seconds)
+      quiet, deadline = 0, time.monotonic() + 5.0
+      while self._failed_steps and quiet < 3 and time.monotonic() < deadline:
+        found = [self._remove_partial(step) for step in sorted(self._failed_steps)]
+        quiet = 0 if any(found) else quiet + 1
+        time.sleep(0.1)

@@ -26,6 +26,7 @@ import ast
 import logging as std_logging
 import os
 import sys
+import traceback
 
 from jaxpipe import runtime
 
@@ -128,9 +129,13 @@ class _DropOrbaxErrors(std_logging.Filter):
   writer thread; the runner reports it once."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.levelno < std_logging.ERROR:
+      return True
     orbax = f"{os.sep}orbax{os.sep}"
-    return record.levelno < std_logging.ERROR or not (orbax in record.pathname
-                                                       or orbax in record.getMessage())
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:  # asyncio's "exception never retrieved"
+      text += "".join(traceback.format_exception(*record.exc_info))
+    return not (orbax in record.pathname or orbax in text or ".orbax-checkpoint-tmp" in text)
 
 
 def _drop_closed_loop_errors(hook):

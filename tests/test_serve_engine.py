@@ -77,13 +77,14 @@ def _prompts(seed=0, n=12):
 
 
 def _check_pages(engine):
-  """Every page's count is the number of its owners; only a sequence's last page has room."""
+  """Every page's count is the number of its owners (requests running, parked after prefill or
+  reserved for incoming K/V, and the prefix cache); only a sequence's last page has room."""
   owners = np.zeros(engine.num_pages, np.int32)
-  for r in engine.running:
+  for r in engine.running + engine.prefilled + engine.incoming:
     assert len(r.pages) == math.ceil(r.computed / engine.page_size), r.id
     for p in r.pages:
       owners[p] += 1
-  for p in engine.prefix_cache._pages.values():
+  for p in (engine.prefix_cache._pages.values() if engine.prefix_cache else ()):
     owners[p] += 1
   np.testing.assert_array_equal(owners, engine.allocator.refs)
   usage = engine.kv_usage()

@@ -1,15 +1,25 @@
-"""Generate text from a trained model.
+"""Generate text from a trained model, or serve it over HTTP (OpenAI's completions API).
 
   python -m jaxpipe.serve --workdir /tmp/qs --prompt "def " --max_tokens 64
   python -m jaxpipe.serve --config configs/quickstart.py --prompt "import " --temperature 0.8
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
+  python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
+      [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256] [--page_buckets 16]
+      [--mode disaggregated --prefill_workers 1 --decode_workers 2 --devices_per_worker 1]
 
 --workdir serves the newest checkpoint of a `python -m jaxpipe.train` run (its config.json
 gives the model); --config serves the fresh parameters of a config file. Prompts are UTF-8
 bytes, one token each (the byte-level models of the quickstarts); several --prompt flags are
-served as one continuously batched workload.
+served as one continuously batched workload. --http serves POST /v1/completions, GET /v1/models,
+/health and /metrics (jaxpipe/serve/server.py) until SIGTERM, after which running requests get
+--drain_s seconds to finish before they are cancelled; every step program is compiled first.
+--mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
+behind the same endpoint, each worker with the engine flags; the default is one engine.
 """
+import dataclasses
+import os
 import sys
+import time
 
 from jaxpipe import runtime
 
@@ -33,6 +43,35 @@ _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "Context served (prompt
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 256, "KV pages per layer (page 0 is scratch).")
 _ATTENTION = flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Most sequences running at once; default 16 "
+                                  "(--http) or the number of prompts, at most 16.")
+_MAX_TOKENS_PER_STEP = flags.DEFINE_integer("max_tokens_per_step", 256, "Token budget of a step.")
+_TOKEN_BUCKETS = flags.DEFINE_list("token_buckets", None, "Padded step sizes in tokens; default "
+                                   "powers of two from 8 to --max_tokens_per_step.")
+_PAGE_BUCKETS = flags.DEFINE_list("page_buckets", None, "Padded pages per sequence; default the "
+                                  "whole context alone.")
+_HTTP = flags.DEFINE_bool("http", False, "Serve over HTTP instead of generating from --prompt.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "--http: address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "--http: port to listen on.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "--http: sequences waiting beyond --max_batch "
+                                  "before requests are answered 429.")
+_DRAIN_S = flags.DEFINE_float("drain_s", 30.0, "--http: seconds running requests may go on after "
+                              "SIGTERM before they are cancelled.")
+_MODE = flags.DEFINE_enum("mode", "engine", ["engine", "colocated", "disaggregated"],
+                          "--http: one engine, or a deployment of workers (serve/deploy.py).")
+_WORKERS = flags.DEFINE_integer("workers", 2, "--mode colocated: workers.")
+_PREFILL_WORKERS = flags.DEFINE_integer("prefill_workers", 1, "--mode disaggregated: prefill workers.")
+_DECODE_WORKERS = flags.DEFINE_integer("decode_workers", 1, "--mode disaggregated: decode workers.")
+_DEVICES_PER_WORKER = flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker.")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "--http: the served model's name; default "
+                                  "the workdir's or config file's name.")
+
+
+def _ints(name: str, values: list[str] | None) -> list[int] | None:
+  try:
+    return None if values is None else [int(v) for v in values]
+  except ValueError:
+    raise app.UsageError(f"--{name}={','.join(values)} must be a comma-separated list of integers")
 
 
 def main(argv: list[str]) -> None:
@@ -41,8 +80,12 @@ def main(argv: list[str]) -> None:
   if (_CONFIG.value is None) == (_WORKDIR.value is None):
     raise app.UsageError("give exactly one of --workdir (a training run) or --config (fresh "
                          "parameters)")
-  if not _PROMPT.value:
-    raise app.UsageError('--prompt is required, e.g. --prompt "def "')
+  if _HTTP.value == bool(_PROMPT.value):
+    raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')
+  if _MODE.value != "engine" and not _HTTP.value:
+    raise app.UsageError(f"--mode={_MODE.value} serves over HTTP only; add --http")
+  token_buckets = _ints("token_buckets", _TOKEN_BUCKETS.value)
+  page_buckets = _ints("page_buckets", _PAGE_BUCKETS.value)
   logging.set_verbosity(logging.WARNING)
   import jax
 
@@ -58,14 +101,25 @@ def main(argv: list[str]) -> None:
     source = f"step {step} of {_WORKDIR.value}"
   else:
     config = _CONFIG.value
-    params, source = restore.fresh_params(config), f"fresh parameters of {flags.FLAGS['config'].value}"
+    source = f"fresh parameters of {config_flags.get_config_filename(flags.FLAGS['config'])}"
+    params = restore.fresh_params(config)
   cfg = config_lib.model_config(config)
   max_seq_len = _MAX_SEQ_LEN.value or config.data.seq_len
+  max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
+  # One page bucket (the whole context) by default: one program per token bucket.
+  kw = dict(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value, max_batch=max_batch,
+            max_tokens_per_step=_MAX_TOKENS_PER_STEP.value, max_seq_len=max_seq_len,
+            token_buckets=token_buckets,
+            page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
+            attention=_ATTENTION.value)
   try:
-    # One page bucket (the whole context): a few prompts compile one program per token bucket.
-    engine = Engine(cfg, params, page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
-                    max_batch=min(16, len(_PROMPT.value)), max_seq_len=max_seq_len,
-                    page_buckets=(-(-max_seq_len // _PAGE_SIZE.value),), attention=_ATTENTION.value)
+    engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if _HTTP.value:
+    _serve_http(engine, cfg, source)
+    return
+  try:
     prompts = [list(p.encode("utf-8")) for p in _PROMPT.value]
     outputs = engine.generate(prompts, max_tokens=_MAX_TOKENS.value,
                               temperature=_TEMPERATURE.value, seed=_SEED.value, top_k=_TOP_K.value,
@@ -77,6 +131,56 @@ def main(argv: list[str]) -> None:
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + bytes(t for t in out if t < 256).decode("utf-8", errors="replace"))
     print(f"# tokens: {out}")
+
+
+def _deployment(cfg, params, kw: dict):
+  """--mode colocated or disaggregated: workers on disjoint groups of --devices_per_worker."""
+  from jaxpipe.serve import deploy
+  n = _DEVICES_PER_WORKER.value
+  if _MODE.value == "colocated":
+    return deploy.Colocated(cfg, params, deploy.device_groups(_WORKERS.value, n), **kw)
+  p = _PREFILL_WORKERS.value
+  groups = deploy.device_groups(p + _DECODE_WORKERS.value, n)
+  return deploy.Disaggregated(cfg, params, groups[:p], groups[p:], **kw)
+
+
+def _serve_http(backend, cfg, source: str) -> None:
+  import jax
+  try:
+    from jaxpipe.serve.server import CompletionServer, engines_of
+  except ImportError as e:
+    sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
+  name = _MODEL_NAME.value or os.path.basename(os.path.normpath(
+      _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(flags.FLAGS["config"]))[0]))
+  start = time.perf_counter()
+  backend.precompile()
+  engines = engines_of(backend)
+  engine = engines[-1]  # a decode worker's settings when disaggregated
+  # Sequences running at once: every worker's batch, a decode worker's when disaggregated.
+  batch = engine.max_batch * len([e for e in engines if not e.prefill_only])
+  info = {"mode": _MODE.value, "workers": len(engines), "page_size": engine.page_size,
+          "num_pages": engine.num_pages, "max_batch": engine.max_batch,
+          "max_tokens_per_step": engine.max_tokens_per_step, "max_seq_len": engine.max_seq_len,
+          "token_buckets": list(engine.token_buckets), "page_buckets": list(engine.page_buckets),
+          "attention": engine.backend, "device": jax.devices()[0].device_kind, "source": source,
+          "model": dataclasses.asdict(cfg)}
+  try:
+    server = CompletionServer(backend, model_name=name, max_batch=batch,
+                              max_queue=_MAX_QUEUE.value, drain_s=_DRAIN_S.value, engine_info=info)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  programs = sum(len(e.programs) for e in engines)
+  workers = f" ({len(engines)} workers)" if len(engines) > 1 else ""
+  print(f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
+        f"attention {engine.backend}, {programs} step programs compiled in "
+        f"{time.perf_counter() - start:.1f} s; "
+        f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
+        f"{_DRAIN_S.value:g} s)", flush=True)
+  try:
+    server.run(_HOST.value, _PORT.value)
+  except OSError as e:
+    sys.exit(f"error: {e}")
+  print("# drained; exiting", flush=True)
 
 
 if __name__ == "__main__":

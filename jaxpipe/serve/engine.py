@@ -17,7 +17,11 @@ and run one compiled step per iteration. Each `step()`:
 Bad requests (empty prompt, tokens outside the vocabulary, too long for the context or the pool,
 bad sampling values) finish at once with an `error`; the engine keeps serving the others.
 `fork` starts a second sample of a running request on shared pages; `export_request` and
-`import_request` move a running request, K/V included, to another engine.
+`import_request` move a running request, K/V included, to another engine (or, device to device,
+`kv_of` on one side and `reserve_request` / `write_kv` / `admit_request` on the other).
+`step` is `collect(launch())`: a driver of several engines launches all their steps before
+collecting any, so that they run at once on their devices. A `prefill_only` engine parks each
+request once its first token is sampled (`prefilled`), pages kept, for a decode engine to take.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_k
 from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
+INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
 ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
 
 
@@ -91,12 +97,24 @@ class KVState:
   max_tokens: int
   sampling: SamplingParams
   eos_id: int | None
-  computed: int
-  k: np.ndarray  # [G, n_layers, pages, page_size, head_dim]
-  v: np.ndarray
+  computed: int  # leading tokens whose K/V are cached; 0: the receiver recomputes them
+  k: np.ndarray | None  # [G, n_layers, pages, page_size, head_dim]; None: moved apart (write_kv)
+  v: np.ndarray | None
   arrival: float
   first_token_time: float | None
   token_times: list[float]
+
+
+@dataclasses.dataclass
+class _Launched:
+  """A step dispatched to the devices and not yet read back (`launch` -> `collect`)."""
+  plan: list[tuple[Request, int]]
+  sampled: list[Request]
+  t: int  # padded tokens
+  t_real: int
+  pages: int  # padded pages per sequence
+  new_R: jax.Array
+  finite_R: jax.Array
 
 
 def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -122,6 +140,11 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
+def _pow2_chunks(n: int) -> list[int]:
+  """The powers of two that sum to n, largest first (13 -> [8, 4, 1])."""
+  return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+
+
 class Engine:
   """Serves one model from a paged KV cache on `devices` (default: the first device).
 
@@ -134,11 +157,13 @@ class Engine:
                max_seq_len: int = 2048, devices: Sequence[jax.Device] | None = None,
                attention: str = "auto", eos_id: int | None = None, prefix_caching: bool = True,
                token_buckets: Sequence[int] | None = None,
-               page_buckets: Sequence[int] | None = None, nan_freed_pages: bool = False):
+               page_buckets: Sequence[int] | None = None, nan_freed_pages: bool = False,
+               prefill_only: bool = False):
     """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
     per sequence; default powers of two up to the limits, which are always included);
     nan_freed_pages: pools start as NaN and every freed page is refilled with NaN (tests: a
-    read of a slot a sequence does not own would show in its output)."""
+    read of a slot a sequence does not own would show in its output); prefill_only: a prefill
+    worker: a request that samples a token leaves the batch for `prefilled`, pages kept."""
     for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
                         ("max_tokens_per_step", max_tokens_per_step), ("max_seq_len", max_seq_len)):
       if not isinstance(value, int) or value < 1:
@@ -174,6 +199,10 @@ class Engine:
     self.requests: dict[int, Request] = {}
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
+    self.prefill_only = prefill_only
+    self.prefilled: list[Request] = []  # prefill_only: waiting to be moved (oldest first)
+    self.incoming: list[Request] = []  # reserved for K/V on its way (reserve_request)
+    self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
     self._finished: list[Request] = []
     self._next_id = 0
     self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
@@ -228,16 +257,30 @@ class Engine:
       self.waiting.append(r)
     return rid
 
+  def _detach(self, r: Request) -> bool:
+    """Takes r out of whichever queue holds it; False if it is finished."""
+    queue = {WAITING: self.waiting, RUNNING: self.running, PREFILLED: self.prefilled,
+             INCOMING: self.incoming}.get(r.state)
+    if queue is None:
+      return False
+    queue.remove(r)
+    if r.state == INCOMING:
+      del self._unwritten[r.id]
+    return True
+
   def cancel(self, rid: int) -> None:
     """Stops a request now; its pages are freed at once. A finished request is left as it is."""
     r = self.requests[rid]
-    if r.state == WAITING:
-      self.waiting.remove(r)
-    elif r.state == RUNNING:
-      self.running.remove(r)
-    else:
-      return
-    self._finish(r, "cancelled")
+    if self._detach(r):
+      self._finish(r, "cancelled")
+
+  def release(self, rid: int) -> None:
+    """Drops a request that continues on another engine: frees its pages; `finished` omits it."""
+    r = self.requests.pop(rid)
+    if not self._detach(r):
+      raise ValueError(f"request {rid} is finished; there is nothing to release")
+    self.allocator.free(r.pages)
+    r.pages, r.state = [], FINISHED
 
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
     """A second sample of a running request: it continues from the same tokens, sharing every
@@ -245,7 +288,7 @@ class Engine:
     r = self.requests[rid]
     if r.state != RUNNING:
       raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
-    if len(self.running) >= self.max_batch:
+    if len(self.running) + len(self.incoming) >= self.max_batch:
       raise ValueError(f"the batch is full ({self.max_batch} running requests); fork later")
     sampling = sampling or r.sampling
     reason = sampling.check()
@@ -268,6 +311,7 @@ class Engine:
     return done
 
   def has_work(self) -> bool:
+    """Whether a step would compute anything (parked and incoming requests do not)."""
     return bool(self.waiting or self.running)
 
   def _finish(self, r: Request, reason: str) -> None:
@@ -333,7 +377,7 @@ class Engine:
         i += 1
       else:  # preempt the newest; if that is r itself, the next request moves into slot i
         self._preempt(self.running[-1])
-    while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+    while self.waiting and budget > 0 and len(self.running) + len(self.incoming) < self.max_batch:
       r = self.waiting[0]
       n = self._admit(r, budget)
       if n == 0:
@@ -370,8 +414,9 @@ class Engine:
 
   def _flush_fills(self) -> None:
     if self._to_fill:
+      fill = set(self._to_fill)  # a page freed, taken and freed again before a step: once
       pages = np.full(self.num_pages, self.num_pages, np.int32)
-      pages[:len(self._to_fill)] = self._to_fill
+      pages[:len(fill)] = sorted(fill)
       self._to_fill.clear()
       self.kv = self._fill_fn(self.kv, pages)
 
@@ -401,21 +446,34 @@ class Engine:
     """The bound on `programs`: token buckets x page buckets."""
     return len(self.token_buckets) * len(self.page_buckets)
 
-  def precompile(self, max_pages: int | None = None) -> None:
-    """Compiles every step program up to `max_pages` pages per sequence (default all)."""
+  def precompile(self, max_pages: int | None = None, move_pages: int = 0,
+                 per_layer: bool = False) -> None:
+    """Compiles every step program up to `max_pages` pages per sequence (default all), and the
+    K/V gather and write of every chunk of up to `move_pages` pages (`kv_of`, `write_kv`; all
+    layers, or one with per_layer) by running them on the scratch page."""
     for n in self.page_buckets:
       if max_pages is None or n <= _bucket(max_pages, self.page_buckets):
         for t in self.token_buckets:
           self._program(t, n)
+    for size in _pow2_chunks((1 << move_pages.bit_length()) - 1):
+      scratch, layers = np.full(size, SCRATCH_PAGE, np.int32), self._layers(0 if per_layer else None)
+      k, v = self._gather_fn(self.kv, scratch, layers)
+      self.kv = self._scatter_fn(self.kv, scratch, layers, k, v)
+    jax.block_until_ready(self.kv.k)
 
   def step(self) -> dict[int, list[int]]:
     """One iteration; returns the tokens each request generated in it (by request id)."""
+    return self.collect(self.launch())
+
+  def launch(self) -> _Launched | None:
+    """Schedules an iteration and dispatches it without waiting for it (None: nothing to do)."""
     plan = self._schedule()
     if not plan:
-      if self.waiting and not self.running:  # cannot happen for a checked request
+      held = self.prefilled or self.incoming  # their pages come back when they move on
+      if self.waiting and not self.running and not held:  # cannot happen for a checked request
         raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine "
                            f"({self.allocator.num_free} free pages)")
-      return {}
+      return None
     s, r_max = self.page_size, self.max_batch
     t_real = sum(n for _, n in plan)
     t = _bucket(t_real, self.token_buckets)
@@ -445,7 +503,14 @@ class Engine:
     batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
     new_R, finite_R, self.kv = self._program(t, n_pages)(
         self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index))
-    new_R, finite_R = np.asarray(new_R), np.asarray(finite_R)
+    return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R)
+
+  def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
+    """Waits for a launched iteration and applies it; returns the tokens it generated."""
+    if launched is None:
+      return {}
+    plan, sampled, t, t_real = launched.plan, launched.sampled, launched.t, launched.t_real
+    new_R, finite_R = np.asarray(launched.new_R), np.asarray(launched.finite_R)
     now = time.perf_counter()
     self.steps += 1
     self.counts["step_tokens"] += t_real
@@ -468,9 +533,13 @@ class Engine:
       if token == r.eos_id or len(r.output) >= r.max_tokens:
         self.running.remove(r)
         self._finish(r, "eos" if token == r.eos_id else "length")
+      elif self.prefill_only:
+        self.running.remove(r)
+        r.state = PREFILLED
+        self.prefilled.append(r)
     if self.prefix_cache is not None:
       for r, _ in plan:
-        if r.state == RUNNING:
+        if r.state in (RUNNING, PREFILLED):
           self._register(r)
     return out
 
@@ -524,63 +593,147 @@ class Engine:
 
   # -- moving requests between engines ----------------------------------------------------------
 
+  @property
+  def kv_sharding(self) -> NamedSharding:
+    """Where K/V for this engine must be to be written (`write_kv`): KV heads over its devices."""
+    return self._pool_sharding
+
   @functools.cached_property
   def _gather_fn(self):
-    def gather(kv, pages_N):
-      idx = (jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_N[None, :])
-      return kv.k[:, idx], kv.v[:, idx]  # [G, n_layers, N, page, K]
-    return jax.jit(gather, out_shardings=(self._replicated,) * 2)
+    def gather(kv, pages_N, layers_L):
+      idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
+      return kv.k[:, idx], kv.v[:, idx]  # [G, L, N, page, K]
+    return jax.jit(gather, out_shardings=(self._pool_sharding,) * 2)
 
   @functools.cached_property
   def _scatter_fn(self):
-    def scatter(kv, pages_N, k, v):
-      idx = jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_N[None, :]
-      idx = jnp.where(pages_N[None, :] < kv.num_pages, idx, kv.k.shape[1])
-      return model_lib.KVPages(kv.k.at[:, idx].set(k.astype(kv.k.dtype), mode="drop"),
-                               kv.v.at[:, idx].set(v.astype(kv.v.dtype), mode="drop"), kv.num_pages)
+    def scatter(kv, pages_N, layers_L, k, v):
+      idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
+      return model_lib.KVPages(kv.k.at[:, idx].set(k.astype(kv.k.dtype)),
+                               kv.v.at[:, idx].set(v.astype(kv.v.dtype)), kv.num_pages)
     return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
 
-  def export_request(self, rid: int) -> KVState:
-    """A running request's tokens and cached K/V (host arrays), to `import_request` elsewhere."""
-    r = self.requests[rid]
-    if r.state != RUNNING:
-      raise ValueError(f"request {rid} is {r.state}; only a running request has pages to export")
-    used = math.ceil(r.computed / self.page_size)
-    n = _bucket(max(used, 1), self.page_buckets)
-    pages = np.zeros(n, np.int32)
-    pages[:used] = r.pages[:used]
-    self._flush_fills()
-    k, v = jax.device_get(self._gather_fn(self.kv, pages))
-    return KVState(list(r.prompt), list(r.output), r.max_tokens, r.sampling, r.eos_id, r.computed,
-                   k[:, :, :used], v[:, :, :used], r.arrival, r.first_token_time,
-                   list(r.token_times))
+  def _layers(self, layer: int | None) -> np.ndarray:
+    if layer is None:
+      return np.arange(self.cfg.n_layers, dtype=np.int32)
+    if not 0 <= layer < self.cfg.n_layers:
+      raise ValueError(f"layer={layer} is outside [0, {self.cfg.n_layers})")
+    return np.asarray([layer], np.int32)
 
-  def import_request(self, state: KVState) -> int:
-    """Adds a request with its K/V already cached (from `export_request`); returns its id."""
+  def kv_of(self, rid: int, layer: int | None = None) -> list[tuple[int, jax.Array, jax.Array]]:
+    """K and V of a request's cached tokens, exactly its pages, still on this engine's devices,
+    in chunks of a power of two pages (the binary digits of the page count: at most
+    log2(pages) + 1 copies, and as many compiled programs serve every length):
+    (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim]."""
+    r = self.requests[rid]
+    if r.state not in (RUNNING, PREFILLED):
+      raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request has "
+                       "pages to export")
+    used = math.ceil(r.computed / self.page_size)
+    self._flush_fills()
+    out, at = [], 0
+    for size in _pow2_chunks(used):
+      k, v = self._gather_fn(self.kv, np.asarray(r.pages[at:at + size], np.int32),
+                             self._layers(layer))
+      out.append((at, k, v))
+      at += size
+    return out
+
+  def export_request(self, rid: int, with_kv: bool = True) -> KVState:
+    """A request's tokens and cached K/V (host arrays; with_kv=False: none, `kv_of` moves them
+    device to device), to `import_request` or `reserve_request` elsewhere."""
+    r = self.requests[rid]
+    if r.state not in (RUNNING, PREFILLED):
+      raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request can move")
+    k = v = None
+    if with_kv:
+      chunks = jax.device_get([(k, v) for _, k, v in self.kv_of(rid)])
+      shape = self.kv_shape(r.computed)
+      k, v = (np.concatenate([c[i] for c in chunks], axis=2) if chunks else
+              np.zeros(shape, self.kv.k.dtype) for i in (0, 1))
+    return KVState(list(r.prompt), list(r.output), r.max_tokens, r.sampling, r.eos_id, r.computed,
+                   k, v, r.arrival, r.first_token_time, list(r.token_times))
+
+  def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
+    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim]."""
+    return (self.cfg.n_kv_heads, self.cfg.n_layers if layers is None else layers,
+            math.ceil(computed / self.page_size), self.page_size, self.cfg.head_dim)
+
+  def reserve_request(self, state: KVState) -> int:
+    """Takes pages and a batch slot for a request whose K/V will follow (`write_kv`, then
+    `admit_request`); it is not scheduled until then. Raises ValueError if it cannot be taken."""
     error = self.check_request(state.prompt, state.max_tokens, state.sampling)
-    g, layers, used = state.k.shape[:3]
-    if error is None and (g, layers) != (self.cfg.n_kv_heads, self.cfg.n_layers):
-      error = f"the K/V has {g} heads x {layers} layers; this model has " \
-              f"{self.cfg.n_kv_heads} x {self.cfg.n_layers}"
-    if error is None and len(self.running) >= self.max_batch:
-      error = f"the batch is full ({self.max_batch} running requests)"
-    if error is None and not self.allocator.can_alloc(used):
-      error = f"{used} free pages are needed to import the request, {self.allocator.num_free} are free"
+    want = self.kv_shape(state.computed)
+    if error is None and state.k is not None and tuple(state.k.shape) != want:
+      error = f"the K/V has shape {tuple(state.k.shape)}; this engine holds {want} for " \
+              f"{state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
+    if error is None and len(self.running) + len(self.incoming) >= self.max_batch:
+      error = f"the batch is full ({self.max_batch} running or incoming requests)"
+    if error is None and not self.allocator.can_alloc(want[2]):
+      error = f"{want[2]} free pages are needed to import the request, " \
+              f"{self.allocator.num_free} are free"
     if error is not None:
       raise ValueError(f"cannot import the request: {error}")
     rid = self._next_id
     self._next_id += 1
     r = Request(rid, list(state.prompt), state.max_tokens, state.sampling, state.eos_id,
-                output=list(state.output), computed=state.computed, state=RUNNING,
+                output=list(state.output), computed=state.computed, state=INCOMING,
                 arrival=state.arrival, first_token_time=state.first_token_time,
                 token_times=list(state.token_times))
-    r.pages = [self.allocator.alloc() for _ in range(used)]
-    n = _bucket(max(used, 1), self.page_buckets)
-    pages = np.full(n, self.num_pages, np.int32)
-    pages[:used] = r.pages
-    pad = ((0, 0), (0, 0), (0, n - used), (0, 0), (0, 0))
-    self._flush_fills()
-    self.kv = self._scatter_fn(self.kv, pages, np.pad(state.k, pad), np.pad(state.v, pad))
+    r.pages = [self.allocator.alloc() for _ in range(want[2])]
+    self._unwritten[rid] = {(l, i) for l in range(self.cfg.n_layers) for i in range(want[2])}
     self.requests[rid] = r
+    self.incoming.append(r)
+    return rid
+
+  def write_kv(self, rid: int, k, v, layer: int | None = None, first: int = 0) -> None:
+    """Writes K/V of an incoming request (all layers or one; pages first.. of its block table)
+    into its reserved pages. Arrays on other devices are copied here first (device to device)."""
+    r = self.requests[rid]
+    if r.state != INCOMING:
+      raise ValueError(f"request {rid} is {r.state}; K/V are written only into a reserved request")
+    size = k.shape[2] if k.ndim == 5 else -1
+    want = self.kv_shape(r.computed, None if layer is None else 1)[:2] + (size,) + (
+        self.page_size, self.cfg.head_dim)
+    for name, x in (("k", k), ("v", v)):
+      if tuple(x.shape) != want or not 0 <= first <= len(r.pages) - size:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} at page {first}; request {rid} holds "
+                         f"{self.kv_shape(r.computed)} ([kv_heads, layers, pages, page, head_dim])")
+    layers = self._layers(layer)
+    k, v = jax.device_put((k, v), self._pool_sharding)
+    self._flush_fills()
+    self.kv = self._scatter_fn(self.kv, np.asarray(r.pages[first:first + size], np.int32), layers,
+                               k, v)
+    self._unwritten[rid].difference_update(
+        (l, i) for l in layers.tolist() for i in range(first, first + size))
+
+  def admit_request(self, rid: int) -> None:
+    """An incoming request whose K/V are all written joins the batch."""
+    r = self.requests[rid]
+    if r.state != INCOMING:
+      raise ValueError(f"request {rid} is {r.state}; only an incoming request can be admitted")
+    missing = self._unwritten[rid]
+    if missing:
+      raise ValueError(f"request {rid} still lacks the K/V of {len(missing)} (layer, page) pairs, "
+                       f"layers {sorted({l for l, _ in missing})}; write them (write_kv) first")
+    del self._unwritten[rid]
+    self.incoming.remove(r)
+    r.state = RUNNING
     self.running.append(r)
+
+  def import_request(self, state: KVState) -> int:
+    """Adds a request with its K/V already cached (from `export_request`); returns its id.
+
+    computed=0 and no K/V: the request is recomputed here from its tokens."""
+    rid = self.reserve_request(state)
+    if self.requests[rid].pages:
+      if state.k is None:
+        self.cancel(rid)
+        self.finished()
+        raise ValueError(f"cannot import the request: {state.computed} cached tokens but no K/V")
+      at = 0
+      for size in _pow2_chunks(len(self.requests[rid].pages)):
+        self.write_kv(rid, state.k[:, :, at:at + size], state.v[:, :, at:at + size], first=at)
+        at += size
+    self.admit_request(rid)
     return rid

@@ -1,0 +1,446 @@
+"""Discrete-event simulation of colocated and disaggregated serving over a cost model (pure Python).
+
+Each simulated worker schedules as `serve.Engine` does: running requests first, oldest first (a
+decode token or the next prompt chunk), then waiting ones in arrival order while the batch, the
+token budget and the free pages allow; pages are taken as tokens are computed, and when none is
+left the newest running request is preempted and recomputed later. (`policy='prefill-first'`
+instead runs whole waiting prompts in a step of their own before any decoding, as vLLM's first
+scheduler did: the baseline DistServe measured.) A prefill worker parks a request once its first
+token is sampled; the router hands it to the decode worker with a free slot and the most free
+pages, whose pages are reserved; the copy takes `Cluster.transfer_time(tokens)` and the request
+joins that decoder's batch at its first step boundary after the copy lands, when the prefill
+worker frees its pages. New requests go to the entry worker with the least work (prompt tokens
+left to compute on a prefill worker, requests on a colocated one), as `serve.deploy` routes them.
+
+Two clocks: `lockstep=False` (GPUs): every worker runs its steps back to back on its own
+devices. `lockstep=True` (this machine's driver): one host loop steps every busy worker in turn
+and the iteration lasts the sum of their step times (they share the host's cores), copies land
+in the next iteration, as `serve.deploy` runs them on CPU host devices.
+
+Cost models give a step's seconds from what it computes: `step_time(new, context)`, `new[i]`
+tokens of sequence i computed at context lengths `context[i]` (keys cached after the step).
+`Roofline` derives it from a model's FLOPs and bytes on `tp` GPUs; `StepTable` from times
+measured on this machine for each compiled step program.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+from typing import Protocol, Sequence
+
+
+class CostModel(Protocol):
+  def step_time(self, new: Sequence[int], context: Sequence[int]) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What the roofline needs of a decoder-only Transformer (GQA, SwiGLU MLP, untied head)."""
+  name: str
+  layers: int
+  d_model: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  d_ff: int
+  vocab: int
+
+  @property
+  def layer_params(self) -> int:
+    """Matmul weights of one layer: q and o, k and v, and three MLP matrices."""
+    return (2 * self.d_model * self.heads * self.head_dim
+            + 2 * self.d_model * self.kv_heads * self.head_dim + 3 * self.d_model * self.d_ff)
+
+  @property
+  def params(self) -> int:
+    """All weights: layers, embedding and output head (norms left out)."""
+    return self.layers * self.layer_params + 2 * self.vocab * self.d_model
+
+  def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+    return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+
+LLAMA3_8B = ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256)
+LLAMA3_70B = ModelShape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+  name: str
+  flops: float  # dense bf16 FLOP/s
+  hbm_bw: float  # bytes/s
+  memory: float  # bytes
+  link_bw: float  # bytes/s per direction between GPUs of one worker (tensor parallel)
+
+
+H200 = GPU("H200", 989e12, 4.8e12, 141e9, 450e9)  # NVLink 4: 900 GB/s both directions
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+  """A step costs max(FLOPs / peak, bytes / HBM bandwidth) on tp GPUs, plus its tensor-parallel
+  all-reduces (two per layer, ring) over the GPUs' links. Peak figures: no efficiency factor."""
+  model: ModelShape
+  gpu: GPU = H200
+  tp: int = 1
+  itemsize: int = 2  # bf16 weights and K/V
+  allreduce_latency: float = 10e-6  # seconds per all-reduce beyond its bandwidth term
+
+  def flops(self, new: Sequence[int], context: Sequence[int]) -> float:
+    m = self.model
+    t = sum(new)
+    # Causal attention: new token j of a sequence with c keys after the step sees c - n + 1 + j.
+    attn = sum(n * (c - (n - 1) / 2) for n, c in zip(new, context))
+    return (2 * t * m.layers * m.layer_params + 4 * m.layers * m.heads * m.head_dim * attn
+            + 2 * len(new) * m.vocab * m.d_model)  # the head, on each sequence's last token
+
+  def bytes(self, new: Sequence[int], context: Sequence[int]) -> float:
+    m = self.model
+    weights = (m.layers * m.layer_params + m.vocab * m.d_model) * self.itemsize
+    return weights + m.kv_bytes_per_token(self.itemsize) * (sum(context) + sum(new))
+
+  def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    g, tp = self.gpu, self.tp
+    t = max(self.flops(new, context) / (tp * g.flops), self.bytes(new, context) / (tp * g.hbm_bw))
+    if tp > 1:
+      size = sum(new) * self.model.d_model * self.itemsize
+      t += 2 * self.model.layers * (2 * (tp - 1) / tp * size / g.link_bw + self.allreduce_latency)
+    return t
+
+  def kv_capacity(self, reserve: float = 0.1) -> int:
+    """Tokens of K/V that fit beside the weights in tp GPUs' memory, `reserve` of it kept free."""
+    free = self.tp * self.gpu.memory * (1 - reserve) - self.model.params * self.itemsize
+    return max(0, int(free // self.model.kv_bytes_per_token(self.itemsize)))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  return next(b for b in buckets if b >= n)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTable:
+  """Measured: seconds of the compiled step for each (token bucket, pages-per-sequence bucket),
+  plus host time per step and per scheduled sequence (scheduling, packing, reading back)."""
+  times: dict[tuple[int, int], float]
+  page_size: int
+  host_step: float = 0.0
+  host_row: float = 0.0
+
+  def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    tokens = sorted({t for t, _ in self.times})
+    pages = sorted({n for _, n in self.times})
+    t = _bucket(sum(new), tokens)
+    n = _bucket(max(math.ceil(c / self.page_size) for c in context), pages)
+    return self.times[(t, n)] + self.host_step + self.host_row * len(new)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """One kind of worker: how many, how each schedules, and its cost model."""
+  count: int
+  cost: CostModel
+  max_batch: int  # sequences per step
+  token_budget: int  # tokens per step
+  kv_pages: int  # pages of page_size tokens per worker
+  policy: str = "decode-first"  # or 'prefill-first' (whole prompts, before any decoding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Colocated (`colocated` set) or disaggregated (`prefill` and `decode` set) workers."""
+  page_size: int
+  colocated: Pool | None = None
+  prefill: Pool | None = None
+  decode: Pool | None = None
+  kv_bytes_per_token: int = 0  # for the copy from prefill to decode
+  transfer_bw: float = math.inf  # bytes/s of one copy
+  transfer_latency: float = 0.0  # seconds per copy
+  lockstep: bool = False  # one host loop steps every worker in turn (CPU host devices)
+  iteration_overhead: float = 0.0  # lockstep: host seconds per iteration beyond the steps
+
+  def __post_init__(self):
+    if (self.colocated is None) == (self.prefill is None and self.decode is None):
+      raise ValueError("give either a colocated pool or both prefill and decode pools")
+    if self.colocated is None and (self.prefill is None or self.decode is None or
+                                   self.prefill.count < 1 or self.decode.count < 1):
+      raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
+
+  @property
+  def disaggregated(self) -> bool:
+    return self.colocated is None
+
+  def transfer_time(self, tokens: int) -> float:
+    """One request's copy: its pages' K/V (pages rounded up) over the link."""
+    pages = math.ceil(tokens / self.page_size)
+    return self.transfer_latency + pages * self.page_size * self.kv_bytes_per_token / self.transfer_bw
+
+
+@dataclasses.dataclass(eq=False)
+class SimRequest:
+  id: int
+  arrival: float
+  prompt: int  # tokens
+  max_tokens: int
+  computed: int = 0
+  generated: int = 0
+  pages: int = 0
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  finish_time: float | None = None
+  error: str | None = None
+  preemptions: int = 0
+  transfer_bytes: int = 0
+
+  @property
+  def length(self) -> int:
+    return self.prompt + self.generated
+
+  @property
+  def ttft(self) -> float | None:
+    return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+  @property
+  def tpot(self) -> float | None:
+    if self.generated < 2:
+      return None
+    return (self.last_token_time - self.first_token_time) / (self.generated - 1)
+
+
+class _Worker:
+  def __init__(self, name: str, pool: Pool, page_size: int, kind: str):
+    self.name, self.pool, self.page_size, self.kind = name, pool, page_size, kind
+    self.waiting: collections.deque[SimRequest] = collections.deque()
+    self.running: list[SimRequest] = []
+    self.parked: list[SimRequest] = []  # prefill: first token sampled, pages kept
+    self.incoming = 0  # decode: slots reserved for copies in flight
+    self.free = pool.kv_pages
+    self.busy_until: float | None = None  # independent clock: when its current step ends
+    self.steps = 0
+    self.backlog = 0  # tokens left to compute of its waiting and running requests
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def load(self) -> int:
+    """What the router compares: tokens left to compute (prefill), requests held (colocated)."""
+    if self.kind == "prefill":
+      return self.backlog
+    return len(self.waiting) + len(self.running)
+
+  def add(self, r: SimRequest) -> None:
+    self.waiting.append(r)
+    self.backlog += r.length - r.computed
+
+  def _reserve(self, r: SimRequest, n: int) -> bool:
+    need = math.ceil((r.computed + n) / self.page_size) - r.pages
+    if need > self.free:
+      return False
+    self.free -= need
+    r.pages += need
+    return True
+
+  def _preempt(self, r: SimRequest) -> None:
+    self.running.remove(r)
+    self.free += r.pages
+    self.backlog += r.computed
+    r.pages, r.computed = 0, 0
+    r.preemptions += 1
+    self.waiting.appendleft(r)
+
+  def plan(self) -> list[tuple[SimRequest, int]]:
+    p = self.pool
+    if p.policy == "prefill-first" and self.waiting:
+      plan = self._admit(p.token_budget, whole=True)
+      if plan:
+        return plan
+    budget, plan, i = p.token_budget, [], 0
+    while i < len(self.running) and budget > 0:
+      r = self.running[i]
+      n = min(r.length - r.computed, budget)
+      if self._reserve(r, n):
+        plan.append((r, n))
+        budget -= n
+        i += 1
+      else:
+        self._preempt(self.running[-1])
+    if p.policy != "prefill-first":
+      plan += self._admit(budget, whole=False)
+    return plan
+
+  def _admit(self, budget: int, whole: bool) -> list[tuple[SimRequest, int]]:
+    plan = []
+    while self.waiting and budget > 0 and len(self.running) + self.incoming < self.pool.max_batch:
+      r = self.waiting[0]
+      n = min(r.length - r.computed, budget)
+      if whole and n < r.length - r.computed and plan:
+        break  # a whole prompt that does not fit the rest of the budget waits for the next step
+      if not self._reserve(r, n):
+        break
+      self.waiting.popleft()
+      self.running.append(r)
+      plan.append((r, n))
+      budget -= n
+    return plan
+
+  def cost(self, plan) -> float:
+    return self.pool.cost.step_time([n for _, n in plan], [r.computed + n for r, n in plan])
+
+  def apply(self, plan, now: float) -> list[SimRequest]:
+    """The step ended at `now`: returns the requests that sampled a token and are parked
+    (prefill) or finished."""
+    self.steps += 1
+    out = []
+    for r, n in plan:
+      r.computed += n
+      self.backlog -= n
+      if r.computed < r.length:
+        continue
+      r.generated += 1
+      r.last_token_time = now
+      if r.first_token_time is None:
+        r.first_token_time = now
+      if r.generated >= r.max_tokens:
+        self.running.remove(r)
+        self.free += r.pages
+        r.pages, r.finish_time = 0, now
+        out.append(r)
+      elif self.kind == "prefill":
+        self.running.remove(r)
+        self.parked.append(r)
+        out.append(r)
+      else:
+        self.backlog += 1  # the token just sampled: computed by its next step
+    return out
+
+
+def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]]) -> list[SimRequest]:
+  """Serves (arrival seconds, prompt tokens, output tokens) requests; returns them finished."""
+  reqs = [SimRequest(i, a, p, o) for i, (a, p, o) in enumerate(arrivals)]
+  s = cluster.page_size
+  for r in reqs:
+    pools = [cluster.colocated] if not cluster.disaggregated else [cluster.prefill, cluster.decode]
+    need = math.ceil((r.prompt + r.max_tokens) / s)
+    small = min(pools, key=lambda p: p.kv_pages)
+    if need > small.kv_pages:
+      r.error = f"needs {need} pages, a worker has {small.kv_pages}"
+  if cluster.disaggregated:
+    entry = [_Worker(f"P{i}", cluster.prefill, s, "prefill") for i in range(cluster.prefill.count)]
+    decode = [_Worker(f"D{i}", cluster.decode, s, "decode") for i in range(cluster.decode.count)]
+  else:
+    entry = [_Worker(f"W{i}", cluster.colocated, s, "colocated")
+             for i in range(cluster.colocated.count)]
+    decode = []
+  sim = _Sim(cluster, entry, decode)
+  todo = [r for r in reqs if r.error is None]
+  (sim.run_lockstep if cluster.lockstep else sim.run_events)(todo)
+  return reqs
+
+
+class _Sim:
+  def __init__(self, cluster: Cluster, entry: list[_Worker], decode: list[_Worker]):
+    self.cluster, self.entry, self.decode = cluster, entry, decode
+    self.handoff: collections.deque[tuple[_Worker, SimRequest]] = collections.deque()
+
+  def route(self, r: SimRequest) -> None:
+    min(self.entry, key=_Worker.load).add(r)
+
+  def start_transfers(self, now: float) -> list[tuple[float, _Worker, _Worker, SimRequest]]:
+    """Reserves a decode worker for every parked request that fits one; returns the copies
+    (landing time, source, destination, request)."""
+    started, left = [], collections.deque()
+    while self.handoff:
+      src, r = self.handoff.popleft()
+      pages = math.ceil(r.computed / self.cluster.page_size)
+      fits = [d for d in self.decode
+              if d.free >= pages and len(d.running) + d.incoming < d.pool.max_batch]
+      if not fits:
+        left.append((src, r))
+        continue
+      d = max(fits, key=lambda d: (d.free, -len(d.running)))
+      d.free -= pages
+      d.incoming += 1
+      r.transfer_bytes += pages * self.cluster.page_size * self.cluster.kv_bytes_per_token
+      started.append((now + self.cluster.transfer_time(r.computed), src, d, r))
+    self.handoff = left
+    return started
+
+  def land(self, src: _Worker, d: _Worker, r: SimRequest) -> None:
+    src.parked.remove(r)
+    src.free += r.pages
+    d.incoming -= 1
+    d.running.append(r)
+    d.backlog += r.length - r.computed
+
+  def after_step(self, w: _Worker, out: list[SimRequest]) -> None:
+    for r in out:
+      if r.finish_time is None:  # parked on a prefill worker
+        self.handoff.append((w, r))
+
+  def run_events(self, reqs: list[SimRequest]) -> None:
+    """Every worker on its own clock: a step starts when the previous ends and there is work."""
+    events: list = []  # (time, order, kind, payload)
+    order = 0
+
+    def push(t, kind, payload):
+      nonlocal order
+      heapq.heappush(events, (t, order, kind, payload))
+      order += 1
+
+    for r in reqs:
+      push(r.arrival, "arrive", r)
+    pending_land: dict[_Worker, list] = collections.defaultdict(list)
+    while events:
+      now = events[0][0]
+      while events and events[0][0] == now:  # everything at this instant, before any new step
+        _, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+          self.route(payload)
+        elif kind == "step":
+          w, plan = payload
+          w.busy_until = None
+          if w.kind == "decode":  # copies that landed during the step join at its boundary
+            for src, r in pending_land.pop(w, []):
+              self.land(src, w, r)
+          self.after_step(w, w.apply(plan, now))
+        elif kind == "land":
+          src, d, r = payload
+          if d.busy_until is None:
+            self.land(src, d, r)
+          else:
+            pending_land[d].append((src, r))
+        if not events or events[0][0] != now:
+          for t, src, d, r in self.start_transfers(now):
+            push(t, "land", (src, d, r))
+      for w in self.entry + self.decode:
+        if w.busy_until is None and w.has_work():
+          plan = w.plan()
+          if plan:
+            w.busy_until = now + w.cost(plan)
+            push(w.busy_until, "step", (w, plan))
+
+  def run_lockstep(self, reqs: list[SimRequest]) -> None:
+    """One host loop: each iteration steps every busy worker; copies land the next iteration."""
+    queue = collections.deque(sorted(reqs, key=lambda r: r.arrival))
+    now, landing, left = 0.0, [], len(reqs)
+    workers = self.entry + self.decode
+    while left:
+      while queue and queue[0].arrival <= now:
+        self.route(queue.popleft())
+      plans = [(w, w.plan()) for w in workers if w.has_work()]
+      plans = [(w, p) for w, p in plans if p]
+      if not plans and not landing:
+        if not queue:
+          raise RuntimeError(f"{left} requests cannot be served: nothing runs and none can move")
+        now = max(now, queue[0].arrival)
+        continue
+      now += sum(w.cost(p) for w, p in plans) + self.cluster.iteration_overhead
+      for w, p in plans:
+        out = w.apply(p, now)
+        left -= sum(r.finish_time is not None for r in out)
+        self.after_step(w, out)
+      for t, src, d, r in landing:
+        now = max(now, t)
+        self.land(src, d, r)
+      landing = self.start_transfers(now)
