@@ -231,6 +231,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
                         f"a cp that divides {m[name]}")
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
+  if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
+    raise ConfigError("model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
+                      "the amaxes are max-reduced over sequence shards only where the shard_map "
+                      "tracks varying axes, which interpreted Pallas kernels switch off; set "
+                      "--config.model.attention=xla (or cudnn), or use mesh.pp > 1")
   replicas = shape["dp"] * shape["ep"]
   if d.batch % (replicas * p.microbatches):
     raise ConfigError(
