@@ -70,6 +70,14 @@ class TrainState:
   fp8: Any = None  # model.fp8='delayed': amax histories, `fp8.state_of(params)` leaves [..., 3, H]
 
 
+def fresh_state(cfg: TransformerConfig, optimizer: optax.GradientTransformation,
+                params: dict) -> TrainState:
+  """Step 0 at `params`: the optimizer's initial state and, for model.fp8='delayed', zero amax
+  histories (the structure every checkpoint of the run holds)."""
+  history = fp8_lib.init_history(params, cfg.fp8_history) if cfg.fp8 == "delayed" else None
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), history)
+
+
 class NonFiniteLossError(FloatingPointError):
   """Training produced a NaN/inf loss or gradient; the message names which, the steps and the
   checkpoint."""
@@ -476,10 +484,7 @@ class Trainer:
     params = transformer.init_params(self.model_cfg, rng)
     if stored and self.layer_order is not None:
       params = reorder_layers(params, self.layer_order, self._units)
-    history = None
-    if self.model_cfg.fp8 == "delayed":
-      history = fp8_lib.init_history(params, self.model_cfg.fp8_history)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), history)
+    return fresh_state(self.model_cfg, self.optimizer, params)
 
   def grad_norm(self, grads: dict) -> jax.Array:
     """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""

@@ -12,6 +12,7 @@ from configs import tiny
 from jaxpipe.config import ConfigError, model_config, validate
 from jaxpipe.models import fp8
 from jaxpipe.models import transformer
+from jaxpipe.serve.restore import restore_params
 from jaxpipe.trainer import Trainer
 
 FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -363,7 +364,8 @@ def test_executor_combines_stage_copies_by_max():
 def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
   """Data-parallel training with 2 micro-batches: step 1's history holds the amaxes one device
   sees on its batch; stopping after step 2 and restoring gives steps 3 and 4 the same losses and
-  amax histories as running on (the scales live in the params, the histories in TrainState.fp8)."""
+  amax histories as running on (the scales live in the params, the histories in TrainState.fp8),
+  and serving restores step 2's parameters from the same checkpoint."""
   c = _config(train__steps=4, pipeline__microbatches=2)
   trainer = Trainer(c, str(tmp_path))
   trainer.init()
@@ -375,10 +377,14 @@ def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
   losses.append(float(trainer.step()["loss"]))
   trainer.checkpointer.save(2, trainer._checkpoint_state())
   trainer.checkpointer.wait()
+  at_two = jax.device_get(trainer.state.params)
   losses += [float(trainer.step()["loss"]) for _ in range(2)]
   straight = jax.device_get(trainer.state)
   assert np.count_nonzero(np.asarray(straight.fp8["layers"]["mlp"]["up"]["fp8_scale"])) == 4 * 2 * 3
   trainer.close()
+  step, served = restore_params(str(tmp_path), c)  # serving reads the parameters, fp8_scale too
+  assert step == 2
+  jax.tree.map(np.testing.assert_array_equal, served, at_two)
 
   resumed = Trainer(c, str(tmp_path))
   resumed._train_step = trainer._train_step  # the same compiled step: only the state is new
