@@ -396,6 +396,21 @@ def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_hf_export_writes_the_weights_without_delayed_state():
+  """A delayed run's parameters export to transformers' layout as the same weights without FP8
+  would: the scales are training state, not model tensors."""
+  from jaxpipe.models import hf
+  params = jax.device_get(_init_on_one_device(jax.random.key(0)))
+  plain = model_config(_config("none"))
+  strip = lambda t: {k: strip(v) if isinstance(v, dict) else v for k, v in t.items()
+                     if not k.startswith(fp8.STATE_PREFIX)}
+  without = dict(hf.hf_tensors(plain, strip(params), "llama"))
+  got = dict(hf.hf_tensors(_MODEL, params, "llama"))
+  assert got.keys() == without.keys() and not any("fp8" in name for name in got)
+  for name, array in got.items():
+    np.testing.assert_array_equal(array, without[name], err_msg=name)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(model__fp8="fp4"), "model.fp8='fp4' is unknown"),
     (dict(model__fp8="block"), "model.d_model=32 is not a multiple of 128"),
