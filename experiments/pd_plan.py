@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from jaxpipe.serve import sim
-from jaxpipe.serve.slo import SLO, attainment, percentiles, search_goodput
+from jaxpipe.serve.slo import SLO, attainment, search_goodput, summary
 from jaxpipe.serve.workload import Lengths, generate
 
 NIC_BW = 50e9  # bytes/s: one 400 Gb/s InfiniBand NDR NIC per GPU
@@ -58,10 +58,10 @@ class Workload:
   def arrivals(self, rate: float) -> list[tuple[float, int, int]]:
     """(arrival, prompt tokens, output tokens): one seeded draw per request index, so a longer
     run extends a shorter one; arrivals scaled to `rate`."""
+    n = max(self.requests, math.ceil(rate * self.horizon))
     if self.vocab:
       return [(w.arrival, len(w.prompt), w.max_tokens) for w in
-              generate(self.requests, rate, self.prompt, self.output, self.vocab, self.seed)]
-    n = max(self.requests, math.ceil(rate * self.horizon))
+              generate(n, rate, self.prompt, self.output, self.vocab, self.seed)]
     return [(a / rate, p, o) for a, p, o in _base(self.prompt, self.output, n, self.seed)]
 
 
@@ -78,12 +78,6 @@ def _base(prompt: Lengths, output: Lengths, n: int, seed: int) -> list[tuple[flo
     lengths = [(prompt.sample(rng), output.sample(rng)) for _ in range(n)]
     have = _BASES[key] = [(float(a), p, o) for a, (p, o) in zip(np.cumsum(gaps), lengths)]
   return have[:n]
-
-
-def summary(done: list[sim.SimRequest], slo: SLO) -> dict[str, float]:
-  ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
-  return {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0], "tpot90": tpot[1],
-          "met": attainment(done, slo)}
 
 
 def goodput(cluster: sim.Cluster, work: Workload, slo: SLO, start: float, probes: int = 9):
@@ -186,13 +180,51 @@ def best_split(gpus: int, prefill: dict[Kind, float], decode: dict[Kind, float],
   return options[:top]
 
 
+MODELS = {"8b": sim.LLAMA3_8B, "70b": sim.LLAMA3_70B}
+
+
+def _ints(flag: str, text: str) -> list[int]:
+  try:
+    xs = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise SystemExit(f"--{flag}={text!r}: give comma-separated integers, e.g. 8,16") from None
+  if min(xs) < 1:
+    raise SystemExit(f"--{flag}={text!r}: every value must be >= 1")
+  return xs
+
+
+def check_args(args) -> None:
+  """Bad flags end the run here with one line naming them, before any profiling or simulation."""
+  for flag in ("repeats", "requests", "probes", "top", "max_sim_gpus"):
+    if getattr(args, flag) < 1:
+      raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+  if not args.cores > 0:
+    raise SystemExit(f"--cores={args.cores} must be > 0 (a fraction: the share of a core)")
+  if not args.horizon >= 0:
+    raise SystemExit(f"--horizon={args.horizon} must be >= 0 seconds")
+  for flag in ("gpus", "batches", "budgets"):
+    _ints(flag, getattr(args, flag))
+  unknown = [m for m in args.models.split(",") if m not in MODELS]
+  if unknown:
+    raise SystemExit(f"--models: unknown {unknown}; choose from {','.join(MODELS)}")
+  for flag in ("slo_8b", "slo_70b"):
+    try:
+      SLO(*getattr(args, flag))
+    except ValueError as e:
+      raise SystemExit(f"--{flag.replace('_', '-')}: {e}") from None
+  for flag in ("prompt", "output"):
+    try:
+      Lengths.parse(getattr(args, flag))
+    except ValueError as e:
+      raise SystemExit(f"--{flag}: {e}") from None
+
+
 def cluster_table(args) -> None:
   page = 16
   work = Workload(Lengths.parse(args.prompt), Lengths.parse(args.output), args.requests, args.seed,
                   args.horizon)
-  models = {"8b": (sim.LLAMA3_8B, SLO(args.slo_8b[0], args.slo_8b[1])),
-            "70b": (sim.LLAMA3_70B, SLO(args.slo_70b[0], args.slo_70b[1]))}
-  sizes = [int(x) for x in args.gpus.split(",")]
+  models = {"8b": (MODELS["8b"], SLO(*args.slo_8b)), "70b": (MODELS["70b"], SLO(*args.slo_70b))}
+  sizes = _ints("gpus", args.gpus)
   each = SLO(1.0, 1.0, 0.95)
   print(f"# simulated, not measured: roofline costs on H200 ({sim.H200.flops / 1e12:.0f} TFLOP/s "
         f"bf16, {sim.H200.hbm_bw / 1e12:.1f} TB/s HBM, {sim.H200.memory / 1e9:.0f} GB, NVLink "
@@ -201,13 +233,17 @@ def cluster_table(args) -> None:
         f"us; workload: Poisson arrivals, prompt {work.prompt}, output {work.output} tokens, "
         f"max({work.requests}, rate x {work.horizon:g} s) requests per probe, seed {work.seed}; "
         f"pages of {page}")
+  print("| model | GPUs | colocated, chunked prefill: goodput (req/s) | colocated, prefill-first | "
+        "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO disaggregated "
+        "meets at the lower goodput of the two, times tighter (chunked / prefill-first) | GPUs "
+        "disaggregated needs for chunked colocated's goodput | figures from |")
+  print("|---|---|---|---|---|---|---|---|---|")
   rows = []
   for name in args.models.split(","):
     model, slo = models[name]
     inst = lambda role_slo: SLO(role_slo[0], role_slo[1], each.attainment)
     tps = [t for t in (1, 2, 4, 8) if fits(model, t)]
-    batches = [int(b) for b in args.batches.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    batches, budgets = _ints("batches", args.batches), _ints("budgets", args.budgets)
     kvb = model.kv_bytes_per_token()
     r1 = sim.Roofline(model, tp=tps[0])
     mean_p = int(np.mean([p for _, p, _ in work.arrivals(1.0)]))
@@ -236,28 +272,42 @@ def cluster_table(args) -> None:
                    key=lambda kg: kg[1])
         found[policy] = {"role": "colocated", "kind": k, "estimate": g * gpus,
                          "label": f"{gpus // k.tp} x [{k.label()}]"}
-      splits = best_split(gpus, pre, dec, args.top)
       found["disaggregated"] = [
           {"role": "disaggregated", "prefill": (pk, n_p), "decode": (dk, n_d), "estimate": est,
            "label": f"{n_p} x P tp{pk.tp} + {n_d} x D tp{dk.tp} batch {dk.max_batch}"}
-          for est, pk, n_p, dk, n_d in splits]
+          for est, pk, n_p, dk, n_d in best_split(gpus, pre, dec, args.top)]
+      cc, cp = found["decode-first"], found["prefill-first"]
+      # Splitwise's question: how many GPUs does disaggregation need for colocated's goodput?
+      fewer = next((n for n in range(2, gpus + 1)
+                    if best_split(n, pre, dec, 1) and best_split(n, pre, dec, 1)[0][0]
+                    >= cc["estimate"]), None)
+      tighter = ""
       if gpus <= args.max_sim_gpus:  # simulate whole clusters; keep the best disaggregated one
-        for choice in [found["decode-first"], found["prefill-first"]] + found["disaggregated"]:
+        whole = dataclasses.replace(work, horizon=work.horizon / 4)  # many workers queue sooner
+        for choice in [cc, cp] + found["disaggregated"]:
           c = scale_cluster(model, page, choice, gpus)
           t0 = time.perf_counter()
-          choice["simulated"] = goodput(c, work, slo, max(choice["estimate"], 1e-3),
+          choice["cluster"] = c
+          choice["simulated"] = goodput(c, whole, slo, max(choice["estimate"], 1e-3),
                                         args.probes).goodput
-          log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated whole "
-              f"({time.perf_counter() - t0:.1f} s)")
+          log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated "
+              f"whole ({time.perf_counter() - t0:.1f} s)")
         found["disaggregated"] = max(found["disaggregated"], key=lambda c: c["simulated"])
+        # DistServe's other question: at a rate both carry, how tight an SLO can each meet?
+        rate = max(min(cc["simulated"], found["disaggregated"]["simulated"]), 1e-3)
+        scale = {name: slo.tightest_scale(sim.simulate(found[name]["cluster"],
+                                                       whole.arrivals(rate)))
+                 for name in ("decode-first", "prefill-first", "disaggregated")}
+        tighter = (f"{scale['decode-first'] / scale['disaggregated']:.2f}x / "
+                   f"{scale['prefill-first'] / scale['disaggregated']:.2f}x")
       else:
         found["disaggregated"] = found["disaggregated"][0]
       rows.append((model, slo, gpus, found))
       fig = lambda c: c.get("simulated", c["estimate"])
-      d, cc, cp = found["disaggregated"], found["decode-first"], found["prefill-first"]
+      d = found["disaggregated"]
       print(f"| {model.name} | {gpus} | {cc['label']}: {fig(cc):,.1f} | {cp['label']}: "
-            f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x | "
-            f"{fig(d) / max(fig(cp), 1e-9):.2f}x | "
+            f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x / "
+            f"{fig(d) / max(fig(cp), 1e-9):.2f}x | {tighter} | {fewer or '> ' + str(gpus)} | "
             f"{'whole cluster' if 'simulated' in d else 'per instance x count'} |", flush=True)
 
 
@@ -265,44 +315,48 @@ def cluster_table(args) -> None:
 
 
 def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTable:
-  """Times every compiled step program on the engine's device, then fits host time per step and
-  per sequence from the engine serving `calibration` (a list of workload.Work) alone."""
-  import jax.numpy as jnp
+  """Times every compiled step program on the engine's device (dispatch to result), then fits
+  the host time of a step (scheduling, dispatch, applying results) per step and per sequence from
+  the engine serving `calibration` (a list of workload.Work) alone."""
+  import jax
 
   from jaxpipe.serve import model as model_lib
   from jaxpipe.serve.sampling import SamplingBatch
   engine.precompile()
-  r = engine.max_batch
-  times = {}
-  for t, n in engine.programs:
-    i32 = lambda *shape: np.zeros(shape, np.int32)
-    batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
-    sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r), i32(r))
-    samples = []
-    for _ in range(repeats + 1):
+  r, i32 = engine.max_batch, lambda *shape: np.zeros(shape, np.int32)
+  samples = {tn: [] for tn in engine.programs}
+  for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
+    for t, n in engine.programs:
+      batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
+      sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r),
+                               i32(r))
       t0 = time.perf_counter()
       out, _, engine.kv = engine._program(t, n)(engine.params, engine.kv, batch, sampling)
       np.asarray(out)
-      samples.append(time.perf_counter() - t0)
-    times[(t, n)] = float(np.median(samples[1:]))
-  del jnp
-  # host time: wall of each step of a real run minus its program's time, against its rows
-  walls, rows = [], []
+      samples[(t, n)].append(time.perf_counter() - t0)
+  times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}
+  # host time of a real run's steps: scheduling and dispatch, then applying the results once the
+  # program is done (not waiting for it), against the sequences in the step
+  hosts, rows = [], []
   for w in calibration:
     engine.add_request(w.prompt, w.max_tokens, eos_id=None)
   while engine.has_work():
     t0 = time.perf_counter()
     launched = engine.launch()
+    t1 = time.perf_counter()
+    if launched is not None:
+      jax.block_until_ready((launched.new_R, launched.finite_R))
+    t2 = time.perf_counter()
     engine.collect(launched)
     if launched is not None:
-      walls.append(time.perf_counter() - t0 - times[(launched.t, launched.pages)])
+      hosts.append(t1 - t0 + time.perf_counter() - t2)
       rows.append(len(launched.plan))
   engine.finished()
   a = np.stack([np.ones(len(rows)), np.asarray(rows, float)], 1)
-  (host_step, host_row), *_ = np.linalg.lstsq(a, np.asarray(walls), rcond=None)
+  (host_step, host_row), *_ = np.linalg.lstsq(a, np.asarray(hosts), rcond=None)
   log(f"# profile: {len(times)} step programs, {1e3 * min(times.values()):.2f}-"
       f"{1e3 * max(times.values()):.2f} ms; host {1e3 * host_step:.2f} ms per step + "
-      f"{1e6 * host_row:.0f} us per sequence (fitted over {len(walls)} steps)")
+      f"{1e6 * host_row:.0f} us per sequence (fitted over {len(hosts)} steps)")
   return sim.StepTable(times, engine.page_size, max(host_step, 0.0), max(host_row, 0.0))
 
 
@@ -312,10 +366,12 @@ def cpu_cluster(table: sim.StepTable, args, colocated: int = 0, prefill: int = 0
   pages = args.kv_tokens // args.page_size
   mk = lambda count, batch: sim.Pool(count, table, batch, args.token_budget, pages)
   if colocated:
-    return sim.Cluster(args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True)
+    return sim.Cluster(args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True,
+                       cores=args.cores)
   return sim.Cluster(args.page_size, prefill=mk(prefill, args.max_batch),
                      decode=mk(decode, decode_batch or args.max_batch), lockstep=True,
-                     kv_bytes_per_token=args.kv_bytes_per_token, transfer_bw=args.transfer_bw)
+                     cores=args.cores, kv_bytes_per_token=args.kv_bytes_per_token,
+                     transfer_bw=args.transfer_bw)
 
 
 def cpu_plan(args) -> None:
@@ -334,8 +390,9 @@ def cpu_plan(args) -> None:
   calibration = generate(24, 1.0, prompt, output, cfg.vocab, sb.seed + 1)
   table = profile_engine(engine, args.repeats, calibration, print)
   sb.kv_bytes_per_token = kv_bytes(cfg, 1, 1)
-  sb.transfer_bw = math.inf  # a host memcpy: measured below, negligible beside a step
-  work = Workload(prompt, output, sb.requests, sb.seed, vocab=cfg.vocab)
+  sb.transfer_bw = math.inf  # a host memcpy: negligible beside a step
+  sb.cores = args.cores
+  work = Workload(prompt, output, sb.requests, sb.seed, sb.horizon, vocab=cfg.vocab)
   rates = [float(r) for r in sb.rates.split(",")]
   n = sb.prefill_workers + sb.decode_workers
   print(f"# plan for {n} host devices sharing {args.cores} cores, one device per worker; "
@@ -364,7 +421,7 @@ def cpu_plan(args) -> None:
     for rate in rates:
       predicted[(mode, rate)] = summary(sim.simulate(configs[mode], work.arrivals(rate)), slo)
     predicted[(mode, "goodput")] = goodput(configs[mode], work, slo, rates[0], args.probes).goodput
-  measured = serve_bench.measure(sb, modes, slo, rates, quiet=not args.measure) if args.measure \
+  measured = serve_bench.measure(sb, modes, slo, rates) if args.measure \
       else {}
   print("| deployment | rate (req/s) | TTFT p50 / p90 (ms) predicted | measured | "
         "TPOT p50 / p90 (ms) predicted | measured | SLO met predicted | measured |")
@@ -384,7 +441,7 @@ def cpu_plan(args) -> None:
     print(f"| {mode} | {rate:g} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cpu", action="store_true", help="plan for this machine's host devices")
   p.add_argument("--measure", action="store_true",
@@ -392,25 +449,32 @@ def main() -> None:
   p.add_argument("--bench-args", default="--mode both --rates 4,16",
                  help="--cpu: serve_bench flags of the deployments to predict (and measure)")
   p.add_argument("--repeats", type=int, default=5, help="--cpu: timed runs per step program")
-  p.add_argument("--cores", type=int, default=2, help="--cpu: for the record")
+  p.add_argument("--cores", type=float, default=2,
+                 help="--cpu: cores the host devices share (the lock-step clock packs the steps); "
+                 "on a loaded host, the share of them this process gets")
   p.add_argument("--models", default="8b,70b")
   p.add_argument("--gpus", default="8,16,32,64", help="cluster sizes")
   p.add_argument("--prompt", default="lognormal:512:4096")
   p.add_argument("--output", default="lognormal:128:1024")
   p.add_argument("--requests", type=int, default=400, help="fewest requests per simulated probe")
-  p.add_argument("--horizon", type=float, default=20.0,
+  p.add_argument("--horizon", type=float, default=15.0,
                  help="seconds of arrivals at least per simulated probe")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--slo-8b", type=float, nargs=2, default=(0.2, 0.02), metavar=("TTFT", "TPOT"))
   p.add_argument("--slo-70b", type=float, nargs=2, default=(0.5, 0.05), metavar=("TTFT", "TPOT"))
-  p.add_argument("--batches", default="64,128,256", help="most sequences per step to try")
+  p.add_argument("--batches", default="128,256", help="most sequences per step to try")
   p.add_argument("--budgets", default="512,2048", help="colocated tokens per step to try")
   p.add_argument("--probes", type=int, default=9, help="rates probed per goodput search")
   p.add_argument("--top", type=int, default=3, help="best splits simulated whole")
-  p.add_argument("--max-sim-gpus", type=int, default=16,
+  p.add_argument("--max-sim-gpus", type=int, default=8,
                  help="largest cluster simulated whole (beyond: per-instance goodput x count)")
   p.add_argument("--verbose", action="store_true", help="print every configuration's goodput")
-  args = p.parse_args()
+  return p
+
+
+def main() -> None:
+  args = parser().parse_args()
+  check_args(args)
   if args.cpu:
     cpu_plan(args)
   else:

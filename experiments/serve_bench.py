@@ -3,7 +3,20 @@
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
   python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
+  python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill-workers 2
+      --decode-workers 6 --rates 2,6 --requests 64 --ttft-slo 0.25 --tpot-slo 0.1
+      [--prompt lognormal:64:512 --trace-in trace.csv --trace-out trace.csv --stream-layers]
   python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
+
+--mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
+(`--host-devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
+`--workers`, default prefill + decode workers) and disaggregated (prefill workers, decode
+workers, a K/V copy between them). For each it prints TTFT / TPOT / end-to-end percentiles, the
+share of requests meeting both SLOs and the K/V bytes moved at each rate, then searches its
+goodput (the highest rate at which 90% meet both, DistServe's definition) with up to `--probes`
+runs; each run has max(--requests, rate x --horizon) requests so that fast rates queue. It
+writes a Perfetto trace of every run (a track per worker and P->D link: queue, prefill, handoff,
+transfer and decode spans) and a TTFT / TPOT CDF plot into --out.
 
 A seeded workload: Poisson arrivals at each rate (requests/s), prompt and output lengths
 uniform in the given ranges (inclusive), prompt tokens uniform over the vocabulary, greedy
@@ -50,7 +63,7 @@ from jaxpipe.serve.deploy import Colocated, Disaggregated, device_groups
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.sampling import SamplingBatch
-from jaxpipe.serve.slo import SLO, attainment, e2e, percentiles, search_goodput
+from jaxpipe.serve.slo import SLO, GoodputSearch, attainment, e2e, percentiles, summary
 from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
 
 ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
@@ -311,6 +324,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
                  help="CPU host devices to create (ignored on GPU)")
   g.add_argument("--ttft-slo", "--ttft_slo", type=float, default=0.25, help="seconds")
   g.add_argument("--tpot-slo", "--tpot_slo", type=float, default=0.1, help="seconds")
+  g.add_argument("--horizon", type=float, default=10.0,
+                 help="seconds of arrivals at least: max(--requests, rate x horizon) requests, so "
+                      "that a fast rate runs long enough to queue")
   g.add_argument("--probes", type=int, default=6,
                  help="goodput search: most rates run per deployment (the --rates included)")
   g.add_argument("--stream-layers", "--stream_layers", action="store_true",
@@ -318,26 +334,17 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
   g.add_argument("--trace-in", "--trace_in", default="",
                  help="CSV trace of requests (arrival_s,prompt_len,output_len[,prompt]) to replay; "
                       "each rate rescales its arrivals")
-  g.add_argument("--trace-out", "--trace_out", default="", help="write the first rate's requests as CSV")
+  g.add_argument("--trace-out", "--trace_out", default="",
+                 help="write the first rate's requests as CSV")
   g.add_argument("--out", default="out/serve_bench", help="Perfetto traces and latency CDF plot")
 
 
-class Deployed:
-  """A deployment (serve.deploy), driven request by request like `Paged`."""
-
-  def __init__(self, deployment):
-    self.d, self.done, self.usage = deployment, [], []
-
-  def add(self, w: Work, t0: float) -> None:
-    rid = self.d.add_request(w.prompt, w.max_tokens, eos_id=None)
-    self.d.requests[rid].arrival = t0 + w.arrival
-
-  def busy(self) -> bool:
-    return self.d.has_work()
+class Deployed(Paged):
+  """A deployment (serve.deploy: the Engine's interface), keeping its finished requests whole."""
 
   def step(self) -> None:
-    self.d.step()
-    self.done += self.d.finished()
+    self.engine.step()
+    self.done += self.engine.finished()
 
 
 def check_deployment_args(args) -> tuple[list[str], "SLO"]:
@@ -408,7 +415,8 @@ def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: "SL
   moved = [r.kv_bytes for r in done]
   tokens = sum(len(r.output) for r in done)
   return (f"| {mode} | {rate:g} | {tokens / makespan:,.0f} | {ms(ttft)} | "
-          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | {ms(percentiles(map(e2e, done), (50, 90)))} | "
+          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | "
+          f"{ms(percentiles(map(e2e, done), (50, 90)))} | "
           f"{100 * attainment(done, slo):.0f}% | {sum(moved) / 2**20:,.2f} MiB "
           f"({np.mean(moved) / 2**10:,.1f} KiB/req) |")
 
@@ -454,8 +462,9 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   else:
     max_prompt, max_len = prompt.high, prompt.high + output.high
   max_len = math.ceil(max_len / s) * s
-  work_at = lambda rate: (at_rate(trace, rate) if trace else
-                          generate(args.requests, rate, prompt, output, cfg.vocab, args.seed))
+  work_at = lambda rate: (at_rate(trace, rate) if trace else generate(
+      max(args.requests, math.ceil(rate * args.horizon)), rate, prompt, output, cfg.vocab,
+      args.seed))
   if args.trace_out:
     write_csv(args.trace_out, work_at(rates[0]))
   os.makedirs(args.out, exist_ok=True)
@@ -463,7 +472,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   say(f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
       f"model (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
       f"heads), {cfg.dtype}; " + (f"trace {args.trace_in} ({len(trace)} requests)" if trace else
-      f"{args.requests} requests, Poisson arrivals, prompt {prompt}, output {output} tokens") +
+      f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt "
+      f"{prompt}, output {output} tokens") +
       f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
       f"for {100 * slo.attainment:g}% of requests")
   say(f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "
@@ -475,32 +485,36 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
       "TPOT p50 / p90 / p99 (ms) | e2e p50 / p90 (ms) | SLO met | KV moved |")
   say("|---|---|---|---|---|---|---|---|")
   curves, out = {}, {}
-  for mode in modes:
-    dep = build_deployment(mode, args, cfg, params, max_len, max_prompt)
-    t_start = time.perf_counter()
+  deps = {mode: build_deployment(mode, args, cfg, params, max_len, max_prompt) for mode in modes}
 
-    def attain_at(rate: float) -> float:
-      system = Deployed(dep)
-      makespan = serve(system, work_at(rate))
-      done = system.done
-      say(deployment_row(mode, rate, done, makespan, slo), flush=True)
-      ttft, tpot = percentiles((r.ttft for r in done), (50, 90)), percentiles((r.tpot for r in done), (50, 90))
-      out[(mode, rate)] = {"ttft50": ttft[0], "ttft90": ttft[1], "tpot50": tpot[0],
-                           "tpot90": tpot[1], "met": attainment(done, slo)}
-      if rate in rates:
-        curves[f"{mode} {rate:g}/s"] = done
-      with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
-        f.write(perfetto(done, min(r.arrival for r in done)))
-      return out[(mode, rate)]["met"]
+  def probe(mode: str, rate: float) -> float:
+    system = Deployed(deps[mode])
+    makespan = serve(system, work_at(rate))
+    done = system.done
+    say(deployment_row(mode, rate, done, makespan, slo), flush=True)
+    out[(mode, rate)] = summary(done, slo)
+    if rate in rates:
+      curves[f"{mode} {rate:g}/s"] = done
+    with open(os.path.join(args.out, f"{mode}_{rate:g}.perfetto.json"), "w") as f:
+      f.write(perfetto(done, min(r.arrival for r in done)))
+    return out[(mode, rate)]["met"]
 
-    search = search_goodput(attain_at, rates, slo.attainment, max_probes=args.probes)
-    out[(mode, "goodput")] = search.goodput
-    tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(search.tried.items()))
-    above = f"; {search.above:g} req/s missed it" if search.above else ""
-    say(f"# {mode}: goodput {search.goodput:g} req/s (SLO met at each rate probed: {tried}{above}); "
-        f"{dep.steps} iterations, {dep.counts['transfers']} K/V copies, "
+  # the deployments take turns, rate by rate, so that the machine's load drifts over both alike
+  searches = {mode: GoodputSearch(rates, slo.attainment, max_probes=args.probes) for mode in modes}
+  while any(s.next_rate() is not None for s in searches.values()):
+    for mode, search in searches.items():
+      rate = search.next_rate()
+      if rate is not None:
+        search.record(rate, probe(mode, rate))
+  for mode, search in searches.items():
+    result, dep = search.result(), deps[mode]
+    out[(mode, "goodput")] = result.goodput
+    tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(result.tried.items()))
+    above = f"; {result.above:g} req/s missed it" if result.above else ""
+    say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}"
+        f"{above}); {dep.steps} iterations, {dep.counts['transfers']} K/V transfers, "
         f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
-        f"{dep.counts['recomputes']} recomputed, {time.perf_counter() - t_start:.0f} s", flush=True)
+        f"{dep.counts['recomputes']} recomputed", flush=True)
   cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)
   say(f"# Perfetto traces (ui.perfetto.dev) and latency_cdf.png in {args.out}/")
   return out

@@ -55,7 +55,9 @@ def run(dep, prompts, max_tokens, per_step=2, first=3, hook=None):
       _check_pages(e)
     if hook:
       hook(dep, ids)
-  done = {r.id: r for r in dep.finished()}
+  finished = dep.finished()
+  assert sorted(r.id for r in finished) == sorted(ids)  # each request finishes exactly once
+  done = {r.id: r for r in finished}
   assert all(streamed[i] == done[i].output for i in ids)
   return [done[i] for i in ids]
 
@@ -72,7 +74,12 @@ def test_disaggregated_greedy_equals_colocated_and_the_oracle(colocated, disagg)
   prompts = _prompts(seed=0, n=12)
   want = oracle("dense", prompts, 8)
   colo = run(colocated, prompts, 8)
+  disagg.precompile(max(map(len, prompts)))
+  compiled = lambda: [(e.programs, e._gather_fn._cache_size(), e._scatter_fn._cache_size())
+                      for e in disagg.engines]
+  before = compiled()
   dis = run(disagg, prompts, 8)
+  assert compiled() == before  # precompile covered every step and every chunk of every K/V move
   assert [r.output for r in colo] == want
   assert [r.output for r in dis] == want
   assert_no_pages_held(colocated)

@@ -73,15 +73,29 @@ def test_copies_cost_their_pages_over_the_link_and_delay_decoding():
 
 def test_lockstep_iterations_last_the_sum_of_the_workers_steps():
   """One host loop over two colocated workers, each with one request: every iteration costs both
-  steps, so each request's TPOT is twice a step; on independent clocks it is one step."""
+  steps on one core, so each request's TPOT is twice a step; on two cores, or on independent
+  clocks, it is one step."""
   step = 0.01
   pool = sim.Pool(2, Linear(step), 4, 64, BIG)
   work = [(0.0, 8, 5), (0.0, 8, 5)]
   lock = sim.simulate(sim.Cluster(4, colocated=pool, lockstep=True), work)
+  two = sim.simulate(sim.Cluster(4, colocated=pool, lockstep=True, cores=2), work)
   free = sim.simulate(sim.Cluster(4, colocated=pool), work)
   assert [r.tpot for r in lock] == pytest.approx([2 * step] * 2)
+  assert [r.tpot for r in two] == pytest.approx([step] * 2)  # two steps packed on two cores
   assert [r.tpot for r in free] == pytest.approx([step] * 2)
   assert [r.ttft for r in free] == pytest.approx([step] * 2)
+
+
+def test_lockstep_host_time_is_serial_and_device_time_shares_the_cores():
+  """Three busy workers, 1 ms of host and 4 ms of program each, on 2 cores: an iteration is
+  3 * 1 + max(4, 12 / 2) = 9 ms."""
+  table = sim.StepTable({(8, 1): 0.004}, page_size=16, host_step=0.001)
+  pool = sim.Pool(3, table, 4, 8, BIG)
+  done = sim.simulate(sim.Cluster(16, colocated=pool, lockstep=True, cores=2),
+                      [(0.0, 4, 3)] * 3)
+  assert [r.tpot for r in done] == pytest.approx([0.009] * 3)
+  assert [r.ttft for r in done] == pytest.approx([0.009] * 3)
 
 
 def test_a_small_pool_preempts_and_every_request_still_finishes():
@@ -158,3 +172,18 @@ def test_cluster_checks():
     sim.Cluster(16)
   with pytest.raises(ValueError, match="at least one prefill and one decode"):
     sim.Cluster(16, prefill=sim.Pool(0, FREE, 1, 1, 1), decode=pool)
+
+
+@pytest.mark.parametrize("flags, words", [
+    ("--slo-8b 0 0.02", "--slo-8b: ttft SLO=0.0 must be"),
+    ("--slo-70b 0.5 -1", "--slo-70b: tpot SLO=-1.0 must be"),
+    ("--models 8b,9b", r"--models: unknown \['9b'\]"),
+    ("--gpus 8,4x", "--gpus='8,4x': give comma-separated integers"),
+    ("--gpus 0", "--gpus='0': every value must be >= 1"),
+    ("--prompt 9:3", "--prompt: length spec '9:3' needs 1 <= MIN <= MAX"),
+    ("--probes 0", "--probes=0 must be >= 1"),
+    ("--cpu --cores 0", "--cores=0.0 must be > 0"),
+])
+def test_planner_flags_fail_in_one_line(flags, words):
+  with pytest.raises(SystemExit, match=words):
+    pd_plan.check_args(pd_plan.parser().parse_args(flags.split()))

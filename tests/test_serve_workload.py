@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxpipe.serve.slo import SLO, attainment, e2e, percentiles, search_goodput
+from jaxpipe.serve.slo import SLO, attainment, e2e, percentiles, search_goodput, summary
 from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
 
 UNIFORM, FIXED, LONG = Lengths.parse("8:96"), Lengths.parse("40"), Lengths.parse("lognormal:64:512")
@@ -90,7 +90,8 @@ class R:
   """A finished request as the metrics see it."""
 
   def __init__(self, ttft, tpot, error=None, arrival=0.0, finish=None):
-    self.ttft, self.tpot, self.error, self.arrival, self.finish_time = ttft, tpot, error, arrival, finish
+    self.ttft, self.tpot, self.error = ttft, tpot, error
+    self.arrival, self.finish_time = arrival, finish
 
 
 def test_slo_attainment_percentiles():
@@ -101,8 +102,17 @@ def test_slo_attainment_percentiles():
   assert [slo.met(r) for r in reqs] == [True, True, False, False, True, False, False]
   assert attainment(reqs, slo) == pytest.approx(3 / 7)
   assert slo.scaled(2) == SLO(1.0, 0.2)
+  # tightest scale: per request max(ttft / 0.5, tpot / 0.1) = 0.5, 1, 1.2, 2, 0.2, inf, inf; the
+  # share 3/7 needs the third smallest, 1.0; the scaled SLO is met by exactly that share
+  loose = SLO(0.5, 0.1, attainment=3 / 7)
+  assert loose.tightest_scale(reqs) == pytest.approx(1.0)
+  assert attainment(reqs, loose.scaled(1.0)) >= 3 / 7 > attainment(reqs, loose.scaled(0.99))
+  assert SLO(0.5, 0.1, attainment=1.0).tightest_scale(reqs) == math.inf
   assert percentiles([3.0, None, 1.0, 2.0], (0, 50, 100)) == [1.0, 2.0, 3.0]
   assert math.isnan(percentiles([None])[0])
+  got = summary([R(0.1, 0.02), R(0.3, None), R(0.2, 0.04)], slo)
+  assert got == pytest.approx({"ttft50": 0.2, "ttft90": 0.28, "tpot50": 0.03, "tpot90": 0.038,
+                               "met": 1.0})
   assert e2e(R(0, 0, arrival=1.0, finish=3.5)) == 2.5 and e2e(R(0, 0)) is None
   for bad in (dict(ttft=0, tpot=1), dict(ttft=1, tpot=-1), dict(ttft=float("nan"), tpot=1),
               dict(ttft=1, tpot=1, attainment=0)):

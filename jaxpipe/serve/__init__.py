@@ -5,6 +5,7 @@
   engine.generate([[1, 2, 3], [4, 5]], max_tokens=32)
 
 `python -m jaxpipe.serve --workdir DIR --prompt "def "` serves a training run's newest checkpoint.
+`Colocated` and `Disaggregated` (serve/deploy.py) run several engines, prefill and decode apart.
 """
 
 
@@ -13,6 +14,9 @@ def __getattr__(name):
   if name in ("Engine", "Request", "KVState"):
     from jaxpipe.serve import engine
     return getattr(engine, name)
+  if name in ("Colocated", "Disaggregated"):
+    from jaxpipe.serve import deploy
+    return getattr(deploy, name)
   if name == "SamplingParams":
     from jaxpipe.serve.sampling import SamplingParams
     return SamplingParams

@@ -195,8 +195,8 @@ class _Deployment:
       return
     if r in self._pending:
       self._pending.remove(r)
+    self._finish(r, "cancelled")  # first: draining the workers then skips it, so it finishes once
     self._cancel_on_workers(r)
-    self._finish(r, "cancelled")
 
   def finished(self) -> list[Served]:
     """Requests finished since the last call (they leave `requests`)."""
@@ -213,7 +213,7 @@ class _Deployment:
     return {w.name: w.engine.kv_usage() for w in self.workers if not w.stopped}
 
   def precompile(self, max_prompt: int | None = None) -> None:
-    """Compiles every worker's step programs (and K/V moves for prompts up to max_prompt)."""
+    """Compiles every worker's step programs (colocated workers move no K/V)."""
     for e in self.engines:
       e.precompile()
 
@@ -289,7 +289,6 @@ class _Deployment:
   def _recompute(self, r: Served, why: str) -> None:
     self._close_span(r, time.perf_counter())
     r.recomputes += 1
-    r.computed = 0
     r.phase, r.note = QUEUED, f"recomputing: {why}"
     self.counts["recomputes"] += 1
     self._pending.append(r)

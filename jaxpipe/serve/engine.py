@@ -456,7 +456,8 @@ class Engine:
         for t in self.token_buckets:
           self._program(t, n)
     for size in _pow2_chunks((1 << move_pages.bit_length()) - 1):
-      scratch, layers = np.full(size, SCRATCH_PAGE, np.int32), self._layers(0 if per_layer else None)
+      scratch = np.full(size, SCRATCH_PAGE, np.int32)
+      layers = self._layers(0 if per_layer else None)
       k, v = self._gather_fn(self.kv, scratch, layers)
       self.kv = self._scatter_fn(self.kv, scratch, layers, k, v)
     jax.block_until_ready(self.kv.k)

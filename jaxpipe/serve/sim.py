@@ -14,8 +14,10 @@ left to compute on a prefill worker, requests on a colocated one), as `serve.dep
 
 Two clocks: `lockstep=False` (GPUs): every worker runs its steps back to back on its own
 devices. `lockstep=True` (this machine's driver): one host loop steps every busy worker in turn
-and the iteration lasts the sum of their step times (they share the host's cores), copies land
-in the next iteration, as `serve.deploy` runs them on CPU host devices.
+and the iteration lasts the sum of their host times (one Python thread) plus max(longest device
+time, sum of the device times / cores), the steps' programs sharing the host's `cores` (perfect
+packing: a lower bound); copies land in the next iteration, as `serve.deploy` runs them on CPU
+host devices.
 
 Cost models give a step's seconds from what it computes: `step_time(new, context)`, `new[i]`
 tokens of sequence i computed at context lengths `context[i]` (keys cached after the step).
@@ -128,12 +130,16 @@ class StepTable:
   host_step: float = 0.0
   host_row: float = 0.0
 
+  def host_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """The part of `step_time` spent in the host's Python (one thread for every worker)."""
+    return self.host_step + self.host_row * len(new)
+
   def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
     tokens = sorted({t for t, _ in self.times})
     pages = sorted({n for _, n in self.times})
     t = _bucket(sum(new), tokens)
     n = _bucket(max(math.ceil(c / self.page_size) for c in context), pages)
-    return self.times[(t, n)] + self.host_step + self.host_row * len(new)
+    return self.times[(t, n)] + self.host_time(new, context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +164,7 @@ class Cluster:
   transfer_bw: float = math.inf  # bytes/s of one copy
   transfer_latency: float = 0.0  # seconds per copy
   lockstep: bool = False  # one host loop steps every worker in turn (CPU host devices)
+  cores: float = 1  # lockstep: the workers' steps share this many cores (< 1: a loaded share)
   iteration_overhead: float = 0.0  # lockstep: host seconds per iteration beyond the steps
 
   def __post_init__(self):
@@ -174,7 +181,8 @@ class Cluster:
   def transfer_time(self, tokens: int) -> float:
     """One request's copy: its pages' K/V (pages rounded up) over the link."""
     pages = math.ceil(tokens / self.page_size)
-    return self.transfer_latency + pages * self.page_size * self.kv_bytes_per_token / self.transfer_bw
+    nbytes = pages * self.page_size * self.kv_bytes_per_token
+    return self.transfer_latency + nbytes / self.transfer_bw
 
 
 @dataclasses.dataclass(eq=False)
@@ -286,6 +294,11 @@ class _Worker:
 
   def cost(self, plan) -> float:
     return self.pool.cost.step_time([n for _, n in plan], [r.computed + n for r, n in plan])
+
+  def host_cost(self, plan) -> float:
+    """The host-thread part of `cost` (0 unless the cost model says: `host_time`)."""
+    host = getattr(self.pool.cost, "host_time", None)
+    return host([n for _, n in plan], [r.computed + n for r, n in plan]) if host else 0.0
 
   def apply(self, plan, now: float) -> list[SimRequest]:
     """The step ended at `now`: returns the requests that sampled a token and are parked
@@ -435,7 +448,10 @@ class _Sim:
           raise RuntimeError(f"{left} requests cannot be served: nothing runs and none can move")
         now = max(now, queue[0].arrival)
         continue
-      now += sum(w.cost(p) for w, p in plans) + self.cluster.iteration_overhead
+      host = [w.host_cost(p) for w, p in plans]
+      device = [w.cost(p) - h for (w, p), h in zip(plans, host)] or [0.0]
+      now += (sum(host) + max(max(device), sum(device) / self.cluster.cores)
+              + self.cluster.iteration_overhead)
       for w, p in plans:
         out = w.apply(p, now)
         left -= sum(r.finish_time is not None for r in out)

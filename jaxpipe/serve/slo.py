@@ -39,6 +39,14 @@ class SLO:
     """Both targets times `factor` (DistServe's SLO scale)."""
     return SLO(self.ttft * factor, self.tpot * factor, self.attainment)
 
+  def tightest_scale(self, requests: Sequence) -> float:
+    """The smallest factor f for which `scaled(f)` is met by the `attainment` share of the
+    requests (inf if failed requests alone exceed the rest): how tight an SLO they can meet."""
+    need = [math.inf if getattr(r, "error", None) or r.ttft is None else
+            max(r.ttft / self.ttft, (r.tpot or 0.0) / self.tpot) for r in requests]
+    k = math.ceil(self.attainment * len(need) - 1e-9)
+    return sorted(need)[k - 1] if need else math.inf
+
 
 def attainment(requests: Sequence, slo: SLO) -> float:
   """The share of requests that met the SLO."""
@@ -56,6 +64,14 @@ def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 90, 9
   return [float(np.percentile(xs, q)) if xs else math.nan for q in qs]
 
 
+def summary(requests: Sequence, slo: SLO) -> dict[str, float]:
+  """TTFT and TPOT p50 and p90 (seconds) and the share that met the SLO."""
+  (ttft50, ttft90), (tpot50, tpot90) = (percentiles((getattr(r, m) for r in requests), (50, 90))
+                                        for m in ("ttft", "tpot"))
+  return {"ttft50": ttft50, "ttft90": ttft90, "tpot50": tpot50, "tpot90": tpot90,
+          "met": attainment(requests, slo)}
+
+
 @dataclasses.dataclass
 class Search:
   goodput: float  # the highest probed rate that met the SLO (0: none did)
@@ -63,31 +79,53 @@ class Search:
   above: float | None  # the lowest probed rate above `goodput` that missed it (None: none did)
 
 
-def search_goodput(attain_at: Callable[[float], float], rates: Sequence[float], target: float = 0.9,
-                   rel_tol: float = 0.1, max_probes: int = 8) -> Search:
-  """The highest rate whose attainment reaches `target`: probes `rates`, then doubles past the
+class GoodputSearch:
+  """The highest rate whose attainment reaches `target`, one probe at a time (so that searches of
+  several systems can take turns on a noisy machine): probes `rates`, then doubles past the
   highest that passes or halves below the lowest that fails, then bisects (geometrically) until
   the bracket is within rel_tol or max_probes rates were probed."""
-  if not rates or min(rates) <= 0:
-    raise ValueError(f"rates={list(rates)} must be a non-empty list of positive rates")
-  tried: dict[float, float] = {}
-  queue = sorted(set(float(r) for r in rates))
-  while True:
-    for r in queue:
-      if r not in tried and len(tried) < max_probes:
-        tried[r] = attain_at(r)
-    failing = [r for r, a in tried.items() if a < target]
-    hi = min(failing) if failing else None
-    passing = [r for r, a in tried.items() if a >= target and (hi is None or r < hi)]
-    lo = max(passing) if passing else None
-    if len(tried) >= max_probes:
-      break
+
+  def __init__(self, rates: Sequence[float], target: float = 0.9, rel_tol: float = 0.1,
+               max_probes: int = 8):
+    if not rates or min(rates) <= 0:
+      raise ValueError(f"rates={list(rates)} must be a non-empty list of positive rates")
+    self.target, self.rel_tol, self.max_probes = target, rel_tol, max_probes
+    self.tried: dict[float, float] = {}
+    self._queue = sorted(set(float(r) for r in rates))
+
+  def next_rate(self) -> float | None:
+    """The next rate to probe, or None when the search is done."""
+    self._queue = [r for r in self._queue if r not in self.tried]
+    if len(self.tried) >= self.max_probes:
+      return None
+    if self._queue:
+      return self._queue[0]
+    lo, hi = self.bracket()
     if hi is None:
-      queue = [2 * max(tried)]
-    elif lo is None:
-      queue = [min(tried) / 2]
-    elif hi / lo <= 1 + rel_tol:
-      break
-    else:
-      queue = [math.sqrt(lo * hi)]
-  return Search(lo or 0.0, tried, hi)
+      return 2 * max(self.tried)
+    if lo is None:
+      return min(self.tried) / 2
+    return None if hi / lo <= 1 + self.rel_tol else math.sqrt(lo * hi)
+
+  def record(self, rate: float, attainment: float) -> None:
+    self.tried[rate] = attainment
+
+  def bracket(self) -> tuple[float | None, float | None]:
+    """(highest passing rate below the lowest failing one, lowest failing rate)."""
+    failing = [r for r, a in self.tried.items() if a < self.target]
+    hi = min(failing) if failing else None
+    passing = [r for r, a in self.tried.items() if a >= self.target and (hi is None or r < hi)]
+    return (max(passing) if passing else None), hi
+
+  def result(self) -> Search:
+    lo, hi = self.bracket()
+    return Search(lo or 0.0, self.tried, hi)
+
+
+def search_goodput(attain_at: Callable[[float], float], rates: Sequence[float], target: float = 0.9,
+                   rel_tol: float = 0.1, max_probes: int = 8) -> Search:
+  """`GoodputSearch` run to the end with attain_at(rate) as the probe."""
+  search = GoodputSearch(rates, target, rel_tol, max_probes)
+  while (rate := search.next_rate()) is not None:
+    search.record(rate, attain_at(rate))
+  return search.result()

@@ -58,8 +58,8 @@ class Lengths:
       raise ValueError(f"length spec {spec!r} is not N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] "
                        "(positive integers)") from None
     if not 1 <= out.low <= out.high or not out.sigma > 0:
-      raise ValueError(f"length spec {spec!r} needs 1 <= {'MEDIAN' if parts[0] == 'lognormal' else 'MIN'}"
-                       " <= MAX and SIGMA > 0")
+      low = "MEDIAN" if parts[0] == "lognormal" else "MIN"
+      raise ValueError(f"length spec {spec!r} needs 1 <= {low} <= MAX and SIGMA > 0")
     return out
 
   def sample(self, rng: np.random.Generator) -> int:
@@ -67,7 +67,8 @@ class Lengths:
       return self.low
     if self.kind == "uniform":
       return int(rng.integers(self.low, self.high + 1))
-    return int(min(max(round(self.low * math.exp(self.sigma * rng.standard_normal())), 1), self.high))
+    length = round(self.low * math.exp(self.sigma * rng.standard_normal()))
+    return int(min(max(length, 1), self.high))
 
   def __str__(self) -> str:
     if self.kind == "fixed":
@@ -150,7 +151,8 @@ def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
           raise ValueError(f"{where}: prompt {row[3]!r} is not token ids separated by spaces") \
               from None
         if len(tokens) != lengths[0]:
-          raise ValueError(f"{where}: prompt has {len(tokens)} tokens, prompt_len says {lengths[0]}")
+          raise ValueError(f"{where}: prompt has {len(tokens)} tokens, prompt_len says "
+                           f"{lengths[0]}")
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
           raise ValueError(f"{where}: prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
