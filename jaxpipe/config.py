@@ -12,6 +12,7 @@ from typing import Iterable
 import ml_collections
 from ml_collections import config_dict
 
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.pipeline import Placement, Schedule, make_schedule
 
@@ -195,6 +196,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
     raise ConfigError(f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} "
                       "there")
+  _check_fp8(m)
   if d.source not in SOURCES:
     raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
   if d.source == "stdlib" and m.vocab < 256:
@@ -238,6 +240,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
                         f"a cp that divides {m[name]}")
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
+  if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
+    raise ConfigError("model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
+                      "the amaxes are max-reduced over sequence shards only where the shard_map "
+                      "tracks varying axes, which interpreted Pallas kernels switch off; set "
+                      "--config.model.attention=xla (or cudnn), or use mesh.pp > 1")
   replicas = shape["dp"] * shape["ep"]
   if schedule != AUTO and d.batch % (replicas * p.microbatches):
     raise ConfigError(
@@ -246,6 +253,35 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         f"{replicas * p.microbatches}; use a batch that is a multiple of "
         f"{replicas * p.microbatches}")
   return shape
+
+
+def _check_fp8(m: ml_collections.ConfigDict) -> None:
+  """model.fp8 and its delayed-scaling fields; block scaling's 1x128 tiles need the contracted
+  widths to be multiples of 128."""
+  if m.fp8 not in fp8_lib.RECIPES:
+    raise ConfigError(f"model.fp8={m.fp8!r} is unknown; use one of {fp8_lib.RECIPES}")
+  _positive("model", m, ("fp8_history",))
+  if not isinstance(m.fp8_margin, int) or isinstance(m.fp8_margin, bool) or m.fp8_margin < 0:
+    raise ConfigError(f"model.fp8_margin={m.fp8_margin!r} must be an integer >= 0 (the scale is "
+                      "fp8_max / amax / 2^margin)")
+  if m.fp8_amax not in fp8_lib.AMAX_ALGOS:
+    raise ConfigError(f"model.fp8_amax={m.fp8_amax!r} is unknown; use one of {fp8_lib.AMAX_ALGOS}")
+  if m.fp8 != "none" and m.cp_overlap:
+    raise ConfigError(f"model.fp8={m.fp8!r} with model.cp_overlap=True: the projections fused "
+                      "with Ulysses' all-to-alls run in the compute dtype only; set "
+                      "--config.model.cp_overlap=False")
+  if m.fp8 != "block":
+    return
+  widths = {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads * head_dim": m.n_heads * m.head_dim}
+  if m.moe is not None:
+    widths["moe.d_ff"] = m.moe.d_ff
+    if m.moe.num_shared_experts:
+      widths["moe.num_shared_experts * moe.d_ff"] = m.moe.num_shared_experts * m.moe.d_ff
+  for name, width in widths.items():
+    if width % fp8_lib.BLOCK:
+      raise ConfigError(f"model.fp8='block' quantises activations in 1x{fp8_lib.BLOCK} tiles along "
+                        f"the width a GEMM contracts, but model.{name}={width} is not a multiple "
+                        f"of {fp8_lib.BLOCK}; use a multiple of {fp8_lib.BLOCK} or another recipe")
 
 
 def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:

@@ -51,6 +51,7 @@ from jaxpipe import multihost
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.metrics import MetricWriter
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
@@ -67,6 +68,15 @@ class TrainState:
   step: jax.Array  # optimizer steps taken so far
   params: dict
   opt_state: optax.OptState
+  fp8: Any = None  # model.fp8='delayed': amax histories, `fp8.state_of(params)` leaves [..., 3, H]
+
+
+def fresh_state(cfg: TransformerConfig, optimizer: optax.GradientTransformation,
+                params: dict) -> TrainState:
+  """Step 0 at `params`: the optimizer's initial state and, for model.fp8='delayed', zero amax
+  histories (the structure every checkpoint of the run holds)."""
+  history = fp8_lib.init_history(params, cfg.fp8_history) if cfg.fp8 == "delayed" else None
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), history)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -136,13 +146,13 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
 
       def body(carry, mb):
         (s, n), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, carry, (s, n, g)), None
+        return fp8_lib.accumulate(carry, (s, n, g)), None
 
       zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                jax.tree.map(jnp.zeros_like, params))
       (total, count, grads), _ = jax.lax.scan(body, zeros, split)
     denom = jnp.maximum(count, 1.0)
-    return total / denom, jax.tree.map(lambda g: g / denom, grads), {"tokens": count}
+    return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
 
   return loss_and_grads
 
@@ -179,7 +189,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
       def body(carry, mb):
         (_, (ce, a)), g = grad_fn(params, mb, denom)
-        return jax.tree.map(jnp.add, carry, (ce, a, g)), None
+        return fp8_lib.accumulate(carry, (ce, a, g)), None
 
       first = jax.tree.map(lambda x: x[0], split)
       (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
@@ -210,6 +220,11 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
   With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
   summed over all token shards inside the shard_map.
   """
+  if cfg.fp8 == "delayed" and cfg.attention == "pallas":
+    # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
+    # where it tracks varying axes, which interpreted Pallas kernels need switched off
+    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
+                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
@@ -251,7 +266,7 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
           x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
 
       def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
 
       first = jax.tree.map(lambda x: x[0], split)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
@@ -260,7 +275,7 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
     metrics = {"tokens": count}
     if cfg.moe is not None:
       metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
-    return total / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads), metrics
+    return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads
 
@@ -365,7 +380,7 @@ class Trainer:
     trainer = Trainer(config, workdir=None)   # validates the config, builds the mesh
     trainer.init()                            # restores the latest checkpoint in workdir, or inits
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
-    trainer.state, trainer.mesh               # TrainState(step, params, opt_state); the Mesh
+    trainer.state, trainer.mesh               # TrainState(step, params, opt_state, fp8); the Mesh
     summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
     trainer.close()                           # waits for saves, releases the workdir (or `with`)
 
@@ -506,7 +521,7 @@ class Trainer:
     params = transformer.init_params(self.model_cfg, rng)
     if stored and self.layer_order is not None:
       params = reorder_layers(params, self.layer_order, self._units)
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    return fresh_state(self.model_cfg, self.optimizer, params)
 
   def grad_norm(self, grads: dict) -> jax.Array:
     """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""
@@ -622,17 +637,26 @@ class Trainer:
   def _build_train_step(self):
     loss_and_grads, optimizer = self.loss_and_grads, self.optimizer
     lr = learning_rate(self.config.optimizer, self.config.train.steps)
+    cfg = self.model_cfg
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
       loss, grads, metrics = loss_and_grads(state.params, batch)
+      history = state.fp8
+      if history is not None:  # a delayed scale's "gradient" is the amax its GEMMs saw
+        seen = fp8_lib.state_of(grads)
+        grads = fp8_lib.with_state(grads, jax.tree.map(jnp.zeros_like, seen))
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       if "moe_tokens_per_expert" in metrics:  # balancing biases move by their own rule
         params = moe_lib.update_biases(self.model_cfg.moe, state.params, params,
                                        metrics.pop("moe_tokens_per_expert"))
+      if history is not None:  # and the scales by TE's (the optimizer's update is discarded)
+        scales, history = fp8_lib.advance(fp8_lib.state_of(state.params), history, seen,
+                                          cfg.fp8_margin, cfg.fp8_amax)
+        params = fp8_lib.with_state(params, scales)
       grad_norm = self.grad_norm(grads)
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
-      return TrainState(state.step + 1, params, opt_state), metrics
+      return TrainState(state.step + 1, params, opt_state, history), metrics
 
     return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
                    out_shardings=(self.state_sharding, replicated(self.mesh)), donate_argnums=0)

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from jaxpipe.models import fp8
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 
@@ -422,9 +423,11 @@ def check(directory: str) -> Plan:
 
 
 def _check_leaves(cfg: transformer.TransformerConfig, plan: list[Tensor]) -> None:
-  """Every parameter of the model has exactly one mapping, of its shape."""
+  """Every parameter of the model has exactly one mapping, of its shape (FP8 delayed scales are
+  training state, not weights: they are neither read nor written)."""
   shapes = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
-  leaves = {tuple(k.key for k in p): s.shape for p, s in jax.tree_util.tree_leaves_with_path(shapes)}
+  leaves = {tuple(k.key for k in p): s.shape for p, s in jax.tree_util.tree_leaves_with_path(shapes)
+            if not fp8.is_state(p)}
   mapped = {t.path: t.leaf_shape for t in plan}
   if leaves != mapped:
     diff = sorted(set(leaves.items()) ^ set(mapped.items()))

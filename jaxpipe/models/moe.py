@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import router as router_lib
 from jaxpipe.parallel import expert as ep_lib
 
@@ -126,7 +127,27 @@ def _swiglu(x, gate, up, down):
   return jnp.dot(h.astype(x.dtype), down, preferred_element_type=jnp.float32)
 
 
-def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int) -> jax.Array:
+def _shared_experts(params: Params, x_TxD: jax.Array, fp8: str) -> jax.Array:
+  """The shared experts' SwiGLU; its GEMMs in the `fp8` recipe (float32 result)."""
+  if fp8 == "none":
+    return _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"],
+                   params["shared_down_SxD"])
+  mm = lambda a, name, key: fp8_lib.dot(a, params[key], 1, fp8, params.get(f"fp8_{name}"),
+                                        x_TxD.dtype).astype(jnp.float32)
+  h = jax.nn.silu(mm(x_TxD, "shared_gate", "shared_gate_DxS")) * mm(x_TxD, "shared_up",
+                                                                     "shared_up_DxS")
+  return mm(h.astype(x_TxD.dtype), "shared_down", "shared_down_SxD")
+
+
+def fp8_state_names(cfg: MoEConfig) -> tuple[str, ...]:
+  """Delayed-scaling state leaves of an MoE FFN's params, one per GEMM (see fp8.py)."""
+  gemms = ("wi_gate", "wi_up", "wo") + (("shared_gate", "shared_up", "shared_down")
+                                       if cfg.num_shared_experts else ())
+  return tuple(fp8_lib.STATE_PREFIX + g for g in gemms)
+
+
+def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int,
+                    fp8: str = "none") -> jax.Array:
   """SwiGLU of every received (row, local expert) as a grouped GEMM, weighted and summed per row."""
   n, k = recv.eid_NxK.shape
   flat = recv.eid_NxK.reshape(-1)
@@ -140,10 +161,10 @@ def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int) -> jax.
   # Rows past the groups are the backend's to fill (zeros on CPU): select them away right at
   # each product, so nothing non-finite reaches a nonlinearity or its gradient.
   real = (jnp.arange(m) < sizes.sum())[:, None]
-  gmm = lambda a, b: jnp.where(
-      real, jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), 0.0)
-  h = jax.nn.silu(gmm(xs, params["wi_gate_ExDxF"])) * gmm(xs, params["wi_up_ExDxF"])
-  ys = gmm(h.astype(xs.dtype), params["wo_ExFxD"])
+  gmm = lambda a, name, key: jnp.where(
+      real, fp8_lib.grouped(a, params[key], sizes, fp8, params.get(f"fp8_{name}")), 0.0)
+  h = jax.nn.silu(gmm(xs, "wi_gate", "wi_gate_ExDxF")) * gmm(xs, "wi_up", "wi_up_ExDxF")
+  ys = gmm(h.astype(xs.dtype), "wo", "wo_ExFxD")
   ws = recv.w_NxK.reshape(-1)[order]  # 0 on entries that are not experts of this rank
   return jax.ops.segment_sum(ys * ws[:, None], rows, num_segments=n)
 
@@ -162,12 +183,13 @@ def _axes_size(axes) -> int:
 
 
 def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | None,
-            token_axes: tuple[str, ...] = (), rng: jax.Array | None = None
+            token_axes: tuple[str, ...] = (), rng: jax.Array | None = None, fp8: str = "none"
             ) -> tuple[jax.Array, dict[str, Any]]:
   """MoE FFN of this device's T tokens inside `shard_map`.
 
   `params` holds this device's E/ep experts; `token_axes` are all mesh axes the tokens are split
   over (they must include `ep_axis`); losses and statistics are over all tokens of those axes.
+  `fp8`: the experts' GEMM recipe (`jaxpipe.models.fp8`; delayed takes its `fp8_*` params).
   """
   ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
   cfg.validate(ep)
@@ -185,10 +207,10 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
   plan = ep_lib.make_plan(t, cfg.top_k, cfg.num_experts, ep, cf, impl)
   recv, handle = ep_lib.dispatch(x_TxD, r.idx_TxK, r.w_TxK, plan, axis=ep_axis,
                                  fp8_block=cfg.fp8_block if cfg.fp8_dispatch else None)
-  out_NxD = experts_grouped(params, recv, plan.n_local)
+  out_NxD = experts_grouped(params, recv, plan.n_local, fp8)
   y = ep_lib.combine(out_NxD, handle, plan, axis=ep_axis)
   if cfg.num_shared_experts:
-    y = y + _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"])
+    y = y + _shared_experts(params, x_TxD, fp8)
   lay = handle.layout
   psum = (lambda v: jax.lax.psum(v, token_axes)) if token_axes else (lambda v: v)
   n_tokens = t * _axes_size(token_axes)
@@ -275,12 +297,13 @@ def _local_experts(cfg: MoEConfig, params: Params, ep_axis: str | None, ep: int)
 
 def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
               ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
-              seq_axis: str | None = "cp", rng: jax.Array | None = None
+              seq_axis: str | None = "cp", rng: jax.Array | None = None, fp8: str = "none"
               ) -> tuple[jax.Array, dict[str, Any]]:
   """MoE FFN of a [B, L, D] batch, placed as the module docstring says; returns (y, aux).
 
   Axes named here but absent from the mesh are ignored. aux holds the weighted auxiliary
   `loss` to add to the training loss and the routing statistics (AUX_KEYS), over all tokens.
+  `fp8` is `moe_ffn`'s.
   """
   b, l, d = x_BxLxD.shape
   placement = _PLACEMENT.get()
@@ -292,10 +315,10 @@ def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
     token_axes = tuple(a for a in batch_axes + (seq_axis,) if a in manual)
     ep = jax.lax.axis_size(ep_axis)
     y, aux = moe_ffn(cfg, _local_experts(cfg, params, ep_axis, ep), x_BxLxD.reshape(b * l, d),
-                     ep_axis=ep_axis, token_axes=token_axes, rng=rng)
+                     ep_axis=ep_axis, token_axes=token_axes, rng=rng, fp8=fp8)
     return y.reshape(b, l, d), aux
   if mesh is None:
-    y, aux = moe_ffn(cfg, params, x_BxLxD.reshape(b * l, d), ep_axis=None, rng=rng)
+    y, aux = moe_ffn(cfg, params, x_BxLxD.reshape(b * l, d), ep_axis=None, rng=rng, fp8=fp8)
     return y.reshape(b, l, d), aux
   names = mesh.axis_names
   ep_axis = ep_axis if ep_axis in names else None
@@ -308,7 +331,7 @@ def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
   def local(params, x, rng):
     bl, ll, _ = x.shape
     y, aux = moe_ffn(cfg, params, x.reshape(bl * ll, d), ep_axis=ep_axis, token_axes=token_axes,
-                     rng=rng)
+                     rng=rng, fp8=fp8)
     return y.reshape(bl, ll, d), aux
 
   aux_spec = {k: P() for k in AUX_KEYS}
@@ -346,14 +369,21 @@ class MoEFFN(nn.Module):
   """Flax face of `moe_layer`: parameters from `init_moe_params`, placement from the context."""
   cfg: MoEConfig
   dtype: Any = jnp.float32  # compute dtype of the experts; the router stays float32
+  fp8: str = "none"  # the experts' GEMM recipe (jaxpipe.models.fp8); the router stays float32
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
     d = x_BxLxD.shape[-1]
     shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
+    if self.fp8 == "delayed":
+      shapes = {**shapes, **{n: jax.ShapeDtypeStruct((3,), jnp.float32)
+                             for n in fp8_state_names(self.cfg)}}
     if self.is_initializing():  # the output is discarded; tracing the dispatch would cost compile time
       for name in shapes:
-        self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
+        if name.startswith(fp8_lib.STATE_PREFIX):
+          self.param(name, nn.initializers.ones, (3,), jnp.float32)
+        else:
+          self.param(name, lambda key, name=name: init_moe_params(self.cfg, key, d)[name])
       return jnp.zeros_like(x_BxLxD), {}
     # Read, not `self.param`: inside a shard_map that splits experts over the expert axis (the
     # pipeline executor) the expert weights arrive as this rank's E/ep slice, which `moe_layer`
@@ -362,9 +392,9 @@ class MoEFFN(nn.Module):
     if missing:
       raise ValueError(f"MoE parameters {missing} are missing; build them with init_moe_params")
     params = {name: self.get_variable("params", name) for name in shapes}
-    params = {k: v if k in ("router_DxE", "expert_bias_E") else v.astype(self.dtype)
-              for k, v in params.items()}
-    return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype))
+    params = {k: v if k in ("router_DxE", "expert_bias_E") or k.startswith(fp8_lib.STATE_PREFIX)
+              else v.astype(self.dtype) for k, v in params.items()}
+    return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype), fp8=self.fp8)
 
 
 def step_metrics(aux_GxX: dict[str, jax.Array], n_tokens, top_k: int) -> dict[str, jax.Array]:

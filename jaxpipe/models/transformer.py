@@ -17,6 +17,12 @@ layers, k-1 dense then one MoE, so the leading axis of `params['layers']` counts
 n_layers / k of them: `{'dense': [groups, k-1, ...], 'moe': [groups, ...]}` ('dense' absent for
 k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and routing statistics;
 `apply_layers` folds the auxiliary losses into the gradient instead (`attach_aux_loss`).
+
+Every projection (QKV, attention output, MLP) is a `Dense`, whose matmul runs in `cfg.fp8`
+(`jaxpipe.models.fp8`: none, or Transformer Engine's delayed, current or block recipe); MoE
+experts take the same recipe in their grouped GEMM. With 'delayed' each projection also holds
+an `fp8_scale` leaf [3] (see fp8.py). Embedding, head, norms, router and attention core stay in
+the compute dtype.
 """
 import dataclasses
 import functools
@@ -28,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
+from jaxpipe.models.vma import varying_axes
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel.ulysses import check_divisible
 
@@ -53,8 +61,16 @@ class TransformerConfig:
   remat: bool = False  # recompute each layer's activations in the backward pass
   cp_overlap: bool = False  # cp > 1: fuse projections with Ulysses' all-to-alls (ppermute ring)
   moe: Any = None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
+  fp8: str = "none"  # FP8 GEMM recipe of the projections and experts: none, delayed, current, block
+  fp8_history: int = 1024  # delayed: amax history length, in steps
+  fp8_margin: int = 0  # delayed: scale = fp8_max / amax / 2^margin
+  fp8_amax: str = "max"  # delayed: amax from the history's 'max' or its 'most_recent' entry
 
   def __post_init__(self):
+    fp8_lib.check_recipe(self.fp8)
+    if self.fp8 != "none" and self.cp_overlap:
+      raise ValueError(f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
+                       "Ulysses' all-to-alls run in the compute dtype only; set cp_overlap=False")
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
     if self.moe is not None and self.n_layers % self.moe.every:
@@ -97,6 +113,13 @@ class RMSNorm(nn.Module):
     return rms_norm(x_BxLxD, scale_D, self.eps)
 
 
+def _kernel_init(in_dims: int):
+  def init(rng, shape, dtype):  # DenseGeneral's: fan-in over all contracted axes together
+    flat = (int(np.prod(shape[:in_dims])), int(np.prod(shape[in_dims:])))
+    return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
+  return init
+
+
 class Kernel(nn.Module):
   """A bias-free DenseGeneral's kernel alone (same name, shape and init), for fused callers."""
   shape: tuple[int, ...]
@@ -104,10 +127,24 @@ class Kernel(nn.Module):
 
   @nn.compact
   def __call__(self) -> jax.Array:
-    def init(rng, shape, dtype):  # DenseGeneral's: fan-in over all contracted axes together
-      flat = (int(np.prod(shape[:self.in_dims])), int(np.prod(shape[self.in_dims:])))
-      return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
-    return self.param("kernel", init, self.shape, jnp.float32)
+    return self.param("kernel", _kernel_init(self.in_dims), self.shape, jnp.float32)
+
+
+class Dense(nn.Module):
+  """x's last `in_dims` axes projected to `features`: a bias-free DenseGeneral (same kernel name,
+  shape and init) whose matmul runs in `cfg.fp8` (`fp8.dot`); every projection of the model."""
+  features: tuple[int, ...]
+  cfg: TransformerConfig
+  in_dims: int = 1
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    shape = x.shape[x.ndim - self.in_dims:] + tuple(self.features)
+    w = self.param("kernel", _kernel_init(self.in_dims), shape, jnp.float32)
+    scale_3 = None
+    if self.cfg.fp8 == "delayed":  # dequantisation scales of (x, w, g); see fp8.py
+      scale_3 = self.param("fp8_scale", nn.initializers.ones, (3,), jnp.float32)
+    return fp8_lib.dot(x, w, self.in_dims, self.cfg.fp8, scale_3, self.cfg.compute_dtype)
 
 
 class Attention(nn.Module):
@@ -120,16 +157,14 @@ class Attention(nn.Module):
     axis_name = context_axis()
     if c.cp_overlap and axis_name is not None:
       return self._overlapped(x_BxLxD, positions_L, axis_name)
-    dense = functools.partial(nn.DenseGeneral, use_bias=False, kernel_init=_KERNEL_INIT,
-                              dtype=c.compute_dtype, param_dtype=jnp.float32)
-    q_BxLxHxK = dense((c.n_heads, c.head_dim), name="q")(x_BxLxD)
-    k_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="k")(x_BxLxD)
-    v_BxLxGxK = dense((c.n_kv_heads, c.head_dim), name="v")(x_BxLxD)
+    q_BxLxHxK = Dense((c.n_heads, c.head_dim), c, name="q")(x_BxLxD)
+    k_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="k")(x_BxLxD)
+    v_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="v")(x_BxLxD)
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
     q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
     o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, backend=c.attention)
-    return dense(c.d_model, axis=(-2, -1), name="o")(o_BxLxHxK)
+    return Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK)
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
     """Per-head RMSNorm of queries and keys with `cfg.qk_norm` (one scale per channel, all heads)."""
@@ -179,10 +214,9 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     c = self.cfg
-    dense = functools.partial(nn.Dense, use_bias=False, kernel_init=_KERNEL_INIT,
-                              dtype=c.compute_dtype, param_dtype=jnp.float32)
-    h_BxLxF = nn.silu(dense(c.d_ff, name="gate")(x_BxLxD)) * dense(c.d_ff, name="up")(x_BxLxD)
-    return dense(c.d_model, name="down")(h_BxLxF)
+    dense = lambda width, name: Dense((width,), c, name=name)
+    h_BxLxF = nn.silu(dense(c.d_ff, "gate")(x_BxLxD)) * dense(c.d_ff, "up")(x_BxLxD)
+    return dense(c.d_model, "down")(h_BxLxF)
 
 
 class Block(nn.Module):
@@ -196,7 +230,7 @@ class Block(nn.Module):
     x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD),
                                                   positions_L)
     if self.moe:
-      y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, name="moe")(
+      y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, c.fp8, name="moe")(
           RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
       return x_BxLxD + y_BxLxD, aux
     return x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
@@ -264,16 +298,10 @@ def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
   Inside a `shard_map` the loss is first cast to vary like x, so that the cotangents of every
   shard's copy are summed on the way back.
   """
-  missing = tuple(sorted(_varying_axes(x) - _varying_axes(aux_loss)))
+  missing = tuple(sorted(varying_axes(x) - varying_axes(aux_loss)))
   if missing:
     aux_loss = jax.lax.pcast(aux_loss, missing, to="varying")
   return _attach(x, aux_loss)
-
-
-def _varying_axes(v) -> frozenset:
-  aval = jax.typeof(v)
-  mat = getattr(aval, "mat", None)  # JAX 0.10 keeps them here, later versions as `vma`
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 @jax.custom_vjp

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
-                                       data_axes_of, from_local, io_spec, is_contiguous,
-                                       make_executor, param_specs_key, to_local, with_aux)
+                                       combines_by_max, data_axes_of, from_local, io_spec,
+                                       is_contiguous, make_executor, param_specs_key, to_local,
+                                       with_aux)
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import Lowered, lower
 from jaxpipe.pipeline.schedules import make_schedule
@@ -180,9 +181,10 @@ def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
 
 
 def sum_copies(tree: PyTree, partners: tuple[tuple, tuple], mesh: Mesh, pp_axis: str,
-               spec: PyTree) -> PyTree:
+               spec: PyTree, model: Model | None = None) -> PyTree:
   """Leaves [ranks, chunks, ...] (split over pp_axis as `spec` says): each copy of a stage gets
-  the sum of both copies' values, one ppermute between the two holders (`copy_partners`)."""
+  the sum of both copies' values (their max for the leaves `model` combines by max), one
+  ppermute between the two holders (`copy_partners`)."""
   pairs, chunks = partners
   chunk_of = np.asarray(chunks, np.int32)
 
@@ -191,7 +193,9 @@ def sum_copies(tree: PyTree, partners: tuple[tuple, tuple], mesh: Mesh, pp_axis:
       other = jax.lax.ppermute(t, pp_axis, pairs)
       mine = jnp.asarray(chunk_of)[jax.lax.axis_index(pp_axis)]
       # a + b and b + a round alike: both holders get bit-identical sums
-      return jax.tree.map(lambda a, b: a + jnp.take(b, mine, axis=1), t, other)
+      both = lambda p, a, b: (jnp.maximum if combines_by_max(model, p) else jnp.add)(
+          a, jnp.take(b, mine, axis=1))
+      return jax.tree_util.tree_map_with_path(both, t, other)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(tree)
 
@@ -222,10 +226,10 @@ def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages:
     loss, local_grads, head_g, embed_g, *stats = run(table, local, xs, targets, head_params,
                                                      embed_params)
     if partners is not None:
-      local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec)
+      local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec, model)
       stats = [sum_copies(s, partners, mesh, pp_axis, aux_spec) for s in stats]
     # copies of a stage (bidirectional schedules) ran different micro-batches: their aux adds up
-    return (loss, from_local(local_grads, layout, num_stages), head_g, embed_g,
+    return (loss, from_local(local_grads, layout, num_stages, model), head_g, embed_g,
             *(from_local(s, layout, num_stages) for s in stats))
 
   return program

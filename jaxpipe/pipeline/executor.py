@@ -121,6 +121,14 @@ class Model:
   loss_fn: Callable  # (head_params, y, target) -> scalar, on the last stage's output
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
   stage_aux: bool = False  # stage_fn (layer_fn if layered) returns (x, aux); aux summed by F
+  # (key path of a stage parameter leaf) -> True where that leaf's gradient is combined by max
+  # over micro-batches, data shards and stage copies instead of summed (observed statistics)
+  max_grads: Callable | None = None
+
+
+def combines_by_max(model: Model | None, path) -> bool:
+  """Whether `model` combines the gradient of the stage parameter leaf at `path` by max."""
+  return model is not None and model.max_grads is not None and bool(model.max_grads(path))
 
 
 def _no_aux(fn: Callable) -> Callable:
@@ -272,8 +280,11 @@ class _StageOps:
   F keeps aux.
   """
 
-  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool):
+  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool,
+               model: Model | None = None):
     self.fn, self.recompute = stage_fn, recompute
+    # per parameter leaf: weight cotangents combined by max (Model.max_grads) rather than added
+    self.by_max = jax.tree_util.tree_map_with_path(lambda p, _: combines_by_max(model, p), params)
     self.layered = isinstance(stage_fn, Layered)
     self.x = x
     self.aux = jax.eval_shape(stage_fn, params, x)[1]
@@ -358,26 +369,26 @@ class _StageOps:
     """B: -> (dx, grads plus this micro-batch's weight cotangents at `chunk`)"""
     if not self.layered:
       vjp_fn = self._vjp(params, res, slot)
-      return self._dx(vjp_fn, dy, need_dx), _add(grads, (chunk,), vjp_fn(dy)[0])
+      return self._dx(vjp_fn, dy, need_dx), _add(grads, (chunk,), vjp_fn(dy)[0], self.by_max)
     vjp_of = self._layer_vjp(params, res, slot)
 
     def body(carry, l):
       g, grads = carry
       dp, dx = vjp_of(l)(g)
-      return (dx, _add(grads, (chunk, l), dp)), None
+      return (dx, _add(grads, (chunk, l), dp, self.by_max)), None
 
     (g0, grads), _ = lax.scan(body, (dy, grads), jnp.arange(self.num_layers - 1, 0, -1))
     vjp0 = vjp_of(0)
-    return self._dx(vjp0, g0, need_dx), _add(grads, (chunk, 0), vjp0(g0)[0])
+    return self._dx(vjp0, g0, need_dx), _add(grads, (chunk, 0), vjp0(g0)[0], self.by_max)
 
   def weight_grad(self, params, res, slot, wg, wg_slot, grads, chunk):
     """W: -> grads plus the weight cotangents of what I left at `wg_slot`, at `chunk`"""
     if not self.layered:
-      return _add(grads, (chunk,), self._vjp(params, res, slot)(wg[wg_slot])[0])
+      return _add(grads, (chunk,), self._vjp(params, res, slot)(wg[wg_slot])[0], self.by_max)
     vjp_of = self._layer_vjp(params, res, slot)
 
     def body(grads, l):
-      return _add(grads, (chunk, l), vjp_of(l)(wg[wg_slot, l])[0]), None
+      return _add(grads, (chunk, l), vjp_of(l)(wg[wg_slot, l])[0], self.by_max), None
 
     return lax.scan(body, grads, jnp.arange(self.num_layers))[0]
 
@@ -389,13 +400,17 @@ def _set(buf, index: tuple, value):
   return lax.dynamic_update_slice(buf, value, tuple(jnp.asarray(i, jnp.int32) for i in start))
 
 
-def _add(acc: PyTree, index: tuple, value: PyTree) -> PyTree:
-  """acc[index] += value, leaf by leaf, in place (accumulators may be wider than the values)."""
-  def one(a, v):
+def _add(acc: PyTree, index: tuple, value: PyTree, by_max: PyTree | None = None) -> PyTree:
+  """acc[index] += value, leaf by leaf, in place (accumulators may be wider than the values);
+  max(acc[index], value) instead where the `by_max` tree of bools says so."""
+  def one(a, v, maxed=False):
     start = tuple(jnp.asarray(i, jnp.int32) for i in tuple(index) + (0,) * v.ndim)
     old = lax.dynamic_slice(a, start, (1,) * len(index) + v.shape)
-    return lax.dynamic_update_slice(a, old + v.astype(a.dtype).reshape(old.shape), start)
-  return jax.tree.map(one, acc, value)
+    v = v.astype(a.dtype).reshape(old.shape)
+    return lax.dynamic_update_slice(a, jnp.maximum(old, v) if maxed else old + v, start)
+  if by_max is None:
+    return jax.tree.map(one, acc, value)
+  return jax.tree.map(one, acc, value, by_max)
 
 
 def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset: int = 0) -> dict:
@@ -551,7 +566,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
       raise ValueError(f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
                        f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}")
-    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute)
+    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model)
 
     # Each part is fn(row, state) -> state: it reads its inputs from the slot buffers and writes
     # its outputs into them in place, so that a tick costs what its parts compute and move.
@@ -657,15 +672,15 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     state, _ = lax.scan(tick, state, rows)
     grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
     loss = lax.psum(state["loss"], all_axes)
-    if leaf_specs is None:
-      grads = lax.psum(grads, tuple(data_axes)) if data_axes else grads
-    else:
-      # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
-      flat = []
-      for g, leaf_spec in zip(specs_treedef.flatten_up_to(grads), leaf_specs):
-        axes = tuple(a for a in data_axes if a not in _leaf_axes(leaf_spec))
-        flat.append(lax.psum(g, axes) if axes else g)
-      grads = jax.tree.unflatten(specs_treedef, flat)
+    # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
+    flat, grads_treedef = jax.tree_util.tree_flatten_with_path(grads)
+    reduced = []
+    for i, (path, g) in enumerate(flat):
+      axes = tuple(data_axes) if leaf_specs is None else tuple(
+          a for a in data_axes if a not in _leaf_axes(leaf_specs[i]))
+      reduce = lax.pmax if combines_by_max(model, path) else lax.psum
+      reduced.append(reduce(g, axes) if axes else g)
+    grads = jax.tree.unflatten(grads_treedef, reduced)
     head_g = lax.psum(head_g, all_axes)
     embed_g = lax.psum(embed_g, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
@@ -720,14 +735,19 @@ def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
   return jax.tree.map(lambda a: a[idx].reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
 
 
-def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int) -> PyTree:
-  """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies."""
+def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int,
+               model: Model | None = None) -> PyTree:
+  """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies (or taking
+  their max, for the leaves `model` combines by max)."""
   if is_contiguous(layout) and layout.size == num_stages:
     return jax.tree.map(lambda g: g.reshape((num_stages,) + g.shape[2:]), local_grads)
   idx = jnp.reshape(layout, (-1,))
-  return jax.tree.map(
-      lambda g: jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx].add(
-          g.reshape((-1,) + g.shape[2:])), local_grads)
+
+  def gather(path, g):
+    out = jnp.zeros((num_stages,) + g.shape[2:], g.dtype).at[idx]
+    return (out.max if combines_by_max(model, path) else out.add)(g.reshape((-1,) + g.shape[2:]))
+
+  return jax.tree_util.tree_map_with_path(gather, local_grads)
 
 
 # --- measurement hook: jaxpipe.measure times these parts as the executor compiles them ---------
@@ -736,4 +756,4 @@ def stage_ops(model: Model, params: PyTree, x: jax.ShapeDtypeStruct,
               recompute: bool = False) -> _StageOps:
   """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
   built as `make_executor` builds them for stage params `params` and input `x`."""
-  return _StageOps(with_aux(model.stage_fn, model.stage_aux), params, x, recompute)
+  return _StageOps(with_aux(model.stage_fn, model.stage_aux), params, x, recompute, model)

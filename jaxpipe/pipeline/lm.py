@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe import config as config_lib
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
@@ -84,7 +85,8 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
 
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
-  return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None)
+  return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None,
+               max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None)
 
 
 def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
@@ -178,7 +180,7 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
     grads["embed"] = grads["embed"] + embed_grads["embed"]
     grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
                                    stage_grads)
-    grads = jax.tree.map(lambda g: g / n_tokens, grads)
+    grads = fp8_lib.map_grads(lambda g: g / n_tokens, grads)
     metrics = {"tokens": count}
     if stage_aux:
       # [stage blocks, data shards, units per stage, ...]: MoE statistics are sums over every

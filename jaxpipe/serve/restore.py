@@ -5,7 +5,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from jaxpipe import config as config_lib
@@ -30,13 +29,12 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict,
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
   schedule; the optimizer state is read with it (its structure is the config's) and dropped.
   """
-  from jaxpipe.trainer import TrainState, make_optimizer  # the trainer's own state and optimizer
+  from jaxpipe.trainer import fresh_state, make_optimizer  # the trainer's own state and optimizer
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 
   def fresh(rng):
-    params = transformer.init_params(cfg, rng)
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return fresh_state(cfg, optimizer, transformer.init_params(cfg, rng))
 
   sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
