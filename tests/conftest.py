@@ -16,5 +16,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 
 
 def pytest_sessionfinish(session, exitstatus):
-  if not hasattr(session.config, "workerinput") and os.environ["JAX_COMPILATION_CACHE_DIR"] == _CACHE:
+  controller = not hasattr(session.config, "workerinput")  # after every worker is done
+  if controller and os.environ["JAX_COMPILATION_CACHE_DIR"] == _CACHE:
     shutil.rmtree(_CACHE, ignore_errors=True)

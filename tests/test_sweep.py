@@ -122,17 +122,19 @@ def both_costs(swept):
   return os.path.join(swept[0], "costs.json")
 
 
-def test_the_sweep_names_autos_choice_over_its_cells(swept, both_costs):
-  ranking = auto_lib.rank(2, MICROBATCHES, costs_lib.load(both_costs), layers=2,
-                          names=("1f1b",))
+@pytest.fixture(scope="module")
+def ranking(both_costs):
+  """auto's ranking of the swept cells from their merged costs."""
+  return auto_lib.rank(2, MICROBATCHES, costs_lib.load(both_costs), layers=2, names=("1f1b",))
+
+
+def test_the_sweep_names_autos_choice_over_its_cells(swept, ranking):
   with open(os.path.join(swept[0], "sweep.md")) as f:
     assert f"auto over the cells' costs chooses {ranking.best.label}" in f.read()
 
 
 @pytest.mark.slow  # a timing comparison: under `pytest -n 2` the other worker shares the cores
-def test_auto_choice_is_measured_among_the_top_cells_of_the_sweep(swept, both_costs):
-  ranking = auto_lib.rank(2, MICROBATCHES, costs_lib.load(both_costs), layers=2,
-                          names=("1f1b",))
+def test_auto_choice_is_measured_among_the_top_cells_of_the_sweep(swept, ranking):
   rows = swept[3]
   cpu = {m: float(rows[f"microbatches={m}"]["paired_ms"]) for m in MICROBATCHES}
   # each cell's step CPU time, measured in the rounds of its own costs; the choice must be
