@@ -71,8 +71,21 @@ class Rank:
     self._lock = console_lock
     self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
+    # When it ended, taken as it ends: a poll loop that finds two ranks ended cannot say which
+    # ended first, and the first is the cause (the others stop because it did)
+    self.ended_at: float | None = None
+    self._waiter = threading.Thread(target=self._wait, daemon=True)
+    self._waiter.start()
     self._reader = threading.Thread(target=self._copy, daemon=True)
     self._reader.start()
+
+  def _wait(self) -> None:
+    self.proc.wait()
+    self.ended_at = time.monotonic()
+
+  @property
+  def failed(self) -> bool:
+    return self.ended_at is not None and self.proc.returncode != 0
 
   def _copy(self) -> None:
     prefix, pending = f"[{self.index}] ".encode(), b""
@@ -103,13 +116,14 @@ class Rank:
 
   def signal(self, signum: int) -> None:
     """Sends `signum` to the rank's process group (the command and whatever it started)."""
-    if self.proc.poll() is None:
+    if self.ended_at is None:
       try:
         os.killpg(self.proc.pid, signum)
       except ProcessLookupError:
         pass
 
   def join(self) -> None:
+    self._waiter.join()
     self._reader.join(timeout=10)
 
 
@@ -173,20 +187,19 @@ def main(argv: list[str] | None = None) -> int:
       print(f"launch: {args.processes} processes{devices} (pids "
             f"{', '.join(str(r.proc.pid) for r in ranks)}), coordinator {address}, logs in "
             f"{log_dir}", file=sys.stderr, flush=True)
-    failed, failed_at, killed = None, None, set()
-    while [r.proc.poll() for r in ranks].count(None):
-      if failed is None:
-        failed = next((r for r in ranks if r.proc.returncode not in (None, 0)), None)
-        failed_at = time.monotonic()
+    failed_at, killed = None, set()
+    while any(r.ended_at is None for r in ranks):
+      if failed_at is None:
+        failed_at = time.monotonic() if any(r.failed for r in ranks) else None
       elif time.monotonic() - failed_at > args.grace:
         for rank in ranks:
-          if rank.proc.poll() is None:
+          if rank.ended_at is None:
             killed.add(rank.index)
             rank.signal(signal.SIGKILL)
       time.sleep(0.05)
     for rank in ranks:
       rank.join()
-    failed = failed or next((r for r in ranks if r.proc.returncode != 0), None)
+    failed = min((r for r in ranks if r.failed), key=lambda r: r.ended_at, default=None)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

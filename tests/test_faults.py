@@ -93,10 +93,12 @@ def _tensorboard_losses(logdir):
   return sorted(shown.items())
 
 
-def _until_logged(proc, workdir, step, timeout=300):
+def _until_logged(proc, workdir, step, timeout=300, output=None):
+  """Waits for `step` in metrics.jsonl; `output()` is what a failure shows (default: the pipes)."""
   deadline = time.time() + timeout
   while _last_logged(workdir) < step:
-    assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()}"
+    assert proc.poll() is None, (f"the run ended ({proc.returncode}) before step {step}: "
+                                 f"{output()[-5000:] if output else proc.communicate()}")
     assert time.time() < deadline, f"step {step} not reached"
     time.sleep(0.02)
 

@@ -63,10 +63,12 @@ np.savez({out!r} + str(jax.process_index()), **pipeline_results())
 """
 
 
-def _launch(tmp_path, name, *command, grace=30):
-  """Starts the launcher on `command` with its output in tmp_path/<name>.out."""
+def _launch(tmp_path, name, *command, grace=30, heartbeat=15):
+  """Starts the launcher on `command` with its output in tmp_path/<name>.out. The heartbeat
+  timeout is short for the tests that wait for it, long enough that a rank busy compiling on a
+  loaded 2-core machine is not taken for dead."""
   cmd = [sys.executable, "-m", "jaxpipe.launch", "--processes", "2", "--devices-per-process", "4",
-         "--heartbeat-timeout", "5", "--grace", str(grace), "--log-dir", str(tmp_path / name), "--",
+         "--heartbeat-timeout", str(heartbeat), "--grace", str(grace), "--log-dir", str(tmp_path / name), "--",
          *command]
   with open(tmp_path / f"{name}.out", "w") as out:
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
@@ -124,7 +126,7 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
            str(workdir), *FLAGS]
 
   first = _launch(tmp_path, "first", *train)
-  _until_logged(first, workdir, 3)
+  _until_logged(first, workdir, 3, output=lambda: _output(tmp_path, "first"))
   first.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to both ranks
   assert first.wait(timeout=300) == 0, _output(tmp_path, "first")[-3000:]
   out = _output(tmp_path, "first")
@@ -142,7 +144,7 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   second_stop = int(stdout.split("SIGTERM: saved step ")[1].split()[0])
 
   third = _launch(tmp_path, "third", *train, "--config.mesh.order=dp")
-  _until_logged(third, workdir, second_stop + 3)
+  _until_logged(third, workdir, second_stop + 3, output=lambda: _output(tmp_path, "third"))
   os.kill(_rank_pids(tmp_path, "third")[1], signal.SIGTERM)  # to one rank only
   assert third.wait(timeout=300) == 0, _output(tmp_path, "third")[-3000:]
   out = _output(tmp_path, "third")
@@ -151,7 +153,8 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   third_stop = _saved_by_both(out, "SIGTERM")
 
   fourth = _launch(tmp_path, "fourth", *train, "--config.mesh.order=dp")
-  _until_logged(fourth, workdir, third_stop // 4 * 4 + 5)  # just after a save has started
+  _until_logged(fourth, workdir, third_stop // 4 * 4 + 5,  # just after a save has started
+                output=lambda: _output(tmp_path, "fourth"))
   os.kill(_rank_pids(tmp_path, "fourth")[1], signal.SIGKILL)
   killed = time.monotonic()
   status = fourth.wait(timeout=120)
@@ -194,7 +197,7 @@ def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
   script.write_text("from jaxpipe import runtime\nruntime.initialize()\n"
                     "from jaxpipe import multihost\nprint('ready', flush=True)\n"
                     "while True:\n  multihost.any_process(False)\n")
-  launcher = _launch(tmp_path, "hang", sys.executable, str(script), grace=1)
+  launcher = _launch(tmp_path, "hang", sys.executable, str(script), grace=1, heartbeat=5)
   pids = _rank_pids(tmp_path, "hang")
   while _output(tmp_path, "hang").count("] ready") < 2:
     assert launcher.poll() is None, _output(tmp_path, "hang")
