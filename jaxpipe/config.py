@@ -196,7 +196,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
     raise ConfigError(f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} "
                       "there")
-  _check_fp8(m)
+  check_fp8(m)
   if d.source not in SOURCES:
     raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
   if d.source == "stdlib" and m.vocab < 256:
@@ -255,7 +255,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   return shape
 
 
-def _check_fp8(m: ml_collections.ConfigDict) -> None:
+def check_fp8(m: ml_collections.ConfigDict) -> None:
   """model.fp8 and its delayed-scaling fields; block scaling's 1x128 tiles need the contracted
   widths to be multiples of 128."""
   if m.fp8 not in fp8_lib.RECIPES:

@@ -1,12 +1,13 @@
 """Hugging Face checkpoints to training workdirs and back.
 
-  python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR [--pp P] [--ep E]
+  python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR [--pp P] [--ep E] [--fp8 RECIPE]
   python -m jaxpipe.train --workdir WORKDIR [--config.key=value ...]
   python -m jaxpipe.convert orbax-to-hf WORKDIR DST_DIR [--step S] [--dtype D] [--pp P] [--ep E]
 
 hf-to-orbax checks SRC_DIR (config.json, the safetensors headers) before any device work, streams
 the weights onto a pp x ep mesh of the first P·E devices (`jaxpipe.models.hf`) and writes
-WORKDIR/checkpoints/0, a training state at step 0 (fresh optimizer moments);
+WORKDIR/checkpoints/0, a training state at step 0 (fresh optimizer moments; with --fp8 delayed,
+unit scales and empty amax histories, as a new FP8 run starts);
 WORKDIR/config.py, the fine-tuning config (`finetune_config`), and config.json, that config
 resolved as a training run writes it (so `python -m jaxpipe.serve --workdir WORKDIR` serves the
 imported model at once); and WORKDIR/hf/, the source's config.json, tokenizer and other files,
@@ -33,6 +34,7 @@ import ml_collections  # noqa: E402
 
 from jaxpipe import checkpoint as checkpoint_lib  # noqa: E402
 from jaxpipe import config as config_lib  # noqa: E402
+from jaxpipe.models import fp8 as fp8_lib  # noqa: E402
 from jaxpipe.models import hf  # noqa: E402
 from jaxpipe.models import transformer  # noqa: E402
 
@@ -54,14 +56,19 @@ from jaxpipe import convert
 
 def get_config(arg=None):
   del arg
-  return convert.finetune_config(os.path.dirname(os.path.abspath(__file__)))
+  c = convert.finetune_config(os.path.dirname(os.path.abspath(__file__)))
+  c.model.fp8 = {fp8!r}  # hf-to-orbax --fp8: checkpoints/0 holds this recipe's state
+  return c
 '''
 
 
 def finetune_config(workdir: str) -> ml_collections.ConfigDict:
   """The default config with the model of WORKDIR/hf/config.json and fine-tuning settings."""
   with open(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)) as f:
-    cfg = hf.config_from_hf(json.load(f))
+    return _finetune_config(hf.config_from_hf(json.load(f)))
+
+
+def _finetune_config(cfg: transformer.TransformerConfig) -> ml_collections.ConfigDict:
   c = config_lib.default_config()
   model = dataclasses.asdict(cfg)
   moe = model.pop("moe")
@@ -93,28 +100,41 @@ def _param_shardings(cfg: transformer.TransformerConfig, mesh):
   return shapes, state_shardings(shapes, mesh)
 
 
-def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1) -> hf.Plan:
-  """Writes a training workdir that resumes from the checkpoint in `src` (module docstring)."""
-  from jaxpipe.trainer import TrainState, make_optimizer, state_shardings
+def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "none") -> hf.Plan:
+  """Writes a training workdir that resumes from the checkpoint in `src` (module docstring),
+  for fine-tuning with the FP8 recipe `fp8` (model.fp8)."""
+  from jaxpipe.trainer import fresh_state, make_optimizer, state_shardings
   plan = hf.check(src)  # every refusal comes before any device work
+  config = _finetune_config(plan.cfg)  # what WORKDIR/config.py gives
+  config.model.fp8 = fp8
+  try:
+    config_lib.check_fp8(config.model)
+  except ValueError as e:
+    raise ValueError(f"--fp8 {fp8}: {e}") from None
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     raise ValueError(f"{ckpt_dir} already holds checkpoints; convert into a new workdir")
   _copy_files(src, os.path.join(workdir, HF_DIR), weights=False)
   with open(os.path.join(workdir, "config.py"), "w") as f:
     f.write(_CONFIG_PY.format(src=os.path.abspath(src), workdir=os.path.abspath(workdir),
-                              model_type=plan.hf_config["model_type"]))
-  config = finetune_config(workdir)
+                              model_type=plan.hf_config["model_type"], fp8=fp8))
   with open(os.path.join(workdir, "config.json"), "w") as f:  # as a run writes it (serving reads it)
     f.write(config.to_json_best_effort(indent=2))
   mesh = _mesh(pp, ep)
   _, shardings = _param_shardings(plan.cfg, mesh)
   _, params = hf.load(plan, shardings)
+  cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
-  opt_shapes = jax.eval_shape(optimizer.init, params)
-  opt_state = jax.jit(optimizer.init, out_shardings=state_shardings(opt_shapes, mesh))(params)
+  if cfg.fp8 == "delayed":  # each GEMM's scales start at 1, as `transformer.init_params` sets them
+    shapes, with_scales = _param_shardings(cfg, mesh)
+    ones = jax.jit(lambda: jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype),
+                                        fp8_lib.state_of(shapes)),
+                   out_shardings=fp8_lib.state_of(with_scales))
+    params = fp8_lib.with_state(params, ones())
+  start = lambda p: fresh_state(cfg, optimizer, p)
+  state = jax.jit(start, out_shardings=state_shardings(jax.eval_shape(start, params), mesh))(params)
   checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, config.checkpoint.keep, async_save=False)
-  checkpointer.save(0, TrainState(jnp.zeros((), jnp.int32), params, opt_state), force=True)
+  checkpointer.save(0, state, force=True)
   checkpointer.wait()
   checkpointer.close()
   return plan
@@ -202,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
   to_orbax = sub.add_parser("hf-to-orbax", help="a transformers checkpoint -> a training workdir")
   to_orbax.add_argument("src")
   to_orbax.add_argument("workdir")
+  to_orbax.add_argument("--fp8", default="none", choices=fp8_lib.RECIPES,
+                        help="FP8 recipe of the fine-tuning run (model.fp8); delayed adds its "
+                        "scales and amax histories to checkpoint 0")
   to_hf = sub.add_parser("orbax-to-hf", help="a training workdir's checkpoint -> transformers")
   to_hf.add_argument("workdir")
   to_hf.add_argument("dst")
@@ -214,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   try:
     if args.command == "hf-to-orbax":
-      plan = hf_to_orbax(args.src, args.workdir, args.pp, args.ep)
+      plan = hf_to_orbax(args.src, args.workdir, args.pp, args.ep, args.fp8)
       print(f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
             f"{plan.dtype}) -> {args.workdir}/checkpoints/0"
             + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items())))

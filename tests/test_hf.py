@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,11 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpipe import config as config_lib
 from jaxpipe import convert
+from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import hf
 from jaxpipe.models import moe
 from jaxpipe.models import transformer
-from jaxpipe.trainer import make_loss_and_grads, state_shardings
+from jaxpipe.trainer import Trainer, make_loss_and_grads, state_shardings
 
 
 # The oracle, from the dev extra (CPU torch); imported on first use, not when pytest collects.
@@ -309,6 +311,38 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   model = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager")
   assert type(model) is type(case.model)
   assert np.isfinite(model(input_ids=torch.tensor(case.ids)).logits.detach().numpy()).all()
+
+
+
+def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
+  """hf-to-orbax --fp8 delayed: checkpoint 0 holds the imported weights (exported again bit for
+  bit), unit scales and empty amax histories, and the runner resumes it in FP8, filling the
+  histories; a recipe the model's widths cannot take is refused before anything is written."""
+  case = cases["llama"]
+  workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
+  with pytest.raises(SystemExit, match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is "
+                     r"not a multiple of 128"):
+    convert.main(["hf-to-orbax", case.src, workdir, "--fp8", "block"])
+  assert not os.path.exists(workdir)
+  convert.main(["hf-to-orbax", case.src, workdir, "--fp8", "delayed"])
+  convert.main(["orbax-to-hf", workdir, dst])
+  _assert_bit_equal(_weights(case.src), _weights(dst))
+  config = runpy.run_path(os.path.join(workdir, "config.py"))["get_config"]()
+  assert config.model.fp8 == "delayed"
+  config.update_from_flattened_dict({"data.batch": BATCH, "data.seq_len": SEQ,
+                                     "train.steps": 2, "train.eval_batches": 1})
+  with Trainer(config, workdir) as trainer:
+    state = trainer.init()
+    assert trainer.resumed_from == 0
+    scales = jax.tree.leaves(fp8_lib.state_of(state.params))
+    assert len(scales) == 7  # q, k, v, o, gate, up, down: [layers, 3] each
+    assert all((np.asarray(s) == 1).all() for s in scales)
+    assert not any(np.asarray(h).any() for h in jax.tree.leaves(state.fp8))
+    assert np.isfinite(float(trainer.step()["loss"]))
+    newest = [np.asarray(h)[..., 0] for h in jax.tree.leaves(trainer.state.fp8)]
+    assert all((a > 0).all() for a in newest)  # every GEMM's x, w and g amax of the step
+    moved = jax.tree.leaves(fp8_lib.state_of(trainer.state.params))
+    assert all((np.asarray(s) != 1).all() for s in moved)  # scales set from those amaxes
 
 
 # -- refusals, before any device work ----------------------------------------------------------------

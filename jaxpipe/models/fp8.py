@@ -296,9 +296,11 @@ def state_of(tree: dict) -> dict:
 
 
 def with_state(tree: dict, state: dict) -> dict:
-  """`tree` with the leaves `state` names replaced by its values."""
-  return {k: (with_state(v, state[k]) if isinstance(v, dict) else state[k]) if k in state else v
-          for k, v in tree.items()}
+  """`tree` with the leaves `state` names set to its values (added where `tree` lacks them)."""
+  out = dict(tree)
+  for k, v in state.items():
+    out[k] = with_state(tree.get(k, {}), v) if isinstance(v, dict) else v
+  return out
 
 
 def init_history(params: dict, length: int) -> dict:
