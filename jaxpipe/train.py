@@ -206,8 +206,10 @@ def _train(argv: list[str]) -> None:
     say(f"nothing to train: the run in {_WORKDIR.value} is at step {summary['step']} = "
         "train.steps; raise train.steps (with --resume_changed) to train on")
     return
+  evaluated = (f"; eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None
+               else "")
   say(f"loss: first {summary['first_loss']:.4f} (step {summary['start'] + 1}) -> last "
-      f"{summary['last_loss']:.4f} (step {summary['step']}); eval loss {summary['eval_loss']:.4f}")
+      f"{summary['last_loss']:.4f} (step {summary['step']}){evaluated}")
   if _WORKDIR.value:
     say(f"checkpoints, metrics.jsonl, tensorboard/ in {_WORKDIR.value}")
 

@@ -819,7 +819,7 @@ class Trainer:
           if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
               or done == start + 1):
             flush(done)
-          if eval_now or done == total:
+          if eval_now or (done == total and cfg.train.eval_every):  # 0: no evaluation at all
             summary["eval_loss"] = self.evaluate()
             if writer:
               writer.write(done, {"eval_loss": summary["eval_loss"]})

@@ -160,6 +160,9 @@ def test_kill_sigint_sigterm_and_reruns_equal_an_uninterrupted_run(tmp_path):
   last = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
   assert last.returncode == 0, last.stderr[-3000:]
   assert f"resumed from step {terminated} in " in last.stdout
+  # train.eval_every=0: no evaluation at all, the last step's included
+  assert "loss: first " in last.stdout and "eval loss" not in last.stdout
+  assert "eval_loss" not in (workdir / "metrics.jsonl").read_text()
 
   reference = Trainer(_config(steps))  # uninterrupted, nothing written
   reference.init()
