@@ -2,7 +2,8 @@
 
 Parts (default: `curves,gemm` without a GPU, `gpu` with one):
 
-  curves  the quickstart trained --steps steps in float32, in bf16 and with each FP8 recipe
+  curves  the quickstart trained --steps steps in float32, in float32 from another initial seed
+          (the yardstick: how far two float32 runs end apart), in bf16 and with each FP8 recipe
           (delayed, current, block), data-parallel and through the pipeline executor (pp = 2,
           ZB-H1, 4 micro-batches): final train loss, mean of the last 10 steps and eval loss,
           each against the float32 run's; the curves as a PNG in --out
@@ -40,24 +41,26 @@ from jaxpipe.models import fp8, transformer  # noqa: E402
 from jaxpipe.trainer import Trainer  # noqa: E402
 
 RECIPES = ("delayed", "current", "block")
-RUNS = (("float32", "none", "float32"), ("bf16", "none", "bfloat16"),
-        *((r, r, "float32") for r in RECIPES))  # (label, model.fp8, model.dtype)
+# (label, model.fp8, model.dtype, train.seed); float32-seed1 is float32 from another initialisation
+# (same batches): how far two float32 runs end apart, the yardstick for the others
+RUNS = (("float32", "none", "float32", 0), ("float32-seed1", "none", "float32", 1),
+        ("bf16", "none", "bfloat16", 0), *((r, r, "float32", 0) for r in RECIPES))
 TE_SPEEDUP = {"delayed": 1.69, "current": 1.57, "block": 1.41}  # H200, 5 B model, over bf16
 TE_GEMM_SPEEDUP = 1.92
 GEMMS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def quickstart_config(recipe: str, dtype: str, steps: int, pp: int):
+def quickstart_config(recipe: str, dtype: str, steps: int, pp: int, seed: int = 0):
   c = quickstart.get_config()
-  c.model.fp8, c.model.dtype, c.train.steps = recipe, dtype, steps
+  c.model.fp8, c.model.dtype, c.train.steps, c.train.seed = recipe, dtype, steps, seed
   if pp > 1:
     c.mesh.pp, c.pipeline.schedule, c.pipeline.microbatches = pp, "zb-h1", 4
   return c
 
 
-def train(recipe: str, dtype: str, steps: int, pp: int) -> tuple[dict, Trainer]:
+def train(recipe: str, dtype: str, steps: int, pp: int, seed: int = 0) -> tuple[dict, Trainer]:
   """Trains the quickstart; -> ({losses, eval_loss, seconds}, trainer)."""
-  trainer = Trainer(quickstart_config(recipe, dtype, steps, pp))
+  trainer = Trainer(quickstart_config(recipe, dtype, steps, pp, seed))
   trainer.init()
   t0 = time.perf_counter()
   losses = [trainer.step()["loss"] for _ in range(steps)]
@@ -132,11 +135,11 @@ def plot(results: dict, steps: int, path: str) -> None:
   paths = sorted({p for p, _ in results}, key=lambda p: p != "dp")
   fig, axes = plt.subplots(2, len(paths), figsize=(6 * len(paths), 7), sharex=True, squeeze=False)
   smooth = lambda v: np.convolve(v, np.ones(10) / 10, mode="valid")
-  colors = dict(zip([label for label, _, _ in RUNS], ["k", "tab:gray", "tab:blue", "tab:orange",
-                                                      "tab:green"]))
+  colors = dict(zip([run[0] for run in RUNS], ["k", "tab:purple", "tab:gray", "tab:blue",
+                                                "tab:orange", "tab:green"]))
   for col, p in enumerate(paths):
     base = np.asarray(results[(p, "float32")]["losses"])
-    for label, _, _ in RUNS:
+    for label, *_ in RUNS:
       if (p, label) not in results:
         continue
       losses = np.asarray(results[(p, label)]["losses"])
@@ -157,10 +160,10 @@ def curves_and_gemms(args) -> None:
   results, gemm = {}, {}
   host = None
   for p in args.pp:
-    for label, recipe, dtype in RUNS:
-      if label == "bf16" and p > 1:
-        continue  # the dtype's effect is the same on every path
-      r, trainer = train(recipe, dtype, args.steps, p)
+    for label, recipe, dtype, seed in RUNS:
+      if label not in args.runs or (label in ("bf16", "float32-seed1") and p > 1):
+        continue  # the dtype's and the seed's effects are the same on every path
+      r, trainer = train(recipe, dtype, args.steps, p, seed)
       key = ("dp" if p == 1 else f"pp{p}", label)
       results[key] = r
       print(f"{key[0]:>4} {label:>8}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
@@ -289,6 +292,9 @@ def main() -> None:
                            "on a GPU)")
   parser.add_argument("--steps", type=int, default=300, help="training steps per run")
   parser.add_argument("--pp", default="1,2", help="pipeline sizes to train on (1 = data-parallel)")
+  parser.add_argument("--runs", default=",".join(run[0] for run in RUNS),
+                      help="comma-separated labels of the runs to train (float32 always runs: the "
+                      "others are compared with it)")
   parser.add_argument("--out", default="out/fp8_bench", help="curves.json and fp8_loss.png go here")
   parser.add_argument("--repeats", type=int, default=10, help="GPU: timed repetitions")
   parser.add_argument("--gemm_size", type=int, default=8192, help="GPU: the GEMM's M = N = K")
@@ -296,6 +302,10 @@ def main() -> None:
   default = "gpu" if jax.default_backend() == "gpu" else "curves,gemm"
   args.parts = set((args.parts or default).split(","))
   args.pp = [int(p) for p in args.pp.split(",")]
+  labels = [run[0] for run in RUNS]
+  args.runs = set(args.runs.split(",")) | {"float32"}
+  if args.runs - set(labels):
+    parser.error(f"--runs: unknown {sorted(args.runs - set(labels))}; choose from {labels}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices; "
         f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
   if args.parts & {"curves", "gemm"}:
