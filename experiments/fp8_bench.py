@@ -261,12 +261,11 @@ def gpu_part(args) -> None:
   for recipe in ("none",) + RECIPES:
     m.fp8 = recipe
     trainer = Trainer(c)
-    trainer.init()
+    step = trainer.compile()  # initialises the state; compiled for batch 0's shapes
     batch = trainer.batch(0)
     if base is None:
       print(f"  parameters: {sum(x.size for x in jax.tree.leaves(trainer.state.params)) / 1e9:.2f} B")
     step_flops = flops.training_flops_per_step(trainer.model_cfg, c.data.batch, c.data.seq_len)
-    step = trainer._build_train_step().lower(trainer.state, batch).compile()
     hlo = step.as_text()
     state = trainer.state
     times = []

@@ -307,7 +307,7 @@ def auto_among(rows: list[dict], out: str) -> str | None:
   merged = {**first, "entries": list(entries.values())}
   path = os.path.join(out, "costs.json")  # for python -m jaxpipe.schedule auto --costs
   costs_lib.dump(merged, path)
-  costs = costs_lib.load(path)
+  costs = costs_lib.parse(merged, path)
   model = first["setup"]["model"]
   layers = model["n_layers"] // (model["moe"]["every"] if model.get("moe") else 1)
   ranking = auto_lib.rank(first["setup"]["mesh"]["pp"], sorted({int(r["microbatches"])

@@ -229,7 +229,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     except (TypeError, ValueError) as e:
       raise ConfigError(f"model.moe: {e}") from e
   if schedule == AUTO:
-    _check_auto(config, shape, every)
+    _check_auto(config, shape)
   elif shape["pp"] > 1 or schedule.endswith(".csv"):
     _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
   cp = shape["cp"]
@@ -317,7 +317,7 @@ def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
                       + (f", pipeline.chunks={chunks}" if chunks else "") + f": {e}") from e
 
 
-def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int], every: int) -> None:
+def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
   """pipeline.schedule = 'auto': its fields, and at least one candidate the IR can build."""
   from jaxpipe.pipeline import auto as auto_lib
   from jaxpipe.pipeline import costs as costs_lib
@@ -341,14 +341,40 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int], every:
       costs_lib.load(p.costs)
     except costs_lib.CostFileError as e:
       raise ConfigError(f"pipeline.costs={p.costs!r}: {e}") from e
-  mbs = sorted(set(p.auto_microbatches)) or [k for k in range(1, per_replica + 1)
-                                               if per_replica % k == 0]
   try:
-    auto_lib.require_runnable(auto_lib.candidates(shape["pp"], mbs, tuple(p.auto_schedules)
-                                                  or SCHEDULES, config.model.n_layers // every),
-                              shape["pp"])
+    auto_pairs(config, shape)
   except auto_lib.AutoError as e:
     raise ConfigError(f"pipeline.schedule='auto': {e}") from e
+
+
+def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[int]:
+  """The micro-batch counts auto may choose: pipeline.auto_microbatches, else every count the
+  per-replica batch splits into."""
+  if config.pipeline.auto_microbatches:
+    return sorted(set(config.pipeline.auto_microbatches))
+  per_replica = config.data.batch // (mesh_shape["dp"] * mesh_shape["ep"])
+  return [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+
+
+def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tuple[int, int]]:
+  """(micro-batches, stages) pairs the runnable auto candidates need costs for; AutoError if
+  none can run."""
+  from jaxpipe.pipeline import auto as auto_lib
+  cands = auto_lib.candidates(mesh_shape["pp"], auto_microbatches(config, mesh_shape),
+                              auto_names(config), layers=layer_units(config))
+  auto_lib.require_runnable(cands, mesh_shape["pp"])
+  return sorted({(c.microbatches, c.stages) for c in cands if not c.dropped})
+
+
+def auto_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The schedules auto may choose: pipeline.auto_schedules, else all of SCHEDULES."""
+  return tuple(config.pipeline.auto_schedules) or SCHEDULES
+
+
+def layer_units(config: ml_collections.ConfigDict) -> int:
+  """Entries of the layer stack stages split: layers, or groups of moe.every layers."""
+  m = config.model
+  return m.n_layers // (m.moe.every if m.moe is not None else 1)
 
 
 def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:

@@ -121,17 +121,16 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "no
   with open(os.path.join(workdir, "config.json"), "w") as f:  # as a run writes it (serving reads it)
     f.write(config.to_json_best_effort(indent=2))
   mesh = _mesh(pp, ep)
-  _, shardings = _param_shardings(plan.cfg, mesh)
-  _, params = hf.load(plan, shardings)
   cfg = config_lib.model_config(config)
+  shapes, shardings = _param_shardings(cfg, mesh)  # hf.load reads the weights' entries only
+  _, params = hf.load(plan, shardings)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
-  if cfg.fp8 == "delayed":  # each GEMM's scales start at 1, as `transformer.init_params` sets them
-    shapes, with_scales = _param_shardings(cfg, mesh)
-    ones = jax.jit(lambda: jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype),
-                                        fp8_lib.state_of(shapes)),
-                   out_shardings=fp8_lib.state_of(with_scales))
-    params = fp8_lib.with_state(params, ones())
-  start = lambda p: fresh_state(cfg, optimizer, p)
+
+  def start(params):
+    # delayed: each GEMM's scales start at 1, as `transformer.init_params` sets them
+    ones = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), fp8_lib.state_of(shapes))
+    return fresh_state(cfg, optimizer, fp8_lib.with_state(params, ones))
+
   state = jax.jit(start, out_shardings=state_shardings(jax.eval_shape(start, params), mesh))(params)
   checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, config.checkpoint.keep, async_save=False)
   checkpointer.save(0, state, force=True)

@@ -303,13 +303,6 @@ def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, f
   return lambda: _seconds(trainer.step, batch)
 
 
-def load_average() -> str:
-  try:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-  except OSError:
-    return "unknown"
-
-
 def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
             repeats: int = 5, log: Callable[[str], None] | None = None,
             paired: bool = False) -> dict:
@@ -367,33 +360,6 @@ def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
 
 # --- pipeline.schedule = auto ----------------------------------------------------------------
 
-def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[int]:
-  """The micro-batch counts auto may choose: pipeline.auto_microbatches, else every count the
-  per-replica batch splits into."""
-  if config.pipeline.auto_microbatches:
-    return sorted(set(config.pipeline.auto_microbatches))
-  per_replica = config.data.batch // (mesh_shape["dp"] * mesh_shape["ep"])
-  return [m for m in range(1, per_replica + 1) if per_replica % m == 0]
-
-
-def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tuple[int, int]]:
-  """(micro-batches, stages) pairs the runnable auto candidates need costs for."""
-  cands = auto_lib.candidates(mesh_shape["pp"], auto_microbatches(config, mesh_shape),
-                              auto_names(config), layers=layer_units(config))
-  auto_lib.require_runnable(cands, mesh_shape["pp"])
-  return sorted({(c.microbatches, c.stages) for c in cands if not c.dropped})
-
-
-def auto_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  return tuple(config.pipeline.auto_schedules) or auto_lib.SCHEDULE_NAMES
-
-
-def layer_units(config: ml_collections.ConfigDict) -> int:
-  """Entries of the layer stack stages split: layers, or groups of moe.every layers."""
-  m = config.model
-  return m.n_layers // (m.moe.every if m.moe is not None else 1)
-
-
 def choose(config: ml_collections.ConfigDict, mesh_shape: dict,
            log: Callable[[str], None] | None = None) -> tuple[auto_lib.Ranking, dict | None]:
   """Ranks the auto candidates with pipeline.costs, or with costs measured now (returned, to be
@@ -403,14 +369,15 @@ def choose(config: ml_collections.ConfigDict, mesh_shape: dict,
   if p.costs:
     costs = costs_lib.load(p.costs)
   else:
-    pairs = auto_pairs(config, mesh_shape)
+    pairs = config_lib.auto_pairs(config, mesh_shape)
     if log:
       log(f"auto: measuring stage costs for (micro-batches, stages) {pairs}")
     measured = measure(config, pairs, log=log)
     costs = costs_lib.parse(measured, "<measured>")
   limit = p.memory_limit_gb * auto_lib.GB if p.memory_limit_gb else None
-  ranking = auto_lib.rank(mesh_shape["pp"], auto_microbatches(config, mesh_shape), costs, limit,
-                          layer_units(config), auto_names(config))
+  ranking = auto_lib.rank(mesh_shape["pp"], config_lib.auto_microbatches(config, mesh_shape),
+                          costs, limit, config_lib.layer_units(config),
+                          config_lib.auto_names(config))
   return ranking, measured
 
 
@@ -429,7 +396,7 @@ def main(argv: list[str]) -> None:
         ss = [config_lib.pipeline_schedule(config.pipeline, mesh_shape["pp"]).num_stages]
       pairs = [(m, s) for m in ms for s in ss]
     elif config.pipeline.schedule == "auto":
-      pairs = auto_pairs(config, mesh_shape)
+      pairs = config_lib.auto_pairs(config, mesh_shape)
     else:
       config_lib.validate(config, jax.device_count())
       sched = config_lib.pipeline_schedule(config.pipeline, mesh_shape["pp"])

@@ -132,8 +132,9 @@ def _shared_experts(params: Params, x_TxD: jax.Array, fp8: str) -> jax.Array:
   if fp8 == "none":
     return _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"],
                    params["shared_down_SxD"])
-  mm = lambda a, name, key: fp8_lib.dot(a, params[key], 1, fp8, params.get(f"fp8_{name}"),
-                                        x_TxD.dtype).astype(jnp.float32)
+  mm = lambda a, name, key: fp8_lib.dot(
+      a, params[key], 1, fp8, params.get(fp8_lib.STATE_PREFIX + name), x_TxD.dtype
+  ).astype(jnp.float32)
   h = jax.nn.silu(mm(x_TxD, "shared_gate", "shared_gate_DxS")) * mm(x_TxD, "shared_up",
                                                                      "shared_up_DxS")
   return mm(h.astype(x_TxD.dtype), "shared_down", "shared_down_SxD")
@@ -162,7 +163,8 @@ def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int,
   # each product, so nothing non-finite reaches a nonlinearity or its gradient.
   real = (jnp.arange(m) < sizes.sum())[:, None]
   gmm = lambda a, name, key: jnp.where(
-      real, fp8_lib.grouped(a, params[key], sizes, fp8, params.get(f"fp8_{name}")), 0.0)
+      real, fp8_lib.grouped(a, params[key], sizes, fp8,
+                            params.get(fp8_lib.STATE_PREFIX + name)), 0.0)
   h = jax.nn.silu(gmm(xs, "wi_gate", "wi_gate_ExDxF")) * gmm(xs, "wi_up", "wi_up_ExDxF")
   ys = gmm(h.astype(xs.dtype), "wo", "wo_ExFxD")
   ws = recv.w_NxK.reshape(-1)[order]  # 0 on entries that are not experts of this rank
