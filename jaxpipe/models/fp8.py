@@ -48,7 +48,7 @@ import numpy as np
 from flax.linen import fp8_ops
 from jax import lax
 
-from jaxpipe.models.vma import varying_axes
+from jaxpipe.models.vma import vary_like, varying_axes
 
 RECIPES = ("none", "delayed", "current", "block")
 AMAX_ALGOS = ("max", "most_recent")
@@ -233,10 +233,7 @@ def _matmul(x_MxK, w, sizes, recipe, scale_3, out_dtype):
 def _vary_alike(x, w):
   """x and w cast to vary over the same manual axes (a custom VJP's cotangents match its inputs':
   w's gradient is then summed over the axes only x varies over by the cast's transpose)."""
-  both = varying_axes(x) | varying_axes(w)
-  cast = lambda a: (lax.pcast(a, tuple(sorted(both - varying_axes(a))), to="varying")
-                    if both - varying_axes(a) else a)
-  return cast(x), cast(w)
+  return vary_like(x, w), vary_like(w, x)
 
 
 def dot(x: jax.Array, w: jax.Array, in_dims: int, recipe: str, scale_3: jax.Array | None,

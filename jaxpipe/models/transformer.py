@@ -37,7 +37,7 @@ import numpy as np
 from jaxpipe.models import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
-from jaxpipe.models.vma import varying_axes
+from jaxpipe.models.vma import vary_like
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel.ulysses import check_divisible
 
@@ -298,10 +298,7 @@ def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
   Inside a `shard_map` the loss is first cast to vary like x, so that the cotangents of every
   shard's copy are summed on the way back.
   """
-  missing = tuple(sorted(varying_axes(x) - varying_axes(aux_loss)))
-  if missing:
-    aux_loss = jax.lax.pcast(aux_loss, missing, to="varying")
-  return _attach(x, aux_loss)
+  return _attach(x, vary_like(aux_loss, x))
 
 
 @jax.custom_vjp
