@@ -208,10 +208,10 @@ def tick_table(lowered: Lowered, prediction: Prediction,
   return rows
 
 
-def to_perfetto(lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]],
-                extra: dict | None = None) -> str:
-  """Chrome trace JSON: per rank a planned, a measured and a slack track, one time axis in us;
-  `extra` joins the per-tick table in otherData."""
+def perfetto_trace(lowered: Lowered, prediction: Prediction,
+                   measured: list[list[MeasuredTick]]) -> dict:
+  """A Chrome trace (json.dump it): per rank a planned, a measured and a slack track, one time
+  axis in us; otherData holds the totals and the per-tick table."""
   p = lowered.schedule.num_ranks
   events = []
   tracks = ("planned", "measured", "measured slack (outside the parts)")
@@ -248,8 +248,8 @@ def to_perfetto(lowered: Lowered, prediction: Prediction, measured: list[list[Me
   meta = {"schedule": lowered.schedule.name, "ticks": lowered.num_ticks,
           "model": prediction.model, "planned_s": plan_at,
           "measured_s": max(m[-1].end_ns for m in measured) * 1e-9 - t0 * 1e-9,
-          "per_tick": tick_table(lowered, prediction, measured), **(extra or {})}
-  return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta})
+          "per_tick": tick_table(lowered, prediction, measured)}
+  return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 
 def profile_step(trainer, directory: str) -> tuple[str, str]:
@@ -293,10 +293,10 @@ def main(argv: list[str]) -> None:
       measured = read_profile(xspace, hlo, trainer.mesh, lowered.num_ticks)
   except (config_lib.ConfigError, costs_lib.CostFileError, TraceError) as e:
     sys.exit(f"error: {e}")
-  text = to_perfetto(lowered, prediction, measured)
+  trace = perfetto_trace(lowered, prediction, measured)
   with open(f.out, "w") as out:
-    out.write(text)
-  meta = json.loads(text)["otherData"]
+    json.dump(trace, out)
+  meta = trace["otherData"]
   wrong = sum(m.branch != b for ticks, row in zip(measured, branch_of_table(lowered))
               for m, b in zip(ticks, row))
   print(f"{schedule.name}: {lowered.num_ticks} ticks, planned {1e3 * meta['planned_s']:.2f} ms, "

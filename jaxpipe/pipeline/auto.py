@@ -49,7 +49,6 @@ class Ranking:
   """Candidates, runnable ones first by predicted step time; `best` is the choice."""
   candidates: list[Candidate]
   memory_limit: float | None  # bytes per device; None: no limit
-  costs_path: str
 
   @property
   def ranked(self) -> list[Candidate]:
@@ -182,7 +181,7 @@ def rank(pp: int, microbatches: Sequence[int], costs: CostFile, memory_limit: fl
       c.dropped = f"over the memory limit: needs {need / GB:.3g} GB > {memory_limit / GB:g} GB"
   key = lambda c: (bool(c.dropped), c.prediction is None,
                    (c.prediction.step_s, c.prediction.memory_bytes) if c.prediction else (0, 0))
-  ranking = Ranking(sorted(cands, key=key), memory_limit, costs.path)
+  ranking = Ranking(sorted(cands, key=key), memory_limit)
   over = [c for c in cands if c.dropped.startswith("over")]
   if not ranking.ranked and over:
     low = min(over, key=lambda c: c.prediction.memory_bytes)

@@ -246,7 +246,6 @@ class Prediction:
   overhead_s: float  # over ticks, an idle tick + the tick's ppermutes: the executor per tick
   update_s: float  # optimizer update, outside the pipeline
   cpu_s: float | None  # shared cores: CPU seconds, each tick the mean of its ranks' parts
-  tick_s: tuple[float, ...]  # [tick] the slowest rank's parts
   rank_tick_s: tuple[tuple[float, ...], ...]  # [tick][rank] each rank's parts
   planned_tick_s: tuple[float, ...]  # [tick] wall seconds under `model`, its overhead included
   bubble: float  # idle fraction of rank-time within the lock-step ticks
@@ -302,6 +301,6 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
       step_s=cpu / devices.cores if shared else lockstep,
       model="shared cores" if shared else "lock-step", lockstep_s=lockstep, ticks_s=ticks_s,
       overhead_s=sum(overhead(s, t) for t in range(lowered.num_ticks)), update_s=step["update_s"] * scale, cpu_s=cpu,
-      tick_s=tick_s, rank_tick_s=rank_tick, planned_tick_s=planned,
+      rank_tick_s=rank_tick, planned_tick_s=planned,
       bubble=1.0 - busy / (pl.num_ranks * ticks_s) if ticks_s else 0.0,
       buffer_bytes=int(buffers), state_bytes=int(state), grad_bytes=int(grads))
