@@ -27,6 +27,7 @@ class StopRequest:
     self.requested: str | None = None  # the name of the first signal that asked to stop
     self._agree = agree
     self._previous: dict[int, object] = {}
+    self._aborted = False  # a second Ctrl-C came: its KeyboardInterrupt may have been swallowed
 
   def __enter__(self) -> "StopRequest":
     if threading.current_thread() is threading.main_thread():
@@ -42,6 +43,7 @@ class StopRequest:
     name = signal.Signals(signum).name
     if self.requested is not None:
       if signum == signal.SIGINT:  # Ctrl-C while stopping: give up on the save
+        self._aborted = True
         self.__exit__()
         raise KeyboardInterrupt(f"{name} while stopping after {self.requested}")
       return  # a repeated SIGTERM changes nothing
@@ -56,7 +58,12 @@ class StopRequest:
         os.write(2, message.encode())
 
   def agreed(self) -> str | None:
-    """The stop decision every process acts on (one process: its own request)."""
+    """The stop decision every process acts on (one process: its own request).
+
+    Raises KeyboardInterrupt after a second Ctrl-C whose own exception Python swallowed (one
+    raised inside a gc callback or a finaliser is only reported), so the run still aborts."""
+    if self._aborted:
+      raise KeyboardInterrupt(f"SIGINT while stopping after {self.requested}")
     if self._agree is None:
       return self.requested
     run = self._agree(signal.Signals[self.requested].value if self.requested else 0)

@@ -23,6 +23,7 @@ from jaxpipe import runtime, schedule
 from jaxpipe.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
 from jaxpipe.config import ConfigError
 from jaxpipe.metrics import drop_rows_after
+from jaxpipe.preemption import StopRequest
 from jaxpipe.trainer import NonFiniteLossError, Trainer
 from jaxpipe.workdir import Workdir, WorkdirBusy, WorkdirError, field_kind
 
@@ -208,6 +209,21 @@ def test_first_sigint_saves_and_a_second_aborts_at_once(tmp_path):
     assert trainer.checkpointer.steps() == [4, 5, 6]  # keep = 3; nothing saved after the 2nd Ctrl-C
     assert [s for s, _ in _loss_rows(tmp_path)] == [1, 2, 3, 4, 5, 6]
   assert signal.getsignal(signal.SIGINT) is before
+
+
+@main_thread_only
+def test_a_second_ctrl_c_that_python_swallowed_still_aborts_at_the_next_step():
+  """A KeyboardInterrupt raised inside a gc callback is only reported: the loop's next look at
+  the request raises it again instead of saving."""
+  with StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.agreed() == "SIGINT"
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+      pass  # as if swallowed
+    with pytest.raises(KeyboardInterrupt, match="SIGINT while stopping after SIGINT"):
+      stop.agreed()
 
 
 def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
