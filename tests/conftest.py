@@ -15,6 +15,17 @@ _CACHE = os.path.join(tempfile.gettempdir(), f"jaxpipe-tests-jax-cache-{os.getpi
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 
 
+# Modules whose tests or fixtures run for a minute or more, started first so that under
+# `pytest -n 2` neither worker is left with one of them at the end while the other sits idle.
+_FIRST = ("test_multiprocess.py", "test_sweep.py", "test_notebooks.py", "test_moe_lm.py",
+          "test_faults.py", "test_hf.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: order within kept
+
+
 def pytest_sessionfinish(session, exitstatus):
   controller = not hasattr(session.config, "workerinput")  # after every worker is done
   if controller and os.environ["JAX_COMPILATION_CACHE_DIR"] == _CACHE:
