@@ -7,6 +7,10 @@ Parts (default: `curves,gemm` without a GPU, `gpu` with one):
           (delayed, current, block), data-parallel and through the pipeline executor (pp = 2,
           ZB-H1, 4 micro-batches): final train loss, mean of the last 10 steps and eval loss,
           each against the float32 run's; the curves as a PNG in --out
+  seeds   float32 and each --runs run trained from each initial seed of --seeds (the same
+          batches), per path: each measure's mean over the seeds and its difference from
+          float32's, and the spread of the seed-by-seed differences, so that a recipe's
+          systematic offset is told from where one trajectory happens to end
   gemm    per recipe, every projection GEMM's relative error (Frobenius) of y = x w, dx and dw
           against float32 on that run's own trained weights and the activations and gradients
           of an eval batch, averaged over the layers (delayed: the run's own lagging scales)
@@ -204,6 +208,55 @@ def curves_and_gemms(args) -> None:
                                        for r in gemm) + " |")
 
 
+MEASURES = (("final loss", lambda r: r["losses"][-1]),
+            ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
+            ("eval loss", lambda r: r["eval_loss"]))
+
+
+def seed_study(args) -> None:
+  """Every run from each seed; the recipes' offsets from float32 as means over the seeds."""
+  runs = [run for run in RUNS if run[0] in args.runs and run[0] != "float32-seed1"]
+  results = {}
+  for p in args.pp:
+    path = "dp" if p == 1 else f"pp{p}"
+    for seed in args.seeds:
+      for label, recipe, dtype, _ in runs:
+        if label == "bf16" and p > 1:
+          continue
+        r, _ = train(recipe, dtype, args.steps, p, seed)
+        results[(path, label, seed)] = r
+        print(f"{path:>4} {label:>8} seed {seed}: loss {r['losses'][0]:.4f} -> "
+              f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s",
+              flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "seeds.json"), "w") as f:
+    json.dump({f"{p}/{label}/{seed}": r for (p, label, seed), r in results.items()}, f)
+  seeds = ",".join(map(str, args.seeds))
+  print(f"\nquickstart, {args.steps} steps from each of seeds {seeds} (the same batches), 8 CPU "
+        f"host devices, load average {os.getloadavg()[0]:.1f}. Per measure: the mean over the "
+        "seeds, the difference of that mean from float32's, and the smallest and largest of the "
+        "seed-by-seed differences from float32 from the same seed (float32: the standard deviation "
+        "of its own runs over the seeds)\n")
+  head = " | ".join(f"{m} | vs float32 | per seed" for m, _ in MEASURES)
+  print(f"| path | run | {head} |")
+  print("|---|---|" + "---|---|---|" * len(MEASURES))
+  pct = lambda a, b: 100 * (a / b - 1)
+  for path in dict.fromkeys(p for p, _, _ in results):
+    for label in dict.fromkeys(l for q, l, _ in results if q == path):
+      cells = []
+      for _, measure in MEASURES:
+        got = [measure(results[(path, label, s)]) for s in args.seeds]
+        base = [measure(results[(path, "float32", s)]) for s in args.seeds]
+        paired = [pct(a, b) for a, b in zip(got, base)]
+        spread = (f"sd over seeds {100 * np.std(got, ddof=1) / np.mean(got):.2f}%"
+                  if len(got) > 1 else "")
+        cells += [f"{np.mean(got):.4f}", "", spread] if label == "float32" else [
+            f"{np.mean(got):.4f}", f"{pct(np.mean(got), np.mean(base)):+.2f}%",
+            f"{min(paired):+.2f}% .. {max(paired):+.2f}%"]
+      where = "data-parallel" if path == "dp" else "pp = 2, ZB-H1"
+      print(f"| {where} | {label} | " + " | ".join(cells) + " |", flush=True)
+
+
 def _cublas_fp8_gemms(compiled_text: str) -> int:
   return compiled_text.count("__cublas$lt$matmul$f8")
 
@@ -287,13 +340,15 @@ def gpu_part(args) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default=None,
-                      help="comma-separated: curves, gemm, gpu (default: curves,gemm on CPU, gpu "
-                           "on a GPU)")
+                      help="comma-separated: curves, gemm, seeds, gpu (default: curves,gemm on CPU, "
+                           "gpu on a GPU)")
   parser.add_argument("--steps", type=int, default=300, help="training steps per run")
   parser.add_argument("--pp", default="1,2", help="pipeline sizes to train on (1 = data-parallel)")
   parser.add_argument("--runs", default=",".join(run[0] for run in RUNS),
                       help="comma-separated labels of the runs to train (float32 always runs: the "
                       "others are compared with it)")
+  parser.add_argument("--seeds", default="0,1,2,3",
+                      help="seeds part: comma-separated initial seeds (train.seed)")
   parser.add_argument("--out", default="out/fp8_bench", help="curves.json and fp8_loss.png go here")
   parser.add_argument("--repeats", type=int, default=10, help="GPU: timed repetitions")
   parser.add_argument("--gemm_size", type=int, default=8192, help="GPU: the GEMM's M = N = K")
@@ -301,6 +356,7 @@ def main() -> None:
   default = "gpu" if jax.default_backend() == "gpu" else "curves,gemm"
   args.parts = set((args.parts or default).split(","))
   args.pp = [int(p) for p in args.pp.split(",")]
+  args.seeds = [int(v) for v in args.seeds.split(",")]
   labels = [run[0] for run in RUNS]
   args.runs = set(args.runs.split(",")) | {"float32"}
   if args.runs - set(labels):
@@ -309,6 +365,8 @@ def main() -> None:
         f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
   if args.parts & {"curves", "gemm"}:
     curves_and_gemms(args)
+  if "seeds" in args.parts:
+    seed_study(args)
   if "gpu" in args.parts:
     gpu_part(args)
 
