@@ -12,7 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _run_notebook(name: str) -> str:
   nb = json.loads((ROOT / "notebooks" / name).read_text())
   code = "\n\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  # the notebook gives itself its host devices; conftest's compiler flags stay
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
   env.update(MPLBACKEND="Agg", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "notebooks", env=env,
                         capture_output=True, text=True, timeout=600)
