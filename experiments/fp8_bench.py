@@ -10,7 +10,8 @@ Parts (default: `curves,gemm` without a GPU, `gpu` with one):
   seeds   float32 and each --runs run trained from each initial seed of --seeds (the same
           batches), per path: each measure's mean over the seeds and its difference from
           float32's, and the spread of the seed-by-seed differences, so that a recipe's
-          systematic offset is told from where one trajectory happens to end
+          systematic offset is told from where one trajectory happens to end; each run is
+          saved to --out/seeds.json as it ends and a rerun keeps the runs found there
   gemm    per recipe, every projection GEMM's relative error (Frobenius) of y = x w, dx and dw
           against float32 on that run's own trained weights and the activations and gradients
           of an eval batch, averaged over the layers (delayed: the run's own lagging scales)
@@ -216,6 +217,16 @@ MEASURES = (("final loss", lambda r: r["losses"][-1]),
 def seed_study(args) -> None:
   """Every run from each seed; the recipes' offsets from float32 as means over the seeds."""
   runs = [run for run in RUNS if run[0] in args.runs and run[0] != "float32-seed1"]
+  # each run is saved as it ends, and a rerun with the same --steps and --out keeps those
+  os.makedirs(args.out, exist_ok=True)
+  saved_path = os.path.join(args.out, "seeds.json")
+  saved = {}
+  if os.path.exists(saved_path):
+    with open(saved_path) as f:
+      saved = json.load(f)
+    if saved.get("steps") != args.steps:
+      saved = {}
+  done = saved.get("runs", {})
   results = {}
   for p in args.pp:
     path = "dp" if p == 1 else f"pp{p}"
@@ -223,14 +234,19 @@ def seed_study(args) -> None:
       for label, recipe, dtype, _ in runs:
         if label == "bf16" and p > 1:
           continue
-        r, _ = train(recipe, dtype, args.steps, p, seed)
+        key = f"{path}/{label}/{seed}"
+        if key in done:
+          r, kept = done[key], " (kept from an earlier run)"
+        else:
+          r, kept = train(recipe, dtype, args.steps, p, seed)[0], ""
+          done[key] = r
+          with open(saved_path + ".tmp", "w") as f:
+            json.dump({"steps": args.steps, "runs": done}, f)
+          os.replace(saved_path + ".tmp", saved_path)
         results[(path, label, seed)] = r
         print(f"{path:>4} {label:>8} seed {seed}: loss {r['losses'][0]:.4f} -> "
-              f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s",
+              f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s{kept}",
               flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "seeds.json"), "w") as f:
-    json.dump({f"{p}/{label}/{seed}": r for (p, label, seed), r in results.items()}, f)
   seeds = ",".join(map(str, args.seeds))
   print(f"\nquickstart, {args.steps} steps from each of seeds {seeds} (the same batches), 8 CPU "
         f"host devices, load average {os.getloadavg()[0]:.1f}. Per measure: the mean over the "
