@@ -53,6 +53,7 @@ RUNS = (("float32", "none", "float32", 0), ("float32-seed1", "none", "float32", 
 TE_SPEEDUP = {"delayed": 1.69, "current": 1.57, "block": 1.41}  # H200, 5 B model, over bf16
 TE_GEMM_SPEEDUP = 1.92
 GEMMS = ("q", "k", "v", "o", "gate", "up", "down")
+PARTS = ("curves", "gemm", "seeds", "gpu")
 
 
 def quickstart_config(recipe: str, dtype: str, steps: int, pp: int, seed: int = 0):
@@ -371,8 +372,13 @@ def main() -> None:
   args = parser.parse_args()
   default = "gpu" if jax.default_backend() == "gpu" else "curves,gemm"
   args.parts = set((args.parts or default).split(","))
-  args.pp = [int(p) for p in args.pp.split(",")]
-  args.seeds = [int(v) for v in args.seeds.split(",")]
+  if args.parts - set(PARTS):
+    parser.error(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from {PARTS}")
+  try:
+    args.pp = [int(p) for p in args.pp.split(",")]
+    args.seeds = [int(v) for v in args.seeds.split(",")]
+  except ValueError as e:
+    parser.error(f"--pp and --seeds take comma-separated integers: {e}")
   labels = [run[0] for run in RUNS]
   args.runs = set(args.runs.split(",")) | {"float32"}
   if args.runs - set(labels):
