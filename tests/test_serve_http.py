@@ -393,7 +393,7 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxpipe.serve", "--config", "configs/tiny.py", "--http", "--port",
        str(port), "--max_seq_len", "8192", "--num_pages", "1100", "--max_batch", "2",
-       "--max_tokens_per_step", "8", "--token_buckets", "8", "--drain_s", "1"],
+       "--max_tokens_per_step", "8", "--token_buckets", "8", "--drain_s", "5"],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
   try:
