@@ -54,6 +54,22 @@ TE_SPEEDUP = {"delayed": 1.69, "current": 1.57, "block": 1.41}  # H200, 5 B mode
 TE_GEMM_SPEEDUP = 1.92
 GEMMS = ("q", "k", "v", "o", "gate", "up", "down")
 PARTS = ("curves", "gemm", "seeds", "gpu")
+ONE_PATH = ("bf16", "float32-seed1")  # the dtype's and the seed's effects: data-parallel only
+MEASURES = (("final loss", lambda r: r["losses"][-1]),
+            ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
+            ("eval loss", lambda r: r["eval_loss"]))
+
+
+def _path(pp: int) -> str:
+  return "dp" if pp == 1 else f"pp{pp}"
+
+
+def _where(path: str) -> str:
+  return "data-parallel" if path == "dp" else f"pp = {path[2:]}, ZB-H1"
+
+
+def _pct(a: float, b: float) -> float:
+  return 100 * (a / b - 1)
 
 
 def quickstart_config(recipe: str, dtype: str, steps: int, pp: int, seed: int = 0):
@@ -167,10 +183,10 @@ def curves_and_gemms(args) -> None:
   host = None
   for p in args.pp:
     for label, recipe, dtype, seed in RUNS:
-      if label not in args.runs or (label in ("bf16", "float32-seed1") and p > 1):
-        continue  # the dtype's and the seed's effects are the same on every path
+      if label not in args.runs or (label in ONE_PATH and p > 1):
+        continue
       r, trainer = train(recipe, dtype, args.steps, p, seed)
-      key = ("dp" if p == 1 else f"pp{p}", label)
+      key = (_path(p), label)
       results[key] = r
       print(f"{key[0]:>4} {label:>8}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
             f"eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s", flush=True)
@@ -188,15 +204,12 @@ def curves_and_gemms(args) -> None:
   print("| path | run | loss at step 1 | final loss | vs float32 | mean of last 10 | vs float32 "
         "| eval loss | vs float32 | wall s |")
   print("|---|---|---|---|---|---|---|---|---|---|")
-  for (p, label), r in results.items():
-    base = results[(p, "float32")]
-    last, base_last = r["losses"][-1], base["losses"][-1]
-    m, base_m = np.mean(r["losses"][-10:]), np.mean(base["losses"][-10:])
-    pct = lambda a, b: f"{100 * (a / b - 1):+.2f}%"
-    print(f"| {'data-parallel' if p == 'dp' else 'pp = 2, ZB-H1'} | {label} | "
-          f"{r['losses'][0]:.3f} | {last:.3f} | {pct(last, base_last)} | {m:.3f} | "
-          f"{pct(m, base_m)} | {r['eval_loss']:.3f} | {pct(r['eval_loss'], base['eval_loss'])} | "
-          f"{r['seconds']:.0f} |")
+  for (path, label), r in results.items():
+    base = results[(path, "float32")]
+    cells = [f"{r['losses'][0]:.3f}"]
+    for _, measure in MEASURES:
+      cells += [f"{measure(r):.3f}", f"{_pct(measure(r), measure(base)):+.2f}%"]
+    print(f"| {_where(path)} | {label} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
   path = os.path.join(args.out, "fp8_loss.png")
   plot(results, args.steps, path)
   print(f"\nloss curves: {path}")
@@ -208,11 +221,6 @@ def curves_and_gemms(args) -> None:
     for name in GEMMS:
       print(f"| {name} | " + " | ".join(" | ".join(f"{e:.4f}" for e in gemm[r][name])
                                        for r in gemm) + " |")
-
-
-MEASURES = (("final loss", lambda r: r["losses"][-1]),
-            ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
-            ("eval loss", lambda r: r["eval_loss"]))
 
 
 def seed_study(args) -> None:
@@ -230,10 +238,10 @@ def seed_study(args) -> None:
   done = saved.get("runs", {})
   results = {}
   for p in args.pp:
-    path = "dp" if p == 1 else f"pp{p}"
+    path = _path(p)
     for seed in args.seeds:
       for label, recipe, dtype, _ in runs:
-        if label == "bf16" and p > 1:
+        if label in ONE_PATH and p > 1:
           continue
         key = f"{path}/{label}/{seed}"
         if key in done:
@@ -257,21 +265,19 @@ def seed_study(args) -> None:
   head = " | ".join(f"{m} | vs float32 | per seed" for m, _ in MEASURES)
   print(f"| path | run | {head} |")
   print("|---|---|" + "---|---|---|" * len(MEASURES))
-  pct = lambda a, b: 100 * (a / b - 1)
   for path in dict.fromkeys(p for p, _, _ in results):
     for label in dict.fromkeys(l for q, l, _ in results if q == path):
       cells = []
       for _, measure in MEASURES:
         got = [measure(results[(path, label, s)]) for s in args.seeds]
         base = [measure(results[(path, "float32", s)]) for s in args.seeds]
-        paired = [pct(a, b) for a, b in zip(got, base)]
+        paired = [_pct(a, b) for a, b in zip(got, base)]
         spread = (f"sd over seeds {100 * np.std(got, ddof=1) / np.mean(got):.2f}%"
                   if len(got) > 1 else "")
         cells += [f"{np.mean(got):.4f}", "", spread] if label == "float32" else [
-            f"{np.mean(got):.4f}", f"{pct(np.mean(got), np.mean(base)):+.2f}%",
+            f"{np.mean(got):.4f}", f"{_pct(np.mean(got), np.mean(base)):+.2f}%",
             f"{min(paired):+.2f}% .. {max(paired):+.2f}%"]
-      where = "data-parallel" if path == "dp" else "pp = 2, ZB-H1"
-      print(f"| {where} | {label} | " + " | ".join(cells) + " |", flush=True)
+      print(f"| {_where(path)} | {label} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _cublas_fp8_gemms(compiled_text: str) -> int:

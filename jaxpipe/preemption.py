@@ -45,7 +45,7 @@ class StopRequest:
       if signum == signal.SIGINT:  # Ctrl-C while stopping: give up on the save
         self._aborted = True
         self.__exit__()
-        raise KeyboardInterrupt(f"{name} while stopping after {self.requested}")
+        raise self._interrupt()
       return  # a repeated SIGTERM changes nothing
     self.requested = name
     if signum == signal.SIGINT:
@@ -57,13 +57,16 @@ class StopRequest:
       except RuntimeError:  # the signal interrupted a write to stderr: "reentrant call"
         os.write(2, message.encode())
 
+  def _interrupt(self) -> KeyboardInterrupt:
+    return KeyboardInterrupt(f"SIGINT while stopping after {self.requested}")
+
   def agreed(self) -> str | None:
     """The stop decision every process acts on (one process: its own request).
 
     Raises KeyboardInterrupt after a second Ctrl-C whose own exception Python swallowed (one
     raised inside a gc callback or a finaliser is only reported), so the run still aborts."""
     if self._aborted:
-      raise KeyboardInterrupt(f"SIGINT while stopping after {self.requested}")
+      raise self._interrupt()
     if self._agree is None:
       return self.requested
     run = self._agree(signal.Signals[self.requested].value if self.requested else 0)
