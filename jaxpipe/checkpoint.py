@@ -14,12 +14,20 @@ A save that fails (a full disk, a quota) raises CheckpointSaveError as soon as i
 once for a synchronous save, at the next `poll()` for a background one. Before writing, `save`
 checks that the filesystem has room for the checkpoint (the state's size before the first save,
 the last committed step's size after it), so a full disk is found before anything is written.
+
+In a multi-process run each process writes its own shards. orbax meets the processes at barriers
+whose timeout is 20 minutes, and a process whose write failed never reaches the next one, so its
+peers would wait that long. Here its barriers are breakable (multihost.BreakableBarrier): the
+failing process breaks them, every process raises CheckpointSaveError at once, naming the process
+and its error, and all of them raise it after the same training step.
 """
 import json
 import logging
 import math
 import os
 import shutil
+import sys
+import threading
 import time
 from typing import Any
 
@@ -100,15 +108,38 @@ class Checkpointer:
             logging.warning("checkpoint %s was never committed (half-written?); moved to %s", path,
                             _set_aside(path, "incomplete"))
       multihost.barrier(f"jaxpipe.Checkpointer {self.directory}")  # then the others list it
+    self._barrier = self._agree = None
+    self._broke = False  # this process broke the barrier (its save failed)
+    if not read_only and jax.process_count() > 1:
+      Checkpointer._writers += 1  # the same count on every process: all construct it
+      self._barrier = multihost.BreakableBarrier(f"checkpointer{Checkpointer._writers}")
+      self._agree = multihost.OneStepLate()  # which step every process stops after a failure
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                             create=True, cleanup_tmp_directories=True))
+    if self._barrier is not None:
+      options.async_options = ocp.AsyncOptions(barrier_sync_fn=self._sync)
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers=ocp.StandardCheckpointHandler(),  # metadata without a save
         options=options)
     self._pending: int | None = None  # the step being saved, until its outcome is known
     self._needed = 0
     self._failed_steps: set[int] = set()  # whose partial writes close() removes again
+
+  _writers = 0
+
+  def _sync(self, *, key: str, timeout_ms: int) -> None:
+    """orbax's barrier. A save thread that reaches one while an error propagates (orbax meets the
+    other processes in a `finally` after a failed write or commit) breaks it for all of them."""
+    error = sys.exc_info()[1]
+    if (error is not None and not isinstance(error, multihost.Broken)
+        and threading.current_thread() is not threading.main_thread()):
+      self._break(error)
+    self._barrier(key=key, timeout_ms=timeout_ms)
+
+  def _break(self, error: BaseException) -> None:
+    self._broke = True
+    self._barrier.break_(_os_cause(error))
 
   def steps(self) -> list[int]:
     """Committed steps, oldest first (orbax also lists a step while it is being written)."""
@@ -156,8 +187,16 @@ class Checkpointer:
     return saved
 
   def poll(self) -> None:
-    """Raises CheckpointSaveError if the background save has failed (returns at once otherwise)."""
-    if self._pending is not None and not self.manager.is_saving_in_progress():
+    """Raises CheckpointSaveError if the background save has failed (returns at once otherwise).
+
+    With several processes, a collective (every process calls it once per step): each learns of
+    a failure at its own time, and all raise after the step at which the first one knew."""
+    if self._agree is not None:
+      if self._agree(int(self._broke)):
+        step = self._pending
+        self.wait()  # raises this process's own error, if it has one
+        raise self._failed(None, step)
+    elif self._pending is not None and not self.manager.is_saving_in_progress():
       self.wait()
 
   def wait(self) -> None:
@@ -168,16 +207,23 @@ class Checkpointer:
       raise self._failed(e) from e
     self._pending = None
 
-  def _failed(self, error: BaseException) -> CheckpointSaveError:
-    """The error for the pending save, whose partial write is removed (orbax never commits it)."""
-    step, self._pending = self._pending, None
+  def _failed(self, error: BaseException | None, step: int | None = None) -> CheckpointSaveError:
+    """The error for the pending save (or `step`), whose partial write is removed (orbax never
+    commits it); `error` None: it failed on another process."""
+    step, self._pending = self._pending if step is None else step, None
+    cause = f": {_os_cause(error)}" if error is not None else None
+    if self._barrier is not None:  # the other processes stop too, and all name the same cause
+      if error is not None and not isinstance(error, multihost.Broken):
+        self._break(error)
+      broken = self._barrier.broken()
+      if broken is not None:
+        cause = f" on process {broken.process}: {broken.why}"
     self._failed_steps.add(step)
     self._remove_partial(step)
     self.manager.reload()
     free = shutil.disk_usage(self.directory).free
-    return self._error(f"saving step {step} in {self.directory} failed: {_os_cause(error)} (a "
-                       f"checkpoint takes {self._needed:,} bytes, {free:,} are free there)",
-                       self._needed)
+    return self._error(f"saving step {step} in {self.directory} failed{cause} (a checkpoint "
+                       f"takes {self._needed:,} bytes, {free:,} are free there)", self._needed)
 
   def _error(self, what: str, needed: int) -> CheckpointSaveError:
     good = self.latest_step()

@@ -24,9 +24,11 @@ import tempfile
 import threading
 import time
 
-# gloo's notice for every new communicator (kept in the rank's log) is written by several threads
-# in pieces that land inside one another: the fixed pieces go, then the lines left with only
-# the numbers.
+# gloo's notice for every new communicator (kept in the rank's log) goes whole where it is whole
+# (after a progress bar's \r it is not at a line's start); several threads write it in pieces that
+# land inside one another: the fixed pieces go, then the lines left with only the numbers.
+_GLOO_NOTICE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?Expected number of "
+                          rb"connected peer ranks is : \d+\n?")
 _GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|Expected number of "
                           rb"connected peer ranks is : ")
 _NUMBERS_LINE = re.compile(rb"(?m)^[\d ]+(\n|$)")
@@ -41,7 +43,7 @@ def without_gloo_notices(text: bytes) -> bytes:
   """`text` without gloo's notices, whole or in pieces."""
   if b"peer ranks" not in text:
     return text
-  return _NUMBERS_LINE.sub(b"", _GLOO_PIECES.sub(b"", text))
+  return _NUMBERS_LINE.sub(b"", _GLOO_PIECES.sub(b"", _GLOO_NOTICE.sub(b"", text)))
 
 
 def free_port() -> int:

@@ -3,6 +3,9 @@
 Each function is a collective: every process calls it at the same point of the program. In a
 single process each returns at once, without device work.
 """
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +59,62 @@ class OneStepLate:
                                                     (self._count,))
     previous, self._pending = self._pending, self._max(posted)
     return 0 if previous is None else int(previous)
+
+
+class Broken(RuntimeError):
+  """A BreakableBarrier was broken by `process`, for the reason `why`."""
+
+  def __init__(self, process: int, why: str):
+    super().__init__(f"process {process}: {why}")
+    self.process, self.why = process, why
+
+
+class BreakableBarrier:
+  """Barriers between the processes of a run that any process can break: every wait, now or
+  later, then raises Broken at once rather than waiting out its timeout for a process that will
+  never arrive. Called as `barrier(key=..., timeout_ms=...)` (orbax's BarrierSyncFn); a key may
+  be used again: each process's n-th wait on a key meets the others' n-th.
+
+  Made by every process with the same `name`; kept in the coordination service's key-value store.
+  """
+
+  def __init__(self, name: str):
+    from jax._src import distributed  # the coordination service's client has no public handle
+    self._client = distributed.global_state.client
+    self._root = f"jaxpipe/{name}"
+    self._waits: dict[str, int] = {}
+    self._lock = threading.Lock()  # orbax waits from several threads
+
+  def break_(self, why: str) -> None:
+    """Breaks the barrier for every process (this process's reason is kept if it breaks twice)."""
+    if self.broken(mine=True) is None:
+      self._client.key_value_set(f"{self._root}/broken/{jax.process_index()}", why)
+
+  def broken(self, mine: bool = False) -> Broken | None:
+    """Who broke the barrier (the lowest such process) and why; None while it holds. mine: only
+    whether this process did."""
+    reasons = [(int(key.rsplit("/", 1)[1]), why)
+               for key, why in self._client.key_value_dir_get(f"{self._root}/broken/")]
+    if mine:
+      reasons = [r for r in reasons if r[0] == jax.process_index()]
+    return Broken(*min(reasons)) if reasons else None
+
+  def __call__(self, *, key: str, timeout_ms: int) -> None:
+    with self._lock:
+      n = self._waits[key] = self._waits.get(key, 0) + 1
+    here, me = f"{self._root}/wait/{key}/{n}/", jax.process_index()
+    self._client.key_value_set(f"{here}{me}", "")
+    deadline, pause = time.monotonic() + timeout_ms / 1e3, 1e-3
+    while True:
+      broken = self.broken()
+      if broken is not None:
+        raise broken
+      if len(self._client.key_value_dir_get(here)) == jax.process_count():
+        break
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"processes waited {timeout_ms / 1e3:.0f} s at barrier {key!r} (wait "
+                           f"{n}) for the others")
+      time.sleep(pause)
+      pause = min(2 * pause, 0.05)
+    if n > 1:  # every process is past wait n - 1 once all have reached wait n: drop this one's
+      self._client.key_value_delete(f"{self._root}/wait/{key}/{n - 1}/{me}")

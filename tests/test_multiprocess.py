@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 from test_executor_api import loss_fn, make_data, stage_fn
-from test_faults import ROOT, _cli, _env, _loss_rows, _until_logged
+from test_faults import ROOT, _checkpoint_at, _cli, _env, _last_logged, _loss_rows, _until_logged
 
 from configs import tiny
 from jaxpipe import mesh as mesh_lib
@@ -63,7 +63,7 @@ np.savez({out!r} + str(jax.process_index()), **pipeline_results())
 """
 
 
-def _launch(tmp_path, name, *command, grace=30, heartbeat=15):
+def _launch(tmp_path, name, *command, grace=30, heartbeat=15, env=None):
   """Starts the launcher on `command` with its output in tmp_path/<name>.out. The heartbeat
   timeout is short for the tests that wait for it, long enough that a rank busy compiling on a
   loaded 2-core machine is not taken for dead."""
@@ -71,7 +71,7 @@ def _launch(tmp_path, name, *command, grace=30, heartbeat=15):
          "--heartbeat-timeout", str(heartbeat), "--grace", str(grace), "--log-dir", str(tmp_path / name), "--",
          *command]
   with open(tmp_path / f"{name}.out", "w") as out:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
                             text=True)
 
 
@@ -190,6 +190,41 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   np.testing.assert_allclose([loss for _, loss in evals], want_evals, rtol=1e-6, atol=0)
 
 
+def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path):
+  """Rank 1's checkpoint write fails (a file-size limit on that process alone, as a full local disk
+  fails it): both ranks stop with the same line, soon, not after orbax's 20-minute barrier
+  timeout, and the checkpoint before stays the one a rerun resumes from."""
+  workdir = tmp_path / "run"
+  config = tiny.get_config()
+  config.update_from_flattened_dict(OVERRIDES)
+  _checkpoint_at(config, workdir, 4)
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # no cache writes
+  capped = ['bash', '-c', 'if [ "$JAX_PROCESS_ID" = 1 ]; then ulimit -f 20; fi; exec "$@"', 'bash']
+  started = time.monotonic()
+  launcher = _launch(tmp_path, "capped", *capped, *_cli(workdir, *FLAGS), env=env)
+  try:
+    status = launcher.wait(timeout=240)
+  finally:  # hung (orbax's barrier waits 20 minutes): end the ranks too
+    if launcher.poll() is None:
+      for pid in _rank_pids(tmp_path, "capped"):
+        os.kill(pid, signal.SIGKILL)
+      launcher.kill()
+  took = time.monotonic() - started
+  out = _output(tmp_path, "capped")
+  assert status == 1 and took < 150, (status, took, out[-3000:])
+  lines = {rank: re.sub(r"[\d,]+ are free", "N are free", line) for rank, line in
+           re.findall(r"\[(\d)\] (error: .*)", out)}
+  assert sorted(lines) == ["0", "1"] and lines["0"] == lines["1"], out[-3000:]
+  assert lines["0"].startswith(f"error: saving step 8 in {workdir}/checkpoints failed on process 1: ")
+  assert "File too large" in lines["0"] and "The last good checkpoint, step 4, is kept" in lines["0"]
+  assert "Traceback" not in out
+  assert 8 <= _last_logged(workdir) < 12  # noticed before the next save was due
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]  # the partial write is gone
+  with Trainer(config, str(workdir)) as resumed:
+    resumed.init()
+    assert resumed.resumed_from == 4
+
+
 def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
   """Rank 1 frozen (SIGSTOP) in the middle of collectives: its connections stay open, so only the
   heartbeat (5 s here) finds it; rank 0 stops naming it and the launcher ends the run."""
@@ -239,6 +274,9 @@ def test_gloo_notices_stay_out_of_the_console():
          b"connected peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n")
   assert without_gloo_notices(raw) == b"loss 3.5\n\rtrain:   5%| 2/40\n12 steps\n"
   assert without_gloo_notices(b"1\n2 3\n") == b"1\n2 3\n"  # numbers of its own are kept
+  bar = b"\rtrain:  20%| 8/40 [00:00<?, ?it/s]"  # a notice right after a bar, not at a line start
+  notice = b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+  assert without_gloo_notices(bar + notice + notice + b"\rtrain:  22%|") == bar + b"\rtrain:  22%|"
 
 
 def test_bad_multiprocess_settings_are_named(monkeypatch):
