@@ -10,6 +10,8 @@ import os
 
 import jax
 
+from jaxpipe import files
+
 
 def _rows(lines: list[str]) -> list[dict]:
   rows = []
@@ -39,9 +41,7 @@ def drop_rows_after(path: str, step: int) -> int:
   kept = [r for r in _rows(lines) if r["step"] <= step]
   if len(kept) == len(lines) and (not lines or lines[-1].endswith("\n")):
     return 0
-  with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in kept)
-  os.replace(path + ".tmp", path)
+  files.write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
   return len(lines) - len(kept)
 
 

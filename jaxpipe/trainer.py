@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpipe import config as config_lib
 from jaxpipe import data as data_lib
+from jaxpipe import files
 from jaxpipe import multihost
 from jaxpipe.checkpoint import Checkpointer
 from jaxpipe.mesh import batch_sharding, make_mesh, replicated
@@ -494,8 +495,7 @@ class Trainer:
         os.makedirs(workdir, exist_ok=True)
         if measured is not None:
           costs_lib.dump(measured, os.path.join(workdir, "costs.json"))
-        with open(path, "w") as f:
-          json.dump({"choice": choice, "report": self.auto_report}, f, indent=1)
+        files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
     config = config.copy_and_resolve_references()  # the caller's config stays 'auto'
     config.pipeline.update(choice)
     return config
@@ -751,8 +751,7 @@ class Trainer:
       self.checkpointer.check_space(self.model_state_shapes)
     self.compile()
     if self.workdir and jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "compile.json"), "w") as f:
-        json.dump(self.compile_stats, f, indent=1)
+      files.write_json(os.path.join(self.workdir, "compile.json"), self.compile_stats, indent=1)
     writer = MetricWriter(self.workdir, start) if self.workdir else None
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []

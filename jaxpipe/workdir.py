@@ -36,6 +36,7 @@ from typing import Any
 import ml_collections
 
 from jaxpipe import config as config_lib
+from jaxpipe import files
 from jaxpipe.checkpoint import is_committed
 
 EXISTING_RUN = ("resume", "resume_changed", "restart")
@@ -235,9 +236,7 @@ class Workdir:
       if changes:
         self._record(write, existing_run, changes, step)
     if write:
-      with open(path + ".tmp", "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-      os.replace(path + ".tmp", path)
+      files.write_atomically(path, config.to_json_best_effort(indent=2))
     return notices
 
   def _next_previous(self) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe import runtime, schedule
+from jaxpipe import files, runtime, schedule
 from jaxpipe.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
 from jaxpipe.config import ConfigError
 from jaxpipe.metrics import drop_rows_after
@@ -385,6 +385,22 @@ def test_metrics_past_the_restored_step_are_dropped(tmp_path):
   assert drop_rows_after(path, 5) == 3  # steps 6, 7 and the cut line
   assert [json.loads(line) for line in open(path)] == [r for r in rows if r["step"] <= 5]
   assert drop_rows_after(path, 5) == 0
+
+
+def test_a_file_write_that_fails_leaves_the_old_file_whole(tmp_path):
+  """metrics.jsonl's rewrite, config.json, cost files and results go through write_atomically."""
+  import resource
+  path = tmp_path / "config.json"
+  files.write_json(path, {"old": 1})
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (100, hard))  # a full disk after 100 bytes
+  try:
+    with pytest.raises(OSError, match="File too large"):
+      files.write_json(path, {"new": "x" * 1000})
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+  assert json.loads(path.read_text()) == {"old": 1}
+  assert os.listdir(tmp_path) == ["config.json"]  # no .tmp left behind
 
 
 @pytest.mark.parametrize("args, env, needle", [

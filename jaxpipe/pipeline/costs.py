@@ -45,6 +45,7 @@ import numbers
 import os
 from typing import Mapping
 
+from jaxpipe import files
 from jaxpipe.pipeline.ir import Schedule
 from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, COL, Lowered
 
@@ -198,9 +199,7 @@ def load(path: str | os.PathLike) -> CostFile:
 def dump(costs: Mapping, path: str | os.PathLike) -> None:
   """Writes a cost file's contents after checking them."""
   parse(costs, os.fspath(path))
-  with open(path, "w") as f:
-    json.dump(costs, f, indent=1)
-    f.write("\n")
+  files.write_json(path, costs, indent=1)
 
 
 # --- prediction ------------------------------------------------------------------------------
