@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments.timing import median_time  # noqa: E402
-from jaxpipe import flops  # noqa: E402
+from jaxpipe import files, flops  # noqa: E402
 from jaxpipe.models import fp8, transformer  # noqa: E402
 from jaxpipe.trainer import Trainer  # noqa: E402
 
@@ -169,7 +169,7 @@ def plot(results: dict, steps: int, path: str) -> None:
       style = dict(label=label, lw=1, color=colors[label])
       axes[0, col].plot(x, smooth(losses), **style)
       axes[1, col].plot(x, 100 * (smooth(losses) / smooth(base) - 1), **style)
-    axes[0, col].set(title=f"quickstart, {'data-parallel' if p == 'dp' else 'pp = 2 (ZB-H1)'}",
+    axes[0, col].set(title=f"quickstart, {_where(p)}",
                      ylabel="train loss (10-step mean)", yscale="log")
     axes[1, col].set(xlabel="step", ylabel="vs float32 (%)")
     axes[1, col].axhline(0, color="k", lw=0.5)
@@ -197,8 +197,8 @@ def curves_and_gemms(args) -> None:
         inputs = gemm_inputs(trainer.model_cfg, jax.device_get(trainer.model_params()), host)
         gemm[label] = gemm_errors(recipe, inputs)
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "curves.json"), "w") as f:
-    json.dump({f"{p}/{label}": r for (p, label), r in results.items()}, f)
+  files.write_json(os.path.join(args.out, "curves.json"),
+                   {f"{p}/{label}": r for (p, label), r in results.items()})
   print(f"\nquickstart, {args.steps} steps, 8 CPU host devices, load average "
         f"{os.getloadavg()[0]:.1f}; relative to the float32 run on the same path\n")
   print("| path | run | loss at step 1 | final loss | vs float32 | mean of last 10 | vs float32 "
@@ -249,9 +249,7 @@ def seed_study(args) -> None:
         else:
           r, kept = train(recipe, dtype, args.steps, p, seed)[0], ""
           done[key] = r
-          with open(saved_path + ".tmp", "w") as f:
-            json.dump({"steps": args.steps, "runs": done}, f)
-          os.replace(saved_path + ".tmp", saved_path)
+          files.write_json(saved_path, {"steps": args.steps, "runs": done})
         results[(path, label, seed)] = r
         print(f"{path:>4} {label:>8} seed {seed}: loss {r['losses'][0]:.4f} -> "
               f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s{kept}",

@@ -45,6 +45,8 @@ from typing import Sequence
 import ml_collections
 
 from jaxpipe import config as config_lib
+from jaxpipe import files
+from jaxpipe.measure import load_average
 from jaxpipe.pipeline import auto as auto_lib
 from jaxpipe.pipeline import costs as costs_lib
 from jaxpipe.pipeline.lower import lower
@@ -105,7 +107,7 @@ def check_key(config: ml_collections.ConfigDict, key: str, flag: str) -> None:
   paths = field_paths(config)
   if key not in paths:
     close = difflib.get_close_matches(key, paths, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; fields look like 'pipeline.schedule'"
+    hint = f"; did you mean {close[0]!r}?" if close else "; fields look like 'pipeline.schedule'"
     raise SweepError(f"{flag} key {key!r} is not a config field{hint}")
 
 
@@ -286,10 +288,6 @@ def add_prediction(row: dict, resolved: ml_collections.ConfigDict, path: str) ->
              error_pct=100 * (want / got - 1), measure_load=costs.setup["load_average"])
 
 
-def load_average() -> str:
-  return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def auto_among(rows: list[dict], out: str) -> str | None:
   """What auto chooses from the cells' own costs (the first measured entry for each micro-batch
   and stage count, written to DIR/costs.json), and where that cell's step measured among the
@@ -309,7 +307,7 @@ def auto_among(rows: list[dict], out: str) -> str | None:
   costs_lib.dump(merged, path)
   costs = costs_lib.parse(merged, path)
   model = first["setup"]["model"]
-  layers = model["n_layers"] // (model["moe"]["every"] if model.get("moe") else 1)
+  layers = config_lib.layer_units(ml_collections.ConfigDict({"model": model}))
   ranking = auto_lib.rank(first["setup"]["mesh"]["pp"], sorted({int(r["microbatches"])
                                                                 for r in ok}),
                           costs, layers=layers, names=sorted({r["schedule"] for r in ok}))
@@ -428,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
       except Exception as e:  # a cell's outputs that cannot be read: record it, go on
         row = {"cell": cell.name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
       if row["status"] == "ok":
-        with open(result, "w") as f:
-          json.dump(row, f, indent=1)
+        files.write_json(result, row, indent=1)
     rows.append(row)
     print(f"    {row['status']}: " + (
         f"{row['step_ms']:.1f} ms/step in the runner, " + (
