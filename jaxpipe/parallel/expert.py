@@ -22,7 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from jaxpipe.models import fp8 as fp8_lib
+
 IMPLS = ("fixed", "ragged", "ragged_emulated")
 
 
@@ -180,28 +181,11 @@ def _move(mv: _Move, x, rg: Ragged | None, fill=0):
   return ragged_all_to_all_emulated(x, out, *args, axis_name=mv.axis)
 
 
-def fp8_quantize(x_NxD: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
-  """e4m3 values and one float32 scale per `block` channels of each row (amax / 448)."""
-  n, d = x_NxD.shape
-  if d % block:
-    raise ValueError(f"fp8 dispatch needs d_model={d} divisible by fp8_block={block}")
-  xb = x_NxD.astype(jnp.float32).reshape(n, d // block, block)
-  scale = jnp.max(jnp.abs(xb), axis=-1) / FP8_MAX
-  scale = jnp.where(scale > 0, scale, 1.0)
-  q = jnp.clip(xb / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  return q.reshape(n, d), scale
-
-
-def fp8_dequantize(q_NxD: jax.Array, scale_NxB: jax.Array, dtype) -> jax.Array:
-  n, d = q_NxD.shape
-  xb = q_NxD.astype(jnp.float32).reshape(n, scale_NxB.shape[1], -1) * scale_NxB[..., None]
-  return xb.reshape(n, d).astype(dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fp8_move(mv: _Move, block: int, x, rg):
-  q, scale = fp8_quantize(x, block)
-  return fp8_dequantize(_move(mv, q, rg), _move(mv, scale, rg, 1.0), x.dtype)
+  tile = (1, block)  # DeepSeek-V3's activation tiles: one scale per row and `block` channels
+  q, scale = fp8_lib.quantize_tiles(x, tile)
+  return fp8_lib.dequantize_tiles(_move(mv, q, rg), _move(mv, scale, rg, 1.0), tile, x.dtype)
 
 
 def _fp8_move_fwd(mv, block, x, rg):
