@@ -49,7 +49,7 @@ from jaxpipe.pipeline.executor import (ExecSpec, make_executor, param_specs_key,
                                        stage_ops)
 from jaxpipe.pipeline.lower import BRANCHES, COL, idle_row  # noqa: E402
 from jaxpipe.pipeline.lm import CONTEXT_AXIS, lm_model, stage_param_specs  # noqa: E402
-from jaxpipe.trainer import TrainState, make_optimizer, state_shardings  # noqa: E402
+from jaxpipe.trainer import fresh_state, make_optimizer, state_shardings  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -265,9 +265,8 @@ def update_timer(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 
-  def init():
-    params = transformer.init_params(cfg, jax.random.key(0))
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  def init():  # the runner's state: model.fp8='delayed' histories included
+    return fresh_state(cfg, optimizer, transformer.init_params(cfg, jax.random.key(0)))
 
   shapes = jax.eval_shape(init)
   shardings = state_shardings(shapes, mesh)
@@ -276,7 +275,8 @@ def update_timer(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
   def update(state):
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state)
 
   run = jax.jit(update, in_shardings=(shardings,), out_shardings=shardings)
   per_device = lambda s, sh: math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
