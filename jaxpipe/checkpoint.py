@@ -18,8 +18,12 @@ the last committed step's size after it), so a full disk is found before anythin
 In a multi-process run each process writes its own shards. orbax meets the processes at barriers
 whose timeout is 20 minutes, and a process whose write failed never reaches the next one, so its
 peers would wait that long. Here its barriers are breakable (multihost.BreakableBarrier): the
-failing process breaks them, every process raises CheckpointSaveError at once, naming the process
-and its error, and all of them raise it after the same training step.
+failing process breaks them, and every process raises CheckpointSaveError after the same training
+step, naming the first process that failed and its error. (orbax's synchronous saves meet at
+barriers that cannot be broken, so with several processes saves always run in the background;
+with async_save off, `save` waits for its own.) A failure in the synchronous start of a save on
+one process alone (creating its directories) is not agreed: the others find it when that
+process exits.
 """
 import json
 import logging
@@ -110,13 +114,17 @@ class Checkpointer:
       multihost.barrier(f"jaxpipe.Checkpointer {self.directory}")  # then the others list it
     self._barrier = self._agree = None
     self._broke = False  # this process broke the barrier (its save failed)
+    # orbax's synchronous saves meet at barriers that cannot be broken: with several processes
+    # orbax saves in the background and `save` itself waits when async_save is off
+    self._wait_in_save = not async_save and not read_only and jax.process_count() > 1
     if not read_only and jax.process_count() > 1:
       Checkpointer._writers += 1  # the same count on every process: all construct it
       self._barrier = multihost.BreakableBarrier(f"checkpointer{Checkpointer._writers}")
       self._agree = multihost.OneStepLate()  # which step every process stops after a failure
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
-               ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                            create=True, cleanup_tmp_directories=True))
+               ocp.CheckpointManagerOptions(
+                   max_to_keep=keep, enable_async_checkpointing=async_save or self._wait_in_save,
+                   create=True, cleanup_tmp_directories=True))
     if self._barrier is not None:
       options.async_options = ocp.AsyncOptions(barrier_sync_fn=self._sync)
     self.manager = ocp.CheckpointManager(
@@ -183,6 +191,8 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
     except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for failed writes
       raise self._failed(e) from e
+    if self._wait_in_save:
+      self.wait()
     self.poll()
     return saved
 
@@ -194,7 +204,7 @@ class Checkpointer:
     if self._agree is not None:
       if self._agree(int(self._broke)):
         step = self._pending
-        self.wait()  # raises this process's own error, if it has one
+        self.wait()  # raises if this process's save failed too (its error or the broken barrier)
         raise self._failed(None, step)
     elif self._pending is not None and not self.manager.is_saving_in_progress():
       self.wait()

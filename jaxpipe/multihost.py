@@ -73,9 +73,11 @@ class BreakableBarrier:
   """Barriers between the processes of a run that any process can break: every wait, now or
   later, then raises Broken at once rather than waiting out its timeout for a process that will
   never arrive. Called as `barrier(key=..., timeout_ms=...)` (orbax's BarrierSyncFn); a key may
-  be used again: each process's n-th wait on a key meets the others' n-th.
+  be used again: each process's n-th wait on a key meets the others' n-th. A wait that times out
+  breaks it too.
 
   Made by every process with the same `name`; kept in the coordination service's key-value store.
+  Each process waits at its barriers one after another, in the same order as the others.
   """
 
   def __init__(self, name: str):
@@ -83,27 +85,31 @@ class BreakableBarrier:
     self._client = distributed.global_state.client
     self._root = f"jaxpipe/{name}"
     self._waits: dict[str, int] = {}
-    self._lock = threading.Lock()  # orbax waits from several threads
+    self._arrived: str | None = None  # this process's key at its last barrier
+    self._lock = threading.Lock()  # orbax waits from several threads (one at a time)
 
   def break_(self, why: str) -> None:
-    """Breaks the barrier for every process (this process's reason is kept if it breaks twice)."""
-    if self.broken(mine=True) is None:
-      self._client.key_value_set(f"{self._root}/broken/{jax.process_index()}", why)
+    """Breaks the barrier for every process; the first process to break it gives the reason."""
+    try:
+      self._client.key_value_set(f"{self._root}/broken/first",
+                                 f"{jax.process_index()} {why}")
+    except jax.errors.JaxRuntimeError as e:
+      if "ALREADY_EXISTS" not in str(e):
+        raise
 
-  def broken(self, mine: bool = False) -> Broken | None:
-    """Who broke the barrier (the lowest such process) and why; None while it holds. mine: only
-    whether this process did."""
-    reasons = [(int(key.rsplit("/", 1)[1]), why)
-               for key, why in self._client.key_value_dir_get(f"{self._root}/broken/")]
-    if mine:
-      reasons = [r for r in reasons if r[0] == jax.process_index()]
-    return Broken(*min(reasons)) if reasons else None
+  def broken(self) -> Broken | None:
+    """Who broke the barrier first, and why; None while it holds."""
+    for _, value in self._client.key_value_dir_get(f"{self._root}/broken/"):
+      process, why = value.split(" ", 1)
+      return Broken(int(process), why)
+    return None
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     with self._lock:
       n = self._waits[key] = self._waits.get(key, 0) + 1
-    here, me = f"{self._root}/wait/{key}/{n}/", jax.process_index()
-    self._client.key_value_set(f"{here}{me}", "")
+    here = f"{self._root}/wait/{key}/{n}/"
+    mine = f"{here}{jax.process_index()}"
+    self._client.key_value_set(mine, "")
     deadline, pause = time.monotonic() + timeout_ms / 1e3, 1e-3
     while True:
       broken = self.broken()
@@ -111,10 +117,14 @@ class BreakableBarrier:
         raise broken
       if len(self._client.key_value_dir_get(here)) == jax.process_count():
         break
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"processes waited {timeout_ms / 1e3:.0f} s at barrier {key!r} (wait "
-                           f"{n}) for the others")
+      if time.monotonic() > deadline:  # a later arrival must not pass: gone, and broken
+        self._client.key_value_delete(mine)
+        why = f"waited {timeout_ms / 1e3:.0f} s at barrier {key!r} (wait {n}) for the others"
+        self.break_(why)
+        raise TimeoutError(why)
       time.sleep(pause)
       pause = min(2 * pause, 0.05)
-    if n > 1:  # every process is past wait n - 1 once all have reached wait n: drop this one's
-      self._client.key_value_delete(f"{self._root}/wait/{key}/{n - 1}/{me}")
+    with self._lock:  # all processes have reached this barrier, so all have left the one before
+      previous, self._arrived = self._arrived, mine
+    if previous is not None:
+      self._client.key_value_delete(previous)

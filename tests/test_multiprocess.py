@@ -190,18 +190,20 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   np.testing.assert_allclose([loss for _, loss in evals], want_evals, rtol=1e-6, atol=0)
 
 
-def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path):
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path, async_save):
   """Rank 1's checkpoint write fails (a file-size limit on that process alone, as a full local disk
   fails it): both ranks stop with the same line, soon, not after orbax's 20-minute barrier
   timeout, and the checkpoint before stays the one a rerun resumes from."""
   workdir = tmp_path / "run"
   config = tiny.get_config()
-  config.update_from_flattened_dict(OVERRIDES)
+  config.update_from_flattened_dict({**OVERRIDES, "checkpoint.async_save": async_save})
   _checkpoint_at(config, workdir, 4)
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # no cache writes
   capped = ['bash', '-c', 'if [ "$JAX_PROCESS_ID" = 1 ]; then ulimit -f 20; fi; exec "$@"', 'bash']
   started = time.monotonic()
-  launcher = _launch(tmp_path, "capped", *capped, *_cli(workdir, *FLAGS), env=env)
+  launcher = _launch(tmp_path, "capped", *capped, *_cli(workdir, *FLAGS),
+                     f"--config.checkpoint.async_save={async_save}", env=env)
   try:
     status = launcher.wait(timeout=240)
   finally:  # hung (orbax's barrier waits 20 minutes): end the ranks too
