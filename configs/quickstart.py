@@ -2,7 +2,7 @@
 
   python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
 """
-from jaxpipe.config import default_config
+from jaxpipe.training.config import default_config
 
 
 def get_config(arg=None):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.timing import median_time
-from jaxpipe.models.attention import attention, unsupported_reason
+from jaxpipe.ops.attention import attention, unsupported_reason
 
 # Published H100 anchors (shared/anchors.md) printed beside our table.
 ANCHORS = ("FlashAttention-3: up to 740 TFLOP/s bf16 forward; "

@@ -23,10 +23,10 @@ Parts (default: `curves,gemm` without a GPU, `gpu` with one):
 """
 from __future__ import annotations
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -41,9 +41,11 @@ import numpy as np  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments.timing import median_time  # noqa: E402
-from jaxpipe import files, flops  # noqa: E402
-from jaxpipe.models import fp8, transformer  # noqa: E402
-from jaxpipe.trainer import Trainer  # noqa: E402
+from jaxpipe.runtime import files
+from jaxpipe.models import flops  # noqa: E402
+from jaxpipe.ops import fp8
+from jaxpipe.models import transformer  # noqa: E402
+from jaxpipe.training.trainer import Trainer  # noqa: E402
 
 RECIPES = ("delayed", "current", "block")
 # (label, model.fp8, model.dtype, train.seed); float32-seed1 is float32 from another initialisation

@@ -31,10 +31,10 @@ slot writes, copies and fills and ppermutes write, which do not depend on the ma
 """
 from __future__ import annotations
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
@@ -51,7 +51,7 @@ from experiments import op_breakdown  # noqa: E402
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
                                        make_executor, to_local)
-from jaxpipe.pipeline.lower import lower  # noqa: E402
+from jaxpipe.pipeline.ir.lower import lower  # noqa: E402
 
 CHUNKS = {"interleaved-1f1b": 2}
 

@@ -10,10 +10,10 @@ hold each stage on two ranks), and every other collective-permute, which would b
 or their gradients moving to the ranks that run them. Bytes are per device and per step, set
 beside the layer stack a rank stores.
 """
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 import argparse  # noqa: E402
 import re  # noqa: E402
@@ -47,7 +47,7 @@ def _permutes(hlo: str) -> list[tuple[int, str]]:
 def _tick_bytes(permutes: list[tuple[int, str]], table: np.ndarray) -> int:
   """Bytes the executor's ppermutes move in one step: each runs only in the ticks where some rank
   receives over it (a direction's activations and cotangents share one ppermute, or have one each)."""
-  from jaxpipe.pipeline.lower import COL
+  from jaxpipe.pipeline.ir.lower import COL
   total = 0
   for direction in ("down", "up"):
     sizes = [b for b, kind in permutes if kind == f"send_{direction}"]
@@ -66,8 +66,8 @@ def measure(name: str, args) -> dict:
   import jax
 
   from configs import tiny
-  from jaxpipe.pipeline.lm import lm_schedule
-  from jaxpipe.trainer import Trainer
+  from jaxpipe.training.pipeline_lm import lm_schedule
+  from jaxpipe.training.trainer import Trainer
   c = tiny.get_config()
   c.model.update(n_layers=args.layers, d_model=args.d_model, d_ff=4 * args.d_model,
                  n_heads=8, n_kv_heads=8, head_dim=args.d_model // 8)

@@ -18,10 +18,10 @@ import importlib
 import os
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
-from jaxpipe.pipeline.export import to_perfetto, to_png
-from jaxpipe.pipeline.formulas import anchor
-from jaxpipe.pipeline.lower import lower
-from jaxpipe.pipeline.schedules import GENERATORS
+from jaxpipe.pipeline.ir.export import to_perfetto, to_png
+from jaxpipe.pipeline.ir.formulas import anchor
+from jaxpipe.pipeline.ir.lower import lower
+from jaxpipe.pipeline.ir.schedules import GENERATORS
 
 CASES = ((4, 8), (8, 32))
 CHUNKS = {"interleaved-1f1b": 2}
@@ -32,9 +32,9 @@ def generator_missing(name: str) -> bool:
   """True while the module or function behind `name` has not been written yet."""
   module, fn = GENERATORS[name].split(":")
   try:
-    mod = importlib.import_module(f"jaxpipe.pipeline.schedules.{module}")
+    mod = importlib.import_module(f"jaxpipe.pipeline.ir.schedules.{module}")
   except ModuleNotFoundError as e:
-    if e.name == f"jaxpipe.pipeline.schedules.{module}":
+    if e.name == f"jaxpipe.pipeline.ir.schedules.{module}":
       return True
     raise
   return not hasattr(mod, fn)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         "rank, act w = whole-rank units; params = copies of each model stage; lock/async = "
         "lock-step makespan / asynchronous makespan running the published per-rank order tick by "
         "tick; lowered/async = the same for the tick tables the executor runs "
-        "(jaxpipe.pipeline.lower); * = bound or approximation")
+        "(jaxpipe.pipeline.ir.lower); * = bound or approximation")
   print("\nZB-V below m = 2p-1 (steady state and single step in F, act in micro-batch-stages):")
   print(table([zbv_row(p, m) for p, ms in ZBV_CASES for m in ms], ZBV_HEADER))
   if out:

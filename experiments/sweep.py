@@ -44,12 +44,12 @@ from typing import Sequence
 
 import ml_collections
 
-from jaxpipe import config as config_lib
-from jaxpipe import files
-from jaxpipe.measure import load_average
-from jaxpipe.pipeline import auto as auto_lib
-from jaxpipe.pipeline import costs as costs_lib
-from jaxpipe.pipeline.lower import lower
+from jaxpipe.training import config as config_lib
+from jaxpipe.runtime import files
+from jaxpipe.training.measure import load_average
+from jaxpipe.pipeline.ir import auto as auto_lib
+from jaxpipe.pipeline.ir import costs as costs_lib
+from jaxpipe.pipeline.ir.lower import lower
 
 COLUMNS = ("cell", "status", "schedule", "microbatches", "chunks", "tokens_per_s", "step_ms",
            "unit", "paired_ms", "predicted_ms", "error_pct", "lockstep_ms", "compile_s", "peak_mb",

@@ -7,10 +7,10 @@ the training runner uses, with no workdir (no checkpoint or metric I/O in the ti
 """
 import sys
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 import os  # noqa: E402
 import time  # noqa: E402
@@ -27,8 +27,8 @@ def main(argv: list[str]) -> None:
   del argv
   import jax
 
-  from jaxpipe import flops
-  from jaxpipe.trainer import Trainer
+  from jaxpipe.models import flops
+  from jaxpipe.training.trainer import Trainer
   config = _CONFIG.value
   trainer = Trainer(config)
   trainer.init()

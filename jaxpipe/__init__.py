@@ -6,6 +6,6 @@ __version__ = "0.1.0"
 def __getattr__(name):
   # Lazy so that `jaxpipe.pipeline` (schedule IR, no JAX) imports without JAX.
   if name == "Trainer":
-    from jaxpipe.trainer import Trainer
+    from jaxpipe.training.trainer import Trainer
     return Trainer
   raise AttributeError(name)

@@ -23,18 +23,18 @@ import os
 import shutil
 import sys
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()  # the model goes on the first --pp x --ep of them
+  process.use_host_devices()  # the model goes on the first --pp x --ep of them
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
-from jaxpipe import checkpoint as checkpoint_lib  # noqa: E402
-from jaxpipe import config as config_lib  # noqa: E402
-from jaxpipe.models import fp8 as fp8_lib  # noqa: E402
+from jaxpipe.runtime import checkpoint as checkpoint_lib  # noqa: E402
+from jaxpipe.training import config as config_lib  # noqa: E402
+from jaxpipe.ops import fp8 as fp8_lib  # noqa: E402
 from jaxpipe.models import hf  # noqa: E402
 from jaxpipe.models import transformer  # noqa: E402
 
@@ -85,7 +85,7 @@ def _finetune_config(cfg: transformer.TransformerConfig) -> ml_collections.Confi
 
 def _mesh(pp: int, ep: int):
   """A pp x ep mesh over the first pp·ep devices (dp = 1), for placing one copy of the model."""
-  from jaxpipe.mesh import make_mesh
+  from jaxpipe.training.mesh import make_mesh
   if pp * ep > jax.device_count():
     raise ValueError(f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are "
                      "visible")
@@ -95,7 +95,7 @@ def _mesh(pp: int, ep: int):
 
 
 def _param_shardings(cfg: transformer.TransformerConfig, mesh):
-  from jaxpipe.trainer import state_shardings
+  from jaxpipe.training.state import state_shardings
   shapes = jax.eval_shape(lambda k: transformer.init_params(cfg, k), jax.random.key(0))
   return shapes, state_shardings(shapes, mesh)
 
@@ -103,7 +103,7 @@ def _param_shardings(cfg: transformer.TransformerConfig, mesh):
 def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "none") -> hf.Plan:
   """Writes a training workdir that resumes from the checkpoint in `src` (module docstring),
   for fine-tuning with the FP8 recipe `fp8` (model.fp8)."""
-  from jaxpipe.trainer import fresh_state, make_optimizer, state_shardings
+  from jaxpipe.training.state import fresh_state, make_optimizer, state_shardings
   plan = hf.check(src)  # every refusal comes before any device work
   config = _finetune_config(plan.cfg)  # what WORKDIR/config.py gives
   config.model.fp8 = fp8

@@ -4,7 +4,7 @@
       python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs2
 
 Each rank runs the command after `--` with $JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
-$JAX_NUM_PROCESSES and $JAX_PROCESS_ID set (`jaxpipe.runtime.initialize` reads them) and, with
+$JAX_NUM_PROCESSES and $JAX_PROCESS_ID set (`jaxpipe.runtime.process.initialize` reads them) and, with
 --devices-per-process, that many CPU devices ($JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Its
 output goes whole to <log-dir>/rank<i>.log and, each line prefixed with `[i] `, to this terminal.
 SIGTERM and SIGINT are forwarded to every rank (a third Ctrl-C kills them). When a rank fails

@@ -18,11 +18,11 @@ import sys
 from typing import Callable, Optional
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, Schedule, make_schedule
-from jaxpipe.pipeline import auto as auto_lib
-from jaxpipe.pipeline import costs as costs_lib
-from jaxpipe.pipeline.export import text_grid, to_csv, to_perfetto, to_png
-from jaxpipe.pipeline.formulas import anchor
-from jaxpipe.pipeline.simulate import resolve_costs, simulate
+from jaxpipe.pipeline.ir import auto as auto_lib
+from jaxpipe.pipeline.ir import costs as costs_lib
+from jaxpipe.pipeline.ir.export import text_grid, to_csv, to_perfetto, to_png
+from jaxpipe.pipeline.ir.formulas import anchor
+from jaxpipe.pipeline.ir.simulate import resolve_costs, simulate
 
 
 def is_cost_file(text: str | None) -> bool:
@@ -144,7 +144,7 @@ FORMATS: dict[str, Callable[[Schedule, argparse.Namespace], Optional[str]]] = {
 
 def _ticks(schedule: Schedule, args) -> str:
   """The executor's lowered tick table (one cell per tick, packed parts joined by ';')."""
-  from jaxpipe.pipeline.lower import Costs, lower
+  from jaxpipe.pipeline.ir.lower import Costs, lower
   lowered = lower(schedule, Costs(**{k: v for k, v in args.costs.items() if k in "FIW"}))
   print(lowered.summary(), file=sys.stderr)
   return lowered.to_csv()

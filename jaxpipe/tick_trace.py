@@ -28,10 +28,10 @@ stats.
 """
 from __future__ import annotations
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
@@ -44,10 +44,10 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpipe import config as config_lib  # noqa: E402
-from jaxpipe.pipeline.costs import Prediction  # noqa: E402
+from jaxpipe.training import config as config_lib  # noqa: E402
+from jaxpipe.pipeline.ir.costs import Prediction  # noqa: E402
 from jaxpipe.pipeline.executor import PARTS  # noqa: E402
-from jaxpipe.pipeline.lower import BRANCHES, COL, Lowered  # noqa: E402
+from jaxpipe.pipeline.ir.lower import BRANCHES, COL, Lowered  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\b([\w\-]+)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -269,11 +269,11 @@ def profile_step(trainer, directory: str) -> tuple[str, str]:
 def main(argv: list[str]) -> None:
   from absl import flags
 
-  from jaxpipe.measure import measure
-  from jaxpipe.pipeline import costs as costs_lib
+  from jaxpipe.training.measure import measure
+  from jaxpipe.pipeline.ir import costs as costs_lib
   from jaxpipe.pipeline.api import lowered_for
-  from jaxpipe.pipeline.lm import lm_schedule
-  from jaxpipe.trainer import Trainer
+  from jaxpipe.training.pipeline_lm import lm_schedule
+  from jaxpipe.training.trainer import Trainer
   f = flags.FLAGS
   config = config_lib.runner_config(argv)
   try:

@@ -12,13 +12,13 @@ ranking is printed; auto.json and costs.json go to the workdir).
 
 Across processes (one per host), each runs the same command and joins the run through
 `jax.distributed`: --coordinator_address/--num_processes/--process_id, or $JAX_COORDINATOR_ADDRESS
-and friends, or SLURM/Open MPI detected (`jaxpipe.runtime.initialize`); `python -m jaxpipe.launch`
+and friends, or SLURM/Open MPI detected (`jaxpipe.runtime.process.initialize`); `python -m jaxpipe.launch`
 starts such a run on one machine. Process 0 prints, logs metrics and holds the workdir; every
 process reads its own rows of each batch and writes its shards of each checkpoint.
 
 Rerunning the same command resumes from the workdir's newest checkpoint; a config that changes
 what is trained is refused unless --resume_changed or --restart says what to do
-(`jaxpipe.workdir`). SIGTERM or Ctrl-C saves after the current step and exits with status 0; a
+(`jaxpipe.training.workdir`). SIGTERM or Ctrl-C saves after the current step and exits with status 0; a
 second Ctrl-C aborts without saving (status 130). Across processes, a signal to any of them
 stops every one after the same step. Anything else that stops the run ends with one
 `error:` line (--debug adds the traceback): status 2 for usage and config errors, 1 for faults
@@ -30,13 +30,13 @@ import os
 import sys
 import traceback
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 USAGE, FAULT, INTERRUPTED = 2, 1, 130
 
 if __name__ == "__main__":
   try:
-    runtime.use_host_devices()
+    process.use_host_devices()
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(USAGE)
@@ -152,7 +152,7 @@ def _drop_closed_loop_errors(hook):
 
 def _load_config():
   """The --config file's config (with overrides) and gin bindings; UsageError/ConfigError if bad."""
-  from jaxpipe import config as config_lib
+  from jaxpipe.training import config as config_lib
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config configs/quickstart.py (a workdir "
                          "that holds a config.py, as `jaxpipe.convert` writes, needs none)")
@@ -177,13 +177,13 @@ def _train(argv: list[str]) -> None:
     raise app.UsageError("--resume_changed and --restart act on a --workdir; pass one")
   config = _load_config()
   try:
-    runtime.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    process.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   import jax
 
-  from jaxpipe.mesh import describe
-  from jaxpipe.trainer import Trainer
+  from jaxpipe.training.mesh import describe
+  from jaxpipe.training.trainer import Trainer
   existing = "resume_changed" if _RESUME_CHANGED.value else "restart" if _RESTART.value else "resume"
   say = print if jax.process_index() == 0 else lambda *args: None  # process 0 speaks
   with Trainer(config, _WORKDIR.value, existing_run=existing) as trainer:
@@ -216,8 +216,8 @@ def _train(argv: list[str]) -> None:
 
 def _status(e: BaseException) -> int:
   """USAGE for what the command line or config got wrong, FAULT for what went wrong at run time."""
-  from jaxpipe.checkpoint import CheckpointMismatchError
-  from jaxpipe.config import ConfigError
+  from jaxpipe.runtime.checkpoint import CheckpointMismatchError
+  from jaxpipe.training.config import ConfigError
   return USAGE if isinstance(e, (app.UsageError, ConfigError, CheckpointMismatchError)) else FAULT
 
 

@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.flash_attention import flash_attention
-from test_flash_attention import _inputs, _out_and_grads, _rel
+from tests import helpers
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
 
 def _xla_f32(causal, q, k, v, do):
@@ -22,18 +23,18 @@ def _xla_f32(causal, q, k, v, do):
   f32 = lambda x: x.astype(jnp.float32)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
   with jax.default_matmul_precision("highest"):
-    return _out_and_grads(xla, f32(q), f32(k), f32(v), f32(do))
+    return helpers.out_and_grads(xla, f32(q), f32(k), f32(v), f32(do))
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq,heads,kv_heads,head_dim", [(1000, 8, 4, 64), (1024, 8, 2, 128)])
 def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim):
-  q, k, v, do = _inputs(2, seq, seq, heads, kv_heads, head_dim, dtype=jnp.float32)
+  q, k, v, do = helpers.flash_inputs(2, seq, seq, heads, kv_heads, head_dim, dtype=jnp.float32)
   compiled = functools.partial(flash_attention, causal=causal, interpret=False)
-  got = _out_and_grads(compiled, q, k, v, do)
+  got = helpers.out_and_grads(compiled, q, k, v, do)
   want = _xla_f32(causal, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    assert _rel(g, w) < 1e-5, label
+    assert helpers.rel(g, w) < 1e-5, label
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -41,44 +42,44 @@ def test_compiled_flash_attention_float32(causal, seq, heads, kv_heads, head_dim
 def test_compiled_flash_attention_half_within_rounding(dtype, causal):
   """Against float32 on the same rounded inputs: within one ulp of the largest entry, or (as
   FlashAttention's tests hold it) within twice the error of XLA run in the same dtype."""
-  q, k, v, do = _inputs(2, 512, 512, 8, 2, 128, dtype=dtype, seed=1)
+  q, k, v, do = helpers.flash_inputs(2, 512, 512, 8, 2, 128, dtype=dtype, seed=1)
   compiled = functools.partial(flash_attention, causal=causal, interpret=False)
-  got = _out_and_grads(compiled, q, k, v, do)
+  got = helpers.out_and_grads(compiled, q, k, v, do)
   want = _xla_f32(causal, q, k, v, do)
   xla = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
-  same_dtype = _out_and_grads(xla, q, k, v, do)
+  same_dtype = helpers.out_and_grads(xla, q, k, v, do)
   for label, g, w, h in zip(("out", "dq", "dk", "dv"), got, want, same_dtype):
     assert g.dtype == dtype, label
-    err = _rel(g, w)
-    assert err < max(float(jnp.finfo(dtype).eps), 2 * _rel(h, w)), (label, err, _rel(h, w))
+    err = helpers.rel(g, w)
+    assert err < max(float(jnp.finfo(dtype).eps), 2 * helpers.rel(h, w)), (label, err, helpers.rel(h, w))
 
 
 def test_compiled_flash_attention_segments():
-  q, k, v, do = _inputs(2, 300, 300, 4, 2, 64, dtype=jnp.float32, seed=2)
+  q, k, v, do = helpers.flash_inputs(2, 300, 300, 4, 2, 64, dtype=jnp.float32, seed=2)
   seg = jnp.concatenate([jnp.ones((2, 120), jnp.int32), 2 * jnp.ones((2, 150), jnp.int32),
                          jnp.zeros((2, 30), jnp.int32)], axis=1)
-  got = _out_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg,
+  got = helpers.out_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg,
                                                        interpret=False), q, k, v, do)
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                                      implementation="xla")
   with jax.default_matmul_precision("highest"):
-    want = _out_and_grads(xla, q, k, v, do)
+    want = helpers.out_and_grads(xla, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    assert _rel(g, w) < 1e-5, label
+    assert helpers.rel(g, w) < 1e-5, label
 
 
 def test_attention_backends_agree_on_gpu():
   """auto resolves to a GPU backend; pallas and cudnn match xla on a bf16 causal GQA call."""
-  from jaxpipe.models.attention import attention, resolve_backend
-  q, k, v, _ = _inputs(2, 1024, 1024, 8, 2, 128, dtype=jnp.bfloat16, seed=3)
+  from jaxpipe.ops.attention import attention, resolve_backend
+  q, k, v, _ = helpers.flash_inputs(2, 1024, 1024, 8, 2, 128, dtype=jnp.bfloat16, seed=3)
   assert resolve_backend("auto", q, k, v) in ("cudnn", "pallas")
   with jax.default_matmul_precision("highest"):
     want = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                      causal=True, backend="xla")
   for backend in ("pallas", "cudnn"):
     got = jax.jit(functools.partial(attention, causal=True, backend=backend))(q, k, v)
-    assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps), backend
+    assert helpers.rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps), backend
 
 
 def test_ragged_dispatch_equals_padded():
@@ -106,16 +107,16 @@ def test_ragged_dispatch_equals_padded():
   for other in ("padded", "ragged_emulated"):
     v_o, c_o, g_o = results[other]
     np.testing.assert_array_equal(c_r, c_o, err_msg=other)
-    assert _rel(v_r, v_o) < 1e-5, other
+    assert helpers.rel(v_r, v_o) < 1e-5, other
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_r), jax.tree.leaves(g_o)):
-      assert _rel(a, b) < 1e-5, (other, jax.tree_util.keystr(path))
+      assert helpers.rel(a, b) < 1e-5, (other, jax.tree_util.keystr(path))
 
 
 def test_gemm_a2a_kernel_runs_on_all_gpus():
   """The Mosaic GPU kernel compiles and equals heads_to_seq + projection on the GPUs present
   (on one GPU only its local GEMM path runs; the transfers need several)."""
   from jax.lax import all_to_all
-  from jaxpipe.models.attention import _gpu_major
+  from jaxpipe.ops.attention import _gpu_major
   from kernels_pallas import gemm_a2a as ga
   if _gpu_major() != 9:
     pytest.skip("the kernel uses Hopper wgmma")
@@ -137,13 +138,13 @@ def test_gemm_a2a_kernel_runs_on_all_gpus():
   want = jax.jit(jax.shard_map(reference, **specs))(o, w)
   assert got.shape == want.shape
   # bf16 output of a float32 accumulation: one bf16 rounding of the largest entry
-  assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
+  assert helpers.rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
 
 
 def test_proj_a2a_kernel_runs_on_all_gpus():
   """The input-side Mosaic GPU kernel compiles and equals projection + seq_to_heads on the GPUs
   present (on one GPU its stores all go to the device itself)."""
-  from jaxpipe.models.attention import _gpu_major
+  from jaxpipe.ops.attention import _gpu_major
   from jaxpipe.parallel.overlap import proj_then_a2a_local
   from kernels_pallas import proj_a2a as pa
   if _gpu_major() != 9:
@@ -160,7 +161,7 @@ def test_proj_a2a_kernel_runs_on_all_gpus():
   with jax.default_matmul_precision("highest"):
     want = jax.jit(jax.shard_map(reference, **specs))(x, w)
   assert got.shape == want.shape
-  assert _rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
+  assert helpers.rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -170,9 +171,8 @@ def test_compiled_paged_attention(dtype, heads, kv_heads, k_splits):
   beside JAX's own Pallas paged kernel (which takes q pre-scaled)."""
   from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
-  from test_paged_attention import _inputs as paged_inputs
   page = 16
-  q, k, v, tables, lens = paged_inputs([1, 100, 511, 512, 300, 17, 256, 64], heads, kv_heads,
+  q, k, v, tables, lens = helpers.paged_inputs([1, 100, 511, 512, 300, 17, 256, 64], heads, kv_heads,
                                   head_dim=128, page=page, seed=4)
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
   got = paged_attention(q, k, v, tables, lens, k_splits=k_splits)
@@ -180,29 +180,27 @@ def test_compiled_paged_attention(dtype, heads, kv_heads, k_splits):
                                    v.astype(jnp.float32), tables, lens)
   assert np.isfinite(np.asarray(got, np.float32)).all()
   tol = 1e-5 if dtype == jnp.float32 else 2 * float(jnp.finfo(dtype).eps)
-  assert _rel(got, want) < tol
+  assert helpers.rel(got, want) < tol
   clean = lambda x: jnp.nan_to_num(x)  # JAX's kernel reads stale slots (0 x NaN) unmasked
   theirs = jax_paged.paged_attention(q / jnp.sqrt(jnp.asarray(128.0, dtype)), clean(k), clean(v),
                                      tables, lens, k_splits=1, pages_per_compute_block=1)
-  assert _rel(theirs, want) < tol
+  assert helpers.rel(theirs, want) < tol
 
 
 def test_compiled_paged_attention_int8():
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
-  from test_paged_attention import _inputs as paged_inputs, _quantize
-  q, k, v, tables, lens = paged_inputs([33, 200, 7], 16, 4, head_dim=64, page=16, seed=5)
-  (k8, ks), (v8, vs) = _quantize(k, jnp.int8), _quantize(v, jnp.int8)
+  q, k, v, tables, lens = helpers.paged_inputs([33, 200, 7], 16, 4, head_dim=64, page=16, seed=5)
+  (k8, ks), (v8, vs) = helpers.quantize(k, jnp.int8), helpers.quantize(v, jnp.int8)
   scales = dict(k_scales_GxPxS=ks, v_scales_GxPxS=vs)
   got = paged_attention(q, k8, v8, tables, lens, **scales, k_splits=2)
-  assert _rel(got, paged_attention_reference(q, k8, v8, tables, lens, **scales)) < 1e-5
+  assert helpers.rel(got, paged_attention_reference(q, k8, v8, tables, lens, **scales)) < 1e-5
 
 
 def test_engine_on_gpu_equals_recompute_oracle():
   """The engine with the compiled kernel (attention 'auto' resolves to it) against the
   training forward pass recomputed at every step."""
   from jaxpipe.serve import Engine
-  from test_serve_engine import CONFIGS, ENGINE_ARGS, _params, _prompts, oracle
-  engine = Engine(CONFIGS["dense"], _params("dense"), num_pages=17, **ENGINE_ARGS)
+  engine = Engine(helpers.CONFIGS["dense"], helpers.params("dense"), num_pages=17, **helpers.ENGINE_ARGS)
   assert engine.backend == "pallas"
-  prompts = _prompts(seed=6)
-  assert engine.generate(prompts, max_tokens=10) == oracle("dense", prompts, 10)
+  prompts = helpers.prompts(seed=6)
+  assert engine.generate(prompts, max_tokens=10) == helpers.oracle("dense", prompts, 10)

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from jaxpipe.models import fp8
+from jaxpipe.ops import fp8
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 
@@ -497,7 +497,7 @@ def load(directory: str | Plan, shardings: Any = None
          ) -> tuple[transformer.TransformerConfig, dict]:
   """(config, float32 params) of a checkpoint directory, each leaf placed on its sharding.
 
-  `shardings`: a pytree of Shardings shaped like the params (e.g. `trainer.state_shardings` of
+  `shardings`: a pytree of Shardings shaped like the params (e.g. `jaxpipe.training.state.state_shardings` of
   their shapes on a mesh), one Sharding for all, or None for the first device.
   """
   plan = directory if isinstance(directory, Plan) else check(directory)

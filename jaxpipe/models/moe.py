@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.models import fp8 as fp8_lib
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import router as router_lib
 from jaxpipe.parallel import expert as ep_lib
 
@@ -191,7 +191,7 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
 
   `params` holds this device's E/ep experts; `token_axes` are all mesh axes the tokens are split
   over (they must include `ep_axis`); losses and statistics are over all tokens of those axes.
-  `fp8`: the experts' GEMM recipe (`jaxpipe.models.fp8`; delayed takes its `fp8_*` params).
+  `fp8`: the experts' GEMM recipe (`jaxpipe.ops.fp8`; delayed takes its `fp8_*` params).
   """
   ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
   cfg.validate(ep)
@@ -371,7 +371,7 @@ class MoEFFN(nn.Module):
   """Flax face of `moe_layer`: parameters from `init_moe_params`, placement from the context."""
   cfg: MoEConfig
   dtype: Any = jnp.float32  # compute dtype of the experts; the router stays float32
-  fp8: str = "none"  # the experts' GEMM recipe (jaxpipe.models.fp8); the router stays float32
+  fp8: str = "none"  # the experts' GEMM recipe (jaxpipe.ops.fp8); the router stays float32
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, dict[str, Any]]:

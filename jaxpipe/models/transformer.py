@@ -19,7 +19,7 @@ k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and rou
 `apply_layers` folds the auxiliary losses into the gradient instead (`attach_aux_loss`).
 
 Every projection (QKV, attention output, MLP) is a `Dense`, whose matmul runs in `cfg.fp8`
-(`jaxpipe.models.fp8`: none, or Transformer Engine's delayed, current or block recipe); MoE
+(`jaxpipe.ops.fp8`: none, or Transformer Engine's delayed, current or block recipe); MoE
 experts take the same recipe in their grouped GEMM. With 'delayed' each projection also holds
 an `fp8_scale` leaf [3] (see fp8.py). Embedding, head, norms, router and attention core stay in
 the compute dtype.
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.models import fp8 as fp8_lib
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
-from jaxpipe.models.vma import vary_like
+from jaxpipe.ops.vma import vary_like
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel.ulysses import check_divisible
 

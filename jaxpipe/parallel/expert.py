@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.models import fp8 as fp8_lib
+from jaxpipe.ops import fp8 as fp8_lib
 
 IMPLS = ("fixed", "ragged", "ragged_emulated")
 

@@ -18,7 +18,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.models.attention import attention
+from jaxpipe.ops.attention import attention
 
 
 def check_divisible(seq_len: int, heads: int, kv_heads: int, cp: int,

@@ -16,9 +16,9 @@ from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_spe
                                        combines_by_max, data_axes_of, from_local, io_spec,
                                        is_contiguous, make_executor, param_specs_key, to_local,
                                        with_aux)
-from jaxpipe.pipeline.ir import Schedule
-from jaxpipe.pipeline.lower import Lowered, lower
-from jaxpipe.pipeline.schedules import make_schedule
+from jaxpipe.pipeline.ir.schedule import Schedule
+from jaxpipe.pipeline.ir.lower import Lowered, lower
+from jaxpipe.pipeline.ir.schedules import make_schedule
 
 PyTree = Any
 

@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpipe.pipeline.lower import BRANCHES, CHANNELS, COL, Lowered
+from jaxpipe.pipeline.ir.lower import BRANCHES, CHANNELS, COL, Lowered
 
 PARTS = ("F", "I", "B", "W")  # the parts a branch may run in one tick
 

@@ -21,10 +21,10 @@ import os
 import sys
 import time
 
-from jaxpipe import runtime
+from jaxpipe.runtime import process
 
 if __name__ == "__main__":
-  runtime.use_host_devices()
+  process.use_host_devices()
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   import jax
 
-  from jaxpipe import config as config_lib
+  from jaxpipe.training import config as config_lib
   from jaxpipe.serve import restore
   from jaxpipe.serve.engine import Engine
   if _WORKDIR.value:

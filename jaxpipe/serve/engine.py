@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpipe.models.attention import resolve_paged_backend
+from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key

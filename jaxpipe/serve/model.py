@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpipe.models import attention as attention_lib
+from jaxpipe.ops.attention import paged_attention
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve.sampling import SamplingBatch, sample
@@ -112,7 +113,7 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, k_pool, v_pool, slots_T, tables
   page_Tx1, off_Tx1 = (offset + slots_T // s)[:, None], (slots_T % s)[:, None]
   k_pool = k_pool.at[g_G, page_Tx1, off_Tx1].set(k_TxGxK.astype(k_pool.dtype))
   v_pool = v_pool.at[g_G, page_Tx1, off_Tx1].set(v_TxGxK.astype(v_pool.dtype))
-  o_TxHxK = attention_lib.paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T,
+  o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T,
                                           backend=backend)
   return o_TxHxK.astype(q_TxHxK.dtype), k_pool, v_pool
 

@@ -7,8 +7,8 @@ import os
 import jax
 import ml_collections
 
-from jaxpipe import config as config_lib
-from jaxpipe.checkpoint import Checkpointer
+from jaxpipe.training import config as config_lib
+from jaxpipe.runtime.checkpoint import Checkpointer
 from jaxpipe.models import transformer
 
 
@@ -29,7 +29,7 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict,
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
   schedule; the optimizer state is read with it (its structure is the config's) and dropped.
   """
-  from jaxpipe.trainer import fresh_state, make_optimizer  # the trainer's own state and optimizer
+  from jaxpipe.training.state import fresh_state, make_optimizer  # the trainer's own state and optimizer
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 

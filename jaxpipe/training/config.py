@@ -1,0 +1,469 @@
+"""Run configuration: the default ml_collections tree, its validation, and gin bindings onto it.
+
+A config file (`configs/*.py`) defines `get_config(arg=None)` that starts from `default_config()`
+and overrides fields. The tree is locked, so a misspelt key fails naming the closest valid one.
+Validation runs before any device work.
+"""
+import dataclasses
+import difflib
+import os
+from typing import Iterable
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.pipeline import Placement, Schedule, make_schedule
+
+# Mesh axes, outermost first: pipeline, data, expert, context, tensor.
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
+             "dualpipe", "dualpipev")
+AUTO = "auto"  # pipeline.schedule: choose among SCHEDULES from measured costs
+DTYPES = ("float32", "bfloat16", "float16")
+# Compute dtypes a backend cannot run, and why (found by validation, not by the first step's XLA error).
+UNSUPPORTED_DTYPES = {"cpu": {"float16": "XLA:CPU has no float16 matmul with float32 accumulation "
+                                         "(dot_general precision F16_F16_F32)"}}
+SOURCES = ("stdlib", "synthetic")
+# Sections a gin file can bind, e.g. `model.d_model = 256`.
+GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the value and the fix."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every field the trainer reads, with its default; locked."""
+  c = ml_collections.ConfigDict()
+
+  # Field meanings and defaults live on TransformerConfig, the one place that defines them.
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(TransformerConfig()))
+
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.pp = 1  # pipeline stages
+  ms.dp = config_dict.placeholder(int)  # data-parallel size; unset = all devices left over
+  ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
+  ms.cp = 1  # context-parallel size (splits the sequence)
+  ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
+  ms.order = ",".join(MESH_AXES)  # device order, outermost (spans processes first) to innermost
+
+  c.pipeline = p = ml_collections.ConfigDict()
+  p.schedule = "1f1b"  # one of SCHEDULES, "auto", or a torch.distributed.pipelining CSV path
+  p.microbatches = 1  # micro-batches per step (gradient accumulation when pp = 1)
+  p.chunks = 1  # model chunks per pipeline rank (virtual stages)
+  p.recompute = False  # recompute stage forwards in the backward instead of keeping residuals
+  p.costs = ""  # auto: cost file (python -m jaxpipe.measure); empty = measure before training
+  p.memory_limit_gb = 0.0  # auto: drop schedules predicted to need more per device; 0 = no limit
+  p.auto_microbatches = ()  # auto: micro-batch counts to consider; empty = all the batch allows
+  p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULES
+
+  c.data = d = ml_collections.ConfigDict()
+  d.source = "stdlib"  # 'stdlib': bytes of Python's own .py files; 'synthetic': for tests
+  d.seq_len = 128  # tokens per sequence
+  d.batch = 32  # global batch, sequences per step
+  d.eval_fraction = 0.02  # tail of the corpus held out for evaluation
+  d.seed = 0  # seed of the step-indexed sampler
+
+  c.optimizer = o = ml_collections.ConfigDict()
+  o.lr = 3e-3  # peak learning rate
+  o.warmup_steps = 30  # linear warm-up from 0 to lr
+  o.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+  o.b1 = 0.9  # AdamW first-moment decay
+  o.b2 = 0.95  # AdamW second-moment decay
+  o.eps = 1e-8  # AdamW epsilon
+  o.weight_decay = 0.1  # decoupled weight decay on matrices (not norms)
+  o.clip_norm = 1.0  # global gradient-norm clip; 0 disables
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 300  # optimizer steps in the whole run
+  t.seed = 0  # parameter initialisation seed
+  t.log_every = 10  # steps between metric writes (and the non-finite check)
+  t.eval_every = 100  # steps between evaluations; 0 disables
+  t.eval_batches = 4  # batches per evaluation
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.every = 100  # steps between checkpoints; 0 saves only at the end and on SIGTERM
+  k.keep = 3  # checkpoints kept (the newest)
+  k.async_save = True  # write in a background thread while training continues
+
+  c.lock()
+  return c
+
+
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+  """The model section as the model's own dataclass."""
+  return TransformerConfig(**config.model.to_dict())
+
+
+def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Axis sizes with an unset `dp` filled from the device count; raises ConfigError if they cannot fit."""
+  for axis in MESH_AXES:
+    size = mesh[axis]
+    if axis == "dp" and size is None:
+      continue
+    if not isinstance(size, int) or size < 1:
+      raise ConfigError(f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
+                        "to leave the axis unused")
+  if mesh.tp != 1:
+    raise ConfigError(f"mesh.tp={mesh.tp}: no layer is split over the tensor axis yet, so its ranks "
+                      "would repeat the same work; set --config.mesh.tp=1 and give those devices to "
+                      "dp, ep, cp or pp")
+  others = [a for a in MESH_AXES if a != "dp"]
+  rest = 1
+  for a in others:
+    rest *= mesh[a]
+  sizes = {a: mesh[a] for a in MESH_AXES}
+  if mesh.dp is None:
+    if num_devices % rest:
+      raise ConfigError(
+          f"mesh {' x '.join(f'{a}={mesh[a]}' for a in others)} = {rest} devices does not divide the "
+          f"{num_devices} available, so no data-parallel size fits; choose axis sizes whose product "
+          f"divides {num_devices}")
+    sizes["dp"] = num_devices // rest
+  product = rest * sizes["dp"]
+  if product != num_devices:
+    shape = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+    raise ConfigError(
+        f"mesh {shape} = {product} devices, but {num_devices} are available; the product must equal "
+        f"the device count (leave mesh.dp unset to fill the remaining devices with data parallelism)")
+  return sizes
+
+
+def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """mesh.order as a tuple of every axis, outermost first: the axes it lists lead, the others
+  follow in MESH_AXES order. ConfigError names an unknown or repeated axis."""
+  listed = [a.strip() for a in str(mesh.order).split(",") if a.strip()]
+  bad = [a for a in listed if a not in MESH_AXES]
+  if bad or len(set(listed)) != len(listed):
+    what = f"unknown axis {bad[0]!r}" if bad else "an axis twice"
+    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes "
+                      f"({', '.join(MESH_AXES)}) outermost first, e.g. --config.mesh.order=dp,pp "
+                      "to put data parallelism across processes and the pipeline within each")
+  return tuple(listed) + tuple(a for a in MESH_AXES if a not in listed)
+
+
+def _positive(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
+  for name in names:
+    value = cfg[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f"{section}.{name}={value!r} must be a positive integer")
+
+
+def _non_negative(section: str, cfg: ml_collections.ConfigDict, names: Iterable[str]) -> None:
+  for name in names:
+    value = cfg[name]
+    if not value >= 0:
+      raise ConfigError(f"{section}.{name}={value!r} must be >= 0")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             platform: str | None = None) -> dict[str, int]:
+  """Checks every value the run depends on, before any device work; returns the mesh shape.
+
+  platform: the backend the run will use ('cpu', 'gpu', 'tpu'), for the dtypes it cannot run.
+  """
+  m, p, d, o, t, k = (config.model, config.pipeline, config.data, config.optimizer, config.train,
+                      config.checkpoint)
+  _positive("model", m, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"))
+  _positive("pipeline", p, ("microbatches", "chunks"))
+  _positive("data", d, ("seq_len", "batch"))
+  _positive("train", t, ("steps", "log_every", "eval_batches"))
+  _positive("checkpoint", k, ("keep",))
+  _non_negative("train", t, ("eval_every",))
+  _non_negative("checkpoint", k, ("every",))
+  _non_negative("optimizer", o, ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm",
+                                 "eps"))
+  for name in ("b1", "b2"):
+    if not 0 <= o[name] < 1:
+      raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs "
+                      "of channels")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                      f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
+                      "number of query heads, so pick n_kv_heads among the divisors of n_heads")
+  if not isinstance(m.cp_overlap, bool):
+    raise ConfigError(f"model.cp_overlap={m.cp_overlap!r} must be True or False")
+  if m.rope_theta <= 0:
+    raise ConfigError(f"model.rope_theta={m.rope_theta!r} must be > 0")
+  if m.dtype not in DTYPES:
+    raise ConfigError(f"model.dtype={m.dtype!r} is unknown; use one of {DTYPES}")
+  why = UNSUPPORTED_DTYPES.get(platform, {}).get(m.dtype)
+  if why:
+    runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
+    raise ConfigError(f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} "
+                      "there")
+  check_fp8(m)
+  if d.source not in SOURCES:
+    raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
+  if d.source == "stdlib" and m.vocab < 256:
+    raise ConfigError(f"model.vocab={m.vocab} cannot hold the byte-level stdlib corpus; set "
+                      "--config.model.vocab=256 (or more)")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
+  schedule = p.schedule
+  if not isinstance(schedule, str) or not (schedule in SCHEDULES + (AUTO,)
+                                           or schedule.endswith(".csv")):
+    raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} "
+                      f"or {AUTO!r}, or the path of a torch.distributed.pipelining schedule CSV "
+                      "(ending in .csv)")
+  if schedule.endswith(".csv") and not os.path.isfile(schedule):
+    raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
+
+  shape = mesh_shape(config.mesh, num_devices)
+  mesh_order(config.mesh)
+  every = 1
+  if m.moe is not None:
+    every = m.moe.every
+    if not isinstance(every, int) or every < 1:
+      raise ConfigError(f"model.moe.every={every!r} must be a positive integer (1: every layer MoE)")
+    if m.n_layers % every:
+      raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
+                        "layers come in groups of moe.every (the last of each is MoE), so use a "
+                        f"multiple of {every} layers")
+    try:  # the MoE layer's own checks: at construction, then against the expert axis
+      model_config(config).moe.validate(shape["ep"])
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"model.moe: {e}") from e
+  if schedule == AUTO:
+    _check_auto(config, shape)
+  elif shape["pp"] > 1 or schedule.endswith(".csv"):
+    _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
+  cp = shape["cp"]
+  for name in ("n_heads", "n_kv_heads"):
+    if m[name] % cp:
+      raise ConfigError(f"model.{name}={m[name]} is not divisible by mesh.cp={cp}; context "
+                        "parallelism gives each context rank an equal share of the heads, so use "
+                        f"a cp that divides {m[name]}")
+  if d.seq_len % cp:
+    raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
+  if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
+    raise ConfigError("model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
+                      "the amaxes are max-reduced over sequence shards only where the shard_map "
+                      "tracks varying axes, which interpreted Pallas kernels switch off; set "
+                      "--config.model.attention=xla (or cudnn), or use mesh.pp > 1")
+  replicas = shape["dp"] * shape["ep"]
+  if schedule != AUTO and d.batch % (replicas * p.microbatches):
+    raise ConfigError(
+        f"data.batch={d.batch} is not divisible by data-parallel ranks (mesh.dp x mesh.ep = "
+        f"{shape['dp']} x {shape['ep']}) x pipeline.microbatches={p.microbatches} = "
+        f"{replicas * p.microbatches}; use a batch that is a multiple of "
+        f"{replicas * p.microbatches}")
+  return shape
+
+
+def check_fp8(m: ml_collections.ConfigDict) -> None:
+  """model.fp8 and its delayed-scaling fields; block scaling's 1x128 tiles need the contracted
+  widths to be multiples of 128."""
+  if m.fp8 not in fp8_lib.RECIPES:
+    raise ConfigError(f"model.fp8={m.fp8!r} is unknown; use one of {fp8_lib.RECIPES}")
+  _positive("model", m, ("fp8_history",))
+  if not isinstance(m.fp8_margin, int) or isinstance(m.fp8_margin, bool) or m.fp8_margin < 0:
+    raise ConfigError(f"model.fp8_margin={m.fp8_margin!r} must be an integer >= 0 (the scale is "
+                      "fp8_max / amax / 2^margin)")
+  if m.fp8_amax not in fp8_lib.AMAX_ALGOS:
+    raise ConfigError(f"model.fp8_amax={m.fp8_amax!r} is unknown; use one of {fp8_lib.AMAX_ALGOS}")
+  if m.fp8 != "none" and m.cp_overlap:
+    raise ConfigError(f"model.fp8={m.fp8!r} with model.cp_overlap=True: the projections fused "
+                      "with Ulysses' all-to-alls run in the compute dtype only; set "
+                      "--config.model.cp_overlap=False")
+  if m.fp8 != "block":
+    return
+  widths = {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads * head_dim": m.n_heads * m.head_dim}
+  if m.moe is not None:
+    widths["moe.d_ff"] = m.moe.d_ff
+    if m.moe.num_shared_experts:
+      widths["moe.num_shared_experts * moe.d_ff"] = m.moe.num_shared_experts * m.moe.d_ff
+  for name, width in widths.items():
+    if width % fp8_lib.BLOCK:
+      raise ConfigError(f"model.fp8='block' quantises activations in 1x{fp8_lib.BLOCK} tiles along "
+                        f"the width a GEMM contracts, but model.{name}={width} is not a multiple "
+                        f"of {fp8_lib.BLOCK}; use a multiple of {fp8_lib.BLOCK} or another recipe")
+
+
+def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
+  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX); ConfigError if none."""
+  name = pipeline.schedule
+  if name.endswith(".csv"):
+    try:
+      schedule = Schedule.from_csv(name)
+    except (ValueError, OSError) as e:
+      raise ConfigError(f"pipeline.schedule={name!r} is not a valid schedule: {e}") from e
+    if schedule.num_ranks != pp:
+      raise ConfigError(f"pipeline.schedule={name!r} has {schedule.num_ranks} ranks but mesh.pp="
+                        f"{pp}; set --config.mesh.pp={schedule.num_ranks} or write the schedule "
+                        f"for {pp} ranks")
+    if schedule.num_microbatches != pipeline.microbatches:
+      raise ConfigError(f"pipeline.schedule={name!r} runs {schedule.num_microbatches} micro-batches "
+                        f"but pipeline.microbatches={pipeline.microbatches}; set "
+                        f"--config.pipeline.microbatches={schedule.num_microbatches}")
+    chunks = schedule.placement.chunks_per_rank
+    if pipeline.chunks not in (1, chunks):
+      raise ConfigError(f"pipeline.schedule={name!r} places {chunks} chunk"
+                        f"{'s' if chunks > 1 else ''} on each rank but "
+                        f"pipeline.chunks={pipeline.chunks}; leave pipeline.chunks at 1 (the "
+                        "file decides) or set it to the file's count")
+    return schedule
+  # chunks = 1 is the default: the generator's own choice (2 for interleaved and V schedules).
+  chunks = None if pipeline.chunks == 1 else pipeline.chunks
+  try:
+    return make_schedule(name, pp=pp, microbatches=pipeline.microbatches, chunks=chunks)
+  except ValueError as e:
+    raise ConfigError(f"pipeline.schedule={name!r} cannot run mesh.pp={pp} with "
+                      f"pipeline.microbatches={pipeline.microbatches}"
+                      + (f", pipeline.chunks={chunks}" if chunks else "") + f": {e}") from e
+
+
+def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+  """pipeline.schedule = 'auto': its fields, and at least one candidate the IR can build."""
+  from jaxpipe.pipeline.ir import auto as auto_lib
+  from jaxpipe.pipeline.ir import costs as costs_lib
+  p = config.pipeline
+  if shape["pp"] == 1:
+    raise ConfigError("pipeline.schedule='auto' chooses among pipeline schedules; set "
+                      "--config.mesh.pp to 2 or more, or name a schedule")
+  if not p.memory_limit_gb >= 0:
+    raise ConfigError(f"pipeline.memory_limit_gb={p.memory_limit_gb!r} must be >= 0 (0: no limit)")
+  per_replica = config.data.batch // (shape["dp"] * shape["ep"])
+  for mb in p.auto_microbatches:
+    if not isinstance(mb, int) or mb < 1 or config.data.batch % (shape["dp"] * shape["ep"] * mb):
+      raise ConfigError(f"pipeline.auto_microbatches entry {mb!r} does not split the batch: "
+                        f"data.batch={config.data.batch} over {shape['dp'] * shape['ep']} data "
+                        f"ranks leaves {per_replica} sequences each; use divisors of {per_replica}")
+  bad = [n for n in p.auto_schedules if n not in SCHEDULES]
+  if bad:
+    raise ConfigError(f"pipeline.auto_schedules has {bad}; choose among {', '.join(SCHEDULES)}")
+  if p.costs:
+    try:
+      costs_lib.load(p.costs)
+    except costs_lib.CostFileError as e:
+      raise ConfigError(f"pipeline.costs={p.costs!r}: {e}") from e
+  try:
+    auto_pairs(config, shape)
+  except auto_lib.AutoError as e:
+    raise ConfigError(f"pipeline.schedule='auto': {e}") from e
+
+
+def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[int]:
+  """The micro-batch counts auto may choose: pipeline.auto_microbatches, else every count the
+  per-replica batch splits into."""
+  if config.pipeline.auto_microbatches:
+    return sorted(set(config.pipeline.auto_microbatches))
+  per_replica = config.data.batch // (mesh_shape["dp"] * mesh_shape["ep"])
+  return [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+
+
+def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tuple[int, int]]:
+  """(micro-batches, stages) pairs the runnable auto candidates need costs for; AutoError if
+  none can run."""
+  from jaxpipe.pipeline.ir import auto as auto_lib
+  cands = auto_lib.candidates(mesh_shape["pp"], auto_microbatches(config, mesh_shape),
+                              auto_names(config), layers=layer_units(config))
+  auto_lib.require_runnable(cands, mesh_shape["pp"])
+  return sorted({(c.microbatches, c.stages) for c in cands if not c.dropped})
+
+
+def auto_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The schedules auto may choose: pipeline.auto_schedules, else all of SCHEDULES."""
+  return tuple(config.pipeline.auto_schedules) or SCHEDULES
+
+
+def layer_units(config: ml_collections.ConfigDict) -> int:
+  """Entries of the layer stack stages split: layers, or groups of moe.every layers."""
+  m = config.model
+  return m.n_layers // (m.moe.every if m.moe is not None else 1)
+
+
+def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
+  """Every model stage of `schedule` must get the same whole number of layers (MoE: groups)."""
+  pl = schedule.placement
+  stages, pp = schedule.num_stages, schedule.num_ranks
+  units = n_layers // every
+  if units % stages == 0:
+    return
+  if pl.copies > 1:
+    how = f"one per rank on mesh.pp={pp} ranks, each stage held twice, once per direction"
+  elif pl == Placement.vshape(pp):
+    how = (f"2 per rank on mesh.pp={pp} ranks, in a V: each rank's layers split into two equal "
+           "chunks, so each rank needs an even number of them")
+  elif pl.chunks_per_rank > 1:
+    how = f"mesh.pp={pp} ranks x {pl.chunks_per_rank} chunks per rank"
+  else:
+    how = f"one per rank on mesh.pp={pp} ranks"
+  what = f" ({units} groups of model.moe.every={every} layers)" if every > 1 else ""
+  raise ConfigError(f"model.n_layers={n_layers}{what} does not split into the {stages} model "
+                    f"stages of schedule {schedule.name!r} ({how}); every stage holds the same "
+                    f"number of layers, so use a multiple of {stages * every} layers or change "
+                    "mesh.pp, pipeline.chunks or the schedule")
+
+
+def define_runner_flags() -> None:
+  """The `--config` (ml_collections file), `--gin_file` and `--gin_param` flags of a runner."""
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
+                                  lock_config=True)
+  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.")
+  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.")
+  flags.mark_flag_as_required("config")
+
+
+def runner_config(argv: list[str]) -> ml_collections.ConfigDict:
+  """The config those flags name, overrides and gin bindings applied; exits on stray arguments."""
+  from absl import flags
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  return apply_gin(f.config, f.gin_file, f.gin_param)
+
+
+_GIN_CONFIGURABLES: dict = {}
+
+
+def _section_configurable(section: str):
+  """A gin configurable named after the section that returns whatever was bound to it."""
+  import gin
+  # gin keeps one global registry, so each section is registered once per process.
+  if section not in _GIN_CONFIGURABLES:
+    def bindings(**kwargs):
+      return kwargs
+    _GIN_CONFIGURABLES[section] = gin.external_configurable(bindings, name=section,
+                                                            module="jaxpipe.training.config")
+  return _GIN_CONFIGURABLES[section]
+
+
+def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
+              bindings: Iterable[str] = ()) -> ml_collections.ConfigDict:
+  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings) onto `config`."""
+  import gin
+  files, bindings = list(files), list(bindings)
+  if not files and not bindings:
+    return config
+  for f in files:  # gin would log its own error before raising
+    if not os.path.isfile(f):
+      raise ConfigError(f"--gin_file {f}: no such file (relative paths start at {os.getcwd()})")
+  fns = {s: _section_configurable(s) for s in GIN_SECTIONS}
+  gin.clear_config()
+  try:
+    try:
+      gin.parse_config_files_and_bindings(files, bindings)
+    except (ValueError, OSError) as e:
+      raise ConfigError(f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. "
+                        "'model.d_model = 256'") from e
+    bound = {section: fn() for section, fn in fns.items()}
+  finally:
+    gin.clear_config()
+  for section, values in bound.items():
+    for key, value in values.items():
+      if key not in config[section]:
+        close = difflib.get_close_matches(key, list(config[section].keys()), n=1)
+        hint = f"did you mean {section}.{close[0]}?" if close else f"fields: {list(config[section])}"
+        raise ConfigError(f"gin binding {section}.{key}: no such field; {hint}")
+      try:
+        config[section][key] = value
+      except TypeError as e:
+        raise ConfigError(f"gin binding {section}.{key} = {value!r}: {e}") from e
+  return config

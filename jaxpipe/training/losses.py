@@ -1,0 +1,230 @@
+"""The gradient computation on each parallel path, chosen from the config by
+`make_loss_and_grads`:
+
+  loss_and_grads(params, batch) -> (loss, grads, metrics)
+
+`batch` holds global `[batch, seq]` arrays (`tokens`, `targets`, `mask`); `loss` is the masked
+cross-entropy divided by the global number of valid tokens (all micro-batches, all data ranks, as
+Megatron does); `metrics` is a dict of scalars (at least `tokens`, that count). Everything around
+it (optimizer, state, sharding, checkpoints) stays the same whichever function is chosen.
+
+With MoE layers every path (data/expert-parallel, pipeline, context-parallel) differentiates the
+same objective,
+
+  cross-entropy summed over valid tokens / valid tokens  +  mean over micro-batches of
+  sum over MoE layers of (lb_loss_coef · load-balancing loss + z_loss_coef · z-loss),
+
+each micro-batch's auxiliary losses computed over all of its tokens (on every data rank). This is
+Megatron's convention (`MoEAuxLossAutoScaler` scaled by 1/micro-batches): the coefficients weigh
+the aux losses exactly as configured, whatever the padding and the micro-batch count. Weighting
+them by valid tokens instead would make their strength follow the padding although padded tokens
+are routed (and fill expert buffers) like the others. The reported `loss` is the cross-entropy
+alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
+also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
+train step moves the sigmoid router's balancing biases. `moe.aux_objective` is the aux term; with
+`moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
+pooled over the layers.
+"""
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.mesh import make_mesh
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import transformer
+from jaxpipe.models.attention import context_parallel
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.parallel.ulysses import positions_local
+
+LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
+
+def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
+  """`jax.value_and_grad` of the whole model; XLA splits the batch over the data axes.
+
+  With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
+  the result equals the single-slice one up to float rounding.
+  """
+
+  def loss_sum(params, batch):
+    return transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    if microbatches == 1:
+      (total, count), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j: a reshape that keeps the batch axis's sharding.
+      split = jax.tree.map(
+          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
+                                 0, 1), batch)
+
+      def body(carry, mb):
+        (s, n), g = grad_fn(params, mb)
+        return fp8_lib.accumulate(carry, (s, n, g)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+               jax.tree.map(jnp.zeros_like, params))
+      (total, count, grads), _ = jax.lax.scan(body, zeros, split)
+    denom = jnp.maximum(count, 1.0)
+    return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
+
+  return loss_and_grads
+
+
+def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
+  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
+
+  Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
+  weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
+  `loss`. Metrics add the routing statistics (`moe.train_metrics`), as every MoE path does.
+  """
+  moe_cfg = cfg.moe
+
+  def objective(params, batch, denom):
+    with moe_lib.expert_parallel(mesh):
+      total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
+                                               batch["mask"])
+    ce = total / denom
+    aux_loss = moe_lib.aux_objective(moe_cfg, aux)
+    return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    denom = jnp.maximum(count, 1.0)
+    if microbatches == 1:
+      (_, (loss, aux)), grads = grad_fn(params, batch, denom)
+    else:
+      split = jax.tree.map(
+          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
+                                 0, 1), batch)
+
+      def body(carry, mb):
+        (_, (ce, a)), g = grad_fn(params, mb, denom)
+        return fp8_lib.accumulate(carry, (ce, a, g)), None
+
+      first = jax.tree.map(lambda x: x[0], split)
+      (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
+      (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
+    metrics = {"tokens": count,
+               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
+               "moe_aux_loss": aux["objective"] / microbatches}  # the pooled form's lb included
+    return loss, grads, metrics
+
+  return loss_and_grads
+
+
+def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbatches: int = 1, *,
+                                    axis_name: str = "cp",
+                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
+  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
+
+  Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
+  with rotary positions offset to its slice; `attention` runs Ulysses (see
+  `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
+  partials and are added outside, so the gradient of the replicated parameters is the sum of
+  every rank's contribution whether or not shard_map checks varying axes.
+
+  As in the pipeline path, tokens are weighted by `transformer.mean_weights` and MoE auxiliary
+  losses ride on the gradient weighted by the tokens of their micro-batch, so dividing by the
+  step's token count gives the trainer's objective; the reported loss is the cross-entropy.
+  With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
+  summed over all token shards inside the shard_map.
+  """
+  if cfg.fp8 == "delayed" and cfg.attention == "pallas":
+    # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
+    # where it tracks varying axes, which interpreted Pallas kernels need switched off
+    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
+                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
+  spec = P(batch_axes, axis_name)
+  every_axis = P(tuple(mesh.axis_names))
+  aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
+
+  def apply_layers(layers, x_BxSxD, positions_S):
+    if cfg.moe is None:
+      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
+    # transformer.apply_layers, keeping each MoE group's statistics
+    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
+    return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
+
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
+    with context_parallel(axis_name):
+      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
+      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
+      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
+      total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
+    return total[None], aux
+
+  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
+                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
+
+  def loss_sum(params, batch):
+    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
+    return jnp.sum(total), aux
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
+             "weights": transformer.mean_weights(batch["mask"])}
+    if microbatches == 1:
+      (total, aux), grads = grad_fn(params, batch)
+    else:
+      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
+      split = jax.tree.map(lambda x: jnp.swapaxes(
+          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+
+      def body(carry, mb):
+        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
+
+      first = jax.tree.map(lambda x: x[0], split)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      ((total, aux), grads), _ = jax.lax.scan(body, zeros, split)
+    metrics = {"tokens": count}
+    if cfg.moe is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+    return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
+
+  return loss_and_grads
+
+
+def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfig,
+                        mesh_shape: dict[str, int],
+                        layers_in_placement_order: bool = False) -> LossAndGrads:
+  """The gradient computation the config asks for.
+
+  layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
+  `layer_order` (the Trainer's storage), not the model's order.
+  """
+  if cfg.moe is not None:
+    cfg.moe.validate(mesh_shape["ep"])
+    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and (
+        mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1):
+      raise config_lib.ConfigError(
+          "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
+          "layers, which the pipeline and context-parallel paths keep apart; set "
+          "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
+          "between the two) or run with mesh.pp = mesh.cp = 1")
+    if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
+      return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
+  if mesh_shape["pp"] > 1:
+    # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
+    from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
+    return pipeline_loss_and_grads(cfg, config.pipeline, make_mesh(config.mesh),
+                                   layers_in_placement_order)
+  if mesh_shape["cp"] > 1:
+    # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
+    return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
+  return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)

@@ -1,0 +1,195 @@
+"""The Transformer LM on the pipeline executor: the trainer's `loss_and_grads` when mesh.pp > 1.
+
+Stage s runs layers [s*k, (s+1)*k) (`transformer.apply_unit`: one layer, or one group of
+layers ending in an MoE layer, at a time); the first virtual stage of every route also embeds
+the tokens and the last applies the final norm, the head and the loss (the executor's
+`embed_fn` and `loss_fn`, whose parameters are replicated over the pipeline and whose gradients
+are summed over it).
+
+The head weighs each token's cross-entropy by `transformer.mean_weights` (mask · N / valid
+tokens, N the step's tokens) and MoE groups attach their auxiliary losses weighted by the N/m
+tokens of their micro-batch; the executor sums both over micro-batches and data shards, and
+dividing that and the gradients by N gives the trainer's objective (mean cross-entropy plus the
+mean over micro-batches of the aux losses) with nothing data-dependent inside the stages. The
+reported loss is the cross-entropy alone.
+
+Expert parallelism runs inside the stages: expert weights stay split over `ep` as the trainer
+stores them (the executor's `param_specs`), each MoE layer moves its tokens with `all_to_all`
+over `ep` to the ranks holding their experts, and expert gradients are reduced over `dp` only.
+That collective sits inside the executor's per-tick `lax.switch`, which is safe because the
+devices of one ep group share their pp rank, hence their table row, branch and tick.
+
+Context parallelism runs the same way: with mesh.cp > 1 the executor splits every
+micro-batch's sequence over `cp` (its `seq_axes`), each stage runs norms and MLPs on its
+L/cp tokens with rotary positions offset to its slice, and attention's Ulysses all-to-alls
+over `cp` sit inside the branch beside the MoE ones, for the same reason. A ppermute there would
+wait for every device of the program, so `cp_overlap` runs its chunked all-to-all form.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpipe.training import config as config_lib
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import transformer
+from jaxpipe.models.attention import context_parallel
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
+from jaxpipe.pipeline.executor import Model, layered
+from jaxpipe.pipeline.ir.schedule import Schedule
+from jaxpipe.parallel.ulysses import positions_local
+
+BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
+CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
+
+
+def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
+  """config.pipeline -> the validated schedule for `pp` ranks (as config validation builds it)."""
+  return config_lib.pipeline_schedule(pipeline, pp)
+
+
+@functools.lru_cache(maxsize=16)
+def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
+  """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
+
+  With `context_axis` (the executor's `seq_axes`) each stage holds a contiguous slice of every
+  sequence and attention runs Ulysses over that axis.
+  """
+
+  def layer_fn(unit, x_BxLxD):
+    # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
+    # the gradient of its output and whose routing statistics are the executor's stage aux
+    # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
+    with context_parallel(context_axis, point_to_point=False):
+      if context_axis is None:
+        positions_L = jnp.arange(x_BxLxD.shape[1])
+      else:
+        positions_L = positions_local(x_BxLxD.shape[1], context_axis)
+      if cfg.moe is None:
+        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
+      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
+
+  def embed_fn(embed_params, tokens_BxL):
+    return transformer.embed(cfg, embed_params, tokens_BxL)
+
+  def loss_fn(head_params, x_BxLxD, target):
+    targets_BxL, mask_BxL = target
+    return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
+
+  # Unit by unit, so a split backward's W needs no recomputation (the same function as
+  # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
+  return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None,
+               max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None)
+
+
+def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
+  """The order of the layer stack (entries of its `units`) that puts on each pipeline rank, when
+  split over pp, exactly the stages it runs: stage by stage as `Lowered.layout()` lists them, rank
+  by rank. None when that is the model's own order (contiguous placements). A placement that runs
+  a stage on two ranks (bidirectional: Chimera, DualPipe) lists its units twice, one resident
+  copy on each rank that runs them."""
+  layout = lowered_for(schedule).layout().ravel()
+  if np.array_equal(layout, np.arange(layout.size)):
+    return None
+  per_stage = units // schedule.num_stages
+  return (layout[:, None] * per_stage + np.arange(per_stage)).ravel()
+
+
+def lm_layer_order(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
+                   pp: int) -> np.ndarray | None:
+  """`placement_order` of the LM's layer stack (an entry per layer, or per moe.every group)."""
+  every = cfg.moe.every if cfg.moe is not None else 1
+  return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
+
+
+def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
+  """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
+  def spec(path, leaf):
+    if ep_axis is None or getattr(path[-1], "key", None) not in moe_lib.EXPERT_WEIGHTS:
+      return P()
+    return P(*(None,) * (len(leaf.shape) - 4), ep_axis)  # leaf: [stages, ..., E, in, out]
+  return jax.tree_util.tree_map_with_path(spec, stage_layers)
+
+
+def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
+                            mesh: Mesh, layers_in_placement_order: bool = False):
+  """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
+
+  metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
+  (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
+  layers_in_placement_order: params['layers'] (and the layer gradients and per-layer statistics
+  returned) are stacked in `placement_order(schedule, units)` where that is not None, so that no
+  parameter moves between pipeline ranks inside the step; under bidirectional placements that
+  holds each layer twice, and both copies get the sum of their gradients.
+  """
+  for axis in mesh.axis_names:
+    if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
+      raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
+                       f"data ({', '.join(BATCH_AXES)}) and context ({CONTEXT_AXIS}) parallelism "
+                       f"only; set mesh.{axis}=1")
+  schedule = lm_schedule(pipeline, mesh.shape["pp"])
+  stages = schedule.num_stages
+  every = cfg.moe.every if cfg.moe is not None else 1
+  units = cfg.n_layers // every  # entries on params['layers'] leading axis
+  if units % stages:
+    what = f"{units} groups of moe.every={every} layers" if every > 1 else "layers"
+    raise ValueError(f"model.n_layers={cfg.n_layers} ({what}) does not split into the "
+                     f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
+                     f"{stages * every}")
+  m = schedule.num_microbatches
+  order = placement_order(schedule, units) if layers_in_placement_order else None
+  in_placement = order is not None
+  entries = order.size // (units // stages) if in_placement else stages  # stage blocks stored
+  # each unit's first copy in the stored order (all of them without copies): metrics count once
+  once = np.unique(order, return_index=True)[1] if in_placement else None
+  seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
+  model = lm_model(cfg, seq_axes[0] if seq_axes else None)
+  data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
+
+  def loss_and_grads(params, batch):
+    stored = jax.tree.leaves(params["layers"])[0].shape[0]
+    if stored != (order.size if in_placement else units):
+      raise ValueError(f"params['layers'] has {stored} entries but this step takes "
+                       + (f"{order.size}, the layers stacked rank by rank (each twice under "
+                          f"{schedule.name!r}); pass Trainer.stored_params(params)" if in_placement
+                          else f"{units}, one per layer unit in the model's order"))
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    weighted = {**batch, "mask": transformer.mean_weights(batch["mask"])}
+    # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
+    split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]),
+                                                0, 1), weighted)
+    stage_params = jax.tree.map(lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]),
+                                params["layers"])
+    head_params = {k: v for k, v in params.items() if k != "layers"}
+    total, stage_grads, head_grads, embed_grads, *stage_aux = pipeline_value_and_grad(
+        model, stage_params, split["tokens"], (split["targets"], split["mask"]),
+        schedule=schedule, mesh=mesh, head_params=head_params,
+        embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
+        data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis),
+        seq_axes=seq_axes, stage_order="placement" if in_placement else "model")
+    grads = dict(head_grads)
+    grads["embed"] = grads["embed"] + embed_grads["embed"]
+    grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
+                                   stage_grads)
+    grads = fp8_lib.map_grads(lambda g: g / n_tokens, grads)
+    metrics = {"tokens": count}
+    if stage_aux:
+      # [stage blocks, data shards, units per stage, ...]: MoE statistics are sums over every
+      # token shard already, the same on each data shard.
+      aux = jax.tree.map(lambda a: a[:, 0].reshape(-1, *a.shape[3:]), stage_aux[0])
+      counted = aux if once is None or once.size == order.size else jax.tree.map(
+          lambda a: a[once], aux)  # resident copies: both hold the summed statistics
+      metrics.update(moe_lib.train_metrics(counted, m, n_tokens, cfg.moe.top_k))
+      metrics["moe_tokens_per_expert"] = aux["tokens_per_expert"]  # the stored order's biases
+    return total / n_tokens, grads, metrics
+
+  return loss_and_grads

@@ -1,0 +1,135 @@
+"""The train state and where it lives: `TrainState`, the optimizer, the layers' stored order
+(rank by rank under interleaved and V placements) and the state's shardings on the mesh."""
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.models import moe as moe_lib
+from jaxpipe.models.transformer import TransformerConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # optimizer steps taken so far
+  params: dict
+  opt_state: optax.OptState
+  fp8: Any = None  # model.fp8='delayed': amax histories, `fp8.state_of(params)` leaves [..., 3, H]
+
+
+def fresh_state(cfg: TransformerConfig, optimizer: optax.GradientTransformation,
+                params: dict) -> TrainState:
+  """Step 0 at `params`: the optimizer's initial state and, for model.fp8='delayed', zero amax
+  histories (the structure every checkpoint of the run holds)."""
+  history = fp8_lib.init_history(params, cfg.fp8_history) if cfg.fp8 == "delayed" else None
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), history)
+
+
+def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+  """Linear warm-up to `opt.lr`, then cosine decay to `opt.lr * opt.min_lr_ratio` at `steps`."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
+      decay_steps=max(steps, opt.warmup_steps + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def _decays(params: dict) -> dict:
+  # Norm scales are stacked into 2-D arrays, so decide by name, not by rank.
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+
+
+def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` with the norm computed by `norm` (e.g. `Trainer.grad_norm`)."""
+
+  def update(updates, state, params=None):
+    del params
+    g_norm = norm(updates)
+    trigger = g_norm < max_norm
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+                        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, steps: int,
+                   norm: Callable[[Any], jax.Array] | None = None) -> optax.GradientTransformation:
+  """AdamW with warm-up + cosine schedule, after clipping by the global norm (`norm`, default
+  optax's over every leaf)."""
+  adamw = optax.adamw(learning_rate(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                      weight_decay=opt.weight_decay, mask=_decays)
+  if not opt.clip_norm:
+    return adamw
+  clip = optax.clip_by_global_norm(opt.clip_norm) if norm is None else clip_by_norm(opt.clip_norm,
+                                                                                    norm)
+  return optax.chain(clip, adamw)
+
+
+
+def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
+                mesh_shape: dict[str, int]) -> np.ndarray | None:
+  """The order in which the Trainer stacks params['layers'] (None: the model's own order).
+
+  Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
+  contiguous block of the model's layers; stacking them rank by rank instead means the pp split
+  of the stack gives each rank exactly its stages, and no parameter moves inside a step.
+  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
+  each layer twice, a resident copy on each of them.
+  """
+  if mesh_shape["pp"] == 1:
+    return None
+  from jaxpipe.training.pipeline_lm import lm_layer_order
+  return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
+
+
+def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any:
+  """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
+  `leaf[order]`; everything else unchanged. `size`: the layer axis the tree must have (default
+  len(order), a permutation; an order that repeats or drops entries says it)."""
+  size = len(order) if size is None else size
+
+  def reorder(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    if "layers" not in keys or not getattr(x, "ndim", 0):
+      return x
+    if x.shape[0] != size:
+      raise ValueError(f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
+                       f"the layer order takes {size}; is this tree the model's?")
+    return x[order]
+  return jax.tree_util.tree_map_with_path(reorder, tree)
+
+
+def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep") -> Any:
+  """NamedShardings for a tree holding parameters or their likes (train state, optimizer moments).
+
+  Leaves under a `layers` key are split over `pp_axis` (when it has more than one rank) on their
+  leading layer axis, so each pipeline rank stores 1/pp of the layer stack, its gradients and
+  its optimizer moments; MoE expert weights are split over `ep_axis` on their expert axis;
+  everything else is replicated.
+
+  Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
+  that this block is what rank r runs (`layer_order`): the model's order under contiguous
+  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones, and
+  rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones (Chimera,
+  DualPipe), which run every stage on two ranks.
+  """
+  pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
+  has_ep = ep_axis in mesh.axis_names
+
+  def spec(path, leaf):
+    keys = [getattr(k, "key", None) for k in path]
+    axes = [None] * len(leaf.shape)
+    if pp > 1 and "layers" in keys and leaf.shape and leaf.shape[0] % pp == 0:
+      axes[0] = pp_axis
+    if has_ep and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
+      axes[-3] = ep_axis  # [..., E, in, out]
+    while axes and axes[-1] is None:
+      axes.pop()
+    return NamedSharding(mesh, P(*axes))
+
+  return jax.tree_util.tree_map_with_path(spec, tree)

@@ -1,0 +1,306 @@
+"""Helpers that several test modules share: model and batch builders, oracles, runner plumbing."""
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.models.moe import MoEConfig
+from jaxpipe.training.trainer import Trainer
+import dataclasses
+import functools
+import jax
+import jax.numpy as jnp
+import json
+import math
+import ml_collections
+import numpy as np
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+# --- from training/test_losses_moe.py ----------------------------------------
+
+MOE = dict(num_experts=8, top_k=2, d_ff=16, every=2, lb_loss_coef=0.1, z_loss_coef=0.01)
+
+
+def moe_config(ep=4, **moe_kwargs):
+  c = tiny.get_config()
+  c.model.n_layers = 4
+  c.model.d_ff = 48
+  c.model.moe = ml_collections.ConfigDict({**MOE, **moe_kwargs})
+  c.data.seq_len = 8
+  c.mesh.ep = ep
+  return c
+
+
+def random_params(cfg, seed=0):
+  """Model-shaped parameters, every leaf random (norm scales and biases too), drawn on the host."""
+  shapes = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    fan_in = s.shape[-2] if len(s.shape) >= 2 else 1
+    name = jax.tree_util.keystr(path)
+    if "scale" in name:
+      return np.asarray(1 + 0.2 * rng.standard_normal(s.shape), s.dtype)
+    if "expert_bias" in name:
+      return np.asarray(0.2 * rng.standard_normal(s.shape), s.dtype)
+    if "embed" in name:
+      return np.asarray(rng.standard_normal(s.shape) / np.sqrt(s.shape[-1]), s.dtype)
+    return np.asarray(rng.standard_normal(s.shape) / np.sqrt(fan_in), s.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def one_device_objective(cfg, params, batch, microbatches=1):
+  """(objective, (mean cross-entropy, aux)) with no mesh: every MoE layer on one device.
+
+  The objective is the cross-entropy summed over valid tokens / valid tokens, plus the mean over
+  micro-batches (rows j, j+m, ...) of the summed aux losses, each over its micro-batch's tokens.
+  """
+  m = microbatches
+  count = np.sum(batch["mask"])
+  ce = aux_loss = 0.0
+  for j in range(m):
+    total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"][j::m],
+                                             batch["targets"][j::m], batch["mask"][j::m])
+    ce, aux_loss = ce + total / count, aux_loss + aux["loss"].sum() / m
+  return ce + aux_loss, (ce, aux)
+
+
+def close(a, b, what, rtol=1e-5):
+  b = np.asarray(b)
+  np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(np.abs(b).max(), 1e-6), err_msg=what)
+
+
+def path_config(**mesh):
+  c = moe_config(ep=2)
+  c.model.n_layers, c.model.moe.every, c.pipeline.microbatches = 2, 1, 2
+  for axis, size in mesh.items():
+    c.mesh[axis] = size
+  if mesh.get("pp", 1) > 1:
+    c.pipeline.schedule = "zb-h1"
+  return c
+
+
+# --- from training/test_pipeline_lm_moe.py ----------------------------------------
+
+def groups(line: str) -> list[list[int]]:
+  """Replica groups of an HLO collective, explicit ({{0,1},...}) or iota ([a,b]<=[dims]T(perm))."""
+  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+  if m:
+    return sorted(sorted(int(i) for i in g.split(",")) for g in re.findall(r"\{([\d,]*)\}", m[1]))
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  dims = [int(d) for d in m[3].split(",")]
+  ids = np.arange(np.prod(dims)).reshape(dims)
+  if m[4]:
+    ids = ids.transpose([int(p) for p in m[4].split(",")])
+  return sorted(sorted(g) for g in ids.reshape(int(m[1]), int(m[2])).tolist())
+
+
+def axis_groups(mesh, axis: str) -> list[list[int]]:
+  """Logical device ids (positions in the mesh) that differ only in `axis`."""
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  ids = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
+  return sorted(sorted(g) for g in ids.reshape(-1, mesh.shape[axis]).tolist())
+
+
+# --- from kernels_pallas/test_flash_attention.py ----------------------------------------
+
+def rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def flash_inputs(batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def out_and_grads(fn, q, k, v, do):
+  """fn(q, k, v) and its vjp of `do`, as one compiled program."""
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(do))
+  return jax.jit(run)(q, k, v, do)
+
+
+# --- from kernels_pallas/test_paged_attention.py ----------------------------------------
+
+PAGE = 4
+
+
+def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=PAGE, seed=0):
+  """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order), lengths."""
+  rng = np.random.default_rng(seed)
+  b, n = len(lengths), max(-(-max(lengths) // page), 1)
+  num_pages = b * n + 3
+  q = rng.standard_normal((b, heads, head_dim)).astype(np.float32)
+  k = np.full((kv_heads, num_pages, page, head_dim), np.nan, np.float32)
+  v = np.full_like(k, np.nan)
+  tables = rng.permutation(num_pages)[:b * n].reshape(b, n).astype(np.int32)
+  for row, length in enumerate(lengths):
+    pages, slots = tables[row, np.arange(length) // page], np.arange(length) % page
+    k[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
+    v[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
+  return q, k, v, tables, np.asarray(lengths, np.int32)
+
+
+def quantize(x, dtype):
+  """Per (head, page, slot) scale: the largest magnitude maps to the dtype's largest value."""
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  x = np.nan_to_num(x)
+  scale = np.maximum(np.abs(x).max(-1), 1e-6) / top
+  y = x / scale[..., None]
+  y = np.round(y) if dtype == jnp.int8 else y
+  return jnp.asarray(y).astype(dtype), jnp.asarray(scale, jnp.float32)
+
+
+# --- from serve/test_engine.py ----------------------------------------
+
+CONTEXT, PAGE = 48, 4  # the engines' context length and page size
+
+DENSE = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      head_dim=16, d_ff=64)  # the compiled kernel's smallest head
+
+
+MOE = dataclasses.replace(DENSE, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, d_ff=32, every=2))
+
+
+CONFIGS = {"dense": DENSE, "moe": MOE}
+
+
+# One compiled step per engine: every step is padded to 16 tokens and the longest block table.
+ENGINE_ARGS = dict(page_size=PAGE, max_batch=4, max_tokens_per_step=16, max_seq_len=CONTEXT,
+                   token_buckets=(16,), page_buckets=(CONTEXT // PAGE,))
+
+
+@functools.cache
+def params(name):
+  return random_params(CONFIGS[name], seed=1)
+
+
+@functools.cache
+def forward(name):
+  """The training forward pass on [N, CONTEXT] tokens (right-padded: causal, so padding after a
+  position does not change its logits)."""
+  cfg, params = CONFIGS[name], params(name)
+  return jax.jit(lambda tokens: transformer.forward(cfg, params, tokens))
+
+
+def oracle(name: str, prompts, max_tokens: int) -> list[list[int]]:
+  """Greedy generation recomputing every whole sequence at every step."""
+  seqs, outs = [list(p) for p in prompts], [[] for _ in prompts]
+  for _ in range(max_tokens):
+    tokens = np.zeros((len(seqs), CONTEXT), np.int32)
+    for i, s in enumerate(seqs):
+      tokens[i, :len(s)] = s
+    logits = np.asarray(forward(name)(tokens))
+    for i, s in enumerate(seqs):
+      s.append(int(np.argmax(logits[i, len(s) - 1])))
+      outs[i].append(s[-1])
+  return outs
+
+
+def prompts(seed=0, n=12):
+  """n random prompts of 1-30 tokens; with n >= 10, four of them share a prefix."""
+  rng = np.random.default_rng(seed)
+  prompts = [list(map(int, rng.integers(0, 64, rng.integers(1, 31)))) for _ in range(n)]
+  if n < 10:
+    return prompts
+  shared = list(map(int, rng.integers(0, 64, 9)))
+  prompts[2] = shared + [1, 2, 3]  # a 9-token prefix: 2 full pages shared
+  prompts[5] = shared + [4]
+  prompts[7] = shared[:8]  # exactly 2 pages, all cached: its last token's page is copied
+  prompts[9] = shared[:8]
+  return prompts
+
+
+def check_pages(engine):
+  """Every page's count is the number of its owners (requests running, parked after prefill or
+  reserved for incoming K/V, and the prefix cache); only a sequence's last page has room."""
+  owners = np.zeros(engine.num_pages, np.int32)
+  for r in engine.running + engine.prefilled + engine.incoming:
+    assert len(r.pages) == math.ceil(r.computed / engine.page_size), r.id
+    for p in r.pages:
+      owners[p] += 1
+  for p in (engine.prefix_cache._pages.values() if engine.prefix_cache else ()):
+    owners[p] += 1
+  np.testing.assert_array_equal(owners, engine.allocator.refs)
+  usage = engine.kv_usage()
+  assert usage["pages_in_use"] == np.count_nonzero(owners)
+  assert usage["slots"] - usage["tokens"] < engine.page_size * max(len(engine.running), 1)
+
+
+# --- from pipeline/test_api.py ----------------------------------------
+
+B, L, D = 4, 3, 8  # the toy stage's batch, length and width
+
+def stage_fn(params, x_BxLxD):
+  return jnp.tanh(x_BxLxD @ params["w"]) + params["b"]
+
+
+def loss_fn(y_BxLxD, t_BxL):
+  # cross-entropy over D classes, summed over tokens
+  logp = jax.nn.log_softmax(y_BxLxD, axis=-1)
+  return -jnp.sum(jnp.take_along_axis(logp, t_BxL[..., None], axis=-1))
+
+
+def make_data(num_stages, m, seed=0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  params = {"w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
+            "b": f32(0.1 * rng.normal(size=(num_stages, D)))}
+  xs = f32(rng.normal(size=(m, B, L, D)))
+  ts = jnp.asarray(rng.integers(0, D, size=(m, B, L)), jnp.int32)
+  return params, xs, ts
+
+
+# --- from test_train.py ----------------------------------------
+
+def cli(workdir, *flags):
+  return [sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py", "--workdir",
+          str(workdir), *flags]
+
+
+def env(tmp_path, **extra):
+  # The runs of one test compile the same programs: share a compilation cache.
+  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", **extra}
+
+
+def loss_rows(workdir):
+  """(step, loss) of every complete metrics.jsonl line that has a loss, in file order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.endswith("\n")]
+  return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def last_logged(workdir):
+  try:
+    return max((s for s, _ in loss_rows(workdir)), default=0)
+  except (FileNotFoundError, ValueError):  # not written yet, or caught mid-rewrite
+    return 0
+
+
+def until_logged(proc, workdir, step, timeout=300, output=None):
+  """Waits for `step` in metrics.jsonl; `output()` is what a failure shows (default: the pipes)."""
+  deadline = time.time() + timeout
+  while last_logged(workdir) < step:
+    assert proc.poll() is None, (f"the run ended ({proc.returncode}) before step {step}: "
+                                 f"{output()[-5000:] if output else proc.communicate()}")
+    assert time.time() < deadline, f"step {step} not reached"
+    time.sleep(0.02)
+
+
+def checkpoint_at(config, workdir, step):
+  """A workdir whose run has a checkpoint at `step` (its initial parameters, saved as that step)."""
+  with Trainer(config, str(workdir)) as trainer:
+    state = trainer.init()
+    trainer.checkpointer.save(step, state.replace(step=jnp.asarray(step, jnp.int32)))

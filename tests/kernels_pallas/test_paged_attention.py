@@ -1,0 +1,120 @@
+"""PagedAttention: the Pallas kernel (interpret mode) against the gather reference, and the
+reference against `jax.nn.dot_product_attention` on the same keys laid out contiguously.
+
+Every slot a row does not own (other pages, the tail of its last page) holds NaN, so a read
+outside a row's keys would show in its output.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.ops import attention as attn
+from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from tests import helpers
+
+
+def _contiguous(q, k, v, tables, lengths):
+  """jax.nn.dot_product_attention over each row's keys gathered in order (NaN slots zeroed)."""
+  b, h, d = q.shape
+  g, _, s, _ = k.shape
+  keys = np.nan_to_num(k[:, tables]).transpose(1, 2, 3, 0, 4).reshape(b, -1, g, d)
+  values = np.nan_to_num(v[:, tables]).transpose(1, 2, 3, 0, 4).reshape(b, -1, g, d)
+  mask = np.arange(keys.shape[1])[None, :] < lengths[:, None]
+  return np.asarray(_dot_product_attention(q[:, None], keys, values, mask[:, None, None, :]))[:, 0]
+
+
+@jax.jit
+def _dot_product_attention(q, k, v, mask):
+  with jax.default_matmul_precision("highest"):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# (heads, kv_heads, lengths, k_splits, pages_per_block): GQA 1/2/4/8; one page, many pages,
+# ending mid-page and on a page; one split or several, blocks of 1 to 8 pages.
+CASES = [
+    (4, 4, [1, 4, 5], 1, 2),
+    (4, 2, [3, 17, 8], 3, 1),
+    (8, 2, [13, 1, 24], 2, 4),
+    (8, 1, [29, 6], 1, 8),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,lengths", [c[:3] for c in CASES])
+def test_reference_equals_contiguous_attention(heads, kv_heads, lengths):
+  q, k, v, tables, lens = helpers.paged_inputs(lengths, heads, kv_heads)
+  got = paged_attention_reference(q, k, v, tables, lens)
+  assert np.isfinite(got).all()
+  assert _rel(got, _contiguous(q, k, v, tables, lens)) < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,lengths,k_splits,pages_per_block", CASES)
+def test_kernel_equals_reference(heads, kv_heads, lengths, k_splits, pages_per_block):
+  q, k, v, tables, lens = helpers.paged_inputs(lengths, heads, kv_heads)
+  got = paged_attention(q, k, v, tables, lens, k_splits=k_splits,
+                        pages_per_block=pages_per_block, interpret=True)
+  assert np.isfinite(got).all()
+  assert _rel(got, paged_attention_reference(q, k, v, tables, lens)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.int8, 2e-2), (jnp.float8_e4m3fn, 1.5e-1)])
+def test_quantized_pages(dtype, tolerance):
+  """Exact against the reference on the same stored values; within the format's rounding of the
+  float pages (int8: 1/254 of the largest entry per slot; e4m3: 3 mantissa bits)."""
+  q, k, v, tables, lens = helpers.paged_inputs([9, 20, 3], 8, 2, seed=3)
+  (k8, ks), (v8, vs) = helpers.quantize(k, dtype), helpers.quantize(v, dtype)
+  scales = dict(k_scales_GxPxS=ks, v_scales_GxPxS=vs)
+  got = paged_attention(q, k8, v8, tables, lens, **scales, k_splits=2, interpret=True)
+  assert _rel(got, paged_attention_reference(q, k8, v8, tables, lens, **scales)) < 1e-5
+  dequantized = lambda x8, s: np.asarray(x8, np.float32) * np.asarray(s)[..., None]
+  assert _rel(got, _contiguous(q, dequantized(k8, ks), dequantized(v8, vs), tables, lens)) < 1e-5
+  err = _rel(got, paged_attention_reference(q, np.nan_to_num(k), np.nan_to_num(v), tables, lens))
+  assert 0 < err < tolerance
+
+
+def test_a_row_without_keys_gives_zeros():
+  q, k, v, tables, _ = helpers.paged_inputs([5, 5], 4, 2)
+  lens = np.asarray([0, 5], np.int32)
+  for fn in (paged_attention_reference, functools.partial(paged_attention, interpret=True)):
+    out = np.asarray(fn(q, k, v, tables, lens))
+    assert (out[0] == 0).all() and np.isfinite(out).all()
+
+
+def test_registry_backends_agree():
+  q, k, v, tables, lens = helpers.paged_inputs([7, 12], 4, 2, seed=5)
+  want = paged_attention_reference(q, k, v, tables, lens)
+  for backend in ("xla", "pallas", "auto"):
+    assert _rel(attn.paged_attention(q, k, v, tables, lens, backend=backend), want) < 1e-5
+  assert attn.resolve_paged_backend("auto", 16, 4) == "xla"  # on CPU
+  with pytest.raises(ValueError, match="unknown paged attention backend 'cudnn'"):
+    attn.resolve_paged_backend("cudnn", 16, 4)
+
+
+def test_auto_on_gpu_picks_the_kernel_where_it_compiles(monkeypatch):
+  monkeypatch.setattr(attn, "_gpu_major", lambda: 9)
+  assert attn.resolve_paged_backend("auto", 128, 16) == "pallas"
+  assert attn.resolve_paged_backend("auto", 8, 16) == "xla"  # below Triton's smallest tile
+  with pytest.raises(ValueError, match="page_size a power of two, got 12"):
+    attn.resolve_paged_backend("pallas", 128, 12)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda a: {**a, "lengths_B": a["lengths_B"].astype(np.float32)}, "lengths must be int32"),
+    (lambda a: {**a, "v_pages_GxPxSxK": a["v_pages_GxPxSxK"][:1]}, "must have k_pages' shape"),
+    (lambda a: {**a, "q_BxHxK": a["q_BxHxK"][:, :3]}, "multiple of KV heads"),
+    (lambda a: {**a, "k_pages_GxPxSxK": np.zeros_like(a["k_pages_GxPxSxK"], np.int8),
+                "v_pages_GxPxSxK": np.zeros_like(a["v_pages_GxPxSxK"], np.int8)}, "need k_scales"),
+])
+def test_bad_inputs_are_named(change, words):
+  q, k, v, tables, lens = helpers.paged_inputs([5, 6], 4, 2)
+  args = dict(q_BxHxK=q, k_pages_GxPxSxK=k, v_pages_GxPxSxK=v, block_tables_BxN=tables,
+              lengths_B=lens)
+  with pytest.raises(ValueError, match=words):
+    paged_attention_reference(**change(args))

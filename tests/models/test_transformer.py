@@ -1,0 +1,200 @@
+"""The Flax LM against a plain-JAX reference written from the formulas, and its block structure."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.models import flops
+from jaxpipe.models import transformer
+from jaxpipe.models.transformer import TransformerConfig
+
+_forward = jax.jit(transformer.forward, static_argnums=0)
+_loss = jax.jit(transformer.loss, static_argnums=0)
+CFG = TransformerConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+                        d_ff=48, rope_theta=100.0)
+B, L = 2, 12
+
+
+def _random_params(cfg, seed=0):
+  """Model-shaped random parameters (norm scales too, so each one matters), drawn by numpy."""
+  shapes = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    if path[-1].key == "scale":
+      return jnp.asarray(1 + 0.3 * rng.standard_normal(s.shape), jnp.float32)
+    return jnp.asarray(0.2 * rng.standard_normal(s.shape), jnp.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+# -- the reference: one function per formula, no Flax, no shared code with the model -------------
+
+def ref_rms_norm(x, scale, eps):
+  return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def ref_rope(x_BxLxHxK, theta):
+  # Channel pair (i, i + K/2) as one complex number, rotated by position * theta^(-i/(K/2)).
+  half = x_BxLxHxK.shape[-1] // 2
+  z = x_BxLxHxK[..., :half] + 1j * x_BxLxHxK[..., half:]
+  pos = jnp.arange(x_BxLxHxK.shape[1])[None, :, None, None]
+  z = z * jnp.exp(1j * pos * theta ** (-jnp.arange(half) / half))
+  return jnp.concatenate([z.real, z.imag], -1)
+
+
+def ref_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+  rep = q_BxLxHxK.shape[2] // k_BxLxGxK.shape[2]
+  k = jnp.repeat(k_BxLxGxK, rep, axis=2)  # query head h reads KV head h // rep
+  v = jnp.repeat(v_BxLxGxK, rep, axis=2)
+  s = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k, precision="highest") / np.sqrt(k.shape[-1])
+  n = s.shape[-1]
+  s = jnp.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+  return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(s, -1), v, precision="highest")
+
+
+def ref_layer(cfg, p, x):
+  mm = lambda a, w, spec: jnp.einsum(spec, a, w, precision="highest")
+  h = ref_rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps)
+  q = ref_rope(mm(h, p["attn"]["q"]["kernel"], "bld,dhk->blhk"), cfg.rope_theta)
+  k = ref_rope(mm(h, p["attn"]["k"]["kernel"], "bld,dgk->blgk"), cfg.rope_theta)
+  v = mm(h, p["attn"]["v"]["kernel"], "bld,dgk->blgk")
+  x = x + mm(ref_attention(q, k, v), p["attn"]["o"]["kernel"], "blhk,hkd->bld")
+  h = ref_rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
+  gate = mm(h, p["mlp"]["gate"]["kernel"], "bld,df->blf")
+  up = mm(h, p["mlp"]["up"]["kernel"], "bld,df->blf")
+  return x + mm(gate * jax.nn.sigmoid(gate) * up, p["mlp"]["down"]["kernel"], "blf,fd->bld")
+
+
+def ref_logits(cfg, params, tokens):
+  x = params["embed"][tokens]
+  for i in range(cfg.n_layers):
+    x = ref_layer(cfg, jax.tree.map(lambda a: a[i], params["layers"]), x)
+  x = ref_rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
+  w = params["embed"].T if cfg.tied_embeddings else params["head"]
+  return jnp.einsum("bld,dv->blv", x, w, precision="highest")
+
+
+def ref_loss(cfg, params, tokens, targets, mask):
+  logp = jax.nn.log_softmax(ref_logits(cfg, params, tokens), -1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def _batch(cfg, seed=0):
+  r = np.random.default_rng(seed)
+  tokens = r.integers(0, cfg.vocab, (B, L)).astype(np.int32)
+  targets = r.integers(0, cfg.vocab, (B, L)).astype(np.int32)
+  mask = (r.random((B, L)) < 0.7).astype(np.float32)
+  return tokens, targets, mask
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_shapes(tied):
+  cfg = dataclasses.replace(CFG, tied_embeddings=tied)
+  params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  n, d, h, g, k, f, v = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.d_ff, cfg.vocab)
+  expected = {
+      "embed": (v, d), "final_norm/scale": (d,),
+      "layers/attn_norm/scale": (n, d), "layers/mlp_norm/scale": (n, d),
+      "layers/attn/q/kernel": (n, d, h, k), "layers/attn/k/kernel": (n, d, g, k),
+      "layers/attn/v/kernel": (n, d, g, k), "layers/attn/o/kernel": (n, h, k, d),
+      "layers/mlp/gate/kernel": (n, d, f), "layers/mlp/up/kernel": (n, d, f),
+      "layers/mlp/down/kernel": (n, f, d),
+  }
+  if not tied:
+    expected["head"] = (d, v)
+  got = {"/".join(p.key for p in path): x.shape
+         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  assert got == expected
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+
+
+def test_forward_matches_reference():
+  cfg = CFG  # tied; the untied head is checked through the loss and its gradients below
+  params = _random_params(cfg)
+  tokens, _, _ = _batch(cfg)
+  got = _forward(cfg, params, tokens)
+  assert got.shape == (B, L, cfg.vocab) and got.dtype == jnp.float32
+  want = jax.jit(ref_logits, static_argnums=0)(cfg, params, tokens)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_and_gradients_match_reference():
+  cfg = dataclasses.replace(CFG, tied_embeddings=False)
+  params = _random_params(cfg)
+  tokens, targets, mask = _batch(cfg)
+  (s, n), g = jax.jit(jax.value_and_grad(
+      lambda p: transformer.loss(cfg, p, tokens, targets, mask), has_aux=True))(params)
+  (rs, rn), rg = jax.jit(jax.value_and_grad(
+      lambda p: ref_loss(cfg, p, tokens, targets, mask), has_aux=True))(params)
+  assert "head" in g
+  assert float(n) == mask.sum()
+  np.testing.assert_allclose(s, rs, rtol=1e-5)
+  for path, a, b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g),
+                        jax.tree.leaves(rg)):
+    scale = np.max(np.abs(b))
+    np.testing.assert_allclose(a / scale, b / scale, atol=2e-5, err_msg=str(path[0]))
+
+
+def test_layer_blocks_compose_like_pipeline_stages():
+  params = _random_params(CFG)
+  x = transformer.embed(CFG, params, _batch(CFG)[0])
+  apply = jax.jit(transformer.apply_layers, static_argnums=0)
+  whole = apply(CFG, params["layers"], x)
+  # Two stages of two layers each: the [num_stages, layers_per_stage, ...] view.
+  staged = jax.tree.map(lambda a: a.reshape(2, 2, *a.shape[1:]), params["layers"])
+  y = x
+  for s in range(2):
+    y = apply(CFG, jax.tree.map(lambda a: a[s], staged), y)
+  np.testing.assert_allclose(y, whole, rtol=1e-6, atol=1e-6)
+  one = jax.tree.map(lambda a: a[:1], params["layers"])
+  want = jax.jit(ref_layer, static_argnums=0)(CFG, jax.tree.map(lambda a: a[0], params["layers"]), x)
+  np.testing.assert_allclose(apply(CFG, one, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_is_causal():
+  params = _random_params(CFG)
+  tokens = _batch(CFG)[0]
+  changed = tokens.copy()
+  changed[:, 7] = (changed[:, 7] + 1) % CFG.vocab
+  a, b = _forward(CFG, params, tokens), _forward(CFG, params, changed)
+  np.testing.assert_array_equal(a[:, :7], b[:, :7])
+  assert np.abs(a[:, 7:] - b[:, 7:]).max() > 1e-3
+
+
+def test_remat_gradients_and_bfloat16_loss():
+  params = _random_params(CFG)
+  tokens, targets, mask = _batch(CFG)
+  grad = jax.jit(jax.value_and_grad(
+      lambda cfg, p: transformer.loss(cfg, p, tokens, targets, mask)[0], argnums=1),
+      static_argnums=0)
+  (l0, g0), (l1, g1) = grad(CFG, params), grad(dataclasses.replace(CFG, remat=True), params)
+  np.testing.assert_array_equal(l0, l1)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  bf16 = _loss(dataclasses.replace(CFG, dtype="bfloat16"), params, tokens, targets, mask)[0]
+  assert bf16.dtype == jnp.float32
+  np.testing.assert_allclose(bf16, l0, rtol=5e-2)
+
+
+def test_analytic_flops_match_compiled_count():
+  # One layer so the scan body (which XLA counts once) is the whole model; sizes where matmuls
+  # dominate the elementwise work XLA also counts.
+  cfg = TransformerConfig(vocab=512, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2,
+                          head_dim=64, d_ff=1024)
+  params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+  compiled = jax.jit(transformer.forward, static_argnums=0).lower(cfg, params, tokens).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # XLA computes the full (masked) score matrix, so compare with the non-causal count.
+  analytic = 2 * flops.forward_flops_per_sequence(cfg, 128, causal=False)
+  assert abs(cost["flops"] - analytic) / analytic < 0.03, (cost["flops"], analytic)
+  assert flops.training_flops_per_step(cfg, 2, 128) == 3 * 2 * flops.forward_flops_per_sequence(cfg, 128)

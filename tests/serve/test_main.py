@@ -1,0 +1,50 @@
+"""`python -m jaxpipe.serve` serves what `python -m jaxpipe.train` wrote."""
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.serve import restore
+from jaxpipe.training.trainer import Trainer
+from tests import helpers
+
+ROOT = helpers.ROOT
+
+
+def test_a_training_checkpoint_is_served(tmp_path):
+  workdir = str(tmp_path / "run")
+  config = tiny.get_config()
+  trainer = Trainer(config, workdir)
+  trainer.train(steps=3, progress=False)
+  trained = jax.device_get(trainer.model_params())
+  step, params = restore.restore_params(workdir, restore.run_config(workdir))
+  assert step == 3
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), trained)
+
+  prompt = "0123"  # bytes 48..51, inside the tiny model's 64-token vocabulary
+  forward = jax.jit(lambda tokens: transformer.forward(trainer.model_cfg, trained, tokens))
+  want, tokens = [], list(prompt.encode())
+  for _ in range(6):  # greedy, recomputing the whole sequence (right-padded to the context)
+    logits = forward(np.asarray([tokens + [0] * (16 - len(tokens))], np.int32))
+    want.append(int(np.argmax(logits[0, len(tokens) - 1])))
+    tokens.append(want[-1])
+  run = subprocess.run(
+      [sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--prompt", prompt,
+       "--max_tokens", "6", "--page_size", "4"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert f"# step 3 of {workdir}" in run.stdout
+  assert f"# tokens: {want}" in run.stdout
+
+
+def test_runner_refuses_a_workdir_without_a_run(tmp_path):
+  run = subprocess.run([sys.executable, "-m", "jaxpipe.serve", "--workdir", str(tmp_path),
+                        "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+  assert run.returncode != 0
+  assert "config.json does not exist" in run.stderr

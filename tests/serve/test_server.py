@@ -1,0 +1,435 @@
+"""The OpenAI-compatible server, driven with the real `openai` client, against `Engine.generate`."""
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from configs import tiny
+from experiments import serve_client
+from jaxpipe.training import config as config_lib
+from jaxpipe.models import transformer
+from jaxpipe.serve import deploy, workload
+from jaxpipe.serve.engine import Engine
+from jaxpipe.serve.server import CompletionServer
+from tests import helpers
+
+ROOT = helpers.ROOT
+# The tiny model (vocab 64: digits and punctuation are tokens, letters are not); two programs.
+ENGINE = dict(page_size=16, num_pages=80, max_batch=4, max_tokens_per_step=32, max_seq_len=512,
+              token_buckets=(8, 32), page_buckets=(32,))
+MAX_QUEUE = 12  # with max_batch: 16 sequences in flight at most
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = config_lib.model_config(tiny.get_config())
+  return cfg, jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+  """A second engine on the same parameters: `generate` is the oracle."""
+  return Engine(*model, **ENGINE)
+
+
+@contextlib.contextmanager
+def _serving(backend, **kw):
+  """The app over `backend`, served by uvicorn on a thread on a free port: yields its URL."""
+  app = CompletionServer(backend, model_name="tiny", max_batch=ENGINE["max_batch"],
+                         max_queue=MAX_QUEUE, **kw)
+  sock = socket.create_server(("127.0.0.1", 0))
+  server = app.uvicorn_server()
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+  _wait_healthy(url, lambda: thread.is_alive())
+  yield url
+  server.should_exit = True
+  thread.join(30)
+  assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def url(model):
+  engine = Engine(*model, **ENGINE)
+  engine.precompile()
+  with _serving(engine, drain_s=5) as url:
+    yield url
+
+
+@pytest.fixture(scope="module")
+def disagg_url(model):
+  """The server over a disaggregated deployment: one prefill and one decode worker."""
+  devices = jax.devices()
+  deployment = deploy.Disaggregated(*model, [devices[1:2]], [devices[2:3]], **ENGINE)
+  with _serving(deployment) as url:
+    yield url
+
+
+@pytest.fixture
+def client(url):
+  return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _wait_healthy(url, alive, timeout=300):
+  start = time.monotonic()
+  while time.monotonic() - start < timeout:
+    assert alive(), "the server died while starting"
+    try:
+      if httpx.get(url + "/health").status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    time.sleep(0.2)
+  raise TimeoutError(f"{url} did not become healthy in {timeout} s")
+
+
+def _metrics(url) -> dict[tuple, float]:
+  """Every sample of /metrics as {(name, labels...): value}, through Prometheus' own parser."""
+  out = {}
+  for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    for s in family.samples:
+      out[(s.name, *sorted(s.labels.items()))] = s.value
+  return out
+
+
+def _stream(client, **kw):
+  """(chunks, text and token ids per choice, finish reasons, the last chunk's usage)."""
+  chunks = list(client.completions.create(stream=True, **kw))
+  n = kw.get("n", 1)
+  texts, ids, finish = [""] * n, [[] for _ in range(n)], [None] * n
+  for ch in chunks:
+    for c in ch.choices:
+      texts[c.index] += c.text
+      ids[c.index] += c.token_ids
+      finish[c.index] = c.finish_reason
+  return chunks, texts, ids, finish, chunks[-1].usage
+
+
+def _by_index(response):
+  return sorted(response.choices, key=lambda c: c.index)
+
+
+def test_models_and_health(url, client):
+  assert httpx.get(url + "/health").json() == {"status": "ok"}
+  (m,) = client.models.list().data
+  assert m.id == "tiny" and m.max_model_len == 512
+
+
+def test_greedy_completion_equals_engine_generate(client, reference):
+  ids = [5, 9, 1, 33, 2, 7, 60, 4, 8, 1, 0, 63]
+  want = reference.generate([list(b"0123"), ids], max_tokens=20)
+  for prompt, w in zip(["0123", ids], want):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    (c,) = r.choices
+    assert c.token_ids == w
+    assert c.text == bytes(w).decode("ascii")  # the vocabulary is ASCII: one token, one character
+    assert c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 20)
+  r = client.completions.create(model="tiny", prompt=[list(b"0123"), ids], max_tokens=20,
+                                temperature=0)  # two prompts in one request
+  assert [c.token_ids for c in _by_index(r)] == want
+
+
+def test_stream_concatenates_to_the_completion_and_both_equal_the_engine_sample(client, reference):
+  kw = dict(model="tiny", prompt="0123", max_tokens=24, temperature=0.9, top_p=0.9, seed=11, n=2)
+  # choice k samples with seed + k, as generate's prompt k does
+  want = reference.generate([list(b"0123")] * 2, max_tokens=24, temperature=0.9, top_p=0.9, seed=11)
+  full = client.completions.create(**kw)
+  assert [c.token_ids for c in _by_index(full)] == want
+  chunks, texts, ids, finish, usage = _stream(client, **kw)
+  assert ids == want and texts == [c.text for c in _by_index(full)]
+  assert finish == ["length", "length"]
+  assert all(len(c.token_ids) == 1 for ch in chunks for c in ch.choices)  # one chunk per token
+  assert len(chunks) == 48 and usage.completion_tokens == 48 and usage.prompt_tokens == 4
+  assert all(ch.usage is None for ch in chunks[:-1])
+
+  # A stop sequence taken from the text: both end before its first occurrence.
+  stop = texts[0][9:11]
+  cut = [t[:t.find(stop)] if stop in t else t for t in texts]
+  stopped = client.completions.create(**kw, stop=[stop, "never"])
+  assert [c.text for c in _by_index(stopped)] == cut
+  assert [c.finish_reason for c in _by_index(stopped)] == [
+      "stop" if stop in t else "length" for t in texts]
+  _, s_texts, _, s_finish, _ = _stream(client, **kw, stop=[stop, "never"])
+  assert s_texts == cut and s_finish == [c.finish_reason for c in _by_index(stopped)]
+
+
+def test_16_concurrent_streams_are_all_answered(url, reference):
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(0, 64, rng.integers(1, 40))] for _ in range(16)]
+  want = reference.generate(prompts, max_tokens=24)
+
+  async def one(client, prompt):
+    ids = []
+    async for chunk in await client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                                       temperature=0, stream=True):
+      ids += [t for c in chunk.choices for t in c.token_ids]
+    return ids
+
+  async def main():
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    return await asyncio.gather(*(one(client, p) for p in prompts))
+
+  assert asyncio.run(main()) == want
+
+
+def _wait(url, done, timeout=60):
+  start = time.monotonic()
+  while not done(m := _metrics(url)):
+    assert time.monotonic() - start < timeout, m
+    time.sleep(0.05)
+  return m
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_pages(url, client, stream):
+  abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
+  before = _metrics(url).get(abort, 0)
+  kw = dict(model="tiny", prompt="0123456789" * 3, max_tokens=450, temperature=0)
+  if stream:
+    response = client.completions.create(**kw, stream=True)
+    chunks = iter(response)
+    next(chunks), next(chunks)
+    assert _metrics(url)[("jaxpipe_kv_pages_running",)] >= 2  # 32 tokens: two pages of 16
+    response.close()
+  else:
+    with pytest.raises(httpx.ReadTimeout):  # gives up waiting for the whole completion
+      httpx.post(url + "/v1/completions", json=kw, timeout=httpx.Timeout(10, read=0.1))
+  m = _wait(url, lambda m: m.get(abort, 0) == before + 1)  # cancelled, not run to its length
+  assert m[("jaxpipe_num_requests_running",)] == m[("jaxpipe_num_requests_waiting",)] == 0
+  assert m[("jaxpipe_kv_pages_running",)] == 0
+  assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]  # only the prefix cache
+
+
+def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(disagg_url,
+                                                                              reference):
+  client = openai.OpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+  prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 64, 5 + 9 * i)] for i in range(3)]
+  want = reference.generate(prompts, max_tokens=20)
+
+  async def main():
+    aclient = openai.AsyncOpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+    async def one(prompt):
+      return [t async for ch in await aclient.completions.create(
+          model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+              for c in ch.choices for t in c.token_ids]
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+  assert asyncio.run(main()) == want  # prefilled on one worker, decoded on the other
+  abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
+  stream = client.completions.create(model="tiny", prompt="0123456789" * 3, max_tokens=450,
+                                     temperature=0, stream=True)
+  chunks = iter(stream)
+  next(chunks), next(chunks)
+  stream.close()
+  m = _wait(disagg_url, lambda m: m.get(abort, 0) == 1)
+  assert m[("jaxpipe_kv_pages_running",)] == 0  # summed over both workers
+  assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]
+
+
+class _Failing:
+  """A backend that generates token 48 twice, then its device work fails."""
+  max_seq_len, eos_id, running, waiting = 64, None, [], []
+
+  def __init__(self):
+    self.steps = None
+
+  def check_request(self, prompt, max_tokens, sampling):
+    return None
+
+  def add_request(self, prompt, max_tokens, sampling, *, eos_id):
+    self.steps = 0
+    return 0
+
+  def step(self):
+    self.steps += 1
+    if self.steps > 2:
+      raise RuntimeError("device lost")
+    return {0: [48]}
+
+  def finished(self):
+    return []
+
+  def has_work(self):
+    return self.steps is not None
+
+  def kv_usage(self):
+    return dict(pages_total=8, pages_in_use=0, pages_running=0, cached_pages=0, tokens=0, slots=0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_engine_fault_fails_its_requests_and_health_says_so(stream):
+  with _serving(_Failing()) as url:
+    body = {"prompt": "01", "max_tokens": 8, "stream": stream}
+    r = httpx.post(url + "/v1/completions", json=body)
+    if stream:  # the tokens so far, then the error, then the end
+      events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+      assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["0", "0"]
+      assert json.loads(events[2])["error"]["message"] == "the engine failed: RuntimeError: device lost"
+      assert events[3:] == ["[DONE]"]
+    else:
+      assert r.status_code == 500
+      assert r.json()["error"]["message"] == "the engine failed: RuntimeError: device lost"
+    assert httpx.get(url + "/health").json() == {
+        "status": "failed", "error": "RuntimeError: device lost"}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
+
+
+def test_metrics_parse_and_count_what_was_served(url, client):
+  before = _metrics(url)
+  for n in (3, 5, 7):
+    client.completions.create(model="tiny", prompt="012", max_tokens=n, temperature=0)
+  after = _metrics(url)
+  delta = lambda *key: after.get(key, 0) - before.get(key, 0)
+  assert delta("jaxpipe_generation_tokens_total") == 15
+  assert delta("jaxpipe_prompt_tokens_total") == 9
+  assert delta("jaxpipe_request_finished_total", ("finish_reason", "length")) == 3
+  assert delta("jaxpipe_time_to_first_token_seconds_count") == 3
+  assert delta("jaxpipe_time_per_output_token_seconds_count") == 3
+  assert delta("jaxpipe_e2e_request_latency_seconds_count") == 3
+  assert after[("jaxpipe_kv_pages_total",)] == ENGINE["num_pages"] - 1
+  assert after[("jaxpipe_time_to_first_token_seconds_bucket", ("le", "+Inf"))] == \
+      after[("jaxpipe_time_to_first_token_seconds_count",)]
+  for name in ("jaxpipe_num_requests_running", "jaxpipe_num_requests_waiting",
+               "jaxpipe_kv_pages_used", "jaxpipe_generation_tokens_per_second"):
+    assert (name,) in after
+
+
+BAD = [  # body, status, words of the message
+    (b'{"prompt": "01", ', 400, "not valid JSON"),
+    (b'["01"]', 400, "send a JSON object"),
+    ({"prompt": "01", "max_tokens": "five"}, 400, "max_tokens='five'"),
+    ({"prompt": "01", "temperature": "hot"}, 400, "temperature='hot'"),
+    ({"prompt": "01", "n": 1.5}, 400, "n=1.5"),
+    ({"prompt": "01", "stream": "yes"}, 400, "stream='yes'"),
+    ({"prompt": "01", "colour": "red"}, 400, "unrecognized request argument 'colour'"),
+    ({"prompt": 7}, 400, "prompt=7 must be a string"),
+    ({"max_tokens": 3}, 400, "'prompt' is required"),
+    ({"prompt": "01", "max_tokens": 0}, 400, "max_tokens=0 must be a positive integer"),
+    ({"prompt": "01", "max_tokens": -3}, 400, "max_tokens=-3 must be a positive integer"),
+    ({"prompt": "01", "max_tokens": 511}, 400, "exceeds the context of 512 tokens"),
+    ({"prompt": "01", "temperature": -0.5}, 400, "temperature=-0.5 must be >= 0"),
+    ({"prompt": "01", "top_p": 0}, 400, "top_p=0"),
+    ({"prompt": "01", "seed": -1}, 400, "seed=-1"),
+    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": []}, 400, "the prompt is empty"),
+    ({"prompt": "0\u00e91"}, 400, "prompt token 195 is outside the vocabulary [0, 64)"),
+    ({"prompt": [1, 64]}, 400, "prompt token 64 is outside the vocabulary [0, 64)"),
+    ({"prompt": [[1, 2], [3, 99]]}, 400, "prompt 1: prompt token 99"),
+    ({"prompt": ["01", [3]]}, 400, "must be a string, a list of token ids, or a list of either"),
+    ({"prompt": "01", "n": 0}, 400, "n=0 must be >= 1"),
+    ({"prompt": "01", "n": 17}, 400, "17 sequences exceed the server's 16"),
+    ({"prompt": "01", "stop": ["1", "2", "3", "4", "5"]}, 400, "at most 4"),
+    ({"prompt": "01", "echo": True}, 400, "echo=True is not supported"),
+    ({"prompt": "01", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_requests_get_an_openai_error_and_the_server_goes_on(url, client, body, status, words):
+  kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+  r = httpx.post(url + "/v1/completions", headers={"content-type": "application/json"}, **kw)
+  assert r.status_code == status
+  error = r.json()["error"]
+  assert words in error["message"]
+  assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+  assert client.completions.create(model="tiny", prompt="01", max_tokens=2,
+                                   temperature=0).choices[0].finish_reason == "length"
+
+
+def test_the_openai_client_raises_the_servers_message(client):
+  with pytest.raises(openai.BadRequestError, match=r"temperature=-1\.0 must be >= 0"):
+    client.completions.create(model="tiny", prompt="01", max_tokens=2, temperature=-1)
+  with pytest.raises(openai.NotFoundError, match="does not exist"):
+    client.completions.create(model="other", prompt="01", max_tokens=2)
+
+
+def test_a_full_server_answers_429_with_retry_after(url, client):
+  total = ENGINE["max_batch"] + MAX_QUEUE
+  stream = client.completions.create(model="tiny", prompt="01", n=total, max_tokens=400,
+                                     temperature=0, stream=True)  # takes every place
+  next(iter(stream))
+  r = httpx.post(url + "/v1/completions", json={"prompt": "01", "max_tokens": 2})
+  assert r.status_code == 429 and r.headers["retry-after"] == "1"
+  assert r.json()["error"]["type"] == "rate_limit_error"
+  assert f"{total} of {total} sequences in flight" in r.json()["error"]["message"]
+  with pytest.raises(openai.RateLimitError):
+    client.completions.create(model="tiny", prompt="01", max_tokens=2)
+  abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
+  before = _metrics(url).get(abort, 0)
+  stream.close()  # its sequences are cancelled and their places free again
+  _wait(url, lambda m: m.get(abort, 0) == before + total)
+  retrying = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)
+  assert retrying.completions.create(model="tiny", prompt="01", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_bench_client_reads_every_token_from_the_stream(url):
+  work = workload.generate(6, 50.0, workload.Lengths.parse("1:20"), workload.Lengths.parse("2:12"),
+                           64, seed=0)
+  done, makespan, (tokens, slots, steps, cpu_s) = serve_client.http_run(url, "tiny", work)
+  assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
+  assert all(d.ttft > 0 for d in done) and makespan > 0
+  assert 0 < tokens <= slots and steps >= max(w.max_tokens for w in work) and cpu_s > 0
+
+
+def test_sigterm_drains_finishes_or_cancels_and_exits_0():
+  with socket.create_server(("127.0.0.1", 0)) as s:
+    port = s.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxpipe.serve", "--config", "configs/tiny.py", "--http", "--port",
+       str(port), "--max_seq_len", "8192", "--num_pages", "1100", "--max_batch", "2",
+       "--max_tokens_per_step", "8", "--token_buckets", "8", "--drain_s", "5"],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+  try:
+    _wait_healthy(url, lambda: proc.poll() is None)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    results, started = {}, {"short": threading.Event(), "long": threading.Event()}
+
+    def run(name, max_tokens):
+      ids, finish = [], None
+      for chunk in client.completions.create(model="tiny", prompt="01", max_tokens=max_tokens,
+                                             temperature=0, stream=True):
+        started[name].set()
+        for c in chunk.choices:
+          ids += c.token_ids
+          finish = c.finish_reason or finish
+      results[name] = (len(ids), finish)
+
+    threads = [threading.Thread(target=run, args=a) for a in (("short", 30), ("long", 8000))]
+    for t in threads:
+      t.start()
+    for e in started.values():
+      assert e.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    try:  # from now on: nothing new is taken
+      assert httpx.get(url + "/health").status_code == 503
+    except httpx.TransportError:
+      pass
+    for t in threads:
+      t.join(60)
+    assert proc.wait(60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = proc.stdout.read()
+  assert results["short"] == (30, "length"), out  # finished within the drain time
+  n, finish = results["long"]
+  assert finish == "abort" and 0 < n < 8000, out  # cancelled when it ran out
+  assert "# drained; exiting" in out
