@@ -6,6 +6,10 @@
 
 `python -m jaxpipe.serve --workdir DIR --prompt "def "` serves a training run's newest checkpoint.
 `Colocated` and `Disaggregated` (serve/deploy.py) run several engines, prefill and decode apart.
+
+The engine and the simulator (serve/sim.py) schedule with one `Scheduler` (serve/scheduler.py),
+deployments and the simulator route with one router (serve/router.py), and TTFT / TPOT are
+`serve/slo.py`'s; serve/http/ is the OpenAI-compatible server (`CompletionServer`).
 """
 
 
@@ -20,4 +24,10 @@ def __getattr__(name):
   if name == "SamplingParams":
     from jaxpipe.serve.sampling import SamplingParams
     return SamplingParams
+  if name == "Scheduler":
+    from jaxpipe.serve.scheduler import Scheduler
+    return Scheduler
+  if name == "CompletionServer":
+    from jaxpipe.serve.http import CompletionServer
+    return CompletionServer
   raise AttributeError(name)

@@ -11,7 +11,7 @@
 gives the model); --config serves the fresh parameters of a config file. Prompts are UTF-8
 bytes, one token each (the byte-level models of the quickstarts); several --prompt flags are
 served as one continuously batched workload. --http serves POST /v1/completions, GET /v1/models,
-/health and /metrics (jaxpipe/serve/server.py) until SIGTERM, after which running requests get
+/health and /metrics (jaxpipe/serve/http/) until SIGTERM, after which running requests get
 --drain_s seconds to finish before they are cancelled; every step program is compiled first.
 --mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
 behind the same endpoint, each worker with the engine flags; the default is one engine.
@@ -147,7 +147,7 @@ def _deployment(cfg, params, kw: dict):
 def _serve_http(backend, cfg, source: str) -> None:
   import jax
   try:
-    from jaxpipe.serve.server import CompletionServer, engines_of
+    from jaxpipe.serve.http import CompletionServer, engines_of
   except ImportError as e:
     sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
   name = _MODEL_NAME.value or os.path.basename(os.path.normpath(

@@ -5,6 +5,8 @@ generated in it, by request id, to stream), `cancel`, `finished`, `has_work`. Ea
 `Engine` on its own group of devices; every `step` launches all the workers' steps before it
 collects any, so they run at once on their devices (one host thread drives them all).
 
+Where requests go is `serve.router`'s, the same code the simulator routes with:
+
 - `Colocated`: every worker prefills and decodes (continuous batching, chunked prefill under
   its token budget). A new request goes to the worker with the fewest requests, ties to the first.
 - `Disaggregated` (DistServe, Splitwise, vLLM's disaggregated prefill, Mooncake): `prefill_only`
@@ -40,8 +42,10 @@ from typing import Sequence
 import jax
 
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.serve.engine import (ENGINE_EOS, FINISHED, RUNNING, WAITING, Engine, KVState, Request)
+from jaxpipe.serve import router
+from jaxpipe.serve.engine import ENGINE_EOS, FINISHED, RUNNING, Engine, KVState, Request
 from jaxpipe.serve.sampling import SamplingParams
+from jaxpipe.serve.scheduler import Scheduler
 
 QUEUED, PREFILL, HANDOFF, TRANSFER, DECODE, DONE = (
     "queued", "prefill", "handoff", "transfer", "decode", "done")
@@ -72,6 +76,11 @@ class Worker:
 
   def __repr__(self) -> str:
     return self.name
+
+  @property
+  def scheduler(self) -> Scheduler:
+    """The engine's scheduler (what `serve.router` compares)."""
+    return self.engine.scheduler
 
 
 @dataclasses.dataclass(eq=False)
@@ -250,7 +259,8 @@ class _Deployment:
     """Live workers that take new requests."""
     raise NotImplementedError
 
-  def _load(self, w: Worker) -> int:
+  def _route(self, entries: list[Worker]) -> Worker:
+    """The entry worker a new request goes to (`serve.router.entry_worker`)."""
     raise NotImplementedError
 
   def _submit_pending(self) -> None:
@@ -261,8 +271,7 @@ class _Deployment:
       if lost:
         self._fail(r, lost)
         continue
-      entries = self._entry_workers()
-      w = min(entries, key=self._load)
+      w = self._route(self._entry_workers())
       if not r.output:  # a new request: the engine may take its prefix from its cache
         erid = w.engine.add_request(r.prompt, r.max_tokens, r.sampling, eos_id=r.eos_id)
       else:  # resumed after a fault: recompute its tokens, keep what it generated
@@ -342,8 +351,8 @@ class Colocated(_Deployment):
   def _entry_workers(self) -> list[Worker]:
     return [w for w in self.workers if not w.stopped]
 
-  def _load(self, w: Worker) -> int:
-    return len(w.engine.waiting) + len(w.engine.running)
+  def _route(self, entries: list[Worker]) -> Worker:
+    return router.entry_worker(entries, prefill=False)
 
   def _lost(self) -> str | None:
     if not self._entry_workers():
@@ -403,9 +412,8 @@ class Disaggregated(_Deployment):
   def _entry_workers(self) -> list[Worker]:
     return [w for w in self.prefill if not w.stopped]
 
-  def _load(self, w: Worker) -> int:
-    e = w.engine
-    return sum(len(r.tokens) - r.computed for r in list(e.waiting) + e.running)
+  def _route(self, entries: list[Worker]) -> Worker:
+    return router.entry_worker(entries, prefill=True)
 
   def _lost(self) -> str | None:
     for side, workers in (("prefill", self.prefill), ("decode", self.decode)):
@@ -437,12 +445,10 @@ class Disaggregated(_Deployment):
           self._fail(r, lost)
           continue
         pages = p.engine.kv_shape(er.computed)[2]
-        fits = [d for d in self.decode if not d.stopped and d.engine.allocator.can_alloc(pages)
-                and len(d.engine.running) + len(d.engine.incoming) < d.engine.max_batch]
-        if not fits:
+        d = router.decode_worker([d for d in self.decode if not d.stopped], pages)
+        if d is None:
           r.note = f"waiting for a decode worker with a free slot and {pages} free pages"
           continue
-        d = max(fits, key=lambda d: (d.engine.allocator.num_free, -len(d.engine.running)))
         self._start(r, p, er.id, d)
 
   def _start(self, r: Served, p: Worker, src_rid: int, d: Worker) -> None:

@@ -3,12 +3,14 @@
 The host owns the requests, the page allocator and the prefix cache; the devices own the pools
 and run one compiled step per iteration. Each `step()`:
 
-1. schedules under a token budget: running requests first, oldest first (a decode token each,
-   or the next chunk of a prompt), then waiting requests while the batch, the budget and the
-   free pages allow (a new prompt first takes what the prefix cache holds of it);
+1. schedules under a token budget (`serve.scheduler.Scheduler`, the one the simulator runs
+   too): running requests first, oldest first (a decode token each, or the next chunk of a
+   prompt), then waiting requests while the batch, the budget and the free pages allow (a new
+   prompt first takes what the prefix cache holds of it);
 2. gives every scheduled request the pages its new tokens go to, copying a shared page before
-   writing into it; when none is free, the newest running request is preempted: its pages are
-   freed and it waits again at the head of the queue, to be recomputed from its tokens;
+   writing into it (the engine's side of the scheduler: `_EnginePages`); when none is free, the
+   newest running request is preempted: its pages are freed and it waits again at the head of
+   the queue, to be recomputed from its tokens;
 3. runs the model once over all scheduled tokens (padded to a bucket of tokens and of pages per
    sequence, so the number of compiled programs is bounded: `programs`) and samples a token for
    every request whose tokens are all cached;
@@ -40,8 +42,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import model as model_lib
+from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
 from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
+from jaxpipe.serve.scheduler import Scheduler
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
@@ -77,16 +81,20 @@ class Request:
     return self.prompt + self.output
 
   @property
+  def length(self) -> int:
+    """len(tokens), without building them (what the scheduler reads)."""
+    return len(self.prompt) + len(self.output)
+
+  @property
   def ttft(self) -> float | None:
-    """Time to first token."""
-    return None if self.first_token_time is None else self.first_token_time - self.arrival
+    """Time to first token (`slo.ttft`)."""
+    return slo.ttft(self.arrival, self.first_token_time)
 
   @property
   def tpot(self) -> float | None:
-    """Mean time per output token after the first."""
-    if len(self.token_times) < 2:
-      return None
-    return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+    """Mean time per output token after the first (`slo.tpot`)."""
+    times = self.token_times
+    return slo.tpot(times[0], times[-1], len(times)) if times else None
 
 
 @dataclasses.dataclass
@@ -145,6 +153,49 @@ def _pow2_chunks(n: int) -> list[int]:
   return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
+class _EnginePages:
+  """The engine's side of its `Scheduler` (`scheduler.Pages`): the reference-counted allocator,
+  the prefix cache, and copy-on-write of a shared page before a request writes into it."""
+
+  def __init__(self, engine: "Engine"):
+    self.engine = engine
+
+  @property
+  def num_free(self) -> int:
+    return self.engine.allocator.num_free
+
+  def can_alloc(self, n: int) -> bool:
+    return self.engine.allocator.can_alloc(n)
+
+  def match_prefix(self, r: Request) -> bool:
+    e = self.engine
+    if e.prefix_cache is None:
+      return False
+    r.pages = e.prefix_cache.match(r.tokens)
+    # The last token is always computed: its logits give the next token.
+    r.computed = min(len(r.pages) * e.page_size, len(r.tokens) - 1)
+    return True
+
+  def reserve(self, r: Request, n: int) -> bool:
+    e, s = self.engine, self.engine.page_size
+    new = math.ceil((r.computed + n) / s) - len(r.pages)
+    shared = [i for i in range(r.computed // s, len(r.pages)) if e.allocator.refs[r.pages[i]] > 1]
+    if not e.allocator.can_alloc(new + len(shared)):
+      return False
+    for i in shared:
+      page, source = e.allocator.writable(r.pages[i])
+      e._copy_page(source, page)
+      e.counts["page_copies"] += 1
+      r.pages[i] = page
+    r.pages += [e.allocator.alloc() for _ in range(new)]
+    return True
+
+  def release(self, r: Request) -> None:
+    if r.pages:
+      self.engine.allocator.free(r.pages)
+      r.pages = []
+
+
 class Engine:
   """Serves one model from a paged KV cache on `devices` (default: the first device).
 
@@ -197,17 +248,38 @@ class Engine:
                                    on_free=self._to_fill.append if nan_freed_pages else None)
     self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_caching else None
     self.requests: dict[int, Request] = {}
-    self.waiting: collections.deque[Request] = collections.deque()
-    self.running: list[Request] = []
+    self.scheduler: Scheduler[Request] = Scheduler(
+        _EnginePages(self), max_batch=max_batch, token_budget=max_tokens_per_step,
+        on_admit=self._admitted, on_preempt=self._preempted)
     self.prefill_only = prefill_only
-    self.prefilled: list[Request] = []  # prefill_only: waiting to be moved (oldest first)
-    self.incoming: list[Request] = []  # reserved for K/V on its way (reserve_request)
     self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
     self._finished: list[Request] = []
     self._next_id = 0
     self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
     self.steps = 0
     self.counts = collections.Counter()  # preemptions, page_copies, cached_tokens, tokens, ...
+
+  # The scheduler's queues, by the names the engine has always had.
+
+  @property
+  def waiting(self) -> collections.deque[Request]:
+    """Requests waiting to be admitted, in order (a preempted one first)."""
+    return self.scheduler.waiting
+
+  @property
+  def running(self) -> list[Request]:
+    """The batch, oldest first."""
+    return self.scheduler.running
+
+  @property
+  def prefilled(self) -> list[Request]:
+    """prefill_only: requests waiting to be moved, pages kept (oldest first)."""
+    return self.scheduler.parked
+
+  @property
+  def incoming(self) -> list[Request]:
+    """Requests reserved for K/V on its way (`reserve_request`), batch slots held."""
+    return self.scheduler.incoming
 
   # -- requests ---------------------------------------------------------------------------------
 
@@ -254,18 +326,15 @@ class Engine:
       r.error = error
       self._finish(r, "error")
     else:
-      self.waiting.append(r)
+      self.scheduler.add(r)
     return rid
 
   def _detach(self, r: Request) -> bool:
-    """Takes r out of whichever queue holds it; False if it is finished."""
-    queue = {WAITING: self.waiting, RUNNING: self.running, PREFILLED: self.prefilled,
-             INCOMING: self.incoming}.get(r.state)
-    if queue is None:
+    """Takes r off the scheduler, its pages freed at once; False if it is finished."""
+    if r.state == FINISHED:
       return False
-    queue.remove(r)
-    if r.state == INCOMING:
-      del self._unwritten[r.id]
+    self.scheduler.remove(r)
+    self._unwritten.pop(r.id, None)
     return True
 
   def cancel(self, rid: int) -> None:
@@ -279,8 +348,7 @@ class Engine:
     r = self.requests.pop(rid)
     if not self._detach(r):
       raise ValueError(f"request {rid} is finished; there is nothing to release")
-    self.allocator.free(r.pages)
-    r.pages, r.state = [], FINISHED
+    r.state = FINISHED
 
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
     """A second sample of a running request: it continues from the same tokens, sharing every
@@ -288,7 +356,7 @@ class Engine:
     r = self.requests[rid]
     if r.state != RUNNING:
       raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
-    if len(self.running) + len(self.incoming) >= self.max_batch:
+    if not self.scheduler.has_slot():
       raise ValueError(f"the batch is full ({self.max_batch} running requests); fork later")
     sampling = sampling or r.sampling
     reason = sampling.check()
@@ -300,7 +368,7 @@ class Engine:
         page_keys=list(r.page_keys), cached_tokens=0, preemptions=0)
     self._next_id += 1
     self.requests[new.id] = new
-    self.running.append(new)
+    self.scheduler.join(new)
     return new.id
 
   def finished(self) -> list[Request]:
@@ -312,82 +380,25 @@ class Engine:
 
   def has_work(self) -> bool:
     """Whether a step would compute anything (parked and incoming requests do not)."""
-    return bool(self.waiting or self.running)
+    return self.scheduler.has_work()
 
   def _finish(self, r: Request, reason: str) -> None:
-    if r.pages:
-      self.allocator.free(r.pages)
-      r.pages = []
+    """r, already off the scheduler (its pages freed) or never on it, is done."""
     r.state, r.finish_reason, r.finish_time = FINISHED, reason, time.perf_counter()
     self._finished.append(r)
 
-  def _preempt(self, r: Request) -> None:
-    """Recompute preemption: drop the request's pages; it waits first in line with its tokens."""
-    self.running.remove(r)
-    self.allocator.free(r.pages)
-    r.pages, r.computed, r.registered, r.state = [], 0, 0, WAITING
-    r.preemptions += 1
+  # -- the scheduler's callbacks ----------------------------------------------------------------
+
+  def _admitted(self, r: Request) -> None:
+    """A waiting request joined the batch; r.computed is what the prefix cache gave it."""
+    r.state = RUNNING
+    r.cached_tokens += r.computed
+    self.counts["cached_tokens"] += r.computed
+
+  def _preempted(self, r: Request) -> None:
+    """Recompute preemption freed r's pages; its full pages are offered to the cache again."""
+    r.registered, r.state = 0, WAITING
     self.counts["preemptions"] += 1
-    self.waiting.appendleft(r)
-
-  # -- scheduling -------------------------------------------------------------------------------
-
-  def _reserve(self, r: Request, n: int) -> bool:
-    """Pages for r's tokens computed..computed+n-1, shared ones copied first; False if short."""
-    s = self.page_size
-    new = math.ceil((r.computed + n) / s) - len(r.pages)
-    shared = [i for i in range(r.computed // s, len(r.pages)) if self.allocator.refs[r.pages[i]] > 1]
-    if not self.allocator.can_alloc(new + len(shared)):
-      return False
-    for i in shared:
-      page, source = self.allocator.writable(r.pages[i])
-      self._copy_page(source, page)
-      self.counts["page_copies"] += 1
-      r.pages[i] = page
-    r.pages += [self.allocator.alloc() for _ in range(new)]
-    return True
-
-  def _admit(self, r: Request, budget: int, use_cache: bool = True) -> int:
-    """Tokens of r to schedule now (0: it does not fit); takes its cached prefix first."""
-    matched = use_cache and self.prefix_cache is not None and r.computed == 0
-    if matched:
-      r.pages = self.prefix_cache.match(r.tokens)
-      # The last token is always computed: its logits give the next token.
-      r.computed = min(len(r.pages) * self.page_size, len(r.tokens) - 1)
-    n = min(len(r.tokens) - r.computed, budget)
-    if self._reserve(r, n):
-      r.cached_tokens += r.computed
-      self.counts["cached_tokens"] += r.computed
-      return n
-    if matched:
-      self.allocator.free(r.pages)
-      r.pages, r.computed = [], 0
-      if not self.running:  # a shared page to copy can be one too many for a pool-sized request
-        return self._admit(r, budget, use_cache=False)
-    return 0
-
-  def _schedule(self) -> list[tuple[Request, int]]:
-    budget, plan, i = self.max_tokens_per_step, [], 0
-    while i < len(self.running) and budget > 0:
-      r = self.running[i]
-      n = min(len(r.tokens) - r.computed, budget)
-      if self._reserve(r, n):
-        plan.append((r, n))
-        budget -= n
-        i += 1
-      else:  # preempt the newest; if that is r itself, the next request moves into slot i
-        self._preempt(self.running[-1])
-    while self.waiting and budget > 0 and len(self.running) + len(self.incoming) < self.max_batch:
-      r = self.waiting[0]
-      n = self._admit(r, budget)
-      if n == 0:
-        break
-      self.waiting.popleft()
-      r.state = RUNNING
-      self.running.append(r)
-      plan.append((r, n))
-      budget -= n
-    return plan
 
   # -- device work ------------------------------------------------------------------------------
 
@@ -420,8 +431,10 @@ class Engine:
       self._to_fill.clear()
       self.kv = self._fill_fn(self.kv, pages)
 
-  def _program(self, t: int, n: int) -> jax.stages.Compiled:
-    """The compiled step for T = t tokens and n pages per sequence (compiled once each)."""
+  def step_program(self, t: int, n: int) -> jax.stages.Compiled:
+    """The compiled step for T = t tokens and n pages per sequence (compiled once each), called
+    as `program(params, kv, TokenBatch, SamplingBatch) -> (new_R, finite_R, kv)`; the K/V pools
+    are donated, so the caller keeps the returned ones."""
     if (t, n) not in self._programs:
       r = self.max_batch
       step = functools.partial(model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh)
@@ -454,7 +467,7 @@ class Engine:
     for n in self.page_buckets:
       if max_pages is None or n <= _bucket(max_pages, self.page_buckets):
         for t in self.token_buckets:
-          self._program(t, n)
+          self.step_program(t, n)
     for size in _pow2_chunks((1 << move_pages.bit_length()) - 1):
       scratch = np.full(size, SCRATCH_PAGE, np.int32)
       layers = self._layers(0 if per_layer else None)
@@ -468,7 +481,7 @@ class Engine:
 
   def launch(self) -> _Launched | None:
     """Schedules an iteration and dispatches it without waiting for it (None: nothing to do)."""
-    plan = self._schedule()
+    plan = self.scheduler.plan()
     if not plan:
       held = self.prefilled or self.incoming  # their pages come back when they move on
       if self.waiting and not self.running and not held:  # cannot happen for a checked request
@@ -502,7 +515,7 @@ class Engine:
         sampled.append(r)
     self._flush_fills()
     batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
-    new_R, finite_R, self.kv = self._program(t, n_pages)(
+    new_R, finite_R, self.kv = self.step_program(t, n_pages)(
         self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index))
     return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R)
 
@@ -522,7 +535,7 @@ class Engine:
     for j, r in enumerate(sampled):
       if not finite_R[j]:
         r.error = f"non-finite logits at output token {len(r.output)}; the request was stopped"
-        self.running.remove(r)
+        self.scheduler.remove(r)
         self._finish(r, "error")
         continue
       token = int(new_R[j])
@@ -532,12 +545,11 @@ class Engine:
         r.first_token_time = now
       out[r.id] = [token]
       if token == r.eos_id or len(r.output) >= r.max_tokens:
-        self.running.remove(r)
+        self.scheduler.remove(r)  # its pages are freed now
         self._finish(r, "eos" if token == r.eos_id else "length")
       elif self.prefill_only:
-        self.running.remove(r)
+        self.scheduler.park(r)
         r.state = PREFILLED
-        self.prefilled.append(r)
     if self.prefix_cache is not None:
       for r, _ in plan:
         if r.state in (RUNNING, PREFILLED):
@@ -668,7 +680,7 @@ class Engine:
     if error is None and state.k is not None and tuple(state.k.shape) != want:
       error = f"the K/V has shape {tuple(state.k.shape)}; this engine holds {want} for " \
               f"{state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
-    if error is None and len(self.running) + len(self.incoming) >= self.max_batch:
+    if error is None and not self.scheduler.has_slot():
       error = f"the batch is full ({self.max_batch} running or incoming requests)"
     if error is None and not self.allocator.can_alloc(want[2]):
       error = f"{want[2]} free pages are needed to import the request, " \
@@ -684,7 +696,7 @@ class Engine:
     r.pages = [self.allocator.alloc() for _ in range(want[2])]
     self._unwritten[rid] = {(l, i) for l in range(self.cfg.n_layers) for i in range(want[2])}
     self.requests[rid] = r
-    self.incoming.append(r)
+    self.scheduler.expect(r)
     return rid
 
   def write_kv(self, rid: int, k, v, layer: int | None = None, first: int = 0) -> None:
@@ -718,9 +730,8 @@ class Engine:
       raise ValueError(f"request {rid} still lacks the K/V of {len(missing)} (layer, page) pairs, "
                        f"layers {sorted({l for l, _ in missing})}; write them (write_kv) first")
     del self._unwritten[rid]
-    self.incoming.remove(r)
+    self.scheduler.join(r)
     r.state = RUNNING
-    self.running.append(r)
 
   def import_request(self, state: KVState) -> int:
     """Adds a request with its K/V already cached (from `export_request`); returns its id.

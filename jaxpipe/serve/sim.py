@@ -1,16 +1,17 @@
 """Discrete-event simulation of colocated and disaggregated serving over a cost model (pure Python).
 
-Each simulated worker schedules as `serve.Engine` does: running requests first, oldest first (a
-decode token or the next prompt chunk), then waiting ones in arrival order while the batch, the
-token budget and the free pages allow; pages are taken as tokens are computed, and when none is
-left the newest running request is preempted and recomputed later. (`policy='prefill-first'`
-instead runs whole waiting prompts in a step of their own before any decoding, as vLLM's first
-scheduler did: the baseline DistServe measured.) A prefill worker parks a request once its first
-token is sampled; the router hands it to the decode worker with a free slot and the most free
-pages, whose pages are reserved; the copy takes `Cluster.transfer_time(tokens)` and the request
-joins that decoder's batch at its first step boundary after the copy lands, when the prefill
-worker frees its pages. New requests go to the entry worker with the least work (prompt tokens
-left to compute on a prefill worker, requests on a colocated one), as `serve.deploy` routes them.
+Each simulated worker runs the engine's own scheduler (`serve.scheduler.Scheduler`) over a count
+of free pages: running requests first, oldest first (a decode token or the next prompt chunk),
+then waiting ones in arrival order while the batch, the token budget and the free pages allow;
+pages are taken as tokens are computed, and when none is left the newest running request is
+preempted and recomputed later. (`policy='prefill-first'` instead runs whole waiting prompts in a
+step of their own before any decoding, as vLLM's first scheduler did: the baseline DistServe
+measured.) A prefill worker parks a request once its first token is sampled; the deployments'
+router (`serve.router`) hands it to the decode worker with a free slot and the most free pages,
+whose pages are reserved; the copy takes `Cluster.transfer_time(tokens)` and the request joins
+that decoder's batch at its first step boundary after the copy lands, when the prefill worker
+frees its pages. New requests go to the entry worker the router picks (the fewest prompt tokens
+left to compute on a prefill worker, the fewest requests on a colocated one).
 
 Two clocks: `lockstep=False` (GPUs): every worker runs its steps back to back on its own
 devices. `lockstep=True` (this machine's driver): one host loop steps every busy worker in turn
@@ -31,6 +32,9 @@ import dataclasses
 import heapq
 import math
 from typing import Protocol, Sequence
+
+from jaxpipe.serve import router, slo
+from jaxpipe.serve.scheduler import Scheduler
 
 
 class CostModel(Protocol):
@@ -207,41 +211,38 @@ class SimRequest:
 
   @property
   def ttft(self) -> float | None:
-    return None if self.first_token_time is None else self.first_token_time - self.arrival
+    return slo.ttft(self.arrival, self.first_token_time)
 
   @property
   def tpot(self) -> float | None:
-    if self.generated < 2:
-      return None
-    return (self.last_token_time - self.first_token_time) / (self.generated - 1)
+    return slo.tpot(self.first_token_time, self.last_token_time, self.generated)
 
 
 class _Worker:
+  """A simulated worker: the engine's scheduler, and its `scheduler.Pages` side as a count of
+  free pages (no prefix cache: every prompt is computed whole)."""
+
   def __init__(self, name: str, pool: Pool, page_size: int, kind: str):
     self.name, self.pool, self.page_size, self.kind = name, pool, page_size, kind
-    self.waiting: collections.deque[SimRequest] = collections.deque()
-    self.running: list[SimRequest] = []
-    self.parked: list[SimRequest] = []  # prefill: first token sampled, pages kept
-    self.incoming = 0  # decode: slots reserved for copies in flight
     self.free = pool.kv_pages
+    self.scheduler: Scheduler[SimRequest] = Scheduler(
+        self, max_batch=pool.max_batch, token_budget=pool.token_budget, policy=pool.policy)
     self.busy_until: float | None = None  # independent clock: when its current step ends
     self.steps = 0
-    self.backlog = 0  # tokens left to compute of its waiting and running requests
 
-  def has_work(self) -> bool:
-    return bool(self.waiting or self.running)
+  # -- scheduler.Pages --
 
-  def load(self) -> int:
-    """What the router compares: tokens left to compute (prefill), requests held (colocated)."""
-    if self.kind == "prefill":
-      return self.backlog
-    return len(self.waiting) + len(self.running)
+  @property
+  def num_free(self) -> int:
+    return self.free
 
-  def add(self, r: SimRequest) -> None:
-    self.waiting.append(r)
-    self.backlog += r.length - r.computed
+  def can_alloc(self, n: int) -> bool:
+    return self.free >= n
 
-  def _reserve(self, r: SimRequest, n: int) -> bool:
+  def match_prefix(self, r: SimRequest) -> bool:
+    return False
+
+  def reserve(self, r: SimRequest, n: int) -> bool:
     need = math.ceil((r.computed + n) / self.page_size) - r.pages
     if need > self.free:
       return False
@@ -249,48 +250,11 @@ class _Worker:
     r.pages += need
     return True
 
-  def _preempt(self, r: SimRequest) -> None:
-    self.running.remove(r)
+  def release(self, r: SimRequest) -> None:
     self.free += r.pages
-    self.backlog += r.computed
-    r.pages, r.computed = 0, 0
-    r.preemptions += 1
-    self.waiting.appendleft(r)
+    r.pages = 0
 
-  def plan(self) -> list[tuple[SimRequest, int]]:
-    p = self.pool
-    if p.policy == "prefill-first" and self.waiting:
-      plan = self._admit(p.token_budget, whole=True)
-      if plan:
-        return plan
-    budget, plan, i = p.token_budget, [], 0
-    while i < len(self.running) and budget > 0:
-      r = self.running[i]
-      n = min(r.length - r.computed, budget)
-      if self._reserve(r, n):
-        plan.append((r, n))
-        budget -= n
-        i += 1
-      else:
-        self._preempt(self.running[-1])
-    if p.policy != "prefill-first":
-      plan += self._admit(budget, whole=False)
-    return plan
-
-  def _admit(self, budget: int, whole: bool) -> list[tuple[SimRequest, int]]:
-    plan = []
-    while self.waiting and budget > 0 and len(self.running) + self.incoming < self.pool.max_batch:
-      r = self.waiting[0]
-      n = min(r.length - r.computed, budget)
-      if whole and n < r.length - r.computed and plan:
-        break  # a whole prompt that does not fit the rest of the budget waits for the next step
-      if not self._reserve(r, n):
-        break
-      self.waiting.popleft()
-      self.running.append(r)
-      plan.append((r, n))
-      budget -= n
-    return plan
+  # -- steps --
 
   def cost(self, plan) -> float:
     return self.pool.cost.step_time([n for _, n in plan], [r.computed + n for r, n in plan])
@@ -307,7 +271,6 @@ class _Worker:
     out = []
     for r, n in plan:
       r.computed += n
-      self.backlog -= n
       if r.computed < r.length:
         continue
       r.generated += 1
@@ -315,21 +278,20 @@ class _Worker:
       if r.first_token_time is None:
         r.first_token_time = now
       if r.generated >= r.max_tokens:
-        self.running.remove(r)
-        self.free += r.pages
-        r.pages, r.finish_time = 0, now
+        self.scheduler.remove(r)  # its pages are freed now
+        r.finish_time = now
         out.append(r)
       elif self.kind == "prefill":
-        self.running.remove(r)
-        self.parked.append(r)
+        self.scheduler.park(r)
         out.append(r)
-      else:
-        self.backlog += 1  # the token just sampled: computed by its next step
     return out
 
 
-def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]]) -> list[SimRequest]:
-  """Serves (arrival seconds, prompt tokens, output tokens) requests; returns them finished."""
+def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]],
+             trace: dict[str, list] | None = None) -> list[SimRequest]:
+  """Serves (arrival seconds, prompt tokens, output tokens) requests; returns them finished.
+
+  trace: filled with each worker's scheduling decisions (`Scheduler.trace`), by worker name."""
   reqs = [SimRequest(i, a, p, o) for i, (a, p, o) in enumerate(arrivals)]
   s = cluster.page_size
   for r in reqs:
@@ -345,6 +307,9 @@ def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]]) -> li
     entry = [_Worker(f"W{i}", cluster.colocated, s, "colocated")
              for i in range(cluster.colocated.count)]
     decode = []
+  if trace is not None:
+    for w in entry + decode:
+      w.scheduler.trace = trace.setdefault(w.name, [])
   sim = _Sim(cluster, entry, decode)
   todo = [r for r in reqs if r.error is None]
   (sim.run_lockstep if cluster.lockstep else sim.run_events)(todo)
@@ -357,7 +322,7 @@ class _Sim:
     self.handoff: collections.deque[tuple[_Worker, SimRequest]] = collections.deque()
 
   def route(self, r: SimRequest) -> None:
-    min(self.entry, key=_Worker.load).add(r)
+    router.entry_worker(self.entry, prefill=self.cluster.disaggregated).scheduler.add(r)
 
   def start_transfers(self, now: float) -> list[tuple[float, _Worker, _Worker, SimRequest]]:
     """Reserves a decode worker for every parked request that fits one; returns the copies
@@ -366,25 +331,21 @@ class _Sim:
     while self.handoff:
       src, r = self.handoff.popleft()
       pages = math.ceil(r.computed / self.cluster.page_size)
-      fits = [d for d in self.decode
-              if d.free >= pages and len(d.running) + d.incoming < d.pool.max_batch]
-      if not fits:
+      d = router.decode_worker(self.decode, pages)
+      if d is None:
         left.append((src, r))
         continue
-      d = max(fits, key=lambda d: (d.free, -len(d.running)))
-      d.free -= pages
-      d.incoming += 1
+      d.free -= pages  # reserved for the copy; the request holds them once it lands
+      d.scheduler.expect(r)
       r.transfer_bytes += pages * self.cluster.page_size * self.cluster.kv_bytes_per_token
       started.append((now + self.cluster.transfer_time(r.computed), src, d, r))
     self.handoff = left
     return started
 
   def land(self, src: _Worker, d: _Worker, r: SimRequest) -> None:
-    src.parked.remove(r)
-    src.free += r.pages
-    d.incoming -= 1
-    d.running.append(r)
-    d.backlog += r.length - r.computed
+    src.scheduler.remove(r)  # frees its pages on the prefill worker
+    r.pages = math.ceil(r.computed / self.cluster.page_size)  # those reserved on d
+    d.scheduler.join(r)
 
   def after_step(self, w: _Worker, out: list[SimRequest]) -> None:
     for r in out:
@@ -427,8 +388,8 @@ class _Sim:
           for t, src, d, r in self.start_transfers(now):
             push(t, "land", (src, d, r))
       for w in self.entry + self.decode:
-        if w.busy_until is None and w.has_work():
-          plan = w.plan()
+        if w.busy_until is None and w.scheduler.has_work():
+          plan = w.scheduler.plan()
           if plan:
             w.busy_until = now + w.cost(plan)
             push(w.busy_until, "step", (w, plan))
@@ -441,7 +402,7 @@ class _Sim:
     while left:
       while queue and queue[0].arrival <= now:
         self.route(queue.popleft())
-      plans = [(w, w.plan()) for w in workers if w.has_work()]
+      plans = [(w, w.scheduler.plan()) for w in workers if w.scheduler.has_work()]
       plans = [(w, p) for w, p in plans if p]
       if not plans and not landing:
         if not queue:

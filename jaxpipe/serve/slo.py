@@ -5,7 +5,9 @@ Per request: TTFT = first token time - arrival; TPOT = (last token time - first 
 none and meets any TPOT target); end-to-end latency = finish - arrival. A request meets the SLO
 when it finished without error and both its TTFT and TPOT are within their targets. Goodput is
 the highest request rate at which at least 90% (`SLO.attainment`) of requests meet it, found by a
-search over rates (`search_goodput`): each probe is a whole run at that rate.
+search over rates (`search_goodput`): each probe is a whole run at that rate. `ttft` and `tpot`
+are the one implementation of the two that the engine's, the simulator's and the benchmarks'
+requests and the HTTP server's histograms all use.
 """
 from __future__ import annotations
 
@@ -46,6 +48,19 @@ class SLO:
             max(r.ttft / self.ttft, (r.tpot or 0.0) / self.tpot) for r in requests]
     k = math.ceil(self.attainment * len(need) - 1e-9)
     return sorted(need)[k - 1] if need else math.inf
+
+
+def ttft(arrival: float, first_token: float | None) -> float | None:
+  """Time to first token: arrival to the first token's time (None before there is one)."""
+  return None if first_token is None else first_token - arrival
+
+
+def tpot(first_token: float | None, last_token: float | None, tokens: int) -> float | None:
+  """Time per output token after the first: (last - first) / (tokens - 1), the mean gap
+  between a request's tokens; None with fewer than two tokens (it meets any TPOT target)."""
+  if tokens < 2:
+    return None
+  return (last_token - first_token) / (tokens - 1)
 
 
 def attainment(requests: Sequence, slo: SLO) -> float:

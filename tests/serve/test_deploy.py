@@ -14,12 +14,19 @@ import jax
 import pytest
 
 from experiments import serve_bench
+from jaxpipe.runtime import cli
 from jaxpipe.serve.deploy import DECODE, HANDOFF, PREFILL, TRANSFER, Colocated, Disaggregated, \
     device_groups
 from jaxpipe.serve.engine import INCOMING
 from tests import helpers
 
 KW = dict(num_pages=33, nan_freed_pages=True, **helpers.ENGINE_ARGS)
+
+
+def bench_args(args: list[str]):
+  """serve_bench's flag values for the command line `python -m experiments.serve_bench ARGS`."""
+  cli.parse(serve_bench.FLAGS, ["serve_bench", *args])
+  return cli.values(serve_bench.FLAGS)
 
 
 def kv_bytes(tokens: int) -> int:
@@ -30,13 +37,13 @@ def kv_bytes(tokens: int) -> int:
 @pytest.fixture(scope="module")
 def colocated():
   d = jax.devices()
-  return Colocated(helpers.DENSE, helpers.params("dense"), [d[0:1], d[1:2]], **KW)
+  return Colocated(helpers.DENSE, helpers.engine_params("dense"), [d[0:1], d[1:2]], **KW)
 
 
 @pytest.fixture(scope="module")
 def disagg():
   d = jax.devices()
-  return Disaggregated(helpers.DENSE, helpers.params("dense"), [d[2:3]], [d[3:4], d[4:6]], **KW)
+  return Disaggregated(helpers.DENSE, helpers.engine_params("dense"), [d[2:3]], [d[3:4], d[4:6]], **KW)
 
 
 def run(dep, prompts, max_tokens, per_step=2, first=3, hook=None):
@@ -192,7 +199,7 @@ def test_stopped_workers_lose_nothing():
   prefill worker while a copy from it is in flight: every request still gets the oracle's tokens.
   With no decode worker left, what is left fails saying so and frees its pages."""
   d = jax.devices()
-  dep = Disaggregated(helpers.DENSE, helpers.params("dense"), [d[6:7], d[7:8]], [d[0:1], d[1:2]], **KW)
+  dep = Disaggregated(helpers.DENSE, helpers.engine_params("dense"), [d[6:7], d[7:8]], [d[0:1], d[1:2]], **KW)
   prompts = helpers.prompts(seed=10, n=10)
   stopped = []
 
@@ -245,21 +252,21 @@ def test_bad_splits_and_flags_fail_before_device_work(tmp_path):
     device_groups(9, 1)
   assert device_groups(2, 3) == [d[0:3], d[3:6]]
   cases = [
-      ("--mode disaggregated --prefill-workers 0", "--prefill-workers=0 leaves no prefill worker"),
-      ("--mode both --decode-workers 0", "--decode-workers=0 leaves no decode worker"),
-      ("--mode both --ttft-slo 0", "--ttft-slo: ttft SLO=0.0 must be"),
-      ("--mode both --tpot-slo -1", "--tpot-slo: tpot SLO=-1.0 must be"),
+      ("--mode disaggregated --prefill_workers 0", "--prefill_workers=0 leaves no prefill worker"),
+      ("--mode both --decode_workers 0", "--decode_workers=0 leaves no decode worker"),
+      ("--mode both --ttft_slo 0", "--ttft_slo: ttft SLO=0.0 must be"),
+      ("--mode both --tpot_slo -1", "--tpot_slo: tpot SLO=-1.0 must be"),
       ("--mode sideways", "--mode 'sideways'"),
       ("--mode both --rates 4,-1", "every rate must be > 0"),
   ]
   for flags, words in cases:
     with pytest.raises(SystemExit, match=words):
-      serve_bench.check_deployment_args(serve_bench.parser().parse_args(flags.split()))
+      serve_bench.check_deployment_args(bench_args(flags.split()))
   bad = tmp_path / "bad.csv"
   bad.write_text("arrival_s,prompt_len,output_len\n0.1,4,x\n")
-  args = serve_bench.parser().parse_args(["--mode", "both", "--trace-in", str(bad)])
-  with pytest.raises(SystemExit, match=r"--trace-in: .*bad.csv:2: output_len='x'"):
+  args = bench_args(["--mode", "both", "--trace_in", str(bad)])
+  with pytest.raises(SystemExit, match=r"--trace_in: .*bad.csv:2: output_len='x'"):
     serve_bench.measure(args, ["colocated"], serve_bench.SLO(1, 1), [1.0])
-  args = serve_bench.parser().parse_args(["--mode", "both", "--workers", "9"])
+  args = bench_args(["--mode", "both", "--workers", "9"])
   with pytest.raises(SystemExit, match="--mode colocated: 9 workers"):
     serve_bench.measure(args, ["colocated"], serve_bench.SLO(1, 1), [1.0])

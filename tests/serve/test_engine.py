@@ -22,7 +22,7 @@ CONTEXT, PAGE = helpers.CONTEXT, helpers.PAGE
 @functools.cache
 def _engine(name):
   """A small pool (preemption happens) whose freed pages are NaN; shared by the tests below."""
-  return Engine(helpers.CONFIGS[name], helpers.params(name), num_pages=17, nan_freed_pages=True, **helpers.ENGINE_ARGS)
+  return Engine(helpers.CONFIGS[name], helpers.engine_params(name), num_pages=17, nan_freed_pages=True, **helpers.ENGINE_ARGS)
 
 
 def _serve(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, first=4, **kwargs):
@@ -72,6 +72,20 @@ def test_eos_ends_a_request_and_frees_its_pages():
   assert done[rid].output == want[0][:want[0].index(eos) + 1]
   assert done[rid].finish_reason == "eos"
   assert [done[i].output for i in others] == want[1:]
+  # The pages, counted: without a prefix cache every page is a running request's or free, so
+  # right after the step that samples EOS the free count is the pool less what the other holds.
+  bare = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=17,
+                prefix_caching=False, **helpers.ENGINE_ARGS)
+  pool = bare.allocator.num_free
+  rid = bare.add_request(prompts[0], 8, eos_id=eos)
+  other = bare.add_request(prompts[1], 8, eos_id=None)
+  while bare.requests[rid].finish_reason is None:
+    held = len(bare.requests[rid].pages)
+    bare.step()
+  r, o = bare.requests[rid], bare.requests[other]
+  assert r.finish_reason == "eos" and len(r.output) < 8 and held > 0 and o.finish_reason is None
+  assert r.pages == [] and bare.allocator.num_free == pool - len(o.pages)
+  helpers.check_pages(bare)
 
 
 def test_sampling_depends_on_the_request_alone():
@@ -87,6 +101,29 @@ def test_sampling_depends_on_the_request_alone():
   assert got[-1].preemptions > 0
   other = engine.generate([prompt], max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=8)
   assert other[0] != alone
+
+
+def test_a_request_samples_the_same_at_another_row_of_a_shared_batch():
+  """Alone, a request samples in row 0 of a batch of one; here it is row 3 of a batch of four at
+  every step, beside three requests sampling with their own seeds, and its tokens are the same."""
+  engine = _engine("dense")
+  kw = dict(temperature=1.0, top_k=20, top_p=0.9)
+  prompts = np.random.default_rng(11).integers(0, 64, (4, 4)).tolist()  # 4 + 12 tokens: 4 pages
+  alone = engine.generate([prompts[3]], max_tokens=12, seed=7, **kw)[0]
+  others = [engine.add_request(p, 12, SamplingParams(seed=100 + i, **kw), eos_id=None)
+            for i, p in enumerate(prompts[:3])]
+  rid = engine.add_request(prompts[3], 12, SamplingParams(seed=7, **kw), eos_id=None)
+  rows = []
+  while engine.has_work():
+    launched = engine.launch()
+    sampled = [r.id for r in launched.sampled]
+    rows.append((sampled.index(rid) if rid in sampled else None, len(sampled)))
+    engine.collect(launched)
+    helpers.check_pages(engine)
+  done = {r.id: r for r in engine.finished()}
+  assert rows == [(3, 4)] * 12  # every token of it sampled in row 3 of 4
+  assert done[rid].output == alone and done[rid].preemptions == 0
+  assert all(done[i].output != alone for i in others)
 
 
 BAD = [
@@ -119,7 +156,7 @@ def test_bad_requests_fail_alone_and_the_rest_are_served():
 
 
 def test_a_prompt_that_never_fits_the_pool_is_refused():
-  engine = Engine(helpers.DENSE, helpers.params("dense"), num_pages=5, **helpers.ENGINE_ARGS)  # 4 usable pages
+  engine = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=5, **helpers.ENGINE_ARGS)  # 4 usable pages
   rid = engine.add_request(list(range(15)), 4)
   (r,) = engine.finished()
   assert r.id == rid and "need 5 pages" in r.error and "the pool has 4" in r.error
@@ -172,7 +209,7 @@ def test_fork_shares_pages_and_copies_on_write():
 def test_export_import_moves_a_request_to_an_engine_on_other_devices():
   """Prefill on one device, decode on two others (KV heads split over them): oracle tokens."""
   first = _engine("dense")
-  second = Engine(helpers.DENSE, helpers.params("dense"), num_pages=33, devices=jax.devices()[2:4],
+  second = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=33, devices=jax.devices()[2:4],
                   **helpers.ENGINE_ARGS)
   assert second.kv.k.sharding.device_set == set(jax.devices()[2:4])
   prompts = helpers.prompts(seed=5, n=3)
@@ -195,7 +232,7 @@ def test_prefill_and_decode_step_equal_the_forward_pass_with_the_pallas_kernel()
   """The two model paths by themselves through the Pallas kernel (interpreted), pools full of
   NaN; the engine tests above run them through the gather reference."""
   backend = "pallas"
-  cfg, params = helpers.DENSE, helpers.params("dense")
+  cfg, params = helpers.DENSE, helpers.engine_params("dense")
   tokens = list(range(3, 14))
   kv = serve_model.init_kv(cfg, 8, PAGE, fill=float("nan"))
   table = [5, 2, 7]

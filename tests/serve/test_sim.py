@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from experiments import pd_plan
+from jaxpipe.runtime import cli
 from jaxpipe.serve import sim
 
 
@@ -175,8 +176,9 @@ def test_cluster_checks():
 
 
 @pytest.mark.parametrize("flags, words", [
-    ("--slo-8b 0 0.02", "--slo-8b: ttft SLO=0.0 must be"),
-    ("--slo-70b 0.5 -1", "--slo-70b: tpot SLO=-1.0 must be"),
+    ("--slo_8b 0,0.02", "--slo_8b: ttft SLO=0.0 must be"),
+    ("--slo_70b 0.5,-1", "--slo_70b: tpot SLO=-1.0 must be"),
+    ("--slo_8b 0.2", "--slo_8b=0.2: give TTFT,TPOT in seconds"),
     ("--models 8b,9b", r"--models: unknown \['9b'\]"),
     ("--gpus 8,4x", "--gpus='8,4x': give comma-separated integers"),
     ("--gpus 0", "--gpus='0': every value must be >= 1"),
@@ -186,4 +188,5 @@ def test_cluster_checks():
 ])
 def test_planner_flags_fail_in_one_line(flags, words):
   with pytest.raises(SystemExit, match=words):
-    pd_plan.check_args(pd_plan.parser().parse_args(flags.split()))
+    cli.parse(pd_plan.FLAGS, ["pd_plan", *flags.split()])
+    pd_plan.check_args(cli.values(pd_plan.FLAGS))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server, driven with the real `openai` client, against `Engine.generate`."""
+"""The OpenAI-compatible server (serve/http/app.py over its engine loop), driven with the real
+`openai` client, against `Engine.generate`."""
 import asyncio
 import contextlib
 import json
@@ -23,7 +24,7 @@ from jaxpipe.training import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.serve import deploy, workload
 from jaxpipe.serve.engine import Engine
-from jaxpipe.serve.server import CompletionServer
+from jaxpipe.serve.http import CompletionServer
 from tests import helpers
 
 ROOT = helpers.ROOT

@@ -1,0 +1,17 @@
+"""An OpenAI-compatible HTTP server over a serving engine: completions (streamed as server-sent
+events, one chunk per token), models, health and Prometheus metrics.
+
+  python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
+
+- `protocol`: the request body and its checks, OpenAI's error kinds, a choice's text as its
+  tokens arrive (incremental UTF-8 of the byte tokenizer, stop sequences); no engine, no network.
+- `loop`: `EngineLoop`, the thread that runs the backend (an `Engine`, or a `serve.deploy`
+  deployment: `Backend` is what it needs of one), fed by the handlers through a command queue.
+- `metrics`: the Prometheus registry the loop and the handlers update.
+- `app`: `CompletionServer`, the Starlette routes over the loop, backpressure (429), client
+  disconnects cancelling their sequences, and uvicorn with SIGTERM draining.
+"""
+from jaxpipe.serve.http.app import CompletionServer
+from jaxpipe.serve.http.loop import Backend, EngineLoop, engines_of
+
+__all__ = ["Backend", "CompletionServer", "EngineLoop", "engines_of"]

@@ -1,0 +1,206 @@
+"""The engine loop: one thread runs the backend (an `Engine` or a deployment of several) and
+request handlers on the asyncio event loop talk to it through a queue of commands (add, cancel,
+drain, stop). The thread steps while there is work and hands each iteration's tokens and
+finishes back to the event loop in one call, so a step costs one hand-off whatever its batch.
+An engine fault fails the requests it held and every later one (`failed` says why); the server
+stays up to say so.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Protocol, Sequence
+
+from jaxpipe.serve import slo
+from jaxpipe.serve.http.metrics import Metrics
+from jaxpipe.serve.http.protocol import FINISH
+from jaxpipe.serve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+  """What the server drives: an `Engine`, or a deployment of several (`serve.deploy`: Colocated,
+  Disaggregated) that lists them in `engines`; limits and gauges are read from those engines."""
+
+  def check_request(self, prompt: Sequence[int], max_tokens: int,
+                    sampling: SamplingParams) -> str | None: ...  # reads configuration only
+  def add_request(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, *,
+                  eos_id: int | None | str) -> int: ...
+  def step(self) -> dict[int, list[int]]: ...
+  def cancel(self, rid: int) -> None: ...
+  def finished(self) -> list[Any]: ...  # objects with .id, .finish_reason, .error
+  def has_work(self) -> bool: ...
+
+
+def engines_of(backend: Backend) -> list:
+  """The engines behind a backend: a deployment's live workers', or the engine itself."""
+  return list(getattr(backend, "engines", None) or [backend])
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+  """One choice of one request, as the engine loop sees it."""
+  prompt: list[int]
+  max_tokens: int
+  sampling: SamplingParams
+  eos_id: int | None | str
+  arrival: float  # time.perf_counter() when the request arrived
+  sink: asyncio.Queue  # (index, tokens, finish reason or None, error or None) on the event loop
+  index: int  # choice index within the request
+  rid: int | None = None  # the backend's id (engine thread)
+  first: float | None = None  # first token's time (engine thread)
+  last: float | None = None
+  n_tokens: int = 0
+  stopped: bool = False  # ended by a stop sequence (set on the event loop before cancelling)
+  done: bool = False  # its last event was delivered (event loop)
+
+
+class EngineLoop:
+  """Runs a backend on its own thread: adds and cancels what handlers queue, steps while there
+  is work, and hands each iteration's tokens and finishes to the event loop in one call."""
+
+  WINDOW_S = 10.0  # the tokens-per-second gauge's window
+
+  def __init__(self, backend: Backend, metrics: Metrics):
+    self.backend, self.metrics = backend, metrics
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread: threading.Thread | None = None
+    self._deadline: float | None = None  # drain: cancel whatever runs past it
+    self.failed: str | None = None  # why the loop stopped on an error
+
+  def start(self, aloop: asyncio.AbstractEventLoop, deliver) -> None:
+    self._aloop, self._deliver = aloop, deliver
+    self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+    self._thread.start()
+
+  def submit(self, seqs: list[Seq]) -> None:
+    self._inbox.put(("add", seqs))
+
+  def cancel(self, seqs: list[Seq]) -> None:
+    self._inbox.put(("cancel", seqs))
+
+  def drain(self, seconds: float) -> None:
+    """Lets what runs go on for `seconds`, then cancels the rest."""
+    self._inbox.put(("drain", time.perf_counter() + seconds))
+
+  def stop(self) -> None:
+    """Cancels everything, delivers the finishes and ends the thread."""
+    if self._thread is not None:
+      self._inbox.put(("stop", None))
+      self._thread.join()
+      self._thread = None
+
+  def _run(self) -> None:
+    live: dict[int, Seq] = {}
+    window: collections.deque[tuple[float, int]] = collections.deque()
+    stopping = False
+    while not (stopping and not live):
+      commands = self._take(0.0 if self.backend.has_work() else 1.0)
+      events: dict[Seq, list] = {}
+      try:
+        for kind, arg in commands:
+          if kind == "add":
+            for s in arg:
+              s.rid = self.backend.add_request(s.prompt, s.max_tokens, s.sampling, eos_id=s.eos_id)
+              live[s.rid] = s
+              self.metrics.prompt_tokens.inc(len(s.prompt))
+          elif kind == "cancel":
+            for s in arg:
+              if s.rid in live:
+                self.backend.cancel(s.rid)
+          elif kind == "drain":
+            self._deadline = arg
+          else:
+            stopping = True
+        if stopping or (self._deadline is not None and time.perf_counter() >= self._deadline):
+          for rid in list(live):
+            self.backend.cancel(rid)
+        stepped = self.backend.has_work()
+        new = self.backend.step() if stepped else {}
+        now = time.perf_counter()
+        for rid, tokens in new.items():
+          s = live[rid]
+          s.first = s.first or now
+          s.last, s.n_tokens = now, s.n_tokens + len(tokens)
+          events[s] = [list(tokens), None, None]
+        for r in self.backend.finished():
+          s = live.pop(r.id, None)
+          if s is None:  # reported finished twice
+            continue
+          reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
+          events.setdefault(s, [[], None, None])[1:] = [reason, r.error if reason == "error" else None]
+          self._observe_finish(s, reason)
+        self._update_gauges(stepped, new, now, window)
+      except Exception as e:  # noqa: BLE001 -- an engine fault fails its requests, not the server
+        log.exception("engine loop failed")
+        self.failed = f"{type(e).__name__}: {e}"
+        added = [s for kind, arg in commands if kind == "add" for s in arg]
+        self._fail(set(live.values()) | set(added) | set(events), stopping)
+        return
+      if events:
+        self._send([(s, *e) for s, e in events.items()])
+
+  def _take(self, timeout: float) -> list[tuple[str, Any]]:
+    """The queued commands, waiting up to `timeout` seconds for the first."""
+    commands = []
+    try:
+      commands.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
+      while True:
+        commands.append(self._inbox.get_nowait())
+    except queue.Empty:
+      return commands
+
+  def _send(self, events: list) -> None:
+    try:
+      self._aloop.call_soon_threadsafe(self._deliver, events)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
+      pass
+
+  def _fail(self, seqs: set[Seq], stopping: bool) -> None:
+    """After an engine fault: every sequence, now and later, ends with the error."""
+    error = f"the engine failed: {self.failed}"
+    while True:
+      self._send([(s, [], None, error) for s in seqs])
+      if stopping:
+        return
+      commands = self._take(1.0)
+      seqs = {s for kind, arg in commands if kind == "add" for s in arg}
+      stopping = any(kind == "stop" for kind, _ in commands)
+
+  def _observe_finish(self, s: Seq, reason: str) -> None:
+    m = self.metrics
+    m.finished.labels(reason).inc()
+    if s.first is not None:
+      m.ttft.observe(slo.ttft(s.arrival, s.first))
+      m.e2e.observe(s.last - s.arrival)
+    tpot = slo.tpot(s.first, s.last, s.n_tokens)
+    if tpot is not None:
+      m.tpot.observe(tpot)
+
+  def _update_gauges(self, stepped: bool, new: dict, now: float, window: collections.deque) -> None:
+    m, engines = self.metrics, engines_of(self.backend)
+    generated = sum(len(t) for t in new.values())
+    usage = collections.Counter()
+    for e in engines:
+      usage.update(e.kv_usage())
+    if stepped:  # as serve_bench sums them: after every step
+      m.steps.inc()
+      m.kv_tokens.inc(usage["tokens"])
+      m.kv_slots.inc(usage["slots"])
+    m.generation_tokens.inc(generated)
+    window.append((now, generated))
+    while window[0][0] < now - self.WINDOW_S:
+      window.popleft()
+    m.tokens_per_second.set(sum(n for _, n in window) / self.WINDOW_S)
+    m.running.set(sum(len(e.running) for e in engines))
+    m.waiting.set(sum(len(e.waiting) for e in engines))
+    m.pages_total.set(usage["pages_total"])
+    m.pages_used.set(usage["pages_in_use"])
+    m.pages_running.set(usage["pages_running"])
+    m.pages_cached.set(usage["cached_pages"])
