@@ -7,14 +7,25 @@ forward. Elsewhere: the interpret-mode correctness pass of the Pallas kernel aga
 """
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from experiments.timing import median_time
 from jaxpipe.ops.attention import attention, unsupported_reason
+from jaxpipe.runtime import cli
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_list("seqs", ["1024", "2048", "4096", "8192", "16384"], "Sequence lengths.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("heads", 16, "Query (= KV) heads.", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 128, "Head dimension.", flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 16384, "batch * seq per call.", flag_values=FLAGS)
+flags.DEFINE_list("backends", ["pallas", "cudnn", "xla"], "Backends to time.", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 10, "Timed calls per cell (median).", flag_values=FLAGS)
+flags.DEFINE_string("dtype", "bfloat16", "bfloat16 or float16.", flag_values=FLAGS)
 
 # Published H100 anchors (shared/anchors.md) printed beside our table.
 ANCHORS = ("FlashAttention-3: up to 740 TFLOP/s bf16 forward; "
@@ -102,24 +113,21 @@ def interpret_check() -> None:
   print(f"\nworst relative error {worst:.1e} ({'PASS' if worst < 1e-5 else 'FAIL'} at 1e-5)")
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seqs", default="1024,2048,4096,8192,16384", help="sequence lengths")
-  parser.add_argument("--heads", type=int, default=16, help="query (= KV) heads")
-  parser.add_argument("--head_dim", type=int, default=128, help="head dimension")
-  parser.add_argument("--tokens", type=int, default=16384, help="batch * seq per call")
-  parser.add_argument("--backends", default="pallas,cudnn,xla", help="backends to time")
-  parser.add_argument("--repeats", type=int, default=10, help="timed calls per cell (median)")
-  parser.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  try:
+    seqs = [int(s) for s in FLAGS.seqs]
+  except ValueError:
+    raise app.UsageError(f"--seqs={','.join(FLAGS.seqs)}: give comma-separated integers, e.g. "
+                         "1024,4096") from None
   if jax.default_backend() != "gpu":
     interpret_check()
     print(f"\nGPU timings need a GPU: this process runs on {jax.default_backend()}. Run "
           f"`python -m experiments.attention_bench` on a CUDA machine for the TFLOP/s table.")
     return
-  gpu_table([int(s) for s in args.seqs.split(",")], args.heads, args.head_dim, args.tokens,
-            args.backends.split(","), args.repeats, jnp.dtype(args.dtype))
+  gpu_table(seqs, FLAGS.heads, FLAGS.head_dim, FLAGS.tokens, FLAGS.backends, FLAGS.repeats,
+            jnp.dtype(FLAGS.dtype))
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -28,7 +28,6 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -38,10 +37,11 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments.timing import median_time  # noqa: E402
-from jaxpipe.runtime import files
+from jaxpipe.runtime import cli, files  # noqa: E402
 from jaxpipe.models import flops  # noqa: E402
 from jaxpipe.ops import fp8
 from jaxpipe.models import transformer  # noqa: E402
@@ -60,6 +60,21 @@ ONE_PATH = ("bf16", "float32-seed1")  # the dtype's and the seed's effects: data
 MEASURES = (("final loss", lambda r: r["losses"][-1]),
             ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
             ("eval loss", lambda r: r["eval_loss"]))
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_list("parts", None, "Comma-separated: curves, gemm, seeds, gpu (default: curves,gemm "
+                  "on CPU, gpu on a GPU).", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 300, "Training steps per run.", flag_values=FLAGS)
+flags.DEFINE_list("pp", ["1", "2"], "Pipeline sizes to train on (1 = data-parallel).",
+                  flag_values=FLAGS)
+flags.DEFINE_list("runs", [run[0] for run in RUNS], "Labels of the runs to train (float32 always "
+                  "runs: the others are compared with it).", flag_values=FLAGS)
+flags.DEFINE_list("seeds", ["0", "1", "2", "3"], "seeds part: initial seeds (train.seed).",
+                  flag_values=FLAGS)
+flags.DEFINE_string("out", "out/fp8_bench", "curves.json and fp8_loss.png go here.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 10, "GPU: timed repetitions.", flag_values=FLAGS)
+flags.DEFINE_integer("gemm_size", 8192, "GPU: the GEMM's M = N = K.", flag_values=FLAGS)
 
 
 def _path(pp: int) -> str:
@@ -360,35 +375,24 @@ def gpu_part(args) -> None:
     del trainer, state
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--parts", default=None,
-                      help="comma-separated: curves, gemm, seeds, gpu (default: curves,gemm on CPU, "
-                           "gpu on a GPU)")
-  parser.add_argument("--steps", type=int, default=300, help="training steps per run")
-  parser.add_argument("--pp", default="1,2", help="pipeline sizes to train on (1 = data-parallel)")
-  parser.add_argument("--runs", default=",".join(run[0] for run in RUNS),
-                      help="comma-separated labels of the runs to train (float32 always runs: the "
-                      "others are compared with it)")
-  parser.add_argument("--seeds", default="0,1,2,3",
-                      help="seeds part: comma-separated initial seeds (train.seed)")
-  parser.add_argument("--out", default="out/fp8_bench", help="curves.json and fp8_loss.png go here")
-  parser.add_argument("--repeats", type=int, default=10, help="GPU: timed repetitions")
-  parser.add_argument("--gemm_size", type=int, default=8192, help="GPU: the GEMM's M = N = K")
-  args = parser.parse_args()
-  default = "gpu" if jax.default_backend() == "gpu" else "curves,gemm"
-  args.parts = set((args.parts or default).split(","))
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
+  default = ["gpu"] if jax.default_backend() == "gpu" else ["curves", "gemm"]
+  args.parts = set(args.parts or default)
   if args.parts - set(PARTS):
-    parser.error(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from {PARTS}")
+    raise app.UsageError(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from "
+                         f"{PARTS}")
   try:
-    args.pp = [int(p) for p in args.pp.split(",")]
-    args.seeds = [int(v) for v in args.seeds.split(",")]
+    args.pp = [int(p) for p in args.pp]
+    args.seeds = [int(v) for v in args.seeds]
   except ValueError as e:
-    parser.error(f"--pp and --seeds take comma-separated integers: {e}")
+    raise app.UsageError(f"--pp and --seeds take comma-separated integers: {e}") from None
   labels = [run[0] for run in RUNS]
-  args.runs = set(args.runs.split(",")) | {"float32"}
+  args.runs = set(args.runs) | {"float32"}
   if args.runs - set(labels):
-    parser.error(f"--runs: unknown {sorted(args.runs - set(labels))}; choose from {labels}")
+    raise app.UsageError(f"--runs: unknown {sorted(args.runs - set(labels))}; choose from "
+                         f"{labels}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices; "
         f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
   if args.parts & {"curves", "gemm"}:
@@ -400,4 +404,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -38,7 +38,7 @@ stage() {  # stage NAME SECONDS PLATFORM COMMAND...: runs one stage, its log in 
   python3 -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__); print(jax.devices())"
 } 2>&1 | tee "$OUT/summary.txt"
 fp8_stages() {
-  stage fp8_gpu_test 60 cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8.py -k gpu
+  stage fp8_gpu_test 60 cuda python3 -m pytest -q -p no:cacheprovider -rs tests/ops/test_fp8.py -k gpu
   stage fp8_bench 200 cuda python3 -m experiments.fp8_bench --parts gpu --repeats 5
 }
 if [ "${1:-}" = fp8 ]; then

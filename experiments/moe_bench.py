@@ -15,18 +15,32 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from experiments.timing import median_time  # noqa: E402
 from jaxpipe.models import moe  # noqa: E402
 from jaxpipe.parallel import expert  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("tokens", 256, "Tokens per device.", flag_values=FLAGS)
+flags.DEFINE_integer("d_model", 128, "Model width.", flag_values=FLAGS)
+flags.DEFINE_integer("d_ff", 256, "Expert hidden width.", flag_values=FLAGS)
+flags.DEFINE_integer("experts", 16, "Experts.", flag_values=FLAGS)
+flags.DEFINE_integer("top_k", 2, "Experts per token.", flag_values=FLAGS)
+flags.DEFINE_float("capacity_factor", 1.0, "Capacity dispatch: rows per destination over the "
+                   "even share (moe.MoEConfig.capacity_factor).", flag_values=FLAGS)
+flags.DEFINE_list("eps", ["1", "2", "4", "8"], "Expert-axis sizes to run.", flag_values=FLAGS)
+flags.DEFINE_string("dtype", None, "float32 on CPU, bfloat16 elsewhere by default.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "Timed calls per cell (median).", flag_values=FLAGS)
 
 ANCHORS = ("DeepEP (H800, NVLink, EP8, normal kernels): 153 GB/s dispatch, 158 GB/s combine intranode; "
            "43-58 GB/s internode RDMA. Low-latency: 77 us dispatch at EP8 (128 tokens, hidden 7168, "
@@ -142,19 +156,14 @@ def transport_table(args, x, n_dev, dtype, on_accelerator) -> None:
   print(f"\nPublished anchors: {ANCHORS}")
 
 
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--tokens", type=int, default=256, help="tokens per device")
-  ap.add_argument("--d_model", type=int, default=128)
-  ap.add_argument("--d_ff", type=int, default=256)
-  ap.add_argument("--experts", type=int, default=16)
-  ap.add_argument("--top_k", type=int, default=2)
-  ap.add_argument("--capacity_factor", type=float, default=1.0)
-  ap.add_argument("--eps", default="1,2,4,8", help="expert-axis sizes to run")
-  ap.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 elsewhere by default")
-  ap.add_argument("--repeats", type=int, default=5)
-  args = ap.parse_args(argv)
-  args.eps = [int(e) for e in args.eps.split(",")]
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
+  try:
+    args.eps = [int(e) for e in args.eps]
+  except ValueError:
+    raise app.UsageError(f"--eps={','.join(args.eps)}: give comma-separated integers, e.g. "
+                         "1,2,4") from None
   on_accelerator = jax.default_backend() in ("gpu", "tpu")
   dtype = jnp.dtype(args.dtype or ("bfloat16" if on_accelerator else "float32"))
   n_dev = jax.device_count()
@@ -170,4 +179,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -18,7 +18,7 @@ other phase free (a prefill worker against TTFT, a decode worker against TPOT, a
 against both; 95% of requests each, so that both hold for about 90%), which gives its goodput
 per instance; a cluster of N GPUs takes the counts of each kind that maximise min(prefill
 goodput, decode goodput) within N, and the best few are then simulated whole, routing included,
-as far as --max-sim-gpus (larger clusters are the per-instance figure replicated; the simulated
+as far as --max_sim_gpus (larger clusters are the per-instance figure replicated; the simulated
 whole at the sizes where both exist says how far that holds). KV copies cross nodes: one 400
 Gb/s InfiniBand NIC per GPU, 50 GB/s, times min(tp of P, tp of D) NICs in parallel, 50 us each;
 within a node NVLink would give 9x that, which matters little here: a copy is a few percent of a
@@ -28,20 +28,53 @@ prompts (vLLM's first scheduler, DistServe's baseline).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import math
 import time
 
 import numpy as np
+from absl import app, flags
 
+from jaxpipe.runtime import cli
 from jaxpipe.serve import sim
 from jaxpipe.serve.slo import SLO, attainment, search_goodput, summary
 from jaxpipe.serve.workload import Lengths, generate
 
 NIC_BW = 50e9  # bytes/s: one 400 Gb/s InfiniBand NDR NIC per GPU
 NIC_LATENCY = 50e-6  # seconds per copy
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_bool("cpu", False, "Plan for this machine's host devices.", flag_values=FLAGS)
+flags.DEFINE_bool("measure", False, "--cpu: run the deployments too and print them beside the "
+                  "prediction.", flag_values=FLAGS)
+flags.DEFINE_string("bench_args", "--mode both --rates 4,16", "--cpu: serve_bench flags of the "
+                    "deployments to predict (and measure).", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "--cpu: timed runs per step program.", flag_values=FLAGS)
+flags.DEFINE_float("cores", 2, "--cpu: cores the host devices share (the lock-step clock packs the "
+                   "steps); on a loaded host, the share of them this process gets.",
+                   flag_values=FLAGS)
+flags.DEFINE_string("models", "8b,70b", "Models to plan for: 8b, 70b.", flag_values=FLAGS)
+flags.DEFINE_string("gpus", "8,16,32,64", "Cluster sizes.", flag_values=FLAGS)
+flags.DEFINE_string("prompt", "lognormal:512:4096", "Prompt lengths (as serve_bench's).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("output", "lognormal:128:1024", "Output lengths (as serve_bench's).",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("requests", 400, "Fewest requests per simulated probe.", flag_values=FLAGS)
+flags.DEFINE_float("horizon", 15.0, "Seconds of arrivals at least per simulated probe.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
+flags.DEFINE_list("slo_8b", ["0.2", "0.02"], "TTFT,TPOT seconds for Llama-3-8B.",
+                  flag_values=FLAGS)
+flags.DEFINE_list("slo_70b", ["0.5", "0.05"], "TTFT,TPOT seconds for Llama-3-70B.",
+                  flag_values=FLAGS)
+flags.DEFINE_string("batches", "128,256", "Most sequences per step to try.", flag_values=FLAGS)
+flags.DEFINE_string("budgets", "512,2048", "Colocated tokens per step to try.", flag_values=FLAGS)
+flags.DEFINE_integer("probes", 9, "Rates probed per goodput search.", flag_values=FLAGS)
+flags.DEFINE_integer("top", 3, "Best splits simulated whole.", flag_values=FLAGS)
+flags.DEFINE_integer("max_sim_gpus", 8, "Largest cluster simulated whole (beyond: per-instance "
+                     "goodput x count).", flag_values=FLAGS)
+flags.DEFINE_bool("verbose", False, "Print every configuration's goodput.", flag_values=FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,11 +226,25 @@ def _ints(flag: str, text: str) -> list[int]:
   return xs
 
 
+def slo_flag(args, flag: str) -> SLO:
+  """--slo_8b or --slo_70b (TTFT,TPOT in seconds) as an SLO; SystemExit with one line if bad."""
+  values = getattr(args, flag)
+  try:
+    ttft, tpot = (float(v) for v in values)
+  except ValueError:
+    raise SystemExit(f"--{flag}={','.join(values)}: give TTFT,TPOT in seconds, e.g. "
+                     "0.2,0.02") from None
+  try:
+    return SLO(ttft, tpot)
+  except ValueError as e:
+    raise SystemExit(f"--{flag}: {e}") from None
+
+
 def check_args(args) -> None:
   """Bad flags end the run here with one line naming them, before any profiling or simulation."""
   for flag in ("repeats", "requests", "probes", "top", "max_sim_gpus"):
     if getattr(args, flag) < 1:
-      raise SystemExit(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+      raise SystemExit(f"--{flag}={getattr(args, flag)} must be >= 1")
   if not args.cores > 0:
     raise SystemExit(f"--cores={args.cores} must be > 0 (a fraction: the share of a core)")
   if not args.horizon >= 0:
@@ -208,10 +255,7 @@ def check_args(args) -> None:
   if unknown:
     raise SystemExit(f"--models: unknown {unknown}; choose from {','.join(MODELS)}")
   for flag in ("slo_8b", "slo_70b"):
-    try:
-      SLO(*getattr(args, flag))
-    except ValueError as e:
-      raise SystemExit(f"--{flag.replace('_', '-')}: {e}") from None
+    slo_flag(args, flag)
   for flag in ("prompt", "output"):
     try:
       Lengths.parse(getattr(args, flag))
@@ -223,7 +267,8 @@ def cluster_table(args) -> None:
   page = 16
   work = Workload(Lengths.parse(args.prompt), Lengths.parse(args.output), args.requests, args.seed,
                   args.horizon)
-  models = {"8b": (MODELS["8b"], SLO(*args.slo_8b)), "70b": (MODELS["70b"], SLO(*args.slo_70b))}
+  models = {"8b": (MODELS["8b"], slo_flag(args, "slo_8b")),
+            "70b": (MODELS["70b"], slo_flag(args, "slo_70b"))}
   sizes = _ints("gpus", args.gpus)
   each = SLO(1.0, 1.0, 0.95)
   print(f"# simulated, not measured: roofline costs on H200 ({sim.H200.flops / 1e12:.0f} TFLOP/s "
@@ -331,7 +376,7 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
       sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r),
                                i32(r))
       t0 = time.perf_counter()
-      out, _, engine.kv = engine._program(t, n)(engine.params, engine.kv, batch, sampling)
+      out, _, engine.kv = engine.step_program(t, n)(engine.params, engine.kv, batch, sampling)
       np.asarray(out)
       samples[(t, n)].append(time.perf_counter() - t0)
   times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}
@@ -377,12 +422,17 @@ def cpu_cluster(table: sim.StepTable, args, colocated: int = 0, prefill: int = 0
 def cpu_plan(args) -> None:
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
-  from experiments import serve_bench
+  from experiments import serve_bench, serving
   from jaxpipe.serve.engine import Engine
   from jaxpipe.serve.model import kv_bytes
-  sb = serve_bench.parser().parse_args(args.bench_args.split())
+  try:  # serve_bench's own flags, in its FlagValues (this process runs pd_plan's)
+    rest = cli.parse(serve_bench.FLAGS, ["serve_bench", *args.bench_args.split()])
+    cli.no_arguments(rest)
+  except app.UsageError as e:
+    raise SystemExit(f"--bench_args={args.bench_args!r}: {e}") from None
+  sb = cli.values(serve_bench.FLAGS)
   modes, slo = serve_bench.check_deployment_args(sb)
-  prompt, output = serve_bench.parse_lengths(sb)
+  prompt, output = serving.parse_lengths(sb)
   cfg, params = serve_bench.QUICKSTART, serve_bench.quickstart_params()
   s = sb.page_size
   max_len = math.ceil((prompt.high + output.high) / s) * s
@@ -441,39 +491,9 @@ def cpu_plan(args) -> None:
     print(f"| {mode} | {rate:g} | " + " | ".join(cells) + " |", flush=True)
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--cpu", action="store_true", help="plan for this machine's host devices")
-  p.add_argument("--measure", action="store_true",
-                 help="--cpu: run the deployments too and print them beside the prediction")
-  p.add_argument("--bench-args", default="--mode both --rates 4,16",
-                 help="--cpu: serve_bench flags of the deployments to predict (and measure)")
-  p.add_argument("--repeats", type=int, default=5, help="--cpu: timed runs per step program")
-  p.add_argument("--cores", type=float, default=2,
-                 help="--cpu: cores the host devices share (the lock-step clock packs the steps); "
-                 "on a loaded host, the share of them this process gets")
-  p.add_argument("--models", default="8b,70b")
-  p.add_argument("--gpus", default="8,16,32,64", help="cluster sizes")
-  p.add_argument("--prompt", default="lognormal:512:4096")
-  p.add_argument("--output", default="lognormal:128:1024")
-  p.add_argument("--requests", type=int, default=400, help="fewest requests per simulated probe")
-  p.add_argument("--horizon", type=float, default=15.0,
-                 help="seconds of arrivals at least per simulated probe")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--slo-8b", type=float, nargs=2, default=(0.2, 0.02), metavar=("TTFT", "TPOT"))
-  p.add_argument("--slo-70b", type=float, nargs=2, default=(0.5, 0.05), metavar=("TTFT", "TPOT"))
-  p.add_argument("--batches", default="128,256", help="most sequences per step to try")
-  p.add_argument("--budgets", default="512,2048", help="colocated tokens per step to try")
-  p.add_argument("--probes", type=int, default=9, help="rates probed per goodput search")
-  p.add_argument("--top", type=int, default=3, help="best splits simulated whole")
-  p.add_argument("--max-sim-gpus", type=int, default=8,
-                 help="largest cluster simulated whole (beyond: per-instance goodput x count)")
-  p.add_argument("--verbose", action="store_true", help="print every configuration's goodput")
-  return p
-
-
-def main() -> None:
-  args = parser().parse_args()
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
   check_args(args)
   if args.cpu:
     cpu_plan(args)
@@ -482,4 +502,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -20,7 +20,7 @@ One model for every schedule: `layers` residual tanh-dense layers of width D on 
   temporaries pass that size (GPipe's m residual slots, the unpipelined baseline) page-faults
   through all of them on every step (~1.4 us per 4 KB page, ~0.1 s per step here) while a
   smaller one reuses warm heap. Device allocators pool their memory, so the bench keeps freed
-  host memory in one heap (`mallopt`); `--system-malloc` measures with glibc's defaults.
+  host memory in one heap (`mallopt`); `--system_malloc` measures with glibc's defaults.
 First a table of the lowered lock-step time against the asynchronous makespan for all nine at
 (p, m) = (4, 8) and (8, 32) (tables only, nothing runs). `--profile DIR` writes, per schedule, a
 jax.profiler trace of one step next to the schedule's Perfetto trace (`<name>.perfetto.json`)
@@ -36,7 +36,6 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
-import argparse  # noqa: E402
 import ctypes  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
@@ -44,6 +43,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -52,8 +52,28 @@ from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
 from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
                                        make_executor, to_local)
 from jaxpipe.pipeline.ir.lower import lower  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
 
 CHUNKS = {"interleaved-1f1b": 2}
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("pp", 4, "Pipeline ranks.", flag_values=FLAGS)
+flags.DEFINE_integer("microbatches", 16, "Micro-batches per step.", flag_values=FLAGS)
+flags.DEFINE_integer("layers", 8, "Model layers (divisible by 2 pp).", flag_values=FLAGS)
+flags.DEFINE_integer("mb", 8, "Sequences per micro-batch.", flag_values=FLAGS)
+flags.DEFINE_integer("seq", 64, "Tokens per sequence.", flag_values=FLAGS)
+flags.DEFINE_integer("d", 256, "Layer width.", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 3, "Repeats of each CPU-time comparison (and profiled steps).",
+                     flag_values=FLAGS)
+flags.DEFINE_list("schedules", list(SCHEDULE_NAMES), "Schedules to run.", flag_values=FLAGS)
+flags.DEFINE_bool("recompute", False, "Recompute stage forwards in the backward.",
+                  flag_values=FLAGS)
+flags.DEFINE_string("profile", None, "Directory for profiler traces, Perfetto traces, tick CSVs.",
+                    flag_values=FLAGS)
+flags.DEFINE_bool("breakdown", False, "Then profile steps of each program and split them by kind "
+                  "of op.", flag_values=FLAGS)
+flags.DEFINE_bool("system_malloc", False, "Keep glibc's default of unmapping freed allocations "
+                  "over 32 MB.", flag_values=FLAGS)
 
 
 def layer(w_DxD, b_D, x_BxLxD):
@@ -186,23 +206,9 @@ def lockstep_table(cases=((4, 8), (8, 32))):
   print()
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--pp", type=int, default=4)
-  ap.add_argument("--microbatches", type=int, default=16)
-  ap.add_argument("--layers", type=int, default=8, help="model layers (divisible by 2 pp)")
-  ap.add_argument("--mb", type=int, default=8, help="sequences per micro-batch")
-  ap.add_argument("--seq", type=int, default=64)
-  ap.add_argument("--d", type=int, default=256)
-  ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--schedules", default=",".join(SCHEDULE_NAMES))
-  ap.add_argument("--recompute", action="store_true")
-  ap.add_argument("--profile", help="directory for profiler traces, Perfetto traces, tick CSVs")
-  ap.add_argument("--breakdown", action="store_true",
-                  help="then profile steps of each program and split them by kind of op")
-  ap.add_argument("--system-malloc", action="store_true",
-                  help="keep glibc's default of unmapping freed allocations over 32 MB")
-  args = ap.parse_args(argv)
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
   pooled = not args.system_malloc and keep_host_memory()
   lockstep_table()
   p, m = args.pp, args.microbatches
@@ -246,7 +252,7 @@ def main(argv=None):
         f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}")
   rows = {}
   programs = [("gpipe-autodiff", gp_compiled, (gp_params, xs, ts))]
-  for name in args.schedules.split(","):
+  for name in args.schedules:
     load0 = load()
     sched = make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name))
     t0 = time.perf_counter()
@@ -303,4 +309,4 @@ def print_breakdown(programs, reps):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

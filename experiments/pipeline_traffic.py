@@ -15,13 +15,23 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
-import argparse  # noqa: E402
 import re  # noqa: E402
 
 import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "chimera", "dualpipe",
-             "dualpipev")
+from jaxpipe.pipeline import SCHEDULE_NAMES  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("pp", 4, "Pipeline ranks.", flag_values=FLAGS)
+flags.DEFINE_integer("microbatches", 8, "Micro-batches per step.", flag_values=FLAGS)
+flags.DEFINE_integer("layers", 8, "Model layers.", flag_values=FLAGS)
+flags.DEFINE_integer("d_model", 256, "Model width (8 heads of d_model / 8).", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 16, "Sequences per step.", flag_values=FLAGS)
+flags.DEFINE_integer("seq", 64, "Tokens per sequence.", flag_values=FLAGS)
+flags.DEFINE_list("schedules", list(SCHEDULE_NAMES), "Schedules to compile.", flag_values=FLAGS)
+
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
 
@@ -66,6 +76,7 @@ def measure(name: str, args) -> dict:
   import jax
 
   from configs import tiny
+  from jaxpipe.training.mesh import batch_sharding
   from jaxpipe.training.pipeline_lm import lm_schedule
   from jaxpipe.training.trainer import Trainer
   c = tiny.get_config()
@@ -74,13 +85,12 @@ def measure(name: str, args) -> dict:
   c.data.update(batch=args.batch, seq_len=args.seq)
   c.mesh.pp, c.pipeline.schedule, c.pipeline.microbatches = args.pp, name, args.microbatches
   trainer = Trainer(c)
-  state = jax.eval_shape(trainer._fresh_state, jax.random.key(0))
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                       trainer.state_sharding)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       trainer.state_shapes, trainer.state_sharding)
   batch = {k: jax.ShapeDtypeStruct((args.batch, args.seq), np.int32 if k != "mask" else np.float32,
-                                   sharding=trainer._batch_sharding)
+                                   sharding=batch_sharding(trainer.mesh))
            for k in ("tokens", "targets", "mask")}
-  hlo = trainer._build_train_step().lower(state, batch).compile().as_text()
+  hlo = trainer.build_train_step().lower(state, batch).compile().as_text()
   permutes = _permutes(hlo)
   ticks = lm_schedule(c.pipeline, args.pp)
   from jaxpipe.pipeline.api import lowered_for
@@ -97,16 +107,9 @@ def measure(name: str, args) -> dict:
                            "rank by rank, two copies")}
 
 
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--pp", type=int, default=4)
-  ap.add_argument("--microbatches", type=int, default=8)
-  ap.add_argument("--layers", type=int, default=8)
-  ap.add_argument("--d_model", type=int, default=256)
-  ap.add_argument("--batch", type=int, default=16)
-  ap.add_argument("--seq", type=int, default=64)
-  ap.add_argument("--schedules", default=",".join(SCHEDULES))
-  args = ap.parse_args(argv)
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
   print(f"# bytes per device per step between pipeline ranks: pp = {args.pp}, "
         f"m = {args.microbatches}, {args.layers} layers of d_model {args.d_model}, batch "
         f"{args.batch} x {args.seq}, float32, 8 host devices")
@@ -115,11 +118,11 @@ def main(argv=None) -> None:
         "| layers stacked |")
   print("|---|---|---|---|---|---|---|")
   mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "0"
-  for name in args.schedules.split(","):
+  for name in args.schedules:
     r = measure(name, args)
     print(f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['copies'])} | "
           f"{mib(r['parameters'])} | {mib(r['stored'])} | {r['stored_order']} |", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -7,12 +7,20 @@ simulation; best of --repeat runs, seconds on one CPU core.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
+from absl import flags
+
 from jaxpipe.pipeline import make_schedule
+from jaxpipe.runtime import cli
 
 NAMES = ("1f1b", "zb-h1", "dualpipe")
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("pp", 64, "Pipeline ranks.", flag_values=FLAGS)
+flags.DEFINE_integer("microbatches", 512, "Micro-batches.", flag_values=FLAGS)
+flags.DEFINE_integer("repeat", 3, "Runs of each schedule; the best is kept.", flag_values=FLAGS)
+flags.DEFINE_list("names", list(NAMES), "Schedules to time.", flag_values=FLAGS)
 
 
 def measure(name: str, pp: int, microbatches: int) -> tuple[float, float, float, int]:
@@ -26,17 +34,13 @@ def measure(name: str, pp: int, microbatches: int) -> tuple[float, float, float,
   return t1 - t0, t2 - t1, t3 - t2, sum(len(ops) for ops in s.ranks)
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--pp", type=int, default=64)
-  parser.add_argument("--microbatches", type=int, default=512)
-  parser.add_argument("--repeat", type=int, default=3)
-  parser.add_argument("--names", default=",".join(NAMES))
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
   print(f"p={args.pp}, m={args.microbatches}, best of {args.repeat}")
   print(f"{'schedule':10}{'ops':>9}{'build+validate':>16}{'async sim':>11}{'lock-step':>11}"
         f"{'total':>8}")
-  for name in args.names.split(","):
+  for name in args.names:
     runs = [measure(name, args.pp, args.microbatches) for _ in range(args.repeat)]
     build, sim, lock, ops = min(runs, key=lambda r: r[0] + r[1] + r[2])
     print(f"{name:10}{ops:>9}{build:>15.2f}s{sim:>10.2f}s{lock:>10.2f}s"
@@ -44,4 +48,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -1,6 +1,6 @@
 """All nine schedules side by side, simulated, beside the anchors.md figures; traces and PNGs.
 
-  python -m experiments.schedule_sweep [--out out/schedule_sweep] [--no-files]
+  python -m experiments.schedule_sweep [--out out/schedule_sweep] [--no_files]
 
 Costs F = I = W = 1, B = 2, F&B = F + B (no overlap credit). Columns: bubble in time units,
 single step (makespan - busy, max over ranks) and steady state (idle between a rank's first and
@@ -13,15 +13,21 @@ default) beside torch's rule (the 2p - 1 order less its extra micro-batches).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
+
+from absl import flags
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.ir.export import to_perfetto, to_png
 from jaxpipe.pipeline.ir.formulas import anchor
 from jaxpipe.pipeline.ir.lower import lower
 from jaxpipe.pipeline.ir.schedules import GENERATORS
+from jaxpipe.runtime import cli
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_string("out", "out/schedule_sweep", "Traces and PNGs go here.", flag_values=FLAGS)
+flags.DEFINE_bool("no_files", False, "Print the tables only.", flag_values=FLAGS)
 
 CASES = ((4, 8), (8, 32))
 CHUNKS = {"interleaved-1f1b": 2}
@@ -131,12 +137,9 @@ def table(rows: list[tuple], header: tuple = HEADER) -> str:
                    [line(r) for r in cells[1:]])
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="out/schedule_sweep", help="traces and PNGs go here")
-  parser.add_argument("--no-files", action="store_true", help="print the table only")
-  args = parser.parse_args(argv)
-  out = None if args.no_files else args.out
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  out = None if FLAGS.no_files else FLAGS.out
   if out:
     os.makedirs(out, exist_ok=True)
   rows = [row(name, p, m, out) for p, m in CASES for name in SCHEDULE_NAMES]
@@ -154,4 +157,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -3,13 +3,13 @@
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
   python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
-  python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill-workers 2
-      --decode-workers 6 --rates 2,6 --requests 64 --ttft-slo 0.25 --tpot-slo 0.1
-      [--prompt lognormal:64:512 --trace-in trace.csv --trace-out trace.csv --stream-layers]
+  python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill_workers 2
+      --decode_workers 6 --rates 2,6 --requests 64 --ttft_slo 0.25 --tpot_slo 0.1
+      [--prompt lognormal:64:512 --trace_in trace.csv --trace_out trace.csv --stream_layers]
   python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
 
 --mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
-(`--host-devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
+(`--host_devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
 `--workers`, default prefill + decode workers) and disaggregated (prefill workers, decode
 workers, a K/V copy between them). For each it prints TTFT / TPOT / end-to-end percentiles, the
 share of requests meeting both SLOs and the K/V bytes moved at each rate, then searches its
@@ -44,8 +44,6 @@ K/V read (2·B·L·G·K·2 bytes; decode attention is bound by memory bandwidth)
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -55,16 +53,73 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from configs import quickstart
+from experiments.serving import Done, Paged, parse_lengths, serve
 from experiments.timing import median_time
 from jaxpipe.models import transformer
+from jaxpipe.runtime import cli
 from jaxpipe.serve import model as serve_model
 from jaxpipe.serve.deploy import Colocated, Disaggregated, device_groups
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.sampling import SamplingBatch
 from jaxpipe.serve.slo import SLO, GoodputSearch, attainment, e2e, percentiles, summary
-from jaxpipe.serve.workload import Lengths, Work, at_rate, generate, read_csv, write_csv
+from jaxpipe.serve.workload import Work, at_rate, generate, read_csv, write_csv
+from jaxpipe.training import config as config_lib
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("requests", 64, "Requests per rate (--mode: at least).", flag_values=FLAGS)
+flags.DEFINE_string("rates", "2,8,32", "Arrival rates to run, requests/s.", flag_values=FLAGS)
+flags.DEFINE_alias("rate", "rates", flag_values=FLAGS)
+flags.DEFINE_string("prompt", "8:96", "Prompt lengths: N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] "
+                    "tokens.", flag_values=FLAGS)
+flags.DEFINE_string("output", "8:96", "Output lengths, as --prompt.", flag_values=FLAGS)
+flags.DEFINE_integer("kv_tokens", 3072, "KV slots per layer for either system (--mode: per "
+                     "worker).", flag_values=FLAGS)
+flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
+flags.DEFINE_integer("max_batch", 32, "Paged: most requests running at once.", flag_values=FLAGS)
+flags.DEFINE_integer("token_budget", 128, "Paged: tokens per step.", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
+flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.",
+                    flag_values=FLAGS)
+flags.DEFINE_bool("kernel", False, "Time the decode kernel alone (GPU).", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 20, "--kernel: timed calls per cell.", flag_values=FLAGS)
+flags.DEFINE_string("url", None, "Drive this OpenAI-compatible server instead "
+                    "(experiments/serve_client.py).", flag_values=FLAGS)
+flags.DEFINE_bool("compare", False, "--url: also run its engine in-process.", flag_values=FLAGS)
+# colocated vs disaggregated (--mode)
+flags.DEFINE_string("mode", "", "colocated, disaggregated or both (comma-separated): serve the "
+                    "same requests through each deployment.", flag_values=FLAGS)
+flags.DEFINE_integer("prefill_workers", 2, "--mode disaggregated: prefill workers.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("decode_workers", 6, "--mode disaggregated: decode workers.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("workers", 0, "--mode colocated: workers (default: prefill + decode workers, "
+                     "the same devices).", flag_values=FLAGS)
+flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker (KV heads split "
+                     "over them).", flag_values=FLAGS)
+flags.DEFINE_integer("host_devices", 8, "--mode: CPU host devices to create (ignored on GPU).",
+                     flag_values=FLAGS)
+flags.DEFINE_float("ttft_slo", 0.25, "--mode: time-to-first-token target, seconds.",
+                   flag_values=FLAGS)
+flags.DEFINE_float("tpot_slo", 0.1, "--mode: time-per-output-token target, seconds.",
+                   flag_values=FLAGS)
+flags.DEFINE_float("horizon", 10.0, "--mode: seconds of arrivals at least: max(--requests, rate x "
+                   "horizon) requests, so that a fast rate runs long enough to queue.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("probes", 6, "--mode: goodput search: most rates run per deployment (the "
+                     "--rates included).", flag_values=FLAGS)
+flags.DEFINE_bool("stream_layers", False, "--mode disaggregated: copy K/V one layer at a time.",
+                  flag_values=FLAGS)
+flags.DEFINE_string("trace_in", "", "--mode: CSV trace of requests (arrival_s,prompt_len,"
+                    "output_len[,prompt]) to replay; each rate rescales its arrivals.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("trace_out", "", "--mode: write the first rate's requests as CSV.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("out", "out/serve_bench", "--mode: Perfetto traces and latency CDF plot.",
+                    flag_values=FLAGS)
 
 ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
            "those systems used 20.4-38.2% of reserved KV memory for tokens; paged KV wastes at most "
@@ -73,42 +128,6 @@ PD_ANCHORS = ("DistServe (OSDI'24): 7.4x more requests or 12.6x tighter SLO with
               "meeting both targets; Splitwise (ISCA'24): 1.4x throughput at 20% lower cost; vLLM's "
               "docs: disaggregation tunes TTFT and inter-token latency separately, it does not raise "
               "throughput.")
-
-
-@dataclasses.dataclass
-class Done:
-  arrival: float
-  token_times: list[float]
-
-  @property
-  def ttft(self) -> float:
-    return self.token_times[0] - self.arrival
-
-  @property
-  def tpot(self) -> float | None:
-    n = len(self.token_times)
-    return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-
-class Paged:
-  """The engine, driven request by request."""
-
-  def __init__(self, engine: Engine):
-    self.engine, self.done, self.usage = engine, [], []
-
-  def add(self, w: Work, t0: float) -> None:
-    rid = self.engine.add_request(w.prompt, w.max_tokens, eos_id=None)
-    self.engine.requests[rid].arrival = t0 + w.arrival
-
-  def busy(self) -> bool:
-    return self.engine.has_work()
-
-  def step(self) -> None:
-    self.engine.step()
-    u = self.engine.kv_usage()
-    self.usage.append((u["tokens"], u["slots"]))
-    for r in self.engine.finished():
-      self.done.append(Done(r.arrival, r.token_times))
 
 
 class Static:
@@ -179,20 +198,6 @@ class Static:
       self.rows = []
 
 
-def serve(system, work: list[Work]) -> float:
-  """Runs the workload in real time; returns the makespan (first arrival to last token)."""
-  pending, t0 = list(work), time.perf_counter()
-  while pending or system.busy():
-    now = time.perf_counter() - t0
-    while pending and pending[0].arrival <= now:
-      system.add(pending.pop(0), t0)
-    if system.busy():
-      system.step()
-    elif pending:
-      time.sleep(max(0.0, pending[0].arrival - now))
-  return time.perf_counter() - t0 - work[0].arrival
-
-
 def row(name: str, rate: float, system, makespan: float, generated: int) -> str:
   pct = lambda xs, q: 1e3 * float(np.percentile(xs, q))
   ttft = [d.ttft for d in system.done]
@@ -244,20 +249,12 @@ def kernel_table(repeats: int) -> None:
     print(f"| {batch} | {context} | " + " | ".join(cells) + " |", flush=True)
 
 
-QUICKSTART = transformer.TransformerConfig(vocab=256, d_model=128, n_layers=4, n_heads=4,
-                                          n_kv_heads=2, head_dim=32, d_ff=384)  # configs/quickstart.py
+QUICKSTART = config_lib.model_config(quickstart.get_config())  # the model both systems serve
 
 
 def quickstart_params(cfg: transformer.TransformerConfig = QUICKSTART) -> dict:
   """Fresh parameters (seed 0)."""
   return jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
-
-
-def parse_lengths(args) -> tuple[Lengths, Lengths]:
-  try:
-    return Lengths.parse(args.prompt), Lengths.parse(args.output)
-  except ValueError as e:
-    raise SystemExit(f"--prompt/--output: {e}") from None
 
 
 def engine_args(args, max_len: int) -> dict:
@@ -310,35 +307,6 @@ def paged_vs_static(args) -> None:
 # -- colocated vs disaggregated ------------------------------------------------------------------
 
 
-def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
-  g = p.add_argument_group("colocated vs disaggregated (--mode)")
-  g.add_argument("--mode", default="", help="colocated, disaggregated or both (comma-separated): "
-                 "serve the same requests through each deployment")
-  g.add_argument("--prefill-workers", "--prefill_workers", type=int, default=2)
-  g.add_argument("--decode-workers", "--decode_workers", type=int, default=6)
-  g.add_argument("--workers", type=int, default=0,
-                 help="colocated workers (default: prefill + decode workers, the same devices)")
-  g.add_argument("--devices-per-worker", "--devices_per_worker", type=int, default=1,
-                 help="devices of each worker (KV heads split over them)")
-  g.add_argument("--host-devices", "--host_devices", type=int, default=8,
-                 help="CPU host devices to create (ignored on GPU)")
-  g.add_argument("--ttft-slo", "--ttft_slo", type=float, default=0.25, help="seconds")
-  g.add_argument("--tpot-slo", "--tpot_slo", type=float, default=0.1, help="seconds")
-  g.add_argument("--horizon", type=float, default=10.0,
-                 help="seconds of arrivals at least: max(--requests, rate x horizon) requests, so "
-                      "that a fast rate runs long enough to queue")
-  g.add_argument("--probes", type=int, default=6,
-                 help="goodput search: most rates run per deployment (the --rates included)")
-  g.add_argument("--stream-layers", "--stream_layers", action="store_true",
-                 help="disaggregated: copy K/V one layer at a time")
-  g.add_argument("--trace-in", "--trace_in", default="",
-                 help="CSV trace of requests (arrival_s,prompt_len,output_len[,prompt]) to replay; "
-                      "each rate rescales its arrivals")
-  g.add_argument("--trace-out", "--trace_out", default="",
-                 help="write the first rate's requests as CSV")
-  g.add_argument("--out", default="out/serve_bench", help="Perfetto traces and latency CDF plot")
-
-
 class Deployed(Paged):
   """A deployment (serve.deploy: the Engine's interface), keeping its finished requests whole."""
 
@@ -355,14 +323,14 @@ def check_deployment_args(args) -> tuple[list[str], "SLO"]:
   if bad:
     raise SystemExit(f"--mode {bad[0]!r}: use colocated, disaggregated or both")
   if "disaggregated" in modes:
-    for flag, n in (("--prefill-workers", args.prefill_workers),
-                    ("--decode-workers", args.decode_workers)):
+    for flag, n in (("--prefill_workers", args.prefill_workers),
+                    ("--decode_workers", args.decode_workers)):
       if n < 1:
         raise SystemExit(f"{flag}={n} leaves no {flag[2:-8]} worker; give at least 1")
   try:
     slo = SLO(args.ttft_slo, args.tpot_slo)
   except ValueError as e:
-    raise SystemExit(f"--{str(e).split()[0]}-slo: {e}") from None
+    raise SystemExit(f"--{str(e).split()[0]}_slo: {e}") from None
   if args.requests < 1 or args.probes < 1:
     raise SystemExit(f"--requests={args.requests} and --probes={args.probes} must be >= 1")
   if any(not float(r) > 0 for r in args.rates.split(",")):
@@ -446,7 +414,7 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   try:
     trace = read_csv(args.trace_in, cfg.vocab, args.seed) if args.trace_in else None
   except (OSError, ValueError) as e:
-    raise SystemExit(f"--trace-in: {e}") from None
+    raise SystemExit(f"--trace_in: {e}") from None
   workers = {"colocated": args.workers or args.prefill_workers + args.decode_workers,
              "disaggregated": args.prefill_workers + args.decode_workers}
   for m in modes:
@@ -526,33 +494,12 @@ def deployments(args) -> None:
   print(f"# anchors: {PD_ANCHORS}")
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--requests", type=int, default=64)
-  p.add_argument("--rates", "--rate", default="2,8,32", help="arrival rates to run, requests/s")
-  p.add_argument("--prompt", default="8:96", help="prompt lengths: N, MIN:MAX or "
-                 "lognormal:MEDIAN:MAX[:SIGMA] tokens")
-  p.add_argument("--output", default="8:96", help="output lengths, as --prompt")
-  p.add_argument("--kv_tokens", type=int, default=3072,
-                 help="KV slots per layer for either system (--mode: per worker)")
-  p.add_argument("--page_size", type=int, default=16)
-  p.add_argument("--max_batch", type=int, default=32, help="paged: most requests running at once")
-  p.add_argument("--token_budget", type=int, default=128, help="paged: tokens per step")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--attention", default="auto")
-  p.add_argument("--kernel", action="store_true", help="time the decode kernel alone (GPU)")
-  p.add_argument("--repeats", type=int, default=20, help="--kernel: timed calls per cell")
-  p.add_argument("--url", help="drive this OpenAI-compatible server instead (experiments/serve_client.py)")
-  p.add_argument("--compare", action="store_true", help="--url: also run its engine in-process")
-  add_deployment_arguments(p)
-  return p
-
-
-def main() -> None:
-  args = parser().parse_args()
+def main(argv: list[str]) -> None:
+  cli.no_arguments(argv)
+  args = cli.values(FLAGS)
   if args.url:
-    from experiments import serve_client
-    serve_client.main(args)
+    from experiments import serve_client  # httpx and prometheus_client: the serving extra
+    serve_client.run(args)
   elif args.kernel:
     kernel_table(args.repeats)
   elif args.mode:
@@ -563,4 +510,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

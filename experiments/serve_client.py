@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from experiments.serve_bench import Done, Paged, parse_lengths, serve
+from experiments.serving import Done, Paged, parse_lengths, serve
 from jaxpipe.serve.workload import Work, generate
 
 VOCAB = 256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
@@ -112,8 +112,8 @@ def _twin(e: dict):
   return engine
 
 
-def main(args) -> None:
-  """`serve_bench --url`: its workload flags, plus --compare."""
+def run(args) -> None:
+  """`serve_bench --url`: its workload flags (`args`, serve_bench's flag values), plus --compare."""
   url = args.url.rstrip("/")
   try:
     (model,) = httpx.get(url + "/v1/models").json()["data"]

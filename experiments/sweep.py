@@ -27,7 +27,6 @@ cells' own costs (merged into DIR/costs.json) and where that cell's measured ste
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import csv
 import dataclasses
@@ -43,9 +42,10 @@ import sys
 from typing import Sequence
 
 import ml_collections
+from absl import flags
 
+from jaxpipe.runtime import cli, files
 from jaxpipe.training import config as config_lib
-from jaxpipe.runtime import files
 from jaxpipe.training.measure import load_average
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
@@ -54,6 +54,24 @@ from jaxpipe.pipeline.ir.lower import lower
 COLUMNS = ("cell", "status", "schedule", "microbatches", "chunks", "tokens_per_s", "step_ms",
            "unit", "paired_ms", "predicted_ms", "error_pct", "lockstep_ms", "compile_s", "peak_mb",
            "predicted_mb", "final_loss", "bubble_pct", "ticks", "load", "measure_load", "error")
+
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_string("config", None, "ml_collections config file[:arg].", flag_values=FLAGS)
+flags.mark_flag_as_required("config", flag_values=FLAGS)
+flags.DEFINE_multi_string("grid", [], "KEY=V1,V2: a config field and its values; repeatable, the "
+                          "cells are the product.", flag_values=FLAGS)
+flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.", flag_values=FLAGS)
+flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
+                          flag_values=FLAGS)
+flags.DEFINE_integer("steps", 20, "Train steps per cell.", flag_values=FLAGS)
+flags.DEFINE_integer("log_every", 5, "Steps per timed window.", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "Sweep directory (resumable).", flag_values=FLAGS)
+flags.mark_flag_as_required("out", flag_values=FLAGS)
+flags.DEFINE_bool("trace", False, "Also write each cell's planned vs measured ticks "
+                  "(ticks.perfetto.json).", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "Timed rounds of costs and step.", flag_values=FLAGS)
+flags.DEFINE_float("timeout", 3600, "Seconds per cell process.", flag_values=FLAGS)
 
 
 class SweepError(ValueError):
@@ -377,23 +395,11 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m experiments.sweep",
-                               description=__doc__.splitlines()[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", required=True, help="ml_collections config file[:arg]")
-  ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                  help="a config field and its values; repeatable, cells are the product")
-  ap.add_argument("--gin_file", action="append", default=[])
-  ap.add_argument("--gin_param", action="append", default=[])
-  ap.add_argument("--steps", type=int, default=20, help="train steps per cell")
-  ap.add_argument("--log_every", type=int, default=5, help="steps per timed window")
-  ap.add_argument("--out", required=True, help="sweep directory (resumable)")
-  ap.add_argument("--trace", action="store_true",
-                  help="also write each cell's planned vs measured ticks (ticks.perfetto.json)")
-  ap.add_argument("--repeats", type=int, default=5, help="timed rounds of costs and step")
-  ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell process")
-  args, extra = ap.parse_known_args(argv)
+def main(argv: list[str]) -> int:
+  """The sweep (module docstring): argv is the program name and the fixed --config.key=value
+  overrides, which `cli.run(main, known_only=True)` leaves unparsed. -> 0 when every cell ran, 1
+  when one failed, 2 for inputs that cannot start the sweep."""
+  args, extra = cli.values(FLAGS), argv[1:]
   try:
     if args.steps < 3 or args.log_every < 1:
       raise SweepError(f"--steps {args.steps} --log_every {args.log_every}: need at least 3 "
@@ -452,4 +458,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run(main, known_only=True)

@@ -5,8 +5,6 @@
 Times `--steps` optimizer steps after `--warmup` untimed ones (compilation), on the same Trainer
 the training runner uses, with no workdir (no checkpoint or metric I/O in the timed loop).
 """
-import sys
-
 from jaxpipe.runtime import process
 
 if __name__ == "__main__":
@@ -15,16 +13,21 @@ if __name__ == "__main__":
 import os  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first one compiles).")
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Config file.",
+                                          flag_values=FLAGS)
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.", flag_values=FLAGS)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first one compiles).",
+                               flag_values=FLAGS)
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  cli.no_arguments(argv)
   import jax
 
   from jaxpipe.models import flops
@@ -57,5 +60,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
-  sys.exit(0)
+  cli.run(main)

@@ -14,9 +14,9 @@ imported model at once); and WORKDIR/hf/, the source's config.json, tokenizer an
 which the export carries along. The training runner
 then resumes from step 0 under any schedule and mesh: that is fine-tuning. orbax-to-hf writes
 the newest committed step (or --step) of a workdir in transformers' layout, by default in the
-source's dtype, with the files of WORKDIR/hf/ beside it.
+source's dtype, with the files of WORKDIR/hf/ beside it. The sub-command and its directories are
+the positional arguments; --fp8 belongs to hf-to-orbax, --step and --dtype to orbax-to-hf.
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -31,14 +31,31 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from jaxpipe.runtime import checkpoint as checkpoint_lib  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
 from jaxpipe.ops import fp8 as fp8_lib  # noqa: E402
 from jaxpipe.models import hf  # noqa: E402
 from jaxpipe.models import transformer  # noqa: E402
 
 HF_DIR = "hf"  # WORKDIR/hf: the source's config.json and its other non-weight files
+# sub-command -> its positional arguments and the flags only it takes
+COMMANDS = {"hf-to-orbax": (("SRC_DIR", "WORKDIR"), ("fp8",)),
+            "orbax-to-hf": (("WORKDIR", "DST_DIR"), ("step", "dtype"))}
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("pp", 1, "Split the layers over this many devices.", flag_values=FLAGS)
+flags.DEFINE_integer("ep", 1, "Split the experts over this many devices.", flag_values=FLAGS)
+flags.DEFINE_enum("fp8", "none", fp8_lib.RECIPES, "hf-to-orbax: FP8 recipe of the fine-tuning run "
+                  "(model.fp8); delayed adds its scales and amax histories to checkpoint 0.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("step", None, "orbax-to-hf: the checkpoint to export; default the newest "
+                     "committed.", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", None, ("float32", "bfloat16", "float16"), "orbax-to-hf: of the "
+                  "written weights; default the source's (else float32).", flag_values=FLAGS)
+
 _CONFIG_PY = '''"""Fine-tuning config of the Hugging Face checkpoint converted from {src}.
 
   python -m jaxpipe.train --workdir {workdir}
@@ -214,39 +231,36 @@ def orbax_to_hf(workdir: str, dst: str, step: int | None = None, dtype: str | No
   return hf.save(cfg, params, dst, hf_config=base, dtype=dtype)
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxpipe.convert", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True)
-  to_orbax = sub.add_parser("hf-to-orbax", help="a transformers checkpoint -> a training workdir")
-  to_orbax.add_argument("src")
-  to_orbax.add_argument("workdir")
-  to_orbax.add_argument("--fp8", default="none", choices=fp8_lib.RECIPES,
-                        help="FP8 recipe of the fine-tuning run (model.fp8); delayed adds its "
-                        "scales and amax histories to checkpoint 0")
-  to_hf = sub.add_parser("orbax-to-hf", help="a training workdir's checkpoint -> transformers")
-  to_hf.add_argument("workdir")
-  to_hf.add_argument("dst")
-  to_hf.add_argument("--step", type=int, default=None, help="default: the newest committed")
-  to_hf.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                     help="of the written weights; default the source's (else float32)")
-  for p in (to_orbax, to_hf):
-    p.add_argument("--pp", type=int, default=1, help="split the layers over this many devices")
-    p.add_argument("--ep", type=int, default=1, help="split the experts over this many devices")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+  """The command (module docstring): argv is the program name, the sub-command and its two
+  directories."""
+  command = argv[1] if len(argv) > 1 else None
+  if command not in COMMANDS:
+    raise app.UsageError(f"give a sub-command, {' or '.join(COMMANDS)}"
+                         + (f"; {command!r} is neither" if command else "")
+                         + ", e.g. python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR")
+  if len(argv) != 2 + len(COMMANDS[command][0]):
+    raise app.UsageError(f"{command} takes {' '.join(COMMANDS[command][0])}; got {argv[2:]}")
+  for other, (_, theirs) in COMMANDS.items():
+    for name in theirs:
+      if other != command and FLAGS[name].present:
+        raise app.UsageError(f"--{name} is a flag of {other}, not of {command}")
+  f = FLAGS
   try:
-    if args.command == "hf-to-orbax":
-      plan = hf_to_orbax(args.src, args.workdir, args.pp, args.ep, args.fp8)
+    if command == "hf-to-orbax":
+      src, workdir = argv[2:]
+      plan = hf_to_orbax(src, workdir, f.pp, f.ep, f.fp8)
       print(f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
-            f"{plan.dtype}) -> {args.workdir}/checkpoints/0"
+            f"{plan.dtype}) -> {workdir}/checkpoints/0"
             + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items())))
-      print(f"fine-tune: python -m jaxpipe.train --workdir {args.workdir}")
+      print(f"fine-tune: python -m jaxpipe.train --workdir {workdir}")
     else:
-      written = orbax_to_hf(args.workdir, args.dst, args.step, args.dtype, args.pp, args.ep)
-      print(f"{written['model_type']} ({written['dtype']}) -> {args.dst}")
+      workdir, dst = argv[2:]
+      written = orbax_to_hf(workdir, dst, f.step, f.dtype, f.pp, f.ep)
+      print(f"{written['model_type']} ({written['dtype']}) -> {dst}")
   except (hf.CheckpointError, ValueError, OSError) as e:
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -1,18 +1,19 @@
 """Start the processes of a multi-process run on this machine, one per emulated host.
 
-  python -m jaxpipe.launch --processes 2 --devices-per-process 4 -- \\
+  python -m jaxpipe.launch --processes 2 --devices_per_process 4 -- \\
       python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs2
 
-Each rank runs the command after `--` with $JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
-$JAX_NUM_PROCESSES and $JAX_PROCESS_ID set (`jaxpipe.runtime.process.initialize` reads them) and, with
---devices-per-process, that many CPU devices ($JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Its
-output goes whole to <log-dir>/rank<i>.log and, each line prefixed with `[i] `, to this terminal.
+Each rank runs the command after `--` (the launcher's flags end at the first argument that is
+not one of them) with $JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port), $JAX_NUM_PROCESSES
+and $JAX_PROCESS_ID set (`jaxpipe.runtime.process.initialize` reads them) and, with
+--devices_per_process, that many CPU devices ($JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Its
+output goes whole to <rank_log_dir>/rank<i>.log and, each line prefixed with `[i] `, to this
+terminal.
 SIGTERM and SIGINT are forwarded to every rank (a third Ctrl-C kills them). When a rank fails
 (a non-zero status, or killed), the others get --grace seconds to stop by themselves, then their
 process groups are killed, and the launcher exits with that rank's status (128 + signal number
 for a signal) after naming it and showing its last lines. It exits 0 when every rank does.
 """
-import argparse
 import collections
 import os
 import re
@@ -23,6 +24,24 @@ import sys
 import tempfile
 import threading
 import time
+
+from absl import app, flags
+
+from jaxpipe.runtime import cli
+
+FLAGS = cli.flag_values(__name__)
+FLAGS.set_gnu_getopt(False)  # the flags end where the command starts: its flags are its own
+flags.DEFINE_integer("processes", None, "Ranks to start (emulated hosts).", flag_values=FLAGS)
+flags.mark_flag_as_required("processes", flag_values=FLAGS)
+flags.DEFINE_integer("devices_per_process", None, "CPU devices per rank (sets "
+                     "JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu).", flag_values=FLAGS)
+# (absl's logging owns --log_dir)
+flags.DEFINE_string("rank_log_dir", None, "Where rank<i>.log go (default: a new temporary "
+                    "directory).", flag_values=FLAGS)
+flags.DEFINE_float("grace", 10.0, "Seconds the other ranks get to stop by themselves after one "
+                   "fails, before they are killed.", flag_values=FLAGS)
+flags.DEFINE_integer("heartbeat_timeout", None, "Seconds after which JAX counts a silent rank as "
+                     "dead (JAXPIPE_HEARTBEAT_TIMEOUT; JAX's default is 100).", flag_values=FLAGS)
 
 # gloo's notice for every new communicator (kept in the rank's log) goes whole where it is whole
 # (after a progress bar's \r it is not at a line's start); several threads write it in pieces that
@@ -129,38 +148,18 @@ class Rank:
     self._reader.join(timeout=10)
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxpipe.launch", usage="%(prog)s --processes N [options] -- COMMAND ...",
-      description="Start N processes of one multi-process JAX run on this machine.")
-  parser.add_argument("--processes", type=int, required=True,
-                      help="ranks to start (emulated hosts)")
-  parser.add_argument("--devices-per-process", type=int, default=None,
-                      help="CPU devices per rank (sets JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu)")
-  parser.add_argument("--log-dir", default=None, help="where rank<i>.log go (default: a new "
-                      "temporary directory)")
-  parser.add_argument("--grace", type=float, default=10.0, help="seconds the other ranks get to "
-                      "stop by themselves after one fails, before they are killed")
-  parser.add_argument("--heartbeat-timeout", type=int, default=None, help="seconds after which "
-                      "JAX counts a silent rank as dead (JAXPIPE_HEARTBEAT_TIMEOUT; JAX's default "
-                      "is 100)")
-  if "--" not in argv:
-    parser.error("put the command to run after `--`, e.g. -- python -m jaxpipe.train --config "
-                 "configs/quickstart.py")
-  cut = argv.index("--")
-  args, command = parser.parse_args(argv[:cut]), argv[cut + 1:]
+def main(argv: list[str]) -> int:
+  """The command (module docstring): argv is the program name and the command to run."""
+  command = argv[1:]
   if not command:
-    parser.error("no command after `--`")
+    raise app.UsageError("no command to run: put it after `--`, e.g. -- python -m jaxpipe.train "
+                         "--config configs/quickstart.py")
+  args = cli.values(FLAGS)
   if args.processes < 1:
-    parser.error(f"--processes={args.processes} must be at least 1")
+    raise app.UsageError(f"--processes={args.processes} must be at least 1")
   if args.devices_per_process is not None and args.devices_per_process < 1:
-    parser.error(f"--devices-per-process={args.devices_per_process} must be at least 1")
-  return args, command
-
-
-def main(argv: list[str] | None = None) -> int:
-  args, command = _parse(sys.argv[1:] if argv is None else argv)
-  log_dir = args.log_dir or tempfile.mkdtemp(prefix="jaxpipe-launch-")
+    raise app.UsageError(f"--devices_per_process={args.devices_per_process} must be at least 1")
+  log_dir = args.rank_log_dir or tempfile.mkdtemp(prefix="jaxpipe-launch-")
   os.makedirs(log_dir, exist_ok=True)
   address = f"127.0.0.1:{free_port()}"
   base = {**os.environ, "JAX_COORDINATOR_ADDRESS": address,
@@ -221,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run(main)

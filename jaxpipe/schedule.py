@@ -4,7 +4,7 @@
   python -m jaxpipe.schedule interleaved-1f1b --pp 4 --microbatches 8 --chunks 2 --format grid
   python -m jaxpipe.schedule my_schedule.csv --format stats   # torch CSV: load, validate, measure
   python -m jaxpipe.schedule zb-v --pp 4 --microbatches 8 --costs costs.json --format stats
-  python -m jaxpipe.schedule auto --pp 4 --microbatches 8,16 --costs costs.json --memory-limit 2
+  python -m jaxpipe.schedule auto --pp 4 --microbatches 8,16 --costs costs.json --memory_limit 2
 
 `--costs` takes per-kind costs (F=1,I=1,W=1) or a cost file from `python -m jaxpipe.measure`
 (seconds; the entry for the schedule's micro-batch and stage counts, one ppermute as the
@@ -12,10 +12,12 @@ latency). `auto` ranks every schedule the cost file can price by its predicted s
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+import types
 from typing import Callable, Optional
+
+from absl import app, flags
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, Schedule, make_schedule
 from jaxpipe.pipeline.ir import auto as auto_lib
@@ -23,6 +25,29 @@ from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.export import text_grid, to_csv, to_perfetto, to_png
 from jaxpipe.pipeline.ir.formulas import anchor
 from jaxpipe.pipeline.ir.simulate import resolve_costs, simulate
+from jaxpipe.runtime import cli
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_integer("pp", None, "Pipeline ranks.", flag_values=FLAGS)
+flags.DEFINE_string("microbatches", None, "Micro-batches per step (auto: a comma list, e.g. 8,16).",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("chunks", None, "Model chunks per rank (interleaved-1f1b).", flag_values=FLAGS)
+flags.DEFINE_multi_string("option", [], "Generator option NAME=VALUE, e.g. group=4 for "
+                          "interleaved-1f1b; repeatable.", flag_values=FLAGS)
+flags.DEFINE_string("costs", "", "Per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), or a cost file "
+                    "(python -m jaxpipe.measure).", flag_values=FLAGS)
+flags.DEFINE_float("memory_limit", 0.0, "auto: GB per device; schedules predicted to need more "
+                   "are dropped.", flag_values=FLAGS)
+flags.DEFINE_integer("layers", None, "auto: layers every stage count must divide.",
+                     flag_values=FLAGS)
+flags.DEFINE_string("schedules", "", "auto: generators to rank, comma-separated (default all).",
+                    flag_values=FLAGS)
+flags.DEFINE_float("latency", 0.0, "Cross-rank latency.", flag_values=FLAGS)
+flags.DEFINE_bool("lockstep", False, "perfetto/png: draw the lock-step timeline instead of the "
+                  "asynchronous one.", flag_values=FLAGS)
+flags.DEFINE_string("format", "grid", "Output: grid, csv, perfetto, png, stats or ticks.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("out", None, "Write here instead of stdout.", flag_values=FLAGS)
 
 
 def is_cost_file(text: str | None) -> bool:
@@ -132,7 +157,7 @@ def _png(schedule: Schedule, args) -> None:
 # Output formats: name -> writer(schedule, args) returning text for stdout/--out, or None when it
 # wrote --out itself. Other layers register theirs here (a tick-table printer adds "ticks");
 # import anything heavy inside the writer so that this CLI stays free of JAX.
-FORMATS: dict[str, Callable[[Schedule, argparse.Namespace], Optional[str]]] = {
+FORMATS: dict[str, Callable[[Schedule, types.SimpleNamespace], Optional[str]]] = {
     "grid": lambda s, args: text_grid(s),
     "csv": lambda s, args: to_csv(s),
     "perfetto": lambda s, args: to_perfetto(s, costs=args.costs, lockstep=args.lockstep),
@@ -189,29 +214,19 @@ def load(args) -> Schedule:
                        chunks=args.chunks, **args.options)
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxpipe.schedule", description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("schedule", help=f"one of {', '.join(SCHEDULE_NAMES)}, a torch CSV path, "
-                      "or auto (rank them all with --costs FILE)")
-  parser.add_argument("--pp", type=int, help="pipeline ranks")
-  parser.add_argument("--microbatches", help="micro-batches per step (auto: a comma list)")
-  parser.add_argument("--chunks", type=int, help="model chunks per rank (interleaved-1f1b)")
-  parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                      help="generator option, e.g. group=4 for interleaved-1f1b; repeatable")
-  parser.add_argument("--costs", default="", help="per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), "
-                      "or a cost file (python -m jaxpipe.measure)")
-  parser.add_argument("--memory-limit", type=float, default=0.0,
-                      help="auto: GB per device; schedules predicted to need more are dropped")
-  parser.add_argument("--layers", type=int, help="auto: layers every stage count must divide")
-  parser.add_argument("--schedules", default="", help="auto: generators to rank (default all)")
-  parser.add_argument("--latency", type=float, default=0.0, help="cross-rank latency")
-  parser.add_argument("--lockstep", action="store_true",
-                      help="perfetto/png: draw the lock-step timeline instead of async")
-  parser.add_argument("--format", default="grid", choices=sorted(FORMATS))
-  parser.add_argument("--out", help="write here instead of stdout")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> int:
+  """The command (module docstring): argv is the program name and the schedule; the rest are
+  flags. -> the exit status: 0, 2 for a schedule or flag that cannot work, 1 if --out fails."""
+  if len(argv) != 2:
+    raise app.UsageError(f"give one schedule: one of {', '.join(SCHEDULE_NAMES)}, a torch CSV "
+                         "path, or auto (rank them all with --costs FILE)"
+                         + (f"; got {argv[1:]}" if len(argv) > 2 else ""))
+  args = cli.values(FLAGS)
+  args.schedule = argv[1]
+  if args.format not in FORMATS:
+    print(f"error: --format={args.format!r}: choose from {', '.join(sorted(FORMATS))}",
+          file=sys.stderr)
+    return 2
   try:
     args.cost_file = costs_lib.load(args.costs) if is_cost_file(args.costs) else None
     args.costs = {} if args.cost_file else parse_costs(args.costs)
@@ -245,4 +260,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run(main)

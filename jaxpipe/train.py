@@ -44,25 +44,32 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl and TensorBoard go here; "
-                               "a run resumes from the latest checkpoint found in it.")
-_GIN_FILE = flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.")
-_GIN_PARAM = flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.")
+                                          lock_config=True, flag_values=FLAGS)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl and TensorBoard go "
+                               "here; a run resumes from the latest checkpoint found in it.",
+                               flag_values=FLAGS)
+_GIN_FILE = flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.",
+                                      flag_values=FLAGS)
+_GIN_PARAM = flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
+                                       flag_values=FLAGS)
 _RESUME_CHANGED = flags.DEFINE_bool(
     "resume_changed", False, "Resume the workdir's run although the config changes what it trains "
-    "(recorded in config_history.jsonl).")
+    "(recorded in config_history.jsonl).", flag_values=FLAGS)
 _RESTART = flags.DEFINE_bool("restart", False, "Move the workdir's run to previous-<n>/ and start "
-                             "over.")
+                             "over.", flag_values=FLAGS)
 _DEBUG = flags.DEFINE_bool("debug", False, "On an error, show the traceback (and orbax's log of a "
-                           "failed save) instead of one line.")
+                           "failed save) instead of one line.", flag_values=FLAGS)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 in a "
-                                   "multi-process run ($JAX_COORDINATOR_ADDRESS).")
+                                   "multi-process run ($JAX_COORDINATOR_ADDRESS).",
+                                   flag_values=FLAGS)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run, "
-                                      "one per host ($JAX_NUM_PROCESSES).")
+                                      "one per host ($JAX_NUM_PROCESSES).", flag_values=FLAGS)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1 "
-                                   "($JAX_PROCESS_ID).")
+                                   "($JAX_PROCESS_ID).", flag_values=FLAGS)
 # What a failed collective says when another process of the run has gone.
 _PEER_GONE = ("Gloo", "Connection closed by peer", "Connection reset by peer", "heartbeat",
               "coordination service", "Barrier")
@@ -118,7 +125,7 @@ def _parse(argv: list[str]) -> list[str]:
     for i, arg in enumerate(argv):  # first, or its --config.x overrides are "unknown flags"
       if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
         _check_config_file(argv[i + 1] if arg == "--config" else arg.split("=", 1)[1])
-    return flags.FLAGS(argv)
+    return FLAGS(argv)
   except Exception as e:  # noqa: BLE001 -- flags and config files raise anything
     if "--debug" in argv:
       raise
@@ -156,7 +163,7 @@ def _load_config():
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config configs/quickstart.py (a workdir "
                          "that holds a config.py, as `jaxpipe.convert` writes, needs none)")
-  filename = config_flags.get_config_filename(flags.FLAGS["config"])
+  filename = config_flags.get_config_filename(FLAGS["config"])
   _check_config_file(filename)
   try:
     config = _CONFIG.value

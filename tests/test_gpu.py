@@ -200,7 +200,7 @@ def test_engine_on_gpu_equals_recompute_oracle():
   """The engine with the compiled kernel (attention 'auto' resolves to it) against the
   training forward pass recomputed at every step."""
   from jaxpipe.serve import Engine
-  engine = Engine(helpers.CONFIGS["dense"], helpers.params("dense"), num_pages=17, **helpers.ENGINE_ARGS)
+  engine = Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), num_pages=17, **helpers.ENGINE_ARGS)
   assert engine.backend == "pallas"
   prompts = helpers.prompts(seed=6)
   assert engine.generate(prompts, max_tokens=10) == helpers.oracle("dense", prompts, 10)

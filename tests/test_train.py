@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe.runtime import files, process
+from jaxpipe.runtime import cli, files, process
 from jaxpipe import schedule
 from jaxpipe.runtime.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
 from jaxpipe.training.config import ConfigError
@@ -419,8 +419,8 @@ def test_bad_inputs_found_in_process(tmp_path, monkeypatch):
 def test_schedule_cli_names_the_file_it_wrote(tmp_path, capsys):
   for fmt in ("png", "perfetto"):
     out = str(tmp_path / f"s.{fmt}")
-    assert schedule.main(["1f1b", "--pp", "2", "--microbatches", "4", "--format", fmt,
-                          "--out", out]) == 0
+    assert cli.call(schedule.main, schedule.FLAGS, ["1f1b", "--pp", "2", "--microbatches", "4",
+                                                    "--format", fmt, "--out", out]) == 0
     assert capsys.readouterr().out == f"wrote {fmt} to {out}\n" and os.path.getsize(out) > 0
 
 

@@ -14,13 +14,11 @@ from ml_collections import config_dict
 
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.pipeline import Placement, Schedule, make_schedule
+from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
 
 # Mesh axes, outermost first: pipeline, data, expert, context, tensor.
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v",
-             "dualpipe", "dualpipev")
-AUTO = "auto"  # pipeline.schedule: choose among SCHEDULES from measured costs
+AUTO = "auto"  # pipeline.schedule: choose among the generators (SCHEDULE_NAMES) from measured costs
 DTYPES = ("float32", "bfloat16", "float16")
 # Compute dtypes a backend cannot run, and why (found by validation, not by the first step's XLA error).
 UNSUPPORTED_DTYPES = {"cpu": {"float16": "XLA:CPU has no float16 matmul with float32 accumulation "
@@ -50,14 +48,14 @@ def default_config() -> ml_collections.ConfigDict:
   ms.order = ",".join(MESH_AXES)  # device order, outermost (spans processes first) to innermost
 
   c.pipeline = p = ml_collections.ConfigDict()
-  p.schedule = "1f1b"  # one of SCHEDULES, "auto", or a torch.distributed.pipelining CSV path
+  p.schedule = "1f1b"  # one of SCHEDULE_NAMES, "auto", or a torch.distributed.pipelining CSV path
   p.microbatches = 1  # micro-batches per step (gradient accumulation when pp = 1)
   p.chunks = 1  # model chunks per pipeline rank (virtual stages)
   p.recompute = False  # recompute stage forwards in the backward instead of keeping residuals
   p.costs = ""  # auto: cost file (python -m jaxpipe.measure); empty = measure before training
   p.memory_limit_gb = 0.0  # auto: drop schedules predicted to need more per device; 0 = no limit
   p.auto_microbatches = ()  # auto: micro-batch counts to consider; empty = all the batch allows
-  p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULES
+  p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULE_NAMES
 
   c.data = d = ml_collections.ConfigDict()
   d.source = "stdlib"  # 'stdlib': bytes of Python's own .py files; 'synthetic': for tests
@@ -205,9 +203,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
   schedule = p.schedule
-  if not isinstance(schedule, str) or not (schedule in SCHEDULES + (AUTO,)
+  if not isinstance(schedule, str) or not (schedule in SCHEDULE_NAMES + (AUTO,)
                                            or schedule.endswith(".csv")):
-    raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} "
+    raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of "
+                      f"{', '.join(SCHEDULE_NAMES)} "
                       f"or {AUTO!r}, or the path of a torch.distributed.pipelining schedule CSV "
                       "(ending in .csv)")
   if schedule.endswith(".csv") and not os.path.isfile(schedule):
@@ -333,9 +332,10 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> Non
       raise ConfigError(f"pipeline.auto_microbatches entry {mb!r} does not split the batch: "
                         f"data.batch={config.data.batch} over {shape['dp'] * shape['ep']} data "
                         f"ranks leaves {per_replica} sequences each; use divisors of {per_replica}")
-  bad = [n for n in p.auto_schedules if n not in SCHEDULES]
+  bad = [n for n in p.auto_schedules if n not in SCHEDULE_NAMES]
   if bad:
-    raise ConfigError(f"pipeline.auto_schedules has {bad}; choose among {', '.join(SCHEDULES)}")
+    raise ConfigError(f"pipeline.auto_schedules has {bad}; choose among "
+                      f"{', '.join(SCHEDULE_NAMES)}")
   if p.costs:
     try:
       costs_lib.load(p.costs)
@@ -367,8 +367,8 @@ def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tupl
 
 
 def auto_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The schedules auto may choose: pipeline.auto_schedules, else all of SCHEDULES."""
-  return tuple(config.pipeline.auto_schedules) or SCHEDULES
+  """The schedules auto may choose: pipeline.auto_schedules, else every generator."""
+  return tuple(config.pipeline.auto_schedules) or SCHEDULE_NAMES
 
 
 def layer_units(config: ml_collections.ConfigDict) -> int:

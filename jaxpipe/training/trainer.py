@@ -300,7 +300,10 @@ class Trainer:
 
   # -- one step ---------------------------------------------------------------------------------
 
-  def _build_train_step(self):
+  def build_train_step(self) -> Callable:
+    """The train step (state, batch) -> (state, metrics), jitted for the state's and the batches'
+    shardings (the state donated) but not compiled: `compile` and `step` run it, and lowering it
+    on shapes (`state_shapes`) reads the program's HLO without initialising anything."""
     loss_and_grads, optimizer = self.loss_and_grads, self.optimizer
     lr = learning_rate(self.config.optimizer, self.config.train.steps)
     cfg = self.model_cfg
@@ -334,7 +337,7 @@ class Trainer:
     if self.state is None:
       self.init()
     if self._train_step is None:
-      self._train_step = self._build_train_step()
+      self._train_step = self.build_train_step()
     batch = self.batch(int(self.state.step))
     t0 = time.perf_counter()
     compiled = self._train_step.lower(self.state, batch).compile()
@@ -357,7 +360,7 @@ class Trainer:
     elif not all(isinstance(v, jax.Array) for v in batch.values()):
       batch = self.shard_batch({k: np.asarray(v) for k, v in batch.items()})
     if self._train_step is None:
-      self._train_step = self._build_train_step()
+      self._train_step = self.build_train_step()
     self.state, metrics = self._train_step(self.state, batch)
     return metrics
 

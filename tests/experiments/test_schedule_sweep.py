@@ -1,10 +1,11 @@
 """The sweep runner: every schedule present, every figure checked against anchors.md."""
 from experiments import schedule_sweep
 from jaxpipe.pipeline import SCHEDULE_NAMES
+from jaxpipe.runtime import cli
 
 
 def test_sweep_table_has_every_schedule_and_no_mismatch(capsys):
-  schedule_sweep.main(["--no-files"])
+  assert cli.call(schedule_sweep.main, schedule_sweep.FLAGS, ["--no_files"]) is None
   out = capsys.readouterr().out
   first = out.split("\n\n")[0]  # the nine schedules; the ZB-V comparison follows
   rows = [line for line in first.splitlines() if line.startswith("| ") and "schedule" not in line]

@@ -15,8 +15,9 @@ import pytest
 from configs import tiny
 from experiments import sweep
 from jaxpipe.training import config as config_lib
-from jaxpipe import tick_trace
+from jaxpipe.pipeline import tick_trace
 from jaxpipe.models import transformer
+from jaxpipe.runtime import cli
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.api import lowered_for
@@ -216,16 +217,17 @@ def test_bad_auto_configs_fail_validation(pipeline, pp, needle):
 def test_bad_sweep_inputs_fail_before_anything_runs(tmp_path, capsys):
   out = str(tmp_path / "never")
   base = ["--config", "configs/tiny.py", "--out", out]
-  assert sweep.main(base + ["--grid", "pipeline.schedul=1f1b,zb-h1"]) == 2
+  main = functools.partial(cli.call, sweep.main, sweep.FLAGS, known_only=True)
+  assert main(base + ["--grid", "pipeline.schedul=1f1b,zb-h1"]) == 2
   assert "--grid key 'pipeline.schedul' is not a config field; did you mean " \
          "'pipeline.schedule'?" in capsys.readouterr().err
-  assert sweep.main(base) == 2
+  assert main(base) == 2
   assert "the grid is empty" in capsys.readouterr().err
-  assert sweep.main(base + ["--grid", "pipeline.microbatches="]) == 2
+  assert main(base + ["--grid", "pipeline.microbatches="]) == 2
   assert "has no values" in capsys.readouterr().err
-  assert sweep.main(base + ["--grid", "pipeline.microbatches=2,two"]) == 2
+  assert main(base + ["--grid", "pipeline.microbatches=2,two"]) == 2
   assert "'two' is not of type int, the type of config field pipeline.microbatches" in \
       capsys.readouterr().err
-  assert sweep.main(base + ["--grid", "optimizer.lr=1e-3", "--config.mesh.ppp=2"]) == 2
+  assert main(base + ["--grid", "optimizer.lr=1e-3", "--config.mesh.ppp=2"]) == 2
   assert "did you mean 'mesh.pp'?" in capsys.readouterr().err
   assert not os.path.exists(out)

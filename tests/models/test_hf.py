@@ -7,6 +7,7 @@ reload.
 """
 import copy
 import dataclasses
+import functools
 import json
 import os
 import runpy
@@ -24,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpipe.training import config as config_lib
 from jaxpipe import convert
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.runtime import cli
 from jaxpipe.models import hf
 from jaxpipe.models import moe
 from jaxpipe.models import transformer
@@ -32,6 +34,9 @@ from jaxpipe.training.state import state_shardings
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
+
+# `python -m jaxpipe.convert ARGS`, run in this process
+convert_main = functools.partial(cli.call, convert.main, convert.FLAGS)
 
 # The oracle, from the dev extra (CPU torch); imported on first use, not when pytest collects.
 torch = transformers = None
@@ -292,7 +297,7 @@ def test_zb_v_pipeline_with_ep_and_cp_matches_transformers_reading_each_tensor_o
 def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_path):
   case = cases["mixtral"]
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
-  convert.main(["hf-to-orbax", case.src, workdir])
+  convert_main(["hf-to-orbax", case.src, workdir])
   assert convert.committed_steps(workdir) == [0]
   cmd = [sys.executable, "-m", "jaxpipe.train", "--workdir", workdir, "--config.mesh.pp=2", "--config.mesh.ep=2",
          "--config.pipeline.schedule=zb-v", "--config.pipeline.microbatches=2",
@@ -304,7 +309,7 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from step 0" in r.stdout and "'pp': 2" in r.stdout
   assert convert.committed_steps(workdir) == [0, 2]
-  convert.main(["orbax-to-hf", workdir, dst])
+  convert_main(["orbax-to-hf", workdir, dst])
   assert {"config.json", "generation_config.json", "model.safetensors"} == set(os.listdir(dst))
   before, after = _weights(case.src), _weights(dst)
   assert all(not np.array_equal(before[n], after[n]) for n in before if "gate.weight" in n)
@@ -325,10 +330,10 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
   with pytest.raises(SystemExit, match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is "
                      r"not a multiple of 128"):
-    convert.main(["hf-to-orbax", case.src, workdir, "--fp8", "block"])
+    convert_main(["hf-to-orbax", case.src, workdir, "--fp8", "block"])
   assert not os.path.exists(workdir)
-  convert.main(["hf-to-orbax", case.src, workdir, "--fp8", "delayed"])
-  convert.main(["orbax-to-hf", workdir, dst])
+  convert_main(["hf-to-orbax", case.src, workdir, "--fp8", "delayed"])
+  convert_main(["orbax-to-hf", workdir, dst])
   _assert_bit_equal(_weights(case.src), _weights(dst))
   config = runpy.run_path(os.path.join(workdir, "config.py"))["get_config"]()
   assert config.model.fp8 == "delayed"
@@ -401,7 +406,7 @@ def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(cases, tmp_path,
   with pytest.raises(hf.CheckpointError, match=message):
     hf.load(src)
   with pytest.raises(SystemExit, match="^error: .*" + message):
-    convert.main(["hf-to-orbax", src, str(tmp_path / "run")])
+    convert_main(["hf-to-orbax", src, str(tmp_path / "run")])
   assert not os.path.exists(tmp_path / "run")
 
 

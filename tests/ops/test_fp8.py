@@ -247,7 +247,7 @@ def _f8_types(hlo: str) -> list[tuple[str, str]]:
 
 def _lowered_step(recipe: str, **overrides) -> str:
   trainer = Trainer(_config(recipe, **overrides))
-  return trainer._build_train_step().lower(trainer.state_shapes, trainer.batch(0)).as_text()
+  return trainer.build_train_step().lower(trainer.state_shapes, trainer.batch(0)).as_text()
 
 
 @pytest.mark.parametrize("recipe,pp", [("delayed", 1), ("delayed", 2), ("current", 1)])

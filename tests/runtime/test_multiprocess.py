@@ -25,6 +25,8 @@ from jaxpipe.launch import without_gloo_notices
 from jaxpipe.pipeline import value_and_grad
 from jaxpipe.training.trainer import Trainer
 
+pytestmark = pytest.mark.multiprocess
+
 # (schedule, the axis that spans processes): pp with contiguous and with V-shaped stages, dp
 CASES = (("1f1b", "pp"), ("zb-h1", "dp"), ("zb-v", "pp"))
 # tiny.py on pp = 4 x dp = 2, every step logged, an evaluation and a checkpoint every 4 steps
@@ -65,8 +67,8 @@ def _launch(tmp_path, name, *command, grace=30, heartbeat=15, env=None):
   """Starts the launcher on `command` with its output in tmp_path/<name>.out. The heartbeat
   timeout is short for the tests that wait for it, long enough that a rank busy compiling on a
   loaded 2-core machine is not taken for dead."""
-  cmd = [sys.executable, "-m", "jaxpipe.launch", "--processes", "2", "--devices-per-process", "4",
-         "--heartbeat-timeout", str(heartbeat), "--grace", str(grace), "--log-dir", str(tmp_path / name), "--",
+  cmd = [sys.executable, "-m", "jaxpipe.launch", "--processes", "2", "--devices_per_process", "4",
+         "--heartbeat_timeout", str(heartbeat), "--grace", str(grace), "--rank_log_dir", str(tmp_path / name), "--",
          *command]
   with open(tmp_path / f"{name}.out", "w") as out:
     return subprocess.Popen(cmd, cwd=helpers.ROOT, env=env or helpers.env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
@@ -230,7 +232,7 @@ def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
   heartbeat (5 s here) finds it; rank 0 stops naming it and the launcher ends the run."""
   script = tmp_path / "hang.py"
   script.write_text("from jaxpipe.runtime import process\nprocess.initialize()\n"
-                    "from jaxpipe import multihost\nprint('ready', flush=True)\n"
+                    "from jaxpipe.runtime import multihost\nprint('ready', flush=True)\n"
                     "while True:\n  multihost.any_process(False)\n")
   launcher = _launch(tmp_path, "hang", sys.executable, str(script), grace=1, heartbeat=5)
   pids = _rank_pids(tmp_path, "hang")

@@ -11,7 +11,7 @@ from configs import quickstart, tiny
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.config import ConfigError, validate
 from jaxpipe.models.moe import MoEConfig
-from jaxpipe.pipeline import make_schedule
+from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from tests import helpers
 
 ROOT = helpers.ROOT
@@ -103,7 +103,7 @@ def test_bad_values_raise_clear_errors(overrides, devices, needle):
   assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("name", config_lib.SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_every_schedule_name_is_accepted(name):
   validate(_cfg(pipeline__schedule=name), 8)
 

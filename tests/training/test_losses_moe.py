@@ -54,7 +54,7 @@ def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
   """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too;
   `forward`'s logits carry none, and `loss` (CE value, CE + aux gradient) refuses MoE models."""
   cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**helpers.MOE, "every": 1}))
+                                      head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**helpers.MOE_KWARGS, "every": 1}))
   params = helpers.random_params(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
   mask = jnp.ones((2, 8))

@@ -13,6 +13,7 @@ from jaxpipe.training import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.training.losses import data_parallel_loss_and_grads
 from jaxpipe.training.trainer import Trainer
+from tests import helpers
 
 
 def tiny_config(pp, schedule, microbatches=4, n_layers=4):
@@ -196,7 +197,7 @@ def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_pat
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
   batch = trainer.batch(0)
-  step = trainer._build_train_step().lower(state, batch).compile().as_text()
+  step = trainer.build_train_step().lower(state, batch).compile().as_text()
   # Stored in model order, the gather to each rank's stages (and the scatter of their gradients
   # back) would add collective-permutes of their own; only the executor's ppermute remains.
   permutes = [l for l in step.splitlines() if " collective-permute(" in l]

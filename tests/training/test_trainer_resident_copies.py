@@ -28,7 +28,7 @@ def tiny_config(pp, schedule, microbatches=4):
 def run(trainer):
   """STEPS steps on batches 0, 1, ...; -> [(loss, grad_norm)] and the compiled step's HLO."""
   state = trainer.init()
-  compiled = trainer._build_train_step().lower(state, trainer.batch(0)).compile()
+  compiled = trainer.build_train_step().lower(state, trainer.batch(0)).compile()
   trainer._train_step = compiled
   metrics = [trainer.step(trainer.batch(i)) for i in range(STEPS)]
   return [(float(m["loss"]), float(m["grad_norm"])) for m in metrics], compiled.as_text()

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from jaxpipe import schedule as schedule_cli
+from jaxpipe.runtime import cli
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
@@ -23,6 +24,11 @@ def cost_data(entries, step=STEP):
                       for m, s, sec, b in entries]}
 
 
+def schedule_main(args):
+  """`python -m jaxpipe.schedule ARGS`, run in this process: -> its exit status."""
+  return cli.call(schedule_cli.main, schedule_cli.FLAGS, args)
+
+
 def write(tmp_path, data, name="costs.json"):
   path = tmp_path / name
   path.write_text(json.dumps(data))
@@ -35,7 +41,7 @@ def test_cost_file_with_missing_parts_is_refused_before_anything_runs(tmp_path, 
   with pytest.raises(costs_lib.CostFileError) as e:
     costs_lib.load(path)
   assert "lacks F&B, head" in str(e.value) and "python -m jaxpipe.measure" in str(e.value)
-  assert schedule_cli.main(["1f1b", "--pp", "4", "--microbatches", "8", "--costs", path]) == 2
+  assert schedule_main(["1f1b", "--pp", "4", "--microbatches", "8", "--costs", path]) == 2
   assert "lacks F&B, head" in capsys.readouterr().err
   step = {k: v for k, v in STEP.items() if k != "update_s"}
   with pytest.raises(costs_lib.CostFileError, match="step lacks update_s"):
@@ -177,12 +183,12 @@ def test_auto_trades_interleaving_bubble_against_twice_the_ticks():
 
 def test_schedule_cli_auto_prints_the_ranking_and_its_errors(tmp_path, capsys):
   path = write(tmp_path, cost_data([(8, 4, SECONDS, BYTES)]))
-  assert schedule_cli.main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
-                            "--schedules", "1f1b,zb-h1,zb-v"]) == 0
+  assert schedule_main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
+                        "--schedules", "1f1b,zb-h1,zb-v"]) == 0
   out = capsys.readouterr().out
   assert "auto chose" in out and "no measured costs for m=8 over 8 stages" in out
-  assert schedule_cli.main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
-                            "--memory-limit", "1e-9"]) == 2
+  assert schedule_main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
+                        "--memory_limit", "1e-9"]) == 2
   assert "the smallest need is" in capsys.readouterr().err
-  assert schedule_cli.main(["auto", "--pp", "4", "--microbatches", "8"]) == 2
+  assert schedule_main(["auto", "--pp", "4", "--microbatches", "8"]) == 2
   assert "auto needs --pp, --microbatches and --costs FILE" in capsys.readouterr().err

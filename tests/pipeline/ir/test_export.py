@@ -7,7 +7,8 @@ from jaxpipe.pipeline import (Action, Overlap, Placement, Schedule, ScheduleErro
                               make_schedule)
 from jaxpipe.pipeline.ir.export import from_csv, text_grid, to_png
 from jaxpipe.pipeline.ir.schedules import SCHEDULE_NAMES
-from jaxpipe.schedule import main
+from jaxpipe import schedule
+from jaxpipe.runtime import cli
 
 F = lambda s, mb: Action("F", s, mb)
 B = lambda s, mb: Action("B", s, mb)
@@ -151,6 +152,11 @@ def test_png(tmp_path):
   path = tmp_path / "t.png"
   to_png(make_schedule("1f1b", pp=4, microbatches=8), path)
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def main(args):
+  """`python -m jaxpipe.schedule ARGS`, run in this process: -> its exit status."""
+  return cli.call(schedule.main, schedule.FLAGS, args)
 
 
 def test_cli(tmp_path, capsys):

@@ -186,8 +186,10 @@ def test_non_adjacent_stages_are_refused():
 
 def test_cli_prints_the_tick_table(capsys):
   import re
-  from jaxpipe.schedule import main
-  assert main(["zb-h1", "--pp", "4", "--microbatches", "8", "--format", "ticks"]) == 0
+  from jaxpipe import schedule
+  from jaxpipe.runtime import cli
+  assert cli.call(schedule.main, schedule.FLAGS,
+                  ["zb-h1", "--pp", "4", "--microbatches", "8", "--format", "ticks"]) == 0
   rows = capsys.readouterr().out.strip().splitlines()
   assert len(rows) == 4
   cells = [row.split(",") for row in rows]

@@ -133,11 +133,17 @@ def test_no_jax_in_ir_and_cli(tmp_path):
   """The schedule layer and its CLI run without importing JAX."""
   csv_path = tmp_path / "s.csv"
   code = f"""
-import runpy, sys
+import importlib, pkgutil, runpy, sys
 import jaxpipe.pipeline
+import jaxpipe.pipeline.ir as ir
+for m in pkgutil.walk_packages(ir.__path__, "jaxpipe.pipeline.ir."):
+  importlib.import_module(m.name)  # every module of the IR, the cost files and auto included
 from jaxpipe.pipeline import make_schedule
 make_schedule("1f1b", pp=4, microbatches=8).simulate(lockstep=True)
-from jaxpipe.schedule import main
+import functools
+from jaxpipe import schedule
+from jaxpipe.runtime import cli
+main = functools.partial(cli.call, schedule.main, schedule.FLAGS)
 for fmt in ("stats", "grid", "perfetto"):
   assert main(["1f1b", "--pp", "4", "--microbatches", "8", "--format", fmt]) == 0
 assert main(["gpipe", "--pp", "2", "--microbatches", "2", "--format", "csv",

@@ -1,0 +1,111 @@
+"""The runners' command lines: absl flags, parsed and refused the same way by every command.
+
+Every runner (`python -m jaxpipe.<command>`, `python -m experiments.<name>`) defines its flags at
+module level, snake_case (`--max_batch`, `--devices_per_process`), on a FlagValues of its own,
+and hands its `main` to `run`:
+
+  FLAGS = cli.flag_values(__name__)
+  _PP = flags.DEFINE_integer("pp", 4, "Pipeline ranks.", flag_values=FLAGS)
+
+  def main(argv: list[str]) -> int | None:  # argv: the program name, then positional arguments
+    ...
+
+  if __name__ == "__main__":
+    cli.run(main)
+
+Run as the program, the runner's FlagValues is absl's global FLAGS, so `--help`, `--helpfull`
+and absl's own flags work as in any absl program. Imported, it gets one of its own: tests and
+notebooks import many runners into one process, one runner reads another's flags (pd_plan
+predicts serve_bench's deployments from serve_bench's flags), and absl refuses a flag name
+(`--pp`, `--out`) that a second module defines in the same FlagValues. `call` runs a `main` in
+this process from a list of arguments, as `python -m` would.
+
+A bad flag (unknown, misspelt, a value of the wrong type, a required one missing) ends the
+command with one line, `error: ...` naming the flag and the value, and status 2; so does an
+`app.UsageError` raised by `main` (absl itself would print the whole usage text first). A `--`
+ends the flags: what follows goes to `main` as arguments (`python -m jaxpipe.launch --processes
+2 -- python -m jaxpipe.train ...`). Imports no JAX: `python -m jaxpipe.schedule` runs without it.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from absl import app, flags, logging
+
+USAGE = 2  # exit status of a command line that cannot run: a bad flag or argument
+
+
+def flag_values(module: str) -> flags.FlagValues:
+  """Where the runner `module` (its `__name__`) defines its flags: absl's FLAGS when it runs as
+  the program, else a FlagValues of its own."""
+  return flags.FLAGS if module == "__main__" else flags.FlagValues()
+
+
+def parse(flag_values: flags.FlagValues, argv: Sequence[str],
+          known_only: bool = False) -> list[str]:
+  """Parses `argv` (as sys.argv: the program name first) into `flag_values`, every flag back to
+  its default first, so that one call's flags do not leak into the next; -> the program name
+  and the arguments that are not flags. With `known_only`, unknown flags are left among those
+  arguments too (a runner that hands `--config.key=value` overrides on to the processes it
+  starts). A bad flag raises app.UsageError with absl's one-line message."""
+  if flag_values.is_parsed():
+    flag_values.unparse_flags()
+  try:
+    return flag_values(list(argv), known_only=known_only)
+  except flags.Error as e:
+    raise app.UsageError(f"{e} (--help lists the flags)") from None
+
+
+def values(flag_values: flags.FlagValues) -> types.SimpleNamespace:
+  """The parsed flags' values as attributes (`args.max_batch`): a copy, which the runner's
+  functions take and may add derived fields to without touching the flags."""
+  return types.SimpleNamespace(**flag_values.flag_values_dict())
+
+
+def no_arguments(argv: Sequence[str]) -> None:
+  """app.UsageError unless argv holds the program name alone: a runner that takes flags only."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {list(argv[1:])}: this command takes flags only, "
+                         "--name=value (--help lists them)")
+
+
+def _refuse(error: app.UsageError) -> NoReturn:
+  print(f"error: {error}", file=sys.stderr)
+  sys.exit(USAGE)
+
+
+def run(main: Callable[[list[str]], int | None], known_only: bool = False) -> NoReturn:
+  """`app.run(main)` over the program's flags (absl's FLAGS), with one-line usage errors; main's
+  return value is the exit status (None: 0). absl's log shows warnings and errors only (not the
+  INFO lines of JAX probing for backends) unless --verbosity is given."""
+
+  def parse_or_refuse(argv: list[str]) -> list[str]:
+    try:
+      return parse(flags.FLAGS, argv, known_only)
+    except app.UsageError as e:
+      _refuse(e)
+
+  def main_or_refuse(argv: list[str]) -> int | None:
+    if not flags.FLAGS["verbosity"].present:  # app.run has set INFO
+      logging.set_verbosity(logging.WARNING)
+    try:
+      return main(argv)
+    except app.UsageError as e:
+      _refuse(e)
+
+  app.run(main_or_refuse, flags_parser=parse_or_refuse)
+
+
+def call(main: Callable[[list[str]], int | None], flag_values: flags.FlagValues,
+         args: Sequence[str], known_only: bool = False) -> int | None:
+  """`main` run in this process as `python -m <runner> ARGS` runs it (tests, notebooks): `args`
+  (the arguments after the program name) parsed into the runner's `flag_values`, then main;
+  -> its return value, or USAGE after printing the one-line error the command would."""
+  try:
+    return main(parse(flag_values, ["main", *args], known_only))
+  except app.UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return USAGE
