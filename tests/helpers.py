@@ -21,14 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 # --- from training/test_losses_moe.py ----------------------------------------
 
-MOE = dict(num_experts=8, top_k=2, d_ff=16, every=2, lb_loss_coef=0.1, z_loss_coef=0.01)
+MOE_KWARGS = dict(num_experts=8, top_k=2, d_ff=16, every=2, lb_loss_coef=0.1, z_loss_coef=0.01)
 
 
 def moe_config(ep=4, **moe_kwargs):
   c = tiny.get_config()
   c.model.n_layers = 4
   c.model.d_ff = 48
-  c.model.moe = ml_collections.ConfigDict({**MOE, **moe_kwargs})
+  c.model.moe = ml_collections.ConfigDict({**MOE_KWARGS, **moe_kwargs})
   c.data.seq_len = 8
   c.mesh.ep = ep
   return c
@@ -132,10 +132,10 @@ def out_and_grads(fn, q, k, v, do):
 
 # --- from kernels_pallas/test_paged_attention.py ----------------------------------------
 
-PAGE = 4
+KERNEL_PAGE = 4
 
 
-def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=PAGE, seed=0):
+def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0):
   """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order), lengths."""
   rng = np.random.default_rng(seed)
   b, n = len(lengths), max(-(-max(lengths) // page), 1)
@@ -181,7 +181,7 @@ ENGINE_ARGS = dict(page_size=PAGE, max_batch=4, max_tokens_per_step=16, max_seq_
 
 
 @functools.cache
-def params(name):
+def engine_params(name):
   return random_params(CONFIGS[name], seed=1)
 
 
@@ -189,7 +189,7 @@ def params(name):
 def forward(name):
   """The training forward pass on [N, CONTEXT] tokens (right-padded: causal, so padding after a
   position does not change its logits)."""
-  cfg, params = CONFIGS[name], params(name)
+  cfg, params = CONFIGS[name], engine_params(name)
   return jax.jit(lambda tokens: transformer.forward(cfg, params, tokens))
 
 
@@ -235,6 +235,52 @@ def check_pages(engine):
   usage = engine.kv_usage()
   assert usage["pages_in_use"] == np.count_nonzero(owners)
   assert usage["slots"] - usage["tokens"] < engine.page_size * max(len(engine.running), 1)
+
+
+# --- serve/test_scheduler.py, serve/test_router.py: the scheduler on toy pages ---------------
+
+@dataclasses.dataclass(eq=False)
+class ToySeq:
+  """What `serve.scheduler.Scheduler` needs of a sequence, and a page count."""
+  name: str
+  length: int
+  computed: int = 0
+  preemptions: int = 0
+  pages: int = 0
+
+
+class CountedPages:
+  """`serve.scheduler.Pages` as a count of free pages of `page` tokens (the simulator's kind)."""
+
+  def __init__(self, free: int, page: int = PAGE):
+    self.num_free, self.page = free, page
+
+  def can_alloc(self, n):
+    return self.num_free >= n
+
+  def match_prefix(self, seq):
+    return False
+
+  def reserve(self, seq, n):
+    need = math.ceil((seq.computed + n) / self.page) - seq.pages
+    if need > self.num_free:
+      return False
+    self.num_free -= need
+    seq.pages += need
+    return True
+
+  def release(self, seq):
+    self.num_free += seq.pages
+    seq.pages = 0
+
+
+def toy_step(plan):
+  """What a step does to the sequences it computed: K/V cached, one token sampled by each that
+  reached its end."""
+  for seq, n in plan:
+    seq.computed += n
+    if seq.computed == seq.length:
+      seq.length += 1
 
 
 # --- from pipeline/test_api.py ----------------------------------------

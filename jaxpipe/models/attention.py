@@ -63,45 +63,6 @@ def point_to_point() -> bool:
 
 
 
-@contextlib.contextmanager
-def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None = None):
-  """While tracing inside, `attention` takes sequence shards over `axis_name` (Ulysses).
-
-  point_to_point=False: the code runs where a `ppermute` cannot (a branch that other devices
-  of the program do not take), so layers move data with all_to_alls only; None keeps the
-  enclosing setting (True at the top).
-  """
-  if point_to_point is None:
-    point_to_point = _POINT_TO_POINT.get()
-  tokens = _CONTEXT_AXIS.set(axis_name), _POINT_TO_POINT.set(point_to_point)
-  try:
-    yield
-  finally:
-    _CONTEXT_AXIS.reset(tokens[0])
-    _POINT_TO_POINT.reset(tokens[1])
-
-
-@contextlib.contextmanager
-def kv_cache(hook):
-  """While tracing inside, `attention(q, k, v, causal=True)` returns `hook(q, k, v)` instead."""
-  token = _KV_CACHE.set(hook)
-  try:
-    yield
-  finally:
-    _KV_CACHE.reset(token)
-
-
-def context_axis() -> str | None:
-  """The axis the sequence is split over while tracing inside `context_parallel`, else None."""
-  return _CONTEXT_AXIS.get()
-
-
-def point_to_point() -> bool:
-  """Whether `ppermute` may run here (see `context_parallel`)."""
-  return _POINT_TO_POINT.get()
-
-
-
 def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
               causal: bool = True, backend: str = "xla", segment_ids: jax.Array | None = None,
               sm_scale: float | None = None) -> jax.Array:

@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import re
-import sys
-import tempfile
 
 import jax
 import numpy as np
