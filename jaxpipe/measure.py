@@ -30,12 +30,24 @@ from typing import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
 from jaxpipe.training.measure import measure, seconds  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
+config_lib.define_runner_flags(FLAGS)
+flags.DEFINE_string("out", "costs.json", "Cost file to write.", flag_values=FLAGS)
+flags.DEFINE_string("microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).", flag_values=FLAGS)
+flags.DEFINE_string("stages", "", "Model stage counts, e.g. 4,8 (default: the config "
+                    "schedule's).", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.", flag_values=FLAGS)
+flags.DEFINE_bool("paired", False, "Also time the config's own train step in the same "
+                  "rounds, for a prediction against a step measured under the same load.", flag_values=FLAGS)
+
 
 
 def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, float]]:
@@ -48,8 +60,8 @@ def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, f
 
 
 def main(argv: list[str]) -> None:
-  f = flags.FLAGS
-  config = config_lib.runner_config(argv)
+  f = FLAGS
+  config = config_lib.runner_config(argv, FLAGS)
   try:
     mesh_shape = config_lib.mesh_shape(config.mesh, jax.device_count())
     if f.microbatches or f.stages:
@@ -80,12 +92,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  config_lib.define_runner_flags()
-  flags.DEFINE_string("out", "costs.json", "Cost file to write.")
-  flags.DEFINE_string("microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).")
-  flags.DEFINE_string("stages", "", "Model stage counts, e.g. 4,8 (default: the config "
-                      "schedule's).")
-  flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.")
-  flags.DEFINE_bool("paired", False, "Also time the config's own train step in the same "
-                    "rounds, for a prediction against a step measured under the same load.")
-  app.run(main)
+  cli.run(main)

@@ -17,7 +17,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from jaxpipe.pipeline.api import lowered_for  # noqa: E402
 from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
@@ -27,11 +27,18 @@ from jaxpipe.training import config as config_lib  # noqa: E402
 from jaxpipe.training.measure import measure  # noqa: E402
 from jaxpipe.training.pipeline_lm import lm_schedule  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
+config_lib.define_runner_flags(FLAGS)
+flags.DEFINE_string("costs", "", "Cost file (python -m jaxpipe.measure); empty: measure now.", flag_values=FLAGS)
+flags.DEFINE_string("out", "ticks.perfetto.json", "Perfetto file to write.", flag_values=FLAGS)
+
 
 
 def main(argv: list[str]) -> None:
-  f = flags.FLAGS
-  config = config_lib.runner_config(argv)
+  f = FLAGS
+  config = config_lib.runner_config(argv, FLAGS)
   try:
     trainer = Trainer(config)
     config = trainer.config
@@ -61,7 +68,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  config_lib.define_runner_flags()
-  flags.DEFINE_string("costs", "", "Cost file (python -m jaxpipe.measure); empty: measure now.")
-  flags.DEFINE_string("out", "ticks.perfetto.json", "Perfetto file to write.")
-  app.run(main)
+  cli.run(main)

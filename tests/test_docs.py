@@ -135,7 +135,8 @@ def _commands() -> list[tuple[str, str, list[str]]]:
     for module, rest in _COMMAND.findall(path.read_text()):
       rest = rest.replace("\\\n", " ").split(" -- ")[0]  # launch: the rank's command follows
       names = [t[2:].split("=")[0] for t in rest.split() if t.startswith("--") and len(t) > 2]
-      found.append((path.relative_to(ROOT).as_posix(), module, names))
+      if module.split(".")[0] in ("jaxpipe", "experiments") and "." in module:  # ours, named
+        found.append((path.relative_to(ROOT).as_posix(), module, names))
   return found
 
 
@@ -144,8 +145,8 @@ def _runner_flags(module: str) -> set[str]:
 
   if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-  name = module if importlib.util.find_spec(module).origin.endswith(".py") and not \
-      importlib.util.find_spec(module).submodule_search_locations else f"{module}.__main__"
+  package = importlib.util.find_spec(module).submodule_search_locations
+  name = f"{module}.__main__" if package else module  # python -m jaxpipe.serve
   runner = importlib.import_module(name)
   flag_values = getattr(runner, "FLAGS", None)
   assert isinstance(flag_values, absl.flags.FlagValues), (

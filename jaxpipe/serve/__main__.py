@@ -29,42 +29,46 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from jaxpipe.runtime import cli  # noqa: E402
+
+FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file "
-                                          "(get_config); serves fresh parameters.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir: serve its newest checkpoint.")
-_PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text (UTF-8 bytes are the tokens).")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass; 1 = all.")
-_SEED = flags.DEFINE_integer("seed", 0, "Prompt i samples with seed + i.")
+                                          "(get_config); serves fresh parameters.", lock_config=True, flag_values=FLAGS)
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir: serve its newest checkpoint.", flag_values=FLAGS)
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text (UTF-8 bytes are the tokens).", flag_values=FLAGS)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.", flag_values=FLAGS)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.", flag_values=FLAGS)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.", flag_values=FLAGS)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass; 1 = all.", flag_values=FLAGS)
+_SEED = flags.DEFINE_integer("seed", 0, "Prompt i samples with seed + i.", flag_values=FLAGS)
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "Context served (prompt + generated); "
-                                    "default data.seq_len, the length the model was trained on.")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 256, "KV pages per layer (page 0 is scratch).")
-_ATTENTION = flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.")
+                                    "default data.seq_len, the length the model was trained on.", flag_values=FLAGS)
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 256, "KV pages per layer (page 0 is scratch).", flag_values=FLAGS)
+_ATTENTION = flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS)
 _MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Most sequences running at once; default 16 "
-                                  "(--http) or the number of prompts, at most 16.")
-_MAX_TOKENS_PER_STEP = flags.DEFINE_integer("max_tokens_per_step", 256, "Token budget of a step.")
+                                  "(--http) or the number of prompts, at most 16.", flag_values=FLAGS)
+_MAX_TOKENS_PER_STEP = flags.DEFINE_integer("max_tokens_per_step", 256, "Token budget of a step.", flag_values=FLAGS)
 _TOKEN_BUCKETS = flags.DEFINE_list("token_buckets", None, "Padded step sizes in tokens; default "
-                                   "powers of two from 8 to --max_tokens_per_step.")
+                                   "powers of two from 8 to --max_tokens_per_step.", flag_values=FLAGS)
 _PAGE_BUCKETS = flags.DEFINE_list("page_buckets", None, "Padded pages per sequence; default the "
-                                  "whole context alone.")
-_HTTP = flags.DEFINE_bool("http", False, "Serve over HTTP instead of generating from --prompt.")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "--http: address to listen on.")
-_PORT = flags.DEFINE_integer("port", 8000, "--http: port to listen on.")
+                                  "whole context alone.", flag_values=FLAGS)
+_HTTP = flags.DEFINE_bool("http", False, "Serve over HTTP instead of generating from --prompt.", flag_values=FLAGS)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "--http: address to listen on.", flag_values=FLAGS)
+_PORT = flags.DEFINE_integer("port", 8000, "--http: port to listen on.", flag_values=FLAGS)
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "--http: sequences waiting beyond --max_batch "
-                                  "before requests are answered 429.")
+                                  "before requests are answered 429.", flag_values=FLAGS)
 _DRAIN_S = flags.DEFINE_float("drain_s", 30.0, "--http: seconds running requests may go on after "
-                              "SIGTERM before they are cancelled.")
+                              "SIGTERM before they are cancelled.", flag_values=FLAGS)
 _MODE = flags.DEFINE_enum("mode", "engine", ["engine", "colocated", "disaggregated"],
-                          "--http: one engine, or a deployment of workers (serve/deploy.py).")
-_WORKERS = flags.DEFINE_integer("workers", 2, "--mode colocated: workers.")
-_PREFILL_WORKERS = flags.DEFINE_integer("prefill_workers", 1, "--mode disaggregated: prefill workers.")
-_DECODE_WORKERS = flags.DEFINE_integer("decode_workers", 1, "--mode disaggregated: decode workers.")
-_DEVICES_PER_WORKER = flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker.")
+                          "--http: one engine, or a deployment of workers (serve/deploy.py).", flag_values=FLAGS)
+_WORKERS = flags.DEFINE_integer("workers", 2, "--mode colocated: workers.", flag_values=FLAGS)
+_PREFILL_WORKERS = flags.DEFINE_integer("prefill_workers", 1, "--mode disaggregated: prefill workers.", flag_values=FLAGS)
+_DECODE_WORKERS = flags.DEFINE_integer("decode_workers", 1, "--mode disaggregated: decode workers.", flag_values=FLAGS)
+_DEVICES_PER_WORKER = flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker.", flag_values=FLAGS)
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "--http: the served model's name; default "
-                                  "the workdir's or config file's name.")
+                                  "the workdir's or config file's name.", flag_values=FLAGS)
 
 
 def _ints(name: str, values: list[str] | None) -> list[int] | None:
@@ -101,7 +105,7 @@ def main(argv: list[str]) -> None:
     source = f"step {step} of {_WORKDIR.value}"
   else:
     config = _CONFIG.value
-    source = f"fresh parameters of {config_flags.get_config_filename(flags.FLAGS['config'])}"
+    source = f"fresh parameters of {config_flags.get_config_filename(FLAGS['config'])}"
     params = restore.fresh_params(config)
   cfg = config_lib.model_config(config)
   max_seq_len = _MAX_SEQ_LEN.value or config.data.seq_len
@@ -151,7 +155,7 @@ def _serve_http(backend, cfg, source: str) -> None:
   except ImportError as e:
     sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
   name = _MODEL_NAME.value or os.path.basename(os.path.normpath(
-      _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(flags.FLAGS["config"]))[0]))
+      _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(FLAGS["config"]))[0]))
   start = time.perf_counter()
   backend.precompile()
   engines = engines_of(backend)
@@ -184,4 +188,4 @@ def _serve_http(backend, cfg, source: str) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

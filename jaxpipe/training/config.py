@@ -400,23 +400,25 @@ def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
                     "mesh.pp, pipeline.chunks or the schedule")
 
 
-def define_runner_flags() -> None:
-  """The `--config` (ml_collections file), `--gin_file` and `--gin_param` flags of a runner."""
+def define_runner_flags(flag_values) -> None:
+  """The `--config` (ml_collections file), `--gin_file` and `--gin_param` flags of a runner, on
+  its FlagValues (`jaxpipe.runtime.cli.flag_values`)."""
   from absl import flags
   from ml_collections import config_flags
   config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                  lock_config=True)
-  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.")
-  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.")
-  flags.mark_flag_as_required("config")
+                                  lock_config=True, flag_values=flag_values)
+  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.",
+                            flag_values=flag_values)
+  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
+                            flag_values=flag_values)
+  flags.mark_flag_as_required("config", flag_values=flag_values)
 
 
-def runner_config(argv: list[str]) -> ml_collections.ConfigDict:
+def runner_config(argv: list[str], flag_values) -> ml_collections.ConfigDict:
   """The config those flags name, overrides and gin bindings applied; exits on stray arguments."""
-  from absl import flags
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
+  f = flag_values
   return apply_gin(f.config, f.gin_file, f.gin_param)
 
 
