@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
   import jax
 
   from jaxpipe.training import config as config_lib
-  from jaxpipe.serve import restore
+  from jaxpipe.training import restore
   from jaxpipe.serve.engine import Engine
   if _WORKDIR.value:
     try:

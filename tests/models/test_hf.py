@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpipe.training import config as config_lib
 from jaxpipe import convert
+from jaxpipe.training import convert as convert_lib
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.runtime import cli
 from jaxpipe.models import hf
@@ -298,7 +299,7 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   case = cases["mixtral"]
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
   convert_main(["hf-to-orbax", case.src, workdir])
-  assert convert.committed_steps(workdir) == [0]
+  assert convert_lib.committed_steps(workdir) == [0]
   cmd = [sys.executable, "-m", "jaxpipe.train", "--workdir", workdir, "--config.mesh.pp=2", "--config.mesh.ep=2",
          "--config.pipeline.schedule=zb-v", "--config.pipeline.microbatches=2",
          "--config.model.moe.lb_loss_form=per_layer", "--config.train.steps=2",
@@ -308,13 +309,13 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from step 0" in r.stdout and "'pp': 2" in r.stdout
-  assert convert.committed_steps(workdir) == [0, 2]
+  assert convert_lib.committed_steps(workdir) == [0, 2]
   convert_main(["orbax-to-hf", workdir, dst])
   assert {"config.json", "generation_config.json", "model.safetensors"} == set(os.listdir(dst))
   before, after = _weights(case.src), _weights(dst)
   assert all(not np.array_equal(before[n], after[n]) for n in before if "gate.weight" in n)
-  cfg = convert.workdir_model(workdir)
-  trained = convert.restore_params(workdir, 2, cfg, jax.sharding.Mesh(jax.devices()[:1], ("dp",)))
+  cfg = convert_lib.workdir_model(workdir)
+  trained = convert_lib.restore_params(workdir, 2, cfg, jax.sharding.Mesh(jax.devices()[:1], ("dp",)))
   _assert_bit_equal(dict(hf.hf_tensors(cfg, trained, "mixtral")), after)
   model = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager")
   assert type(model) is type(case.model)

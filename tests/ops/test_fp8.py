@@ -12,7 +12,7 @@ from configs import tiny
 from jaxpipe.training.config import ConfigError, model_config, validate
 from jaxpipe.ops import fp8
 from jaxpipe.models import transformer
-from jaxpipe.serve.restore import restore_params
+from jaxpipe.training.restore import restore_params
 from jaxpipe.training.trainer import Trainer
 
 FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}

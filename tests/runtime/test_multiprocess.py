@@ -21,7 +21,7 @@ from jaxpipe.training import mesh as mesh_lib
 from jaxpipe.runtime import multihost, process
 from jaxpipe.runtime.checkpoint import is_committed
 from jaxpipe.training.config import ConfigError, default_config
-from jaxpipe.launch import without_gloo_notices
+from jaxpipe.runtime.launch import without_gloo_notices
 from jaxpipe.pipeline import value_and_grad
 from jaxpipe.training.trainer import Trainer
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from configs import tiny
 from jaxpipe.models import transformer
-from jaxpipe.serve import restore
+from jaxpipe.training import restore
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
