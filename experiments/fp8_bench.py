@@ -41,10 +41,12 @@ from absl import app, flags  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments.timing import median_time  # noqa: E402
-from jaxpipe.runtime import cli, files  # noqa: E402
-from jaxpipe.models import flops  # noqa: E402
+from jaxpipe.models import (
+  flops,  # noqa: E402
+  transformer,  # noqa: E402
+)
 from jaxpipe.ops import fp8
-from jaxpipe.models import transformer  # noqa: E402
+from jaxpipe.runtime import cli, files  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
 
 RECIPES = ("delayed", "current", "block")

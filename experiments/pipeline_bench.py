@@ -49,8 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from experiments import op_breakdown  # noqa: E402
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule  # noqa: E402
-from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered,  # noqa: E402
-                                       make_executor, to_local)
+from jaxpipe.pipeline.executor import ExecSpec, Model, from_local, layered, make_executor, to_local  # noqa: E402
 from jaxpipe.pipeline.ir.lower import lower  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 

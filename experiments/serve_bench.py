@@ -315,7 +315,7 @@ class Deployed(Paged):
     self.done += self.engine.finished()
 
 
-def check_deployment_args(args) -> tuple[list[str], "SLO"]:
+def check_deployment_args(args) -> tuple[list[str], SLO]:
   """Every bad flag, before any device work: one line naming the value and the fix."""
   modes = [m.strip() for m in args.mode.split(",")]
   modes = ["colocated", "disaggregated"] if modes == ["both"] else modes
@@ -356,7 +356,7 @@ def perfetto(requests, t0: float) -> str:
   return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
-def cdf_plot(path: str, runs: dict[str, list], slo: "SLO") -> None:
+def cdf_plot(path: str, runs: dict[str, list], slo: SLO) -> None:
   """TTFT and TPOT CDFs, a line per (deployment, rate), the SLO targets dashed."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
@@ -377,7 +377,7 @@ def cdf_plot(path: str, runs: dict[str, list], slo: "SLO") -> None:
   fig.savefig(path, dpi=120)
 
 
-def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: "SLO") -> str:
+def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: SLO) -> str:
   ms = lambda xs: " / ".join(f"{1e3 * x:,.0f}" for x in xs)
   ttft, tpot = percentiles(r.ttft for r in done), percentiles(r.tpot for r in done)
   moved = [r.kv_bytes for r in done]

@@ -39,17 +39,17 @@ import re
 import statistics
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_collections
 from absl import flags
 
-from jaxpipe.runtime import cli, files
-from jaxpipe.training import config as config_lib
-from jaxpipe.training.measure import load_average
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import lower
+from jaxpipe.runtime import cli, files
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.measure import load_average
 
 COLUMNS = ("cell", "status", "schedule", "microbatches", "chunks", "tokens_per_s", "step_ms",
            "unit", "paired_ms", "predicted_ms", "error_pct", "lockstep_ms", "compile_s", "peak_mb",

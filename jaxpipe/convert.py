@@ -19,9 +19,13 @@ from absl import app, flags  # noqa: E402
 from jaxpipe.models import hf  # noqa: E402
 from jaxpipe.ops import fp8 as fp8_lib  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
-from jaxpipe.training.convert import hf_to_orbax, orbax_to_hf  # noqa: E402
+
 # Workdirs converted before the library moved to jaxpipe.training name it here in their config.py.
-from jaxpipe.training.convert import finetune_config  # noqa: E402, F401
+from jaxpipe.training.convert import (  # noqa: E402
+  finetune_config,  # noqa: E402, F401
+  hf_to_orbax,
+  orbax_to_hf,
+)
 
 # sub-command -> its positional arguments and the flags only it takes
 COMMANDS = {"hf-to-orbax": (("SRC_DIR", "WORKDIR"), ("fp8",)),

@@ -26,17 +26,17 @@ if __name__ == "__main__":
   process.use_host_devices()
 
 import sys  # noqa: E402
-from typing import Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 
 from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
+from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
 from jaxpipe.training.measure import measure, seconds  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
-from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 config_lib.define_runner_flags(FLAGS)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from absl import app, flags
 
@@ -157,7 +157,7 @@ def _png(schedule: Schedule, args) -> None:
 # Output formats: name -> writer(schedule, args) returning text for stdout/--out, or None when it
 # wrote --out itself. Other layers register theirs here (a tick-table printer adds "ticks");
 # import anything heavy inside the writer so that this CLI stays free of JAX.
-FORMATS: dict[str, Callable[[Schedule, types.SimpleNamespace], Optional[str]]] = {
+FORMATS: dict[str, Callable[[Schedule, types.SimpleNamespace], str | None]] = {
     "grid": lambda s, args: text_grid(s),
     "csv": lambda s, args: to_csv(s),
     "perfetto": lambda s, args: to_perfetto(s, costs=args.costs, lockstep=args.lockstep),

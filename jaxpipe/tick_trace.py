@@ -21,13 +21,18 @@ from absl import flags  # noqa: E402
 
 from jaxpipe.pipeline.api import lowered_for  # noqa: E402
 from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
-from jaxpipe.pipeline.tick_trace import (TraceError, branch_of_table, perfetto_trace,  # noqa: E402
-                                         profile_step, read_profile)
+from jaxpipe.pipeline.tick_trace import (  # noqa: E402
+  TraceError,
+  branch_of_table,
+  perfetto_trace,
+  profile_step,
+  read_profile,
+)
+from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
 from jaxpipe.training.measure import measure  # noqa: E402
 from jaxpipe.training.pipeline_lm import lm_schedule  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
-from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 config_lib.define_runner_flags(FLAGS)

@@ -18,10 +18,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import numpy as np
 
 # Finite so that a fully masked row never computes -inf - (-inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

@@ -34,8 +34,17 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.gemm_a2a import (ProtocolError, _rem, ceil_div, check_tiles, grid_sms,
-                                     interleave, row_major, store_tile, tile_matmul)
+from kernels_pallas.gemm_a2a import (
+  ProtocolError,
+  _rem,
+  ceil_div,
+  check_tiles,
+  grid_sms,
+  interleave,
+  row_major,
+  store_tile,
+  tile_matmul,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,22 @@
 """Helpers that several test modules share: model and batch builders, oracles, runner plumbing."""
-from configs import tiny
-from jaxpipe.models import transformer
-from jaxpipe.models.moe import MoEConfig
-from jaxpipe.training.trainer import Trainer
 import dataclasses
 import functools
-import jax
-import jax.numpy as jnp
 import json
 import math
-import ml_collections
-import numpy as np
 import os
 import re
 import sys
 import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.models.moe import MoEConfig
+from jaxpipe.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 

@@ -116,6 +116,7 @@ def test_gemm_a2a_kernel_runs_on_all_gpus():
   """The Mosaic GPU kernel compiles and equals heads_to_seq + projection on the GPUs present
   (on one GPU only its local GEMM path runs; the transfers need several)."""
   from jax.lax import all_to_all
+
   from jaxpipe.ops.attention import _gpu_major
   from kernels_pallas import gemm_a2a as ga
   if _gpu_major() != 9:
@@ -170,6 +171,7 @@ def test_compiled_paged_attention(dtype, heads, kv_heads, k_splits):
   """Compiled PagedAttention against the gather reference in float32, stale slots NaN, and
   beside JAX's own Pallas paged kernel (which takes q pre-scaled)."""
   from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
   page = 16
   q, k, v, tables, lens = helpers.paged_inputs([1, 100, 511, 512, 300, 17, 256, 64], heads, kv_heads,

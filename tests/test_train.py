@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe.runtime import cli, files, process
 from jaxpipe import schedule
+from jaxpipe.runtime import cli, files, process
 from jaxpipe.runtime.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
-from jaxpipe.training.config import ConfigError
 from jaxpipe.runtime.metrics import drop_rows_after
 from jaxpipe.runtime.preemption import StopRequest
+from jaxpipe.training.config import ConfigError
 from jaxpipe.training.trainer import NonFiniteLossError, Trainer
 from jaxpipe.training.workdir import Workdir, WorkdirBusy, WorkdirError, field_kind
 from tests import helpers

@@ -27,14 +27,15 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxpipe.ops import fp8
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
+from jaxpipe.ops import fp8
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}

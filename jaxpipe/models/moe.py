@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import router as router_lib
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel import expert as ep_lib
 
 Params = dict[str, jax.Array]

@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.ops.vma import vary_like
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel.ulysses import check_divisible

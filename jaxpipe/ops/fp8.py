@@ -40,7 +40,8 @@ explicit accumulation nor a psum can carry. Its building blocks (`quantize`, `co
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,8 @@ import functools
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.ops.attention import attention
 

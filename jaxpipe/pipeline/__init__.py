@@ -1,6 +1,15 @@
 """Pipeline schedules as data (no JAX) and the scan executor that runs them (JAX, imported lazily)."""
-from jaxpipe.pipeline.ir import (SCHEDULE_NAMES, Action, Op, Overlap, Placement, Schedule,
-                                 ScheduleError, make_schedule, validate)
+from jaxpipe.pipeline.ir import (
+  SCHEDULE_NAMES,
+  Action,
+  Op,
+  Overlap,
+  Placement,
+  Schedule,
+  ScheduleError,
+  make_schedule,
+  validate,
+)
 
 __all__ = ["Action", "Op", "Overlap", "Placement", "Schedule", "SCHEDULE_NAMES", "make_schedule",
            "ScheduleError", "validate", "value_and_grad", "layered"]

@@ -4,20 +4,33 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.pipeline import loss as loss_lib
-from jaxpipe.pipeline.executor import (ExecSpec, Model, as_axes, check_param_specs,
-                                       combines_by_max, data_axes_of, from_local, io_spec,
-                                       is_contiguous, make_executor, param_specs_key, to_local,
-                                       with_aux)
-from jaxpipe.pipeline.ir.schedule import Schedule
+from jaxpipe.pipeline.executor import (
+  ExecSpec,
+  Model,
+  as_axes,
+  check_param_specs,
+  combines_by_max,
+  data_axes_of,
+  from_local,
+  io_spec,
+  is_contiguous,
+  make_executor,
+  param_specs_key,
+  to_local,
+  with_aux,
+)
 from jaxpipe.pipeline.ir.lower import Lowered, lower
+from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.schedules import make_schedule
 
 PyTree = Any

@@ -33,8 +33,8 @@ import re
 import jax
 import numpy as np
 
-from jaxpipe.pipeline.ir.costs import Prediction
 from jaxpipe.pipeline.executor import PARTS
+from jaxpipe.pipeline.ir.costs import Prediction
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, Lowered
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\b([\w\-]+)\((.*)$")

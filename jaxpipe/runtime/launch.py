@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 
-
 # gloo's notice for every new communicator (kept in the rank's log) goes whole where it is whole
 # (after a progress bar's \r it is not at a line's start); several threads write it in pieces that
 # land inside one another: the fixed pieces go, then the lines left with only the numbers.

@@ -11,8 +11,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 
 class StopRequest:

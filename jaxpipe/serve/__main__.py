@@ -93,9 +93,9 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   import jax
 
+  from jaxpipe.serve.engine import Engine
   from jaxpipe.training import config as config_lib
   from jaxpipe.training import restore
-  from jaxpipe.serve.engine import Engine
   if _WORKDIR.value:
     try:
       config = restore.run_config(_WORKDIR.value)

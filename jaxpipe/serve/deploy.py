@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

@@ -32,15 +32,16 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
@@ -157,7 +158,7 @@ class _EnginePages:
   """The engine's side of its `Scheduler` (`scheduler.Pages`): the reference-counted allocator,
   the prefix cache, and copy-on-write of a shared page before a request writes into it."""
 
-  def __init__(self, engine: "Engine"):
+  def __init__(self, engine: Engine):
     self.engine = engine
 
   @property

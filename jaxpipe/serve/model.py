@@ -23,12 +23,13 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import attention as attention_lib
-from jaxpipe.ops.attention import paged_attention
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops.attention import paged_attention
 from jaxpipe.serve.sampling import SamplingBatch, sample
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it

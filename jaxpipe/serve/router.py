@@ -14,7 +14,8 @@ Two decisions, each over workers that expose their `scheduler.Scheduler` as `.sc
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from jaxpipe.serve.scheduler import Scheduler
 

@@ -27,7 +27,8 @@ engine does (tests/serve/test_scheduler.py holds their plans equal on a seeded w
 from __future__ import annotations
 
 import collections
-from typing import Callable, Generic, Literal, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Generic, Literal, Protocol, TypeVar
 
 POLICIES = ("decode-first", "prefill-first")
 

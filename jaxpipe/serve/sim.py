@@ -31,7 +31,8 @@ import collections
 import dataclasses
 import heapq
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from jaxpipe.serve import router, slo
 from jaxpipe.serve.scheduler import Scheduler

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class SLO:
       return False
     return r.ttft <= self.ttft and (r.tpot is None or r.tpot <= self.tpot)
 
-  def scaled(self, factor: float) -> "SLO":
+  def scaled(self, factor: float) -> SLO:
     """Both targets times `factor` (DistServe's SLO scale)."""
     return SLO(self.ttft * factor, self.tpot * factor, self.attainment)
 

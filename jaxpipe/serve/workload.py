@@ -42,7 +42,7 @@ class Lengths:
   sigma: float = 1.0  # lognormal: the standard deviation of log(length)
 
   @classmethod
-  def parse(cls, spec: str) -> "Lengths":
+  def parse(cls, spec: str) -> Lengths:
     parts = str(spec).split(":")
     try:
       if parts[0] == "lognormal" and len(parts) in (3, 4):

@@ -7,13 +7,13 @@ Validation runs before any device work.
 import dataclasses
 import difflib
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import ml_collections
 from ml_collections import config_dict
 
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
 
 # Mesh axes, outermost first: pipeline, data, expert, context, tensor.

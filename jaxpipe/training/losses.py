@@ -25,21 +25,22 @@ train step moves the sigmoid router's balancing biases. `moe.aux_objective` is t
 `moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
 pooled over the layers.
 """
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxpipe.training import config as config_lib
-from jaxpipe.training.mesh import make_mesh
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel.ulysses import positions_local
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.mesh import make_mesh
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 

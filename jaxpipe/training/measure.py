@@ -20,7 +20,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +30,13 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.training import config as config_lib
-from jaxpipe.training.mesh import BATCH_AXES, make_mesh
 from jaxpipe.models import transformer
+from jaxpipe.pipeline.executor import ExecSpec, make_executor, param_specs_key, stage_ops
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
-from jaxpipe.pipeline.executor import (ExecSpec, make_executor, param_specs_key,
-                                       stage_ops)
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, idle_row
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.mesh import BATCH_AXES, make_mesh
 from jaxpipe.training.pipeline_lm import CONTEXT_AXIS, lm_model, stage_param_specs
 from jaxpipe.training.state import fresh_state, make_optimizer, state_shardings
 

@@ -1,10 +1,11 @@
 """The named device mesh: axes pp, dp, ep, cp, tp, sized from the config."""
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.training.config import MESH_AXES, mesh_order, mesh_shape
 

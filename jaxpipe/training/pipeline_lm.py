@@ -33,18 +33,19 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxpipe.training import config as config_lib
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
-from jaxpipe.parallel.ulysses import positions_local
+from jaxpipe.training import config as config_lib
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence

@@ -7,9 +7,9 @@ import os
 import jax
 import ml_collections
 
-from jaxpipe.training import config as config_lib
-from jaxpipe.runtime.checkpoint import Checkpointer
 from jaxpipe.models import transformer
+from jaxpipe.runtime.checkpoint import Checkpointer
+from jaxpipe.training import config as config_lib
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -29,7 +29,10 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict,
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
   schedule; the optimizer state is read with it (its structure is the config's) and dropped.
   """
-  from jaxpipe.training.state import fresh_state, make_optimizer  # the trainer's own state and optimizer
+  from jaxpipe.training.state import (  # the trainer's own state and optimizer
+    fresh_state,
+    make_optimizer,
+  )
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 

@@ -1,6 +1,7 @@
 """The train state and where it lives: `TrainState`, the optimizer, the layers' stored order
 (rank by rank under interleaved and V placements) and the state's shardings on the mesh."""
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import jax
@@ -8,11 +9,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import fp8 as fp8_lib
 
 
 @flax.struct.dataclass

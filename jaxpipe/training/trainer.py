@@ -10,7 +10,8 @@ import math
 import os
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +20,27 @@ import numpy as np
 import optax
 import tqdm
 
-from jaxpipe.training import config as config_lib
-from jaxpipe.training import data as data_lib
-from jaxpipe.runtime import files
-from jaxpipe.runtime import multihost
-from jaxpipe.runtime.checkpoint import Checkpointer
-from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
-from jaxpipe.runtime.metrics import MetricWriter
-from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
+from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.runtime import files, multihost
+from jaxpipe.runtime.checkpoint import Checkpointer
+from jaxpipe.runtime.metrics import MetricWriter
 from jaxpipe.runtime.preemption import StopRequest
+from jaxpipe.training import config as config_lib
+from jaxpipe.training import data as data_lib
+from jaxpipe.training.losses import make_loss_and_grads
+from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
+from jaxpipe.training.state import (
+  TrainState,
+  fresh_state,
+  layer_order,
+  learning_rate,
+  make_optimizer,
+  reorder_layers,
+  state_shardings,
+)
 from jaxpipe.training.workdir import Workdir, WorkdirError
-from jaxpipe.training.losses import (make_loss_and_grads)
-from jaxpipe.training.state import (TrainState, fresh_state, layer_order,
-                                   learning_rate, make_optimizer, reorder_layers, state_shardings)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -143,9 +150,9 @@ class Trainer:
     The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
     workdir; a run resumed there keeps its first choice unless `afresh` (a restart).
     """
-    from jaxpipe.training import measure
     from jaxpipe.pipeline.ir import auto as auto_lib
     from jaxpipe.pipeline.ir import costs as costs_lib
+    from jaxpipe.training import measure
     path = os.path.join(workdir, "auto.json") if workdir else None
     if path and os.path.exists(path) and not afresh:
       with open(path) as f:

@@ -35,9 +35,9 @@ from typing import Any
 
 import ml_collections
 
-from jaxpipe.training import config as config_lib
 from jaxpipe.runtime import files
 from jaxpipe.runtime.checkpoint import is_committed
+from jaxpipe.training import config as config_lib
 
 EXISTING_RUN = ("resume", "resume_changed", "restart")
 CADENCE = ("train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",

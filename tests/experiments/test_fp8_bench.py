@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from tests import helpers
 
 ROOT = helpers.ROOT

@@ -14,13 +14,13 @@ import pytest
 
 from configs import tiny
 from experiments import sweep
-from jaxpipe.training import config as config_lib
-from jaxpipe.pipeline import tick_trace
 from jaxpipe.models import transformer
-from jaxpipe.runtime import cli
+from jaxpipe.pipeline import tick_trace
+from jaxpipe.pipeline.api import lowered_for
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
-from jaxpipe.pipeline.api import lowered_for
+from jaxpipe.runtime import cli
+from jaxpipe.training import config as config_lib
 from jaxpipe.training.pipeline_lm import lm_schedule
 from jaxpipe.training.trainer import Trainer
 from tests import helpers

@@ -24,7 +24,7 @@ CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _case_results(name):
   case = next(c for c in CASES if c[0] == name)
   _, batch, q_len, kv_len, heads, kv_heads, head_dim, causal = case

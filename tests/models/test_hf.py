@@ -22,19 +22,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from jaxpipe.training import config as config_lib
 from jaxpipe import convert
-from jaxpipe.training import convert as convert_lib
+from jaxpipe.models import hf, moe, transformer
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.runtime import cli
-from jaxpipe.models import hf
-from jaxpipe.models import moe
-from jaxpipe.models import transformer
+from jaxpipe.training import config as config_lib
+from jaxpipe.training import convert as convert_lib
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.state import state_shardings
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
-
 
 # `python -m jaxpipe.convert ARGS`, run in this process
 convert_main = functools.partial(cli.call, convert.main, convert.FLAGS)

@@ -23,7 +23,7 @@ def _mesh(ep):
   return jax.make_mesh((N_DEV // ep, ep), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data():
   kx, kg = jax.random.split(jax.random.key(0))
   return jax.random.normal(kx, (B, L, D)), jax.random.normal(kg, (B, L, D))
@@ -34,7 +34,7 @@ def _base(cfg):
   return dataclasses.replace(cfg, dispatch="dropless", dropless_impl="auto", fp8_dispatch=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg: moe.MoEConfig):
   p = moe.init_moe_params(_base(cfg), jax.random.key(1), D)
   if "expert_bias_E" in p:  # a bias that changes choices, so that its use is tested
@@ -47,7 +47,7 @@ def _layer_loss(cfg, mesh, params, x, g):
   return jnp.sum(y * g) + aux["loss"], (y, aux)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_results(cfgs: tuple[moe.MoEConfig, ...], ep: int):
   """Loss, outputs, statistics and gradients of several configs from one compiled program."""
   mesh = _mesh(ep)
@@ -67,7 +67,7 @@ def _ref_loss(cfg, params, x, g, keep):
   return jnp.sum(y.reshape(g.shape) * g) + aux["loss"], (y, aux, idx)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ref_fn(cfg: moe.MoEConfig):
   return jax.jit(jax.value_and_grad(functools.partial(_ref_loss, cfg), argnums=(0, 1), has_aux=True))
 

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.models import flops
-from jaxpipe.models import transformer
+from jaxpipe.models import flops, transformer
 from jaxpipe.models.transformer import TransformerConfig
 
 _forward = jax.jit(transformer.forward, static_argnums=0)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe.training.config import ConfigError, model_config, validate
-from jaxpipe.ops import fp8
 from jaxpipe.models import transformer
+from jaxpipe.ops import fp8
+from jaxpipe.training.config import ConfigError, model_config, validate
 from jaxpipe.training.restore import restore_params
 from jaxpipe.training.trainer import Trainer
 

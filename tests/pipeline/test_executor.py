@@ -9,8 +9,7 @@ import pytest
 
 from experiments import op_breakdown
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
-from jaxpipe.pipeline.executor import (ExecSpec, Model, from_local, layered, make_executor,
-                                       to_local)
+from jaxpipe.pipeline.executor import ExecSpec, Model, from_local, layered, make_executor, to_local
 from jaxpipe.pipeline.ir.lower import CHANNELS, COL, LowerOptions, lower
 
 B, L, D = 2, 4, 8  # micro-batch, sequence, width: tiny, so compiling dominates

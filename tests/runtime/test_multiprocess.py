@@ -14,16 +14,16 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from tests import helpers
 
 from configs import tiny
-from jaxpipe.training import mesh as mesh_lib
+from jaxpipe.pipeline import value_and_grad
 from jaxpipe.runtime import multihost, process
 from jaxpipe.runtime.checkpoint import is_committed
-from jaxpipe.training.config import ConfigError, default_config
 from jaxpipe.runtime.launch import without_gloo_notices
-from jaxpipe.pipeline import value_and_grad
+from jaxpipe.training import mesh as mesh_lib
+from jaxpipe.training.config import ConfigError, default_config
 from jaxpipe.training.trainer import Trainer
+from tests import helpers
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,8 +15,15 @@ import pytest
 
 from experiments import serve_bench
 from jaxpipe.runtime import cli
-from jaxpipe.serve.deploy import DECODE, HANDOFF, PREFILL, TRANSFER, Colocated, Disaggregated, \
-    device_groups
+from jaxpipe.serve.deploy import (
+  DECODE,
+  HANDOFF,
+  PREFILL,
+  TRANSFER,
+  Colocated,
+  Disaggregated,
+  device_groups,
+)
 from jaxpipe.serve.engine import INCOMING
 from tests import helpers
 

@@ -6,7 +6,8 @@ the end, with every owner gone, every count is zero and every page is free again
 """
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxpipe.serve.pages import SCRATCH_PAGE, OutOfPages, PageAllocator, PrefixCache

@@ -1,6 +1,6 @@
 """Config validation: each bad value fails before device work, naming the value and the fix."""
-import os
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -8,10 +8,10 @@ import ml_collections
 import pytest
 
 from configs import quickstart, tiny
-from jaxpipe.training import config as config_lib
-from jaxpipe.training.config import ConfigError, validate
 from jaxpipe.models.moe import MoEConfig
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.config import ConfigError, validate
 from tests import helpers
 
 ROOT = helpers.ROOT

@@ -6,14 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.models import moe
-from jaxpipe.models import transformer
+from jaxpipe.models import moe, transformer
 from jaxpipe.training.state import TrainState
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trainer(**moe_kwargs):
   return Trainer(helpers.moe_config(**moe_kwargs))
 

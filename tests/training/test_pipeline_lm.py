@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from jaxpipe.training import config as config_lib
 from jaxpipe.models import transformer
+from jaxpipe.training import config as config_lib
 from jaxpipe.training.losses import data_parallel_loss_and_grads
 from jaxpipe.training.trainer import Trainer
 from tests import helpers

@@ -117,9 +117,9 @@ def test_checkpoint_resumes_copies_and_restores_into_a_contiguous_schedule(copie
 
 
 def test_copy_partners_of_a_placement():
+  from jaxpipe.pipeline import make_schedule
   from jaxpipe.pipeline.api import copy_partners
   from jaxpipe.pipeline.ir.lower import lower
-  from jaxpipe.pipeline import make_schedule
   layout = lower(make_schedule("chimera", pp=4, microbatches=8)).layout()
   assert layout.tolist() == [[0, 3], [1, 2], [2, 1], [3, 0]]
   pairs, chunks = copy_partners(layout)

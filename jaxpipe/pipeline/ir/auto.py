@@ -9,11 +9,11 @@ are dropped, the rest ranked by predicted step time (then memory).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxpipe.pipeline.ir.costs import CostFile, Prediction
-from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.lower import Lowered, lower
+from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.schedules import SCHEDULE_NAMES, make_schedule
 
 GB = 2**30

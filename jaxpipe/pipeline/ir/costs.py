@@ -43,11 +43,11 @@ import dataclasses
 import json
 import numbers
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
-from jaxpipe.runtime import files
-from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.lower import BRANCHES, CHANNELS, COL, Lowered
+from jaxpipe.pipeline.ir.schedule import Schedule
+from jaxpipe.runtime import files
 
 FORMAT = "jaxpipe-costs/1"
 PARTS = ("F", "B", "I", "W", "F&B")  # one virtual stage on one micro-batch

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from jaxpipe.pipeline.ir.schedule import Action, Op, Schedule
 

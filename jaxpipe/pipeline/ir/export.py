@@ -14,7 +14,7 @@ import io
 import json
 import os
 import re
-from typing import Mapping, Union
+from collections.abc import Mapping
 
 from jaxpipe.pipeline.ir.schedule import Action, Op, Overlap, Placement, Schedule
 from jaxpipe.pipeline.ir.simulate import lockstep_ticks, simulate
@@ -115,7 +115,7 @@ def _infer_placement(num_ranks: int, stage_rank: dict[int, int],
                    f"stages {sorted(mb_stages[half[0]])}: {rule}")
 
 
-def from_csv(text_or_path: Union[str, os.PathLike], name: str | None = None,
+def from_csv(text_or_path: str | os.PathLike, name: str | None = None,
              validate: bool = True) -> Schedule:
   """Reads torch's CSV (text or a path); infers placement, routes and micro-batch count."""
   path = None
@@ -195,7 +195,7 @@ def to_perfetto(schedule: Schedule, costs: Mapping[str, float] | None = None,
   return json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta})
 
 
-def to_png(schedule: Schedule, path: Union[str, os.PathLike],
+def to_png(schedule: Schedule, path: str | os.PathLike,
            costs: Mapping[str, float] | None = None, lockstep: bool = False,
            title: str | None = None) -> None:
   """Timeline PNG: a row per rank, a bar per op coloured by kind, micro-batch written inside.

@@ -9,7 +9,7 @@ approximations or bounds ("about", "at most").
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from jaxpipe.pipeline.ir.simulate import resolve_costs
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Iterator, Mapping, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Union
 
 KINDS = ("F", "B", "I", "W")  # forward, full backward, input gradient, weight gradient
 
@@ -212,7 +213,7 @@ class Schedule:
     return to_csv(self, grid=grid)
 
   @classmethod
-  def from_csv(cls, text_or_path: Union[str, os.PathLike], name: str | None = None) -> Schedule:
+  def from_csv(cls, text_or_path: str | os.PathLike, name: str | None = None) -> Schedule:
     """Loads (and validates) a schedule from torch's CSV text or a path to it."""
     from jaxpipe.pipeline.ir.export import from_csv
     return from_csv(text_or_path, name=name)

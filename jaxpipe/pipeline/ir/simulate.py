@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-from typing import Mapping
+from collections.abc import Mapping
 
 from jaxpipe.pipeline.ir.deps import list_schedule, unit_timeline
 from jaxpipe.pipeline.ir.schedule import Op, Schedule

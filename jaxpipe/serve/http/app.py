@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,8 +31,16 @@ from starlette.routing import Route
 from jaxpipe.serve.engine import ENGINE_EOS
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
-from jaxpipe.serve.http.protocol import (MAX_STOPS, BadRequest, Choice, CompletionRequest,
-                                         parse_request, prompts_of, stop_list, usage_of)
+from jaxpipe.serve.http.protocol import (
+  MAX_STOPS,
+  BadRequest,
+  Choice,
+  CompletionRequest,
+  parse_request,
+  prompts_of,
+  stop_list,
+  usage_of,
+)
 from jaxpipe.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

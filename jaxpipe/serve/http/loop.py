@@ -14,7 +14,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from jaxpipe.serve import slo
 from jaxpipe.serve.http.metrics import Metrics

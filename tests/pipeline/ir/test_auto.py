@@ -4,11 +4,11 @@ import json
 import pytest
 
 from jaxpipe import schedule as schedule_cli
-from jaxpipe.runtime import cli
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.ir import auto as auto_lib
 from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, lower
+from jaxpipe.runtime import cli
 
 SECONDS = dict(F=1.0, B=5.0, I=2.0, W=3.0, **{"F&B": 7.0}, ppermute=0.125, embed=0.25,
                head=0.5, tick=0.375, call=0.03125)

@@ -3,11 +3,10 @@ import json
 
 import pytest
 
-from jaxpipe.pipeline import (Action, Overlap, Placement, Schedule, ScheduleError,
-                              make_schedule)
+from jaxpipe import schedule
+from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, ScheduleError, make_schedule
 from jaxpipe.pipeline.ir.export import from_csv, text_grid, to_png
 from jaxpipe.pipeline.ir.schedules import SCHEDULE_NAMES
-from jaxpipe import schedule
 from jaxpipe.runtime import cli
 
 F = lambda s, mb: Action("F", s, mb)

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, make_schedule
-from jaxpipe.pipeline.ir.lower import BRANCHES, COL, LowerOptions, VARIANTS, lower
+from jaxpipe.pipeline.ir.lower import BRANCHES, COL, VARIANTS, LowerOptions, lower
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v", "dualpipe",
          "dualpipev")
@@ -186,6 +186,7 @@ def test_non_adjacent_stages_are_refused():
 
 def test_cli_prints_the_tick_table(capsys):
   import re
+
   from jaxpipe import schedule
   from jaxpipe.runtime import cli
   assert cli.call(schedule.main, schedule.FLAGS,

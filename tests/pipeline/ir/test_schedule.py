@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from jaxpipe.pipeline import (Action, Overlap, Placement, Schedule, ScheduleError,
-                              make_schedule)
+from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, ScheduleError, make_schedule
 from tests import helpers
 
 REPO = helpers.ROOT

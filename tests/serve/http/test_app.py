@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from configs import tiny
 from experiments import serve_client
-from jaxpipe.training import config as config_lib
 from jaxpipe.models import transformer
 from jaxpipe.serve import deploy, workload
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.http import CompletionServer
+from jaxpipe.training import config as config_lib
 from tests import helpers
 
 ROOT = helpers.ROOT

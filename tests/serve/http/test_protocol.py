@@ -3,8 +3,14 @@ import json
 
 import pytest
 
-from jaxpipe.serve.http.protocol import (BadRequest, Choice, parse_request, prompts_of, stop_list,
-                                         usage_of)
+from jaxpipe.serve.http.protocol import (
+  BadRequest,
+  Choice,
+  parse_request,
+  prompts_of,
+  stop_list,
+  usage_of,
+)
 
 
 def test_a_stop_sequence_is_held_back_until_it_cannot_begin_and_never_sent():
