@@ -7,6 +7,7 @@ layer; on 8 host devices the mesh is dp = 2 x ep = 4 and the batch is split over
 add the routing statistics (moe_imbalance, moe_dropped_frac, moe_lb_loss, ...). Other routers:
 --config.model.moe.router=sigmoid --config.model.moe.bias_update_rate=0.001 (DeepSeek-V3).
 """
+
 import dataclasses
 
 import ml_collections
@@ -17,7 +18,12 @@ from jaxpipe.models.moe import MoEConfig
 
 def get_config(arg=None):
   c = quickstart.get_config(arg)
-  c.model.moe = ml_collections.ConfigDict(dataclasses.asdict(MoEConfig(
-      num_experts=8, top_k=2, d_ff=192, every=2, dispatch="capacity", capacity_factor=1.25)))
+  c.model.moe = ml_collections.ConfigDict(
+      dataclasses.asdict(
+          MoEConfig(
+              num_experts=8, top_k=2, d_ff=192, every=2, dispatch="capacity", capacity_factor=1.25
+          )
+      )
+  )
   c.mesh.ep = 4
   return c

@@ -1,7 +1,8 @@
 """Quickstart: a 4-layer byte-level LM on the Python standard library's source, on any machine.
 
-  python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
+python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
 """
+
 from jaxpipe.training.config import default_config
 
 

@@ -7,6 +7,7 @@ runner's 8 host devices become dp = 4 x cp = 2. Add `--config.model.cp_overlap=T
 the attention projections with the all-to-alls (a chunked ppermute ring, same parameters and
 checkpoints).
 """
+
 from configs import quickstart
 
 

@@ -1,7 +1,8 @@
 """A seconds-long smoke run on synthetic data (the test suite's model).
 
-  python -m jaxpipe.train --config configs/tiny.py --workdir /tmp/tiny
+python -m jaxpipe.train --config configs/tiny.py --workdir /tmp/tiny
 """
+
 from jaxpipe.training.config import default_config
 
 

@@ -21,6 +21,7 @@ Parts (default: `curves,gemm` without a GPU, `gpu` with one):
           current 1.57x, block 1.41x; the FP8 GEMM alone 1.92x), and the count of cuBLAS FP8
           GEMMs in the compiled step (whether XLA took the FP8 path)
 """
+
 from __future__ import annotations
 
 from jaxpipe.runtime import process
@@ -42,8 +43,8 @@ from absl import app, flags  # noqa: E402
 from configs import quickstart  # noqa: E402
 from experiments.timing import median_time  # noqa: E402
 from jaxpipe.models import (
-  flops,  # noqa: E402
-  transformer,  # noqa: E402
+    flops,  # noqa: E402
+    transformer,  # noqa: E402
 )
 from jaxpipe.ops import fp8
 from jaxpipe.runtime import cli, files  # noqa: E402
@@ -52,29 +53,46 @@ from jaxpipe.training.trainer import Trainer  # noqa: E402
 RECIPES = ("delayed", "current", "block")
 # (label, model.fp8, model.dtype, train.seed); float32-seed1 is float32 from another initialisation
 # (same batches): how far two float32 runs end apart, the yardstick for the others
-RUNS = (("float32", "none", "float32", 0), ("float32-seed1", "none", "float32", 1),
-        ("bf16", "none", "bfloat16", 0), *((r, r, "float32", 0) for r in RECIPES))
+RUNS = (
+    ("float32", "none", "float32", 0),
+    ("float32-seed1", "none", "float32", 1),
+    ("bf16", "none", "bfloat16", 0),
+    *((r, r, "float32", 0) for r in RECIPES),
+)
 TE_SPEEDUP = {"delayed": 1.69, "current": 1.57, "block": 1.41}  # H200, 5 B model, over bf16
 TE_GEMM_SPEEDUP = 1.92
 GEMMS = ("q", "k", "v", "o", "gate", "up", "down")
 PARTS = ("curves", "gemm", "seeds", "gpu")
 ONE_PATH = ("bf16", "float32-seed1")  # the dtype's and the seed's effects: data-parallel only
-MEASURES = (("final loss", lambda r: r["losses"][-1]),
-            ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
-            ("eval loss", lambda r: r["eval_loss"]))
+MEASURES = (
+    ("final loss", lambda r: r["losses"][-1]),
+    ("mean of last 10", lambda r: float(np.mean(r["losses"][-10:]))),
+    ("eval loss", lambda r: r["eval_loss"]),
+)
 
 FLAGS = cli.flag_values(__name__)
-flags.DEFINE_list("parts", None, "Comma-separated: curves, gemm, seeds, gpu (default: curves,gemm "
-                  "on CPU, gpu on a GPU).", flag_values=FLAGS)
+flags.DEFINE_list(
+    "parts",
+    None,
+    "Comma-separated: curves, gemm, seeds, gpu (default: curves,gemm " "on CPU, gpu on a GPU).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("steps", 300, "Training steps per run.", flag_values=FLAGS)
-flags.DEFINE_list("pp", ["1", "2"], "Pipeline sizes to train on (1 = data-parallel).",
-                  flag_values=FLAGS)
-flags.DEFINE_list("runs", [run[0] for run in RUNS], "Labels of the runs to train (float32 always "
-                  "runs: the others are compared with it).", flag_values=FLAGS)
-flags.DEFINE_list("seeds", ["0", "1", "2", "3"], "seeds part: initial seeds (train.seed).",
-                  flag_values=FLAGS)
-flags.DEFINE_string("out", "out/fp8_bench", "curves.json and fp8_loss.png go here.",
-                    flag_values=FLAGS)
+flags.DEFINE_list(
+    "pp", ["1", "2"], "Pipeline sizes to train on (1 = data-parallel).", flag_values=FLAGS
+)
+flags.DEFINE_list(
+    "runs",
+    [run[0] for run in RUNS],
+    "Labels of the runs to train (float32 always " "runs: the others are compared with it).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_list(
+    "seeds", ["0", "1", "2", "3"], "seeds part: initial seeds (train.seed).", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "out", "out/fp8_bench", "curves.json and fp8_loss.png go here.", flag_values=FLAGS
+)
 flags.DEFINE_integer("repeats", 10, "GPU: timed repetitions.", flag_values=FLAGS)
 flags.DEFINE_integer("gemm_size", 8192, "GPU: the GEMM's M = N = K.", flag_values=FLAGS)
 
@@ -106,8 +124,11 @@ def train(recipe: str, dtype: str, steps: int, pp: int, seed: int = 0) -> tuple[
   t0 = time.perf_counter()
   losses = [trainer.step()["loss"] for _ in range(steps)]
   losses = [float(v) for v in jax.device_get(losses)]
-  return {"losses": losses, "eval_loss": trainer.evaluate(),
-          "seconds": time.perf_counter() - t0}, trainer
+  return {
+      "losses": losses,
+      "eval_loss": trainer.evaluate(),
+      "seconds": time.perf_counter() - t0,
+  }, trainer
 
 
 def _rel(got, want) -> jax.Array:
@@ -136,13 +157,16 @@ def gemm_inputs(cfg: transformer.TransformerConfig, params: dict, host: dict) ->
     with nn.intercept_methods(intercept):
       for i in range(n_layers):
         where["layer"] = i
-        x = transformer.apply_unit(plain, jax.tree.map(lambda a: a[i], params["layers"]), x,
-                                   positions)
+        x = transformer.apply_unit(
+            plain, jax.tree.map(lambda a: a[i], params["layers"]), x, positions
+        )
     total, count = transformer.head_loss(plain, params, x, host["targets"], host["mask"])
     return total / count, (seen, outs)
 
   # a zero added to each output: its gradient is the output's cotangent
-  probes = {k: jnp.zeros(y.shape, y.dtype) for k, y in jax.eval_shape(lambda: loss(None))[1][1].items()}
+  probes = {
+      k: jnp.zeros(y.shape, y.dtype) for k, y in jax.eval_shape(lambda: loss(None))[1][1].items()
+  }
   cotangents, (xs, _) = jax.jit(jax.grad(loss, has_aux=True))(probes)
   out = {}
   for (layer, name), x in xs.items():
@@ -155,6 +179,7 @@ def gemm_inputs(cfg: transformer.TransformerConfig, params: dict, host: dict) ->
 
 def gemm_errors(recipe: str, inputs: dict) -> dict[str, tuple[float, float, float]]:
   """Per projection: mean over layers of the relative error of (y, dx, dw) against float32."""
+
   @jax.jit
   def errors(x, w, g, scale):
     in_dims = x.ndim - 2
@@ -171,13 +196,19 @@ def gemm_errors(recipe: str, inputs: dict) -> dict[str, tuple[float, float, floa
 
 def plot(results: dict, steps: int, path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   paths = sorted({p for p, _ in results}, key=lambda p: p != "dp")
   fig, axes = plt.subplots(2, len(paths), figsize=(6 * len(paths), 7), sharex=True, squeeze=False)
   smooth = lambda v: np.convolve(v, np.ones(10) / 10, mode="valid")
-  colors = dict(zip([run[0] for run in RUNS], ["k", "tab:purple", "tab:gray", "tab:blue",
-                                                "tab:orange", "tab:green"]))
+  colors = dict(
+      zip(
+          [run[0] for run in RUNS],
+          ["k", "tab:purple", "tab:gray", "tab:blue", "tab:orange", "tab:green"],
+      )
+  )
   for col, p in enumerate(paths):
     base = np.asarray(results[(p, "float32")]["losses"])
     for label, *_ in RUNS:
@@ -188,8 +219,9 @@ def plot(results: dict, steps: int, path: str) -> None:
       style = dict(label=label, lw=1, color=colors[label])
       axes[0, col].plot(x, smooth(losses), **style)
       axes[1, col].plot(x, 100 * (smooth(losses) / smooth(base) - 1), **style)
-    axes[0, col].set(title=f"quickstart, {_where(p)}",
-                     ylabel="train loss (10-step mean)", yscale="log")
+    axes[0, col].set(
+        title=f"quickstart, {_where(p)}", ylabel="train loss (10-step mean)", yscale="log"
+    )
     axes[1, col].set(xlabel="step", ylabel="vs float32 (%)")
     axes[1, col].axhline(0, color="k", lw=0.5)
     axes[0, col].legend()
@@ -207,21 +239,31 @@ def curves_and_gemms(args) -> None:
       r, trainer = train(recipe, dtype, args.steps, p, seed)
       key = (_path(p), label)
       results[key] = r
-      print(f"{key[0]:>4} {label:>8}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
-            f"eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s", flush=True)
+      print(
+          f"{key[0]:>4} {label:>8}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
+          f"eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s",
+          flush=True,
+      )
       if p == 1 and recipe != "none" and "gemm" in args.parts:
         if host is None:
-          host = trainer.source.batch("eval", 0, trainer.config.data.batch,
-                                      trainer.config.data.seq_len)
+          host = trainer.source.batch(
+              "eval", 0, trainer.config.data.batch, trainer.config.data.seq_len
+          )
         inputs = gemm_inputs(trainer.model_cfg, jax.device_get(trainer.model_params()), host)
         gemm[label] = gemm_errors(recipe, inputs)
   os.makedirs(args.out, exist_ok=True)
-  files.write_json(os.path.join(args.out, "curves.json"),
-                   {f"{p}/{label}": r for (p, label), r in results.items()})
-  print(f"\nquickstart, {args.steps} steps, 8 CPU host devices, load average "
-        f"{os.getloadavg()[0]:.1f}; relative to the float32 run on the same path\n")
-  print("| path | run | loss at step 1 | final loss | vs float32 | mean of last 10 | vs float32 "
-        "| eval loss | vs float32 | wall s |")
+  files.write_json(
+      os.path.join(args.out, "curves.json"),
+      {f"{p}/{label}": r for (p, label), r in results.items()},
+  )
+  print(
+      f"\nquickstart, {args.steps} steps, 8 CPU host devices, load average "
+      f"{os.getloadavg()[0]:.1f}; relative to the float32 run on the same path\n"
+  )
+  print(
+      "| path | run | loss at step 1 | final loss | vs float32 | mean of last 10 | vs float32 "
+      "| eval loss | vs float32 | wall s |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
   for (path, label), r in results.items():
     base = results[(path, "float32")]
@@ -233,13 +275,18 @@ def curves_and_gemms(args) -> None:
   plot(results, args.steps, path)
   print(f"\nloss curves: {path}")
   if gemm:
-    print("\nper-GEMM relative error against float32 (Frobenius norm, mean over the 4 layers; "
-          "eval batch 0, each recipe's own trained weights):\n")
+    print(
+        "\nper-GEMM relative error against float32 (Frobenius norm, mean over the 4 layers; "
+        "eval batch 0, each recipe's own trained weights):\n"
+    )
     print("| GEMM | " + " | ".join(f"{r} y | {r} dx | {r} dw" for r in gemm) + " |")
     print("|---|" + "---|" * (3 * len(gemm)))
     for name in GEMMS:
-      print(f"| {name} | " + " | ".join(" | ".join(f"{e:.4f}" for e in gemm[r][name])
-                                       for r in gemm) + " |")
+      print(
+          f"| {name} | "
+          + " | ".join(" | ".join(f"{e:.4f}" for e in gemm[r][name]) for r in gemm)
+          + " |"
+      )
 
 
 def seed_study(args) -> None:
@@ -270,15 +317,19 @@ def seed_study(args) -> None:
           done[key] = r
           files.write_json(saved_path, {"steps": args.steps, "runs": done})
         results[(path, label, seed)] = r
-        print(f"{path:>4} {label:>8} seed {seed}: loss {r['losses'][0]:.4f} -> "
-              f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s{kept}",
-              flush=True)
+        print(
+            f"{path:>4} {label:>8} seed {seed}: loss {r['losses'][0]:.4f} -> "
+            f"{r['losses'][-1]:.4f}, eval {r['eval_loss']:.4f}, {r['seconds']:.0f} s{kept}",
+            flush=True,
+        )
   seeds = ",".join(map(str, args.seeds))
-  print(f"\nquickstart, {args.steps} steps from each of seeds {seeds} (the same batches), 8 CPU "
-        f"host devices, load average {os.getloadavg()[0]:.1f}. Per measure: the mean over the "
-        "seeds, the difference of that mean from float32's, and the smallest and largest of the "
-        "seed-by-seed differences from float32 from the same seed (float32: the standard deviation "
-        "of its own runs over the seeds)\n")
+  print(
+      f"\nquickstart, {args.steps} steps from each of seeds {seeds} (the same batches), 8 CPU "
+      f"host devices, load average {os.getloadavg()[0]:.1f}. Per measure: the mean over the "
+      "seeds, the difference of that mean from float32's, and the smallest and largest of the "
+      "seed-by-seed differences from float32 from the same seed (float32: the standard deviation "
+      "of its own runs over the seeds)\n"
+  )
   head = " | ".join(f"{m} | vs float32 | per seed" for m, _ in MEASURES)
   print(f"| path | run | {head} |")
   print("|---|---|" + "---|---|---|" * len(MEASURES))
@@ -289,11 +340,18 @@ def seed_study(args) -> None:
         got = [measure(results[(path, label, s)]) for s in args.seeds]
         base = [measure(results[(path, "float32", s)]) for s in args.seeds]
         paired = [_pct(a, b) for a, b in zip(got, base)]
-        spread = (f"sd over seeds {100 * np.std(got, ddof=1) / np.mean(got):.2f}%"
-                  if len(got) > 1 else "")
-        cells += [f"{np.mean(got):.4f}", "", spread] if label == "float32" else [
-            f"{np.mean(got):.4f}", f"{_pct(np.mean(got), np.mean(base)):+.2f}%",
-            f"{min(paired):+.2f}% .. {max(paired):+.2f}%"]
+        spread = (
+            f"sd over seeds {100 * np.std(got, ddof=1) / np.mean(got):.2f}%" if len(got) > 1 else ""
+        )
+        cells += (
+            [f"{np.mean(got):.4f}", "", spread]
+            if label == "float32"
+            else [
+                f"{np.mean(got):.4f}",
+                f"{_pct(np.mean(got), np.mean(base)):+.2f}%",
+                f"{min(paired):+.2f}% .. {max(paired):+.2f}%",
+            ]
+        )
       print(f"| {_where(path)} | {label} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -306,7 +364,14 @@ def gpu_config():
   c = quickstart.get_config()
   m = c.model
   m.vocab, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff = (
-      32768, 2048, 8, 16, 8, 128, 8192)
+      32768,
+      2048,
+      8,
+      16,
+      8,
+      128,
+      8192,
+  )
   m.dtype, m.attention = "bfloat16", "auto"
   c.data.source, c.data.batch, c.data.seq_len = "synthetic", 8, 2048
   c.mesh.dp = 1
@@ -315,8 +380,10 @@ def gpu_config():
 
 def gpu_part(args) -> None:
   if jax.default_backend() != "gpu":
-    print("GPU part skipped: no GPU here (backend "
-          f"{jax.default_backend()}); bash experiments/gpu_check.sh runs it on one")
+    print(
+        "GPU part skipped: no GPU here (backend "
+        f"{jax.default_backend()}); bash experiments/gpu_check.sh runs it on one"
+    )
     return
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}; jax {jax.__version__}")
@@ -326,14 +393,21 @@ def gpu_part(args) -> None:
   b = (jax.random.normal(k[1], (n, n), jnp.bfloat16) / 64).astype(jnp.bfloat16)
   scale = jnp.asarray([4.0 / 448, 0.1 / 448, 1.0], jnp.float32)
   aq, bq = fp8.quantize(a, fp8.E4M3, scale[0]), fp8.quantize(b, fp8.E4M3, scale[1])
-  gemm_flops = 2 * n ** 3
+  gemm_flops = 2 * n**3
   cases = {
       "bf16": (jax.jit(lambda a, b: jnp.dot(a, b)), (a, b)),
-      "fp8 operands (E4M3 x E4M3, float32 out)": (jax.jit(
-          lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32)), (aq, bq)),
-      "fp8 delayed, with casts (bf16 in, bf16 out)": (jax.jit(
-          lambda a, b: fp8.dot(a, b, 1, "delayed", scale, jnp.bfloat16)), (a, b)),
+      "fp8 operands (E4M3 x E4M3, float32 out)": (
+          jax.jit(
+              lambda a, b: jax.lax.dot_general(
+                  a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+              )
+          ),
+          (aq, bq),
+      ),
+      "fp8 delayed, with casts (bf16 in, bf16 out)": (
+          jax.jit(lambda a, b: fp8.dot(a, b, 1, "delayed", scale, jnp.bfloat16)),
+          (a, b),
+      ),
   }
   base = None
   print(f"\nGEMM {n}^3 (median of {args.repeats}):")
@@ -341,15 +415,20 @@ def gpu_part(args) -> None:
     t = median_time(fn, *operands, repeats=args.repeats)
     base = base or t
     hlo = fn.lower(*operands).compile().as_text()
-    print(f"  {name:45s} {1e3 * t:8.3f} ms  {gemm_flops / t / 1e12:7.1f} TFLOP/s  "
-          f"{base / t:5.2f}x bf16  (cuBLAS FP8 GEMMs: {_cublas_fp8_gemms(hlo)})", flush=True)
+    print(
+        f"  {name:45s} {1e3 * t:8.3f} ms  {gemm_flops / t / 1e12:7.1f} TFLOP/s  "
+        f"{base / t:5.2f}x bf16  (cuBLAS FP8 GEMMs: {_cublas_fp8_gemms(hlo)})",
+        flush=True,
+    )
   print(f"  Transformer Engine, H200: FP8 GEMM {TE_GEMM_SPEEDUP}x bf16")
 
   c = gpu_config()
   m = c.model
-  print(f"\nstep: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}x{m.head_dim} heads "
-        f"({m.n_kv_heads} KV), d_ff {m.d_ff}, vocab {m.vocab}, batch {c.data.batch} x "
-        f"{c.data.seq_len}, bf16 compute, AdamW (median of {args.repeats} steps):")
+  print(
+      f"\nstep: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}x{m.head_dim} heads "
+      f"({m.n_kv_heads} KV), d_ff {m.d_ff}, vocab {m.vocab}, batch {c.data.batch} x "
+      f"{c.data.seq_len}, bf16 compute, AdamW (median of {args.repeats} steps):"
+  )
   base = None
   for recipe in ("none",) + RECIPES:
     m.fp8 = recipe
@@ -357,7 +436,9 @@ def gpu_part(args) -> None:
     step = trainer.compile()  # initialises the state; compiled for batch 0's shapes
     batch = trainer.batch(0)
     if base is None:
-      print(f"  parameters: {sum(x.size for x in jax.tree.leaves(trainer.state.params)) / 1e9:.2f} B")
+      print(
+          f"  parameters: {sum(x.size for x in jax.tree.leaves(trainer.state.params)) / 1e9:.2f} B"
+      )
     step_flops = flops.training_flops_per_step(trainer.model_cfg, c.data.batch, c.data.seq_len)
     hlo = step.as_text()
     state = trainer.state
@@ -371,9 +452,12 @@ def gpu_part(args) -> None:
     t = float(np.median(times))
     base = base or t
     te = f"(TE: {TE_SPEEDUP[recipe]}x)" if recipe in TE_SPEEDUP else ""
-    print(f"  {'bf16' if recipe == 'none' else recipe:8s} {1e3 * t:8.1f} ms/step  "
-          f"{step_flops / t / 1e12:6.1f} TFLOP/s  {base / t:5.2f}x bf16 {te:12s} "
-          f"cuBLAS FP8 GEMMs in the step: {_cublas_fp8_gemms(hlo)}", flush=True)
+    print(
+        f"  {'bf16' if recipe == 'none' else recipe:8s} {1e3 * t:8.1f} ms/step  "
+        f"{step_flops / t / 1e12:6.1f} TFLOP/s  {base / t:5.2f}x bf16 {te:12s} "
+        f"cuBLAS FP8 GEMMs in the step: {_cublas_fp8_gemms(hlo)}",
+        flush=True,
+    )
     del trainer, state
 
 
@@ -383,8 +467,9 @@ def main(argv: list[str]) -> None:
   default = ["gpu"] if jax.default_backend() == "gpu" else ["curves", "gemm"]
   args.parts = set(args.parts or default)
   if args.parts - set(PARTS):
-    raise app.UsageError(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from "
-                         f"{PARTS}")
+    raise app.UsageError(
+        f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from " f"{PARTS}"
+    )
   try:
     args.pp = [int(p) for p in args.pp]
     args.seeds = [int(v) for v in args.seeds]
@@ -393,10 +478,13 @@ def main(argv: list[str]) -> None:
   labels = [run[0] for run in RUNS]
   args.runs = set(args.runs) | {"float32"}
   if args.runs - set(labels):
-    raise app.UsageError(f"--runs: unknown {sorted(args.runs - set(labels))}; choose from "
-                         f"{labels}")
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices; "
-        f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    raise app.UsageError(
+        f"--runs: unknown {sorted(args.runs - set(labels))}; choose from " f"{labels}"
+    )
+  print(
+      f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices; "
+      f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+  )
   if args.parts & {"curves", "gemm"}:
     curves_and_gemms(args)
   if "seeds" in args.parts:

@@ -10,6 +10,7 @@ summed over devices: where the devices share fewer cores, or the machine is load
 grows. The bytes each kind writes (an in-place dynamic-update-slice writes its update, any other
 op its output; times the runs counted in the trace) do not depend on the machine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,8 +23,19 @@ import numpy as np
 
 KINDS = ("matmul", "arithmetic", "slot read", "slot write", "copy/fill", "ppermute", "control")
 MOVES = ("slot read", "slot write", "copy/fill", "ppermute")  # kinds whose bytes are counted
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
-          "u32": 4, "f64": 8, "s64": 8}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+}
 
 
 def _nbytes(shape: str) -> int:
@@ -59,8 +71,11 @@ def op_kinds(hlo: str) -> dict[str, tuple[str, int]]:
       kind = "matmul"
     elif opcode.startswith("collective-permute"):
       kind = "ppermute"
-    elif opcode in ("while", "conditional", "call", "compare") or "compare" in name or \
-        "and_reduce" in name:
+    elif (
+        opcode in ("while", "conditional", "call", "compare")
+        or "compare" in name
+        or "and_reduce" in name
+    ):
       kind = "control"
     elif opcode in ("copy", "broadcast") or "copy" in name or "broadcast" in name:
       kind = "copy/fill"
@@ -82,8 +97,10 @@ def exclusive_times(trace_file: str) -> tuple[collections.Counter, collections.C
   for plane in data.planes:
     for line in plane.lines:
       stack = []
-      for start, end, name in sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name)
-                                      for e in line.events), key=lambda e: (e[0], -e[1])):
+      for start, end, name in sorted(
+          ((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events),
+          key=lambda e: (e[0], -e[1]),
+      ):
         while stack and stack[-1][1] <= start:
           stack.pop()
         if stack:

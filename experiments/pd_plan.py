@@ -26,6 +26,7 @@ prefill (printed). Colocated workers are run two ways: the engine's scheduler (d
 chunked prefill under a token budget, as vLLM and Sarathi-Serve now do) and prefill-first whole
 prompts (vLLM's first scheduler, DistServe's baseline).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,34 +47,53 @@ NIC_LATENCY = 50e-6  # seconds per copy
 
 FLAGS = cli.flag_values(__name__)
 flags.DEFINE_bool("cpu", False, "Plan for this machine's host devices.", flag_values=FLAGS)
-flags.DEFINE_bool("measure", False, "--cpu: run the deployments too and print them beside the "
-                  "prediction.", flag_values=FLAGS)
-flags.DEFINE_string("bench_args", "--mode both --rates 4,16", "--cpu: serve_bench flags of the "
-                    "deployments to predict (and measure).", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "measure",
+    False,
+    "--cpu: run the deployments too and print them beside the " "prediction.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "bench_args",
+    "--mode both --rates 4,16",
+    "--cpu: serve_bench flags of the " "deployments to predict (and measure).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("repeats", 5, "--cpu: timed runs per step program.", flag_values=FLAGS)
-flags.DEFINE_float("cores", 2, "--cpu: cores the host devices share (the lock-step clock packs the "
-                   "steps); on a loaded host, the share of them this process gets.",
-                   flag_values=FLAGS)
+flags.DEFINE_float(
+    "cores",
+    2,
+    "--cpu: cores the host devices share (the lock-step clock packs the "
+    "steps); on a loaded host, the share of them this process gets.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_string("models", "8b,70b", "Models to plan for: 8b, 70b.", flag_values=FLAGS)
 flags.DEFINE_string("gpus", "8,16,32,64", "Cluster sizes.", flag_values=FLAGS)
-flags.DEFINE_string("prompt", "lognormal:512:4096", "Prompt lengths (as serve_bench's).",
-                    flag_values=FLAGS)
-flags.DEFINE_string("output", "lognormal:128:1024", "Output lengths (as serve_bench's).",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+    "prompt", "lognormal:512:4096", "Prompt lengths (as serve_bench's).", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "output", "lognormal:128:1024", "Output lengths (as serve_bench's).", flag_values=FLAGS
+)
 flags.DEFINE_integer("requests", 400, "Fewest requests per simulated probe.", flag_values=FLAGS)
-flags.DEFINE_float("horizon", 15.0, "Seconds of arrivals at least per simulated probe.",
-                   flag_values=FLAGS)
+flags.DEFINE_float(
+    "horizon", 15.0, "Seconds of arrivals at least per simulated probe.", flag_values=FLAGS
+)
 flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
-flags.DEFINE_list("slo_8b", ["0.2", "0.02"], "TTFT,TPOT seconds for Llama-3-8B.",
-                  flag_values=FLAGS)
-flags.DEFINE_list("slo_70b", ["0.5", "0.05"], "TTFT,TPOT seconds for Llama-3-70B.",
-                  flag_values=FLAGS)
+flags.DEFINE_list("slo_8b", ["0.2", "0.02"], "TTFT,TPOT seconds for Llama-3-8B.", flag_values=FLAGS)
+flags.DEFINE_list(
+    "slo_70b", ["0.5", "0.05"], "TTFT,TPOT seconds for Llama-3-70B.", flag_values=FLAGS
+)
 flags.DEFINE_string("batches", "128,256", "Most sequences per step to try.", flag_values=FLAGS)
 flags.DEFINE_string("budgets", "512,2048", "Colocated tokens per step to try.", flag_values=FLAGS)
 flags.DEFINE_integer("probes", 9, "Rates probed per goodput search.", flag_values=FLAGS)
 flags.DEFINE_integer("top", 3, "Best splits simulated whole.", flag_values=FLAGS)
-flags.DEFINE_integer("max_sim_gpus", 8, "Largest cluster simulated whole (beyond: per-instance "
-                     "goodput x count).", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "max_sim_gpus",
+    8,
+    "Largest cluster simulated whole (beyond: per-instance " "goodput x count).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool("verbose", False, "Print every configuration's goodput.", flag_values=FLAGS)
 
 
@@ -81,6 +101,7 @@ flags.DEFINE_bool("verbose", False, "Print every configuration's goodput.", flag
 class Workload:
   """Poisson arrivals with seeded lengths; at a rate, max(requests, rate * horizon) requests, so
   that a fast rate still runs long enough to queue (a short burst flatters every system)."""
+
   prompt: Lengths
   output: Lengths
   requests: int
@@ -93,8 +114,10 @@ class Workload:
     run extends a shorter one; arrivals scaled to `rate`."""
     n = max(self.requests, math.ceil(rate * self.horizon))
     if self.vocab:
-      return [(w.arrival, len(w.prompt), w.max_tokens) for w in
-              generate(n, rate, self.prompt, self.output, self.vocab, self.seed)]
+      return [
+          (w.arrival, len(w.prompt), w.max_tokens)
+          for w in generate(n, rate, self.prompt, self.output, self.vocab, self.seed)
+      ]
     return [(a / rate, p, o) for a, p, o in _base(self.prompt, self.output, n, self.seed)]
 
 
@@ -115,8 +138,12 @@ def _base(prompt: Lengths, output: Lengths, n: int, seed: int) -> list[tuple[flo
 
 def goodput(cluster: sim.Cluster, work: Workload, slo: SLO, start: float, probes: int = 9):
   """The simulated goodput search (rates from `start`)."""
-  return search_goodput(lambda rate: attainment(sim.simulate(cluster, work.arrivals(rate)), slo),
-                        [start], slo.attainment, max_probes=probes)
+  return search_goodput(
+      lambda rate: attainment(sim.simulate(cluster, work.arrivals(rate)), slo),
+      [start],
+      slo.attainment,
+      max_probes=probes,
+  )
 
 
 # -- cluster scale ---------------------------------------------------------------------------------
@@ -125,6 +152,7 @@ def goodput(cluster: sim.Cluster, work: Workload, slo: SLO, start: float, probes
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """One worker configuration: its role, tensor-parallel size and scheduling."""
+
   role: str  # 'colocated', 'prefill', 'decode'
   tp: int
   max_batch: int
@@ -139,17 +167,27 @@ class Kind:
 
 def pool(kind: Kind, model: sim.ModelShape, count: int, page: int) -> sim.Pool:
   roof = sim.Roofline(model, tp=kind.tp)
-  return sim.Pool(count, roof, kind.max_batch, kind.token_budget, roof.kv_capacity() // page,
-                  kind.policy)
+  return sim.Pool(
+      count, roof, kind.max_batch, kind.token_budget, roof.kv_capacity() // page, kind.policy
+  )
 
 
-FREE = sim.Pool(1, type("Free", (), {"step_time": lambda self, new, context: 0.0})(),
-                max_batch=1 << 20, token_budget=1 << 30, kv_pages=1 << 40)  # the other phase
+FREE = sim.Pool(
+    1,
+    type("Free", (), {"step_time": lambda self, new, context: 0.0})(),
+    max_batch=1 << 20,
+    token_budget=1 << 30,
+    kv_pages=1 << 40,
+)  # the other phase
 
 
-def cluster_of(model: sim.ModelShape, page: int, colocated: Kind | None = None,
-               prefill: tuple[Kind, int] | None = None,
-               decode: tuple[Kind, int] | None = None) -> sim.Cluster:
+def cluster_of(
+    model: sim.ModelShape,
+    page: int,
+    colocated: Kind | None = None,
+    prefill: tuple[Kind, int] | None = None,
+    decode: tuple[Kind, int] | None = None,
+) -> sim.Cluster:
   """A cluster of roofline workers; a missing side of a disaggregated one costs nothing."""
   kvb = model.kv_bytes_per_token()
   if colocated is not None:
@@ -157,8 +195,14 @@ def cluster_of(model: sim.ModelShape, page: int, colocated: Kind | None = None,
   p = pool(prefill[0], model, prefill[1], page) if prefill else FREE
   d = pool(decode[0], model, decode[1], page) if decode else FREE
   tps = [side[0].tp for side in (prefill, decode) if side is not None]
-  return sim.Cluster(page, prefill=p, decode=d, kv_bytes_per_token=kvb,
-                     transfer_bw=NIC_BW * min(tps), transfer_latency=NIC_LATENCY)
+  return sim.Cluster(
+      page,
+      prefill=p,
+      decode=d,
+      kv_bytes_per_token=kvb,
+      transfer_bw=NIC_BW * min(tps),
+      transfer_latency=NIC_LATENCY,
+  )
 
 
 def fits(model: sim.ModelShape, tp: int) -> bool:
@@ -173,31 +217,45 @@ def scale_cluster(model, page, choice: dict, gpus: int) -> sim.Cluster:
     k = choice["kind"]
     return sim.Cluster(page, colocated=pool(k, model, gpus // k.tp, page))
   (pk, n_p), (dk, n_d) = choice["prefill"], choice["decode"]
-  return sim.Cluster(page, prefill=pool(pk, model, n_p, page), decode=pool(dk, model, n_d, page),
-                     kv_bytes_per_token=kvb, transfer_bw=NIC_BW * min(pk.tp, dk.tp),
-                     transfer_latency=NIC_LATENCY)
+  return sim.Cluster(
+      page,
+      prefill=pool(pk, model, n_p, page),
+      decode=pool(dk, model, n_d, page),
+      kv_bytes_per_token=kvb,
+      transfer_bw=NIC_BW * min(pk.tp, dk.tp),
+      transfer_latency=NIC_LATENCY,
+  )
 
 
-def per_instance(model, page, work: Workload, slo: SLO, kinds: list[Kind], probes: int,
-                 log) -> dict[Kind, float]:
+def per_instance(
+    model, page, work: Workload, slo: SLO, kinds: list[Kind], probes: int, log
+) -> dict[Kind, float]:
   """Each kind's goodput as one instance, the other phase free."""
   out = {}
   for k in kinds:
     t0 = time.perf_counter()
-    c = (cluster_of(model, page, colocated=k) if k.role == "colocated" else
-         cluster_of(model, page, prefill=(k, 1)) if k.role == "prefill" else
-         cluster_of(model, page, decode=(k, 1)))
+    c = (
+        cluster_of(model, page, colocated=k)
+        if k.role == "colocated"
+        else cluster_of(model, page, prefill=(k, 1))
+        if k.role == "prefill"
+        else cluster_of(model, page, decode=(k, 1))
+    )
     w = work if k.role != "prefill" else dataclasses.replace(work, output=Lengths.parse("1"))
     # (a prefill worker is judged on TTFT alone: one output token, nothing to decode)
     r = sim.Roofline(model, tp=k.tp)
     # start near the rate one instance could carry if it only computed
     mean_p = np.mean([p for _, p, _ in w.arrivals(1.0)])
     mean_o = np.mean([o for *_, o in w.arrivals(1.0)])
-    start = 0.5 / (r.step_time([int(mean_p)], [int(mean_p)])
-                   + mean_o * r.step_time([1] * 32, [int(mean_p + mean_o / 2)] * 32) / 32)
+    start = 0.5 / (
+        r.step_time([int(mean_p)], [int(mean_p)])
+        + mean_o * r.step_time([1] * 32, [int(mean_p + mean_o / 2)] * 32) / 32
+    )
     out[k] = goodput(c, w, slo, start, probes).goodput
-    log(f"#   {model.name} {k.label()}: {out[k]:.2f} req/s per instance "
-        f"({time.perf_counter() - t0:.1f} s)")
+    log(
+        f"#   {model.name} {k.label()}: {out[k]:.2f} req/s per instance "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
   return out
 
 
@@ -232,8 +290,9 @@ def slo_flag(args, flag: str) -> SLO:
   try:
     ttft, tpot = (float(v) for v in values)
   except ValueError:
-    raise SystemExit(f"--{flag}={','.join(values)}: give TTFT,TPOT in seconds, e.g. "
-                     "0.2,0.02") from None
+    raise SystemExit(
+        f"--{flag}={','.join(values)}: give TTFT,TPOT in seconds, e.g. " "0.2,0.02"
+    ) from None
   try:
     return SLO(ttft, tpot)
   except ValueError as e:
@@ -265,23 +324,30 @@ def check_args(args) -> None:
 
 def cluster_table(args) -> None:
   page = 16
-  work = Workload(Lengths.parse(args.prompt), Lengths.parse(args.output), args.requests, args.seed,
-                  args.horizon)
-  models = {"8b": (MODELS["8b"], slo_flag(args, "slo_8b")),
-            "70b": (MODELS["70b"], slo_flag(args, "slo_70b"))}
+  work = Workload(
+      Lengths.parse(args.prompt), Lengths.parse(args.output), args.requests, args.seed, args.horizon
+  )
+  models = {
+      "8b": (MODELS["8b"], slo_flag(args, "slo_8b")),
+      "70b": (MODELS["70b"], slo_flag(args, "slo_70b")),
+  }
   sizes = _ints("gpus", args.gpus)
   each = SLO(1.0, 1.0, 0.95)
-  print(f"# simulated, not measured: roofline costs on H200 ({sim.H200.flops / 1e12:.0f} TFLOP/s "
-        f"bf16, {sim.H200.hbm_bw / 1e12:.1f} TB/s HBM, {sim.H200.memory / 1e9:.0f} GB, NVLink "
-        f"{sim.H200.link_bw / 1e9:.0f} GB/s a direction for tensor parallelism), no efficiency "
-        f"factor; K/V copies over {NIC_BW / 1e9:.0f} GB/s x min(tp) NICs + {1e6 * NIC_LATENCY:.0f} "
-        f"us; workload: Poisson arrivals, prompt {work.prompt}, output {work.output} tokens, "
-        f"max({work.requests}, rate x {work.horizon:g} s) requests per probe, seed {work.seed}; "
-        f"pages of {page}")
-  print("| model | GPUs | colocated, chunked prefill: goodput (req/s) | colocated, prefill-first | "
-        "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO disaggregated "
-        "meets at the lower goodput of the two, times tighter (chunked / prefill-first) | GPUs "
-        "disaggregated needs for chunked colocated's goodput | figures from |")
+  print(
+      f"# simulated, not measured: roofline costs on H200 ({sim.H200.flops / 1e12:.0f} TFLOP/s "
+      f"bf16, {sim.H200.hbm_bw / 1e12:.1f} TB/s HBM, {sim.H200.memory / 1e9:.0f} GB, NVLink "
+      f"{sim.H200.link_bw / 1e9:.0f} GB/s a direction for tensor parallelism), no efficiency "
+      f"factor; K/V copies over {NIC_BW / 1e9:.0f} GB/s x min(tp) NICs + {1e6 * NIC_LATENCY:.0f} "
+      f"us; workload: Poisson arrivals, prompt {work.prompt}, output {work.output} tokens, "
+      f"max({work.requests}, rate x {work.horizon:g} s) requests per probe, seed {work.seed}; "
+      f"pages of {page}"
+  )
+  print(
+      "| model | GPUs | colocated, chunked prefill: goodput (req/s) | colocated, prefill-first | "
+      "disaggregated | disaggregated vs colocated (chunked / prefill-first) | SLO disaggregated "
+      "meets at the lower goodput of the two, times tighter (chunked / prefill-first) | GPUs "
+      "disaggregated needs for chunked colocated's goodput | figures from |"
+  )
   print("|---|---|---|---|---|---|---|---|---|")
   rows = []
   for name in args.models.split(","):
@@ -292,40 +358,81 @@ def cluster_table(args) -> None:
     kvb = model.kv_bytes_per_token()
     r1 = sim.Roofline(model, tp=tps[0])
     mean_p = int(np.mean([p for _, p, _ in work.arrivals(1.0)]))
-    print(f"# {model.name}: {model.params / 1e9:.2f}B parameters, {kvb / 2**10:.0f} KiB of K/V per "
-          f"token; SLO TTFT <= {1e3 * slo.ttft:g} ms, TPOT <= {1e3 * slo.tpot:g} ms for 90%; "
-          f"tp {tps[0]}: prefill of the mean prompt ({mean_p} tokens) "
-          f"{1e3 * r1.step_time([mean_p], [mean_p]):.1f} ms, its K/V copy "
-          f"{1e3 * (NIC_LATENCY + kvb * mean_p / (NIC_BW * tps[0])):.2f} ms, a decode step of 1 / "
-          f"128 sequences at {mean_p} tokens {1e3 * r1.step_time([1], [mean_p]):.1f} / "
-          f"{1e3 * r1.step_time([1] * 128, [mean_p] * 128):.1f} ms", flush=True)
+    print(
+        f"# {model.name}: {model.params / 1e9:.2f}B parameters, {kvb / 2**10:.0f} KiB of K/V per "
+        f"token; SLO TTFT <= {1e3 * slo.ttft:g} ms, TPOT <= {1e3 * slo.tpot:g} ms for 90%; "
+        f"tp {tps[0]}: prefill of the mean prompt ({mean_p} tokens) "
+        f"{1e3 * r1.step_time([mean_p], [mean_p]):.1f} ms, its K/V copy "
+        f"{1e3 * (NIC_LATENCY + kvb * mean_p / (NIC_BW * tps[0])):.2f} ms, a decode step of 1 / "
+        f"128 sequences at {mean_p} tokens {1e3 * r1.step_time([1], [mean_p]):.1f} / "
+        f"{1e3 * r1.step_time([1] * 128, [mean_p] * 128):.1f} ms",
+        flush=True,
+    )
     log = print if args.verbose else (lambda *a, **k: None)
-    colo = per_instance(model, 16, work, slo, [
-        Kind("colocated", tp, b, budget) for tp in tps for b in batches for budget in budgets] + [
-        Kind("colocated", tp, b, max(budgets[-1], work.prompt.high), "prefill-first")
-        for tp in tps for b in batches], args.probes, log)
-    pre = per_instance(model, 16, work, inst((slo.ttft, 1e9)),
-                       [Kind("prefill", tp, max(batches), max(budgets[-1], work.prompt.high))
-                        for tp in tps], args.probes, log)
-    dec = per_instance(model, 16, work, inst((1e9, slo.tpot)),
-                       [Kind("decode", tp, b, max(b, 512)) for tp in tps for b in batches],
-                       args.probes, log)
+    colo = per_instance(
+        model,
+        16,
+        work,
+        slo,
+        [Kind("colocated", tp, b, budget) for tp in tps for b in batches for budget in budgets]
+        + [
+            Kind("colocated", tp, b, max(budgets[-1], work.prompt.high), "prefill-first")
+            for tp in tps
+            for b in batches
+        ],
+        args.probes,
+        log,
+    )
+    pre = per_instance(
+        model,
+        16,
+        work,
+        inst((slo.ttft, 1e9)),
+        [Kind("prefill", tp, max(batches), max(budgets[-1], work.prompt.high)) for tp in tps],
+        args.probes,
+        log,
+    )
+    dec = per_instance(
+        model,
+        16,
+        work,
+        inst((1e9, slo.tpot)),
+        [Kind("decode", tp, b, max(b, 512)) for tp in tps for b in batches],
+        args.probes,
+        log,
+    )
     for gpus in sizes:
       found = {}
       for policy in ("decode-first", "prefill-first"):
-        k, g = max(((k, g / k.tp) for k, g in colo.items() if k.policy == policy),
-                   key=lambda kg: kg[1])
-        found[policy] = {"role": "colocated", "kind": k, "estimate": g * gpus,
-                         "label": f"{gpus // k.tp} x [{k.label()}]"}
+        k, g = max(
+            ((k, g / k.tp) for k, g in colo.items() if k.policy == policy), key=lambda kg: kg[1]
+        )
+        found[policy] = {
+            "role": "colocated",
+            "kind": k,
+            "estimate": g * gpus,
+            "label": f"{gpus // k.tp} x [{k.label()}]",
+        }
       found["disaggregated"] = [
-          {"role": "disaggregated", "prefill": (pk, n_p), "decode": (dk, n_d), "estimate": est,
-           "label": f"{n_p} x P tp{pk.tp} + {n_d} x D tp{dk.tp} batch {dk.max_batch}"}
-          for est, pk, n_p, dk, n_d in best_split(gpus, pre, dec, args.top)]
+          {
+              "role": "disaggregated",
+              "prefill": (pk, n_p),
+              "decode": (dk, n_d),
+              "estimate": est,
+              "label": f"{n_p} x P tp{pk.tp} + {n_d} x D tp{dk.tp} batch {dk.max_batch}",
+          }
+          for est, pk, n_p, dk, n_d in best_split(gpus, pre, dec, args.top)
+      ]
       cc, cp = found["decode-first"], found["prefill-first"]
       # Splitwise's question: how many GPUs does disaggregation need for colocated's goodput?
-      fewer = next((n for n in range(2, gpus + 1)
-                    if best_split(n, pre, dec, 1) and best_split(n, pre, dec, 1)[0][0]
-                    >= cc["estimate"]), None)
+      fewer = next(
+          (
+              n
+              for n in range(2, gpus + 1)
+              if best_split(n, pre, dec, 1) and best_split(n, pre, dec, 1)[0][0] >= cc["estimate"]
+          ),
+          None,
+      )
       tighter = ""
       if gpus <= args.max_sim_gpus:  # simulate whole clusters; keep the best disaggregated one
         whole = dataclasses.replace(work, horizon=work.horizon / 4)  # many workers queue sooner
@@ -333,27 +440,36 @@ def cluster_table(args) -> None:
           c = scale_cluster(model, page, choice, gpus)
           t0 = time.perf_counter()
           choice["cluster"] = c
-          choice["simulated"] = goodput(c, whole, slo, max(choice["estimate"], 1e-3),
-                                        args.probes).goodput
-          log(f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated "
-              f"whole ({time.perf_counter() - t0:.1f} s)")
+          choice["simulated"] = goodput(
+              c, whole, slo, max(choice["estimate"], 1e-3), args.probes
+          ).goodput
+          log(
+              f"#   {gpus} GPUs, {choice['label']}: {choice['simulated']:.2f} req/s simulated "
+              f"whole ({time.perf_counter() - t0:.1f} s)"
+          )
         found["disaggregated"] = max(found["disaggregated"], key=lambda c: c["simulated"])
         # DistServe's other question: at a rate both carry, how tight an SLO can each meet?
         rate = max(min(cc["simulated"], found["disaggregated"]["simulated"]), 1e-3)
-        scale = {name: slo.tightest_scale(sim.simulate(found[name]["cluster"],
-                                                       whole.arrivals(rate)))
-                 for name in ("decode-first", "prefill-first", "disaggregated")}
-        tighter = (f"{scale['decode-first'] / scale['disaggregated']:.2f}x / "
-                   f"{scale['prefill-first'] / scale['disaggregated']:.2f}x")
+        scale = {
+            name: slo.tightest_scale(sim.simulate(found[name]["cluster"], whole.arrivals(rate)))
+            for name in ("decode-first", "prefill-first", "disaggregated")
+        }
+        tighter = (
+            f"{scale['decode-first'] / scale['disaggregated']:.2f}x / "
+            f"{scale['prefill-first'] / scale['disaggregated']:.2f}x"
+        )
       else:
         found["disaggregated"] = found["disaggregated"][0]
       rows.append((model, slo, gpus, found))
       fig = lambda c: c.get("simulated", c["estimate"])
       d = found["disaggregated"]
-      print(f"| {model.name} | {gpus} | {cc['label']}: {fig(cc):,.1f} | {cp['label']}: "
-            f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x / "
-            f"{fig(d) / max(fig(cp), 1e-9):.2f}x | {tighter} | {fewer or '> ' + str(gpus)} | "
-            f"{'whole cluster' if 'simulated' in d else 'per instance x count'} |", flush=True)
+      print(
+          f"| {model.name} | {gpus} | {cc['label']}: {fig(cc):,.1f} | {cp['label']}: "
+          f"{fig(cp):,.1f} | {d['label']}: {fig(d):,.1f} | {fig(d) / max(fig(cc), 1e-9):.2f}x / "
+          f"{fig(d) / max(fig(cp), 1e-9):.2f}x | {tighter} | {fewer or '> ' + str(gpus)} | "
+          f"{'whole cluster' if 'simulated' in d else 'per instance x count'} |",
+          flush=True,
+      )
 
 
 # -- this machine ----------------------------------------------------------------------------------
@@ -367,14 +483,16 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
 
   from jaxpipe.serve import model as model_lib
   from jaxpipe.serve.sampling import SamplingBatch
+
   engine.precompile()
   r, i32 = engine.max_batch, lambda *shape: np.zeros(shape, np.int32)
   samples = {tn: [] for tn in engine.programs}
   for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
     for t, n in engine.programs:
       batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
-      sampling = SamplingBatch(np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r),
-                               i32(r))
+      sampling = SamplingBatch(
+          np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r), i32(r)
+      )
       t0 = time.perf_counter()
       out, _, engine.kv = engine.step_program(t, n)(engine.params, engine.kv, batch, sampling)
       np.asarray(out)
@@ -399,32 +517,48 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
   engine.finished()
   a = np.stack([np.ones(len(rows)), np.asarray(rows, float)], 1)
   (host_step, host_row), *_ = np.linalg.lstsq(a, np.asarray(hosts), rcond=None)
-  log(f"# profile: {len(times)} step programs, {1e3 * min(times.values()):.2f}-"
+  log(
+      f"# profile: {len(times)} step programs, {1e3 * min(times.values()):.2f}-"
       f"{1e3 * max(times.values()):.2f} ms; host {1e3 * host_step:.2f} ms per step + "
-      f"{1e6 * host_row:.0f} us per sequence (fitted over {len(hosts)} steps)")
+      f"{1e6 * host_row:.0f} us per sequence (fitted over {len(hosts)} steps)"
+  )
   return sim.StepTable(times, engine.page_size, max(host_step, 0.0), max(host_row, 0.0))
 
 
-def cpu_cluster(table: sim.StepTable, args, colocated: int = 0, prefill: int = 0,
-                decode: int = 0, decode_batch: int | None = None) -> sim.Cluster:
+def cpu_cluster(
+    table: sim.StepTable,
+    args,
+    colocated: int = 0,
+    prefill: int = 0,
+    decode: int = 0,
+    decode_batch: int | None = None,
+) -> sim.Cluster:
   """This machine's deployment: lock-step iterations over workers sharing the host."""
   pages = args.kv_tokens // args.page_size
   mk = lambda count, batch: sim.Pool(count, table, batch, args.token_budget, pages)
   if colocated:
-    return sim.Cluster(args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True,
-                       cores=args.cores)
-  return sim.Cluster(args.page_size, prefill=mk(prefill, args.max_batch),
-                     decode=mk(decode, decode_batch or args.max_batch), lockstep=True,
-                     cores=args.cores, kv_bytes_per_token=args.kv_bytes_per_token,
-                     transfer_bw=args.transfer_bw)
+    return sim.Cluster(
+        args.page_size, colocated=mk(colocated, args.max_batch), lockstep=True, cores=args.cores
+    )
+  return sim.Cluster(
+      args.page_size,
+      prefill=mk(prefill, args.max_batch),
+      decode=mk(decode, decode_batch or args.max_batch),
+      lockstep=True,
+      cores=args.cores,
+      kv_bytes_per_token=args.kv_bytes_per_token,
+      transfer_bw=args.transfer_bw,
+  )
 
 
 def cpu_plan(args) -> None:
   import jax
+
   jax.config.update("jax_num_cpu_devices", 8)
   from experiments import serve_bench, serving
   from jaxpipe.serve.engine import Engine
   from jaxpipe.serve.model import kv_bytes
+
   try:  # serve_bench's own flags, in its FlagValues (this process runs pd_plan's)
     rest = cli.parse(serve_bench.FLAGS, ["serve_bench", *args.bench_args.split()])
     cli.no_arguments(rest)
@@ -445,49 +579,64 @@ def cpu_plan(args) -> None:
   work = Workload(prompt, output, sb.requests, sb.seed, sb.horizon, vocab=cfg.vocab)
   rates = [float(r) for r in sb.rates.split(",")]
   n = sb.prefill_workers + sb.decode_workers
-  print(f"# plan for {n} host devices sharing {args.cores} cores, one device per worker; "
-        f"SLO TTFT <= {1e3 * slo.ttft:g} ms, TPOT <= {1e3 * slo.tpot:g} ms; prompt {prompt}, "
-        f"output {output}; lock-step simulation over the profile")
+  print(
+      f"# plan for {n} host devices sharing {args.cores} cores, one device per worker; "
+      f"SLO TTFT <= {1e3 * slo.ttft:g} ms, TPOT <= {1e3 * slo.tpot:g} ms; prompt {prompt}, "
+      f"output {output}; lock-step simulation over the profile"
+  )
   print("| deployment | simulated goodput (req/s) |")
   print("|---|---|")
   options = [("colocated", w, 0, 0, None) for w in range(1, n + 1)] + [
-      ("disaggregated", 0, p, d, b) for p in range(1, n) for d in range(1, n - p + 1)
-      for b in sorted({8, 16, sb.max_batch})]
+      ("disaggregated", 0, p, d, b)
+      for p in range(1, n)
+      for d in range(1, n - p + 1)
+      for b in sorted({8, 16, sb.max_batch})
+  ]
   results = []
   for mode, w, p, d, b in options:
     c = cpu_cluster(table, sb, w, p, d, b)
     g = goodput(c, work, slo, rates[0], args.probes).goodput
     label = f"{w} workers" if w else f"{p} P + {d} D, decode batch {b}"
     results.append((g, mode, label))
-  for g, mode, label in sorted(results, reverse=True)[:args.top]:
+  for g, mode, label in sorted(results, reverse=True)[: args.top]:
     print(f"| {mode}, {label} | {g:g} |")
-  configs = {"colocated": cpu_cluster(table, sb, colocated=sb.workers or n),
-             "disaggregated": cpu_cluster(table, sb, prefill=sb.prefill_workers,
-                                          decode=sb.decode_workers)}
-  print(f"# predicted for the measured deployments (colocated {sb.workers or n} workers, "
-        f"disaggregated {sb.prefill_workers} P + {sb.decode_workers} D)")
+  configs = {
+      "colocated": cpu_cluster(table, sb, colocated=sb.workers or n),
+      "disaggregated": cpu_cluster(table, sb, prefill=sb.prefill_workers, decode=sb.decode_workers),
+  }
+  print(
+      f"# predicted for the measured deployments (colocated {sb.workers or n} workers, "
+      f"disaggregated {sb.prefill_workers} P + {sb.decode_workers} D)"
+  )
   predicted = {}
   for mode in modes:
     for rate in rates:
       predicted[(mode, rate)] = summary(sim.simulate(configs[mode], work.arrivals(rate)), slo)
     predicted[(mode, "goodput")] = goodput(configs[mode], work, slo, rates[0], args.probes).goodput
-  measured = serve_bench.measure(sb, modes, slo, rates) if args.measure \
-      else {}
-  print("| deployment | rate (req/s) | TTFT p50 / p90 (ms) predicted | measured | "
-        "TPOT p50 / p90 (ms) predicted | measured | SLO met predicted | measured |")
+  measured = serve_bench.measure(sb, modes, slo, rates) if args.measure else {}
+  print(
+      "| deployment | rate (req/s) | TTFT p50 / p90 (ms) predicted | measured | "
+      "TPOT p50 / p90 (ms) predicted | measured | SLO met predicted | measured |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   ms = lambda a, b: f"{1e3 * a:,.0f} / {1e3 * b:,.0f}"
   for (mode, rate), pr in predicted.items():
     if rate == "goodput":
       got = measured.get((mode, "goodput"))
-      print(f"| {mode} | goodput | | | | | {pr:g} req/s | "
-            f"{'' if got is None else f'{got:g} req/s'} |")
+      print(
+          f"| {mode} | goodput | | | | | {pr:g} req/s | "
+          f"{'' if got is None else f'{got:g} req/s'} |"
+      )
       continue
     me = measured.get((mode, rate))
-    cells = [ms(pr["ttft50"], pr["ttft90"]), ms(me["ttft50"], me["ttft90"]) if me else "",
-             f"{1e3 * pr['tpot50']:.1f} / {1e3 * pr['tpot90']:.1f}",
-             f"{1e3 * me['tpot50']:.1f} / {1e3 * me['tpot90']:.1f}" if me else "",
-             f"{100 * pr['met']:.0f}%", f"{100 * me['met']:.0f}%" if me else ""]
+    cells = [
+        ms(pr["ttft50"], pr["ttft90"]),
+        ms(me["ttft50"], me["ttft90"]) if me else "",
+        f"{1e3 * pr['tpot50']:.1f} / {1e3 * pr['tpot90']:.1f}",
+        f"{1e3 * me['tpot50']:.1f} / {1e3 * me['tpot90']:.1f}" if me else "",
+        f"{100 * pr['met']:.0f}%",
+        f"{100 * me['met']:.0f}%" if me else "",
+    ]
     print(f"| {mode} | {rate:g} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -29,6 +29,7 @@ and its tick table (`<name>.ticks.csv`); the scan's tick n is row/column n of th
 (`experiments/op_breakdown.py`): time on the device threads, and the bytes that slot reads,
 slot writes, copies and fills and ppermutes write, which do not depend on the machine's load.
 """
+
 from __future__ import annotations
 
 from jaxpipe.runtime import process
@@ -62,17 +63,28 @@ flags.DEFINE_integer("layers", 8, "Model layers (divisible by 2 pp).", flag_valu
 flags.DEFINE_integer("mb", 8, "Sequences per micro-batch.", flag_values=FLAGS)
 flags.DEFINE_integer("seq", 64, "Tokens per sequence.", flag_values=FLAGS)
 flags.DEFINE_integer("d", 256, "Layer width.", flag_values=FLAGS)
-flags.DEFINE_integer("reps", 3, "Repeats of each CPU-time comparison (and profiled steps).",
-                     flag_values=FLAGS)
+flags.DEFINE_integer(
+    "reps", 3, "Repeats of each CPU-time comparison (and profiled steps).", flag_values=FLAGS
+)
 flags.DEFINE_list("schedules", list(SCHEDULE_NAMES), "Schedules to run.", flag_values=FLAGS)
-flags.DEFINE_bool("recompute", False, "Recompute stage forwards in the backward.",
-                  flag_values=FLAGS)
-flags.DEFINE_string("profile", None, "Directory for profiler traces, Perfetto traces, tick CSVs.",
-                    flag_values=FLAGS)
-flags.DEFINE_bool("breakdown", False, "Then profile steps of each program and split them by kind "
-                  "of op.", flag_values=FLAGS)
-flags.DEFINE_bool("system_malloc", False, "Keep glibc's default of unmapping freed allocations "
-                  "over 32 MB.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "recompute", False, "Recompute stage forwards in the backward.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "profile", None, "Directory for profiler traces, Perfetto traces, tick CSVs.", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+    "breakdown",
+    False,
+    "Then profile steps of each program and split them by kind " "of op.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+    "system_malloc",
+    False,
+    "Keep glibc's default of unmapping freed allocations " "over 32 MB.",
+    flag_values=FLAGS,
+)
 
 
 def layer(w_DxD, b_D, x_BxLxD):
@@ -98,8 +110,10 @@ MODEL = Model(stage_fn, loss_fn)
 def make_data(layers, m, mb, seq, d, seed=0):
   rng = np.random.default_rng(seed)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  params = {"w": f32(rng.normal(size=(layers, d, d)) / np.sqrt(d) / 4),
-            "b": f32(0.1 * rng.normal(size=(layers, d)))}
+  params = {
+      "w": f32(rng.normal(size=(layers, d, d)) / np.sqrt(d) / 4),
+      "b": f32(0.1 * rng.normal(size=(layers, d))),
+  }
   xs = f32(rng.normal(size=(m, mb, seq, d)))
   ts = f32(rng.normal(size=(m, mb, seq, d)))
   return params, xs, ts
@@ -111,10 +125,13 @@ def stacked(params, stages):
 
 def unpipelined(params, xs, ts):
   """value_and_grad of the sequential model, micro-batch by micro-batch (same matmul shapes)."""
+
   def total(params):
     def body(acc, xt):
       return acc + loss_fn((), stage_fn(params, xt[0]), xt[1]), None
+
     return lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))[0]
+
   return jax.value_and_grad(total)(params)
 
 
@@ -139,8 +156,9 @@ def gpipe_autodiff(mesh, p, m):
     (_, loss), _ = lax.scan(body, init, jnp.arange(m + p - 1))
     return loss[None]
 
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=P("pp"),
-                          check_vma=False)
+  sharded = jax.shard_map(
+      local, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=P("pp"), check_vma=False
+  )
   return jax.jit(jax.value_and_grad(lambda ps, xs, ts: jnp.sum(sharded(ps, xs, ts))))
 
 
@@ -182,26 +200,33 @@ def keep_host_memory():
   except OSError:
     return False
   m_trim_threshold, m_mmap_max = -1, -4
-  return all(libc.mallopt(opt, val) == 1 for opt, val in
-             ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)))
+  return all(
+      libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
+  )
 
 
 def rel_err(got, want):
   pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
-  return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
-             for g, w in pairs)
+  return max(
+      float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
+      for g, w in pairs
+  )
 
 
 def lockstep_table(cases=((4, 8), (8, 32))):
   """Lowered lock-step time against the asynchronous makespan (F = I = W = 1, B = 2)."""
-  print(f"{'p, m':<8}{'schedule':<17}{'ticks':>6}{'lock-step':>10}{'async':>7}{'over':>8}"
-        f"{'bubble':>8}  lowering")
+  print(
+      f"{'p, m':<8}{'schedule':<17}{'ticks':>6}{'lock-step':>10}{'async':>7}{'over':>8}"
+      f"{'bubble':>8}  lowering"
+  )
   for p, m in cases:
     for name in SCHEDULE_NAMES:
       lo = lower(make_schedule(name, pp=p, microbatches=m, chunks=CHUNKS.get(name)))
-      print(f"{f'{p}, {m}':<8}{name:<17}{lo.num_ticks:>6}{lo.lockstep_time:>10g}"
-            f"{lo.async_makespan:>7g}{100 * lo.overhead:>+7.1f}%{100 * lo.bubble:>7.1f}%  "
-            f"split={lo.options.split}{' pull_w' if lo.options.pull_w else ''}")
+      print(
+          f"{f'{p}, {m}':<8}{name:<17}{lo.num_ticks:>6}{lo.lockstep_time:>10g}"
+          f"{lo.async_makespan:>7g}{100 * lo.overhead:>+7.1f}%{100 * lo.bubble:>7.1f}%  "
+          f"split={lo.options.split}{' pull_w' if lo.options.pull_w else ''}"
+      )
   print()
 
 
@@ -213,13 +238,16 @@ def main(argv: list[str]) -> None:
   p, m = args.pp, args.microbatches
   if len(jax.devices()) < p:
     raise SystemExit(f"--pp {p} needs {p} devices, have {len(jax.devices())}")
-  mesh = jax.make_mesh((p,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:p])
+  mesh = jax.make_mesh(
+      (p,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p]
+  )
   params, xs, ts = make_data(args.layers, m, args.mb, args.seq, args.d)
-  print(f"p={p} m={m}: {args.layers} layers of width {args.d}, micro-batch "
-        f"[{args.mb}, {args.seq}, {args.d}], {len(jax.devices())} {jax.devices()[0].platform} "
-        f"devices, recompute={args.recompute}, host memory "
-        f"{'pooled' if pooled else 'glibc default'}")
+  print(
+      f"p={p} m={m}: {args.layers} layers of width {args.d}, micro-batch "
+      f"[{args.mb}, {args.seq}, {args.d}], {len(jax.devices())} {jax.devices()[0].platform} "
+      f"devices, recompute={args.recompute}, host memory "
+      f"{'pooled' if pooled else 'glibc default'}"
+  )
 
   dev0 = jax.devices()[0]
   args1 = jax.device_put((params, xs, ts), dev0)
@@ -233,22 +261,30 @@ def main(argv: list[str]) -> None:
   gp_compile = time.perf_counter() - t0
   gp_temp = gp_compiled.memory_analysis().temp_size_in_bytes
   gp_out = gp_compiled(gp_params, xs, ts)
-  gp_err = max(rel_err(gp_out[0], want[0]),
-               rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]))
+  gp_err = max(
+      rel_err(gp_out[0], want[0]),
+      rel_err(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), gp_out[1]), want[1]),
+  )
   load0 = load()
   gp_ratios, base_cpu = cpu_ratios(gp_compiled, (gp_params, xs, ts), base, args1, args.reps)
 
-  header = (f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
-            f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio (range)':>19}{'load':>6}"
-            f"{'rel err':>9}")
-  print(f"unpipelined value_and_grad: {1e3 * np.median(base_cpu):.0f} ms CPU per step (median of "
-        f"{args.reps}, {1e3 * min(base_cpu):.0f}-{1e3 * max(base_cpu):.0f}); CPU ratio = median "
-        f"over {args.reps} repeats of pipelined / unpipelined CPU time, run back to back; load = "
-        f"highest 1-min load average during the row, on {os.cpu_count()} cores")
+  header = (
+      f"{'schedule':<17}{'ticks':>6}{'lock/async':>11}{'bubble':>8}{'compile s':>10}"
+      f"{'temp MB':>9}{'vs GPipe-AD':>12}{'CPU ratio (range)':>19}{'load':>6}"
+      f"{'rel err':>9}"
+  )
+  print(
+      f"unpipelined value_and_grad: {1e3 * np.median(base_cpu):.0f} ms CPU per step (median of "
+      f"{args.reps}, {1e3 * min(base_cpu):.0f}-{1e3 * max(base_cpu):.0f}); CPU ratio = median "
+      f"over {args.reps} repeats of pipelined / unpipelined CPU time, run back to back; load = "
+      f"highest 1-min load average during the row, on {os.cpu_count()} cores"
+  )
   print(header)
   print("-" * len(header))
-  print(f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
-        f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}")
+  print(
+      f"{'gpipe-autodiff':<17}{'':>6}{'':>11}{'':>8}{gp_compile:>10.1f}{gp_temp / 2**20:>9.2f}"
+      f"{1.0:>12.2f}{spread(gp_ratios):>19}{max(load0, load()):>6.1f}{gp_err:>9.1e}"
+  )
   rows = {}
   programs = [("gpipe-autodiff", gp_compiled, (gp_params, xs, ts))]
   for name in args.schedules:
@@ -271,10 +307,12 @@ def main(argv: list[str]) -> None:
     ratios, _ = cpu_ratios(compiled, call, base, args1, args.reps)
     rows[name] = temp
     programs.append((name, compiled, call))
-    print(f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
-          f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
-          f"{temp / gp_temp:>12.2f}{spread(ratios):>19}{max(load0, load()):>6.1f}{err:>9.1e}",
-          flush=True)
+    print(
+        f"{name:<17}{lowered.num_ticks:>6}{lowered.lockstep_time / lowered.async_makespan:>11.3f}"
+        f"{100 * lowered.bubble:>7.1f}%{compile_s:>10.1f}{temp / 2**20:>9.2f}"
+        f"{temp / gp_temp:>12.2f}{spread(ratios):>19}{max(load0, load()):>6.1f}{err:>9.1e}",
+        flush=True,
+    )
     if args.profile:
       os.makedirs(args.profile, exist_ok=True)
       with open(os.path.join(args.profile, f"{name}.perfetto.json"), "w") as f:
@@ -292,19 +330,30 @@ def main(argv: list[str]) -> None:
 def print_breakdown(programs, reps):
   """Per program, ms per step by kind of op, and MB written per step by the data movers."""
   kinds = op_breakdown.KINDS
-  print(f"\nper step, by kind of op (`experiments/op_breakdown.py`, mean of {reps} profiled "
-        f"steps): ms of wall time on the device threads summed over devices | MB written")
-  header = f"{'program':<17}" + "".join(f"{k:>11}" for k in kinds) + f"{'total':>8}  |" + \
-      "".join(f"{k:>11}" for k in op_breakdown.MOVES) + f"{'load':>6}"
+  print(
+      f"\nper step, by kind of op (`experiments/op_breakdown.py`, mean of {reps} profiled "
+      f"steps): ms of wall time on the device threads summed over devices | MB written"
+  )
+  header = (
+      f"{'program':<17}"
+      + "".join(f"{k:>11}" for k in kinds)
+      + f"{'total':>8}  |"
+      + "".join(f"{k:>11}" for k in op_breakdown.MOVES)
+      + f"{'load':>6}"
+  )
   print(header)
   print("-" * len(header))
   for name, compiled, call in programs:
     load0 = load()
     got = op_breakdown.breakdown(compiled, call, reps)
-    print(f"{name:<17}" + "".join(f"{1e3 * got[k][0]:>11.1f}" for k in kinds) +
-          f"{1e3 * sum(v[0] for v in got.values()):>8.1f}  |" +
-          "".join(f"{got[k][1] / 2**20:>11.1f}" for k in op_breakdown.MOVES) +
-          f"{max(load0, load()):>6.1f}", flush=True)
+    print(
+        f"{name:<17}"
+        + "".join(f"{1e3 * got[k][0]:>11.1f}" for k in kinds)
+        + f"{1e3 * sum(v[0] for v in got.values()):>8.1f}  |"
+        + "".join(f"{got[k][1] / 2**20:>11.1f}" for k in op_breakdown.MOVES)
+        + f"{max(load0, load()):>6.1f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

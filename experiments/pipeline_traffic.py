@@ -10,6 +10,7 @@ hold each stage on two ranks), and every other collective-permute, which would b
 or their gradients moving to the ranks that run them. Bytes are per device and per step, set
 beside the layer stack a rank stores.
 """
+
 from jaxpipe.runtime import process
 
 if __name__ == "__main__":
@@ -43,21 +44,26 @@ def _permutes(hlo: str) -> list[tuple[int, str]]:
     if " collective-permute(" not in line:
       continue
     lhs = line.split(" collective-permute(")[0]
-    size = sum(_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs))
+    size = sum(
+        _BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", lhs)
+    )
     name = re.search(r'op_name="([^"]*)"', line)
     name = name.group(1) if name else ""
     send = re.search(r"tick/send_(down|up)/", name)
-    kind = ("copies" if "/sum_copies/ppermute" in name else
-            f"send_{send.group(1)}" if send else "other")
+    kind = (
+        "copies" if "/sum_copies/ppermute" in name else f"send_{send.group(1)}" if send else "other"
+    )
     out.append((size, kind))
   return out
 
 
 def _tick_bytes(permutes: list[tuple[int, str]], table: np.ndarray) -> int:
   """Bytes the executor's ppermutes move in one step: each runs only in the ticks where some rank
-  receives over it (a direction's activations and cotangents share one ppermute, or have one each)."""
+  receives over it (a direction's activations and cotangents share one ppermute, or have one each).
+  """
   from jaxpipe.pipeline.ir.lower import COL
+
   total = 0
   for direction in ("down", "up"):
     sizes = [b for b, kind in permutes if kind == f"send_{direction}"]
@@ -79,49 +85,79 @@ def measure(name: str, args) -> dict:
   from jaxpipe.training.mesh import batch_sharding
   from jaxpipe.training.pipeline_lm import lm_schedule
   from jaxpipe.training.trainer import Trainer
+
   c = tiny.get_config()
-  c.model.update(n_layers=args.layers, d_model=args.d_model, d_ff=4 * args.d_model,
-                 n_heads=8, n_kv_heads=8, head_dim=args.d_model // 8)
+  c.model.update(
+      n_layers=args.layers,
+      d_model=args.d_model,
+      d_ff=4 * args.d_model,
+      n_heads=8,
+      n_kv_heads=8,
+      head_dim=args.d_model // 8,
+  )
   c.data.update(batch=args.batch, seq_len=args.seq)
   c.mesh.pp, c.pipeline.schedule, c.pipeline.microbatches = args.pp, name, args.microbatches
   trainer = Trainer(c)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       trainer.state_shapes, trainer.state_sharding)
-  batch = {k: jax.ShapeDtypeStruct((args.batch, args.seq), np.int32 if k != "mask" else np.float32,
-                                   sharding=batch_sharding(trainer.mesh))
-           for k in ("tokens", "targets", "mask")}
+  state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      trainer.state_shapes,
+      trainer.state_sharding,
+  )
+  batch = {
+      k: jax.ShapeDtypeStruct(
+          (args.batch, args.seq),
+          np.int32 if k != "mask" else np.float32,
+          sharding=batch_sharding(trainer.mesh),
+      )
+      for k in ("tokens", "targets", "mask")
+  }
   hlo = trainer.build_train_step().lower(state, batch).compile().as_text()
   permutes = _permutes(hlo)
   ticks = lm_schedule(c.pipeline, args.pp)
   from jaxpipe.pipeline.api import lowered_for
+
   lowered = lowered_for(ticks)
   layer_bytes = sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(state.params["layers"]))
   order = trainer.layer_order
-  return {"schedule": name, "ticks": lowered.num_ticks,
-          "activations": _tick_bytes(permutes, lowered.table),
-          "copies": sum(b for b, kind in permutes if kind == "copies"),
-          "parameters": sum(b for b, kind in permutes if kind == "other"),
-          "stored": layer_bytes / args.pp,
-          "stored_order": ("model order" if order is None else
-                           "rank by rank" if len(order) == len(set(order.tolist())) else
-                           "rank by rank, two copies")}
+  return {
+      "schedule": name,
+      "ticks": lowered.num_ticks,
+      "activations": _tick_bytes(permutes, lowered.table),
+      "copies": sum(b for b, kind in permutes if kind == "copies"),
+      "parameters": sum(b for b, kind in permutes if kind == "other"),
+      "stored": layer_bytes / args.pp,
+      "stored_order": (
+          "model order"
+          if order is None
+          else "rank by rank"
+          if len(order) == len(set(order.tolist()))
+          else "rank by rank, two copies"
+      ),
+  }
 
 
 def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
-  print(f"# bytes per device per step between pipeline ranks: pp = {args.pp}, "
-        f"m = {args.microbatches}, {args.layers} layers of d_model {args.d_model}, batch "
-        f"{args.batch} x {args.seq}, float32, 8 host devices")
-  print("| schedule | ticks | activations + cotangents (ppermute) | copies' gradient sum | "
-        "parameters + gradients moved (other collective-permutes) | layer stack stored per rank "
-        "| layers stacked |")
+  print(
+      f"# bytes per device per step between pipeline ranks: pp = {args.pp}, "
+      f"m = {args.microbatches}, {args.layers} layers of d_model {args.d_model}, batch "
+      f"{args.batch} x {args.seq}, float32, 8 host devices"
+  )
+  print(
+      "| schedule | ticks | activations + cotangents (ppermute) | copies' gradient sum | "
+      "parameters + gradients moved (other collective-permutes) | layer stack stored per rank "
+      "| layers stacked |"
+  )
   print("|---|---|---|---|---|---|---|")
   mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "0"
   for name in args.schedules:
     r = measure(name, args)
-    print(f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['copies'])} | "
-          f"{mib(r['parameters'])} | {mib(r['stored'])} | {r['stored_order']} |", flush=True)
+    print(
+        f"| {name} | {r['ticks']} | {mib(r['activations'])} | {mib(r['copies'])} | "
+        f"{mib(r['parameters'])} | {mib(r['stored'])} | {r['stored_order']} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Per schedule: generator + validator (make_schedule), asynchronous simulation, lock-step
 simulation; best of --repeat runs, seconds on one CPU core.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,13 +39,17 @@ def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
   print(f"p={args.pp}, m={args.microbatches}, best of {args.repeat}")
-  print(f"{'schedule':10}{'ops':>9}{'build+validate':>16}{'async sim':>11}{'lock-step':>11}"
-        f"{'total':>8}")
+  print(
+      f"{'schedule':10}{'ops':>9}{'build+validate':>16}{'async sim':>11}{'lock-step':>11}"
+      f"{'total':>8}"
+  )
   for name in args.names:
     runs = [measure(name, args.pp, args.microbatches) for _ in range(args.repeat)]
     build, sim, lock, ops = min(runs, key=lambda r: r[0] + r[1] + r[2])
-    print(f"{name:10}{ops:>9}{build:>15.2f}s{sim:>10.2f}s{lock:>10.2f}s"
-          f"{build + sim + lock:>7.2f}s")
+    print(
+        f"{name:10}{ops:>9}{build:>15.2f}s{sim:>10.2f}s{lock:>10.2f}s"
+        f"{build + sim + lock:>7.2f}s"
+    )
 
 
 if __name__ == "__main__":

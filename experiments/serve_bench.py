@@ -42,6 +42,7 @@ pages of 16, every row `context` keys): ours (`kernels_pallas.paged_attention`),
 Pallas GPU paged attention and the XLA gather reference, in TFLOP/s (4·B·H·L·K) and in GB/s of
 K/V read (2·B·L·G·K·2 bytes; decode attention is bound by memory bandwidth).
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,73 +74,125 @@ FLAGS = cli.flag_values(__name__)
 flags.DEFINE_integer("requests", 64, "Requests per rate (--mode: at least).", flag_values=FLAGS)
 flags.DEFINE_string("rates", "2,8,32", "Arrival rates to run, requests/s.", flag_values=FLAGS)
 flags.DEFINE_alias("rate", "rates", flag_values=FLAGS)
-flags.DEFINE_string("prompt", "8:96", "Prompt lengths: N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] "
-                    "tokens.", flag_values=FLAGS)
+flags.DEFINE_string(
+    "prompt",
+    "8:96",
+    "Prompt lengths: N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] " "tokens.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_string("output", "8:96", "Output lengths, as --prompt.", flag_values=FLAGS)
-flags.DEFINE_integer("kv_tokens", 3072, "KV slots per layer for either system (--mode: per "
-                     "worker).", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "kv_tokens",
+    3072,
+    "KV slots per layer for either system (--mode: per " "worker).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
 flags.DEFINE_integer("max_batch", 32, "Paged: most requests running at once.", flag_values=FLAGS)
 flags.DEFINE_integer("token_budget", 128, "Paged: tokens per step.", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
-flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+    "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
+)
 flags.DEFINE_bool("kernel", False, "Time the decode kernel alone (GPU).", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 20, "--kernel: timed calls per cell.", flag_values=FLAGS)
-flags.DEFINE_string("url", None, "Drive this OpenAI-compatible server instead "
-                    "(experiments/serve_client.py).", flag_values=FLAGS)
+flags.DEFINE_string(
+    "url",
+    None,
+    "Drive this OpenAI-compatible server instead " "(experiments/serve_client.py).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool("compare", False, "--url: also run its engine in-process.", flag_values=FLAGS)
 # colocated vs disaggregated (--mode)
-flags.DEFINE_string("mode", "", "colocated, disaggregated or both (comma-separated): serve the "
-                    "same requests through each deployment.", flag_values=FLAGS)
-flags.DEFINE_integer("prefill_workers", 2, "--mode disaggregated: prefill workers.",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("decode_workers", 6, "--mode disaggregated: decode workers.",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("workers", 0, "--mode colocated: workers (default: prefill + decode workers, "
-                     "the same devices).", flag_values=FLAGS)
-flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker (KV heads split "
-                     "over them).", flag_values=FLAGS)
-flags.DEFINE_integer("host_devices", 8, "--mode: CPU host devices to create (ignored on GPU).",
-                     flag_values=FLAGS)
-flags.DEFINE_float("ttft_slo", 0.25, "--mode: time-to-first-token target, seconds.",
-                   flag_values=FLAGS)
-flags.DEFINE_float("tpot_slo", 0.1, "--mode: time-per-output-token target, seconds.",
-                   flag_values=FLAGS)
-flags.DEFINE_float("horizon", 10.0, "--mode: seconds of arrivals at least: max(--requests, rate x "
-                   "horizon) requests, so that a fast rate runs long enough to queue.",
-                   flag_values=FLAGS)
-flags.DEFINE_integer("probes", 6, "--mode: goodput search: most rates run per deployment (the "
-                     "--rates included).", flag_values=FLAGS)
-flags.DEFINE_bool("stream_layers", False, "--mode disaggregated: copy K/V one layer at a time.",
-                  flag_values=FLAGS)
-flags.DEFINE_string("trace_in", "", "--mode: CSV trace of requests (arrival_s,prompt_len,"
-                    "output_len[,prompt]) to replay; each rate rescales its arrivals.",
-                    flag_values=FLAGS)
-flags.DEFINE_string("trace_out", "", "--mode: write the first rate's requests as CSV.",
-                    flag_values=FLAGS)
-flags.DEFINE_string("out", "out/serve_bench", "--mode: Perfetto traces and latency CDF plot.",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+    "mode",
+    "",
+    "colocated, disaggregated or both (comma-separated): serve the "
+    "same requests through each deployment.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "prefill_workers", 2, "--mode disaggregated: prefill workers.", flag_values=FLAGS
+)
+flags.DEFINE_integer(
+    "decode_workers", 6, "--mode disaggregated: decode workers.", flag_values=FLAGS
+)
+flags.DEFINE_integer(
+    "workers",
+    0,
+    "--mode colocated: workers (default: prefill + decode workers, " "the same devices).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "devices_per_worker",
+    1,
+    "--mode: devices of each worker (KV heads split " "over them).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "host_devices", 8, "--mode: CPU host devices to create (ignored on GPU).", flag_values=FLAGS
+)
+flags.DEFINE_float(
+    "ttft_slo", 0.25, "--mode: time-to-first-token target, seconds.", flag_values=FLAGS
+)
+flags.DEFINE_float(
+    "tpot_slo", 0.1, "--mode: time-per-output-token target, seconds.", flag_values=FLAGS
+)
+flags.DEFINE_float(
+    "horizon",
+    10.0,
+    "--mode: seconds of arrivals at least: max(--requests, rate x "
+    "horizon) requests, so that a fast rate runs long enough to queue.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "probes",
+    6,
+    "--mode: goodput search: most rates run per deployment (the " "--rates included).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+    "stream_layers", False, "--mode disaggregated: copy K/V one layer at a time.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "trace_in",
+    "",
+    "--mode: CSV trace of requests (arrival_s,prompt_len,"
+    "output_len[,prompt]) to replay; each rate rescales its arrivals.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "trace_out", "", "--mode: write the first rate's requests as CSV.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "out", "out/serve_bench", "--mode: Perfetto traces and latency CDF plot.", flag_values=FLAGS
+)
 
-ANCHORS = ("vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
-           "those systems used 20.4-38.2% of reserved KV memory for tokens; paged KV wastes at most "
-           "the last page of each sequence (block size 16).")
-PD_ANCHORS = ("DistServe (OSDI'24): 7.4x more requests or 12.6x tighter SLO with >90% of requests "
-              "meeting both targets; Splitwise (ISCA'24): 1.4x throughput at 20% lower cost; vLLM's "
-              "docs: disaggregation tunes TTFT and inter-token latency separately, it does not raise "
-              "throughput.")
+ANCHORS = (
+    "vLLM (SOSP'23): 2-4x the throughput of FasterTransformer and Orca at the same latency; "
+    "those systems used 20.4-38.2% of reserved KV memory for tokens; paged KV wastes at most "
+    "the last page of each sequence (block size 16)."
+)
+PD_ANCHORS = (
+    "DistServe (OSDI'24): 7.4x more requests or 12.6x tighter SLO with >90% of requests "
+    "meeting both targets; Splitwise (ISCA'24): 1.4x throughput at 20% lower cost; vLLM's "
+    "docs: disaggregation tunes TTFT and inter-token latency separately, it does not raise "
+    "throughput."
+)
 
 
 class Static:
   """Static batches over a contiguous cache: row b owns pages 1 + b*n .. (b+1)*n of the pool."""
 
-  def __init__(self, cfg, params, batch: int, max_len: int, max_prompt: int, page_size: int,
-               backend: str):
+  def __init__(
+      self, cfg, params, batch: int, max_len: int, max_prompt: int, page_size: int, backend: str
+  ):
     self.cfg, self.params, self.b, self.max_len = cfg, params, batch, max_len
     self.n, self.s, self.max_prompt = max_len // page_size, page_size, max_prompt
     self.kv = serve_model.init_kv(cfg, 1 + batch * self.n, page_size)
-    self.fn = jax.jit(functools.partial(serve_model.serve_step, cfg, backend=backend),
-                      donate_argnums=1)
+    self.fn = jax.jit(
+        functools.partial(serve_model.serve_step, cfg, backend=backend), donate_argnums=1
+    )
     self.tables = 1 + np.arange(batch * self.n, dtype=np.int32).reshape(batch, self.n)
     self.queue, self.rows, self.done, self.usage = [], [], [], []
 
@@ -158,11 +211,12 @@ class Static:
     last = np.zeros(b, np.int32)
     for i, (x, start) in enumerate(zip(rows_tokens, starts)):
       pos = np.arange(start, start + len(x))
-      tokens[i, :len(x)], positions[i, :len(x)] = x, pos
-      slots[i, :len(x)] = self.tables[i, pos // self.s] * self.s + pos % self.s
+      tokens[i, : len(x)], positions[i, : len(x)] = x, pos
+      slots[i, : len(x)] = self.tables[i, pos // self.s] * self.s + pos % self.s
       last[i] = i * t + len(x) - 1
-    batch = serve_model.TokenBatch(tokens.ravel(), positions.ravel(), slots.ravel(),
-                                   np.repeat(self.tables, t, axis=0), last)
+    batch = serve_model.TokenBatch(
+        tokens.ravel(), positions.ravel(), slots.ravel(), np.repeat(self.tables, t, axis=0), last
+    )
     zeros = np.zeros(b, np.int32)
     sampling = SamplingBatch(np.zeros(b, np.float32), zeros, np.ones(b, np.float32), zeros, zeros)
     out, _, self.kv = self.fn(self.params, self.kv, batch, sampling)
@@ -174,16 +228,23 @@ class Static:
 
   def step(self) -> None:
     if not self.rows:  # a new batch: prefill, padded to the workload's longest prompt
-      batch, self.queue = self.queue[:self.b], self.queue[self.b:]
-      out = self._run([w.prompt for w, _ in batch] + [[0]] * (self.b - len(batch)), [0] * self.b,
-                      self.max_prompt)
+      batch, self.queue = self.queue[: self.b], self.queue[self.b :]
+      out = self._run(
+          [w.prompt for w, _ in batch] + [[0]] * (self.b - len(batch)),
+          [0] * self.b,
+          self.max_prompt,
+      )
       now = time.perf_counter()
-      self.rows = [{"w": w, "arrival": a, "tokens": list(w.prompt), "times": [now], "out": [int(o)]}
-                   for (w, a), o in zip(batch, out)]
+      self.rows = [
+          {"w": w, "arrival": a, "tokens": list(w.prompt), "times": [now], "out": [int(o)]}
+          for (w, a), o in zip(batch, out)
+      ]
     else:
       live = [r for r in self.rows if len(r["out"]) < r["w"].max_tokens]
       inputs = [[r["out"][-1]] for r in self.rows] + [[0]] * (self.b - len(self.rows))
-      starts = [len(r["tokens"]) + len(r["out"]) - 1 for r in self.rows] + [0] * (self.b - len(self.rows))
+      starts = [len(r["tokens"]) + len(r["out"]) - 1 for r in self.rows] + [0] * (
+          self.b - len(self.rows)
+      )
       out = self._run(inputs, starts, 1)  # finished rows keep computing: the batch moves as one
       now = time.perf_counter()
       for r, o in zip(self.rows, out):
@@ -191,8 +252,9 @@ class Static:
           r["out"].append(int(o))
           r["times"].append(now)
     live = [r for r in self.rows if len(r["out"]) < r["w"].max_tokens]
-    self.usage.append((sum(len(r["tokens"]) + len(r["out"]) - 1 for r in live),
-                       len(self.rows) * self.max_len))
+    self.usage.append(
+        (sum(len(r["tokens"]) + len(r["out"]) - 1 for r in live), len(self.rows) * self.max_len)
+    )
     if not live:
       self.done += [Done(r["arrival"], r["times"]) for r in self.rows]
       self.rows = []
@@ -203,23 +265,30 @@ def row(name: str, rate: float, system, makespan: float, generated: int) -> str:
   ttft = [d.ttft for d in system.done]
   tpot = [d.tpot for d in system.done if d.tpot is not None]
   tokens, slots = np.asarray(system.usage, np.float64).sum(0)
-  return (f"| {name} | {rate:g} | {generated / makespan:,.0f} | "
-          f"{pct(ttft, 50):,.0f} / {pct(ttft, 90):,.0f} / {pct(ttft, 99):,.0f} | "
-          f"{pct(tpot, 50):,.1f} / {pct(tpot, 90):,.1f} / {pct(tpot, 99):,.1f} | "
-          f"{100 * tokens / slots:.1f}% | {len(system.usage)} |")
+  return (
+      f"| {name} | {rate:g} | {generated / makespan:,.0f} | "
+      f"{pct(ttft, 50):,.0f} / {pct(ttft, 90):,.0f} / {pct(ttft, 99):,.0f} | "
+      f"{pct(tpot, 50):,.1f} / {pct(tpot, 90):,.1f} / {pct(tpot, 99):,.1f} | "
+      f"{100 * tokens / slots:.1f}% | {len(system.usage)} |"
+  )
 
 
 def kernel_table(repeats: int) -> None:
   from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+
   if jax.default_backend() != "gpu":
-    print("# --kernel times the compiled kernel: it needs a GPU (tests/test_paged_attention.py "
-          "checks it in interpret mode here)")
+    print(
+        "# --kernel times the compiled kernel: it needs a GPU (tests/test_paged_attention.py "
+        "checks it in interpret mode here)"
+    )
     return
   heads, kv_heads, head_dim, page, dtype = 32, 8, 128, 16, jnp.bfloat16
-  print(f"# paged attention decode on {jax.devices()[0].device_kind}: bf16, {heads}/{kv_heads} "
-        f"heads, head dim {head_dim}, pages of {page}; ms / TFLOP/s / GB/s of K/V read")
+  print(
+      f"# paged attention decode on {jax.devices()[0].device_kind}: bf16, {heads}/{kv_heads} "
+      f"heads, head dim {head_dim}, pages of {page}; ms / TFLOP/s / GB/s of K/V read"
+  )
   print("| batch | context | ours, k_splits 1 | ours, k_splits 8 | JAX's Pallas | XLA gather |")
   print("|---|---|---|---|---|---|")
   rng = np.random.default_rng(0)
@@ -261,11 +330,16 @@ def engine_args(args, max_len: int) -> dict:
   """The engine settings both benches share: pages, pool, batch, budget and step buckets."""
   s = args.page_size
   pages_per_seq = max_len // s
-  return dict(page_size=s, num_pages=args.kv_tokens // s + 1, max_batch=args.max_batch,
-              max_tokens_per_step=args.token_budget, max_seq_len=max_len, attention=args.attention,
-              token_buckets=sorted({8, 32, args.token_budget}),
-              page_buckets=sorted({max(1, pages_per_seq // 3), pages_per_seq // 2 or 1,
-                                   pages_per_seq}))
+  return dict(
+      page_size=s,
+      num_pages=args.kv_tokens // s + 1,
+      max_batch=args.max_batch,
+      max_tokens_per_step=args.token_budget,
+      max_seq_len=max_len,
+      attention=args.attention,
+      token_buckets=sorted({8, 32, args.token_budget}),
+      page_buckets=sorted({max(1, pages_per_seq // 3), pages_per_seq // 2 or 1, pages_per_seq}),
+  )
 
 
 def paged_vs_static(args) -> None:
@@ -276,16 +350,22 @@ def paged_vs_static(args) -> None:
   static_batch = args.kv_tokens // max_len
   if static_batch < 1:
     raise SystemExit(f"--kv_tokens={args.kv_tokens} cannot hold one {max_len}-token sequence")
-  print(f"# serve_bench on {jax.devices()[0].device_kind}: quickstart model (d_model {cfg.d_model}, "
-        f"{cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}), "
-        f"{cfg.dtype}; {args.requests} requests per rate, Poisson arrivals, prompt {prompt}, "
-        f"output {output} tokens, seed {args.seed}")
-  print(f"# KV memory: {args.kv_tokens} slots per layer "
-        f"({serve_model.kv_bytes(cfg, args.kv_tokens, 1) / 2**20:.1f} MiB) for both; "
-        f"paged: pages of {s}, <= {args.max_batch} running, {args.token_budget} tokens per step; "
-        f"static: batches of {static_batch} x {max_len} contiguous slots")
-  print("| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
-        "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |")
+  print(
+      f"# serve_bench on {jax.devices()[0].device_kind}: quickstart model (d_model {cfg.d_model}, "
+      f"{cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}), "
+      f"{cfg.dtype}; {args.requests} requests per rate, Poisson arrivals, prompt {prompt}, "
+      f"output {output} tokens, seed {args.seed}"
+  )
+  print(
+      f"# KV memory: {args.kv_tokens} slots per layer "
+      f"({serve_model.kv_bytes(cfg, args.kv_tokens, 1) / 2**20:.1f} MiB) for both; "
+      f"paged: pages of {s}, <= {args.max_batch} running, {args.token_budget} tokens per step; "
+      f"static: batches of {static_batch} x {max_len} contiguous slots"
+  )
+  print(
+      "| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
+      "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |"
+  )
   print("|---|---|---|---|---|---|---|")
   engine = Engine(cfg, params, **engine_args(args, max_len))
   engine.precompile()
@@ -298,9 +378,11 @@ def paged_vs_static(args) -> None:
     print(row("paged, continuous", rate, paged, serve(paged, work), generated), flush=True)
     static.done, static.usage = [], []
     print(row("static, contiguous", rate, static, serve(static, work), generated), flush=True)
-  print(f"# paged: {len(engine.programs)} compiled step programs (bound {engine.max_programs}), "
-        f"{engine.counts['preemptions']} preemptions, {engine.counts['cached_tokens']} prompt "
-        "tokens from the prefix cache over all rates")
+  print(
+      f"# paged: {len(engine.programs)} compiled step programs (bound {engine.max_programs}), "
+      f"{engine.counts['preemptions']} preemptions, {engine.counts['cached_tokens']} prompt "
+      "tokens from the prefix cache over all rates"
+  )
   print(f"# anchors: {ANCHORS}")
 
 
@@ -323,8 +405,10 @@ def check_deployment_args(args) -> tuple[list[str], SLO]:
   if bad:
     raise SystemExit(f"--mode {bad[0]!r}: use colocated, disaggregated or both")
   if "disaggregated" in modes:
-    for flag, n in (("--prefill_workers", args.prefill_workers),
-                    ("--decode_workers", args.decode_workers)):
+    for flag, n in (
+        ("--prefill_workers", args.prefill_workers),
+        ("--decode_workers", args.decode_workers),
+    ):
       if n < 1:
         raise SystemExit(f"{flag}={n} leaves no {flag[2:-8]} worker; give at least 1")
   try:
@@ -343,16 +427,36 @@ def perfetto(requests, t0: float) -> str:
   thread per request."""
   names = sorted({w for r in requests for w, *_ in r.spans})
   pid = {w: i for i, w in enumerate(names)}
-  events = [{"ph": "M", "name": "process_name", "pid": i, "args": {"name": w}}
-            for w, i in pid.items()]
-  colours = {"queue": "grey", "prefill": "thread_state_running", "handoff": "yellow",
-             "transfer": "rail_load", "decode": "good"}
+  events = [
+      {"ph": "M", "name": "process_name", "pid": i, "args": {"name": w}} for w, i in pid.items()
+  ]
+  colours = {
+      "queue": "grey",
+      "prefill": "thread_state_running",
+      "handoff": "yellow",
+      "transfer": "rail_load",
+      "decode": "good",
+  }
   for r in requests:
     for w, kind, start, end in r.spans:
-      events.append({"name": f"{kind} r{r.id}", "cat": kind, "ph": "X", "pid": pid[w], "tid": r.id,
-                     "ts": 1e6 * (start - t0), "dur": 1e6 * (end - start), "cname": colours[kind],
-                     "args": {"request": r.id, "prompt": len(r.prompt), "output": len(r.output),
-                              "kv_bytes": r.kv_bytes}})
+      events.append(
+          {
+              "name": f"{kind} r{r.id}",
+              "cat": kind,
+              "ph": "X",
+              "pid": pid[w],
+              "tid": r.id,
+              "ts": 1e6 * (start - t0),
+              "dur": 1e6 * (end - start),
+              "cname": colours[kind],
+              "args": {
+                  "request": r.id,
+                  "prompt": len(r.prompt),
+                  "output": len(r.output),
+                  "kv_bytes": r.kv_bytes,
+              },
+          }
+      )
   return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
@@ -360,6 +464,7 @@ def cdf_plot(path: str, runs: dict[str, list], slo: SLO) -> None:
   """TTFT and TPOT CDFs, a line per (deployment, rate), the SLO targets dashed."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
+
   fig = Figure(figsize=(11, 4))
   FigureCanvasAgg(fig)
   for i, (metric, target) in enumerate((("ttft", slo.ttft), ("tpot", slo.tpot))):
@@ -382,11 +487,13 @@ def deployment_row(mode: str, rate: float, done: list, makespan: float, slo: SLO
   ttft, tpot = percentiles(r.ttft for r in done), percentiles(r.tpot for r in done)
   moved = [r.kv_bytes for r in done]
   tokens = sum(len(r.output) for r in done)
-  return (f"| {mode} | {rate:g} | {tokens / makespan:,.0f} | {ms(ttft)} | "
-          f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | "
-          f"{ms(percentiles(map(e2e, done), (50, 90)))} | "
-          f"{100 * attainment(done, slo):.0f}% | {sum(moved) / 2**20:,.2f} MiB "
-          f"({np.mean(moved) / 2**10:,.1f} KiB/req) |")
+  return (
+      f"| {mode} | {rate:g} | {tokens / makespan:,.0f} | {ms(ttft)} | "
+      f"{' / '.join(f'{1e3 * x:,.1f}' for x in tpot)} | "
+      f"{ms(percentiles(map(e2e, done), (50, 90)))} | "
+      f"{100 * attainment(done, slo):.0f}% | {sum(moved) / 2**20:,.2f} MiB "
+      f"({np.mean(moved) / 2**10:,.1f} KiB/req) |"
+  )
 
 
 def build_deployment(mode: str, args, cfg, params, max_len: int, max_prompt: int):
@@ -399,8 +506,7 @@ def build_deployment(mode: str, args, cfg, params, max_len: int, max_prompt: int
   else:
     p, d = args.prefill_workers, args.decode_workers
     groups = device_groups(p + d, dpw)
-    dep = Disaggregated(cfg, params, groups[:p], groups[p:], stream_layers=args.stream_layers,
-                        **kw)
+    dep = Disaggregated(cfg, params, groups[:p], groups[p:], stream_layers=args.stream_layers, **kw)
   dep.precompile(max_prompt)
   return dep
 
@@ -415,8 +521,10 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     trace = read_csv(args.trace_in, cfg.vocab, args.seed) if args.trace_in else None
   except (OSError, ValueError) as e:
     raise SystemExit(f"--trace_in: {e}") from None
-  workers = {"colocated": args.workers or args.prefill_workers + args.decode_workers,
-             "disaggregated": args.prefill_workers + args.decode_workers}
+  workers = {
+      "colocated": args.workers or args.prefill_workers + args.decode_workers,
+      "disaggregated": args.prefill_workers + args.decode_workers,
+  }
   for m in modes:
     try:
       device_groups(workers[m], args.devices_per_worker)
@@ -430,27 +538,46 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
   else:
     max_prompt, max_len = prompt.high, prompt.high + output.high
   max_len = math.ceil(max_len / s) * s
-  work_at = lambda rate: (at_rate(trace, rate) if trace else generate(
-      max(args.requests, math.ceil(rate * args.horizon)), rate, prompt, output, cfg.vocab,
-      args.seed))
+  work_at = lambda rate: (
+      at_rate(trace, rate)
+      if trace
+      else generate(
+          max(args.requests, math.ceil(rate * args.horizon)),
+          rate,
+          prompt,
+          output,
+          cfg.vocab,
+          args.seed,
+      )
+  )
   if args.trace_out:
     write_csv(args.trace_out, work_at(rates[0]))
   os.makedirs(args.out, exist_ok=True)
   say = print if show else (lambda *a, **k: None)
-  say(f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
+  say(
+      f"# serve_bench --mode on {len(jax.devices())} x {jax.devices()[0].device_kind}: quickstart "
       f"model (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
-      f"heads), {cfg.dtype}; " + (f"trace {args.trace_in} ({len(trace)} requests)" if trace else
-      f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt "
-      f"{prompt}, output {output} tokens") +
-      f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
-      f"for {100 * slo.attainment:g}% of requests")
-  say(f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "
+      f"heads), {cfg.dtype}; "
+      + (
+          f"trace {args.trace_in} ({len(trace)} requests)"
+          if trace
+          else f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt "
+          f"{prompt}, output {output} tokens"
+      )
+      + f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
+      f"for {100 * slo.attainment:g}% of requests"
+  )
+  say(
+      f"# each worker: {args.devices_per_worker} device(s), {args.kv_tokens} KV slots per layer, "
       f"pages of {s}, <= {args.max_batch} running, {args.token_budget} tokens per step; "
       f"colocated: {workers['colocated']} workers; disaggregated: {args.prefill_workers} prefill "
-      f"+ {args.decode_workers} decode workers" + (", K/V streamed per layer"
-                                                   if args.stream_layers else ""))
-  say("| deployment | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
-      "TPOT p50 / p90 / p99 (ms) | e2e p50 / p90 (ms) | SLO met | KV moved |")
+      f"+ {args.decode_workers} decode workers"
+      + (", K/V streamed per layer" if args.stream_layers else "")
+  )
+  say(
+      "| deployment | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
+      "TPOT p50 / p90 / p99 (ms) | e2e p50 / p90 (ms) | SLO met | KV moved |"
+  )
   say("|---|---|---|---|---|---|---|---|")
   curves, out = {}, {}
   deps = {mode: build_deployment(mode, args, cfg, params, max_len, max_prompt) for mode in modes}
@@ -479,10 +606,13 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
     out[(mode, "goodput")] = result.goodput
     tried = ", ".join(f"{r:g}: {100 * a:.0f}%" for r, a in sorted(result.tried.items()))
     above = f"; {result.above:g} req/s missed it" if result.above else ""
-    say(f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}"
+    say(
+        f"# {mode}: goodput {result.goodput:g} req/s (SLO met at each rate probed: {tried}"
         f"{above}); {dep.steps} iterations, {dep.counts['transfers']} K/V transfers, "
         f"{sum(e.counts['preemptions'] for e in dep.engines)} preemptions, "
-        f"{dep.counts['recomputes']} recomputed", flush=True)
+        f"{dep.counts['recomputes']} recomputed",
+        flush=True,
+    )
   cdf_plot(os.path.join(args.out, "latency_cdf.png"), curves, slo)
   say(f"# Perfetto traces (ui.perfetto.dev) and latency_cdf.png in {args.out}/")
   return out
@@ -499,6 +629,7 @@ def main(argv: list[str]) -> None:
   args = cli.values(FLAGS)
   if args.url:
     from experiments import serve_client  # httpx and prometheus_client: the serving extra
+
     serve_client.run(args)
   elif args.kernel:
     kernel_table(args.repeats)

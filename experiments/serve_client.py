@@ -18,6 +18,7 @@ architecture from /v1/models, fresh weights: greedy decoding to fixed lengths do
 work whatever the weights of a dense model) and runs each rate in-process with serve_bench's
 driver, then over HTTP: the difference is the cost of the server, the HTTP stack and the client.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,30 +32,53 @@ from prometheus_client.parser import text_string_to_metric_families
 from experiments.serving import Done, Paged, parse_lengths, serve
 from jaxpipe.serve.workload import Work, generate
 
-VOCAB = 256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
-HEADER = ("| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
-          "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |\n|---|---|---|---|---|---|---|")
-SERVER_METRICS = ("jaxpipe_kv_tokens_stored_total", "jaxpipe_kv_slots_held_total",
-              "jaxpipe_engine_steps_total", "process_cpu_seconds_total")
+VOCAB = (
+    256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
+)
+HEADER = (
+    "| system | rate (req/s) | generated tok/s | TTFT p50 / p90 / p99 (ms) | "
+    "TPOT p50 / p90 / p99 (ms) | KV in use / reserved | steps |\n|---|---|---|---|---|---|---|"
+)
+SERVER_METRICS = (
+    "jaxpipe_kv_tokens_stored_total",
+    "jaxpipe_kv_slots_held_total",
+    "jaxpipe_engine_steps_total",
+    "process_cpu_seconds_total",
+)
 
 
-def row(name: str, rate: float, done: list[Done], makespan: float, generated: int,
-        kv: tuple[float, ...] | None) -> str:
+def row(
+    name: str,
+    rate: float,
+    done: list[Done],
+    makespan: float,
+    generated: int,
+    kv: tuple[float, ...] | None,
+) -> str:
   """One table row; kv: (tokens stored, slots held, steps, ...), summed over the run's steps."""
   pct = lambda xs, q: 1e3 * float(np.percentile(xs, q))
   ttft = [d.ttft for d in done]
   tpot = [d.tpot for d in done if d.tpot is not None]
   kv_cells = f"{100 * kv[0] / kv[1]:.1f}% | {kv[2]:.0f}" if kv and kv[1] else "n/a | n/a"
-  return (f"| {name} | {rate:g} | {generated / makespan:,.0f} | "
-          f"{pct(ttft, 50):,.0f} / {pct(ttft, 90):,.0f} / {pct(ttft, 99):,.0f} | "
-          f"{pct(tpot, 50):,.1f} / {pct(tpot, 90):,.1f} / {pct(tpot, 99):,.1f} | {kv_cells} |")
+  return (
+      f"| {name} | {rate:g} | {generated / makespan:,.0f} | "
+      f"{pct(ttft, 50):,.0f} / {pct(ttft, 90):,.0f} / {pct(ttft, 99):,.0f} | "
+      f"{pct(tpot, 50):,.1f} / {pct(tpot, 90):,.1f} / {pct(tpot, 99):,.1f} | {kv_cells} |"
+  )
 
 
 async def _request(client: httpx.AsyncClient, model: str, w: Work, t0: float) -> Done:
   arrival = t0 + w.arrival
   await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
-  payload = {"model": model, "prompt": w.prompt, "max_tokens": w.max_tokens, "temperature": 0,
-             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+  payload = {
+      "model": model,
+      "prompt": w.prompt,
+      "max_tokens": w.max_tokens,
+      "temperature": 0,
+      "ignore_eos": True,
+      "stream": True,
+      "stream_options": {"include_usage": True},
+  }
   times, usage = [], None
   async with client.stream("POST", "/v1/completions", json=payload) as r:
     if r.status_code != 200:
@@ -69,8 +93,10 @@ async def _request(client: httpx.AsyncClient, model: str, w: Work, t0: float) ->
         times += [now] * len(c.get("token_ids") or ([1] if c.get("text") else []))
       usage = chunk.get("usage") or usage
   if usage is None or usage["completion_tokens"] != w.max_tokens or len(times) != w.max_tokens:
-    raise RuntimeError(f"asked for {w.max_tokens} tokens, got {len(times)} chunks' worth and "
-                       f"usage {usage}; does the server honour ignore_eos?")
+    raise RuntimeError(
+        f"asked for {w.max_tokens} tokens, got {len(times)} chunks' worth and "
+        f"usage {usage}; does the server honour ignore_eos?"
+    )
   return Done(arrival, times)
 
 
@@ -83,9 +109,14 @@ async def _run(url: str, model: str, work: list[Work]) -> tuple[list[Done], floa
 
 
 def _server_totals(url: str) -> tuple[float, ...] | None:
-  values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
-            for s in f.samples}
-  return tuple(values[k] for k in SERVER_METRICS) if all(k in values for k in SERVER_METRICS) else None
+  values = {
+      s.name: s.value
+      for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+      for s in f.samples
+  }
+  return (
+      tuple(values[k] for k in SERVER_METRICS) if all(k in values for k in SERVER_METRICS) else None
+  )
 
 
 def http_run(url: str, model: str, work: list[Work]) -> tuple[list[Done], float, tuple | None]:
@@ -102,12 +133,21 @@ def _twin(e: dict):
 
   from jaxpipe.models import transformer
   from jaxpipe.serve.engine import Engine
+
   cfg = transformer.TransformerConfig(**e["model"])
   params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
-  engine = Engine(cfg, params, page_size=e["page_size"], num_pages=e["num_pages"],
-                  max_batch=e["max_batch"], max_tokens_per_step=e["max_tokens_per_step"],
-                  max_seq_len=e["max_seq_len"], token_buckets=e["token_buckets"],
-                  page_buckets=e["page_buckets"], attention=e["attention"])
+  engine = Engine(
+      cfg,
+      params,
+      page_size=e["page_size"],
+      num_pages=e["num_pages"],
+      max_batch=e["max_batch"],
+      max_tokens_per_step=e["max_tokens_per_step"],
+      max_seq_len=e["max_seq_len"],
+      token_buckets=e["token_buckets"],
+      page_buckets=e["page_buckets"],
+      attention=e["attention"],
+  )
   engine.precompile()
   return engine
 
@@ -120,19 +160,25 @@ def run(args) -> None:
   except (httpx.HTTPError, ValueError, KeyError) as e:
     raise SystemExit(f"--url={args.url}: no OpenAI-compatible server answers /v1/models ({e})")
   prompt, output = parse_lengths(args)
-  print(f"# serve_bench over HTTP: {url}, model {model['id']!r}; {args.requests} requests per "
-        f"rate, Poisson arrivals, prompt {prompt}, output {output} tokens, seed {args.seed}; "
-        "greedy, ignore_eos, streamed")
+  print(
+      f"# serve_bench over HTTP: {url}, model {model['id']!r}; {args.requests} requests per "
+      f"rate, Poisson arrivals, prompt {prompt}, output {output} tokens, seed {args.seed}; "
+      "greedy, ignore_eos, streamed"
+  )
   if "engine" in model:
     print(f"# server engine: {json.dumps(model['engine'])}")
   engine = None
   if args.compare:
     if "model" not in model.get("engine", {}):
-      raise SystemExit("--compare needs a jaxpipe server (python -m jaxpipe.serve --http): "
-                       "its /v1/models describes the engine to build here")
+      raise SystemExit(
+          "--compare needs a jaxpipe server (python -m jaxpipe.serve --http): "
+          "its /v1/models describes the engine to build here"
+      )
     if model["engine"].get("mode", "engine") != "engine":
-      raise SystemExit(f"--compare builds one engine; the server runs a {model['engine']['mode']} "
-                       "deployment (compare deployments in-process with serve_bench --mode)")
+      raise SystemExit(
+          f"--compare builds one engine; the server runs a {model['engine']['mode']} "
+          "deployment (compare deployments in-process with serve_bench --mode)"
+      )
     engine = _twin(model["engine"])
   cpu_rows = []
   vocab = min(VOCAB, model.get("engine", {}).get("model", {}).get("vocab", VOCAB))
@@ -145,16 +191,24 @@ def run(args) -> None:
       makespan = serve(paged, work)
       cpu = time.process_time() - cpu
       tokens, slots = np.asarray(paged.usage, np.float64).sum(0)
-      print(row("in-process", rate, paged.done, makespan, generated,
-                (tokens, slots, len(paged.usage))), flush=True)
+      print(
+          row(
+              "in-process", rate, paged.done, makespan, generated, (tokens, slots, len(paged.usage))
+          ),
+          flush=True,
+      )
     client_cpu = time.process_time()
     done, makespan, kv = http_run(url, model["id"], work)
     client_cpu = time.process_time() - client_cpu
     print(row("over HTTP", rate, done, makespan, generated, kv), flush=True)
     if engine is not None and kv:
-      cpu_rows.append(f"| {rate:g} | {1e3 * cpu / generated:.2f} | {1e3 * kv[3] / generated:.2f} | "
-                      f"{1e3 * client_cpu / generated:.2f} |")
+      cpu_rows.append(
+          f"| {rate:g} | {1e3 * cpu / generated:.2f} | {1e3 * kv[3] / generated:.2f} | "
+          f"{1e3 * client_cpu / generated:.2f} |"
+      )
   if cpu_rows:
-    print("\nCPU time per generated token (ms; all threads: XLA's and Python's):\n"
-          "| rate (req/s) | in-process engine | server | HTTP client |\n|---|---|---|---|")
+    print(
+        "\nCPU time per generated token (ms; all threads: XLA's and Python's):\n"
+        "| rate (req/s) | in-process engine | server | HTTP client |\n|---|---|---|---|"
+    )
     print("\n".join(cpu_rows))

@@ -5,6 +5,7 @@ request, the real-time driver, the length flags.
 (the same workload over HTTP, `serve_bench --url`) both import this module and neither imports
 the other back; it defines no flags, so any runner may import it.
 """
+
 from __future__ import annotations
 
 import dataclasses

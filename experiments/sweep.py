@@ -25,6 +25,7 @@ ticks). Results: DIR/sweep.csv, DIR/sweep.md, DIR/sweep.png; `load` is the 1-min
 average when the cell started. Under the table, what `pipeline.schedule=auto` chooses from the
 cells' own costs (merged into DIR/costs.json) and where that cell's measured step ranks.
 """
+
 from __future__ import annotations
 
 import ast
@@ -51,25 +52,54 @@ from jaxpipe.runtime import cli, files
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.measure import load_average
 
-COLUMNS = ("cell", "status", "schedule", "microbatches", "chunks", "tokens_per_s", "step_ms",
-           "unit", "paired_ms", "predicted_ms", "error_pct", "lockstep_ms", "compile_s", "peak_mb",
-           "predicted_mb", "final_loss", "bubble_pct", "ticks", "load", "measure_load", "error")
+COLUMNS = (
+    "cell",
+    "status",
+    "schedule",
+    "microbatches",
+    "chunks",
+    "tokens_per_s",
+    "step_ms",
+    "unit",
+    "paired_ms",
+    "predicted_ms",
+    "error_pct",
+    "lockstep_ms",
+    "compile_s",
+    "peak_mb",
+    "predicted_mb",
+    "final_loss",
+    "bubble_pct",
+    "ticks",
+    "load",
+    "measure_load",
+    "error",
+)
 
 
 FLAGS = cli.flag_values(__name__)
 flags.DEFINE_string("config", None, "ml_collections config file[:arg].", flag_values=FLAGS)
 flags.mark_flag_as_required("config", flag_values=FLAGS)
-flags.DEFINE_multi_string("grid", [], "KEY=V1,V2: a config field and its values; repeatable, the "
-                          "cells are the product.", flag_values=FLAGS)
+flags.DEFINE_multi_string(
+    "grid",
+    [],
+    "KEY=V1,V2: a config field and its values; repeatable, the " "cells are the product.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.", flag_values=FLAGS)
-flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
-                          flag_values=FLAGS)
+flags.DEFINE_multi_string(
+    "gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.", flag_values=FLAGS
+)
 flags.DEFINE_integer("steps", 20, "Train steps per cell.", flag_values=FLAGS)
 flags.DEFINE_integer("log_every", 5, "Steps per timed window.", flag_values=FLAGS)
 flags.DEFINE_string("out", None, "Sweep directory (resumable).", flag_values=FLAGS)
 flags.mark_flag_as_required("out", flag_values=FLAGS)
-flags.DEFINE_bool("trace", False, "Also write each cell's planned vs measured ticks "
-                  "(ticks.perfetto.json).", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "trace",
+    False,
+    "Also write each cell's planned vs measured ticks " "(ticks.perfetto.json).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("repeats", 5, "Timed rounds of costs and step.", flag_values=FLAGS)
 flags.DEFINE_float("timeout", 3600, "Seconds per cell process.", flag_values=FLAGS)
 
@@ -117,8 +147,10 @@ def parse_value(config: ml_collections.ConfigDict, key: str, text: str):
       return kind(text)
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
-    raise SweepError(f"{key}={text!r} is not of type {kind.__name__}, the type of config field "
-                     f"{key}; give values of that type")
+    raise SweepError(
+        f"{key}={text!r} is not of type {kind.__name__}, the type of config field "
+        f"{key}; give values of that type"
+    )
 
 
 def check_key(config: ml_collections.ConfigDict, key: str, flag: str) -> None:
@@ -133,8 +165,10 @@ def parse_grid(config: ml_collections.ConfigDict, grid: Sequence[str]) -> dict[s
   """['pipeline.schedule=1f1b,zb-h1', ...] -> {key: [values]}, each key a field, each value of
   its type; SweepError on an empty grid, an unknown key or a bad value."""
   if not grid:
-    raise SweepError("the grid is empty: give at least one --grid KEY=V1,V2 "
-                     "(e.g. --grid pipeline.schedule=1f1b,zb-h1)")
+    raise SweepError(
+        "the grid is empty: give at least one --grid KEY=V1,V2 "
+        "(e.g. --grid pipeline.schedule=1f1b,zb-h1)"
+    )
   out: dict[str, list[str]] = {}
   for item in grid:
     key, sep, values = item.partition("=")
@@ -157,8 +191,7 @@ def parse_overrides(config: ml_collections.ConfigDict, extra: Sequence[str]) -> 
   for arg in extra:
     m = re.fullmatch(r"--config\.([\w.]+)=(.*)", arg)
     if not m:
-      raise SweepError(f"unknown argument {arg!r}; fixed overrides look like "
-                       "--config.mesh.pp=4")
+      raise SweepError(f"unknown argument {arg!r}; fixed overrides look like " "--config.mesh.pp=4")
     check_key(config, m[1], "--config.")
     set_field(config, m[1], parse_value(config, m[1], m[2]))
     out.append(arg)
@@ -236,13 +269,24 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   """Trains one cell, measures its costs beside its own step, predicts; -> its result row."""
   workdir = os.path.join(out, cell.dirname)
   os.makedirs(workdir, exist_ok=True)
-  overrides = fixed + cell.args() + [f"--config.train.steps={args.steps}",
-                                     f"--config.train.log_every={args.log_every}",
-                                     "--config.train.eval_every=0", "--config.checkpoint.every=0"]
+  overrides = (
+      fixed
+      + cell.args()
+      + [
+          f"--config.train.steps={args.steps}",
+          f"--config.train.log_every={args.log_every}",
+          "--config.train.eval_every=0",
+          "--config.checkpoint.every=0",
+      ]
+  )
   row = {"cell": cell.name, "status": "failed", "load": load_average()}
-  rc, last = run([sys.executable, "-m", "jaxpipe.train", "--config", args.config,
-                  "--workdir", workdir] + overrides + gin, os.path.join(workdir, "log.txt"),
-                 args.timeout)
+  rc, last = run(
+      [sys.executable, "-m", "jaxpipe.train", "--config", args.config, "--workdir", workdir]
+      + overrides
+      + gin,
+      os.path.join(workdir, "log.txt"),
+      args.timeout,
+  )
   if rc != 0:
     row["error"] = f"train exited {rc}: {last}"
     return row
@@ -253,10 +297,14 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   with open(os.path.join(workdir, "compile.json")) as f:
     compiled = json.load(f)
   tokens = resolved.data.batch * resolved.data.seq_len
-  row.update(status="ok", step_ms=1e3 * metrics["step_s"],
-             tokens_per_s=tokens / metrics["step_s"], final_loss=metrics["final_loss"],
-             compile_s=compiled["compile_s"],
-             peak_mb=compiled["peak_bytes"] / 2**20 if "peak_bytes" in compiled else None)
+  row.update(
+      status="ok",
+      step_ms=1e3 * metrics["step_s"],
+      tokens_per_s=tokens / metrics["step_s"],
+      final_loss=metrics["final_loss"],
+      compile_s=compiled["compile_s"],
+      peak_mb=compiled["peak_bytes"] / 2**20 if "peak_bytes" in compiled else None,
+  )
   if resolved.mesh.pp > 1:
     # what auto chose runs as a named schedule from here on
     chosen = [f"--config.pipeline.{k}={p[k]}" for k in ("schedule", "microbatches", "chunks")]
@@ -264,26 +312,53 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   return row
 
 
-def predict_cell(row: dict, resolved: ml_collections.ConfigDict, overrides: list[str], args,
-                 workdir: str) -> None:
+def predict_cell(
+    row: dict, resolved: ml_collections.ConfigDict, overrides: list[str], args, workdir: str
+) -> None:
   """Adds the predicted step time, memory and bubble from costs measured in the same rounds as
   the cell's own train step (`python -m jaxpipe.measure --paired`), and that step's time."""
   schedule = config_lib.pipeline_schedule(resolved.pipeline, resolved.mesh.pp)
   m, s = schedule.num_microbatches, schedule.num_stages
   path = os.path.join(workdir, "costs.json")
-  rc, last = run([sys.executable, "-m", "jaxpipe.measure", "--config", args.config,
-                  "--out", path, f"--microbatches={m}", f"--stages={s}", "--paired",
-                  f"--repeats={args.repeats}"] + overrides, os.path.join(workdir,
-                                                                        "measure.log.txt"),
-                 args.timeout)
+  rc, last = run(
+      [
+          sys.executable,
+          "-m",
+          "jaxpipe.measure",
+          "--config",
+          args.config,
+          "--out",
+          path,
+          f"--microbatches={m}",
+          f"--stages={s}",
+          "--paired",
+          f"--repeats={args.repeats}",
+      ]
+      + overrides,
+      os.path.join(workdir, "measure.log.txt"),
+      args.timeout,
+  )
   if rc != 0:
     row["error"] = f"measure exited {rc}: {last}"
     return
   add_prediction(row, resolved, path)
   if args.trace:
-    rc, last = run([sys.executable, "-m", "jaxpipe.tick_trace", "--config", args.config,
-                    "--costs", path, "--out", os.path.join(workdir, "ticks.perfetto.json")]
-                   + overrides, os.path.join(workdir, "trace.log.txt"), args.timeout)
+    rc, last = run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpipe.tick_trace",
+            "--config",
+            args.config,
+            "--costs",
+            path,
+            "--out",
+            os.path.join(workdir, "ticks.perfetto.json"),
+        ]
+        + overrides,
+        os.path.join(workdir, "trace.log.txt"),
+        args.timeout,
+    )
     if rc != 0:
       row["error"] = f"tick_trace exited {rc}: {last}"
 
@@ -300,10 +375,17 @@ def add_prediction(row: dict, resolved: ml_collections.ConfigDict, path: str) ->
   # what other processes take); parallel devices: wall seconds of the lock-step ticks
   shared = pred.model == "shared cores"
   got, want = (paired["step_cpu_s"], pred.cpu_s) if shared else (paired["step_s"], pred.step_s)
-  row.update(paired_ms=1e3 * got, predicted_ms=1e3 * want, unit="CPU" if shared else "wall",
-             lockstep_ms=1e3 * pred.lockstep_s, predicted_mb=pred.memory_bytes / 2**20,
-             bubble_pct=100 * pred.bubble, ticks=lowered.num_ticks,
-             error_pct=100 * (want / got - 1), measure_load=costs.setup["load_average"])
+  row.update(
+      paired_ms=1e3 * got,
+      predicted_ms=1e3 * want,
+      unit="CPU" if shared else "wall",
+      lockstep_ms=1e3 * pred.lockstep_s,
+      predicted_mb=pred.memory_bytes / 2**20,
+      bubble_pct=100 * pred.bubble,
+      ticks=lowered.num_ticks,
+      error_pct=100 * (want / got - 1),
+      measure_load=costs.setup["load_average"],
+  )
 
 
 def auto_among(rows: list[dict], out: str) -> str | None:
@@ -326,23 +408,30 @@ def auto_among(rows: list[dict], out: str) -> str | None:
   costs = costs_lib.parse(merged, path)
   model = first["setup"]["model"]
   layers = config_lib.layer_units(ml_collections.ConfigDict({"model": model}))
-  ranking = auto_lib.rank(first["setup"]["mesh"]["pp"], sorted({int(r["microbatches"])
-                                                                for r in ok}),
-                          costs, layers=layers, names=sorted({r["schedule"] for r in ok}))
+  ranking = auto_lib.rank(
+      first["setup"]["mesh"]["pp"],
+      sorted({int(r["microbatches"]) for r in ok}),
+      costs,
+      layers=layers,
+      names=sorted({r["schedule"] for r in ok}),
+  )
   best = ranking.best
   key = lambda r: float(r["paired_ms"])
   order = sorted(ok, key=key)
-  mine = [r for r in ok if (r["schedule"], int(r["microbatches"])) == (best.name,
-                                                                         best.microbatches)]
+  mine = [
+      r for r in ok if (r["schedule"], int(r["microbatches"])) == (best.name, best.microbatches)
+  ]
   if not mine:
     return f"auto over the cells' costs chooses {best.label}, which is not a cell of this sweep"
   place = order.index(mine[0]) + 1
   unit = mine[0].get("unit", "")
-  return (f"auto over the cells' costs chooses {best.label} (predicted "
-          f"{1e3 * best.prediction.step_s:.1f} ms per step); that cell measured "
-          f"{key(mine[0]):.1f} ms {unit}, #{place} of {len(order)}, "
-          f"{100 * (key(mine[0]) / key(order[0]) - 1):.1f}% above the fastest "
-          f"({order[0]['cell']}, {key(order[0]):.1f} ms)")
+  return (
+      f"auto over the cells' costs chooses {best.label} (predicted "
+      f"{1e3 * best.prediction.step_s:.1f} ms per step); that cell measured "
+      f"{key(mine[0]):.1f} ms {unit}, #{place} of {len(order)}, "
+      f"{100 * (key(mine[0]) / key(order[0]) - 1):.1f}% above the fastest "
+      f"({order[0]['cell']}, {key(order[0]):.1f} ms)"
+  )
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -354,20 +443,51 @@ def fmt(value, digits: int = 1) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-  head = ("cell", "status", "tokens/s", "step ms", "paired ms", "predicted ms", "error",
-          "lock-step ms", "compile s", "peak MB", "predicted MB", "final loss", "bubble",
-          "ticks", "load")
+  head = (
+      "cell",
+      "status",
+      "tokens/s",
+      "step ms",
+      "paired ms",
+      "predicted ms",
+      "error",
+      "lock-step ms",
+      "compile s",
+      "peak MB",
+      "predicted MB",
+      "final loss",
+      "bubble",
+      "ticks",
+      "load",
+  )
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     err = f"{r['error_pct']:+.0f}%" if r.get("error_pct") is not None else ""
     bub = f"{r['bubble_pct']:.1f}%" if r.get("bubble_pct") is not None else ""
     status = r["status"] if r["status"] == "ok" else f"failed: {r.get('error', '')}"
-    lines.append("| " + " | ".join([
-        r["cell"], status, fmt(r.get("tokens_per_s"), 0), fmt(r.get("step_ms")),
-        f"{fmt(r.get('paired_ms'))} {r.get('unit', '')}".strip(), fmt(r.get("predicted_ms")),
-        err, fmt(r.get("lockstep_ms")), fmt(r.get("compile_s")),
-        fmt(r.get("peak_mb"), 2), fmt(r.get("predicted_mb"), 2), fmt(r.get("final_loss"), 4),
-        bub, fmt(r.get("ticks")), r.get("load", "").split(" ")[0]]) + " |")
+    lines.append(
+        "| "
+        + " | ".join(
+            [
+                r["cell"],
+                status,
+                fmt(r.get("tokens_per_s"), 0),
+                fmt(r.get("step_ms")),
+                f"{fmt(r.get('paired_ms'))} {r.get('unit', '')}".strip(),
+                fmt(r.get("predicted_ms")),
+                err,
+                fmt(r.get("lockstep_ms")),
+                fmt(r.get("compile_s")),
+                fmt(r.get("peak_mb"), 2),
+                fmt(r.get("predicted_mb"), 2),
+                fmt(r.get("final_loss"), 4),
+                bub,
+                fmt(r.get("ticks")),
+                r.get("load", "").split(" ")[0],
+            ]
+        )
+        + " |"
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -375,18 +495,34 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   """Step time per cell: the runner's, the one measured beside the costs, the predicted."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
+
   ok = [r for r in rows if r["status"] == "ok"]
   fig = Figure(figsize=(max(6, 0.55 * len(rows) + 2), 4.5))
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
   xs = range(len(ok))
-  ax.bar([x - 0.27 for x in xs], [r["step_ms"] for r in ok], 0.27,
-         label="runner (wall time, carries the load)", color="#4c8bd6")
+  ax.bar(
+      [x - 0.27 for x in xs],
+      [r["step_ms"] for r in ok],
+      0.27,
+      label="runner (wall time, carries the load)",
+      color="#4c8bd6",
+  )
   unit = ok[0].get("unit", "wall") if ok else "wall"
-  ax.bar(list(xs), [r.get("paired_ms") or 0 for r in ok], 0.27,
-         label=f"measured beside the costs ({unit} time)", color="#6aab5e")
-  ax.bar([x + 0.27 for x in xs], [r.get("predicted_ms") or 0 for r in ok], 0.27,
-         label=f"predicted from those costs ({unit} time)", color="#e8a33d")
+  ax.bar(
+      list(xs),
+      [r.get("paired_ms") or 0 for r in ok],
+      0.27,
+      label=f"measured beside the costs ({unit} time)",
+      color="#6aab5e",
+  )
+  ax.bar(
+      [x + 0.27 for x in xs],
+      [r.get("predicted_ms") or 0 for r in ok],
+      0.27,
+      label=f"predicted from those costs ({unit} time)",
+      color="#e8a33d",
+  )
   ax.set_xticks(list(xs), [r["cell"] for r in ok], rotation=60, ha="right", fontsize=7)
   ax.set_ylabel("step time (ms)")
   ax.set_title(title, fontsize=9)
@@ -402,8 +538,10 @@ def main(argv: list[str]) -> int:
   args, extra = cli.values(FLAGS), argv[1:]
   try:
     if args.steps < 3 or args.log_every < 1:
-      raise SweepError(f"--steps {args.steps} --log_every {args.log_every}: need at least 3 "
-                       "steps (the first compiles and is not timed) and log_every >= 1")
+      raise SweepError(
+          f"--steps {args.steps} --log_every {args.log_every}: need at least 3 "
+          "steps (the first compiles and is not timed) and log_every >= 1"
+      )
     base = load_config(args.config)
     fixed = parse_overrides(base, extra)
     grid = parse_grid(base, args.grid)
@@ -434,13 +572,21 @@ def main(argv: list[str]) -> int:
       if row["status"] == "ok":
         files.write_json(result, row, indent=1)
     rows.append(row)
-    print(f"    {row['status']}: " + (
-        f"{row['step_ms']:.1f} ms/step in the runner, " + (
-            f"{row['paired_ms']:.1f} ms {row['unit']} beside the costs, "
-            f"{row['predicted_ms']:.1f} predicted ({row['error_pct']:+.0f}%)"
-            if row.get("predicted_ms") is not None
-            else "no prediction")
-        if row["status"] == "ok" else row.get("error", "")), flush=True)
+    print(
+        f"    {row['status']}: "
+        + (
+            f"{row['step_ms']:.1f} ms/step in the runner, "
+            + (
+                f"{row['paired_ms']:.1f} ms {row['unit']} beside the costs, "
+                f"{row['predicted_ms']:.1f} predicted ({row['error_pct']:+.0f}%)"
+                if row.get("predicted_ms") is not None
+                else "no prediction"
+            )
+            if row["status"] == "ok"
+            else row.get("error", "")
+        ),
+        flush=True,
+    )
   with open(os.path.join(args.out, "sweep.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
     writer.writeheader()

@@ -1,4 +1,5 @@
 """Wall-clock timing shared by the benchmark runners."""
+
 import statistics
 import time
 

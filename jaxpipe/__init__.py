@@ -7,5 +7,6 @@ def __getattr__(name):
   # Lazy so that `jaxpipe.pipeline` (schedule IR, no JAX) imports without JAX.
   if name == "Trainer":
     from jaxpipe.training.trainer import Trainer
+
     return Trainer
   raise AttributeError(name)

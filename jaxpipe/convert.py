@@ -7,6 +7,7 @@
 What each writes and reads: `jaxpipe.training.convert`. The sub-command and its directories are
 the positional arguments; --fp8 belongs to hf-to-orbax, --step and --dtype to orbax-to-hf.
 """
+
 import sys
 
 from jaxpipe.runtime import process
@@ -22,34 +23,53 @@ from jaxpipe.runtime import cli  # noqa: E402
 
 # Workdirs converted before the library moved to jaxpipe.training name it here in their config.py.
 from jaxpipe.training.convert import (  # noqa: E402
-  finetune_config,  # noqa: E402, F401
-  hf_to_orbax,
-  orbax_to_hf,
+    finetune_config,  # noqa: E402, F401
+    hf_to_orbax,
+    orbax_to_hf,
 )
 
 # sub-command -> its positional arguments and the flags only it takes
-COMMANDS = {"hf-to-orbax": (("SRC_DIR", "WORKDIR"), ("fp8",)),
-            "orbax-to-hf": (("WORKDIR", "DST_DIR"), ("step", "dtype"))}
+COMMANDS = {
+    "hf-to-orbax": (("SRC_DIR", "WORKDIR"), ("fp8",)),
+    "orbax-to-hf": (("WORKDIR", "DST_DIR"), ("step", "dtype")),
+}
 
 FLAGS = cli.flag_values(__name__)
 flags.DEFINE_integer("pp", 1, "Split the layers over this many devices.", flag_values=FLAGS)
 flags.DEFINE_integer("ep", 1, "Split the experts over this many devices.", flag_values=FLAGS)
-flags.DEFINE_enum("fp8", "none", fp8_lib.RECIPES, "hf-to-orbax: FP8 recipe of the fine-tuning run "
-                  "(model.fp8); delayed adds its scales and amax histories to checkpoint 0.",
-                  flag_values=FLAGS)
-flags.DEFINE_integer("step", None, "orbax-to-hf: the checkpoint to export; default the newest "
-                     "committed.", flag_values=FLAGS)
-flags.DEFINE_enum("dtype", None, ("float32", "bfloat16", "float16"), "orbax-to-hf: of the "
-                  "written weights; default the source's (else float32).", flag_values=FLAGS)
+flags.DEFINE_enum(
+    "fp8",
+    "none",
+    fp8_lib.RECIPES,
+    "hf-to-orbax: FP8 recipe of the fine-tuning run "
+    "(model.fp8); delayed adds its scales and amax histories to checkpoint 0.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "step",
+    None,
+    "orbax-to-hf: the checkpoint to export; default the newest " "committed.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "dtype",
+    None,
+    ("float32", "bfloat16", "float16"),
+    "orbax-to-hf: of the " "written weights; default the source's (else float32).",
+    flag_values=FLAGS,
+)
+
 
 def main(argv: list[str]) -> None:
   """The command (module docstring): argv is the program name, the sub-command and its two
   directories."""
   command = argv[1] if len(argv) > 1 else None
   if command not in COMMANDS:
-    raise app.UsageError(f"give a sub-command, {' or '.join(COMMANDS)}"
-                         + (f"; {command!r} is neither" if command else "")
-                         + ", e.g. python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR")
+    raise app.UsageError(
+        f"give a sub-command, {' or '.join(COMMANDS)}"
+        + (f"; {command!r} is neither" if command else "")
+        + ", e.g. python -m jaxpipe.convert hf-to-orbax SRC_DIR WORKDIR"
+    )
   if len(argv) != 2 + len(COMMANDS[command][0]):
     raise app.UsageError(f"{command} takes {' '.join(COMMANDS[command][0])}; got {argv[2:]}")
   for other, (_, theirs) in COMMANDS.items():
@@ -61,9 +81,11 @@ def main(argv: list[str]) -> None:
     if command == "hf-to-orbax":
       src, workdir = argv[2:]
       plan = hf_to_orbax(src, workdir, f.pp, f.ep, f.fp8)
-      print(f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
-            f"{plan.dtype}) -> {workdir}/checkpoints/0"
-            + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items())))
+      print(
+          f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
+          f"{plan.dtype}) -> {workdir}/checkpoints/0"
+          + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items()))
+      )
       print(f"fine-tune: python -m jaxpipe.train --workdir {workdir}")
     else:
       workdir, dst = argv[2:]

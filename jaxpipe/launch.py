@@ -14,6 +14,7 @@ SIGTERM and SIGINT are forwarded to every rank (a third Ctrl-C kills them). When
 process groups are killed, and the launcher exits with that rank's status (128 + signal number
 for a signal) after naming it and showing its last lines. It exits 0 when every rank does.
 """
+
 import os
 import signal
 import sys
@@ -30,22 +31,42 @@ FLAGS = cli.flag_values(__name__)
 FLAGS.set_gnu_getopt(False)  # the flags end where the command starts: its flags are its own
 flags.DEFINE_integer("processes", None, "Ranks to start (emulated hosts).", flag_values=FLAGS)
 flags.mark_flag_as_required("processes", flag_values=FLAGS)
-flags.DEFINE_integer("devices_per_process", None, "CPU devices per rank (sets "
-                     "JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu).", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "devices_per_process",
+    None,
+    "CPU devices per rank (sets " "JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu).",
+    flag_values=FLAGS,
+)
 # (absl's logging owns --log_dir)
-flags.DEFINE_string("rank_log_dir", None, "Where rank<i>.log go (default: a new temporary "
-                    "directory).", flag_values=FLAGS)
-flags.DEFINE_float("grace", 10.0, "Seconds the other ranks get to stop by themselves after one "
-                   "fails, before they are killed.", flag_values=FLAGS)
-flags.DEFINE_integer("heartbeat_timeout", None, "Seconds after which JAX counts a silent rank as "
-                     "dead (JAXPIPE_HEARTBEAT_TIMEOUT; JAX's default is 100).", flag_values=FLAGS)
+flags.DEFINE_string(
+    "rank_log_dir",
+    None,
+    "Where rank<i>.log go (default: a new temporary " "directory).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "grace",
+    10.0,
+    "Seconds the other ranks get to stop by themselves after one " "fails, before they are killed.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "heartbeat_timeout",
+    None,
+    "Seconds after which JAX counts a silent rank as "
+    "dead (JAXPIPE_HEARTBEAT_TIMEOUT; JAX's default is 100).",
+    flag_values=FLAGS,
+)
+
 
 def main(argv: list[str]) -> int:
   """The command (module docstring): argv is the program name and the command to run."""
   command = argv[1:]
   if not command:
-    raise app.UsageError("no command to run: put it after `--`, e.g. -- python -m jaxpipe.train "
-                         "--config configs/quickstart.py")
+    raise app.UsageError(
+        "no command to run: put it after `--`, e.g. -- python -m jaxpipe.train "
+        "--config configs/quickstart.py"
+    )
   args = cli.values(FLAGS)
   if args.processes < 1:
     raise app.UsageError(f"--processes={args.processes} must be at least 1")
@@ -54,8 +75,12 @@ def main(argv: list[str]) -> int:
   log_dir = args.rank_log_dir or tempfile.mkdtemp(prefix="jaxpipe-launch-")
   os.makedirs(log_dir, exist_ok=True)
   address = f"127.0.0.1:{free_port()}"
-  base = {**os.environ, "JAX_COORDINATOR_ADDRESS": address,
-          "JAX_NUM_PROCESSES": str(args.processes), "PYTHONUNBUFFERED": "1"}
+  base = {
+      **os.environ,
+      "JAX_COORDINATOR_ADDRESS": address,
+      "JAX_NUM_PROCESSES": str(args.processes),
+      "PYTHONUNBUFFERED": "1",
+  }
   if args.devices_per_process is not None:
     base.update(JAX_NUM_CPU_DEVICES=str(args.devices_per_process), JAX_PLATFORMS="cpu")
   if args.heartbeat_timeout is not None:
@@ -77,9 +102,13 @@ def main(argv: list[str]) -> int:
       ranks.append(Rank(i, command, {**base, "JAX_PROCESS_ID": str(i)}, log_dir, lock))
     devices = f" x {args.devices_per_process} CPU devices" if args.devices_per_process else ""
     with lock:
-      print(f"launch: {args.processes} processes{devices} (pids "
-            f"{', '.join(str(r.proc.pid) for r in ranks)}), coordinator {address}, logs in "
-            f"{log_dir}", file=sys.stderr, flush=True)
+      print(
+          f"launch: {args.processes} processes{devices} (pids "
+          f"{', '.join(str(r.proc.pid) for r in ranks)}), coordinator {address}, logs in "
+          f"{log_dir}",
+          file=sys.stderr,
+          flush=True,
+      )
     failed_at, killed = None, set()
     while any(r.ended_at is None for r in ranks):
       if failed_at is None:
@@ -101,13 +130,23 @@ def main(argv: list[str]) -> int:
   if failed is None:
     return 0
   code = failed.proc.returncode
-  others = ", ".join(f"rank {r.index} " + ("killed after the grace period" if r.index in killed
-                                            else describe_status(r.proc.returncode))
-                     for r in ranks if r is not failed)
+  others = ", ".join(
+      f"rank {r.index} "
+      + (
+          "killed after the grace period"
+          if r.index in killed
+          else describe_status(r.proc.returncode)
+      )
+      for r in ranks
+      if r is not failed
+  )
   lines = "\n".join(f"  {line}" for line in failed.last_lines) or "  (none)"
-  print(f"error: rank {failed.index} failed first ({describe_status(code)}); "
-        f"{others or 'no other rank'}. Its last lines ({failed.log_path}):\n{lines}",
-        file=sys.stderr, flush=True)
+  print(
+      f"error: rank {failed.index} failed first ({describe_status(code)}); "
+      f"{others or 'no other rank'}. Its last lines ({failed.log_path}):\n{lines}",
+      file=sys.stderr,
+      flush=True,
+  )
   return code if code > 0 else 128 - code
 
 

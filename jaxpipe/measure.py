@@ -18,6 +18,7 @@ train step. After a warm-up, `--repeats` rounds time every kind once each (so lo
 during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
 from the shapes (`executor.stage_ops`): exact.
 """
+
 from __future__ import annotations
 
 from jaxpipe.runtime import process
@@ -41,13 +42,23 @@ from jaxpipe.training.trainer import Trainer  # noqa: E402
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 config_lib.define_runner_flags(FLAGS)
 flags.DEFINE_string("out", "costs.json", "Cost file to write.", flag_values=FLAGS)
-flags.DEFINE_string("microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).", flag_values=FLAGS)
-flags.DEFINE_string("stages", "", "Model stage counts, e.g. 4,8 (default: the config "
-                    "schedule's).", flag_values=FLAGS)
+flags.DEFINE_string(
+    "microbatches", "", "Micro-batch counts, e.g. 8,16 (default: the config's).", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "stages",
+    "",
+    "Model stage counts, e.g. 4,8 (default: the config " "schedule's).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.", flag_values=FLAGS)
-flags.DEFINE_bool("paired", False, "Also time the config's own train step in the same "
-                  "rounds, for a prediction against a step measured under the same load.", flag_values=FLAGS)
-
+flags.DEFINE_bool(
+    "paired",
+    False,
+    "Also time the config's own train step in the same "
+    "rounds, for a prediction against a step measured under the same load.",
+    flag_values=FLAGS,
+)
 
 
 def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, float]]:
@@ -65,8 +76,11 @@ def main(argv: list[str]) -> None:
   try:
     mesh_shape = config_lib.mesh_shape(config.mesh, jax.device_count())
     if f.microbatches or f.stages:
-      ms = [int(x) for x in f.microbatches.split(",")] if f.microbatches else \
-          [config.pipeline.microbatches]
+      ms = (
+          [int(x) for x in f.microbatches.split(",")]
+          if f.microbatches
+          else [config.pipeline.microbatches]
+      )
       if f.stages:
         ss = [int(x) for x in f.stages.split(",")]
       else:
@@ -84,11 +98,16 @@ def main(argv: list[str]) -> None:
     sys.exit(f"error: {e}")
   costs_lib.dump(out, f.out)
   paired = out["setup"].get("paired")
-  print(f"wrote {f.out}: {len(out['entries'])} entries, update "
-        f"{1e3 * out['step']['update_s']:.2f} ms"
-        + (f", train step {1e3 * paired['step_s']:.2f} ms ({paired['step_cpu_s']:.3f} s CPU)"
-           if paired else "")
-        + f"; load {out['setup']['load_average']}")
+  print(
+      f"wrote {f.out}: {len(out['entries'])} entries, update "
+      f"{1e3 * out['step']['update_s']:.2f} ms"
+      + (
+          f", train step {1e3 * paired['step_s']:.2f} ms ({paired['step_cpu_s']:.3f} s CPU)"
+          if paired
+          else ""
+      )
+      + f"; load {out['setup']['load_average']}"
+  )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 (seconds; the entry for the schedule's micro-batch and stage counts, one ppermute as the
 latency). `auto` ranks every schedule the cost file can price by its predicted step time.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,24 +30,47 @@ from jaxpipe.runtime import cli
 
 FLAGS = cli.flag_values(__name__)
 flags.DEFINE_integer("pp", None, "Pipeline ranks.", flag_values=FLAGS)
-flags.DEFINE_string("microbatches", None, "Micro-batches per step (auto: a comma list, e.g. 8,16).",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+    "microbatches",
+    None,
+    "Micro-batches per step (auto: a comma list, e.g. 8,16).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("chunks", None, "Model chunks per rank (interleaved-1f1b).", flag_values=FLAGS)
-flags.DEFINE_multi_string("option", [], "Generator option NAME=VALUE, e.g. group=4 for "
-                          "interleaved-1f1b; repeatable.", flag_values=FLAGS)
-flags.DEFINE_string("costs", "", "Per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), or a cost file "
-                    "(python -m jaxpipe.measure).", flag_values=FLAGS)
-flags.DEFINE_float("memory_limit", 0.0, "auto: GB per device; schedules predicted to need more "
-                   "are dropped.", flag_values=FLAGS)
-flags.DEFINE_integer("layers", None, "auto: layers every stage count must divide.",
-                     flag_values=FLAGS)
-flags.DEFINE_string("schedules", "", "auto: generators to rank, comma-separated (default all).",
-                    flag_values=FLAGS)
+flags.DEFINE_multi_string(
+    "option",
+    [],
+    "Generator option NAME=VALUE, e.g. group=4 for " "interleaved-1f1b; repeatable.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "costs",
+    "",
+    "Per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), or a cost file " "(python -m jaxpipe.measure).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "memory_limit",
+    0.0,
+    "auto: GB per device; schedules predicted to need more " "are dropped.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "layers", None, "auto: layers every stage count must divide.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "schedules", "", "auto: generators to rank, comma-separated (default all).", flag_values=FLAGS
+)
 flags.DEFINE_float("latency", 0.0, "Cross-rank latency.", flag_values=FLAGS)
-flags.DEFINE_bool("lockstep", False, "perfetto/png: draw the lock-step timeline instead of the "
-                  "asynchronous one.", flag_values=FLAGS)
-flags.DEFINE_string("format", "grid", "Output: grid, csv, perfetto, png, stats or ticks.",
-                    flag_values=FLAGS)
+flags.DEFINE_bool(
+    "lockstep",
+    False,
+    "perfetto/png: draw the lock-step timeline instead of the " "asynchronous one.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "format", "grid", "Output: grid, csv, perfetto, png, stats or ticks.", flag_values=FLAGS
+)
 flags.DEFINE_string("out", None, "Write here instead of stdout.", flag_values=FLAGS)
 
 
@@ -126,7 +150,8 @@ def stats(schedule: Schedule, args) -> str:
       f"{'bubble rate (mean rank/makespan)':34}{100 * a.bubble_rate:>11.1f}%"
       f"{100 * ls.bubble_rate:>11.1f}%",
       f"lock-step ticks {ls.ticks}; lock-step / async makespan {ls.makespan / a.makespan:.3f}"
-      if a.makespan else f"lock-step ticks {ls.ticks}",
+      if a.makespan
+      else f"lock-step ticks {ls.ticks}",
       f"peak activations {a.peak_activations[top]} micro-batch-stages on rank {top} = "
       f"{a.peak_activations_rank[top]:g} whole-rank units",
       f"per rank: bubble (async, single step) {[round(x, 6) for x in a.bubble]}",
@@ -135,16 +160,27 @@ def stats(schedule: Schedule, args) -> str:
   name = schedule.name
   if name in SCHEDULE_NAMES:
     try:
-      f = anchor(name, schedule.num_ranks, schedule.num_microbatches, pl.chunks_per_rank,
-                 args.costs, schedule.options.get("group"))
+      f = anchor(
+          name,
+          schedule.num_ranks,
+          schedule.num_microbatches,
+          pl.chunks_per_rank,
+          args.costs,
+          schedule.options.get("group"),
+      )
     except ValueError as e:
       lines.append(f"anchors.md: {e}")
     else:
-      bubble = (f"bubble {f.bubble_text()} ({f.bubble_view}, units {f.bubble_units})"
-                if f.bubble is not None else f"bubble {f.bubble_text()}")
-      lines.append(f"anchors.md: {bubble}; activations {f.activations_text()} "
-                   f"({f.activations_units}); {f.source}" + ("" if f.exact else
-                                                              "; * = bound or approximation"))
+      bubble = (
+          f"bubble {f.bubble_text()} ({f.bubble_view}, units {f.bubble_units})"
+          if f.bubble is not None
+          else f"bubble {f.bubble_text()}"
+      )
+      lines.append(
+          f"anchors.md: {bubble}; activations {f.activations_text()} "
+          f"({f.activations_units}); {f.source}"
+          + ("" if f.exact else "; * = bound or approximation")
+      )
   return "\n".join(lines)
 
 
@@ -170,6 +206,7 @@ FORMATS: dict[str, Callable[[Schedule, types.SimpleNamespace], str | None]] = {
 def _ticks(schedule: Schedule, args) -> str:
   """The executor's lowered tick table (one cell per tick, packed parts joined by ';')."""
   from jaxpipe.pipeline.ir.lower import Costs, lower
+
   lowered = lower(schedule, Costs(**{k: v for k, v in args.costs.items() if k in "FIW"}))
   print(lowered.summary(), file=sys.stderr)
   return lowered.to_csv()
@@ -186,12 +223,14 @@ def use_cost_file(schedule: Schedule, args) -> None:
 def auto(args) -> str:
   """Ranks every generator at --microbatches (comma list) by predicted step time."""
   if args.cost_file is None or args.pp is None or args.microbatches_list is None:
-    raise ValueError("auto needs --pp, --microbatches and --costs FILE (from python -m "
-                     "jaxpipe.measure)")
+    raise ValueError(
+        "auto needs --pp, --microbatches and --costs FILE (from python -m " "jaxpipe.measure)"
+    )
   names = tuple(filter(None, args.schedules.split(","))) or SCHEDULE_NAMES
   limit = args.memory_limit * auto_lib.GB if args.memory_limit else None
-  ranking = auto_lib.rank(args.pp, args.microbatches_list, args.cost_file, limit, args.layers,
-                          names)
+  ranking = auto_lib.rank(
+      args.pp, args.microbatches_list, args.cost_file, limit, args.layers, names
+  )
   return ranking.report()
 
 
@@ -201,31 +240,40 @@ def load(args) -> Schedule:
     if not os.path.isfile(args.schedule):
       raise FileNotFoundError(f"no such schedule file {args.schedule!r}")
     schedule = Schedule.from_csv(args.schedule)
-    for flag, want, got in (("--pp", args.pp, schedule.num_ranks),
-                            ("--microbatches", args.microbatches, schedule.num_microbatches),
-                            ("--chunks", args.chunks, schedule.placement.chunks_per_rank)):
+    for flag, want, got in (
+        ("--pp", args.pp, schedule.num_ranks),
+        ("--microbatches", args.microbatches, schedule.num_microbatches),
+        ("--chunks", args.chunks, schedule.placement.chunks_per_rank),
+    ):
       if want is not None and want != got:
-        raise ValueError(f"{flag} {want} disagrees with {args.schedule}, which has {got}; "
-                         f"drop {flag} or fix the file")
+        raise ValueError(
+            f"{flag} {want} disagrees with {args.schedule}, which has {got}; "
+            f"drop {flag} or fix the file"
+        )
     return schedule
   if args.pp is None or args.microbatches is None:
     raise ValueError(f"schedule {args.schedule!r} needs --pp and --microbatches")
-  return make_schedule(args.schedule, pp=args.pp, microbatches=args.microbatches,
-                       chunks=args.chunks, **args.options)
+  return make_schedule(
+      args.schedule, pp=args.pp, microbatches=args.microbatches, chunks=args.chunks, **args.options
+  )
 
 
 def main(argv: list[str]) -> int:
   """The command (module docstring): argv is the program name and the schedule; the rest are
   flags. -> the exit status: 0, 2 for a schedule or flag that cannot work, 1 if --out fails."""
   if len(argv) != 2:
-    raise app.UsageError(f"give one schedule: one of {', '.join(SCHEDULE_NAMES)}, a torch CSV "
-                         "path, or auto (rank them all with --costs FILE)"
-                         + (f"; got {argv[1:]}" if len(argv) > 2 else ""))
+    raise app.UsageError(
+        f"give one schedule: one of {', '.join(SCHEDULE_NAMES)}, a torch CSV "
+        "path, or auto (rank them all with --costs FILE)"
+        + (f"; got {argv[1:]}" if len(argv) > 2 else "")
+    )
   args = cli.values(FLAGS)
   args.schedule = argv[1]
   if args.format not in FORMATS:
-    print(f"error: --format={args.format!r}: choose from {', '.join(sorted(FORMATS))}",
-          file=sys.stderr)
+    print(
+        f"error: --format={args.format!r}: choose from {', '.join(sorted(FORMATS))}",
+        file=sys.stderr,
+    )
     return 2
   try:
     args.cost_file = costs_lib.load(args.costs) if is_cost_file(args.costs) else None

@@ -6,6 +6,7 @@
 
 What the planned and the measured ticks are: `jaxpipe.pipeline.tick_trace`.
 """
+
 from __future__ import annotations
 
 from jaxpipe.runtime import process
@@ -22,11 +23,11 @@ from absl import flags  # noqa: E402
 from jaxpipe.pipeline.api import lowered_for  # noqa: E402
 from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
 from jaxpipe.pipeline.tick_trace import (  # noqa: E402
-  TraceError,
-  branch_of_table,
-  perfetto_trace,
-  profile_step,
-  read_profile,
+    TraceError,
+    branch_of_table,
+    perfetto_trace,
+    profile_step,
+    read_profile,
 )
 from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
@@ -36,9 +37,10 @@ from jaxpipe.training.trainer import Trainer  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 config_lib.define_runner_flags(FLAGS)
-flags.DEFINE_string("costs", "", "Cost file (python -m jaxpipe.measure); empty: measure now.", flag_values=FLAGS)
+flags.DEFINE_string(
+    "costs", "", "Cost file (python -m jaxpipe.measure); empty: measure now.", flag_values=FLAGS
+)
 flags.DEFINE_string("out", "ticks.perfetto.json", "Perfetto file to write.", flag_values=FLAGS)
-
 
 
 def main(argv: list[str]) -> None:
@@ -48,13 +50,17 @@ def main(argv: list[str]) -> None:
     trainer = Trainer(config)
     config = trainer.config
     if trainer.mesh_shape["pp"] == 1:
-      raise config_lib.ConfigError("there are no ticks without a pipeline: set "
-                                   "--config.mesh.pp to 2 or more")
+      raise config_lib.ConfigError(
+          "there are no ticks without a pipeline: set " "--config.mesh.pp to 2 or more"
+      )
     schedule = lm_schedule(config.pipeline, trainer.mesh_shape["pp"])
     lowered = lowered_for(schedule)
     key = (schedule.num_microbatches, schedule.num_stages)
-    costs = (costs_lib.load(f.costs) if f.costs else
-             costs_lib.parse(measure(config, [key], log=print), "<measured>"))
+    costs = (
+        costs_lib.load(f.costs)
+        if f.costs
+        else costs_lib.parse(measure(config, [key], log=print), "<measured>")
+    )
     prediction = costs.predict(lowered)
     with tempfile.TemporaryDirectory() as tmp:
       xspace, hlo = profile_step(trainer, tmp)
@@ -65,11 +71,16 @@ def main(argv: list[str]) -> None:
   with open(f.out, "w") as out:
     json.dump(trace, out)
   meta = trace["otherData"]
-  wrong = sum(m.branch != b for ticks, row in zip(measured, branch_of_table(lowered))
-              for m, b in zip(ticks, row))
-  print(f"{schedule.name}: {lowered.num_ticks} ticks, planned {1e3 * meta['planned_s']:.2f} ms, "
-        f"measured {1e3 * meta['measured_s']:.2f} ms in the traced step; branches that differ "
-        f"from the tables: {wrong}; wrote {f.out}")
+  wrong = sum(
+      m.branch != b
+      for ticks, row in zip(measured, branch_of_table(lowered))
+      for m, b in zip(ticks, row)
+  )
+  print(
+      f"{schedule.name}: {lowered.num_ticks} ticks, planned {1e3 * meta['planned_s']:.2f} ms, "
+      f"measured {1e3 * meta['measured_s']:.2f} ms in the traced step; branches that differ "
+      f"from the tables: {wrong}; wrote {f.out}"
+  )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ stops every one after the same step. Anything else that stops the run ends with 
 `error:` line (--debug adds the traceback): status 2 for usage and config errors, 1 for faults
 at run time (a non-finite loss, a failed checkpoint save, a workdir in use).
 """
+
 import ast
 import logging as std_logging
 import os
@@ -47,32 +48,68 @@ from ml_collections import config_flags  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
-_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                          lock_config=True, flag_values=FLAGS)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl and TensorBoard go "
-                               "here; a run resumes from the latest checkpoint found in it.",
-                               flag_values=FLAGS)
-_GIN_FILE = flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.",
-                                      flag_values=FLAGS)
-_GIN_PARAM = flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
-                                       flag_values=FLAGS)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "ml_collections config file (get_config).", lock_config=True, flag_values=FLAGS
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Checkpoints, metrics.jsonl and TensorBoard go "
+    "here; a run resumes from the latest checkpoint found in it.",
+    flag_values=FLAGS,
+)
+_GIN_FILE = flags.DEFINE_multi_string(
+    "gin_file", [], "Gin files binding config fields.", flag_values=FLAGS
+)
+_GIN_PARAM = flags.DEFINE_multi_string(
+    "gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.", flag_values=FLAGS
+)
 _RESUME_CHANGED = flags.DEFINE_bool(
-    "resume_changed", False, "Resume the workdir's run although the config changes what it trains "
-    "(recorded in config_history.jsonl).", flag_values=FLAGS)
-_RESTART = flags.DEFINE_bool("restart", False, "Move the workdir's run to previous-<n>/ and start "
-                             "over.", flag_values=FLAGS)
-_DEBUG = flags.DEFINE_bool("debug", False, "On an error, show the traceback (and orbax's log of a "
-                           "failed save) instead of one line.", flag_values=FLAGS)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 in a "
-                                   "multi-process run ($JAX_COORDINATOR_ADDRESS).",
-                                   flag_values=FLAGS)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run, "
-                                      "one per host ($JAX_NUM_PROCESSES).", flag_values=FLAGS)
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1 "
-                                   "($JAX_PROCESS_ID).", flag_values=FLAGS)
+    "resume_changed",
+    False,
+    "Resume the workdir's run although the config changes what it trains "
+    "(recorded in config_history.jsonl).",
+    flag_values=FLAGS,
+)
+_RESTART = flags.DEFINE_bool(
+    "restart",
+    False,
+    "Move the workdir's run to previous-<n>/ and start " "over.",
+    flag_values=FLAGS,
+)
+_DEBUG = flags.DEFINE_bool(
+    "debug",
+    False,
+    "On an error, show the traceback (and orbax's log of a " "failed save) instead of one line.",
+    flag_values=FLAGS,
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "host:port of process 0 in a " "multi-process run ($JAX_COORDINATOR_ADDRESS).",
+    flag_values=FLAGS,
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes",
+    None,
+    "Processes in a multi-process run, " "one per host ($JAX_NUM_PROCESSES).",
+    flag_values=FLAGS,
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id",
+    None,
+    "This process's index, 0..num_processes-1 " "($JAX_PROCESS_ID).",
+    flag_values=FLAGS,
+)
 # What a failed collective says when another process of the run has gone.
-_PEER_GONE = ("Gloo", "Connection closed by peer", "Connection reset by peer", "heartbeat",
-              "coordination service", "Barrier")
+_PEER_GONE = (
+    "Gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "heartbeat",
+    "coordination service",
+    "Barrier",
+)
 
 
 def _one_line(e: BaseException, argv: list[str] = ()) -> str:
@@ -89,8 +126,14 @@ def _one_line(e: BaseException, argv: list[str] = ()) -> str:
     return type(e).__name__
   if len(lines) > 1 and lines[1].startswith("Did you mean"):  # ml_collections: "'dmodel'\nDid..."
     key = lines[0].strip("'\"")
-    flag = next((a.split("=")[0] for a in argv if a.startswith("--config.")
-                 and a.split("=")[0].endswith("." + key)), None)
+    flag = next(
+        (
+            a.split("=")[0]
+            for a in argv
+            if a.startswith("--config.") and a.split("=")[0].endswith("." + key)
+        ),
+        None,
+    )
     return f"{flag or key}: no such config field; {' '.join(lines[1:])}"
   if any(line.startswith("Traceback") for line in lines):
     return f"{lines[0]} {lines[-1]}"
@@ -101,8 +144,10 @@ def _check_config_file(filename: str) -> None:
   """UsageError unless `filename` (a config_flags path, maybe with a ':arg' suffix) is a file."""
   path = filename.split(":", 1)[0]
   if not os.path.isfile(path):
-    raise app.UsageError(f"--config {path}: no such file (relative paths start at {os.getcwd()}); "
-                         "pass a config file, e.g. --config configs/quickstart.py")
+    raise app.UsageError(
+        f"--config {path}: no such file (relative paths start at {os.getcwd()}); "
+        "pass a config file, e.g. --config configs/quickstart.py"
+    )
 
 
 def _workdir_config(argv: list[str]) -> list[str]:
@@ -110,9 +155,14 @@ def _workdir_config(argv: list[str]) -> list[str]:
   one (`python -m jaxpipe.convert hf-to-orbax` writes it), so `--workdir` alone fine-tunes."""
   if any(a == "--config" or a.startswith("--config=") for a in argv):
     return argv
-  workdir = next((argv[i + 1] if a == "--workdir" else a.split("=", 1)[1]
-                  for i, a in enumerate(argv) if (a == "--workdir" and i + 1 < len(argv))
-                  or a.startswith("--workdir=")), None)
+  workdir = next(
+      (
+          argv[i + 1] if a == "--workdir" else a.split("=", 1)[1]
+          for i, a in enumerate(argv)
+          if (a == "--workdir" and i + 1 < len(argv)) or a.startswith("--workdir=")
+      ),
+      None,
+  )
   if workdir is None or not os.path.isfile(os.path.join(workdir, "config.py")):
     return argv
   return argv[:1] + ["--config", os.path.join(workdir, "config.py")] + argv[1:]
@@ -150,19 +200,24 @@ class _DropOrbaxErrors(std_logging.Filter):
 def _drop_closed_loop_errors(hook):
   """sys.unraisablehook without the 'Event loop is closed' errors that tensorstore's threads
   raise when the writes of a failed save finish after orbax has closed their event loop."""
+
   def unraisablehook(unraisable):
     value = unraisable.exc_value
     if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
       hook(unraisable)
+
   return unraisablehook
 
 
 def _load_config():
   """The --config file's config (with overrides) and gin bindings; UsageError/ConfigError if bad."""
   from jaxpipe.training import config as config_lib
+
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required, e.g. --config configs/quickstart.py (a workdir "
-                         "that holds a config.py, as `jaxpipe.convert` writes, needs none)")
+    raise app.UsageError(
+        "--config is required, e.g. --config configs/quickstart.py (a workdir "
+        "that holds a config.py, as `jaxpipe.convert` writes, needs none)"
+    )
   filename = config_flags.get_config_filename(FLAGS["config"])
   _check_config_file(filename)
   try:
@@ -178,8 +233,10 @@ def _train(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   if _RESUME_CHANGED.value and _RESTART.value:
-    raise app.UsageError("--resume_changed and --restart exclude each other: continue the "
-                         "workdir's run, or move it aside and start over")
+    raise app.UsageError(
+        "--resume_changed and --restart exclude each other: continue the "
+        "workdir's run, or move it aside and start over"
+    )
   if (_RESUME_CHANGED.value or _RESTART.value) and not _WORKDIR.value:
     raise app.UsageError("--resume_changed and --restart act on a --workdir; pass one")
   config = _load_config()
@@ -191,32 +248,42 @@ def _train(argv: list[str]) -> None:
 
   from jaxpipe.training.mesh import describe
   from jaxpipe.training.trainer import Trainer
-  existing = "resume_changed" if _RESUME_CHANGED.value else "restart" if _RESTART.value else "resume"
+
+  existing = (
+      "resume_changed" if _RESUME_CHANGED.value else "restart" if _RESTART.value else "resume"
+  )
   say = print if jax.process_index() == 0 else lambda *args: None  # process 0 speaks
   with Trainer(config, _WORKDIR.value, existing_run=existing) as trainer:
     if trainer.auto_report:
       say(trainer.auto_report)
     d = config.data
     order = f" (order {config.mesh.order})" if jax.process_count() > 1 else ""
-    say(f"mesh {describe(trainer.mesh)}{order}; batch {d.batch} x {d.seq_len} tokens, "
-        f"{config.train.steps} steps")
+    say(
+        f"mesh {describe(trainer.mesh)}{order}; batch {d.batch} x {d.seq_len} tokens, "
+        f"{config.train.steps} steps"
+    )
     trainer.init()
     if trainer.resumed_from is not None:
       say(f"resumed from step {trainer.resumed_from} in {trainer.checkpointer.directory}")
     summary = trainer.train()
   if summary["preempted"]:  # every process: each saved its shards of this step
     rank = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
-    print(f"{rank}{summary['stop_signal']}: saved step {summary['step']} and stopped; rerun the "
-          "same command to resume")
+    print(
+        f"{rank}{summary['stop_signal']}: saved step {summary['step']} and stopped; rerun the "
+        "same command to resume"
+    )
     return
   if summary["first_loss"] is None:
-    say(f"nothing to train: the run in {_WORKDIR.value} is at step {summary['step']} = "
-        "train.steps; raise train.steps (with --resume_changed) to train on")
+    say(
+        f"nothing to train: the run in {_WORKDIR.value} is at step {summary['step']} = "
+        "train.steps; raise train.steps (with --resume_changed) to train on"
+    )
     return
-  evaluated = (f"; eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None
-               else "")
-  say(f"loss: first {summary['first_loss']:.4f} (step {summary['start'] + 1}) -> last "
-      f"{summary['last_loss']:.4f} (step {summary['step']}){evaluated}")
+  evaluated = f"; eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+  say(
+      f"loss: first {summary['first_loss']:.4f} (step {summary['start'] + 1}) -> last "
+      f"{summary['last_loss']:.4f} (step {summary['step']}){evaluated}"
+  )
   if _WORKDIR.value:
     say(f"checkpoints, metrics.jsonl, tensorboard/ in {_WORKDIR.value}")
 
@@ -225,6 +292,7 @@ def _status(e: BaseException) -> int:
   """USAGE for what the command line or config got wrong, FAULT for what went wrong at run time."""
   from jaxpipe.runtime.checkpoint import CheckpointMismatchError
   from jaxpipe.training.config import ConfigError
+
   return USAGE if isinstance(e, (app.UsageError, ConfigError, CheckpointMismatchError)) else FAULT
 
 
@@ -255,8 +323,11 @@ def main(argv: list[str]) -> None:
   except KeyboardInterrupt:
     if _DEBUG.value:
       raise
-    print("\nerror: interrupted (Ctrl-C): stopped without saving; rerun the same command to resume "
-          "from the last checkpoint", file=sys.stderr)
+    print(
+        "\nerror: interrupted (Ctrl-C): stopped without saving; rerun the same command to resume "
+        "from the last checkpoint",
+        file=sys.stderr,
+    )
     _exit(INTERRUPTED)
   except Exception as e:  # noqa: BLE001 -- every failure ends with one line
     if _DEBUG.value:
@@ -264,12 +335,18 @@ def main(argv: list[str]) -> None:
     status = _status(e)
     known = status == USAGE or type(e).__module__.startswith("jaxpipe")
     if _multiprocess() and any(p in str(e) for p in _PEER_GONE):
-      print(f"error: another process of this run has stopped or failed ({_one_line(e)[:300]}); "
-            "this one stops too. The first process to fail has the cause in its output",
-            file=sys.stderr)
+      print(
+          f"error: another process of this run has stopped or failed ({_one_line(e)[:300]}); "
+          "this one stops too. The first process to fail has the cause in its output",
+          file=sys.stderr,
+      )
     else:
-      print(f"error: {_one_line(e)}" if known else f"error: {type(e).__name__}: {_one_line(e)} "
-            "(--debug shows the traceback)", file=sys.stderr)
+      print(
+          f"error: {_one_line(e)}"
+          if known
+          else f"error: {type(e).__name__}: {_one_line(e)} " "(--debug shows the traceback)",
+          file=sys.stderr,
+      )
     _exit(status)
 
 

@@ -10,6 +10,7 @@ KV head) that walks every query head of its group, and a dQ kernel per (q block,
 Sequences that are not a multiple of the block are padded outside the kernels and masked
 inside; head dims are padded to a power of two (zeros do not change q.k and are cut off).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ MIN_BLOCK = 16  # Triton's smallest dot tile.
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static description of one kernel launch (hashable: it is a custom_vjp nondiff arg)."""
+
   causal: bool
   sm_scale: float
   q_len: int  # unpadded query length
@@ -69,8 +71,9 @@ def _dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = F
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(cfg: _Config, q_start, k_start, block_q: int, block_k: int, q_seg, kv_seg,
-          kv_padded: bool):
+def _mask(
+    cfg: _Config, q_start, k_start, block_q: int, block_k: int, q_seg, kv_seg, kv_padded: bool
+):
   """Boolean [block_q, block_k] of allowed (query, key) pairs, or None when all are allowed."""
   mask = None
   span_q = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
@@ -147,8 +150,10 @@ def _fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
   ]
   args = [q, k, v]
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, cfg.block_q), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
+    in_specs += [
+        pl.BlockSpec((None, cfg.block_q), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)),
+    ]
     args += [q_seg, kv_seg]
   num_warps = cfg.num_warps or (4 if head_dim_p <= 64 else 8)
   out, lse = pl.pallas_call(
@@ -159,8 +164,10 @@ def _fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
           pl.BlockSpec((None, cfg.block_q, None, head_dim_p), lambda i, b, h: (b, i, h, 0)),
           pl.BlockSpec((None, None, cfg.block_q), lambda i, b, h: (b, h, i)),
       ],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32)],
+      out_shape=[
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32),
+      ],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
       interpret=cfg.interpret,
       name="flash_attention_fwd",
@@ -171,8 +178,9 @@ def _fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, rep: int,
-                kv_padded: bool):
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, rep: int, kv_padded: bool
+):
   if cfg.has_segments:
     qseg_ref, kvseg_ref, dk_ref, dv_ref = refs
   else:
@@ -219,8 +227,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config,
-               kv_padded: bool):
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config, kv_padded: bool
+):
   if cfg.has_segments:
     qseg_ref, kvseg_ref, dq_ref = refs
   else:
@@ -279,8 +288,10 @@ def _bwd(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
   in_specs = [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
   args = [q_g, k, v, do_g, lse_g, delta_g]
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, q_len_p), lambda j, b, g: (b, 0)),
-                 pl.BlockSpec((None, bk), lambda j, b, g: (b, j))]
+    in_specs += [
+        pl.BlockSpec((None, q_len_p), lambda j, b, g: (b, 0)),
+        pl.BlockSpec((None, bk), lambda j, b, g: (b, j)),
+    ]
     args += [q_seg, kv_seg]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg=cfg, rep=rep, kv_padded=kv_padded),
@@ -301,8 +312,10 @@ def _bwd(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
   in_specs = [q_spec, kv_full, kv_full, q_spec, row, row]
   args = [q, k, v, do, lse, delta]
   if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
+    in_specs += [
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)),
+    ]
     args += [q_seg, kv_seg]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded),
@@ -342,33 +355,51 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
   """Raises ValueError naming the first shape or dtype the Pallas kernels cannot serve."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim]; got shapes "
-                     f"{q.shape}, {k.shape}, {v.shape}")
+    raise ValueError(
+        f"q, k, v must be [batch, seq, heads, head_dim]; got shapes "
+        f"{q.shape}, {k.shape}, {v.shape}"
+    )
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
   if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
     raise ValueError(f"q {q.shape} and k {k.shape} must agree in batch and head_dim")
   if q.shape[2] % k.shape[2]:
-    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
-                     f"({k.shape[2]}); pick a KV head count that divides {q.shape[2]}")
+    raise ValueError(
+        f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
+        f"({k.shape[2]}); pick a KV head count that divides {q.shape[2]}"
+    )
   if q.shape[3] > MAX_HEAD_DIM:
-    raise ValueError(f"head_dim {q.shape[3]} exceeds the Pallas kernel's limit {MAX_HEAD_DIM}; "
-                     f"use backend='xla' or a smaller head dim")
+    raise ValueError(
+        f"head_dim {q.shape[3]} exceeds the Pallas kernel's limit {MAX_HEAD_DIM}; "
+        f"use backend='xla' or a smaller head dim"
+    )
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
   if not any(q.dtype == d for d in SUPPORTED_DTYPES):
-    raise ValueError(f"dtype {q.dtype} is not supported by the Pallas kernel; "
-                     f"cast to float32, bfloat16 or float16")
+    raise ValueError(
+        f"dtype {q.dtype} is not supported by the Pallas kernel; "
+        f"cast to float32, bfloat16 or float16"
+    )
 
 
-def flash_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
-                    causal: bool = False, sm_scale: float | None = None,
-                    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
-                    interpret: bool | None = None,
-                    block_q: int = 128, block_k: int = 64,
-                    block_q_dkv: int = 64, block_k_dkv: int = 64,
-                    block_q_dq: int = 64, block_k_dq: int = 64,
-                    num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
+def flash_attention(
+    q_BxLxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    interpret: bool | None = None,
+    block_q: int = 128,
+    block_k: int = 64,
+    block_q_dkv: int = 64,
+    block_k_dkv: int = 64,
+    block_q_dq: int = 64,
+    block_k_dq: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
   """Softmax(q k^T * sm_scale [masked]) v, fused; differentiable in q, k, v.
 
   segment_ids: int [B, L] for self-attention (query i sees key j only when their ids are
@@ -396,11 +427,22 @@ def flash_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.A
   if segment_ids is not None:
     q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
     if q_seg.shape != (batch, q_len) or kv_seg.shape != (batch, kv_len):
-      raise ValueError(f"segment_ids must be [batch, seq] = {(batch, q_len)} for queries and "
-                       f"{(batch, kv_len)} for keys; got {q_seg.shape} and {kv_seg.shape}")
-  cfg = _Config(causal=causal, sm_scale=float(sm_scale), q_len=q_len, kv_len=kv_len,
-                head_dim=head_dim, has_segments=segment_ids is not None,
-                interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, **blocks)
+      raise ValueError(
+          f"segment_ids must be [batch, seq] = {(batch, q_len)} for queries and "
+          f"{(batch, kv_len)} for keys; got {q_seg.shape} and {kv_seg.shape}"
+      )
+  cfg = _Config(
+      causal=causal,
+      sm_scale=float(sm_scale),
+      q_len=q_len,
+      kv_len=kv_len,
+      head_dim=head_dim,
+      has_segments=segment_ids is not None,
+      interpret=bool(interpret),
+      num_warps=num_warps,
+      num_stages=num_stages,
+      **blocks,
+  )
 
   # Pad sequences to a multiple of every block on that axis (all powers of two: the largest),
   # and the head dim to a power of two; the kernels mask padded keys, padded queries are cut.
@@ -423,10 +465,15 @@ def flash_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.A
 # ----------------------------------------------------------------------------- reference
 
 
-def attention_reference(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
-                        causal: bool = False, sm_scale: float | None = None,
-                        segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
-                        ) -> jax.Array:
+def attention_reference(
+    q_BxLxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
   """Dense pure-JAX attention with the same semantics (float32 softmax, empty rows give 0)."""
   q, k, v = q_BxLxHxK, k_BxSxGxK, v_BxSxGxK
   batch, q_len, heads, head_dim = q.shape
@@ -434,9 +481,16 @@ def attention_reference(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: j
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(head_dim)
   q_BxLxGxRxK = q.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
-  s_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k,
-                           preferred_element_type=jnp.float32,
-                           precision=lax.Precision.HIGHEST) * sm_scale
+  s_BxGxRxLxS = (
+      jnp.einsum(
+          "blgrk,bsgk->bgrls",
+          q_BxLxGxRxK,
+          k,
+          preferred_element_type=jnp.float32,
+          precision=lax.Precision.HIGHEST,
+      )
+      * sm_scale
+  )
   mask_BxLxS = jnp.ones((batch, q_len, kv_len), bool)
   if causal:
     mask_BxLxS &= jnp.tril(jnp.ones((q_len, kv_len), bool))[None]
@@ -450,6 +504,11 @@ def attention_reference(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: j
   p = jnp.where(mask, jnp.exp(s_BxGxRxLxS - m), 0.0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom == 0.0, 1.0, denom)
-  out = jnp.einsum("bgrls,bsgk->blgrk", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                   precision=lax.Precision.HIGHEST)
+  out = jnp.einsum(
+      "bgrls,bsgk->blgrk",
+      p.astype(v.dtype),
+      v,
+      preferred_element_type=jnp.float32,
+      precision=lax.Precision.HIGHEST,
+  )
   return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)

@@ -27,6 +27,7 @@ and lowers to a Mosaic GPU custom call on CPU (tests/test_gemm_a2a.py), but it h
 compiled to PTX or run on a GPU: timings and on-device correctness still need a multi-GPU
 Hopper machine. `jaxpipe.parallel.overlap.a2a_proj_local` is the portable path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,10 @@ def check_tiles(kernel: str, config: object, sizes) -> None:
   """Raises ValueError naming the first (name, size, tile) whose size is not a tile multiple."""
   for name, size, tile in sizes:
     if size % tile:
-      raise ValueError(f"{kernel}: {name} {size} is not a multiple of the tile {tile}; "
-                       f"change {type(config).__name__} or the shapes")
+      raise ValueError(
+          f"{kernel}: {name} {size} is not a multiple of the tile {tile}; "
+          f"change {type(config).__name__} or the shapes"
+      )
 
 
 def grid_sms(requested: int | None) -> int:
@@ -70,8 +73,18 @@ def row_major(flat, n_tiles: int):
   return _div(flat, n_tiles), _rem(flat, n_tiles)
 
 
-def tile_matmul(acc_ref, a_gmem, b_gmem, t, n, *, tile_m: int, tile_n: int, tile_k: int,
-                max_concurrent_steps: int) -> None:
+def tile_matmul(
+    acc_ref,
+    a_gmem,
+    b_gmem,
+    t,
+    n,
+    *,
+    tile_m: int,
+    tile_n: int,
+    tile_k: int,
+    max_concurrent_steps: int,
+) -> None:
   """acc_ref += a_gmem[row tile t] @ b_gmem[:, column tile n], as a pipelined wgmma loop."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -102,6 +115,7 @@ def store_tile(acc, dst_gmem, *, wait_read_only: bool) -> None:
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
   """Every index decision of the tile protocol; works on Python ints and on traced int32."""
+
   num_devices: int  # P, context ranks
   m_tiles: int  # row tiles of one rank's tokens
   c_chunks: int  # column chunks of one row tile (a TMA box is at most 256 wide)
@@ -180,8 +194,16 @@ class ProtocolError(AssertionError):
   """The tile protocol read unwritten data, deadlocked, or left a semaphore non-zero."""
 
 
-def simulate(o_PxPxMxC: np.ndarray, w_PxCxD: np.ndarray, plan: TilePlan, *, tile_m: int,
-             tile_c: int, tile_n: int, seed: int = 0) -> np.ndarray:
+def simulate(
+    o_PxPxMxC: np.ndarray,
+    w_PxCxD: np.ndarray,
+    plan: TilePlan,
+    *,
+    tile_m: int,
+    tile_c: int,
+    tile_n: int,
+    seed: int = 0,
+) -> np.ndarray:
   """Runs the protocol for P virtual devices under a random interleaving; returns y [P, M, D].
 
   o_PxPxMxC[r, d] is rank r's output rows destined for rank d. Each worker is a generator that
@@ -267,6 +289,7 @@ def interleave(workers: list, seed: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class GemmA2AConfig:
   """Tile sizes and SM split of the fused kernel."""
+
   tile_m: int = 64  # rows per tile (one warpgroup's wgmma M)
   tile_n: int = 128  # output columns per GEMM tile
   tile_k: int = 64  # contraction step of the wgmma pipeline
@@ -277,17 +300,39 @@ class GemmA2AConfig:
 
 
 def _plan(p: int, m: int, c: int, d: int, cfg: GemmA2AConfig, num_sms: int) -> TilePlan:
-  check_tiles("gemm_a2a", cfg, (("rows", m, cfg.tile_m), ("head channels", c, cfg.tile_c),
-                               ("head channels", c, cfg.tile_k), ("model dim", d, cfg.tile_n)))
+  check_tiles(
+      "gemm_a2a",
+      cfg,
+      (
+          ("rows", m, cfg.tile_m),
+          ("head channels", c, cfg.tile_c),
+          ("head channels", c, cfg.tile_k),
+          ("model dim", d, cfg.tile_n),
+      ),
+  )
   if not 0 < cfg.comm_sms < num_sms:
     raise ValueError(f"gemm_a2a: comm_sms={cfg.comm_sms} must lie in [1, {num_sms - 1}]")
-  return TilePlan(num_devices=p, m_tiles=m // cfg.tile_m, c_chunks=c // cfg.tile_c,
-                  n_tiles=d // cfg.tile_n, comm_workers=cfg.comm_sms,
-                  gemm_workers=num_sms - cfg.comm_sms)
+  return TilePlan(
+      num_devices=p,
+      m_tiles=m // cfg.tile_m,
+      c_chunks=c // cfg.tile_c,
+      n_tiles=d // cfg.tile_n,
+      comm_workers=cfg.comm_sms,
+      gemm_workers=num_sms - cfg.comm_sms,
+  )
 
 
-def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg: GemmA2AConfig,
-            axis_name: str):
+def _kernel(
+    o_gmem,
+    w_gmem,
+    y_gmem,
+    recv_gmem,
+    ready_sem,
+    *,
+    plan: TilePlan,
+    cfg: GemmA2AConfig,
+    axis_name: str,
+):
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   rank = lax.axis_index(axis_name)
@@ -316,8 +361,11 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
               plgpu.barrier_wait(copied)
               plgpu.copy_smem_to_gmem(buf_smem, peer_recv.at[rank, rows, cols])
               plgpu.wait_smem_to_gmem(0)  # buf_smem is reused; the rows land before the signal
-            pl.semaphore_signal(ready_sem.at[plan.sem_index(rank, t)], plan.signals_per_send,
-                                device_id={axis_name: dest})
+            pl.semaphore_signal(
+                ready_sem.at[plan.sem_index(rank, t)],
+                plan.signals_per_send,
+                device_id={axis_name: dest},
+            )
 
     pl.run_scoped(scope, plgpu.SMEM((cfg.tile_m, cfg.tile_c), o_gmem.dtype), plgpu.Barrier())
 
@@ -335,8 +383,15 @@ def _kernel(o_gmem, w_gmem, y_gmem, recv_gmem, ready_sem, *, plan: TilePlan, cfg
 
         def acc_scope(acc_ref):
           accumulate = functools.partial(
-              tile_matmul, acc_ref, t=t, n=n, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
-              tile_k=cfg.tile_k, max_concurrent_steps=cfg.max_concurrent_steps)
+              tile_matmul,
+              acc_ref,
+              t=t,
+              n=n,
+              tile_m=cfg.tile_m,
+              tile_n=cfg.tile_n,
+              tile_k=cfg.tile_k,
+              max_concurrent_steps=cfg.max_concurrent_steps,
+          )
 
           accumulate(o_gmem.at[rank], w_gmem.at[rank])  # own heads: nothing to wait for
 
@@ -357,13 +412,21 @@ def to_kernel_layout(o_BxLxNpxK, w_NxKxD, p: int):
   """o [B, L, Np, K] -> [P(dest), B·L/P, C]; w [N, K, D] -> [P(src), C, D] (rank p: heads p·Np..)."""
   batch, seq, heads_per, head_dim = o_BxLxNpxK.shape
   c = heads_per * head_dim
-  o_PxMxC = (o_BxLxNpxK.reshape(batch, p, seq // p, c).transpose(1, 0, 2, 3)
-             .reshape(p, batch * (seq // p), c))
+  o_PxMxC = (
+      o_BxLxNpxK.reshape(batch, p, seq // p, c)
+      .transpose(1, 0, 2, 3)
+      .reshape(p, batch * (seq // p), c)
+  )
   return o_PxMxC, w_NxKxD.reshape(p, c, w_NxKxD.shape[2])
 
 
-def gemm_a2a(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp",
-             config: GemmA2AConfig = GemmA2AConfig()) -> jax.Array:
+def gemm_a2a(
+    o_BxLxNpxK: jax.Array,
+    w_NxKxD: jax.Array,
+    *,
+    axis_name: str = "cp",
+    config: GemmA2AConfig = GemmA2AConfig(),
+) -> jax.Array:
   """Fused heads_to_seq(o) @ w inside shard_map over `axis_name`: [B, L, N/P, K] -> [B, L/P, D].
 
   Same contract as `jaxpipe.parallel.overlap.a2a_proj_local`; Hopper GPUs, bf16/fp16 only.
@@ -371,25 +434,30 @@ def gemm_a2a(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   if o_BxLxNpxK.dtype not in (jnp.bfloat16, jnp.float16) or w_NxKxD.dtype != o_BxLxNpxK.dtype:
-    raise ValueError(f"gemm_a2a serves bfloat16/float16 with matching weights; got o "
-                     f"{o_BxLxNpxK.dtype}, w {w_NxKxD.dtype}; use overlap.a2a_proj_local")
+    raise ValueError(
+        f"gemm_a2a serves bfloat16/float16 with matching weights; got o "
+        f"{o_BxLxNpxK.dtype}, w {w_NxKxD.dtype}; use overlap.a2a_proj_local"
+    )
   p = lax.axis_size(axis_name)
   batch, seq, heads_per, head_dim = o_BxLxNpxK.shape
   if seq % p or w_NxKxD.shape[0] != heads_per * p:
-    raise ValueError(f"gemm_a2a: o {o_BxLxNpxK.shape} and w {w_NxKxD.shape} do not split over "
-                     f"{p} ranks (need seq % {p} == 0 and w heads == {heads_per} * {p})")
+    raise ValueError(
+        f"gemm_a2a: o {o_BxLxNpxK.shape} and w {w_NxKxD.shape} do not split over "
+        f"{p} ranks (need seq % {p} == 0 and w heads == {heads_per} * {p})"
+    )
   seq_local, c, d = seq // p, heads_per * head_dim, w_NxKxD.shape[2]
   o_PxMxC, w_PxCxD = to_kernel_layout(o_BxLxNpxK, w_NxKxD, p)
   num_sms = grid_sms(config.num_sms)
   plan = _plan(p, batch * seq_local, c, d, config, num_sms)
   y_MxD, _ = plgpu.kernel(
       functools.partial(_kernel, plan=plan, cfg=config, axis_name=axis_name),
-      out_type=[jax.ShapeDtypeStruct((batch * seq_local, d), o_BxLxNpxK.dtype),
-                jax.ShapeDtypeStruct((p, batch * seq_local, c), o_BxLxNpxK.dtype)],  # recv
+      out_type=[
+          jax.ShapeDtypeStruct((batch * seq_local, d), o_BxLxNpxK.dtype),
+          jax.ShapeDtypeStruct((p, batch * seq_local, c), o_BxLxNpxK.dtype),
+      ],  # recv
       scratch_types=[plgpu.SemaphoreType.REGULAR((plan.num_sems,))],
       grid=(num_sms,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(o_PxMxC, w_PxCxD)
   return y_MxD.reshape(batch, seq_local, d)

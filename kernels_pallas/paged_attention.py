@@ -13,6 +13,7 @@ time, with an online softmax; splits (flash-decoding) are merged outside from ea
 contents of a page's unused tail (NaN included) never reach the output: a page's tail belongs to
 the sequence but was written by the page's previous owner.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,37 +44,60 @@ def compiled_unsupported(head_dim: int, page_size: int) -> str | None:
 def check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None):
   """Raises ValueError naming the first argument whose shape or dtype does not fit."""
   if q.ndim != 3 or k_pages.ndim != 4:
-    raise ValueError(f"q must be [B, H, K] and k_pages [G, P, page, K]; got q{tuple(q.shape)}, "
-                     f"k_pages{tuple(k_pages.shape)}")
+    raise ValueError(
+        f"q must be [B, H, K] and k_pages [G, P, page, K]; got q{tuple(q.shape)}, "
+        f"k_pages{tuple(k_pages.shape)}"
+    )
   b, h, d = q.shape
   g, p, s, dk = k_pages.shape
   if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages{tuple(v_pages.shape)} must have k_pages' shape {tuple(k_pages.shape)}")
+    raise ValueError(
+        f"v_pages{tuple(v_pages.shape)} must have k_pages' shape {tuple(k_pages.shape)}"
+    )
   if dk != d:
     raise ValueError(f"head_dim of q ({d}) differs from the pages' ({dk})")
   if h % g:
     raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({g})")
   if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
-    raise ValueError(f"block_tables must be int32 [B={b}, pages_per_seq]; got "
-                     f"{block_tables.dtype}{tuple(block_tables.shape)}")
+    raise ValueError(
+        f"block_tables must be int32 [B={b}, pages_per_seq]; got "
+        f"{block_tables.dtype}{tuple(block_tables.shape)}"
+    )
   if lengths.shape != (b,) or lengths.dtype != jnp.int32:
     raise ValueError(f"lengths must be int32 [B={b}]; got {lengths.dtype}{tuple(lengths.shape)}")
   quantized = k_pages.dtype in QUANT_DTYPES
   if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-    raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales exactly when they are one "
-                     f"of {[jnp.dtype(t).name for t in QUANT_DTYPES]}")
+    raise ValueError(
+        f"{k_pages.dtype} pages need k_scales and v_scales exactly when they are one "
+        f"of {[jnp.dtype(t).name for t in QUANT_DTYPES]}"
+    )
   for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
     if sc is not None and sc.shape != (g, p, s):
       raise ValueError(f"{name} must be [G, P, page] = {(g, p, s)}; got {tuple(sc.shape)}")
 
 
 @functools.partial(jax.jit, static_argnames="sm_scale")
-def paged_attention_reference(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN,
-                              lengths_B, *, k_scales_GxPxS=None, v_scales_GxPxS=None,
-                              sm_scale: float | None = None) -> jax.Array:
+def paged_attention_reference(
+    q_BxHxK,
+    k_pages_GxPxSxK,
+    v_pages_GxPxSxK,
+    block_tables_BxN,
+    lengths_B,
+    *,
+    k_scales_GxPxS=None,
+    v_scales_GxPxS=None,
+    sm_scale: float | None = None,
+) -> jax.Array:
   """Gathers each row's pages into a contiguous [T = N * page] sequence and attends over it."""
-  check_inputs(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B,
-               k_scales_GxPxS, v_scales_GxPxS)
+  check_inputs(
+      q_BxHxK,
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      block_tables_BxN,
+      lengths_B,
+      k_scales_GxPxS,
+      v_scales_GxPxS,
+  )
   b, h, d = q_BxHxK.shape
   g, _, s, _ = k_pages_GxPxSxK.shape
   n = block_tables_BxN.shape[1]
@@ -85,7 +109,9 @@ def paged_attention_reference(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_t
       x = x * scales_GxPxS[:, block_tables_BxN][..., None]
     return jnp.swapaxes(x, 0, 1).reshape(b, g, n * s, *x.shape[4:])
 
-  k_BxGxTxK, v_BxGxTxK = gather(k_pages_GxPxSxK, k_scales_GxPxS), gather(v_pages_GxPxSxK, v_scales_GxPxS)
+  k_BxGxTxK, v_BxGxTxK = gather(k_pages_GxPxSxK, k_scales_GxPxS), gather(
+      v_pages_GxPxSxK, v_scales_GxPxS
+  )
   valid_BxT = jnp.arange(n * s)[None, :] < lengths_B[:, None]
   v_BxGxTxK = jnp.where(valid_BxT[:, None, :, None], v_BxGxTxK, 0.0)
   q_BxGxRxK = q_BxHxK.astype(jnp.float32).reshape(b, g, h // g, d)
@@ -97,8 +123,16 @@ def paged_attention_reference(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_t
   return o_BxGxRxK.reshape(b, h, d).astype(q_BxHxK.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, sm_scale: float, pages_per_block: int,
-            pages_per_split: int, quantized: bool):
+def _kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    sm_scale: float,
+    pages_per_block: int,
+    pages_per_split: int,
+    quantized: bool,
+):
   """One (row, KV head, split): q_ref [R, K]; k_ref, v_ref [P, page, K]; tables [N]; length [1]."""
   if quantized:
     ks_ref, vs_ref, table_ref, length_ref, o_ref, m_ref, l_ref = refs
@@ -135,32 +169,62 @@ def _kernel(q_ref, k_ref, v_ref, *refs, sm_scale: float, pages_per_block: int,
     acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
-  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+  init = (
+      jnp.zeros((rows, head_dim), jnp.float32),
+      jnp.full((rows,), MASK_VALUE, jnp.float32),
+      jnp.zeros((rows,), jnp.float32),
+  )
   acc, m, l = lax.fori_loop(0, jnp.maximum(pl.cdiv(end - first, pages_per_block), 0), body, init)
   o_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_block", "k_splits",
-                                             "num_warps", "num_stages", "interpret"))
-def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPxSxK: jax.Array,
-                    block_tables_BxN: jax.Array, lengths_B: jax.Array, *,
-                    k_scales_GxPxS: jax.Array | None = None,
-                    v_scales_GxPxS: jax.Array | None = None, sm_scale: float | None = None,
-                    pages_per_block: int = 8, k_splits: int = 1, num_warps: int = 4,
-                    num_stages: int = 2, interpret: bool = False) -> jax.Array:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "pages_per_block",
+        "k_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_attention(
+    q_BxHxK: jax.Array,
+    k_pages_GxPxSxK: jax.Array,
+    v_pages_GxPxSxK: jax.Array,
+    block_tables_BxN: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    k_scales_GxPxS: jax.Array | None = None,
+    v_scales_GxPxS: jax.Array | None = None,
+    sm_scale: float | None = None,
+    pages_per_block: int = 8,
+    k_splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
   """Attention of each row's query over the first `lengths[b]` slots of its pages -> [B, H, K].
 
   pages_per_block: pages per inner step (a power of two; block = pages_per_block * page keys);
   k_splits: programs per (row, KV head) that split its pages (flash-decoding), merged here.
   """
-  check_inputs(q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B,
-               k_scales_GxPxS, v_scales_GxPxS)
+  check_inputs(
+      q_BxHxK,
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      block_tables_BxN,
+      lengths_B,
+      k_scales_GxPxS,
+      v_scales_GxPxS,
+  )
   if pages_per_block < 1 or pages_per_block & (pages_per_block - 1) or k_splits < 1:
-    raise ValueError(f"pages_per_block={pages_per_block} must be a power of two and "
-                     f"k_splits={k_splits} >= 1")
+    raise ValueError(
+        f"pages_per_block={pages_per_block} must be a power of two and " f"k_splits={k_splits} >= 1"
+    )
   b, h, d = q_BxHxK.shape
   g, p, s, _ = k_pages_GxPxSxK.shape
   n = block_tables_BxN.shape[1]
@@ -178,26 +242,45 @@ def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPx
   q_BxGxRxK = jnp.pad(q_BxHxK.reshape(b, g, r, d), ((0, 0), (0, 0), (0, rows - r), (0, 0)))
   page_spec = pl.BlockSpec((None, p, s, d), lambda i, j, k: (j, 0, 0, 0))
   scale_spec = pl.BlockSpec((None, p, s), lambda i, j, k: (j, 0, 0))
-  in_specs = [pl.BlockSpec((None, None, rows, d), lambda i, j, k: (i, j, 0, 0)), page_spec, page_spec]
+  in_specs = [
+      pl.BlockSpec((None, None, rows, d), lambda i, j, k: (i, j, 0, 0)),
+      page_spec,
+      page_spec,
+  ]
   operands = [q_BxGxRxK, k_pages_GxPxSxK, v_pages_GxPxSxK]
   if quantized:
     in_specs += [scale_spec, scale_spec]
     operands += [k_scales_GxPxS.astype(jnp.float32), v_scales_GxPxS.astype(jnp.float32)]
-  in_specs += [pl.BlockSpec((None, tables_BxN.shape[1]), lambda i, j, k: (i, 0)),
-               pl.BlockSpec((None, 1), lambda i, j, k: (i, 0))]
+  in_specs += [
+      pl.BlockSpec((None, tables_BxN.shape[1]), lambda i, j, k: (i, 0)),
+      pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),
+  ]
   operands += [tables_BxN, lengths_B.reshape(b, 1)]
-  kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block,
-                             pages_per_split=pages_per_split, quantized=quantized)
+  kernel = functools.partial(
+      _kernel,
+      sm_scale=sm_scale,
+      pages_per_block=pages_per_block,
+      pages_per_split=pages_per_split,
+      quantized=quantized,
+  )
   o, m, l = pl.pallas_call(
-      kernel, grid=(b, g, k_splits), in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (k, i, j, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda i, j, k: (k, i, j, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda i, j, k: (k, i, j, 0))],
-      out_shape=[jax.ShapeDtypeStruct((k_splits, b, g, rows, d), jnp.float32),
-                 jax.ShapeDtypeStruct((k_splits, b, g, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((k_splits, b, g, rows), jnp.float32)],
+      kernel,
+      grid=(b, g, k_splits),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (k, i, j, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda i, j, k: (k, i, j, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda i, j, k: (k, i, j, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((k_splits, b, g, rows, d), jnp.float32),
+          jax.ShapeDtypeStruct((k_splits, b, g, rows), jnp.float32),
+          jax.ShapeDtypeStruct((k_splits, b, g, rows), jnp.float32),
+      ],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret, name="paged_attention")(*operands)
+      interpret=interpret,
+      name="paged_attention",
+  )(*operands)
   # Merge the splits' partial softmaxes; a row with no keys (length 0) gets zeros.
   m_max = jnp.max(m, axis=0)
   w = jnp.exp(m - m_max[None])

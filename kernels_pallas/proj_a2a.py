@@ -23,6 +23,7 @@ before its tiles arrived, that nothing deadlocks, and that the semaphore ends at
 traces and lowers to a Mosaic GPU custom call on CPU (tests/test_proj_a2a.py); compiling and
 timing it needs a Hopper GPU. `jaxpipe.parallel.overlap.proj_a2a_local` is the portable path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,21 +36,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.gemm_a2a import (
-  ProtocolError,
-  _rem,
-  ceil_div,
-  check_tiles,
-  grid_sms,
-  interleave,
-  row_major,
-  store_tile,
-  tile_matmul,
+    ProtocolError,
+    _rem,
+    ceil_div,
+    check_tiles,
+    grid_sms,
+    interleave,
+    row_major,
+    store_tile,
+    tile_matmul,
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ProjPlan:
   """Every index decision of the protocol; works on Python ints and on traced int32."""
+
   num_devices: int  # P, context ranks
   m_tiles: int  # row tiles of one rank's tokens
   n_tiles: int  # column tiles of one destination's C channels
@@ -95,8 +97,16 @@ class ProjPlan:
     return self.m_tiles * self.n_tiles
 
 
-def simulate(x_PxMxD: np.ndarray, w_PxDxC: np.ndarray, plan: ProjPlan, *, tile_m: int,
-             tile_n: int, seed: int = 0, calls: int = 1) -> np.ndarray:
+def simulate(
+    x_PxMxD: np.ndarray,
+    w_PxDxC: np.ndarray,
+    plan: ProjPlan,
+    *,
+    tile_m: int,
+    tile_n: int,
+    seed: int = 0,
+    calls: int = 1,
+) -> np.ndarray:
   """Runs the protocol for P virtual devices under a random interleaving; returns q [P, P, M, C].
 
   x_PxMxD[r] is rank r's tokens, w_PxDxC[d] the weight columns of rank d's heads; the result's
@@ -149,6 +159,7 @@ def simulate(x_PxMxD: np.ndarray, w_PxDxC: np.ndarray, plan: ProjPlan, *, tile_m
 @dataclasses.dataclass(frozen=True)
 class ProjA2AConfig:
   """Tile sizes of the fused kernel."""
+
   tile_m: int = 64  # rows per tile (one warpgroup's wgmma M)
   tile_n: int = 128  # output columns per tile
   tile_k: int = 64  # contraction step of the wgmma pipeline
@@ -156,8 +167,9 @@ class ProjA2AConfig:
   max_concurrent_steps: int = 2  # wgmma pipeline depth
 
 
-def _kernel(x_gmem, w_gmem, out_gmem, ready_sem, *, plan: ProjPlan, cfg: ProjA2AConfig,
-            axis_name: str):
+def _kernel(
+    x_gmem, w_gmem, out_gmem, ready_sem, *, plan: ProjPlan, cfg: ProjA2AConfig, axis_name: str
+):
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   rank = lax.axis_index(axis_name)
@@ -177,9 +189,17 @@ def _kernel(x_gmem, w_gmem, out_gmem, ready_sem, *, plan: ProjPlan, cfg: ProjA2A
         t, n = plan.tile(flat)
 
         def acc_scope(acc_ref):
-          tile_matmul(acc_ref, x_gmem, w_gmem.at[dest], t, n, tile_m=cfg.tile_m,
-                      tile_n=cfg.tile_n, tile_k=cfg.tile_k,
-                      max_concurrent_steps=cfg.max_concurrent_steps)
+          tile_matmul(
+              acc_ref,
+              x_gmem,
+              w_gmem.at[dest],
+              t,
+              n,
+              tile_m=cfg.tile_m,
+              tile_n=cfg.tile_n,
+              tile_k=cfg.tile_k,
+              max_concurrent_steps=cfg.max_concurrent_steps,
+          )
           return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, cfg.tile_n)))
@@ -203,8 +223,13 @@ def to_kernel_layout(x_BxSxD, w_DxNxK, p: int):
   return x_BxSxD.reshape(batch * seq, d), w_PxDxC
 
 
-def proj_a2a(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
-             config: ProjA2AConfig = ProjA2AConfig()) -> jax.Array:
+def proj_a2a(
+    x_BxSxD: jax.Array,
+    w_DxNxK: jax.Array,
+    *,
+    axis_name: str = "cp",
+    config: ProjA2AConfig = ProjA2AConfig(),
+) -> jax.Array:
   """Fused seq_to_heads(x @ w) inside shard_map over `axis_name`: [B, L/P, D] -> [B, L, N/P, K].
 
   Same contract as `jaxpipe.parallel.overlap.proj_a2a_local`; Hopper GPUs, bf16/fp16 only.
@@ -212,20 +237,32 @@ def proj_a2a(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   if x_BxSxD.dtype not in (jnp.bfloat16, jnp.float16) or w_DxNxK.dtype != x_BxSxD.dtype:
-    raise ValueError(f"proj_a2a serves bfloat16/float16 with matching weights; got x "
-                     f"{x_BxSxD.dtype}, w {w_DxNxK.dtype}; use overlap.proj_a2a_local")
+    raise ValueError(
+        f"proj_a2a serves bfloat16/float16 with matching weights; got x "
+        f"{x_BxSxD.dtype}, w {w_DxNxK.dtype}; use overlap.proj_a2a_local"
+    )
   p = lax.axis_size(axis_name)
   batch, seq, d = x_BxSxD.shape
   _, heads, head_dim = w_DxNxK.shape
   if heads % p or w_DxNxK.shape[0] != d:
-    raise ValueError(f"proj_a2a: x {x_BxSxD.shape} and w {w_DxNxK.shape} do not fit {p} ranks "
-                     f"(need w [{d}, N, K] with N % {p} == 0)")
+    raise ValueError(
+        f"proj_a2a: x {x_BxSxD.shape} and w {w_DxNxK.shape} do not fit {p} ranks "
+        f"(need w [{d}, N, K] with N % {p} == 0)"
+    )
   m, c = batch * seq, heads // p * head_dim
-  check_tiles("proj_a2a", config, (("rows", m, config.tile_m), ("head channels", c, config.tile_n),
-                                   ("model dim", d, config.tile_k)))
+  check_tiles(
+      "proj_a2a",
+      config,
+      (
+          ("rows", m, config.tile_m),
+          ("head channels", c, config.tile_n),
+          ("model dim", d, config.tile_k),
+      ),
+  )
   num_sms = grid_sms(config.num_sms)
-  plan = ProjPlan(num_devices=p, m_tiles=m // config.tile_m, n_tiles=c // config.tile_n,
-                  workers=num_sms)
+  plan = ProjPlan(
+      num_devices=p, m_tiles=m // config.tile_m, n_tiles=c // config.tile_n, workers=num_sms
+  )
   x_MxD, w_PxDxC = to_kernel_layout(x_BxSxD, w_DxNxK, p)
   out_PxMxC = plgpu.kernel(
       functools.partial(_kernel, plan=plan, cfg=config, axis_name=axis_name),
@@ -233,8 +270,7 @@ def proj_a2a(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
       scratch_types=[plgpu.SemaphoreType.REGULAR((plan.num_sems,))],
       grid=(num_sms,),
       grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(x_MxD, w_PxDxC)
   # [src, B·S, N/P·K] -> [B, src·S + s, N/P, K]: source ranks hold consecutive token slices
   out = out_PxMxC.reshape(p, batch, seq, heads // p, head_dim).transpose(1, 0, 2, 3, 4)

@@ -1,4 +1,5 @@
 """Every test process sees 8 host CPU devices; the flag must be set before jax is imported."""
+
 import os
 import shutil
 import tempfile
@@ -20,8 +21,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 
 # Modules whose tests or fixtures run for a minute or more, started first so that under
 # `pytest -n 2` neither worker is left with one of them at the end while the other sits idle.
-_FIRST = ("test_multiprocess.py", "test_sweep.py", "test_notebooks.py", "test_losses_moe.py",
-          "test_train.py", "test_hf.py")
+_FIRST = (
+    "test_multiprocess.py",
+    "test_sweep.py",
+    "test_notebooks.py",
+    "test_losses_moe.py",
+    "test_train.py",
+    "test_hf.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
 """Helpers that several test modules share: model and batch builders, oracles, runner plumbing."""
+
 import dataclasses
 import functools
 import json
@@ -65,8 +66,9 @@ def one_device_objective(cfg, params, batch, microbatches=1):
   count = np.sum(batch["mask"])
   ce = aux_loss = 0.0
   for j in range(m):
-    total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"][j::m],
-                                             batch["targets"][j::m], batch["mask"][j::m])
+    total, _, aux = transformer.loss_and_aux(
+        cfg, params, batch["tokens"][j::m], batch["targets"][j::m], batch["mask"][j::m]
+    )
     ce, aux_loss = ce + total / count, aux_loss + aux["loss"].sum() / m
   return ce + aux_loss, (ce, aux)
 
@@ -87,6 +89,7 @@ def path_config(**mesh):
 
 
 # --- from training/test_pipeline_lm_moe.py ----------------------------------------
+
 
 def groups(line: str) -> list[list[int]]:
   """Replica groups of an HLO collective, explicit ({{0,1},...}) or iota ([a,b]<=[dims]T(perm))."""
@@ -110,6 +113,7 @@ def axis_groups(mesh, axis: str) -> list[list[int]]:
 
 # --- from kernels_pallas/test_flash_attention.py ----------------------------------------
 
+
 def rel(a, b) -> float:
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
@@ -126,9 +130,11 @@ def flash_inputs(batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.floa
 
 def out_and_grads(fn, q, k, v, do):
   """fn(q, k, v) and its vjp of `do`, as one compiled program."""
+
   def run(q, k, v, do):
     out, vjp = jax.vjp(fn, q, k, v)
     return (out, *vjp(do))
+
   return jax.jit(run)(q, k, v, do)
 
 
@@ -145,7 +151,7 @@ def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0
   q = rng.standard_normal((b, heads, head_dim)).astype(np.float32)
   k = np.full((kv_heads, num_pages, page, head_dim), np.nan, np.float32)
   v = np.full_like(k, np.nan)
-  tables = rng.permutation(num_pages)[:b * n].reshape(b, n).astype(np.int32)
+  tables = rng.permutation(num_pages)[: b * n].reshape(b, n).astype(np.int32)
   for row, length in enumerate(lengths):
     pages, slots = tables[row, np.arange(length) // page], np.arange(length) % page
     k[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
@@ -167,19 +173,28 @@ def quantize(x, dtype):
 
 CONTEXT, PAGE = 48, 4  # the engines' context length and page size
 
-DENSE = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=16, d_ff=64)  # the compiled kernel's smallest head
+DENSE = transformer.TransformerConfig(
+    vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64
+)  # the compiled kernel's smallest head
 
 
-MOE = dataclasses.replace(DENSE, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, d_ff=32, every=2))
+MOE = dataclasses.replace(
+    DENSE, n_layers=4, moe=MoEConfig(num_experts=4, top_k=2, d_ff=32, every=2)
+)
 
 
 CONFIGS = {"dense": DENSE, "moe": MOE}
 
 
 # One compiled step per engine: every step is padded to 16 tokens and the longest block table.
-ENGINE_ARGS = dict(page_size=PAGE, max_batch=4, max_tokens_per_step=16, max_seq_len=CONTEXT,
-                   token_buckets=(16,), page_buckets=(CONTEXT // PAGE,))
+ENGINE_ARGS = dict(
+    page_size=PAGE,
+    max_batch=4,
+    max_tokens_per_step=16,
+    max_seq_len=CONTEXT,
+    token_buckets=(16,),
+    page_buckets=(CONTEXT // PAGE,),
+)
 
 
 @functools.cache
@@ -201,7 +216,7 @@ def oracle(name: str, prompts, max_tokens: int) -> list[list[int]]:
   for _ in range(max_tokens):
     tokens = np.zeros((len(seqs), CONTEXT), np.int32)
     for i, s in enumerate(seqs):
-      tokens[i, :len(s)] = s
+      tokens[i, : len(s)] = s
     logits = np.asarray(forward(name)(tokens))
     for i, s in enumerate(seqs):
       s.append(int(np.argmax(logits[i, len(s) - 1])))
@@ -241,9 +256,11 @@ def check_pages(engine):
 
 # --- serve/test_scheduler.py, serve/test_router.py: the scheduler on toy pages ---------------
 
+
 @dataclasses.dataclass(eq=False)
 class ToySeq:
   """What `serve.scheduler.Scheduler` needs of a sequence, and a page count."""
+
   name: str
   length: int
   computed: int = 0
@@ -289,6 +306,7 @@ def toy_step(plan):
 
 B, L, D = 4, 3, 8  # the toy stage's batch, length and width
 
+
 def stage_fn(params, x_BxLxD):
   return jnp.tanh(x_BxLxD @ params["w"]) + params["b"]
 
@@ -302,8 +320,10 @@ def loss_fn(y_BxLxD, t_BxL):
 def make_data(num_stages, m, seed=0):
   rng = np.random.default_rng(seed)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  params = {"w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
-            "b": f32(0.1 * rng.normal(size=(num_stages, D)))}
+  params = {
+      "w": f32(rng.normal(size=(num_stages, D, D)) / np.sqrt(D)),
+      "b": f32(0.1 * rng.normal(size=(num_stages, D))),
+  }
   xs = f32(rng.normal(size=(m, B, L, D)))
   ts = jnp.asarray(rng.integers(0, D, size=(m, B, L)), jnp.int32)
   return params, xs, ts
@@ -311,16 +331,29 @@ def make_data(num_stages, m, seed=0):
 
 # --- from test_train.py ----------------------------------------
 
+
 def cli(workdir, *flags):
-  return [sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py", "--workdir",
-          str(workdir), *flags]
+  return [
+      sys.executable,
+      "-m",
+      "jaxpipe.train",
+      "--config",
+      "configs/tiny.py",
+      "--workdir",
+      str(workdir),
+      *flags,
+  ]
 
 
 def env(tmp_path, **extra):
   # The runs of one test compile the same programs: share a compilation cache.
-  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", **extra}
+  return {
+      **os.environ,
+      "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+      **extra,
+  }
 
 
 def loss_rows(workdir):
@@ -341,8 +374,10 @@ def until_logged(proc, workdir, step, timeout=300, output=None):
   """Waits for `step` in metrics.jsonl; `output()` is what a failure shows (default: the pipes)."""
   deadline = time.time() + timeout
   while last_logged(workdir) < step:
-    assert proc.poll() is None, (f"the run ended ({proc.returncode}) before step {step}: "
-                                 f"{output()[-5000:] if output else proc.communicate()}")
+    assert proc.poll() is None, (
+        f"the run ended ({proc.returncode}) before step {step}: "
+        f"{output()[-5000:] if output else proc.communicate()}"
+    )
     assert time.time() < deadline, f"step {step} not reached"
     time.sleep(0.02)
 

@@ -5,6 +5,7 @@ with an #anchor, a heading of that page).
 Pure text and importlib: no subprocess, no JAX. `mkdocs build --strict` checks the site's own
 links; this keeps the README's, which the site does not build, honest.
 """
+
 import importlib.util
 import pathlib
 import re
@@ -21,7 +22,9 @@ MAX_README_LINES = 250
 _FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 _MODULE = re.compile(r"\bpython3? -m ([A-Za-z_][\w.]*\w)")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-_PATH = re.compile(r"`((?:jaxpipe|kernels_pallas|configs|experiments|tests|notebooks|docs)/[^`\s]*)`")
+_PATH = re.compile(
+    r"`((?:jaxpipe|kernels_pallas|configs|experiments|tests|notebooks|docs)/[^`\s]*)`"
+)
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 
 
@@ -56,8 +59,9 @@ def _anchors(page: pathlib.Path) -> set[str]:
 
 def test_readme_is_short():
   lines = README.read_text().count("\n")
-  assert lines <= MAX_README_LINES, (
-      f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail into docs/")
+  assert (
+      lines <= MAX_README_LINES
+  ), f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail into docs/"
 
 
 def _modules() -> list[tuple[str, str]]:
@@ -118,14 +122,27 @@ def test_paths_in_code_font_exist():
     for name in _PATH.findall(path.read_text()):
       if not any(c in name for c in "<{*") and not (ROOT / name).exists():
         missing.append(f"{path.relative_to(ROOT)}: {name}")
-  assert not missing, "paths named in the docs that this checkout does not have:\n" + "\n".join(missing)
+  assert not missing, "paths named in the docs that this checkout does not have:\n" + "\n".join(
+      missing
+  )
 
 
 # --- every flag a documented command passes is one its runner defines ---------------------------
 
 _COMMAND = re.compile(r"\bpython3? -m ([A-Za-z_][\w.]*\w)((?:[^\n`|;&#)]|\\\n)*)")
-_ABSL = {"help", "helpfull", "helpshort", "helpxml", "verbosity", "v", "flagfile", "logtostderr",
-         "alsologtostderr", "log_dir", "only_check_args"}
+_ABSL = {
+    "help",
+    "helpfull",
+    "helpshort",
+    "helpxml",
+    "verbosity",
+    "v",
+    "flagfile",
+    "logtostderr",
+    "alsologtostderr",
+    "log_dir",
+    "only_check_args",
+}
 
 
 def _commands() -> list[tuple[str, str, list[str]]]:
@@ -149,8 +166,9 @@ def _runner_flags(module: str) -> set[str]:
   name = f"{module}.__main__" if package else module  # python -m jaxpipe.serve
   runner = importlib.import_module(name)
   flag_values = getattr(runner, "FLAGS", None)
-  assert isinstance(flag_values, absl.flags.FlagValues), (
-      f"{name} has no module-level FLAGS: define its flags on cli.flag_values(__name__)")
+  assert isinstance(
+      flag_values, absl.flags.FlagValues
+  ), f"{name} has no module-level FLAGS: define its flags on cli.flag_values(__name__)"
   return set(flag_values)
 
 

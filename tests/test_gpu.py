@@ -2,6 +2,7 @@
 
 Skipped elsewhere (CI has no GPU); `bash experiments/gpu_check.sh` runs them with the benches.
 """
+
 import dataclasses
 import functools
 
@@ -14,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas.flash_attention import flash_attention
 from tests import helpers
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU"),
+]
 
 
 def _xla_f32(causal, q, k, v, do):
@@ -51,18 +54,34 @@ def test_compiled_flash_attention_half_within_rounding(dtype, causal):
   for label, g, w, h in zip(("out", "dq", "dk", "dv"), got, want, same_dtype):
     assert g.dtype == dtype, label
     err = helpers.rel(g, w)
-    assert err < max(float(jnp.finfo(dtype).eps), 2 * helpers.rel(h, w)), (label, err, helpers.rel(h, w))
+    assert err < max(float(jnp.finfo(dtype).eps), 2 * helpers.rel(h, w)), (
+        label,
+        err,
+        helpers.rel(h, w),
+    )
 
 
 def test_compiled_flash_attention_segments():
   q, k, v, do = helpers.flash_inputs(2, 300, 300, 4, 2, 64, dtype=jnp.float32, seed=2)
-  seg = jnp.concatenate([jnp.ones((2, 120), jnp.int32), 2 * jnp.ones((2, 150), jnp.int32),
-                         jnp.zeros((2, 30), jnp.int32)], axis=1)
-  got = helpers.out_and_grads(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                       interpret=False), q, k, v, do)
+  seg = jnp.concatenate(
+      [
+          jnp.ones((2, 120), jnp.int32),
+          2 * jnp.ones((2, 150), jnp.int32),
+          jnp.zeros((2, 30), jnp.int32),
+      ],
+      axis=1,
+  )
+  got = helpers.out_and_grads(
+      lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg, interpret=False),
+      q,
+      k,
+      v,
+      do,
+  )
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
-  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                     implementation="xla")
+  xla = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True, implementation="xla"
+  )
   with jax.default_matmul_precision("highest"):
     want = helpers.out_and_grads(xla, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -72,11 +91,17 @@ def test_compiled_flash_attention_segments():
 def test_attention_backends_agree_on_gpu():
   """auto resolves to a GPU backend; pallas and cudnn match xla on a bf16 causal GQA call."""
   from jaxpipe.ops.attention import attention, resolve_backend
+
   q, k, v, _ = helpers.flash_inputs(2, 1024, 1024, 8, 2, 128, dtype=jnp.bfloat16, seed=3)
   assert resolve_backend("auto", q, k, v) in ("cudnn", "pallas")
   with jax.default_matmul_precision("highest"):
-    want = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                     causal=True, backend="xla")
+    want = attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        causal=True,
+        backend="xla",
+    )
   for backend in ("pallas", "cudnn"):
     got = jax.jit(functools.partial(attention, causal=True, backend=backend))(q, k, v)
     assert helpers.rel(got, want) < float(jnp.finfo(jnp.bfloat16).eps), backend
@@ -87,6 +112,7 @@ def test_ragged_dispatch_equals_padded():
   emulated ragged one (on one GPU the exchange is a local copy: offsets between devices need
   several)."""
   from jaxpipe.models import moe
+
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
   base = moe.MoEConfig(num_experts=8 * n, top_k=2, d_ff=64, dispatch="dropless")
@@ -101,7 +127,8 @@ def test_ragged_dispatch_equals_padded():
       return jnp.sum(y * jnp.cos(x)), aux["tokens_per_expert"]
 
     (value, counts), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, x)
+        params, x
+    )
     results[impl] = (value, counts, grads)
   v_r, c_r, g_r = results["ragged"]
   for other in ("padded", "ragged_emulated"):
@@ -119,6 +146,7 @@ def test_gemm_a2a_kernel_runs_on_all_gpus():
 
   from jaxpipe.ops.attention import _gpu_major
   from kernels_pallas import gemm_a2a as ga
+
   if _gpu_major() != 9:
     pytest.skip("the kernel uses Hopper wgmma")
   n = jax.device_count()
@@ -130,11 +158,13 @@ def test_gemm_a2a_kernel_runs_on_all_gpus():
 
   def reference(o_local, w):
     o_seq = all_to_all(o_local, "cp", split_axis=1, concat_axis=2, tiled=True)
-    return jnp.einsum("blnk,nkd->bld", o_seq.astype(jnp.float32), w.astype(jnp.float32),
-                      precision="highest")
+    return jnp.einsum(
+        "blnk,nkd->bld", o_seq.astype(jnp.float32), w.astype(jnp.float32), precision="highest"
+    )
 
-  specs = dict(mesh=mesh, in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"),
-               check_vma=False)
+  specs = dict(
+      mesh=mesh, in_specs=(P(None, None, "cp"), P()), out_specs=P(None, "cp"), check_vma=False
+  )
   got = jax.jit(jax.shard_map(functools.partial(ga.gemm_a2a, axis_name="cp"), **specs))(o, w)
   want = jax.jit(jax.shard_map(reference, **specs))(o, w)
   assert got.shape == want.shape
@@ -148,6 +178,7 @@ def test_proj_a2a_kernel_runs_on_all_gpus():
   from jaxpipe.ops.attention import _gpu_major
   from jaxpipe.parallel.overlap import proj_then_a2a_local
   from kernels_pallas import proj_a2a as pa
+
   if _gpu_major() != 9:
     pytest.skip("the kernel uses Hopper wgmma")
   n = jax.device_count()
@@ -156,8 +187,9 @@ def test_proj_a2a_kernel_runs_on_all_gpus():
   x = jax.random.normal(keys[0], (2, 128 * n, 256), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(keys[1], (256, 2 * n, 64), jnp.float32) / 16).astype(jnp.bfloat16)
   reference = lambda x, w: proj_then_a2a_local(x.astype(jnp.float32), w.astype(jnp.float32))
-  specs = dict(mesh=mesh, in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"),
-               check_vma=False)
+  specs = dict(
+      mesh=mesh, in_specs=(P(None, "cp"), P()), out_specs=P(None, None, "cp"), check_vma=False
+  )
   got = jax.jit(jax.shard_map(functools.partial(pa.proj_a2a, axis_name="cp"), **specs))(x, w)
   with jax.default_matmul_precision("highest"):
     want = jax.jit(jax.shard_map(reference, **specs))(x, w)
@@ -173,24 +205,35 @@ def test_compiled_paged_attention(dtype, heads, kv_heads, k_splits):
   from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+
   page = 16
-  q, k, v, tables, lens = helpers.paged_inputs([1, 100, 511, 512, 300, 17, 256, 64], heads, kv_heads,
-                                  head_dim=128, page=page, seed=4)
+  q, k, v, tables, lens = helpers.paged_inputs(
+      [1, 100, 511, 512, 300, 17, 256, 64], heads, kv_heads, head_dim=128, page=page, seed=4
+  )
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
   got = paged_attention(q, k, v, tables, lens, k_splits=k_splits)
-  want = paged_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                   v.astype(jnp.float32), tables, lens)
+  want = paged_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), tables, lens
+  )
   assert np.isfinite(np.asarray(got, np.float32)).all()
   tol = 1e-5 if dtype == jnp.float32 else 2 * float(jnp.finfo(dtype).eps)
   assert helpers.rel(got, want) < tol
   clean = lambda x: jnp.nan_to_num(x)  # JAX's kernel reads stale slots (0 x NaN) unmasked
-  theirs = jax_paged.paged_attention(q / jnp.sqrt(jnp.asarray(128.0, dtype)), clean(k), clean(v),
-                                     tables, lens, k_splits=1, pages_per_compute_block=1)
+  theirs = jax_paged.paged_attention(
+      q / jnp.sqrt(jnp.asarray(128.0, dtype)),
+      clean(k),
+      clean(v),
+      tables,
+      lens,
+      k_splits=1,
+      pages_per_compute_block=1,
+  )
   assert helpers.rel(theirs, want) < tol
 
 
 def test_compiled_paged_attention_int8():
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+
   q, k, v, tables, lens = helpers.paged_inputs([33, 200, 7], 16, 4, head_dim=64, page=16, seed=5)
   (k8, ks), (v8, vs) = helpers.quantize(k, jnp.int8), helpers.quantize(v, jnp.int8)
   scales = dict(k_scales_GxPxS=ks, v_scales_GxPxS=vs)
@@ -202,7 +245,10 @@ def test_engine_on_gpu_equals_recompute_oracle():
   """The engine with the compiled kernel (attention 'auto' resolves to it) against the
   training forward pass recomputed at every step."""
   from jaxpipe.serve import Engine
-  engine = Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), num_pages=17, **helpers.ENGINE_ARGS)
+
+  engine = Engine(
+      helpers.CONFIGS["dense"], helpers.engine_params("dense"), num_pages=17, **helpers.ENGINE_ARGS
+  )
   assert engine.backend == "pallas"
   prompts = helpers.prompts(seed=6)
   assert engine.generate(prompts, max_tokens=10) == helpers.oracle("dense", prompts, 10)

@@ -7,6 +7,7 @@ a circle (function-local imports count too: they are arrows all the same, only l
 `__main__.py`. `kernels_pallas` sits beneath everything and imports no jaxpipe module; the
 schedule IR (jaxpipe/pipeline/ir) imports nothing of jaxpipe above the runtime's JAX-free files.
 """
+
 import ast
 import pathlib
 
@@ -19,9 +20,11 @@ ROOT = pathlib.Path(helpers.ROOT)
 PACKAGES = ("jaxpipe", "kernels_pallas", "experiments", "configs")
 # `Schedule`'s convenience methods (`.validate()`, `.simulate()`, `.to_png()`...) import the
 # modules that implement them when called: the one circle kept, and kept function-local.
-LOCAL_CIRCLE = {("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.validate"),
-                ("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.simulate"),
-                ("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.export")}
+LOCAL_CIRCLE = {
+    ("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.validate"),
+    ("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.simulate"),
+    ("jaxpipe.pipeline.ir.schedule", "jaxpipe.pipeline.ir.export"),
+}
 
 
 def _modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, pathlib.Path]:
@@ -48,7 +51,7 @@ def imports_of(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict[str, set[st
       elif isinstance(node, ast.ImportFrom):
         base = node.module or ""
         if node.level:
-          up = package.split(".")[:len(package.split(".")) - node.level + 1]
+          up = package.split(".")[: len(package.split(".")) - node.level + 1]
           base = ".".join(up + ([node.module] if node.module else []))
         for a in node.names:
           targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
@@ -154,12 +157,15 @@ def test_the_schedule_ir_imports_nothing_above_the_runtime(graph):
 
 def test_no_test_module_imports_another():
   graph = imports_of(ROOT, ("tests",))
-  bad = {m: sorted(t for t in ts if t.rpartition(".")[2].startswith("test_"))
-         for m, ts in graph.items()}
+  bad = {
+      m: sorted(t for t in ts if t.rpartition(".")[2].startswith("test_"))
+      for m, ts in graph.items()
+  }
   assert {m: ts for m, ts in bad.items() if ts} == {}
 
 
 # The checks themselves, on a small tree written here: each must see what it is for.
+
 
 def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
   for rel, text in files.items():
@@ -172,20 +178,24 @@ def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
 
 
 def test_the_checks_see_an_upward_arrow_and_a_circle(tmp_path):
-  root = _tree(tmp_path, {
-      "jaxpipe/ops/fp8.py": "from jaxpipe.models import moe\n",  # ops -> models: up
-      "jaxpipe/models/moe.py": "def f():\n  from jaxpipe.models.router import r\n",
-      "jaxpipe/models/router.py": "from jaxpipe.models import moe\nr = 1\n",
-      "jaxpipe/serve/engine.py": "from ..training import trainer\n",  # relative, down: fine
-      "jaxpipe/training/trainer.py": "",
-      "jaxpipe/train.py": "from jaxpipe.serve import engine\n",
-      "kernels_pallas/k.py": "import jaxpipe.ops.fp8\n",
-  })
+  root = _tree(
+      tmp_path,
+      {
+          "jaxpipe/ops/fp8.py": "from jaxpipe.models import moe\n",  # ops -> models: up
+          "jaxpipe/models/moe.py": "def f():\n  from jaxpipe.models.router import r\n",
+          "jaxpipe/models/router.py": "from jaxpipe.models import moe\nr = 1\n",
+          "jaxpipe/serve/engine.py": "from ..training import trainer\n",  # relative, down: fine
+          "jaxpipe/training/trainer.py": "",
+          "jaxpipe/train.py": "from jaxpipe.serve import engine\n",
+          "kernels_pallas/k.py": "import jaxpipe.ops.fp8\n",
+      },
+  )
   graph = imports_of(root, ("jaxpipe", "kernels_pallas"))
   assert graph["jaxpipe.serve.engine"] == {"jaxpipe.training.trainer"}
   assert upward_arrows(graph) == [
       "jaxpipe.ops.fp8 (ops) -> jaxpipe.models.moe (models)",
-      "kernels_pallas.k -> jaxpipe.ops.fp8 (kernels_pallas imports no jaxpipe module)"]
+      "kernels_pallas.k -> jaxpipe.ops.fp8 (kernels_pallas imports no jaxpipe module)",
+  ]
   assert circles(graph) == [["jaxpipe.models.moe", "jaxpipe.models.router"]]
   assert circles(graph, {("jaxpipe.models.moe", "jaxpipe.models.router")}) == []
   assert layer("jaxpipe.train") == LAYERS.index("commands")

@@ -1,5 +1,6 @@
 """The training runner under faults: kill -9, SIGINT, SIGTERM, a second run in the workdir, a full
 disk, a changed config and bad inputs lose nothing, repeat nothing and end with one line."""
+
 import glob
 import json
 import os
@@ -29,8 +30,10 @@ from jaxpipe.training.workdir import Workdir, WorkdirBusy, WorkdirError, field_k
 from tests import helpers
 
 ROOT = helpers.ROOT
-main_thread_only = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
-                                      reason="signal handlers are installed from the main thread")
+main_thread_only = pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(),
+    reason="signal handlers are installed from the main thread",
+)
 
 
 def _config(steps, every=5, **train):
@@ -43,22 +46,27 @@ def _config(steps, every=5, **train):
 
 def _flags(steps, every=5):
   """The command-line overrides that make tiny.py into `_config(steps, every)`."""
-  return [f"--config.train.steps={steps}", "--config.train.log_every=1",
-          "--config.train.eval_every=0", f"--config.checkpoint.every={every}"]
+  return [
+      f"--config.train.steps={steps}",
+      "--config.train.log_every=1",
+      "--config.train.eval_every=0",
+      f"--config.checkpoint.every={every}",
+  ]
 
 
 def _tensorboard_losses(logdir):
   """The `loss` scalars TensorBoard shows: event files in order, each SessionLog.START at step p
   purging the earlier events at steps >= p (TensorBoard's restart rule)."""
   from tensorboardX.proto import event_pb2
+
   shown = {}
   for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
     data, i = open(path, "rb").read(), 0
     while i + 12 <= len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-      (n,) = struct.unpack("<Q", data[i:i + 8])
+      (n,) = struct.unpack("<Q", data[i : i + 8])
       if i + 16 + n > len(data):
         break  # a record cut short by kill -9
-      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
       i += 16 + n
       if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
         shown = {k: v for k, v in shown.items() if k[0] < event.step}
@@ -85,8 +93,9 @@ def test_kill_sigint_sigterm_and_reruns_equal_an_uninterrupted_run(tmp_path):
   TensorBoard) with the uninterrupted run's loss, and the final state is that run's, bit for bit."""
   steps, workdir, env = 60, tmp_path / "run", helpers.env(tmp_path)
   cmd = helpers.cli(workdir, *_flags(steps))
-  start = lambda: subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE)
+  start = lambda: subprocess.Popen(
+      cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  )
 
   first = start()
   helpers.until_logged(first, workdir, 12)
@@ -133,8 +142,9 @@ def test_kill_sigint_sigterm_and_reruns_equal_an_uninterrupted_run(tmp_path):
   with Trainer(_config(steps), str(workdir)) as resumed:
     state = resumed.init()
     assert resumed.resumed_from == steps
-    for a, b in zip(jax.tree.leaves(jax.device_get(state)),
-                    jax.tree.leaves(jax.device_get(reference.state))):
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(reference.state))
+    ):
       np.testing.assert_array_equal(a, b)
 
 
@@ -189,18 +199,29 @@ def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
   with Trainer(_config(4, every=2), workdir) as trainer:  # the same config: a finished run
     summary = trainer.train(progress=False)
     assert (summary["start"], summary["step"], summary["first_loss"]) == (4, 4, None)
-  assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))  # nothing trained, nothing logged
+  assert not os.path.exists(
+      os.path.join(workdir, "metrics.jsonl")
+  )  # nothing trained, nothing logged
   stored = open(os.path.join(workdir, "config.json")).read()
 
   # The README's override example on a finished run's workdir.
-  r = subprocess.run(helpers.cli(workdir, *_flags(8, every=2), "--config.optimizer.lr=2e-3"), cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      helpers.cli(workdir, *_flags(8, every=2), "--config.optimizer.lr=2e-3"),
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 2 and len(_messages(r.stderr)) == 1, r.stderr
   assert r.stderr.startswith("error: "), r.stderr
-  for needle in (f"{workdir} holds a run with another config (checkpoint at step 4)",
-                 "optimizer.lr 0.01 -> 0.002", "train.steps 4 -> 8 (the learning-rate schedule",
-                 "another --workdir", "--resume_changed", f"--restart to start over here (the old "
-                 f"run moves to {workdir}/previous-1)"):
+  for needle in (
+      f"{workdir} holds a run with another config (checkpoint at step 4)",
+      "optimizer.lr 0.01 -> 0.002",
+      "train.steps 4 -> 8 (the learning-rate schedule",
+      "another --workdir",
+      "--resume_changed",
+      f"--restart to start over here (the old " f"run moves to {workdir}/previous-1)",
+  ):
     assert needle in r.stderr, needle
   assert open(os.path.join(workdir, "config.json")).read() == stored
   assert not os.path.exists(os.path.join(workdir, "config_history.jsonl"))
@@ -215,9 +236,11 @@ def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
   layout = _config(4, every=3)
   layout.pipeline.microbatches = 2
   with Trainer(layout, workdir) as trainer:
-    assert trainer.notices == ["resuming (checkpoint at step 4) with another layout: "
-                               "pipeline.microbatches 1 -> 2 (the same model and optimizer; "
-                               "losses equal the unchanged run's up to float rounding)"]
+    assert trainer.notices == [
+        "resuming (checkpoint at step 4) with another layout: "
+        "pipeline.microbatches 1 -> 2 (the same model and optimizer; "
+        "losses equal the unchanged run's up to float rounding)"
+    ]
   with Trainer(changed, workdir, existing_run="resume_changed") as trainer:
     assert "under a changed config" in trainer.notices[0]
     trainer.init()
@@ -235,7 +258,11 @@ def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
   with open(os.path.join(workdir, "config_history.jsonl")) as f:
     history = [json.loads(line) for line in f]
   assert [(h["choice"], h["step"]) for h in history] == [
-      ("resume", 4), ("resume", 4), ("resume_changed", 4), ("restart", 4)]
+      ("resume", 4),
+      ("resume", 4),
+      ("resume_changed", 4),
+      ("restart", 4),
+  ]
   assert history[2]["changes"]["optimizer.lr"] == [0.01, 0.002]
   assert history[2]["changes"]["train.steps"] == [4, 8]
   assert history[3]["moved_to"] == os.path.join(workdir, "previous-1")
@@ -243,11 +270,21 @@ def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
 
 def test_field_kinds():
   c = tiny.get_config()
-  assert [field_kind(k, c) for k in ("checkpoint.every", "mesh.dp", "pipeline.schedule",
-                                     "model.remat", "train.steps", "optimizer.lr", "data.seed",
-                                     "model.d_model")] == [
-      "cadence", "layout", "layout", "layout", "run", "run", "run", "run"]
+  assert [
+      field_kind(k, c)
+      for k in (
+          "checkpoint.every",
+          "mesh.dp",
+          "pipeline.schedule",
+          "model.remat",
+          "train.steps",
+          "optimizer.lr",
+          "data.seed",
+          "model.d_model",
+      )
+  ] == ["cadence", "layout", "layout", "layout", "run", "run", "run", "run"]
   from configs import moe_quickstart
+
   moe = moe_quickstart.get_config()  # capacity dispatch: the mesh decides which tokens overflow
   assert field_kind("mesh.ep", moe) == field_kind("pipeline.microbatches", moe) == "run"
   assert field_kind("pipeline.schedule", moe) == "layout"
@@ -283,8 +320,10 @@ def test_model_changed_under_a_checkpoint_names_the_same_array(tmp_path):
   with Trainer(wider, str(tmp_path), existing_run="resume_changed") as trainer:
     with pytest.raises(CheckpointMismatchError) as e:
       trainer.init()
-  assert ("the checkpoint holds .params['embed'] (64, 32) float32 where the model needs "
-          ".params['embed'] (64, 48) float32 (of 36 arrays: 33 differ in shape or dtype)") in str(e.value)
+  assert (
+      "the checkpoint holds .params['embed'] (64, 32) float32 where the model needs "
+      ".params['embed'] (64, 48) float32 (of 36 arrays: 33 differ in shape or dtype)"
+  ) in str(e.value)
 
 
 def test_full_disk_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -295,11 +334,24 @@ def test_full_disk_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
   helpers.checkpoint_at(_config(60, every=20), workdir, 20)
   # bash's `ulimit -f` (KiB) caps every file the run writes; Python ignores SIGXFSZ, so a write
   # past it fails with EFBIG. The checkpoint's data files take about 250 KiB.
-  r = subprocess.run(["bash", "-c", 'ulimit -f 20 && exec "$@"', "bash",
-                      *helpers.cli(workdir, *_flags(60, every=20))],
-                     cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={k: v for k, v in os.environ.items()  # no cache writes past the limit
-                          if k != "JAX_COMPILATION_CACHE_DIR"})
+  r = subprocess.run(
+      [
+          "bash",
+          "-c",
+          'ulimit -f 20 && exec "$@"',
+          "bash",
+          *helpers.cli(workdir, *_flags(60, every=20)),
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={
+          k: v
+          for k, v in os.environ.items()  # no cache writes past the limit
+          if k != "JAX_COMPILATION_CACHE_DIR"
+      },
+  )
   assert r.returncode == 1, r.stderr[-3000:]
   (line,) = _messages(r.stderr)  # nothing from orbax, asyncio or tensorstore
   assert line.startswith(f"error: saving step 40 in {workdir}/checkpoints failed: "), line
@@ -311,26 +363,35 @@ def test_full_disk_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_no_room_for_a_checkpoint_stops_before_the_first_step(tmp_path, monkeypatch):
   import jaxpipe.runtime.checkpoint
+
   usage = shutil.disk_usage(tmp_path)
-  monkeypatch.setattr(jaxpipe.runtime.checkpoint.shutil, "disk_usage",
-                      lambda path: usage._replace(free=1000))
+  monkeypatch.setattr(
+      jaxpipe.runtime.checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=1000)
+  )
   with Trainer(_config(4), str(tmp_path)) as trainer:
     with pytest.raises(CheckpointSaveError) as e:
       trainer.train(progress=False)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state))
     assert int(trainer.state.step) == 0
-  assert str(e.value).startswith(f"no checkpoint fits in {tmp_path}/checkpoints: 1,000 bytes free "
-                                 f"there, fewer than the {nbytes:,} bytes a checkpoint takes")
+  assert str(e.value).startswith(
+      f"no checkpoint fits in {tmp_path}/checkpoints: 1,000 bytes free "
+      f"there, fewer than the {nbytes:,} bytes a checkpoint takes"
+  )
   assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 def test_non_finite_gradient_is_named_as_such():
   trainer = Trainer(_config(3))
   trainer.loss_and_grads = lambda params, batch: (
-      jnp.float32(4.1589), jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params),
-      {"tokens": jnp.sum(batch["mask"])})
-  with pytest.raises(NonFiniteLossError, match=r"^non-finite gradient norm nan \(the loss, 4.1589, "
-                     r"is finite\) at step 1, found when checking steps 1..1"):
+      jnp.float32(4.1589),
+      jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params),
+      {"tokens": jnp.sum(batch["mask"])},
+  )
+  with pytest.raises(
+      NonFiniteLossError,
+      match=r"^non-finite gradient norm nan \(the loss, 4.1589, "
+      r"is finite\) at step 1, found when checking steps 1..1",
+  ):
     trainer.train(progress=False)
 
 
@@ -348,6 +409,7 @@ def test_metrics_past_the_restored_step_are_dropped(tmp_path):
 def test_a_file_write_that_fails_leaves_the_old_file_whole(tmp_path):
   """metrics.jsonl's rewrite, config.json, cost files and results go through write_atomically."""
   import resource
+
   path = tmp_path / "config.json"
   files.write_json(path, {"old": 1})
   soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -361,34 +423,69 @@ def test_a_file_write_that_fails_leaves_the_old_file_whole(tmp_path):
   assert os.listdir(tmp_path) == ["config.json"]  # no .tmp left behind
 
 
-@pytest.mark.parametrize("args, env, needle", [
-    (["--gin_param", "model.dmodel = 64"], {},
-     "error: gin binding model.dmodel: no such field; did you mean model.d_model?"),
-    (["--gin_file", "missing.gin"], {}, "error: --gin_file missing.gin: no such file"),
-    (["--config.model.dtype=float16"], {}, "error: model.dtype='float16' does not run on cpu: "
-     "XLA:CPU has no float16 matmul"),
-    ([], {"config": "configs/missing.py"}, "error: --config configs/missing.py: no such file"),
-    ([], {"JAXPIPE_HOST_DEVICES": "abc"}, "error: JAXPIPE_HOST_DEVICES='abc' must be a positive"),
-    (["--num_processes=2", "--process_id=0"], {}, "error: a multi-process run needs "
-     "--coordinator_address as well"),
-])
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        (
+            ["--gin_param", "model.dmodel = 64"],
+            {},
+            "error: gin binding model.dmodel: no such field; did you mean model.d_model?",
+        ),
+        (["--gin_file", "missing.gin"], {}, "error: --gin_file missing.gin: no such file"),
+        (
+            ["--config.model.dtype=float16"],
+            {},
+            "error: model.dtype='float16' does not run on cpu: " "XLA:CPU has no float16 matmul",
+        ),
+        ([], {"config": "configs/missing.py"}, "error: --config configs/missing.py: no such file"),
+        (
+            [],
+            {"JAXPIPE_HOST_DEVICES": "abc"},
+            "error: JAXPIPE_HOST_DEVICES='abc' must be a positive",
+        ),
+        (
+            ["--num_processes=2", "--process_id=0"],
+            {},
+            "error: a multi-process run needs " "--coordinator_address as well",
+        ),
+    ],
+)
 def test_cli_bad_inputs_end_with_one_error_line(args, env, needle):
   env = dict(env)
   config = env.pop("config", "configs/tiny.py")
   run_env = {**os.environ, **env}
   if "JAXPIPE_HOST_DEVICES" in env:  # the test's own device-count flag would win over it
     run_env.pop("XLA_FLAGS")
-  r = subprocess.run([sys.executable, "-m", "jaxpipe.train", "--config", config, *args], cwd=ROOT,
-                     env=run_env, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      [sys.executable, "-m", "jaxpipe.train", "--config", config, *args],
+      cwd=ROOT,
+      env=run_env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 2, r.stderr[-3000:]
   assert _messages(r.stderr) == [r.stderr.strip()] and r.stderr.startswith(needle), r.stderr
   assert r.stdout == ""
 
 
 def test_debug_shows_the_traceback():
-  r = subprocess.run([sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py",
-                      "--gin_param", "model.dmodel = 64", "--debug"], cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "jaxpipe.train",
+          "--config",
+          "configs/tiny.py",
+          "--gin_param",
+          "model.dmodel = 64",
+          "--debug",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError: gin binding" in r.stderr
 
 
@@ -407,9 +504,15 @@ def test_bad_inputs_found_in_process(tmp_path, monkeypatch):
   with pytest.raises(WorkdirError, match=f"--workdir {tmp_path}/file is a file, not a directory"):
     Trainer(tiny.get_config(), str(tmp_path / "file"))
   from configs import moe_quickstart
-  for field, value, needle in [("num_experts", 6, "model.moe: num_experts=6 is not divisible by the "
-                                "expert axis size ep=4"),
-                               ("top_k", 9, "model.moe: top_k=9 exceeds num_experts=8")]:
+
+  for field, value, needle in [
+      (
+          "num_experts",
+          6,
+          "model.moe: num_experts=6 is not divisible by the " "expert axis size ep=4",
+      ),
+      ("top_k", 9, "model.moe: top_k=9 exceeds num_experts=8"),
+  ]:
     c = moe_quickstart.get_config()
     c.model.moe[field] = value
     with pytest.raises(ConfigError, match=needle):
@@ -419,8 +522,14 @@ def test_bad_inputs_found_in_process(tmp_path, monkeypatch):
 def test_schedule_cli_names_the_file_it_wrote(tmp_path, capsys):
   for fmt in ("png", "perfetto"):
     out = str(tmp_path / f"s.{fmt}")
-    assert cli.call(schedule.main, schedule.FLAGS, ["1f1b", "--pp", "2", "--microbatches", "4",
-                                                    "--format", fmt, "--out", out]) == 0
+    assert (
+        cli.call(
+            schedule.main,
+            schedule.FLAGS,
+            ["1f1b", "--pp", "2", "--microbatches", "4", "--format", fmt, "--out", out],
+        )
+        == 0
+    )
     assert capsys.readouterr().out == f"wrote {fmt} to {out}\n" and os.path.getsize(out) > 0
 
 
@@ -429,12 +538,35 @@ def test_configs_are_part_of_the_package(tmp_path):
   works wherever jaxpipe is installed."""
   pytest.importorskip("setuptools")  # the build backend, built without isolation (no download)
   src = tmp_path / "src"
-  shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-      ".git", "tests", "notebooks", "docs", "build", "*.egg-info", "__pycache__"))
-  subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                  "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True,
-                 timeout=300)
+  shutil.copytree(
+      ROOT,
+      src,
+      ignore=shutil.ignore_patterns(
+          ".git", "tests", "notebooks", "docs", "build", "*.egg-info", "__pycache__"
+      ),
+  )
+  subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "pip",
+          "wheel",
+          "--no-deps",
+          "--no-build-isolation",
+          "-q",
+          "-w",
+          str(tmp_path / "dist"),
+          str(src),
+      ],
+      check=True,
+      capture_output=True,
+      timeout=300,
+  )
   (wheel,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
   names = set(zipfile.ZipFile(wheel).namelist())
-  assert {"configs/__init__.py", "configs/quickstart.py", "configs/tiny.py",
-          "configs/wider.gin"} <= names
+  assert {
+      "configs/__init__.py",
+      "configs/quickstart.py",
+      "configs/tiny.py",
+      "configs/wider.gin",
+  } <= names

@@ -7,6 +7,7 @@ written for one device needs no change to train with context parallelism. Inside
 keys/values in pages, attend over the cached ones), so the same layers serve a paged KV cache.
 Otherwise it is `jaxpipe.ops.attention.attention` (the backends).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,10 +18,12 @@ import jax
 from jaxpipe.ops import attention as core
 from jaxpipe.parallel.ulysses import ulysses_attention_local
 
-_CONTEXT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("context_axis",
-                                                                           default=None)
-_POINT_TO_POINT: contextvars.ContextVar[bool] = contextvars.ContextVar("point_to_point",
-                                                                       default=True)
+_CONTEXT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "context_axis", default=None
+)
+_POINT_TO_POINT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "point_to_point", default=True
+)
 _KV_CACHE: contextvars.ContextVar = contextvars.ContextVar("kv_cache", default=None)
 
 
@@ -62,10 +65,16 @@ def point_to_point() -> bool:
   return _POINT_TO_POINT.get()
 
 
-
-def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
-              causal: bool = True, backend: str = "xla", segment_ids: jax.Array | None = None,
-              sm_scale: float | None = None) -> jax.Array:
+def attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    *,
+    causal: bool = True,
+    backend: str = "xla",
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
   """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
 
   Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs).
@@ -78,7 +87,16 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
     return hook(q, k, v)
   axis_name = _CONTEXT_AXIS.get()
   if axis_name is not None:
-    return ulysses_attention_local(q, k, v, axis_name=axis_name, causal=causal, backend=backend,
-                                   segment_ids_BxS=segment_ids, sm_scale=sm_scale)
-  return core.attention(q, k, v, causal=causal, backend=backend, segment_ids=segment_ids,
-                        sm_scale=sm_scale)
+    return ulysses_attention_local(
+        q,
+        k,
+        v,
+        axis_name=axis_name,
+        causal=causal,
+        backend=backend,
+        segment_ids_BxS=segment_ids,
+        sm_scale=sm_scale,
+    )
+  return core.attention(
+      q, k, v, causal=causal, backend=backend, segment_ids=segment_ids, sm_scale=sm_scale
+  )

@@ -1,4 +1,5 @@
 """Analytic model FLOPs, counted the way MaxText counts them (matmuls only, 2 FLOPs per MAC)."""
+
 from jaxpipe.models.transformer import TransformerConfig
 
 

@@ -18,6 +18,7 @@ split over pp and experts over ep when the shardings say so), so the host holds 
 time. Weights become float32 (exact from bf16, fp16 and fp32); `save` writes them back in the
 source's dtype unless told otherwise, so a round trip is bit-exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,47 +38,107 @@ from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.ops import fp8
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors -> numpy names
 
 # Fields that do not change the function the model computes (metadata, inference settings).
-_METADATA = {"architectures", "model_type", "transformers_version", "_name_or_path", "torch_dtype",
-             "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-             "use_cache", "max_position_embeddings", "tokenizer_class", "return_dict",
-             "output_attentions", "output_hidden_states",
-             "pretraining_tp"}  # Llama: splits the matmuls into slices, same function
+_METADATA = {
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "max_position_embeddings",
+    "tokenizer_class",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "pretraining_tp",
+}  # Llama: splits the matmuls into slices, same function
 # Per model_type: the defaults transformers uses for a field that config.json leaves out.
 _DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
-                  hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0),
-    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, hidden_act="silu",
-                    attention_dropout=0.0, num_experts_per_tok=2, num_local_experts=8,
-                    output_router_logits=False, router_aux_loss_coef=0.001,
-                    router_jitter_noise=0.0, sliding_window=None),
-    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
-                      hidden_act="silu", attention_bias=False, attention_dropout=0.0,
-                      use_sliding_window=False, sliding_window=None, max_window_layers=None,
-                      decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[],
-                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                      output_router_logits=False, router_aux_loss_coef=0.001),
+    "llama": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+    ),
+    "mixtral": dict(
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        num_experts_per_tok=2,
+        num_local_experts=8,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    ),
+    "qwen3_moe": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=None,
+        decoder_sparse_step=1,
+        norm_topk_prob=False,
+        mlp_only_layers=[],
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    ),
 }
 # Values a field must have, because jaxpipe computes only that case; a dict value checks keys.
-_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-             "attention_dropout": 0.0, "router_jitter_noise": 0.0, "use_sliding_window": False,
-             "mlp_only_layers": []}
-_WHY = {"hidden_act": "the FFNs are SwiGLU (silu)", "attention_bias": "projections have no bias",
-        "mlp_bias": "projections have no bias", "attention_dropout": "there is no dropout",
-        "router_jitter_noise": "the LM's router takes no jitter",
-        "use_sliding_window": "attention is full causal", "mlp_only_layers":
-        "dense layers are placed by decoder_sparse_step alone (moe.every)",
-        "sliding_window": "attention is full causal"}
+_REQUIRED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "router_jitter_noise": 0.0,
+    "use_sliding_window": False,
+    "mlp_only_layers": [],
+}
+_WHY = {
+    "hidden_act": "the FFNs are SwiGLU (silu)",
+    "attention_bias": "projections have no bias",
+    "mlp_bias": "projections have no bias",
+    "attention_dropout": "there is no dropout",
+    "router_jitter_noise": "the LM's router takes no jitter",
+    "use_sliding_window": "attention is full causal",
+    "mlp_only_layers": "dense layers are placed by decoder_sparse_step alone (moe.every)",
+    "sliding_window": "attention is full causal",
+}
 # Tensors a checkpoint may carry that the model recomputes: (pattern, why).
-_DERIVED = ((re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
-             "rotary frequencies, recomputed from rope_theta"),)
+_DERIVED = (
+    (
+        re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
+        "rotary frequencies, recomputed from rope_theta",
+    ),
+)
 
 
 class CheckpointError(ValueError):
@@ -86,18 +147,23 @@ class CheckpointError(ValueError):
 
 # -- config.json <-> TransformerConfig ------------------------------------------------------------
 
+
 def _rope_theta(hf: dict) -> float:
   """rope_theta from either layout (`rope_theta` + `rope_scaling`, or `rope_parameters`)."""
   scaling = hf.get("rope_scaling")
   if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
-    raise CheckpointError(f"config.json: rope_scaling={scaling!r} is not implemented (jaxpipe's "
-                          "rotary embedding is the default, unscaled one)")
+    raise CheckpointError(
+        f"config.json: rope_scaling={scaling!r} is not implemented (jaxpipe's "
+        "rotary embedding is the default, unscaled one)"
+    )
   params = hf.get("rope_parameters")
   if params is not None:
     extra = sorted(set(params) - {"rope_theta", "rope_type"})
     if params.get("rope_type", "default") != "default" or extra:
-      raise CheckpointError(f"config.json: rope_parameters={params!r} is not implemented (only "
-                            "rope_type 'default' with rope_theta)")
+      raise CheckpointError(
+          f"config.json: rope_parameters={params!r} is not implemented (only "
+          "rope_type 'default' with rope_theta)"
+      )
     if "rope_theta" in params:
       return float(params["rope_theta"])
   return float(hf.get("rope_theta", _DEFAULTS[hf["model_type"]]["rope_theta"]))
@@ -107,79 +173,160 @@ def config_from_hf(hf: dict) -> transformer.TransformerConfig:
   """The TransformerConfig of a transformers config.json (a dict); CheckpointError if none fits."""
   model_type = hf.get("model_type")
   if model_type not in ARCHITECTURES:
-    raise CheckpointError(f"config.json: model_type={model_type!r} is not supported; jaxpipe reads "
-                          f"{sorted(ARCHITECTURES)}")
+    raise CheckpointError(
+        f"config.json: model_type={model_type!r} is not supported; jaxpipe reads "
+        f"{sorted(ARCHITECTURES)}"
+    )
   archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
   if archs != [ARCHITECTURES[model_type]]:
-    raise CheckpointError(f"config.json: architectures={archs!r}; jaxpipe reads a causal LM, "
-                          f"{[ARCHITECTURES[model_type]]}")
+    raise CheckpointError(
+        f"config.json: architectures={archs!r}; jaxpipe reads a causal LM, "
+        f"{[ARCHITECTURES[model_type]]}"
+    )
   defaults = _DEFAULTS[model_type]
-  moe_keys = {"mixtral": {"num_local_experts", "num_experts_per_tok", "output_router_logits",
-                          "router_aux_loss_coef", "router_jitter_noise", "sliding_window"},
-              "qwen3_moe": {"num_experts", "num_local_experts", "num_experts_per_tok",
-                            "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                            "mlp_only_layers", "output_router_logits", "router_aux_loss_coef",
-                            "use_sliding_window", "sliding_window", "max_window_layers"}}
-  known = (_METADATA | set(defaults) | moe_keys.get(model_type, set())
-           | {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "rope_scaling",
-              "rope_parameters", "layer_types"})
+  moe_keys = {
+      "mixtral": {
+          "num_local_experts",
+          "num_experts_per_tok",
+          "output_router_logits",
+          "router_aux_loss_coef",
+          "router_jitter_noise",
+          "sliding_window",
+      },
+      "qwen3_moe": {
+          "num_experts",
+          "num_local_experts",
+          "num_experts_per_tok",
+          "moe_intermediate_size",
+          "norm_topk_prob",
+          "decoder_sparse_step",
+          "mlp_only_layers",
+          "output_router_logits",
+          "router_aux_loss_coef",
+          "use_sliding_window",
+          "sliding_window",
+          "max_window_layers",
+      },
+  }
+  known = (
+      _METADATA
+      | set(defaults)
+      | moe_keys.get(model_type, set())
+      | {
+          "vocab_size",
+          "hidden_size",
+          "intermediate_size",
+          "num_hidden_layers",
+          "num_attention_heads",
+          "num_key_value_heads",
+          "head_dim",
+          "rope_scaling",
+          "rope_parameters",
+          "layer_types",
+      }
+  )
   for key, value in hf.items():
     if key not in known:
-      raise CheckpointError(f"config.json: field {key!r} (= {value!r}) is not understood for "
-                            f"model_type {model_type!r}; jaxpipe would ignore it and could compute "
-                            "another model, so it refuses the checkpoint")
+      raise CheckpointError(
+          f"config.json: field {key!r} (= {value!r}) is not understood for "
+          f"model_type {model_type!r}; jaxpipe would ignore it and could compute "
+          "another model, so it refuses the checkpoint"
+      )
 
   def get(key):
     if key in hf:
       return hf[key]
     if key in defaults:
       return defaults[key]
-    raise CheckpointError(f"config.json: field {key!r} is missing; model_type {model_type!r} "
-                          "needs it")
+    raise CheckpointError(
+        f"config.json: field {key!r} is missing; model_type {model_type!r} " "needs it"
+    )
 
   for key, want in _REQUIRED.items():
     if (key in hf or key in defaults) and get(key) != want:
-      raise CheckpointError(f"config.json: {key}={get(key)!r} is not implemented ({_WHY[key]}); "
-                            f"jaxpipe reads {key}={want!r}")
+      raise CheckpointError(
+          f"config.json: {key}={get(key)!r} is not implemented ({_WHY[key]}); "
+          f"jaxpipe reads {key}={want!r}"
+      )
   kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
   if kinds != ["full_attention"]:
-    raise CheckpointError(f"config.json: layer_types {kinds} are not implemented (attention is "
-                          "full causal); jaxpipe reads 'full_attention' layers only")
+    raise CheckpointError(
+        f"config.json: layer_types {kinds} are not implemented (attention is "
+        "full causal); jaxpipe reads 'full_attention' layers only"
+    )
   if model_type == "mixtral" and get("sliding_window") is not None:
-    raise CheckpointError(f"config.json: sliding_window={get('sliding_window')!r} is not "
-                          f"implemented ({_WHY['sliding_window']}); jaxpipe reads null")
+    raise CheckpointError(
+        f"config.json: sliding_window={get('sliding_window')!r} is not "
+        f"implemented ({_WHY['sliding_window']}); jaxpipe reads null"
+    )
   heads = get("num_attention_heads")
   kv_heads = hf.get("num_key_value_heads") or heads
   head_dim = hf.get("head_dim") or get("hidden_size") // heads
   moe = None
   if model_type != "llama":
     experts = hf.get("num_local_experts", hf.get("num_experts")) or get(
-        "num_local_experts" if model_type == "mixtral" else "num_experts")
+        "num_local_experts" if model_type == "mixtral" else "num_experts"
+    )
     aux = get("output_router_logits")  # transformers adds the aux loss only then
     renorm = True if model_type == "mixtral" else bool(get("norm_topk_prob"))
     moe = moe_lib.MoEConfig(
-        num_experts=experts, top_k=get("num_experts_per_tok"), router="softmax",
+        num_experts=experts,
+        top_k=get("num_experts_per_tok"),
+        router="softmax",
         d_ff=get("intermediate_size") if model_type == "mixtral" else get("moe_intermediate_size"),
-        norm_topk_prob=renorm, norm_top1=renorm,
-        lb_loss_coef=float(get("router_aux_loss_coef")) if aux else 0.0, lb_loss_form="pooled",
-        z_loss_coef=0.0, every=get("decoder_sparse_step") if model_type == "qwen3_moe" else 1)
+        norm_topk_prob=renorm,
+        norm_top1=renorm,
+        lb_loss_coef=float(get("router_aux_loss_coef")) if aux else 0.0,
+        lb_loss_form="pooled",
+        z_loss_coef=0.0,
+        every=get("decoder_sparse_step") if model_type == "qwen3_moe" else 1,
+    )
   try:
     return transformer.TransformerConfig(
-        vocab=get("vocab_size"), d_model=get("hidden_size"), n_layers=get("num_hidden_layers"),
-        n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, d_ff=get("intermediate_size"),
-        rope_theta=_rope_theta(hf), qk_norm=model_type == "qwen3_moe",
-        norm_eps=float(get("rms_norm_eps")), tied_embeddings=bool(get("tie_word_embeddings")),
-        moe=moe)
+        vocab=get("vocab_size"),
+        d_model=get("hidden_size"),
+        n_layers=get("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        d_ff=get("intermediate_size"),
+        rope_theta=_rope_theta(hf),
+        qk_norm=model_type == "qwen3_moe",
+        norm_eps=float(get("rms_norm_eps")),
+        tied_embeddings=bool(get("tie_word_embeddings")),
+        moe=moe,
+    )
   except ValueError as e:
     raise CheckpointError(f"config.json: {e}") from e
 
 
 # TransformerConfig fields that define the function (the rest are runtime choices).
-_MODEL_FIELDS = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                 "rope_theta", "qk_norm", "norm_eps", "tied_embeddings")
-_MOE_FIELDS = ("num_experts", "top_k", "d_ff", "num_shared_experts", "router", "norm_topk_prob",
-               "norm_top1", "routed_scaling", "n_groups", "topk_groups", "every")
+_MODEL_FIELDS = (
+    "vocab",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "rope_theta",
+    "qk_norm",
+    "norm_eps",
+    "tied_embeddings",
+)
+_MOE_FIELDS = (
+    "num_experts",
+    "top_k",
+    "d_ff",
+    "num_shared_experts",
+    "router",
+    "norm_topk_prob",
+    "norm_top1",
+    "routed_scaling",
+    "n_groups",
+    "topk_groups",
+    "every",
+)
 
 
 def _function_fields(cfg: transformer.TransformerConfig) -> dict[str, Any]:
@@ -209,10 +356,16 @@ def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
       raise CheckpointError(f"base config.json: model_type={model_type!r} is not supported")
-  hf.update(vocab_size=cfg.vocab, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tied_embeddings)
+  hf.update(
+      vocab_size=cfg.vocab,
+      hidden_size=cfg.d_model,
+      num_hidden_layers=cfg.n_layers,
+      num_attention_heads=cfg.n_heads,
+      num_key_value_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim,
+      rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=cfg.tied_embeddings,
+  )
   if "rope_parameters" in hf:
     hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": cfg.rope_theta}
   else:
@@ -226,8 +379,9 @@ def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -
     if model_type == "mixtral":
       hf["intermediate_size"] = m.d_ff
     else:
-      hf.update(moe_intermediate_size=m.d_ff, norm_topk_prob=m.norm_topk_prob,
-                decoder_sparse_step=m.every)
+      hf.update(
+          moe_intermediate_size=m.d_ff, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.every
+      )
     if base is None:  # the training objective, as transformers spells it
       hf.update(output_router_logits=m.lb_loss_coef > 0, router_aux_loss_coef=m.lb_loss_coef)
   try:
@@ -239,21 +393,24 @@ def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -
     if want[field] != got.get(field):
       raise CheckpointError(
           f"model.{field}={want[field]!r} has no counterpart in {model_type} (which would compute "
-          f"{got.get(field)!r}); export needs a model that {ARCHITECTURES[model_type]} computes")
+          f"{got.get(field)!r}); export needs a model that {ARCHITECTURES[model_type]} computes"
+      )
   return hf
 
 
 # -- tensors ----------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
   """One parameter leaf and the checkpoint tensors stacked into it."""
-  path: tuple[str, ...]   # keys of the leaf in the params dict
-  pattern: str            # checkpoint name; {i} the layer, {e} the expert
-  layers: np.ndarray      # the layer index at each position of the leaf's leading stack axes
-  experts: int            # E for an expert axis after the stack axes (one tensor per expert), else 0
+
+  path: tuple[str, ...]  # keys of the leaf in the params dict
+  pattern: str  # checkpoint name; {i} the layer, {e} the expert
+  layers: np.ndarray  # the layer index at each position of the leaf's leading stack axes
+  experts: int  # E for an expert axis after the stack axes (one tensor per expert), else 0
   shape: tuple[int, ...]  # one tensor in jaxpipe's layout
-  in_dims: int            # leading axes of `shape` that a Linear contracts ([out, in] on disk); 0: as is
+  in_dims: int  # leading axes of `shape` that a Linear contracts ([out, in] on disk); 0: as is
 
   @property
   def leaf_shape(self) -> tuple[int, ...]:
@@ -263,7 +420,7 @@ class Tensor:
   def hf_shape(self) -> tuple[int, ...]:
     if not self.in_dims:
       return self.shape
-    return (math.prod(self.shape[self.in_dims:]), math.prod(self.shape[:self.in_dims]))
+    return (math.prod(self.shape[self.in_dims :]), math.prod(self.shape[: self.in_dims]))
 
   def names(self) -> Iterator[tuple[tuple[int, ...], str]]:
     """(position in the leaf's stack and expert axes, checkpoint name) of every tensor."""
@@ -282,42 +439,87 @@ def tensors(cfg: transformer.TransformerConfig, model_type: str) -> list[Tensor]
   """Every parameter leaf of `cfg`'s model with the checkpoint tensors it is made of."""
   d, h, g, k, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab
   top = np.zeros((), int)
-  out = [Tensor(("embed",), "model.embed_tokens.weight", top, 0, (v, d), 0),
-         Tensor(("final_norm", "scale"), "model.norm.weight", top, 0, (d,), 0)]
+  out = [
+      Tensor(("embed",), "model.embed_tokens.weight", top, 0, (v, d), 0),
+      Tensor(("final_norm", "scale"), "model.norm.weight", top, 0, (d,), 0),
+  ]
   if not cfg.tied_embeddings:
     out.append(Tensor(("head",), "lm_head.weight", top, 0, (d, v), 1))
 
   def layer(prefix, layers, moe):
     p = "model.layers.{i}."
     a = p + "self_attn."
-    t = [Tensor(prefix + ("attn_norm", "scale"), p + "input_layernorm.weight", layers, 0, (d,), 0),
-         Tensor(prefix + ("attn", "q", "kernel"), a + "q_proj.weight", layers, 0, (d, h, k), 1),
-         Tensor(prefix + ("attn", "k", "kernel"), a + "k_proj.weight", layers, 0, (d, g, k), 1),
-         Tensor(prefix + ("attn", "v", "kernel"), a + "v_proj.weight", layers, 0, (d, g, k), 1),
-         Tensor(prefix + ("attn", "o", "kernel"), a + "o_proj.weight", layers, 0, (h, k, d), 2),
-         Tensor(prefix + ("mlp_norm", "scale"), p + "post_attention_layernorm.weight", layers, 0,
-                (d,), 0)]
+    t = [
+        Tensor(prefix + ("attn_norm", "scale"), p + "input_layernorm.weight", layers, 0, (d,), 0),
+        Tensor(prefix + ("attn", "q", "kernel"), a + "q_proj.weight", layers, 0, (d, h, k), 1),
+        Tensor(prefix + ("attn", "k", "kernel"), a + "k_proj.weight", layers, 0, (d, g, k), 1),
+        Tensor(prefix + ("attn", "v", "kernel"), a + "v_proj.weight", layers, 0, (d, g, k), 1),
+        Tensor(prefix + ("attn", "o", "kernel"), a + "o_proj.weight", layers, 0, (h, k, d), 2),
+        Tensor(
+            prefix + ("mlp_norm", "scale"),
+            p + "post_attention_layernorm.weight",
+            layers,
+            0,
+            (d,),
+            0,
+        ),
+    ]
     if cfg.qk_norm:
-      t += [Tensor(prefix + ("attn", f"{n}_norm", "scale"), a + f"{n}_norm.weight", layers, 0,
-                   (k,), 0) for n in "qk"]
+      t += [
+          Tensor(
+              prefix + ("attn", f"{n}_norm", "scale"), a + f"{n}_norm.weight", layers, 0, (k,), 0
+          )
+          for n in "qk"
+      ]
     if not moe:
       f = cfg.d_ff
-      return t + [Tensor(prefix + ("mlp", n, "kernel"), p + f"mlp.{n}_proj.weight", layers, 0,
-                         (f, d) if n == "down" else (d, f), 1) for n in ("gate", "up", "down")]
+      return t + [
+          Tensor(
+              prefix + ("mlp", n, "kernel"),
+              p + f"mlp.{n}_proj.weight",
+              layers,
+              0,
+              (f, d) if n == "down" else (d, f),
+              1,
+          )
+          for n in ("gate", "up", "down")
+      ]
     m = cfg.moe
     e, f = m.num_experts, m.d_ff
     block = p + ("block_sparse_moe." if model_type == "mixtral" else "mlp.")
-    names = ({"gate": "w1", "up": "w3", "down": "w2"} if model_type == "mixtral" else
-             {n: f"{n}_proj" for n in ("gate", "up", "down")})
+    names = (
+        {"gate": "w1", "up": "w3", "down": "w2"}
+        if model_type == "mixtral"
+        else {n: f"{n}_proj" for n in ("gate", "up", "down")}
+    )
     w = prefix + ("moe",)
     return t + [
         Tensor(w + ("router_DxE",), block + "gate.weight", layers, 0, (d, e), 1),
-        Tensor(w + ("wi_gate_ExDxF",), block + "experts.{e}." + names["gate"] + ".weight", layers,
-               e, (d, f), 1),
-        Tensor(w + ("wi_up_ExDxF",), block + "experts.{e}." + names["up"] + ".weight", layers, e,
-               (d, f), 1),
-        Tensor(w + ("wo_ExFxD",), block + "experts.{e}." + names["down"] + ".weight", layers, e,
-               (f, d), 1)]
+        Tensor(
+            w + ("wi_gate_ExDxF",),
+            block + "experts.{e}." + names["gate"] + ".weight",
+            layers,
+            e,
+            (d, f),
+            1,
+        ),
+        Tensor(
+            w + ("wi_up_ExDxF",),
+            block + "experts.{e}." + names["up"] + ".weight",
+            layers,
+            e,
+            (d, f),
+            1,
+        ),
+        Tensor(
+            w + ("wo_ExFxD",),
+            block + "experts.{e}." + names["down"] + ".weight",
+            layers,
+            e,
+            (f, d),
+            1,
+        ),
+    ]
 
   if cfg.moe is None:
     return out + layer(("layers",), np.arange(cfg.n_layers), moe=False)
@@ -331,16 +533,18 @@ def tensors(cfg: transformer.TransformerConfig, model_type: str) -> list[Tensor]
 
 # -- checking a directory ---------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A checked checkpoint directory: what it holds and where, before any tensor is read."""
+
   directory: str
-  hf_config: dict                         # config.json as read
+  hf_config: dict  # config.json as read
   cfg: transformer.TransformerConfig
   tensors: list[Tensor]
-  files: dict[str, str]                   # checkpoint name -> safetensors file
-  dtypes: dict[str, str]                  # checkpoint name -> numpy dtype name
-  ignored: dict[str, str]                 # tensors not read -> why
+  files: dict[str, str]  # checkpoint name -> safetensors file
+  dtypes: dict[str, str]  # checkpoint name -> numpy dtype name
+  ignored: dict[str, str]  # tensors not read -> why
 
   @property
   def dtype(self) -> str:
@@ -355,6 +559,7 @@ class Plan:
 def _headers(directory: str) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
   """(name -> file, name -> (shape, safetensors dtype)) from the index and file headers."""
   from safetensors import safe_open
+
   index_path = os.path.join(directory, INDEX_FILE)
   if os.path.isfile(index_path):
     with open(index_path) as f:
@@ -363,8 +568,10 @@ def _headers(directory: str) -> tuple[dict[str, str], dict[str, tuple[tuple[int,
   elif os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
     weight_map, files = None, [WEIGHTS_FILE]
   else:
-    raise CheckpointError(f"{directory} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; point to a "
-                          "directory written by save_pretrained (safetensors weights)")
+    raise CheckpointError(
+        f"{directory} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; point to a "
+        "directory written by save_pretrained (safetensors weights)"
+    )
   where, meta = {}, {}
   for file in files:
     path = os.path.join(directory, file)
@@ -379,8 +586,10 @@ def _headers(directory: str) -> tuple[dict[str, str], dict[str, tuple[tuple[int,
   if weight_map is not None:
     for name, file in weight_map.items():
       if where.get(name) != file:
-        raise CheckpointError(f"{INDEX_FILE} puts tensor {name} in {file}, but "
-                              + (f"it is in {where[name]}" if name in where else "no file has it"))
+        raise CheckpointError(
+            f"{INDEX_FILE} puts tensor {name} in {file}, but "
+            + (f"it is in {where[name]}" if name in where else "no file has it")
+        )
   return where, meta
 
 
@@ -388,8 +597,9 @@ def check(directory: str) -> Plan:
   """Reads config.json and the safetensors headers; CheckpointError naming what does not fit."""
   path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(path):
-    raise CheckpointError(f"{directory} has no {CONFIG_FILE}; point to a directory written by "
-                          "save_pretrained")
+    raise CheckpointError(
+        f"{directory} has no {CONFIG_FILE}; point to a directory written by " "save_pretrained"
+    )
   with open(path) as f:
     hf = json.load(f)
   cfg = config_from_hf(hf)
@@ -400,16 +610,23 @@ def check(directory: str) -> Plan:
   ignored = {name: why for name in where for pattern, why in _DERIVED if pattern.fullmatch(name)}
   missing = [name for name in want if name not in where]
   if missing:
-    raise CheckpointError(f"tensor {missing[0]} is missing from {directory} ({len(missing)} "
-                          f"missing in all); a {hf['model_type']} model with this config.json "
-                          "needs it")
+    raise CheckpointError(
+        f"tensor {missing[0]} is missing from {directory} ({len(missing)} "
+        f"missing in all); a {hf['model_type']} model with this config.json "
+        "needs it"
+    )
   unknown = [name for name in where if name not in want and name not in ignored]
   if unknown:
-    hint = (" (config.json ties the embeddings, so the head is the embedding matrix)"
-            if unknown[0] == "lm_head.weight" else "")
-    raise CheckpointError(f"tensor {unknown[0]} in {where[unknown[0]]} is not part of a "
-                          f"{hf['model_type']} model with this config.json ({len(unknown)} unknown "
-                          f"in all){hint}; jaxpipe uses every tensor or refuses the checkpoint")
+    hint = (
+        " (config.json ties the embeddings, so the head is the embedding matrix)"
+        if unknown[0] == "lm_head.weight"
+        else ""
+    )
+    raise CheckpointError(
+        f"tensor {unknown[0]} in {where[unknown[0]]} is not part of a "
+        f"{hf['model_type']} model with this config.json ({len(unknown)} unknown "
+        f"in all){hint}; jaxpipe uses every tensor or refuses the checkpoint"
+    )
   dtypes = {}
   for name, (shape, dtype) in meta.items():
     if name in ignored:
@@ -418,8 +635,10 @@ def check(directory: str) -> Plan:
       raise CheckpointError(f"tensor {name} has dtype {dtype}; jaxpipe reads {sorted(_DTYPES)}")
     dtypes[name] = _DTYPES[dtype]
     if shape != want[name].hf_shape:
-      raise CheckpointError(f"tensor {name} has shape {list(shape)}, but config.json implies "
-                            f"{list(want[name].hf_shape)}")
+      raise CheckpointError(
+          f"tensor {name} has shape {list(shape)}, but config.json implies "
+          f"{list(want[name].hf_shape)}"
+      )
   return Plan(directory, hf, cfg, plan, where, dtypes, ignored)
 
 
@@ -427,27 +646,35 @@ def _check_leaves(cfg: transformer.TransformerConfig, plan: list[Tensor]) -> Non
   """Every parameter of the model has exactly one mapping, of its shape (FP8 delayed scales are
   training state, not weights: they are neither read nor written)."""
   shapes = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
-  leaves = {tuple(k.key for k in p): s.shape for p, s in jax.tree_util.tree_leaves_with_path(shapes)
-            if not fp8.is_state(p)}
+  leaves = {
+      tuple(k.key for k in p): s.shape
+      for p, s in jax.tree_util.tree_leaves_with_path(shapes)
+      if not fp8.is_state(p)
+  }
   mapped = {t.path: t.leaf_shape for t in plan}
   if leaves != mapped:
     diff = sorted(set(leaves.items()) ^ set(mapped.items()))
-    raise CheckpointError(f"parameter {'/'.join(diff[0][0])} {diff[0][1]} has no checkpoint "
-                          "counterpart of its shape; this model cannot be read from or written to "
-                          "a Hugging Face checkpoint")
+    raise CheckpointError(
+        f"parameter {'/'.join(diff[0][0])} {diff[0][1]} has no checkpoint "
+        "counterpart of its shape; this model cannot be read from or written to "
+        "a Hugging Face checkpoint"
+    )
 
 
 # -- load -------------------------------------------------------------------------------------------
+
 
 class _Reader:
   """Open safetensors files; `get` reads one tensor as float32 through the host CPU device."""
 
   def __init__(self, plan: Plan, stack: contextlib.ExitStack):
     from safetensors import safe_open
+
     self._plan = plan
-    self._files = {file: stack.enter_context(
-        safe_open(os.path.join(plan.directory, file), framework="flax"))
-        for file in sorted(set(plan.files.values()))}
+    self._files = {
+        file: stack.enter_context(safe_open(os.path.join(plan.directory, file), framework="flax"))
+        for file in sorted(set(plan.files.values()))
+    }
     self._cpu = jax.devices("cpu")[0]
 
   def get(self, name: str) -> np.ndarray:
@@ -464,7 +691,7 @@ def _read_block(t: Tensor, reader: _Reader, index: tuple[slice, ...]) -> np.ndar
   span = span[:ns]
   for local in np.ndindex(*(len(r) for r in span)):
     pos = tuple(r[j] for r, j in zip(span, local))
-    layer = t.layers[pos[:t.layers.ndim]]
+    layer = t.layers[pos[: t.layers.ndim]]
     name = t.pattern.format(i=layer, e=pos[-1] if t.experts else None)
     block[local] = t.to_jax(reader.get(name))[trailing]
   return block
@@ -494,8 +721,9 @@ def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
   return tree
 
 
-def load(directory: str | Plan, shardings: Any = None
-         ) -> tuple[transformer.TransformerConfig, dict]:
+def load(
+    directory: str | Plan, shardings: Any = None
+) -> tuple[transformer.TransformerConfig, dict]:
   """(config, float32 params) of a checkpoint directory, each leaf placed on its sharding.
 
   `shardings`: a pytree of Shardings shaped like the params (e.g. `jaxpipe.training.state.state_shardings` of
@@ -507,8 +735,12 @@ def load(directory: str | Plan, shardings: Any = None
   if isinstance(shardings, jax.sharding.Sharding):
     shard_of = lambda path: shardings
   else:
-    flat = {tuple(k.key for k in p): s for p, s in jax.tree_util.tree_leaves_with_path(
-        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))}
+    flat = {
+        tuple(k.key for k in p): s
+        for p, s in jax.tree_util.tree_leaves_with_path(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
+    }
     shard_of = flat.__getitem__
   with contextlib.ExitStack() as stack:
     reader = _Reader(plan, stack)
@@ -518,11 +750,13 @@ def load(directory: str | Plan, shardings: Any = None
 
 # -- save -------------------------------------------------------------------------------------------
 
+
 def _host_blocks(t: Tensor, leaf: jax.Array) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
   """(index, host copy) of each distinct block of a leaf, one at a time."""
   if not leaf.is_fully_addressable:
-    raise ValueError(f"parameter {'/'.join(t.path)} spans other processes; export from a "
-                     "single-process run")
+    raise ValueError(
+        f"parameter {'/'.join(t.path)} spans other processes; export from a " "single-process run"
+    )
   seen = set()
   for shard in leaf.addressable_shards:
     key = tuple(s.indices(n) for s, n in zip(shard.index, leaf.shape))
@@ -531,8 +765,9 @@ def _host_blocks(t: Tensor, leaf: jax.Array) -> Iterator[tuple[tuple[slice, ...]
       yield tuple(slice(*k) for k in key), np.asarray(shard.data)
 
 
-def hf_tensors(cfg: transformer.TransformerConfig, params: dict, model_type: str,
-               dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(
+    cfg: transformer.TransformerConfig, params: dict, model_type: str, dtype: Any = np.float32
+) -> Iterator[tuple[str, np.ndarray]]:
   """(checkpoint name, array in checkpoint layout and `dtype`) of every tensor of `params`.
 
   Any tree shaped like the params works (gradients too); the host holds one block at a time.
@@ -547,17 +782,25 @@ def hf_tensors(cfg: transformer.TransformerConfig, params: dict, model_type: str
     ns = t.layers.ndim + bool(t.experts)
     for index, block in _host_blocks(t, leaf):
       if any(s != slice(0, n, 1) for s, n in zip(index[ns:], t.shape)):
-        raise ValueError(f"parameter {'/'.join(t.path)} is split along a weight axis "
-                         f"({index}); export params sharded on layers and experts only")
+        raise ValueError(
+            f"parameter {'/'.join(t.path)} is split along a weight axis "
+            f"({index}); export params sharded on layers and experts only"
+        )
       span = [range(*s.indices(n)) for s, n in zip(index[:ns], t.leaf_shape)]
       for local in np.ndindex(*(len(r) for r in span)):
         pos = tuple(r[j] for r, j in zip(span, local))
-        name = t.pattern.format(i=t.layers[pos[:t.layers.ndim]], e=pos[-1] if t.experts else None)
+        name = t.pattern.format(i=t.layers[pos[: t.layers.ndim]], e=pos[-1] if t.experts else None)
         yield name, np.ascontiguousarray(t.to_hf(block[local]).astype(dtype))
 
 
-def save(cfg: transformer.TransformerConfig, params: dict, directory: str,
-         hf_config: dict | None = None, dtype: Any = None, max_shard_bytes: int = 4 << 30) -> dict:
+def save(
+    cfg: transformer.TransformerConfig,
+    params: dict,
+    directory: str,
+    hf_config: dict | None = None,
+    dtype: Any = None,
+    max_shard_bytes: int = 4 << 30,
+) -> dict:
   """Writes `params` as a transformers checkpoint directory; returns the config.json written.
 
   hf_config: the source's config.json, kept but for the model's fields (`config_to_hf`);
@@ -566,6 +809,7 @@ def save(cfg: transformer.TransformerConfig, params: dict, directory: str,
   there are several. Existing weights in `directory` are replaced.
   """
   from safetensors.numpy import save_file
+
   hf = config_to_hf(cfg, hf_config)
   dtype = np.dtype(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32")
   if dtype.name not in _DTYPES.values():
@@ -595,14 +839,23 @@ def save(cfg: transformer.TransformerConfig, params: dict, directory: str,
     size += array.nbytes
     total += array.nbytes
   flush()
-  final = ({files[0]: WEIGHTS_FILE} if len(files) == 1 else
-           {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)})
+  final = (
+      {files[0]: WEIGHTS_FILE}
+      if len(files) == 1
+      else {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+  )
   for tmp, name in final.items():
     os.replace(os.path.join(directory, tmp), os.path.join(directory, name))
   if len(files) > 1:
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": total},
-                 "weight_map": {n: final[f] for n, f in sorted(weight_map.items())}}, f, indent=2)
+      json.dump(
+          {
+              "metadata": {"total_size": total},
+              "weight_map": {n: final[f] for n, f in sorted(weight_map.items())},
+          },
+          f,
+          indent=2,
+      )
   with open(os.path.join(directory, CONFIG_FILE), "w") as f:
     json.dump(hf, f, indent=2, sort_keys=True)
     f.write("\n")

@@ -7,6 +7,7 @@ it is given or the one set by `with expert_parallel(mesh):`, else on one device.
 `dense_reference` computes the same function on one device, every expert on every token, and
 is what the sharded layer is tested against.
 """
+
 import contextlib
 import contextvars
 import dataclasses
@@ -31,27 +32,38 @@ LB_LOSS_FORMS = ("per_layer", "pooled")
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """One MoE FFN; ep-independent checks run at construction, `validate(ep)` adds the mesh ones."""
-  num_experts: int = 8            # routed experts E
-  top_k: int = 2                  # experts per token K
-  d_ff: int = 64                  # hidden width of each SwiGLU expert
-  num_shared_experts: int = 0     # always-on experts, fused into one SwiGLU of width n * d_ff
-  router: str = "softmax"         # 'softmax' (Switch/Mixtral) or 'sigmoid' (DeepSeek-V3)
-  norm_topk_prob: bool = True     # renormalise the K chosen weights to sum 1 (Mixtral; Qwen3's option; DeepSeek-V3's)
-  norm_top1: bool = False         # softmax, K = 1: renormalise too (weight 1, as Mixtral/Qwen3); False: Switch's p
-  routed_scaling: float = 1.0     # multiplier on the routed weights (DeepSeek-V3 uses 2.5)
-  n_groups: int = 1               # contiguous expert groups for group-limited routing; 1 = off
-  topk_groups: int = 1            # groups a token may use (node-limited when groups are ranks)
-  jitter: float = 0.0             # router input noise U(1-j, 1+j), applied only when an rng is given
-  lb_loss_coef: float = 0.01      # weight of the Switch load-balancing loss
-  lb_loss_form: str = "per_layer"  # 'per_layer' (Megatron) or 'pooled' over layers (transformers): aux_objective
-  z_loss_coef: float = 0.001      # weight of the router z-loss
-  bias_update_rate: float = 0.0   # sigmoid router's balancing-bias step per training step; 0 = off
-  dispatch: str = "dropless"      # 'dropless' or 'capacity' (fixed buffers, overflow dropped and counted)
-  capacity_factor: float = 1.25   # capacity mode: rows per destination = cf * T * min(K, ep) / ep
-  dropless_impl: str = "auto"     # 'auto' (ragged on GPU/TPU, else padded), 'padded', 'ragged', 'ragged_emulated'
-  fp8_dispatch: bool = False      # send the dispatch payload as e4m3 with per-block scales
-  fp8_block: int = 128            # channels sharing one fp8 scale
-  every: int = 1                  # in the LM: layers k-1, 2k-1, ... use this FFN, the rest the dense one
+
+  num_experts: int = 8  # routed experts E
+  top_k: int = 2  # experts per token K
+  d_ff: int = 64  # hidden width of each SwiGLU expert
+  num_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of width n * d_ff
+  router: str = "softmax"  # 'softmax' (Switch/Mixtral) or 'sigmoid' (DeepSeek-V3)
+  norm_topk_prob: bool = (
+      True  # renormalise the K chosen weights to sum 1 (Mixtral; Qwen3's option; DeepSeek-V3's)
+  )
+  norm_top1: bool = (
+      False  # softmax, K = 1: renormalise too (weight 1, as Mixtral/Qwen3); False: Switch's p
+  )
+  routed_scaling: float = 1.0  # multiplier on the routed weights (DeepSeek-V3 uses 2.5)
+  n_groups: int = 1  # contiguous expert groups for group-limited routing; 1 = off
+  topk_groups: int = 1  # groups a token may use (node-limited when groups are ranks)
+  jitter: float = 0.0  # router input noise U(1-j, 1+j), applied only when an rng is given
+  lb_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
+  lb_loss_form: str = (
+      "per_layer"  # 'per_layer' (Megatron) or 'pooled' over layers (transformers): aux_objective
+  )
+  z_loss_coef: float = 0.001  # weight of the router z-loss
+  bias_update_rate: float = 0.0  # sigmoid router's balancing-bias step per training step; 0 = off
+  dispatch: str = (
+      "dropless"  # 'dropless' or 'capacity' (fixed buffers, overflow dropped and counted)
+  )
+  capacity_factor: float = 1.25  # capacity mode: rows per destination = cf * T * min(K, ep) / ep
+  dropless_impl: str = (
+      "auto"  # 'auto' (ragged on GPU/TPU, else padded), 'padded', 'ragged', 'ragged_emulated'
+  )
+  fp8_dispatch: bool = False  # send the dispatch payload as e4m3 with per-block scales
+  fp8_block: int = 128  # channels sharing one fp8 scale
+  every: int = 1  # in the LM: layers k-1, 2k-1, ... use this FFN, the rest the dense one
 
   def __post_init__(self):
     e, k = self.num_experts, self.top_k
@@ -68,15 +80,19 @@ class MoEConfig:
     if self.lb_loss_form not in LB_LOSS_FORMS:
       raise ValueError(f"lb_loss_form={self.lb_loss_form!r} is unknown; use one of {LB_LOSS_FORMS}")
     if self.dropless_impl not in DROPLESS_IMPLS:
-      raise ValueError(f"dropless_impl={self.dropless_impl!r} is unknown; use one of {DROPLESS_IMPLS}")
+      raise ValueError(
+          f"dropless_impl={self.dropless_impl!r} is unknown; use one of {DROPLESS_IMPLS}"
+      )
     if self.n_groups < 1 or e % self.n_groups:
       raise ValueError(f"n_groups={self.n_groups} must divide num_experts={e}")
     if not 1 <= self.topk_groups <= self.n_groups:
       raise ValueError(f"topk_groups={self.topk_groups} must lie in [1, n_groups={self.n_groups}]")
     if k > self.topk_groups * (e // self.n_groups):
-      raise ValueError(f"top_k={k} exceeds the {self.topk_groups * (e // self.n_groups)} experts in "
-                       f"topk_groups={self.topk_groups} groups of {e // self.n_groups}; "
-                       "raise topk_groups or lower top_k")
+      raise ValueError(
+          f"top_k={k} exceeds the {self.topk_groups * (e // self.n_groups)} experts in "
+          f"topk_groups={self.topk_groups} groups of {e // self.n_groups}; "
+          "raise topk_groups or lower top_k"
+      )
     if self.bias_update_rate and self.router != "sigmoid":
       raise ValueError(f"bias_update_rate={self.bias_update_rate} needs router='sigmoid'")
     if self.fp8_block < 1:
@@ -88,11 +104,15 @@ class MoEConfig:
     """Checks against an expert axis of size `ep`."""
     e = self.num_experts
     if ep < 1 or e % ep:
-      raise ValueError(f"num_experts={e} is not divisible by the expert axis size ep={ep}; "
-                       f"use a multiple of {ep} experts or a smaller expert axis")
+      raise ValueError(
+          f"num_experts={e} is not divisible by the expert axis size ep={ep}; "
+          f"use a multiple of {ep} experts or a smaller expert axis"
+      )
     if self.n_groups > 1 and self.n_groups % ep and ep % self.n_groups:
-      raise ValueError(f"n_groups={self.n_groups} does not fit ep={ep}: a group must be a set of "
-                       "whole ranks or lie within one rank; use n_groups dividing or divisible by ep")
+      raise ValueError(
+          f"n_groups={self.n_groups} does not fit ep={ep}: a group must be a set of "
+          "whole ranks or lie within one rank; use n_groups dividing or divisible by ep"
+      )
 
 
 def init_moe_params(cfg: MoEConfig, key: jax.Array, d_model: int, dtype=jnp.float32) -> Params:
@@ -130,25 +150,29 @@ def _swiglu(x, gate, up, down):
 def _shared_experts(params: Params, x_TxD: jax.Array, fp8: str) -> jax.Array:
   """The shared experts' SwiGLU; its GEMMs in the `fp8` recipe (float32 result)."""
   if fp8 == "none":
-    return _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"],
-                   params["shared_down_SxD"])
+    return _swiglu(
+        x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"]
+    )
   mm = lambda a, name, key: fp8_lib.dot(
       a, params[key], 1, fp8, params.get(fp8_lib.STATE_PREFIX + name), x_TxD.dtype
   ).astype(jnp.float32)
-  h = jax.nn.silu(mm(x_TxD, "shared_gate", "shared_gate_DxS")) * mm(x_TxD, "shared_up",
-                                                                     "shared_up_DxS")
+  h = jax.nn.silu(mm(x_TxD, "shared_gate", "shared_gate_DxS")) * mm(
+      x_TxD, "shared_up", "shared_up_DxS"
+  )
   return mm(h.astype(x_TxD.dtype), "shared_down", "shared_down_SxD")
 
 
 def fp8_state_names(cfg: MoEConfig) -> tuple[str, ...]:
   """Delayed-scaling state leaves of an MoE FFN's params, one per GEMM (see fp8.py)."""
-  gemms = ("wi_gate", "wi_up", "wo") + (("shared_gate", "shared_up", "shared_down")
-                                       if cfg.num_shared_experts else ())
+  gemms = ("wi_gate", "wi_up", "wo") + (
+      ("shared_gate", "shared_up", "shared_down") if cfg.num_shared_experts else ()
+  )
   return tuple(fp8_lib.STATE_PREFIX + g for g in gemms)
 
 
-def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int,
-                    fp8: str = "none") -> jax.Array:
+def experts_grouped(
+    params: Params, recv: ep_lib.Received, n_local: int, fp8: str = "none"
+) -> jax.Array:
   """SwiGLU of every received (row, local expert) as a grouped GEMM, weighted and summed per row."""
   n, k = recv.eid_NxK.shape
   flat = recv.eid_NxK.reshape(-1)
@@ -163,8 +187,10 @@ def experts_grouped(params: Params, recv: ep_lib.Received, n_local: int,
   # each product, so nothing non-finite reaches a nonlinearity or its gradient.
   real = (jnp.arange(m) < sizes.sum())[:, None]
   gmm = lambda a, name, key: jnp.where(
-      real, fp8_lib.grouped(a, params[key], sizes, fp8,
-                            params.get(fp8_lib.STATE_PREFIX + name)), 0.0)
+      real,
+      fp8_lib.grouped(a, params[key], sizes, fp8, params.get(fp8_lib.STATE_PREFIX + name)),
+      0.0,
+  )
   h = jax.nn.silu(gmm(xs, "wi_gate", "wi_gate_ExDxF")) * gmm(xs, "wi_up", "wi_up_ExDxF")
   ys = gmm(h.astype(xs.dtype), "wo", "wo_ExFxD")
   ws = recv.w_NxK.reshape(-1)[order]  # 0 on entries that are not experts of this rank
@@ -184,9 +210,16 @@ def _axes_size(axes) -> int:
   return 1 if not axes else jax.lax.psum(1, tuple(axes))
 
 
-def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | None,
-            token_axes: tuple[str, ...] = (), rng: jax.Array | None = None, fp8: str = "none"
-            ) -> tuple[jax.Array, dict[str, Any]]:
+def moe_ffn(
+    cfg: MoEConfig,
+    params: Params,
+    x_TxD: jax.Array,
+    *,
+    ep_axis: str | None,
+    token_axes: tuple[str, ...] = (),
+    rng: jax.Array | None = None,
+    fp8: str = "none",
+) -> tuple[jax.Array, dict[str, Any]]:
   """MoE FFN of this device's T tokens inside `shard_map`.
 
   `params` holds this device's E/ep experts; `token_axes` are all mesh axes the tokens are split
@@ -196,8 +229,10 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
   ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
   cfg.validate(ep)
   if ep > 1 and ep_axis not in token_axes:
-    raise ValueError(f"token_axes={token_axes} must include the expert axis {ep_axis!r}: "
-                     "expert parallelism moves tokens that are split over it")
+    raise ValueError(
+        f"token_axes={token_axes} must include the expert axis {ep_axis!r}: "
+        "expert parallelism moves tokens that are split over it"
+    )
   t, d = x_TxD.shape
   if cfg.fp8_dispatch and d % cfg.fp8_block:
     raise ValueError(f"fp8 dispatch needs d_model={d} divisible by fp8_block={cfg.fp8_block}")
@@ -207,8 +242,14 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
   r = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x_TxD, rng)
   cf, impl = _resolve_impl(cfg)
   plan = ep_lib.make_plan(t, cfg.top_k, cfg.num_experts, ep, cf, impl)
-  recv, handle = ep_lib.dispatch(x_TxD, r.idx_TxK, r.w_TxK, plan, axis=ep_axis,
-                                 fp8_block=cfg.fp8_block if cfg.fp8_dispatch else None)
+  recv, handle = ep_lib.dispatch(
+      x_TxD,
+      r.idx_TxK,
+      r.w_TxK,
+      plan,
+      axis=ep_axis,
+      fp8_block=cfg.fp8_block if cfg.fp8_dispatch else None,
+  )
   out_NxD = experts_grouped(params, recv, plan.n_local, fp8)
   y = ep_lib.combine(out_NxD, handle, plan, axis=ep_axis)
   if cfg.num_shared_experts:
@@ -219,12 +260,19 @@ def moe_ffn(cfg: MoEConfig, params: Params, x_TxD: jax.Array, *, ep_axis: str | 
   stats = {
       "tokens_per_expert": psum(lay.num_tokens_per_expert_E),
       "dropped": psum(jnp.sum(~lay.kept_TxK, dtype=jnp.int32)),
-      "dropped_pairs": psum(jnp.sum(lay.is_token_in_rank_TxR, dtype=jnp.int32)
-                            - jnp.sum(lay.carrier_TxK, dtype=jnp.int32)),
+      "dropped_pairs": psum(
+          jnp.sum(lay.is_token_in_rank_TxR, dtype=jnp.int32)
+          - jnp.sum(lay.carrier_TxK, dtype=jnp.int32)
+      ),
       "recv_rows": psum(jnp.sum(recv.eid_NxK < plan.n_local, axis=1).astype(bool).sum()),
   }
-  aux = _aux(cfg, psum(r.probs_TxE.sum(0)), stats["tokens_per_expert"],
-             psum(router_lib.z_loss(r.logits_TxE)), n_tokens)
+  aux = _aux(
+      cfg,
+      psum(r.probs_TxE.sum(0)),
+      stats["tokens_per_expert"],
+      psum(router_lib.z_loss(r.logits_TxE)),
+      n_tokens,
+  )
   return y.astype(x_TxD.dtype), {**aux, **stats}
 
 
@@ -234,12 +282,26 @@ def _aux(cfg: MoEConfig, probs_sum_E, counts_E, z_sum, n_tokens) -> dict[str, ja
   z = z_sum / n_tokens
   counts = counts_E.astype(jnp.float32)
   lb_term = cfg.lb_loss_coef * lb if cfg.lb_loss_form == "per_layer" else 0.0
-  return {"loss": lb_term + cfg.z_loss_coef * z, "lb_loss": lb, "z_loss": z,
-          "imbalance": counts.max() / counts.mean(), "router_probs": probs_sum_E / n_tokens}
+  return {
+      "loss": lb_term + cfg.z_loss_coef * z,
+      "lb_loss": lb,
+      "z_loss": z,
+      "imbalance": counts.max() / counts.mean(),
+      "router_probs": probs_sum_E / n_tokens,
+  }
 
 
-AUX_KEYS = ("loss", "lb_loss", "z_loss", "imbalance", "router_probs", "tokens_per_expert",
-            "dropped", "dropped_pairs", "recv_rows")
+AUX_KEYS = (
+    "loss",
+    "lb_loss",
+    "z_loss",
+    "imbalance",
+    "router_probs",
+    "tokens_per_expert",
+    "dropped",
+    "dropped_pairs",
+    "recv_rows",
+)
 
 
 def aux_objective(cfg: MoEConfig, aux_GxX: dict[str, jax.Array]) -> jax.Array:
@@ -260,7 +322,9 @@ def aux_objective(cfg: MoEConfig, aux_GxX: dict[str, jax.Array]) -> jax.Array:
   if cfg.lb_loss_form == "pooled":
     counts_GxE = aux_GxX["tokens_per_expert"].astype(jnp.float32)
     f_E = (cfg.top_k * counts_GxE / counts_GxE.sum(-1, keepdims=True)).mean(0)
-    loss = loss + cfg.lb_loss_coef * cfg.num_experts * jnp.sum(f_E * aux_GxX["router_probs"].mean(0))
+    loss = loss + cfg.lb_loss_coef * cfg.num_experts * jnp.sum(
+        f_E * aux_GxX["router_probs"].mean(0)
+    )
   return loss
 
 
@@ -272,13 +336,18 @@ class _Placement:
   seq_axis: str | None
 
 
-_PLACEMENT: contextvars.ContextVar[_Placement | None] = contextvars.ContextVar("moe_placement",
-                                                                               default=None)
+_PLACEMENT: contextvars.ContextVar[_Placement | None] = contextvars.ContextVar(
+    "moe_placement", default=None
+)
 
 
 @contextlib.contextmanager
-def expert_parallel(mesh, ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
-                    seq_axis: str | None = "cp"):
+def expert_parallel(
+    mesh,
+    ep_axis: str | None = "ep",
+    batch_axes: tuple[str, ...] = ("dp", "ep"),
+    seq_axis: str | None = "cp",
+):
   """While tracing inside, `moe_layer` calls without a mesh shard over `mesh` this way."""
   token = _PLACEMENT.set(_Placement(mesh, ep_axis, tuple(batch_axes), seq_axis))
   try:
@@ -293,14 +362,24 @@ def _local_experts(cfg: MoEConfig, params: Params, ep_axis: str | None, ep: int)
     return params
   n = cfg.num_experts // ep
   start = jax.lax.axis_index(ep_axis) * n
-  return {k: jax.lax.dynamic_slice_in_dim(v, start, n) if k.startswith(("wi_", "wo_")) else v
-          for k, v in params.items()}
+  return {
+      k: jax.lax.dynamic_slice_in_dim(v, start, n) if k.startswith(("wi_", "wo_")) else v
+      for k, v in params.items()
+  }
 
 
-def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
-              ep_axis: str | None = "ep", batch_axes: tuple[str, ...] = ("dp", "ep"),
-              seq_axis: str | None = "cp", rng: jax.Array | None = None, fp8: str = "none"
-              ) -> tuple[jax.Array, dict[str, Any]]:
+def moe_layer(
+    cfg: MoEConfig,
+    params: Params,
+    x_BxLxD: jax.Array,
+    *,
+    mesh=None,
+    ep_axis: str | None = "ep",
+    batch_axes: tuple[str, ...] = ("dp", "ep"),
+    seq_axis: str | None = "cp",
+    rng: jax.Array | None = None,
+    fp8: str = "none",
+) -> tuple[jax.Array, dict[str, Any]]:
   """MoE FFN of a [B, L, D] batch, placed as the module docstring says; returns (y, aux).
 
   Axes named here but absent from the mesh are ignored. aux holds the weighted auxiliary
@@ -310,14 +389,25 @@ def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
   b, l, d = x_BxLxD.shape
   placement = _PLACEMENT.get()
   if mesh is None and placement is not None:
-    mesh, ep_axis, batch_axes, seq_axis = (placement.mesh, placement.ep_axis, placement.batch_axes,
-                                           placement.seq_axis)
+    mesh, ep_axis, batch_axes, seq_axis = (
+        placement.mesh,
+        placement.ep_axis,
+        placement.batch_axes,
+        placement.seq_axis,
+    )
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if ep_axis is not None and ep_axis in manual:  # already inside a shard_map: x is the local block
     token_axes = tuple(a for a in batch_axes + (seq_axis,) if a in manual)
     ep = jax.lax.axis_size(ep_axis)
-    y, aux = moe_ffn(cfg, _local_experts(cfg, params, ep_axis, ep), x_BxLxD.reshape(b * l, d),
-                     ep_axis=ep_axis, token_axes=token_axes, rng=rng, fp8=fp8)
+    y, aux = moe_ffn(
+        cfg,
+        _local_experts(cfg, params, ep_axis, ep),
+        x_BxLxD.reshape(b * l, d),
+        ep_axis=ep_axis,
+        token_axes=token_axes,
+        rng=rng,
+        fp8=fp8,
+    )
     return y.reshape(b, l, d), aux
   if mesh is None:
     y, aux = moe_ffn(cfg, params, x_BxLxD.reshape(b * l, d), ep_axis=None, rng=rng, fp8=fp8)
@@ -332,19 +422,28 @@ def moe_layer(cfg: MoEConfig, params: Params, x_BxLxD: jax.Array, *, mesh=None,
 
   def local(params, x, rng):
     bl, ll, _ = x.shape
-    y, aux = moe_ffn(cfg, params, x.reshape(bl * ll, d), ep_axis=ep_axis, token_axes=token_axes,
-                     rng=rng, fp8=fp8)
+    y, aux = moe_ffn(
+        cfg, params, x.reshape(bl * ll, d), ep_axis=ep_axis, token_axes=token_axes, rng=rng, fp8=fp8
+    )
     return y.reshape(bl, ll, d), aux
 
   aux_spec = {k: P() for k in AUX_KEYS}
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, ep_axis), x_spec, P()),
-                     out_specs=(x_spec, aux_spec))
+  fn = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(param_specs(params, ep_axis), x_spec, P()),
+      out_specs=(x_spec, aux_spec),
+  )
   return fn(params, x_BxLxD, rng)
 
 
-def dense_reference(cfg: MoEConfig, params: Params, x_TxD: jax.Array,
-                    keep_TxK: jax.Array | None = None, x_expert_TxD: jax.Array | None = None
-                    ) -> tuple[jax.Array, dict[str, Any]]:
+def dense_reference(
+    cfg: MoEConfig,
+    params: Params,
+    x_TxD: jax.Array,
+    keep_TxK: jax.Array | None = None,
+    x_expert_TxD: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, Any]]:
   """One device, no dispatch: every expert on every token, mixed by the routing weights.
 
   `keep_TxK` zeroes the assignments a capacity-mode layer dropped; `x_expert_TxD` is what the
@@ -352,16 +451,22 @@ def dense_reference(cfg: MoEConfig, params: Params, x_TxD: jax.Array,
   """
   r = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x_TxD)
   w_TxK = r.w_TxK if keep_TxK is None else jnp.where(keep_TxK, r.w_TxK, 0.0)
-  mix_TxE = jnp.zeros((x_TxD.shape[0], cfg.num_experts), jnp.float32).at[
-      jnp.arange(x_TxD.shape[0])[:, None], r.idx_TxK].add(w_TxK)
+  mix_TxE = (
+      jnp.zeros((x_TxD.shape[0], cfg.num_experts), jnp.float32)
+      .at[jnp.arange(x_TxD.shape[0])[:, None], r.idx_TxK]
+      .add(w_TxK)
+  )
   hp = jax.lax.Precision.HIGHEST
   xe = x_TxD if x_expert_TxD is None else x_expert_TxD
-  h_ExTxF = (jax.nn.silu(jnp.einsum("td,edf->etf", xe, params["wi_gate_ExDxF"], precision=hp))
-             * jnp.einsum("td,edf->etf", xe, params["wi_up_ExDxF"], precision=hp))
+  h_ExTxF = jax.nn.silu(
+      jnp.einsum("td,edf->etf", xe, params["wi_gate_ExDxF"], precision=hp)
+  ) * jnp.einsum("td,edf->etf", xe, params["wi_up_ExDxF"], precision=hp)
   y_ExTxD = jnp.einsum("etf,efd->etd", h_ExTxF, params["wo_ExFxD"], precision=hp)
   y = jnp.einsum("etd,te->td", y_ExTxD, mix_TxE, precision=hp)
   if cfg.num_shared_experts:
-    y = y + _swiglu(x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"])
+    y = y + _swiglu(
+        x_TxD, params["shared_gate_DxS"], params["shared_up_DxS"], params["shared_down_SxD"]
+    )
   counts_E = jnp.zeros((cfg.num_experts,), jnp.int32).at[r.idx_TxK.ravel()].add(1)
   aux = _aux(cfg, r.probs_TxE.sum(0), counts_E, router_lib.z_loss(r.logits_TxE), x_TxD.shape[0])
   return y.astype(x_TxD.dtype), {**aux, "tokens_per_expert": counts_E}
@@ -369,6 +474,7 @@ def dense_reference(cfg: MoEConfig, params: Params, x_TxD: jax.Array,
 
 class MoEFFN(nn.Module):
   """Flax face of `moe_layer`: parameters from `init_moe_params`, placement from the context."""
+
   cfg: MoEConfig
   dtype: Any = jnp.float32  # compute dtype of the experts; the router stays float32
   fp8: str = "none"  # the experts' GEMM recipe (jaxpipe.ops.fp8); the router stays float32
@@ -378,9 +484,13 @@ class MoEFFN(nn.Module):
     d = x_BxLxD.shape[-1]
     shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
     if self.fp8 == "delayed":
-      shapes = {**shapes, **{n: jax.ShapeDtypeStruct((3,), jnp.float32)
-                             for n in fp8_state_names(self.cfg)}}
-    if self.is_initializing():  # the output is discarded; tracing the dispatch would cost compile time
+      shapes = {
+          **shapes,
+          **{n: jax.ShapeDtypeStruct((3,), jnp.float32) for n in fp8_state_names(self.cfg)},
+      }
+    if (
+        self.is_initializing()
+    ):  # the output is discarded; tracing the dispatch would cost compile time
       for name in shapes:
         if name.startswith(fp8_lib.STATE_PREFIX):
           self.param(name, nn.initializers.ones, (3,), jnp.float32)
@@ -394,25 +504,33 @@ class MoEFFN(nn.Module):
     if missing:
       raise ValueError(f"MoE parameters {missing} are missing; build them with init_moe_params")
     params = {name: self.get_variable("params", name) for name in shapes}
-    params = {k: v if k in ("router_DxE", "expert_bias_E") or k.startswith(fp8_lib.STATE_PREFIX)
-              else v.astype(self.dtype) for k, v in params.items()}
+    params = {
+        k: v
+        if k in ("router_DxE", "expert_bias_E") or k.startswith(fp8_lib.STATE_PREFIX)
+        else v.astype(self.dtype)
+        for k, v in params.items()
+    }
     return moe_layer(self.cfg, params, x_BxLxD.astype(self.dtype), fp8=self.fp8)
 
 
 def step_metrics(aux_GxX: dict[str, jax.Array], n_tokens, top_k: int) -> dict[str, jax.Array]:
   """Scalar training metrics from the aux of G MoE layers (leading axis G)."""
   counts = aux_GxX["tokens_per_expert"].astype(jnp.float32)
-  return {"moe_aux_loss": aux_GxX["loss"].sum(), "moe_lb_loss": aux_GxX["lb_loss"].mean(),
-          "moe_z_loss": aux_GxX["z_loss"].mean(),
-          "moe_imbalance": (counts.max(-1) / counts.mean(-1)).max(),
-          "moe_dropped_frac": aux_GxX["dropped"].sum() / (n_tokens * top_k * counts.shape[0])}
+  return {
+      "moe_aux_loss": aux_GxX["loss"].sum(),
+      "moe_lb_loss": aux_GxX["lb_loss"].mean(),
+      "moe_z_loss": aux_GxX["z_loss"].mean(),
+      "moe_imbalance": (counts.max(-1) / counts.mean(-1)).max(),
+      "moe_dropped_frac": aux_GxX["dropped"].sum() / (n_tokens * top_k * counts.shape[0]),
+  }
 
 
 COUNT_KEYS = ("tokens_per_expert", "dropped", "dropped_pairs", "recv_rows")
 
 
-def train_metrics(aux_sum_GxX: dict[str, jax.Array], microbatches: int, n_tokens,
-                  top_k: int) -> dict[str, jax.Array]:
+def train_metrics(
+    aux_sum_GxX: dict[str, jax.Array], microbatches: int, n_tokens, top_k: int
+) -> dict[str, jax.Array]:
   """A training step's MoE metrics from its G layers' aux summed over its micro-batches.
 
   Counts add up over micro-batches and losses and ratios are averaged; `n_tokens` is the step's
@@ -423,19 +541,25 @@ def train_metrics(aux_sum_GxX: dict[str, jax.Array], microbatches: int, n_tokens
   return {**step_metrics(aux, n_tokens, top_k), "moe_tokens_per_expert": aux["tokens_per_expert"]}
 
 
-def update_biases(cfg: MoEConfig, old_params: Any, new_params: Any,
-                  tokens_per_expert_GxE: jax.Array) -> Any:
+def update_biases(
+    cfg: MoEConfig, old_params: Any, new_params: Any, tokens_per_expert_GxE: jax.Array
+) -> Any:
   """Every `expert_bias_E` leaf becomes its old value plus the balancing step.
 
   The optimizer's update of the bias (weight decay; its gradient is zero) is discarded: the bias
   moves only by DeepSeek-V3's sign rule.
   """
+
   def pick(path, old, new):
     if getattr(path[-1], "key", None) != "expert_bias_E":
       return new
     counts = tokens_per_expert_GxE.reshape(old.shape)
-    return router_lib.update_expert_bias(old, counts, cfg.bias_update_rate) if cfg.bias_update_rate \
+    return (
+        router_lib.update_expert_bias(old, counts, cfg.bias_update_rate)
+        if cfg.bias_update_rate
         else old
+    )
+
   return jax.tree_util.tree_map_with_path(pick, old_params, new_params)
 
 

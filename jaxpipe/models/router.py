@@ -1,4 +1,5 @@
 """MoE routers: softmax top-k (Switch/Mixtral) and sigmoid top-k with a balancing bias (DeepSeek-V3)."""
+
 from typing import NamedTuple, Protocol
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 
 class RouterSettings(Protocol):
   """The fields of `MoEConfig` the router reads."""
+
   num_experts: int
   top_k: int
   router: str
@@ -20,14 +22,16 @@ class RouterSettings(Protocol):
 
 class Routing(NamedTuple):
   """One routing decision for T tokens; arithmetic in float32."""
-  idx_TxK: jax.Array      # chosen experts, best first
-  w_TxK: jax.Array        # combine weights of the chosen experts
-  probs_TxE: jax.Array    # per-token distribution over experts seen by the load-balancing loss
-  logits_TxE: jax.Array   # raw router logits (the z-loss penalises their log-sum-exp)
+
+  idx_TxK: jax.Array  # chosen experts, best first
+  w_TxK: jax.Array  # combine weights of the chosen experts
+  probs_TxE: jax.Array  # per-token distribution over experts seen by the load-balancing loss
+  logits_TxE: jax.Array  # raw router logits (the z-loss penalises their log-sum-exp)
 
 
-def router_logits(w_DxE: jax.Array, x_TxD: jax.Array, rng: jax.Array | None = None,
-                  jitter: float = 0.0) -> jax.Array:
+def router_logits(
+    w_DxE: jax.Array, x_TxD: jax.Array, rng: jax.Array | None = None, jitter: float = 0.0
+) -> jax.Array:
   """Float32 logits; with `rng` and jitter > 0 the input is scaled by U(1-jitter, 1+jitter) (Switch)."""
   x_TxD = x_TxD.astype(jnp.float32)
   if rng is not None and jitter > 0:
@@ -49,8 +53,13 @@ def group_mask(scores_TxE: jax.Array, n_groups: int, topk_groups: int, per_group
   return jnp.repeat(gmask_TxG, e // n_groups, axis=1)
 
 
-def route(cfg: RouterSettings, w_DxE: jax.Array, bias_E: jax.Array | None, x_TxD: jax.Array,
-          rng: jax.Array | None = None) -> Routing:
+def route(
+    cfg: RouterSettings,
+    w_DxE: jax.Array,
+    bias_E: jax.Array | None,
+    x_TxD: jax.Array,
+    rng: jax.Array | None = None,
+) -> Routing:
   """Top-k routing of T tokens; `bias_E` steers only the sigmoid router's choice, never its weights."""
   logits = router_logits(w_DxE, x_TxD, rng, cfg.jitter)
   if cfg.router == "softmax":
@@ -59,7 +68,9 @@ def route(cfg: RouterSettings, w_DxE: jax.Array, bias_E: jax.Array | None, x_TxD
   elif cfg.router == "sigmoid":
     scores = jax.nn.sigmoid(logits)
     # The bias is balanced by a counter outside the gradient (auxiliary-loss-free balancing).
-    select = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    select = (
+        scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    )
     probs, per_group = scores / scores.sum(-1, keepdims=True), 2
   else:
     raise ValueError(f"router={cfg.router!r} is unknown; use 'softmax' or 'sigmoid'")
@@ -73,7 +84,9 @@ def route(cfg: RouterSettings, w_DxE: jax.Array, bias_E: jax.Array | None, x_TxD
   return Routing(idx.astype(jnp.int32), w * cfg.routed_scaling, probs, logits)
 
 
-def load_balancing_loss(probs_sum_E: jax.Array, counts_E: jax.Array, n_tokens, top_k: int) -> jax.Array:
+def load_balancing_loss(
+    probs_sum_E: jax.Array, counts_E: jax.Array, n_tokens, top_k: int
+) -> jax.Array:
   """Switch loss E * sum_e f_e * P_e, f_e = share of the T*K assignments, P_e = mean probability.
 
   Takes sums so that the caller can add them over token shards first; 1.0 at perfect balance.

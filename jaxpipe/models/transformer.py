@@ -24,6 +24,7 @@ experts take the same recipe in their grouped GEMM. With 'delayed' each projecti
 an `fp8_scale` leaf [3] (see fp8.py). Embedding, head, norms, router and attention core stay in
 the compute dtype.
 """
+
 import dataclasses
 import functools
 import math
@@ -45,6 +46,7 @@ from jaxpipe.parallel.ulysses import check_divisible
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Model hyper-parameters; hashable, so it can be a static jit argument."""
+
   vocab: int = 256  # vocabulary size; 256 = raw bytes
   d_model: int = 128  # residual stream width
   n_layers: int = 4  # decoder layers
@@ -60,7 +62,9 @@ class TransformerConfig:
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False  # recompute each layer's activations in the backward pass
   cp_overlap: bool = False  # cp > 1: fuse projections with Ulysses' all-to-alls (ppermute ring)
-  moe: Any = None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
+  moe: Any = (
+      None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
+  )
   fp8: str = "none"  # FP8 GEMM recipe of the projections and experts: none, delayed, current, block
   fp8_history: int = 1024  # delayed: amax history length, in steps
   fp8_margin: int = 0  # delayed: scale = fp8_max / amax / 2^margin
@@ -69,13 +73,17 @@ class TransformerConfig:
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
     if self.fp8 != "none" and self.cp_overlap:
-      raise ValueError(f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
-                       "Ulysses' all-to-alls run in the compute dtype only; set cp_overlap=False")
+      raise ValueError(
+          f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
+          "Ulysses' all-to-alls run in the compute dtype only; set cp_overlap=False"
+      )
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
     if self.moe is not None and self.n_layers % self.moe.every:
-      raise ValueError(f"n_layers={self.n_layers} is not a multiple of moe.every={self.moe.every}; "
-                       "layers come in groups of moe.every (the last of each is MoE)")
+      raise ValueError(
+          f"n_layers={self.n_layers} is not a multiple of moe.every={self.moe.every}; "
+          "layers come in groups of moe.every (the last of each is MoE)"
+      )
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -117,11 +125,13 @@ def _kernel_init(in_dims: int):
   def init(rng, shape, dtype):  # DenseGeneral's: fan-in over all contracted axes together
     flat = (int(np.prod(shape[:in_dims])), int(np.prod(shape[in_dims:])))
     return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
+
   return init
 
 
 class Kernel(nn.Module):
   """A bias-free DenseGeneral's kernel alone (same name, shape and init), for fused callers."""
+
   shape: tuple[int, ...]
   in_dims: int  # leading axes of `shape` that the projection contracts
 
@@ -133,13 +143,14 @@ class Kernel(nn.Module):
 class Dense(nn.Module):
   """x's last `in_dims` axes projected to `features`: a bias-free DenseGeneral (same kernel name,
   shape and init) whose matmul runs in `cfg.fp8` (`fp8.dot`); every projection of the model."""
+
   features: tuple[int, ...]
   cfg: TransformerConfig
   in_dims: int = 1
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    shape = x.shape[x.ndim - self.in_dims:] + tuple(self.features)
+    shape = x.shape[x.ndim - self.in_dims :] + tuple(self.features)
     w = self.param("kernel", _kernel_init(self.in_dims), shape, jnp.float32)
     scale_3 = None
     if self.cfg.fp8 == "delayed":  # dequantisation scales of (x, w, g); see fp8.py
@@ -149,6 +160,7 @@ class Dense(nn.Module):
 
 class Attention(nn.Module):
   """Causal grouped-query self-attention with rotary positions."""
+
   cfg: TransformerConfig
 
   @nn.compact
@@ -184,9 +196,14 @@ class Attention(nn.Module):
     check_divisible(x_BxSxD.shape[1] * cp, c.n_heads, c.n_kv_heads, cp, axis_name)
     dt = c.compute_dtype
     x_BxSxD = x_BxSxD.astype(dt)
-    w = {name: Kernel(shape, 1, name=name)().astype(dt) for name, shape in
-         (("q", (c.d_model, c.n_heads, c.head_dim)), ("k", (c.d_model, c.n_kv_heads, c.head_dim)),
-          ("v", (c.d_model, c.n_kv_heads, c.head_dim)))}
+    w = {
+        name: Kernel(shape, 1, name=name)().astype(dt)
+        for name, shape in (
+            ("q", (c.d_model, c.n_heads, c.head_dim)),
+            ("k", (c.d_model, c.n_kv_heads, c.head_dim)),
+            ("v", (c.d_model, c.n_kv_heads, c.head_dim)),
+        )
+    }
     w_o_HxKxD = Kernel((c.n_heads, c.head_dim, c.d_model), 2, name="o")().astype(dt)
     # Rotary angles are per token, so they commute with the all-to-all: rotate after it, at the
     # positions of the whole (gathered) sequence.
@@ -198,8 +215,11 @@ class Attention(nn.Module):
       proj_a2a = functools.partial(overlap.proj_a2a_chunked_local, chunks=chunks)
       a2a_proj = functools.partial(overlap.a2a_proj_chunked_local, chunks=chunks)
     q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK = (
-        proj_a2a(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv")
-    q_BxLxHpxK, k_BxLxGpxK = self._qk_norm(q_BxLxHpxK, k_BxLxGpxK)  # per token and head: after the a2a
+        proj_a2a(x_BxSxD, w[name], axis_name=axis_name) for name in "qkv"
+    )
+    q_BxLxHpxK, k_BxLxGpxK = self._qk_norm(
+        q_BxLxHpxK, k_BxLxGpxK
+    )  # per token and head: after the a2a
     q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
     k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
     with context_parallel(None):  # head shards of the full sequence: a plain attention core
@@ -209,6 +229,7 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
   """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
   cfg: TransformerConfig
 
   @nn.compact
@@ -221,17 +242,20 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
   """One pre-norm decoder layer; with `moe` its FFN is `cfg.moe` and it returns (x, moe aux)."""
+
   cfg: TransformerConfig
   moe: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_L):
     c = self.cfg
-    x_BxLxD = x_BxLxD + Attention(c, name="attn")(RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD),
-                                                  positions_L)
+    x_BxLxD = x_BxLxD + Attention(c, name="attn")(
+        RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD), positions_L
+    )
     if self.moe:
       y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, c.fp8, name="moe")(
-          RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
+          RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD)
+      )
       return x_BxLxD + y_BxLxD, aux
     return x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
 
@@ -256,7 +280,7 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
     layers = jax.vmap(init_group)(jax.random.split(k_layers, cfg.n_layers // every))
   # Unit-variance logits at init: normalised x (entries ~1) times entries of scale d_model^-1/2.
-  scale = cfg.d_model ** -0.5
+  scale = cfg.d_model**-0.5
   params = {
       "embed": scale * jax.random.normal(k_embed, (cfg.vocab, cfg.d_model), jnp.float32),
       "layers": layers,
@@ -272,8 +296,9 @@ def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Ar
   return jnp.take(params["embed"], tokens_BxL, axis=0).astype(cfg.compute_dtype)
 
 
-def apply_layers(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
-                 positions_L: jax.Array | None = None) -> jax.Array:
+def apply_layers(
+    cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+) -> jax.Array:
   """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1.
 
   MoE layers' auxiliary losses join the gradient through `attach_aux_loss`, weighted by the
@@ -282,8 +307,9 @@ def apply_layers(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=True)[0]
 
 
-def apply_layers_aux(cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array,
-                     positions_L: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def apply_layers_aux(
+    cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+) -> tuple[jax.Array, dict]:
   """`apply_layers` without attachment, plus the MoE layers' aux (leading axis: MoE layers).
 
   aux is `moe.moe_layer`'s dict ({} for a dense model); `moe.aux_objective` of it is for the
@@ -309,8 +335,13 @@ def _attach(x, aux_loss):
 _attach.defvjp(lambda x, a: (x, a), lambda a, g: (g, jnp.ones_like(a)))
 
 
-def apply_unit(cfg: TransformerConfig, unit: Any, x_BxLxD: jax.Array, positions_L: jax.Array,
-               attach: bool = True):
+def apply_unit(
+    cfg: TransformerConfig,
+    unit: Any,
+    x_BxLxD: jax.Array,
+    positions_L: jax.Array,
+    attach: bool = True,
+):
   """One element of the layers' leading axis: a layer, or with `cfg.moe` a group ending in MoE.
 
   Returns x, or (x, aux) for an MoE group with attach=False; with attach=True the group's
@@ -330,9 +361,11 @@ def apply_unit(cfg: TransformerConfig, unit: Any, x_BxLxD: jax.Array, positions_
 def _attach_unit_aux(cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict) -> jax.Array:
   """x with the MoE group's auxiliary loss on its gradient, weighted by the tokens of x."""
   if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef:
-    raise ValueError("moe.lb_loss_form='pooled' couples all MoE layers, so it cannot ride on each "
-                     "layer's gradient (pipeline and context-parallel paths); use "
-                     "loss_and_aux with moe.aux_objective, or moe.lb_loss_form='per_layer'")
+    raise ValueError(
+        "moe.lb_loss_form='pooled' couples all MoE layers, so it cannot ride on each "
+        "layer's gradient (pipeline and context-parallel paths); use "
+        "loss_and_aux with moe.aux_objective, or moe.lb_loss_form='per_layer'"
+    )
   return attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
 
 
@@ -354,12 +387,16 @@ def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Arra
   """Final norm and output head; float32 logits."""
   x_BxLxD = rms_norm(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps)
   w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
-  return jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype),
-                 preferred_element_type=jnp.float32)
+  return jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
 
 
-def head_loss(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array, targets_BxL: jax.Array,
-              mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+def head_loss(
+    cfg: TransformerConfig,
+    params: dict,
+    x_BxLxD: jax.Array,
+    targets_BxL: jax.Array,
+    mask_BxL: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """(sum of masked next-token cross-entropy, number of valid tokens); the caller divides."""
   logits_BxLxV = logits(cfg, params, x_BxLxD)
   logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
@@ -386,21 +423,33 @@ def forward(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.
   return logits(cfg, params, x_BxLxD)
 
 
-def loss(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array, targets_BxL: jax.Array,
-         mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+def loss(
+    cfg: TransformerConfig,
+    params: dict,
+    tokens_BxL: jax.Array,
+    targets_BxL: jax.Array,
+    mask_BxL: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """(summed masked cross-entropy, valid-token count) of a dense model; MoE: `loss_and_aux`."""
   if cfg.moe is not None:
     # Attached aux losses would make the gradient that of CE sum + B·L·aux while the value is the
     # CE sum alone, so jax.grad(loss / n) would not scale the aux term by 1/n.
-    raise ValueError("transformer.loss takes dense models; with cfg.moe use loss_and_aux, which "
-                     "returns the MoE layers' aux, and add moe.aux_objective(cfg.moe, aux) to the "
-                     "mean cross-entropy")
+    raise ValueError(
+        "transformer.loss takes dense models; with cfg.moe use loss_and_aux, which "
+        "returns the MoE layers' aux, and add moe.aux_objective(cfg.moe, aux) to the "
+        "mean cross-entropy"
+    )
   x_BxLxD = apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL))
   return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)
 
 
-def loss_and_aux(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array,
-                 targets_BxL: jax.Array, mask_BxL: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+def loss_and_aux(
+    cfg: TransformerConfig,
+    params: dict,
+    tokens_BxL: jax.Array,
+    targets_BxL: jax.Array,
+    mask_BxL: jax.Array,
+) -> tuple[jax.Array, jax.Array, dict]:
   """`loss` and the MoE layers' aux (`apply_layers_aux`), none of it on the gradient.
 
   The training objective adds `moe.aux_objective(cfg.moe, aux)` to the mean cross-entropy.

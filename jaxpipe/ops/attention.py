@@ -10,6 +10,7 @@ Paged (decode) attention has its own backends behind `paged_attention`: `xla` (t
 gather reference), `pallas` (`kernels_pallas.paged_attention`, compiled on GPU, interpreted
 elsewhere) and `auto` (pallas on GPU, xla elsewhere).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,8 @@ from kernels_pallas import paged_attention as pa
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
 PAGED_BACKENDS = ("xla", "pallas", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
+
+
 @functools.cache
 def _gpu_major() -> int | None:
   """CUDA compute capability major version of device 0, or None off GPU."""
@@ -32,12 +35,15 @@ def _gpu_major() -> int | None:
   return int(str(cc).split(".")[0])
 
 
-def unsupported_reason(backend: str, q: jax.Array, k: jax.Array, v: jax.Array,
-                       segment_ids=None) -> str | None:
+def unsupported_reason(
+    backend: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None
+) -> str | None:
   """Why `backend` cannot serve these shapes/dtypes on this platform, or None if it can."""
   if q.shape[2] % k.shape[2]:
-    return (f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}); "
-            f"pick a KV head count that divides {q.shape[2]}")
+    return (
+        f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}); "
+        f"pick a KV head count that divides {q.shape[2]}"
+    )
   head_dim, dtype = q.shape[-1], q.dtype
   if backend == "xla":
     return None
@@ -61,8 +67,9 @@ def unsupported_reason(backend: str, q: jax.Array, k: jax.Array, v: jax.Array,
   raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
 
-def resolve_backend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array,
-                    segment_ids=None) -> str:
+def resolve_backend(
+    backend: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None
+) -> str:
   """The concrete backend that will run: validates an explicit choice, resolves 'auto'."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -74,14 +81,23 @@ def resolve_backend(backend: str, q: jax.Array, k: jax.Array, v: jax.Array,
     raise ValueError(unsupported_reason("xla", q, k, v, segment_ids))
   reason = unsupported_reason(backend, q, k, v, segment_ids)
   if reason is not None:
-    raise ValueError(f"attention backend {backend!r} cannot serve q{tuple(q.shape)} "
-                     f"{q.dtype}, k{tuple(k.shape)}: {reason}")
+    raise ValueError(
+        f"attention backend {backend!r} cannot serve q{tuple(q.shape)} "
+        f"{q.dtype}, k{tuple(k.shape)}: {reason}"
+    )
   return backend
 
 
-def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
-              causal: bool = True, backend: str = "xla", segment_ids: jax.Array | None = None,
-              sm_scale: float | None = None) -> jax.Array:
+def attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    *,
+    causal: bool = True,
+    backend: str = "xla",
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
   """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
 
   The arrays are this device's whole sequence; `jaxpipe.models.attention.attention` is the
@@ -94,8 +110,9 @@ def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, 
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, is_causal=causal,
-                                      implementation=name)
+  return jax.nn.dot_product_attention(
+      q, k, v, mask=mask, scale=sm_scale, is_causal=causal, implementation=name
+  )
 
 
 def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
@@ -111,10 +128,17 @@ def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
   return backend
 
 
-def paged_attention(q_BxHxK: jax.Array, k_pages_GxPxSxK: jax.Array, v_pages_GxPxSxK: jax.Array,
-                    block_tables_BxN: jax.Array, lengths_B: jax.Array, *, backend: str = "auto",
-                    k_scales_GxPxS: jax.Array | None = None,
-                    v_scales_GxPxS: jax.Array | None = None) -> jax.Array:
+def paged_attention(
+    q_BxHxK: jax.Array,
+    k_pages_GxPxSxK: jax.Array,
+    v_pages_GxPxSxK: jax.Array,
+    block_tables_BxN: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    backend: str = "auto",
+    k_scales_GxPxS: jax.Array | None = None,
+    v_scales_GxPxS: jax.Array | None = None,
+) -> jax.Array:
   """One query token per row attending over its first `lengths[b]` paged keys (`kernels_pallas.paged_attention`)."""
   scales = dict(k_scales_GxPxS=k_scales_GxPxS, v_scales_GxPxS=v_scales_GxPxS)
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)

@@ -37,6 +37,7 @@ the gradient with an extended dtype whose sum is a max, which neither the pipeli
 explicit accumulation nor a psum can carry. Its building blocks (`quantize`, `compute_scale`,
 `compute_amax_history`, `get_fp8_max`) are used as they are.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,6 +68,7 @@ def check_recipe(recipe: str) -> None:
 
 # -- scaling ------------------------------------------------------------------------------------
 
+
 def fp8_max(dtype) -> float:
   """Largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
   return float(fp8_ops.get_fp8_max(dtype, _F32))
@@ -86,8 +88,9 @@ def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
   return fp8_ops.quantize(x.astype(_F32), dtype, jnp.broadcast_to(scale, x.shape), _F32)
 
 
-def quantize_tiles(x_RxC: jax.Array, tile: tuple[int, int], dtype=E4M3
-                   ) -> tuple[jax.Array, jax.Array]:
+def quantize_tiles(
+    x_RxC: jax.Array, tile: tuple[int, int], dtype=E4M3
+) -> tuple[jax.Array, jax.Array]:
   """-> (q [R, C], scales [ceil(R/tr), ceil(C/tc)]): one current scale per tr x tc tile.
 
   Edge tiles are partial (zero padding changes no amax).
@@ -111,6 +114,7 @@ def dequantize_tiles(q_RxC: jax.Array, s: jax.Array, tile: tuple[int, int], dtyp
 # x [M, K] times w [K, N] (dense) or w [G, K, N] with rows grouped by `sizes` (grouped GEMM,
 # jax.lax.ragged_dot); float32 accumulation.
 
+
 def _mm(a, b, sizes):
   if sizes is None:
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
@@ -121,8 +125,9 @@ def _mm_da(g, b, sizes):
   """g [M, N] against b: the input-side product, [M, K]."""
   if sizes is None:
     return lax.dot_general(g, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-  dims = lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
-                                       rhs_group_dimensions=[0])
+  dims = lax.RaggedDotDimensionNumbers(
+      (((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+  )
   return lax.ragged_dot_general(g, b, sizes, dims, preferred_element_type=_F32)
 
 
@@ -130,8 +135,9 @@ def _mm_db(a, g, sizes):
   """a [M, K] against g [M, N]: the weight-side product, [K, N] or per group [G, K, N]."""
   if sizes is None:
     return lax.dot_general(a, g, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-  dims = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-                                       rhs_group_dimensions=[])
+  dims = lax.RaggedDotDimensionNumbers(
+      (((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+  )
   return lax.ragged_dot_general(a, g, sizes, dims, preferred_element_type=_F32)
 
 
@@ -226,8 +232,10 @@ def _matmul(x_MxK, w, sizes, recipe, scale_3, out_dtype):
   if recipe == "block":
     return _block_scaled(x_MxK.dtype, out_dtype, x_MxK, w, sizes)
   if (recipe == "delayed") != (scale_3 is not None):
-    raise ValueError(f"fp8={recipe!r} " + ("needs its fp8_scale state" if scale_3 is None else
-                                           "takes no fp8_scale state"))
+    raise ValueError(
+        f"fp8={recipe!r} "
+        + ("needs its fp8_scale state" if scale_3 is None else "takes no fp8_scale state")
+    )
   return _tensor_scaled(x_MxK.dtype, out_dtype, x_MxK, w, sizes, scale_3)
 
 
@@ -237,8 +245,9 @@ def _vary_alike(x, w):
   return vary_like(x, w), vary_like(w, x)
 
 
-def dot(x: jax.Array, w: jax.Array, in_dims: int, recipe: str, scale_3: jax.Array | None,
-        dtype) -> jax.Array:
+def dot(
+    x: jax.Array, w: jax.Array, in_dims: int, recipe: str, scale_3: jax.Array | None, dtype
+) -> jax.Array:
   """x's last `in_dims` axes contracted with w's first `in_dims` (nn.DenseGeneral's product).
 
   With recipe 'none' this is DenseGeneral's own `lax.dot_general` in `dtype`; otherwise the
@@ -248,20 +257,22 @@ def dot(x: jax.Array, w: jax.Array, in_dims: int, recipe: str, scale_3: jax.Arra
   if recipe == "none":
     x_axes = tuple(range(x.ndim - in_dims, x.ndim))
     return lax.dot_general(x, w, ((x_axes, tuple(range(in_dims))), ((), ())))
-  lead, out = x.shape[:x.ndim - in_dims], w.shape[in_dims:]
+  lead, out = x.shape[: x.ndim - in_dims], w.shape[in_dims:]
   k = int(np.prod(w.shape[:in_dims]))
   y = _matmul(x.reshape(-1, k), w.reshape(k, -1), None, recipe, scale_3, dtype)
   return y.reshape(lead + out)
 
 
-def grouped(x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array, recipe: str,
-            scale_3: jax.Array | None) -> jax.Array:
+def grouped(
+    x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array, recipe: str, scale_3: jax.Array | None
+) -> jax.Array:
   """`jax.lax.ragged_dot(x, w, sizes)` (float32 result) in the recipe; per-tensor scales cover
   all of this device's experts together."""
   return _matmul(x_MxK, w_GxKxN, sizes_G, recipe, scale_3, _F32)
 
 
 # -- delayed scaling's state --------------------------------------------------------------------
+
 
 def is_state(path) -> bool:
   """Whether a key path names a delayed-scaling state leaf (its gradient combines by max)."""
@@ -272,7 +283,8 @@ def is_state(path) -> bool:
 def accumulate(a: Any, b: Any) -> Any:
   """a + b over two gradient trees, except state leaves (observed amaxes): max(a, b)."""
   return jax.tree_util.tree_map_with_path(
-      lambda p, u, v: jnp.maximum(u, v) if is_state(p) else u + v, a, b)
+      lambda p, u, v: jnp.maximum(u, v) if is_state(p) else u + v, a, b
+  )
 
 
 def map_grads(fn: Callable, grads: Any) -> Any:
@@ -310,8 +322,9 @@ _roll_in = jnp.vectorize(fp8_ops.compute_amax_history, signature="(),(h)->(h)")
 _FORMAT_MAX = np.array([fp8_max(f) for f in SCALE_FORMATS], np.float32)
 
 
-def advance(scales: dict, history: dict, seen: dict, margin: int = 0,
-            algo: str = "max") -> tuple[dict, dict]:
+def advance(
+    scales: dict, history: dict, seen: dict, margin: int = 0, algo: str = "max"
+) -> tuple[dict, dict]:
   """One step of delayed scaling: each observed amax enters its history, then the scales
   follow TE's rule from the history's maximum (`algo='max'`) or newest entry ('most_recent').
   All three trees have the `state_of` structure. -> (scales, history)."""
@@ -325,5 +338,7 @@ def advance(scales: dict, history: dict, seen: dict, margin: int = 0,
 
   pairs = jax.tree.map(one, scales, history, seen)
   is_pair = lambda v: isinstance(v, tuple)
-  return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-          jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+  return (
+      jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+      jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
+  )

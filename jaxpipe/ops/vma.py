@@ -1,4 +1,5 @@
 """The mesh axes a traced value varies over inside a `shard_map` (its varying-manual-axes type)."""
+
 import jax
 from jax import lax
 

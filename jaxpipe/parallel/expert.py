@@ -14,6 +14,7 @@ Two transports:
           only the rows that exist cross the wire. 'ragged_emulated' is the same layout
           moved with all_gather, so that the offsets are checked on CPU.
 """
+
 import dataclasses
 import functools
 import math
@@ -30,12 +31,13 @@ IMPLS = ("fixed", "ragged", "ragged_emulated")
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Static sizes of one dispatch on one device."""
-  tokens: int        # T, tokens on this device
-  top_k: int         # K, experts per token
-  num_experts: int   # E, experts over the whole axis
-  ep: int            # size of the expert axis
-  capacity: int      # rows one source may send one destination (T: dropless)
-  impl: str          # 'fixed', 'ragged' or 'ragged_emulated'
+
+  tokens: int  # T, tokens on this device
+  top_k: int  # K, experts per token
+  num_experts: int  # E, experts over the whole axis
+  ep: int  # size of the expert axis
+  capacity: int  # rows one source may send one destination (T: dropless)
+  impl: str  # 'fixed', 'ragged' or 'ragged_emulated'
 
   @property
   def n_local(self) -> int:
@@ -61,30 +63,41 @@ def capacity_for(tokens: int, top_k: int, ep: int, capacity_factor: float | None
   return max(1, min(tokens, math.ceil(capacity_factor * tokens * min(top_k, ep) / ep)))
 
 
-def make_plan(tokens: int, top_k: int, num_experts: int, ep: int,
-              capacity_factor: float | None = None, impl: str = "fixed") -> Plan:
+def make_plan(
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    ep: int,
+    capacity_factor: float | None = None,
+    impl: str = "fixed",
+) -> Plan:
   """A plan; `capacity_factor` None means dropless."""
   if impl not in IMPLS:
     raise ValueError(f"dispatch impl={impl!r} is unknown; use one of {IMPLS}")
   if num_experts % ep:
-    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size ep={ep}; "
-                     f"use a multiple of {ep} experts or a smaller expert axis")
+    raise ValueError(
+        f"num_experts={num_experts} is not divisible by the expert axis size ep={ep}; "
+        f"use a multiple of {ep} experts or a smaller expert axis"
+    )
   if impl != "fixed" and capacity_factor is not None:
     raise ValueError(f"impl={impl!r} is dropless; capacity mode needs impl='fixed'")
-  return Plan(tokens, top_k, num_experts, ep, capacity_for(tokens, top_k, ep, capacity_factor), impl)
+  return Plan(
+      tokens, top_k, num_experts, ep, capacity_for(tokens, top_k, ep, capacity_factor), impl
+  )
 
 
 class Layout(NamedTuple):
   """Where each (token, choice) goes, DeepEP's `get_dispatch_layout` plus buffer rows."""
-  rank_TxK: jax.Array               # destination rank of each choice
-  is_token_in_rank_TxR: jax.Array   # token has at least one expert on the rank
+
+  rank_TxK: jax.Array  # destination rank of each choice
+  is_token_in_rank_TxR: jax.Array  # token has at least one expert on the rank
   num_tokens_per_rank_R: jax.Array  # pairs per destination, before capacity
   num_tokens_per_expert_E: jax.Array  # assignments per expert
-  kept_TxK: jax.Array               # the choice's pair fits in its destination's buffer
-  carrier_TxK: jax.Array            # kept, and the first choice of its token on that rank
-  send_pos_TxK: jax.Array           # send-buffer row of the choice's pair (send_rows if dropped)
-  src_S: jax.Array                  # per send row, the carrier choice t*K+k (T*K: empty row)
-  send_sizes_R: jax.Array           # rows sent to each destination
+  kept_TxK: jax.Array  # the choice's pair fits in its destination's buffer
+  carrier_TxK: jax.Array  # kept, and the first choice of its token on that rank
+  send_pos_TxK: jax.Array  # send-buffer row of the choice's pair (send_rows if dropped)
+  src_S: jax.Array  # per send row, the carrier choice t*K+k (T*K: empty row)
+  send_sizes_R: jax.Array  # rows sent to each destination
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -110,21 +123,34 @@ def make_layout(idx_TxK: jax.Array, plan: Plan) -> Layout:
     base_R, send_sizes_R = _exclusive_cumsum(per_rank_R), per_rank_R
   s = plan.send_rows
   send_pos_TxK = jnp.where(kept_TxK, base_R[rank_TxK] + slot_TxK, s).astype(jnp.int32)
-  src_S = jnp.full((s,), t * k, jnp.int32).at[jnp.where(carrier_TxK, send_pos_TxK, s).ravel()].set(
-      jnp.arange(t * k, dtype=jnp.int32), mode="drop")
+  src_S = (
+      jnp.full((s,), t * k, jnp.int32)
+      .at[jnp.where(carrier_TxK, send_pos_TxK, s).ravel()]
+      .set(jnp.arange(t * k, dtype=jnp.int32), mode="drop")
+  )
   per_expert_E = jnp.zeros((plan.num_experts,), jnp.int32).at[idx_TxK.ravel()].add(1)
-  return Layout(rank_TxK, in_rank_TxR.astype(bool), per_rank_R, per_expert_E, kept_TxK, carrier_TxK,
-                send_pos_TxK, src_S, send_sizes_R.astype(jnp.int32))
+  return Layout(
+      rank_TxK,
+      in_rank_TxR.astype(bool),
+      per_rank_R,
+      per_expert_E,
+      kept_TxK,
+      carrier_TxK,
+      send_pos_TxK,
+      src_S,
+      send_sizes_R.astype(jnp.int32),
+  )
 
 
 class Ragged(NamedTuple):
   """Offsets for `ragged_all_to_all` both ways, from an all_gather of the send sizes."""
-  input_offsets_R: jax.Array   # where my rows for each destination start in my send buffer
+
+  input_offsets_R: jax.Array  # where my rows for each destination start in my send buffer
   send_sizes_R: jax.Array
   output_offsets_R: jax.Array  # where my rows land in each destination's receive buffer
-  recv_sizes_R: jax.Array      # rows I receive from each source
-  recv_offsets_R: jax.Array    # where each source's rows start in my receive buffer
-  back_offsets_R: jax.Array    # where my rows came from in each source's send buffer
+  recv_sizes_R: jax.Array  # rows I receive from each source
+  recv_offsets_R: jax.Array  # where each source's rows start in my receive buffer
+  back_offsets_R: jax.Array  # where my rows came from in each source's send buffer
 
 
 def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
@@ -133,12 +159,19 @@ def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
   sizes_RxR = jax.lax.all_gather(send_sizes_R, axis)  # [source, destination]
   in_off_RxR = _exclusive_cumsum(sizes_RxR, axis=1)
   out_off_RxR = _exclusive_cumsum(sizes_RxR, axis=0)
-  return Ragged(in_off_RxR[me], send_sizes_R, out_off_RxR[me], sizes_RxR[:, me],
-                out_off_RxR[:, me], in_off_RxR[:, me])
+  return Ragged(
+      in_off_RxR[me],
+      send_sizes_R,
+      out_off_RxR[me],
+      sizes_RxR[:, me],
+      out_off_RxR[:, me],
+      in_off_RxR[:, me],
+  )
 
 
-def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
+def ragged_all_to_all_emulated(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
   """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers, for backends without it."""
   del recv_sizes  # implied by the senders' sizes
   me = jax.lax.axis_index(axis_name)
@@ -158,9 +191,10 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
 @dataclasses.dataclass(frozen=True)
 class _Move:
   """One direction of one transport: static parts."""
+
   plan: Plan
   axis: str | None
-  forward: bool   # dispatch direction (send buffer -> receive buffer)
+  forward: bool  # dispatch direction (send buffer -> receive buffer)
 
 
 def _move(mv: _Move, x, rg: Ragged | None, fill=0):
@@ -203,27 +237,42 @@ _fp8_move.defvjp(_fp8_move_fwd, _fp8_move_bwd)
 
 class Handle(NamedTuple):
   """What combine reuses from dispatch."""
+
   layout: Layout
   ragged: Ragged | None
 
 
 class Received(NamedTuple):
   """One receiving device's rows: a token (once per source pair) and its experts here."""
+
   x_NxD: jax.Array
-  eid_NxK: jax.Array   # local expert ids; n_local marks a choice that is not here, or an empty row
-  w_NxK: jax.Array     # combine weights, 0 where eid is n_local
+  eid_NxK: jax.Array  # local expert ids; n_local marks a choice that is not here, or an empty row
+  w_NxK: jax.Array  # combine weights, 0 where eid is n_local
 
 
-def dispatch(x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Array, plan: Plan, *,
-             axis: str | None, fp8_block: int | None = None) -> tuple[Received, Handle]:
+def dispatch(
+    x_TxD: jax.Array,
+    idx_TxK: jax.Array,
+    w_TxK: jax.Array,
+    plan: Plan,
+    *,
+    axis: str | None,
+    fp8_block: int | None = None,
+) -> tuple[Received, Handle]:
   """Sends each kept (token, rank) pair to its rank with the ids and weights of its experts there."""
   t, k = idx_TxK.shape
   if (t, k) != (plan.tokens, plan.top_k):
-    raise ValueError(f"routing of shape {(t, k)} does not match the plan's {(plan.tokens, plan.top_k)}")
+    raise ValueError(
+        f"routing of shape {(t, k)} does not match the plan's {(plan.tokens, plan.top_k)}"
+    )
   if plan.ep > 1 and axis is None:
     raise ValueError(f"plan.ep={plan.ep} needs the expert axis name")
   layout = make_layout(idx_TxK, plan)
-  rg = ragged_offsets(layout.send_sizes_R, axis) if plan.impl != "fixed" and axis is not None else None
+  rg = (
+      ragged_offsets(layout.send_sizes_R, axis)
+      if plan.impl != "fixed" and axis is not None
+      else None
+  )
   pair_S = layout.src_S
   x_pad = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)])
   send_x = x_pad[pair_S // k]

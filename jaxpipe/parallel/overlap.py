@@ -21,6 +21,7 @@ wait for every device of the program), the `*_chunked_local` variants split the 
 rank's tokens instead: chunk j's GEMM and its own (smaller) all_to_all, so chunk j+1's GEMM
 can run while chunk j's all_to_all is in flight.
 """
+
 from __future__ import annotations
 
 import jax
@@ -44,8 +45,10 @@ def _heads_of(w: jax.Array, rank: jax.Array, per_rank: int, axis: int) -> jax.Ar
 
 def _check_heads(heads: int, cp: int, what: str) -> int:
   if heads % cp:
-    raise ValueError(f"{what}: {heads} heads do not divide over {cp} context ranks; "
-                     f"use a context size that divides {heads}")
+    raise ValueError(
+        f"{what}: {heads} heads do not divide over {cp} context ranks; "
+        f"use a context size that divides {heads}"
+    )
   return heads // cp
 
 
@@ -55,8 +58,9 @@ def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "
   rank = lax.axis_index(axis_name)
   heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_local")
   batch, seq, _ = x_BxSxD.shape
-  out_BxLxNpxK = jnp.zeros((batch, seq * cp, heads_per, w_DxNxK.shape[2]),
-                           jnp.result_type(x_BxSxD, w_DxNxK))
+  out_BxLxNpxK = jnp.zeros(
+      (batch, seq * cp, heads_per, w_DxNxK.shape[2]), jnp.result_type(x_BxSxD, w_DxNxK)
+  )
   for step in range(cp):
     dest = (rank + step) % cp
     y_BxSxNpxK = jnp.einsum("bsd,dnk->bsnk", x_BxSxD, _heads_of(w_DxNxK, dest, heads_per, 1))
@@ -66,15 +70,18 @@ def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "
   return out_BxLxNpxK
 
 
-def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
-                   axis_name: str = "cp") -> jax.Array:
+def a2a_proj_local(
+    o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
+) -> jax.Array:
   """heads_to_seq(o) @ w in P chunked steps: [B, L, N/P, K] -> [B, L/P, D], inside shard_map."""
   cp = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
   heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_local")
   if o_BxLxNpxK.shape[2] != heads_per:
-    raise ValueError(f"a2a_proj_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but w has "
-                     f"{w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)")
+    raise ValueError(
+        f"a2a_proj_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but w has "
+        f"{w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)"
+    )
   if o_BxLxNpxK.shape[1] % cp:
     raise ValueError(f"a2a_proj_local: sequence {o_BxLxNpxK.shape[1]} is not divisible by {cp}")
   seq = o_BxLxNpxK.shape[1] // cp
@@ -94,13 +101,16 @@ def a2a_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
 
 def _check_chunks(seq: int, chunks: int, what: str) -> int:
   if chunks < 1 or seq % chunks:
-    raise ValueError(f"{what}: chunks={chunks} must be >= 1 and divide this rank's {seq} tokens; "
-                     f"use a divisor of {seq}")
+    raise ValueError(
+        f"{what}: chunks={chunks} must be >= 1 and divide this rank's {seq} tokens; "
+        f"use a divisor of {seq}"
+    )
   return seq // chunks
 
 
-def proj_a2a_chunked_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp",
-                           chunks: int = 2) -> jax.Array:
+def proj_a2a_chunked_local(
+    x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp", chunks: int = 2
+) -> jax.Array:
   """seq_to_heads(x @ w) as `chunks` GEMM + all_to_all pairs over slices of this rank's tokens."""
   cp = lax.axis_size(axis_name)
   heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_chunked_local")
@@ -108,21 +118,24 @@ def proj_a2a_chunked_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name:
   c = _check_chunks(seq, chunks, "proj_a2a_chunked_local")
   parts = []
   for j in range(chunks):
-    y_BxCxNxK = jnp.einsum("bsd,dnk->bsnk", x_BxSxD[:, j * c:(j + 1) * c], w_DxNxK)
+    y_BxCxNxK = jnp.einsum("bsd,dnk->bsnk", x_BxSxD[:, j * c : (j + 1) * c], w_DxNxK)
     parts.append(seq_to_heads(y_BxCxNxK, axis_name))  # [B, P·c, N/P, K], source rank major
   # token (source r, chunk j, t) sits at r·S + j·c + t of the whole sequence
   out = jnp.stack(parts, axis=1).reshape(batch, chunks, cp, c, heads_per, -1)
   return out.transpose(0, 2, 1, 3, 4, 5).reshape(batch, cp * seq, heads_per, -1)
 
 
-def a2a_proj_chunked_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
-                           axis_name: str = "cp", chunks: int = 2) -> jax.Array:
+def a2a_proj_chunked_local(
+    o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp", chunks: int = 2
+) -> jax.Array:
   """heads_to_seq(o) @ w as `chunks` all_to_all + GEMM pairs over slices of each rank's tokens."""
   cp = lax.axis_size(axis_name)
   heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_chunked_local")
   if o_BxLxNpxK.shape[2] != heads_per:
-    raise ValueError(f"a2a_proj_chunked_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but "
-                     f"w has {w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)")
+    raise ValueError(
+        f"a2a_proj_chunked_local: o holds {o_BxLxNpxK.shape[2]} heads per rank but "
+        f"w has {w_NxKxD.shape[0]} heads over {cp} ranks ({heads_per} per rank)"
+    )
   batch, length, _, head_dim = o_BxLxNpxK.shape
   if length % cp:
     raise ValueError(f"a2a_proj_chunked_local: sequence {length} is not divisible by {cp}")
@@ -136,13 +149,15 @@ def a2a_proj_chunked_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
   return jnp.concatenate(parts, axis=1)
 
 
-def proj_then_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *,
-                        axis_name: str = "cp") -> jax.Array:
+def proj_then_a2a_local(
+    x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp"
+) -> jax.Array:
   """Unfused reference for proj_a2a_local: one GEMM, then one all_to_all."""
   return seq_to_heads(jnp.einsum("bsd,dnk->bsnk", x_BxSxD, w_DxNxK), axis_name)
 
 
-def a2a_then_proj_local(o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *,
-                        axis_name: str = "cp") -> jax.Array:
+def a2a_then_proj_local(
+    o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
+) -> jax.Array:
   """Unfused reference for a2a_proj_local: one all_to_all, then one GEMM."""
   return jnp.einsum("bsnk,nkd->bsd", heads_to_seq(o_BxLxNpxK, axis_name), w_NxKxD)

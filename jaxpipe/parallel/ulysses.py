@@ -10,6 +10,7 @@ The functions named `*_local` run inside `shard_map` over (at least) the context
 compose with data and pipeline axes in the same mesh; `ulysses_attention` wraps one for
 callers holding global arrays.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,19 +23,26 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.ops.attention import attention
 
 
-def check_divisible(seq_len: int, heads: int, kv_heads: int, cp: int,
-                    axis_name: str = "cp") -> None:
+def check_divisible(
+    seq_len: int, heads: int, kv_heads: int, cp: int, axis_name: str = "cp"
+) -> None:
   """Raises ValueError when the sequence or the (KV) heads do not split evenly over cp ranks."""
   if seq_len % cp:
-    raise ValueError(f"sequence length {seq_len} is not divisible by the context axis "
-                     f"{axis_name!r} of size {cp}; pad the sequence to a multiple of {cp}")
+    raise ValueError(
+        f"sequence length {seq_len} is not divisible by the context axis "
+        f"{axis_name!r} of size {cp}; pad the sequence to a multiple of {cp}"
+    )
   if heads % cp:
-    raise ValueError(f"{heads} query heads do not divide over the context axis {axis_name!r} of "
-                     f"size {cp}; use a context size that divides {heads}")
+    raise ValueError(
+        f"{heads} query heads do not divide over the context axis {axis_name!r} of "
+        f"size {cp}; use a context size that divides {heads}"
+    )
   if kv_heads % cp:
-    raise ValueError(f"{kv_heads} key/value heads do not divide over the context axis "
-                     f"{axis_name!r} of size {cp}; use a cp that divides {kv_heads}, or more KV "
-                     f"heads")
+    raise ValueError(
+        f"{kv_heads} key/value heads do not divide over the context axis "
+        f"{axis_name!r} of size {cp}; use a cp that divides {kv_heads}, or more KV "
+        f"heads"
+    )
 
 
 def seq_to_heads(x_BxSxNxK: jax.Array, axis_name: str = "cp") -> jax.Array:
@@ -52,10 +60,17 @@ def positions_local(seq_local: int, axis_name: str = "cp") -> jax.Array:
   return lax.axis_index(axis_name) * seq_local + lax.iota("int32", seq_local)
 
 
-def ulysses_attention_local(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *,
-                            axis_name: str = "cp", causal: bool = True, backend: str = "xla",
-                            segment_ids_BxS: jax.Array | None = None,
-                            sm_scale: float | None = None) -> jax.Array:
+def ulysses_attention_local(
+    q_BxSxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    *,
+    axis_name: str = "cp",
+    causal: bool = True,
+    backend: str = "xla",
+    segment_ids_BxS: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
   """Attention over the full sequence from sequence shards; returns this rank's [B, L/P, H, K].
 
   Rank r holds tokens [r·L/P, (r+1)·L/P). Query head h reads KV head h // (H/G); a tiled
@@ -67,23 +82,36 @@ def ulysses_attention_local(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGx
   segment_ids = None
   if segment_ids_BxS is not None:
     segment_ids = lax.all_gather(segment_ids_BxS, axis_name, axis=1, tiled=True)
-  o_BxLxHpxK = attention(q, k, v, causal=causal, backend=backend, segment_ids=segment_ids,
-                         sm_scale=sm_scale)
+  o_BxLxHpxK = attention(
+      q, k, v, causal=causal, backend=backend, segment_ids=segment_ids, sm_scale=sm_scale
+  )
   return heads_to_seq(o_BxLxHpxK, axis_name)
 
 
-def ulysses_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, *,
-                      mesh: Mesh, axis_name: str = "cp",
-                      batch_axes: str | tuple[str, ...] | None = None,
-                      causal: bool = True, backend: str = "xla",
-                      segment_ids_BxL: jax.Array | None = None,
-                      sm_scale: float | None = None) -> jax.Array:
+def ulysses_attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    *,
+    mesh: Mesh,
+    axis_name: str = "cp",
+    batch_axes: str | tuple[str, ...] | None = None,
+    causal: bool = True,
+    backend: str = "xla",
+    segment_ids_BxL: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
   """Global-array entry: shards the sequence over `axis_name` (and batch over `batch_axes`)."""
   cp = mesh.shape[axis_name]
   check_divisible(q_BxLxHxK.shape[1], q_BxLxHxK.shape[2], k_BxLxGxK.shape[2], cp, axis_name)
   spec = P(batch_axes, axis_name)
-  fn = functools.partial(ulysses_attention_local, axis_name=axis_name, causal=causal,
-                         backend=backend, sm_scale=sm_scale)
+  fn = functools.partial(
+      ulysses_attention_local,
+      axis_name=axis_name,
+      causal=causal,
+      backend=backend,
+      sm_scale=sm_scale,
+  )
   args = (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
   in_specs = (spec, spec, spec)
   if segment_ids_BxL is not None:
@@ -92,5 +120,4 @@ def ulysses_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax
     fn = lambda q, k, v, s, fn=fn: fn(q, k, v, segment_ids_BxS=s)
   # Interpreted Pallas kernels carry no varying-axes types, so shard_map cannot check them.
   check_vma = backend != "pallas"
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec,
-                       check_vma=check_vma)(*args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=check_vma)(*args)

@@ -1,4 +1,5 @@
 """`jaxpipe.pipeline.value_and_grad`: any schedule, any stage function, exact gradients."""
+
 from __future__ import annotations
 
 import functools
@@ -15,19 +16,19 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.executor import (
-  ExecSpec,
-  Model,
-  as_axes,
-  check_param_specs,
-  combines_by_max,
-  data_axes_of,
-  from_local,
-  io_spec,
-  is_contiguous,
-  make_executor,
-  param_specs_key,
-  to_local,
-  with_aux,
+    ExecSpec,
+    Model,
+    as_axes,
+    check_param_specs,
+    combines_by_max,
+    data_axes_of,
+    from_local,
+    io_spec,
+    is_contiguous,
+    make_executor,
+    param_specs_key,
+    to_local,
+    with_aux,
 )
 from jaxpipe.pipeline.ir.lower import Lowered, lower
 from jaxpipe.pipeline.ir.schedule import Schedule
@@ -36,8 +37,9 @@ from jaxpipe.pipeline.ir.schedules import make_schedule
 PyTree = Any
 
 
-def resolve_schedule(schedule: Schedule | str, *, pp: int, microbatches: int,
-                     chunks: int | None = None) -> Schedule:
+def resolve_schedule(
+    schedule: Schedule | str, *, pp: int, microbatches: int, chunks: int | None = None
+) -> Schedule:
   """A Schedule, a generator name, or a path to a torch-format CSV -> a validated Schedule."""
   if isinstance(schedule, Schedule):
     return schedule.validate()
@@ -68,20 +70,32 @@ def lowered_for(schedule: Schedule) -> Lowered:
   return _LOWERED[key]
 
 
-def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyTree,
-                 xs: PyTree, targets: PyTree, data_axes: tuple[str, ...],
-                 seq_axes: tuple[str, ...] = (), stage_copies: bool = False) -> None:
+def check_inputs(
+    schedule: Schedule,
+    mesh: Mesh,
+    pp_axis: str,
+    stage_params: PyTree,
+    xs: PyTree,
+    targets: PyTree,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...] = (),
+    stage_copies: bool = False,
+) -> None:
   """Raises ValueError naming the first disagreement between the schedule and the inputs.
 
   stage_copies: stage_params holds every copy of a stage the placement has (placement order).
   """
   if pp_axis not in mesh.axis_names:
-    raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}; name it "
-                     "or pass pp_axis=")
+    raise ValueError(
+        f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}; name it "
+        "or pass pp_axis="
+    )
   if schedule.num_ranks != mesh.shape[pp_axis]:
-    raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but mesh "
-                     f"axis {pp_axis!r} has {mesh.shape[pp_axis]} devices; build the schedule "
-                     f"with pp={mesh.shape[pp_axis]}")
+    raise ValueError(
+        f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but mesh "
+        f"axis {pp_axis!r} has {mesh.shape[pp_axis]} devices; build the schedule "
+        f"with pp={mesh.shape[pp_axis]}"
+    )
   leaves = jax.tree.leaves(stage_params)
   if not leaves:
     raise ValueError("stage_params has no arrays")
@@ -89,42 +103,67 @@ def check_inputs(schedule: Schedule, mesh: Mesh, pp_axis: str, stage_params: PyT
   pl = schedule.placement
   want = pl.num_virtual_stages if stage_copies else schedule.num_stages
   if lead != {want}:
-    what = (f"holds {want} stage copies ({pl.copies} of each of its {schedule.num_stages} "
-            "stages); stack one entry per copy, rank by rank" if stage_copies else
-            f"has {want} model stages; stack one entry per stage on axis 0")
-    raise ValueError(f"stage_params leaves have leading sizes {sorted(lead, key=str)} but schedule "
-                     f"{schedule.name!r} {what}")
+    what = (
+        f"holds {want} stage copies ({pl.copies} of each of its {schedule.num_stages} "
+        "stages); stack one entry per copy, rank by rank"
+        if stage_copies
+        else f"has {want} model stages; stack one entry per stage on axis 0"
+    )
+    raise ValueError(
+        f"stage_params leaves have leading sizes {sorted(lead, key=str)} but schedule "
+        f"{schedule.name!r} {what}"
+    )
   m = schedule.num_microbatches
   for what, axes in (("data_axes", data_axes), ("seq_axes", seq_axes)):
     for a in axes:
       if a not in mesh.axis_names or a == pp_axis or (what == "seq_axes" and a in data_axes):
-        raise ValueError(f"{what} entry {a!r} must be a mesh axis {mesh.axis_names} other than "
-                         f"the pipeline axis {pp_axis!r}"
-                         + (f" and the data axes {data_axes}" if what == "seq_axes" else ""))
-  explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
-              if t != jax.sharding.AxisType.Auto]
+        raise ValueError(
+            f"{what} entry {a!r} must be a mesh axis {mesh.axis_names} other than "
+            f"the pipeline axis {pp_axis!r}"
+            + (f" and the data axes {data_axes}" if what == "seq_axes" else "")
+        )
+  explicit = [
+      a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Auto
+  ]
   if explicit:
-    raise ValueError(f"mesh axes {explicit} are not Auto; the executor places its inputs itself: "
-                     "build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * ndim")
+    raise ValueError(
+        f"mesh axes {explicit} are not Auto; the executor places its inputs itself: "
+        "build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * ndim"
+    )
   data = math.prod(mesh.shape[a] for a in data_axes)
   seq = math.prod(mesh.shape[a] for a in seq_axes)
   for what, tree in (("xs", xs), ("targets", targets)):
     for a in jax.tree.leaves(tree):
       shape = jnp.shape(a)
       if len(shape) < 2 or shape[0] != m:
-        raise ValueError(f"{what} has shape {shape}; the schedule runs {m} micro-batches, so it "
-                         f"must be [{m}, batch, ...]")
+        raise ValueError(
+            f"{what} has shape {shape}; the schedule runs {m} micro-batches, so it "
+            f"must be [{m}, batch, ...]"
+        )
       if shape[1] % data:
-        raise ValueError(f"{what} has batch {shape[1]} per micro-batch, not divisible by the "
-                         f"{data} data-parallel shards of mesh axes {data_axes}")
+        raise ValueError(
+            f"{what} has batch {shape[1]} per micro-batch, not divisible by the "
+            f"{data} data-parallel shards of mesh axes {data_axes}"
+        )
       if seq_axes and (len(shape) < 3 or shape[2] % seq):
-        raise ValueError(f"{what} has shape {shape}; its sequence axis (axis 2) must divide into "
-                         f"the {seq} context-parallel shards of mesh axes {seq_axes}")
+        raise ValueError(
+            f"{what} has shape {shape}; its sequence axis (axis 2) must divide into "
+            f"the {seq} context-parallel shards of mesh axes {seq_axes}"
+        )
 
 
-def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: PyTree,
-                embed_params: PyTree, mesh: Mesh | None = None, data_axes: tuple[str, ...] = (),
-                seq_axes: tuple[str, ...] = (), param_specs: tuple | None = None) -> None:
+def check_model(
+    model: Model,
+    stage_params: PyTree,
+    xs,
+    targets,
+    head_params: PyTree,
+    embed_params: PyTree,
+    mesh: Mesh | None = None,
+    data_axes: tuple[str, ...] = (),
+    seq_axes: tuple[str, ...] = (),
+    param_specs: tuple | None = None,
+) -> None:
   """Traces (without compiling) one stage and the loss on one micro-batch to check shapes.
 
   Given a mesh, the functions are traced inside a `shard_map` over it on the slices the executor
@@ -138,12 +177,22 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
       treedef, leaf_specs = param_specs
       params_spec = jax.tree.unflatten(treedef, [P(None, *ls) for ls in leaf_specs])
     io = io_spec(tuple(data_axes), tuple(seq_axes))
-    in_specs = (params_spec, jax.tree.map(lambda _: io, xs), jax.tree.map(lambda _: io, targets),
-                P(), P())
+    in_specs = (
+        params_spec,
+        jax.tree.map(lambda _: io, xs),
+        jax.tree.map(lambda _: io, targets),
+        P(),
+        P(),
+    )
     local = lambda *args: check_model(model, *args) or jnp.zeros(())
-    jax.eval_shape(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(),
-                                 check_vma=False),
-                   stage_params, xs, targets, head_params, embed_params)
+    jax.eval_shape(
+        jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False),
+        stage_params,
+        xs,
+        targets,
+        head_params,
+        embed_params,
+    )
     return
   params0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), stage_params)
   x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), xs)
@@ -151,15 +200,20 @@ def check_model(model: Model, stage_params: PyTree, xs, targets, head_params: Py
   if model.embed_fn is not None:
     x0 = jax.eval_shape(model.embed_fn, embed_params, x0)
   y0 = jax.eval_shape(with_aux(model.stage_fn, model.stage_aux), params0, x0)[0]
-  if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (x0.shape,
-                                                                                   x0.dtype):
-    raise ValueError(f"stage_fn maps one micro-batch of shape {x0.shape} {x0.dtype} to "
-                     f"{getattr(y0, 'shape', y0)} {getattr(y0, 'dtype', '')}; a pipeline stage "
-                     "must keep its input's shape and dtype")
+  if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (
+      x0.shape,
+      x0.dtype,
+  ):
+    raise ValueError(
+        f"stage_fn maps one micro-batch of shape {x0.shape} {x0.dtype} to "
+        f"{getattr(y0, 'shape', y0)} {getattr(y0, 'dtype', '')}; a pipeline stage "
+        "must keep its input's shape and dtype"
+    )
   loss = jax.eval_shape(model.loss_fn, head_params, y0, t0)
   if not hasattr(loss, "shape") or loss.shape != ():
-    raise ValueError(f"loss_fn must return a scalar for one micro-batch, got "
-                     f"{getattr(loss, 'shape', loss)}")
+    raise ValueError(
+        f"loss_fn must return a scalar for one micro-batch, got " f"{getattr(loss, 'shape', loss)}"
+    )
 
 
 def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
@@ -174,27 +228,39 @@ def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
   partner_rank, partner_chunk = {}, {}
   for stage, h in holders.items():
     if len(h) != 2:
-      raise ValueError(f"stage {stage} has {len(h)} copies at (rank, chunk) {h}; resident copies "
-                       "need exactly two of every stage; pass stages in model order")
+      raise ValueError(
+          f"stage {stage} has {len(h)} copies at (rank, chunk) {h}; resident copies "
+          "need exactly two of every stage; pass stages in model order"
+      )
     for (r, c), (r2, c2) in (h, h[::-1]):
       partner_rank.setdefault(r, set()).add(r2)
       partner_chunk[r, c] = c2
   if any(len(v) != 1 for v in partner_rank.values()):
-    raise ValueError(f"the copies of rank-local stages {layout.tolist()} sit on several ranks; "
-                     "resident copies need each rank's partners on one rank; pass stages in "
-                     "model order")
+    raise ValueError(
+        f"the copies of rank-local stages {layout.tolist()} sit on several ranks; "
+        "resident copies need each rank's partners on one rank; pass stages in "
+        "model order"
+    )
   holder = {r: v.pop() for r, v in partner_rank.items()}
   if sorted(holder.values()) != sorted(holder):
-    raise ValueError(f"copy holders {holder} are not a permutation of the ranks; pass stages in "
-                     "model order")
+    raise ValueError(
+        f"copy holders {holder} are not a permutation of the ranks; pass stages in " "model order"
+    )
   pairs = tuple((holder[r], r) for r in range(layout.shape[0]))
-  chunks = tuple(tuple(partner_chunk[r, c] for c in range(layout.shape[1]))
-                 for r in range(layout.shape[0]))
+  chunks = tuple(
+      tuple(partner_chunk[r, c] for c in range(layout.shape[1])) for r in range(layout.shape[0])
+  )
   return pairs, chunks
 
 
-def sum_copies(tree: PyTree, partners: tuple[tuple, tuple], mesh: Mesh, pp_axis: str,
-               spec: PyTree, model: Model | None = None) -> PyTree:
+def sum_copies(
+    tree: PyTree,
+    partners: tuple[tuple, tuple],
+    mesh: Mesh,
+    pp_axis: str,
+    spec: PyTree,
+    model: Model | None = None,
+) -> PyTree:
   """Leaves [ranks, chunks, ...] (split over pp_axis as `spec` says): each copy of a stage gets
   the sum of both copies' values (their max for the leaves `model` combines by max), one
   ppermute between the two holders (`copy_partners`)."""
@@ -207,17 +273,26 @@ def sum_copies(tree: PyTree, partners: tuple[tuple, tuple], mesh: Mesh, pp_axis:
       mine = jnp.asarray(chunk_of)[jax.lax.axis_index(pp_axis)]
       # a + b and b + a round alike: both holders get bit-identical sums
       both = lambda p, a, b: (jnp.maximum if combines_by_max(model, p) else jnp.add)(
-          a, jnp.take(b, mine, axis=1))
+          a, jnp.take(b, mine, axis=1)
+      )
       return jax.tree_util.tree_map_with_path(both, t, other)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(tree)
 
 
 @functools.lru_cache(maxsize=64)
-def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages: int,
-             data_axes: tuple[str, ...], contiguous: bool,
-             param_specs: tuple | None, seq_axes: tuple[str, ...] = (),
-             partners: tuple | None = None) -> Callable:
+def _program(
+    model: Model,
+    spec: ExecSpec,
+    mesh: Mesh,
+    pp_axis: str,
+    num_stages: int,
+    data_axes: tuple[str, ...],
+    contiguous: bool,
+    param_specs: tuple | None,
+    seq_axes: tuple[str, ...] = (),
+    partners: tuple | None = None,
+) -> Callable:
   """The jitted step; `partners` (`copy_partners`): stage copies stored resident, their
   gradients (and aux) summed between their two holders."""
   run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs, seq_axes)
@@ -229,21 +304,30 @@ def _program(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str, num_stages:
     aux_spec = P(pp_axis, None, (data_axes + seq_axes) or None)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
   # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
-  fixed = np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(
-      spec.num_ranks, spec.chunks) if contiguous else None
+  fixed = (
+      np.arange(spec.num_ranks * spec.chunks, dtype=np.int32).reshape(spec.num_ranks, spec.chunks)
+      if contiguous
+      else None
+  )
 
   @jax.jit
   def program(table, layout, stage_params, xs, targets, head_params, embed_params):
     layout = fixed if contiguous else layout
     local = to_local(stage_params, layout)
-    loss, local_grads, head_g, embed_g, *stats = run(table, local, xs, targets, head_params,
-                                                     embed_params)
+    loss, local_grads, head_g, embed_g, *stats = run(
+        table, local, xs, targets, head_params, embed_params
+    )
     if partners is not None:
       local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec, model)
       stats = [sum_copies(s, partners, mesh, pp_axis, aux_spec) for s in stats]
     # copies of a stage (bidirectional schedules) ran different micro-batches: their aux adds up
-    return (loss, from_local(local_grads, layout, num_stages, model), head_g, embed_g,
-            *(from_local(s, layout, num_stages) for s in stats))
+    return (
+        loss,
+        from_local(local_grads, layout, num_stages, model),
+        head_g,
+        embed_g,
+        *(from_local(s, layout, num_stages) for s in stats),
+    )
 
   return program
 
@@ -253,12 +337,23 @@ def _headless(loss_fn: Callable) -> Callable:
   return lambda head_params, y, target: loss_fn(y, target)
 
 
-def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
-                            schedule: Schedule, mesh: Mesh, head_params: PyTree = (),
-                            embed_params: PyTree = (), recompute: bool = False,
-                            pp_axis: str = "pp", data_axes: tuple[str, ...] | None = None,
-                            param_specs: PyTree | None = None, seq_axes: tuple[str, ...] = (),
-                            stage_order: str = "model"):
+def pipeline_value_and_grad(
+    model: Model,
+    stage_params: PyTree,
+    xs,
+    targets,
+    *,
+    schedule: Schedule,
+    mesh: Mesh,
+    head_params: PyTree = (),
+    embed_params: PyTree = (),
+    recompute: bool = False,
+    pp_axis: str = "pp",
+    data_axes: tuple[str, ...] | None = None,
+    param_specs: PyTree | None = None,
+    seq_axes: tuple[str, ...] = (),
+    stage_order: str = "model",
+):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
   `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
@@ -285,13 +380,32 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
   seq_axes = as_axes(seq_axes)
   data_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
-  check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes,
-               stage_copies=stage_order == "placement")
+  check_inputs(
+      schedule,
+      mesh,
+      pp_axis,
+      stage_params,
+      xs,
+      targets,
+      data_axes,
+      seq_axes,
+      stage_copies=stage_order == "placement",
+  )
   specs_key = param_specs_key(param_specs)
   if specs_key is not None:
     check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params)
-  check_model(model, stage_params, xs, targets, head_params, embed_params, mesh, data_axes,
-              seq_axes, specs_key)
+  check_model(
+      model,
+      stage_params,
+      xs,
+      targets,
+      head_params,
+      embed_params,
+      mesh,
+      data_axes,
+      seq_axes,
+      specs_key,
+  )
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
@@ -301,16 +415,37 @@ def pipeline_value_and_grad(model: Model, stage_params: PyTree, xs, targets, *,
     partners = copy_partners(layout)
     stored = layout.size
     layout, contiguous = np.arange(layout.size, dtype=np.int32).reshape(layout.shape), True
-  program = _program(model, spec, mesh, pp_axis, stored, tuple(data_axes), contiguous, specs_key,
-                     seq_axes, partners)
+  program = _program(
+      model,
+      spec,
+      mesh,
+      pp_axis,
+      stored,
+      tuple(data_axes),
+      contiguous,
+      specs_key,
+      seq_axes,
+      partners,
+  )
   return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
 
 
-def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targets: PyTree,
-                   loss_fn: Callable, *, schedule: Schedule | str, mesh: Mesh,
-                   chunks: int | None = None, recompute: bool = False, pp_axis: str = "pp",
-                   seq_axes: tuple[str, ...] = (), param_specs: PyTree | None = None,
-                   check_mean: bool = True):
+def value_and_grad(
+    stage_fn: Callable,
+    stage_params: PyTree,
+    xs: jax.Array,
+    targets: PyTree,
+    loss_fn: Callable,
+    *,
+    schedule: Schedule | str,
+    mesh: Mesh,
+    chunks: int | None = None,
+    recompute: bool = False,
+    pp_axis: str = "pp",
+    seq_axes: tuple[str, ...] = (),
+    param_specs: PyTree | None = None,
+    check_mean: bool = True,
+):
   """Pipelined `jax.value_and_grad` of the loss over all micro-batches; -> (loss, grads).
 
   f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
@@ -349,10 +484,18 @@ def value_and_grad(stage_fn: Callable, stage_params: PyTree, xs: jax.Array, targ
   if check_mean:
     loss_lib.check_not_mean(loss_fn, weighted, mesh, xs, targets, data_axes, seq_axes)
   model = Model(stage_fn, _headless(loss_lib.summed(loss_fn) if weighted else loss_fn))
-  loss, grads, _, _ = pipeline_value_and_grad(model, stage_params, xs, targets,
-                                              schedule=schedule, mesh=mesh, recompute=recompute,
-                                              pp_axis=pp_axis, seq_axes=seq_axes,
-                                              param_specs=param_specs)
+  loss, grads, _, _ = pipeline_value_and_grad(
+      model,
+      stage_params,
+      xs,
+      targets,
+      schedule=schedule,
+      mesh=mesh,
+      recompute=recompute,
+      pp_axis=pp_axis,
+      seq_axes=seq_axes,
+      param_specs=param_specs,
+  )
   if not weighted:
     return loss, grads
   weight = loss_lib.global_weight(loss_fn, mesh, xs, targets, data_axes, seq_axes)

@@ -41,6 +41,7 @@ In a profiler trace a tick's parts are named `tick/<part>` (`tick/F`, `tick/I`, 
 instruction names); which stage and micro-batch a tick ran is in the lowered table
 (`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,6 +67,7 @@ PyTree = Any
 @dataclasses.dataclass(frozen=True)
 class ExecSpec:
   """Static sizes of a compiled executor; tables padded to these share one program."""
+
   num_ranks: int  # pipeline ranks
   chunks: int  # local chunks (virtual stages) per rank
   num_ticks: int  # scan length
@@ -88,7 +90,8 @@ class ExecSpec:
       if len(vals) > 1:
         raise ValueError(f"schedules disagree on {attr}: {vals}; one program serves one value")
     return cls(
-        num_ranks=pls[0].num_ranks, chunks=pls[0].chunks_per_rank,
+        num_ranks=pls[0].num_ranks,
+        chunks=pls[0].chunks_per_rank,
         num_ticks=max(lo.num_ticks for lo in lowered),
         act_slots=max(lo.act_slots for lo in lowered),
         res_slots=max(lo.res_slots for lo in lowered),
@@ -96,14 +99,17 @@ class ExecSpec:
         wg_slots=max(lo.wg_slots for lo in lowered),
         branches=tuple(sorted({0} | {b for lo in lowered for b in lo.branches})),
         channels=tuple(any(lo.channels[i] for lo in lowered) for i in range(len(CHANNELS))),
-        recompute=recompute)
+        recompute=recompute,
+    )
 
   def check(self, lowered: Lowered) -> None:
     pl = lowered.schedule.placement
     problems = []
     if pl.num_ranks != self.num_ranks or pl.chunks_per_rank != self.chunks:
-      problems.append(f"{pl.num_ranks} ranks x {pl.chunks_per_rank} chunks, spec has "
-                      f"{self.num_ranks} x {self.chunks}")
+      problems.append(
+          f"{pl.num_ranks} ranks x {pl.chunks_per_rank} chunks, spec has "
+          f"{self.num_ranks} x {self.chunks}"
+      )
     for name in ("num_ticks", "act_slots", "res_slots", "cot_slots", "wg_slots"):
       if getattr(lowered, name) > getattr(self, name):
         problems.append(f"{name} {getattr(lowered, name)} > {getattr(self, name)}")
@@ -112,13 +118,17 @@ class ExecSpec:
     if any(u and not c for u, c in zip(lowered.channels, self.channels)):
       problems.append(f"channels {lowered.channels} not within {self.channels}")
     if problems:
-      raise ValueError(f"schedule {lowered.schedule.name!r} does not fit this executor: "
-                       + "; ".join(problems) + ". Build the spec with ExecSpec.covering().")
+      raise ValueError(
+          f"schedule {lowered.schedule.name!r} does not fit this executor: "
+          + "; ".join(problems)
+          + ". Build the spec with ExecSpec.covering()."
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
   """What the executor runs; hashable so compiled executors are cached per model."""
+
   stage_fn: Callable  # (params of one stage, x) -> x of the same shape
   loss_fn: Callable  # (head_params, y, target) -> scalar, on the last stage's output
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
@@ -176,8 +186,11 @@ class Layered:
     return lax.scan(lambda x, p: (self.layer_fn(p, x), None), x, params)[0]
 
   def __eq__(self, other):
-    return (isinstance(other, Layered) and other.layer_fn == self.layer_fn
-            and other.has_aux == self.has_aux)
+    return (
+        isinstance(other, Layered)
+        and other.layer_fn == self.layer_fn
+        and other.has_aux == self.has_aux
+    )
 
   def __hash__(self):
     return hash((Layered, self.layer_fn, self.has_aux))
@@ -200,6 +213,7 @@ class _Residuals:
   the compute dtype; the backward recomputes it from the live parameters), or stored per
   micro-batch in a residual slot.
   """
+
   fn: Callable
   x: jax.ShapeDtypeStruct
   treedef: Any
@@ -207,8 +221,7 @@ class _Residuals:
   stored: tuple[jax.ShapeDtypeStruct, ...]  # the stored leaves, in order
 
   @classmethod
-  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct, has_aux: bool = False
-            ) -> _Residuals:
+  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct, has_aux: bool = False) -> _Residuals:
     """`fn(params, x) -> y`, or `-> (y, aux)` with has_aux."""
     fn = fn if has_aux else _no_aux(fn)
     found = {}
@@ -221,8 +234,9 @@ class _Residuals:
       return leaves
 
     closed = jax.make_jaxpr(f)(params, x)
-    on_x = _depends_on_inputs(closed.jaxpr, range(len(jax.tree.leaves(params)),
-                                                  len(closed.jaxpr.invars)))
+    on_x = _depends_on_inputs(
+        closed.jaxpr, range(len(jax.tree.leaves(params)), len(closed.jaxpr.invars))
+    )
     kinds, stored = [], []
     for j, dep, out in zip(found["param_of_leaf"], on_x, closed.out_avals):
       if j is not None:
@@ -239,8 +253,10 @@ class _Residuals:
     got = _match(leaves, jax.tree.leaves(params))
     want = tuple(k[1] if k[0] == "param" else None for k in self.kinds)
     if any(w is not None and g != w for g, w in zip(got, want)) or len(got) != len(want):
-      raise RuntimeError("the stage's vjp closure changed structure between traces; "
-                         f"expected parameter leaves at {want}, got {got}")
+      raise RuntimeError(
+          "the stage's vjp closure changed structure between traces; "
+          f"expected parameter leaves at {want}, got {got}"
+      )
     return [l for l, k in zip(leaves, self.kinds) if k[0] == "stored"]
 
   def join(self, stored: Sequence[jax.Array], params: PyTree):
@@ -251,8 +267,10 @@ class _Residuals:
       zeros = jnp.zeros(self.x.shape, self.x.dtype)
       derived = jax.tree.leaves(jax.vjp(self.fn, params, zeros, has_aux=True)[1])
     it = iter(stored)
-    leaves = [live[k[1]] if k[0] == "param" else derived[i] if k[0] == "derived" else next(it)
-              for i, k in enumerate(self.kinds)]
+    leaves = [
+        live[k[1]] if k[0] == "param" else derived[i] if k[0] == "derived" else next(it)
+        for i, k in enumerate(self.kinds)
+    ]
     return jax.tree.unflatten(self.treedef, leaves)
 
 
@@ -282,8 +300,14 @@ class _StageOps:
   F keeps aux.
   """
 
-  def __init__(self, stage_fn, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool,
-               model: Model | None = None):
+  def __init__(
+      self,
+      stage_fn,
+      params: PyTree,
+      x: jax.ShapeDtypeStruct,
+      recompute: bool,
+      model: Model | None = None,
+  ):
     self.fn, self.recompute = stage_fn, recompute
     # per parameter leaf: weight cotangents combined by max (Model.max_grads) rather than added
     self.by_max = jax.tree_util.tree_map_with_path(lambda p, _: combines_by_max(model, p), params)
@@ -310,9 +334,11 @@ class _StageOps:
 
   def _layer_residuals(self, params, x):
     """-> (y, (stored, aux stacked per layer))"""
+
     def body(x, p):
       y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
       return y, (self.resid.split(vjp_fn, p), aux)
+
     return lax.scan(body, x, params)
 
   def forward(self, params, x, res, slot):
@@ -321,12 +347,14 @@ class _StageOps:
       y, aux = self.fn(params, x)
       return y, [_set(res[0], (slot,), x)], aux
     if self.layered:
+
       def body(carry, layer):
         (x, res), (p, l) = carry, layer
         y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
         # each layer's residuals go straight into their slot: no stacked copy to move later
         res = [_set(b, (slot, l), v) for b, v in zip(res, self.resid.split(vjp_fn, p))]
         return (y, res), aux
+
       (y, res), aux = lax.scan(body, (x, res), (params, jnp.arange(self.num_layers)))
       return y, res, aux
     y, vjp_fn, aux = jax.vjp(self.fn, params, x, has_aux=True)
@@ -405,11 +433,13 @@ def _set(buf, index: tuple, value):
 def _add(acc: PyTree, index: tuple, value: PyTree, by_max: PyTree | None = None) -> PyTree:
   """acc[index] += value, leaf by leaf, in place (accumulators may be wider than the values);
   max(acc[index], value) instead where the `by_max` tree of bools says so."""
+
   def one(a, v, maxed=False):
     start = tuple(jnp.asarray(i, jnp.int32) for i in tuple(index) + (0,) * v.ndim)
     old = lax.dynamic_slice(a, start, (1,) * len(index) + v.shape)
     v = v.astype(a.dtype).reshape(old.shape)
     return lax.dynamic_update_slice(a, jnp.maximum(old, v) if maxed else old + v, start)
+
   if by_max is None:
     return jax.tree.map(one, acc, value)
   return jax.tree.map(one, acc, value, by_max)
@@ -426,9 +456,11 @@ def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset:
   optimization barrier: a buffer the loop only reads would otherwise pass straight through, be
   read by several loops at once, and be copied for each.
   """
+
   def body(carry):
     row, part = carry
     return row.at[col].set(unset), lax.optimization_barrier(fn(row, part))
+
   part = {k: state[k] for k in keys}
   return {**state, **lax.while_loop(lambda c: c[0][col] != unset, body, (row, part))[1]}
 
@@ -456,8 +488,9 @@ def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def data_axes_of(mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None,
-                 seq_axes: tuple[str, ...]) -> tuple[str, ...]:
+def data_axes_of(
+    mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None, seq_axes: tuple[str, ...]
+) -> tuple[str, ...]:
   """The axes that split the batch: `data_axes`, or by default every mesh axis but the pipeline
   and sequence axes."""
   if data_axes is None:
@@ -465,21 +498,30 @@ def data_axes_of(mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None
   return as_axes(data_axes)
 
 
-def check_param_specs(param_specs: tuple, data_axes: tuple[str, ...], seq_axes: tuple[str, ...],
-                      pp_axis: str, params: PyTree | None = None) -> None:
+def check_param_specs(
+    param_specs: tuple,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    pp_axis: str,
+    params: PyTree | None = None,
+) -> None:
   """Raises ValueError unless a `param_specs_key` splits leaves over data axes only (and, given
   one stage's params, has their structure)."""
   treedef, leaf_specs = param_specs
   if params is not None and jax.tree.structure(params) != treedef:
-    raise ValueError(f"param_specs has structure {treedef} but the stage params have "
-                     f"{jax.tree.structure(params)}; give one spec per parameter leaf")
+    raise ValueError(
+        f"param_specs has structure {treedef} but the stage params have "
+        f"{jax.tree.structure(params)}; give one spec per parameter leaf"
+    )
   for leaf_spec in leaf_specs:
     bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes]
     if bad:
-      raise ValueError(f"param_specs entry {leaf_spec} shards over {bad}, which are not "
-                       f"data axes {data_axes} of this executor; parameters split over "
-                       f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
-                       f"sequence axes {seq_axes} hold whole parameters")
+      raise ValueError(
+          f"param_specs entry {leaf_spec} shards over {bad}, which are not "
+          f"data axes {data_axes} of this executor; parameters split over "
+          f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
+          f"sequence axes {seq_axes} hold whole parameters"
+      )
 
 
 def _leaf_axes(spec: P) -> tuple[str, ...]:
@@ -490,9 +532,15 @@ def _leaf_axes(spec: P) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
-                  data_axes: tuple[str, ...] | None = None,
-                  param_specs: tuple | None = None, seq_axes: tuple[str, ...] = ()) -> Callable:
+def make_executor(
+    model: Model,
+    spec: ExecSpec,
+    mesh: Mesh,
+    pp_axis: str = "pp",
+    data_axes: tuple[str, ...] | None = None,
+    param_specs: tuple | None = None,
+    seq_axes: tuple[str, ...] = (),
+) -> Callable:
   """A jitted `run(table, local_params, xs, targets, head_params, embed_params)`.
 
   table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
@@ -512,14 +560,18 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
   if mesh.shape[pp_axis] != spec.num_ranks:
-    raise ValueError(f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
-                     f"{mesh.shape[pp_axis]} devices; make them equal")
+    raise ValueError(
+        f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
+        f"{mesh.shape[pp_axis]} devices; make them equal"
+    )
   seq_axes = as_axes(seq_axes)
   batch_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
   both = sorted(set(batch_axes) & set(seq_axes))
   if both or pp_axis in batch_axes + seq_axes:
-    raise ValueError(f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
-                     f"out the pipeline axis {pp_axis!r}; drop {both or [pp_axis]} from one")
+    raise ValueError(
+        f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
+        f"out the pipeline axis {pp_axis!r}; drop {both or [pp_axis]} from one"
+    )
   # Sequence shards hold different tokens, exactly as data shards do: sums run over both.
   data_axes = batch_axes + seq_axes
   all_axes = (pp_axis,) + data_axes
@@ -547,8 +599,9 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   out_f, out_b = ("out", "out") if shared_link else ("out_y", "out_dx")
   sends = []  # the ppermutes of a tick: (direction, kinds of value it carries, buffer it sends)
   for direction in ("down", "up"):
-    on = tuple(kind for kind in ("act", "grad")
-               if spec.channels[CHANNELS.index(f"{kind}_{direction}")])
+    on = tuple(
+        kind for kind in ("act", "grad") if spec.channels[CHANNELS.index(f"{kind}_{direction}")]
+    )
     if shared_link and len(on) == 2:
       sends.append((direction, on, "out"))
     else:
@@ -557,8 +610,7 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
   def body(table, links, local, xs, targets, head_params, embed_params):
     table = table[:, 0]
-    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links],
-                           axis=1)
+    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links], axis=1)
     local = _index(local, 0)  # [chunks, ...] on this rank
     chunk0 = _index(local, 0)
     first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
@@ -566,16 +618,19 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     x_sd = jax.ShapeDtypeStruct(x_sd.shape, x_sd.dtype)
     y_sd = jax.eval_shape(stage_fn, chunk0, x_sd)[0]
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
-      raise ValueError(f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
-                       f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}")
+      raise ValueError(
+          f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
+          f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}"
+      )
     ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model)
 
     # Each part is fn(row, state) -> state: it reads its inputs from the slot buffers and writes
     # its outputs into them in place, so that a tick costs what its parts compute and move.
     def forward(row, s):
       mb, c = row[COL["f_mb"]], row[COL["f_chunk"]]
-      x = lax.cond(row[COL["f_first"]] == 1, lambda: first_in(mb),
-                   lambda: s["act"][row[COL["f_in"]]])
+      x = lax.cond(
+          row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: s["act"][row[COL["f_in"]]]
+      )
       y, res, aux = ops.forward(_index(local, c), x, s["res"], row[COL["f_res"]])
       s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
       s[out_f] = y
@@ -583,9 +638,12 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       def last(row, s):
         target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
         loss, (dhead, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head_params, y, target)
-        return dict(s, loss=s["loss"] + loss.astype(jnp.float32),
-                    head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
-                    cot=_set(s["cot"], (row[COL["f_cot"]],), dy))
+        return dict(
+            s,
+            loss=s["loss"] + loss.astype(jnp.float32),
+            head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
+            cot=_set(s["cot"], (row[COL["f_cot"]],), dy),
+        )
 
       return _gated(row, COL["f_last"], last, s, ("loss", "head_g", "cot"))
 
@@ -608,24 +666,42 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
 
         def embed_grad(row, s):
           _, embed_vjp = jax.vjp(lambda e: embed_fn(e, xs[row[COL["b_mb"]]]), embed_params)
-          return dict(s, embed_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["embed_g"],
-                                              embed_vjp(dx)[0]))
+          return dict(
+              s,
+              embed_g=jax.tree.map(
+                  lambda a, d: a + d.astype(a.dtype), s["embed_g"], embed_vjp(dx)[0]
+              ),
+          )
 
         return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
+
       return part
 
     def weight(row, s):
       c = row[COL["w_chunk"]]
-      return dict(s, grads=ops.weight_grad(_index(local, c), s["res"], row[COL["w_res"]],
-                                           s["wg"], row[COL["w_wg"]], s["grads"], c))
+      return dict(
+          s,
+          grads=ops.weight_grad(
+              _index(local, c),
+              s["res"],
+              row[COL["w_res"]],
+              s["wg"],
+              row[COL["w_wg"]],
+              s["grads"],
+              c,
+          ),
+      )
 
     # A part reads only values written in earlier ticks, and a slot freed by its last read may
     # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
     # res and cot and writes wg; F reads act and writes res and cot), receipts last.
     part_fns = {"W": weight, "I": backward(False), "B": backward(True), "F": forward}
-    part_keys = {"W": ("res", "wg", "grads"), "I": ("res", "cot", "wg", out_b, "embed_g"),
-                 "B": ("res", "cot", "grads", out_b, "embed_g"),
-                 "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats")}
+    part_keys = {
+        "W": ("res", "wg", "grads"),
+        "I": ("res", "cot", "wg", out_b, "embed_g"),
+        "B": ("res", "cot", "grads", out_b, "embed_g"),
+        "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats"),
+    }
 
     def keep_local(row, s, field, buf, slot_buf):
       """A value for the same rank (V shapes) goes from its send buffer to its slot after the part
@@ -647,28 +723,40 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
       # whatever its buffer holds and its neighbour's table discards it.
       for i, (direction, kinds, buf) in enumerate(sends):
         with jax.named_scope(f"tick/send_{direction}"):
-          s = _gated(row, link_col + i, functools.partial(send, direction, kinds, buf), s,
-                     (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds))
+          s = _gated(
+              row,
+              link_col + i,
+              functools.partial(send, direction, kinds, buf),
+              s,
+              (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds),
+          )
       return s, None
 
     def send(direction, kinds, buf, row, s):
       got = lax.ppermute(s[buf], pp_axis, perms[direction])
       for kind in kinds:
         col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
-        s = _gated(row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,),
-                   unset=-1)
+        s = _gated(
+            row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,), unset=-1
+        )
       return s
 
     # at least one slot, so that parts reading a buffer trace even when none is used
     slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
     acc = lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype))
     state = dict(
-        act=slots(spec.act_slots, x_sd), res=[slots(spec.res_slots, s) for s in ops.stored],
-        cot=slots(spec.cot_slots, x_sd), wg=slots(spec.wg_slots, ops.g),
-        grads=jax.tree.map(acc, local), loss=jnp.zeros((), jnp.float32),
-        head_g=jax.tree.map(acc, head_params), embed_g=jax.tree.map(acc, embed_params),
-        stats=jax.tree.map(lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)),
-                           ops.aux))
+        act=slots(spec.act_slots, x_sd),
+        res=[slots(spec.res_slots, s) for s in ops.stored],
+        cot=slots(spec.cot_slots, x_sd),
+        wg=slots(spec.wg_slots, ops.g),
+        grads=jax.tree.map(acc, local),
+        loss=jnp.zeros((), jnp.float32),
+        head_g=jax.tree.map(acc, head_params),
+        embed_g=jax.tree.map(acc, embed_params),
+        stats=jax.tree.map(
+            lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)), ops.aux
+        ),
+    )
     for name in {out_f, out_b}:
       state[name] = ops.zero_x()
     state, _ = lax.scan(tick, state, rows)
@@ -678,16 +766,23 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
     flat, grads_treedef = jax.tree_util.tree_flatten_with_path(grads)
     reduced = []
     for i, (path, g) in enumerate(flat):
-      axes = tuple(data_axes) if leaf_specs is None else tuple(
-          a for a in data_axes if a not in _leaf_axes(leaf_specs[i]))
+      axes = (
+          tuple(data_axes)
+          if leaf_specs is None
+          else tuple(a for a in data_axes if a not in _leaf_axes(leaf_specs[i]))
+      )
       reduce = lax.pmax if combines_by_max(model, path) else lax.psum
       reduced.append(reduce(g, axes) if axes else g)
     grads = jax.tree.unflatten(grads_treedef, reduced)
     head_g = lax.psum(head_g, all_axes)
     embed_g = lax.psum(embed_g, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
-    out = (loss, jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
-           jax.tree.map(cast, head_g, head_params), jax.tree.map(cast, embed_g, embed_params))
+    out = (
+        loss,
+        jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
+        jax.tree.map(cast, head_g, head_params),
+        jax.tree.map(cast, embed_g, embed_params),
+    )
     if model.stage_aux:
       out += (jax.tree.map(lambda a: a[None, :, None], stats),)
     return out
@@ -696,22 +791,31 @@ def make_executor(model: Model, spec: ExecSpec, mesh: Mesh, pp_axis: str = "pp",
   if leaf_specs is not None:
     local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
   mapped = jax.shard_map(
-      body, mesh=mesh,
+      body,
+      mesh=mesh,
       in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P()),
       out_specs=(P(), local_spec, P(), P())
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
       # same types; the reductions at the end are explicit, so vma checking is off.
-      check_vma=False)
+      check_vma=False,
+  )
 
   def run(table, local_params, xs, targets, head_params, embed_params):
     if param_specs is not None:
       check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
     # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
-    links = jnp.stack([jnp.any(jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]]
-                                          for kind in kinds]) >= 0, axis=(0, 2))
-                       for direction, kinds, _ in sends] or [jnp.zeros(table.shape[0], bool)],
-                      axis=1)[:, :len(sends)].astype(jnp.int32)
+    links = jnp.stack(
+        [
+            jnp.any(
+                jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]] for kind in kinds]) >= 0,
+                axis=(0, 2),
+            )
+            for direction, kinds, _ in sends
+        ]
+        or [jnp.zeros(table.shape[0], bool)],
+        axis=1,
+    )[:, : len(sends)].astype(jnp.int32)
     return mapped(table, links, local_params, xs, targets, head_params, embed_params)
 
   return jax.jit(run)
@@ -737,8 +841,9 @@ def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
   return jax.tree.map(lambda a: a[idx].reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
 
 
-def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int,
-               model: Model | None = None) -> PyTree:
+def from_local(
+    local_grads: PyTree, layout: np.ndarray, num_stages: int, model: Model | None = None
+) -> PyTree:
   """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies (or taking
   their max, for the leaves `model` combines by max)."""
   if is_contiguous(layout) and layout.size == num_stages:
@@ -754,8 +859,10 @@ def from_local(local_grads: PyTree, layout: np.ndarray, num_stages: int,
 
 # --- measurement hook: jaxpipe.measure times these parts as the executor compiles them ---------
 
-def stage_ops(model: Model, params: PyTree, x: jax.ShapeDtypeStruct,
-              recompute: bool = False) -> _StageOps:
+
+def stage_ops(
+    model: Model, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool = False
+) -> _StageOps:
   """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
   built as `make_executor` builds them for stage params `params` and input `x`."""
   return _StageOps(with_aux(model.stage_fn, model.stage_aux), params, x, recompute, model)

@@ -7,6 +7,7 @@ of shards (and, with padding, weighing shards rather than tokens). The (sum, wei
 Megatron's global token scaling: the weights (e.g. valid tokens) are added over all micro-batches
 and shards, and the summed loss and its gradients are divided by that total once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,16 +23,23 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.pipeline.executor import _depends_on_inputs, io_spec
 
 
-def _local(fn: Callable, mesh: Mesh, data_axes: tuple[str, ...], seq_axes: tuple[str, ...],
-           targets_def) -> Callable:
+def _local(
+    fn: Callable, mesh: Mesh, data_axes: tuple[str, ...], seq_axes: tuple[str, ...], targets_def
+) -> Callable:
   """fn(xs shard, targets shard) -> scalar, as a shard_map over the data and sequence shards."""
   io = io_spec(data_axes, seq_axes)
   in_specs = (io, jax.tree.unflatten(targets_def, [io] * targets_def.num_leaves))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)
 
 
-def is_weighted(loss_fn: Callable, mesh: Mesh, xs, targets, data_axes: tuple[str, ...],
-                seq_axes: tuple[str, ...]) -> bool:
+def is_weighted(
+    loss_fn: Callable,
+    mesh: Mesh,
+    xs,
+    targets,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> bool:
   """Whether loss_fn(y, target) returns (loss_sum, weight) rather than a scalar sum; traced (not
   run) on one micro-batch's shard, so collectives over the data and sequence axes are allowed.
   Raises ValueError for any other result, or for a weight computed from y."""
@@ -40,26 +48,31 @@ def is_weighted(loss_fn: Callable, mesh: Mesh, xs, targets, data_axes: tuple[str
   def local(xs_shard, targets_shard):
     y, t = xs_shard[0], jax.tree.map(lambda a: a[0], targets_shard)
     out = loss_fn(y, t)
-    found["out"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
-                                out)
+    found["out"] = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), out
+    )
     if isinstance(out, tuple) and len(out) == 2:
       found["weight_from_y"] = _depends_on_inputs(
-          jax.make_jaxpr(lambda y_: loss_fn(y_, t)[1])(y).jaxpr, [0])[0]
+          jax.make_jaxpr(lambda y_: loss_fn(y_, t)[1])(y).jaxpr, [0]
+      )[0]
     return jnp.zeros(())
 
-  jax.eval_shape(_local(local, mesh, data_axes, seq_axes, jax.tree.structure(targets)), xs,
-                 targets)
+  jax.eval_shape(_local(local, mesh, data_axes, seq_axes, jax.tree.structure(targets)), xs, targets)
   out = found["out"]
   scalar = lambda s: isinstance(s, jax.ShapeDtypeStruct) and s.shape == ()
   if scalar(out):
     return False
   if not (isinstance(out, tuple) and len(out) == 2 and all(map(scalar, out))):
-    raise ValueError(f"loss_fn must return a scalar (the loss summed over its batch) or a pair of "
-                     f"scalars (loss_sum, weight), got {out}")
+    raise ValueError(
+        f"loss_fn must return a scalar (the loss summed over its batch) or a pair of "
+        f"scalars (loss_sum, weight), got {out}"
+    )
   if found["weight_from_y"]:
-    raise ValueError("loss_fn returns (loss_sum, weight) with a weight computed from the stage "
-                     "output y; compute it from the targets alone (e.g. the mask's sum), it is "
-                     "the normaliser, not part of the loss")
+    raise ValueError(
+        "loss_fn returns (loss_sum, weight) with a weight computed from the stage "
+        "output y; compute it from the targets alone (e.g. the mask's sum), it is "
+        "the normaliser, not part of the loss"
+    )
   return True
 
 
@@ -70,26 +83,44 @@ def summed(loss_fn: Callable) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def _weight_program(loss_fn: Callable, mesh: Mesh, data_axes: tuple[str, ...],
-                    seq_axes: tuple[str, ...], targets_def) -> Callable:
+def _weight_program(
+    loss_fn: Callable,
+    mesh: Mesh,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    targets_def,
+) -> Callable:
   def local(xs_shard, targets_shard):
-    per_mb = lax.map(lambda a: loss_fn(a[0], a[1])[1].astype(jnp.float32),
-                     (xs_shard, targets_shard))
+    per_mb = lax.map(
+        lambda a: loss_fn(a[0], a[1])[1].astype(jnp.float32), (xs_shard, targets_shard)
+    )
     return lax.psum(jnp.sum(per_mb), data_axes + seq_axes)
 
   return jax.jit(_local(local, mesh, data_axes, seq_axes, targets_def))
 
 
-def global_weight(loss_fn: Callable, mesh: Mesh, xs, targets, data_axes: tuple[str, ...],
-                  seq_axes: tuple[str, ...]) -> jax.Array:
+def global_weight(
+    loss_fn: Callable,
+    mesh: Mesh,
+    xs,
+    targets,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> jax.Array:
   """The weights loss_fn returns, added over all micro-batches and data and sequence shards."""
   program = _weight_program(loss_fn, mesh, data_axes, seq_axes, jax.tree.structure(targets))
   return program(xs, targets)
 
 
 @functools.lru_cache(maxsize=64)
-def _mean_probe(loss_fn: Callable, weighted: bool, mesh: Mesh, data_axes: tuple[str, ...],
-                seq_axes: tuple[str, ...], targets_def) -> Callable:
+def _mean_probe(
+    loss_fn: Callable,
+    weighted: bool,
+    mesh: Mesh,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    targets_def,
+) -> Callable:
   copies = 2 ** (1 + bool(seq_axes))  # the batch doubled, and the sequence slice too
 
   def twice(a):
@@ -109,8 +140,15 @@ def _mean_probe(loss_fn: Callable, weighted: bool, mesh: Mesh, data_axes: tuple[
   return jax.jit(_local(local, mesh, data_axes, seq_axes, targets_def))
 
 
-def check_not_mean(loss_fn: Callable, weighted: bool, mesh: Mesh, xs, targets,
-                   data_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> None:
+def check_not_mean(
+    loss_fn: Callable,
+    weighted: bool,
+    mesh: Mesh,
+    xs,
+    targets,
+    data_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> None:
   """Raises ValueError when loss_fn averages over its shard where the shards' results are added.
 
   Runs loss_fn on the first micro-batch (its input standing in for y) and on that micro-batch
@@ -133,4 +171,5 @@ def check_not_mean(loss_fn: Callable, weighted: bool, mesh: Mesh, xs, targets,
         f"pipeline applies it to each of the {shards} data/sequence shards of every micro-batch "
         "and adds the results, so a mean comes out scaled by the shard count. Return the sum over "
         "the batch, or (loss_sum, weight) such as (masked sum, number of valid tokens) to get the "
-        "loss divided by the global weight; pass check_mean=False if this loss is not a mean")
+        "loss divided by the global weight; pass check_mean=False if this loss is not a mean"
+    )

@@ -23,6 +23,7 @@ event. A device trace that shows kernels but not the loops themselves (as GPU tr
 cannot be cut into ticks this way, and the error says so; so does a trace without `hlo_op`
 stats.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,7 @@ class TraceError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class HloIndex:
   """What the trace's `hlo_op` names mean: op_name per instruction, the ticks' gated loops."""
+
   op_name: dict  # instruction name -> op_name metadata
   loops: dict  # while instruction -> what it runs: a part (F, I, B, W) or send_<direction>
 
@@ -84,6 +86,7 @@ class MeasuredTick:
 def events_by_device(xspace_path: str) -> dict[int, list[tuple[str, float, float]]]:
   """device ordinal -> [(hlo_op, start_ns, duration_ns)] from a profiler .xplane.pb."""
   from jax.profiler import ProfileData
+
   data = ProfileData.from_file(xspace_path)
   out: dict[int, list] = {}
   for plane in data.planes:
@@ -104,8 +107,9 @@ def branch_name(parts: set[str]) -> str:
   return next(b for b in BRANCHES if set(b.split("+")) - {"idle"} == parts)
 
 
-def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex,
-                   num_ticks: int) -> list[MeasuredTick]:
+def measured_ticks(
+    events: list[tuple[str, float, float]], index: HloIndex, num_ticks: int
+) -> list[MeasuredTick]:
   """One device's ticks: the k-th run of every tick loop is tick k (see the module docstring)."""
   events = sorted(events, key=lambda e: (e[1], -e[2]))
   runs = {}  # loop -> its events, in order
@@ -114,8 +118,10 @@ def measured_ticks(events: list[tuple[str, float, float]], index: HloIndex,
       runs.setdefault(e[0], []).append(e)
   wrong = {op: len(r) for op, r in runs.items() if len(r) != num_ticks}
   if wrong:
-    raise TraceError(f"tick loops ran {wrong} times, not once per tick of the {num_ticks} in the "
-                     "tables: is the profile of exactly one step?")
+    raise TraceError(
+        f"tick loops ran {wrong} times, not once per tick of the {num_ticks} in the "
+        "tables: is the profile of exactly one step?"
+    )
   body = [(index.body_of(op), s, s + d) for op, s, d in events if index.body_of(op)]
   starts = [min(r[k][1] for r in runs.values()) for k in range(num_ticks)]
   last_end = max([s + d for r in runs.values() for _, s, d in r] + [e for _, _, e in body])
@@ -147,18 +153,21 @@ def rank_devices(mesh) -> list[int]:
   return out
 
 
-def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int
-                 ) -> list[list[MeasuredTick]]:
+def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int) -> list[list[MeasuredTick]]:
   """[rank][tick] from a profile of exactly one step; TraceError says what the trace lacks."""
   index = HloIndex.parse(hlo_text)
   if not any(kind in PARTS for kind in index.loops.values()):
-    raise TraceError("the compiled HLO has no tick/<part> loops: is this the pipeline "
-                     "executor's step (mesh.pp > 1)?")
+    raise TraceError(
+        "the compiled HLO has no tick/<part> loops: is this the pipeline "
+        "executor's step (mesh.pp > 1)?"
+    )
   events = events_by_device(xspace_path)
   if not events:
-    raise TraceError(f"{xspace_path} has no events with hlo_op and device stats; this backend's "
-                     "trace does not name the HLO instructions it runs, so ticks cannot be "
-                     "recovered from it")
+    raise TraceError(
+        f"{xspace_path} has no events with hlo_op and device stats; this backend's "
+        "trace does not name the HLO instructions it runs, so ticks cannot be "
+        "recovered from it"
+    )
   out = []
   for r, dev in enumerate(rank_devices(mesh)):
     mine = events.get(dev, [])
@@ -168,7 +177,8 @@ def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int
           f"device {dev} (pp rank {r}) shows no event of the tick loops "
           f"{sorted(set(index.loops.values()))} (while instructions "
           f"{sorted(index.loops)[:4]}...), only {named} events of ops inside them: this "
-          "backend's trace records kernels, not the loops, so ticks cannot be delimited")
+          "backend's trace records kernels, not the loops, so ticks cannot be delimited"
+      )
     out.append(measured_ticks(mine, index, num_ticks))
   return out
 
@@ -176,28 +186,36 @@ def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int
 def branch_of_table(lowered: Lowered) -> list[list[str]]:
   """[rank][tick] the branch each rank's row names."""
   codes = lowered.table[..., COL["branch"]]
-  return [[BRANCHES[int(codes[t, r])] for t in range(lowered.num_ticks)]
-          for r in range(lowered.schedule.num_ranks)]
+  return [
+      [BRANCHES[int(codes[t, r])] for t in range(lowered.num_ticks)]
+      for r in range(lowered.schedule.num_ranks)
+  ]
 
 
-def tick_table(lowered: Lowered, prediction: Prediction,
-               measured: list[list[MeasuredTick]]) -> list[dict]:
+def tick_table(
+    lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]]
+) -> list[dict]:
   """Per tick: planned and measured seconds (slowest rank) and each rank's measured slack."""
   rows = []
   for t in range(lowered.num_ticks):
     per_rank = [m[t] for m in measured]
-    rows.append({
-        "tick": t, "planned_s": prediction.planned_tick_s[t],
-        "measured_s": max((m.end_ns - m.start_ns) for m in per_rank) * 1e-9,
-        "planned_work_s": list(prediction.rank_tick_s[t]),
-        "measured_work_s": [m.work_ns * 1e-9 for m in per_rank],
-        "measured_slack_s": [(m.end_ns - m.start_ns - m.work_ns) * 1e-9 for m in per_rank],
-        "branch": [m.branch for m in per_rank]})
+    rows.append(
+        {
+            "tick": t,
+            "planned_s": prediction.planned_tick_s[t],
+            "measured_s": max((m.end_ns - m.start_ns) for m in per_rank) * 1e-9,
+            "planned_work_s": list(prediction.rank_tick_s[t]),
+            "measured_work_s": [m.work_ns * 1e-9 for m in per_rank],
+            "measured_slack_s": [(m.end_ns - m.start_ns - m.work_ns) * 1e-9 for m in per_rank],
+            "branch": [m.branch for m in per_rank],
+        }
+    )
   return rows
 
 
-def perfetto_trace(lowered: Lowered, prediction: Prediction,
-                   measured: list[list[MeasuredTick]]) -> dict:
+def perfetto_trace(
+    lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]]
+) -> dict:
   """A Chrome trace (json.dump it): per rank a planned, a measured and a slack track, one time
   axis in us; otherData holds the totals and the per-tick table."""
   p = lowered.schedule.num_ranks
@@ -207,8 +225,9 @@ def perfetto_trace(lowered: Lowered, prediction: Prediction,
     events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
     for tid, name in enumerate(tracks):
-      events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
-                     "args": {"name": name}})
+      events.append(
+          {"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": name}}
+      )
   t0 = min(m[0].start_ns for m in measured)
   plan_at = 0.0
   planned_branch = branch_of_table(lowered)
@@ -216,27 +235,69 @@ def perfetto_trace(lowered: Lowered, prediction: Prediction,
     length = prediction.planned_tick_s[t]
     for r in range(p):
       parts = ";".join(str(a) for a in lowered.ticks[t][r]) or "idle"
-      events.append({"name": f"{t}: {parts}", "cat": planned_branch[r][t], "ph": "X", "pid": r,
-                     "tid": 0, "ts": plan_at * 1e6, "dur": length * 1e6,
-                     "args": {"tick": t, "parts": parts, "model": prediction.model,
-                              "lockstep_work_ms": 1e3 * prediction.rank_tick_s[t][r]}})
+      events.append(
+          {
+              "name": f"{t}: {parts}",
+              "cat": planned_branch[r][t],
+              "ph": "X",
+              "pid": r,
+              "tid": 0,
+              "ts": plan_at * 1e6,
+              "dur": length * 1e6,
+              "args": {
+                  "tick": t,
+                  "parts": parts,
+                  "model": prediction.model,
+                  "lockstep_work_ms": 1e3 * prediction.rank_tick_s[t][r],
+              },
+          }
+      )
       m = measured[r][t]
-      start, work_end, end = ((m.start_ns - t0) / 1e3, (m.start_ns + m.work_ns - t0) / 1e3,
-                              (m.end_ns - t0) / 1e3)
-      events.append({"name": f"{t}: {m.branch}", "cat": m.branch, "ph": "X", "pid": r, "tid": 1,
-                     "ts": start, "dur": end - start,
-                     "args": {"tick": t, "branch": m.branch, "planned_parts": parts,
-                              "work_ms": (work_end - start) / 1e3,
-                              "planned_ms": 1e3 * length}})
+      start, work_end, end = (
+          (m.start_ns - t0) / 1e3,
+          (m.start_ns + m.work_ns - t0) / 1e3,
+          (m.end_ns - t0) / 1e3,
+      )
+      events.append(
+          {
+              "name": f"{t}: {m.branch}",
+              "cat": m.branch,
+              "ph": "X",
+              "pid": r,
+              "tid": 1,
+              "ts": start,
+              "dur": end - start,
+              "args": {
+                  "tick": t,
+                  "branch": m.branch,
+                  "planned_parts": parts,
+                  "work_ms": (work_end - start) / 1e3,
+                  "planned_ms": 1e3 * length,
+              },
+          }
+      )
       if end > work_end:
-        events.append({"name": f"{t}: slack", "cat": "slack", "ph": "X", "pid": r, "tid": 2,
-                       "ts": work_end, "dur": end - work_end,
-                       "args": {"tick": t, "slack_ms": (end - work_end) / 1e3}})
+        events.append(
+            {
+                "name": f"{t}: slack",
+                "cat": "slack",
+                "ph": "X",
+                "pid": r,
+                "tid": 2,
+                "ts": work_end,
+                "dur": end - work_end,
+                "args": {"tick": t, "slack_ms": (end - work_end) / 1e3},
+            }
+        )
     plan_at += length
-  meta = {"schedule": lowered.schedule.name, "ticks": lowered.num_ticks,
-          "model": prediction.model, "planned_s": plan_at,
-          "measured_s": max(m[-1].end_ns for m in measured) * 1e-9 - t0 * 1e-9,
-          "per_tick": tick_table(lowered, prediction, measured)}
+  meta = {
+      "schedule": lowered.schedule.name,
+      "ticks": lowered.num_ticks,
+      "model": prediction.model,
+      "planned_s": plan_at,
+      "measured_s": max(m[-1].end_ns for m in measured) * 1e-9 - t0 * 1e-9,
+      "per_tick": tick_table(lowered, prediction, measured),
+  }
   return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 

@@ -25,6 +25,7 @@ with async_save off, `save` waits for its own.) A failure in the synchronous sta
 one process alone (creating its directories) is not agreed: the others find it when that
 process exits.
 """
+
 import json
 import logging
 import math
@@ -67,8 +68,9 @@ class CheckpointMismatchError(RuntimeError):
 
 def directory_bytes(path: str) -> int:
   """Bytes in the files under `path`."""
-  return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
-             for f in files)
+  return sum(
+      os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+  )
 
 
 def _os_cause(error: BaseException) -> str:
@@ -109,8 +111,11 @@ class Checkpointer:
         for name in os.listdir(self.directory):
           path = os.path.join(self.directory, name)
           if name.isdigit() and os.path.isdir(path) and not is_committed(path):
-            logging.warning("checkpoint %s was never committed (half-written?); moved to %s", path,
-                            _set_aside(path, "incomplete"))
+            logging.warning(
+                "checkpoint %s was never committed (half-written?); moved to %s",
+                path,
+                _set_aside(path, "incomplete"),
+            )
       multihost.barrier(f"jaxpipe.Checkpointer {self.directory}")  # then the others list it
     self._barrier = self._agree = None
     self._broke = False  # this process broke the barrier (its save failed)
@@ -121,15 +126,23 @@ class Checkpointer:
       Checkpointer._writers += 1  # the same count on every process: all construct it
       self._barrier = multihost.BreakableBarrier(f"checkpointer{Checkpointer._writers}")
       self._agree = multihost.OneStepLate()  # which step every process stops after a failure
-    options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
-               ocp.CheckpointManagerOptions(
-                   max_to_keep=keep, enable_async_checkpointing=async_save or self._wait_in_save,
-                   create=True, cleanup_tmp_directories=True))
+    options = (
+        ocp.CheckpointManagerOptions(read_only=True, create=False)
+        if read_only
+        else ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save or self._wait_in_save,
+            create=True,
+            cleanup_tmp_directories=True,
+        )
+    )
     if self._barrier is not None:
       options.async_options = ocp.AsyncOptions(barrier_sync_fn=self._sync)
     self.manager = ocp.CheckpointManager(
-        self.directory, item_handlers=ocp.StandardCheckpointHandler(),  # metadata without a save
-        options=options)
+        self.directory,
+        item_handlers=ocp.StandardCheckpointHandler(),  # metadata without a save
+        options=options,
+    )
     self._pending: int | None = None  # the step being saved, until its outcome is known
     self._needed = 0
     self._failed_steps: set[int] = set()  # whose partial writes close() removes again
@@ -140,8 +153,11 @@ class Checkpointer:
     """orbax's barrier. A save thread that reaches one while an error propagates (orbax meets the
     other processes in a `finally` after a failed write or commit) breaks it for all of them."""
     error = sys.exc_info()[1]
-    if (error is not None and not isinstance(error, multihost.Broken)
-        and threading.current_thread() is not threading.main_thread()):
+    if (
+        error is not None
+        and not isinstance(error, multihost.Broken)
+        and threading.current_thread() is not threading.main_thread()
+    ):
       self._break(error)
     self._barrier(key=key, timeout_ms=timeout_ms)
 
@@ -151,8 +167,11 @@ class Checkpointer:
 
   def steps(self) -> list[int]:
     """Committed steps, oldest first (orbax also lists a step while it is being written)."""
-    return [s for s in sorted(self.manager.all_steps())
-            if is_committed(os.path.join(self.directory, str(s)))]
+    return [
+        s
+        for s in sorted(self.manager.all_steps())
+        if is_committed(os.path.join(self.directory, str(s)))
+    ]
 
   def latest_step(self) -> int | None:
     steps = self.steps()
@@ -172,8 +191,11 @@ class Checkpointer:
     needed, free = self.needed_bytes(state), shutil.disk_usage(self.directory).free
     if multihost.any_process(free < needed):
       what = f"not saving step {step}" if step is not None else "no checkpoint fits"
-      raise self._error(f"{what} in {self.directory}: {free:,} bytes free there, fewer than the "
-                        f"{needed:,} bytes a checkpoint takes", needed)
+      raise self._error(
+          f"{what} in {self.directory}: {free:,} bytes free there, fewer than the "
+          f"{needed:,} bytes a checkpoint takes",
+          needed,
+      )
     return needed
 
   def save(self, step: int, state: Any, force: bool = False) -> bool:
@@ -232,15 +254,23 @@ class Checkpointer:
     self._remove_partial(step)
     self.manager.reload()
     free = shutil.disk_usage(self.directory).free
-    return self._error(f"saving step {step} in {self.directory} failed{cause} (a checkpoint "
-                       f"takes {self._needed:,} bytes, {free:,} are free there)", self._needed)
+    return self._error(
+        f"saving step {step} in {self.directory} failed{cause} (a checkpoint "
+        f"takes {self._needed:,} bytes, {free:,} are free there)",
+        self._needed,
+    )
 
   def _error(self, what: str, needed: int) -> CheckpointSaveError:
     good = self.latest_step()
     return CheckpointSaveError(
-        what + (f". The last good checkpoint, step {good}, is kept" if good is not None else
-                ". There is no earlier checkpoint")
-        + f"; free at least {needed:,} bytes there and rerun the same command to resume")
+        what
+        + (
+            f". The last good checkpoint, step {good}, is kept"
+            if good is not None
+            else ". There is no earlier checkpoint"
+        )
+        + f"; free at least {needed:,} bytes there and rerun the same command to resume"
+    )
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any] | None:
     """(step, state) of the newest step that restores onto `abstract_state`'s shapes and shardings.
@@ -254,8 +284,9 @@ class Checkpointer:
     for step in reversed(self.steps()):
       mismatch = self._mismatch(step, abstract_state)
       if mismatch is not None:  # decided from metadata: no array read is started
-        logging.warning("checkpoint step %d in %s does not fit the model: %s", step,
-                        self.directory, mismatch)
+        logging.warning(
+            "checkpoint step %d in %s does not fit the model: %s", step, self.directory, mismatch
+        )
         failed.append(step)
         first_error = first_error or ValueError(mismatch)
         continue
@@ -266,8 +297,9 @@ class Checkpointer:
         error = e
       if multihost.any_process(error is not None):  # every process resumes from the same step
         error = error or RuntimeError(f"step {step} does not restore on another process")
-        logging.warning("checkpoint step %d in %s does not restore: %s", step, self.directory,
-                        error)
+        logging.warning(
+            "checkpoint step %d in %s does not restore: %s", step, self.directory, error
+        )
         failed.append(step)
         first_error, mismatched = first_error or error, False
         continue
@@ -275,20 +307,28 @@ class Checkpointer:
         if jax.process_index() == 0:
           for bad in failed:
             path = os.path.join(self.directory, str(bad))
-            logging.warning("checkpoint %s is unreadable; moved to %s and resumed from step %d",
-                            path, _set_aside(path, "corrupt"), step)
+            logging.warning(
+                "checkpoint %s is unreadable; moved to %s and resumed from step %d",
+                path,
+                _set_aside(path, "corrupt"),
+                step,
+            )
         multihost.barrier(f"jaxpipe.Checkpointer set aside {self.directory}")
         self.manager.reload()
       return step, state
     if first_error is not None:
-      first = str(first_error).strip().splitlines()[0] if str(first_error).strip() else repr(
-          first_error)
+      first = (
+          str(first_error).strip().splitlines()[0]
+          if str(first_error).strip()
+          else repr(first_error)
+      )
       error = CheckpointMismatchError if mismatched else RuntimeError
       raise error(
           f"no checkpoint in {self.directory} restores onto the current model (steps {failed}); "
           f"the newest failed with: {first}. If the model config changed, use a new --workdir "
           "(or --restart to move the old run aside); if the files are damaged, move those step "
-          "directories away") from first_error
+          "directories away"
+      ) from first_error
     return None
 
   def _mismatch(self, step: int, abstract_state: Any) -> str | None:
@@ -308,14 +348,23 @@ class Checkpointer:
     describe = lambda x: f"{x[0]} {x[1]} {x[2]}"
     if differ:
       name, shape, dtype = want[differ[0]]
-      first = (f"the checkpoint holds {name} {saved[differ[0]][1]} {saved[differ[0]][2]} where the "
-               f"model needs {name} {shape} {dtype}")
+      first = (
+          f"the checkpoint holds {name} {saved[differ[0]][1]} {saved[differ[0]][2]} where the "
+          f"model needs {name} {shape} {dtype}"
+      )
     elif missing:
       first = f"the checkpoint has no {describe(want[missing[0]])}"
     else:
       first = f"the checkpoint holds {describe(saved[extra[0]])}, which the model does not have"
-    counts = [f"{len(x)} {what}" for x, what in ((differ, "differ in shape or dtype"),
-                                                  (missing, "missing"), (extra, "extra")) if x]
+    counts = [
+        f"{len(x)} {what}"
+        for x, what in (
+            (differ, "differ in shape or dtype"),
+            (missing, "missing"),
+            (extra, "extra"),
+        )
+        if x
+    ]
     return f"{first} (of {len(want)} arrays: {', '.join(counts)})"
 
   def _remove_partial(self, step: int) -> bool:

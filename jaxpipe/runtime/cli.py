@@ -26,6 +26,7 @@ command with one line, `error: ...` naming the flag and the value, and status 2;
 ends the flags: what follows goes to `main` as arguments (`python -m jaxpipe.launch --processes
 2 -- python -m jaxpipe.train ...`). Imports no JAX: `python -m jaxpipe.schedule` runs without it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,8 +45,9 @@ def flag_values(module: str) -> flags.FlagValues:
   return flags.FLAGS if module == "__main__" else flags.FlagValues()
 
 
-def parse(flag_values: flags.FlagValues, argv: Sequence[str],
-          known_only: bool = False) -> list[str]:
+def parse(
+    flag_values: flags.FlagValues, argv: Sequence[str], known_only: bool = False
+) -> list[str]:
   """Parses `argv` (as sys.argv: the program name first) into `flag_values`, every flag back to
   its default first, so that one call's flags do not leak into the next; -> the program name
   and the arguments that are not flags. With `known_only`, unknown flags are left among those
@@ -68,8 +70,10 @@ def values(flag_values: flags.FlagValues) -> types.SimpleNamespace:
 def no_arguments(argv: Sequence[str]) -> None:
   """app.UsageError unless argv holds the program name alone: a runner that takes flags only."""
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {list(argv[1:])}: this command takes flags only, "
-                         "--name=value (--help lists them)")
+    raise app.UsageError(
+        f"unexpected arguments {list(argv[1:])}: this command takes flags only, "
+        "--name=value (--help lists them)"
+    )
 
 
 def _refuse(error: app.UsageError) -> NoReturn:
@@ -99,8 +103,12 @@ def run(main: Callable[[list[str]], int | None], known_only: bool = False) -> No
   app.run(main_or_refuse, flags_parser=parse_or_refuse)
 
 
-def call(main: Callable[[list[str]], int | None], flag_values: flags.FlagValues,
-         args: Sequence[str], known_only: bool = False) -> int | None:
+def call(
+    main: Callable[[list[str]], int | None],
+    flag_values: flags.FlagValues,
+    args: Sequence[str],
+    known_only: bool = False,
+) -> int | None:
   """`main` run in this process as `python -m <runner> ARGS` runs it (tests, notebooks): `args`
   (the arguments after the program name) parsed into the runner's `flag_values`, then main;
   -> its return value, or USAGE after printing the one-line error the command would."""

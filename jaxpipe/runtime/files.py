@@ -1,4 +1,5 @@
 """Files that are read back (configs, cost files, results) are written whole or not at all."""
+
 import json
 import os
 from typing import Any

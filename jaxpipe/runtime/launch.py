@@ -1,5 +1,6 @@
 """The ranks of a multi-process run on this machine: started, their output relayed, their ends
 watched (`python -m jaxpipe.launch` is the command)."""
+
 import collections
 import os
 import re
@@ -13,16 +14,22 @@ import time
 # gloo's notice for every new communicator (kept in the rank's log) goes whole where it is whole
 # (after a progress bar's \r it is not at a line's start); several threads write it in pieces that
 # land inside one another: the fixed pieces go, then the lines left with only the numbers.
-_GLOO_NOTICE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?Expected number of "
-                          rb"connected peer ranks is : \d+\n?")
-_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|Expected number of "
-                          rb"connected peer ranks is : ")
+_GLOO_NOTICE = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?Expected number of "
+    rb"connected peer ranks is : \d+\n?"
+)
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|Expected number of "
+    rb"connected peer ranks is : "
+)
 _NUMBERS_LINE = re.compile(rb"(?m)^[\d ]+(\n|$)")
 
 # Lines of a crash's stack dumps (Python's faulthandler, absl's check failures): in the log, not in
 # the summary of a failed rank, where they would push out the message that says why.
-_STACK_DUMP = re.compile(r'^\s*(File "|Thread 0x|Current thread 0x|Extension modules:|@ +0x|'
-                         r'\*\*\* Check failure|Fatal Python error)')
+_STACK_DUMP = re.compile(
+    r'^\s*(File "|Thread 0x|Current thread 0x|Extension modules:|@ +0x|'
+    r"\*\*\* Check failure|Fatal Python error)"
+)
 
 
 def without_gloo_notices(text: bytes) -> bytes:
@@ -52,13 +59,26 @@ def describe_status(code: int) -> str:
 class Rank:
   """One process of the run: its own process group, its output copied to a log and the console."""
 
-  def __init__(self, index: int, command: list[str], env: dict[str, str], log_dir: str,
-               console_lock: threading.Lock, tail: int = 20):
+  def __init__(
+      self,
+      index: int,
+      command: list[str],
+      env: dict[str, str],
+      log_dir: str,
+      console_lock: threading.Lock,
+      tail: int = 20,
+  ):
     self.index, self.log_path = index, os.path.join(log_dir, f"rank{index}.log")
     self.last_lines: collections.deque[str] = collections.deque(maxlen=tail)
     self._lock = console_lock
-    self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+    self.proc = subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     # When it ended, taken as it ends: a poll loop that finds two ranks ended cannot say which
     # ended first, and the first is the cause (the others stop because it did)
     self.ended_at: float | None = None
@@ -93,11 +113,18 @@ class Rank:
   def _show(self, prefix: bytes, text: bytes) -> None:
     for line in text.split(b"\n"):  # the summary's lines: whole ones, nothing of gloo's
       decoded = line.decode(errors="replace").rstrip()
-      if decoded.strip() and not (b"\r" in line or _GLOO_PIECES.search(line)
-                                  or _STACK_DUMP.match(decoded)):
+      if decoded.strip() and not (
+          b"\r" in line or _GLOO_PIECES.search(line) or _STACK_DUMP.match(decoded)
+      ):
         self.last_lines.append(decoded)
-    out = [prefix + line for line in without_gloo_notices(text).replace(b"\r", b"\r\0")
-           .replace(b"\n", b"\n\0").split(b"\0") if line.strip()]
+    out = [
+        prefix + line
+        for line in without_gloo_notices(text)
+        .replace(b"\r", b"\r\0")
+        .replace(b"\n", b"\n\0")
+        .split(b"\0")
+        if line.strip()
+    ]
     with self._lock:
       sys.stdout.buffer.write(b"".join(out))
       sys.stdout.buffer.flush()

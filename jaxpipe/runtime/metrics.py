@@ -4,6 +4,7 @@ A run that resumes from step s (after kill -9, or from an older checkpoint than 
 first drops what the earlier attempt logged past s: `metrics.jsonl` is rewritten without those
 rows, and TensorBoard is told to purge them (`purge_step`), so every step appears once.
 """
+
 import json
 import math
 import os
@@ -57,6 +58,7 @@ class MetricWriter:
     if not self.enabled:
       return
     from tensorboardX import SummaryWriter
+
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     drop_rows_after(path, start_step)

@@ -3,6 +3,7 @@
 Each function is a collective: every process calls it at the same point of the program. In a
 single process each returns at once, without device work.
 """
+
 import threading
 import time
 
@@ -31,10 +32,12 @@ def to_host(tree):
   """numpy copies of a tree of arrays, whole: an array split over devices of other processes
   (pipeline-split layers, say) is gathered from them (`process_allgather`), which `np.asarray`
   and `jax.device_get` cannot do."""
+
   def read(x):
     if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
       return multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
+
   return jax.tree.map(read, tree)
 
 
@@ -56,8 +59,9 @@ class OneStepLate:
     self._pending: jax.Array | None = None
 
   def __call__(self, value: int) -> int:
-    posted = jax.make_array_from_process_local_data(self._posted, np.array([value], np.int32),
-                                                    (self._count,))
+    posted = jax.make_array_from_process_local_data(
+        self._posted, np.array([value], np.int32), (self._count,)
+    )
     previous, self._pending = self._pending, self._max(posted)
     return 0 if previous is None else int(previous)
 
@@ -83,6 +87,7 @@ class BreakableBarrier:
 
   def __init__(self, name: str):
     from jax._src import distributed  # the coordination service's client has no public handle
+
     self._client = distributed.global_state.client
     self._root = f"jaxpipe/{name}"
     self._waits: dict[str, int] = {}
@@ -92,8 +97,7 @@ class BreakableBarrier:
   def break_(self, why: str) -> None:
     """Breaks the barrier for every process; the first process to break it gives the reason."""
     try:
-      self._client.key_value_set(f"{self._root}/broken/first",
-                                 f"{jax.process_index()} {why}")
+      self._client.key_value_set(f"{self._root}/broken/first", f"{jax.process_index()} {why}")
     except jax.errors.JaxRuntimeError as e:
       if "ALREADY_EXISTS" not in str(e):
         raise

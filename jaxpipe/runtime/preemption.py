@@ -7,6 +7,7 @@ shards of one checkpoint), so a multi-process run passes `agree`, a reduction of
 over processes (any rank asked: all stop), which `agreed` calls at the same point of every step
 on every process: `jaxpipe.runtime.multihost.OneStepLate`, which answers a step late.
 """
+
 import os
 import signal
 import sys
@@ -49,8 +50,10 @@ class StopRequest:
       return  # a repeated SIGTERM changes nothing
     self.requested = name
     if signum == signal.SIGINT:
-      message = ("\nSIGINT: finishing this step and saving before stopping; Ctrl-C again aborts "
-                 "without saving\n")
+      message = (
+          "\nSIGINT: finishing this step and saving before stopping; Ctrl-C again aborts "
+          "without saving\n"
+      )
       try:
         sys.stderr.write(message)
         sys.stderr.flush()

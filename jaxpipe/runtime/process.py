@@ -1,4 +1,5 @@
 """Process set-up that must happen before JAX is imported."""
+
 import os
 import sys
 
@@ -11,8 +12,10 @@ def host_device_count() -> int:
   except ValueError:
     count = 0
   if count < 1:
-    raise ValueError(f"JAXPIPE_HOST_DEVICES={text!r} must be a positive integer (the number of CPU "
-                     "host devices, e.g. 8); unset it for the default of 8")
+    raise ValueError(
+        f"JAXPIPE_HOST_DEVICES={text!r} must be a positive integer (the number of CPU "
+        "host devices, e.g. 8); unset it for the default of 8"
+    )
   return count
 
 
@@ -26,15 +29,20 @@ def use_host_devices(count: int | None = None) -> None:
   if "--xla_force_host_platform_device_count" in flags:
     return
   if "jax" in sys.modules:
-    raise RuntimeError("use_host_devices() must run before `import jax`; call it at the top of the "
-                       "entry point, or set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    raise RuntimeError(
+        "use_host_devices() must run before `import jax`; call it at the top of the "
+        "entry point, or set XLA_FLAGS=--xla_force_host_platform_device_count=N"
+    )
   count = count or host_device_count()
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 # What jaxpipe.launch sets for each rank, and a Kubernetes JobSet or any other launcher can.
-COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-                                                  "JAX_PROCESS_ID")
+COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+)
 HEARTBEAT_ENV = "JAXPIPE_HEARTBEAT_TIMEOUT"  # seconds before a silent process counts as dead
 
 
@@ -51,16 +59,28 @@ def _env_int(name: str) -> int | None:
 def _cluster_processes() -> int:
   """Processes that SLURM (srun) or Open MPI (mpirun) started for this job, as JAX detects them;
   1 outside one."""
-  if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
-                                   "SLURM_PROCID", "SLURM_LOCALID")):
+  if all(
+      v in os.environ
+      for v in (
+          "SLURM_JOB_ID",
+          "SLURM_STEP_NODELIST",
+          "SLURM_NTASKS",
+          "SLURM_PROCID",
+          "SLURM_LOCALID",
+      )
+  ):
     return _env_int("SLURM_NTASKS") or 1
   if "OMPI_MCA_orte_hnp_uri" in os.environ:
     return _env_int("OMPI_COMM_WORLD_SIZE") or 1
   return 1
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+) -> bool:
   """Joins a multi-process run (`jax.distributed`) if one is described; False if this process runs
   alone. Call it before the first device is touched.
 
@@ -80,24 +100,35 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   index = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
   heartbeat = heartbeat_timeout_s if heartbeat_timeout_s is not None else _env_int(HEARTBEAT_ENV)
   if count is not None and count < 1:
-    raise ValueError(f"--num_processes={count} must be a positive integer (the processes of the "
-                     "run, one per host)")
+    raise ValueError(
+        f"--num_processes={count} must be a positive integer (the processes of the "
+        "run, one per host)"
+    )
   explicit = address is not None or (count or 1) > 1 or index is not None
   if not explicit and _cluster_processes() == 1:
     return False
   if explicit:
-    missing = [flag for flag, v in (("--coordinator_address", address),
-                                    ("--num_processes", count), ("--process_id", index))
-               if v is None]
+    missing = [
+        flag
+        for flag, v in (
+            ("--coordinator_address", address),
+            ("--num_processes", count),
+            ("--process_id", index),
+        )
+        if v is None
+    ]
     if missing and _cluster_processes() == 1:
       raise ValueError(
           f"a multi-process run needs {', '.join(missing)} as well (or ${COORDINATOR_ENV}, "
-          f"${PROCESSES_ENV}, ${PROCESS_ID_ENV}); python -m jaxpipe.launch sets them all")
+          f"${PROCESSES_ENV}, ${PROCESS_ID_ENV}); python -m jaxpipe.launch sets them all"
+      )
     if count is not None and index is not None and not 0 <= index < count:
       raise ValueError(f"--process_id={index} must be in 0..{count - 1} (--num_processes={count})")
     if address is not None and ":" not in address:
-      raise ValueError(f"--coordinator_address={address!r} must be host:port, e.g. "
-                       "10.0.0.1:1234 (process 0's host)")
+      raise ValueError(
+          f"--coordinator_address={address!r} must be host:port, e.g. "
+          "10.0.0.1:1234 (process 0's host)"
+      )
   if heartbeat is not None and heartbeat < 1:
     raise ValueError(f"${HEARTBEAT_ENV}={heartbeat} must be a positive number of seconds")
   # SIGTERM stays with jaxpipe.runtime.preemption (the loop agrees on it); JAX's preemption notifier would

@@ -17,17 +17,22 @@ def __getattr__(name):
   # Lazy, so that `python -m jaxpipe.serve` can set up host devices before JAX is imported.
   if name in ("Engine", "Request", "KVState"):
     from jaxpipe.serve import engine
+
     return getattr(engine, name)
   if name in ("Colocated", "Disaggregated"):
     from jaxpipe.serve import deploy
+
     return getattr(deploy, name)
   if name == "SamplingParams":
     from jaxpipe.serve.sampling import SamplingParams
+
     return SamplingParams
   if name == "Scheduler":
     from jaxpipe.serve.scheduler import Scheduler
+
     return Scheduler
   if name == "CompletionServer":
     from jaxpipe.serve.http import CompletionServer
+
     return CompletionServer
   raise AttributeError(name)

@@ -16,6 +16,7 @@ served as one continuously batched workload. --http serves POST /v1/completions,
 --mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
 behind the same endpoint, each worker with the engine flags; the default is one engine.
 """
+
 import dataclasses
 import os
 import sys
@@ -33,42 +34,103 @@ from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file "
-                                          "(get_config); serves fresh parameters.", lock_config=True, flag_values=FLAGS)
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir: serve its newest checkpoint.", flag_values=FLAGS)
-_PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text (UTF-8 bytes are the tokens).", flag_values=FLAGS)
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.", flag_values=FLAGS)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "ml_collections config file " "(get_config); serves fresh parameters.",
+    lock_config=True,
+    flag_values=FLAGS,
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "A training run's workdir: serve its newest checkpoint.", flag_values=FLAGS
+)
+_PROMPT = flags.DEFINE_multi_string(
+    "prompt", [], "Prompt text (UTF-8 bytes are the tokens).", flag_values=FLAGS
+)
+_MAX_TOKENS = flags.DEFINE_integer(
+    "max_tokens", 64, "Tokens to generate per prompt.", flag_values=FLAGS
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.", flag_values=FLAGS)
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.", flag_values=FLAGS)
+_TOP_K = flags.DEFINE_integer(
+    "top_k", 0, "Sample among the k most likely tokens; 0 = all.", flag_values=FLAGS
+)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass; 1 = all.", flag_values=FLAGS)
 _SEED = flags.DEFINE_integer("seed", 0, "Prompt i samples with seed + i.", flag_values=FLAGS)
-_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "Context served (prompt + generated); "
-                                    "default data.seq_len, the length the model was trained on.", flag_values=FLAGS)
+_MAX_SEQ_LEN = flags.DEFINE_integer(
+    "max_seq_len",
+    None,
+    "Context served (prompt + generated); "
+    "default data.seq_len, the length the model was trained on.",
+    flag_values=FLAGS,
+)
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 256, "KV pages per layer (page 0 is scratch).", flag_values=FLAGS)
-_ATTENTION = flags.DEFINE_string("attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS)
-_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Most sequences running at once; default 16 "
-                                  "(--http) or the number of prompts, at most 16.", flag_values=FLAGS)
-_MAX_TOKENS_PER_STEP = flags.DEFINE_integer("max_tokens_per_step", 256, "Token budget of a step.", flag_values=FLAGS)
-_TOKEN_BUCKETS = flags.DEFINE_list("token_buckets", None, "Padded step sizes in tokens; default "
-                                   "powers of two from 8 to --max_tokens_per_step.", flag_values=FLAGS)
-_PAGE_BUCKETS = flags.DEFINE_list("page_buckets", None, "Padded pages per sequence; default the "
-                                  "whole context alone.", flag_values=FLAGS)
-_HTTP = flags.DEFINE_bool("http", False, "Serve over HTTP instead of generating from --prompt.", flag_values=FLAGS)
+_NUM_PAGES = flags.DEFINE_integer(
+    "num_pages", 256, "KV pages per layer (page 0 is scratch).", flag_values=FLAGS
+)
+_ATTENTION = flags.DEFINE_string(
+    "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
+)
+_MAX_BATCH = flags.DEFINE_integer(
+    "max_batch",
+    None,
+    "Most sequences running at once; default 16 " "(--http) or the number of prompts, at most 16.",
+    flag_values=FLAGS,
+)
+_MAX_TOKENS_PER_STEP = flags.DEFINE_integer(
+    "max_tokens_per_step", 256, "Token budget of a step.", flag_values=FLAGS
+)
+_TOKEN_BUCKETS = flags.DEFINE_list(
+    "token_buckets",
+    None,
+    "Padded step sizes in tokens; default " "powers of two from 8 to --max_tokens_per_step.",
+    flag_values=FLAGS,
+)
+_PAGE_BUCKETS = flags.DEFINE_list(
+    "page_buckets",
+    None,
+    "Padded pages per sequence; default the " "whole context alone.",
+    flag_values=FLAGS,
+)
+_HTTP = flags.DEFINE_bool(
+    "http", False, "Serve over HTTP instead of generating from --prompt.", flag_values=FLAGS
+)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "--http: address to listen on.", flag_values=FLAGS)
 _PORT = flags.DEFINE_integer("port", 8000, "--http: port to listen on.", flag_values=FLAGS)
-_MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "--http: sequences waiting beyond --max_batch "
-                                  "before requests are answered 429.", flag_values=FLAGS)
-_DRAIN_S = flags.DEFINE_float("drain_s", 30.0, "--http: seconds running requests may go on after "
-                              "SIGTERM before they are cancelled.", flag_values=FLAGS)
-_MODE = flags.DEFINE_enum("mode", "engine", ["engine", "colocated", "disaggregated"],
-                          "--http: one engine, or a deployment of workers (serve/deploy.py).", flag_values=FLAGS)
+_MAX_QUEUE = flags.DEFINE_integer(
+    "max_queue",
+    64,
+    "--http: sequences waiting beyond --max_batch " "before requests are answered 429.",
+    flag_values=FLAGS,
+)
+_DRAIN_S = flags.DEFINE_float(
+    "drain_s",
+    30.0,
+    "--http: seconds running requests may go on after " "SIGTERM before they are cancelled.",
+    flag_values=FLAGS,
+)
+_MODE = flags.DEFINE_enum(
+    "mode",
+    "engine",
+    ["engine", "colocated", "disaggregated"],
+    "--http: one engine, or a deployment of workers (serve/deploy.py).",
+    flag_values=FLAGS,
+)
 _WORKERS = flags.DEFINE_integer("workers", 2, "--mode colocated: workers.", flag_values=FLAGS)
-_PREFILL_WORKERS = flags.DEFINE_integer("prefill_workers", 1, "--mode disaggregated: prefill workers.", flag_values=FLAGS)
-_DECODE_WORKERS = flags.DEFINE_integer("decode_workers", 1, "--mode disaggregated: decode workers.", flag_values=FLAGS)
-_DEVICES_PER_WORKER = flags.DEFINE_integer("devices_per_worker", 1, "--mode: devices of each worker.", flag_values=FLAGS)
-_MODEL_NAME = flags.DEFINE_string("model_name", None, "--http: the served model's name; default "
-                                  "the workdir's or config file's name.", flag_values=FLAGS)
+_PREFILL_WORKERS = flags.DEFINE_integer(
+    "prefill_workers", 1, "--mode disaggregated: prefill workers.", flag_values=FLAGS
+)
+_DECODE_WORKERS = flags.DEFINE_integer(
+    "decode_workers", 1, "--mode disaggregated: decode workers.", flag_values=FLAGS
+)
+_DEVICES_PER_WORKER = flags.DEFINE_integer(
+    "devices_per_worker", 1, "--mode: devices of each worker.", flag_values=FLAGS
+)
+_MODEL_NAME = flags.DEFINE_string(
+    "model_name",
+    None,
+    "--http: the served model's name; default " "the workdir's or config file's name.",
+    flag_values=FLAGS,
+)
 
 
 def _ints(name: str, values: list[str] | None) -> list[int] | None:
@@ -82,8 +144,9 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_CONFIG.value is None) == (_WORKDIR.value is None):
-    raise app.UsageError("give exactly one of --workdir (a training run) or --config (fresh "
-                         "parameters)")
+    raise app.UsageError(
+        "give exactly one of --workdir (a training run) or --config (fresh " "parameters)"
+    )
   if _HTTP.value == bool(_PROMPT.value):
     raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')
   if _MODE.value != "engine" and not _HTTP.value:
@@ -96,6 +159,7 @@ def main(argv: list[str]) -> None:
   from jaxpipe.serve.engine import Engine
   from jaxpipe.training import config as config_lib
   from jaxpipe.training import restore
+
   if _WORKDIR.value:
     try:
       config = restore.run_config(_WORKDIR.value)
@@ -111,11 +175,16 @@ def main(argv: list[str]) -> None:
   max_seq_len = _MAX_SEQ_LEN.value or config.data.seq_len
   max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
   # One page bucket (the whole context) by default: one program per token bucket.
-  kw = dict(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value, max_batch=max_batch,
-            max_tokens_per_step=_MAX_TOKENS_PER_STEP.value, max_seq_len=max_seq_len,
-            token_buckets=token_buckets,
-            page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
-            attention=_ATTENTION.value)
+  kw = dict(
+      page_size=_PAGE_SIZE.value,
+      num_pages=_NUM_PAGES.value,
+      max_batch=max_batch,
+      max_tokens_per_step=_MAX_TOKENS_PER_STEP.value,
+      max_seq_len=max_seq_len,
+      token_buckets=token_buckets,
+      page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
+      attention=_ATTENTION.value,
+  )
   try:
     engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)
   except ValueError as e:
@@ -125,13 +194,20 @@ def main(argv: list[str]) -> None:
     return
   try:
     prompts = [list(p.encode("utf-8")) for p in _PROMPT.value]
-    outputs = engine.generate(prompts, max_tokens=_MAX_TOKENS.value,
-                              temperature=_TEMPERATURE.value, seed=_SEED.value, top_k=_TOP_K.value,
-                              top_p=_TOP_P.value)
+    outputs = engine.generate(
+        prompts,
+        max_tokens=_MAX_TOKENS.value,
+        temperature=_TEMPERATURE.value,
+        seed=_SEED.value,
+        top_k=_TOP_K.value,
+        top_p=_TOP_P.value,
+    )
   except ValueError as e:
     sys.exit(f"error: {e}")
-  print(f"# {source}; {jax.devices()[0].platform}, paged attention {engine.backend}, "
-        f"{len(engine.programs)} compiled step programs, {engine.steps} steps")
+  print(
+      f"# {source}; {jax.devices()[0].platform}, paged attention {engine.backend}, "
+      f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
+  )
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + bytes(t for t in out if t < 256).decode("utf-8", errors="replace"))
     print(f"# tokens: {out}")
@@ -140,6 +216,7 @@ def main(argv: list[str]) -> None:
 def _deployment(cfg, params, kw: dict):
   """--mode colocated or disaggregated: workers on disjoint groups of --devices_per_worker."""
   from jaxpipe.serve import deploy
+
   n = _DEVICES_PER_WORKER.value
   if _MODE.value == "colocated":
     return deploy.Colocated(cfg, params, deploy.device_groups(_WORKERS.value, n), **kw)
@@ -150,36 +227,58 @@ def _deployment(cfg, params, kw: dict):
 
 def _serve_http(backend, cfg, source: str) -> None:
   import jax
+
   try:
     from jaxpipe.serve.http import CompletionServer, engines_of
   except ImportError as e:
     sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
-  name = _MODEL_NAME.value or os.path.basename(os.path.normpath(
-      _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(FLAGS["config"]))[0]))
+  name = _MODEL_NAME.value or os.path.basename(
+      os.path.normpath(
+          _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(FLAGS["config"]))[0]
+      )
+  )
   start = time.perf_counter()
   backend.precompile()
   engines = engines_of(backend)
   engine = engines[-1]  # a decode worker's settings when disaggregated
   # Sequences running at once: every worker's batch, a decode worker's when disaggregated.
   batch = engine.max_batch * len([e for e in engines if not e.prefill_only])
-  info = {"mode": _MODE.value, "workers": len(engines), "page_size": engine.page_size,
-          "num_pages": engine.num_pages, "max_batch": engine.max_batch,
-          "max_tokens_per_step": engine.max_tokens_per_step, "max_seq_len": engine.max_seq_len,
-          "token_buckets": list(engine.token_buckets), "page_buckets": list(engine.page_buckets),
-          "attention": engine.backend, "device": jax.devices()[0].device_kind, "source": source,
-          "model": dataclasses.asdict(cfg)}
+  info = {
+      "mode": _MODE.value,
+      "workers": len(engines),
+      "page_size": engine.page_size,
+      "num_pages": engine.num_pages,
+      "max_batch": engine.max_batch,
+      "max_tokens_per_step": engine.max_tokens_per_step,
+      "max_seq_len": engine.max_seq_len,
+      "token_buckets": list(engine.token_buckets),
+      "page_buckets": list(engine.page_buckets),
+      "attention": engine.backend,
+      "device": jax.devices()[0].device_kind,
+      "source": source,
+      "model": dataclasses.asdict(cfg),
+  }
   try:
-    server = CompletionServer(backend, model_name=name, max_batch=batch,
-                              max_queue=_MAX_QUEUE.value, drain_s=_DRAIN_S.value, engine_info=info)
+    server = CompletionServer(
+        backend,
+        model_name=name,
+        max_batch=batch,
+        max_queue=_MAX_QUEUE.value,
+        drain_s=_DRAIN_S.value,
+        engine_info=info,
+    )
   except ValueError as e:
     sys.exit(f"error: {e}")
   programs = sum(len(e.programs) for e in engines)
   workers = f" ({len(engines)} workers)" if len(engines) > 1 else ""
-  print(f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
-        f"attention {engine.backend}, {programs} step programs compiled in "
-        f"{time.perf_counter() - start:.1f} s; "
-        f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
-        f"{_DRAIN_S.value:g} s)", flush=True)
+  print(
+      f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
+      f"attention {engine.backend}, {programs} step programs compiled in "
+      f"{time.perf_counter() - start:.1f} s; "
+      f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
+      f"{_DRAIN_S.value:g} s)",
+      flush=True,
+  )
   try:
     server.run(_HOST.value, _PORT.value)
   except OSError as e:

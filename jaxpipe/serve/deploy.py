@@ -31,6 +31,7 @@ worker from its tokens (generated tokens kept: sampling depends only on the requ
 position). A request that cannot be served (no prefill or no decode worker left) finishes with
 an `error` saying why. A full decode side only delays: the request waits on P.
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,13 +49,20 @@ from jaxpipe.serve.sampling import SamplingParams
 from jaxpipe.serve.scheduler import Scheduler
 
 QUEUED, PREFILL, HANDOFF, TRANSFER, DECODE, DONE = (
-    "queued", "prefill", "handoff", "transfer", "decode", "done")
+    "queued",
+    "prefill",
+    "handoff",
+    "transfer",
+    "decode",
+    "done",
+)
 
 
 @dataclasses.dataclass(eq=False)
 class Served(Request):
   """A request of a deployment: the engine's fields (output, times, finish_reason, error) plus
   where it ran and what it moved."""
+
   phase: str = QUEUED
   worker: str | None = None  # where it is now (or last was)
   prefill_start: float | None = None  # first scheduled on a prefill (or colocated) worker
@@ -86,6 +94,7 @@ class Worker:
 @dataclasses.dataclass(eq=False)
 class Transfer:
   """A copy of one request's pages from a prefill worker to a decode worker, in flight."""
+
   rid: int
   src: Worker
   src_rid: int
@@ -97,17 +106,20 @@ class Transfer:
   start: float
 
 
-def device_groups(workers: int, devices_per_worker: int,
-                  devices: Sequence[jax.Device] | None = None) -> list[list[jax.Device]]:
+def device_groups(
+    workers: int, devices_per_worker: int, devices: Sequence[jax.Device] | None = None
+) -> list[list[jax.Device]]:
   """`workers` disjoint groups of `devices_per_worker` consecutive devices."""
   devices = list(jax.devices() if devices is None else devices)
   if devices_per_worker < 1:
     raise ValueError(f"devices per worker={devices_per_worker} must be >= 1")
   if workers * devices_per_worker > len(devices):
-    raise ValueError(f"{workers} workers x {devices_per_worker} devices need "
-                     f"{workers * devices_per_worker} devices; there are {len(devices)}: "
-                     "use fewer workers or fewer devices per worker")
-  return [devices[i * devices_per_worker:(i + 1) * devices_per_worker] for i in range(workers)]
+    raise ValueError(
+        f"{workers} workers x {devices_per_worker} devices need "
+        f"{workers * devices_per_worker} devices; there are {len(devices)}: "
+        "use fewer workers or fewer devices per worker"
+    )
+  return [devices[i * devices_per_worker : (i + 1) * devices_per_worker] for i in range(workers)]
 
 
 def _check_groups(groups: Sequence[Sequence[jax.Device]], what: str) -> None:
@@ -117,8 +129,9 @@ def _check_groups(groups: Sequence[Sequence[jax.Device]], what: str) -> None:
       raise ValueError(f"a {what} worker has no devices; give each worker at least one")
     for d in g:
       if d in seen:
-        raise ValueError(f"device {d} is in two workers; the workers' device groups must be "
-                         "disjoint")
+        raise ValueError(
+            f"device {d} is in two workers; the workers' device groups must be " "disjoint"
+        )
       seen.add(d)
 
 
@@ -140,8 +153,9 @@ class _Deployment:
   def engines(self) -> list[Engine]:
     return [w.engine for w in self.workers if not w.stopped]
 
-  def check_request(self, prompt: Sequence[int], max_tokens: int,
-                    sampling: SamplingParams) -> str | None:
+  def check_request(
+      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+  ) -> str | None:
     """Why this request cannot be served by every kind of worker, or None."""
     for e in self._kinds():
       error = e.check_request(prompt, max_tokens, sampling)
@@ -149,16 +163,27 @@ class _Deployment:
         return error
     return None
 
-  def add_request(self, prompt: Sequence[int], max_tokens: int = 16,
-                  sampling: SamplingParams | None = None, *,
-                  eos_id: int | None | str = ENGINE_EOS) -> int:
+  def add_request(
+      self,
+      prompt: Sequence[int],
+      max_tokens: int = 16,
+      sampling: SamplingParams | None = None,
+      *,
+      eos_id: int | None | str = ENGINE_EOS,
+  ) -> int:
     """Queues a request and returns its id; a bad one is finished at once with `error` set."""
     sampling = sampling or SamplingParams()
     rid = self._next_id
     self._next_id += 1
     engine = self.workers[0].engine
-    r = Served(rid, list(prompt), max_tokens, sampling,
-               engine.eos_id if eos_id == ENGINE_EOS else eos_id, arrival=time.perf_counter())
+    r = Served(
+        rid,
+        list(prompt),
+        max_tokens,
+        sampling,
+        engine.eos_id if eos_id == ENGINE_EOS else eos_id,
+        arrival=time.perf_counter(),
+    )
     self.requests[rid] = r
     error = self._lost() or self.check_request(r.prompt, max_tokens, sampling)
     if error:
@@ -230,8 +255,10 @@ class _Deployment:
     """Takes a worker out as if its process died; what it held is recomputed elsewhere."""
     w = next((w for w in self.workers if w.name == name), None)
     if w is None or w.stopped:
-      raise ValueError(f"no live worker named {name!r}; live: "
-                       f"{[x.name for x in self.workers if not x.stopped]}")
+      raise ValueError(
+          f"no live worker named {name!r}; live: "
+          f"{[x.name for x in self.workers if not x.stopped]}"
+      )
     w.stopped = True
     self.counts["stopped"] += 1
     self._on_stop(w)
@@ -275,8 +302,19 @@ class _Deployment:
       if not r.output:  # a new request: the engine may take its prefix from its cache
         erid = w.engine.add_request(r.prompt, r.max_tokens, r.sampling, eos_id=r.eos_id)
       else:  # resumed after a fault: recompute its tokens, keep what it generated
-        state = KVState(r.prompt, r.output, r.max_tokens, r.sampling, r.eos_id, 0, None, None,
-                        r.arrival, r.first_token_time, list(r.token_times))
+        state = KVState(
+            r.prompt,
+            r.output,
+            r.max_tokens,
+            r.sampling,
+            r.eos_id,
+            0,
+            None,
+            None,
+            r.arrival,
+            r.first_token_time,
+            list(r.token_times),
+        )
         try:
           erid = w.engine.import_request(state)
         except ValueError as e:  # no batch slot now: try again next step
@@ -340,13 +378,22 @@ class _Deployment:
 class Colocated(_Deployment):
   """Every worker prefills and decodes; a new request goes to the one with the fewest requests."""
 
-  def __init__(self, model_cfg: TransformerConfig, params: dict,
-               groups: Sequence[Sequence[jax.Device]], **engine_kwargs):
+  def __init__(
+      self,
+      model_cfg: TransformerConfig,
+      params: dict,
+      groups: Sequence[Sequence[jax.Device]],
+      **engine_kwargs,
+  ):
     if not groups:
       raise ValueError("a colocated deployment needs at least one worker")
     _check_groups(groups, "colocated")
-    super().__init__([Worker(f"W{i}", Engine(model_cfg, params, devices=g, **engine_kwargs))
-                      for i, g in enumerate(groups)])
+    super().__init__(
+        [
+            Worker(f"W{i}", Engine(model_cfg, params, devices=g, **engine_kwargs))
+            for i, g in enumerate(groups)
+        ]
+    )
 
   def _entry_workers(self) -> list[Worker]:
     return [w for w in self.workers if not w.stopped]
@@ -372,11 +419,18 @@ class Colocated(_Deployment):
 class Disaggregated(_Deployment):
   """Prefill workers and decode workers on disjoint devices, with a K/V transfer between them."""
 
-  def __init__(self, model_cfg: TransformerConfig, params: dict,
-               prefill_groups: Sequence[Sequence[jax.Device]],
-               decode_groups: Sequence[Sequence[jax.Device]], *, stream_layers: bool = False,
-               prefill_kwargs: dict | None = None, decode_kwargs: dict | None = None,
-               **engine_kwargs):
+  def __init__(
+      self,
+      model_cfg: TransformerConfig,
+      params: dict,
+      prefill_groups: Sequence[Sequence[jax.Device]],
+      decode_groups: Sequence[Sequence[jax.Device]],
+      *,
+      stream_layers: bool = False,
+      prefill_kwargs: dict | None = None,
+      decode_kwargs: dict | None = None,
+      **engine_kwargs,
+  ):
     """engine_kwargs go to every engine; prefill_kwargs / decode_kwargs override them for one
     side (decode engines default to no prefix cache: they take whole requests, never prompts)."""
     if not prefill_groups:
@@ -388,12 +442,18 @@ class Disaggregated(_Deployment):
     d_kwargs = {"prefix_caching": False, **engine_kwargs, **(decode_kwargs or {})}
     for name in ("page_size",):
       if p_kwargs.get(name) != d_kwargs.get(name):
-        raise ValueError(f"prefill and decode workers must share {name} ({p_kwargs.get(name)} vs "
-                         f"{d_kwargs.get(name)}): pages move between them as they are")
-    self.prefill = [Worker(f"P{i}", Engine(model_cfg, params, devices=g, **p_kwargs))
-                    for i, g in enumerate(prefill_groups)]
-    self.decode = [Worker(f"D{i}", Engine(model_cfg, params, devices=g, **d_kwargs))
-                   for i, g in enumerate(decode_groups)]
+        raise ValueError(
+            f"prefill and decode workers must share {name} ({p_kwargs.get(name)} vs "
+            f"{d_kwargs.get(name)}): pages move between them as they are"
+        )
+    self.prefill = [
+        Worker(f"P{i}", Engine(model_cfg, params, devices=g, **p_kwargs))
+        for i, g in enumerate(prefill_groups)
+    ]
+    self.decode = [
+        Worker(f"D{i}", Engine(model_cfg, params, devices=g, **d_kwargs))
+        for i, g in enumerate(decode_groups)
+    ]
     super().__init__(self.prefill + self.decode)
     self.stream_layers = stream_layers
     self.transfers: dict[int, Transfer] = {}  # request id -> its copy in flight
@@ -418,8 +478,10 @@ class Disaggregated(_Deployment):
   def _lost(self) -> str | None:
     for side, workers in (("prefill", self.prefill), ("decode", self.decode)):
       if all(w.stopped for w in workers):
-        return (f"no {side} worker is left ({', '.join(w.name for w in workers)} stopped); "
-                "the request cannot be served")
+        return (
+            f"no {side} worker is left ({', '.join(w.name for w in workers)} stopped); "
+            "the request cannot be served"
+        )
     return None
 
   def _after_step(self) -> None:

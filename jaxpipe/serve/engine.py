@@ -25,6 +25,7 @@ bad sampling values) finish at once with an `error`; the engine keeps serving th
 collecting any, so that they run at once on their devices. A `prefill_only` engine parks each
 request once its first token is sampled (`prefilled`), pages kept, for a decode engine to take.
 """
+
 from __future__ import annotations
 
 import collections
@@ -57,6 +58,7 @@ ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
 @dataclasses.dataclass(eq=False)
 class Request:
   """One generation request and its state; times are `time.perf_counter()` seconds."""
+
   id: int
   prompt: list[int]
   max_tokens: int
@@ -101,6 +103,7 @@ class Request:
 @dataclasses.dataclass
 class KVState:
   """A request and its cached K/V, to move it to another engine (`export_request`)."""
+
   prompt: list[int]
   output: list[int]
   max_tokens: int
@@ -117,6 +120,7 @@ class KVState:
 @dataclasses.dataclass
 class _Launched:
   """A step dispatched to the devices and not yet read back (`launch` -> `collect`)."""
+
   plan: list[tuple[Request, int]]
   sampled: list[Request]
   t: int  # padded tokens
@@ -135,8 +139,9 @@ def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
   return tuple(out) + (limit,)
 
 
-def _check_buckets(name: str, buckets: Sequence[int] | None, limit: int,
-                   default: tuple[int, ...]) -> tuple[int, ...]:
+def _check_buckets(
+    name: str, buckets: Sequence[int] | None, limit: int, default: tuple[int, ...]
+) -> tuple[int, ...]:
   if buckets is None:
     return default
   out = tuple(sorted({int(b) for b in buckets if 0 < b < limit} | {limit}))
@@ -204,54 +209,91 @@ class Engine:
   their count) and the rest is replicated; two engines on disjoint devices are independent.
   """
 
-  def __init__(self, model_cfg: TransformerConfig, params: dict, *, page_size: int = 16,
-               num_pages: int = 256, max_batch: int = 16, max_tokens_per_step: int = 256,
-               max_seq_len: int = 2048, devices: Sequence[jax.Device] | None = None,
-               attention: str = "auto", eos_id: int | None = None, prefix_caching: bool = True,
-               token_buckets: Sequence[int] | None = None,
-               page_buckets: Sequence[int] | None = None, nan_freed_pages: bool = False,
-               prefill_only: bool = False):
+  def __init__(
+      self,
+      model_cfg: TransformerConfig,
+      params: dict,
+      *,
+      page_size: int = 16,
+      num_pages: int = 256,
+      max_batch: int = 16,
+      max_tokens_per_step: int = 256,
+      max_seq_len: int = 2048,
+      devices: Sequence[jax.Device] | None = None,
+      attention: str = "auto",
+      eos_id: int | None = None,
+      prefix_caching: bool = True,
+      token_buckets: Sequence[int] | None = None,
+      page_buckets: Sequence[int] | None = None,
+      nan_freed_pages: bool = False,
+      prefill_only: bool = False,
+  ):
     """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
     per sequence; default powers of two up to the limits, which are always included);
     nan_freed_pages: pools start as NaN and every freed page is refilled with NaN (tests: a
     read of a slot a sequence does not own would show in its output); prefill_only: a prefill
     worker: a request that samples a token leaves the batch for `prefilled`, pages kept."""
-    for name, value in (("page_size", page_size), ("num_pages", num_pages), ("max_batch", max_batch),
-                        ("max_tokens_per_step", max_tokens_per_step), ("max_seq_len", max_seq_len)):
+    for name, value in (
+        ("page_size", page_size),
+        ("num_pages", num_pages),
+        ("max_batch", max_batch),
+        ("max_tokens_per_step", max_tokens_per_step),
+        ("max_seq_len", max_seq_len),
+    ):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2: page 0 is the scratch page")
     devices = list(devices) if devices is not None else jax.devices()[:1]
     if model_cfg.n_kv_heads % len(devices):
-      raise ValueError(f"n_kv_heads={model_cfg.n_kv_heads} does not split over {len(devices)} "
-                       f"devices; give the engine a number of devices that divides it")
+      raise ValueError(
+          f"n_kv_heads={model_cfg.n_kv_heads} does not split over {len(devices)} "
+          f"devices; give the engine a number of devices that divides it"
+      )
     self.cfg = model_lib.serving_config(model_cfg)
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
-    self.max_tokens_per_step, self.max_seq_len, self.eos_id = max_tokens_per_step, max_seq_len, eos_id
+    self.max_tokens_per_step, self.max_seq_len, self.eos_id = (
+        max_tokens_per_step,
+        max_seq_len,
+        eos_id,
+    )
     self.backend = resolve_paged_backend(attention, model_cfg.head_dim, page_size)
     self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
-    self.token_buckets = _check_buckets("token_buckets", token_buckets, max_tokens_per_step,
-                                        _buckets(max_tokens_per_step, min(8, max_tokens_per_step)))
-    self.page_buckets = _check_buckets("page_buckets", page_buckets, self.max_pages_per_seq,
-                                       _buckets(self.max_pages_per_seq))
+    self.token_buckets = _check_buckets(
+        "token_buckets",
+        token_buckets,
+        max_tokens_per_step,
+        _buckets(max_tokens_per_step, min(8, max_tokens_per_step)),
+    )
+    self.page_buckets = _check_buckets(
+        "page_buckets", page_buckets, self.max_pages_per_seq, _buckets(self.max_pages_per_seq)
+    )
     self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
     self._replicated = NamedSharding(self.mesh, P())
     self._pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
     self._kv_sharding = model_lib.KVPages(self._pool_sharding, self._pool_sharding, num_pages)
     self.params = jax.device_put(params, self._replicated)
     self.nan_freed_pages = nan_freed_pages
-    self.kv = model_lib.init_kv(self.cfg, num_pages, page_size,
-                                fill=float("nan") if nan_freed_pages else 0.0,
-                                sharding=self._pool_sharding)
+    self.kv = model_lib.init_kv(
+        self.cfg,
+        num_pages,
+        page_size,
+        fill=float("nan") if nan_freed_pages else 0.0,
+        sharding=self._pool_sharding,
+    )
     self._to_fill: list[int] = []
-    self.allocator = PageAllocator(num_pages,
-                                   on_free=self._to_fill.append if nan_freed_pages else None)
+    self.allocator = PageAllocator(
+        num_pages, on_free=self._to_fill.append if nan_freed_pages else None
+    )
     self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_caching else None
     self.requests: dict[int, Request] = {}
     self.scheduler: Scheduler[Request] = Scheduler(
-        _EnginePages(self), max_batch=max_batch, token_budget=max_tokens_per_step,
-        on_admit=self._admitted, on_preempt=self._preempted)
+        _EnginePages(self),
+        max_batch=max_batch,
+        token_budget=max_tokens_per_step,
+        on_admit=self._admitted,
+        on_preempt=self._preempted,
+    )
     self.prefill_only = prefill_only
     self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
     self._finished: list[Request] = []
@@ -284,8 +326,9 @@ class Engine:
 
   # -- requests ---------------------------------------------------------------------------------
 
-  def check_request(self, prompt: Sequence[int], max_tokens: int,
-                    sampling: SamplingParams) -> str | None:
+  def check_request(
+      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+  ) -> str | None:
     """Why this request cannot be served, or None."""
     if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
       return f"max_tokens={max_tokens!r} must be a positive integer"
@@ -296,21 +339,32 @@ class Engine:
       return "the prompt is empty; give at least one token"
     bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
     if bad:
-      return (f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
-              f"({len(bad)} such tokens)")
+      return (
+          f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
+          f"({len(bad)} such tokens)"
+      )
     total = len(prompt) + max_tokens
     if total > self.max_seq_len:
-      return (f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-              f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens")
+      return (
+          f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+          f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+      )
     pages = math.ceil(total / self.page_size)
     if pages > self.num_pages - 1:
-      return (f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
-              f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages")
+      return (
+          f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
+          f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages"
+      )
     return None
 
-  def add_request(self, prompt: Sequence[int], max_tokens: int = 16,
-                  sampling: SamplingParams | None = None, *,
-                  eos_id: int | None | str = ENGINE_EOS) -> int:
+  def add_request(
+      self,
+      prompt: Sequence[int],
+      max_tokens: int = 16,
+      sampling: SamplingParams | None = None,
+      *,
+      eos_id: int | None | str = ENGINE_EOS,
+  ) -> int:
     """Queues a request and returns its id; a bad one is finished at once with `error` set.
 
     eos_id: the token that ends it (kept in its output); None: only max_tokens does.
@@ -318,9 +372,14 @@ class Engine:
     sampling = sampling or SamplingParams()
     rid = self._next_id
     self._next_id += 1
-    r = Request(rid, [int(t) if isinstance(t, (int, np.integer)) else t for t in prompt],
-                max_tokens, sampling, self.eos_id if eos_id == ENGINE_EOS else eos_id,
-                arrival=time.perf_counter())
+    r = Request(
+        rid,
+        [int(t) if isinstance(t, (int, np.integer)) else t for t in prompt],
+        max_tokens,
+        sampling,
+        self.eos_id if eos_id == ENGINE_EOS else eos_id,
+        arrival=time.perf_counter(),
+    )
     self.requests[rid] = r
     error = self.check_request(r.prompt, max_tokens, sampling)
     if error:
@@ -364,9 +423,16 @@ class Engine:
     if reason:
       raise ValueError(reason)
     new = dataclasses.replace(
-        r, id=self._next_id, sampling=sampling, output=list(r.output),
-        pages=self.allocator.fork(r.pages), token_times=list(r.token_times),
-        page_keys=list(r.page_keys), cached_tokens=0, preemptions=0)
+        r,
+        id=self._next_id,
+        sampling=sampling,
+        output=list(r.output),
+        pages=self.allocator.fork(r.pages),
+        token_times=list(r.token_times),
+        page_keys=list(r.page_keys),
+        cached_tokens=0,
+        preemptions=0,
+    )
     self._next_id += 1
     self.requests[new.id] = new
     self.scheduler.join(new)
@@ -407,8 +473,12 @@ class Engine:
   def _copy_fn(self):
     def copy(kv, src, dst):  # one page in every layer's pool
       pages = jnp.arange(kv.n_layers) * kv.num_pages
-      return model_lib.KVPages(kv.k.at[:, pages + dst].set(kv.k[:, pages + src]),
-                               kv.v.at[:, pages + dst].set(kv.v[:, pages + src]), kv.num_pages)
+      return model_lib.KVPages(
+          kv.k.at[:, pages + dst].set(kv.k[:, pages + src]),
+          kv.v.at[:, pages + dst].set(kv.v[:, pages + src]),
+          kv.num_pages,
+      )
+
     return jax.jit(copy, donate_argnums=0, out_shardings=self._kv_sharding)
 
   @functools.cached_property
@@ -418,6 +488,7 @@ class Engine:
       idx = jnp.where(jnp.tile(pages_F, kv.n_layers) < kv.num_pages, idx, kv.k.shape[1])
       nan = lambda x: x.at[:, idx].set(jnp.nan, mode="drop")
       return model_lib.KVPages(nan(kv.k), nan(kv.v), kv.num_pages)
+
     return jax.jit(fill, donate_argnums=0, out_shardings=self._kv_sharding)
 
   def _copy_page(self, src: int, dst: int) -> None:
@@ -428,7 +499,7 @@ class Engine:
     if self._to_fill:
       fill = set(self._to_fill)  # a page freed, taken and freed again before a step: once
       pages = np.full(self.num_pages, self.num_pages, np.int32)
-      pages[:len(fill)] = sorted(fill)
+      pages[: len(fill)] = sorted(fill)
       self._to_fill.clear()
       self.kv = self._fill_fn(self.kv, pages)
 
@@ -444,10 +515,16 @@ class Engine:
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
       sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r))
       rep = self._replicated
-      self._programs[(t, n)] = jax.jit(
-          step, donate_argnums=1, in_shardings=(rep, self._kv_sharding, rep, rep),
-          out_shardings=(rep, rep, self._kv_sharding)).lower(
-              self.params, self.kv, batch, sampling).compile()
+      self._programs[(t, n)] = (
+          jax.jit(
+              step,
+              donate_argnums=1,
+              in_shardings=(rep, self._kv_sharding, rep, rep),
+              out_shardings=(rep, rep, self._kv_sharding),
+          )
+          .lower(self.params, self.kv, batch, sampling)
+          .compile()
+      )
     return self._programs[(t, n)]
 
   @property
@@ -460,8 +537,9 @@ class Engine:
     """The bound on `programs`: token buckets x page buckets."""
     return len(self.token_buckets) * len(self.page_buckets)
 
-  def precompile(self, max_pages: int | None = None, move_pages: int = 0,
-                 per_layer: bool = False) -> None:
+  def precompile(
+      self, max_pages: int | None = None, move_pages: int = 0, per_layer: bool = False
+  ) -> None:
     """Compiles every step program up to `max_pages` pages per sequence (default all), and the
     K/V gather and write of every chunk of up to `move_pages` pages (`kv_of`, `write_kv`; all
     layers, or one with per_layer) by running them on the scratch page."""
@@ -486,8 +564,10 @@ class Engine:
     if not plan:
       held = self.prefilled or self.incoming  # their pages come back when they move on
       if self.waiting and not self.running and not held:  # cannot happen for a checked request
-        raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine "
-                           f"({self.allocator.num_free} free pages)")
+        raise RuntimeError(
+            f"request {self.waiting[0].id} cannot be admitted into an idle engine "
+            f"({self.allocator.num_free} free pages)"
+        )
       return None
     s, r_max = self.page_size, self.max_batch
     t_real = sum(n for _, n in plan)
@@ -501,23 +581,29 @@ class Engine:
     sampled, at = [], 0
     for r, n in plan:
       pos = np.arange(r.computed, r.computed + n)
-      tokens[at:at + n] = r.tokens[r.computed:r.computed + n]
-      positions[at:at + n] = pos
+      tokens[at : at + n] = r.tokens[r.computed : r.computed + n]
+      positions[at : at + n] = pos
       table = np.asarray(r.pages, np.int32)
-      slots[at:at + n] = table[pos // s] * s + pos % s
-      tables[at:at + n, :len(table)] = table
+      slots[at : at + n] = table[pos // s] * s + pos % s
+      tables[at : at + n, : len(table)] = table
       at += n
       if r.computed + n == len(r.tokens):  # all its tokens cached after this step: sample
         j = len(sampled)
         rows[j] = at - 1
         sp = r.sampling
-        temp[j], top_k[j], top_p[j], seed[j], index[j] = (sp.temperature, sp.top_k, sp.top_p,
-                                                          sp.seed, len(r.output))
+        temp[j], top_k[j], top_p[j], seed[j], index[j] = (
+            sp.temperature,
+            sp.top_k,
+            sp.top_p,
+            sp.seed,
+            len(r.output),
+        )
         sampled.append(r)
     self._flush_fills()
     batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
     new_R, finite_R, self.kv = self.step_program(t, n_pages)(
-        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index))
+        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index)
+    )
     return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R)
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
@@ -563,22 +649,31 @@ class Engine:
     s = self.page_size
     while len(r.page_keys) < full:
       i = len(r.page_keys)
-      r.page_keys.append(page_key(r.page_keys[-1] if i else b"", r.tokens[i * s:(i + 1) * s]))
+      r.page_keys.append(page_key(r.page_keys[-1] if i else b"", r.tokens[i * s : (i + 1) * s]))
     for i in range(r.registered, full):
       self.prefix_cache.insert(r.page_keys[i], r.pages[i])
     r.registered = max(r.registered, full)
 
   # -- whole batches ----------------------------------------------------------------------------
 
-  def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0,
-               seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> list[list[int]]:
+  def generate(
+      self,
+      prompts: list[list[int]],
+      max_tokens: int = 16,
+      temperature: float = 0.0,
+      seed: int = 0,
+      top_k: int = 0,
+      top_p: float = 1.0,
+  ) -> list[list[int]]:
     """Generated tokens of every prompt (request i samples with seed + i).
 
     Raises ValueError naming every bad prompt before any work.
     """
     samplings = [SamplingParams(temperature, top_k, top_p, seed + i) for i in range(len(prompts))]
-    errors = [(i, self.check_request(p, max_tokens, sp))
-              for i, (p, sp) in enumerate(zip(prompts, samplings))]
+    errors = [
+        (i, self.check_request(p, max_tokens, sp))
+        for i, (p, sp) in enumerate(zip(prompts, samplings))
+    ]
     errors = [f"prompt {i}: {e}" for i, e in errors if e]
     if errors:
       raise ValueError("; ".join(errors))
@@ -601,9 +696,15 @@ class Engine:
     owned = {p for r in self.running for p in r.pages}
     tokens = sum(r.computed for r in self.running)
     slots = sum(len(r.pages) for r in self.running) * self.page_size
-    return {"pages_total": self.num_pages - 1, "pages_in_use": self.allocator.num_used,
-            "pages_running": len(owned), "cached_pages": len(self.prefix_cache or ()),
-            "tokens": tokens, "slots": slots, "tokens_per_slot": tokens / slots if slots else 1.0}
+    return {
+        "pages_total": self.num_pages - 1,
+        "pages_in_use": self.allocator.num_used,
+        "pages_running": len(owned),
+        "cached_pages": len(self.prefix_cache or ()),
+        "tokens": tokens,
+        "slots": slots,
+        "tokens_per_slot": tokens / slots if slots else 1.0,
+    }
 
   # -- moving requests between engines ----------------------------------------------------------
 
@@ -617,14 +718,19 @@ class Engine:
     def gather(kv, pages_N, layers_L):
       idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
       return kv.k[:, idx], kv.v[:, idx]  # [G, L, N, page, K]
+
     return jax.jit(gather, out_shardings=(self._pool_sharding,) * 2)
 
   @functools.cached_property
   def _scatter_fn(self):
     def scatter(kv, pages_N, layers_L, k, v):
       idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
-      return model_lib.KVPages(kv.k.at[:, idx].set(k.astype(kv.k.dtype)),
-                               kv.v.at[:, idx].set(v.astype(kv.v.dtype)), kv.num_pages)
+      return model_lib.KVPages(
+          kv.k.at[:, idx].set(k.astype(kv.k.dtype)),
+          kv.v.at[:, idx].set(v.astype(kv.v.dtype)),
+          kv.num_pages,
+      )
+
     return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
 
   def _layers(self, layer: int | None) -> np.ndarray:
@@ -641,14 +747,16 @@ class Engine:
     (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim]."""
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
-      raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request has "
-                       "pages to export")
+      raise ValueError(
+          f"request {rid} is {r.state}; only a running or prefilled request has " "pages to export"
+      )
     used = math.ceil(r.computed / self.page_size)
     self._flush_fills()
     out, at = [], 0
     for size in _pow2_chunks(used):
-      k, v = self._gather_fn(self.kv, np.asarray(r.pages[at:at + size], np.int32),
-                             self._layers(layer))
+      k, v = self._gather_fn(
+          self.kv, np.asarray(r.pages[at : at + size], np.int32), self._layers(layer)
+      )
       out.append((at, k, v))
       at += size
     return out
@@ -663,15 +771,35 @@ class Engine:
     if with_kv:
       chunks = jax.device_get([(k, v) for _, k, v in self.kv_of(rid)])
       shape = self.kv_shape(r.computed)
-      k, v = (np.concatenate([c[i] for c in chunks], axis=2) if chunks else
-              np.zeros(shape, self.kv.k.dtype) for i in (0, 1))
-    return KVState(list(r.prompt), list(r.output), r.max_tokens, r.sampling, r.eos_id, r.computed,
-                   k, v, r.arrival, r.first_token_time, list(r.token_times))
+      k, v = (
+          np.concatenate([c[i] for c in chunks], axis=2)
+          if chunks
+          else np.zeros(shape, self.kv.k.dtype)
+          for i in (0, 1)
+      )
+    return KVState(
+        list(r.prompt),
+        list(r.output),
+        r.max_tokens,
+        r.sampling,
+        r.eos_id,
+        r.computed,
+        k,
+        v,
+        r.arrival,
+        r.first_token_time,
+        list(r.token_times),
+    )
 
   def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
     """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim]."""
-    return (self.cfg.n_kv_heads, self.cfg.n_layers if layers is None else layers,
-            math.ceil(computed / self.page_size), self.page_size, self.cfg.head_dim)
+    return (
+        self.cfg.n_kv_heads,
+        self.cfg.n_layers if layers is None else layers,
+        math.ceil(computed / self.page_size),
+        self.page_size,
+        self.cfg.head_dim,
+    )
 
   def reserve_request(self, state: KVState) -> int:
     """Takes pages and a batch slot for a request whose K/V will follow (`write_kv`, then
@@ -679,21 +807,34 @@ class Engine:
     error = self.check_request(state.prompt, state.max_tokens, state.sampling)
     want = self.kv_shape(state.computed)
     if error is None and state.k is not None and tuple(state.k.shape) != want:
-      error = f"the K/V has shape {tuple(state.k.shape)}; this engine holds {want} for " \
-              f"{state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
+      error = (
+          f"the K/V has shape {tuple(state.k.shape)}; this engine holds {want} for "
+          f"{state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
+      )
     if error is None and not self.scheduler.has_slot():
       error = f"the batch is full ({self.max_batch} running or incoming requests)"
     if error is None and not self.allocator.can_alloc(want[2]):
-      error = f"{want[2]} free pages are needed to import the request, " \
-              f"{self.allocator.num_free} are free"
+      error = (
+          f"{want[2]} free pages are needed to import the request, "
+          f"{self.allocator.num_free} are free"
+      )
     if error is not None:
       raise ValueError(f"cannot import the request: {error}")
     rid = self._next_id
     self._next_id += 1
-    r = Request(rid, list(state.prompt), state.max_tokens, state.sampling, state.eos_id,
-                output=list(state.output), computed=state.computed, state=INCOMING,
-                arrival=state.arrival, first_token_time=state.first_token_time,
-                token_times=list(state.token_times))
+    r = Request(
+        rid,
+        list(state.prompt),
+        state.max_tokens,
+        state.sampling,
+        state.eos_id,
+        output=list(state.output),
+        computed=state.computed,
+        state=INCOMING,
+        arrival=state.arrival,
+        first_token_time=state.first_token_time,
+        token_times=list(state.token_times),
+    )
     r.pages = [self.allocator.alloc() for _ in range(want[2])]
     self._unwritten[rid] = {(l, i) for l in range(self.cfg.n_layers) for i in range(want[2])}
     self.requests[rid] = r
@@ -707,19 +848,26 @@ class Engine:
     if r.state != INCOMING:
       raise ValueError(f"request {rid} is {r.state}; K/V are written only into a reserved request")
     size = k.shape[2] if k.ndim == 5 else -1
-    want = self.kv_shape(r.computed, None if layer is None else 1)[:2] + (size,) + (
-        self.page_size, self.cfg.head_dim)
+    want = (
+        self.kv_shape(r.computed, None if layer is None else 1)[:2]
+        + (size,)
+        + (self.page_size, self.cfg.head_dim)
+    )
     for name, x in (("k", k), ("v", v)):
       if tuple(x.shape) != want or not 0 <= first <= len(r.pages) - size:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} at page {first}; request {rid} holds "
-                         f"{self.kv_shape(r.computed)} ([kv_heads, layers, pages, page, head_dim])")
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)} at page {first}; request {rid} holds "
+            f"{self.kv_shape(r.computed)} ([kv_heads, layers, pages, page, head_dim])"
+        )
     layers = self._layers(layer)
     k, v = jax.device_put((k, v), self._pool_sharding)
     self._flush_fills()
-    self.kv = self._scatter_fn(self.kv, np.asarray(r.pages[first:first + size], np.int32), layers,
-                               k, v)
+    self.kv = self._scatter_fn(
+        self.kv, np.asarray(r.pages[first : first + size], np.int32), layers, k, v
+    )
     self._unwritten[rid].difference_update(
-        (l, i) for l in layers.tolist() for i in range(first, first + size))
+        (l, i) for l in layers.tolist() for i in range(first, first + size)
+    )
 
   def admit_request(self, rid: int) -> None:
     """An incoming request whose K/V are all written joins the batch."""
@@ -728,8 +876,10 @@ class Engine:
       raise ValueError(f"request {rid} is {r.state}; only an incoming request can be admitted")
     missing = self._unwritten[rid]
     if missing:
-      raise ValueError(f"request {rid} still lacks the K/V of {len(missing)} (layer, page) pairs, "
-                       f"layers {sorted({l for l, _ in missing})}; write them (write_kv) first")
+      raise ValueError(
+          f"request {rid} still lacks the K/V of {len(missing)} (layer, page) pairs, "
+          f"layers {sorted({l for l, _ in missing})}; write them (write_kv) first"
+      )
     del self._unwritten[rid]
     self.scheduler.join(r)
     r.state = RUNNING
@@ -746,7 +896,7 @@ class Engine:
         raise ValueError(f"cannot import the request: {state.computed} cached tokens but no K/V")
       at = 0
       for size in _pow2_chunks(len(self.requests[rid].pages)):
-        self.write_kv(rid, state.k[:, :, at:at + size], state.v[:, :, at:at + size], first=at)
+        self.write_kv(rid, state.k[:, :, at : at + size], state.v[:, :, at : at + size], first=at)
         at += size
     self.admit_request(rid)
     return rid

@@ -15,6 +15,7 @@ pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, 
 layout of the kernel, so a layer's attention needs no copy of its pool (its block tables are
 offset by l*P instead).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
 @flax.struct.dataclass
 class KVPages:
   """K and V pools of every layer; layer l owns pages [l*num_pages, (l+1)*num_pages)."""
+
   k: jax.Array  # [G, n_layers * num_pages, page_size, head_dim]
   v: jax.Array
   num_pages: int = flax.struct.field(pytree_node=False)  # pages per layer, scratch page 0 included
@@ -54,6 +56,7 @@ class KVPages:
 @flax.struct.dataclass
 class TokenBatch:
   """T tokens of one step and the R rows whose next-token logits are wanted."""
+
   tokens_T: jax.Array  # int32
   positions_T: jax.Array  # int32; the token sees keys at positions 0..position of its sequence
   slots_T: jax.Array  # int32 page * page_size + offset (in layer 0's numbering); padding: 0
@@ -67,8 +70,9 @@ def kv_bytes(cfg: TransformerConfig, num_pages: int, page_size: int, dtype=None)
   return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize * num_pages * page_size
 
 
-def init_kv(cfg: TransformerConfig, num_pages: int, page_size: int, fill: float = 0.0,
-            sharding=None) -> KVPages:
+def init_kv(
+    cfg: TransformerConfig, num_pages: int, page_size: int, fill: float = 0.0, sharding=None
+) -> KVPages:
   """Pools for `num_pages` pages per layer, every slot `fill` (NaN in tests of page ownership).
 
   sharding: of each pool (default: the default device).
@@ -99,23 +103,36 @@ class _PagedHook:
     fn = lambda *a: _write_and_attend(*a, backend=self.backend)
     if self.mesh is not None and self.mesh.size > 1:
       heads, rep = P(None, KV_AXIS, None), P()
-      fn = jax.shard_map(fn, mesh=self.mesh, check_vma=False,
-                         in_specs=(heads, heads, heads, P(KV_AXIS), P(KV_AXIS), rep, rep, rep, rep),
-                         out_specs=(heads, P(KV_AXIS), P(KV_AXIS)))
-    o_TxHxK, self.k, self.v = fn(q_1xTxHxK[0], k_1xTxGxK[0], v_1xTxGxK[0], self.k, self.v,
-                                 b.slots_T, b.tables_TxN + offset, b.positions_T + 1, offset)
+      fn = jax.shard_map(
+          fn,
+          mesh=self.mesh,
+          check_vma=False,
+          in_specs=(heads, heads, heads, P(KV_AXIS), P(KV_AXIS), rep, rep, rep, rep),
+          out_specs=(heads, P(KV_AXIS), P(KV_AXIS)),
+      )
+    o_TxHxK, self.k, self.v = fn(
+        q_1xTxHxK[0],
+        k_1xTxGxK[0],
+        v_1xTxGxK[0],
+        self.k,
+        self.v,
+        b.slots_T,
+        b.tables_TxN + offset,
+        b.positions_T + 1,
+        offset,
+    )
     return o_TxHxK[None]
 
 
-def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, k_pool, v_pool, slots_T, tables_TxN, lengths_T,
-                      offset, *, backend):
+def _write_and_attend(
+    q_TxHxK, k_TxGxK, v_TxGxK, k_pool, v_pool, slots_T, tables_TxN, lengths_T, offset, *, backend
+):
   s = k_pool.shape[2]
   g_G = jnp.arange(k_pool.shape[0])[None, :]
   page_Tx1, off_Tx1 = (offset + slots_T // s)[:, None], (slots_T % s)[:, None]
   k_pool = k_pool.at[g_G, page_Tx1, off_Tx1].set(k_TxGxK.astype(k_pool.dtype))
   v_pool = v_pool.at[g_G, page_Tx1, off_Tx1].set(v_TxGxK.astype(v_pool.dtype))
-  o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T,
-                                          backend=backend)
+  o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T, backend=backend)
   return o_TxHxK.astype(q_TxHxK.dtype), k_pool, v_pool
 
 
@@ -126,8 +143,15 @@ def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):
   return out[0] if moe else out
 
 
-def forward_paged(cfg: TransformerConfig, params: dict, kv: KVPages, batch: TokenBatch, *,
-                  backend: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, KVPages]:
+def forward_paged(
+    cfg: TransformerConfig,
+    params: dict,
+    kv: KVPages,
+    batch: TokenBatch,
+    *,
+    backend: str = "auto",
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, KVPages]:
   """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written)."""
   cfg = serving_config(cfg)
   hook = _PagedHook(kv, batch, backend, mesh)
@@ -142,32 +166,46 @@ def forward_paged(cfg: TransformerConfig, params: dict, kv: KVPages, batch: Toke
       x = _layer(cfg, hook, unit, u, x, positions_T, moe=False)
     else:
       if "dense" in unit:
+
         def dense_body(carry, xs):
           x, hook.k, hook.v = carry
           layer, j = xs
-          return (_layer(cfg, hook, layer, u * every + j, x, positions_T, False), hook.k, hook.v), None
-        (x, hook.k, hook.v), _ = jax.lax.scan(dense_body, (x, hook.k, hook.v),
-                                              (unit["dense"], jnp.arange(every - 1)))
+          return (
+              _layer(cfg, hook, layer, u * every + j, x, positions_T, False),
+              hook.k,
+              hook.v,
+          ), None
+
+        (x, hook.k, hook.v), _ = jax.lax.scan(
+            dense_body, (x, hook.k, hook.v), (unit["dense"], jnp.arange(every - 1))
+        )
       x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, moe=True)
     return (x, hook.k, hook.v), None
 
   units = cfg.n_layers // every
-  (x_1xTxD, k, v), _ = jax.lax.scan(unit_body, (x_1xTxD, kv.k, kv.v),
-                                    (params["layers"], jnp.arange(units)))
+  (x_1xTxD, k, v), _ = jax.lax.scan(
+      unit_body, (x_1xTxD, kv.k, kv.v), (params["layers"], jnp.arange(units))
+  )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
   return logits_1xRxV[0], KVPages(k, v, kv.num_pages)
 
 
-def serve_step(cfg: TransformerConfig, params: dict, kv: KVPages, batch: TokenBatch,
-               sampling: SamplingBatch, *, backend: str = "auto", mesh: Mesh | None = None
-               ) -> tuple[jax.Array, jax.Array, KVPages]:
+def serve_step(
+    cfg: TransformerConfig,
+    params: dict,
+    kv: KVPages,
+    batch: TokenBatch,
+    sampling: SamplingBatch,
+    *,
+    backend: str = "auto",
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, jax.Array, KVPages]:
   """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools)."""
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
   return sample(logits_RxV, sampling), jnp.all(jnp.isfinite(logits_RxV), axis=-1), kv
 
 
-_forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend",
-                       donate_argnums=2)
+_forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend", donate_argnums=2)
 
 
 def _batch(tokens, positions, slots, tables, rows) -> TokenBatch:
@@ -175,8 +213,16 @@ def _batch(tokens, positions, slots, tables, rows) -> TokenBatch:
   return TokenBatch(*(as_i32(x) for x in (tokens, positions, slots, tables, rows)))
 
 
-def prefill(cfg: TransformerConfig, params: dict, kv: KVPages, tokens: list[int], start: int,
-            block_table: list[int], *, backend: str = "auto") -> tuple[jax.Array, KVPages]:
+def prefill(
+    cfg: TransformerConfig,
+    params: dict,
+    kv: KVPages,
+    tokens: list[int],
+    start: int,
+    block_table: list[int],
+    *,
+    backend: str = "auto",
+) -> tuple[jax.Array, KVPages]:
   """A prompt chunk at positions start.. of one sequence -> (its last token's logits [V], pools).
 
   `block_table` must already hold pages for positions 0..start+len(tokens)-1.
@@ -184,15 +230,27 @@ def prefill(cfg: TransformerConfig, params: dict, kv: KVPages, tokens: list[int]
   s = kv.page_size
   positions = np.arange(start, start + len(tokens))
   table = np.asarray(block_table)
-  batch = _batch(tokens, positions, table[positions // s] * s + positions % s,
-                 np.broadcast_to(table, (len(tokens), len(table))), [len(tokens) - 1])
+  batch = _batch(
+      tokens,
+      positions,
+      table[positions // s] * s + positions % s,
+      np.broadcast_to(table, (len(tokens), len(table))),
+      [len(tokens) - 1],
+  )
   logits, kv = _forward_jit(cfg, params, kv, batch, backend=backend)
   return logits[0], kv
 
 
-def decode_step(cfg: TransformerConfig, params: dict, kv: KVPages, tokens_B: list[int],
-                lengths_B: list[int], block_tables_BxN, *, backend: str = "auto"
-                ) -> tuple[jax.Array, KVPages]:
+def decode_step(
+    cfg: TransformerConfig,
+    params: dict,
+    kv: KVPages,
+    tokens_B: list[int],
+    lengths_B: list[int],
+    block_tables_BxN,
+    *,
+    backend: str = "auto",
+) -> tuple[jax.Array, KVPages]:
   """One token per sequence, at position lengths[b] (the tokens cached before it) -> ([B, V], pools)."""
   s = kv.page_size
   positions = np.asarray(lengths_B)
@@ -200,4 +258,3 @@ def decode_step(cfg: TransformerConfig, params: dict, kv: KVPages, tokens_B: lis
   slots = tables[np.arange(len(positions)), positions // s] * s + positions % s
   batch = _batch(tokens_B, positions, slots, tables, np.arange(len(positions)))
   return _forward_jit(cfg, params, kv, batch, backend=backend)
-

@@ -6,6 +6,7 @@ by every sequence whose block table holds it and by the prefix cache entry that 
 count is the number of those owners, and it returns to the free list when the count reaches 0.
 A sequence about to write into a page that others also own copies it first (`writable`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -114,7 +115,7 @@ class PrefixCache:
     """Keys of the first `full_pages` pages of `tokens`."""
     keys, parent, s = [], b"", self.page_size
     for i in range(full_pages):
-      parent = page_key(parent, tokens[i * s:(i + 1) * s])
+      parent = page_key(parent, tokens[i * s : (i + 1) * s])
       keys.append(parent)
     return keys
 

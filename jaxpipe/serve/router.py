@@ -12,6 +12,7 @@ Two decisions, each over workers that expose their `scheduler.Scheduler` as `.sc
   fewest running requests, then the first; None if none can take it now (it waits, pages held,
   on its prefill worker).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

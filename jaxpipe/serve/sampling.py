@@ -4,6 +4,7 @@ Row r's randomness is `fold_in(key(seed_r), index_r)` with index_r the number of
 request has generated so far: a request's tokens depend on its own seed alone, not on what it
 was batched with, on preemptions, or on the engine it runs on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,7 +54,9 @@ def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
   probs_RxV = jax.nn.softmax(jnp.where(keep_RxV, sorted_RxV, -jnp.inf), axis=-1)
   before_RxV = jnp.cumsum(probs_RxV, axis=-1) - probs_RxV  # mass of the more likely tokens
   keep_RxV &= (before_RxV < s.top_p_R[:, None]) | (rank_V[None, :] == 0)
-  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed_R, s.index_R)
+  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+      s.seed_R, s.index_R
+  )
   pick_R = jax.vmap(jax.random.categorical)(keys_R, jnp.where(keep_RxV, sorted_RxV, -jnp.inf))
   sampled_R = jnp.take_along_axis(order_RxV, pick_R[:, None], axis=-1)[:, 0].astype(jnp.int32)
   return jnp.where(s.temperature_R > 0, sampled_R, greedy_R)

@@ -24,6 +24,7 @@ reference-counted allocator, prefix cache and copy-on-write; the simulator's is 
 pages. Both schedule through this one class, so the simulator's predictions are of what the
 engine does (tests/serve/test_scheduler.py holds their plans equal on a seeded workload).
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,6 +36,7 @@ POLICIES = ("decode-first", "prefill-first")
 
 class Seq(Protocol):
   """What the scheduler reads and writes of a sequence."""
+
   computed: int  # leading tokens whose K/V are cached (the scheduler resets it on preemption)
   preemptions: int
 
@@ -78,10 +80,16 @@ class Pages(Protocol[S]):
 class Scheduler(Generic[S]):
   """A worker's queues and the rules that fill each step from them (see the module docstring)."""
 
-  def __init__(self, pages: Pages[S], *, max_batch: int, token_budget: int,
-               policy: Literal["decode-first", "prefill-first"] = "decode-first",
-               on_admit: Callable[[S], None] | None = None,
-               on_preempt: Callable[[S], None] | None = None):
+  def __init__(
+      self,
+      pages: Pages[S],
+      *,
+      max_batch: int,
+      token_budget: int,
+      policy: Literal["decode-first", "prefill-first"] = "decode-first",
+      on_admit: Callable[[S], None] | None = None,
+      on_preempt: Callable[[S], None] | None = None,
+  ):
     """on_admit(seq): called when a waiting sequence joins the batch (its prefix-cache hits in
     seq.computed); on_preempt(seq): after a sequence is preempted (pages freed, computed 0)."""
     if policy not in POLICIES:

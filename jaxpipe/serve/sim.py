@@ -25,6 +25,7 @@ tokens of sequence i computed at context lengths `context[i]` (keys cached after
 `Roofline` derives it from a model's FLOPs and bytes on `tp` GPUs; `StepTable` from times
 measured on this machine for each compiled step program.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,12 +40,15 @@ from jaxpipe.serve.scheduler import Scheduler
 
 
 class CostModel(Protocol):
-  def step_time(self, new: Sequence[int], context: Sequence[int]) -> float: ...
+
+  def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
   """What the roofline needs of a decoder-only Transformer (GQA, SwiGLU MLP, untied head)."""
+
   name: str
   layers: int
   d_model: int
@@ -57,8 +61,11 @@ class ModelShape:
   @property
   def layer_params(self) -> int:
     """Matmul weights of one layer: q and o, k and v, and three MLP matrices."""
-    return (2 * self.d_model * self.heads * self.head_dim
-            + 2 * self.d_model * self.kv_heads * self.head_dim + 3 * self.d_model * self.d_ff)
+    return (
+        2 * self.d_model * self.heads * self.head_dim
+        + 2 * self.d_model * self.kv_heads * self.head_dim
+        + 3 * self.d_model * self.d_ff
+    )
 
   @property
   def params(self) -> int:
@@ -89,6 +96,7 @@ H200 = GPU("H200", 989e12, 4.8e12, 141e9, 450e9)  # NVLink 4: 900 GB/s both dire
 class Roofline:
   """A step costs max(FLOPs / peak, bytes / HBM bandwidth) on tp GPUs, plus its tensor-parallel
   all-reduces (two per layer, ring) over the GPUs' links. Peak figures: no efficiency factor."""
+
   model: ModelShape
   gpu: GPU = H200
   tp: int = 1
@@ -100,8 +108,11 @@ class Roofline:
     t = sum(new)
     # Causal attention: new token j of a sequence with c keys after the step sees c - n + 1 + j.
     attn = sum(n * (c - (n - 1) / 2) for n, c in zip(new, context))
-    return (2 * t * m.layers * m.layer_params + 4 * m.layers * m.heads * m.head_dim * attn
-            + 2 * len(new) * m.vocab * m.d_model)  # the head, on each sequence's last token
+    return (
+        2 * t * m.layers * m.layer_params
+        + 4 * m.layers * m.heads * m.head_dim * attn
+        + 2 * len(new) * m.vocab * m.d_model
+    )  # the head, on each sequence's last token
 
   def bytes(self, new: Sequence[int], context: Sequence[int]) -> float:
     m = self.model
@@ -130,6 +141,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 class StepTable:
   """Measured: seconds of the compiled step for each (token bucket, pages-per-sequence bucket),
   plus host time per step and per scheduled sequence (scheduling, packing, reading back)."""
+
   times: dict[tuple[int, int], float]
   page_size: int
   host_step: float = 0.0
@@ -150,6 +162,7 @@ class StepTable:
 @dataclasses.dataclass(frozen=True)
 class Pool:
   """One kind of worker: how many, how each schedules, and its cost model."""
+
   count: int
   cost: CostModel
   max_batch: int  # sequences per step
@@ -161,6 +174,7 @@ class Pool:
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """Colocated (`colocated` set) or disaggregated (`prefill` and `decode` set) workers."""
+
   page_size: int
   colocated: Pool | None = None
   prefill: Pool | None = None
@@ -175,8 +189,12 @@ class Cluster:
   def __post_init__(self):
     if (self.colocated is None) == (self.prefill is None and self.decode is None):
       raise ValueError("give either a colocated pool or both prefill and decode pools")
-    if self.colocated is None and (self.prefill is None or self.decode is None or
-                                   self.prefill.count < 1 or self.decode.count < 1):
+    if self.colocated is None and (
+        self.prefill is None
+        or self.decode is None
+        or self.prefill.count < 1
+        or self.decode.count < 1
+    ):
       raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
 
   @property
@@ -227,7 +245,8 @@ class _Worker:
     self.name, self.pool, self.page_size, self.kind = name, pool, page_size, kind
     self.free = pool.kv_pages
     self.scheduler: Scheduler[SimRequest] = Scheduler(
-        self, max_batch=pool.max_batch, token_budget=pool.token_budget, policy=pool.policy)
+        self, max_batch=pool.max_batch, token_budget=pool.token_budget, policy=pool.policy
+    )
     self.busy_until: float | None = None  # independent clock: when its current step ends
     self.steps = 0
 
@@ -288,8 +307,11 @@ class _Worker:
     return out
 
 
-def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]],
-             trace: dict[str, list] | None = None) -> list[SimRequest]:
+def simulate(
+    cluster: Cluster,
+    arrivals: Sequence[tuple[float, int, int]],
+    trace: dict[str, list] | None = None,
+) -> list[SimRequest]:
   """Serves (arrival seconds, prompt tokens, output tokens) requests; returns them finished.
 
   trace: filled with each worker's scheduling decisions (`Scheduler.trace`), by worker name."""
@@ -305,8 +327,9 @@ def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]],
     entry = [_Worker(f"P{i}", cluster.prefill, s, "prefill") for i in range(cluster.prefill.count)]
     decode = [_Worker(f"D{i}", cluster.decode, s, "decode") for i in range(cluster.decode.count)]
   else:
-    entry = [_Worker(f"W{i}", cluster.colocated, s, "colocated")
-             for i in range(cluster.colocated.count)]
+    entry = [
+        _Worker(f"W{i}", cluster.colocated, s, "colocated") for i in range(cluster.colocated.count)
+    ]
     decode = []
   if trace is not None:
     for w in entry + decode:
@@ -318,6 +341,7 @@ def simulate(cluster: Cluster, arrivals: Sequence[tuple[float, int, int]],
 
 
 class _Sim:
+
   def __init__(self, cluster: Cluster, entry: list[_Worker], decode: list[_Worker]):
     self.cluster, self.entry, self.decode = cluster, entry, decode
     self.handoff: collections.deque[tuple[_Worker, SimRequest]] = collections.deque()
@@ -412,8 +436,11 @@ class _Sim:
         continue
       host = [w.host_cost(p) for w, p in plans]
       device = [w.cost(p) - h for (w, p), h in zip(plans, host)] or [0.0]
-      now += (sum(host) + max(max(device), sum(device) / self.cluster.cores)
-              + self.cluster.iteration_overhead)
+      now += (
+          sum(host)
+          + max(max(device), sum(device) / self.cluster.cores)
+          + self.cluster.iteration_overhead
+      )
       for w, p in plans:
         out = w.apply(p, now)
         left -= sum(r.finish_time is not None for r in out)

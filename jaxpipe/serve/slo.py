@@ -9,6 +9,7 @@ search over rates (`search_goodput`): each probe is a whole run at that rate. `t
 are the one implementation of the two that the engine's, the simulator's and the benchmarks'
 requests and the HTTP server's histograms all use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,12 @@ class SLO:
   def tightest_scale(self, requests: Sequence) -> float:
     """The smallest factor f for which `scaled(f)` is met by the `attainment` share of the
     requests (inf if failed requests alone exceed the rest): how tight an SLO they can meet."""
-    need = [math.inf if getattr(r, "error", None) or r.ttft is None else
-            max(r.ttft / self.ttft, (r.tpot or 0.0) / self.tpot) for r in requests]
+    need = [
+        math.inf
+        if getattr(r, "error", None) or r.ttft is None
+        else max(r.ttft / self.ttft, (r.tpot or 0.0) / self.tpot)
+        for r in requests
+    ]
     k = math.ceil(self.attainment * len(need) - 1e-9)
     return sorted(need)[k - 1] if need else math.inf
 
@@ -81,10 +86,16 @@ def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 90, 9
 
 def summary(requests: Sequence, slo: SLO) -> dict[str, float]:
   """TTFT and TPOT p50 and p90 (seconds) and the share that met the SLO."""
-  (ttft50, ttft90), (tpot50, tpot90) = (percentiles((getattr(r, m) for r in requests), (50, 90))
-                                        for m in ("ttft", "tpot"))
-  return {"ttft50": ttft50, "ttft90": ttft90, "tpot50": tpot50, "tpot90": tpot90,
-          "met": attainment(requests, slo)}
+  (ttft50, ttft90), (tpot50, tpot90) = (
+      percentiles((getattr(r, m) for r in requests), (50, 90)) for m in ("ttft", "tpot")
+  )
+  return {
+      "ttft50": ttft50,
+      "ttft90": ttft90,
+      "tpot50": tpot50,
+      "tpot90": tpot90,
+      "met": attainment(requests, slo),
+  }
 
 
 @dataclasses.dataclass
@@ -100,8 +111,9 @@ class GoodputSearch:
   highest that passes or halves below the lowest that fails, then bisects (geometrically) until
   the bracket is within rel_tol or max_probes rates were probed."""
 
-  def __init__(self, rates: Sequence[float], target: float = 0.9, rel_tol: float = 0.1,
-               max_probes: int = 8):
+  def __init__(
+      self, rates: Sequence[float], target: float = 0.9, rel_tol: float = 0.1, max_probes: int = 8
+  ):
     if not rates or min(rates) <= 0:
       raise ValueError(f"rates={list(rates)} must be a non-empty list of positive rates")
     self.target, self.rel_tol, self.max_probes = target, rel_tol, max_probes
@@ -137,8 +149,13 @@ class GoodputSearch:
     return Search(lo or 0.0, self.tried, hi)
 
 
-def search_goodput(attain_at: Callable[[float], float], rates: Sequence[float], target: float = 0.9,
-                   rel_tol: float = 0.1, max_probes: int = 8) -> Search:
+def search_goodput(
+    attain_at: Callable[[float], float],
+    rates: Sequence[float],
+    target: float = 0.9,
+    rel_tol: float = 0.1,
+    max_probes: int = 8,
+) -> Search:
   """`GoodputSearch` run to the end with attain_at(rate) as the probe."""
   search = GoodputSearch(rates, target, rel_tol, max_probes)
   while (rate := search.next_rate()) is not None:

@@ -13,6 +13,7 @@ A trace CSV has a header and the columns `arrival_s,prompt_len,output_len[,promp
 seconds from the start (non-decreasing), lengths in tokens and, optionally, the prompt's token ids
 separated by spaces (absent: drawn from the seed). `write_csv` writes all four.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,6 +29,7 @@ COLUMNS = ("arrival_s", "prompt_len", "output_len", "prompt")
 @dataclasses.dataclass
 class Work:
   """One request of a workload."""
+
   arrival: float  # seconds after the start
   prompt: list[int]
   max_tokens: int  # generated to exactly this length (no EOS)
@@ -36,6 +38,7 @@ class Work:
 @dataclasses.dataclass(frozen=True)
 class Lengths:
   """A distribution of token counts (see the module docstring for the spec strings)."""
+
   kind: str  # 'fixed', 'uniform' or 'lognormal'
   low: int  # fixed: the length; uniform: the minimum; lognormal: the median
   high: int  # uniform and lognormal: the maximum
@@ -46,8 +49,9 @@ class Lengths:
     parts = str(spec).split(":")
     try:
       if parts[0] == "lognormal" and len(parts) in (3, 4):
-        out = cls("lognormal", int(parts[1]), int(parts[2]),
-                  float(parts[3]) if len(parts) == 4 else 1.0)
+        out = cls(
+            "lognormal", int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) == 4 else 1.0
+        )
       elif len(parts) == 1:
         out = cls("fixed", int(parts[0]), int(parts[0]))
       elif len(parts) == 2:
@@ -55,8 +59,10 @@ class Lengths:
       else:
         raise ValueError
     except ValueError:
-      raise ValueError(f"length spec {spec!r} is not N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] "
-                       "(positive integers)") from None
+      raise ValueError(
+          f"length spec {spec!r} is not N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] "
+          "(positive integers)"
+      ) from None
     if not 1 <= out.low <= out.high or not out.sigma > 0:
       low = "MEDIAN" if parts[0] == "lognormal" else "MIN"
       raise ValueError(f"length spec {spec!r} needs 1 <= {low} <= MAX and SIGMA > 0")
@@ -78,8 +84,9 @@ class Lengths:
     return f"lognormal(median {self.low}, sigma {self.sigma:g}, max {self.high})"
 
 
-def generate(n: int, rate: float, prompt: Lengths, output: Lengths, vocab: int,
-             seed: int) -> list[Work]:
+def generate(
+    n: int, rate: float, prompt: Lengths, output: Lengths, vocab: int, seed: int
+) -> list[Work]:
   """n requests, Poisson arrivals at `rate` per second (exponential gaps, mean 1/rate).
 
   The gaps are drawn first, so the same seed at another rate gives the same requests, their
@@ -118,8 +125,12 @@ def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
   with open(path, newline="") as f:
     rows = csv.reader(f)
     header = next(rows, None)
-    if header is None or [h.strip() for h in header[:3]] != list(COLUMNS[:3]) or \
-        len(header) > 4 or (len(header) == 4 and header[3].strip() != COLUMNS[3]):
+    if (
+        header is None
+        or [h.strip() for h in header[:3]] != list(COLUMNS[:3])
+        or len(header) > 4
+        or (len(header) == 4 and header[3].strip() != COLUMNS[3])
+    ):
       raise ValueError(f"{path}:1: header {header} must be {','.join(COLUMNS[:3])}[,prompt]")
     for line, row in enumerate(rows, start=2):
       if not row:
@@ -134,8 +145,10 @@ def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
       if not math.isfinite(arrival) or arrival < 0:
         raise ValueError(f"{where}: arrival_s={row[0]} must be a finite number >= 0")
       if work and arrival < work[-1].arrival:
-        raise ValueError(f"{where}: arrival_s={row[0]} is before the previous row's "
-                         f"{work[-1].arrival}; sort the trace by arrival")
+        raise ValueError(
+            f"{where}: arrival_s={row[0]} is before the previous row's "
+            f"{work[-1].arrival}; sort the trace by arrival"
+        )
       lengths = []
       for name, value in (("prompt_len", row[1]), ("output_len", row[2])):
         try:
@@ -148,11 +161,13 @@ def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
         try:
           tokens = [int(t) for t in row[3].split()]
         except ValueError:
-          raise ValueError(f"{where}: prompt {row[3]!r} is not token ids separated by spaces") \
-              from None
+          raise ValueError(
+              f"{where}: prompt {row[3]!r} is not token ids separated by spaces"
+          ) from None
         if len(tokens) != lengths[0]:
-          raise ValueError(f"{where}: prompt has {len(tokens)} tokens, prompt_len says "
-                           f"{lengths[0]}")
+          raise ValueError(
+              f"{where}: prompt has {len(tokens)} tokens, prompt_len says " f"{lengths[0]}"
+          )
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
           raise ValueError(f"{where}: prompt token {bad[0]} is outside the vocabulary [0, {vocab})")

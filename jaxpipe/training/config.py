@@ -4,6 +4,7 @@ A config file (`configs/*.py`) defines `get_config(arg=None)` that starts from `
 and overrides fields. The tree is locked, so a misspelt key fails naming the closest valid one.
 Validation runs before any device work.
 """
+
 import dataclasses
 import difflib
 import os
@@ -21,8 +22,12 @@ MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 AUTO = "auto"  # pipeline.schedule: choose among the generators (SCHEDULE_NAMES) from measured costs
 DTYPES = ("float32", "bfloat16", "float16")
 # Compute dtypes a backend cannot run, and why (found by validation, not by the first step's XLA error).
-UNSUPPORTED_DTYPES = {"cpu": {"float16": "XLA:CPU has no float16 matmul with float32 accumulation "
-                                         "(dot_general precision F16_F16_F32)"}}
+UNSUPPORTED_DTYPES = {
+    "cpu": {
+        "float16": "XLA:CPU has no float16 matmul with float32 accumulation "
+        "(dot_general precision F16_F16_F32)"
+    }
+}
 SOURCES = ("stdlib", "synthetic")
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
 GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
@@ -102,12 +107,16 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     if axis == "dp" and size is None:
       continue
     if not isinstance(size, int) or size < 1:
-      raise ConfigError(f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
-                        "to leave the axis unused")
+      raise ConfigError(
+          f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
+          "to leave the axis unused"
+      )
   if mesh.tp != 1:
-    raise ConfigError(f"mesh.tp={mesh.tp}: no layer is split over the tensor axis yet, so its ranks "
-                      "would repeat the same work; set --config.mesh.tp=1 and give those devices to "
-                      "dp, ep, cp or pp")
+    raise ConfigError(
+        f"mesh.tp={mesh.tp}: no layer is split over the tensor axis yet, so its ranks "
+        "would repeat the same work; set --config.mesh.tp=1 and give those devices to "
+        "dp, ep, cp or pp"
+    )
   others = [a for a in MESH_AXES if a != "dp"]
   rest = 1
   for a in others:
@@ -118,14 +127,16 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
       raise ConfigError(
           f"mesh {' x '.join(f'{a}={mesh[a]}' for a in others)} = {rest} devices does not divide the "
           f"{num_devices} available, so no data-parallel size fits; choose axis sizes whose product "
-          f"divides {num_devices}")
+          f"divides {num_devices}"
+      )
     sizes["dp"] = num_devices // rest
   product = rest * sizes["dp"]
   if product != num_devices:
     shape = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
     raise ConfigError(
         f"mesh {shape} = {product} devices, but {num_devices} are available; the product must equal "
-        f"the device count (leave mesh.dp unset to fill the remaining devices with data parallelism)")
+        f"the device count (leave mesh.dp unset to fill the remaining devices with data parallelism)"
+    )
   return sizes
 
 
@@ -136,9 +147,11 @@ def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
   bad = [a for a in listed if a not in MESH_AXES]
   if bad or len(set(listed)) != len(listed):
     what = f"unknown axis {bad[0]!r}" if bad else "an axis twice"
-    raise ConfigError(f"mesh.order={mesh.order!r} names {what}; list mesh axes "
-                      f"({', '.join(MESH_AXES)}) outermost first, e.g. --config.mesh.order=dp,pp "
-                      "to put data parallelism across processes and the pipeline within each")
+    raise ConfigError(
+        f"mesh.order={mesh.order!r} names {what}; list mesh axes "
+        f"({', '.join(MESH_AXES)}) outermost first, e.g. --config.mesh.order=dp,pp "
+        "to put data parallelism across processes and the pipeline within each"
+    )
   return tuple(listed) + tuple(a for a in MESH_AXES if a not in listed)
 
 
@@ -156,33 +169,46 @@ def _non_negative(section: str, cfg: ml_collections.ConfigDict, names: Iterable[
       raise ConfigError(f"{section}.{name}={value!r} must be >= 0")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int,
-             platform: str | None = None) -> dict[str, int]:
+def validate(
+    config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None
+) -> dict[str, int]:
   """Checks every value the run depends on, before any device work; returns the mesh shape.
 
   platform: the backend the run will use ('cpu', 'gpu', 'tpu'), for the dtypes it cannot run.
   """
-  m, p, d, o, t, k = (config.model, config.pipeline, config.data, config.optimizer, config.train,
-                      config.checkpoint)
-  _positive("model", m, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"))
+  m, p, d, o, t, k = (
+      config.model,
+      config.pipeline,
+      config.data,
+      config.optimizer,
+      config.train,
+      config.checkpoint,
+  )
+  _positive(
+      "model", m, ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
+  )
   _positive("pipeline", p, ("microbatches", "chunks"))
   _positive("data", d, ("seq_len", "batch"))
   _positive("train", t, ("steps", "log_every", "eval_batches"))
   _positive("checkpoint", k, ("keep",))
   _non_negative("train", t, ("eval_every",))
   _non_negative("checkpoint", k, ("every",))
-  _non_negative("optimizer", o, ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm",
-                                 "eps"))
+  _non_negative(
+      "optimizer", o, ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "eps")
+  )
   for name in ("b1", "b2"):
     if not 0 <= o[name] < 1:
       raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
   if m.head_dim % 2:
-    raise ConfigError(f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs "
-                      "of channels")
+    raise ConfigError(
+        f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs " "of channels"
+    )
   if m.n_heads % m.n_kv_heads:
-    raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
-                      f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
-                      "number of query heads, so pick n_kv_heads among the divisors of n_heads")
+    raise ConfigError(
+        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+        f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
+        "number of query heads, so pick n_kv_heads among the divisors of n_heads"
+    )
   if not isinstance(m.cp_overlap, bool):
     raise ConfigError(f"model.cp_overlap={m.cp_overlap!r} must be True or False")
   if m.rope_theta <= 0:
@@ -192,23 +218,29 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   why = UNSUPPORTED_DTYPES.get(platform, {}).get(m.dtype)
   if why:
     runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
-    raise ConfigError(f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} "
-                      "there")
+    raise ConfigError(
+        f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} " "there"
+    )
   check_fp8(m)
   if d.source not in SOURCES:
     raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
   if d.source == "stdlib" and m.vocab < 256:
-    raise ConfigError(f"model.vocab={m.vocab} cannot hold the byte-level stdlib corpus; set "
-                      "--config.model.vocab=256 (or more)")
+    raise ConfigError(
+        f"model.vocab={m.vocab} cannot hold the byte-level stdlib corpus; set "
+        "--config.model.vocab=256 (or more)"
+    )
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
   schedule = p.schedule
-  if not isinstance(schedule, str) or not (schedule in SCHEDULE_NAMES + (AUTO,)
-                                           or schedule.endswith(".csv")):
-    raise ConfigError(f"pipeline.schedule={schedule!r} is unknown; use one of "
-                      f"{', '.join(SCHEDULE_NAMES)} "
-                      f"or {AUTO!r}, or the path of a torch.distributed.pipelining schedule CSV "
-                      "(ending in .csv)")
+  if not isinstance(schedule, str) or not (
+      schedule in SCHEDULE_NAMES + (AUTO,) or schedule.endswith(".csv")
+  ):
+    raise ConfigError(
+        f"pipeline.schedule={schedule!r} is unknown; use one of "
+        f"{', '.join(SCHEDULE_NAMES)} "
+        f"or {AUTO!r}, or the path of a torch.distributed.pipelining schedule CSV "
+        "(ending in .csv)"
+    )
   if schedule.endswith(".csv") and not os.path.isfile(schedule):
     raise ConfigError(f"pipeline.schedule={schedule!r}: no such file")
 
@@ -218,11 +250,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   if m.moe is not None:
     every = m.moe.every
     if not isinstance(every, int) or every < 1:
-      raise ConfigError(f"model.moe.every={every!r} must be a positive integer (1: every layer MoE)")
+      raise ConfigError(
+          f"model.moe.every={every!r} must be a positive integer (1: every layer MoE)"
+      )
     if m.n_layers % every:
-      raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
-                        "layers come in groups of moe.every (the last of each is MoE), so use a "
-                        f"multiple of {every} layers")
+      raise ConfigError(
+          f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
+          "layers come in groups of moe.every (the last of each is MoE), so use a "
+          f"multiple of {every} layers"
+      )
     try:  # the MoE layer's own checks: at construction, then against the expert axis
       model_config(config).moe.validate(shape["ep"])
     except (TypeError, ValueError) as e:
@@ -234,23 +270,28 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   cp = shape["cp"]
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:
-      raise ConfigError(f"model.{name}={m[name]} is not divisible by mesh.cp={cp}; context "
-                        "parallelism gives each context rank an equal share of the heads, so use "
-                        f"a cp that divides {m[name]}")
+      raise ConfigError(
+          f"model.{name}={m[name]} is not divisible by mesh.cp={cp}; context "
+          "parallelism gives each context rank an equal share of the heads, so use "
+          f"a cp that divides {m[name]}"
+      )
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
   if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
-    raise ConfigError("model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
-                      "the amaxes are max-reduced over sequence shards only where the shard_map "
-                      "tracks varying axes, which interpreted Pallas kernels switch off; set "
-                      "--config.model.attention=xla (or cudnn), or use mesh.pp > 1")
+    raise ConfigError(
+        "model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
+        "the amaxes are max-reduced over sequence shards only where the shard_map "
+        "tracks varying axes, which interpreted Pallas kernels switch off; set "
+        "--config.model.attention=xla (or cudnn), or use mesh.pp > 1"
+    )
   replicas = shape["dp"] * shape["ep"]
   if schedule != AUTO and d.batch % (replicas * p.microbatches):
     raise ConfigError(
         f"data.batch={d.batch} is not divisible by data-parallel ranks (mesh.dp x mesh.ep = "
         f"{shape['dp']} x {shape['ep']}) x pipeline.microbatches={p.microbatches} = "
         f"{replicas * p.microbatches}; use a batch that is a multiple of "
-        f"{replicas * p.microbatches}")
+        f"{replicas * p.microbatches}"
+    )
   return shape
 
 
@@ -261,14 +302,18 @@ def check_fp8(m: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"model.fp8={m.fp8!r} is unknown; use one of {fp8_lib.RECIPES}")
   _positive("model", m, ("fp8_history",))
   if not isinstance(m.fp8_margin, int) or isinstance(m.fp8_margin, bool) or m.fp8_margin < 0:
-    raise ConfigError(f"model.fp8_margin={m.fp8_margin!r} must be an integer >= 0 (the scale is "
-                      "fp8_max / amax / 2^margin)")
+    raise ConfigError(
+        f"model.fp8_margin={m.fp8_margin!r} must be an integer >= 0 (the scale is "
+        "fp8_max / amax / 2^margin)"
+    )
   if m.fp8_amax not in fp8_lib.AMAX_ALGOS:
     raise ConfigError(f"model.fp8_amax={m.fp8_amax!r} is unknown; use one of {fp8_lib.AMAX_ALGOS}")
   if m.fp8 != "none" and m.cp_overlap:
-    raise ConfigError(f"model.fp8={m.fp8!r} with model.cp_overlap=True: the projections fused "
-                      "with Ulysses' all-to-alls run in the compute dtype only; set "
-                      "--config.model.cp_overlap=False")
+    raise ConfigError(
+        f"model.fp8={m.fp8!r} with model.cp_overlap=True: the projections fused "
+        "with Ulysses' all-to-alls run in the compute dtype only; set "
+        "--config.model.cp_overlap=False"
+    )
   if m.fp8 != "block":
     return
   widths = {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads * head_dim": m.n_heads * m.head_dim}
@@ -278,9 +323,11 @@ def check_fp8(m: ml_collections.ConfigDict) -> None:
       widths["moe.num_shared_experts * moe.d_ff"] = m.moe.num_shared_experts * m.moe.d_ff
   for name, width in widths.items():
     if width % fp8_lib.BLOCK:
-      raise ConfigError(f"model.fp8='block' quantises activations in 1x{fp8_lib.BLOCK} tiles along "
-                        f"the width a GEMM contracts, but model.{name}={width} is not a multiple "
-                        f"of {fp8_lib.BLOCK}; use a multiple of {fp8_lib.BLOCK} or another recipe")
+      raise ConfigError(
+          f"model.fp8='block' quantises activations in 1x{fp8_lib.BLOCK} tiles along "
+          f"the width a GEMM contracts, but model.{name}={width} is not a multiple "
+          f"of {fp8_lib.BLOCK}; use a multiple of {fp8_lib.BLOCK} or another recipe"
+      )
 
 
 def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
@@ -292,50 +339,65 @@ def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
     except (ValueError, OSError) as e:
       raise ConfigError(f"pipeline.schedule={name!r} is not a valid schedule: {e}") from e
     if schedule.num_ranks != pp:
-      raise ConfigError(f"pipeline.schedule={name!r} has {schedule.num_ranks} ranks but mesh.pp="
-                        f"{pp}; set --config.mesh.pp={schedule.num_ranks} or write the schedule "
-                        f"for {pp} ranks")
+      raise ConfigError(
+          f"pipeline.schedule={name!r} has {schedule.num_ranks} ranks but mesh.pp="
+          f"{pp}; set --config.mesh.pp={schedule.num_ranks} or write the schedule "
+          f"for {pp} ranks"
+      )
     if schedule.num_microbatches != pipeline.microbatches:
-      raise ConfigError(f"pipeline.schedule={name!r} runs {schedule.num_microbatches} micro-batches "
-                        f"but pipeline.microbatches={pipeline.microbatches}; set "
-                        f"--config.pipeline.microbatches={schedule.num_microbatches}")
+      raise ConfigError(
+          f"pipeline.schedule={name!r} runs {schedule.num_microbatches} micro-batches "
+          f"but pipeline.microbatches={pipeline.microbatches}; set "
+          f"--config.pipeline.microbatches={schedule.num_microbatches}"
+      )
     chunks = schedule.placement.chunks_per_rank
     if pipeline.chunks not in (1, chunks):
-      raise ConfigError(f"pipeline.schedule={name!r} places {chunks} chunk"
-                        f"{'s' if chunks > 1 else ''} on each rank but "
-                        f"pipeline.chunks={pipeline.chunks}; leave pipeline.chunks at 1 (the "
-                        "file decides) or set it to the file's count")
+      raise ConfigError(
+          f"pipeline.schedule={name!r} places {chunks} chunk"
+          f"{'s' if chunks > 1 else ''} on each rank but "
+          f"pipeline.chunks={pipeline.chunks}; leave pipeline.chunks at 1 (the "
+          "file decides) or set it to the file's count"
+      )
     return schedule
   # chunks = 1 is the default: the generator's own choice (2 for interleaved and V schedules).
   chunks = None if pipeline.chunks == 1 else pipeline.chunks
   try:
     return make_schedule(name, pp=pp, microbatches=pipeline.microbatches, chunks=chunks)
   except ValueError as e:
-    raise ConfigError(f"pipeline.schedule={name!r} cannot run mesh.pp={pp} with "
-                      f"pipeline.microbatches={pipeline.microbatches}"
-                      + (f", pipeline.chunks={chunks}" if chunks else "") + f": {e}") from e
+    raise ConfigError(
+        f"pipeline.schedule={name!r} cannot run mesh.pp={pp} with "
+        f"pipeline.microbatches={pipeline.microbatches}"
+        + (f", pipeline.chunks={chunks}" if chunks else "")
+        + f": {e}"
+    ) from e
 
 
 def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
   """pipeline.schedule = 'auto': its fields, and at least one candidate the IR can build."""
   from jaxpipe.pipeline.ir import auto as auto_lib
   from jaxpipe.pipeline.ir import costs as costs_lib
+
   p = config.pipeline
   if shape["pp"] == 1:
-    raise ConfigError("pipeline.schedule='auto' chooses among pipeline schedules; set "
-                      "--config.mesh.pp to 2 or more, or name a schedule")
+    raise ConfigError(
+        "pipeline.schedule='auto' chooses among pipeline schedules; set "
+        "--config.mesh.pp to 2 or more, or name a schedule"
+    )
   if not p.memory_limit_gb >= 0:
     raise ConfigError(f"pipeline.memory_limit_gb={p.memory_limit_gb!r} must be >= 0 (0: no limit)")
   per_replica = config.data.batch // (shape["dp"] * shape["ep"])
   for mb in p.auto_microbatches:
     if not isinstance(mb, int) or mb < 1 or config.data.batch % (shape["dp"] * shape["ep"] * mb):
-      raise ConfigError(f"pipeline.auto_microbatches entry {mb!r} does not split the batch: "
-                        f"data.batch={config.data.batch} over {shape['dp'] * shape['ep']} data "
-                        f"ranks leaves {per_replica} sequences each; use divisors of {per_replica}")
+      raise ConfigError(
+          f"pipeline.auto_microbatches entry {mb!r} does not split the batch: "
+          f"data.batch={config.data.batch} over {shape['dp'] * shape['ep']} data "
+          f"ranks leaves {per_replica} sequences each; use divisors of {per_replica}"
+      )
   bad = [n for n in p.auto_schedules if n not in SCHEDULE_NAMES]
   if bad:
-    raise ConfigError(f"pipeline.auto_schedules has {bad}; choose among "
-                      f"{', '.join(SCHEDULE_NAMES)}")
+    raise ConfigError(
+        f"pipeline.auto_schedules has {bad}; choose among " f"{', '.join(SCHEDULE_NAMES)}"
+    )
   if p.costs:
     try:
       costs_lib.load(p.costs)
@@ -360,8 +422,13 @@ def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tupl
   """(micro-batches, stages) pairs the runnable auto candidates need costs for; AutoError if
   none can run."""
   from jaxpipe.pipeline.ir import auto as auto_lib
-  cands = auto_lib.candidates(mesh_shape["pp"], auto_microbatches(config, mesh_shape),
-                              auto_names(config), layers=layer_units(config))
+
+  cands = auto_lib.candidates(
+      mesh_shape["pp"],
+      auto_microbatches(config, mesh_shape),
+      auto_names(config),
+      layers=layer_units(config),
+  )
   auto_lib.require_runnable(cands, mesh_shape["pp"])
   return sorted({(c.microbatches, c.stages) for c in cands if not c.dropped})
 
@@ -387,17 +454,21 @@ def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
   if pl.copies > 1:
     how = f"one per rank on mesh.pp={pp} ranks, each stage held twice, once per direction"
   elif pl == Placement.vshape(pp):
-    how = (f"2 per rank on mesh.pp={pp} ranks, in a V: each rank's layers split into two equal "
-           "chunks, so each rank needs an even number of them")
+    how = (
+        f"2 per rank on mesh.pp={pp} ranks, in a V: each rank's layers split into two equal "
+        "chunks, so each rank needs an even number of them"
+    )
   elif pl.chunks_per_rank > 1:
     how = f"mesh.pp={pp} ranks x {pl.chunks_per_rank} chunks per rank"
   else:
     how = f"one per rank on mesh.pp={pp} ranks"
   what = f" ({units} groups of model.moe.every={every} layers)" if every > 1 else ""
-  raise ConfigError(f"model.n_layers={n_layers}{what} does not split into the {stages} model "
-                    f"stages of schedule {schedule.name!r} ({how}); every stage holds the same "
-                    f"number of layers, so use a multiple of {stages * every} layers or change "
-                    "mesh.pp, pipeline.chunks or the schedule")
+  raise ConfigError(
+      f"model.n_layers={n_layers}{what} does not split into the {stages} model "
+      f"stages of schedule {schedule.name!r} ({how}); every stage holds the same "
+      f"number of layers, so use a multiple of {stages * every} layers or change "
+      "mesh.pp, pipeline.chunks or the schedule"
+  )
 
 
 def define_runner_flags(flag_values) -> None:
@@ -405,12 +476,20 @@ def define_runner_flags(flag_values) -> None:
   its FlagValues (`jaxpipe.runtime.cli.flag_values`)."""
   from absl import flags
   from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "ml_collections config file (get_config).",
-                                  lock_config=True, flag_values=flag_values)
-  flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.",
-                            flag_values=flag_values)
-  flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.",
-                            flag_values=flag_values)
+
+  config_flags.DEFINE_config_file(
+      "config",
+      None,
+      "ml_collections config file (get_config).",
+      lock_config=True,
+      flag_values=flag_values,
+  )
+  flags.DEFINE_multi_string(
+      "gin_file", [], "Gin files binding config fields.", flag_values=flag_values
+  )
+  flags.DEFINE_multi_string(
+      "gin_param", [], "Gin bindings, e.g. 'optimizer.lr = 1e-3'.", flag_values=flag_values
+  )
   flags.mark_flag_as_required("config", flag_values=flag_values)
 
 
@@ -430,17 +509,22 @@ def _section_configurable(section: str):
   import gin
   # gin keeps one global registry, so each section is registered once per process.
   if section not in _GIN_CONFIGURABLES:
+
     def bindings(**kwargs):
       return kwargs
-    _GIN_CONFIGURABLES[section] = gin.external_configurable(bindings, name=section,
-                                                            module="jaxpipe.training.config")
+
+    _GIN_CONFIGURABLES[section] = gin.external_configurable(
+        bindings, name=section, module="jaxpipe.training.config"
+    )
   return _GIN_CONFIGURABLES[section]
 
 
-def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
-              bindings: Iterable[str] = ()) -> ml_collections.ConfigDict:
+def apply_gin(
+    config: ml_collections.ConfigDict, files: Iterable[str] = (), bindings: Iterable[str] = ()
+) -> ml_collections.ConfigDict:
   """Applies gin bindings such as `model.d_model = 256` (files, then single bindings) onto `config`."""
   import gin
+
   files, bindings = list(files), list(bindings)
   if not files and not bindings:
     return config
@@ -453,8 +537,9 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
     try:
       gin.parse_config_files_and_bindings(files, bindings)
     except (ValueError, OSError) as e:
-      raise ConfigError(f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. "
-                        "'model.d_model = 256'") from e
+      raise ConfigError(
+          f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. " "'model.d_model = 256'"
+      ) from e
     bound = {section: fn() for section, fn in fns.items()}
   finally:
     gin.clear_config()
@@ -462,7 +547,9 @@ def apply_gin(config: ml_collections.ConfigDict, files: Iterable[str] = (),
     for key, value in values.items():
       if key not in config[section]:
         close = difflib.get_close_matches(key, list(config[section].keys()), n=1)
-        hint = f"did you mean {section}.{close[0]}?" if close else f"fields: {list(config[section])}"
+        hint = (
+            f"did you mean {section}.{close[0]}?" if close else f"fields: {list(config[section])}"
+        )
         raise ConfigError(f"gin binding {section}.{key}: no such field; {hint}")
       try:
         config[section][key] = value

@@ -10,7 +10,7 @@ imported model at once); and WORKDIR/hf/, the source's config.json, tokenizer an
 which the export carries along. The training runner
 then resumes from step 0 under any schedule and mesh: that is fine-tuning. orbax-to-hf writes
 the newest committed step (or `step`) of a workdir in transformers' layout, by default in the
-source's dtype, with the files of WORKDIR/hf/ beside it. """
+source's dtype, with the files of WORKDIR/hf/ beside it."""
 
 import dataclasses
 import json
@@ -76,16 +76,19 @@ def _finetune_config(cfg: transformer.TransformerConfig) -> ml_collections.Confi
 def _mesh(pp: int, ep: int):
   """A pp x ep mesh over the first pp·ep devices (dp = 1), for placing one copy of the model."""
   from jaxpipe.training.mesh import make_mesh
+
   if pp * ep > jax.device_count():
-    raise ValueError(f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are "
-                     "visible")
+    raise ValueError(
+        f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are " "visible"
+    )
   mesh = config_lib.default_config().mesh
   mesh.pp, mesh.ep, mesh.dp = pp, ep, 1
-  return make_mesh(mesh, devices=jax.devices()[:pp * ep])
+  return make_mesh(mesh, devices=jax.devices()[: pp * ep])
 
 
 def _param_shardings(cfg: transformer.TransformerConfig, mesh):
   from jaxpipe.training.state import state_shardings
+
   shapes = jax.eval_shape(lambda k: transformer.init_params(cfg, k), jax.random.key(0))
   return shapes, state_shardings(shapes, mesh)
 
@@ -94,6 +97,7 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "no
   """Writes a training workdir that resumes from the checkpoint in `src` (module docstring),
   for fine-tuning with the FP8 recipe `fp8` (model.fp8)."""
   from jaxpipe.training.state import fresh_state, make_optimizer, state_shardings
+
   plan = hf.check(src)  # every refusal comes before any device work
   config = _finetune_config(plan.cfg)  # what WORKDIR/config.py gives
   config.model.fp8 = fp8
@@ -106,9 +110,17 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "no
     raise ValueError(f"{ckpt_dir} already holds checkpoints; convert into a new workdir")
   _copy_files(src, os.path.join(workdir, HF_DIR), weights=False)
   with open(os.path.join(workdir, "config.py"), "w") as f:
-    f.write(_CONFIG_PY.format(src=os.path.abspath(src), workdir=os.path.abspath(workdir),
-                              model_type=plan.hf_config["model_type"], fp8=fp8))
-  with open(os.path.join(workdir, "config.json"), "w") as f:  # as a run writes it (serving reads it)
+    f.write(
+        _CONFIG_PY.format(
+            src=os.path.abspath(src),
+            workdir=os.path.abspath(workdir),
+            model_type=plan.hf_config["model_type"],
+            fp8=fp8,
+        )
+    )
+  with open(
+      os.path.join(workdir, "config.json"), "w"
+  ) as f:  # as a run writes it (serving reads it)
     f.write(config.to_json_best_effort(indent=2))
   mesh = _mesh(pp, ep)
   cfg = config_lib.model_config(config)
@@ -145,16 +157,21 @@ def workdir_model(workdir: str) -> transformer.TransformerConfig:
     return config_lib.model_config(run_config(workdir))
   if os.path.isfile(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)):
     return config_lib.model_config(finetune_config(workdir))
-  raise ValueError(f"{workdir} has neither config.json (a training run's) nor {HF_DIR}/"
-                   f"{hf.CONFIG_FILE} (a conversion's); which model it holds is unknown")
+  raise ValueError(
+      f"{workdir} has neither config.json (a training run's) nor {HF_DIR}/"
+      f"{hf.CONFIG_FILE} (a conversion's); which model it holds is unknown"
+  )
 
 
 def committed_steps(workdir: str) -> list[int]:
   """The committed checkpoint steps of a workdir, oldest first."""
   ckpt_dir = os.path.join(workdir, "checkpoints")
   names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-  return sorted(int(n) for n in names
-                if n.isdigit() and checkpoint_lib.is_committed(os.path.join(ckpt_dir, n)))
+  return sorted(
+      int(n)
+      for n in names
+      if n.isdigit() and checkpoint_lib.is_committed(os.path.join(ckpt_dir, n))
+  )
 
 
 def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, mesh) -> dict:
@@ -165,23 +182,40 @@ def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, 
   over pp and ep, as an export of a model too large for one device must.
   """
   import orbax.checkpoint as ocp
+
   shapes, shardings = _param_shardings(cfg, mesh)
-  abstract = {"params": jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)}
-  manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                  item_handlers=ocp.PyTreeCheckpointHandler(),
-                                  options=ocp.CheckpointManagerOptions(create=False))
+  abstract = {
+      "params": jax.tree.map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+      )
+  }
+  manager = ocp.CheckpointManager(
+      os.path.abspath(os.path.join(workdir, "checkpoints")),
+      item_handlers=ocp.PyTreeCheckpointHandler(),
+      options=ocp.CheckpointManagerOptions(create=False),
+  )
   try:
-    restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-        partial_restore=True))
+    restored = manager.restore(
+        step,
+        args=ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True,
+        ),
+    )
   finally:
     manager.close()
   return restored["params"]
 
 
-def orbax_to_hf(workdir: str, dst: str, step: int | None = None, dtype: str | None = None,
-                pp: int = 1, ep: int = 1) -> dict:
+def orbax_to_hf(
+    workdir: str,
+    dst: str,
+    step: int | None = None,
+    dtype: str | None = None,
+    pp: int = 1,
+    ep: int = 1,
+) -> dict:
   """Writes checkpoint `step` (default the newest) of `workdir` as a transformers directory."""
   cfg = workdir_model(workdir)
   base_path = os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)

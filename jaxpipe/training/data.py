@@ -6,6 +6,7 @@ exactly the batches an uninterrupted run would have seen. Batches are numpy dict
 `rows` asks for some rows of the batch only (what one process of a multi-process run feeds its
 devices), equal to those rows of the whole batch.
 """
+
 import functools
 import pathlib
 import sysconfig
@@ -18,8 +19,10 @@ SPLITS = ("train", "eval")
 
 
 class Source(Protocol):
-  def batch(self, split: str, index: int, batch: int, seq_len: int,
-            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+
+  def batch(
+      self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
     """Batch number `index` of `split` (only its `rows`, in that order, when given)."""
 
 
@@ -40,11 +43,16 @@ def _rows(per_row_B: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
 def stdlib_bytes() -> np.ndarray:
   """The bytes of the Python standard library's .py files, in sorted path order, NUL-separated."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  files = sorted(p for p in root.rglob("*.py")
-                 if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts))
+  files = sorted(
+      p
+      for p in root.rglob("*.py")
+      if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts)
+  )
   if not files:
-    raise FileNotFoundError(f"no .py files under the standard library directory {root}; use "
-                            "--config.data.source=synthetic")
+    raise FileNotFoundError(
+        f"no .py files under the standard library directory {root}; use "
+        "--config.data.source=synthetic"
+    )
   return np.frombuffer(b"\0".join(p.read_bytes() for p in files), np.uint8)
 
 
@@ -53,20 +61,26 @@ class ByteCorpus:
 
   def __init__(self, data_N: np.ndarray, eval_fraction: float, seed: int):
     n_eval = int(len(data_N) * eval_fraction)
-    self.splits = {"train": data_N[:len(data_N) - n_eval], "eval": data_N[len(data_N) - n_eval:]}
+    self.splits = {"train": data_N[: len(data_N) - n_eval], "eval": data_N[len(data_N) - n_eval :]}
     self.seed = seed
 
-  def batch(self, split: str, index: int, batch: int, seq_len: int,
-            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  def batch(
+      self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
     rng = _rng(self.seed, split, index)
     data = self.splits[split]
     if len(data) < seq_len + 1:
-      raise ValueError(f"the {split} split has {len(data)} bytes, fewer than seq_len + 1 = "
-                       f"{seq_len + 1}; shorten data.seq_len or enlarge data.eval_fraction")
+      raise ValueError(
+          f"the {split} split has {len(data)} bytes, fewer than seq_len + 1 = "
+          f"{seq_len + 1}; shorten data.seq_len or enlarge data.eval_fraction"
+      )
     start_R = _rows(rng.integers(0, len(data) - seq_len, size=batch), rows)
     window_RxL1 = data[start_R[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-    return {"tokens": window_RxL1[:, :-1], "targets": window_RxL1[:, 1:],
-            "mask": np.ones((len(start_R), seq_len), np.float32)}
+    return {
+        "tokens": window_RxL1[:, :-1],
+        "targets": window_RxL1[:, 1:],
+        "mask": np.ones((len(start_R), seq_len), np.float32),
+    }
 
 
 class Synthetic:
@@ -79,8 +93,9 @@ class Synthetic:
   def __init__(self, vocab: int, seed: int):
     self.vocab, self.seed = vocab, seed
 
-  def batch(self, split: str, index: int, batch: int, seq_len: int,
-            rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  def batch(
+      self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
     rng = _rng(self.seed, split, index)
     start_R = _rows(rng.integers(0, self.vocab, size=batch), rows)
     stride_R = _rows(rng.integers(1, 4, size=batch), rows)
@@ -88,8 +103,11 @@ class Synthetic:
     length_R = _rows(rng.integers(seq_len // 2, seq_len + 1, size=batch), rows)
     mask_RxL = (np.arange(seq_len)[None, :] < length_R[:, None]).astype(np.float32)
     seq_RxL1 = seq_RxL1.astype(np.int32)
-    return {"tokens": seq_RxL1[:, :-1], "targets": seq_RxL1[:, 1:] * mask_RxL.astype(np.int32),
-            "mask": mask_RxL}
+    return {
+        "tokens": seq_RxL1[:, :-1],
+        "targets": seq_RxL1[:, 1:] * mask_RxL.astype(np.int32),
+        "mask": mask_RxL,
+    }
 
 
 def make_source(data: ml_collections.ConfigDict, vocab: int) -> Source:

@@ -25,6 +25,7 @@ train step moves the sigmoid router's balancing biases. `moe.aux_objective` is t
 `moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
 pooled over the layers.
 """
+
 from collections.abc import Callable
 
 import jax
@@ -44,6 +45,7 @@ from jaxpipe.training.mesh import make_mesh
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 
+
 def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
   """`jax.value_and_grad` of the whole model; XLA splits the batch over the data axes.
 
@@ -62,15 +64,21 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
     else:
       # Row i*m + j goes to micro-batch j: a reshape that keeps the batch axis's sharding.
       split = jax.tree.map(
-          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
-                                 0, 1), batch)
+          lambda x: jnp.swapaxes(
+              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
+          ),
+          batch,
+      )
 
       def body(carry, mb):
         (s, n), g = grad_fn(params, mb)
         return fp8_lib.accumulate(carry, (s, n, g)), None
 
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-               jax.tree.map(jnp.zeros_like, params))
+      zeros = (
+          jnp.zeros((), jnp.float32),
+          jnp.zeros((), jnp.float32),
+          jax.tree.map(jnp.zeros_like, params),
+      )
       (total, count, grads), _ = jax.lax.scan(body, zeros, split)
     denom = jnp.maximum(count, 1.0)
     return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
@@ -89,8 +97,9 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
   def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):
-      total, _, aux = transformer.loss_and_aux(cfg, params, batch["tokens"], batch["targets"],
-                                               batch["mask"])
+      total, _, aux = transformer.loss_and_aux(
+          cfg, params, batch["tokens"], batch["targets"], batch["mask"]
+      )
     ce = total / denom
     aux_loss = moe_lib.aux_objective(moe_cfg, aux)
     return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
@@ -105,8 +114,11 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       (_, (loss, aux)), grads = grad_fn(params, batch, denom)
     else:
       split = jax.tree.map(
-          lambda x: jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]),
-                                 0, 1), batch)
+          lambda x: jnp.swapaxes(
+              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
+          ),
+          batch,
+      )
 
       def body(carry, mb):
         (_, (ce, a)), g = grad_fn(params, mb, denom)
@@ -116,17 +128,24 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
       (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
       (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
-    metrics = {"tokens": count,
-               **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
-               "moe_aux_loss": aux["objective"] / microbatches}  # the pooled form's lb included
+    metrics = {
+        "tokens": count,
+        **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
+        "moe_aux_loss": aux["objective"] / microbatches,
+    }  # the pooled form's lb included
     return loss, grads, metrics
 
   return loss_and_grads
 
 
-def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbatches: int = 1, *,
-                                    axis_name: str = "cp",
-                                    batch_axes: tuple[str, ...] = ("dp", "ep")):
+def context_parallel_loss_and_grads(
+    cfg: TransformerConfig,
+    mesh: Mesh,
+    microbatches: int = 1,
+    *,
+    axis_name: str = "cp",
+    batch_axes: tuple[str, ...] = ("dp", "ep"),
+):
   """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
@@ -144,8 +163,10 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
   if cfg.fp8 == "delayed" and cfg.attention == "pallas":
     # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
     # where it tracks varying axes, which interpreted Pallas kernels need switched off
-    raise ValueError("model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
-                     "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1")
+    raise ValueError(
+        "model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
+        "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1"
+    )
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(mesh.axis_names))
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
@@ -165,8 +186,13 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
     return total[None], aux
 
-  sharded = jax.shard_map(local_sums, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                          out_specs=(every_axis, aux_spec), check_vma=cfg.attention != "pallas")
+  sharded = jax.shard_map(
+      local_sums,
+      mesh=mesh,
+      in_specs=(P(), spec, spec, spec),
+      out_specs=(every_axis, aux_spec),
+      check_vma=cfg.attention != "pallas",
+  )
 
   def loss_sum(params, batch):
     total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
@@ -177,21 +203,29 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
   def loss_and_grads(params, batch):
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
-    batch = {"tokens": batch["tokens"], "targets": batch["targets"],
-             "weights": transformer.mean_weights(batch["mask"])}
+    batch = {
+        "tokens": batch["tokens"],
+        "targets": batch["targets"],
+        "weights": transformer.mean_weights(batch["mask"]),
+    }
     if microbatches == 1:
       (total, aux), grads = grad_fn(params, batch)
     else:
       # Row i*m + j goes to micro-batch j, as in the data-parallel path.
-      split = jax.tree.map(lambda x: jnp.swapaxes(
-          x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+      split = jax.tree.map(
+          lambda x: jnp.swapaxes(
+              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
+          ),
+          batch,
+      )
 
       def body(carry, mb):
         return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
 
       first = jax.tree.map(lambda x: x[0], split)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           jax.eval_shape(grad_fn, params, first))
+      zeros = jax.tree.map(
+          lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first)
+      )
       ((total, aux), grads), _ = jax.lax.scan(body, zeros, split)
     metrics = {"tokens": count}
     if cfg.moe is not None:
@@ -201,9 +235,12 @@ def context_parallel_loss_and_grads(cfg: TransformerConfig, mesh: Mesh, microbat
   return loss_and_grads
 
 
-def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfig,
-                        mesh_shape: dict[str, int],
-                        layers_in_placement_order: bool = False) -> LossAndGrads:
+def make_loss_and_grads(
+    config: ml_collections.ConfigDict,
+    cfg: TransformerConfig,
+    mesh_shape: dict[str, int],
+    layers_in_placement_order: bool = False,
+) -> LossAndGrads:
   """The gradient computation the config asks for.
 
   layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
@@ -211,21 +248,29 @@ def make_loss_and_grads(config: ml_collections.ConfigDict, cfg: TransformerConfi
   """
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
-    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and (
-        mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1):
+    if (
+        cfg.moe.lb_loss_form == "pooled"
+        and cfg.moe.lb_loss_coef
+        and (mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1)
+    ):
       raise config_lib.ConfigError(
           "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
           "layers, which the pipeline and context-parallel paths keep apart; set "
           "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
-          "between the two) or run with mesh.pp = mesh.cp = 1")
+          "between the two) or run with mesh.pp = mesh.cp = 1"
+      )
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
-    return pipeline_loss_and_grads(cfg, config.pipeline, make_mesh(config.mesh),
-                                   layers_in_placement_order)
+
+    return pipeline_loss_and_grads(
+        cfg, config.pipeline, make_mesh(config.mesh), layers_in_placement_order
+    )
   if mesh_shape["cp"] > 1:
     # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
-    return context_parallel_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
+    return context_parallel_loss_and_grads(
+        cfg, make_mesh(config.mesh), config.pipeline.microbatches
+    )
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)

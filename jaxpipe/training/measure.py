@@ -14,6 +14,7 @@ own train step. After a warm-up, `--repeats` rounds time every kind once each (s
 during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
 from the shapes (`executor.stage_ops`): exact.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,15 +58,17 @@ def seconds(fn: Callable, *args) -> tuple[float, float]:
   return time.perf_counter() - t0, time.process_time() - c0
 
 
-def microbatch_shape(config: ml_collections.ConfigDict, mesh_shape: dict, microbatches: int
-                     ) -> tuple[int, int]:
+def microbatch_shape(
+    config: ml_collections.ConfigDict, mesh_shape: dict, microbatches: int
+) -> tuple[int, int]:
   """Sequences and tokens one device holds of one micro-batch: [batch / (dp ep m), seq / cp]."""
   replicas = mesh_shape["dp"] * mesh_shape["ep"]
   if config.data.batch % (replicas * microbatches):
     raise config_lib.ConfigError(
         f"data.batch={config.data.batch} does not split into {replicas} data ranks x "
         f"{microbatches} micro-batches; measure a micro-batch count that divides "
-        f"{config.data.batch // replicas}")
+        f"{config.data.batch // replicas}"
+    )
   return config.data.batch // (replicas * microbatches), config.data.seq_len // mesh_shape["cp"]
 
 
@@ -89,8 +92,14 @@ def part_table(kind: str, ticks: int, ranks: int) -> np.ndarray:
     start = 2
   for t in range(start, ticks):
     if kind in ("F", "embed", "head"):
-      put(t, "F", **fwd, f_first=int(kind == "embed"), f_last=int(kind == "head"),
-          f_cot=0 if kind == "head" else -1)
+      put(
+          t,
+          "F",
+          **fwd,
+          f_first=int(kind == "embed"),
+          f_last=int(kind == "head"),
+          f_cot=0 if kind == "head" else -1,
+      )
     elif kind == "I":
       put(t, "I", **bwd, b_wg=0)
     elif kind == "B":
@@ -115,13 +124,22 @@ class StageTimer:
   call costs around its ticks come from the idle table at two lengths; a ppermute from a loop
   of them."""
 
-  def __init__(self, cfg: transformer.TransformerConfig, mesh: jax.sharding.Mesh,
-               microbatches: int, stages: int, shape: tuple[int, int], ticks: int = TICKS):
+  def __init__(
+      self,
+      cfg: transformer.TransformerConfig,
+      mesh: jax.sharding.Mesh,
+      microbatches: int,
+      stages: int,
+      shape: tuple[int, int],
+      ticks: int = TICKS,
+  ):
     every = cfg.moe.every if cfg.moe is not None else 1
     units = cfg.n_layers // every
     if units % stages:
-      raise config_lib.ConfigError(f"model.n_layers={cfg.n_layers} does not split into {stages} "
-                                   "stages; measure a stage count that divides the layers")
+      raise config_lib.ConfigError(
+          f"model.n_layers={cfg.n_layers} does not split into {stages} "
+          "stages; measure a stage count that divides the layers"
+      )
     self.microbatches, self.stages, self.shape = microbatches, stages, shape
     self.layers = units // stages * every
     self.ticks = ticks
@@ -129,15 +147,14 @@ class StageTimer:
     seq_axes = (CONTEXT_AXIS,) if mesh.shape[CONTEXT_AXIS] > 1 else ()
     model = lm_model(cfg, seq_axes[0] if seq_axes else None)
     params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
-    stage = jax.tree.map(lambda a: a[:units // stages], params["layers"])
+    stage = jax.tree.map(lambda a: a[: units // stages], params["layers"])
     head = {k: v for k, v in params.items() if k != "layers"}
     embed = {"embed": params["embed"]}
     b, seq = shape
     data = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     replicas = math.prod(mesh.shape[a] for a in data)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab, (1, b * replicas, seq * mesh.shape[CONTEXT_AXIS]),
-                          np.int32)
+    tokens = rng.integers(0, cfg.vocab, (1, b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
     target = (np.roll(tokens, -1, axis=2), np.ones(tokens.shape, np.float32))
     ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
     stage_specs = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
@@ -145,16 +162,34 @@ class StageTimer:
     self._args = (local, tokens, target, head, embed)
     codes = tuple(sorted(BRANCHES.index(b) for b in ("idle", "F", "I", "B", "W", "F+B")))
     make = lambda n, branches: make_executor(
-        model, ExecSpec(num_ranks=p, chunks=1, num_ticks=n, act_slots=1, res_slots=1,
-                        cot_slots=1, wg_slots=1, branches=branches,
-                        channels=(True, False, False, False)),
-        mesh, "pp", data, param_specs_key(stage_specs), seq_axes)
+        model,
+        ExecSpec(
+            num_ranks=p,
+            chunks=1,
+            num_ticks=n,
+            act_slots=1,
+            res_slots=1,
+            cot_slots=1,
+            wg_slots=1,
+            branches=branches,
+            channels=(True, False, False, False),
+        ),
+        mesh,
+        "pp",
+        data,
+        param_specs_key(stage_specs),
+        seq_axes,
+    )
     self._run = make(ticks, codes)
     self._short = make(1, (0,))  # one idle tick: what a call costs around its ticks
     self._tables = {k: part_table(k, ticks, p) for k in PARTS}
     self._one_idle = part_table("idle", 1, p)
-    self._temp = self._run.lower(self._tables["idle"], *self._args).compile(
-        ).memory_analysis().temp_size_in_bytes
+    self._temp = (
+        self._run.lower(self._tables["idle"], *self._args)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+    )
     # a ppermute of one activation to the next rank, in a loop: what each extra channel adds
     perm = [(i, (i + 1) % p) for i in range(p)]
     io = P(data, *seq_axes)
@@ -163,13 +198,26 @@ class StageTimer:
     def sizes(stage, embed, tokens):
       x = model.embed_fn(embed, tokens[0])
       ops = stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
-      found["bytes"] = {"activation": _nbytes(x), "residual": _nbytes(ops.stored),
-                        "wg": _nbytes(ops.g)}
+      found["bytes"] = {
+          "activation": _nbytes(x),
+          "residual": _nbytes(ops.stored),
+          "wg": _nbytes(ops.g),
+      }
       found["x"] = jax.ShapeDtypeStruct(x.shape, x.dtype)
       return jnp.zeros(())
 
-    jax.eval_shape(jax.shard_map(sizes, mesh=mesh, in_specs=(stage_specs, P(), P(None, *io)),
-                                 out_specs=P(), check_vma=False), stage, embed, tokens)
+    jax.eval_shape(
+        jax.shard_map(
+            sizes,
+            mesh=mesh,
+            in_specs=(stage_specs, P(), P(None, *io)),
+            out_specs=P(),
+            check_vma=False,
+        ),
+        stage,
+        embed,
+        tokens,
+    )
     self.bytes = found["bytes"]
     b = self.bytes  # this executor's own slots: one of each
     self.bytes["work"] = max(self._temp - 2 * b["activation"] - b["residual"] - b["wg"], 0)
@@ -179,8 +227,11 @@ class StageTimer:
       return lax.fori_loop(0, n, lambda _, x: lax.ppermute(x, "pp", perm), x[0])[None]
 
     all_axes = P(tuple(mesh.axis_names))
-    self._hops = jax.jit(jax.shard_map(hops, mesh=mesh, in_specs=(P(), all_axes),
-                                       out_specs=all_axes, check_vma=False))
+    self._hops = jax.jit(
+        jax.shard_map(
+            hops, mesh=mesh, in_specs=(P(), all_axes), out_specs=all_axes, check_vma=False
+        )
+    )
     self._x = jnp.zeros((mesh.size,) + x_sd.shape, x_sd.dtype)
     self.kinds = list(PARTS) + ["short", "hops"]
     self.hops = 1
@@ -220,13 +271,19 @@ class StageTimer:
       sec["call"] = max(med["short"] - sec["tick"], 0.0)
       sec["ppermute"] = med["hops"] / self.hops
       out[name] = sec
-    return {"microbatches": self.microbatches, "stages": self.stages,
-            "microbatch": list(self.shape), "layers_per_stage": self.layers,
-            "bytes": self.bytes, **out}
+    return {
+        "microbatches": self.microbatches,
+        "stages": self.stages,
+        "microbatch": list(self.shape),
+        "layers_per_stage": self.layers,
+        "bytes": self.bytes,
+        **out,
+    }
 
 
-def time_rounds(timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] = {}
-                ) -> tuple[list[dict], dict[str, list[tuple[float, float]]]]:
+def time_rounds(
+    timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] = {}
+) -> tuple[list[dict], dict[str, list[tuple[float, float]]]]:
   """`repeats` rounds, each timing every part of every timer once (and each of `extra`), so
   that load drifting during the run hits all of them alike."""
   samples = [{k: [] for k in t.kinds} for t in timers]
@@ -247,8 +304,9 @@ def load_average() -> str:
     return "unknown"
 
 
-def update_timer(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
-                 ) -> tuple[Callable[[], tuple[float, float]], dict]:
+def update_timer(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> tuple[Callable[[], tuple[float, float]], dict]:
   """A call timing one optimizer update on the real train state (layers split over pp, one
   copy), and the state's and gradients' bytes per device, the layer stack's share apart."""
   cfg = config_lib.model_config(config)
@@ -264,27 +322,39 @@ def update_timer(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
   def update(state):
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state)
+    return state.replace(
+        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
+    )
 
   run = jax.jit(update, in_shardings=(shardings,), out_shardings=shardings)
   per_device = lambda s, sh: math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
   in_layers = lambda path: "layers" in [getattr(k, "key", None) for k in path]
   sizes = {"state": {True: 0, False: 0}, "grad": {True: 0, False: 0}}
-  for what, tree, shard in (("state", shapes, shardings), ("grad", shapes.params,
-                                                           shardings.params)):
-    for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                             jax.tree.leaves(shard)):
+  for what, tree, shard in (
+      ("state", shapes, shardings),
+      ("grad", shapes.params, shardings.params),
+  ):
+    for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shard)):
       sizes[what][in_layers(path)] += per_device(s, sh)
   seconds(run, state)  # compiles
-  return (lambda: seconds(run, state), {
-      "layer_state_bytes": sizes["state"][True], "shared_state_bytes": sizes["state"][False],
-      "layer_grad_bytes": sizes["grad"][True], "shared_grad_bytes": sizes["grad"][False]})
+  return (
+      lambda: seconds(run, state),
+      {
+          "layer_state_bytes": sizes["state"][True],
+          "shared_state_bytes": sizes["state"][False],
+          "layer_grad_bytes": sizes["grad"][True],
+          "shared_grad_bytes": sizes["grad"][False],
+      },
+  )
 
 
-def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
-            repeats: int = 5, log: Callable[[str], None] | None = None,
-            step: Callable[[], tuple[float, float]] | None = None) -> dict:
+def measure(
+    config: ml_collections.ConfigDict,
+    pairs: Sequence[tuple[int, int]],
+    repeats: int = 5,
+    log: Callable[[str], None] | None = None,
+    step: Callable[[], tuple[float, float]] | None = None,
+) -> dict:
   """The cost file's contents for the config's model and mesh at each (micro-batches, stages).
 
   step: a call timing the config's own train step (`jaxpipe.measure.step_timer`), timed in the
@@ -295,8 +365,10 @@ def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
   cfg = config_lib.model_config(config)
   load_before = load_average()
   t0 = time.perf_counter()
-  timers = [StageTimer(cfg, mesh, m, s, microbatch_shape(config, mesh_shape, m))
-            for m, s in sorted(set(pairs))]
+  timers = [
+      StageTimer(cfg, mesh, m, s, microbatch_shape(config, mesh_shape, m))
+      for m, s in sorted(set(pairs))
+  ]
   for t in timers:
     t.warm_up()
   update, step_bytes = update_timer(config, mesh)
@@ -308,40 +380,64 @@ def measure(config: ml_collections.ConfigDict, pairs: Sequence[tuple[int, int]],
   entries = [t.entry(s) for t, s in zip(timers, samples)]
   if log:
     for e in entries:
-      log(f"measured m={e['microbatches']} over {e['stages']} stages (micro-batch "
-          f"{e['microbatch']} per device): " + ", ".join(f"{k} {1e3 * v:.3f} ms"
-                                                          for k, v in e["seconds"].items()))
+      log(
+          f"measured m={e['microbatches']} over {e['stages']} stages (micro-batch "
+          f"{e['microbatch']} per device): "
+          + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in e["seconds"].items())
+      )
   d = jax.devices()[0]
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  devices = {"platform": d.platform, "count": jax.device_count(), "cores": cores,
-             "parallel": d.platform != "cpu" or jax.device_count() <= cores}
+  devices = {
+      "platform": d.platform,
+      "count": jax.device_count(),
+      "cores": cores,
+      "parallel": d.platform != "cpu" or jax.device_count() <= cores,
+  }
   median = lambda xs, i: statistics.median(x[i] for x in xs)
-  setup = {"model": config.model.to_dict(), "mesh": mesh_shape,
-           "batch": [config.data.batch, config.data.seq_len],
-           "devices": f"{jax.device_count()} x {d.platform} ({d.device_kind})",
-           "repeats": repeats, "ticks_per_table": TICKS, "ppermutes_per_call": {
-               f"m={t.microbatches}/{t.stages}": t.hops for t in timers},
-           "jax": jax.__version__, "seconds": {"compile": compiled,
-                                               "timing": time.perf_counter() - t0 - compiled},
-           "load_average": f"{load_before} before, {load_average()} after (1, 5, 15 min)"}
+  setup = {
+      "model": config.model.to_dict(),
+      "mesh": mesh_shape,
+      "batch": [config.data.batch, config.data.seq_len],
+      "devices": f"{jax.device_count()} x {d.platform} ({d.device_kind})",
+      "repeats": repeats,
+      "ticks_per_table": TICKS,
+      "ppermutes_per_call": {f"m={t.microbatches}/{t.stages}": t.hops for t in timers},
+      "jax": jax.__version__,
+      "seconds": {"compile": compiled, "timing": time.perf_counter() - t0 - compiled},
+      "load_average": f"{load_before} before, {load_average()} after (1, 5, 15 min)",
+  }
   if step is not None:
     p = config.pipeline
-    setup["paired"] = {"schedule": p.schedule, "microbatches": p.microbatches,
-                       "chunks": p.chunks, "step_s": median(others["step"], 0),
-                       "step_cpu_s": median(others["step"], 1),
-                       "samples": [list(x) for x in others["step"]]}
-  step = {"update_s": median(others["update"], 0), costs_lib.STEP_CPU: median(others["update"], 1),
-          **step_bytes}
-  out = {"format": costs_lib.FORMAT, "setup": setup, "devices": devices, "step": step,
-         "entries": entries}
+    setup["paired"] = {
+        "schedule": p.schedule,
+        "microbatches": p.microbatches,
+        "chunks": p.chunks,
+        "step_s": median(others["step"], 0),
+        "step_cpu_s": median(others["step"], 1),
+        "samples": [list(x) for x in others["step"]],
+    }
+  step = {
+      "update_s": median(others["update"], 0),
+      costs_lib.STEP_CPU: median(others["update"], 1),
+      **step_bytes,
+  }
+  out = {
+      "format": costs_lib.FORMAT,
+      "setup": setup,
+      "devices": devices,
+      "step": step,
+      "entries": entries,
+  }
   costs_lib.parse(out)
   return out
 
 
 # --- pipeline.schedule = auto ----------------------------------------------------------------
 
-def choose(config: ml_collections.ConfigDict, mesh_shape: dict,
-           log: Callable[[str], None] | None = None) -> tuple[auto_lib.Ranking, dict | None]:
+
+def choose(
+    config: ml_collections.ConfigDict, mesh_shape: dict, log: Callable[[str], None] | None = None
+) -> tuple[auto_lib.Ranking, dict | None]:
   """Ranks the auto candidates with pipeline.costs, or with costs measured now (returned, to be
   saved); the config's pipeline.schedule must be 'auto'."""
   p = config.pipeline
@@ -355,7 +451,12 @@ def choose(config: ml_collections.ConfigDict, mesh_shape: dict,
     measured = measure(config, pairs, log=log)
     costs = costs_lib.parse(measured, "<measured>")
   limit = p.memory_limit_gb * auto_lib.GB if p.memory_limit_gb else None
-  ranking = auto_lib.rank(mesh_shape["pp"], config_lib.auto_microbatches(config, mesh_shape),
-                          costs, limit, config_lib.layer_units(config),
-                          config_lib.auto_names(config))
+  ranking = auto_lib.rank(
+      mesh_shape["pp"],
+      config_lib.auto_microbatches(config, mesh_shape),
+      costs,
+      limit,
+      config_lib.layer_units(config),
+      config_lib.auto_names(config),
+  )
   return ranking, measured

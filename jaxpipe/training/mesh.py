@@ -1,4 +1,5 @@
 """The named device mesh: axes pp, dp, ep, cp, tp, sized from the config."""
+
 from collections.abc import Sequence
 
 import jax
@@ -14,8 +15,9 @@ from jaxpipe.training.config import MESH_AXES, mesh_order, mesh_shape
 BATCH_AXES = ("dp", "ep")
 
 
-def make_mesh(mesh_cfg: ml_collections.ConfigDict,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    mesh_cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
   """A mesh with every axis of MESH_AXES (size-1 axes included), Auto axis types.
 
   Devices are laid out in `mesh.order`, outermost first: `jax.make_mesh` places the device list
@@ -27,8 +29,12 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict,
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
   order = mesh_order(mesh_cfg)
-  laid = jax.make_mesh(tuple(shape[a] for a in order), order, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(order))
+  laid = jax.make_mesh(
+      tuple(shape[a] for a in order),
+      order,
+      devices=devices,
+      axis_types=(jax.sharding.AxisType.Auto,) * len(order),
+  )
   grid = laid.devices.transpose([order.index(a) for a in MESH_AXES])
   return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
@@ -36,8 +42,11 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict,
 def axes_across_processes(mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes along which neighbouring devices belong to different processes."""
   process_of = np.vectorize(lambda d: d.process_index)(mesh.devices)
-  return tuple(a for i, a in enumerate(mesh.axis_names)
-               if process_of.shape[i] > 1 and np.any(np.diff(process_of, axis=i)))
+  return tuple(
+      a
+      for i, a in enumerate(mesh.axis_names)
+      if process_of.shape[i] > 1 and np.any(np.diff(process_of, axis=i))
+  )
 
 
 def describe(mesh: Mesh) -> str:
@@ -49,8 +58,10 @@ def describe(mesh: Mesh) -> str:
     return f"{sizes} {where}"
   across = axes_across_processes(mesh)
   within = [a for a, n in mesh.shape.items() if n > 1 and a not in across]
-  return (f"{sizes} {where} in {processes} processes x {len(mesh.local_devices)}: across "
-          f"processes {', '.join(across) or 'none'}, within each {', '.join(within) or 'none'}")
+  return (
+      f"{sizes} {where} in {processes} processes x {len(mesh.local_devices)}: across "
+      f"processes {', '.join(across) or 'none'}, within each {', '.join(within) or 'none'}"
+  )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -25,6 +25,7 @@ L/cp tokens with rotary positions offset to its slice, and attention's Ulysses a
 over `cp` sit inside the branch beside the MoE ones, for the same reason. A ppermute there would
 wait for every device of the program, so `cp_overlap` runs its chunked all-to-all form.
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,8 +87,13 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
 
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
-  return Model(layered(layer_fn), loss_fn, embed_fn, stage_aux=cfg.moe is not None,
-               max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None)
+  return Model(
+      layered(layer_fn),
+      loss_fn,
+      embed_fn,
+      stage_aux=cfg.moe is not None,
+      max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None,
+  )
 
 
 def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
@@ -103,8 +109,9 @@ def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
   return (layout[:, None] * per_stage + np.arange(per_stage)).ravel()
 
 
-def lm_layer_order(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
-                   pp: int) -> np.ndarray | None:
+def lm_layer_order(
+    cfg: TransformerConfig, pipeline: ml_collections.ConfigDict, pp: int
+) -> np.ndarray | None:
   """`placement_order` of the LM's layer stack (an entry per layer, or per moe.every group)."""
   every = cfg.moe.every if cfg.moe is not None else 1
   return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
@@ -112,15 +119,21 @@ def lm_layer_order(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
 
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
   """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
+
   def spec(path, leaf):
     if ep_axis is None or getattr(path[-1], "key", None) not in moe_lib.EXPERT_WEIGHTS:
       return P()
     return P(*(None,) * (len(leaf.shape) - 4), ep_axis)  # leaf: [stages, ..., E, in, out]
+
   return jax.tree_util.tree_map_with_path(spec, stage_layers)
 
 
-def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.ConfigDict,
-                            mesh: Mesh, layers_in_placement_order: bool = False):
+def pipeline_loss_and_grads(
+    cfg: TransformerConfig,
+    pipeline: ml_collections.ConfigDict,
+    mesh: Mesh,
+    layers_in_placement_order: bool = False,
+):
   """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
 
   metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
@@ -132,18 +145,22 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   """
   for axis in mesh.axis_names:
     if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
-      raise ValueError(f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
-                       f"data ({', '.join(BATCH_AXES)}) and context ({CONTEXT_AXIS}) parallelism "
-                       f"only; set mesh.{axis}=1")
+      raise ValueError(
+          f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
+          f"data ({', '.join(BATCH_AXES)}) and context ({CONTEXT_AXIS}) parallelism "
+          f"only; set mesh.{axis}=1"
+      )
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
   every = cfg.moe.every if cfg.moe is not None else 1
   units = cfg.n_layers // every  # entries on params['layers'] leading axis
   if units % stages:
     what = f"{units} groups of moe.every={every} layers" if every > 1 else "layers"
-    raise ValueError(f"model.n_layers={cfg.n_layers} ({what}) does not split into the "
-                     f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
-                     f"{stages * every}")
+    raise ValueError(
+        f"model.n_layers={cfg.n_layers} ({what}) does not split into the "
+        f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
+        f"{stages * every}"
+    )
   m = schedule.num_microbatches
   order = placement_order(schedule, units) if layers_in_placement_order else None
   in_placement = order is not None
@@ -158,37 +175,55 @@ def pipeline_loss_and_grads(cfg: TransformerConfig, pipeline: ml_collections.Con
   def loss_and_grads(params, batch):
     stored = jax.tree.leaves(params["layers"])[0].shape[0]
     if stored != (order.size if in_placement else units):
-      raise ValueError(f"params['layers'] has {stored} entries but this step takes "
-                       + (f"{order.size}, the layers stacked rank by rank (each twice under "
-                          f"{schedule.name!r}); pass Trainer.stored_params(params)" if in_placement
-                          else f"{units}, one per layer unit in the model's order"))
+      raise ValueError(
+          f"params['layers'] has {stored} entries but this step takes "
+          + (
+              f"{order.size}, the layers stacked rank by rank (each twice under "
+              f"{schedule.name!r}); pass Trainer.stored_params(params)"
+              if in_placement
+              else f"{units}, one per layer unit in the model's order"
+          )
+      )
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
     weighted = {**batch, "mask": transformer.mean_weights(batch["mask"])}
     # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
-    split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]),
-                                                0, 1), weighted)
-    stage_params = jax.tree.map(lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]),
-                                params["layers"])
+    split = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), weighted
+    )
+    stage_params = jax.tree.map(
+        lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]
+    )
     head_params = {k: v for k, v in params.items() if k != "layers"}
     total, stage_grads, head_grads, embed_grads, *stage_aux = pipeline_value_and_grad(
-        model, stage_params, split["tokens"], (split["targets"], split["mask"]),
-        schedule=schedule, mesh=mesh, head_params=head_params,
-        embed_params={"embed": params["embed"]}, recompute=bool(pipeline.recompute),
-        data_axes=data_axes, param_specs=stage_param_specs(stage_params, ep_axis),
-        seq_axes=seq_axes, stage_order="placement" if in_placement else "model")
+        model,
+        stage_params,
+        split["tokens"],
+        (split["targets"], split["mask"]),
+        schedule=schedule,
+        mesh=mesh,
+        head_params=head_params,
+        embed_params={"embed": params["embed"]},
+        recompute=bool(pipeline.recompute),
+        data_axes=data_axes,
+        param_specs=stage_param_specs(stage_params, ep_axis),
+        seq_axes=seq_axes,
+        stage_order="placement" if in_placement else "model",
+    )
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
-    grads["layers"] = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]),
-                                   stage_grads)
+    grads["layers"] = jax.tree.map(
+        lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), stage_grads
+    )
     grads = fp8_lib.map_grads(lambda g: g / n_tokens, grads)
     metrics = {"tokens": count}
     if stage_aux:
       # [stage blocks, data shards, units per stage, ...]: MoE statistics are sums over every
       # token shard already, the same on each data shard.
       aux = jax.tree.map(lambda a: a[:, 0].reshape(-1, *a.shape[3:]), stage_aux[0])
-      counted = aux if once is None or once.size == order.size else jax.tree.map(
-          lambda a: a[once], aux)  # resident copies: both hold the summed statistics
+      counted = (
+          aux if once is None or once.size == order.size else jax.tree.map(lambda a: a[once], aux)
+      )  # resident copies: both hold the summed statistics
       metrics.update(moe_lib.train_metrics(counted, m, n_tokens, cfg.moe.top_k))
       metrics["moe_tokens_per_expert"] = aux["tokens_per_expert"]  # the stored order's biases
     return total / n_tokens, grads, metrics

@@ -1,4 +1,5 @@
 """Parameters to serve: the newest checkpoint of a `python -m jaxpipe.train` run, or a fresh init."""
+
 from __future__ import annotations
 
 import json
@@ -16,23 +17,27 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run wrote to `workdir/config.json`."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} does not exist: --workdir must be the directory a "
-                            "`python -m jaxpipe.train --workdir` run wrote")
+    raise FileNotFoundError(
+        f"{path} does not exist: --workdir must be the directory a "
+        "`python -m jaxpipe.train --workdir` run wrote"
+    )
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
 
-def restore_params(workdir: str, config: ml_collections.ConfigDict,
-                   device: jax.Device | None = None) -> tuple[int, dict]:
+def restore_params(
+    workdir: str, config: ml_collections.ConfigDict, device: jax.Device | None = None
+) -> tuple[int, dict]:
   """(step, model parameters) of the newest checkpoint under `workdir`, on one device.
 
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
   schedule; the optimizer state is read with it (its structure is the config's) and dropped.
   """
   from jaxpipe.training.state import (  # the trainer's own state and optimizer
-    fresh_state,
-    make_optimizer,
+      fresh_state,
+      make_optimizer,
   )
+
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 
@@ -40,18 +45,23 @@ def restore_params(workdir: str, config: ml_collections.ConfigDict,
     return fresh_state(cfg, optimizer, transformer.init_params(cfg, rng))
 
   sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          jax.eval_shape(fresh, jax.random.key(0)))
+  abstract = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      jax.eval_shape(fresh, jax.random.key(0)),
+  )
   # a reader: the run may be saving into this directory right now, so nothing is renamed
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
-                              async_save=False, read_only=True)
+  checkpointer = Checkpointer(
+      os.path.join(workdir, "checkpoints"), config.checkpoint.keep, async_save=False, read_only=True
+  )
   try:
     restored = checkpointer.restore_latest(abstract)
   finally:
     checkpointer.close()
   if restored is None:
-    raise FileNotFoundError(f"no committed checkpoint in {checkpointer.directory}; train longer "
-                            "(checkpoint.every) or serve fresh parameters with --config")
+    raise FileNotFoundError(
+        f"no committed checkpoint in {checkpointer.directory}; train longer "
+        "(checkpoint.every) or serve fresh parameters with --config"
+    )
   step, state = restored
   return step, state.params
 

@@ -1,5 +1,6 @@
 """The train state and where it lives: `TrainState`, the optimizer, the layers' stored order
 (rank by rank under interleaved and V placements) and the state's shardings on the mesh."""
+
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,9 @@ class TrainState:
   fp8: Any = None  # model.fp8='delayed': amax histories, `fp8.state_of(params)` leaves [..., 3, H]
 
 
-def fresh_state(cfg: TransformerConfig, optimizer: optax.GradientTransformation,
-                params: dict) -> TrainState:
+def fresh_state(
+    cfg: TransformerConfig, optimizer: optax.GradientTransformation, params: dict
+) -> TrainState:
   """Step 0 at `params`: the optimizer's initial state and, for model.fp8='delayed', zero amax
   histories (the structure every checkpoint of the run holds)."""
   history = fp8_lib.init_history(params, cfg.fp8_history) if cfg.fp8 == "delayed" else None
@@ -36,14 +38,19 @@ def fresh_state(cfg: TransformerConfig, optimizer: optax.GradientTransformation,
 def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
   """Linear warm-up to `opt.lr`, then cosine decay to `opt.lr * opt.min_lr_ratio` at `steps`."""
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
-      decay_steps=max(steps, opt.warmup_steps + 1), end_value=opt.lr * opt.min_lr_ratio)
+      init_value=0.0,
+      peak_value=opt.lr,
+      warmup_steps=opt.warmup_steps,
+      decay_steps=max(steps, opt.warmup_steps + 1),
+      end_value=opt.lr * opt.min_lr_ratio,
+  )
 
 
 def _decays(params: dict) -> dict:
   # Norm scales are stacked into 2-D arrays, so decide by name, not by rank.
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+      lambda path, _: getattr(path[-1], "key", None) != "scale", params
+  )
 
 
 def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
@@ -53,28 +60,42 @@ def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.Gra
     del params
     g_norm = norm(updates)
     trigger = g_norm < max_norm
-    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
-                        updates), state
+    return (
+        jax.tree.map(
+            lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), updates
+        ),
+        state,
+    )
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, steps: int,
-                   norm: Callable[[Any], jax.Array] | None = None) -> optax.GradientTransformation:
+def make_optimizer(
+    opt: ml_collections.ConfigDict, steps: int, norm: Callable[[Any], jax.Array] | None = None
+) -> optax.GradientTransformation:
   """AdamW with warm-up + cosine schedule, after clipping by the global norm (`norm`, default
   optax's over every leaf)."""
-  adamw = optax.adamw(learning_rate(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                      weight_decay=opt.weight_decay, mask=_decays)
+  adamw = optax.adamw(
+      learning_rate(opt, steps),
+      b1=opt.b1,
+      b2=opt.b2,
+      eps=opt.eps,
+      weight_decay=opt.weight_decay,
+      mask=_decays,
+  )
   if not opt.clip_norm:
     return adamw
-  clip = optax.clip_by_global_norm(opt.clip_norm) if norm is None else clip_by_norm(opt.clip_norm,
-                                                                                    norm)
+  clip = (
+      optax.clip_by_global_norm(opt.clip_norm)
+      if norm is None
+      else clip_by_norm(opt.clip_norm, norm)
+  )
   return optax.chain(clip, adamw)
 
 
-
-def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
-                mesh_shape: dict[str, int]) -> np.ndarray | None:
+def layer_order(
+    config: ml_collections.ConfigDict, cfg: TransformerConfig, mesh_shape: dict[str, int]
+) -> np.ndarray | None:
   """The order in which the Trainer stacks params['layers'] (None: the model's own order).
 
   Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
@@ -86,6 +107,7 @@ def layer_order(config: ml_collections.ConfigDict, cfg: TransformerConfig,
   if mesh_shape["pp"] == 1:
     return None
   from jaxpipe.training.pipeline_lm import lm_layer_order
+
   return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
 
 
@@ -100,9 +122,12 @@ def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any
     if "layers" not in keys or not getattr(x, "ndim", 0):
       return x
     if x.shape[0] != size:
-      raise ValueError(f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
-                       f"the layer order takes {size}; is this tree the model's?")
+      raise ValueError(
+          f"{jax.tree_util.keystr(path)} has {x.shape[0]} entries on its layer axis, "
+          f"the layer order takes {size}; is this tree the model's?"
+      )
     return x[order]
+
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
 

@@ -3,6 +3,7 @@
 The gradient computation is one replaceable function (`jaxpipe.training.losses`); everything
 around it (optimizer, state, sharding, checkpoints) stays the same whichever function is chosen.
 """
+
 import functools
 import json
 import logging
@@ -32,13 +33,13 @@ from jaxpipe.training import data as data_lib
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.training.state import (
-  TrainState,
-  fresh_state,
-  layer_order,
-  learning_rate,
-  make_optimizer,
-  reorder_layers,
-  state_shardings,
+    TrainState,
+    fresh_state,
+    layer_order,
+    learning_rate,
+    make_optimizer,
+    reorder_layers,
+    state_shardings,
 )
 from jaxpipe.training.workdir import Workdir, WorkdirError
 
@@ -83,8 +84,12 @@ class Trainer:
   the model's order (any schedule restores them).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | None = None,
-               existing_run: str = "resume"):
+  def __init__(
+      self,
+      config: ml_collections.ConfigDict,
+      workdir: str | None = None,
+      existing_run: str = "resume",
+  ):
     """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
     the config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue it under
     the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
@@ -126,15 +131,18 @@ class Trainer:
     if copies:  # [stored units] 1 on each unit's first copy, 0 on the other: counted once
       self._counted = np.zeros(len(self.layer_order), np.float32)
       self._counted[self._to_model] = 1.0
-    self.loss_and_grads = make_loss_and_grads(config, self.model_cfg, self.mesh_shape,
-                                              self.layer_order is not None)
+    self.loss_and_grads = make_loss_and_grads(
+        config, self.model_cfg, self.mesh_shape, self.layer_order is not None
+    )
     self.mesh = make_mesh(config.mesh)
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
-    self.optimizer = make_optimizer(config.optimizer, config.train.steps,
-                                    self.grad_norm if copies else None)
+    self.optimizer = make_optimizer(
+        config.optimizer, config.train.steps, self.grad_norm if copies else None
+    )
     if workdir is not None:
-      self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
-                                       config.checkpoint.async_save)
+      self.checkpointer = Checkpointer(
+          os.path.join(workdir, "checkpoints"), config.checkpoint.keep, config.checkpoint.async_save
+      )
     self.state: TrainState | None = None
     self.resumed_from: int | None = None
     self._batch_sharding = batch_sharding(self.mesh)
@@ -143,8 +151,9 @@ class Trainer:
     self._eval_step = None
     self.compile_stats: dict[str, float] = {}  # set by compile(): seconds, bytes per device
 
-  def _choose_schedule(self, config: ml_collections.ConfigDict, workdir: str | None,
-                       afresh: bool) -> ml_collections.ConfigDict:
+  def _choose_schedule(
+      self, config: ml_collections.ConfigDict, workdir: str | None, afresh: bool
+  ) -> ml_collections.ConfigDict:
     """pipeline.schedule = 'auto' -> a copy of the config running the best-ranked candidate.
 
     The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
@@ -153,6 +162,7 @@ class Trainer:
     from jaxpipe.pipeline.ir import auto as auto_lib
     from jaxpipe.pipeline.ir import costs as costs_lib
     from jaxpipe.training import measure
+
     path = os.path.join(workdir, "auto.json") if workdir else None
     if path and os.path.exists(path) and not afresh:
       with open(path) as f:
@@ -198,11 +208,13 @@ class Trainer:
 
   def grad_norm(self, grads: dict) -> jax.Array:
     """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""
+
     def squares(path, g):
       s = jnp.square(g.astype(jnp.float32))
       if self._counted is not None and "layers" in [getattr(k, "key", None) for k in path]:
         s = s * self._counted.reshape((-1,) + (1,) * (g.ndim - 1))  # local to each rank
       return jnp.sum(s)
+
     return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(squares, grads))))
 
   @functools.cached_property
@@ -210,12 +222,15 @@ class Trainer:
     """Compiled-once moves of a state or params between the stored and the model's order."""
     stored, model = len(self.layer_order), self._units
     fn = lambda order, size, sharding: jax.jit(
-        functools.partial(reorder_layers, order=order, size=size), out_shardings=sharding)
+        functools.partial(reorder_layers, order=order, size=size), out_shardings=sharding
+    )
     to_model, to_stored = self._to_model, self.layer_order
-    return {"state_to_model": fn(to_model, stored, self.model_state_sharding),
-            "state_to_stored": fn(to_stored, model, self.state_sharding),
-            "params_to_model": fn(to_model, stored, self.model_state_sharding.params),
-            "params_to_stored": fn(to_stored, model, self.state_sharding.params)}
+    return {
+        "state_to_model": fn(to_model, stored, self.model_state_sharding),
+        "state_to_stored": fn(to_stored, model, self.state_sharding),
+        "params_to_model": fn(to_model, stored, self.model_state_sharding.params),
+        "params_to_stored": fn(to_stored, model, self.state_sharding.params),
+    }
 
   def model_params(self, params: dict | None = None) -> dict:
     """A copy of `params` (default the state's) with the layers in the model's order."""
@@ -264,8 +279,11 @@ class Trainer:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
     restored = None
     if self.checkpointer is not None:
-      abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              self.model_state_shapes, self.model_state_sharding)
+      abstract = jax.tree.map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+          self.model_state_shapes,
+          self.model_state_sharding,
+      )
       restored = self.checkpointer.restore_latest(abstract)
     if restored is not None:
       self.resumed_from, self.state = restored
@@ -280,8 +298,10 @@ class Trainer:
 
   def shard_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Places a global numpy batch on the mesh (each device takes its slice)."""
-    return {k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
-            for k, v in host_batch.items()}
+    return {
+        k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
+        for k, v in host_batch.items()
+    }
 
   @functools.cached_property
   def local_rows(self) -> np.ndarray | None:
@@ -301,9 +321,10 @@ class Trainer:
     if rows is None:
       return self.shard_batch(self.source.batch(split, index, d.batch, d.seq_len))
     local = self.source.batch(split, index, d.batch, d.seq_len, rows=rows)
-    return {k: jax.make_array_from_process_local_data(self._batch_sharding, v,
-                                                      (d.batch, d.seq_len))
-            for k, v in local.items()}
+    return {
+        k: jax.make_array_from_process_local_data(self._batch_sharding, v, (d.batch, d.seq_len))
+        for k, v in local.items()
+    }
 
   # -- one step ---------------------------------------------------------------------------------
 
@@ -324,18 +345,24 @@ class Trainer:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       if "moe_tokens_per_expert" in metrics:  # balancing biases move by their own rule
-        params = moe_lib.update_biases(self.model_cfg.moe, state.params, params,
-                                       metrics.pop("moe_tokens_per_expert"))
+        params = moe_lib.update_biases(
+            self.model_cfg.moe, state.params, params, metrics.pop("moe_tokens_per_expert")
+        )
       if history is not None:  # and the scales by TE's (the optimizer's update is discarded)
-        scales, history = fp8_lib.advance(fp8_lib.state_of(state.params), history, seen,
-                                          cfg.fp8_margin, cfg.fp8_amax)
+        scales, history = fp8_lib.advance(
+            fp8_lib.state_of(state.params), history, seen, cfg.fp8_margin, cfg.fp8_amax
+        )
         params = fp8_lib.with_state(params, scales)
       grad_norm = self.grad_norm(grads)
       metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
       return TrainState(state.step + 1, params, opt_state, history), metrics
 
-    return jax.jit(train_step, in_shardings=(self.state_sharding, self._batch_sharding),
-                   out_shardings=(self.state_sharding, replicated(self.mesh)), donate_argnums=0)
+    return jax.jit(
+        train_step,
+        in_shardings=(self.state_sharding, self._batch_sharding),
+        out_shardings=(self.state_sharding, replicated(self.mesh)),
+        donate_argnums=0,
+    )
 
   def compile(self) -> jax.stages.Compiled:
     """Compiles the train step ahead of time for the state's and batches' shapes (later steps
@@ -351,8 +378,10 @@ class Trainer:
     stats = {"compile_s": time.perf_counter() - t0}
     mem = compiled.memory_analysis()
     if mem is not None:  # some backends do not report it
-      sizes = {name: int(getattr(mem, f"{name}_size_in_bytes"))
-               for name in ("argument", "output", "alias", "temp")}
+      sizes = {
+          name: int(getattr(mem, f"{name}_size_in_bytes"))
+          for name in ("argument", "output", "alias", "temp")
+      }
       stats.update({f"{k}_bytes": v for k, v in sizes.items()})
       stats["peak_bytes"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
     self.compile_stats = stats
@@ -386,8 +415,9 @@ class Trainer:
         loss, _, metrics = loss_and_grads(params, batch)
         return loss * metrics["tokens"], metrics["tokens"]
 
-      self._eval_step = jax.jit(eval_step,
-                                in_shardings=(self.state_sharding.params, self._batch_sharding))
+      self._eval_step = jax.jit(
+          eval_step, in_shardings=(self.state_sharding.params, self._batch_sharding)
+      )
     total = count = 0.0
     for i in range(self.config.train.eval_batches):
       s, n = jax.device_get(self._eval_step(self.state.params, self.batch(i, "eval")))
@@ -413,14 +443,22 @@ class Trainer:
     if self.state is None:
       self.init()
     start = int(self.state.step)
-    summary = {"start": start, "step": start, "first_loss": None, "last_loss": None,
-               "eval_loss": None, "preempted": False, "stop_signal": None}
+    summary = {
+        "start": start,
+        "step": start,
+        "first_loss": None,
+        "last_loss": None,
+        "eval_loss": None,
+        "preempted": False,
+        "stop_signal": None,
+    }
     if start > total:
       where = f" (checkpoint in {self.checkpointer.directory})" if self.checkpointer else ""
       raise config_lib.ConfigError(
           f"the run stands at step {start}{where}, past the {total} steps asked for; nothing to "
           f"train. Raise train.steps above {start} (with --resume_changed) or pass another "
-          "--workdir")
+          "--workdir"
+      )
     if start == total:
       return summary
     if self.checkpointer:
@@ -432,8 +470,13 @@ class Trainer:
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     pending: list[tuple[int, dict]] = []
     checked = start  # every step up to here had a finite loss and gradient
-    bar = tqdm.tqdm(total=total, initial=start, dynamic_ncols=True, desc="train",
-                    disable=not progress or jax.process_index() != 0)
+    bar = tqdm.tqdm(
+        total=total,
+        initial=start,
+        dynamic_ncols=True,
+        desc="train",
+        disable=not progress or jax.process_index() != 0,
+    )
     t_last, steps_last = None, start
 
     def flush(step: int) -> None:
@@ -456,14 +499,18 @@ class Trainer:
           if self.checkpointer:
             self.checkpointer.wait()
           good = self.checkpointer.latest_step() if self.checkpointer else None
-          what = (f"non-finite loss {loss} (gradient norm {norm})" if not math.isfinite(loss) else
-                  f"non-finite gradient norm {norm} (the loss, {loss:.4f}, is finite)")
+          what = (
+              f"non-finite loss {loss} (gradient norm {norm})"
+              if not math.isfinite(loss)
+              else f"non-finite gradient norm {norm} (the loss, {loss:.4f}, is finite)"
+          )
           raise NonFiniteLossError(
               f"{what} at step {s}, found when checking steps {block_start}..{step}. Stopped "
               "without saving; the last good checkpoint is "
               + (f"step {good} in {self.checkpointer.directory}" if good is not None else "none")
               + ". Lower optimizer.lr, lengthen warm-up or clip harder, then resume with "
-              "--resume_changed.")
+              "--resume_changed."
+          )
         checked = s
         summary["last_loss"] = loss
         if summary["first_loss"] is None:
@@ -474,8 +521,9 @@ class Trainer:
         writer.flush()
       postfix = {"loss": f"{summary['last_loss']:.4f}"}
       if timing:
-        postfix.update(tok_s=f"{timing['tokens_per_s']:.0f}",
-                       step_ms=f"{1e3 * timing['step_time_s']:.0f}")
+        postfix.update(
+            tok_s=f"{timing['tokens_per_s']:.0f}", step_ms=f"{1e3 * timing['step_time_s']:.0f}"
+        )
       bar.set_postfix(postfix, refresh=False)
 
     # Across processes every rank stops after the same step: the requests are agreed a step late.
@@ -489,10 +537,19 @@ class Trainer:
             self.checkpointer.poll()  # a background save that failed stops the run now
           stopping = stop.agreed()  # read once: the signal may land anywhere in this iteration
           eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0
-          save_now = self.checkpointer and ((cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-                                            or done == total or stopping)
-          if (done % cfg.train.log_every == 0 or done == total or eval_now or save_now or stopping
-              or done == start + 1):
+          save_now = self.checkpointer and (
+              (cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+              or done == total
+              or stopping
+          )
+          if (
+              done % cfg.train.log_every == 0
+              or done == total
+              or eval_now
+              or save_now
+              or stopping
+              or done == start + 1
+          ):
             flush(done)
           if eval_now or (done == total and cfg.train.eval_every):  # 0: no evaluation at all
             summary["eval_loss"] = self.evaluate()

@@ -24,6 +24,7 @@ the stored `config.json`, field by field:
 
 Accepted changes, and restarts, are appended to `config_history.jsonl`.
 """
+
 import datetime
 import fcntl
 import json
@@ -40,10 +41,24 @@ from jaxpipe.runtime.checkpoint import is_committed
 from jaxpipe.training import config as config_lib
 
 EXISTING_RUN = ("resume", "resume_changed", "restart")
-CADENCE = ("train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every",
-           "checkpoint.keep", "checkpoint.async_save")
-LAYOUT = ("pipeline.schedule", "pipeline.chunks", "pipeline.recompute", "pipeline.microbatches",
-          "model.attention", "model.remat", "model.cp_overlap", "model.moe.dropless_impl")
+CADENCE = (
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.async_save",
+)
+LAYOUT = (
+    "pipeline.schedule",
+    "pipeline.chunks",
+    "pipeline.recompute",
+    "pipeline.microbatches",
+    "model.attention",
+    "model.remat",
+    "model.cp_overlap",
+    "model.moe.dropless_impl",
+)
 # What a run leaves in its workdir; --restart moves these to previous-<n>/.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json")
 _ABSENT = "(absent)"
@@ -67,8 +82,14 @@ def field_kind(key: str, config: ml_collections.ConfigDict) -> str:
     return "cadence"
   if key.startswith("mesh.") or key in LAYOUT:
     moe = config.model.moe
-    if key != "mesh.order" and moe is not None and (
-        key == "pipeline.microbatches" or (key.startswith("mesh.") and moe.dispatch == "capacity")):
+    if (
+        key != "mesh.order"
+        and moe is not None
+        and (
+            key == "pipeline.microbatches"
+            or (key.startswith("mesh.") and moe.dispatch == "capacity")
+        )
+    ):
       return "run"
     return "layout"
   return "run"
@@ -101,15 +122,27 @@ def _with_defaults(stored: dict, defaults: dict) -> dict:
 
 def _describe(changes: list[tuple[str, Any, Any]]) -> str:
   show = lambda v: v if v == _ABSENT else json.dumps(v)
-  return "; ".join(f"{k} {show(a)} -> {show(b)}" + (
-      " (the learning-rate schedule's length: continuing splices the new schedule onto the old)"
-      if k == "train.steps" else "") for k, a, b in changes)
+  return "; ".join(
+      f"{k} {show(a)} -> {show(b)}"
+      + (
+          " (the learning-rate schedule's length: continuing splices the new schedule onto the old)"
+          if k == "train.steps"
+          else ""
+      )
+      for k, a, b in changes
+  )
 
 
 def _holder() -> str:
   now = datetime.datetime.now().isoformat(timespec="seconds")
-  return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now,
-                     "command": " ".join(sys.argv)})
+  return json.dumps(
+      {
+          "pid": os.getpid(),
+          "host": socket.gethostname(),
+          "since": now,
+          "command": " ".join(sys.argv),
+      }
+  )
 
 
 def _describe_holder(text: str) -> str:
@@ -126,13 +159,16 @@ class Workdir:
   def __init__(self, path: str):
     self.path = os.path.abspath(path)
     if os.path.exists(self.path) and not os.path.isdir(self.path):
-      raise WorkdirError(f"--workdir {path} is a file, not a directory; pass a directory (it is "
-                         "created if missing)")
+      raise WorkdirError(
+          f"--workdir {path} is a file, not a directory; pass a directory (it is "
+          "created if missing)"
+      )
     try:
       os.makedirs(self.path, exist_ok=True)
     except OSError as e:
-      raise WorkdirError(f"--workdir {path} cannot be created: {e.strerror}; pass a directory "
-                         "you can write to") from e
+      raise WorkdirError(
+          f"--workdir {path} cannot be created: {e.strerror}; pass a directory " "you can write to"
+      ) from e
     self._lock_path = os.path.join(self.path, ".lock")
 
   # -- the lock ----------------------------------------------------------------------------------
@@ -147,20 +183,27 @@ class Workdir:
     try:
       fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-      raise WorkdirError(f"--workdir {self.path} is not writable ({e.strerror}: {self._lock_path})"
-                         "; pass a directory you can write to") from e
+      raise WorkdirError(
+          f"--workdir {self.path} is not writable ({e.strerror}: {self._lock_path})"
+          "; pass a directory you can write to"
+      ) from e
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       holder = _describe_holder(os.pread(fd, 4096, 0).decode(errors="replace"))
       os.close(fd)
-      raise WorkdirBusy(f"{self.path} is in use by {holder}: two runs in one workdir would "
-                        "interleave their checkpoints and metrics; wait for it to finish, stop it, "
-                        "or pass another --workdir") from None
+      raise WorkdirBusy(
+          f"{self.path} is in use by {holder}: two runs in one workdir would "
+          "interleave their checkpoints and metrics; wait for it to finish, stop it, "
+          "or pass another --workdir"
+      ) from None
     left = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if left:
-      logging.warning("took over the lock of %s from %s, which is no longer running",
-                      self.path, _describe_holder(left))
+      logging.warning(
+          "took over the lock of %s from %s, which is no longer running",
+          self.path,
+          _describe_holder(left),
+      )
     os.ftruncate(fd, 0)
     os.pwrite(fd, (_holder() + "\n").encode(), 0)
     _HELD[self.path] = [fd, 1]
@@ -181,12 +224,16 @@ class Workdir:
   def latest_step(self) -> int | None:
     """The newest committed checkpoint step, from the directory listing alone."""
     d = os.path.join(self.path, "checkpoints")
-    steps = [int(n) for n in (os.listdir(d) if os.path.isdir(d) else [])
-             if n.isdigit() and is_committed(os.path.join(d, n))]
+    steps = [
+        int(n)
+        for n in (os.listdir(d) if os.path.isdir(d) else [])
+        if n.isdigit() and is_committed(os.path.join(d, n))
+    ]
     return max(steps, default=None)
 
-  def check_config(self, config: ml_collections.ConfigDict, existing_run: str = "resume",
-                   write: bool = True) -> list[str]:
+  def check_config(
+      self, config: ml_collections.ConfigDict, existing_run: str = "resume", write: bool = True
+  ) -> list[str]:
     """Compares `config` with the run the workdir holds (see the module docstring); returns
     notices to show, raises WorkdirError to refuse. With `write` (process 0) it records the
     config in config.json, accepted changes in config_history.jsonl, and carries out a restart."""
@@ -203,14 +250,17 @@ class Workdir:
         logging.warning("%s does not parse; taking the current config as the run's", path)
       else:
         changes = config_changes(old, new)
-    kinds = {kind: [c for c in changes if field_kind(c[0], config) == kind]
-             for kind in ("cadence", "layout", "run")}
+    kinds = {
+        kind: [c for c in changes if field_kind(c[0], config) == kind]
+        for kind in ("cadence", "layout", "run")
+    }
     step = self.latest_step()
     at = f"checkpoint at step {step}" if step is not None else "no checkpoint yet"
     if step is not None and config.train.steps < step and existing_run != "restart":
       raise WorkdirError(
           f"train.steps={config.train.steps} is below the {at} in {self.path}: nothing to train. "
-          f"Raise train.steps above {step}, or pass another --workdir (or --restart)")
+          f"Raise train.steps above {step}, or pass another --workdir (or --restart)"
+      )
     if existing_run == "restart":
       moved = self._set_aside_run() if write else None
       if moved:
@@ -221,18 +271,25 @@ class Workdir:
           f"{self.path} holds a run with another config ({at}): {_describe(kinds['run'])}. Pass "
           "another --workdir for a new run; or rerun with --resume_changed (Trainer(..., "
           "existing_run='resume_changed')) to continue this one under the new config; or with "
-          f"--restart to start over here (the old run moves to {self._next_previous()})")
+          f"--restart to start over here (the old run moves to {self._next_previous()})"
+      )
     else:
       if kinds["run"] and not step:
-        notices.append(f"nothing trained yet ({at}): taking the new config (recorded in "
-                       f"config_history.jsonl): {_describe(kinds['run'])}")
+        notices.append(
+            f"nothing trained yet ({at}): taking the new config (recorded in "
+            f"config_history.jsonl): {_describe(kinds['run'])}"
+        )
       elif kinds["run"]:
-        notices.append(f"resuming ({at}) under a changed config (recorded in config_history.jsonl)"
-                       f": {_describe(kinds['run'])}")
+        notices.append(
+            f"resuming ({at}) under a changed config (recorded in config_history.jsonl)"
+            f": {_describe(kinds['run'])}"
+        )
       if kinds["layout"]:
-        notices.append(f"resuming ({at}) with another layout: {_describe(kinds['layout'])} (the "
-                       "same model and optimizer; losses equal the unchanged run's up to float "
-                       "rounding)")
+        notices.append(
+            f"resuming ({at}) with another layout: {_describe(kinds['layout'])} (the "
+            "same model and optimizer; losses equal the unchanged run's up to float "
+            "rounding)"
+        )
       if changes:
         self._record(write, existing_run, changes, step)
     if write:
@@ -256,12 +313,17 @@ class Workdir:
       os.rename(os.path.join(self.path, name), os.path.join(target, name))
     return target
 
-  def _record(self, write: bool, choice: str, changes: list, step: int | None,
-              moved: str | None = None) -> None:
+  def _record(
+      self, write: bool, choice: str, changes: list, step: int | None, moved: str | None = None
+  ) -> None:
     if not write:
       return
-    entry = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "choice": choice,
-             "step": step, "changes": {k: [a, b] for k, a, b in changes}}
+    entry = {
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "choice": choice,
+        "step": step,
+        "changes": {k: [a, b] for k, a, b in changes},
+    }
     if moved:
       entry["moved_to"] = moved
     with open(os.path.join(self.path, "config_history.jsonl"), "a") as f:

@@ -1,4 +1,5 @@
 """The sweep runner: every schedule present, every figure checked against anchors.md."""
+
 from experiments import schedule_sweep
 from jaxpipe.pipeline import SCHEDULE_NAMES
 from jaxpipe.runtime import cli

@@ -1,5 +1,6 @@
 """A config sweep of tiny's 1F1B on pp = 2: its cells, their measured costs and predictions,
 auto's choice among them and in the Trainer, planned vs measured ticks; bad inputs."""
+
 import csv
 import functools
 import json
@@ -46,12 +47,31 @@ def swept(tmp_path_factory):
   """The sweep, run once: -> (its directory, the command, its process, {cell: CSV row})."""
   tmp = tmp_path_factory.mktemp("sweep")
   out = str(tmp / "out")
-  cmd = [sys.executable, "-m", "experiments.sweep", "--config", "configs/tiny.py",
-         "--config.mesh.pp=2", "--grid", f"pipeline.microbatches=1,4,{FAILS}", "--steps", "3",
-         "--log_every", "1", "--repeats", "3", "--trace", "--out", out]
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+  cmd = [
+      sys.executable,
+      "-m",
+      "experiments.sweep",
+      "--config",
+      "configs/tiny.py",
+      "--config.mesh.pp=2",
+      "--grid",
+      f"pipeline.microbatches=1,4,{FAILS}",
+      "--steps",
+      "3",
+      "--log_every",
+      "1",
+      "--repeats",
+      "3",
+      "--trace",
+      "--out",
+      out,
+  ]
+  env = {
+      **os.environ,
+      "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+  }
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   with open(os.path.join(out, "sweep.csv")) as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
@@ -66,8 +86,10 @@ def test_sweep_runs_cells_records_failures_and_resumes(swept):
   out, (cmd, env), proc, rows = swept
   assert proc.returncode == 1, proc.stderr[-3000:]  # one cell failed, the others ran
   assert [rows[f"microbatches={m}"]["status"] for m in (1, 4, FAILS)] == ["ok", "ok", "failed"]
-  assert "data.batch=16 is not divisible by data-parallel ranks" in \
-      rows[f"microbatches={FAILS}"]["error"]
+  assert (
+      "data.batch=16 is not divisible by data-parallel ranks"
+      in rows[f"microbatches={FAILS}"]["error"]
+  )
   for m in MICROBATCHES:
     r = rows[f"microbatches={m}"]
     workdir = os.path.join(out, f"microbatches={m}")
@@ -87,8 +109,7 @@ def test_sweep_runs_cells_records_failures_and_resumes(swept):
     assert float(r["paired_ms"]) == pytest.approx(1e3 * paired["step_cpu_s"])
   assert os.path.getsize(os.path.join(out, "sweep.png")) > 0
   with open(os.path.join(out, "sweep.md")) as f:
-    assert f"| microbatches={FAILS} | failed: train exited 2: error: data.batch=16" in \
-        f.read()
+    assert f"| microbatches={FAILS} | failed: train exited 2: error: data.batch=16" in f.read()
   # the same command again: finished cells are skipped, the failed one runs again
   again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert again.stdout.count("done before, skipped") == 2
@@ -145,8 +166,13 @@ def test_auto_choice_is_measured_among_the_top_cells_of_the_sweep(swept, ranking
 
 
 def auto_config(costs, **pipeline):
-  return tiny_pp2(schedule="auto", costs=costs, auto_schedules=("1f1b",),
-                  auto_microbatches=MICROBATCHES, **pipeline)
+  return tiny_pp2(
+      schedule="auto",
+      costs=costs,
+      auto_schedules=("1f1b",),
+      auto_microbatches=MICROBATCHES,
+      **pipeline,
+  )
 
 
 def test_auto_trains_the_best_ranked_candidate_and_keeps_its_choice(both_costs, tmp_path):
@@ -155,8 +181,7 @@ def test_auto_trains_the_best_ranked_candidate_and_keeps_its_choice(both_costs, 
   best = min(MICROBATCHES, key=lambda m: costs.predict(lowered(m)).step_s)
   trainer = Trainer(config, str(tmp_path))
   assert config.pipeline.schedule == "auto"  # the caller's config is left alone
-  assert (trainer.config.pipeline.schedule, trainer.config.pipeline.microbatches) == ("1f1b",
-                                                                                      best)
+  assert (trainer.config.pipeline.schedule, trainer.config.pipeline.microbatches) == ("1f1b", best)
   assert f"auto chose 1f1b m={best}" in trainer.auto_report
   with open(tmp_path / "auto.json") as f:
     assert json.load(f)["choice"]["microbatches"] == best
@@ -172,8 +197,10 @@ def test_auto_respects_the_memory_limit_and_errors_when_nothing_fits(both_costs)
   trainer = Trainer(auto_config(both_costs, memory_limit_gb=(need[small] + need[big]) / 2**31))
   assert trainer.config.pipeline.microbatches == small
   assert f"1f1b m={big}" in trainer.auto_report and "over the memory limit" in trainer.auto_report
-  with pytest.raises(config_lib.ConfigError, match=rf"smallest need is "
-                                                    rf"{need[small] / 2**30:.3g} GB \(1f1b m={small}"):
+  with pytest.raises(
+      config_lib.ConfigError,
+      match=rf"smallest need is " rf"{need[small] / 2**30:.3g} GB \(1f1b m={small}",
+  ):
     Trainer(auto_config(both_costs, memory_limit_gb=need[small] / 2**31))
 
 
@@ -191,20 +218,28 @@ def test_planned_and_measured_ticks_line_up_per_rank(swept):
     assert all(0 <= w for w in row["measured_work_s"]) and row["measured_s"] > 0
   prediction = costs_lib.load(cell_costs(out, m)).predict(lo)
   assert [row["planned_s"] for row in per_tick] == pytest.approx(list(prediction.planned_tick_s))
-  names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"]
-           if e.get("name") == "thread_name"}
+  names = {
+      (e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e.get("name") == "thread_name"
+  }
   assert {(r, t) for r in range(2) for t in ("planned", "measured")} <= names
 
 
-@pytest.mark.parametrize("pipeline,pp,needle", [
-    (dict(), 1, "chooses among pipeline schedules; set --config.mesh.pp to 2 or more"),
-    (dict(auto_schedules=("1f1b", "zb-h3")), 2, "pipeline.auto_schedules has ['zb-h3']"),
-    (dict(auto_microbatches=(3,)), 2, "entry 3 does not split the batch: data.batch=16 over 4 "
-                                      "data ranks leaves 4 sequences each"),
-    (dict(memory_limit_gb=-1.0), 2, "pipeline.memory_limit_gb=-1.0 must be >= 0"),
-    (dict(costs="nowhere.json"), 2, "no such cost file 'nowhere.json'"),
-    (dict(auto_schedules=("zb-v",)), 2, "the layers split into none of the stage counts [4]"),
-])
+@pytest.mark.parametrize(
+    "pipeline,pp,needle",
+    [
+        (dict(), 1, "chooses among pipeline schedules; set --config.mesh.pp to 2 or more"),
+        (dict(auto_schedules=("1f1b", "zb-h3")), 2, "pipeline.auto_schedules has ['zb-h3']"),
+        (
+            dict(auto_microbatches=(3,)),
+            2,
+            "entry 3 does not split the batch: data.batch=16 over 4 "
+            "data ranks leaves 4 sequences each",
+        ),
+        (dict(memory_limit_gb=-1.0), 2, "pipeline.memory_limit_gb=-1.0 must be >= 0"),
+        (dict(costs="nowhere.json"), 2, "no such cost file 'nowhere.json'"),
+        (dict(auto_schedules=("zb-v",)), 2, "the layers split into none of the stage counts [4]"),
+    ],
+)
 def test_bad_auto_configs_fail_validation(pipeline, pp, needle):
   c = tiny.get_config()
   c.mesh.pp = pp
@@ -219,15 +254,19 @@ def test_bad_sweep_inputs_fail_before_anything_runs(tmp_path, capsys):
   base = ["--config", "configs/tiny.py", "--out", out]
   main = functools.partial(cli.call, sweep.main, sweep.FLAGS, known_only=True)
   assert main(base + ["--grid", "pipeline.schedul=1f1b,zb-h1"]) == 2
-  assert "--grid key 'pipeline.schedul' is not a config field; did you mean " \
-         "'pipeline.schedule'?" in capsys.readouterr().err
+  assert (
+      "--grid key 'pipeline.schedul' is not a config field; did you mean "
+      "'pipeline.schedule'?" in capsys.readouterr().err
+  )
   assert main(base) == 2
   assert "the grid is empty" in capsys.readouterr().err
   assert main(base + ["--grid", "pipeline.microbatches="]) == 2
   assert "has no values" in capsys.readouterr().err
   assert main(base + ["--grid", "pipeline.microbatches=2,two"]) == 2
-  assert "'two' is not of type int, the type of config field pipeline.microbatches" in \
-      capsys.readouterr().err
+  assert (
+      "'two' is not of type int, the type of config field pipeline.microbatches"
+      in capsys.readouterr().err
+  )
   assert main(base + ["--grid", "optimizer.lr=1e-3", "--config.mesh.ppp=2"]) == 2
   assert "did you mean 'mesh.pp'?" in capsys.readouterr().err
   assert not os.path.exists(out)

@@ -1,4 +1,5 @@
 """Pallas flash attention (interpret mode on CPU) against jax.nn.dot_product_attention (XLA)."""
+
 import functools
 
 import jax
@@ -53,11 +54,13 @@ def test_segment_ids_with_padding_match_masked_xla():
   """Two packed documents plus trailing padding (its own id), causal, GQA 2, ragged length."""
   q, k, v, do = helpers.flash_inputs(2, 40, 40, 4, 2, 16, seed=1)
   seg = jnp.array([[1] * 15 + [2] * 20 + [0] * 5, [1] * 33 + [0] * 7], jnp.int32)
-  pallas = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg, interpret=True,
-                                           **BLOCKS)
+  pallas = lambda q, k, v: flash_attention(
+      q, k, v, causal=True, segment_ids=seg, interpret=True, **BLOCKS
+  )
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
-  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                     implementation="xla")
+  xla = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True, implementation="xla"
+  )
   got, want = helpers.out_and_grads(pallas, q, k, v, do), helpers.out_and_grads(xla, q, k, v, do)
   for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert helpers.rel(g, w) < 1e-5, label
@@ -67,8 +70,9 @@ def test_query_that_sees_no_key_gives_zero():
   q, k, v, do = helpers.flash_inputs(1, 20, 24, 2, 2, 16, seed=2)
   q_ids = jnp.array([[1] * 10 + [7] * 3 + [2] * 7], jnp.int32)  # id 7 has no key
   kv_ids = jnp.array([[1] * 12 + [2] * 12], jnp.int32)
-  fn = lambda q, k, v: flash_attention(q, k, v, segment_ids=(q_ids, kv_ids), interpret=True,
-                                       **BLOCKS)
+  fn = lambda q, k, v: flash_attention(
+      q, k, v, segment_ids=(q_ids, kv_ids), interpret=True, **BLOCKS
+  )
   out, dq, dk, dv = helpers.out_and_grads(fn, q, k, v, do)
   assert np.all(np.asarray(out[:, 10:13]) == 0.0)
   assert np.all(np.asarray(dq[:, 10:13]) == 0.0)
@@ -101,7 +105,8 @@ def test_half_precision_within_rounding(dtype):
 def test_default_blocks_and_scale():
   q, k, v, _ = helpers.flash_inputs(1, 50, 50, 2, 1, 32, seed=4)
   out = jax.jit(functools.partial(flash_attention, causal=True, sm_scale=0.3, interpret=True))(
-      q, k, v)
+      q, k, v
+  )
   ref = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True, implementation="xla")
   assert helpers.rel(out, ref) < 1e-5
 
@@ -113,13 +118,16 @@ def test_reference_matches_xla():
   assert helpers.rel(ref, want) < 1e-5
 
 
-@pytest.mark.parametrize("shapes,dtype,kwargs,match", [
-    (((1, 8, 3, 16), (1, 8, 2, 16)), jnp.float32, {}, "multiple of key/value heads"),
-    (((1, 8, 2, 512), (1, 8, 2, 512)), jnp.float32, {}, "head_dim 512"),
-    (((1, 8, 2, 16), (1, 8, 2, 16)), jnp.int32, {}, "dtype int32"),
-    (((1, 8, 2, 16), (1, 8, 2, 16)), jnp.float32, {"block_q": 48}, "block_q=48"),
-    (((1, 8, 2, 16), (2, 8, 2, 16)), jnp.float32, {}, "batch and head_dim"),
-])
+@pytest.mark.parametrize(
+    "shapes,dtype,kwargs,match",
+    [
+        (((1, 8, 3, 16), (1, 8, 2, 16)), jnp.float32, {}, "multiple of key/value heads"),
+        (((1, 8, 2, 512), (1, 8, 2, 512)), jnp.float32, {}, "head_dim 512"),
+        (((1, 8, 2, 16), (1, 8, 2, 16)), jnp.int32, {}, "dtype int32"),
+        (((1, 8, 2, 16), (1, 8, 2, 16)), jnp.float32, {"block_q": 48}, "block_q=48"),
+        (((1, 8, 2, 16), (2, 8, 2, 16)), jnp.float32, {}, "batch and head_dim"),
+    ],
+)
 def test_bad_inputs_raise(shapes, dtype, kwargs, match):
   q = jnp.zeros(shapes[0], dtype)
   k = jnp.zeros(shapes[1], dtype)
@@ -135,8 +143,9 @@ def test_kernels_lower_to_triton_for_gpu(dtype):
   seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
 
   def grads(q, k, v, seg):
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, segment_ids=seg,
-                                                   interpret=False).astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(
+        flash_attention(q, k, v, causal=True, segment_ids=seg, interpret=False).astype(jnp.float32)
+    )
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   text = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()

@@ -4,6 +4,7 @@ reference against `jax.nn.dot_product_attention` on the same keys laid out conti
 Every slot a row does not own (other pages, the tail of its last page) holds NaN, so a read
 outside a row's keys would show in its output.
 """
+
 import functools
 
 import jax
@@ -58,8 +59,9 @@ def test_reference_equals_contiguous_attention(heads, kv_heads, lengths):
 @pytest.mark.parametrize("heads,kv_heads,lengths,k_splits,pages_per_block", CASES)
 def test_kernel_equals_reference(heads, kv_heads, lengths, k_splits, pages_per_block):
   q, k, v, tables, lens = helpers.paged_inputs(lengths, heads, kv_heads)
-  got = paged_attention(q, k, v, tables, lens, k_splits=k_splits,
-                        pages_per_block=pages_per_block, interpret=True)
+  got = paged_attention(
+      q, k, v, tables, lens, k_splits=k_splits, pages_per_block=pages_per_block, interpret=True
+  )
   assert np.isfinite(got).all()
   assert _rel(got, paged_attention_reference(q, k, v, tables, lens)) < 1e-5
 
@@ -105,16 +107,26 @@ def test_auto_on_gpu_picks_the_kernel_where_it_compiles(monkeypatch):
     attn.resolve_paged_backend("pallas", 128, 12)
 
 
-@pytest.mark.parametrize("change,words", [
-    (lambda a: {**a, "lengths_B": a["lengths_B"].astype(np.float32)}, "lengths must be int32"),
-    (lambda a: {**a, "v_pages_GxPxSxK": a["v_pages_GxPxSxK"][:1]}, "must have k_pages' shape"),
-    (lambda a: {**a, "q_BxHxK": a["q_BxHxK"][:, :3]}, "multiple of KV heads"),
-    (lambda a: {**a, "k_pages_GxPxSxK": np.zeros_like(a["k_pages_GxPxSxK"], np.int8),
-                "v_pages_GxPxSxK": np.zeros_like(a["v_pages_GxPxSxK"], np.int8)}, "need k_scales"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (lambda a: {**a, "lengths_B": a["lengths_B"].astype(np.float32)}, "lengths must be int32"),
+        (lambda a: {**a, "v_pages_GxPxSxK": a["v_pages_GxPxSxK"][:1]}, "must have k_pages' shape"),
+        (lambda a: {**a, "q_BxHxK": a["q_BxHxK"][:, :3]}, "multiple of KV heads"),
+        (
+            lambda a: {
+                **a,
+                "k_pages_GxPxSxK": np.zeros_like(a["k_pages_GxPxSxK"], np.int8),
+                "v_pages_GxPxSxK": np.zeros_like(a["v_pages_GxPxSxK"], np.int8),
+            },
+            "need k_scales",
+        ),
+    ],
+)
 def test_bad_inputs_are_named(change, words):
   q, k, v, tables, lens = helpers.paged_inputs([5, 6], 4, 2)
-  args = dict(q_BxHxK=q, k_pages_GxPxSxK=k, v_pages_GxPxSxK=v, block_tables_BxN=tables,
-              lengths_B=lens)
+  args = dict(
+      q_BxHxK=q, k_pages_GxPxSxK=k, v_pages_GxPxSxK=v, block_tables_BxN=tables, lengths_B=lens
+  )
   with pytest.raises(ValueError, match=words):
     paged_attention_reference(**change(args))

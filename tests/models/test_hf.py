@@ -5,6 +5,7 @@ backward (CPU torch, float32) are the oracle for jaxpipe's logits, loss and ever
 one device, on a dp x ep mesh and in a zb-v pipeline over pp x ep x cp, and again after export and
 reload.
 """
+
 import copy
 import dataclasses
 import functools
@@ -48,18 +49,45 @@ def _import_oracle():
 
 ROOT = helpers.ROOT
 BATCH, SEQ = 8, 8
-COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8)
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 ARCHS = {  # name: (config class, model class, fields); every case beside the defaults
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2,
-                                                      tie_word_embeddings=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                     router_aux_loss_coef=0.1)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_hidden_layers=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                       decoder_sparse_step=2, norm_topk_prob=False, output_router_logits=True,
-                       router_aux_loss_coef=0.1)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, tie_word_embeddings=True),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
+    ),
 }
 
 
@@ -87,21 +115,25 @@ def _hf_oracle(model, ids, with_aux, grad_dir):
       g.copy_(p.grad)
   grads.save_pretrained(grad_dir)
   aux = out.aux_loss.item() if with_aux else 0.0
-  return out.loss.item(), aux, out.logits.detach().numpy(), load_file(
-      os.path.join(grad_dir, hf.WEIGHTS_FILE))
+  return (
+      out.loss.item(),
+      aux,
+      out.logits.detach().numpy(),
+      load_file(os.path.join(grad_dir, hf.WEIGHTS_FILE)),
+  )
 
 
 @dataclasses.dataclass
 class Case:
   name: str
-  src: str                 # the checkpoint directory
-  model: object            # the transformers model
-  ids: np.ndarray          # [BATCH, SEQ] tokens
-  loss: float              # transformers' loss: cross-entropy (+ coef · aux loss for MoE)
-  aux_loss: float          # transformers' unweighted aux loss (0 for Llama)
+  src: str  # the checkpoint directory
+  model: object  # the transformers model
+  ids: np.ndarray  # [BATCH, SEQ] tokens
+  loss: float  # transformers' loss: cross-entropy (+ coef · aux loss for MoE)
+  aux_loss: float  # transformers' unweighted aux loss (0 for Llama)
   logits: np.ndarray
-  grads: dict              # checkpoint name -> gradient of `loss`
-  ce_loss: float           # cross-entropy alone (MoE), and its gradients
+  grads: dict  # checkpoint name -> gradient of `loss`
+  ce_loss: float  # cross-entropy alone (MoE), and its gradients
   ce_grads: dict
 
 
@@ -112,8 +144,9 @@ def cases(tmp_path_factory):
   out = {}
   for i, (name, (config_cls, model_cls, fields)) in enumerate(ARCHS.items()):
     torch.manual_seed(i)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        **COMMON, **fields, attn_implementation="eager"))
+    model = getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(**COMMON, **fields, attn_implementation="eager")
+    )
     _randomise(model, i)
     src = str(root / name)
     # Mixtral in shards with an index, the others in one file.
@@ -129,18 +162,24 @@ def cases(tmp_path_factory):
 
 
 def _batch(ids):
-  return dict(tokens=jnp.asarray(ids), targets=jnp.roll(jnp.asarray(ids), -1, axis=1),
-              mask=jnp.ones(ids.shape).at[:, -1].set(0.0))  # transformers shifts the labels
+  return dict(
+      tokens=jnp.asarray(ids),
+      targets=jnp.roll(jnp.asarray(ids), -1, axis=1),
+      mask=jnp.ones(ids.shape).at[:, -1].set(0.0),
+  )  # transformers shifts the labels
 
 
 def _one_device(cfg):
   """jit of params -> ((objective, logits), grads): mean cross-entropy + the MoE aux objective."""
+
   def objective(params, batch):
-    x, aux = transformer.apply_layers_aux(cfg, params["layers"],
-                                          transformer.embed(cfg, params, batch["tokens"]))
+    x, aux = transformer.apply_layers_aux(
+        cfg, params["layers"], transformer.embed(cfg, params, batch["tokens"])
+    )
     total, count = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
     aux_loss = moe.aux_objective(cfg.moe, aux) if cfg.moe is not None else 0.0
     return total / count + aux_loss, transformer.logits(cfg, params, x)
+
   return jax.jit(jax.value_and_grad(objective, has_aux=True))
 
 
@@ -169,14 +208,16 @@ def test_one_device_matches_transformers_before_and_after_export(cases, tmp_path
     _check_grads(cfg, case.name, grads, case.grads)
 
     rng = np.random.default_rng(7)
-    params = jax.tree.map(lambda p: p * (1 + 0.1 * rng.standard_normal(p.shape, np.float32)),
-                          params)
+    params = jax.tree.map(
+        lambda p: p * (1 + 0.1 * rng.standard_normal(p.shape, np.float32)), params
+    )
     dst = str(tmp_path / case.name)
     hf.save(cfg, params, dst, hf_config=plan.hf_config)
     model = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager")
     assert type(model) is type(case.model)
-    want_loss, _, want_logits, want = _hf_oracle(model, case.ids, case.name != "llama",
-                                                 str(tmp_path / f"{case.name}_grads"))
+    want_loss, _, want_logits, want = _hf_oracle(
+        model, case.ids, case.name != "llama", str(tmp_path / f"{case.name}_grads")
+    )
     (loss, logits), grads = step(params, _batch(case.ids))
     assert _rel(logits, want_logits) < 1e-5, case.name
     assert abs(float(loss) - want_loss) < 1e-5 * want_loss, case.name
@@ -218,8 +259,10 @@ def test_round_trip_is_bit_exact_in_float32_and_bfloat16(cases, tmp_path):
     dst = str(tmp_path / case.name)
     hf.save(*hf.load(plan), dst, hf_config=plan.hf_config, max_shard_bytes=40_000)
     _assert_bit_equal(_weights(case.src), _weights(dst))
-    with open(os.path.join(case.src, hf.CONFIG_FILE)) as f, \
-         open(os.path.join(dst, hf.CONFIG_FILE)) as g:
+    with (
+        open(os.path.join(case.src, hf.CONFIG_FILE)) as f,
+        open(os.path.join(dst, hf.CONFIG_FILE)) as g,
+    ):
       assert json.load(f) == json.load(g)
     assert len([n for n in os.listdir(dst) if n.endswith(".safetensors")]) > 1  # shards + index
   bf16 = str(tmp_path / "bf16")
@@ -245,6 +288,7 @@ def _trainer_config(cfg, **mesh):
 def _mesh_params(c, cfg, src):
   """The checkpoint loaded straight onto the trainer's shardings of the config's mesh."""
   from jaxpipe.training.mesh import make_mesh
+
   mesh = make_mesh(c.mesh)
   shapes = jax.eval_shape(lambda k: transformer.init_params(cfg, k), jax.random.key(0))
   return mesh, hf.load(src, state_shardings(shapes, mesh))[1]
@@ -265,7 +309,8 @@ def test_dp_x_ep_mesh_matches_transformers(cases):
 
 
 def test_zb_v_pipeline_with_ep_and_cp_matches_transformers_reading_each_tensor_once(
-    cases, monkeypatch):
+    cases, monkeypatch
+):
   """Qwen3-MoE (q/k norms inside the fused cp all-to-alls, dense and MoE layers) on pp x ep x cp."""
   case = cases["qwen3_moe"]
   plan = hf.check(case.src)
@@ -297,12 +342,25 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
   convert_main(["hf-to-orbax", case.src, workdir])
   assert convert_lib.committed_steps(workdir) == [0]
-  cmd = [sys.executable, "-m", "jaxpipe.train", "--workdir", workdir, "--config.mesh.pp=2", "--config.mesh.ep=2",
-         "--config.pipeline.schedule=zb-v", "--config.pipeline.microbatches=2",
-         "--config.model.moe.lb_loss_form=per_layer", "--config.train.steps=2",
-         "--config.optimizer.lr=0.01", "--config.optimizer.warmup_steps=0",
-         f"--config.data.batch={BATCH}", f"--config.data.seq_len={SEQ}",
-         "--config.train.eval_batches=1", "--config.train.log_every=1"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "jaxpipe.train",
+      "--workdir",
+      workdir,
+      "--config.mesh.pp=2",
+      "--config.mesh.ep=2",
+      "--config.pipeline.schedule=zb-v",
+      "--config.pipeline.microbatches=2",
+      "--config.model.moe.lb_loss_form=per_layer",
+      "--config.train.steps=2",
+      "--config.optimizer.lr=0.01",
+      "--config.optimizer.warmup_steps=0",
+      f"--config.data.batch={BATCH}",
+      f"--config.data.seq_len={SEQ}",
+      "--config.train.eval_batches=1",
+      "--config.train.log_every=1",
+  ]
   r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from step 0" in r.stdout and "'pp': 2" in r.stdout
@@ -312,12 +370,13 @@ def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_
   before, after = _weights(case.src), _weights(dst)
   assert all(not np.array_equal(before[n], after[n]) for n in before if "gate.weight" in n)
   cfg = convert_lib.workdir_model(workdir)
-  trained = convert_lib.restore_params(workdir, 2, cfg, jax.sharding.Mesh(jax.devices()[:1], ("dp",)))
+  trained = convert_lib.restore_params(
+      workdir, 2, cfg, jax.sharding.Mesh(jax.devices()[:1], ("dp",))
+  )
   _assert_bit_equal(dict(hf.hf_tensors(cfg, trained, "mixtral")), after)
   model = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager")
   assert type(model) is type(case.model)
   assert np.isfinite(model(input_ids=torch.tensor(case.ids)).logits.detach().numpy()).all()
-
 
 
 def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
@@ -326,8 +385,10 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
   histories; a recipe the model's widths cannot take is refused before anything is written."""
   case = cases["llama"]
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
-  with pytest.raises(SystemExit, match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is "
-                     r"not a multiple of 128"):
+  with pytest.raises(
+      SystemExit,
+      match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is " r"not a multiple of 128",
+  ):
     convert_main(["hf-to-orbax", case.src, workdir, "--fp8", "block"])
   assert not os.path.exists(workdir)
   convert_main(["hf-to-orbax", case.src, workdir, "--fp8", "delayed"])
@@ -335,8 +396,9 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
   _assert_bit_equal(_weights(case.src), _weights(dst))
   config = runpy.run_path(os.path.join(workdir, "config.py"))["get_config"]()
   assert config.model.fp8 == "delayed"
-  config.update_from_flattened_dict({"data.batch": BATCH, "data.seq_len": SEQ,
-                                     "train.steps": 2, "train.eval_batches": 1})
+  config.update_from_flattened_dict(
+      {"data.batch": BATCH, "data.seq_len": SEQ, "train.steps": 2, "train.eval_batches": 1}
+  )
   with Trainer(config, workdir) as trainer:
     state = trainer.init()
     assert trainer.resumed_from == 0
@@ -353,10 +415,12 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
 
 # -- refusals, before any device work ----------------------------------------------------------------
 
+
 @pytest.fixture
 def no_device_work(monkeypatch):
   def fail(*a, **k):
     raise AssertionError("device work before the checkpoint was checked")
+
   for name in ("device_put", "make_array_from_single_device_arrays"):
     monkeypatch.setattr(jax, name, fail)
 
@@ -381,25 +445,51 @@ def _edited(case, tmp_path, config=None, tensors=None):
   return dst
 
 
-@pytest.mark.parametrize("config, tensors, message", [
-    ({"model_type": "deepseek_v3"}, None, r"model_type='deepseek_v3' is not supported"),
-    ({"attention_bias": True}, None, r"attention_bias=True is not implemented"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None, r"rope_scaling=.*llama3"),
-    ({"q_lora_rank": 1536}, None, r"field 'q_lora_rank' .* is not understood"),
-    ({"hidden_act": "gelu"}, None, r"hidden_act='gelu' is not implemented"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, None,
-     r"layer_types \['full_attention', 'sliding_attention'\] are not implemented"),
-    (None, {"model.layers.1.mlp.up_proj.weight": None},
-     r"tensor model.layers.1.mlp.up_proj.weight is missing"),
-    (None, {"model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)},
-     r"tensor model.layers.0.self_attn.q_proj.bias .* is not part of a llama model"),
-    (None, {"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)},
-     r"tensor model.layers.1.self_attn.k_proj.weight has shape \[32, 32\], but config.json "
-     r"implies \[16, 32\]"),
-], ids=["model_type", "bias", "rope_scaling", "mla_field", "activation", "sliding_layers",
-        "missing", "unknown", "shape"])
-def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(cases, tmp_path, no_device_work,
-                                                                config, tensors, message):
+@pytest.mark.parametrize(
+    "config, tensors, message",
+    [
+        ({"model_type": "deepseek_v3"}, None, r"model_type='deepseek_v3' is not supported"),
+        ({"attention_bias": True}, None, r"attention_bias=True is not implemented"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None, r"rope_scaling=.*llama3"),
+        ({"q_lora_rank": 1536}, None, r"field 'q_lora_rank' .* is not understood"),
+        ({"hidden_act": "gelu"}, None, r"hidden_act='gelu' is not implemented"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            None,
+            r"layer_types \['full_attention', 'sliding_attention'\] are not implemented",
+        ),
+        (
+            None,
+            {"model.layers.1.mlp.up_proj.weight": None},
+            r"tensor model.layers.1.mlp.up_proj.weight is missing",
+        ),
+        (
+            None,
+            {"model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)},
+            r"tensor model.layers.0.self_attn.q_proj.bias .* is not part of a llama model",
+        ),
+        (
+            None,
+            {"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)},
+            r"tensor model.layers.1.self_attn.k_proj.weight has shape \[32, 32\], but config.json "
+            r"implies \[16, 32\]",
+        ),
+    ],
+    ids=[
+        "model_type",
+        "bias",
+        "rope_scaling",
+        "mla_field",
+        "activation",
+        "sliding_layers",
+        "missing",
+        "unknown",
+        "shape",
+    ],
+)
+def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(
+    cases, tmp_path, no_device_work, config, tensors, message
+):
   src = _edited(cases["llama"], tmp_path, config, tensors)
   with pytest.raises(hf.CheckpointError, match=message):
     hf.load(src)
@@ -410,8 +500,12 @@ def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(cases, tmp_path,
 
 def test_derived_tensors_are_reported_not_read(cases, tmp_path):
   inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"  # older Llama checkpoints carry it
-  src = _edited(cases["llama"], tmp_path, {"layer_types": ["full_attention"] * 2},
-                {inv_freq: np.ones(4, np.float32)})
+  src = _edited(
+      cases["llama"],
+      tmp_path,
+      {"layer_types": ["full_attention"] * 2},
+      {inv_freq: np.ones(4, np.float32)},
+  )
   plan = hf.check(src)
   assert plan.ignored == {inv_freq: "rotary frequencies, recomputed from rope_theta"}
   assert inv_freq not in dict(hf.hf_tensors(*hf.load(plan), "llama"))
@@ -431,7 +525,11 @@ def test_export_refuses_a_model_no_architecture_computes():
   cfg = transformer.TransformerConfig(moe=moe.MoEConfig(num_shared_experts=1))
   with pytest.raises(hf.CheckpointError, match="num_shared_experts=1 has no counterpart"):
     hf.config_to_hf(cfg)
-  for cfg in (transformer.TransformerConfig(), transformer.TransformerConfig(
-      qk_norm=True, moe=moe.MoEConfig(every=2, norm_topk_prob=False, lb_loss_coef=0.0))):
+  for cfg in (
+      transformer.TransformerConfig(),
+      transformer.TransformerConfig(
+          qk_norm=True, moe=moe.MoEConfig(every=2, norm_topk_prob=False, lb_loss_coef=0.0)
+      ),
+  ):
     back = hf.config_from_hf(hf.config_to_hf(cfg))  # a config of its own when there is no source
     assert hf._function_fields(back) == hf._function_fields(cfg)

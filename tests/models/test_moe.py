@@ -1,4 +1,5 @@
 """The expert-parallel MoE layer equals a dense one-device reference, outputs and gradients."""
+
 import dataclasses
 import functools
 import math
@@ -13,14 +14,16 @@ from jaxpipe.models import moe
 from jaxpipe.models import router as router_lib
 
 D, F, E = 16, 8, 8
-B, L = 8, 8            # 64 tokens, 8 per device
+B, L = 8, 8  # 64 tokens, 8 per device
 N_DEV = 8
-CF = 0.75              # small enough that capacity mode drops at every ep
+CF = 0.75  # small enough that capacity mode drops at every ep
 TOP_KS = (1, 2, 4)
 
 
 def _mesh(ep):
-  return jax.make_mesh((N_DEV // ep, ep), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return jax.make_mesh(
+      (N_DEV // ep, ep), ("dp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
 
 
 @functools.cache
@@ -55,21 +58,29 @@ def _layer_results(cfgs: tuple[moe.MoEConfig, ...], ep: int):
 
   @jax.jit
   def run(params_list, x, g):
-    return [jax.value_and_grad(functools.partial(_layer_loss, c, mesh), argnums=(0, 1), has_aux=True)(
-        p, x, g) for c, p in zip(cfgs, params_list)]
+    return [
+        jax.value_and_grad(functools.partial(_layer_loss, c, mesh), argnums=(0, 1), has_aux=True)(
+            p, x, g
+        )
+        for c, p in zip(cfgs, params_list)
+    ]
 
   return run([_params(c) for c in cfgs], x, g)
 
 
 def _ref_loss(cfg, params, x, g, keep):
   y, aux = moe.dense_reference(cfg, params, x.reshape(-1, D), keep)
-  idx = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x.reshape(-1, D)).idx_TxK
+  idx = router_lib.route(
+      cfg, params["router_DxE"], params.get("expert_bias_E"), x.reshape(-1, D)
+  ).idx_TxK
   return jnp.sum(y.reshape(g.shape) * g) + aux["loss"], (y, aux, idx)
 
 
 @functools.cache
 def _ref_fn(cfg: moe.MoEConfig):
-  return jax.jit(jax.value_and_grad(functools.partial(_ref_loss, cfg), argnums=(0, 1), has_aux=True))
+  return jax.jit(
+      jax.value_and_grad(functools.partial(_ref_loss, cfg), argnums=(0, 1), has_aux=True)
+  )
 
 
 def _keep_oracle(idx, ep, top_k, capacity_factor):
@@ -129,7 +140,9 @@ def _check(cfg, ep, result, expect_drops=False, rtol=1e-5):
 def test_layer_equals_dense_reference(ep):
   """Dropless exactly; capacity mode exactly with the dropped assignments zeroed, count checked."""
   dropless = tuple(moe.MoEConfig(num_experts=E, top_k=k, d_ff=F) for k in TOP_KS)
-  capacity = tuple(dataclasses.replace(c, dispatch="capacity", capacity_factor=CF) for c in dropless)
+  capacity = tuple(
+      dataclasses.replace(c, dispatch="capacity", capacity_factor=CF) for c in dropless
+  )
   results = _layer_results(dropless + capacity, ep)
   for cfg, res in zip(dropless + capacity, results):
     _, aux = _check(cfg, ep, res, expect_drops=cfg.dispatch == "capacity")
@@ -139,8 +152,16 @@ def test_layer_equals_dense_reference(ep):
 
 def test_sigmoid_group_limited_with_shared_experts():
   """DeepSeek-V3 routing (bias, groups = ranks, scaling) plus shared experts at ep = 4."""
-  cfg = moe.MoEConfig(num_experts=E, top_k=3, d_ff=F, router="sigmoid", routed_scaling=2.5,
-                      n_groups=4, topk_groups=2, num_shared_experts=2)
+  cfg = moe.MoEConfig(
+      num_experts=E,
+      top_k=3,
+      d_ff=F,
+      router="sigmoid",
+      routed_scaling=2.5,
+      n_groups=4,
+      topk_groups=2,
+      num_shared_experts=2,
+  )
   (res,) = _layer_results((cfg,), 4)
   idx, _ = _check(cfg, 4, res)
   ranks_per_token = [len(set(r)) for r in (idx // (E // 4)).tolist()]
@@ -149,8 +170,9 @@ def test_sigmoid_group_limited_with_shared_experts():
 
 def test_ragged_layout_equals_dense_reference():
   """The packed layout and offsets of the ragged_all_to_all path, moved by its CPU emulation."""
-  cfgs = tuple(moe.MoEConfig(num_experts=E, top_k=k, d_ff=F, dropless_impl="ragged_emulated")
-               for k in (2, 4))
+  cfgs = tuple(
+      moe.MoEConfig(num_experts=E, top_k=k, d_ff=F, dropless_impl="ragged_emulated") for k in (2, 4)
+  )
   for cfg, res in zip(cfgs, _layer_results(cfgs, 4)):
     _check(cfg, 4, res)
 
@@ -178,8 +200,9 @@ def test_fp8_dispatch_is_the_reference_on_round_tripped_tokens():
 
   def ref_loss(params, x):
     x_expert = x + jax.lax.stop_gradient(xq - x)  # value of the round trip, identity gradient
-    y, aux = moe.dense_reference(_base(cfg), params, x.reshape(-1, D),
-                                 x_expert_TxD=x_expert.reshape(-1, D))
+    y, aux = moe.dense_reference(
+        _base(cfg), params, x.reshape(-1, D), x_expert_TxD=x_expert.reshape(-1, D)
+    )
     return jnp.sum(y.reshape(g.shape) * g) + aux["loss"], y
 
   (_, y_ref), grads_ref = jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True)(p, x)
@@ -192,19 +215,22 @@ def test_fp8_dispatch_is_the_reference_on_round_tripped_tokens():
   assert 0 < rel < 2.0**-4, rel
 
 
-@pytest.mark.parametrize("kwargs, ep, match", [
-    (dict(num_experts=6), 4, "num_experts=6 is not divisible by the expert axis size ep=4"),
-    (dict(top_k=9), None, "top_k=9 exceeds num_experts=8"),
-    (dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
-    (dict(capacity_factor=-1.0, dispatch="capacity"), None, "capacity_factor=-1.0 must be > 0"),
-    (dict(n_groups=3), None, "n_groups=3 must divide num_experts=8"),
-    (dict(n_groups=4, topk_groups=5), None, "topk_groups=5 must lie in"),
-    (dict(n_groups=4, topk_groups=1, top_k=3), None, "top_k=3 exceeds the 2 experts"),
-    (dict(num_experts=12, n_groups=3, topk_groups=2), 4, "n_groups=3 does not fit ep=4"),
-    (dict(router="relu"), None, "router='relu' is unknown"),
-    (dict(dispatch="sparse"), None, "dispatch='sparse' is unknown"),
-    (dict(bias_update_rate=0.001), None, "needs router='sigmoid'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, ep, match",
+    [
+        (dict(num_experts=6), 4, "num_experts=6 is not divisible by the expert axis size ep=4"),
+        (dict(top_k=9), None, "top_k=9 exceeds num_experts=8"),
+        (dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
+        (dict(capacity_factor=-1.0, dispatch="capacity"), None, "capacity_factor=-1.0 must be > 0"),
+        (dict(n_groups=3), None, "n_groups=3 must divide num_experts=8"),
+        (dict(n_groups=4, topk_groups=5), None, "topk_groups=5 must lie in"),
+        (dict(n_groups=4, topk_groups=1, top_k=3), None, "top_k=3 exceeds the 2 experts"),
+        (dict(num_experts=12, n_groups=3, topk_groups=2), 4, "n_groups=3 does not fit ep=4"),
+        (dict(router="relu"), None, "router='relu' is unknown"),
+        (dict(dispatch="sparse"), None, "dispatch='sparse' is unknown"),
+        (dict(bias_update_rate=0.001), None, "needs router='sigmoid'"),
+    ],
+)
 def test_bad_config_errors(kwargs, ep, match):
   with pytest.raises(ValueError, match=match):
     moe.MoEConfig(**kwargs).validate(ep or 1)
@@ -213,7 +239,9 @@ def test_bad_config_errors(kwargs, ep, match):
 def test_layer_checks_mesh_at_call():
   cfg = moe.MoEConfig(num_experts=6, top_k=2, d_ff=F)
   params = moe.init_moe_params(cfg, jax.random.key(0), D)
-  with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert axis size ep=4"):
+  with pytest.raises(
+      ValueError, match="num_experts=6 is not divisible by the expert axis size ep=4"
+  ):
     moe.moe_layer(cfg, params, _data()[0], mesh=_mesh(4))
   cfg = moe.MoEConfig(num_experts=E, top_k=2, d_ff=F, fp8_dispatch=True)  # fp8_block 128 > D
   with pytest.raises(ValueError, match="d_model=16 divisible by fp8_block=128"):

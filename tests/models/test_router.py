@@ -1,4 +1,5 @@
 """Routers against small cases worked out by hand."""
+
 import dataclasses
 import math
 
@@ -52,7 +53,9 @@ def test_load_balancing_and_z_loss():
   lb = router_lib.load_balancing_loss(r.probs_TxE.sum(0), counts, 2, 2)
   np.testing.assert_allclose(lb, expected, rtol=1e-6)
   lse = [math.log(sum(math.exp(v) for v in row)) for row in LOGITS]
-  np.testing.assert_allclose(router_lib.z_loss(r.logits_TxE) / 2, (lse[0]**2 + lse[1]**2) / 2, rtol=1e-6)
+  np.testing.assert_allclose(
+      router_lib.z_loss(r.logits_TxE) / 2, (lse[0] ** 2 + lse[1] ** 2) / 2, rtol=1e-6
+  )
   uniform = router_lib.load_balancing_loss(jnp.full((4,), 2.0), jnp.full((4,), 4), 8, 2)
   np.testing.assert_allclose(uniform, 1.0, rtol=1e-6)  # perfect balance scores 1
 
@@ -96,7 +99,9 @@ def test_group_limited_softmax_uses_group_max():
 
 
 def test_bias_update_sign_rule():
-  new = router_lib.update_expert_bias(jnp.array([0.0, 0.1, 0.0, -0.2]), jnp.array([1, 3, 2, 2]), 0.01)
+  new = router_lib.update_expert_bias(
+      jnp.array([0.0, 0.1, 0.0, -0.2]), jnp.array([1, 3, 2, 2]), 0.01
+  )
   np.testing.assert_allclose(new, [0.01, 0.09, 0.0, -0.2], rtol=1e-6)
 
 
@@ -116,16 +121,21 @@ def test_top1_renormalisation_and_unnormalised_sigmoid():
   r = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True), LOGITS)
   np.testing.assert_array_equal(r.idx_TxK, [[2], [2]])
   np.testing.assert_array_equal(r.w_TxK, [[1.0], [1.0]])
-  g = jax.jit(jax.grad(lambda w: router_lib.route(
-      MoEConfig(num_experts=4, top_k=1, norm_top1=True), w, None, jnp.eye(2)).w_TxK.sum()))(
-          jnp.asarray(LOGITS, jnp.float32))
+  g = jax.jit(
+      jax.grad(
+          lambda w: router_lib.route(
+              MoEConfig(num_experts=4, top_k=1, norm_top1=True), w, None, jnp.eye(2)
+          ).w_TxK.sum()
+      )
+  )(jnp.asarray(LOGITS, jnp.float32))
   assert np.abs(g).max() < 1e-7  # a weight of 1 carries no router gradient (but rounding)
   off = _route(MoEConfig(num_experts=4, top_k=1, norm_top1=True, norm_topk_prob=False), LOGITS)
   z0 = 1 + math.e + math.e**2 + math.e**3
   np.testing.assert_allclose(off.w_TxK[0], [math.e**3 / z0], rtol=1e-6)
   # The sigmoid router's raw scores when norm_topk_prob is off (DeepSeek's norm_topk_prob=False).
-  cfg = MoEConfig(num_experts=4, top_k=2, router="sigmoid", norm_topk_prob=False,
-                  routed_scaling=2.5)
+  cfg = MoEConfig(
+      num_experts=4, top_k=2, router="sigmoid", norm_topk_prob=False, routed_scaling=2.5
+  )
   r = _route(cfg, [[0.0, 1.0, 2.0, -1.0]])
   np.testing.assert_allclose(r.w_TxK, [[2.5 * _sig(2.0), 2.5 * _sig(1.0)]], rtol=1e-6)
 
@@ -133,6 +143,7 @@ def test_top1_renormalisation_and_unnormalised_sigmoid():
 def test_aux_objective_forms_and_the_factor_between_them():
   """Per-layer sum vs transformers' pooled form; (K/G) apart when every layer routes alike."""
   from jaxpipe.models import moe
+
   rng = np.random.default_rng(0)
   g, t, e, k, coef = 3, 16, 4, 2, 0.1
   logits = rng.standard_normal((g, t, e))
@@ -142,9 +153,11 @@ def test_aux_objective_forms_and_the_factor_between_them():
 
   def aux(cfg, layers):
     lb = e * np.sum(counts[layers] / (t * k) * probs[layers].mean(1), -1)
-    return {"loss": jnp.asarray(coef * lb if cfg.lb_loss_form == "per_layer" else 0 * lb),
-            "tokens_per_expert": jnp.asarray(counts[layers]),
-            "router_probs": jnp.asarray(probs[layers].mean(1))}, lb
+    return {
+        "loss": jnp.asarray(coef * lb if cfg.lb_loss_form == "per_layer" else 0 * lb),
+        "tokens_per_expert": jnp.asarray(counts[layers]),
+        "router_probs": jnp.asarray(probs[layers].mean(1)),
+    }, lb
 
   per_layer = MoEConfig(num_experts=e, top_k=k, lb_loss_coef=coef, z_loss_coef=0.0)
   pooled = dataclasses.replace(per_layer, lb_loss_form="pooled")
@@ -154,11 +167,14 @@ def test_aux_objective_forms_and_the_factor_between_them():
   # transformers' load_balancing_loss_func: num_experts * sum(tokens_per_expert * router_prob),
   # each the mean over all layers' tokens, tokens_per_expert counting top-k assignments.
   hf_lb = e * np.sum(counts.sum(0) / (g * t) * probs.reshape(g * t, e).mean(0))
-  np.testing.assert_allclose(moe.aux_objective(pooled, aux(pooled, layers)[0]), coef * hf_lb,
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      moe.aux_objective(pooled, aux(pooled, layers)[0]), coef * hf_lb, rtol=1e-6
+  )
   same = np.zeros(g, int)  # every layer routes as layer 0
-  np.testing.assert_allclose(moe.aux_objective(pooled, aux(pooled, same)[0]),
-                             k / g * moe.aux_objective(per_layer, aux(per_layer, same)[0]),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      moe.aux_objective(pooled, aux(pooled, same)[0]),
+      k / g * moe.aux_objective(per_layer, aux(per_layer, same)[0]),
+      rtol=1e-6,
+  )
   with pytest.raises(ValueError, match="lb_loss_form='mean' is unknown"):
     MoEConfig(lb_loss_form="mean")

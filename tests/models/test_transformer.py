@@ -1,4 +1,5 @@
 """The Flax LM against a plain-JAX reference written from the formulas, and its block structure."""
+
 import dataclasses
 import functools
 
@@ -12,8 +13,9 @@ from jaxpipe.models.transformer import TransformerConfig
 
 _forward = jax.jit(transformer.forward, static_argnums=0)
 _loss = jax.jit(transformer.loss, static_argnums=0)
-CFG = TransformerConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-                        d_ff=48, rope_theta=100.0)
+CFG = TransformerConfig(
+    vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, rope_theta=100.0
+)
 B, L = 2, 12
 
 
@@ -31,6 +33,7 @@ def _random_params(cfg, seed=0):
 
 
 # -- the reference: one function per formula, no Flax, no shared code with the model -------------
+
 
 def ref_rms_norm(x, scale, eps):
   return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
@@ -93,24 +96,39 @@ def _batch(cfg, seed=0):
 
 # -- tests -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_parameter_shapes(tied):
   cfg = dataclasses.replace(CFG, tied_embeddings=tied)
   params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
-  n, d, h, g, k, f, v = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.d_ff, cfg.vocab)
+  n, d, h, g, k, f, v = (
+      cfg.n_layers,
+      cfg.d_model,
+      cfg.n_heads,
+      cfg.n_kv_heads,
+      cfg.head_dim,
+      cfg.d_ff,
+      cfg.vocab,
+  )
   expected = {
-      "embed": (v, d), "final_norm/scale": (d,),
-      "layers/attn_norm/scale": (n, d), "layers/mlp_norm/scale": (n, d),
-      "layers/attn/q/kernel": (n, d, h, k), "layers/attn/k/kernel": (n, d, g, k),
-      "layers/attn/v/kernel": (n, d, g, k), "layers/attn/o/kernel": (n, h, k, d),
-      "layers/mlp/gate/kernel": (n, d, f), "layers/mlp/up/kernel": (n, d, f),
+      "embed": (v, d),
+      "final_norm/scale": (d,),
+      "layers/attn_norm/scale": (n, d),
+      "layers/mlp_norm/scale": (n, d),
+      "layers/attn/q/kernel": (n, d, h, k),
+      "layers/attn/k/kernel": (n, d, g, k),
+      "layers/attn/v/kernel": (n, d, g, k),
+      "layers/attn/o/kernel": (n, h, k, d),
+      "layers/mlp/gate/kernel": (n, d, f),
+      "layers/mlp/up/kernel": (n, d, f),
       "layers/mlp/down/kernel": (n, f, d),
   }
   if not tied:
     expected["head"] = (d, v)
-  got = {"/".join(p.key for p in path): x.shape
-         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  got = {
+      "/".join(p.key for p in path): x.shape
+      for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
   assert got == expected
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
 
@@ -129,15 +147,18 @@ def test_loss_and_gradients_match_reference():
   cfg = dataclasses.replace(CFG, tied_embeddings=False)
   params = _random_params(cfg)
   tokens, targets, mask = _batch(cfg)
-  (s, n), g = jax.jit(jax.value_and_grad(
-      lambda p: transformer.loss(cfg, p, tokens, targets, mask), has_aux=True))(params)
-  (rs, rn), rg = jax.jit(jax.value_and_grad(
-      lambda p: ref_loss(cfg, p, tokens, targets, mask), has_aux=True))(params)
+  (s, n), g = jax.jit(
+      jax.value_and_grad(lambda p: transformer.loss(cfg, p, tokens, targets, mask), has_aux=True)
+  )(params)
+  (rs, rn), rg = jax.jit(
+      jax.value_and_grad(lambda p: ref_loss(cfg, p, tokens, targets, mask), has_aux=True)
+  )(params)
   assert "head" in g
   assert float(n) == mask.sum()
   np.testing.assert_allclose(s, rs, rtol=1e-5)
-  for path, a, b in zip(jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g),
-                        jax.tree.leaves(rg)):
+  for path, a, b in zip(
+      jax.tree_util.tree_flatten_with_path(g)[0], jax.tree.leaves(g), jax.tree.leaves(rg)
+  ):
     scale = np.max(np.abs(b))
     np.testing.assert_allclose(a / scale, b / scale, atol=2e-5, err_msg=str(path[0]))
 
@@ -154,7 +175,9 @@ def test_layer_blocks_compose_like_pipeline_stages():
     y = apply(CFG, jax.tree.map(lambda a: a[s], staged), y)
   np.testing.assert_allclose(y, whole, rtol=1e-6, atol=1e-6)
   one = jax.tree.map(lambda a: a[:1], params["layers"])
-  want = jax.jit(ref_layer, static_argnums=0)(CFG, jax.tree.map(lambda a: a[0], params["layers"]), x)
+  want = jax.jit(ref_layer, static_argnums=0)(
+      CFG, jax.tree.map(lambda a: a[0], params["layers"]), x
+  )
   np.testing.assert_allclose(apply(CFG, one, x), want, rtol=1e-5, atol=1e-5)
 
 
@@ -171,9 +194,12 @@ def test_attention_is_causal():
 def test_remat_gradients_and_bfloat16_loss():
   params = _random_params(CFG)
   tokens, targets, mask = _batch(CFG)
-  grad = jax.jit(jax.value_and_grad(
-      lambda cfg, p: transformer.loss(cfg, p, tokens, targets, mask)[0], argnums=1),
-      static_argnums=0)
+  grad = jax.jit(
+      jax.value_and_grad(
+          lambda cfg, p: transformer.loss(cfg, p, tokens, targets, mask)[0], argnums=1
+      ),
+      static_argnums=0,
+  )
   (l0, g0), (l1, g1) = grad(CFG, params), grad(dataclasses.replace(CFG, remat=True), params)
   np.testing.assert_array_equal(l0, l1)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
@@ -186,8 +212,9 @@ def test_remat_gradients_and_bfloat16_loss():
 def test_analytic_flops_match_compiled_count():
   # One layer so the scan body (which XLA counts once) is the whole model; sizes where matmuls
   # dominate the elementwise work XLA also counts.
-  cfg = TransformerConfig(vocab=512, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2,
-                          head_dim=64, d_ff=1024)
+  cfg = TransformerConfig(
+      vocab=512, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024
+  )
   params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
   tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
   compiled = jax.jit(transformer.forward, static_argnums=0).lower(cfg, params, tokens).compile()
@@ -196,4 +223,6 @@ def test_analytic_flops_match_compiled_count():
   # XLA computes the full (masked) score matrix, so compare with the non-causal count.
   analytic = 2 * flops.forward_flops_per_sequence(cfg, 128, causal=False)
   assert abs(cost["flops"] - analytic) / analytic < 0.03, (cost["flops"], analytic)
-  assert flops.training_flops_per_step(cfg, 2, 128) == 3 * 2 * flops.forward_flops_per_sequence(cfg, 128)
+  assert flops.training_flops_per_step(cfg, 2, 128) == 3 * 2 * flops.forward_flops_per_sequence(
+      cfg, 128
+  )

@@ -1,4 +1,5 @@
 """Attention backend registry: each backend equals the XLA reference; bad requests fail clearly."""
+
 import functools
 
 import jax
@@ -32,9 +33,14 @@ def test_pallas_and_auto_match_xla(causal):
 def test_segment_ids_pallas_matches_xla_with_gradients():
   q, k, v = _qkv(seq=20)
   seg = jnp.array([[0] * 8 + [1] * 12, [0] * 20], jnp.int32)
-  loss = lambda backend: jax.jit(jax.value_and_grad(
-      lambda q, k, v: jnp.sum(jnp.sin(attn.attention(q, k, v, backend=backend, segment_ids=seg))),
-      argnums=(0, 1, 2)))
+  loss = lambda backend: jax.jit(
+      jax.value_and_grad(
+          lambda q, k, v: jnp.sum(
+              jnp.sin(attn.attention(q, k, v, backend=backend, segment_ids=seg))
+          ),
+          argnums=(0, 1, 2),
+      )
+  )
   (lp, gp), (lx, gx) = loss("pallas")(q, k, v), loss("xla")(q, k, v)
   # Oracle for the mask itself: two documents computed separately.
   first = jax.nn.dot_product_attention(q[:1, :8], k[:1, :8], v[:1, :8], is_causal=True)
@@ -68,13 +74,16 @@ def test_cudnn_limits_named(monkeypatch):
     attn.resolve_backend("cudnn", *_qkv(head_dim=256, dtype=jnp.bfloat16))
 
 
-@pytest.mark.parametrize("backend,qkv,match", [
-    ("cudnn", _qkv(), "needs a CUDA GPU, but this process runs on cpu"),
-    ("pallas", _qkv(head_dim=512), "head_dim 512"),
-    ("pallas", _qkv(dtype=jnp.int32), "dtype int32"),
-    ("xla", _qkv(heads=3, kv_heads=2), r"query heads \(3\) must be a multiple"),
-    ("flash", _qkv(), "unknown attention backend 'flash'"),
-])
+@pytest.mark.parametrize(
+    "backend,qkv,match",
+    [
+        ("cudnn", _qkv(), "needs a CUDA GPU, but this process runs on cpu"),
+        ("pallas", _qkv(head_dim=512), "head_dim 512"),
+        ("pallas", _qkv(dtype=jnp.int32), "dtype int32"),
+        ("xla", _qkv(heads=3, kv_heads=2), r"query heads \(3\) must be a multiple"),
+        ("flash", _qkv(), "unknown attention backend 'flash'"),
+    ],
+)
 def test_bad_requests_raise(backend, qkv, match):
   with pytest.raises(ValueError, match=match):
     attn.attention(*qkv, backend=backend)

@@ -1,5 +1,6 @@
 """FP8 GEMMs (jaxpipe.ops.fp8): format bounds, TE's delayed scaling, DeepSeek-V3's tiles,
 the HLO's FP8 operands, delayed scaling's state through every training path and a checkpoint."""
+
 import re
 
 import jax
@@ -74,7 +75,7 @@ def _te_delayed_step(history, scale, amax_now, algo, margin, fp8_max):
   history[0] = amax_now
   amax = history.max(axis=0) if algo == "max" else history[0]
   with np.errstate(divide="ignore", invalid="ignore"):
-    sf = (fp8_max / amax) / 2.0 ** margin
+    sf = (fp8_max / amax) / 2.0**margin
   sf = np.where(amax > 0.0, sf, scale)
   sf = np.where(np.isfinite(amax), sf, scale)
   history = np.roll(history, -1, axis=0)
@@ -90,24 +91,27 @@ def test_delayed_scaling_follows_transformer_engine(algo, margin):
   amaxes = 2.0 ** rng.uniform(-12, 6, (steps, layers, 3)).astype(np.float32)
   amaxes[5, 0, 1] = 0.0  # keeps the old scale
   amaxes[9, 1, 2] = np.inf  # keeps the old scale while it is in the history
-  amaxes[[13, 14, 15]] *= 2.0 ** 10  # a spike that leaves the history `length` steps later
+  amaxes[[13, 14, 15]] *= 2.0**10  # a spike that leaves the history `length` steps later
   scales = {"fp8_scale": jnp.ones((layers, 3))}
   history = {"fp8_scale": jnp.zeros((layers, 3, length))}
   te_history = np.zeros((length, layers, 3), np.float32)
   te_scale = np.ones((layers, 3), np.float32)
   for t in range(steps):
-    scales, history = fp8.advance(scales, history, {"fp8_scale": jnp.asarray(amaxes[t])}, margin,
-                                  algo)
+    scales, history = fp8.advance(
+        scales, history, {"fp8_scale": jnp.asarray(amaxes[t])}, margin, algo
+    )
     te_history, te_scale = _te_delayed_step(te_history, te_scale, amaxes[t], algo, margin, fmax)
-    np.testing.assert_allclose(1.0 / np.asarray(scales["fp8_scale"]), te_scale, rtol=2e-7,
-                               err_msg=f"step {t}")
+    np.testing.assert_allclose(
+        1.0 / np.asarray(scales["fp8_scale"]), te_scale, rtol=2e-7, err_msg=f"step {t}"
+    )
   assert len(set(np.round(np.log2(te_scale.ravel())))) > 3  # the scales really moved
 
 
 def test_block_scaling_scales_every_tile():
   rng = np.random.default_rng(2)
-  x = (rng.standard_normal((200, 384)) * 2.0 ** rng.integers(-8, 8, (200, 3)).repeat(128, 1)
-       ).astype(np.float32)
+  x = (
+      rng.standard_normal((200, 384)) * 2.0 ** rng.integers(-8, 8, (200, 3)).repeat(128, 1)
+  ).astype(np.float32)
   for tile in [(1, 128), (128, 128), (128, 1)]:
     q, s = _tiles(jnp.asarray(x), tile)
     tr, tc = tile
@@ -136,35 +140,51 @@ def _product_bound(a, ea, b, eb):
 def _expected_bounds(recipe, x, w, g, delayed_scales):
   """Elementwise bounds on y, dx, dw of the recipe's GEMM against exact products."""
   if recipe == "block":
-    rows = lambda v: np.repeat(np.asarray(_tiles(jnp.asarray(v), (1, 128))[1]),
-                               128, 1)[:, :v.shape[1]]
-    cols = lambda v: np.repeat(np.asarray(_tiles(jnp.asarray(v), (128, 1))[1]), 128, 0)[:v.shape[0]]
-    sw = np.asarray(_tiles(jnp.asarray(w), (128, 128))[1]).repeat(128, 0).repeat(
-        128, 1)[:w.shape[0], :w.shape[1]]
+    rows = lambda v: np.repeat(np.asarray(_tiles(jnp.asarray(v), (1, 128))[1]), 128, 1)[
+        :, : v.shape[1]
+    ]
+    cols = lambda v: np.repeat(np.asarray(_tiles(jnp.asarray(v), (128, 1))[1]), 128, 0)[
+        : v.shape[0]
+    ]
+    sw = (
+        np.asarray(_tiles(jnp.asarray(w), (128, 128))[1])
+        .repeat(128, 0)
+        .repeat(128, 1)[: w.shape[0], : w.shape[1]]
+    )
     e4 = jnp.float8_e4m3fn
     ex, ew, eg = _error_bound(x, rows(x), e4), _error_bound(w, sw, e4), _error_bound(g, rows(g), e4)
     x1 = np.asarray(_untiles(*_tiles(jnp.asarray(x), (1, 128)), (1, 128), jnp.float32))
     ex_cols = ex + _error_bound(x1, cols(x1), e4)  # re-quantised along tokens for the W gradient
     eg_cols = _error_bound(g, cols(g), e4)
-    return (_product_bound(x, ex, w, ew), _product_bound(g, eg, w.T, ew.T),
-            _product_bound(x.T, ex_cols.T, g, eg_cols))
+    return (
+        _product_bound(x, ex, w, ew),
+        _product_bound(g, eg, w.T, ew.T),
+        _product_bound(x.T, ex_cols.T, g, eg_cols),
+    )
   if recipe == "current":
-    sx, sw, sg = (np.abs(v).max() / fp8.fp8_max(f) for v, f in
-                  ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn), (g, jnp.float8_e5m2)))
+    sx, sw, sg = (
+        np.abs(v).max() / fp8.fp8_max(f)
+        for v, f in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn), (g, jnp.float8_e5m2))
+    )
   else:
     sx, sw, sg = delayed_scales
   ex = _error_bound(x, sx, jnp.float8_e4m3fn)
   ew = _error_bound(w, sw, jnp.float8_e4m3fn)
   eg = _error_bound(g, sg, jnp.float8_e5m2)
-  return (_product_bound(x, ex, w, ew), _product_bound(g, eg, w.T, ew.T),
-          _product_bound(x.T, ex.T, g, eg))
+  return (
+      _product_bound(x, ex, w, ew),
+      _product_bound(g, eg, w.T, ew.T),
+      _product_bound(x.T, ex.T, g, eg),
+  )
 
 
 def _value_and_vjp(fn, *args):
   """(fn(*args[:-1]), its vjp at cotangent args[-1]), compiled as one program."""
+
   def run(*a):
     y, vjp = jax.vjp(fn, *a[:-1])
     return y, vjp(a[-1])
+
   return jax.jit(run)(*args)
 
 
@@ -183,7 +203,8 @@ def test_fp8_matmul_and_its_gradients_within_the_quantisation_bound(recipe):
   delayed = (1.5 * amaxes / np.array([448.0, 448.0, 57344.0])).astype(np.float32)
   scale_3 = jnp.asarray(delayed) if recipe == "delayed" else None
   y, (dx, dw, seen) = _value_and_vjp(
-      lambda a, b, s: fp8.dot(a, b, 1, recipe, s, jnp.float32), x, w, scale_3, g)
+      lambda a, b, s: fp8.dot(a, b, 1, recipe, s, jnp.float32), x, w, scale_3, g
+  )
   exact = (x.astype(np.float64) @ w, g.astype(np.float64) @ w.T, x.T.astype(np.float64) @ g)
   bounds = _expected_bounds(recipe, x, w, g, delayed)
   for what, got, want, bound in zip(("y", "dx", "dw"), (y, dx, dw), exact, bounds):
@@ -206,21 +227,43 @@ def test_grouped_gemm_equals_each_groups_gemm(recipe):
   g = jnp.asarray(rng.standard_normal((512, 256)) * 1e-2, jnp.float32)
   scale_3 = jnp.asarray([0.01, 0.002, 1e-6]) if recipe == "delayed" else None
   y, (dx, dw, seen) = _value_and_vjp(
-      lambda a, b, s: fp8.grouped(a, b, jnp.asarray(sizes, jnp.int32), recipe, s), x, w, scale_3, g)
+      lambda a, b, s: fp8.grouped(a, b, jnp.asarray(sizes, jnp.int32), recipe, s), x, w, scale_3, g
+  )
   if recipe == "current":  # per-tensor: one scale for all experts, so compare as delayed
-    scale_3 = jnp.stack([fp8.current_scale(fp8.amax(v), f) for v, f in
-                         ((x, fp8.E4M3), (w, fp8.E4M3), (g, fp8.E5M2))])
+    scale_3 = jnp.stack(
+        [
+            fp8.current_scale(fp8.amax(v), f)
+            for v, f in ((x, fp8.E4M3), (w, fp8.E4M3), (g, fp8.E5M2))
+        ]
+    )
   starts = np.concatenate([[0], np.cumsum(sizes)])
   for e in range(3):
     rows = slice(starts[e], starts[e + 1])
     want_y, (want_dx, want_dw) = _value_and_vjp(
-        lambda a, b: fp8.dot(a, b, 1, "block" if recipe == "block" else "delayed",
-                             None if recipe == "block" else scale_3, jnp.float32),
-        x[rows], w[e], g[rows])
-    for what, got, want in (("y", y[rows], want_y), ("dx", dx[rows], want_dx),
-                            ("dw", dw[e], want_dw)):
-      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))),
-                                 err_msg=f"{what} of group {e}")
+        lambda a, b: fp8.dot(
+            a,
+            b,
+            1,
+            "block" if recipe == "block" else "delayed",
+            None if recipe == "block" else scale_3,
+            jnp.float32,
+        ),
+        x[rows],
+        w[e],
+        g[rows],
+    )
+    for what, got, want in (
+        ("y", y[rows], want_y),
+        ("dx", dx[rows], want_dx),
+        ("dw", dw[e], want_dw),
+    ):
+      np.testing.assert_allclose(
+          got,
+          want,
+          rtol=1e-5,
+          atol=1e-6 * float(jnp.max(jnp.abs(want))),
+          err_msg=f"{what} of group {e}",
+      )
   if recipe == "delayed":
     np.testing.assert_array_equal(seen, [fp8.amax(x), fp8.amax(w), fp8.amax(g)])
 
@@ -237,8 +280,7 @@ def _config(recipe="delayed", **overrides):
 
 def _dot_types(hlo: str) -> list[tuple[str, str]]:
   """Element types of every stablehlo.dot_general's two operands."""
-  return re.findall(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)",
-                    hlo)
+  return re.findall(r"stablehlo\.dot_general .*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", hlo)
 
 
 def _f8_types(hlo: str) -> list[tuple[str, str]]:
@@ -280,8 +322,10 @@ def test_block_step_casts_to_e4m3_and_multiplies_in_the_compute_dtype():
 @jax.jit
 def _one_device_seen(params, host):
   """Oracle: the amaxes every GEMM saw on the unsplit batch, on one device (the tiny model)."""
+
   def loss(p):
     return transformer.loss(_MODEL, p, host["tokens"], host["targets"], host["mask"])[0]
+
   return fp8.state_of(jax.grad(loss)(params))
 
 
@@ -306,12 +350,16 @@ def test_delayed_amaxes_are_maxima_through_pipeline_and_context_parallelism():
   host["mask"] = np.ones_like(host["mask"])  # every path then weighs tokens alike
   params = jax.device_get(_init_on_one_device(jax.random.key(0)))
   # delayed scales as after a step: from the amaxes of this batch
-  scales = jax.tree.map(lambda a: (a / np.array([448.0, 448.0, 57344.0])).astype(np.float32),
-                        _seen_on_one_device(params, host))
+  scales = jax.tree.map(
+      lambda a: (a / np.array([448.0, 448.0, 57344.0])).astype(np.float32),
+      _seen_on_one_device(params, host),
+  )
   params = fp8.with_state(params, scales)
   want = _seen_on_one_device(params, host)
-  for overrides in (dict(mesh__pp=2, pipeline__microbatches=2),
-                    dict(mesh__cp=2, pipeline__microbatches=2)):
+  for overrides in (
+      dict(mesh__pp=2, pipeline__microbatches=2),
+      dict(mesh__cp=2, pipeline__microbatches=2),
+  ):
     trainer = Trainer(_config(**overrides))
     stored = trainer.stored_params(jax.device_put(params, trainer.state_sharding.params))
     _, grads, _ = jax.jit(trainer.loss_and_grads)(stored, trainer.shard_batch(host))
@@ -322,8 +370,8 @@ def test_delayed_amaxes_of_expert_parallel_moe_are_maxima():
   """An MoE layer with its experts split over ep = 4 (dp = 2) reports each grouped GEMM's amax of
   x, w and g over all tokens and experts, as the one-device layer does."""
   from jaxpipe.models import moe
-  cfg = moe.MoEConfig(num_experts=8, top_k=2, d_ff=32, num_shared_experts=1,
-                      dropless_impl="padded")
+
+  cfg = moe.MoEConfig(num_experts=8, top_k=2, d_ff=32, num_shared_experts=1, dropless_impl="padded")
   rng = jax.random.split(jax.random.key(0), 3)
   params = moe.init_moe_params(cfg, rng[0], 32)
   params.update({name: jnp.asarray([0.01, 0.002, 1e-4]) for name in moe.fp8_state_names(cfg)})
@@ -334,7 +382,9 @@ def test_delayed_amaxes_of_expert_parallel_moe_are_maxima():
   def seen(mesh):
     def y_dot_g(p):
       return jnp.sum(moe.moe_layer(cfg, p, x, mesh=mesh, fp8="delayed")[0] * g)
+
     return jax.device_get(fp8.state_of(jax.jit(jax.grad(y_dot_g))(params)))
+
   want = seen(None)
   assert set(want) == set(moe.fp8_state_names(cfg))
   _assert_seen(seen(mesh), want, "dp x ep")
@@ -346,17 +396,22 @@ def test_executor_combines_stage_copies_by_max():
   copies stay resident (`sum_copies`) or are gathered into one stack (`from_local`)."""
   from jaxpipe.pipeline.api import copy_partners, sum_copies
   from jaxpipe.pipeline.executor import Model, from_local
+
   model = Model(stage_fn=None, loss_fn=None, max_grads=fp8.is_state)
-  local = {"kernel": jnp.asarray([[[1.0], [2.0]], [[3.0], [4.0]]]),  # [ranks, chunks, ...]
-           "fp8_scale": jnp.asarray([[[1.0], [5.0]], [[3.0], [4.0]]])}
+  local = {
+      "kernel": jnp.asarray([[[1.0], [2.0]], [[3.0], [4.0]]]),  # [ranks, chunks, ...]
+      "fp8_scale": jnp.asarray([[[1.0], [5.0]], [[3.0], [4.0]]]),
+  }
   layout = np.array([[0, 1], [1, 0]])  # rank 0 holds stages 0, 1; rank 1 stages 1, 0
   got = from_local(local, layout, 2, model)
   np.testing.assert_array_equal(got["kernel"], [[1.0 + 4.0], [2.0 + 3.0]])
   np.testing.assert_array_equal(got["fp8_scale"], [[4.0], [5.0]])
-  mesh = jax.make_mesh((2,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:2])
-  both = sum_copies(local, copy_partners(layout), mesh, "pp", jax.sharding.PartitionSpec("pp"),
-                    model)
+  mesh = jax.make_mesh(
+      (2,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+  )
+  both = sum_copies(
+      local, copy_partners(layout), mesh, "pp", jax.sharding.PartitionSpec("pp"), model
+  )
   np.testing.assert_array_equal(both["kernel"], [[[5.0], [5.0]], [[5.0], [5.0]]])
   np.testing.assert_array_equal(both["fp8_scale"], [[[4.0], [5.0]], [[5.0], [4.0]]])
 
@@ -372,8 +427,9 @@ def test_delayed_run_resumes_exactly_from_a_checkpoint(tmp_path):
   params = jax.device_get(trainer.model_params())
   losses = [float(trainer.step()["loss"])]
   first = jax.tree.map(lambda h: h[..., 0], jax.device_get(trainer.state.fp8))
-  _assert_seen(first, _seen_on_one_device(params, trainer.source.batch("train", 0, 16, 16)),
-               "step 1")
+  _assert_seen(
+      first, _seen_on_one_device(params, trainer.source.batch("train", 0, 16, 16)), "step 1"
+  )
   losses.append(float(trainer.step()["loss"]))
   trainer.checkpointer.save(2, trainer._checkpoint_state())
   trainer.checkpointer.wait()
@@ -400,10 +456,14 @@ def test_hf_export_writes_the_weights_without_delayed_state():
   """A delayed run's parameters export to transformers' layout as the same weights without FP8
   would: the scales are training state, not model tensors."""
   from jaxpipe.models import hf
+
   params = jax.device_get(_init_on_one_device(jax.random.key(0)))
   plain = model_config(_config("none"))
-  strip = lambda t: {k: strip(v) if isinstance(v, dict) else v for k, v in t.items()
-                     if not k.startswith(fp8.STATE_PREFIX)}
+  strip = lambda t: {
+      k: strip(v) if isinstance(v, dict) else v
+      for k, v in t.items()
+      if not k.startswith(fp8.STATE_PREFIX)
+  }
   without = dict(hf.hf_tensors(plain, strip(params), "llama"))
   got = dict(hf.hf_tensors(_MODEL, params, "llama"))
   assert got.keys() == without.keys() and not any("fp8" in name for name in got)
@@ -411,18 +471,28 @@ def test_hf_export_writes_the_weights_without_delayed_state():
     np.testing.assert_array_equal(array, without[name], err_msg=name)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(model__fp8="fp4"), "model.fp8='fp4' is unknown"),
-    (dict(model__fp8="block"), "model.d_model=32 is not a multiple of 128"),
-    (dict(model__fp8="block", model__d_model=128, model__d_ff=128, model__head_dim=16),
-     "model.n_heads * head_dim=64 is not a multiple of 128"),
-    (dict(model__fp8_history=0), "model.fp8_history=0 must be a positive integer"),
-    (dict(model__fp8_margin=-1), "model.fp8_margin=-1 must be an integer >= 0"),
-    (dict(model__fp8_amax="mean"), "model.fp8_amax='mean' is unknown"),
-    (dict(model__fp8="current", model__cp_overlap=True, mesh__cp=2), "set --config.model.cp_overlap"),
-    (dict(model__fp8="delayed", model__attention="pallas", mesh__cp=2),
-     "set --config.model.attention=xla"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(model__fp8="fp4"), "model.fp8='fp4' is unknown"),
+        (dict(model__fp8="block"), "model.d_model=32 is not a multiple of 128"),
+        (
+            dict(model__fp8="block", model__d_model=128, model__d_ff=128, model__head_dim=16),
+            "model.n_heads * head_dim=64 is not a multiple of 128",
+        ),
+        (dict(model__fp8_history=0), "model.fp8_history=0 must be a positive integer"),
+        (dict(model__fp8_margin=-1), "model.fp8_margin=-1 must be an integer >= 0"),
+        (dict(model__fp8_amax="mean"), "model.fp8_amax='mean' is unknown"),
+        (
+            dict(model__fp8="current", model__cp_overlap=True, mesh__cp=2),
+            "set --config.model.cp_overlap",
+        ),
+        (
+            dict(model__fp8="delayed", model__attention="pallas", mesh__cp=2),
+            "set --config.model.attention=xla",
+        ),
+    ],
+)
 def test_bad_fp8_config_is_refused(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     validate(_config("none", **overrides), 8)
@@ -433,6 +503,10 @@ def test_gpu_compiles_delayed_gemms_to_cublas_fp8():
   """On a Hopper GPU the three GEMMs of a delayed projection become cuBLASLt FP8 GEMMs."""
   x = jnp.ones((256, 512), jnp.bfloat16)
   w = jnp.ones((512, 384), jnp.bfloat16)
-  fn = jax.jit(jax.value_and_grad(
-      lambda a, b: jnp.sum(fp8.dot(a, b, 1, "delayed", jnp.ones(3), jnp.bfloat16)), argnums=(0, 1)))
+  fn = jax.jit(
+      jax.value_and_grad(
+          lambda a, b: jnp.sum(fp8.dot(a, b, 1, "delayed", jnp.ones(3), jnp.bfloat16)),
+          argnums=(0, 1),
+      )
+  )
   assert fn.lower(x, w).compile().as_text().count("__cublas$lt$matmul$f8") == 3

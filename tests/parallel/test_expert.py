@@ -1,4 +1,5 @@
 """Dispatch layout, transports and fp8 payload against hand-worked cases and their adjoints."""
+
 import functools
 
 import jax
@@ -32,12 +33,24 @@ def test_layout_hand_case():
 
 def test_ragged_emulation_matches_documented_example():
   """The two-device example of `jax.lax.ragged_all_to_all`'s docstring."""
-  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-  arrays = dict(operand=[[1, 2, 2], [3, 4, 0]], output=[[0] * 4] * 2, input_offsets=[[0, 1], [0, 1]],
-                send_sizes=[[1, 2], [1, 1]], output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
+  mesh = jax.make_mesh(
+      (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+  )
+  arrays = dict(
+      operand=[[1, 2, 2], [3, 4, 0]],
+      output=[[0] * 4] * 2,
+      input_offsets=[[0, 1], [0, 1]],
+      send_sizes=[[1, 2], [1, 1]],
+      output_offsets=[[0, 0], [1, 2]],
+      recv_sizes=[[1, 1], [2, 1]],
+  )
   args = [jnp.asarray(v, jnp.int32).reshape(-1) for v in arrays.values()]
-  fn = jax.shard_map(functools.partial(expert.ragged_all_to_all_emulated, axis_name="x"), mesh=mesh,
-                     in_specs=(P("x"),) * 6, out_specs=P("x"))
+  fn = jax.shard_map(
+      functools.partial(expert.ragged_all_to_all_emulated, axis_name="x"),
+      mesh=mesh,
+      in_specs=(P("x"),) * 6,
+      out_specs=P("x"),
+  )
   np.testing.assert_array_equal(fn(*args), [1, 3, 0, 0, 2, 2, 4, 0])
 
 
@@ -63,8 +76,11 @@ def test_dispatch_and_combine_are_adjoint(impl, cf):
     return fx, vjp_disp(y)[0], cy, vjp_comb(x)[0]
 
   tok, rows = P(("dp", "ep")), P(("dp", "ep"))
-  fx, disp_t, cy, comb_t = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok, rows, tok, tok),
-                                                 out_specs=(rows, tok, tok, rows)))(x, y, idx, w)
+  fx, disp_t, cy, comb_t = jax.jit(
+      jax.shard_map(
+          local, mesh=mesh, in_specs=(tok, rows, tok, tok), out_specs=(rows, tok, tok, rows)
+      )
+  )(x, y, idx, w)
   np.testing.assert_allclose(disp_t, cy, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(comb_t, fx, rtol=1e-6, atol=1e-6)
   assert np.abs(np.asarray(cy)).sum() > 0

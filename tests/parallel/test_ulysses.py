@@ -1,4 +1,5 @@
 """Ulysses attention over the context axis equals single-device attention, forward and gradients."""
+
 import functools
 
 import jax
@@ -10,16 +11,22 @@ from jaxpipe.parallel import ulysses
 
 
 def _mesh(shape, names):
-  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-                       devices=jax.devices()[:int(np.prod(shape))])
+  return jax.make_mesh(
+      shape,
+      names,
+      axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+      devices=jax.devices()[: int(np.prod(shape))],
+  )
 
 
 def _qkv(batch, seq, heads, kv_heads, head_dim=16, seed=0):
   kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-  return (jax.random.normal(kq, (batch, seq, heads, head_dim)),
-          jax.random.normal(kk, (batch, seq, kv_heads, head_dim)),
-          jax.random.normal(kv, (batch, seq, kv_heads, head_dim)),
-          jax.random.normal(kd, (batch, seq, heads, head_dim)))
+  return (
+      jax.random.normal(kq, (batch, seq, heads, head_dim)),
+      jax.random.normal(kk, (batch, seq, kv_heads, head_dim)),
+      jax.random.normal(kv, (batch, seq, kv_heads, head_dim)),
+      jax.random.normal(kd, (batch, seq, heads, head_dim)),
+  )
 
 
 def _rel(a, b) -> float:
@@ -28,15 +35,18 @@ def _rel(a, b) -> float:
 
 def _out_and_grads(fn):
   """One compiled program returning the output and the vjp of a cotangent."""
+
   def run(q, k, v, do):
     out, vjp = jax.vjp(fn, q, k, v)
     return (out, *vjp(do))
+
   return jax.jit(run)
 
 
 def _check_against_single_device(fn, q, k, v, do, mask=None, causal=True):
-  ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                                     implementation="xla")
+  ref = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=causal, implementation="xla"
+  )
   got = _out_and_grads(fn)(q, k, v, do)
   want = _out_and_grads(ref)(q, k, v, do)
   for label, g, r in zip(("out", "dq", "dk", "dv"), got, want):
@@ -44,8 +54,9 @@ def _check_against_single_device(fn, q, k, v, do, mask=None, causal=True):
     assert _rel(g, r) < 1e-5, label
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads,causal", [
-    (2, 4, 2, True), (4, 8, 4, False), (8, 8, 8, True)])
+@pytest.mark.parametrize(
+    "cp,heads,kv_heads,causal", [(2, 4, 2, True), (4, 8, 4, False), (8, 8, 8, True)]
+)
 def test_ulysses_equals_single_device(cp, heads, kv_heads, causal):
   mesh = _mesh((cp,), ("cp",))
   q, k, v, do = _qkv(2, 8 * cp, heads, kv_heads)
@@ -53,10 +64,13 @@ def test_ulysses_equals_single_device(cp, heads, kv_heads, causal):
   _check_against_single_device(fn, q, k, v, do, causal=causal)
 
 
-@pytest.mark.parametrize("shape,names,batch_axes", [
-    ((2, 4), ("dp", "cp"), "dp"),
-    ((2, 2, 2), ("pp", "dp", "cp"), "dp"),
-])
+@pytest.mark.parametrize(
+    "shape,names,batch_axes",
+    [
+        ((2, 4), ("dp", "cp"), "dp"),
+        ((2, 2, 2), ("pp", "dp", "cp"), "dp"),
+    ],
+)
 def test_composes_with_data_and_pipeline_axes(shape, names, batch_axes):
   mesh = _mesh(shape, names)
   q, k, v, do = _qkv(4, 16, 4, 4, seed=1)
@@ -68,24 +82,32 @@ def test_segment_ids_and_pallas_backend():
   mesh = _mesh((2,), ("cp",))
   q, k, v, do = _qkv(1, 24, 4, 2, seed=2)
   seg = jnp.array([[0] * 10 + [1] * 14], jnp.int32)
-  fn = functools.partial(ulysses.ulysses_attention, mesh=mesh, backend="pallas",
-                         segment_ids_BxL=seg)
+  fn = functools.partial(
+      ulysses.ulysses_attention, mesh=mesh, backend="pallas", segment_ids_BxL=seg
+  )
   mask = (seg[:, :, None] == seg[:, None, :])[:, None]
   _check_against_single_device(fn, q, k, v, do, mask=mask)
 
 
 def test_positions_local_are_global_offsets():
   mesh = _mesh((4,), ("cp",))
-  pos = jax.shard_map(lambda: ulysses.positions_local(3), mesh=mesh, in_specs=(),
-                      out_specs=jax.sharding.PartitionSpec("cp"))()
+  pos = jax.shard_map(
+      lambda: ulysses.positions_local(3),
+      mesh=mesh,
+      in_specs=(),
+      out_specs=jax.sharding.PartitionSpec("cp"),
+  )()
   np.testing.assert_array_equal(np.asarray(pos), np.arange(12))
 
 
-@pytest.mark.parametrize("seq,heads,kv_heads,match", [
-    (30, 8, 4, "sequence length 30 is not divisible by the context axis 'cp' of size 4"),
-    (32, 8, 2, "2 key/value heads do not divide over the context axis 'cp' of size 4"),
-    (32, 6, 6, "6 query heads do not divide"),
-])
+@pytest.mark.parametrize(
+    "seq,heads,kv_heads,match",
+    [
+        (30, 8, 4, "sequence length 30 is not divisible by the context axis 'cp' of size 4"),
+        (32, 8, 2, "2 key/value heads do not divide over the context axis 'cp' of size 4"),
+        (32, 6, 6, "6 query heads do not divide"),
+    ],
+)
 def test_bad_splits_raise(seq, heads, kv_heads, match):
   mesh = _mesh((4,), ("cp",))
   q, k, v, _ = _qkv(1, seq, heads, kv_heads)
@@ -99,15 +121,19 @@ def test_model_loss_and_grads_with_context_parallelism(microbatches):
   """The LM with its sequence over cp=2 (batch over dp=2) equals jax.grad on one device."""
   from jaxpipe.models import transformer
   from jaxpipe.training.losses import context_parallel_loss_and_grads
-  cfg = transformer.TransformerConfig(vocab=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=4, d_ff=32)
+
+  cfg = transformer.TransformerConfig(
+      vocab=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32
+  )
   params = transformer.init_params(cfg, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab)
-  batch = dict(tokens=tokens, targets=jnp.roll(tokens, -1, axis=1),
-               mask=jnp.ones((4, 16)).at[:, -1].set(0.0))
+  batch = dict(
+      tokens=tokens, targets=jnp.roll(tokens, -1, axis=1), mask=jnp.ones((4, 16)).at[:, -1].set(0.0)
+  )
   mesh = _mesh((2, 1, 2), ("dp", "ep", "cp"))
-  loss, grads, metrics = jax.jit(
-      context_parallel_loss_and_grads(cfg, mesh, microbatches))(params, batch)
+  loss, grads, metrics = jax.jit(context_parallel_loss_and_grads(cfg, mesh, microbatches))(
+      params, batch
+  )
 
   def mean_loss(params):
     total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])

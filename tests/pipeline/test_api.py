@@ -1,4 +1,5 @@
 """jaxpipe.pipeline.value_and_grad: names, hand-written CSVs, data parallelism, bad input."""
+
 from unittest import mock
 
 import jax
@@ -38,8 +39,9 @@ def assert_matches(loss, grads, params, xs, ts, oracle=sequential):
 def test_named_schedule_with_data_parallel_axis():
   mesh = make_mesh((2, 2), ("dp", "pp"))
   params, xs, ts = helpers.make_data(2, 4)
-  loss, grads = jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, ts, helpers.loss_fn,
-                                                schedule="zb-h1", mesh=mesh)
+  loss, grads = jaxpipe.pipeline.value_and_grad(
+      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="zb-h1", mesh=mesh
+  )
   assert_matches(loss, grads, params, xs, ts)
 
 
@@ -56,8 +58,9 @@ def test_hand_written_csv_schedule(tmp_path):
   path.write_text(HAND_CSV)
   mesh = make_mesh((2,), ("pp",))
   params, xs, ts = helpers.make_data(2, 3, seed=1)
-  loss, grads = jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, ts, helpers.loss_fn,
-                                                schedule=str(path), mesh=mesh)
+  loss, grads = jaxpipe.pipeline.value_and_grad(
+      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=str(path), mesh=mesh
+  )
   assert_matches(loss, grads, params, xs, ts)
 
 
@@ -65,8 +68,11 @@ def test_value_and_grad_inside_jit():
   mesh = make_mesh((2,), ("pp",))
   params, xs, ts = helpers.make_data(4, 4, seed=2)
   sched = make_schedule("interleaved-1f1b", pp=2, microbatches=4, chunks=2)
-  f = jax.jit(lambda ps: jaxpipe.pipeline.value_and_grad(helpers.stage_fn, ps, xs, ts, helpers.loss_fn,
-                                                         schedule=sched, mesh=mesh))
+  f = jax.jit(
+      lambda ps: jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, ps, xs, ts, helpers.loss_fn, schedule=sched, mesh=mesh
+      )
+  )
   loss, grads = f(params)
   assert_matches(loss, grads, params, xs, ts)
 
@@ -74,8 +80,15 @@ def test_value_and_grad_inside_jit():
 def expect_error_before_compiling(match, **overrides):
   mesh = make_mesh((2,), ("pp",))
   params, xs, ts = helpers.make_data(2, 4)
-  kwargs = dict(stage_fn=helpers.stage_fn, stage_params=params, xs=xs, targets=ts, loss_fn=helpers.loss_fn,
-                schedule="1f1b", mesh=mesh)
+  kwargs = dict(
+      stage_fn=helpers.stage_fn,
+      stage_params=params,
+      xs=xs,
+      targets=ts,
+      loss_fn=helpers.loss_fn,
+      schedule="1f1b",
+      mesh=mesh,
+  )
   kwargs.update(overrides)
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
     with pytest.raises(ValueError, match=match):
@@ -83,8 +96,9 @@ def expect_error_before_compiling(match, **overrides):
 
 
 def test_error_schedule_ranks_disagree_with_mesh():
-  expect_error_before_compiling("4 ranks but mesh axis 'pp' has 2",
-                                schedule=make_schedule("1f1b", pp=4, microbatches=4))
+  expect_error_before_compiling(
+      "4 ranks but mesh axis 'pp' has 2", schedule=make_schedule("1f1b", pp=4, microbatches=4)
+  )
 
 
 def test_error_stage_count_disagrees_with_params():
@@ -93,8 +107,9 @@ def test_error_stage_count_disagrees_with_params():
 
 
 def test_error_microbatches_disagree_with_schedule():
-  expect_error_before_compiling("runs 6 micro-batches",
-                                schedule=make_schedule("gpipe", pp=2, microbatches=6))
+  expect_error_before_compiling(
+      "runs 6 micro-batches", schedule=make_schedule("gpipe", pp=2, microbatches=6)
+  )
 
 
 def test_error_forbidden_microbatch_count():
@@ -103,8 +118,7 @@ def test_error_forbidden_microbatch_count():
 
 
 def test_error_stage_changes_shape():
-  expect_error_before_compiling("keep its input's shape",
-                                stage_fn=lambda p, x: x[..., :4])
+  expect_error_before_compiling("keep its input's shape", stage_fn=lambda p, x: x[..., :4])
 
 
 def test_error_targets_shape():
@@ -115,8 +129,9 @@ def test_error_targets_shape():
 def test_error_batch_not_divisible_by_data_axis():
   mesh = make_mesh((4, 2), ("dp", "pp"))
   params, xs, ts = helpers.make_data(2, 4)
-  expect_error_before_compiling("not divisible by the 4 data-parallel", mesh=mesh,
-                                xs=xs[:, :2], targets=ts[:, :2])
+  expect_error_before_compiling(
+      "not divisible by the 4 data-parallel", mesh=mesh, xs=xs[:, :2], targets=ts[:, :2]
+  )
 
 
 def test_error_mesh_without_pipeline_axis():
@@ -126,8 +141,11 @@ def test_error_mesh_without_pipeline_axis():
 def test_residuals_exclude_the_stage_weights():
   # A matmul stage's vjp closure holds its weight; the executor must not store it per slot.
   from jaxpipe.pipeline.executor import _Residuals
-  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "b": jax.ShapeDtypeStruct((D,), jnp.float32)}
+
+  params = {
+      "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+      "b": jax.ShapeDtypeStruct((D,), jnp.float32),
+  }
   res = _Residuals.probe(helpers.stage_fn, params, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
   assert ("param", 1) in res.kinds  # leaf 1 of {"b", "w"} is w
   assert all(s.shape != (D, D) for s in res.stored)
@@ -141,9 +159,12 @@ def scaled_stage_fn(params, x_BxLxD):
 
 def test_parameter_derived_residuals_are_recomputed_not_stored():
   from jaxpipe.pipeline.executor import _Residuals
-  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "b": jax.ShapeDtypeStruct((D,), jnp.float32),
-            "scale": jax.ShapeDtypeStruct((), jnp.float32)}
+
+  params = {
+      "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+      "b": jax.ShapeDtypeStruct((D,), jnp.float32),
+      "scale": jax.ShapeDtypeStruct((), jnp.float32),
+  }
   res = _Residuals.probe(scaled_stage_fn, params, jax.ShapeDtypeStruct((B, L, D), jnp.float32))
   assert ("derived",) in res.kinds
   assert all(s.shape != (D, D) for s in res.stored)
@@ -151,8 +172,9 @@ def test_parameter_derived_residuals_are_recomputed_not_stored():
   p, xs, ts = helpers.make_data(2, 4, seed=3)
   p["scale"] = jnp.array([0.5, 2.0], jnp.float32)
   for schedule in ("zb-h1",):  # split backward: W rebuilds the closure from the live params
-    loss, grads = jaxpipe.pipeline.value_and_grad(scaled_stage_fn, p, xs, ts, helpers.loss_fn,
-                                                  schedule=schedule, mesh=mesh)
+    loss, grads = jaxpipe.pipeline.value_and_grad(
+        scaled_stage_fn, p, xs, ts, helpers.loss_fn, schedule=schedule, mesh=mesh
+    )
     want_loss, want_grads = jax.jit(jax.value_and_grad(scaled_sequential))(p, xs, ts)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for k in want_grads:
@@ -172,18 +194,24 @@ def scaled_sequential(params, xs, ts):
 
 def test_error_sequence_not_divisible_by_seq_axes():
   from jaxpipe.pipeline.executor import Model
+
   mesh = make_mesh((2, 2), ("pp", "cp"))
   params, xs, ts = helpers.make_data(2, 4)  # sequence L = 3
   model = Model(helpers.stage_fn, lambda h, y, t: helpers.loss_fn(y, t))
   schedule = make_schedule("1f1b", pp=2, microbatches=4)
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
-    with pytest.raises(ValueError, match=r"sequence axis \(axis 2\) must divide into the 2 "
-                                         r"context-parallel shards of mesh axes \('cp',\)"):
-      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
-                                  seq_axes=("cp",))
+    with pytest.raises(
+        ValueError,
+        match=r"sequence axis \(axis 2\) must divide into the 2 "
+        r"context-parallel shards of mesh axes \('cp',\)",
+    ):
+      api.pipeline_value_and_grad(
+          model, params, xs, ts, schedule=schedule, mesh=mesh, seq_axes=("cp",)
+      )
     with pytest.raises(ValueError, match="seq_axes entry 'pp' must be a mesh axis"):
-      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
-                                  seq_axes=("pp",))
+      api.pipeline_value_and_grad(
+          model, params, xs, ts, schedule=schedule, mesh=mesh, seq_axes=("pp",)
+      )
 
 
 def test_sequence_split_over_seq_axes():
@@ -208,14 +236,16 @@ def test_sequence_split_over_seq_axes():
     for i in range(xs.shape[0]):
       x = xs[i]
       for s in range(2):
-        x = mixing_stage(jax.tree.map(lambda a: a[s], params), x,
-                         jnp.mean(x, axis=1, keepdims=True))
+        x = mixing_stage(
+            jax.tree.map(lambda a: a[s], params), x, jnp.mean(x, axis=1, keepdims=True)
+        )
       total = total + helpers.loss_fn(x, ts[i])
     return total
 
   want_loss, want_grads = jax.value_and_grad(unsplit)(params)
-  loss, grads = jaxpipe.pipeline.value_and_grad(mixing_stage, params, xs, ts, helpers.loss_fn,
-                                                schedule="zb-h1", mesh=mesh, seq_axes=("cp",))
+  loss, grads = jaxpipe.pipeline.value_and_grad(
+      mixing_stage, params, xs, ts, helpers.loss_fn, schedule="zb-h1", mesh=mesh, seq_axes=("cp",)
+  )
   assert seen == {3}
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for k in params:
@@ -226,6 +256,7 @@ def test_param_specs_split_leaves_the_stage_gathers():
   """A weight split over dp that the stage all-gathers: the shape check and the executor both
   hand the stage its slice; loss and gradients equal jax.grad of the unsplit model."""
   from jax.sharding import PartitionSpec as P
+
   mesh = make_mesh((2, 2), ("pp", "dp"))
   params, xs, ts = helpers.make_data(2, 4)
 
@@ -234,8 +265,15 @@ def test_param_specs_split_leaves_the_stage_gathers():
     return helpers.stage_fn({"w": w_DxD, "b": params["b"]}, x_BxLxD)
 
   loss, grads = jaxpipe.pipeline.value_and_grad(
-      gathering_stage, params, xs, ts, helpers.loss_fn, schedule="1f1b", mesh=mesh,
-      param_specs={"w": P(None, "dp"), "b": None})
+      gathering_stage,
+      params,
+      xs,
+      ts,
+      helpers.loss_fn,
+      schedule="1f1b",
+      mesh=mesh,
+      param_specs={"w": P(None, "dp"), "b": None},
+  )
   want_loss, want_grads = jax.value_and_grad(sequential)(params, xs, ts)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for k in params:
@@ -244,16 +282,17 @@ def test_param_specs_split_leaves_the_stage_gathers():
 
 def test_error_axes_named_twice_or_not_auto():
   from jaxpipe.pipeline.executor import Model
+
   params, xs, ts = helpers.make_data(2, 4)
   model = Model(helpers.stage_fn, lambda h, y, t: helpers.loss_fn(y, t))
   schedule = make_schedule("1f1b", pp=2, microbatches=4)
   mesh = make_mesh((2, 2), ("pp", "dp"))
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
     with pytest.raises(ValueError, match="seq_axes entry 'dp' must be a mesh axis"):
-      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=mesh,
-                                  data_axes=("dp",), seq_axes="dp")
-    explicit = jax.make_mesh((2, 2), ("pp", "dp"),
-                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+      api.pipeline_value_and_grad(
+          model, params, xs, ts, schedule=schedule, mesh=mesh, data_axes=("dp",), seq_axes="dp"
+      )
+    explicit = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"mesh axes \['pp', 'dp'\] are not Auto"):
       api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=explicit)
 
@@ -289,19 +328,29 @@ def globally_normalised(params, xs, targets):
   return total / count
 
 
-@pytest.mark.parametrize("shape,names,schedule", [
-    ((2, 4), ("dp", "pp"), "1f1b"),
-    ((2, 2, 2), ("pp", "dp", "cp"), "zb-h1"),
-])
+@pytest.mark.parametrize(
+    "shape,names,schedule",
+    [
+        ((2, 4), ("dp", "pp"), "1f1b"),
+        ((2, 2, 2), ("pp", "dp", "cp"), "zb-h1"),
+    ],
+)
 def test_weighted_loss_is_normalised_by_the_global_weight(shape, names, schedule):
   """loss_fn -> (sum, weight): value and gradients of sum over everything / weight over
   everything, whatever the shards' shares of padding."""
   pp = shape[names.index("pp")]
   seq_axes = ("cp",) if "cp" in names else ()
   params, xs, targets = padded_data(pp, 4, seq_halves=2 if seq_axes else 1)
-  loss, grads = jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, targets, masked_loss,
-                                                schedule=schedule, mesh=make_mesh(shape, names),
-                                                seq_axes=seq_axes)
+  loss, grads = jaxpipe.pipeline.value_and_grad(
+      helpers.stage_fn,
+      params,
+      xs,
+      targets,
+      masked_loss,
+      schedule=schedule,
+      mesh=make_mesh(shape, names),
+      seq_axes=seq_axes,
+  )
   assert_matches(loss, grads, params, xs, targets, globally_normalised)
 
 
@@ -310,19 +359,26 @@ def test_per_shard_mean_is_refused():
   params, xs, targets = padded_data(2, 4)
   mean_loss = lambda y, t: masked_loss(y, t)[0] / masked_loss(y, t)[1]
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
-    with pytest.raises(ValueError, match=r"loss_fn averages over its batch.*each of the 2 "
-                                         r"data/sequence shards.*\(loss_sum, weight\)"):
-      jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, targets, mean_loss,
-                                      schedule="1f1b", mesh=mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn averages over its batch.*each of the 2 "
+        r"data/sequence shards.*\(loss_sum, weight\)",
+    ):
+      jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, params, xs, targets, mean_loss, schedule="1f1b", mesh=mesh
+      )
     mean_pair = lambda y, t: (mean_loss(y, t), jnp.ones(()))
     with pytest.raises(ValueError, match="the loss_sum part of loss_fn averages"):
-      jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, targets, mean_pair,
-                                      schedule="1f1b", mesh=mesh)
+      jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, params, xs, targets, mean_pair, schedule="1f1b", mesh=mesh
+      )
     y_weight = lambda y, t: (masked_loss(y, t)[0], jnp.sum(y))
     with pytest.raises(ValueError, match="weight computed from the stage output y"):
-      jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, targets, y_weight,
-                                      schedule="1f1b", mesh=mesh)
+      jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, params, xs, targets, y_weight, schedule="1f1b", mesh=mesh
+      )
     triple = lambda y, t: masked_loss(y, t) + (1.0,)
     with pytest.raises(ValueError, match=r"a scalar .* or a pair of scalars \(loss_sum, weight\)"):
-      jaxpipe.pipeline.value_and_grad(helpers.stage_fn, params, xs, targets, triple,
-                                      schedule="1f1b", mesh=mesh)
+      jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, params, xs, targets, triple, schedule="1f1b", mesh=mesh
+      )

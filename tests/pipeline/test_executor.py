@@ -1,4 +1,5 @@
 """Executor: every schedule's loss and gradients equal unpipelined jax.value_and_grad."""
+
 import functools
 import re
 
@@ -33,7 +34,7 @@ def build(name, p, m):
 
 
 def mesh_for(p, dp):
-  devices = np.array(jax.devices()[:p * (2 if dp else 1)])
+  devices = np.array(jax.devices()[: p * (2 if dp else 1)])
   auto = jax.sharding.AxisType.Auto
   if dp:
     return jax.sharding.Mesh(devices.reshape(2, p), ("dp", "pp"), axis_types=(auto, auto))
@@ -66,8 +67,10 @@ def data(num_stages, p, layers=()):
   """Parameters for num_stages stages and inputs for 3p micro-batches (runs use a prefix)."""
   rng = np.random.default_rng(num_stages * 100 + p)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  params = {"w": f32(rng.normal(size=(num_stages, *layers, D, D)) / np.sqrt(D)),
-            "b": f32(0.1 * rng.normal(size=(num_stages, *layers, D)))}
+  params = {
+      "w": f32(rng.normal(size=(num_stages, *layers, D, D)) / np.sqrt(D)),
+      "b": f32(0.1 * rng.normal(size=(num_stages, *layers, D))),
+  }
   xs = f32(rng.normal(size=(3 * p, B, L, D)))
   ts = f32(rng.normal(size=(3 * p, B, L, D)))
   return params, xs, ts
@@ -76,15 +79,19 @@ def data(num_stages, p, layers=()):
 @jax.jit
 def reference(params, xs, ts, mask):
   """Unpipelined: loss summed over the micro-batches in `mask`, layers applied in order."""
+
   def total(params):
     flat = {"w": params["w"].reshape(-1, D, D), "b": params["b"].reshape(-1, D)}
 
     def one(x, t):
       def layer(x, ps):
         return stage_fn(ps, x), None
+
       y, _ = jax.lax.scan(layer, x, flat)
       return loss_fn((), y, t)
+
     return jnp.sum(jax.vmap(one)(xs, ts) * mask)
+
   return jax.value_and_grad(total)(params)
 
 
@@ -96,8 +103,9 @@ def run(name, p, m, dp, recompute=False, model=MODEL):
   num_stages = lowered.schedule.num_stages
   params, xs, ts = data(num_stages, p, (2,) if model is LAYERED else ())
   layout = lowered.layout()
-  loss, local_grads, _, _ = fn(lowered.padded(spec.num_ticks), to_local(params, layout), xs, ts,
-                               (), ())
+  loss, local_grads, _, _ = fn(
+      lowered.padded(spec.num_ticks), to_local(params, layout), xs, ts, (), ()
+  )
   grads = from_local(local_grads, layout, num_stages)
   mask = (jnp.arange(3 * p) < m).astype(jnp.float32)
   want_loss, want_grads = reference(params, xs, ts, mask)
@@ -172,8 +180,10 @@ def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
   of_kind = lambda want: [n for n, (kind, _) in op_breakdown.op_kinds(hlo).items() if kind == want]
   matmuls = of_kind("matmul")
   runs = _runs_per_instruction(compiled, args, tmp_path)
-  ran = {part: sum(runs[name] for name in matmuls if f"/tick/{part}/" in op_names.get(name, ""))
-         for part in ("F", "I", "W")}
+  ran = {
+      part: sum(runs[name] for name in matmuls if f"/tick/{part}/" in op_names.get(name, ""))
+      for part in ("F", "I", "W")
+  }
   kinds = [a.kind for tick in lowered.ticks for parts in tick for a in parts]
   assert "B" not in kinds and kinds.count("F") == kinds.count("W") == m * p
   # all matmuls are in the parts, none hoisted to run on every tick
@@ -183,7 +193,12 @@ def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
   # the ticks where some rank receives over it.
   assert lowered.channels == tuple(c in ("act_down", "grad_up") for c in CHANNELS)
   table = lowered.table
-  receiving = sum(int(np.any(table[:, :, COL[f"recv_{c}"]] >= 0, axis=1).sum())
-                  for c in ("act_down", "grad_up"))
-  assert 0 < receiving * p == sum(runs[name] for name in of_kind("ppermute")) < \
-      lowered.num_ticks * p * sum(lowered.channels)
+  receiving = sum(
+      int(np.any(table[:, :, COL[f"recv_{c}"]] >= 0, axis=1).sum()) for c in ("act_down", "grad_up")
+  )
+  assert (
+      0
+      < receiving * p
+      == sum(runs[name] for name in of_kind("ppermute"))
+      < lowered.num_ticks * p * sum(lowered.channels)
+  )

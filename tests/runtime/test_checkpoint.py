@@ -1,4 +1,5 @@
 """Checkpoints: restore onto the current mesh, keep-last-N, unfinished/corrupt steps, exact resume."""
+
 import json
 import os
 import shutil
@@ -27,8 +28,14 @@ def _tree(step):
 
 def _abstract(tree, sharding=None):
   """Shapes of `tree`; `w` with `sharding`, the rest replicated like it."""
-  return {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if k == "w" else (
-      sharding and NamedSharding(sharding.mesh, P()))) for k, x in tree.items()}
+  return {
+      k: jax.ShapeDtypeStruct(
+          x.shape,
+          x.dtype,
+          sharding=sharding if k == "w" else (sharding and NamedSharding(sharding.mesh, P())),
+      )
+      for k, x in tree.items()
+  }
 
 
 def test_restore_onto_another_sharding_and_keep_last(tmp_path):
@@ -40,7 +47,8 @@ def test_restore_onto_another_sharding_and_keep_last(tmp_path):
   assert ckpt.steps() == [2, 3]
   # Saved replicated, restored split over the data axis.
   step, tree = Checkpointer(str(tmp_path), keep=2).restore_latest(
-      _abstract(_tree(0), NamedSharding(mesh, P("dp"))))
+      _abstract(_tree(0), NamedSharding(mesh, P("dp")))
+  )
   assert step == 3
   assert tree["w"].sharding.spec == P("dp") and tree["w"].addressable_shards[0].data.shape == (1, 4)
   np.testing.assert_array_equal(tree["w"], _tree(3)["w"])
@@ -95,10 +103,16 @@ def test_unfinished_and_corrupt_steps_are_not_latest(tmp_path):
 def test_mismatched_model_is_an_error_not_a_silent_fresh_start(tmp_path):
   _save_steps(str(tmp_path), [1, 2])
   ckpt = Checkpointer(str(tmp_path), keep=10)
-  wrong = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32), "b": jax.ShapeDtypeStruct((4,), jnp.int32)}
-  with pytest.raises(RuntimeError, match="no checkpoint in .* restores onto the current model"
-                     r"(.|\n)*holds \['w'\] \(8, 4\) float32 where the model needs \['w'\] "
-                     r"\(4, 4\) float32"):
+  wrong = {
+      "w": jax.ShapeDtypeStruct((4, 4), jnp.float32),
+      "b": jax.ShapeDtypeStruct((4,), jnp.int32),
+  }
+  with pytest.raises(
+      RuntimeError,
+      match="no checkpoint in .* restores onto the current model"
+      r"(.|\n)*holds \['w'\] \(8, 4\) float32 where the model needs \['w'\] "
+      r"\(4, 4\) float32",
+  ):
     ckpt.restore_latest(wrong)
   assert ckpt.steps() == [1, 2]  # nothing set aside
 
@@ -126,8 +140,10 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
-                    reason="SIGTERM handlers can only be installed from the main thread")
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(),
+    reason="SIGTERM handlers can only be installed from the main thread",
+)
 def test_interrupted_then_resumed_run_is_bit_identical(tmp_path):
   straight = str(tmp_path / "straight")
   reference = Trainer(_config(), straight)

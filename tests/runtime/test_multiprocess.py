@@ -2,6 +2,7 @@
 API and the training runner equal one process of 8 devices, with the pipeline or the data axis
 across processes, through SIGTERM to the launcher or to one rank, kill -9 of a rank, and resumes
 from 2 processes to 1 and back; the launcher ends a run whose rank failed."""
+
 import json
 import os
 import re
@@ -30,9 +31,16 @@ pytestmark = pytest.mark.multiprocess
 # (schedule, the axis that spans processes): pp with contiguous and with V-shaped stages, dp
 CASES = (("1f1b", "pp"), ("zb-h1", "dp"), ("zb-v", "pp"))
 # tiny.py on pp = 4 x dp = 2, every step logged, an evaluation and a checkpoint every 4 steps
-OVERRIDES = {"model.n_layers": 4, "mesh.pp": 4, "pipeline.microbatches": 2, "train.steps": 40,
-             "train.log_every": 1, "train.eval_every": 4, "train.eval_batches": 1,
-             "checkpoint.every": 4}
+OVERRIDES = {
+    "model.n_layers": 4,
+    "mesh.pp": 4,
+    "pipeline.microbatches": 2,
+    "train.steps": 40,
+    "train.log_every": 1,
+    "train.eval_every": 4,
+    "train.eval_batches": 1,
+    "checkpoint.every": 4,
+}
 FLAGS = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
 
 
@@ -45,8 +53,11 @@ def pipeline_results() -> dict[str, np.ndarray]:
     cfg.pp, cfg.order = 4, across
     mesh = mesh_lib.make_mesh(cfg)
     params, xs, ts = helpers.make_data(8 if schedule == "zb-v" else 4, 8)
-    loss, grads = multihost.to_host(value_and_grad(helpers.stage_fn, params, xs, ts, helpers.loss_fn,
-                                                   schedule=schedule, mesh=mesh))
+    loss, grads = multihost.to_host(
+        value_and_grad(
+            helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=schedule, mesh=mesh
+        )
+    )
     out.update({f"{schedule}/loss": loss, **{f"{schedule}/{k}": g for k, g in grads.items()}})
   return out
 
@@ -67,12 +78,32 @@ def _launch(tmp_path, name, *command, grace=30, heartbeat=15, env=None):
   """Starts the launcher on `command` with its output in tmp_path/<name>.out. The heartbeat
   timeout is short for the tests that wait for it, long enough that a rank busy compiling on a
   loaded 2-core machine is not taken for dead."""
-  cmd = [sys.executable, "-m", "jaxpipe.launch", "--processes", "2", "--devices_per_process", "4",
-         "--heartbeat_timeout", str(heartbeat), "--grace", str(grace), "--rank_log_dir", str(tmp_path / name), "--",
-         *command]
+  cmd = [
+      sys.executable,
+      "-m",
+      "jaxpipe.launch",
+      "--processes",
+      "2",
+      "--devices_per_process",
+      "4",
+      "--heartbeat_timeout",
+      str(heartbeat),
+      "--grace",
+      str(grace),
+      "--rank_log_dir",
+      str(tmp_path / name),
+      "--",
+      *command,
+  ]
   with open(tmp_path / f"{name}.out", "w") as out:
-    return subprocess.Popen(cmd, cwd=helpers.ROOT, env=env or helpers.env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=helpers.ROOT,
+        env=env or helpers.env(tmp_path),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _output(tmp_path, name):
@@ -97,8 +128,10 @@ def _eval_rows(workdir):
 
 def _saved_by_both(out, signal_name):
   """The step each rank says it saved on `signal_name`; asserts both saved the same one."""
-  steps = {int(rank): int(step) for rank, step in re.findall(
-      rf"\[(\d)\] process \1: {signal_name}: saved step (\d+)", out)}
+  steps = {
+      int(rank): int(step)
+      for rank, step in re.findall(rf"\[(\d)\] process \1: {signal_name}: saved step (\d+)", out)
+  }
   assert sorted(steps) == [0, 1] and len(set(steps.values())) == 1, out[-3000:]
   return steps[0]
 
@@ -122,8 +155,16 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   resumed in 2 (dp across), SIGTERM to rank 1 alone; resumed in 2, rank 1 killed with -9. Every
   step is logged once, with the loss an uninterrupted run on one process of 8 devices has."""
   workdir = tmp_path / "run"
-  train = [sys.executable, "-m", "jaxpipe.train", "--config", "configs/tiny.py", "--workdir",
-           str(workdir), *FLAGS]
+  train = [
+      sys.executable,
+      "-m",
+      "jaxpipe.train",
+      "--config",
+      "configs/tiny.py",
+      "--workdir",
+      str(workdir),
+      *FLAGS,
+  ]
 
   first = _launch(tmp_path, "first", *train)
   helpers.until_logged(first, workdir, 3, output=lambda: _output(tmp_path, "first"))
@@ -134,8 +175,14 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   assert "Traceback" not in out and "Gloo" not in out
   first_stop = _saved_by_both(out, "SIGTERM")
 
-  one = subprocess.Popen(helpers.cli(workdir, *FLAGS), cwd=helpers.ROOT, env=helpers.env(tmp_path), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  one = subprocess.Popen(
+      helpers.cli(workdir, *FLAGS),
+      cwd=helpers.ROOT,
+      env=helpers.env(tmp_path),
+      text=True,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+  )
   helpers.until_logged(one, workdir, first_stop + 3)
   one.send_signal(signal.SIGTERM)
   stdout, stderr = one.communicate(timeout=300)
@@ -153,8 +200,12 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   third_stop = _saved_by_both(out, "SIGTERM")
 
   fourth = _launch(tmp_path, "fourth", *train, "--config.mesh.order=dp")
-  helpers.until_logged(fourth, workdir, third_stop // 4 * 4 + 5,  # just after a save has started
-                output=lambda: _output(tmp_path, "fourth"))
+  helpers.until_logged(
+      fourth,
+      workdir,
+      third_stop // 4 * 4 + 5,  # just after a save has started
+      output=lambda: _output(tmp_path, "fourth"),
+  )
   os.kill(_rank_pids(tmp_path, "fourth")[1], signal.SIGKILL)
   killed = time.monotonic()
   status = fourth.wait(timeout=120)
@@ -164,8 +215,13 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   assert f"resumed from step {third_stop} in " in out
   assert "error: rank 1 failed first (killed by SIGKILL); rank 0 " in out, out[-3000:]
   assert "rank 0 killed after the grace period" not in out  # it stopped by itself, saying why:
-  assert ("[0] error: another process of this run has stopped or failed" in out  # a collective
-          or "[0] F" in out and "stopped sending heartbeats" in out), out[-3000:]  # or JAX's
+  assert (
+      "[0] error: another process of this run has stopped or failed" in out  # a collective
+      or "[0] F" in out
+      and "stopped sending heartbeats" in out
+  ), out[
+      -3000:
+  ]  # or JAX's
   steps = sorted(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit())
   assert all(is_committed(str(workdir / "checkpoints" / str(n))) for n in steps), steps
 
@@ -200,10 +256,16 @@ def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path,
   config.update_from_flattened_dict({**OVERRIDES, "checkpoint.async_save": async_save})
   helpers.checkpoint_at(config, workdir, 4)
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # no cache writes
-  capped = ['bash', '-c', 'if [ "$JAX_PROCESS_ID" = 1 ]; then ulimit -f 20; fi; exec "$@"', 'bash']
+  capped = ["bash", "-c", 'if [ "$JAX_PROCESS_ID" = 1 ]; then ulimit -f 20; fi; exec "$@"', "bash"]
   started = time.monotonic()
-  launcher = _launch(tmp_path, "capped", *capped, *helpers.cli(workdir, *FLAGS),
-                     f"--config.checkpoint.async_save={async_save}", env=env)
+  launcher = _launch(
+      tmp_path,
+      "capped",
+      *capped,
+      *helpers.cli(workdir, *FLAGS),
+      f"--config.checkpoint.async_save={async_save}",
+      env=env,
+  )
   try:
     status = launcher.wait(timeout=240)
   finally:  # hung (orbax's barrier waits 20 minutes): end the ranks too
@@ -214,11 +276,17 @@ def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path,
   took = time.monotonic() - started
   out = _output(tmp_path, "capped")
   assert status == 1 and took < 150, (status, took, out[-3000:])
-  lines = {rank: re.sub(r"[\d,]+ are free", "N are free", line) for rank, line in
-           re.findall(r"\[(\d)\] (error: .*)", out)}
+  lines = {
+      rank: re.sub(r"[\d,]+ are free", "N are free", line)
+      for rank, line in re.findall(r"\[(\d)\] (error: .*)", out)
+  }
   assert sorted(lines) == ["0", "1"] and lines["0"] == lines["1"], out[-3000:]
-  assert lines["0"].startswith(f"error: saving step 8 in {workdir}/checkpoints failed on process 1: ")
-  assert "File too large" in lines["0"] and "The last good checkpoint, step 4, is kept" in lines["0"]
+  assert lines["0"].startswith(
+      f"error: saving step 8 in {workdir}/checkpoints failed on process 1: "
+  )
+  assert (
+      "File too large" in lines["0"] and "The last good checkpoint, step 4, is kept" in lines["0"]
+  )
   assert "Traceback" not in out
   assert 8 <= helpers.last_logged(workdir) < 12  # noticed before the next save was due
   assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]  # the partial write is gone
@@ -231,9 +299,11 @@ def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
   """Rank 1 frozen (SIGSTOP) in the middle of collectives: its connections stay open, so only the
   heartbeat (5 s here) finds it; rank 0 stops naming it and the launcher ends the run."""
   script = tmp_path / "hang.py"
-  script.write_text("from jaxpipe.runtime import process\nprocess.initialize()\n"
-                    "from jaxpipe.runtime import multihost\nprint('ready', flush=True)\n"
-                    "while True:\n  multihost.any_process(False)\n")
+  script.write_text(
+      "from jaxpipe.runtime import process\nprocess.initialize()\n"
+      "from jaxpipe.runtime import multihost\nprint('ready', flush=True)\n"
+      "while True:\n  multihost.any_process(False)\n"
+  )
   launcher = _launch(tmp_path, "hang", sys.executable, str(script), grace=1, heartbeat=5)
   pids = _rank_pids(tmp_path, "hang")
   while _output(tmp_path, "hang").count("] ready") < 2:
@@ -253,27 +323,33 @@ def test_a_rank_that_hangs_is_found_by_the_heartbeat(tmp_path):
 def test_launcher_ends_the_other_ranks_when_one_fails(tmp_path):
   """Rank 1 fails at once while rank 0 would run on: rank 0's process group is killed after the
   grace period and the launcher exits with rank 1's status, naming it, with its last lines."""
-  rank_code = ("import os, sys, time; rank = int(os.environ['JAX_PROCESS_ID']); "
-               "print('rank', rank, 'of', os.environ['JAX_NUM_PROCESSES'], "
-               "os.environ['JAX_COORDINATOR_ADDRESS'].startswith('127.0.0.1:')); "
-               "time.sleep(0 if rank else 300); sys.exit(3)")
+  rank_code = (
+      "import os, sys, time; rank = int(os.environ['JAX_PROCESS_ID']); "
+      "print('rank', rank, 'of', os.environ['JAX_NUM_PROCESSES'], "
+      "os.environ['JAX_COORDINATOR_ADDRESS'].startswith('127.0.0.1:')); "
+      "time.sleep(0 if rank else 300); sys.exit(3)"
+  )
   started = time.monotonic()
   launcher = _launch(tmp_path, "fail", sys.executable, "-c", rank_code, grace=1)
   assert launcher.wait(timeout=60) == 3
   assert time.monotonic() - started < 30
   out = _output(tmp_path, "fail")
   assert "[0] rank 0 of 2 True" in out and "[1] rank 1 of 2 True" in out
-  assert ("error: rank 1 failed first (status 3); rank 0 killed after the grace period. Its last "
-          f"lines ({tmp_path / 'fail' / 'rank1.log'}):\n  rank 1 of 2 True") in out
+  assert (
+      "error: rank 1 failed first (status 3); rank 0 killed after the grace period. Its last "
+      f"lines ({tmp_path / 'fail' / 'rank1.log'}):\n  rank 1 of 2 True"
+  ) in out
   assert (tmp_path / "fail" / "rank0.log").read_text() == "rank 0 of 2 True\n"
 
 
 def test_gloo_notices_stay_out_of_the_console():
   """gloo's threads write their notices in pieces, inside one another (as seen in a rank's log)."""
-  raw = (b"loss 3.5\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
-         b"peer ranks is : 1\n[Gloo] Rank [Gloo] Rank 0 is connected to 31 is connected to 3 peer "
-         b"ranks.  peer ranks. Expected number of connected peer ranks is : 3\nExpected number of "
-         b"connected peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n")
+  raw = (
+      b"loss 3.5\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
+      b"peer ranks is : 1\n[Gloo] Rank [Gloo] Rank 0 is connected to 31 is connected to 3 peer "
+      b"ranks.  peer ranks. Expected number of connected peer ranks is : 3\nExpected number of "
+      b"connected peer ranks is : 3\n\rtrain:   5%| 2/40\n12 steps\n"
+  )
   assert without_gloo_notices(raw) == b"loss 3.5\n\rtrain:   5%| 2/40\n12 steps\n"
   assert without_gloo_notices(b"1\n2 3\n") == b"1\n2 3\n"  # numbers of its own are kept
   bar = b"\rtrain:  20%| 8/40 [00:00<?, ?it/s]"  # a notice right after a bar, not at a line start

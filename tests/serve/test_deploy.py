@@ -7,6 +7,7 @@ two devices) and in the recompute oracle of test_serve_engine; each moved reques
 out here); pages are accounted for after every step and none is left when all are done, also
 after cancellations mid-prefill, mid-transfer and mid-decode and after workers stop.
 """
+
 import collections
 import math
 
@@ -16,13 +17,13 @@ import pytest
 from experiments import serve_bench
 from jaxpipe.runtime import cli
 from jaxpipe.serve.deploy import (
-  DECODE,
-  HANDOFF,
-  PREFILL,
-  TRANSFER,
-  Colocated,
-  Disaggregated,
-  device_groups,
+    DECODE,
+    HANDOFF,
+    PREFILL,
+    TRANSFER,
+    Colocated,
+    Disaggregated,
+    device_groups,
 )
 from jaxpipe.serve.engine import INCOMING
 from tests import helpers
@@ -50,7 +51,9 @@ def colocated():
 @pytest.fixture(scope="module")
 def disagg():
   d = jax.devices()
-  return Disaggregated(helpers.DENSE, helpers.engine_params("dense"), [d[2:3]], [d[3:4], d[4:6]], **KW)
+  return Disaggregated(
+      helpers.DENSE, helpers.engine_params("dense"), [d[2:3]], [d[3:4], d[4:6]], **KW
+  )
 
 
 def run(dep, prompts, max_tokens, per_step=2, first=3, hook=None):
@@ -88,8 +91,9 @@ def test_disaggregated_greedy_equals_colocated_and_the_oracle(colocated, disagg)
   want = helpers.oracle("dense", prompts, 8)
   colo = run(colocated, prompts, 8)
   disagg.precompile(max(map(len, prompts)))
-  compiled = lambda: [(e.programs, e._gather_fn._cache_size(), e._scatter_fn._cache_size())
-                      for e in disagg.engines]
+  compiled = lambda: [
+      (e.programs, e._gather_fn._cache_size(), e._scatter_fn._cache_size()) for e in disagg.engines
+  ]
   before = compiled()
   dis = run(disagg, prompts, 8)
   assert compiled() == before  # precompile covered every step and every chunk of every K/V move
@@ -153,7 +157,7 @@ def test_cancel_mid_prefill_mid_transfer_and_mid_decode_frees_every_page(disagg)
   want = helpers.oracle("dense", prompts, 9)
   for i, r in enumerate(got):
     if i in cancelled:
-      assert r.finish_reason == "cancelled" and r.output == cancelled[i] == want[i][:len(r.output)]
+      assert r.finish_reason == "cancelled" and r.output == cancelled[i] == want[i][: len(r.output)]
     else:
       assert r.output == want[i]
   assert got[0].output == [] and got[1].output == want[1][:1] and got[1].kv_bytes == 0
@@ -184,7 +188,7 @@ def test_a_full_decode_side_keeps_requests_waiting_on_prefill(disagg):
     w.engine.allocator.free(hogs[w.name])
   # the engine refuses K/V that does not match, and a request with layers still missing
   rid = d.reserve_request(state)
-  (_, k, v), = p.kv_of(p.prefilled[0].id)  # 2 pages: one chunk
+  ((_, k, v),) = p.kv_of(p.prefilled[0].id)  # 2 pages: one chunk
   with pytest.raises(ValueError, match=r"k has shape \(2, 2, 2, 4, 16\) at page 1"):
     d.write_kv(rid, k, v, first=1)  # past its 2 pages
   with pytest.raises(ValueError, match=r"k has shape \(2, 2, 2, 4, 8\)"):
@@ -206,14 +210,19 @@ def test_stopped_workers_lose_nothing():
   prefill worker while a copy from it is in flight: every request still gets the oracle's tokens.
   With no decode worker left, what is left fails saying so and frees its pages."""
   d = jax.devices()
-  dep = Disaggregated(helpers.DENSE, helpers.engine_params("dense"), [d[6:7], d[7:8]], [d[0:1], d[1:2]], **KW)
+  dep = Disaggregated(
+      helpers.DENSE, helpers.engine_params("dense"), [d[6:7], d[7:8]], [d[0:1], d[1:2]], **KW
+  )
   prompts = helpers.prompts(seed=10, n=10)
   stopped = []
 
   def hook(dep, ids):
     moving = list(dep.transfers.values())
-    if not stopped and any(t.dst.name == "D0" for t in moving) and any(
-        r.phase == DECODE and r.worker == "D0" for r in dep.requests.values()):
+    if (
+        not stopped
+        and any(t.dst.name == "D0" for t in moving)
+        and any(r.phase == DECODE and r.worker == "D0" for r in dep.requests.values())
+    ):
       stopped.append("D0")
       dep.stop_worker("D0")
     elif stopped == ["D0"] and moving:
@@ -237,8 +246,9 @@ def test_stopped_workers_lose_nothing():
   while dep.has_work():
     dep.step()
   done = {r.id: r for r in dep.finished()}
-  assert all(done[i].finish_reason == "error" and "no decode worker is left" in done[i].error
-             for i in ids)
+  assert all(
+      done[i].finish_reason == "error" and "no decode worker is left" in done[i].error for i in ids
+  )
   assert_no_pages_held(dep)
   late = dep.add_request(prompts[0], 4)
   (r,) = dep.finished()
@@ -254,7 +264,9 @@ def test_bad_splits_and_flags_fail_before_device_work(tmp_path):
   with pytest.raises(ValueError, match="disjoint"):
     Disaggregated(helpers.DENSE, {}, [d[:2]], [d[1:3]])
   with pytest.raises(ValueError, match="share page_size"):
-    Disaggregated(helpers.DENSE, {}, [d[:1]], [d[1:2]], prefill_kwargs={"page_size": 8}, page_size=4)
+    Disaggregated(
+        helpers.DENSE, {}, [d[:1]], [d[1:2]], prefill_kwargs={"page_size": 8}, page_size=4
+    )
   with pytest.raises(ValueError, match="9 workers x 1 devices need 9 devices; there are 8"):
     device_groups(9, 1)
   assert device_groups(2, 3) == [d[0:3], d[3:6]]

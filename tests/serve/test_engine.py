@@ -5,6 +5,7 @@ each whole sequence at every step; the engine must give the same tokens, one for
 requests arrive mid-run, pages run out (preemption), prompts share prefixes (prefix cache and
 copy-on-write), freed pages hold NaN, and for a dense and an MoE model.
 """
+
 import functools
 
 import jax
@@ -22,7 +23,13 @@ CONTEXT, PAGE = helpers.CONTEXT, helpers.PAGE
 @functools.cache
 def _engine(name):
   """A small pool (preemption happens) whose freed pages are NaN; shared by the tests below."""
-  return Engine(helpers.CONFIGS[name], helpers.engine_params(name), num_pages=17, nan_freed_pages=True, **helpers.ENGINE_ARGS)
+  return Engine(
+      helpers.CONFIGS[name],
+      helpers.engine_params(name),
+      num_pages=17,
+      nan_freed_pages=True,
+      **helpers.ENGINE_ARGS,
+  )
 
 
 def _serve(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, first=4, **kwargs):
@@ -35,8 +42,13 @@ def _serve(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, first=4, 
     if queue and step % arrive_every == 0:
       k = per_arrival if ids else first
       for i, p in queue[:k]:
-        ids.append(engine.add_request(p, max_tokens, **{
-            key: v[i] if isinstance(v, list) else v for key, v in kwargs.items()}))
+        ids.append(
+            engine.add_request(
+                p,
+                max_tokens,
+                **{key: v[i] if isinstance(v, list) else v for key, v in kwargs.items()},
+            )
+        )
       queue = queue[k:]
     engine.step()
     helpers.check_pages(engine)
@@ -69,13 +81,18 @@ def test_eos_ends_a_request_and_frees_its_pages():
   while engine.has_work():
     engine.step()
   done = {r.id: r for r in engine.finished()}
-  assert done[rid].output == want[0][:want[0].index(eos) + 1]
+  assert done[rid].output == want[0][: want[0].index(eos) + 1]
   assert done[rid].finish_reason == "eos"
   assert [done[i].output for i in others] == want[1:]
   # The pages, counted: without a prefix cache every page is a running request's or free, so
   # right after the step that samples EOS the free count is the pool less what the other holds.
-  bare = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=17,
-                prefix_caching=False, **helpers.ENGINE_ARGS)
+  bare = Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      num_pages=17,
+      prefix_caching=False,
+      **helpers.ENGINE_ARGS,
+  )
   pool = bare.allocator.num_free
   rid = bare.add_request(prompts[0], 8, eos_id=eos)
   other = bare.add_request(prompts[1], 8, eos_id=None)
@@ -110,8 +127,10 @@ def test_a_request_samples_the_same_at_another_row_of_a_shared_batch():
   kw = dict(temperature=1.0, top_k=20, top_p=0.9)
   prompts = np.random.default_rng(11).integers(0, 64, (4, 4)).tolist()  # 4 + 12 tokens: 4 pages
   alone = engine.generate([prompts[3]], max_tokens=12, seed=7, **kw)[0]
-  others = [engine.add_request(p, 12, SamplingParams(seed=100 + i, **kw), eos_id=None)
-            for i, p in enumerate(prompts[:3])]
+  others = [
+      engine.add_request(p, 12, SamplingParams(seed=100 + i, **kw), eos_id=None)
+      for i, p in enumerate(prompts[:3])
+  ]
   rid = engine.add_request(prompts[3], 12, SamplingParams(seed=7, **kw), eos_id=None)
   rows = []
   while engine.has_work():
@@ -156,7 +175,9 @@ def test_bad_requests_fail_alone_and_the_rest_are_served():
 
 
 def test_a_prompt_that_never_fits_the_pool_is_refused():
-  engine = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=5, **helpers.ENGINE_ARGS)  # 4 usable pages
+  engine = Engine(
+      helpers.DENSE, helpers.engine_params("dense"), num_pages=5, **helpers.ENGINE_ARGS
+  )  # 4 usable pages
   rid = engine.add_request(list(range(15)), 4)
   (r,) = engine.finished()
   assert r.id == rid and "need 5 pages" in r.error and "the pool has 4" in r.error
@@ -180,7 +201,9 @@ def test_cancel_frees_pages_at_once():
   freed = [p for p in pages if engine.allocator.refs[p] == 0]
   assert freed  # the last, partly filled page is never cached
   engine._flush_fills()  # what the next step does first: freed pages become NaN on the device
-  k = np.asarray(engine.kv.k).reshape(helpers.DENSE.n_kv_heads, helpers.DENSE.n_layers, engine.num_pages, PAGE, -1)
+  k = np.asarray(engine.kv.k).reshape(
+      helpers.DENSE.n_kv_heads, helpers.DENSE.n_layers, engine.num_pages, PAGE, -1
+  )
   assert np.isnan(k[:, :, freed]).all()
   kept = [p for p in pages if engine.allocator.refs[p] > 0]
   assert not np.isnan(k[:, :, kept]).any()
@@ -209,8 +232,13 @@ def test_fork_shares_pages_and_copies_on_write():
 def test_export_import_moves_a_request_to_an_engine_on_other_devices():
   """Prefill on one device, decode on two others (KV heads split over them): oracle tokens."""
   first = _engine("dense")
-  second = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=33, devices=jax.devices()[2:4],
-                  **helpers.ENGINE_ARGS)
+  second = Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      num_pages=33,
+      devices=jax.devices()[2:4],
+      **helpers.ENGINE_ARGS,
+  )
   assert second.kv.k.sharding.device_set == set(jax.devices()[2:4])
   prompts = helpers.prompts(seed=5, n=3)
   ids = [first.add_request(p, 9, eos_id=None) for p in prompts]

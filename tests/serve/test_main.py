@@ -1,4 +1,5 @@
 """`python -m jaxpipe.serve` serves what `python -m jaxpipe.train` wrote."""
+
 import os
 import subprocess
 import sys
@@ -33,18 +34,38 @@ def test_a_training_checkpoint_is_served(tmp_path):
     want.append(int(np.argmax(logits[0, len(tokens) - 1])))
     tokens.append(want[-1])
   run = subprocess.run(
-      [sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--prompt", prompt,
-       "--max_tokens", "6", "--page_size", "4"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+      [
+          sys.executable,
+          "-m",
+          "jaxpipe.serve",
+          "--workdir",
+          workdir,
+          "--prompt",
+          prompt,
+          "--max_tokens",
+          "6",
+          "--page_size",
+          "4",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+  )
   assert run.returncode == 0, run.stderr[-2000:]
   assert f"# step 3 of {workdir}" in run.stdout
   assert f"# tokens: {want}" in run.stdout
 
 
 def test_runner_refuses_a_workdir_without_a_run(tmp_path):
-  run = subprocess.run([sys.executable, "-m", "jaxpipe.serve", "--workdir", str(tmp_path),
-                        "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+  run = subprocess.run(
+      [sys.executable, "-m", "jaxpipe.serve", "--workdir", str(tmp_path), "--prompt", "x"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+  )
   assert run.returncode != 0
   assert "config.json does not exist" in run.stderr

@@ -4,6 +4,7 @@ Owners are modelled independently of the allocator: after every operation each p
 equals the number of block tables and cache entries that hold it, no free page is held, and at
 the end, with every owner gone, every count is zero and every page is free again.
 """
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -43,9 +44,9 @@ class Pages(RuleBasedStateMachine):
   def add(self, prompt):
     """A new sequence: the cached prefix first, then its own pages; all or nothing."""
     table = self.cache.match(prompt)
-    tokens = list(prompt[:len(table) * PAGE])
+    tokens = list(prompt[: len(table) * PAGE])
     try:
-      self._grow(tokens, table, prompt[len(tokens):])
+      self._grow(tokens, table, prompt[len(tokens) :])
     except OutOfPages:
       self.alloc.free(table)
       return
@@ -113,7 +114,8 @@ class Pages(RuleBasedStateMachine):
     assert not self.alloc.refs.any()
     assert sorted(self.alloc._free) == list(range(1, self.alloc.num_pages))
     assert len(self.freed) == len(set(self.freed)) + sum(
-        self.freed.count(p) - 1 for p in set(self.freed))  # on_free fired once per free
+        self.freed.count(p) - 1 for p in set(self.freed)
+    )  # on_free fired once per free
 
 
 TestPages = Pages.TestCase

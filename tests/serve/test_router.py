@@ -1,4 +1,5 @@
 """The one router (deployments and the simulator route with it), rule by rule, on toy workers."""
+
 import dataclasses
 
 from jaxpipe.serve import router
@@ -35,8 +36,12 @@ def test_a_prefilled_request_goes_to_the_decode_worker_with_the_most_free_pages(
   assert router.decode_worker(ws, pages=8).name == "c"
   assert router.decode_worker(ws, pages=10) is None  # it waits on its prefill worker
   # equal free pages: the one with fewer running requests, then the first
-  assert router.decode_worker([worker("x", 9, running=2), worker("y", 9, running=1),
-                               worker("z", 9, running=1)], pages=1).name == "y"
+  assert (
+      router.decode_worker(
+          [worker("x", 9, running=2), worker("y", 9, running=1), worker("z", 9, running=1)], pages=1
+      ).name
+      == "y"
+  )
 
 
 def test_a_new_request_goes_to_the_least_loaded_entry_worker():

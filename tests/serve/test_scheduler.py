@@ -6,6 +6,7 @@ steps (which requests, how many tokens each) and preemptions, one engine against
 simulated worker and a disaggregated deployment (a prefill worker, two decode workers: routing
 and K/V moves included) against the simulated one.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -114,8 +115,10 @@ def _workload(seed, n=14):
 
 
 def _ids(trace, id_of):
-  return [("plan", [(id_of(r), n) for r, n in x]) if kind == "plan" else ("preempt", id_of(x))
-          for kind, x in trace]
+  return [
+      ("plan", [(id_of(r), n) for r, n in x]) if kind == "plan" else ("preempt", id_of(x))
+      for kind, x in trace
+  ]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -123,8 +126,13 @@ def test_the_engine_and_the_simulator_make_the_same_decisions(seed):
   """Requests arriving while others run, a pool that preempts: the engine (no prefix cache: the
   simulator models none) and a colocated simulated worker with the same budgets step for step."""
   prompts, outputs, arrivals = _workload(seed)
-  engine = Engine(helpers.DENSE, helpers.engine_params("dense"), num_pages=NUM_PAGES,
-                  prefix_caching=False, **ARGS)
+  engine = Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      num_pages=NUM_PAGES,
+      prefix_caching=False,
+      **ARGS,
+  )
   engine.scheduler.trace = []
   pending, step, ids = list(zip(arrivals, prompts, outputs)), 0, []
   while pending or engine.has_work():
@@ -139,9 +147,11 @@ def test_the_engine_and_the_simulator_make_the_same_decisions(seed):
 
   pool = sim.Pool(1, PerStep(), ARGS["max_batch"], ARGS["max_tokens_per_step"], NUM_PAGES - 1)
   trace = {}
-  simulated = sim.simulate(sim.Cluster(PAGE, colocated=pool, lockstep=True),
-                           [(float(a), len(p), o) for a, p, o in zip(arrivals, prompts, outputs)],
-                           trace)
+  simulated = sim.simulate(
+      sim.Cluster(PAGE, colocated=pool, lockstep=True),
+      [(float(a), len(p), o) for a, p, o in zip(arrivals, prompts, outputs)],
+      trace,
+  )
   want = _ids(engine.scheduler.trace, lambda r: r.id)
   assert _ids(trace["W0"], lambda r: r.id) == want
   assert sum(kind == "preempt" for kind, _ in want) > 0  # the rule that matters most was used
@@ -156,8 +166,15 @@ def test_a_disaggregated_deployment_and_the_simulator_make_the_same_decisions():
   prompts, outputs, _ = _workload(2, n=16)
   outputs = [o + 8 for o in outputs]  # long enough to fill the decode workers' pools
   d = jax.devices()
-  dep = Disaggregated(helpers.DENSE, helpers.engine_params("dense"), [d[5:6]], [d[6:7], d[7:8]],
-                      num_pages=NUM_PAGES, prefill_kwargs={"prefix_caching": False}, **ARGS)
+  dep = Disaggregated(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      [d[5:6]],
+      [d[6:7], d[7:8]],
+      num_pages=NUM_PAGES,
+      prefill_kwargs={"prefix_caching": False},
+      **ARGS,
+  )
   for w in dep.workers:
     w.engine.scheduler.trace = []
   ids = [dep.add_request(p, o, eos_id=None) for p, o in zip(prompts, outputs)]
@@ -169,10 +186,16 @@ def test_a_disaggregated_deployment_and_the_simulator_make_the_same_decisions():
   done = {r.id: r for r in dep.finished()}
   assert [len(done[i].output) for i in ids] == outputs
 
-  kw = dict(max_batch=ARGS["max_batch"], token_budget=ARGS["max_tokens_per_step"],
-            kv_pages=NUM_PAGES - 1)
-  cluster = sim.Cluster(PAGE, prefill=sim.Pool(1, PerStep(), **kw),
-                        decode=sim.Pool(2, PerStep(), **kw), kv_bytes_per_token=1, lockstep=True)
+  kw = dict(
+      max_batch=ARGS["max_batch"], token_budget=ARGS["max_tokens_per_step"], kv_pages=NUM_PAGES - 1
+  )
+  cluster = sim.Cluster(
+      PAGE,
+      prefill=sim.Pool(1, PerStep(), **kw),
+      decode=sim.Pool(2, PerStep(), **kw),
+      kv_bytes_per_token=1,
+      lockstep=True,
+  )
   trace = {}
   sim.simulate(cluster, [(0.0, len(p), o) for p, o in zip(prompts, outputs)], trace)
   for w in dep.workers:

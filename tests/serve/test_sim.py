@@ -4,6 +4,7 @@ Queueing theory for the clocks (M/D/1's Pollaczek-Khinchine mean wait; a saturat
 tokens per step), the published parameter counts and a numpy transcription of the FLOP and byte
 counts for the roofline, the K/V formula for the copies, and a hand-built planning case.
 """
+
 import math
 
 import numpy as np
@@ -35,8 +36,12 @@ def poisson(n, rate, seed=0):
 def test_one_prefill_worker_is_an_md1_queue():
   """One prompt per step of fixed length s: TTFT = wait + s, the mean wait lambda s^2 / 2(1-rho)."""
   s, lam, n = 0.01, 60.0, 20000
-  c = sim.Cluster(16, prefill=sim.Pool(1, Linear(s), 64, 100, BIG),
-                  decode=sim.Pool(1, FREE, BIG, BIG, BIG), kv_bytes_per_token=1)
+  c = sim.Cluster(
+      16,
+      prefill=sim.Pool(1, Linear(s), 64, 100, BIG),
+      decode=sim.Pool(1, FREE, BIG, BIG, BIG),
+      kv_bytes_per_token=1,
+  )
   done = sim.simulate(c, [(a, 100, 1) for a in poisson(n, lam)])
   ttft = np.array([r.ttft for r in done])
   rho = lam * s
@@ -51,8 +56,12 @@ def test_a_saturated_decoder_runs_its_batch_every_step():
   """All requests at t=0, prefill and copies free: the decode worker runs its first 8 requests
   together in every step (cost c8) to their 19 tokens, then the other 4 (cost c4)."""
   base, per, batch = 0.002, 0.0001, 8
-  c = sim.Cluster(4, prefill=sim.Pool(1, FREE, BIG, BIG, BIG),
-                  decode=sim.Pool(1, Linear(base, per), batch, BIG, BIG), kv_bytes_per_token=1)
+  c = sim.Cluster(
+      4,
+      prefill=sim.Pool(1, FREE, BIG, BIG, BIG),
+      decode=sim.Pool(1, Linear(base, per), batch, BIG, BIG),
+      kv_bytes_per_token=1,
+  )
   done = sim.simulate(c, [(0.0, 8, 20)] * 12)
   c8, c4 = base + per * batch, base + per * 4
   assert all(r.ttft == 0.0 for r in done)
@@ -62,9 +71,14 @@ def test_a_saturated_decoder_runs_its_batch_every_step():
 
 def test_copies_cost_their_pages_over_the_link_and_delay_decoding():
   kvb, bw, lat, page = 1000, 1e6, 0.001, 16
-  c = sim.Cluster(page, prefill=sim.Pool(1, FREE, 4, BIG, BIG),
-                  decode=sim.Pool(1, FREE, 4, BIG, BIG), kv_bytes_per_token=kvb, transfer_bw=bw,
-                  transfer_latency=lat)
+  c = sim.Cluster(
+      page,
+      prefill=sim.Pool(1, FREE, 4, BIG, BIG),
+      decode=sim.Pool(1, FREE, 4, BIG, BIG),
+      kv_bytes_per_token=kvb,
+      transfer_bw=bw,
+      transfer_latency=lat,
+  )
   done = sim.simulate(c, [(0.0, 33, 2)])
   copy = lat + math.ceil(33 / page) * page * kvb / bw  # 3 pages of 16 = 48 tokens
   assert c.transfer_time(33) == pytest.approx(copy)
@@ -93,8 +107,7 @@ def test_lockstep_host_time_is_serial_and_device_time_shares_the_cores():
   3 * 1 + max(4, 12 / 2) = 9 ms."""
   table = sim.StepTable({(8, 1): 0.004}, page_size=16, host_step=0.001)
   pool = sim.Pool(3, table, 4, 8, BIG)
-  done = sim.simulate(sim.Cluster(16, colocated=pool, lockstep=True, cores=2),
-                      [(0.0, 4, 3)] * 3)
+  done = sim.simulate(sim.Cluster(16, colocated=pool, lockstep=True, cores=2), [(0.0, 4, 3)] * 3)
   assert [r.tpot for r in done] == pytest.approx([0.009] * 3)
   assert [r.ttft for r in done] == pytest.approx([0.009] * 3)
 
@@ -147,13 +160,18 @@ def test_roofline_counts():
   assert tp4.step_time([512], [512]) - one.step_time([512], [512]) == pytest.approx(80 * 2 * 10e-6)
   assert one.step_time([512], [512]) == pytest.approx(
       max(one.flops([512], [512]) / (4 * 989e12), one.bytes([512], [512]) / (4 * 4.8e12))
-      + 2 * 80 * 1.5 * size / 450e9)
+      + 2 * 80 * 1.5 * size / 450e9
+  )
   assert sim.Roofline(m).kv_capacity() == int((141e9 * 0.9 - m.params * 2) // (128 * 1024))
 
 
 def test_step_table_pads_to_the_engines_buckets():
-  t = sim.StepTable({(8, 2): 1.0, (32, 2): 2.0, (8, 4): 3.0, (32, 4): 4.0}, page_size=16,
-                    host_step=0.5, host_row=0.25)
+  t = sim.StepTable(
+      {(8, 2): 1.0, (32, 2): 2.0, (8, 4): 3.0, (32, 4): 4.0},
+      page_size=16,
+      host_step=0.5,
+      host_row=0.25,
+  )
   assert t.step_time([3, 4], [10, 20]) == 1.0 + 0.5 + 0.5  # 7 tokens -> 8; 2 pages
   assert t.step_time([9], [33]) == 4.0 + 0.5 + 0.25  # 9 tokens -> 32; 3 pages -> 4
 
@@ -175,17 +193,20 @@ def test_cluster_checks():
     sim.Cluster(16, prefill=sim.Pool(0, FREE, 1, 1, 1), decode=pool)
 
 
-@pytest.mark.parametrize("flags, words", [
-    ("--slo_8b 0,0.02", "--slo_8b: ttft SLO=0.0 must be"),
-    ("--slo_70b 0.5,-1", "--slo_70b: tpot SLO=-1.0 must be"),
-    ("--slo_8b 0.2", "--slo_8b=0.2: give TTFT,TPOT in seconds"),
-    ("--models 8b,9b", r"--models: unknown \['9b'\]"),
-    ("--gpus 8,4x", "--gpus='8,4x': give comma-separated integers"),
-    ("--gpus 0", "--gpus='0': every value must be >= 1"),
-    ("--prompt 9:3", "--prompt: length spec '9:3' needs 1 <= MIN <= MAX"),
-    ("--probes 0", "--probes=0 must be >= 1"),
-    ("--cpu --cores 0", "--cores=0.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ("--slo_8b 0,0.02", "--slo_8b: ttft SLO=0.0 must be"),
+        ("--slo_70b 0.5,-1", "--slo_70b: tpot SLO=-1.0 must be"),
+        ("--slo_8b 0.2", "--slo_8b=0.2: give TTFT,TPOT in seconds"),
+        ("--models 8b,9b", r"--models: unknown \['9b'\]"),
+        ("--gpus 8,4x", "--gpus='8,4x': give comma-separated integers"),
+        ("--gpus 0", "--gpus='0': every value must be >= 1"),
+        ("--prompt 9:3", "--prompt: length spec '9:3' needs 1 <= MIN <= MAX"),
+        ("--probes 0", "--probes=0 must be >= 1"),
+        ("--cpu --cores 0", "--cores=0.0 must be > 0"),
+    ],
+)
 def test_planner_flags_fail_in_one_line(flags, words):
   with pytest.raises(SystemExit, match=words):
     cli.parse(pd_plan.FLAGS, ["pd_plan", *flags.split()])

@@ -1,4 +1,5 @@
 """Workload generator, trace CSVs, SLO metrics and the goodput search (pure Python)."""
+
 import math
 
 import numpy as np
@@ -13,8 +14,16 @@ UNIFORM, FIXED, LONG = Lengths.parse("8:96"), Lengths.parse("40"), Lengths.parse
 def test_length_specs():
   assert UNIFORM == Lengths("uniform", 8, 96) and FIXED == Lengths("fixed", 40, 40)
   assert Lengths.parse("lognormal:64:512:0.5") == Lengths("lognormal", 64, 512, 0.5)
-  for bad in ("", "0", "9:8", "a:b", "lognormal:64", "lognormal:600:512", "lognormal:64:512:0",
-              "1:2:3"):
+  for bad in (
+      "",
+      "0",
+      "9:8",
+      "a:b",
+      "lognormal:64",
+      "lognormal:600:512",
+      "lognormal:64:512:0",
+      "1:2:3",
+  ):
     with pytest.raises(ValueError, match="length spec"):
       Lengths.parse(bad)
 
@@ -96,8 +105,15 @@ class R:
 
 def test_slo_attainment_percentiles():
   slo = SLO(ttft=0.5, tpot=0.1)
-  reqs = [R(0.1, 0.05), R(0.5, 0.1), R(0.6, 0.05), R(0.1, 0.2), R(0.1, None), R(0.1, 0.01, "boom"),
-          R(None, None)]
+  reqs = [
+      R(0.1, 0.05),
+      R(0.5, 0.1),
+      R(0.6, 0.05),
+      R(0.1, 0.2),
+      R(0.1, None),
+      R(0.1, 0.01, "boom"),
+      R(None, None),
+  ]
   # met: within both (bounds inclusive), one-token requests need only TTFT; errors never meet
   assert [slo.met(r) for r in reqs] == [True, True, False, False, True, False, False]
   assert attainment(reqs, slo) == pytest.approx(3 / 7)
@@ -111,11 +127,16 @@ def test_slo_attainment_percentiles():
   assert percentiles([3.0, None, 1.0, 2.0], (0, 50, 100)) == [1.0, 2.0, 3.0]
   assert math.isnan(percentiles([None])[0])
   got = summary([R(0.1, 0.02), R(0.3, None), R(0.2, 0.04)], slo)
-  assert got == pytest.approx({"ttft50": 0.2, "ttft90": 0.28, "tpot50": 0.03, "tpot90": 0.038,
-                               "met": 1.0})
+  assert got == pytest.approx(
+      {"ttft50": 0.2, "ttft90": 0.28, "tpot50": 0.03, "tpot90": 0.038, "met": 1.0}
+  )
   assert e2e(R(0, 0, arrival=1.0, finish=3.5)) == 2.5 and e2e(R(0, 0)) is None
-  for bad in (dict(ttft=0, tpot=1), dict(ttft=1, tpot=-1), dict(ttft=float("nan"), tpot=1),
-              dict(ttft=1, tpot=1, attainment=0)):
+  for bad in (
+      dict(ttft=0, tpot=1),
+      dict(ttft=1, tpot=-1),
+      dict(ttft=float("nan"), tpot=1),
+      dict(ttft=1, tpot=1, attainment=0),
+  ):
     with pytest.raises(ValueError, match="must"):
       SLO(**bad)
 

@@ -1,4 +1,5 @@
 """Input pipelines: batch i is a pure function of (seed, split, i)."""
+
 import pathlib
 import sysconfig
 
@@ -16,12 +17,18 @@ def test_stdlib_corpus_is_the_sorted_stdlib_sources():
   corpus = data.stdlib_bytes()
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   # Independent listing: walk the tree, keep .py files outside third-party/cache folders.
-  files = sorted(p for p in root.rglob("*.py") if not any(
-      part in ("site-packages", "dist-packages", "__pycache__") for part in p.relative_to(root).parts))
+  files = sorted(
+      p
+      for p in root.rglob("*.py")
+      if not any(
+          part in ("site-packages", "dist-packages", "__pycache__")
+          for part in p.relative_to(root).parts
+      )
+  )
   assert len(corpus) == sum(p.stat().st_size for p in files) + len(files) - 1
   first, last = files[0].read_bytes(), files[-1].read_bytes()
-  assert corpus[:len(first)].tobytes() == first and corpus[len(first)] == 0
-  assert corpus[len(corpus) - len(last):].tobytes() == last
+  assert corpus[: len(first)].tobytes() == first and corpus[len(first)] == 0
+  assert corpus[len(corpus) - len(last) :].tobytes() == last
   assert corpus.dtype == np.uint8 and len(corpus) > 1_000_000
 
 
@@ -33,7 +40,9 @@ def test_byte_corpus_batches_are_step_indexed():
   later = [b.batch("train", i, 4, 32) for i in (7, 1, 0)][::-1]
   assert all(_same(x, y) for x, y in zip(first, later))
   assert not _same(first[0], first[1])
-  assert not _same(first[0], data.ByteCorpus(data.stdlib_bytes(), 0.02, seed=4).batch("train", 0, 4, 32))
+  assert not _same(
+      first[0], data.ByteCorpus(data.stdlib_bytes(), 0.02, seed=4).batch("train", 0, 4, 32)
+  )
   x = first[0]
   assert x["tokens"].shape == x["targets"].shape == x["mask"].shape == (4, 32)
   assert x["tokens"].dtype == np.int32 and x["mask"].dtype == np.float32
@@ -68,8 +77,11 @@ def test_synthetic_source_is_deterministic_and_masked():
   assert np.all(a["targets"][~valid] == 0)
 
 
-@pytest.mark.parametrize("source", [data.ByteCorpus(np.arange(5000) % 251, 0.1, seed=2),
-                                    data.Synthetic(vocab=64, seed=1)], ids=["bytes", "synthetic"])
+@pytest.mark.parametrize(
+    "source",
+    [data.ByteCorpus(np.arange(5000) % 251, 0.1, seed=2), data.Synthetic(vocab=64, seed=1)],
+    ids=["bytes", "synthetic"],
+)
 def test_some_rows_equal_those_rows_of_the_whole_batch(source):
   """What one process of a multi-process run reads: its rows only, the whole batch's rows."""
   whole = source.batch("train", 3, 16, 24)

@@ -1,4 +1,5 @@
 """MoE FFNs in the LM and the trainer: expert-parallel steps equal the one-device model."""
+
 import functools
 
 import jax
@@ -35,8 +36,9 @@ def test_expert_parallel_step_equals_one_device():
   batch = trainer.batch(0)
   loss, grads, metrics = jax.jit(trainer.loss_and_grads)(params, batch)
   host = jax.device_get(batch)
-  (_, (want, aux)), want_grads = jax.jit(jax.value_and_grad(
-      functools.partial(helpers.one_device_objective, cfg), has_aux=True))(params, host)
+  (_, (want, aux)), want_grads = jax.jit(
+      jax.value_and_grad(functools.partial(helpers.one_device_objective, cfg), has_aux=True)
+  )(params, host)
   helpers.close(loss, want, "loss (cross-entropy)")
   helpers.close(metrics["moe_aux_loss"], np.sum(aux["loss"]), "aux loss")
   counts = np.asarray(aux["tokens_per_expert"])
@@ -52,13 +54,22 @@ def test_expert_parallel_step_equals_one_device():
 def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
   """`apply_layers` (what pipeline and context-parallel paths call) trains the aux losses too;
   `forward`'s logits carry none, and `loss` (CE value, CE + aux gradient) refuses MoE models."""
-  cfg = transformer.TransformerConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                      head_dim=8, d_ff=48, moe=moe.MoEConfig(**{**helpers.MOE_KWARGS, "every": 1}))
+  cfg = transformer.TransformerConfig(
+      vocab=64,
+      d_model=32,
+      n_layers=2,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      d_ff=48,
+      moe=moe.MoEConfig(**{**helpers.MOE_KWARGS, "every": 1}),
+  )
   params = helpers.random_params(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
   mask = jnp.ones((2, 8))
-  with pytest.raises(ValueError, match="transformer.loss takes dense models; with cfg.moe use "
-                                       "loss_and_aux"):
+  with pytest.raises(
+      ValueError, match="transformer.loss takes dense models; with cfg.moe use " "loss_and_aux"
+  ):
     transformer.loss(cfg, params, tokens, tokens, mask)
 
   def attached(p):
@@ -74,9 +85,14 @@ def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
     target_BxL = jnp.take_along_axis(logits_BxLxV, tokens[..., None], axis=-1)[..., 0]
     return jnp.sum(jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_BxL)
 
-  got, want, no_aux, forward = jax.jit(lambda p: (
-      jax.grad(attached)(p), jax.grad(explicit)(p, 1.0), jax.grad(explicit)(p, 0.0),
-      jax.grad(via_forward)(p)))(params)
+  got, want, no_aux, forward = jax.jit(
+      lambda p: (
+          jax.grad(attached)(p),
+          jax.grad(explicit)(p, 1.0),
+          jax.grad(explicit)(p, 0.0),
+          jax.grad(via_forward)(p),
+      )
+  )(params)
   router = want["layers"]["moe"]["moe"]["router_DxE"]
   router_no_aux = no_aux["layers"]["moe"]["moe"]["router_DxE"]
   assert np.abs(np.asarray(router - router_no_aux)).max() > 1e-4 * np.abs(np.asarray(router)).max()
@@ -102,12 +118,15 @@ def test_train_step_moves_balancing_bias_by_the_sign_rule():
   load = np.asarray(aux["tokens_per_expert"], np.float64)
   step = rate * np.sign(load.mean(1, keepdims=True) - load)
   after = jax.device_get(trainer.state.params)["layers"]["moe"]["moe"]["expert_bias_E"]
-  np.testing.assert_allclose(after, before["layers"]["moe"]["moe"]["expert_bias_E"] + step,
-                             rtol=0, atol=1e-7)
+  np.testing.assert_allclose(
+      after, before["layers"]["moe"]["moe"]["expert_bias_E"] + step, rtol=0, atol=1e-7
+  )
 
 
 def test_bad_moe_configs_fail_before_device_work():
-  with pytest.raises(ValueError, match="num_experts=6 is not divisible by the expert axis size ep=4"):
+  with pytest.raises(
+      ValueError, match="num_experts=6 is not divisible by the expert axis size ep=4"
+  ):
     Trainer(helpers.moe_config(num_experts=6))
   with pytest.raises(ValueError, match="model.n_layers=4 is not a multiple of model.moe.every=3"):
     Trainer(helpers.moe_config(every=3))
@@ -115,8 +134,12 @@ def test_bad_moe_configs_fail_before_device_work():
     Trainer(helpers.moe_config(top_k=9))
 
 
-PATHS = [("dp4 x ep2", {}), ("pp2 x dp2 x ep2", {"pp": 2}), ("cp2 x dp2 x ep2", {"cp": 2}),
-         ("pp2 x cp2 x ep2", {"pp": 2, "cp": 2, "dp": 1})]
+PATHS = [
+    ("dp4 x ep2", {}),
+    ("pp2 x dp2 x ep2", {"pp": 2}),
+    ("cp2 x dp2 x ep2", {"cp": 2}),
+    ("pp2 x cp2 x ep2", {"pp": 2, "cp": 2, "dp": 1}),
+]
 RATE = 0.01  # balancing-bias step
 
 
@@ -138,8 +161,11 @@ def every_path():
     def keep(p, b, real=real):
       loss, grads, metrics = real(p, b)
       # the step consumes moe_tokens_per_expert (to move the biases); keep a copy
-      return loss, grads, {**metrics, "grads": grads, "ce": loss,
-                           "counts": metrics["moe_tokens_per_expert"]}
+      return (
+          loss,
+          grads,
+          {**metrics, "grads": grads, "ce": loss, "counts": metrics["moe_tokens_per_expert"]},
+      )
 
     trainer.loss_and_grads = keep
     state = TrainState(jnp.zeros((), jnp.int32), params, jax.jit(trainer.optimizer.init)(params))
@@ -162,15 +188,18 @@ def test_aux_loss_convention_is_the_same_on_every_path(every_path):
     """The convention not chosen: each micro-batch's aux weighted by its valid tokens."""
     total = 0.0
     for j in range(2):
-      t, n, aux = transformer.loss_and_aux(cfg, p, host["tokens"][j::2], host["targets"][j::2],
-                                           host["mask"][j::2])
+      t, n, aux = transformer.loss_and_aux(
+          cfg, p, host["tokens"][j::2], host["targets"][j::2], host["mask"][j::2]
+      )
       total = total + t + aux["loss"].sum() * n
     return total / host["mask"].sum()
 
-  objective = jax.value_and_grad(functools.partial(helpers.one_device_objective, cfg, microbatches=2),
-                                 has_aux=True)
+  objective = jax.value_and_grad(
+      functools.partial(helpers.one_device_objective, cfg, microbatches=2), has_aux=True
+  )
   ((_, (want_loss, _)), want), other = jax.jit(
-      lambda p: (objective(p, host), jax.grad(per_valid_token)(p)))(params)
+      lambda p: (objective(p, host), jax.grad(per_valid_token)(p))
+  )(params)
   want_flat = dict(jax.tree_util.tree_flatten_with_path(want)[0])
   router = lambda g: np.asarray(g["layers"]["moe"]["moe"]["router_DxE"])
   # the two conventions differ by more than the tolerance below
@@ -200,19 +229,31 @@ def _routed_counts(cfg, params, host, microbatches, monkeypatch):
   micro-batches, counted with numpy from the router's inputs as the top-k of sigmoid(x W) + bias;
   the mean over micro-batches of the summed aux losses)."""
   from jaxpipe.models import router as router_lib
+
   seen = []
   real = router_lib.route
 
   def spy(cfg_, w_DxE, bias_E, x_TxD, rng=None):
-    jax.debug.callback(lambda *a: seen.append([np.asarray(v, np.float64) for v in a]),
-                       w_DxE, bias_E, x_TxD, ordered=True)
+    jax.debug.callback(
+        lambda *a: seen.append([np.asarray(v, np.float64) for v in a]),
+        w_DxE,
+        bias_E,
+        x_TxD,
+        ordered=True,
+    )
     return real(cfg_, w_DxE, bias_E, x_TxD, rng)
 
   monkeypatch.setattr(router_lib, "route", spy)
   m = microbatches
-  run = jax.jit(lambda p, b: sum(
-      transformer.loss_and_aux(cfg, p, b["tokens"][j::m], b["targets"][j::m],
-                               b["mask"][j::m])[2]["loss"].sum() for j in range(m)) / m)
+  run = jax.jit(
+      lambda p, b: sum(
+          transformer.loss_and_aux(cfg, p, b["tokens"][j::m], b["targets"][j::m], b["mask"][j::m])[
+              2
+          ]["loss"].sum()
+          for j in range(m)
+      )
+      / m
+  )
   aux_loss = float(run(params, host))
   jax.effects_barrier()
   monkeypatch.setattr(router_lib, "route", real)
@@ -221,7 +262,7 @@ def _routed_counts(cfg, params, host, microbatches, monkeypatch):
   counts = np.zeros((units, cfg.moe.num_experts), np.int64)
   for i, (w, bias, x) in enumerate(seen):
     select = 1 / (1 + np.exp(-(x @ w))) + bias
-    top = np.argsort(-select, axis=1)[:, :cfg.moe.top_k]
+    top = np.argsort(-select, axis=1)[:, : cfg.moe.top_k]
     counts[i % units] += np.bincount(top.ravel(), minlength=cfg.moe.num_experts)
   return counts, aux_loss
 
@@ -239,7 +280,9 @@ def test_routing_statistics_and_bias_step_are_the_same_on_every_path(every_path,
   assert np.sum(np.abs(want_bias - before) > RATE / 2) > counts.size // 2  # most biases move
   for name, metrics in every_path["steps"].items():
     np.testing.assert_array_equal(metrics["counts"], counts, err_msg=name)
-    helpers.close(metrics["moe_imbalance"], (counts.max(1) / counts.mean(1)).max(), f"{name}: imbalance")
+    helpers.close(
+        metrics["moe_imbalance"], (counts.max(1) / counts.mean(1)).max(), f"{name}: imbalance"
+    )
     assert float(metrics["moe_dropped_frac"]) == 0.0, name
     helpers.close(metrics["moe_aux_loss"], want_aux, f"{name}: aux loss")
     np.testing.assert_allclose(metrics["bias"], want_bias, rtol=0, atol=1e-7, err_msg=name)

@@ -1,4 +1,5 @@
 """The named mesh built from the config."""
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P

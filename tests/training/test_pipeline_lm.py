@@ -1,4 +1,5 @@
 """The trainer with mesh.pp > 1: one step of the real LM equals the unpipelined gradient."""
+
 import json
 import os
 import re
@@ -45,8 +46,9 @@ def test_pipelined_loss_and_grads_equal_unpipelined(pp, schedule):
   assert len(flat) == len(want)
   for path, g in flat:
     w = np.asarray(want[path])
-    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def _assert_layers_split_over_pp(trainer, state, pp):
@@ -74,7 +76,8 @@ def test_trainer_steps_with_pipeline():
   state_bytes, layer_bytes = bytes_of(state), bytes_of(state.params["layers"])
   batch = trainer.batch(0)
   want_loss, want_grads, _ = jax.jit(data_parallel_loss_and_grads(trainer.model_cfg))(
-      state.params, batch)
+      state.params, batch
+  )
   want_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(want_grads)))
   first = trainer.step(batch)  # donates `state`
   np.testing.assert_allclose(first["loss"], want_loss, rtol=1e-5)
@@ -118,8 +121,9 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path):
   losses = _losses(workdir)
   assert [s for s, _ in losses] == [1, 2, 3, 4]  # steps 3 and 4 logged once, by the resumed run
   assert losses == logged  # bit-identical
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
-                          jax.tree.leaves(jax.device_get(second.state))):
+  for (path, a), b in zip(
+      jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(jax.device_get(second.state))
+  ):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
   # Layers are stored in canonical order, so the checkpoint also restores without a pipeline.
@@ -127,15 +131,15 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path):
   plain = Trainer(c1, workdir, existing_run="resume_changed")  # tiny's own steps and warm-up
   restored = jax.device_get(plain.init())
   assert plain.resumed_from == 4
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0],
-                          jax.tree.leaves(restored)):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(restored)):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_layers_must_split_into_the_schedule_stages():
   # zb-v puts 2p model stages on p ranks: 4 stages do not split 6 layers (caught by validation)
-  with pytest.raises(config_lib.ConfigError,
-                     match="n_layers=6 .*does not split into the 4 model stages"):
+  with pytest.raises(
+      config_lib.ConfigError, match="n_layers=6 .*does not split into the 4 model stages"
+  ):
     Trainer(tiny_config(2, "zb-v", n_layers=6))
 
 
@@ -157,8 +161,9 @@ def test_pipeline_with_context_parallelism(cp_overlap):
   want = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     w = np.asarray(want[path])
-    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)), err_msg=jax.tree_util.keystr(path)
+    )
   hlo = compiled.as_text().splitlines()
   a2a = [l for l in hlo if " all-to-all(" in l]
   # q, k, v in and o out in F; their transposes in I (twice as many in 2 chunks with cp_overlap)
@@ -178,6 +183,7 @@ def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_pat
   parameter between pipeline ranks, the first step is the unpipelined one, and the checkpoint
   holds the model's layer order, restored as such by a 1F1B trainer."""
   from jaxpipe.training.pipeline_lm import lm_schedule
+
   trainer = Trainer(tiny_config(2, "zb-v", n_layers=4), workdir=str(tmp_path))
   assert trainer.layer_order.tolist() == [0, 3, 1, 2]
   state = trainer.init()
@@ -189,8 +195,9 @@ def test_v_schedule_stores_each_ranks_stages_and_checkpoints_model_order(tmp_pat
       r = int(np.argwhere(trainer.mesh.devices == shard.device)[0][0])  # pp is the first axis
       stages = [placement.stage_model[s] for s in placement.rank_stages(r)]
       # (init compiled in another program: equal up to float32 rounding)
-      np.testing.assert_allclose(shard.data, want[stages], rtol=0, atol=1e-6,
-                                 err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(
+          shard.data, want[stages], rtol=0, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+      )
   for a, b in zip(jax.tree.leaves(trainer.model_params()), jax.tree.leaves(model)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
   for a, b in zip(jax.tree.leaves(trainer.stored_params(model)), jax.tree.leaves(state.params)):

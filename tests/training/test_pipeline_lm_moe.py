@@ -1,4 +1,5 @@
 """Expert parallelism inside the pipeline executor: pp = 2 x dp = 2 x ep = 2, experts over ep."""
+
 import functools
 import re
 
@@ -20,7 +21,9 @@ EXPERT_DIMS = {(E, 32, 16), (E, 16, 32)}  # full [E, D, F] and [E, F, D] (d_mode
 
 @pytest.fixture(scope="module")
 def run():
-  c = helpers.path_config(pp=2)  # zb-h1, 2 micro-batches, 2 layers with an MoE FFN each, dp = ep = 2
+  c = helpers.path_config(
+      pp=2
+  )  # zb-h1, 2 micro-batches, 2 layers with an MoE FFN each, dp = ep = 2
   c.model.moe.dispatch = "dropless"
   c.model.moe.dropless_impl = "padded"
   trainer = Trainer(c)
@@ -30,8 +33,15 @@ def run():
   batch = trainer.shard_batch(host)
   compiled = jax.jit(trainer.loss_and_grads).lower(params, batch).compile()
   loss, grads, metrics = compiled(params, batch)
-  return dict(trainer=trainer, params=params, host=host, hlo=compiled.as_text(), loss=loss,
-              grads=grads, metrics=metrics)
+  return dict(
+      trainer=trainer,
+      params=params,
+      host=host,
+      hlo=compiled.as_text(),
+      loss=loss,
+      grads=grads,
+      metrics=metrics,
+  )
 
 
 def _shapes(line: str) -> list[tuple[int, ...]]:
@@ -42,8 +52,9 @@ def test_loss_and_every_gradient_equal_one_device(run):
   trainer, host = run["trainer"], run["host"]
   cfg = trainer.model_cfg
   params = jax.tree.map(jnp.asarray, helpers.random_params(cfg))
-  objective = jax.value_and_grad(functools.partial(helpers.one_device_objective, cfg, microbatches=2),
-                                 has_aux=True)
+  objective = jax.value_and_grad(
+      functools.partial(helpers.one_device_objective, cfg, microbatches=2), has_aux=True
+  )
   (_, (want_loss, _)), want = jax.jit(objective)(params, host)
   assert float(run["metrics"]["tokens"]) == host["mask"].sum()
   helpers.close(run["loss"], want_loss, "loss (cross-entropy)")
@@ -69,8 +80,11 @@ def test_each_device_holds_and_updates_its_experts_only(run):
     assert not full, f"a full expert tensor {full} in the step: {line.strip()[:200]}"
   # Expert gradients are reduced over dp alone; their ep shards are different experts.
   local = {(E // EP, 32, 16), (E // EP, 16, 32)}
-  reductions = [l for l in run["hlo"].splitlines() if " all-reduce(" in l
-                and any(s[-3:] in local for s in _shapes(l.split(" all-reduce(")[0]))]
+  reductions = [
+      l
+      for l in run["hlo"].splitlines()
+      if " all-reduce(" in l and any(s[-3:] in local for s in _shapes(l.split(" all-reduce(")[0]))
+  ]
   assert reductions
   for line in reductions:
     assert helpers.groups(line) == helpers.axis_groups(mesh, "dp"), line.strip()[:200]
@@ -96,11 +110,11 @@ def test_param_specs_must_name_data_axes_and_match_the_params():
   xs = jnp.ones((2, 8, 4))
   schedule = resolve_schedule("gpipe", pp=2, microbatches=2)
   with pytest.raises(ValueError, match=r"shards over \['pp'\], which are not data axes"):
-    pipeline_value_and_grad(model, stage, xs, xs, schedule=schedule, mesh=mesh,
-                            param_specs=P("pp"))
+    pipeline_value_and_grad(model, stage, xs, xs, schedule=schedule, mesh=mesh, param_specs=P("pp"))
   with pytest.raises(ValueError, match="param_specs has structure"):
-    pipeline_value_and_grad(model, stage, xs, xs, schedule=schedule, mesh=mesh,
-                            param_specs={"w": P()})
+    pipeline_value_and_grad(
+        model, stage, xs, xs, schedule=schedule, mesh=mesh, param_specs={"w": P()}
+    )
   with pytest.raises(TypeError, match="must be PartitionSpec or None"):
     param_specs_key({"w": "dp"})
 
@@ -114,36 +128,46 @@ def _layer_with_aux(params, x_BxD):
   return y, {"ysum": jnp.sum(y), "rows": jnp.asarray(x_BxD.shape[0], jnp.int32)}
 
 
-@pytest.mark.parametrize("name,layers,recompute", [
-    ("dualpipe", True, False),  # bidirectional: two copies of each stage, summed
-    ("zb-v", False, True),  # V placement, an opaque stage, recomputed in the backward
-    ("interleaved-1f1b", True, False),
-])
+@pytest.mark.parametrize(
+    "name,layers,recompute",
+    [
+        ("dualpipe", True, False),  # bidirectional: two copies of each stage, summed
+        ("zb-v", False, True),  # V placement, an opaque stage, recomputed in the backward
+        ("interleaved-1f1b", True, False),
+    ],
+)
 def test_stage_aux_is_summed_per_stage_and_data_shard(name, layers, recompute):
   """A stage's aux comes back per stage (and layer) and data shard, summed over micro-batches, as
   an unpipelined loop over stages computes it; loss and gradients stay those of jax.grad."""
   from jaxpipe.pipeline.executor import layered
+
   pp, dp, m, b, d, per_stage = 2, 2, 4, 4, 8, 2
   mesh = jax.make_mesh((pp, dp), ("pp", "dp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  schedule = resolve_schedule(name, pp=pp, microbatches=m,
-                              chunks=2 if name == "interleaved-1f1b" else None)
+  schedule = resolve_schedule(
+      name, pp=pp, microbatches=m, chunks=2 if name == "interleaved-1f1b" else None
+  )
   stages = schedule.num_stages
   rng = np.random.default_rng(0)
   lead = (stages, per_stage) if layers else (stages,)
-  params = {"w": jnp.asarray(rng.normal(size=(*lead, d, d)) / np.sqrt(d), jnp.float32),
-            "b": jnp.asarray(0.1 * rng.normal(size=(*lead, d)), jnp.float32)}
+  params = {
+      "w": jnp.asarray(rng.normal(size=(*lead, d, d)) / np.sqrt(d), jnp.float32),
+      "b": jnp.asarray(0.1 * rng.normal(size=(*lead, d)), jnp.float32),
+  }
   xs = jnp.asarray(rng.normal(size=(m, b, d)), jnp.float32)
   ts = jnp.asarray(rng.normal(size=(m, b, d)), jnp.float32)
   loss_fn = lambda h, y, t: jnp.sum((y - t) ** 2)
   if layers:
     model = Model(layered(_layer_with_aux), loss_fn, stage_aux=True)
   else:
-    stage = lambda p, x: (_tanh_layer(p, x), {"ysum": jnp.sum(_tanh_layer(p, x)),
-                                              "rows": jnp.asarray(x.shape[0], jnp.int32)})
+    stage = lambda p, x: (
+        _tanh_layer(p, x),
+        {"ysum": jnp.sum(_tanh_layer(p, x)), "rows": jnp.asarray(x.shape[0], jnp.int32)},
+    )
     model = Model(stage, loss_fn, stage_aux=True)
-  loss, grads, _, _, aux = pipeline_value_and_grad(model, params, xs, ts, schedule=schedule,
-                                                   mesh=mesh, recompute=recompute)
-  flat = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[len(lead):]), params)
+  loss, grads, _, _, aux = pipeline_value_and_grad(
+      model, params, xs, ts, schedule=schedule, mesh=mesh, recompute=recompute
+  )
+  flat = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[len(lead) :]), params)
 
   def unpipelined(flat):
     total, ysum = 0.0, []

@@ -1,4 +1,5 @@
 """The Trainer: data-parallel gradients against one device, the optimizer, the loop's outputs."""
+
 import functools
 import json
 import os
@@ -47,8 +48,9 @@ def _one_device_loss_and_grads(cfg, params, batch):
 def _assert_tree_close(a, b, rtol):
   for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
     scale = float(np.max(np.abs(y)))
-    np.testing.assert_allclose(np.asarray(x) / scale, np.asarray(y) / scale, atol=rtol,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        np.asarray(x) / scale, np.asarray(y) / scale, atol=rtol, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
@@ -72,18 +74,22 @@ def test_evaluate_is_the_same_with_pipeline_and_context_parallelism(trained):
   trainer, summary, _ = trained
   params = jax.device_get(trainer.state.params)
   c = tiny.get_config()
-  hosts = [trainer.source.batch("eval", i, c.data.batch, c.data.seq_len)
-           for i in range(c.train.eval_batches)]
-  sums = [_one_device_loss_and_grads(trainer.model_cfg, params, h)[0] * h["mask"].sum()
-          for h in hosts]
+  hosts = [
+      trainer.source.batch("eval", i, c.data.batch, c.data.seq_len)
+      for i in range(c.train.eval_batches)
+  ]
+  sums = [
+      _one_device_loss_and_grads(trainer.model_cfg, params, h)[0] * h["mask"].sum() for h in hosts
+  ]
   want = float(np.sum(sums) / np.sum([h["mask"].sum() for h in hosts]))
   np.testing.assert_allclose(trainer.evaluate(), want, rtol=1e-5)
   for axis in ("pp", "cp"):
     c = tiny.get_config()
     c.mesh[axis] = 2
     other = Trainer(c)
-    other.state = TrainState(jnp.zeros((), jnp.int32),
-                             jax.device_put(params, other.state_sharding.params), None)
+    other.state = TrainState(
+        jnp.zeros((), jnp.int32), jax.device_put(params, other.state_sharding.params), None
+    )
     np.testing.assert_allclose(other.evaluate(), want, rtol=1e-5, err_msg=axis)
     if axis == "pp":  # the layers stay split over the pipeline: nothing gathers them
       hlo = other._eval_step.lower(other.state.params, other.batch(0, "eval")).compile().as_text()
@@ -107,15 +113,19 @@ def test_replaceable_loss_and_grads_and_decoupled_weight_decay():
   before = jax.device_get(trainer.state.params)
   # Zero gradients: Adam's update is 0, so only the decay moves parameters.
   trainer.loss_and_grads = lambda params, batch: (
-      jnp.float32(0), jax.tree.map(jnp.zeros_like, params), {"tokens": jnp.sum(batch["mask"])})
+      jnp.float32(0),
+      jax.tree.map(jnp.zeros_like, params),
+      {"tokens": jnp.sum(batch["mask"])},
+  )
   metrics = trainer.step()
   assert float(metrics["lr"]) == pytest.approx(0.1)
   assert int(trainer.state.step) == 1
   after = jax.device_get(trainer.state.params)
   for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after)):
     decayed = path[-1].key != "scale"  # norm scales are not decayed
-    np.testing.assert_allclose(a, b * (1 - 0.1 * 0.5) if decayed else b, rtol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        a, b * (1 - 0.1 * 0.5) if decayed else b, rtol=1e-6, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_training_loop_outputs(trained):

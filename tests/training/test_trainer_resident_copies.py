@@ -6,6 +6,7 @@ update and stay bit-identical, the clipping norm counts each parameter once, and
 hold the model's order. The oracle is the unpipelined trainer (pp = 1, the whole batch at once),
 which 1F1B equals (tests/test_executor_trainer.py).
 """
+
 import jax
 import numpy as np
 import pytest
@@ -58,14 +59,16 @@ def test_same_losses_gradients_and_updates_as_unpipelined(copied, reference):
   got = jax.device_get(trainer._checkpoint_state())
   want = jax.device_get(ref_trainer.state)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, np.max(np.abs(b))),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-6 * max(1.0, np.max(np.abs(b))), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_each_rank_stores_both_copies_and_they_stay_equal(copied):
   """Rank r stores the layers of the two stages it runs (one per pipeline): twice the model's
   layers over the pipeline, params and moments, each copy equal to the other bit for bit."""
   from jaxpipe.training.pipeline_lm import lm_schedule
+
   trainer, _, _, _ = copied
   order, units, pp = trainer.layer_order, trainer.model_cfg.n_layers, trainer.mesh.shape["pp"]
   placement = lm_schedule(trainer.config.pipeline, pp).placement
@@ -77,7 +80,7 @@ def test_each_rank_stores_both_copies_and_they_stay_equal(copied):
   for r in range(pp):
     stages = [placement.stage_model[s] for s in placement.rank_stages(r)]
     runs = [s * per_stage + u for s in stages for u in range(per_stage)]
-    assert order[r * len(order) // pp:(r + 1) * len(order) // pp].tolist() == runs
+    assert order[r * len(order) // pp : (r + 1) * len(order) // pp].tolist() == runs
   for path, x in layers:
     assert x.shape[0] == 2 * units
     for shard in x.addressable_shards:
@@ -91,13 +94,16 @@ def test_each_rank_stores_both_copies_and_they_stay_equal(copied):
 
 def test_step_moves_no_parameters_only_one_gradient_sum(copied):
   from experiments.pipeline_traffic import _permutes
+
   trainer, _, hlo, _ = copied
   permutes = _permutes(hlo)
   kinds = {kind for _, kind in permutes}
   assert "copies" in kinds and kinds <= {"send_down", "send_up", "copies"}  # nothing else moves
   summed = sum(b for b, kind in permutes if kind == "copies")
   # one rank's layer gradients, both of its stages, cross once
-  layer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state.params["layers"]))
+  layer_bytes = sum(
+      x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state.params["layers"])
+  )
   assert summed == layer_bytes // trainer.mesh.shape["pp"]
 
 
@@ -112,7 +118,9 @@ def test_checkpoint_resumes_copies_and_restores_into_a_contiguous_schedule(copie
   plain = Trainer(tiny_config(2, "1f1b"), workdir=workdir)
   assert plain.layer_order is None
   restored = jax.device_get(plain.init())
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(jax.device_get(trainer._checkpoint_state()))):
+  for a, b in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(jax.device_get(trainer._checkpoint_state()))
+  ):
     np.testing.assert_array_equal(a, b)
 
 
@@ -120,6 +128,7 @@ def test_copy_partners_of_a_placement():
   from jaxpipe.pipeline import make_schedule
   from jaxpipe.pipeline.api import copy_partners
   from jaxpipe.pipeline.ir.lower import lower
+
   layout = lower(make_schedule("chimera", pp=4, microbatches=8)).layout()
   assert layout.tolist() == [[0, 3], [1, 2], [2, 1], [3, 0]]
   pairs, chunks = copy_partners(layout)

@@ -5,9 +5,19 @@ schedule), `validate` and `deps` (dependencies), `simulate` and `formulas` (bubb
 against the papers), `export` (text, CSV, Perfetto, PNG), `lower` (integer tick tables for the
 executor), `costs` and `auto` (measured stage costs, predicted step time, the auto ranking).
 """
+
 from jaxpipe.pipeline.ir.schedule import Action, Op, Overlap, Placement, Schedule
 from jaxpipe.pipeline.ir.schedules import SCHEDULE_NAMES, make_schedule
 from jaxpipe.pipeline.ir.validate import ScheduleError, validate
 
-__all__ = ["Action", "Op", "Overlap", "Placement", "Schedule", "SCHEDULE_NAMES", "make_schedule",
-           "ScheduleError", "validate"]
+__all__ = [
+    "Action",
+    "Op",
+    "Overlap",
+    "Placement",
+    "Schedule",
+    "SCHEDULE_NAMES",
+    "make_schedule",
+    "ScheduleError",
+    "validate",
+]

@@ -6,6 +6,7 @@ to the tick tables the executor runs (`lower` with its default costs, as `api.lo
 does) and priced by `costs.predict`; those whose predicted per-device memory passes the limit
 are dropped, the rest ranked by predicted step time (then memory).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ class AutoError(ValueError):
 @dataclasses.dataclass
 class Candidate:
   """One (schedule, chunks, micro-batches) choice, priced or with the reason it was dropped."""
+
   name: str
   chunks: int | None  # None: the generator's own count
   microbatches: int
@@ -47,6 +49,7 @@ class Candidate:
 @dataclasses.dataclass
 class Ranking:
   """Candidates, runnable ones first by predicted step time; `best` is the choice."""
+
   candidates: list[Candidate]
   memory_limit: float | None  # bytes per device; None: no limit
 
@@ -60,39 +63,47 @@ class Ranking:
 
   def table(self) -> str:
     """One line per candidate: predicted step, its parts, bubble, memory, or why it was dropped."""
-    head = (f"{'rank':>4}  {'candidate':<24}{'step ms':>9}{'lock-step':>10}{'CPU ms':>9}"
-            f"{'ticks':>6}{'bubble':>8}{'memory MB':>10}  note")
+    head = (
+        f"{'rank':>4}  {'candidate':<24}{'step ms':>9}{'lock-step':>10}{'CPU ms':>9}"
+        f"{'ticks':>6}{'bubble':>8}{'memory MB':>10}  note"
+    )
     lines = [head]
     for i, c in enumerate(self.candidates):
       pos = f"{i + 1:>4}" if not c.dropped else f"{'-':>4}"
       pr = c.prediction
       if pr is None:
-        lines.append(f"{pos}  {c.label:<24}{'':>9}{'':>10}{'':>9}{'':>6}{'':>8}{'':>10}  "
-                     f"{c.dropped}")
+        lines.append(
+            f"{pos}  {c.label:<24}{'':>9}{'':>10}{'':>9}{'':>6}{'':>8}{'':>10}  " f"{c.dropped}"
+        )
         continue
       cpu = f"{1e3 * pr.cpu_s:>9.2f}" if pr.cpu_s is not None else f"{'':>9}"
-      lines.append(f"{pos}  {c.label:<24}{1e3 * pr.step_s:>9.2f}{1e3 * pr.lockstep_s:>10.2f}"
-                   f"{cpu}{c.lowered.num_ticks:>6}{100 * pr.bubble:>7.1f}%"
-                   f"{pr.memory_bytes / 2**20:>10.2f}  {c.dropped}")
+      lines.append(
+          f"{pos}  {c.label:<24}{1e3 * pr.step_s:>9.2f}{1e3 * pr.lockstep_s:>10.2f}"
+          f"{cpu}{c.lowered.num_ticks:>6}{100 * pr.bubble:>7.1f}%"
+          f"{pr.memory_bytes / 2**20:>10.2f}  {c.dropped}"
+      )
     return "\n".join(lines)
 
   def model_text(self) -> str:
     b = self.best.prediction
     if b.model == "shared cores":
-      return ("step ms: the devices share the host's cores, so a tick costs its ranks' CPU "
-              "seconds together (CPU ms) over the cores; lock-step: what parallel devices "
-              "would take (each tick its slowest rank)")
+      return (
+          "step ms: the devices share the host's cores, so a tick costs its ranks' CPU "
+          "seconds together (CPU ms) over the cores; lock-step: what parallel devices "
+          "would take (each tick its slowest rank)"
+      )
     return "step ms: lock-step, each tick as long as its slowest rank, plus its ppermutes"
 
   def reason(self) -> str:
     """Why the best candidate won, against the runner-up."""
     best = self.best
     b = best.prediction
-    limit = (f", within the {self.memory_limit / GB:g} GB limit" if self.memory_limit
-             else "")
-    text = (f"auto chose {best.label}: predicted {1e3 * b.step_s:.2f} ms per step ({b.model}; "
-            f"{best.lowered.num_ticks} ticks at {100 * b.bubble:.1f}% lock-step bubble), "
-            f"{b.memory_bytes / 2**20:.2f} MB per device{limit}")
+    limit = f", within the {self.memory_limit / GB:g} GB limit" if self.memory_limit else ""
+    text = (
+        f"auto chose {best.label}: predicted {1e3 * b.step_s:.2f} ms per step ({b.model}; "
+        f"{best.lowered.num_ticks} ticks at {100 * b.bubble:.1f}% lock-step bubble), "
+        f"{b.memory_bytes / 2**20:.2f} MB per device{limit}"
+    )
     over = [c for c in self.candidates if c.dropped.startswith("over")]
     if over:
       text += f"; {len(over)} ruled out by memory ({', '.join(c.label for c in over)})"
@@ -101,27 +112,36 @@ class Ranking:
       q = r.prediction
       gap = 100 * (q.step_s / b.step_s - 1) if b.step_s else 0.0
       if abs(q.step_s - b.step_s) <= 1e-12:
-        text += (f". {r.label} ties with it; it ranks first on memory "
-                 f"({b.memory_bytes / 2**20:.2f} vs {q.memory_bytes / 2**20:.2f} MB), then on "
-                 "the generators' order")
+        text += (
+            f". {r.label} ties with it; it ranks first on memory "
+            f"({b.memory_bytes / 2**20:.2f} vs {q.memory_bytes / 2**20:.2f} MB), then on "
+            "the generators' order"
+        )
       else:
-        why = [f"{best.lowered.num_ticks} vs {r.lowered.num_ticks} ticks",
-               f"lock-step bubble {100 * b.bubble:.1f}% vs {100 * q.bubble:.1f}%"]
+        why = [
+            f"{best.lowered.num_ticks} vs {r.lowered.num_ticks} ticks",
+            f"lock-step bubble {100 * b.bubble:.1f}% vs {100 * q.bubble:.1f}%",
+        ]
         if b.cpu_s is not None and q.cpu_s is not None:
           why.append(f"{1e3 * b.cpu_s:.2f} vs {1e3 * q.cpu_s:.2f} ms of CPU")
         if abs(b.overhead_s - q.overhead_s) > 1e-12:
-          why.append(f"{1e3 * abs(q.overhead_s - b.overhead_s):.2f} ms "
-                     f"{'less' if b.overhead_s < q.overhead_s else 'more'} in per-tick overhead")
-        text += (f". Runner-up {r.label} at {1e3 * q.step_s:.2f} ms ({gap:.1f}% slower): "
-                 + ", ".join(why))
+          why.append(
+              f"{1e3 * abs(q.overhead_s - b.overhead_s):.2f} ms "
+              f"{'less' if b.overhead_s < q.overhead_s else 'more'} in per-tick overhead"
+          )
+        text += (
+            f". Runner-up {r.label} at {1e3 * q.step_s:.2f} ms ({gap:.1f}% slower): "
+            + ", ".join(why)
+        )
     return text
 
   def report(self) -> str:
     return f"{self.table()}\n{self.model_text()}\n{self.reason()}"
 
 
-def chunk_choices(name: str, pp: int, layers: int | None,
-                  stage_counts: Sequence[int] = ()) -> list[int | None]:
+def chunk_choices(
+    name: str, pp: int, layers: int | None, stage_counts: Sequence[int] = ()
+) -> list[int | None]:
   """Chunk counts to try: the generator's own, or for interleaved 1F1B every v >= 2 whose pp*v
   stages split the layers (without layers: whose stage count is in `stage_counts`)."""
   if name != "interleaved-1f1b":
@@ -131,8 +151,13 @@ def chunk_choices(name: str, pp: int, layers: int | None,
   return sorted({s // pp for s in stage_counts if s % pp == 0 and s > pp})
 
 
-def candidates(pp: int, microbatches: Sequence[int], names: Sequence[str] = SCHEDULE_NAMES,
-               layers: int | None = None, stage_counts: Sequence[int] = ()) -> list[Candidate]:
+def candidates(
+    pp: int,
+    microbatches: Sequence[int],
+    names: Sequence[str] = SCHEDULE_NAMES,
+    layers: int | None = None,
+    stage_counts: Sequence[int] = (),
+) -> list[Candidate]:
   """Every (generator, chunks, micro-batches) built from the IR; those the generator refuses or
   whose stages do not split `layers` come back with the reason in `dropped`."""
   if not microbatches:
@@ -145,9 +170,18 @@ def candidates(pp: int, microbatches: Sequence[int], names: Sequence[str] = SCHE
     for name in names:
       choices = chunk_choices(name, pp, layers, stage_counts)
       if not choices:
-        out.append(Candidate(name, None, m, dropped=(
-            f"no chunk count v >= 2 splits {layers} layers into pp*v stages" if layers else
-            "the cost file has no stage count for two or more chunks per rank")))
+        out.append(
+            Candidate(
+                name,
+                None,
+                m,
+                dropped=(
+                    f"no chunk count v >= 2 splits {layers} layers into pp*v stages"
+                    if layers
+                    else "the cost file has no stage count for two or more chunks per rank"
+                ),
+            )
+        )
       for v in choices:
         c = Candidate(name, v, m)
         out.append(c)
@@ -161,8 +195,14 @@ def candidates(pp: int, microbatches: Sequence[int], names: Sequence[str] = SCHE
   return out
 
 
-def rank(pp: int, microbatches: Sequence[int], costs: CostFile, memory_limit: float | None = None,
-         layers: int | None = None, names: Sequence[str] = SCHEDULE_NAMES) -> Ranking:
+def rank(
+    pp: int,
+    microbatches: Sequence[int],
+    costs: CostFile,
+    memory_limit: float | None = None,
+    layers: int | None = None,
+    names: Sequence[str] = SCHEDULE_NAMES,
+) -> Ranking:
   """Prices every candidate; AutoError if none can run, naming the smallest memory need when the
   limit is what rules them all out. `memory_limit` in bytes per device; `layers`: layer units
   each stage count must divide (None: any the cost file has)."""
@@ -179,15 +219,20 @@ def rank(pp: int, microbatches: Sequence[int], costs: CostFile, memory_limit: fl
     need = c.prediction.memory_bytes
     if memory_limit is not None and need > memory_limit:
       c.dropped = f"over the memory limit: needs {need / GB:.3g} GB > {memory_limit / GB:g} GB"
-  key = lambda c: (bool(c.dropped), c.prediction is None,
-                   (c.prediction.step_s, c.prediction.memory_bytes) if c.prediction else (0, 0))
+  key = lambda c: (
+      bool(c.dropped),
+      c.prediction is None,
+      (c.prediction.step_s, c.prediction.memory_bytes) if c.prediction else (0, 0),
+  )
   ranking = Ranking(sorted(cands, key=key), memory_limit)
   over = [c for c in cands if c.dropped.startswith("over")]
   if not ranking.ranked and over:
     low = min(over, key=lambda c: c.prediction.memory_bytes)
-    raise AutoError(f"memory limit {memory_limit / GB:g} GB per device rules out every schedule;"
-                    f" the smallest need is {low.prediction.memory_bytes / GB:.3g} GB "
-                    f"({low.label}); raise the limit to at least that")
+    raise AutoError(
+        f"memory limit {memory_limit / GB:g} GB per device rules out every schedule;"
+        f" the smallest need is {low.prediction.memory_bytes / GB:.3g} GB "
+        f"({low.label}); raise the limit to at least that"
+    )
   require_runnable(cands, pp)
   return ranking
 
@@ -202,8 +247,10 @@ def require_runnable(cands: Sequence[Candidate], pp: int) -> None:
   why = []
   if split:
     counts = sorted({c.stages for c in split})
-    why.append(f"the layers split into none of the stage counts {counts} ({len(split)} "
-               f"candidates; e.g. {split[0].label}: {split[0].dropped})")
+    why.append(
+        f"the layers split into none of the stage counts {counts} ({len(split)} "
+        f"candidates; e.g. {split[0].label}: {split[0].dropped})"
+    )
   if rest:
     why.append(f"{len(rest)} others dropped (e.g. {rest[0].label}: {rest[0].dropped})")
   raise AutoError(f"no schedule can run on pp={pp} with micro-batches {ms}: " + "; ".join(why))
@@ -211,5 +258,4 @@ def require_runnable(cands: Sequence[Candidate], pp: int) -> None:
 
 def choice_config(best: Candidate) -> Mapping[str, object]:
   """The `pipeline` fields that run the chosen candidate."""
-  return {"schedule": best.name, "microbatches": best.microbatches,
-          "chunks": best.chunks or 1}
+  return {"schedule": best.name, "microbatches": best.microbatches, "chunks": best.chunks or 1}

@@ -37,6 +37,7 @@ mean over ranks of the all-devices CPU seconds (an idle rank costs nothing), and
 time on an idle host is that CPU time over the cores. It also predicts a per-device memory:
 state, gradients and the slot buffers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,13 @@ FORMAT = "jaxpipe-costs/1"
 PARTS = ("F", "B", "I", "W", "F&B")  # one virtual stage on one micro-batch
 SECONDS = PARTS + ("ppermute", "embed", "head", "tick", "call")
 BYTES = ("activation", "residual", "wg", "work")
-STEP = ("update_s", "layer_state_bytes", "shared_state_bytes", "layer_grad_bytes",
-        "shared_grad_bytes")
+STEP = (
+    "update_s",
+    "layer_state_bytes",
+    "shared_state_bytes",
+    "layer_grad_bytes",
+    "shared_grad_bytes",
+)
 STEP_CPU = "update_cpu_s"  # optional in `step`, with `cpu_seconds` in the entries
 MEASURE = "python -m jaxpipe.measure"
 
@@ -66,6 +72,7 @@ class CostFileError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Devices:
   """What the costs were measured on."""
+
   platform: str = "unknown"
   count: int = 1  # devices in the mesh
   cores: int = 1  # host cores, where the devices share them
@@ -75,6 +82,7 @@ class Devices:
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
   """One entry: a virtual stage's parts for `microbatches` micro-batches and `stages` stages."""
+
   microbatches: int
   stages: int
   seconds: Mapping[str, float]  # SECONDS, wall time
@@ -102,13 +110,13 @@ class CostFile:
     raise CostFileError(
         f"{self.path} has no costs for microbatches={microbatches} over {stages} model stages "
         f"(it has {self.keys_text()}); measure them with `{MEASURE} --microbatches "
-        f"{microbatches} --stages {stages}`")
+        f"{microbatches} --stages {stages}`"
+    )
 
   def predict(self, lowered: Lowered) -> Prediction:
     """`predict` with this file's entry for the lowered schedule, its step and devices."""
     s = lowered.schedule
-    return predict(lowered, self.entry(s.num_microbatches, s.num_stages), self.step,
-                   self.devices)
+    return predict(lowered, self.entry(s.num_microbatches, s.num_stages), self.step, self.devices)
 
   def has(self, microbatches: int, stages: int) -> bool:
     return any((e.microbatches, e.stages) == (microbatches, stages) for e in self.entries)
@@ -120,8 +128,9 @@ class CostFile:
 def _number(path: str, where: str, value, integer: bool = False) -> float:
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
   if not ok or (integer and value != int(value)):
-    raise CostFileError(f"{path}: {where}={value!r} must be a non-negative "
-                        f"{'integer' if integer else 'number'}")
+    raise CostFileError(
+        f"{path}: {where}={value!r} must be a non-negative " f"{'integer' if integer else 'number'}"
+    )
   return int(value) if integer else float(value)
 
 
@@ -130,8 +139,10 @@ def _section(path: str, where: str, got, keys: tuple[str, ...], integer: bool = 
     raise CostFileError(f"{path}: {where} must be an object with {', '.join(keys)}")
   missing = [k for k in keys if k not in got]
   if missing:
-    raise CostFileError(f"{path}: {where} lacks {', '.join(missing)}; every part is needed "
-                        f"(`{MEASURE}` writes them all), so remeasure or add them")
+    raise CostFileError(
+        f"{path}: {where} lacks {', '.join(missing)}; every part is needed "
+        f"(`{MEASURE}` writes them all), so remeasure or add them"
+    )
   unknown = sorted(set(got) - set(keys))
   if unknown:
     raise CostFileError(f"{path}: {where} has unknown keys {unknown}; known: {', '.join(keys)}")
@@ -142,23 +153,27 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
   """Checks a cost file's contents; CostFileError names the first missing or bad value."""
   if not isinstance(data, Mapping) or data.get("format") != FORMAT:
     got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
-    raise CostFileError(f"{path} is not a cost file (format {got!r}, expected {FORMAT!r}); "
-                        f"write one with `{MEASURE}`")
+    raise CostFileError(
+        f"{path} is not a cost file (format {got!r}, expected {FORMAT!r}); "
+        f"write one with `{MEASURE}`"
+    )
   got_step = dict(data.get("step") or {}) if isinstance(data.get("step"), Mapping) else None
   cpu_update = got_step.pop(STEP_CPU, None) if got_step is not None else None
   step = _section(path, "step", got_step, STEP)
   if cpu_update is not None:
     step[STEP_CPU] = _number(path, f"step.{STEP_CPU}", cpu_update)
   dev = data.get("devices", {})
-  if not isinstance(dev, Mapping) or not set(dev) <= {f.name for f in
-                                                      dataclasses.fields(Devices)}:
-    raise CostFileError(f"{path}: devices must be an object with platform, count, cores, "
-                        f"parallel; got {dev!r}")
+  if not isinstance(dev, Mapping) or not set(dev) <= {f.name for f in dataclasses.fields(Devices)}:
+    raise CostFileError(
+        f"{path}: devices must be an object with platform, count, cores, " f"parallel; got {dev!r}"
+    )
   devices = Devices(**dev)
   entries = data.get("entries")
   if not isinstance(entries, list) or not entries:
-    raise CostFileError(f"{path}: entries must be a non-empty list; `{MEASURE}` writes one per "
-                        "micro-batch count and stage count")
+    raise CostFileError(
+        f"{path}: entries must be a non-empty list; `{MEASURE}` writes one per "
+        "micro-batch count and stage count"
+    )
   out, seen = [], set()
   for i, e in enumerate(entries):
     if not isinstance(e, Mapping):
@@ -176,10 +191,19 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
     if cpu is not None:
       cpu = _section(path, f"{where} cpu_seconds", cpu, SECONDS)
     if not devices.parallel and (cpu is None or STEP_CPU not in step):
-      raise CostFileError(f"{path}: devices share cores (parallel: false) but {where} lacks "
-                          f"cpu_seconds or step lacks {STEP_CPU}; remeasure with `{MEASURE}`")
-    out.append(StageCosts(m, s, _section(path, f"{where} seconds", e.get("seconds"), SECONDS),
-                          _section(path, f"{where} bytes", e.get("bytes"), BYTES, True), cpu))
+      raise CostFileError(
+          f"{path}: devices share cores (parallel: false) but {where} lacks "
+          f"cpu_seconds or step lacks {STEP_CPU}; remeasure with `{MEASURE}`"
+      )
+    out.append(
+        StageCosts(
+            m,
+            s,
+            _section(path, f"{where} seconds", e.get("seconds"), SECONDS),
+            _section(path, f"{where} bytes", e.get("bytes"), BYTES, True),
+            cpu,
+        )
+    )
   return CostFile(path, dict(data.get("setup") or {}), step, tuple(out), devices)
 
 
@@ -204,6 +228,7 @@ def dump(costs: Mapping, path: str | os.PathLike) -> None:
 
 # --- prediction ------------------------------------------------------------------------------
 
+
 def sends_per_tick(lowered: Lowered) -> tuple[int, ...]:
   """[tick] ppermutes the executor runs, as `executor.make_executor` issues them for these
   tables: one per used channel, except that activations and cotangents going the same way share
@@ -213,12 +238,16 @@ def sends_per_tick(lowered: Lowered) -> tuple[int, ...]:
   shared = not any("F" in p and p & {"I", "B"} for p in parts)
   links = []  # the table columns each ppermute delivers to
   for direction in ("down", "up"):
-    on = [COL[f"recv_{kind}_{direction}"] for kind in ("act", "grad")
-          if lowered.channels[CHANNELS.index(f"{kind}_{direction}")]]
+    on = [
+        COL[f"recv_{kind}_{direction}"]
+        for kind in ("act", "grad")
+        if lowered.channels[CHANNELS.index(f"{kind}_{direction}")]
+    ]
     links += [on] if shared and len(on) == 2 else [[c] for c in on]
   table = lowered.table
-  return tuple(int(sum((table[t][:, cols] >= 0).any() for cols in links))
-               for t in range(lowered.num_ticks))
+  return tuple(
+      int(sum((table[t][:, cols] >= 0).any() for cols in links)) for t in range(lowered.num_ticks)
+  )
 
 
 def rank_tick_seconds(schedule: Schedule, parts, seconds: Mapping[str, float]) -> float:
@@ -238,6 +267,7 @@ def rank_tick_seconds(schedule: Schedule, parts, seconds: Mapping[str, float]) -
 @dataclasses.dataclass(frozen=True)
 class Prediction:
   """What a lowered schedule is predicted to cost per step on the measured devices."""
+
   step_s: float  # wall seconds on these devices: lockstep_s, or cpu_s / cores if they share
   model: str  # "lock-step" (parallel devices) or "shared cores"
   lockstep_s: float  # ticks_s + overhead_s + call + update_s: devices in parallel, in lock-step
@@ -257,25 +287,33 @@ class Prediction:
     return self.buffer_bytes + self.state_bytes + self.grad_bytes
 
 
-def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
-            devices: Devices = Devices()) -> Prediction:
+def predict(
+    lowered: Lowered, costs: StageCosts, step: Mapping[str, float], devices: Devices = Devices()
+) -> Prediction:
   """Step time and per-device memory of `lowered` (the tables the executor runs) from costs."""
   schedule = lowered.schedule
   pl = schedule.placement
   if (schedule.num_microbatches, schedule.num_stages) != (costs.microbatches, costs.stages):
-    raise CostFileError(f"costs measured for microbatches={costs.microbatches} over "
-                        f"{costs.stages} stages cannot price {schedule.name!r} with "
-                        f"microbatches={schedule.num_microbatches} over {schedule.num_stages}")
-  price = lambda seconds: tuple(tuple(rank_tick_seconds(schedule, parts, seconds)
-                                      for parts in tick) for tick in lowered.ticks)
+    raise CostFileError(
+        f"costs measured for microbatches={costs.microbatches} over "
+        f"{costs.stages} stages cannot price {schedule.name!r} with "
+        f"microbatches={schedule.num_microbatches} over {schedule.num_stages}"
+    )
+  price = lambda seconds: tuple(
+      tuple(rank_tick_seconds(schedule, parts, seconds) for parts in tick) for tick in lowered.ticks
+  )
   rank_tick = price(costs.seconds)
   tick_s = tuple(max(t) for t in rank_tick)
   ticks_s = sum(tick_s)
   busy = sum(map(sum, rank_tick))
   b = costs.bytes
   slots = lambda n: max(n, 1)  # the executor keeps at least one slot per buffer
-  buffers = (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"] + \
-      slots(lowered.res_slots) * b["residual"] + slots(lowered.wg_slots) * b["wg"] + b["work"]
+  buffers = (
+      (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"]
+      + slots(lowered.res_slots) * b["residual"]
+      + slots(lowered.wg_slots) * b["wg"]
+      + b["work"]
+  )
   copies = pl.copies  # resident copies of the layer stack (bidirectional placements: 2)
   state = step["shared_state_bytes"] + step["layer_state_bytes"] * copies
   grads = step["shared_grad_bytes"] + step["layer_grad_bytes"] * copies
@@ -298,8 +336,16 @@ def predict(lowered: Lowered, costs: StageCosts, step: Mapping[str, float],
     planned = tuple(t / devices.cores for t in cpu_ticks)
   return Prediction(
       step_s=cpu / devices.cores if shared else lockstep,
-      model="shared cores" if shared else "lock-step", lockstep_s=lockstep, ticks_s=ticks_s,
-      overhead_s=sum(overhead(s, t) for t in range(lowered.num_ticks)), update_s=step["update_s"] * scale, cpu_s=cpu,
-      rank_tick_s=rank_tick, planned_tick_s=planned,
+      model="shared cores" if shared else "lock-step",
+      lockstep_s=lockstep,
+      ticks_s=ticks_s,
+      overhead_s=sum(overhead(s, t) for t in range(lowered.num_ticks)),
+      update_s=step["update_s"] * scale,
+      cpu_s=cpu,
+      rank_tick_s=rank_tick,
+      planned_tick_s=planned,
       bubble=1.0 - busy / (pl.num_ranks * ticks_s) if ticks_s else 0.0,
-      buffer_bytes=int(buffers), state_bytes=int(state), grad_bytes=int(grads))
+      buffer_bytes=int(buffers),
+      state_bytes=int(state),
+      grad_bytes=int(grads),
+  )

@@ -1,4 +1,5 @@
 """Data dependencies between actions, and the list-scheduling core every simulator shares."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ def requires(schedule: Schedule, a: Action) -> list[Key]:
 @dataclasses.dataclass
 class Timeline:
   """Result of list-scheduling a schedule: when each op of each rank starts and ends."""
+
   start: list[list[float]]  # [rank][position]
   end: list[list[float]]  # [rank][position]
   blocked: list[tuple[int, int]]  # (rank, position) of ops that could never start (deadlock)
@@ -74,8 +76,12 @@ def _dependency_table(schedule: Schedule):
   return needs, makes
 
 
-def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
-                  latency: float = 0.0, durations: list[list[float]] | None = None) -> Timeline:
+def list_schedule(
+    schedule: Schedule,
+    cost: Callable[[Op], float] | None = None,
+    latency: float = 0.0,
+    durations: list[list[float]] | None = None,
+) -> Timeline:
   """Runs each rank's ops in order, each as soon as its rank is free and its inputs arrived.
 
   `cost=None` gives every op one unit (the lock-step tick grid); `durations[rank][position]`,
@@ -92,8 +98,10 @@ def list_schedule(schedule: Schedule, cost: Callable[[Op], float] | None = None,
   waiting: dict[int, list[int]] = {}
   ptr = [0] * p
   free = [0.0] * p
-  dur = durations or [[1.0] * len(ops) if cost is None else [float(cost(op)) for op in ops]
-                      for ops in schedule.ranks]
+  dur = durations or [
+      [1.0] * len(ops) if cost is None else [float(cost(op)) for op in ops]
+      for ops in schedule.ranks
+  ]
   start = [[0.0] * len(ops) for ops in schedule.ranks]
   end = [[0.0] * len(ops) for ops in schedule.ranks]
   stack = list(range(p))[::-1]

@@ -6,6 +6,7 @@ and last op, max over ranks); activation units are "micro-batch-stages" (raw cou
 busiest rank) or "whole-rank" (count * p / num_stages). Figures marked inexact are the papers'
 approximations or bounds ("about", "at most").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from jaxpipe.pipeline.ir.simulate import resolve_costs
 @dataclasses.dataclass(frozen=True)
 class Anchor:
   """One schedule's published figures for given p, m, v and costs."""
+
   bubble: float | None  # per-rank bubble in time units (None: quoted only as a rate)
   bubble_view: str  # "single step" or "steady state"
   bubble_units: str  # what one time unit is
@@ -42,47 +44,132 @@ class Anchor:
     return f"{sign}{self.activations:g}{unit}"
 
 
-def anchor(name: str, pp: int, microbatches: int, chunks: int | None = None,
-           costs: Mapping[str, float] | None = None, group: int | None = None) -> Anchor:
+def anchor(
+    name: str,
+    pp: int,
+    microbatches: int,
+    chunks: int | None = None,
+    costs: Mapping[str, float] | None = None,
+    group: int | None = None,
+) -> Anchor:
   """anchors.md's figures for `name` at `pp` ranks, `microbatches`, `chunks` per rank."""
   c = resolve_costs(costs)
   f, b, w = c["F"], c["B"], c["W"]
   fb = c["F&B"] if c["F&B"] is not None else f + b
   p, m = pp, microbatches
   if name == "gpipe":
-    return Anchor((p - 1) * (f + b), "single step", "F", None, m, "micro-batch-stages", "=",
-                  True, "GPipe paper; torch ScheduleGPipe")
+    return Anchor(
+        (p - 1) * (f + b),
+        "single step",
+        "F",
+        None,
+        m,
+        "micro-batch-stages",
+        "=",
+        True,
+        "GPipe paper; torch ScheduleGPipe",
+    )
   if name == "1f1b":
-    return Anchor((p - 1) * (f + b), "single step", "F", None, min(p, m), "micro-batch-stages",
-                  "=", True, "DualPipe README; Megatron warm-up min(p-rank-1, m)")
+    return Anchor(
+        (p - 1) * (f + b),
+        "single step",
+        "F",
+        None,
+        min(p, m),
+        "micro-batch-stages",
+        "=",
+        True,
+        "DualPipe README; Megatron warm-up min(p-rank-1, m)",
+    )
   if name == "interleaved-1f1b":
     v = chunks or 2
     g = group or p
     held = min((p - 1) * 2 + (v - 1) * g + 1, m * v)  # rank 0: warm-up forwards + one
-    return Anchor((p - 1) * (f + b), "single step", "per-chunk F (divide by v for whole-rank)",
-                  None, held / v, "whole-rank", "=", True,
-                  "Narayanan et al. 2021; Megatron warm-up (p-rank-1)*2+(v-1)*g, about p+(p-1)/v")
+    return Anchor(
+        (p - 1) * (f + b),
+        "single step",
+        "per-chunk F (divide by v for whole-rank)",
+        None,
+        held / v,
+        "whole-rank",
+        "=",
+        True,
+        "Narayanan et al. 2021; Megatron warm-up (p-rank-1)*2+(v-1)*g, about p+(p-1)/v",
+    )
   if name == "zb-h1":
-    return Anchor((p - 1) * (f + b - 2 * w), "single step", "F", None, min(p, m),
-                  "micro-batch-stages", "<=", True, "DualPipe README; Zero Bubble paper")
+    return Anchor(
+        (p - 1) * (f + b - 2 * w),
+        "single step",
+        "F",
+        None,
+        min(p, m),
+        "micro-batch-stages",
+        "<=",
+        True,
+        "DualPipe README; Zero Bubble paper",
+    )
   if name == "zb-h2":
-    return Anchor(0.0, "steady state", "F", 0.0, 2 * p - 1, "micro-batch-stages", "about",
-                  f == c["I"] == w, "Zero Bubble paper; sail-sg README")
+    return Anchor(
+        0.0,
+        "steady state",
+        "F",
+        0.0,
+        2 * p - 1,
+        "micro-batch-stages",
+        "about",
+        f == c["I"] == w,
+        "Zero Bubble paper; sail-sg README",
+    )
   if name == "zb-v":
-    return Anchor(0.0, "steady state", "F", 0.0, p, "whole-rank", "<=", f == c["I"] == w,
-                  "sail-sg zero-bubble README")
+    return Anchor(
+        0.0,
+        "steady state",
+        "F",
+        0.0,
+        p,
+        "whole-rank",
+        "<=",
+        f == c["I"] == w,
+        "sail-sg zero-bubble README",
+    )
   if name == "chimera":
     # The paper counts equal time slots for forward and backward: exact at B = F only.
-    return Anchor(None, "single step", "F", (p - 2) / (2 * m + p - 2), p / 2 + 1,
-                  "micro-batch-stages", "between", b == f,
-                  "Li & Hoefler SC21, (D-2)/(2N+D-2) in equal slots (B = F)", p,
-                  assumes=None if b == f else {"B": f})
+    return Anchor(
+        None,
+        "single step",
+        "F",
+        (p - 2) / (2 * m + p - 2),
+        p / 2 + 1,
+        "micro-batch-stages",
+        "between",
+        b == f,
+        "Li & Hoefler SC21, (D-2)/(2N+D-2) in equal slots (B = F)",
+        p,
+        assumes=None if b == f else {"B": f},
+    )
   if name == "dualpipe":
-    return Anchor((p / 2 - 1) * (fb + b - 3 * w), "single step", "F (F&B as F+B unless set)",
-                  None, p + 1, "micro-batch-stages", "=", False, "DualPipe README table")
+    return Anchor(
+        (p / 2 - 1) * (fb + b - 3 * w),
+        "single step",
+        "F (F&B as F+B unless set)",
+        None,
+        p + 1,
+        "micro-batch-stages",
+        "=",
+        False,
+        "DualPipe README table",
+    )
   if name == "dualpipev":
     stages = 2 * p  # DualPipe's PP counts stages: two per device, V placement
-    return Anchor((stages / 2 - 1) * (fb + b - 3 * w), "single step",
-                  "F (F&B as F+B unless set)", None, stages + 1, "micro-batch-stages", "=",
-                  False, "DualPipe README table, PP = 2 x devices")
+    return Anchor(
+        (stages / 2 - 1) * (fb + b - 3 * w),
+        "single step",
+        "F (F&B as F+B unless set)",
+        None,
+        stages + 1,
+        "micro-batch-stages",
+        "=",
+        False,
+        "DualPipe README table, PP = 2 x devices",
+    )
   raise ValueError(f"no published figures for schedule {name!r}")

@@ -12,6 +12,7 @@ needs from I (the output cotangents of the stage's layers) live in per-rank slot
 is taken when its value is written (end of a tick) and freed after its last read, so each buffer
 holds exactly the peak number of values in flight at once on any rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,15 +34,34 @@ _BRANCH_OF = {name: i for i, name in enumerate(BRANCHES)}
 FIELDS = (
     "branch",
     # forward part
-    "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_cot", "f_local",
+    "f_mb",
+    "f_chunk",
+    "f_first",
+    "f_last",
+    "f_in",
+    "f_res",
+    "f_cot",
+    "f_local",
     # input-side backward part (I or B)
-    "b_mb", "b_chunk", "b_first", "b_res", "b_cot", "b_local", "b_wg",
+    "b_mb",
+    "b_chunk",
+    "b_first",
+    "b_res",
+    "b_cot",
+    "b_local",
+    "b_wg",
     # weight-gradient part (reads what its I left in a wg slot)
-    "w_mb", "w_chunk", "w_res", "w_wg",
+    "w_mb",
+    "w_chunk",
+    "w_res",
+    "w_wg",
     # chunk whose gradient receives this tick's weight cotangent (from B or W)
     "g_chunk",
     # where the values arriving over each ppermute land (-1: nothing for this rank)
-    "recv_act_down", "recv_act_up", "recv_grad_down", "recv_grad_up",
+    "recv_act_down",
+    "recv_act_up",
+    "recv_grad_down",
+    "recv_grad_up",
 )
 COL = {name: i for i, name in enumerate(FIELDS)}
 # ppermute channels: activations / input cotangents, "down" = rank r -> r+1, "up" = r -> r-1
@@ -52,6 +72,7 @@ CHANNELS = ("act_down", "act_up", "grad_down", "grad_up")
 @dataclasses.dataclass(frozen=True)
 class Costs:
   """Duration of each kind of part in one tick; a full B costs I + W, a packed tick the sum."""
+
   F: float = 1.0  # forward of one chunk on one micro-batch
   I: float = 1.0  # input cotangent
   W: float = 1.0  # weight cotangent
@@ -63,18 +84,23 @@ class Costs:
 @dataclasses.dataclass(frozen=True)
 class LowerOptions:
   """One lowering variant; `lower` tries several and keeps the best."""
+
   split: str = "none"  # which full backwards become I + W: "none", "standalone" (not in F&B), "all"
   pack: bool = True  # fill a long tick with the next parts of the rank's order where they fit
   pull_w: bool = False  # run a later W whose I is done instead of idling
 
 
-VARIANTS = tuple(LowerOptions(split, True, pull_w)
-                 for split in ("none", "standalone", "all") for pull_w in (False, True))
+VARIANTS = tuple(
+    LowerOptions(split, True, pull_w)
+    for split in ("none", "standalone", "all")
+    for pull_w in (False, True)
+)
 
 
 @dataclasses.dataclass
 class Lowered:
   """The executor's tables and what they cost."""
+
   schedule: Schedule
   table: np.ndarray  # int32 [ticks, ranks, len(FIELDS)]
   ticks: list  # ticks[t][r] = tuple of Actions run by rank r in tick t (for reports and CSV)
@@ -131,8 +157,9 @@ class Lowered:
   def layout(self) -> np.ndarray:
     """int32 [ranks, chunks]: the model stage whose parameters each rank's local chunk holds."""
     pl = self.schedule.placement
-    return np.array([[pl.stage_model[s] for s in pl.rank_stages(r)] for r in range(pl.num_ranks)],
-                    np.int32)
+    return np.array(
+        [[pl.stage_model[s] for s in pl.rank_stages(r)] for r in range(pl.num_ranks)], np.int32
+    )
 
   def to_csv(self) -> str:
     """One row per rank, one cell per tick, torch notation; packed parts joined by ';'."""
@@ -142,11 +169,13 @@ class Lowered:
     return "\n".join(rows) + "\n"
 
   def summary(self) -> str:
-    return (f"{self.schedule.name}: {self.num_ticks} ticks, lock-step {self.lockstep_time:g} vs "
-            f"async {self.async_makespan:g} ({100 * self.overhead:+.1f}%), bubble "
-            f"{100 * self.bubble:.1f}%, slots act/res/cot/wg {self.act_slots}/{self.res_slots}/"
-            f"{self.cot_slots}/{self.wg_slots}, split={self.options.split} "
-            f"pull_w={self.options.pull_w}")
+    return (
+        f"{self.schedule.name}: {self.num_ticks} ticks, lock-step {self.lockstep_time:g} vs "
+        f"async {self.async_makespan:g} ({100 * self.overhead:+.1f}%), bubble "
+        f"{100 * self.bubble:.1f}%, slots act/res/cot/wg {self.act_slots}/{self.res_slots}/"
+        f"{self.cot_slots}/{self.wg_slots}, split={self.options.split} "
+        f"pull_w={self.options.pull_w}"
+    )
 
 
 def idle_row() -> np.ndarray:
@@ -165,21 +194,27 @@ def async_makespan(schedule: Schedule, costs: Costs = Costs()) -> float:
   return max([e for ends in timeline.end for e in ends] + [0.0])
 
 
-def lower(schedule: Schedule, costs: Costs = Costs(),
-          variants: Sequence[LowerOptions] = VARIANTS) -> Lowered:
+def lower(
+    schedule: Schedule, costs: Costs = Costs(), variants: Sequence[LowerOptions] = VARIANTS
+) -> Lowered:
   """Lowers `schedule` with each variant and returns the shortest (then leanest) tables."""
   makespan = async_makespan(schedule, costs)
   best, best_key = None, None
   for opts in variants:
     lowered = _lower_one(schedule, costs, opts, makespan)
-    key = (round(lowered.lockstep_time, 9), lowered.res_slots, lowered.wg_slots +
-           lowered.cot_slots + lowered.act_slots, lowered.num_ticks)
+    key = (
+        round(lowered.lockstep_time, 9),
+        lowered.res_slots,
+        lowered.wg_slots + lowered.cot_slots + lowered.act_slots,
+        lowered.num_ticks,
+    )
     if best_key is None or key < best_key:
       best, best_key = lowered, key
   return best
 
 
 # --- tick assignment -------------------------------------------------------------------------
+
 
 def _split(b: Action) -> tuple[Action, Action]:
   return Action("I", b.stage, b.microbatch), Action("W", b.stage, b.microbatch)
@@ -241,9 +276,14 @@ def _assign_ticks(schedule: Schedule, costs: Costs, opts: LowerOptions):
           continue
         # A weight cotangent reads only the stored output cotangent, so it may share a tick
         # with its own input cotangent (the pair is then a full backward).
-        if a.kind == "W" and key == ("G", a.stage, a.microbatch) and any(
-            c.kind == "I" and c.stage == a.stage and c.microbatch == a.microbatch
-            for c in content):
+        if (
+            a.kind == "W"
+            and key == ("G", a.stage, a.microbatch)
+            and any(
+                c.kind == "I" and c.stage == a.stage and c.microbatch == a.microbatch
+                for c in content
+            )
+        ):
           continue
         return False
     return True
@@ -269,24 +309,35 @@ def _assign_ticks(schedule: Schedule, costs: Costs, opts: LowerOptions):
       dur = max(dur, max(sum(costs.of(a.kind) for a in c) for c in content))
     if dur == 0:
       stuck = [(r, str(pending[r][0])) for r in range(p) if pending[r]]
-      raise RuntimeError(f"schedule {schedule.name!r} cannot progress at tick {t}: {stuck}; "
-                         "validate() it first")
+      raise RuntimeError(
+          f"schedule {schedule.name!r} cannot progress at tick {t}: {stuck}; " "validate() it first"
+      )
     if opts.pack:
       for r in range(p):
-        while pending[r] and _fits(content[r], pending[r][0], dur, costs) and \
-            ready(pending[r][0], t, content[r]):
+        while (
+            pending[r]
+            and _fits(content[r], pending[r][0], dur, costs)
+            and ready(pending[r][0], t, content[r])
+        ):
           content[r].extend(pending[r].pop(0))
         if opts.pull_w:
           # Room left in a long tick: a later W whose I already ran fills it.
           for j, item in enumerate(pending[r]):
-            if len(item) == 1 and item[0].kind == "W" and _fits(content[r], item, dur, costs) \
-                and ready(item, t, content[r]):
+            if (
+                len(item) == 1
+                and item[0].kind == "W"
+                and _fits(content[r], item, dur, costs)
+                and ready(item, t, content[r])
+            ):
               content[r].extend(pending[r].pop(j))
               break
     for r in range(p):
       for a in content[r]:
-        key = ("F" if a.kind == "F" else "G" if a.kind in ("B", "I") else "W", a.stage,
-               a.microbatch)
+        key = (
+            "F" if a.kind == "F" else "G" if a.kind in ("B", "I") else "W",
+            a.stage,
+            a.microbatch,
+        )
         done[key] = t
         if a.kind == "B":
           done[("W", a.stage, a.microbatch)] = t
@@ -301,13 +352,15 @@ def _merge(content: list[Action]) -> tuple[Action, ...]:
   i = [a for a in content if a.kind == "I"]
   w = [a for a in content if a.kind == "W"]
   if i and w and (i[0].stage, i[0].microbatch) == (w[0].stage, w[0].microbatch):
-    content = [a for a in content if a.kind not in ("I", "W")] + [Action("B", i[0].stage,
-                                                                        i[0].microbatch)]
+    content = [a for a in content if a.kind not in ("I", "W")] + [
+        Action("B", i[0].stage, i[0].microbatch)
+    ]
   order = {"F": 0, "I": 1, "B": 1, "W": 2}
   return tuple(sorted(content, key=lambda a: order[a.kind]))
 
 
 # --- slots and transfers ---------------------------------------------------------------------
+
 
 class _Pool:
   """Interval slot allocation per rank: a slot written at the end of tick s and last read in
@@ -344,12 +397,13 @@ def _direction(src: int, dst: int, p: int) -> str:
     return "down"
   if dst == (src - 1) % p:
     return "up"
-  raise ValueError(f"consecutive stages on ranks {src} and {dst}, which are not neighbours on a "
-                   f"ring of {p}; the executor sends only to adjacent ranks")
+  raise ValueError(
+      f"consecutive stages on ranks {src} and {dst}, which are not neighbours on a "
+      f"ring of {p}; the executor sends only to adjacent ranks"
+  )
 
 
-def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions,
-               makespan: float) -> Lowered:
+def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions, makespan: float) -> Lowered:
   pl = schedule.placement
   p = pl.num_ranks
   ticks, durations = _assign_ticks(schedule, costs, opts)
@@ -454,10 +508,19 @@ def _lower_one(schedule: Schedule, costs: Costs, opts: LowerOptions,
     if table[t, dst, COL[field]] != -1:
       raise AssertionError(f"two arrivals on {field} at tick {t} rank {dst}")
     put(t, dst, field, slot)
-    used[field[len("recv_"):]] = True
+    used[field[len("recv_") :]] = True
 
-  return Lowered(schedule=schedule, table=table, ticks=[tuple(tuple(c) for c in tick)
-                                                         for tick in ticks],
-                 act_slots=n_act, res_slots=n_res, cot_slots=n_cot, wg_slots=n_wg,
-                 channels=tuple(used[c] for c in CHANNELS), durations=durations,
-                 async_makespan=makespan, costs=costs, options=opts)
+  return Lowered(
+      schedule=schedule,
+      table=table,
+      ticks=[tuple(tuple(c) for c in tick) for tick in ticks],
+      act_slots=n_act,
+      res_slots=n_res,
+      cot_slots=n_cot,
+      wg_slots=n_wg,
+      channels=tuple(used[c] for c in CHANNELS),
+      durations=durations,
+      async_makespan=makespan,
+      costs=costs,
+      options=opts,
+  )

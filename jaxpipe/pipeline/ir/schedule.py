@@ -5,6 +5,7 @@ maps each virtual stage to the rank that runs it and to the model stage (block o
 it computes, so interleaved (VPP), V-shaped and bidirectional (two copies of every model
 stage, as in Chimera and DualPipe) layouts are all the same table.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ KINDS = ("F", "B", "I", "W")  # forward, full backward, input gradient, weight g
 @dataclasses.dataclass(frozen=True, order=True)
 class Action:
   """One unit of work: `kind` of virtual stage `stage` on micro-batch `microbatch`."""
+
   kind: str  # one of KINDS
   stage: int  # virtual stage, 0 <= stage < placement.num_virtual_stages
   microbatch: int  # 0 <= microbatch < schedule.num_microbatches
@@ -37,6 +39,7 @@ class Action:
 @dataclasses.dataclass(frozen=True)
 class Overlap:
   """A forward and a backward of different micro-batches run as one step (DualPipe's F&B)."""
+
   forward: Action  # kind F
   backward: Action  # kind B or I
 
@@ -44,8 +47,10 @@ class Overlap:
 
   def __post_init__(self):
     if self.forward.kind != "F" or self.backward.kind not in ("B", "I"):
-      raise ValueError(f"an overlapped pair is a forward and a backward (B or I), got "
-                       f"{self.forward} and {self.backward}")
+      raise ValueError(
+          f"an overlapped pair is a forward and a backward (B or I), got "
+          f"{self.forward} and {self.backward}"
+      )
 
   def parts(self) -> tuple[Action, ...]:
     return (self.forward, self.backward)
@@ -60,6 +65,7 @@ Op = Union[Action, Overlap]
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where each virtual stage runs, which model stage it computes, and the micro-batch routes."""
+
   num_ranks: int  # pipeline ranks (devices on the pipeline axis)
   stage_rank: tuple[int, ...]  # virtual stage -> rank
   stage_model: tuple[int, ...]  # virtual stage -> model stage (block of layers)
@@ -81,8 +87,10 @@ class Placement:
         raise ValueError(f"route {route} visits model stages out of order")
     counts = [self.stage_rank.count(r) for r in range(self.num_ranks)]
     if len(set(counts)) != 1:
-      raise ValueError(f"ranks hold unequal numbers of stages {counts}; every rank must hold "
-                       "the same number of chunks")
+      raise ValueError(
+          f"ranks hold unequal numbers of stages {counts}; every rank must hold "
+          "the same number of chunks"
+      )
 
   @property
   def num_virtual_stages(self) -> int:
@@ -104,8 +112,10 @@ class Placement:
 
   @functools.cached_property
   def _rank_stages(self) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(s for s in range(self.num_virtual_stages) if self.stage_rank[s] == r)
-                 for r in range(self.num_ranks))
+    return tuple(
+        tuple(s for s in range(self.num_virtual_stages) if self.stage_rank[s] == r)
+        for r in range(self.num_ranks)
+    )
 
   @functools.cached_property
   def route_positions(self) -> tuple[dict[int, int], ...]:
@@ -127,8 +137,9 @@ class Placement:
   def interleaved(cls, num_ranks: int, chunks: int = 1) -> Placement:
     """Stage s on rank s % p: plain for one chunk, Megatron's interleaved (VPP) for several."""
     n = num_ranks * chunks
-    return cls(num_ranks, tuple(s % num_ranks for s in range(n)), tuple(range(n)),
-               (tuple(range(n)),))
+    return cls(
+        num_ranks, tuple(s % num_ranks for s in range(n)), tuple(range(n)), (tuple(range(n)),)
+    )
 
   @classmethod
   def vshape(cls, num_ranks: int) -> Placement:
@@ -152,6 +163,7 @@ class Placement:
 @dataclasses.dataclass
 class Schedule:
   """A pipeline schedule: per rank, the ordered ops it runs."""
+
   name: str
   placement: Placement
   num_microbatches: int
@@ -165,11 +177,14 @@ class Schedule:
       self.microbatch_route = (0,) * self.num_microbatches
     self.microbatch_route = tuple(self.microbatch_route)
     if len(self.microbatch_route) != self.num_microbatches:
-      raise ValueError(f"microbatch_route has {len(self.microbatch_route)} entries for "
-                       f"{self.num_microbatches} micro-batches")
+      raise ValueError(
+          f"microbatch_route has {len(self.microbatch_route)} entries for "
+          f"{self.num_microbatches} micro-batches"
+      )
     if len(self.ranks) != self.placement.num_ranks:
-      raise ValueError(f"schedule lists {len(self.ranks)} ranks, placement has "
-                       f"{self.placement.num_ranks}")
+      raise ValueError(
+          f"schedule lists {len(self.ranks)} ranks, placement has " f"{self.placement.num_ranks}"
+      )
 
   @property
   def num_ranks(self) -> int:
@@ -192,35 +207,44 @@ class Schedule:
 
   def validate(self) -> Schedule:
     from jaxpipe.pipeline.ir.validate import validate
+
     validate(self)
     return self
 
   def same_ops(self, other: Schedule) -> bool:
     """Same placement, micro-batches, routes and per-rank ops (names and options aside)."""
-    return (self.placement == other.placement and self.ranks == other.ranks and
-            self.num_microbatches == other.num_microbatches and
-            self.microbatch_route == other.microbatch_route)
+    return (
+        self.placement == other.placement
+        and self.ranks == other.ranks
+        and self.num_microbatches == other.num_microbatches
+        and self.microbatch_route == other.microbatch_route
+    )
 
-  def simulate(self, costs: Mapping[str, float] | None = None, lockstep: bool = False,
-               latency: float = 0.0):
+  def simulate(
+      self, costs: Mapping[str, float] | None = None, lockstep: bool = False, latency: float = 0.0
+  ):
     """Simulated timelines, bubble and activations; see jaxpipe.pipeline.ir.simulate."""
     from jaxpipe.pipeline.ir.simulate import simulate
+
     return simulate(self, costs=costs, lockstep=lockstep, latency=latency)
 
   def to_csv(self, grid: str = "lockstep") -> str:
     """torch.distributed.pipelining's CSV; see jaxpipe.pipeline.ir.export.to_csv."""
     from jaxpipe.pipeline.ir.export import to_csv
+
     return to_csv(self, grid=grid)
 
   @classmethod
   def from_csv(cls, text_or_path: str | os.PathLike, name: str | None = None) -> Schedule:
     """Loads (and validates) a schedule from torch's CSV text or a path to it."""
     from jaxpipe.pipeline.ir.export import from_csv
+
     return from_csv(text_or_path, name=name)
 
   def to_perfetto(self, costs: Mapping[str, float] | None = None, lockstep: bool = False) -> str:
     """Chrome trace JSON (opens in Perfetto); see jaxpipe.pipeline.ir.export.to_perfetto."""
     from jaxpipe.pipeline.ir.export import to_perfetto
+
     return to_perfetto(self, costs=costs, lockstep=lockstep)
 
   def to_grid(self, mark: Sequence[tuple[int, int]] = (), aligned: bool = False) -> str:
@@ -230,6 +254,7 @@ class Schedule:
     """
     if aligned:
       from jaxpipe.pipeline.ir.export import text_grid
+
       return text_grid(self)
     width = max([len(str(op)) for ops in self.ranks for op in ops] + [1]) + 3
     steps = max([len(ops) for ops in self.ranks] + [0])

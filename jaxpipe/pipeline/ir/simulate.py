@@ -21,6 +21,7 @@ were produced in an earlier tick; a tick lasts as long as its slowest op (plus `
 the collective permute that ends every tick). Which tick an op lands in is the asynchronous
 start time under unit costs, so `lockstep_ticks` is what a tick-table lowering starts from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,7 @@ def op_cost(op: Op, costs: Mapping[str, float | None]) -> float:
 @dataclasses.dataclass(frozen=True)
 class SimResult:
   """What one simulated step of a schedule costs; see the module docstring for views and units."""
+
   name: str  # schedule name
   lockstep: bool  # True: SPMD ticks; False: asynchronous execution
   costs: dict  # resolved per-kind costs
@@ -97,10 +99,12 @@ class SimResult:
 
   def summary(self) -> str:
     mode = f"lock-step ({self.ticks} ticks)" if self.lockstep else "async"
-    return (f"{self.name} {mode}: makespan {self.makespan:g}, bubble {self.max_bubble:g} "
-            f"(single step, max over ranks), {self.max_steady_bubble:g} (steady state), "
-            f"rate {100 * self.bubble_rate:.1f}%, peak activations {max(self.peak_activations)} "
-            f"micro-batch-stages = {max(self.peak_activations_rank):g} whole-rank units")
+    return (
+        f"{self.name} {mode}: makespan {self.makespan:g}, bubble {self.max_bubble:g} "
+        f"(single step, max over ranks), {self.max_steady_bubble:g} (steady state), "
+        f"rate {100 * self.bubble_rate:.1f}%, peak activations {max(self.peak_activations)} "
+        f"micro-batch-stages = {max(self.peak_activations_rank):g} whole-rank units"
+    )
 
 
 def lockstep_ticks(schedule: Schedule) -> list[list[int]]:
@@ -112,8 +116,11 @@ def lockstep_ticks(schedule: Schedule) -> list[list[int]]:
 def _timeline(schedule: Schedule, durations, latency: float):
   """list_schedule, raising the validator's error for schedules that cannot run."""
   try:
-    timeline = (unit_timeline(schedule) if durations is None and not latency else
-                list_schedule(schedule, None, latency, durations))
+    timeline = (
+        unit_timeline(schedule)
+        if durations is None and not latency
+        else list_schedule(schedule, None, latency, durations)
+    )
   except (KeyError, IndexError):  # an action off its route or out of range
     schedule.validate()
     raise
@@ -138,15 +145,21 @@ def peak_activations(schedule: Schedule) -> list[int]:
   return peaks
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
-             lockstep: bool = False, latency: float = 0.0) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    costs: Mapping[str, float] | None = None,
+    lockstep: bool = False,
+    latency: float = 0.0,
+) -> SimResult:
   """Runs `schedule` in simulation; `latency` delays cross-rank inputs (async) or ends each tick."""
   c = resolve_costs(costs)
   if not isinstance(latency, numbers.Real) or latency < 0:
     raise ValueError(f"latency={latency!r} must be a non-negative number")
   single = {k: c[k] for k in ("F", "B", "I", "W")}
-  dur = [[single[op.kind] if op.kind in single else op_cost(op, c) for op in ops]
-         for ops in schedule.ranks]
+  dur = [
+      [single[op.kind] if op.kind in single else op_cost(op, c) for op in ops]
+      for ops in schedule.ranks
+  ]
   ticks = None
   if lockstep:
     tick_of = lockstep_ticks(schedule)
@@ -175,8 +188,17 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None,
   peaks = peak_activations(schedule)
   pl = schedule.placement
   return SimResult(
-      name=schedule.name, lockstep=lockstep, costs=c, timelines=tuple(timelines),
-      makespan=makespan, busy=tuple(busy), bubble=tuple(makespan - b for b in busy),
-      steady_bubble=tuple(steady), peak_activations=tuple(peaks),
-      peak_activations_rank=tuple(k * pl.num_ranks / pl.num_stages for k in peaks), param_copies=pl.copies,
-      chunks=pl.chunks_per_rank, ticks=ticks)
+      name=schedule.name,
+      lockstep=lockstep,
+      costs=c,
+      timelines=tuple(timelines),
+      makespan=makespan,
+      busy=tuple(busy),
+      bubble=tuple(makespan - b for b in busy),
+      steady_bubble=tuple(steady),
+      peak_activations=tuple(peaks),
+      peak_activations_rank=tuple(k * pl.num_ranks / pl.num_stages for k in peaks),
+      param_copies=pl.copies,
+      chunks=pl.chunks_per_rank,
+      ticks=ticks,
+  )

@@ -1,4 +1,5 @@
 """Checks a schedule: placement, completeness, dependency order, and freedom from deadlock."""
+
 from __future__ import annotations
 
 import collections
@@ -31,11 +32,18 @@ def validate(schedule: Schedule) -> None:
         if not 0 <= s < n_s:
           _fail(schedule, f"{a} names stage {s}, outside [0, {n_s})", [(r, i)])
         if pl.stage_rank[s] != r:
-          _fail(schedule, f"{a} is on rank {r} but stage {s} is placed on rank "
-                f"{pl.stage_rank[s]}", [(r, i)])
+          _fail(
+              schedule,
+              f"{a} is on rank {r} but stage {s} is placed on rank " f"{pl.stage_rank[s]}",
+              [(r, i)],
+          )
         if s not in positions[which[mb]]:
-          _fail(schedule, f"{a}: micro-batch {mb} follows route {schedule.route(mb)}, which "
-                f"does not pass stage {s}", [(r, i)])
+          _fail(
+              schedule,
+              f"{a}: micro-batch {mb} follows route {schedule.route(mb)}, which "
+              f"does not pass stage {s}",
+              [(r, i)],
+          )
         seen[(a.kind, s, mb)].append((r, i))
   for key, cells in seen.items():
     if len(cells) > 1:
@@ -48,25 +56,40 @@ def validate(schedule: Schedule) -> None:
       has_b = ("B", s, mb) in seen
       has_i, has_w = ("I", s, mb) in seen, ("W", s, mb) in seen
       if has_b and (has_i or has_w):
-        _fail(schedule, f"{name} has both a full backward and a split one",
-              seen.get(("B", s, mb), []) + seen.get(("I", s, mb), []) +
-              seen.get(("W", s, mb), []))
+        _fail(
+            schedule,
+            f"{name} has both a full backward and a split one",
+            seen.get(("B", s, mb), []) + seen.get(("I", s, mb), []) + seen.get(("W", s, mb), []),
+        )
       if not has_b and not (has_i and has_w):
         missing = "B, or I and W" if not (has_i or has_w) else ("W" if has_i else "I")
-        _fail(schedule, f"{name} lacks its backward ({missing})",
-              seen.get(("I", s, mb), []) + seen.get(("W", s, mb), []))
+        _fail(
+            schedule,
+            f"{name} lacks its backward ({missing})",
+            seen.get(("I", s, mb), []) + seen.get(("W", s, mb), []),
+        )
   for r, ops in enumerate(schedule.ranks):
     for i, op in enumerate(ops):
-      if len(op.parts()) == 2 and op.parts()[0].microbatch == op.parts()[1].microbatch and \
-          op.parts()[0].stage == op.parts()[1].stage:
+      if (
+          len(op.parts()) == 2
+          and op.parts()[0].microbatch == op.parts()[1].microbatch
+          and op.parts()[0].stage == op.parts()[1].stage
+      ):
         _fail(schedule, f"{op} overlaps a forward with its own backward", [(r, i)])
   for (kind, s, mb), cells in seen.items():  # same stage, same rank: order is visible directly
     before = {"B": "F", "I": "F", "W": "I"}.get(kind)
     if before and cells[0][1] <= seen[(before, s, mb)][0][1]:
-      _fail(schedule, f"{s}{kind}{mb} runs before {s}{before}{mb} on rank {cells[0][0]}, which "
-            f"it needs ({'W needs its I' if kind == 'W' else 'a backward needs its forward'})",
-            [cells[0], seen[(before, s, mb)][0]])
+      _fail(
+          schedule,
+          f"{s}{kind}{mb} runs before {s}{before}{mb} on rank {cells[0][0]}, which "
+          f"it needs ({'W needs its I' if kind == 'W' else 'a backward needs its forward'})",
+          [cells[0], seen[(before, s, mb)][0]],
+      )
   timeline = unit_timeline(schedule)
   if timeline.blocked:
-    _fail(schedule, "deadlock: the marked ops wait on each other (or on an op ordered after "
-          "them on the same rank) and can never run", timeline.blocked)
+    _fail(
+        schedule,
+        "deadlock: the marked ops wait on each other (or on an op ordered after "
+        "them on the same rank) and can never run",
+        timeline.blocked,
+    )

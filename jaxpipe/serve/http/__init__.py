@@ -11,6 +11,7 @@ events, one chunk per token), models, health and Prometheus metrics.
 - `app`: `CompletionServer`, the Starlette routes over the loop, backpressure (429), client
   disconnects cancelling their sequences, and uvicorn with SIGTERM draining.
 """
+
 from jaxpipe.serve.http.app import CompletionServer
 from jaxpipe.serve.http.loop import Backend, EngineLoop, engines_of
 

@@ -5,6 +5,7 @@ with `Retry-After`); client disconnects cancelling their sequences; and uvicorn 
 SIGINT draining (the listening socket closes, running and queued requests get `drain_s` seconds,
 what is left is cancelled with finish_reason "abort", and `run` returns).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,14 +33,14 @@ from jaxpipe.serve.engine import ENGINE_EOS
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import (
-  MAX_STOPS,
-  BadRequest,
-  Choice,
-  CompletionRequest,
-  parse_request,
-  prompts_of,
-  stop_list,
-  usage_of,
+    MAX_STOPS,
+    BadRequest,
+    Choice,
+    CompletionRequest,
+    parse_request,
+    prompts_of,
+    stop_list,
+    usage_of,
 )
 from jaxpipe.serve.sampling import SamplingParams
 
@@ -48,15 +49,26 @@ log = logging.getLogger(__name__)
 
 def error_response(e: BadRequest) -> JSONResponse:
   """OpenAI's error body."""
-  return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param,
-                                 "code": e.code}}, status_code=e.status, headers=e.headers)
+  return JSONResponse(
+      {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
+      status_code=e.status,
+      headers=e.headers,
+  )
 
 
 class CompletionServer:
   """The Starlette app over a backend; `run` serves it with uvicorn until SIGTERM/SIGINT."""
 
-  def __init__(self, backend: Backend, *, model_name: str, max_batch: int, max_queue: int = 64,
-               drain_s: float = 30.0, engine_info: dict | None = None):
+  def __init__(
+      self,
+      backend: Backend,
+      *,
+      model_name: str,
+      max_batch: int,
+      max_queue: int = 64,
+      drain_s: float = 30.0,
+      engine_info: dict | None = None,
+  ):
     """max_batch + max_queue: the sequences held at once; drain_s: how long running requests
     may go on after SIGTERM before they are cancelled; engine_info: shown by /v1/models."""
     if max_queue < 0 or drain_s < 0:
@@ -72,12 +84,15 @@ class CompletionServer:
     self.draining = False
     self.created = int(time.time())
     self.app = Starlette(
-        routes=[Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/metrics", self.prometheus, methods=["GET"])],
+        routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ],
         exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
-        lifespan=self._lifespan)
+        lifespan=self._lifespan,
+    )
 
   @contextlib.asynccontextmanager
   async def _lifespan(self, app):
@@ -112,22 +127,38 @@ class CompletionServer:
     return JSONResponse({"status": "ok"})
 
   async def models(self, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [{
-        "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxpipe",
-        "max_model_len": self.max_seq_len, "engine": self.engine_info}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "jaxpipe",
+                    "max_model_len": self.max_seq_len,
+                    "engine": self.engine_info,
+                }
+            ],
+        }
+    )
 
   async def prometheus(self, request: Request) -> Response:
     return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
   async def _http_error(self, request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(BadRequest(f"{request.method} {request.url.path}: {exc.detail}",
-                                     status=exc.status_code, kind=kind))
+    return error_response(
+        BadRequest(
+            f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code, kind=kind
+        )
+    )
 
   async def _server_error(self, request: Request, exc: Exception) -> Response:
     log.exception("request failed")
-    return error_response(BadRequest(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                     kind="server_error"))
+    return error_response(
+        BadRequest(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error")
+    )
 
   async def completions(self, request: Request) -> Response:
     arrival = time.perf_counter()
@@ -140,14 +171,21 @@ class CompletionServer:
     stops = stop_list(req.stop)
     eos = None if req.ignore_eos else self.eos_id
     choices = [Choice(i, stops, eos) for i in range(len(seqs))]
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": self.model_name}
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": self.model_name,
+    }
     self.loop.submit(seqs)
     updates = self._updates(sink, seqs, choices)
     if req.stream:
       include_usage = bool(req.stream_options and req.stream_options.include_usage)
-      return _Stream(self._sse(updates, head, choices, prompt_tokens, include_usage),
-                     media_type="text/event-stream", on_close=lambda: self._cancel(seqs))
+      return _Stream(
+          self._sse(updates, head, choices, prompt_tokens, include_usage),
+          media_type="text/event-stream",
+          on_close=lambda: self._cancel(seqs),
+      )
     collect = asyncio.ensure_future(self._collect(updates))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -161,15 +199,25 @@ class CompletionServer:
     error = collect.result()
     if error:
       return error_response(BadRequest(error, status=500, kind="server_error"))
-    body = {**head, "choices": [self._choice(c, c.text, c.tokens) for c in choices],
-            "usage": usage_of(prompt_tokens, choices)}
+    body = {
+        **head,
+        "choices": [self._choice(c, c.text, c.tokens) for c in choices],
+        "usage": usage_of(prompt_tokens, choices),
+    }
     return JSONResponse(body)
 
-  def _accept(self, req: CompletionRequest, arrival: float) -> tuple[list[Seq], CompletionRequest, int]:
+  def _accept(
+      self, req: CompletionRequest, arrival: float
+  ) -> tuple[list[Seq], CompletionRequest, int]:
     """The request's sequences, or BadRequest saying why it cannot be served now."""
     if req.model is not None and req.model != self.model_name:
-      raise BadRequest(f"the model {req.model!r} does not exist; this server serves "
-                       f"{self.model_name!r}", "model", 404, "not_found_error", "model_not_found")
+      raise BadRequest(
+          f"the model {req.model!r} does not exist; this server serves " f"{self.model_name!r}",
+          "model",
+          404,
+          "not_found_error",
+          "model_not_found",
+      )
     n = 1 if req.n is None else req.n
     if n < 1:
       raise BadRequest(f"n={n} must be >= 1", "n")
@@ -181,37 +229,63 @@ class CompletionServer:
       raise BadRequest("the prompt list is empty; give at least one prompt", "prompt")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     top_k = 0 if req.top_k in (None, -1) else req.top_k
-    sampling = SamplingParams(1.0 if req.temperature is None else req.temperature, top_k,
-                              1.0 if req.top_p is None else req.top_p)
+    sampling = SamplingParams(
+        1.0 if req.temperature is None else req.temperature,
+        top_k,
+        1.0 if req.top_p is None else req.top_p,
+    )
     for i, (tokens, text) in enumerate(prompts):
       why = self.backend.check_request(tokens, max_tokens, sampling)
       if why:
         where = f"prompt {i}: " if len(prompts) > 1 else ""
-        how = "; text prompts are UTF-8 bytes, one token each" if text and "vocabulary" in why else ""
+        how = (
+            "; text prompts are UTF-8 bytes, one token each" if text and "vocabulary" in why else ""
+        )
         first = why.split(" ")[0]
-        param = first.split("=")[0] if "=" in first else "max_tokens" if "max_tokens" in why \
+        param = (
+            first.split("=")[0]
+            if "=" in first
+            else "max_tokens"
+            if "max_tokens" in why
             else "prompt"
+        )
         raise BadRequest(where + why + how, param)
     k = n * len(prompts)
     if k > self.capacity:
-      raise BadRequest(f"n x prompts = {k} sequences exceed the server's {self.capacity} "
-                       "(--max_batch + --max_queue); send fewer", "n")
+      raise BadRequest(
+          f"n x prompts = {k} sequences exceed the server's {self.capacity} "
+          "(--max_batch + --max_queue); send fewer",
+          "n",
+      )
     if self.loop.failed:
       raise BadRequest(f"the engine failed: {self.loop.failed}", status=503, kind="server_error")
     if self.draining:
       raise BadRequest("the server is shutting down", status=503, kind="server_error")
     if self.inflight + k > self.capacity:
-      raise BadRequest(f"the server is full ({self.inflight} of {self.capacity} sequences in "
-                       "flight); retry later", status=429, kind="rate_limit_error",
-                       headers={"Retry-After": "1"})
+      raise BadRequest(
+          f"the server is full ({self.inflight} of {self.capacity} sequences in "
+          "flight); retry later",
+          status=429,
+          kind="rate_limit_error",
+          headers={"Retry-After": "1"},
+      )
     if req.seed is not None and not 0 <= req.seed < 2**31:
       raise BadRequest(f"seed={req.seed} must lie in [0, 2**31)", "seed")
     seed = random.randrange(2**31) if req.seed is None else req.seed
     sink: asyncio.Queue = asyncio.Queue()
     eos = None if req.ignore_eos else ENGINE_EOS
-    seqs = [Seq(tokens, max_tokens, dataclasses.replace(sampling, seed=(seed + i) % 2**31), eos,
-                arrival, sink, i)
-            for i, (tokens, _) in enumerate(p for p in prompts for _ in range(n))]
+    seqs = [
+        Seq(
+            tokens,
+            max_tokens,
+            dataclasses.replace(sampling, seed=(seed + i) % 2**31),
+            eos,
+            arrival,
+            sink,
+            i,
+        )
+        for i, (tokens, _) in enumerate(p for p in prompts for _ in range(n))
+    ]
     self.inflight += k
     return seqs, req, sum(len(t) for t, _ in prompts)
 
@@ -220,8 +294,9 @@ class CompletionServer:
     if live:
       self.loop.cancel(live)
 
-  async def _updates(self, sink: asyncio.Queue, seqs: list[Seq],
-                     choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list[int]]]:
+  async def _updates(
+      self, sink: asyncio.Queue, seqs: list[Seq], choices: list[Choice]
+  ) -> AsyncIterator[tuple[Choice, str, list[int]]]:
     """(choice, text released, token ids) once per token and once per finish without a token,
     until every choice has finished; an engine error raises RuntimeError."""
     left = len(choices)
@@ -252,8 +327,9 @@ class CompletionServer:
       return str(e)
     return None
 
-  async def _sse(self, updates, head: dict, choices: list[Choice], prompt_tokens: int,
-                 include_usage: bool) -> AsyncIterator[str]:
+  async def _sse(
+      self, updates, head: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool
+  ) -> AsyncIterator[str]:
     try:
       left = len(choices)
       async for c, text, tokens in updates:
@@ -270,25 +346,41 @@ class CompletionServer:
 
   @staticmethod
   def _choice(c: Choice, text: str, tokens: list[int]) -> dict:
-    return {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason,
-            "token_ids": tokens}
+    return {
+        "index": c.index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": c.finish_reason,
+        "token_ids": tokens,
+    }
 
   # -- running --
 
-  def uvicorn_server(self, host: str = "127.0.0.1", port: int = 8000,
-                     log_level: str = "warning") -> uvicorn.Server:
+  def uvicorn_server(
+      self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
+  ) -> uvicorn.Server:
     """A uvicorn server for the app whose signals drain it (see the module docstring)."""
-    config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=self.drain_s + 5, lifespan="on")
+    config = uvicorn.Config(
+        self.app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=self.drain_s + 5,
+        lifespan="on",
+    )
     return _DrainingServer(config, self)
 
   def run(self, host: str, port: int, log_level: str = "warning") -> None:
     """Serves on host:port until SIGTERM/SIGINT, then drains and returns."""
     try:
-      sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else
-                                  socket.AF_INET)
+      sock = socket.create_server(
+          (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+      )
     except OSError as e:
-      raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+      raise OSError(
+          f"cannot listen on {host}:{port} ({e.strerror}); choose another --port"
+      ) from None
     self.uvicorn_server(host, port, log_level).run(sockets=[sock])
 
 

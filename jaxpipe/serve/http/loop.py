@@ -5,6 +5,7 @@ finishes back to the event loop in one call, so a step costs one hand-off whatev
 An engine fault fails the requests it held and every later one (`failed` says why); the server
 stays up to say so.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,14 +30,32 @@ class Backend(Protocol):
   """What the server drives: an `Engine`, or a deployment of several (`serve.deploy`: Colocated,
   Disaggregated) that lists them in `engines`; limits and gauges are read from those engines."""
 
-  def check_request(self, prompt: Sequence[int], max_tokens: int,
-                    sampling: SamplingParams) -> str | None: ...  # reads configuration only
-  def add_request(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, *,
-                  eos_id: int | None | str) -> int: ...
-  def step(self) -> dict[int, list[int]]: ...
-  def cancel(self, rid: int) -> None: ...
-  def finished(self) -> list[Any]: ...  # objects with .id, .finish_reason, .error
-  def has_work(self) -> bool: ...
+  def check_request(
+      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+  ) -> str | None:
+    ...  # reads configuration only
+
+  def add_request(
+      self,
+      prompt: Sequence[int],
+      max_tokens: int,
+      sampling: SamplingParams,
+      *,
+      eos_id: int | None | str,
+  ) -> int:
+    ...
+
+  def step(self) -> dict[int, list[int]]:
+    ...
+
+  def cancel(self, rid: int) -> None:
+    ...
+
+  def finished(self) -> list[Any]:
+    ...  # objects with .id, .finish_reason, .error
+
+  def has_work(self) -> bool:
+    ...
 
 
 def engines_of(backend: Backend) -> list:
@@ -47,6 +66,7 @@ def engines_of(backend: Backend) -> list:
 @dataclasses.dataclass(eq=False)
 class Seq:
   """One choice of one request, as the engine loop sees it."""
+
   prompt: list[int]
   max_tokens: int
   sampling: SamplingParams
@@ -135,7 +155,10 @@ class EngineLoop:
           if s is None:  # reported finished twice
             continue
           reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
-          events.setdefault(s, [[], None, None])[1:] = [reason, r.error if reason == "error" else None]
+          events.setdefault(s, [[], None, None])[1:] = [
+              reason,
+              r.error if reason == "error" else None,
+          ]
           self._observe_finish(s, reason)
         self._update_gauges(stepped, new, now, window)
       except Exception as e:  # noqa: BLE001 -- an engine fault fails its requests, not the server

@@ -9,6 +9,7 @@ over tokens appears whole in the chunk of its last byte). Beyond the OpenAI fiel
 choice carries `token_ids` (its generated tokens; in a stream, the chunk's), and requests
 accept vLLM's `top_k` and `ignore_eos`.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -29,9 +30,12 @@ class StreamOptions(pydantic.BaseModel):
 
 class CompletionRequest(pydantic.BaseModel):
   """The body of POST /v1/completions; null means the default."""
+
   model_config = pydantic.ConfigDict(extra="forbid", strict=True)
   model: str | None = None  # must be the served model's name when given
-  prompt: str | list[int] | list[str] | list[list[int]]  # text (UTF-8 bytes) or token ids, or a list
+  prompt: (
+      str | list[int] | list[str] | list[list[int]]
+  )  # text (UTF-8 bytes) or token ids, or a list
   max_tokens: int | None = None  # default 16, OpenAI's
   temperature: float | None = None  # default 1, OpenAI's; 0 = greedy
   top_p: float | None = None
@@ -54,17 +58,29 @@ class CompletionRequest(pydantic.BaseModel):
   logit_bias: dict[str, float] | None = None
 
 
-UNSUPPORTED = {"echo": (None, False), "logprobs": (None, 0), "suffix": (None, ""),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "repetition_penalty": (None, 1), "logit_bias": (None, {})}
+UNSUPPORTED = {
+    "echo": (None, False),
+    "logprobs": (None, 0),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+}
 
 
 class BadRequest(Exception):
   """A request the server refuses: status, message and the offending parameter."""
 
-  def __init__(self, message: str, param: str | None = None, status: int = 400,
-               kind: str = "invalid_request_error", code: str | None = None,
-               headers: dict[str, str] | None = None):
+  def __init__(
+      self,
+      message: str,
+      param: str | None = None,
+      status: int = 400,
+      kind: str = "invalid_request_error",
+      code: str | None = None,
+      headers: dict[str, str] | None = None,
+  ):
     super().__init__(message)
     self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
     self.headers = headers
@@ -75,13 +91,19 @@ def _validation_message(e: pydantic.ValidationError) -> tuple[str, str | None]:
   loc = [str(x) for x in err["loc"]]
   param = loc[0] if loc else None
   if err["type"] == "extra_forbidden":
-    return (f"unrecognized request argument {'.'.join(loc)!r}; supported: "
-            f"{', '.join(CompletionRequest.model_fields)}", param)
+    return (
+        f"unrecognized request argument {'.'.join(loc)!r}; supported: "
+        f"{', '.join(CompletionRequest.model_fields)}",
+        param,
+    )
   if err["type"] == "missing":
     return f"{param!r} is required", param
   if param == "prompt":
-    return (f"prompt={err.get('input')!r:.80} must be a string, a list of token ids, or a list of "
-            "either", param)
+    return (
+        f"prompt={err.get('input')!r:.80} must be a string, a list of token ids, or a list of "
+        "either",
+        param,
+    )
   return f"{param}={err.get('input')!r:.80}: {err['msg']}", param
 
 
@@ -100,8 +122,9 @@ def parse_request(body: bytes) -> CompletionRequest:
     if getattr(req, name) not in defaults:
       raise BadRequest(f"{name}={getattr(req, name)!r} is not supported; leave it out", name)
   if req.best_of not in (None, 1, req.n or 1):
-    raise BadRequest(f"best_of={req.best_of} is not supported; leave it out (or equal to n)",
-                     "best_of")
+    raise BadRequest(
+        f"best_of={req.best_of} is not supported; leave it out (or equal to n)", "best_of"
+    )
   return req
 
 
@@ -111,8 +134,9 @@ def prompts_of(prompt: str | list) -> list[tuple[list[int], bool]]:
     return [(list(prompt.encode("utf-8")), True)]
   if not prompt or isinstance(prompt[0], int):
     return [(list(prompt), False)]
-  return [(list(p.encode("utf-8")), True) if isinstance(p, str) else (list(p), False)
-          for p in prompt]
+  return [
+      (list(p.encode("utf-8")), True) if isinstance(p, str) else (list(p), False) for p in prompt
+  ]
 
 
 class Choice:
@@ -141,11 +165,13 @@ class Choice:
     if self.stops:
       found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
       if found:
-        self.text, finish = self.text[:min(found)], "stop"
+        self.text, finish = self.text[: min(found)], "stop"
       elif finish is None:
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])),
-                   default=0)
-    out = self.text[self.sent:len(self.text) - hold]
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])),
+            default=0,
+        )
+    out = self.text[self.sent : len(self.text) - hold]
     self.sent += len(out)
     self.finish_reason = finish
     return out
@@ -159,5 +185,8 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def usage_of(prompt_tokens: int, choices: list[Choice]) -> dict:
   """OpenAI's `usage` of a request: its prompts' tokens and every choice's generated ones."""
   completion = sum(len(c.tokens) for c in choices)
-  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-          "total_tokens": prompt_tokens + completion}
+  return {
+      "prompt_tokens": prompt_tokens,
+      "completion_tokens": completion,
+      "total_tokens": prompt_tokens + completion,
+  }

@@ -1,4 +1,5 @@
 """Cost files, step times and memory priced from them, and auto's ranking (no JAX)."""
+
 import json
 
 import pytest
@@ -10,18 +11,39 @@ from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, lower
 from jaxpipe.runtime import cli
 
-SECONDS = dict(F=1.0, B=5.0, I=2.0, W=3.0, **{"F&B": 7.0}, ppermute=0.125, embed=0.25,
-               head=0.5, tick=0.375, call=0.03125)
-STEP = dict(update_s=0.0625, layer_state_bytes=100, shared_state_bytes=100, layer_grad_bytes=10,
-            shared_grad_bytes=10)
+SECONDS = dict(
+    F=1.0,
+    B=5.0,
+    I=2.0,
+    W=3.0,
+    **{"F&B": 7.0},
+    ppermute=0.125,
+    embed=0.25,
+    head=0.5,
+    tick=0.375,
+    call=0.03125,
+)
+STEP = dict(
+    update_s=0.0625,
+    layer_state_bytes=100,
+    shared_state_bytes=100,
+    layer_grad_bytes=10,
+    shared_grad_bytes=10,
+)
 BYTES = dict(activation=1000, residual=10000, wg=100000, work=0)
 
 
 def cost_data(entries, step=STEP):
   """entries: [(microbatches, stages, seconds, bytes)]"""
-  return {"format": costs_lib.FORMAT, "setup": {}, "step": dict(step),
-          "entries": [{"microbatches": m, "stages": s, "seconds": dict(sec), "bytes": dict(b)}
-                      for m, s, sec, b in entries]}
+  return {
+      "format": costs_lib.FORMAT,
+      "setup": {},
+      "step": dict(step),
+      "entries": [
+          {"microbatches": m, "stages": s, "seconds": dict(sec), "bytes": dict(b)}
+          for m, s, sec, b in entries
+      ],
+  }
 
 
 def schedule_main(args):
@@ -50,9 +72,11 @@ def test_cost_file_with_missing_parts_is_refused_before_anything_runs(tmp_path, 
     costs_lib.parse({"entries": []})
   # an entry the file lacks is named with what it has and how to measure it
   costs = costs_lib.parse(cost_data([(8, 4, SECONDS, BYTES)]), "c.json")
-  with pytest.raises(costs_lib.CostFileError,
-                     match=r"no costs for microbatches=16 over 8 model stages \(it has m=8/4 "
-                           r"stages\); measure them with .*--microbatches 16 --stages 8"):
+  with pytest.raises(
+      costs_lib.CostFileError,
+      match=r"no costs for microbatches=16 over 8 model stages \(it has m=8/4 "
+      r"stages\); measure them with .*--microbatches 16 --stages 8",
+  ):
     costs.entry(16, 8)
 
 
@@ -66,9 +90,15 @@ def table_price(lowered, s):
     for r in range(lowered.schedule.num_ranks):
       row = lowered.table[t, r]
       parts = BRANCHES[row[COL["branch"]]].split("+")
-      cost = 0.0 if parts == ["idle"] else (
-          s["F&B"] + sum(s[k] for k in parts if k not in ("F", "B")) if {"F", "B"} <= set(parts)
-          else sum(s[k] for k in parts))
+      cost = (
+          0.0
+          if parts == ["idle"]
+          else (
+              s["F&B"] + sum(s[k] for k in parts if k not in ("F", "B"))
+              if {"F", "B"} <= set(parts)
+              else sum(s[k] for k in parts)
+          )
+      )
       cost += s["embed"] * row[COL["f_first"]] + s["head"] * row[COL["f_last"]]
       rows.append(cost)
     total += max(rows)
@@ -76,9 +106,17 @@ def table_price(lowered, s):
   return total, busy
 
 
-@pytest.mark.parametrize("name,p,m", [("gpipe", 2, 1), ("1f1b", 4, 8), ("dualpipe", 2, 4),
-                                      ("zb-v", 2, 4), ("interleaved-1f1b", 2, 4),
-                                      ("chimera", 4, 8)])
+@pytest.mark.parametrize(
+    "name,p,m",
+    [
+        ("gpipe", 2, 1),
+        ("1f1b", 4, 8),
+        ("dualpipe", 2, 4),
+        ("zb-v", 2, 4),
+        ("interleaved-1f1b", 2, 4),
+        ("chimera", 4, 8),
+    ],
+)
 def test_predicted_step_prices_each_tick_of_the_table_by_its_slowest_rank(name, p, m):
   lowered = lower(make_schedule(name, pp=p, microbatches=m))
   stages = lowered.schedule.num_stages
@@ -91,8 +129,10 @@ def test_predicted_step_prices_each_tick_of_the_table_by_its_slowest_rank(name, 
   links = [[f"recv_{k}_{d}" for k in ("act", "grad")] for d in ("down", "up")]
   if fb:
     links = [[c] for group in links for c in group]
-  sends = [sum(any(lowered.table[t, r, COL[c]] >= 0 for r in range(p) for c in cols)
-               for cols in links) for t in range(lowered.num_ticks)]
+  sends = [
+      sum(any(lowered.table[t, r, COL[c]] >= 0 for r in range(p) for c in cols) for cols in links)
+      for t in range(lowered.num_ticks)
+  ]
   assert sum(sends) >= lowered.schedule.num_microbatches  # some ticks send, and
   assert 0 in sends  # some do not (the last backward)
   copies = 2 if name in ("chimera", "dualpipe") else 1
@@ -109,10 +149,23 @@ def test_gpipe_two_ranks_one_microbatch_by_hand():
   # 0F0 (embed) | 1F0 (head) | 1I0 | 0I0 beside 1W0 | 0W0; ppermutes after 0F0 and 1I0 only
   lowered = lower(make_schedule("gpipe", pp=2, microbatches=1))
   work = dict(BYTES, work=12345)
-  pred = costs_lib.predict(lowered, costs_lib.parse(cost_data([(1, 2, SECONDS, work)])).entry(
-      1, 2), dict(STEP, layer_state_bytes=0, shared_state_bytes=0))
+  pred = costs_lib.predict(
+      lowered,
+      costs_lib.parse(cost_data([(1, 2, SECONDS, work)])).entry(1, 2),
+      dict(STEP, layer_state_bytes=0, shared_state_bytes=0),
+  )
   assert [[str(a) for a in t[r]] for t in lowered.ticks for r in range(2)] == [
-      ["0F0"], [], [], ["1F0"], [], ["1I0"], ["0I0"], ["1W0"], ["0W0"], []]
+      ["0F0"],
+      [],
+      [],
+      ["1F0"],
+      [],
+      ["1I0"],
+      ["0I0"],
+      ["1W0"],
+      ["0W0"],
+      [],
+  ]
   assert pred.ticks_s == 1.25 + 1.5 + 2 + 3 + 3
   assert pred.step_s == 10.75 + 5 * 0.375 + 2 * 0.125 + 0.03125 + 0.0625
   # one slot of each buffer (activation and cotangent: activation bytes) and the work bytes
@@ -126,8 +179,9 @@ def test_predicted_memory_holds_the_published_peak_activations(name):
   schedule = make_schedule(name, pp=4, microbatches=8)
   s = schedule.num_stages
   only_res = dict(activation=0, residual=1 << 20, wg=0, work=0)
-  pred = costs_lib.predict(lower(schedule), costs_lib.parse(cost_data(
-      [(8, s, SECONDS, only_res)])).entry(8, s), STEP)
+  pred = costs_lib.predict(
+      lower(schedule), costs_lib.parse(cost_data([(8, s, SECONDS, only_res)])).entry(8, s), STEP
+  )
   copies = schedule.placement.copies
   peak = max(schedule.simulate().peak_activations)
   assert pred.buffer_bytes == peak << 20
@@ -142,15 +196,23 @@ def uniform_costs(m=8, ppermute=0.0, only_res=False):
     sec.update(ppermute=ppermute, embed=0.0, head=0.0, tick=ppermute, call=0.0)
     b = dict(activation=0, residual=1 << 30, wg=0, work=0) if only_res else BYTES
     entries.append((m, stages, sec, b))
-  step = dict(STEP, update_s=0.0, layer_state_bytes=0, shared_state_bytes=0, layer_grad_bytes=0,
-              shared_grad_bytes=0)
+  step = dict(
+      STEP,
+      update_s=0.0,
+      layer_state_bytes=0,
+      shared_state_bytes=0,
+      layer_grad_bytes=0,
+      shared_grad_bytes=0,
+  )
   return costs_lib.parse(cost_data(entries, step), "uniform.json")
 
 
 def test_auto_respects_a_memory_limit_and_reports_what_it_ruled_out():
   costs = uniform_costs(only_res=True)
-  peak = {n: max(make_schedule(n, pp=4, microbatches=8).simulate().peak_activations)
-          for n in SCHEDULE_NAMES}
+  peak = {
+      n: max(make_schedule(n, pp=4, microbatches=8).simulate().peak_activations)
+      for n in SCHEDULE_NAMES
+  }
   ranking = auto_lib.rank(4, [8], costs, memory_limit=4.5 * auto_lib.GB, layers=8)
   over = {c.name for c in ranking.candidates if c.dropped.startswith("over")}
   assert over == {n for n, k in peak.items() if k > 4.5} and "gpipe" in over
@@ -162,10 +224,15 @@ def test_auto_respects_a_memory_limit_and_reports_what_it_ruled_out():
 
 def test_a_memory_limit_nothing_fits_names_the_smallest_need():
   costs = uniform_costs(only_res=True)
-  least = min(max(make_schedule(n, pp=4, microbatches=8).simulate().peak_activations)
-              for n in SCHEDULE_NAMES)
-  with pytest.raises(auto_lib.AutoError, match=rf"rules out every schedule; the smallest need is "
-                                                rf"{least:g} GB \(.*m=8\); raise the limit"):
+  least = min(
+      max(make_schedule(n, pp=4, microbatches=8).simulate().peak_activations)
+      for n in SCHEDULE_NAMES
+  )
+  with pytest.raises(
+      auto_lib.AutoError,
+      match=rf"rules out every schedule; the smallest need is "
+      rf"{least:g} GB \(.*m=8\); raise the limit",
+  ):
     auto_lib.rank(4, [8], costs, memory_limit=1.0 * auto_lib.GB, layers=8)
 
 
@@ -183,12 +250,30 @@ def test_auto_trades_interleaving_bubble_against_twice_the_ticks():
 
 def test_schedule_cli_auto_prints_the_ranking_and_its_errors(tmp_path, capsys):
   path = write(tmp_path, cost_data([(8, 4, SECONDS, BYTES)]))
-  assert schedule_main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
-                        "--schedules", "1f1b,zb-h1,zb-v"]) == 0
+  assert (
+      schedule_main(
+          [
+              "auto",
+              "--pp",
+              "4",
+              "--microbatches",
+              "8",
+              "--costs",
+              path,
+              "--schedules",
+              "1f1b,zb-h1,zb-v",
+          ]
+      )
+      == 0
+  )
   out = capsys.readouterr().out
   assert "auto chose" in out and "no measured costs for m=8 over 8 stages" in out
-  assert schedule_main(["auto", "--pp", "4", "--microbatches", "8", "--costs", path,
-                        "--memory_limit", "1e-9"]) == 2
+  assert (
+      schedule_main(
+          ["auto", "--pp", "4", "--microbatches", "8", "--costs", path, "--memory_limit", "1e-9"]
+      )
+      == 2
+  )
   assert "the smallest need is" in capsys.readouterr().err
   assert schedule_main(["auto", "--pp", "4", "--microbatches", "8"]) == 2
   assert "auto needs --pp, --microbatches and --costs FILE" in capsys.readouterr().err

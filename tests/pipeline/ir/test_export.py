@@ -1,4 +1,5 @@
 """Exporters and importers: torch CSV both ways, text grid, Perfetto trace, PNG, CLI."""
+
 import json
 
 import pytest
@@ -17,8 +18,12 @@ HAND_1F1B = "0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1\n"
 
 
 def hand_1f1b():
-  return Schedule("1f1b", Placement.interleaved(2), 2,
-                  [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]])
+  return Schedule(
+      "1f1b",
+      Placement.interleaved(2),
+      2,
+      [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]],
+  )
 
 
 def test_csv_cells_on_the_tick_grid():
@@ -83,16 +88,19 @@ def test_csv_round_trip_exact(name):
   assert made
 
 
-@pytest.mark.parametrize("text,match", [
-    ("0F0,0B0\n0F1,1B1\n", "stage 0 appears on rank 0 and on rank 1"),
-    ("0F0,0X0\n", r"rank 0, step 1: cannot read cell '0X0'"),
-    ("0F0,(0F1;0F2)OVERLAP_F_B\n", "must pair one forward with one backward"),
-    ("0F0,0B0\n2F0,2B0\n", r"stages \[1\] appear on no rank"),
-    ("0F0,0B0,0F2,0B2\n", r"micro-batches \[1\] appear nowhere"),
-    ("0F0,3F0,3F1\n1F0,2F0,1F1\n", r"micro-batch 1 visits stages \[1, 3\]"),
-    ("0F0,3F0,3F1\n1F0,2F0,2F1\n", "micro-batch 0 visits all stages but micro-batch 1 only"),
-    ("", "no rows"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("0F0,0B0\n0F1,1B1\n", "stage 0 appears on rank 0 and on rank 1"),
+        ("0F0,0X0\n", r"rank 0, step 1: cannot read cell '0X0'"),
+        ("0F0,(0F1;0F2)OVERLAP_F_B\n", "must pair one forward with one backward"),
+        ("0F0,0B0\n2F0,2B0\n", r"stages \[1\] appear on no rank"),
+        ("0F0,0B0,0F2,0B2\n", r"micro-batches \[1\] appear nowhere"),
+        ("0F0,3F0,3F1\n1F0,2F0,1F1\n", r"micro-batch 1 visits stages \[1, 3\]"),
+        ("0F0,3F0,3F1\n1F0,2F0,2F1\n", "micro-batch 0 visits all stages but micro-batch 1 only"),
+        ("", "no rows"),
+    ],
+)
 def test_csv_errors(text, match):
   with pytest.raises(ValueError, match=match):
     from_csv(text)
@@ -127,8 +135,9 @@ def test_perfetto_tracks_never_overlap(name):
   except (ImportError, AttributeError) as e:
     pytest.skip(f"generator for {name} not present yet: {e}")
   for lockstep in (False, True):
-    slices = [e for e in json.loads(s.to_perfetto(lockstep=lockstep))["traceEvents"]
-              if e["ph"] == "X"]
+    slices = [
+        e for e in json.loads(s.to_perfetto(lockstep=lockstep))["traceEvents"] if e["ph"] == "X"
+    ]
     assert len(slices) == sum(len(op.parts()) for ops in s.ranks for op in ops)
     tracks = {}
     for e in slices:
@@ -164,13 +173,29 @@ def test_cli(tmp_path, capsys):
   assert "bubble, single step (max rank)" in out and "27.3%" in out
   assert "anchors.md: bubble 9 (single step" in out
   csv_path = tmp_path / "s.csv"
-  assert main(["1f1b", "--pp", "2", "--microbatches", "2", "--format", "csv",
-               "--out", str(csv_path)]) == 0
+  assert (
+      main(["1f1b", "--pp", "2", "--microbatches", "2", "--format", "csv", "--out", str(csv_path)])
+      == 0
+  )
   assert csv_path.read_text() == HAND_1F1B
   assert main([str(csv_path), "--format", "stats", "--costs", "F=1,I=1,W=1"]) == 0
   assert "makespan" in capsys.readouterr().out
-  assert main(["interleaved-1f1b", "--pp", "4", "--microbatches", "10", "--option", "group=5",
-               "--format", "grid"]) == 0
+  assert (
+      main(
+          [
+              "interleaved-1f1b",
+              "--pp",
+              "4",
+              "--microbatches",
+              "10",
+              "--option",
+              "group=5",
+              "--format",
+              "grid",
+          ]
+      )
+      == 0
+  )
   capsys.readouterr()
   assert main([str(csv_path), "--pp", "3"]) == 2
   assert "--pp 3 disagrees" in capsys.readouterr().err

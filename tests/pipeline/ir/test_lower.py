@@ -5,8 +5,17 @@ import pytest
 from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, make_schedule
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, VARIANTS, LowerOptions, lower
 
-NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "chimera", "zb-h1", "zb-h2", "zb-v", "dualpipe",
-         "dualpipev")
+NAMES = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "chimera",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "dualpipe",
+    "dualpipev",
+)
 COST = {"F": 1, "I": 1, "W": 1, "B": 2}
 
 
@@ -99,13 +108,19 @@ def normalise(actions):
   """A B counts as its I and W, so splitting a backward does not change the work."""
   out = []
   for a in actions:
-    out += [Action("I", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)] \
-        if a.kind == "B" else [a]
+    out += (
+        [Action("I", a.stage, a.microbatch), Action("W", a.stage, a.microbatch)]
+        if a.kind == "B"
+        else [a]
+    )
   return sorted(out)
 
 
-CASES = [(n, p, m) for n in NAMES for p in (2, 4) for m in (p, 2 * p, 3 * p)] + \
-        [(n, 8, 32) for n in NAMES] + [("zb-v", 3, 6), ("1f1b", 3, 5), ("gpipe", 1, 3)]
+CASES = (
+    [(n, p, m) for n in NAMES for p in (2, 4) for m in (p, 2 * p, 3 * p)]
+    + [(n, 8, 32) for n in NAMES]
+    + [("zb-v", 3, 6), ("1f1b", 3, 5), ("gpipe", 1, 3)]
+)
 
 
 @pytest.mark.parametrize("name,p,m", CASES)
@@ -149,17 +164,29 @@ def test_published_activation_memory(p, m):
 
 def test_csv_cells_in_torch_notation_with_packed_parts_joined():
   # One rank, one stage: F0, F1, then F2 overlapped with B0, then B1, B2.
-  sched = Schedule("hand", Placement.interleaved(1), 3, [[
-      Action("F", 0, 0), Action("F", 0, 1), Overlap(Action("F", 0, 2), Action("B", 0, 0)),
-      Action("B", 0, 1), Action("B", 0, 2)]]).validate()
+  sched = Schedule(
+      "hand",
+      Placement.interleaved(1),
+      3,
+      [
+          [
+              Action("F", 0, 0),
+              Action("F", 0, 1),
+              Overlap(Action("F", 0, 2), Action("B", 0, 0)),
+              Action("B", 0, 1),
+              Action("B", 0, 2),
+          ]
+      ],
+  ).validate()
   lowered = lower(sched, variants=[LowerOptions(split="none")])
   assert lowered.to_csv() == "0F0,0F1,0F2;0B0,0B1,0B2\n"
 
 
 def test_csv_two_ranks_with_idle_cells():
   # GPipe by hand, p = 2, m = 2, full backwards: the long B ticks leave rank 0 idle.
-  ranks = [[Action("F", r, 0), Action("F", r, 1), Action("B", r, 0), Action("B", r, 1)]
-           for r in range(2)]
+  ranks = [
+      [Action("F", r, 0), Action("F", r, 1), Action("B", r, 0), Action("B", r, 1)] for r in range(2)
+  ]
   sched = Schedule("hand", Placement.interleaved(2), 2, ranks).validate()
   lowered = lower(sched, variants=[LowerOptions(split="none", pack=False)])
   assert lowered.to_csv() == "0F0,0F1,,,0B0,0B1\n,1F0,1F1,1B0,1B1,\n"
@@ -167,8 +194,9 @@ def test_csv_two_ranks_with_idle_cells():
 
 
 def test_split_backward_runs_input_gradient_first():
-  ranks = [[Action("F", r, 0), Action("F", r, 1), Action("B", r, 0), Action("B", r, 1)]
-           for r in range(2)]
+  ranks = [
+      [Action("F", r, 0), Action("F", r, 1), Action("B", r, 0), Action("B", r, 1)] for r in range(2)
+  ]
   sched = Schedule("hand", Placement.interleaved(2), 2, ranks).validate()
   lowered = lower(sched, variants=[LowerOptions(split="standalone", pack=False)])
   # Rank 0 waits for 1I0 only, not 1W0: 8 unit ticks instead of 9 time units.
@@ -189,8 +217,15 @@ def test_cli_prints_the_tick_table(capsys):
 
   from jaxpipe import schedule
   from jaxpipe.runtime import cli
-  assert cli.call(schedule.main, schedule.FLAGS,
-                  ["zb-h1", "--pp", "4", "--microbatches", "8", "--format", "ticks"]) == 0
+
+  assert (
+      cli.call(
+          schedule.main,
+          schedule.FLAGS,
+          ["zb-h1", "--pp", "4", "--microbatches", "8", "--format", "ticks"],
+      )
+      == 0
+  )
   rows = capsys.readouterr().out.strip().splitlines()
   assert len(rows) == 4
   cells = [row.split(",") for row in rows]

@@ -1,4 +1,5 @@
 """Schedule IR: placements, the validator's errors (with the marked grid), the registry, no JAX."""
+
 import os
 import subprocess
 import sys
@@ -44,8 +45,9 @@ def test_placement_errors():
 
 
 def test_valid_hand_schedule_passes():
-  two_rank([F(0, 0), F(0, 1), B(0, 0), B(0, 1)],
-           [F(1, 0), B(1, 0), F(1, 1), I(1, 1), W(1, 1)], m=2).validate()
+  two_rank(
+      [F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), I(1, 1), W(1, 1)], m=2
+  ).validate()
 
 
 def _error(schedule) -> str:
@@ -101,8 +103,9 @@ def test_out_of_range():
 def test_deadlock_marks_the_waiting_cells():
   # rank 0 wants micro-batch 0's gradient before sending micro-batch 1 forward; rank 1 does
   # micro-batch 1 first: each waits on the other.
-  text = _error(two_rank([F(0, 0), B(0, 0), F(0, 1), B(0, 1)],
-                         [F(1, 1), B(1, 1), F(1, 0), B(1, 0)], m=2))
+  text = _error(
+      two_rank([F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 1), B(1, 1), F(1, 0), B(1, 0)], m=2)
+  )
   assert "deadlock" in text
   assert ">0B0<" in text and ">1F1<" in text
 
@@ -157,6 +160,7 @@ bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxl
 assert not bad, bad
 """
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       cwd=REPO)
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO
+  )
   assert out.returncode == 0, out.stderr

@@ -1,4 +1,5 @@
 """Simulators against timelines worked out by hand, and their figures' definitions."""
+
 import pytest
 
 from jaxpipe.pipeline import Action, Overlap, Placement, Schedule, make_schedule
@@ -12,8 +13,12 @@ W = lambda s, mb: Action("W", s, mb)
 
 
 def one_f_one_b_2x2():
-  return Schedule("hand", Placement.interleaved(2), 2,
-                  [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]])
+  return Schedule(
+      "hand",
+      Placement.interleaved(2),
+      2,
+      [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]],
+  )
 
 
 def test_async_by_hand():
@@ -34,8 +39,12 @@ def test_async_by_hand():
 def test_async_latency_by_hand():
   # every cross-rank input arrives 0.5 late: rank 1's F0 at 1.5, rank 0's B0 at 4.5 + 0.5 ...
   res = one_f_one_b_2x2().simulate(latency=0.5)
-  assert [(s, e) for s, e, _ in res.timelines[1]] == [(1.5, 2.5), (2.5, 4.5), (4.5, 5.5),
-                                                      (5.5, 7.5)]
+  assert [(s, e) for s, e, _ in res.timelines[1]] == [
+      (1.5, 2.5),
+      (2.5, 4.5),
+      (4.5, 5.5),
+      (5.5, 7.5),
+  ]
   assert [(s, e) for s, e, _ in res.timelines[0]] == [(0, 1), (1, 2), (5, 7), (8, 10)]
   assert res.makespan == 10
 
@@ -62,12 +71,15 @@ def test_overlap_cost_and_activations():
   assert s.simulate().peak_activations == (2,)  # the forward takes its slot first
 
 
-@pytest.mark.parametrize("order,peak", [
-    ("F0 F1 I0 I1 W0 W1", 2),
-    ("F0 I0 W0 F1 I1 W1", 1),
-    ("F0 I0 F1 W0 I1 W1", 2),  # I keeps the activations until W
-    ("F0 B0 F1 B1", 1),
-])
+@pytest.mark.parametrize(
+    "order,peak",
+    [
+        ("F0 F1 I0 I1 W0 W1", 2),
+        ("F0 I0 W0 F1 I1 W1", 1),
+        ("F0 I0 F1 W0 I1 W1", 2),  # I keeps the activations until W
+        ("F0 B0 F1 B1", 1),
+    ],
+)
 def test_activations_released_by_b_or_w(order, peak):
   ops = [Action(t[0], 0, int(t[1])) for t in order.split()]
   s = Schedule("hand", Placement.interleaved(1), 2, [ops]).validate()
@@ -89,9 +101,17 @@ def test_whole_rank_units():
   vpp = make_schedule("interleaved-1f1b", pp=4, microbatches=8, chunks=2).simulate()
   assert vpp.peak_activations_rank == tuple(k / 2 for k in vpp.peak_activations)
   p = 2
-  bi = Schedule("bi", Placement.bidirectional(p), 2,
-                [[F(0, 0), F(3, 1), B(3, 1), B(0, 0)], [F(1, 0), F(2, 1), B(1, 0), B(2, 1)]],
-                microbatch_route=(0, 1)).validate().simulate()
+  bi = (
+      Schedule(
+          "bi",
+          Placement.bidirectional(p),
+          2,
+          [[F(0, 0), F(3, 1), B(3, 1), B(0, 0)], [F(1, 0), F(2, 1), B(1, 0), B(2, 1)]],
+          microbatch_route=(0, 1),
+      )
+      .validate()
+      .simulate()
+  )
   assert bi.peak_activations_rank == tuple(float(k) for k in bi.peak_activations)
   assert bi.param_copies == 2 and bi.chunks == 2
 
@@ -114,6 +134,6 @@ def test_lockstep_equals_async_under_unit_costs():
     s = make_schedule(name, pp=4, microbatches=8)
     a, ls = s.simulate(unit), s.simulate(unit, lockstep=True)
     assert a.makespan == ls.makespan == ls.ticks, name
-    assert [[t for t, _, _ in row] for row in a.timelines] == \
-        [[t for t, _, _ in row] for row in ls.timelines], name
-
+    assert [[t for t, _, _ in row] for row in a.timelines] == [
+        [t for t, _, _ in row] for row in ls.timelines
+    ], name

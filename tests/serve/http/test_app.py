@@ -1,5 +1,6 @@
 """The OpenAI-compatible server (serve/http/app.py over its engine loop), driven with the real
 `openai` client, against `Engine.generate`."""
+
 import asyncio
 import contextlib
 import json
@@ -29,8 +30,15 @@ from tests import helpers
 
 ROOT = helpers.ROOT
 # The tiny model (vocab 64: digits and punctuation are tokens, letters are not); two programs.
-ENGINE = dict(page_size=16, num_pages=80, max_batch=4, max_tokens_per_step=32, max_seq_len=512,
-              token_buckets=(8, 32), page_buckets=(32,))
+ENGINE = dict(
+    page_size=16,
+    num_pages=80,
+    max_batch=4,
+    max_tokens_per_step=32,
+    max_seq_len=512,
+    token_buckets=(8, 32),
+    page_buckets=(32,),
+)
 MAX_QUEUE = 12  # with max_batch: 16 sequences in flight at most
 
 
@@ -49,8 +57,9 @@ def reference(model):
 @contextlib.contextmanager
 def _serving(backend, **kw):
   """The app over `backend`, served by uvicorn on a thread on a free port: yields its URL."""
-  app = CompletionServer(backend, model_name="tiny", max_batch=ENGINE["max_batch"],
-                         max_queue=MAX_QUEUE, **kw)
+  app = CompletionServer(
+      backend, model_name="tiny", max_batch=ENGINE["max_batch"], max_queue=MAX_QUEUE, **kw
+  )
   sock = socket.create_server(("127.0.0.1", 0))
   server = app.uvicorn_server()
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -140,8 +149,9 @@ def test_greedy_completion_equals_engine_generate(client, reference):
     assert c.text == bytes(w).decode("ascii")  # the vocabulary is ASCII: one token, one character
     assert c.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 20)
-  r = client.completions.create(model="tiny", prompt=[list(b"0123"), ids], max_tokens=20,
-                                temperature=0)  # two prompts in one request
+  r = client.completions.create(
+      model="tiny", prompt=[list(b"0123"), ids], max_tokens=20, temperature=0
+  )  # two prompts in one request
   assert [c.token_ids for c in _by_index(r)] == want
 
 
@@ -160,11 +170,12 @@ def test_stream_concatenates_to_the_completion_and_both_equal_the_engine_sample(
 
   # A stop sequence taken from the text: both end before its first occurrence.
   stop = texts[0][9:11]
-  cut = [t[:t.find(stop)] if stop in t else t for t in texts]
+  cut = [t[: t.find(stop)] if stop in t else t for t in texts]
   stopped = client.completions.create(**kw, stop=[stop, "never"])
   assert [c.text for c in _by_index(stopped)] == cut
   assert [c.finish_reason for c in _by_index(stopped)] == [
-      "stop" if stop in t else "length" for t in texts]
+      "stop" if stop in t else "length" for t in texts
+  ]
   _, s_texts, _, s_finish, _ = _stream(client, **kw, stop=[stop, "never"])
   assert s_texts == cut and s_finish == [c.finish_reason for c in _by_index(stopped)]
 
@@ -176,8 +187,9 @@ def test_16_concurrent_streams_are_all_answered(url, reference):
 
   async def one(client, prompt):
     ids = []
-    async for chunk in await client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
-                                                       temperature=0, stream=True):
+    async for chunk in await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True
+    ):
       ids += [t for c in chunk.choices for t in c.token_ids]
     return ids
 
@@ -216,24 +228,35 @@ def test_a_client_that_disconnects_frees_its_pages(url, client, stream):
   assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]  # only the prefix cache
 
 
-def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(disagg_url,
-                                                                              reference):
+def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(
+    disagg_url, reference
+):
   client = openai.OpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
-  prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 64, 5 + 9 * i)] for i in range(3)]
+  prompts = [
+      [int(t) for t in np.random.default_rng(i).integers(0, 64, 5 + 9 * i)] for i in range(3)
+  ]
   want = reference.generate(prompts, max_tokens=20)
 
   async def main():
     aclient = openai.AsyncOpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+
     async def one(prompt):
-      return [t async for ch in await aclient.completions.create(
-          model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True)
-              for c in ch.choices for t in c.token_ids]
+      return [
+          t
+          async for ch in await aclient.completions.create(
+              model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True
+          )
+          for c in ch.choices
+          for t in c.token_ids
+      ]
+
     return await asyncio.gather(*(one(p) for p in prompts))
 
   assert asyncio.run(main()) == want  # prefilled on one worker, decoded on the other
   abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
-  stream = client.completions.create(model="tiny", prompt="0123456789" * 3, max_tokens=450,
-                                     temperature=0, stream=True)
+  stream = client.completions.create(
+      model="tiny", prompt="0123456789" * 3, max_tokens=450, temperature=0, stream=True
+  )
   chunks = iter(stream)
   next(chunks), next(chunks)
   stream.close()
@@ -244,6 +267,7 @@ def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(
 
 class _Failing:
   """A backend that generates token 48 twice, then its device work fails."""
+
   max_seq_len, eos_id, running, waiting = 64, None, [], []
 
   def __init__(self):
@@ -280,13 +304,18 @@ def test_an_engine_fault_fails_its_requests_and_health_says_so(stream):
     if stream:  # the tokens so far, then the error, then the end
       events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
       assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["0", "0"]
-      assert json.loads(events[2])["error"]["message"] == "the engine failed: RuntimeError: device lost"
+      assert (
+          json.loads(events[2])["error"]["message"]
+          == "the engine failed: RuntimeError: device lost"
+      )
       assert events[3:] == ["[DONE]"]
     else:
       assert r.status_code == 500
       assert r.json()["error"]["message"] == "the engine failed: RuntimeError: device lost"
     assert httpx.get(url + "/health").json() == {
-        "status": "failed", "error": "RuntimeError: device lost"}
+        "status": "failed",
+        "error": "RuntimeError: device lost",
+    }
     r = httpx.post(url + "/v1/completions", json=body)
     assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
 
@@ -304,10 +333,16 @@ def test_metrics_parse_and_count_what_was_served(url, client):
   assert delta("jaxpipe_time_per_output_token_seconds_count") == 3
   assert delta("jaxpipe_e2e_request_latency_seconds_count") == 3
   assert after[("jaxpipe_kv_pages_total",)] == ENGINE["num_pages"] - 1
-  assert after[("jaxpipe_time_to_first_token_seconds_bucket", ("le", "+Inf"))] == \
-      after[("jaxpipe_time_to_first_token_seconds_count",)]
-  for name in ("jaxpipe_num_requests_running", "jaxpipe_num_requests_waiting",
-               "jaxpipe_kv_pages_used", "jaxpipe_generation_tokens_per_second"):
+  assert (
+      after[("jaxpipe_time_to_first_token_seconds_bucket", ("le", "+Inf"))]
+      == after[("jaxpipe_time_to_first_token_seconds_count",)]
+  )
+  for name in (
+      "jaxpipe_num_requests_running",
+      "jaxpipe_num_requests_waiting",
+      "jaxpipe_kv_pages_used",
+      "jaxpipe_generation_tokens_per_second",
+  ):
     assert (name,) in after
 
 
@@ -349,8 +384,12 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(url, client, bo
   error = r.json()["error"]
   assert words in error["message"]
   assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
-  assert client.completions.create(model="tiny", prompt="01", max_tokens=2,
-                                   temperature=0).choices[0].finish_reason == "length"
+  assert (
+      client.completions.create(model="tiny", prompt="01", max_tokens=2, temperature=0)
+      .choices[0]
+      .finish_reason
+      == "length"
+  )
 
 
 def test_the_openai_client_raises_the_servers_message(client):
@@ -362,8 +401,9 @@ def test_the_openai_client_raises_the_servers_message(client):
 
 def test_a_full_server_answers_429_with_retry_after(url, client):
   total = ENGINE["max_batch"] + MAX_QUEUE
-  stream = client.completions.create(model="tiny", prompt="01", n=total, max_tokens=400,
-                                     temperature=0, stream=True)  # takes every place
+  stream = client.completions.create(
+      model="tiny", prompt="01", n=total, max_tokens=400, temperature=0, stream=True
+  )  # takes every place
   next(iter(stream))
   r = httpx.post(url + "/v1/completions", json={"prompt": "01", "max_tokens": 2})
   assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -376,12 +416,16 @@ def test_a_full_server_answers_429_with_retry_after(url, client):
   stream.close()  # its sequences are cancelled and their places free again
   _wait(url, lambda m: m.get(abort, 0) == before + total)
   retrying = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)
-  assert retrying.completions.create(model="tiny", prompt="01", max_tokens=2).usage.completion_tokens == 2
+  assert (
+      retrying.completions.create(model="tiny", prompt="01", max_tokens=2).usage.completion_tokens
+      == 2
+  )
 
 
 def test_the_bench_client_reads_every_token_from_the_stream(url):
-  work = workload.generate(6, 50.0, workload.Lengths.parse("1:20"), workload.Lengths.parse("2:12"),
-                           64, seed=0)
+  work = workload.generate(
+      6, 50.0, workload.Lengths.parse("1:20"), workload.Lengths.parse("2:12"), 64, seed=0
+  )
   done, makespan, (tokens, slots, steps, cpu_s) = serve_client.http_run(url, "tiny", work)
   assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
   assert all(d.ttft > 0 for d in done) and makespan > 0
@@ -393,11 +437,34 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
     port = s.getsockname()[1]
   url = f"http://127.0.0.1:{port}"
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxpipe.serve", "--config", "configs/tiny.py", "--http", "--port",
-       str(port), "--max_seq_len", "8192", "--num_pages", "1100", "--max_batch", "2",
-       "--max_tokens_per_step", "8", "--token_buckets", "8", "--drain_s", "5"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"})
+      [
+          sys.executable,
+          "-m",
+          "jaxpipe.serve",
+          "--config",
+          "configs/tiny.py",
+          "--http",
+          "--port",
+          str(port),
+          "--max_seq_len",
+          "8192",
+          "--num_pages",
+          "1100",
+          "--max_batch",
+          "2",
+          "--max_tokens_per_step",
+          "8",
+          "--token_buckets",
+          "8",
+          "--drain_s",
+          "5",
+      ],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+  )
   try:
     _wait_healthy(url, lambda: proc.poll() is None)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -405,8 +472,9 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
 
     def run(name, max_tokens):
       ids, finish = [], None
-      for chunk in client.completions.create(model="tiny", prompt="01", max_tokens=max_tokens,
-                                             temperature=0, stream=True):
+      for chunk in client.completions.create(
+          model="tiny", prompt="01", max_tokens=max_tokens, temperature=0, stream=True
+      ):
         started[name].set()
         for c in chunk.choices:
           ids += c.token_ids

@@ -1,15 +1,16 @@
 """The completions protocol alone (serve/http/protocol.py): no engine, no network."""
+
 import json
 
 import pytest
 
 from jaxpipe.serve.http.protocol import (
-  BadRequest,
-  Choice,
-  parse_request,
-  prompts_of,
-  stop_list,
-  usage_of,
+    BadRequest,
+    Choice,
+    parse_request,
+    prompts_of,
+    stop_list,
+    usage_of,
 )
 
 
@@ -35,9 +36,12 @@ def test_requests_parse_or_are_refused_naming_the_value():
   assert prompts_of([[3, 4], [5]]) == [([3, 4], False), ([5], False)]
   assert prompts_of([3, 4]) == [([3, 4], False)]
   assert stop_list(req.stop) == ["x"] and stop_list(None) == []
-  for body, words in ((b"{", "not valid JSON"), (b'{"prompt": "1", "colour": 1}', "'colour'"),
-                      (b'{"prompt": "1", "echo": true}', "echo=True is not supported"),
-                      (b'{"prompt": "1", "best_of": 3}', "best_of=3")):
+  for body, words in (
+      (b"{", "not valid JSON"),
+      (b'{"prompt": "1", "colour": 1}', "'colour'"),
+      (b'{"prompt": "1", "echo": true}', "echo=True is not supported"),
+      (b'{"prompt": "1", "best_of": 3}', "best_of=3"),
+  ):
     with pytest.raises(BadRequest, match=words) as e:
       parse_request(body)
     assert e.value.status == 400

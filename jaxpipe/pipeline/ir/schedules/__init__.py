@@ -1,4 +1,5 @@
 """Schedule generators by name. Each is `fn(pp, microbatches, chunks=None, **options) -> Schedule`."""
+
 from __future__ import annotations
 
 import difflib
@@ -21,8 +22,9 @@ GENERATORS = {
 SCHEDULE_NAMES = tuple(GENERATORS)
 
 
-def make_schedule(name: str, *, pp: int, microbatches: int, chunks: int | None = None,
-                  **options) -> Schedule:
+def make_schedule(
+    name: str, *, pp: int, microbatches: int, chunks: int | None = None, **options
+) -> Schedule:
   """Builds and validates the named schedule for `pp` ranks and `microbatches` micro-batches."""
   if name not in GENERATORS:
     close = difflib.get_close_matches(name, SCHEDULE_NAMES, n=1)

@@ -44,6 +44,7 @@ Activations (micro-batch-stages whose forward ran and whose backward has not): t
 direct concatenation hold between p/2+1 (end ranks) and p (middle ranks), the paper's range;
 the merged order holds p on every rank.
 """
+
 from __future__ import annotations
 
 from jaxpipe.pipeline.ir.schedule import Action, Placement, Schedule
@@ -51,25 +52,33 @@ from jaxpipe.pipeline.ir.schedule import Action, Placement, Schedule
 CONCAT = ("merged", "direct")
 
 
-def chimera(pp: int, microbatches: int, chunks: int | None = None,
-            concat: str = "merged", **options) -> Schedule:
+def chimera(
+    pp: int, microbatches: int, chunks: int | None = None, concat: str = "merged", **options
+) -> Schedule:
   """Chimera on `pp` ranks: bidirectional 1F1B units, merged (default) or concatenated."""
   if options:
-    raise ValueError(f"chimera takes only the option concat={CONCAT}, got {sorted(options)}; "
-                     "remove them")
+    raise ValueError(
+        f"chimera takes only the option concat={CONCAT}, got {sorted(options)}; " "remove them"
+    )
   if concat not in CONCAT:
     raise ValueError(f"chimera: concat={concat!r} is not one of {CONCAT}")
   if chunks not in (None, 2):
-    raise ValueError(f"chimera runs exactly 2 chunks per rank (one per pipeline), got "
-                     f"chunks={chunks}; pass chunks=None or 2")
+    raise ValueError(
+        f"chimera runs exactly 2 chunks per rank (one per pipeline), got "
+        f"chunks={chunks}; pass chunks=None or 2"
+    )
   p, m = pp, microbatches
   if not isinstance(p, int) or p < 2 or p % 2:
-    raise ValueError(f"chimera needs an even number of ranks (its two pipelines collide on an "
-                     f"odd one), got pp={p}; use pp={max(2, p + 1)}")
+    raise ValueError(
+        f"chimera needs an even number of ranks (its two pipelines collide on an "
+        f"odd one), got pp={p}; use pp={max(2, p + 1)}"
+    )
   if not isinstance(m, int) or m < 2 or m % 2:
-    raise ValueError(f"chimera splits micro-batches evenly between its down and up pipelines, "
-                     f"got microbatches={m}; use an even number, ideally a multiple of pp={p} "
-                     f"such as {max(p, p * round(m / p))}")
+    raise ValueError(
+        f"chimera splits micro-batches evenly between its down and up pipelines, "
+        f"got microbatches={m}; use an even number, ideally a multiple of pp={p} "
+        f"such as {max(p, p * round(m / p))}"
+    )
   if concat == "merged" and m >= 2 * p - 2:
     return _merged(p, m)
   return _concatenated(p, m)
@@ -96,8 +105,14 @@ def _concatenated(p: int, m: int) -> Schedule:
         place(p - 1 - i, t + i, Action("F", p + i, up))
         place(p - 1 - i, t + 2 * p - 1 - i, Action("B", p + i, up))
   ranks = [[slots[r][t] for t in sorted(slots[r])] for r in range(p)]
-  return Schedule("chimera", Placement.bidirectional(p), m, ranks, microbatch_route=route,
-                  options={"pp": p, "concat": "direct"})
+  return Schedule(
+      "chimera",
+      Placement.bidirectional(p),
+      m,
+      ranks,
+      microbatch_route=route,
+      options={"pp": p, "concat": "direct"},
+  )
 
 
 def _merged(p: int, m: int) -> Schedule:
@@ -135,5 +150,11 @@ def _merged(p: int, m: int) -> Schedule:
       run("B0")
     assert done == {"F": {0: c, 1: c}, "B": {0: c, 1: c}}, (r, done)
     ranks.append(ops)
-  return Schedule("chimera", Placement.bidirectional(p), m, ranks,
-                  microbatch_route=(0,) * c + (1,) * c, options={"pp": p, "concat": "merged"})
+  return Schedule(
+      "chimera",
+      Placement.bidirectional(p),
+      m,
+      ranks,
+      microbatch_route=(0,) * c + (1,) * c,
+      options={"pp": p, "concat": "merged"},
+  )

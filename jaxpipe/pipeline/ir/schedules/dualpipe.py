@@ -34,6 +34,7 @@ F = I >= W and F&B = F + B every rank idles exactly (PP/2-1)(F&B + B - 3W); with
 overlapped pair, 2F <= F&B < F + B, that is the worst rank's idle time. Outside those
 ranges (I > F, W > F, F&B < 2F) the formula is not what this order gives.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,8 +42,14 @@ import collections
 from jaxpipe.pipeline.ir.schedule import Action, Op, Overlap, Placement, Schedule
 
 
-def _eight_steps(half_ranks: int, half_rank: int, chunks: int, unoverlapped_first: bool,
-                 stages: tuple[int, int], microbatches: tuple[list[int], list[int]]) -> list[Op]:
+def _eight_steps(
+    half_ranks: int,
+    half_rank: int,
+    chunks: int,
+    unoverlapped_first: bool,
+    stages: tuple[int, int],
+    microbatches: tuple[list[int], list[int]],
+) -> list[Op]:
   """One rank's ops, following the eight steps of `DualPipe.step` / `DualPipeV.step`.
 
   `stages[phase]` is the rank's virtual stage for the phase, `microbatches[phase]` the
@@ -114,13 +121,13 @@ def _eight_steps(half_ranks: int, half_rank: int, chunks: int, unoverlapped_firs
   return ops
 
 
-def _check_args(name: str, pp: int, microbatches: int, chunks: int | None,
-                options: dict) -> None:
+def _check_args(name: str, pp: int, microbatches: int, chunks: int | None, options: dict) -> None:
   if options:
     raise ValueError(f"{name} takes no options, got {sorted(options)}; remove them")
   if chunks not in (None, 2):
-    raise ValueError(f"{name} runs exactly 2 chunks per rank, got chunks={chunks}; pass "
-                     "chunks=None or 2")
+    raise ValueError(
+        f"{name} runs exactly 2 chunks per rank, got chunks={chunks}; pass " "chunks=None or 2"
+    )
   for arg, value in (("pp", pp), ("microbatches", microbatches)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}: {arg}={value!r} must be a positive integer")
@@ -133,8 +140,10 @@ def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -
   if p % 2:
     raise ValueError(f"dualpipe needs an even number of ranks, got pp={p}; use pp={p + 1}")
   if m % 2 or m < 2 * p:
-    raise ValueError(f"dualpipe needs an even number of micro-batches of at least 2*pp = "
-                     f"{2 * p}, got microbatches={m}; use microbatches={max(2 * p, m + m % 2)}")
+    raise ValueError(
+        f"dualpipe needs an even number of micro-batches of at least 2*pp = "
+        f"{2 * p}, got microbatches={m}; use microbatches={max(2 * p, m + m % 2)}"
+    )
   half = m // 2
   down, up = list(range(half)), list(range(half, m))
   ranks = []
@@ -143,10 +152,24 @@ def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -
     half_rank = min(r, p - 1 - r)
     by_direction = ((r, down), (2 * p - 1 - r, up))  # (virtual stage, micro-batches)
     phase0, phase1 = by_direction[second_half], by_direction[not second_half]
-    ranks.append(_eight_steps(p // 2, half_rank, half, half_rank == p // 2 - 1,
-                              (phase0[0], phase1[0]), (phase0[1], phase1[1])))
-  return Schedule("dualpipe", Placement.bidirectional(p), m, ranks,
-                  microbatch_route=(0,) * half + (1,) * half, options={"pp": p})
+    ranks.append(
+        _eight_steps(
+            p // 2,
+            half_rank,
+            half,
+            half_rank == p // 2 - 1,
+            (phase0[0], phase1[0]),
+            (phase0[1], phase1[1]),
+        )
+    )
+  return Schedule(
+      "dualpipe",
+      Placement.bidirectional(p),
+      m,
+      ranks,
+      microbatch_route=(0,) * half + (1,) * half,
+      options={"pp": p},
+  )
 
 
 def dualpipev(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
@@ -154,9 +177,10 @@ def dualpipev(pp: int, microbatches: int, chunks: int | None = None, **options) 
   _check_args("dualpipev", pp, microbatches, chunks, options)
   p, m = pp, microbatches
   if m < 2 * p:
-    raise ValueError(f"dualpipev needs at least 2*pp = {2 * p} micro-batches, got "
-                     f"microbatches={m}; use microbatches={2 * p} or more")
+    raise ValueError(
+        f"dualpipev needs at least 2*pp = {2 * p} micro-batches, got "
+        f"microbatches={m}; use microbatches={2 * p} or more"
+    )
   every = list(range(m))
-  ranks = [_eight_steps(p, r, m, r == p - 1, (r, 2 * p - 1 - r), (every, every))
-           for r in range(p)]
+  ranks = [_eight_steps(p, r, m, r == p - 1, (r, 2 * p - 1 - r), (every, every)) for r in range(p)]
   return Schedule("dualpipev", Placement.vshape(p), m, ranks, options={"pp": p})

@@ -10,6 +10,7 @@
   (groups of g micro-batches, chunk by chunk), backwards walk it with the chunk order reversed,
   and rank r runs (p - r - 1)*2 + (v - 1)*g warm-up forwards, capped at m*v.
 """
+
 from __future__ import annotations
 
 from jaxpipe.pipeline.ir.schedule import Action, Op, Placement, Schedule
@@ -17,8 +18,10 @@ from jaxpipe.pipeline.ir.schedule import Action, Op, Placement, Schedule
 
 def _one_chunk(name: str, chunks: int | None, pp: int, microbatches: int) -> None:
   if chunks not in (None, 1):
-    raise ValueError(f"{name} runs one chunk per rank, got chunks={chunks}; use "
-                     "'interleaved-1f1b' for several chunks per rank")
+    raise ValueError(
+        f"{name} runs one chunk per rank, got chunks={chunks}; use "
+        "'interleaved-1f1b' for several chunks per rank"
+    )
   if pp < 1 or microbatches < 1:
     raise ValueError(f"{name}: pp={pp} and microbatches={microbatches} must be >= 1")
 
@@ -33,8 +36,10 @@ def gpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -> S
   _one_chunk("gpipe", chunks, pp, microbatches)
   _no_options("gpipe", options)
   m = microbatches
-  ranks = [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
-           for r in range(pp)]
+  ranks = [
+      [Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+      for r in range(pp)
+  ]
   return Schedule("gpipe", Placement.interleaved(pp), m, ranks)
 
 
@@ -68,25 +73,29 @@ def interleaved_warmup(pp: int, rank: int, microbatches: int, chunks: int, group
   return min((pp - rank - 1) * 2 + (chunks - 1) * group, microbatches * chunks)
 
 
-def interleaved_1f1b(pp: int, microbatches: int, chunks: int | None = None,
-                     **options) -> Schedule:
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
   """Megatron's interleaved 1F1B; option `group`: micro-batches per group (default pp)."""
   group = options.pop("group", None)
   _no_options("interleaved-1f1b (besides group)", options)
   v = 2 if chunks is None else chunks
   p, m = pp, microbatches
   if v < 2:
-    raise ValueError(f"interleaved-1f1b needs chunks >= 2, got chunks={v}; for one chunk per "
-                     "rank use '1f1b'")
+    raise ValueError(
+        f"interleaved-1f1b needs chunks >= 2, got chunks={v}; for one chunk per " "rank use '1f1b'"
+    )
   g = p if group is None else group
   if not isinstance(g, int) or not p <= g <= m:
-    raise ValueError(f"interleaved-1f1b: group={g!r} (micro-batches per group) must lie in "
-                     f"[pp, microbatches] = [{p}, {m}]" +
-                     ("; use at least pp micro-batches" if m < p else "; pass group in range"))
+    raise ValueError(
+        f"interleaved-1f1b: group={g!r} (micro-batches per group) must lie in "
+        f"[pp, microbatches] = [{p}, {m}]"
+        + ("; use at least pp micro-batches" if m < p else "; pass group in range")
+    )
   if 0 < m % g < p:
-    raise ValueError(f"interleaved-1f1b: microbatches % group = {m} % {g} = {m % g}, which must "
-                     f"be 0 or >= pp={p} (a short last group leaves dependency bubbles); "
-                     f"choose microbatches a multiple of {g} or change group")
+    raise ValueError(
+        f"interleaved-1f1b: microbatches % group = {m} % {g} = {m % g}, which must "
+        f"be 0 or >= pp={p} (a short last group leaves dependency bubbles); "
+        f"choose microbatches a multiple of {g} or change group"
+    )
   table = schedule_table(m, v, g)
   total = m * v
   ranks = []
@@ -97,7 +106,8 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int | None = None,
     ops: list[Op] = fwd[:w]
     for k in range(total - w):
       ops += [fwd[k + w], bwd[k]]
-    ops += bwd[total - w:]
+    ops += bwd[total - w :]
     ranks.append(ops)
-  return Schedule("interleaved-1f1b", Placement.interleaved(p, v), m, ranks,
-                  options={"chunks": v, "group": g})
+  return Schedule(
+      "interleaved-1f1b", Placement.interleaved(p, v), m, ranks, options={"chunks": v, "group": g}
+  )

@@ -46,6 +46,7 @@ op, what throughput pays when steps run back to back (the paper's parallelogram)
   micro-batches and drops the extra ones, torch's rule, which keeps every dependency but idles
   2(2p - 1 - m).
 """
+
 from __future__ import annotations
 
 import collections
@@ -55,16 +56,22 @@ from jaxpipe.pipeline.ir.schedule import Action, Op, Placement, Schedule
 FEWER = ("generator", "drop")  # how zb_v runs fewer than 2p - 1 micro-batches
 
 
-def _check(name: str, pp: int, microbatches: int, chunks: int | None, want_chunks: int,
-           options: dict) -> None:
+def _check(
+    name: str, pp: int, microbatches: int, chunks: int | None, want_chunks: int, options: dict
+) -> None:
   for arg, value in (("pp", pp), ("microbatches", microbatches)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}: {arg}={value!r} must be a positive integer")
   if chunks not in (None, want_chunks):
-    fix = ("it places two chunks per rank in a V" if want_chunks == 2 else
-           "it runs one chunk per rank; use 'zb-v' for two chunks per rank")
-    raise ValueError(f"{name}: chunks={chunks!r} is not supported, {fix}; pass "
-                     f"chunks={want_chunks} or leave it out")
+    fix = (
+        "it places two chunks per rank in a V"
+        if want_chunks == 2
+        else "it runs one chunk per rank; use 'zb-v' for two chunks per rank"
+    )
+    raise ValueError(
+        f"{name}: chunks={chunks!r} is not supported, {fix}; pass "
+        f"chunks={want_chunks} or leave it out"
+    )
   if options:
     raise ValueError(f"{name} takes no options, got {sorted(options)}")
 
@@ -166,8 +173,9 @@ def _zb_v_rank(p: int, m: int, r: int) -> list[Op]:
   return ops
 
 
-def _zb_v_generated(p: int, m: int, fill_f: bool, fill_b: bool,
-                    approved: list[int] | None = None) -> tuple[list[list[Op]], list[int]]:
+def _zb_v_generated(
+    p: int, m: int, fill_f: bool, fill_b: bool, approved: list[int] | None = None
+) -> tuple[list[list[Op]], list[int]]:
   """One pass of the authors' V generator at unit costs (module docstring) -> (ranks, idle)."""
   down, up = 0, 1  # the V's legs: chunk 0 (stage r) and chunk 1 (stage 2p - 1 - r)
   cap = 2 * p  # stage activations a rank may hold (F takes one, W frees it)
@@ -228,8 +236,10 @@ def _zb_v_generated(p: int, m: int, fill_f: bool, fill_b: bool,
   leg = down
   for r in range(1, p):  # both chunks' forwards until rank r has run as many as rank r - 1
     c, prev = count[r], count[r - 1]
-    while (c["F", down] + c["F", up] < prev["F", down] + prev["F", up]
-           or c["F", up] <= prev["F", up] < m):
+    while (
+        c["F", down] + c["F", up] < prev["F", down] + prev["F", up]
+        or c["F", up] <= prev["F", up] < m
+    ):
       for j in reversed(range(r, p)):
         if count[j]["F", leg] < m:
           put("F", leg, j)
@@ -238,8 +248,9 @@ def _zb_v_generated(p: int, m: int, fill_f: bool, fill_b: bool,
     i_down, i_up = [], []  # which leg's I each rank runs next
     for r in range(p):
       c = count[r]
-      if c["I", down] < c["I", up] and (r == p - 1 or ran(("I", down, r + 1, c["I", down]))
-                                         or c["I", up] >= m):
+      if c["I", down] < c["I", up] and (
+          r == p - 1 or ran(("I", down, r + 1, c["I", down])) or c["I", up] >= m
+      ):
         i_down.append(r)
       else:
         i_up.append(r)
@@ -272,8 +283,9 @@ def _zb_v_generated(p: int, m: int, fill_f: bool, fill_b: bool,
   return ranks, idle
 
 
-def zb_v(pp: int, microbatches: int, chunks: int | None = None, fewer: str = "generator",
-         **options) -> Schedule:
+def zb_v(
+    pp: int, microbatches: int, chunks: int | None = None, fewer: str = "generator", **options
+) -> Schedule:
   """ZB-V: two chunks per rank in a V (stages r and 2p-1-r), bubble-free at F = I = W."""
   _check("zb-v", pp, microbatches, chunks, 2, options)
   if fewer not in FEWER:
@@ -282,8 +294,9 @@ def zb_v(pp: int, microbatches: int, chunks: int | None = None, fewer: str = "ge
   if m >= 2 * p - 1 or fewer == "drop":
     full = max(m, 2 * p - 1)  # torch's rule: build for 2p - 1, drop the extra micro-batches
     ranks = [_drop_microbatches(_zb_v_rank(p, full, r), m) for r in range(p)]
-    return Schedule("zb-v", Placement.vshape(p), m, ranks,
-                    options={"fewer": "drop"} if m < 2 * p - 1 else {})
+    return Schedule(
+        "zb-v", Placement.vshape(p), m, ranks, options={"fewer": "drop"} if m < 2 * p - 1 else {}
+    )
   best = None
   for fill_b in (True, False):
     for fill_f in (True, False):

@@ -8,6 +8,7 @@ the one it states; the steady-state view is checked beside it. Activations are c
 Both ways of running more micro-batches than p are checked: the authors' direct concatenation
 (`concat="direct"`) and the merged units (the default), against 1F1B's (p-1)(F+B) at B = 2F.
 """
+
 import pytest
 
 from jaxpipe.pipeline import make_schedule
@@ -18,44 +19,44 @@ from jaxpipe.pipeline.ir.schedules.chimera import chimera
 # N micro-batches, two pipelines): d/u = down/up pipeline, the number is the micro-batch
 # within its unit of p (the k-th time a label appears on a rank it belongs to unit k).
 REFERENCE_GRIDS = {
-  (4, 8): [
-    "dF0 . dF1 uF2 uB2 uF3 uB3 dB0 dF0 dB1 dF1 uF2 uB2 uF3 uB3 dB0 . dB1",
-    ". dF0 uF2 dF1 uF3 uB2 dB0 uB3 dB1 dF0 uF2 dF1 uF3 uB2 dB0 uB3 dB1",
-    ". uF2 dF0 uF3 dF1 dB0 uB2 dB1 uB3 uF2 dF0 uF3 dF1 dB0 uB2 dB1 uB3",
-    "uF2 . uF3 dF0 dB0 dF1 dB1 uB2 uF2 uB3 uF3 dF0 dB0 dF1 dB1 uB2 . uB3",
-  ],
-  (6, 12): [
-    "dF0 . dF1 . dF2 uF3 uB3 uF4 uB4 uF5 uB5 dB0 dF0 dB1 dF1 dB2 dF2 uF3 uB3 uF4 uB4 uF5 "
-    "uB5 dB0 . dB1 . dB2",
-    ". dF0 . dF1 uF3 dF2 uF4 uB3 uF5 uB4 dB0 uB5 dB1 dF0 dB2 dF1 uF3 dF2 uF4 uB3 uF5 uB4 "
-    "dB0 uB5 dB1 . dB2",
-    ". . dF0 uF3 dF1 uF4 dF2 uF5 uB3 dB0 uB4 dB1 uB5 dB2 dF0 uF3 dF1 uF4 dF2 uF5 uB3 dB0 "
-    "uB4 dB1 uB5 dB2",
-    ". . uF3 dF0 uF4 dF1 uF5 dF2 dB0 uB3 dB1 uB4 dB2 uB5 uF3 dF0 uF4 dF1 uF5 dF2 dB0 uB3 "
-    "dB1 uB4 dB2 uB5",
-    ". uF3 . uF4 dF0 uF5 dF1 dB0 dF2 dB1 uB3 dB2 uB4 uF3 uB5 uF4 dF0 uF5 dF1 dB0 dF2 dB1 "
-    "uB3 dB2 uB4 . uB5",
-    "uF3 . uF4 . uF5 dF0 dB0 dF1 dB1 dF2 dB2 uB3 uF3 uB4 uF4 uB5 uF5 dF0 dB0 dF1 dB1 dF2 "
-    "dB2 uB3 . uB4 . uB5",
-  ],
-  (8, 16): [
-    "dF0 . dF1 . dF2 . dF3 uF4 uB4 uF5 uB5 uF6 uB6 uF7 uB7 dB0 dF0 dB1 dF1 dB2 dF2 dB3 "
-    "dF3 uF4 uB4 uF5 uB5 uF6 uB6 uF7 uB7 dB0 . dB1 . dB2 . dB3",
-    ". dF0 . dF1 . dF2 uF4 dF3 uF5 uB4 uF6 uB5 uF7 uB6 dB0 uB7 dB1 dF0 dB2 dF1 dB3 dF2 "
-    "uF4 dF3 uF5 uB4 uF6 uB5 uF7 uB6 dB0 uB7 dB1 . dB2 . dB3",
-    ". . dF0 . dF1 uF4 dF2 uF5 dF3 uF6 uB4 uF7 uB5 dB0 uB6 dB1 uB7 dB2 dF0 dB3 dF1 uF4 "
-    "dF2 uF5 dF3 uF6 uB4 uF7 uB5 dB0 uB6 dB1 uB7 dB2 . dB3",
-    ". . . dF0 uF4 dF1 uF5 dF2 uF6 dF3 uF7 uB4 dB0 uB5 dB1 uB6 dB2 uB7 dB3 dF0 uF4 dF1 "
-    "uF5 dF2 uF6 dF3 uF7 uB4 dB0 uB5 dB1 uB6 dB2 uB7 dB3",
-    ". . . uF4 dF0 uF5 dF1 uF6 dF2 uF7 dF3 dB0 uB4 dB1 uB5 dB2 uB6 dB3 uB7 uF4 dF0 uF5 "
-    "dF1 uF6 dF2 uF7 dF3 dB0 uB4 dB1 uB5 dB2 uB6 dB3 uB7",
-    ". . uF4 . uF5 dF0 uF6 dF1 uF7 dF2 dB0 dF3 dB1 uB4 dB2 uB5 dB3 uB6 uF4 uB7 uF5 dF0 "
-    "uF6 dF1 uF7 dF2 dB0 dF3 dB1 uB4 dB2 uB5 dB3 uB6 . uB7",
-    ". uF4 . uF5 . uF6 dF0 uF7 dF1 dB0 dF2 dB1 dF3 dB2 uB4 dB3 uB5 uF4 uB6 uF5 uB7 uF6 "
-    "dF0 uF7 dF1 dB0 dF2 dB1 dF3 dB2 uB4 dB3 uB5 . uB6 . uB7",
-    "uF4 . uF5 . uF6 . uF7 dF0 dB0 dF1 dB1 dF2 dB2 dF3 dB3 uB4 uF4 uB5 uF5 uB6 uF6 uB7 "
-    "uF7 dF0 dB0 dF1 dB1 dF2 dB2 dF3 dB3 uB4 . uB5 . uB6 . uB7",
-  ],
+    (4, 8): [
+        "dF0 . dF1 uF2 uB2 uF3 uB3 dB0 dF0 dB1 dF1 uF2 uB2 uF3 uB3 dB0 . dB1",
+        ". dF0 uF2 dF1 uF3 uB2 dB0 uB3 dB1 dF0 uF2 dF1 uF3 uB2 dB0 uB3 dB1",
+        ". uF2 dF0 uF3 dF1 dB0 uB2 dB1 uB3 uF2 dF0 uF3 dF1 dB0 uB2 dB1 uB3",
+        "uF2 . uF3 dF0 dB0 dF1 dB1 uB2 uF2 uB3 uF3 dF0 dB0 dF1 dB1 uB2 . uB3",
+    ],
+    (6, 12): [
+        "dF0 . dF1 . dF2 uF3 uB3 uF4 uB4 uF5 uB5 dB0 dF0 dB1 dF1 dB2 dF2 uF3 uB3 uF4 uB4 uF5 "
+        "uB5 dB0 . dB1 . dB2",
+        ". dF0 . dF1 uF3 dF2 uF4 uB3 uF5 uB4 dB0 uB5 dB1 dF0 dB2 dF1 uF3 dF2 uF4 uB3 uF5 uB4 "
+        "dB0 uB5 dB1 . dB2",
+        ". . dF0 uF3 dF1 uF4 dF2 uF5 uB3 dB0 uB4 dB1 uB5 dB2 dF0 uF3 dF1 uF4 dF2 uF5 uB3 dB0 "
+        "uB4 dB1 uB5 dB2",
+        ". . uF3 dF0 uF4 dF1 uF5 dF2 dB0 uB3 dB1 uB4 dB2 uB5 uF3 dF0 uF4 dF1 uF5 dF2 dB0 uB3 "
+        "dB1 uB4 dB2 uB5",
+        ". uF3 . uF4 dF0 uF5 dF1 dB0 dF2 dB1 uB3 dB2 uB4 uF3 uB5 uF4 dF0 uF5 dF1 dB0 dF2 dB1 "
+        "uB3 dB2 uB4 . uB5",
+        "uF3 . uF4 . uF5 dF0 dB0 dF1 dB1 dF2 dB2 uB3 uF3 uB4 uF4 uB5 uF5 dF0 dB0 dF1 dB1 dF2 "
+        "dB2 uB3 . uB4 . uB5",
+    ],
+    (8, 16): [
+        "dF0 . dF1 . dF2 . dF3 uF4 uB4 uF5 uB5 uF6 uB6 uF7 uB7 dB0 dF0 dB1 dF1 dB2 dF2 dB3 "
+        "dF3 uF4 uB4 uF5 uB5 uF6 uB6 uF7 uB7 dB0 . dB1 . dB2 . dB3",
+        ". dF0 . dF1 . dF2 uF4 dF3 uF5 uB4 uF6 uB5 uF7 uB6 dB0 uB7 dB1 dF0 dB2 dF1 dB3 dF2 "
+        "uF4 dF3 uF5 uB4 uF6 uB5 uF7 uB6 dB0 uB7 dB1 . dB2 . dB3",
+        ". . dF0 . dF1 uF4 dF2 uF5 dF3 uF6 uB4 uF7 uB5 dB0 uB6 dB1 uB7 dB2 dF0 dB3 dF1 uF4 "
+        "dF2 uF5 dF3 uF6 uB4 uF7 uB5 dB0 uB6 dB1 uB7 dB2 . dB3",
+        ". . . dF0 uF4 dF1 uF5 dF2 uF6 dF3 uF7 uB4 dB0 uB5 dB1 uB6 dB2 uB7 dB3 dF0 uF4 dF1 "
+        "uF5 dF2 uF6 dF3 uF7 uB4 dB0 uB5 dB1 uB6 dB2 uB7 dB3",
+        ". . . uF4 dF0 uF5 dF1 uF6 dF2 uF7 dF3 dB0 uB4 dB1 uB5 dB2 uB6 dB3 uB7 uF4 dF0 uF5 "
+        "dF1 uF6 dF2 uF7 dF3 dB0 uB4 dB1 uB5 dB2 uB6 dB3 uB7",
+        ". . uF4 . uF5 dF0 uF6 dF1 uF7 dF2 dB0 dF3 dB1 uB4 dB2 uB5 dB3 uB6 uF4 uB7 uF5 dF0 "
+        "uF6 dF1 uF7 dF2 dB0 dF3 dB1 uB4 dB2 uB5 dB3 uB6 . uB7",
+        ". uF4 . uF5 . uF6 dF0 uF7 dF1 dB0 dF2 dB1 dF3 dB2 uB4 dB3 uB5 uF4 uB6 uF5 uB7 uF6 "
+        "dF0 uF7 dF1 dB0 dF2 dB1 dF3 dB2 uB4 dB3 uB5 . uB6 . uB7",
+        "uF4 . uF5 . uF6 . uF7 dF0 dB0 dF1 dB1 dF2 dB2 dF3 dB3 uB4 uF4 uB5 uF5 uB6 uF6 uB7 "
+        "uF7 dF0 dB0 dF1 dB1 dF2 dB2 dF3 dB3 uB4 . uB5 . uB6 . uB7",
+    ],
 }
 
 
@@ -83,8 +84,24 @@ def _peak_activations(schedule):
   return peaks
 
 
-SIZES = [(2, 2), (2, 4), (2, 6), (4, 2), (4, 4), (4, 6), (4, 8), (4, 12), (6, 6), (6, 8), (6, 12),
-         (8, 8), (8, 16), (8, 24), (8, 10), (10, 20)]
+SIZES = [
+    (2, 2),
+    (2, 4),
+    (2, 6),
+    (4, 2),
+    (4, 4),
+    (4, 6),
+    (4, 8),
+    (4, 12),
+    (6, 6),
+    (6, 8),
+    (6, 12),
+    (8, 8),
+    (8, 16),
+    (8, 24),
+    (8, 10),
+    (10, 20),
+]
 
 
 @pytest.mark.parametrize("p,m", SIZES)
@@ -120,8 +137,9 @@ def test_matches_reference_generator(p, m):
 
 
 @pytest.mark.parametrize("concat", ["direct", "merged"])
-@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (4, 12), (6, 12), (8, 8), (8, 32),
-                                 (10, 20)])
+@pytest.mark.parametrize(
+    "p,m", [(2, 2), (4, 4), (4, 8), (4, 12), (6, 12), (8, 8), (8, 32), (10, 20)]
+)
 def test_bubble_rate_in_slots(p, m, concat):
   """Paper: (D-2)/(2N+D-2) with F = B; the single-step view, equal on every rank."""
   single, steady, makespan = _bubbles(chimera(p, m, concat=concat))
@@ -178,14 +196,17 @@ def test_activations_between_half_and_full_depth(p, m):
   assert max(peaks) == p
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(pp=5, microbatches=10), r"even number of ranks.*pp=5; use pp=6"),
-    (dict(pp=1, microbatches=2), r"even number of ranks.*pp=1; use pp=2"),
-    (dict(pp=4, microbatches=7), r"microbatches=7; use an even number.*such as 8"),
-    (dict(pp=4, microbatches=8, chunks=4), r"chunks=4"),
-    (dict(pp=4, microbatches=8, doubling=True), r"only the option concat.*doubling"),
-    (dict(pp=4, microbatches=8, concat="doubled"), r"concat='doubled' is not one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pp=5, microbatches=10), r"even number of ranks.*pp=5; use pp=6"),
+        (dict(pp=1, microbatches=2), r"even number of ranks.*pp=1; use pp=2"),
+        (dict(pp=4, microbatches=7), r"microbatches=7; use an even number.*such as 8"),
+        (dict(pp=4, microbatches=8, chunks=4), r"chunks=4"),
+        (dict(pp=4, microbatches=8, doubling=True), r"only the option concat.*doubling"),
+        (dict(pp=4, microbatches=8, concat="doubled"), r"concat='doubled' is not one of"),
+    ],
+)
 def test_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):
     chimera(**kwargs)

@@ -6,6 +6,7 @@ view: makespan minus a rank's busy time, which here is the same on every rank. A
 are counted in (stage, micro-batch) pairs whose forward ran and whose backward has not freed
 them (B, or W when the backward is split).
 """
+
 import pytest
 
 from jaxpipe.pipeline import ScheduleError, make_schedule
@@ -53,10 +54,33 @@ def _readme_formula(pp_stages, f, i, w, fb):
   return (pp_stages / 2 - 1) * (fb + (i + w) - 3 * w)
 
 
-DUALPIPE_SIZES = [(2, 4), (2, 6), (4, 8), (4, 10), (4, 12), (6, 12), (6, 16), (8, 16), (8, 20),
-                  (8, 32), (16, 32)]
-DUALPIPEV_SIZES = [(1, 2), (1, 3), (2, 4), (2, 5), (3, 6), (3, 7), (4, 8), (4, 9), (4, 10),
-                   (6, 13), (8, 16), (8, 32)]
+DUALPIPE_SIZES = [
+    (2, 4),
+    (2, 6),
+    (4, 8),
+    (4, 10),
+    (4, 12),
+    (6, 12),
+    (6, 16),
+    (8, 16),
+    (8, 20),
+    (8, 32),
+    (16, 32),
+]
+DUALPIPEV_SIZES = [
+    (1, 2),
+    (1, 3),
+    (2, 4),
+    (2, 5),
+    (3, 6),
+    (3, 7),
+    (4, 8),
+    (4, 9),
+    (4, 10),
+    (6, 13),
+    (8, 16),
+    (8, 32),
+]
 
 
 @pytest.mark.parametrize("p,m", DUALPIPE_SIZES)
@@ -90,10 +114,12 @@ def test_dualpipe_matches_readme_figure():
   label = lambda a: a.kind + (str(a.microbatch) if a.microbatch < 10 else "")
   assert _tokens(s, 0, label) == (
       "F0 F1 F2 F3 F4 F5 F6 F I W F I W F I W F F7&B F&B0 F8&B F&B1 F9&B F&B2 B F&B3 B F&B4 "
-      "B F&B5 B I6 W6 I7 W7 I8 W8 I9 W9")
+      "B F&B5 B I6 W6 I7 W7 I8 W8 I9 W9"
+  )
   assert _tokens(s, 7, label) == (
       "F F F F F F F F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 F&B3 F4&B F&B4 F5&B F&B5 F6&B B6 F7&B B7 "
-      "F8&B B8 F9&B B9 I W I W I W I W")
+      "F8&B B8 F9&B B9 I W I W I W I W"
+  )
 
 
 def test_dualpipev_matches_readme_figure():
@@ -102,11 +128,13 @@ def test_dualpipev_matches_readme_figure():
   label = lambda a: f"{a.kind}{a.microbatch}" + ("'" if a.stage >= 4 else "")
   assert _tokens(s, 0, label) == (
       "F0 F1 F2 F3 F4 F5 F6 F0' I0' W0' F1' I1' W1' F2' I2' W2' F3' F7&B3' F4'&B0 F8&B4' "
-      "F5'&B1 F9&B5' F6'&B2 B6' F7'&B3 B7' F8'&B4 B8' F9'&B5 B9' I6 W6 I7 W7 I8 W8 I9 W9")
+      "F5'&B1 F9&B5' F6'&B2 B6' F7'&B3 B7' F8'&B4 B8' F9'&B5 B9' I6 W6 I7 W7 I8 W8 I9 W9"
+  )
   # the last rank runs its first step-4 pair apart (F4, then B0'), as the reference does
   assert _tokens(s, 3, label) == (
       "F0 F0' F1 F1' F2 F2' F3 F3' F4 B0' F4'&B0 F5&B1' F5'&B1 F6&B2' F6'&B2 F7&B3' F7'&B3 "
-      "F8&B4' F8'&B4 F9&B5' F9'&B5 B6' B6 B7' B7 I8' I8 I9' I9 W8' W8 W9' W9")
+      "F8&B4' F8'&B4 F9&B5' F9'&B5 B6' B6 B7' B7 I8' I8 I9' I9 W8' W8 W9' W9"
+  )
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 32)])
@@ -143,8 +171,10 @@ def test_bubble_formula_with_overlap_credit(fb):
     assert max(single) == _readme_formula(stages, 1, 1, 1, fb)
 
 
-@pytest.mark.parametrize("gen,p,m,stages", [(dualpipe, 4, 8, 4), (dualpipe, 8, 20, 8),
-                                            (dualpipev, 4, 10, 8), (dualpipev, 8, 16, 16)])
+@pytest.mark.parametrize(
+    "gen,p,m,stages",
+    [(dualpipe, 4, 8, 4), (dualpipe, 8, 20, 8), (dualpipev, 4, 10, 8), (dualpipev, 8, 16, 16)],
+)
 def test_bubble_steady_state_view(gen, p, m, stages):
   """Idle between a rank's first and last op: the formula on rank 0, which bounds the rest."""
   _, steady = _bubbles(gen(p, m), _costs())
@@ -173,13 +203,16 @@ def test_dualpipe_at_scale():
   assert sum(a.kind == "F" for _, _, a in s.actions()) == 64 * 512
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(pp=3, microbatches=12), r"even number of ranks, got pp=3; use pp=4"),
-    (dict(pp=4, microbatches=9), r"microbatches=9; use microbatches=10"),
-    (dict(pp=4, microbatches=6), r"at least 2\*pp = 8, got microbatches=6; use microbatches=8"),
-    (dict(pp=4, microbatches=8, chunks=3), r"chunks=3"),
-    (dict(pp=4, microbatches=8, zero_bubble=False), r"no options.*zero_bubble"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pp=3, microbatches=12), r"even number of ranks, got pp=3; use pp=4"),
+        (dict(pp=4, microbatches=9), r"microbatches=9; use microbatches=10"),
+        (dict(pp=4, microbatches=6), r"at least 2\*pp = 8, got microbatches=6; use microbatches=8"),
+        (dict(pp=4, microbatches=8, chunks=3), r"chunks=3"),
+        (dict(pp=4, microbatches=8, zero_bubble=False), r"no options.*zero_bubble"),
+    ],
+)
 def test_dualpipe_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dualpipe(**kwargs)
@@ -187,10 +220,13 @@ def test_dualpipe_rejects(kwargs, match):
     make_schedule("dualpipe", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(pp=4, microbatches=7), r"at least 2\*pp = 8 .*microbatches=7; use microbatches=8"),
-    (dict(pp=4, microbatches=8, chunks=1), r"chunks=1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pp=4, microbatches=7), r"at least 2\*pp = 8 .*microbatches=7; use microbatches=8"),
+        (dict(pp=4, microbatches=8, chunks=1), r"chunks=1"),
+    ],
+)
 def test_dualpipev_rejects(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dualpipev(**kwargs)

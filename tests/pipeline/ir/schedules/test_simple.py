@@ -4,14 +4,31 @@ Oracles: the published formulas ((p-1)(F+B) bubble, Megatron's warm-up counts, t
 activation counts they imply) and Megatron's documented schedule-table example; nothing here
 is computed by the code under test.
 """
+
 import pytest
 
 from jaxpipe.pipeline import Placement, make_schedule
 from jaxpipe.pipeline.ir.schedules.simple import schedule_table
 
 # (p, m) with the edges m = p, m = 2p, m < p, odd and even p, p = 1.
-PM = [(1, 1), (1, 3), (2, 2), (2, 4), (3, 3), (3, 6), (3, 7), (4, 4), (4, 8), (4, 9), (5, 5),
-      (5, 10), (6, 2), (7, 14), (8, 8), (8, 32)]
+PM = [
+    (1, 1),
+    (1, 3),
+    (2, 2),
+    (2, 4),
+    (3, 3),
+    (3, 6),
+    (3, 7),
+    (4, 4),
+    (4, 8),
+    (4, 9),
+    (5, 5),
+    (5, 10),
+    (6, 2),
+    (7, 14),
+    (8, 8),
+    (8, 32),
+]
 
 
 def leading_forwards(ops) -> int:
@@ -80,10 +97,25 @@ def test_megatron_schedule_table_example():
   assert [c for _, c in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
 
 
-VPP = [(p, m, v, g) for p, m in [(1, 2), (2, 2), (2, 4), (3, 3), (3, 6), (3, 7), (4, 4), (4, 8),
-                                (4, 10), (5, 10), (8, 16)]
-       for v in (2, 3, 4) for g in sorted({p, m, min(m, 2 * p)})
-       if g >= p and (m % g == 0 or m % g >= p)]
+VPP = [
+    (p, m, v, g)
+    for p, m in [
+        (1, 2),
+        (2, 2),
+        (2, 4),
+        (3, 3),
+        (3, 6),
+        (3, 7),
+        (4, 4),
+        (4, 8),
+        (4, 10),
+        (5, 10),
+        (8, 16),
+    ]
+    for v in (2, 3, 4)
+    for g in sorted({p, m, min(m, 2 * p)})
+    if g >= p and (m % g == 0 or m % g >= p)
+]
 
 
 @pytest.mark.parametrize("p,m,v,g", VPP)
