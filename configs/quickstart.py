@@ -1,6 +1,8 @@
 """Quickstart: a 4-layer byte-level LM on the Python standard library's source, on any machine.
 
-python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
+  python -m jaxpipe.train --config configs/quickstart.py --workdir /tmp/qs
+
+The README's first command; rerunning it resumes from the newest checkpoint.
 """
 
 from jaxpipe.training.config import default_config

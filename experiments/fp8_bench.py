@@ -74,7 +74,7 @@ FLAGS = cli.flag_values(__name__)
 flags.DEFINE_list(
     "parts",
     None,
-    "Comma-separated: curves, gemm, seeds, gpu (default: curves,gemm " "on CPU, gpu on a GPU).",
+    "Comma-separated: curves, gemm, seeds, gpu (default: curves,gemm on CPU, gpu on a GPU).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("steps", 300, "Training steps per run.", flag_values=FLAGS)
@@ -84,7 +84,7 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     "runs",
     [run[0] for run in RUNS],
-    "Labels of the runs to train (float32 always " "runs: the others are compared with it).",
+    "Labels of the runs to train (float32 always runs: the others are compared with it).",
     flag_values=FLAGS,
 )
 flags.DEFINE_list(
@@ -467,9 +467,7 @@ def main(argv: list[str]) -> None:
   default = ["gpu"] if jax.default_backend() == "gpu" else ["curves", "gemm"]
   args.parts = set(args.parts or default)
   if args.parts - set(PARTS):
-    raise app.UsageError(
-        f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from " f"{PARTS}"
-    )
+    raise app.UsageError(f"--parts: unknown {sorted(args.parts - set(PARTS))}; choose from {PARTS}")
   try:
     args.pp = [int(p) for p in args.pp]
     args.seeds = [int(v) for v in args.seeds]
@@ -478,9 +476,7 @@ def main(argv: list[str]) -> None:
   labels = [run[0] for run in RUNS]
   args.runs = set(args.runs) | {"float32"}
   if args.runs - set(labels):
-    raise app.UsageError(
-        f"--runs: unknown {sorted(args.runs - set(labels))}; choose from " f"{labels}"
-    )
+    raise app.UsageError(f"--runs: unknown {sorted(args.runs - set(labels))}; choose from {labels}")
   print(
       f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices; "
       f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"

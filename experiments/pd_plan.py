@@ -50,13 +50,13 @@ flags.DEFINE_bool("cpu", False, "Plan for this machine's host devices.", flag_va
 flags.DEFINE_bool(
     "measure",
     False,
-    "--cpu: run the deployments too and print them beside the " "prediction.",
+    "--cpu: run the deployments too and print them beside the prediction.",
     flag_values=FLAGS,
 )
 flags.DEFINE_string(
     "bench_args",
     "--mode both --rates 4,16",
-    "--cpu: serve_bench flags of the " "deployments to predict (and measure).",
+    "--cpu: serve_bench flags of the deployments to predict (and measure).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("repeats", 5, "--cpu: timed runs per step program.", flag_values=FLAGS)
@@ -91,7 +91,7 @@ flags.DEFINE_integer("top", 3, "Best splits simulated whole.", flag_values=FLAGS
 flags.DEFINE_integer(
     "max_sim_gpus",
     8,
-    "Largest cluster simulated whole (beyond: per-instance " "goodput x count).",
+    "Largest cluster simulated whole (beyond: per-instance goodput x count).",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool("verbose", False, "Print every configuration's goodput.", flag_values=FLAGS)

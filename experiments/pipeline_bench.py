@@ -76,13 +76,13 @@ flags.DEFINE_string(
 flags.DEFINE_bool(
     "breakdown",
     False,
-    "Then profile steps of each program and split them by kind " "of op.",
+    "Then profile steps of each program and split them by kind of op.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
     "system_malloc",
     False,
-    "Keep glibc's default of unmapping freed allocations " "over 32 MB.",
+    "Keep glibc's default of unmapping freed allocations over 32 MB.",
     flag_values=FLAGS,
 )
 

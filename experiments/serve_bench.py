@@ -77,14 +77,14 @@ flags.DEFINE_alias("rate", "rates", flag_values=FLAGS)
 flags.DEFINE_string(
     "prompt",
     "8:96",
-    "Prompt lengths: N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] " "tokens.",
+    "Prompt lengths: N, MIN:MAX or lognormal:MEDIAN:MAX[:SIGMA] tokens.",
     flag_values=FLAGS,
 )
 flags.DEFINE_string("output", "8:96", "Output lengths, as --prompt.", flag_values=FLAGS)
 flags.DEFINE_integer(
     "kv_tokens",
     3072,
-    "KV slots per layer for either system (--mode: per " "worker).",
+    "KV slots per layer for either system (--mode: per worker).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
@@ -99,7 +99,7 @@ flags.DEFINE_integer("repeats", 20, "--kernel: timed calls per cell.", flag_valu
 flags.DEFINE_string(
     "url",
     None,
-    "Drive this OpenAI-compatible server instead " "(experiments/serve_client.py).",
+    "Drive this OpenAI-compatible server instead (experiments/serve_client.py).",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool("compare", False, "--url: also run its engine in-process.", flag_values=FLAGS)
@@ -120,13 +120,13 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "workers",
     0,
-    "--mode colocated: workers (default: prefill + decode workers, " "the same devices).",
+    "--mode colocated: workers (default: prefill + decode workers, the same devices).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer(
     "devices_per_worker",
     1,
-    "--mode: devices of each worker (KV heads split " "over them).",
+    "--mode: devices of each worker (KV heads split over them).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer(
@@ -148,7 +148,7 @@ flags.DEFINE_float(
 flags.DEFINE_integer(
     "probes",
     6,
-    "--mode: goodput search: most rates run per deployment (the " "--rates included).",
+    "--mode: goodput search: most rates run per deployment (the --rates included).",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(

@@ -83,7 +83,7 @@ flags.mark_flag_as_required("config", flag_values=FLAGS)
 flags.DEFINE_multi_string(
     "grid",
     [],
-    "KEY=V1,V2: a config field and its values; repeatable, the " "cells are the product.",
+    "KEY=V1,V2: a config field and its values; repeatable, the cells are the product.",
     flag_values=FLAGS,
 )
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields.", flag_values=FLAGS)
@@ -97,7 +97,7 @@ flags.mark_flag_as_required("out", flag_values=FLAGS)
 flags.DEFINE_bool(
     "trace",
     False,
-    "Also write each cell's planned vs measured ticks " "(ticks.perfetto.json).",
+    "Also write each cell's planned vs measured ticks (ticks.perfetto.json).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("repeats", 5, "Timed rounds of costs and step.", flag_values=FLAGS)

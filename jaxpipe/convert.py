@@ -48,14 +48,14 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
     "step",
     None,
-    "orbax-to-hf: the checkpoint to export; default the newest " "committed.",
+    "orbax-to-hf: the checkpoint to export; default the newest committed.",
     flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "dtype",
     None,
     ("float32", "bfloat16", "float16"),
-    "orbax-to-hf: of the " "written weights; default the source's (else float32).",
+    "orbax-to-hf: of the written weights; default the source's (else float32).",
     flag_values=FLAGS,
 )
 

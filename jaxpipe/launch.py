@@ -34,20 +34,20 @@ flags.mark_flag_as_required("processes", flag_values=FLAGS)
 flags.DEFINE_integer(
     "devices_per_process",
     None,
-    "CPU devices per rank (sets " "JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu).",
+    "CPU devices per rank (sets JAX_NUM_CPU_DEVICES and JAX_PLATFORMS=cpu).",
     flag_values=FLAGS,
 )
 # (absl's logging owns --log_dir)
 flags.DEFINE_string(
     "rank_log_dir",
     None,
-    "Where rank<i>.log go (default: a new temporary " "directory).",
+    "Where rank<i>.log go (default: a new temporary directory).",
     flag_values=FLAGS,
 )
 flags.DEFINE_float(
     "grace",
     10.0,
-    "Seconds the other ranks get to stop by themselves after one " "fails, before they are killed.",
+    "Seconds the other ranks get to stop by themselves after one fails, before they are killed.",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer(

@@ -48,7 +48,7 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "stages",
     "",
-    "Model stage counts, e.g. 4,8 (default: the config " "schedule's).",
+    "Model stage counts, e.g. 4,8 (default: the config schedule's).",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("repeats", 5, "Timed rounds; each part's median is kept.", flag_values=FLAGS)

@@ -40,19 +40,19 @@ flags.DEFINE_integer("chunks", None, "Model chunks per rank (interleaved-1f1b)."
 flags.DEFINE_multi_string(
     "option",
     [],
-    "Generator option NAME=VALUE, e.g. group=4 for " "interleaved-1f1b; repeatable.",
+    "Generator option NAME=VALUE, e.g. group=4 for interleaved-1f1b; repeatable.",
     flag_values=FLAGS,
 )
 flags.DEFINE_string(
     "costs",
     "",
-    "Per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), or a cost file " "(python -m jaxpipe.measure).",
+    "Per-kind costs, e.g. F=1,I=1,W=1 (B=I+W), or a cost file (python -m jaxpipe.measure).",
     flag_values=FLAGS,
 )
 flags.DEFINE_float(
     "memory_limit",
     0.0,
-    "auto: GB per device; schedules predicted to need more " "are dropped.",
+    "auto: GB per device; schedules predicted to need more are dropped.",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer(
@@ -65,7 +65,7 @@ flags.DEFINE_float("latency", 0.0, "Cross-rank latency.", flag_values=FLAGS)
 flags.DEFINE_bool(
     "lockstep",
     False,
-    "perfetto/png: draw the lock-step timeline instead of the " "asynchronous one.",
+    "perfetto/png: draw the lock-step timeline instead of the asynchronous one.",
     flag_values=FLAGS,
 )
 flags.DEFINE_string(
@@ -224,7 +224,7 @@ def auto(args) -> str:
   """Ranks every generator at --microbatches (comma list) by predicted step time."""
   if args.cost_file is None or args.pp is None or args.microbatches_list is None:
     raise ValueError(
-        "auto needs --pp, --microbatches and --costs FILE (from python -m " "jaxpipe.measure)"
+        "auto needs --pp, --microbatches and --costs FILE (from python -m jaxpipe.measure)"
     )
   names = tuple(filter(None, args.schedules.split(","))) or SCHEDULE_NAMES
   limit = args.memory_limit * auto_lib.GB if args.memory_limit else None

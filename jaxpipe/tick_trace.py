@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
     config = trainer.config
     if trainer.mesh_shape["pp"] == 1:
       raise config_lib.ConfigError(
-          "there are no ticks without a pipeline: set " "--config.mesh.pp to 2 or more"
+          "there are no ticks without a pipeline: set --config.mesh.pp to 2 or more"
       )
     schedule = lm_schedule(config.pipeline, trainer.mesh_shape["pp"])
     lowered = lowered_for(schedule)

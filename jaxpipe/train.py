@@ -74,31 +74,31 @@ _RESUME_CHANGED = flags.DEFINE_bool(
 _RESTART = flags.DEFINE_bool(
     "restart",
     False,
-    "Move the workdir's run to previous-<n>/ and start " "over.",
+    "Move the workdir's run to previous-<n>/ and start over.",
     flag_values=FLAGS,
 )
 _DEBUG = flags.DEFINE_bool(
     "debug",
     False,
-    "On an error, show the traceback (and orbax's log of a " "failed save) instead of one line.",
+    "On an error, show the traceback (and orbax's log of a failed save) instead of one line.",
     flag_values=FLAGS,
 )
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address",
     None,
-    "host:port of process 0 in a " "multi-process run ($JAX_COORDINATOR_ADDRESS).",
+    "host:port of process 0 in a multi-process run ($JAX_COORDINATOR_ADDRESS).",
     flag_values=FLAGS,
 )
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes",
     None,
-    "Processes in a multi-process run, " "one per host ($JAX_NUM_PROCESSES).",
+    "Processes in a multi-process run, one per host ($JAX_NUM_PROCESSES).",
     flag_values=FLAGS,
 )
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id",
     None,
-    "This process's index, 0..num_processes-1 " "($JAX_PROCESS_ID).",
+    "This process's index, 0..num_processes-1 ($JAX_PROCESS_ID).",
     flag_values=FLAGS,
 )
 # What a failed collective says when another process of the run has gone.

@@ -223,7 +223,7 @@ def paged_attention(
   )
   if pages_per_block < 1 or pages_per_block & (pages_per_block - 1) or k_splits < 1:
     raise ValueError(
-        f"pages_per_block={pages_per_block} must be a power of two and " f"k_splits={k_splits} >= 1"
+        f"pages_per_block={pages_per_block} must be a power of two and k_splits={k_splits} >= 1"
     )
   b, h, d = q_BxHxK.shape
   g, p, s, _ = k_pages_GxPxSxK.shape

@@ -220,7 +220,7 @@ def test_changed_config_is_refused_and_the_choices_are_recorded(tmp_path):
       "train.steps 4 -> 8 (the learning-rate schedule",
       "another --workdir",
       "--resume_changed",
-      f"--restart to start over here (the old " f"run moves to {workdir}/previous-1)",
+      f"--restart to start over here (the old run moves to {workdir}/previous-1)",
   ):
     assert needle in r.stderr, needle
   assert open(os.path.join(workdir, "config.json")).read() == stored
@@ -435,7 +435,7 @@ def test_a_file_write_that_fails_leaves_the_old_file_whole(tmp_path):
         (
             ["--config.model.dtype=float16"],
             {},
-            "error: model.dtype='float16' does not run on cpu: " "XLA:CPU has no float16 matmul",
+            "error: model.dtype='float16' does not run on cpu: XLA:CPU has no float16 matmul",
         ),
         ([], {"config": "configs/missing.py"}, "error: --config configs/missing.py: no such file"),
         (
@@ -446,7 +446,7 @@ def test_a_file_write_that_fails_leaves_the_old_file_whole(tmp_path):
         (
             ["--num_processes=2", "--process_id=0"],
             {},
-            "error: a multi-process run needs " "--coordinator_address as well",
+            "error: a multi-process run needs --coordinator_address as well",
         ),
     ],
 )
@@ -509,7 +509,7 @@ def test_bad_inputs_found_in_process(tmp_path, monkeypatch):
       (
           "num_experts",
           6,
-          "model.moe: num_experts=6 is not divisible by the " "expert axis size ep=4",
+          "model.moe: num_experts=6 is not divisible by the expert axis size ep=4",
       ),
       ("top_k", 9, "model.moe: top_k=9 exceeds num_experts=8"),
   ]:

@@ -212,7 +212,7 @@ def check_model(
   loss = jax.eval_shape(model.loss_fn, head_params, y0, t0)
   if not hasattr(loss, "shape") or loss.shape != ():
     raise ValueError(
-        f"loss_fn must return a scalar for one micro-batch, got " f"{getattr(loss, 'shape', loss)}"
+        f"loss_fn must return a scalar for one micro-batch, got {getattr(loss, 'shape', loss)}"
     )
 
 

@@ -37,7 +37,7 @@ FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpi
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     None,
-    "ml_collections config file " "(get_config); serves fresh parameters.",
+    "ml_collections config file (get_config); serves fresh parameters.",
     lock_config=True,
     flag_values=FLAGS,
 )
@@ -73,7 +73,7 @@ _ATTENTION = flags.DEFINE_string(
 _MAX_BATCH = flags.DEFINE_integer(
     "max_batch",
     None,
-    "Most sequences running at once; default 16 " "(--http) or the number of prompts, at most 16.",
+    "Most sequences running at once; default 16 (--http) or the number of prompts, at most 16.",
     flag_values=FLAGS,
 )
 _MAX_TOKENS_PER_STEP = flags.DEFINE_integer(
@@ -82,13 +82,13 @@ _MAX_TOKENS_PER_STEP = flags.DEFINE_integer(
 _TOKEN_BUCKETS = flags.DEFINE_list(
     "token_buckets",
     None,
-    "Padded step sizes in tokens; default " "powers of two from 8 to --max_tokens_per_step.",
+    "Padded step sizes in tokens; default powers of two from 8 to --max_tokens_per_step.",
     flag_values=FLAGS,
 )
 _PAGE_BUCKETS = flags.DEFINE_list(
     "page_buckets",
     None,
-    "Padded pages per sequence; default the " "whole context alone.",
+    "Padded pages per sequence; default the whole context alone.",
     flag_values=FLAGS,
 )
 _HTTP = flags.DEFINE_bool(
@@ -99,13 +99,13 @@ _PORT = flags.DEFINE_integer("port", 8000, "--http: port to listen on.", flag_va
 _MAX_QUEUE = flags.DEFINE_integer(
     "max_queue",
     64,
-    "--http: sequences waiting beyond --max_batch " "before requests are answered 429.",
+    "--http: sequences waiting beyond --max_batch before requests are answered 429.",
     flag_values=FLAGS,
 )
 _DRAIN_S = flags.DEFINE_float(
     "drain_s",
     30.0,
-    "--http: seconds running requests may go on after " "SIGTERM before they are cancelled.",
+    "--http: seconds running requests may go on after SIGTERM before they are cancelled.",
     flag_values=FLAGS,
 )
 _MODE = flags.DEFINE_enum(
@@ -128,7 +128,7 @@ _DEVICES_PER_WORKER = flags.DEFINE_integer(
 _MODEL_NAME = flags.DEFINE_string(
     "model_name",
     None,
-    "--http: the served model's name; default " "the workdir's or config file's name.",
+    "--http: the served model's name; default the workdir's or config file's name.",
     flag_values=FLAGS,
 )
 
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_CONFIG.value is None) == (_WORKDIR.value is None):
     raise app.UsageError(
-        "give exactly one of --workdir (a training run) or --config (fresh " "parameters)"
+        "give exactly one of --workdir (a training run) or --config (fresh parameters)"
     )
   if _HTTP.value == bool(_PROMPT.value):
     raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')

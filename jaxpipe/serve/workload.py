@@ -166,7 +166,7 @@ def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
           ) from None
         if len(tokens) != lengths[0]:
           raise ValueError(
-              f"{where}: prompt has {len(tokens)} tokens, prompt_len says " f"{lengths[0]}"
+              f"{where}: prompt has {len(tokens)} tokens, prompt_len says {lengths[0]}"
           )
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:

@@ -396,7 +396,7 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> Non
   bad = [n for n in p.auto_schedules if n not in SCHEDULE_NAMES]
   if bad:
     raise ConfigError(
-        f"pipeline.auto_schedules has {bad}; choose among " f"{', '.join(SCHEDULE_NAMES)}"
+        f"pipeline.auto_schedules has {bad}; choose among {', '.join(SCHEDULE_NAMES)}"
     )
   if p.costs:
     try:

@@ -199,7 +199,7 @@ def test_auto_respects_the_memory_limit_and_errors_when_nothing_fits(both_costs)
   assert f"1f1b m={big}" in trainer.auto_report and "over the memory limit" in trainer.auto_report
   with pytest.raises(
       config_lib.ConfigError,
-      match=rf"smallest need is " rf"{need[small] / 2**30:.3g} GB \(1f1b m={small}",
+      match=rf"smallest need is {need[small] / 2**30:.3g} GB \(1f1b m={small}",
   ):
     Trainer(auto_config(both_costs, memory_limit_gb=need[small] / 2**31))
 

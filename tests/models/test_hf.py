@@ -387,7 +387,7 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")
   with pytest.raises(
       SystemExit,
-      match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is " r"not a multiple of 128",
+      match=r"--fp8 block: model.fp8='block' .* model.d_model=32 is not a multiple of 128",
   ):
     convert_main(["hf-to-orbax", case.src, workdir, "--fp8", "block"])
   assert not os.path.exists(workdir)

@@ -264,7 +264,7 @@ def test_schedule_csv_path_is_loaded_and_checked_against_the_mesh(tmp_path):
       ),
       (
           dict(mesh__pp=2, pipeline__microbatches=2, pipeline__chunks=2),
-          "places 1 chunk on each " "rank but pipeline.chunks=2",
+          "places 1 chunk on each rank but pipeline.chunks=2",
       ),
   ]:
     with pytest.raises(ConfigError) as e:

@@ -68,7 +68,7 @@ def test_attached_aux_loss_is_in_the_gradient_and_not_in_forwards():
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
   mask = jnp.ones((2, 8))
   with pytest.raises(
-      ValueError, match="transformer.loss takes dense models; with cfg.moe use " "loss_and_aux"
+      ValueError, match="transformer.loss takes dense models; with cfg.moe use loss_and_aux"
   ):
     transformer.loss(cfg, params, tokens, tokens, mask)
 

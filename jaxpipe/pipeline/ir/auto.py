@@ -73,7 +73,7 @@ class Ranking:
       pr = c.prediction
       if pr is None:
         lines.append(
-            f"{pos}  {c.label:<24}{'':>9}{'':>10}{'':>9}{'':>6}{'':>8}{'':>10}  " f"{c.dropped}"
+            f"{pos}  {c.label:<24}{'':>9}{'':>10}{'':>9}{'':>6}{'':>8}{'':>10}  {c.dropped}"
         )
         continue
       cpu = f"{1e3 * pr.cpu_s:>9.2f}" if pr.cpu_s is not None else f"{'':>9}"

@@ -129,7 +129,7 @@ def _number(path: str, where: str, value, integer: bool = False) -> float:
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
   if not ok or (integer and value != int(value)):
     raise CostFileError(
-        f"{path}: {where}={value!r} must be a non-negative " f"{'integer' if integer else 'number'}"
+        f"{path}: {where}={value!r} must be a non-negative {'integer' if integer else 'number'}"
     )
   return int(value) if integer else float(value)
 
@@ -165,7 +165,7 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
   dev = data.get("devices", {})
   if not isinstance(dev, Mapping) or not set(dev) <= {f.name for f in dataclasses.fields(Devices)}:
     raise CostFileError(
-        f"{path}: devices must be an object with platform, count, cores, " f"parallel; got {dev!r}"
+        f"{path}: devices must be an object with platform, count, cores, parallel; got {dev!r}"
     )
   devices = Devices(**dev)
   entries = data.get("entries")

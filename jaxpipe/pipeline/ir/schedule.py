@@ -183,7 +183,7 @@ class Schedule:
       )
     if len(self.ranks) != self.placement.num_ranks:
       raise ValueError(
-          f"schedule lists {len(self.ranks)} ranks, placement has " f"{self.placement.num_ranks}"
+          f"schedule lists {len(self.ranks)} ranks, placement has {self.placement.num_ranks}"
       )
 
   @property

@@ -34,7 +34,7 @@ def validate(schedule: Schedule) -> None:
         if pl.stage_rank[s] != r:
           _fail(
               schedule,
-              f"{a} is on rank {r} but stage {s} is placed on rank " f"{pl.stage_rank[s]}",
+              f"{a} is on rank {r} but stage {s} is placed on rank {pl.stage_rank[s]}",
               [(r, i)],
           )
         if s not in positions[which[mb]]:

@@ -212,7 +212,7 @@ class CompletionServer:
     """The request's sequences, or BadRequest saying why it cannot be served now."""
     if req.model is not None and req.model != self.model_name:
       raise BadRequest(
-          f"the model {req.model!r} does not exist; this server serves " f"{self.model_name!r}",
+          f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
           "model",
           404,
           "not_found_error",

@@ -24,7 +24,7 @@ class Metrics:
     )
     self.pages_used = Gauge(
         "jaxpipe_kv_pages_used",
-        "KV pages allocated, to sequences or the " "prefix cache.",
+        "KV pages allocated, to sequences or the prefix cache.",
         registry=r,
     )
     self.pages_running = Gauge(
@@ -35,12 +35,12 @@ class Metrics:
     )
     self.kv_tokens = Counter(
         "jaxpipe_kv_tokens_stored",
-        "Tokens stored for running sequences, " "summed over steps.",
+        "Tokens stored for running sequences, summed over steps.",
         registry=r,
     )
     self.kv_slots = Counter(
         "jaxpipe_kv_slots_held",
-        "KV slots of the pages running sequences " "hold, summed over steps.",
+        "KV slots of the pages running sequences hold, summed over steps.",
         registry=r,
     )
     self.steps = Counter(
@@ -81,7 +81,7 @@ class Metrics:
     )
     self.tpot = Histogram(
         "jaxpipe_time_per_output_token_seconds",
-        "A sequence's mean time per " "output token after the first.",
+        "A sequence's mean time per output token after the first.",
         buckets=(
             0.001,
             0.0025,
