@@ -137,7 +137,7 @@ def main(argv: list[str]) -> None:
     seqs = [int(s) for s in FLAGS.seqs]
   except ValueError:
     raise app.UsageError(
-        f"--seqs={','.join(FLAGS.seqs)}: give comma-separated integers, e.g. " "1024,4096"
+        f"--seqs={','.join(FLAGS.seqs)}: give comma-separated integers, e.g. 1024,4096"
     ) from None
   if jax.default_backend() != "gpu":
     interpret_check()

@@ -1,4 +1,6 @@
-"""FP8 recipes against float32 and bf16: `python -m experiments.fp8_bench [--steps 300] [--parts ...]`.
+"""FP8 recipes against float32 and bf16.
+
+  python -m experiments.fp8_bench [--steps 300] [--parts ...]
 
 Parts (default: `curves,gemm` without a GPU, `gpu` with one):
 
@@ -189,7 +191,7 @@ def gemm_errors(recipe: str, inputs: dict) -> dict[str, tuple[float, float, floa
     return jnp.stack([_rel(y, y32), *(_rel(a, b) for a, b in zip(vjp(g), vjp32(g)))])
 
   per = {}
-  for (layer, name), (x, w, g, scale) in inputs.items():
+  for (_layer, name), (x, w, g, scale) in inputs.items():
     per.setdefault(name, []).append(np.asarray(errors(x, w, g, scale)))
   return {name: tuple(np.mean(per[name], axis=0)) for name in GEMMS}
 
@@ -443,7 +445,7 @@ def gpu_part(args) -> None:
     hlo = step.as_text()
     state = trainer.state
     times = []
-    for i in range(2 + args.repeats):  # two untimed
+    for _ in range(2 + args.repeats):  # two untimed
       t0 = time.perf_counter()
       state, metrics = step(state, batch)
       jax.block_until_ready(metrics)

@@ -203,7 +203,7 @@ def main(argv: list[str]) -> None:
     args.eps = [int(e) for e in args.eps]
   except ValueError:
     raise app.UsageError(
-        f"--eps={','.join(args.eps)}: give comma-separated integers, e.g. " "1,2,4"
+        f"--eps={','.join(args.eps)}: give comma-separated integers, e.g. 1,2,4"
     ) from None
   on_accelerator = jax.default_backend() in ("gpu", "tpu")
   dtype = jnp.dtype(args.dtype or ("bfloat16" if on_accelerator else "float32"))

@@ -291,7 +291,7 @@ def slo_flag(args, flag: str) -> SLO:
     ttft, tpot = (float(v) for v in values)
   except ValueError:
     raise SystemExit(
-        f"--{flag}={','.join(values)}: give TTFT,TPOT in seconds, e.g. " "0.2,0.02"
+        f"--{flag}={','.join(values)}: give TTFT,TPOT in seconds, e.g. 0.2,0.02"
     ) from None
   try:
     return SLO(ttft, tpot)

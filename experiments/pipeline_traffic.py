@@ -4,11 +4,11 @@
 
 For each schedule, the Trainer's compiled step (the one `jaxpipe.train` runs) on a pp × dp mesh
 of 8 host devices, counted from its HLO: the executor's ppermutes (activations and cotangents,
-each run in the ticks of the scan where some rank receives over it, from the lowered table), the ppermute that sums the gradients of a stage's two resident
-copies between their holders (`sum_copies`; bidirectional schedules, Chimera and DualPipe,
-hold each stage on two ranks), and every other collective-permute, which would be parameters
-or their gradients moving to the ranks that run them. Bytes are per device and per step, set
-beside the layer stack a rank stores.
+each run in the ticks of the scan where some rank receives over it, from the lowered table), the
+ppermute that sums the gradients of a stage's two resident copies between their holders
+(`sum_copies`; bidirectional schedules, Chimera and DualPipe, hold each stage on two ranks), and
+every other collective-permute, which would be parameters or their gradients moving to the ranks
+that run them. Bytes are per device and per step, set beside the layer stack a rank stores.
 """
 
 from jaxpipe.runtime import process

@@ -206,11 +206,11 @@ def main(argv: list[str]) -> None:
   rows = [row(name, p, m, out) for p, m in CASES for name in SCHEDULE_NAMES]
   print(table(rows))
   print(
-      "\nbubble: time units (F = 1 per chunk; (..w) = VPP in whole-rank units), max over ranks; view of the formula in "
-      "'view'; rate = mean bubble / makespan; act = peak micro-batch-stages on the busiest "
-      "rank, act w = whole-rank units; params = copies of each model stage; lock/async = "
-      "lock-step makespan / asynchronous makespan running the published per-rank order tick by "
-      "tick; lowered/async = the same for the tick tables the executor runs "
+      "\nbubble: time units (F = 1 per chunk; (..w) = VPP in whole-rank units), max over ranks; "
+      "view of the formula in 'view'; rate = mean bubble / makespan; act = peak micro-batch-stages "
+      "on the busiest rank, act w = whole-rank units; params = copies of each model stage; "
+      "lock/async = lock-step makespan / asynchronous makespan running the published per-rank "
+      "order tick by tick; lowered/async = the same for the tick tables the executor runs "
       "(jaxpipe.pipeline.ir.lower); * = bound or approximation"
   )
   print("\nZB-V below m = 2p-1 (steady state and single step in F, act in micro-batch-stages):")

@@ -33,9 +33,9 @@ decoding to exactly the output length (no EOS). Both systems get the same KV mem
 Reported per system and rate: generated tokens/s over the run, TTFT and TPOT percentiles (ms,
 from each request's arrival and its own token times), and KV memory in use: tokens stored for
 requests still generating / slots reserved for the requests being served (static: max_len per
-row of the batch, for as long as the batch runs; paged: the pages they hold), summed over steps. Runs on the first device (on
-CPU, one host device: the host devices share the same cores). Compilation happens before the
-clock starts.
+row of the batch, for as long as the batch runs; paged: the pages they hold), summed over steps.
+Runs on the first device (on CPU, one host device: the host devices share the same cores).
+Compilation happens before the clock starts.
 
 --kernel times the decode kernel alone on a GPU (bf16, 32 query / 8 KV heads, head dim 128,
 pages of 16, every row `context` keys): ours (`kernels_pallas.paged_attention`), JAX's own
@@ -309,7 +309,7 @@ def kernel_table(repeats: int) -> None:
         "xla": jax.jit(paged_attention_reference),
     }
     cells = []
-    for name, fn in runs.items():
+    for _name, fn in runs.items():
       try:
         t = median_time(fn, q, k, v, tables, lengths, repeats=repeats)
         cells.append(f"{1e3 * t:.3f} / {flops / t / 1e12:.1f} / {kv_bytes / t / 1e9:,.0f}")
@@ -561,8 +561,8 @@ def measure(args, modes: list[str], slo: SLO, rates: list[float], show: bool = T
       + (
           f"trace {args.trace_in} ({len(trace)} requests)"
           if trace
-          else f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, prompt "
-          f"{prompt}, output {output} tokens"
+          else f"max({args.requests}, rate x {args.horizon:g} s) requests, Poisson arrivals, "
+          f"prompt {prompt}, output {output} tokens"
       )
       + f", seed {args.seed}; SLO: TTFT <= {1e3 * slo.ttft:g} ms and TPOT <= {1e3 * slo.tpot:g} ms "
       f"for {100 * slo.attainment:g}% of requests"

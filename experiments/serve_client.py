@@ -158,7 +158,9 @@ def run(args) -> None:
   try:
     (model,) = httpx.get(url + "/v1/models").json()["data"]
   except (httpx.HTTPError, ValueError, KeyError) as e:
-    raise SystemExit(f"--url={args.url}: no OpenAI-compatible server answers /v1/models ({e})")
+    raise SystemExit(
+        f"--url={args.url}: no OpenAI-compatible server answers /v1/models ({e})"
+    ) from None
   prompt, output = parse_lengths(args)
   print(
       f"# serve_bench over HTTP: {url}, model {model['id']!r}; {args.requests} requests per "

@@ -1,4 +1,5 @@
-"""Config sweeps: every combination of --grid values trained by the real runner, measured and predicted.
+"""Config sweeps: every combination of --grid values trained by the real runner, measured
+and predicted.
 
   python -m experiments.sweep --config configs/quickstart.py \
       --grid pipeline.schedule=1f1b,zb-h1,zb-v,dualpipev --grid pipeline.microbatches=4,8 \
@@ -150,7 +151,7 @@ def parse_value(config: ml_collections.ConfigDict, key: str, text: str):
     raise SweepError(
         f"{key}={text!r} is not of type {kind.__name__}, the type of config field "
         f"{key}; give values of that type"
-    )
+    ) from None
 
 
 def check_key(config: ml_collections.ConfigDict, key: str, flag: str) -> None:
@@ -191,7 +192,7 @@ def parse_overrides(config: ml_collections.ConfigDict, extra: Sequence[str]) -> 
   for arg in extra:
     m = re.fullmatch(r"--config\.([\w.]+)=(.*)", arg)
     if not m:
-      raise SweepError(f"unknown argument {arg!r}; fixed overrides look like " "--config.mesh.pp=4")
+      raise SweepError(f"unknown argument {arg!r}; fixed overrides look like --config.mesh.pp=4")
     check_key(config, m[1], "--config.")
     set_field(config, m[1], parse_value(config, m[1], m[2]))
     out.append(arg)

@@ -1,6 +1,7 @@
 """Training throughput of a config: tokens/s, step time and analytic model FLOPs per step.
 
-  python -m experiments.throughput [--config configs/quickstart.py] [--steps 20] [--config.key=value]
+  python -m experiments.throughput [--config configs/quickstart.py] [--steps 20] \
+      [--config.key=value]
 
 Times `--steps` optimizer steps after `--warmup` untimed ones (compilation), on the same Trainer
 the training runner uses, with no workdir (no checkpoint or metric I/O in the timed loop).
@@ -53,7 +54,8 @@ def main(argv: list[str]) -> None:
   model_flops = flops.training_flops_per_step(cfg, d.batch, d.seq_len)
   n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
   print(
-      f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; mesh {dict(trainer.mesh.shape)}; "
+      f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
+      f"mesh {dict(trainer.mesh.shape)}; "
       f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
   )
   print(

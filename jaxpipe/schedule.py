@@ -86,7 +86,9 @@ def parse_costs(text: str | None) -> dict[str, float]:
     try:
       out[key.strip()] = float(value)
     except ValueError:
-      raise ValueError(f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)")
+      raise ValueError(
+          f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)"
+      ) from None
     if not sep:
       raise ValueError(f"--costs item {item!r} must look like F=1 (kinds F, B, I, W, F&B)")
   resolve_costs(out)  # rejects unknown kinds and negative values
@@ -100,7 +102,9 @@ def parse_ints(flag: str, text: str | None) -> list[int] | None:
   try:
     out = [int(x) for x in text.split(",") if x.strip()]
   except ValueError:
-    raise ValueError(f"{flag} {text!r} must be a whole number (auto: a comma list like 8,16)")
+    raise ValueError(
+        f"{flag} {text!r} must be a whole number (auto: a comma list like 8,16)"
+    ) from None
   if not out or min(out) < 1:
     raise ValueError(f"{flag} {text!r} must be positive whole numbers")
   return out

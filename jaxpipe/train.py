@@ -12,15 +12,16 @@ ranking is printed; auto.json and costs.json go to the workdir).
 
 Across processes (one per host), each runs the same command and joins the run through
 `jax.distributed`: --coordinator_address/--num_processes/--process_id, or $JAX_COORDINATOR_ADDRESS
-and friends, or SLURM/Open MPI detected (`jaxpipe.runtime.process.initialize`); `python -m jaxpipe.launch`
-starts such a run on one machine. Process 0 prints, logs metrics and holds the workdir; every
-process reads its own rows of each batch and writes its shards of each checkpoint.
+and friends, or SLURM/Open MPI detected (`jaxpipe.runtime.process.initialize`);
+`python -m jaxpipe.launch` starts such a run on one machine. Process 0 prints, logs metrics and
+holds the workdir; every process reads its own rows of each batch and writes its shards of each
+checkpoint.
 
 Rerunning the same command resumes from the workdir's newest checkpoint; a config that changes
 what is trained is refused unless --resume_changed or --restart says what to do
-(`jaxpipe.training.workdir`). SIGTERM or Ctrl-C saves after the current step and exits with status 0; a
-second Ctrl-C aborts without saving (status 130). Across processes, a signal to any of them
-stops every one after the same step. Anything else that stops the run ends with one
+(`jaxpipe.training.workdir`). SIGTERM or Ctrl-C saves after the current step and exits with
+status 0; a second Ctrl-C aborts without saving (status 130). Across processes, a signal to any
+of them stops every one after the same step. Anything else that stops the run ends with one
 `error:` line (--debug adds the traceback): status 2 for usage and config errors, 1 for faults
 at run time (a non-finite loss, a failed checkpoint save, a workdir in use).
 """
@@ -344,7 +345,7 @@ def main(argv: list[str]) -> None:
       print(
           f"error: {_one_line(e)}"
           if known
-          else f"error: {type(e).__name__}: {_one_line(e)} " "(--debug shows the traceback)",
+          else f"error: {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)",
           file=sys.stderr,
       )
     _exit(status)

@@ -409,7 +409,8 @@ def _kernel(
 
 
 def to_kernel_layout(o_BxLxNpxK, w_NxKxD, p: int):
-  """o [B, L, Np, K] -> [P(dest), B·L/P, C]; w [N, K, D] -> [P(src), C, D] (rank p: heads p·Np..)."""
+  """o [B, L, Np, K] -> [P(dest), B·L/P, C]; w [N, K, D] -> [P(src), C, D]
+  (rank p: heads p·Np..)."""
   batch, seq, heads_per, head_dim = o_BxLxNpxK.shape
   c = heads_per * head_dim
   o_PxMxC = (

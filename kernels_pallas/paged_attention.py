@@ -1,4 +1,5 @@
-"""PagedAttention decode as a Pallas (Triton-lowering) GPU kernel, and its pure-JAX gather reference.
+"""PagedAttention decode as a Pallas (Triton-lowering) GPU kernel,
+and its pure-JAX gather reference.
 
 Layout is that of JAX's own Pallas GPU paged attention: q `[B, H, K]` (one query token per row),
 k/v pages `[G, P, page, K]` (G key/value heads, P physical pages), `block_tables[B, pages_per_seq]`
@@ -32,7 +33,8 @@ MIN_ROWS = 16  # Triton's smallest dot tile: query heads per KV head and keys pe
 
 
 def compiled_unsupported(head_dim: int, page_size: int) -> str | None:
-  """Why the compiled (Triton) kernel cannot serve these pages, or None; interpret mode serves all."""
+  """Why the compiled (Triton) kernel cannot serve these pages, or None;
+  interpret mode serves all."""
   pow2 = lambda x: x > 0 and not x & (x - 1)
   if not pow2(head_dim) or head_dim < MIN_ROWS:
     return f"needs head_dim a power of two >= {MIN_ROWS}, got {head_dim}"

@@ -144,7 +144,8 @@ KERNEL_PAGE = 4
 
 
 def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0):
-  """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order), lengths."""
+  """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order),
+  lengths."""
   rng = np.random.default_rng(seed)
   b, n = len(lengths), max(-(-max(lengths) // page), 1)
   num_pages = b * n + 3

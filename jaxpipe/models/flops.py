@@ -15,5 +15,5 @@ def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: boo
 
 
 def training_flops_per_step(cfg: TransformerConfig, batch: int, seq_len: int) -> int:
-  """Forward + backward (twice the forward) FLOPs of one optimizer step; recomputation not counted."""
+  """Forward + backward (twice the forward) FLOPs of one optimizer step, without recomputation."""
   return 3 * batch * forward_flops_per_sequence(cfg, seq_len)

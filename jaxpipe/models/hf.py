@@ -239,7 +239,7 @@ def config_from_hf(hf: dict) -> transformer.TransformerConfig:
     if key in defaults:
       return defaults[key]
     raise CheckpointError(
-        f"config.json: field {key!r} is missing; model_type {model_type!r} " "needs it"
+        f"config.json: field {key!r} is missing; model_type {model_type!r} needs it"
     )
 
   for key, want in _REQUIRED.items():
@@ -398,7 +398,7 @@ def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -
   return hf
 
 
-# -- tensors ----------------------------------------------------------------------------------------
+# -- tensors --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +531,7 @@ def tensors(cfg: transformer.TransformerConfig, model_type: str) -> list[Tensor]
   return out
 
 
-# -- checking a directory ---------------------------------------------------------------------------
+# -- checking a directory -------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -598,7 +598,7 @@ def check(directory: str) -> Plan:
   path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(path):
     raise CheckpointError(
-        f"{directory} has no {CONFIG_FILE}; point to a directory written by " "save_pretrained"
+        f"{directory} has no {CONFIG_FILE}; point to a directory written by save_pretrained"
     )
   with open(path) as f:
     hf = json.load(f)
@@ -661,7 +661,7 @@ def _check_leaves(cfg: transformer.TransformerConfig, plan: list[Tensor]) -> Non
     )
 
 
-# -- load -------------------------------------------------------------------------------------------
+# -- load -----------------------------------------------------------------------------------------
 
 
 class _Reader:
@@ -726,8 +726,9 @@ def load(
 ) -> tuple[transformer.TransformerConfig, dict]:
   """(config, float32 params) of a checkpoint directory, each leaf placed on its sharding.
 
-  `shardings`: a pytree of Shardings shaped like the params (e.g. `jaxpipe.training.state.state_shardings` of
-  their shapes on a mesh), one Sharding for all, or None for the first device.
+  `shardings`: a pytree of Shardings shaped like the params (e.g.
+  `jaxpipe.training.state.state_shardings` of their shapes on a mesh), one Sharding for all, or None
+  for the first device.
   """
   plan = directory if isinstance(directory, Plan) else check(directory)
   if shardings is None:
@@ -748,14 +749,14 @@ def load(
   return plan.cfg, _nest(leaves)
 
 
-# -- save -------------------------------------------------------------------------------------------
+# -- save -----------------------------------------------------------------------------------------
 
 
 def _host_blocks(t: Tensor, leaf: jax.Array) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
   """(index, host copy) of each distinct block of a leaf, one at a time."""
   if not leaf.is_fully_addressable:
     raise ValueError(
-        f"parameter {'/'.join(t.path)} spans other processes; export from a " "single-process run"
+        f"parameter {'/'.join(t.path)} spans other processes; export from a single-process run"
     )
   seen = set()
   for shard in leaf.addressable_shards:

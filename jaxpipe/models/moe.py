@@ -305,7 +305,7 @@ AUX_KEYS = (
 
 
 def aux_objective(cfg: MoEConfig, aux_GxX: dict[str, jax.Array]) -> jax.Array:
-  """The auxiliary loss of G MoE layers (aux with a leading G axis), to add to the mean cross-entropy.
+  """Auxiliary loss of G MoE layers (aux with a leading G axis), to add to the mean cross-entropy.
 
   With f_le = c_le / T (assignments to expert e in layer l per token; they sum to K) and P_le the
   mean router probability of e in layer l over the T tokens:

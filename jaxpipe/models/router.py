@@ -1,4 +1,5 @@
-"""MoE routers: softmax top-k (Switch/Mixtral) and sigmoid top-k with a balancing bias (DeepSeek-V3)."""
+"""MoE routers: softmax top-k (Switch/Mixtral) and sigmoid top-k with a balancing bias
+(DeepSeek-V3)."""
 
 from typing import NamedTuple, Protocol
 
@@ -32,7 +33,8 @@ class Routing(NamedTuple):
 def router_logits(
     w_DxE: jax.Array, x_TxD: jax.Array, rng: jax.Array | None = None, jitter: float = 0.0
 ) -> jax.Array:
-  """Float32 logits; with `rng` and jitter > 0 the input is scaled by U(1-jitter, 1+jitter) (Switch)."""
+  """Float32 logits; with `rng` and jitter > 0 the input is scaled by U(1-jitter, 1+jitter)
+  (Switch)."""
   x_TxD = x_TxD.astype(jnp.float32)
   if rng is not None and jitter > 0:
     x_TxD = x_TxD * jax.random.uniform(rng, x_TxD.shape, jnp.float32, 1.0 - jitter, 1.0 + jitter)
@@ -60,7 +62,8 @@ def route(
     x_TxD: jax.Array,
     rng: jax.Array | None = None,
 ) -> Routing:
-  """Top-k routing of T tokens; `bias_E` steers only the sigmoid router's choice, never its weights."""
+  """Top-k routing of T tokens; `bias_E` steers only the sigmoid router's choice,
+  never its weights."""
   logits = router_logits(w_DxE, x_TxD, rng, cfg.jitter)
   if cfg.router == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)

@@ -179,7 +179,8 @@ class Attention(nn.Module):
     return Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK)
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
-    """Per-head RMSNorm of queries and keys with `cfg.qk_norm` (one scale per channel, all heads)."""
+    """Per-head RMSNorm of queries and keys with `cfg.qk_norm`
+    (one scale per channel, all heads)."""
     if not self.cfg.qk_norm:
       return q_BxLxHxK, k_BxLxGxK
     eps = self.cfg.norm_eps
@@ -459,6 +460,6 @@ def loss_and_aux(
 
 
 def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
-  """An MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
+  """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
   x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
   return _attach_unit_aux(cfg, x_BxLxD, aux), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -139,7 +139,8 @@ def paged_attention(
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
 ) -> jax.Array:
-  """One query token per row attending over its first `lengths[b]` paged keys (`kernels_pallas.paged_attention`)."""
+  """One query token per row attending over its first `lengths[b]` paged keys
+  (`kernels_pallas.paged_attention`)."""
   scales = dict(k_scales_GxPxS=k_scales_GxPxS, v_scales_GxPxS=v_scales_GxPxS)
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
   _, _, page_size, head_dim = k_pages_GxPxSxK.shape

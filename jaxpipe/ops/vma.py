@@ -12,6 +12,7 @@ def varying_axes(v) -> frozenset:
 
 
 def vary_like(a, like):
-  """`a` cast to vary also over the manual axes `like` varies over (its transpose sums over them)."""
+  """`a` cast to vary also over the manual axes `like` varies over
+  (its transpose sums over them)."""
   missing = tuple(sorted(varying_axes(like) - varying_axes(a)))
   return lax.pcast(a, missing, to="varying") if missing else a

@@ -55,7 +55,8 @@ class Plan:
 
 
 def capacity_for(tokens: int, top_k: int, ep: int, capacity_factor: float | None) -> int:
-  """Rows per destination: ceil(cf * T * min(K, ep) / ep), the balanced share, capped at T; None = T."""
+  """Rows per destination: ceil(cf * T * min(K, ep) / ep), the balanced share, capped at T;
+  None = T."""
   if capacity_factor is None:
     return tokens
   if capacity_factor <= 0:
@@ -172,7 +173,8 @@ def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
 def ragged_all_to_all_emulated(
     operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
 ):
-  """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers, for backends without it."""
+  """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers,
+  for backends without it."""
   del recv_sizes  # implied by the senders' sizes
   me = jax.lax.axis_index(axis_name)
   all_ops = jax.lax.all_gather(operand, axis_name)
@@ -259,7 +261,8 @@ def dispatch(
     axis: str | None,
     fp8_block: int | None = None,
 ) -> tuple[Received, Handle]:
-  """Sends each kept (token, rank) pair to its rank with the ids and weights of its experts there."""
+  """Sends each kept (token, rank) pair to its rank
+  with the ids and weights of its experts there."""
   t, k = idx_TxK.shape
   if (t, k) != (plan.tokens, plan.top_k):
     raise ValueError(

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data (no JAX) and the scan executor that runs them (JAX, imported lazily)."""
+"""Pipeline schedules as data (no JAX) and the scan executor that runs them
+(JAX, imported lazily)."""
 
 from jaxpipe.pipeline.ir import (
     SCHEDULE_NAMES,

@@ -244,7 +244,7 @@ def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
   holder = {r: v.pop() for r, v in partner_rank.items()}
   if sorted(holder.values()) != sorted(holder):
     raise ValueError(
-        f"copy holders {holder} are not a permutation of the ranks; pass stages in " "model order"
+        f"copy holders {holder} are not a permutation of the ranks; pass stages in model order"
     )
   pairs = tuple((holder[r], r) for r in range(layout.shape[0]))
   chunks = tuple(

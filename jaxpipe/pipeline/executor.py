@@ -548,9 +548,9 @@ def make_executor(
   the batch axis split over `data_axes` (default: every mesh axis but `pp_axis` and
   `seq_axes`) and the sequence axis over `seq_axes` (context parallelism: the stage, embedding
   and loss functions then see a slice of every sequence and run their own collectives over
-  those axes; a data shard, in what follows, is one slice over data and sequence axes). `param_specs`
-  (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over the chunk's
-  own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
+  those axes; a data shard, in what follows, is one slice over data and sequence axes).
+  `param_specs` (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over
+  the chunk's own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
   micro-batches and data shards, local gradients like local_params, head_params gradients,
   embed_params gradients), each reduced over the data axes its parameter is not sharded over,
   and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data

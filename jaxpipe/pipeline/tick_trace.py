@@ -1,5 +1,6 @@
 """Planned against measured ticks: a profile of the compiled train step cut into the executor's
-ticks, beside the ticks the cost file predicts, as one Perfetto trace (`python -m jaxpipe.tick_trace`).
+ticks, beside the ticks the cost file predicts, as one Perfetto trace
+(`python -m jaxpipe.tick_trace`).
 
 The planned ticks are the executor's tables priced with the cost file (`costs.predict`: each
 tick as long as its slowest rank plus its ppermutes on parallel devices; on CPU host devices

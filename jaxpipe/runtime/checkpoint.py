@@ -178,8 +178,8 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def needed_bytes(self, state: Any) -> int:
-    """Room one more checkpoint of `state` (arrays or their shapes) takes: the newest committed step's size on disk, or
-    the arrays' own size before any step is committed."""
+    """Room one more checkpoint of `state` (arrays or their shapes) takes: the newest committed
+    step's size on disk, or the arrays' own size before any step is committed."""
     latest = self.latest_step()
     if latest is not None:
       return directory_bytes(os.path.join(self.directory, str(latest)))
@@ -368,7 +368,8 @@ class Checkpointer:
     return f"{first} (of {len(want)} arrays: {', '.join(counts)})"
 
   def _remove_partial(self, step: int) -> bool:
-    """Removes what a failed save of `step` wrote (orbax never commits it); True if there was any."""
+    """Removes what a failed save of `step` wrote (orbax never commits it);
+    True if there was any."""
     found = False
     if jax.process_index() == 0:
       for name in os.listdir(self.directory):

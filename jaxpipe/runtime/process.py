@@ -5,7 +5,8 @@ import sys
 
 
 def host_device_count() -> int:
-  """$JAXPIPE_HOST_DEVICES (default 8); ValueError naming the value if it is not a positive integer."""
+  """$JAXPIPE_HOST_DEVICES (default 8);
+  ValueError naming the value if it is not a positive integer."""
   text = os.environ.get("JAXPIPE_HOST_DEVICES", "8")
   try:
     count = int(text)
@@ -131,8 +132,8 @@ def initialize(
       )
   if heartbeat is not None and heartbeat < 1:
     raise ValueError(f"${HEARTBEAT_ENV}={heartbeat} must be a positive number of seconds")
-  # SIGTERM stays with jaxpipe.runtime.preemption (the loop agrees on it); JAX's preemption notifier would
-  # otherwise catch it from here on and a SIGTERM before the loop would do nothing.
+  # SIGTERM stays with jaxpipe.runtime.preemption (the loop agrees on it); JAX's preemption notifier
+  # would otherwise catch it from here on and a SIGTERM before the loop would do nothing.
   jax.config.update("jax_enable_preemption_service", False)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   kwargs = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}

@@ -4,7 +4,8 @@
   python -m jaxpipe.serve --config configs/quickstart.py --prompt "import " --temperature 0.8
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
-      [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256] [--page_buckets 16]
+      [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256]
+      [--page_buckets 16]
       [--mode disaggregated --prefill_workers 1 --decode_workers 2 --devices_per_worker 1]
 
 --workdir serves the newest checkpoint of a `python -m jaxpipe.train` run (its config.json
@@ -137,7 +138,9 @@ def _ints(name: str, values: list[str] | None) -> list[int] | None:
   try:
     return None if values is None else [int(v) for v in values]
   except ValueError:
-    raise app.UsageError(f"--{name}={','.join(values)} must be a comma-separated list of integers")
+    raise app.UsageError(
+        f"--{name}={','.join(values)} must be a comma-separated list of integers"
+    ) from None
 
 
 def main(argv: list[str]) -> None:

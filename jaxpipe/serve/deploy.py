@@ -130,7 +130,7 @@ def _check_groups(groups: Sequence[Sequence[jax.Device]], what: str) -> None:
     for d in g:
       if d in seen:
         raise ValueError(
-            f"device {d} is in two workers; the workers' device groups must be " "disjoint"
+            f"device {d} is in two workers; the workers' device groups must be disjoint"
         )
       seen.add(d)
 
@@ -262,7 +262,7 @@ class _Deployment:
     w.stopped = True
     self.counts["stopped"] += 1
     self._on_stop(w)
-    for erid, rid in list(w.ids.items()):
+    for _erid, rid in list(w.ids.items()):
       r = self.requests.get(rid)
       if r is not None and r.state != FINISHED:
         self._recompute(r, f"{w.name} stopped")

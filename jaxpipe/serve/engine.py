@@ -692,7 +692,8 @@ class Engine:
   # -- metrics ----------------------------------------------------------------------------------
 
   def kv_usage(self) -> dict[str, float]:
-    """Pages in use and how full they are: tokens stored / slots of the pages running requests hold."""
+    """Pages in use and how full they are:
+    tokens stored / slots of the pages running requests hold."""
     owned = {p for r in self.running for p in r.pages}
     tokens = sum(r.computed for r in self.running)
     slots = sum(len(r.pages) for r in self.running) * self.page_size
@@ -748,7 +749,7 @@ class Engine:
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
       raise ValueError(
-          f"request {rid} is {r.state}; only a running or prefilled request has " "pages to export"
+          f"request {rid} is {r.state}; only a running or prefilled request has pages to export"
       )
     used = math.ceil(r.computed / self.page_size)
     self._flush_fills()

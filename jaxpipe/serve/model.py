@@ -251,7 +251,8 @@ def decode_step(
     *,
     backend: str = "auto",
 ) -> tuple[jax.Array, KVPages]:
-  """One token per sequence, at position lengths[b] (the tokens cached before it) -> ([B, V], pools)."""
+  """One token per sequence, at position lengths[b] (the tokens cached before it)
+  -> ([B, V], pools)."""
   s = kv.page_size
   positions = np.asarray(lengths_B)
   tables = np.asarray(block_tables_BxN)

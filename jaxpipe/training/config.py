@@ -21,7 +21,8 @@ from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 AUTO = "auto"  # pipeline.schedule: choose among the generators (SCHEDULE_NAMES) from measured costs
 DTYPES = ("float32", "bfloat16", "float16")
-# Compute dtypes a backend cannot run, and why (found by validation, not by the first step's XLA error).
+# Compute dtypes a backend cannot run, and why (found by validation, not by the first step's
+# XLA error).
 UNSUPPORTED_DTYPES = {
     "cpu": {
         "float16": "XLA:CPU has no float16 matmul with float32 accumulation "
@@ -101,7 +102,8 @@ def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
 
 
 def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Axis sizes with an unset `dp` filled from the device count; raises ConfigError if they cannot fit."""
+  """Axis sizes with an unset `dp` filled from the device count;
+  raises ConfigError if they cannot fit."""
   for axis in MESH_AXES:
     size = mesh[axis]
     if axis == "dp" and size is None:
@@ -125,17 +127,18 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
   if mesh.dp is None:
     if num_devices % rest:
       raise ConfigError(
-          f"mesh {' x '.join(f'{a}={mesh[a]}' for a in others)} = {rest} devices does not divide the "
-          f"{num_devices} available, so no data-parallel size fits; choose axis sizes whose product "
-          f"divides {num_devices}"
+          f"mesh {' x '.join(f'{a}={mesh[a]}' for a in others)} = {rest} devices does not divide "
+          f"the {num_devices} available, so no data-parallel size fits; choose axis sizes whose "
+          f"product divides {num_devices}"
       )
     sizes["dp"] = num_devices // rest
   product = rest * sizes["dp"]
   if product != num_devices:
     shape = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
     raise ConfigError(
-        f"mesh {shape} = {product} devices, but {num_devices} are available; the product must equal "
-        f"the device count (leave mesh.dp unset to fill the remaining devices with data parallelism)"
+        f"mesh {shape} = {product} devices, but {num_devices} are available; the product must "
+        f"equal the device count (leave mesh.dp unset to fill the remaining devices with data "
+        f"parallelism)"
     )
   return sizes
 
@@ -201,7 +204,7 @@ def validate(
       raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
   if m.head_dim % 2:
     raise ConfigError(
-        f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs " "of channels"
+        f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of channels"
     )
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(
@@ -219,7 +222,7 @@ def validate(
   if why:
     runs = [d for d in DTYPES if d not in UNSUPPORTED_DTYPES[platform]]
     raise ConfigError(
-        f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} " "there"
+        f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} there"
     )
   check_fp8(m)
   if d.source not in SOURCES:
@@ -331,7 +334,8 @@ def check_fp8(m: ml_collections.ConfigDict) -> None:
 
 
 def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
-  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX); ConfigError if none."""
+  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX);
+  ConfigError if none."""
   name = pipeline.schedule
   if name.endswith(".csv"):
     try:
@@ -522,7 +526,8 @@ def _section_configurable(section: str):
 def apply_gin(
     config: ml_collections.ConfigDict, files: Iterable[str] = (), bindings: Iterable[str] = ()
 ) -> ml_collections.ConfigDict:
-  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings) onto `config`."""
+  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings)
+  onto `config`."""
   import gin
 
   files, bindings = list(files), list(bindings)
@@ -538,7 +543,7 @@ def apply_gin(
       gin.parse_config_files_and_bindings(files, bindings)
     except (ValueError, OSError) as e:
       raise ConfigError(
-          f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. " "'model.d_model = 256'"
+          f"gin: {e}; bind fields of the sections {GIN_SECTIONS}, e.g. 'model.d_model = 256'"
       ) from e
     bound = {section: fn() for section, fn in fns.items()}
   finally:

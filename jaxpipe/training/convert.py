@@ -79,7 +79,7 @@ def _mesh(pp: int, ep: int):
 
   if pp * ep > jax.device_count():
     raise ValueError(
-        f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are " "visible"
+        f"--pp {pp} x --ep {ep} needs {pp * ep} devices, {jax.device_count()} are visible"
     )
   mesh = config_lib.default_config().mesh
   mesh.pp, mesh.ep, mesh.dp = pp, ep, 1

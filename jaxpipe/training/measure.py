@@ -282,10 +282,11 @@ class StageTimer:
 
 
 def time_rounds(
-    timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] = {}
+    timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] | None = None
 ) -> tuple[list[dict], dict[str, list[tuple[float, float]]]]:
   """`repeats` rounds, each timing every part of every timer once (and each of `extra`), so
   that load drifting during the run hits all of them alike."""
+  extra = {} if extra is None else extra
   samples = [{k: [] for k in t.kinds} for t in timers]
   others = {name: [] for name in extra}
   for _ in range(repeats):

@@ -1,4 +1,5 @@
-"""Parameters to serve: the newest checkpoint of a `python -m jaxpipe.train` run, or a fresh init."""
+"""Parameters to serve: the newest checkpoint of a `python -m jaxpipe.train` run,
+or a fresh init."""
 
 from __future__ import annotations
 

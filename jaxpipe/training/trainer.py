@@ -56,16 +56,16 @@ class Trainer:
     trainer.init()                            # restores the latest checkpoint in workdir, or inits
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state, fp8); the Mesh
-    summary = trainer.train()                 # the full loop: progress bar, metrics, eval, checkpoints
+    summary = trainer.train()                 # full loop: progress bar, metrics, eval, checkpoints
     trainer.close()                           # waits for saves, releases the workdir (or `with`)
 
   With a workdir the trainer holds it (`jaxpipe.training.workdir`: one process at a time, one config
   per run) from construction to `close()`, so a second run, or a config that would train
   something else, fails before any device work.
 
-  In a multi-process run (`jaxpipe.runtime.process.initialize`) every process builds the same Trainer
-  and makes the same calls: process 0 holds the workdir and writes config.json, metrics and the
-  progress bar; each process reads only its rows of each batch (`local_rows`) and writes its
+  In a multi-process run (`jaxpipe.runtime.process.initialize`) every process builds the same
+  Trainer and makes the same calls: process 0 holds the workdir and writes config.json, metrics and
+  the progress bar; each process reads only its rows of each batch (`local_rows`) and writes its
   shards of each checkpoint; a stop signal to any process stops all after the same step. Read
   arrays split over other processes with `jaxpipe.runtime.multihost.to_host`.
 
@@ -91,8 +91,8 @@ class Trainer:
       existing_run: str = "resume",
   ):
     """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
-    the config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue it under
-    the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
+    the config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue it
+    under the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
     self.config = config
     self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won

@@ -167,7 +167,7 @@ class Workdir:
       os.makedirs(self.path, exist_ok=True)
     except OSError as e:
       raise WorkdirError(
-          f"--workdir {path} cannot be created: {e.strerror}; pass a directory " "you can write to"
+          f"--workdir {path} cannot be created: {e.strerror}; pass a directory you can write to"
       ) from e
     self._lock_path = os.path.join(self.path, ".lock")
 

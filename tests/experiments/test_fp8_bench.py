@@ -1,4 +1,5 @@
-"""experiments.fp8_bench's seeds part: its table against the runs it saved, and a rerun keeps them."""
+"""experiments.fp8_bench's seeds part: its table against the runs it saved,
+and a rerun keeps them."""
 
 import json
 import subprocess

@@ -413,7 +413,7 @@ def test_an_imported_model_fine_tunes_with_delayed_fp8(cases, tmp_path):
     assert all((np.asarray(s) != 1).all() for s in moved)  # scales set from those amaxes
 
 
-# -- refusals, before any device work ----------------------------------------------------------------
+# -- refusals, before any device work -------------------------------------------------------------
 
 
 @pytest.fixture

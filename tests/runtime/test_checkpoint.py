@@ -1,4 +1,5 @@
-"""Checkpoints: restore onto the current mesh, keep-last-N, unfinished/corrupt steps, exact resume."""
+"""Checkpoints: restore onto the current mesh, keep-last-N, unfinished/corrupt steps,
+exact resume."""
 
 import json
 import os
@@ -18,7 +19,8 @@ from jaxpipe.runtime.checkpoint import Checkpointer
 from jaxpipe.training.mesh import make_mesh
 from jaxpipe.training.trainer import Trainer
 
-# Orbax leaves the reads of a failed restore to be garbage-collected; their errors are expected here.
+# Orbax leaves the reads of a failed restore to be garbage-collected; their errors are expected
+# here.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 

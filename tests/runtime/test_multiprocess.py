@@ -353,7 +353,10 @@ def test_gloo_notices_stay_out_of_the_console():
   assert without_gloo_notices(raw) == b"loss 3.5\n\rtrain:   5%| 2/40\n12 steps\n"
   assert without_gloo_notices(b"1\n2 3\n") == b"1\n2 3\n"  # numbers of its own are kept
   bar = b"\rtrain:  20%| 8/40 [00:00<?, ?it/s]"  # a notice right after a bar, not at a line start
-  notice = b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+  notice = (
+      b"[Gloo] Rank 1 is connected to 1 peer ranks. "
+      b"Expected number of connected peer ranks is : 1\n"
+  )
   assert without_gloo_notices(bar + notice + notice + b"\rtrain:  22%|") == bar + b"\rtrain:  22%|"
 
 

@@ -53,8 +53,8 @@ def test_defaults_and_examples_validate():
         (
             dict(mesh__pp=2, pipeline__schedule="interleaved-1f1b", pipeline__microbatches=2),
             8,
-            "model.n_layers=2 does not split into the 4 model stages of schedule 'interleaved-1f1b' "
-            "(mesh.pp=2 ranks x 2 chunks per rank)",
+            "model.n_layers=2 does not split into the 4 model stages of schedule "
+            "'interleaved-1f1b' (mesh.pp=2 ranks x 2 chunks per rank)",
         ),
         (
             dict(
@@ -70,9 +70,9 @@ def test_defaults_and_examples_validate():
         (
             dict(mesh__pp=2, pipeline__schedule="zb-v"),
             8,
-            "model.n_layers=2 does not split into the 4 model stages of schedule 'zb-v' (2 per rank on "
-            "mesh.pp=2 ranks, in a V: each rank's layers split into two equal chunks, so each rank "
-            "needs an even number of them)",
+            "model.n_layers=2 does not split into the 4 model stages of schedule 'zb-v' (2 per "
+            "rank on mesh.pp=2 ranks, in a V: each rank's layers split into two equal chunks, so "
+            "each rank needs an even number of them)",
         ),
         (
             dict(
@@ -94,8 +94,8 @@ def test_defaults_and_examples_validate():
                 pipeline__microbatches=2,
             ),
             8,
-            "model.n_layers=3 does not split into the 2 model stages of schedule 'chimera' (one per "
-            "rank on mesh.pp=2 ranks, each stage held twice",
+            "model.n_layers=3 does not split into the 2 model stages of schedule 'chimera' (one "
+            "per rank on mesh.pp=2 ranks, each stage held twice",
         ),
         (
             dict(
@@ -112,8 +112,9 @@ def test_defaults_and_examples_validate():
         (
             dict(mesh__pp=2, pipeline__schedule="dualpipe", pipeline__microbatches=2),
             8,
-            "pipeline.schedule='dualpipe' cannot run mesh.pp=2 with pipeline.microbatches=2: dualpipe "
-            "needs an even number of micro-batches of at least 2*pp = 4, got microbatches=2",
+            "pipeline.schedule='dualpipe' cannot run mesh.pp=2 with pipeline.microbatches=2: "
+            "dualpipe needs an even number of micro-batches of at least 2*pp = 4, got "
+            "microbatches=2",
         ),
         (
             dict(
@@ -254,7 +255,7 @@ def test_schedule_csv_path_is_loaded_and_checked_against_the_mesh(tmp_path):
   for overrides, needle in [
       (
           dict(mesh__pp=4, pipeline__microbatches=2),
-          f"pipeline.schedule={path!r} has 2 ranks but " "mesh.pp=4; set --config.mesh.pp=2",
+          f"pipeline.schedule={path!r} has 2 ranks but mesh.pp=4; set --config.mesh.pp=2",
       ),
       (dict(mesh__pp=1, pipeline__microbatches=2), "has 2 ranks but mesh.pp=1"),
       (

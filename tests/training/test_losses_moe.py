@@ -268,9 +268,9 @@ def _routed_counts(cfg, params, host, microbatches, monkeypatch):
 
 
 def test_routing_statistics_and_bias_step_are_the_same_on_every_path(every_path, monkeypatch):
-  """dp x ep, pp = 2, cp = 2 and pp x cp on one batch: the tokens per expert, imbalance, dropped fraction
-  and aux loss they report, and the bias their train step leaves, equal an independent count of
-  the router's top-k on one device."""
+  """dp x ep, pp = 2, cp = 2 and pp x cp on one batch: the tokens per expert, imbalance, dropped
+  fraction and aux loss they report, and the bias their train step leaves, equal an independent
+  count of the router's top-k on one device."""
   cfg, params, host = every_path["cfg"], every_path["params"], every_path["host"]
   counts, want_aux = _routed_counts(cfg, params, host, 2, monkeypatch)
   assert counts.sum() == host["tokens"].size * cfg.moe.top_k * counts.shape[0]

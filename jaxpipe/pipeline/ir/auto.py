@@ -1,4 +1,5 @@
-"""`pipeline.schedule=auto`: every schedule the run allows, priced with measured costs, ranked. No JAX.
+"""`pipeline.schedule=auto`: every schedule the run allows, priced with measured costs, ranked.
+No JAX.
 
 Candidates are every generator at every micro-batch count asked for, interleaved 1F1B at every
 chunk count whose stages the layers (or, without layers, the cost file) allow. Each is lowered

@@ -1,4 +1,5 @@
-"""Measured costs: the cost file the simulators read, and the step time and memory it predicts. No JAX.
+"""Measured costs: the cost file the simulators read, and the step time and memory it predicts.
+No JAX.
 
 `python -m jaxpipe.measure` writes the file for one model, mesh and batch. Each entry is keyed by
 the micro-batch count and the number of model stages (both change what one stage computes) and
@@ -11,10 +12,10 @@ pipeline rank; `call`, what the executor costs around its ticks (buffers, the gr
 reduction). And, in bytes per device, what stays in flight: `activation` (one stage input, also
 the size of an output cotangent), `residual` (what F keeps for the backward), `wg` (what I keeps
 for its W), `work` (the executor's other temporaries: a running part's intermediates, the
-gradient accumulators; its compiled temporaries less its slots). The `step` section holds what the schedule changes only through the copies of the
-layer stack it keeps (two under Chimera and DualPipe): the optimizer update's seconds and the
-train state's and gradients' bytes per device, each split into this device's share of one copy
-of the layer stack and the rest.
+gradient accumulators; its compiled temporaries less its slots). The `step` section holds what the
+schedule changes only through the copies of the layer stack it keeps (two under Chimera and
+DualPipe): the optimizer update's seconds and the train state's and gradients' bytes per device,
+each split into this device's share of one copy of the layer stack and the rest.
 
     {"format": "jaxpipe-costs/1", "setup": {...}, "devices": {"platform": "cpu", "count": 8,
                                                               "cores": 2, "parallel": false},

@@ -17,7 +17,8 @@ def produces(schedule: Schedule, a: Action) -> Key:
 
 
 def requires(schedule: Schedule, a: Action) -> list[Key]:
-  """What `a` waits for: the previous stage's output, the next stage's input gradient, its own F/I."""
+  """What `a` waits for: the previous stage's output, the next stage's input gradient,
+  its own F/I."""
   which = schedule.microbatch_route[a.microbatch]
   route = schedule.placement.routes[which]
   i = schedule.placement.route_positions[which][a.stage]

@@ -1,4 +1,5 @@
-"""Lowering: a validated schedule -> integer tables [tick, rank, field] the scan executor runs. No JAX.
+"""Lowering: a validated schedule -> integer tables [tick, rank, field] the scan executor runs.
+No JAX.
 
 A tick runs, on every rank, at most one forward (F), one input-side backward (I, or a full
 B) and one weight-gradient (W), then every rank takes part in the same ppermutes. A tick lasts
@@ -310,7 +311,7 @@ def _assign_ticks(schedule: Schedule, costs: Costs, opts: LowerOptions):
     if dur == 0:
       stuck = [(r, str(pending[r][0])) for r in range(p) if pending[r]]
       raise RuntimeError(
-          f"schedule {schedule.name!r} cannot progress at tick {t}: {stuck}; " "validate() it first"
+          f"schedule {schedule.name!r} cannot progress at tick {t}: {stuck}; validate() it first"
       )
     if opts.pack:
       for r in range(p):

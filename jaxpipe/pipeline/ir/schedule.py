@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Union
 
 KINDS = ("F", "B", "I", "W")  # forward, full backward, input gradient, weight gradient
 
@@ -59,7 +58,7 @@ class Overlap:
     return f"({self.forward};{self.backward})OVERLAP_F_B"
 
 
-Op = Union[Action, Overlap]
+Op = Action | Overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +142,8 @@ class Placement:
 
   @classmethod
   def vshape(cls, num_ranks: int) -> Placement:
-    """2p stages, down then up: stage s on rank s for s < p, on rank 2p-1-s after (ZB-V, DualPipeV)."""
+    """2p stages, down then up: stage s on rank s for s < p, on rank 2p-1-s after
+    (ZB-V, DualPipeV)."""
     p = num_ranks
     ranks = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return cls(p, ranks, tuple(range(2 * p)), (tuple(range(2 * p)),))

@@ -339,7 +339,8 @@ class CompletionServer:
           chunk["usage"] = usage_of(prompt_tokens, choices)
         yield f"data: {json.dumps(chunk)}\n\n"
       if include_usage:
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage_of(prompt_tokens, choices)})}\n\n"
+        chunk = {**head, "choices": [], "usage": usage_of(prompt_tokens, choices)}
+        yield f"data: {json.dumps(chunk)}\n\n"
     except RuntimeError as e:
       yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
     yield "data: [DONE]\n\n"

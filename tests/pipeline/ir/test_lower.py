@@ -1,4 +1,5 @@
-"""Lowering: tables interpreted symbolically move every value where the schedule needs it. No JAX."""
+"""Lowering: tables interpreted symbolically move every value where the schedule needs it.
+No JAX."""
 
 import pytest
 

@@ -1,4 +1,7 @@
-"""Schedule generators by name. Each is `fn(pp, microbatches, chunks=None, **options) -> Schedule`."""
+"""Schedule generators by name.
+
+Each is `fn(pp, microbatches, chunks=None, **options) -> Schedule`.
+"""
 
 from __future__ import annotations
 

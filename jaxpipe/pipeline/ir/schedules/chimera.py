@@ -58,7 +58,7 @@ def chimera(
   """Chimera on `pp` ranks: bidirectional 1F1B units, merged (default) or concatenated."""
   if options:
     raise ValueError(
-        f"chimera takes only the option concat={CONCAT}, got {sorted(options)}; " "remove them"
+        f"chimera takes only the option concat={CONCAT}, got {sorted(options)}; remove them"
     )
   if concat not in CONCAT:
     raise ValueError(f"chimera: concat={concat!r} is not one of {CONCAT}")

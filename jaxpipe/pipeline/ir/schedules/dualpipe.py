@@ -126,7 +126,7 @@ def _check_args(name: str, pp: int, microbatches: int, chunks: int | None, optio
     raise ValueError(f"{name} takes no options, got {sorted(options)}; remove them")
   if chunks not in (None, 2):
     raise ValueError(
-        f"{name} runs exactly 2 chunks per rank, got chunks={chunks}; pass " "chunks=None or 2"
+        f"{name} runs exactly 2 chunks per rank, got chunks={chunks}; pass chunks=None or 2"
     )
   for arg, value in (("pp", pp), ("microbatches", microbatches)):
     if not isinstance(value, int) or value < 1:

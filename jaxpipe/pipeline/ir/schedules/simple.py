@@ -81,7 +81,7 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int | None = None, **op
   p, m = pp, microbatches
   if v < 2:
     raise ValueError(
-        f"interleaved-1f1b needs chunks >= 2, got chunks={v}; for one chunk per " "rank use '1f1b'"
+        f"interleaved-1f1b needs chunks >= 2, got chunks={v}; for one chunk per rank use '1f1b'"
     )
   g = p if group is None else group
   if not isinstance(g, int) or not p <= g <= m:
