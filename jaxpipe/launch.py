@@ -67,6 +67,10 @@ def main(argv: list[str]) -> int:
         "no command to run: put it after `--`, e.g. -- python -m jaxpipe.train "
         "--config configs/quickstart.py"
     )
+  if (
+      "log_dir" in FLAGS and FLAGS["log_dir"].present
+  ):  # absl's logging flag, when run as the program
+    raise app.UsageError("--log_dir is absl's log directory; the ranks' logs go to --rank_log_dir")
   args = cli.values(FLAGS)
   if args.processes < 1:
     raise app.UsageError(f"--processes={args.processes} must be at least 1")

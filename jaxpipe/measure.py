@@ -5,18 +5,9 @@
       --out costs.json
   python -m jaxpipe.schedule auto --pp 4 --microbatches 8 --costs costs.json
 
-For each micro-batch count and stage count: one virtual stage of the config's model (its first
-n_layers/stages layers) on one micro-batch of this mesh's per-device shape, run by the executor
-itself (`make_executor`) on tables in which every rank runs the same part on every tick (F, I,
-B, W, F&B; a forward that embeds, one that ends in the head and loss), each tick reading what
-the last wrote. A part's seconds are its table's less the idle table's, per tick; the idle
-table at two lengths gives an idle tick (the parts' gates, slot writes, gradient accumulator;
-no ppermute, as none is received) and the call around the ticks; a loop of ppermutes what each
-ppermute a tick runs adds;
-the optimizer update is timed on the real train state, and `--paired` adds the config's own
-train step. After a warm-up, `--repeats` rounds time every kind once each (so load that drifts
-during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
-from the shapes (`executor.stage_ops`): exact.
+What is timed and how (every part on every rank, idle and ppermute ticks subtracted, medians
+over rounds): `jaxpipe.training.measure`. `--paired` also times the config's own train step in
+the same rounds.
 """
 
 from __future__ import annotations

@@ -269,31 +269,6 @@ class ToySeq:
   pages: int = 0
 
 
-class CountedPages:
-  """`serve.scheduler.Pages` as a count of free pages of `page` tokens (the simulator's kind)."""
-
-  def __init__(self, free: int, page: int = PAGE):
-    self.num_free, self.page = free, page
-
-  def can_alloc(self, n):
-    return self.num_free >= n
-
-  def match_prefix(self, seq):
-    return False
-
-  def reserve(self, seq, n):
-    need = math.ceil((seq.computed + n) / self.page) - seq.pages
-    if need > self.num_free:
-      return False
-    self.num_free -= need
-    seq.pages += need
-    return True
-
-  def release(self, seq):
-    self.num_free += seq.pages
-    seq.pages = 0
-
-
 def toy_step(plan):
   """What a step does to the sequences it computed: K/V cached, one token sampled by each that
   reached its end."""

@@ -55,10 +55,14 @@ def parse(
   starts). A bad flag raises app.UsageError with absl's one-line message."""
   if flag_values.is_parsed():
     flag_values.unparse_flags()
+  # ml_collections reads `--config.key=value` overrides from sys.argv, not from the list parsed
+  saved, sys.argv = sys.argv, list(argv)
   try:
     return flag_values(list(argv), known_only=known_only)
   except flags.Error as e:
     raise app.UsageError(f"{e} (--help lists the flags)") from None
+  finally:
+    sys.argv = saved
 
 
 def values(flag_values: flags.FlagValues) -> types.SimpleNamespace:

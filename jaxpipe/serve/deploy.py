@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ class Served(Request):
   copies: int = 0  # device-to-device copies they took (chunks of pages, per layer if streamed)
   recomputes: int = 0  # times it was restarted from its tokens after a worker stopped
   note: str | None = None  # why it is waiting, when it is
+  parked: int | None = None  # its place in the handoff order (prefilled requests, as they park)
   spans: list[tuple[str, str, float, float]] = dataclasses.field(default_factory=list)
   # (worker, 'queue'|'prefill'|'handoff'|'transfer'|'decode', start, end), times perf_counter
 
@@ -457,6 +459,7 @@ class Disaggregated(_Deployment):
     super().__init__(self.prefill + self.decode)
     self.stream_layers = stream_layers
     self.transfers: dict[int, Transfer] = {}  # request id -> its copy in flight
+    self._park_order = itertools.count()  # `Served.parked`: the handoff order
 
   def _kinds(self) -> list[Engine]:
     return [self.prefill[0].engine, self.decode[0].engine]
@@ -489,8 +492,14 @@ class Disaggregated(_Deployment):
     self._handoff()
 
   def _handoff(self) -> None:
-    """Starts a transfer for every prefilled request a decode worker can take now."""
+    """Starts a transfer for every prefilled request a decode worker can take now.
+
+    Parked requests are offered in the order they parked, whichever prefill worker holds them
+    (one queue for the deployment, as the simulator's `_Sim.handoff`): while the decode side is
+    full, the request that finished its prefill first is the first to move.
+    """
     lost = self._lost()
+    parked = []
     for p in self.prefill:
       if p.stopped:
         continue
@@ -500,18 +509,21 @@ class Disaggregated(_Deployment):
           continue
         if r.phase == PREFILL:
           r.spans.append((p.name, "prefill", self._phase_start(r), r.token_times[-1]))
-          r.phase = HANDOFF
-        if lost:
-          p.engine.cancel(er.id)
-          self._drain(p)
-          self._fail(r, lost)
-          continue
-        pages = p.engine.kv_shape(er.computed)[2]
-        d = router.decode_worker([d for d in self.decode if not d.stopped], pages)
-        if d is None:
-          r.note = f"waiting for a decode worker with a free slot and {pages} free pages"
-          continue
-        self._start(r, p, er.id, d)
+          r.phase, r.parked = HANDOFF, next(self._park_order)
+        parked.append((r.parked, p, er))
+    for _, p, er in sorted(parked, key=lambda x: x[0]):
+      r = self.requests[p.ids[er.id]]
+      if lost:
+        p.engine.cancel(er.id)
+        self._drain(p)
+        self._fail(r, lost)
+        continue
+      pages = p.engine.kv_shape(er.computed)[2]
+      d = router.decode_worker([d for d in self.decode if not d.stopped], pages)
+      if d is None:
+        r.note = f"waiting for a decode worker with a free slot and {pages} free pages"
+        continue
+      self._start(r, p, er.id, d)
 
   def _start(self, r: Served, p: Worker, src_rid: int, d: Worker) -> None:
     state = p.engine.export_request(src_rid, with_kv=False)

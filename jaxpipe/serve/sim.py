@@ -237,20 +237,13 @@ class SimRequest:
     return slo.tpot(self.first_token_time, self.last_token_time, self.generated)
 
 
-class _Worker:
-  """A simulated worker: the engine's scheduler, and its `scheduler.Pages` side as a count of
-  free pages (no prefix cache: every prompt is computed whole)."""
+class CountedPages:
+  """`scheduler.Pages` as a count of free pages of `page_size` tokens, with no prefix cache (every
+  prompt is computed whole): the simulator's page side, and the toy pages of the scheduler's own
+  tests."""
 
-  def __init__(self, name: str, pool: Pool, page_size: int, kind: str):
-    self.name, self.pool, self.page_size, self.kind = name, pool, page_size, kind
-    self.free = pool.kv_pages
-    self.scheduler: Scheduler[SimRequest] = Scheduler(
-        self, max_batch=pool.max_batch, token_budget=pool.token_budget, policy=pool.policy
-    )
-    self.busy_until: float | None = None  # independent clock: when its current step ends
-    self.steps = 0
-
-  # -- scheduler.Pages --
+  def __init__(self, free: int, page_size: int):
+    self.free, self.page_size = free, page_size
 
   @property
   def num_free(self) -> int:
@@ -259,10 +252,10 @@ class _Worker:
   def can_alloc(self, n: int) -> bool:
     return self.free >= n
 
-  def match_prefix(self, r: SimRequest) -> bool:
+  def match_prefix(self, r) -> bool:
     return False
 
-  def reserve(self, r: SimRequest, n: int) -> bool:
+  def reserve(self, r, n: int) -> bool:
     need = math.ceil((r.computed + n) / self.page_size) - r.pages
     if need > self.free:
       return False
@@ -270,9 +263,22 @@ class _Worker:
     r.pages += need
     return True
 
-  def release(self, r: SimRequest) -> None:
+  def release(self, r) -> None:
     self.free += r.pages
     r.pages = 0
+
+
+class _Worker(CountedPages):
+  """A simulated worker: the engine's scheduler over `CountedPages`."""
+
+  def __init__(self, name: str, pool: Pool, page_size: int, kind: str):
+    super().__init__(pool.kv_pages, page_size)
+    self.name, self.pool, self.kind = name, pool, kind
+    self.scheduler: Scheduler[SimRequest] = Scheduler(
+        self, max_batch=pool.max_batch, token_budget=pool.token_budget, policy=pool.policy
+    )
+    self.busy_until: float | None = None  # independent clock: when its current step ends
+    self.steps = 0
 
   # -- steps --
 

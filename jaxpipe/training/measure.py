@@ -8,10 +8,10 @@ B, W, F&B; a forward that embeds, one that ends in the head and loss), each tick
 the last wrote. A part's seconds are its table's less the idle table's, per tick; the idle
 table at two lengths gives an idle tick (the parts' gates, slot writes, gradient accumulator;
 no ppermute, as none is received) and the call around the ticks; a loop of ppermutes what each
-ppermute a tick runs adds;
-the optimizer update is timed on the real train state, and a `step` timer adds the config's
-own train step. After a warm-up, `--repeats` rounds time every kind once each (so load that drifts
-during the run hits all alike); medians are kept, in wall and process CPU seconds. Bytes come
+ppermute a tick runs adds; the optimizer update is timed on the real train state, and a `step`
+timer adds the config's own train step. After a warm-up, `repeats` rounds time every kind once
+each (so load that drifts during the run hits all alike); medians are kept, in wall and process
+CPU seconds. Bytes come
 from the shapes (`executor.stage_ops`): exact.
 """
 

@@ -4,7 +4,11 @@ import dataclasses
 
 from jaxpipe.serve import router
 from jaxpipe.serve.scheduler import Scheduler
-from tests.helpers import CountedPages, ToySeq, toy_step
+from jaxpipe.serve.sim import CountedPages
+from tests import helpers
+from tests.helpers import ToySeq, toy_step
+
+PAGE = helpers.PAGE
 
 
 @dataclasses.dataclass(eq=False)
@@ -15,7 +19,7 @@ class Worker:
 
 def worker(name, free, running=0, waiting=(), max_batch=4):
   """A worker with `free` pages free after `running` one-page requests and `waiting` ones."""
-  s = Scheduler(CountedPages(free + running), max_batch=max_batch, token_budget=64)
+  s = Scheduler(CountedPages(free + running, PAGE), max_batch=max_batch, token_budget=64)
   for i in range(running):
     s.add(ToySeq(f"{name}{i}", 2))
   toy_step(s.plan())
@@ -27,7 +31,8 @@ def worker(name, free, running=0, waiting=(), max_batch=4):
 
 def test_a_prefilled_request_goes_to_the_decode_worker_with_the_most_free_pages():
   """Of the decode workers with a free batch slot and the request's pages free, the one with the
-  most free pages; the fewest free would be a, the first b."""
+  most free pages: c, although it runs a request and the others none (the opposite rule, fewest
+  free pages, would pick a; the first in the list is a too)."""
   ws = [worker("a", 5), worker("b", 7), worker("c", 9, running=1), worker("d", 6)]
   assert router.decode_worker(ws, pages=2).name == "c"
   # a full batch or too few pages rule a worker out, however many pages it has

@@ -7,6 +7,8 @@ simulated worker and a disaggregated deployment (a prefill worker, two decode wo
 and K/V moves included) against the simulated one.
 """
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -15,8 +17,9 @@ from jaxpipe.serve import sim
 from jaxpipe.serve.deploy import Disaggregated
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.scheduler import Scheduler
+from jaxpipe.serve.sim import CountedPages
 from tests import helpers
-from tests.helpers import CountedPages, ToySeq, toy_step
+from tests.helpers import ToySeq, toy_step
 
 PAGE = helpers.PAGE
 ARGS = helpers.ENGINE_ARGS  # max_batch 4, 16 tokens a step, pages of 4
@@ -28,7 +31,7 @@ def test_the_newest_running_request_is_preempted():
   newest (c) is preempted first, which gives its page to the oldest (a); b then needs one, and
   the newest running is b itself. Preempting the oldest instead would stop a, the request
   closest to done, and leave b running."""
-  pages = CountedPages(3)
+  pages = CountedPages(3, PAGE)
   s = Scheduler(pages, max_batch=4, token_budget=64)
   s.trace = []
   a, b, c = ToySeq("a", 4), ToySeq("b", 4), ToySeq("c", 4)
@@ -51,17 +54,17 @@ def test_the_newest_running_request_is_preempted():
 def test_admission_is_in_order_and_bounded_by_batch_budget_and_pages():
   """A waiting request that does not fit stops admission (no overtaking); the batch bound counts
   incoming requests; a prompt longer than the budget is cut to it (chunked prefill)."""
-  s = Scheduler(CountedPages(4), max_batch=3, token_budget=10)
+  s = Scheduler(CountedPages(4, PAGE), max_batch=3, token_budget=10)
   big, small, chunked = ToySeq("big", 20), ToySeq("small", 2), ToySeq("chunked", 12)
   s.add(small)
   s.add(big)
   s.add(ToySeq("after", 1))
   assert [(q.name, n) for q, n in s.plan()] == [("small", 2), ("big", 8)]  # the budget cuts big
-  s2 = Scheduler(CountedPages(1), max_batch=3, token_budget=10)
+  s2 = Scheduler(CountedPages(1, PAGE), max_batch=3, token_budget=10)
   s2.add(chunked)
   s2.add(ToySeq("tiny", 1))
   assert s2.plan() == []  # chunked's first 10 tokens need 3 pages: tiny must wait behind it
-  s3 = Scheduler(CountedPages(8), max_batch=2, token_budget=10)
+  s3 = Scheduler(CountedPages(8, PAGE), max_batch=2, token_budget=10)
   s3.expect(ToySeq("incoming", 4))
   s3.add(ToySeq("x", 1))
   s3.add(ToySeq("y", 1))
@@ -69,7 +72,7 @@ def test_admission_is_in_order_and_bounded_by_batch_budget_and_pages():
 
 
 def test_removing_a_request_frees_its_pages_at_once():
-  pages = CountedPages(8)
+  pages = CountedPages(8, PAGE)
   s = Scheduler(pages, max_batch=4, token_budget=16)
   a = ToySeq("a", 9)
   s.add(a)
@@ -80,7 +83,7 @@ def test_removing_a_request_frees_its_pages_at_once():
 
 @pytest.mark.parametrize("policy", ["decode-first", "prefill-first"])
 def test_prefill_first_runs_whole_prompts_in_steps_of_their_own(policy):
-  s = Scheduler(CountedPages(64), max_batch=4, token_budget=16, policy=policy)
+  s = Scheduler(CountedPages(64, PAGE), max_batch=4, token_budget=16, policy=policy)
   old = ToySeq("old", 4)
   s.add(old)
   toy_step(s.plan())
@@ -92,7 +95,76 @@ def test_prefill_first_runs_whole_prompts_in_steps_of_their_own(policy):
   else:
     assert plan == [("old", 1), ("p1", 6), ("p2", 9)]
   with pytest.raises(ValueError, match="policy='sideways'"):
-    Scheduler(CountedPages(1), max_batch=1, token_budget=1, policy="sideways")
+    Scheduler(CountedPages(1, PAGE), max_batch=1, token_budget=1, policy="sideways")
+
+
+def test_prefill_first_cuts_the_first_prompt_to_the_budget_and_only_the_first():
+  """A step must make progress: a prompt longer than the token budget, first in line, runs in
+  budget-sized chunks; whole-prompt admission holds for the ones behind it."""
+  s = Scheduler(CountedPages(64, PAGE), max_batch=4, token_budget=8, policy="prefill-first")
+  long, short = ToySeq("long", 20), ToySeq("short", 4)
+  s.add(long)
+  s.add(short)
+  plans = []
+  for _ in range(6):
+    plan = s.plan()
+    plans.append([(q.name, n) for q, n in plan])
+    toy_step(plan)
+  assert plans[0] == [("long", 8)]  # cut to the budget: whole, it would never run
+  assert [("short", 4)] in plans  # the prompt behind it runs whole, in a step of its own
+  assert long.computed >= 20 and sum(n for p in plans for q, n in p if q == "long") >= 20
+
+
+class PrefixPages(CountedPages):
+  """CountedPages with a prefix cache holding the first `hit` tokens of every prompt in a shared,
+  partly filled page: a hit saves those tokens' compute but copies that page before writing into
+  it, one page more than computing the prompt whole."""
+
+  def __init__(self, free: int, hit: int):
+    super().__init__(free, PAGE)
+    self.hit = hit
+
+  def match_prefix(self, seq):
+    seq.computed, seq.shared = self.hit, True
+    return True
+
+  def reserve(self, seq, n):
+    copy = int(getattr(seq, "shared", False))
+    need = max(0, math.ceil((seq.computed + n) / self.page_size) - seq.pages + copy)
+    if need > self.free:
+      return False
+    self.free, seq.pages, seq.shared = self.free - need, seq.pages + need, False
+    return True
+
+  def release(self, seq):
+    seq.shared = False
+    super().release(seq)
+
+
+def test_prefix_hits_of_a_request_that_is_not_admitted_are_given_back():
+  pages = PrefixPages(free=4, hit=2)
+  s = Scheduler(pages, max_batch=4, token_budget=64)
+  busy = ToySeq("busy", 3 * PAGE - 1)
+  s.add(busy)
+  assert s.plan() == [(busy, 3 * PAGE - 1 - 2)] and pages.num_free == 0  # its hits used
+  late = ToySeq("late", 5)
+  s.add(late)
+  toy_step([(busy, busy.length - busy.computed)])
+  assert [(q.name, n) for q, n in s.plan()] == [("busy", 1)]  # no page is left for `late`
+  assert (late.computed, late.pages, pages.num_free) == (0, 0, 0)  # its hits went back
+  assert list(s.waiting) == [late]
+
+
+def test_an_idle_worker_retries_a_pool_sized_prompt_without_its_prefix_hits():
+  """With nothing running, a prompt that fits the pool only when computed whole (the copy of a
+  shared page would be one page too many) is admitted without the prefix cache."""
+  prompt = 3 * PAGE
+  pages = PrefixPages(free=3, hit=2)
+  s = Scheduler(pages, max_batch=4, token_budget=64)
+  seq = ToySeq("whole", prompt)
+  s.add(seq)
+  assert s.plan() == [(seq, prompt)]  # all of it computed, none taken from the cache
+  assert (seq.pages, pages.num_free) == (3, 0)
 
 
 # -- the engine and the simulator, decision for decision ----------------------------------------
@@ -160,16 +232,19 @@ def test_the_engine_and_the_simulator_make_the_same_decisions(seed):
   assert len([x for x in want if x[0] == "plan"]) == engine.steps
 
 
-def test_a_disaggregated_deployment_and_the_simulator_make_the_same_decisions():
-  """One prefill worker and two decode workers: the same prefill steps, the same choice of decode
-  worker for each request (the router) and the same decode steps, preemptions included."""
+@pytest.mark.parametrize("prefill_workers", [1, 2])
+def test_a_disaggregated_deployment_and_the_simulator_make_the_same_decisions(prefill_workers):
+  """One or two prefill workers and two decode workers: the same prefill steps, the same choice
+  of decode worker for each request (the router), the same order of handoffs while the decode
+  side is full (parked requests leave in the order they parked, whichever worker holds them) and
+  the same decode steps, preemptions included."""
   prompts, outputs, _ = _workload(2, n=16)
   outputs = [o + 8 for o in outputs]  # long enough to fill the decode workers' pools
   d = jax.devices()
   dep = Disaggregated(
       helpers.DENSE,
       helpers.engine_params("dense"),
-      [d[5:6]],
+      [d[i : i + 1] for i in range(6 - prefill_workers, 6)],
       [d[6:7], d[7:8]],
       num_pages=NUM_PAGES,
       prefill_kwargs={"prefix_caching": False},
@@ -191,7 +266,7 @@ def test_a_disaggregated_deployment_and_the_simulator_make_the_same_decisions():
   )
   cluster = sim.Cluster(
       PAGE,
-      prefill=sim.Pool(1, PerStep(), **kw),
+      prefill=sim.Pool(prefill_workers, PerStep(), **kw),
       decode=sim.Pool(2, PerStep(), **kw),
       kv_bytes_per_token=1,
       lockstep=True,
