@@ -4,7 +4,7 @@ Each rank stores the two stages it runs (twice the parameter and moment memory),
 gradients are summed by one ppermute between their two holders, both copies take the same
 update and stay bit-identical, the clipping norm counts each parameter once, and checkpoints
 hold the model's order. The oracle is the unpipelined trainer (pp = 1, the whole batch at once),
-which 1F1B equals (tests/test_executor_trainer.py).
+which 1F1B equals (tests/training/test_pipeline_lm.py).
 """
 
 import jax
