@@ -44,6 +44,9 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 CONFIG_FILE = "config.json"
+# WORKDIR/hf: where `python -m jaxpipe.convert hf-to-orbax` puts the source's config.json,
+# tokenizer and other files that are not weights (read by the tokenizer, carried by the export)
+HF_DIR = "hf"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors -> numpy names

@@ -37,9 +37,7 @@ import tokenizers
 
 from jaxpipe.models import hf
 
-# WORKDIR/hf: where `python -m jaxpipe.convert hf-to-orbax` copies the source's tokenizer. The same
-# name as jaxpipe.training.convert.HF_DIR, which this layer may not import: keep the two equal.
-HF_DIR = "hf"
+HF_DIR = hf.HF_DIR  # WORKDIR/hf: the tokenizer of an imported checkpoint
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"

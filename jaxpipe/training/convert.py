@@ -27,7 +27,7 @@ from jaxpipe.runtime import checkpoint as checkpoint_lib
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.restore import run_config
 
-HF_DIR = "hf"  # WORKDIR/hf: the source's config.json and its other non-weight files
+HF_DIR = hf.HF_DIR  # WORKDIR/hf: the source's config.json and its other non-weight files
 
 _CONFIG_PY = '''"""Fine-tuning config of the Hugging Face checkpoint converted from {src}.
 

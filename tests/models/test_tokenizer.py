@@ -314,9 +314,6 @@ def test_byte_vocab_too_small():
 
 
 def test_for_workdir(hf_dir, oracle, tmp_path):
-  from jaxpipe.training import convert  # models may not import it; its test holds the two equal
-
-  assert tokenizer_lib.HF_DIR == convert.HF_DIR
   scratch = tmp_path / "scratch"
   scratch.mkdir()
   assert type(tokenizer_lib.for_workdir(scratch)) is tokenizer_lib.ByteTokenizer
