@@ -31,6 +31,7 @@ if __name__ == "__main__":
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from jaxpipe.models import tokenizer as tokenizer_lib  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> None:
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
   )
   for prompt, out in zip(_PROMPT.value, outputs):
-    print(prompt + bytes(t for t in out if t < 256).decode("utf-8", errors="replace"))
+    print(prompt + tokenizer_lib.ByteTokenizer().decode(out))
     print(f"# tokens: {out}")
 
 

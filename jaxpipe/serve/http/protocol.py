@@ -12,11 +12,12 @@ accept vLLM's `top_k` and `ignore_eos`.
 
 from __future__ import annotations
 
-import codecs
 import json
 from collections.abc import Sequence
 
 import pydantic
+
+from jaxpipe.models import tokenizer as tokenizer_lib
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 FINISH = {"eos": "stop", "length": "length", "cancelled": "abort"}  # engine reason -> OpenAI's
@@ -148,7 +149,7 @@ class Choice:
 
   def __init__(self, index: int, stops: Sequence[str], eos_id: int | None):
     self.index, self.stops, self.eos_id = index, list(stops), eos_id
-    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self._decoder = tokenizer_lib.ByteTokenizer().decoder()  # ids of 256 and above: no text
     self.text, self.sent, self.tokens = "", 0, []
     self.finish_reason: str | None = None
 
@@ -157,10 +158,10 @@ class Choice:
     the text it releases."""
     if token is not None:
       self.tokens.append(token)
-      if token < 256 and token != self.eos_id:
-        self.text += self._decoder.decode(bytes([token]))
+      if token != self.eos_id:
+        self.text += self._decoder.push(token)
     if finish is not None:
-      self.text += self._decoder.decode(b"", final=True)
+      self.text += self._decoder.flush()
     hold = 0
     if self.stops:
       found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
