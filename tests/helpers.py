@@ -363,3 +363,100 @@ def checkpoint_at(config, workdir, step):
   with Trainer(config, str(workdir)) as trainer:
     state = trainer.init()
     trainer.checkpointer.save(step, state.replace(step=jnp.asarray(step, jnp.int32)))
+
+
+# --- a small Llama and its tokenizer, written by transformers (data, serving, end to end) -----
+
+TINY_TEXTS = [
+    "def main():\n    return 0\n",
+    "import os\nimport sys\n\nprint(os.getcwd())\n",
+    "The quick brown fox jumps over the lazy dog. naïve café 東京 🙂",
+    "You are a helpful assistant. What is the capital of Japan? Tokyo is the capital.",
+    "for i in range(10):\n    print(i * i)\n",
+]
+TINY_SPECIALS = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Llama 3's chat template, shape and whitespace.
+TINY_CHAT_TEMPLATE = """{{ bos_token }}
+{% for message in messages %}
+  {% if message['role'] not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role ' + message['role']) }}
+  {% endif %}
+  {{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+  {{- message['content'] | trim }}
+<|eot_id|>
+{% endfor %}
+{% if add_generation_prompt %}
+  {{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{% endif %}"""
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_bpe(vocab_size: int = 384):
+  """A byte-level BPE tokenizer (GPT-2, Llama 3) trained on TINY_TEXTS; BOS added to prompts."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=TINY_SPECIALS,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator(TINY_TEXTS * 4, trainer=trainer)
+  tok.post_processor = processors.TemplateProcessing(
+      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+  )
+  return tok
+
+
+def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields) -> str:
+  """A random LlamaForCausalLM (float32, eager attention) and its BPE tokenizer with a chat
+  template, saved by transformers into `path` (config, safetensors, tokenizer files and a
+  generation_config whose eos_token_id is [</s>, <|eot_id|>]). Returns the path as a string.
+
+  The weights are unit-scale random (not transformers' 0.02 init), so greedy decoding varies
+  from token to token and every weight matters.
+  """
+  import torch
+  import transformers
+
+  path = str(path)
+  fast = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tiny_bpe(vocab_size),
+      bos_token="<s>",
+      eos_token="</s>",
+      chat_template=TINY_CHAT_TEMPLATE,
+  )
+  bos, eos = fast.convert_tokens_to_ids("<s>"), fast.convert_tokens_to_ids("</s>")
+  eot = fast.convert_tokens_to_ids("<|eot_id|>")
+  fields = {**TINY_LLAMA, **llama_fields}
+  config = transformers.LlamaConfig(
+      vocab_size=vocab_size,
+      bos_token_id=bos,
+      eos_token_id=eos,
+      attn_implementation="eager",
+      **fields,
+  )
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(config)
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      p.copy_(1 + 0.2 * noise if "norm" in name else 2.0 * noise / p.shape[-1] ** 0.5)
+  model.generation_config = transformers.GenerationConfig(
+      bos_token_id=bos, eos_token_id=[eos, eot]
+  )
+  model.save_pretrained(path)
+  fast.save_pretrained(path)
+  return path
