@@ -454,9 +454,7 @@ def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields)
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
       p.copy_(1 + 0.2 * noise if "norm" in name else 2.0 * noise / p.shape[-1] ** 0.5)
-  model.generation_config = transformers.GenerationConfig(
-      bos_token_id=bos, eos_token_id=[eos, eot]
-  )
+  model.generation_config = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot])
   model.save_pretrained(path)
   fast.save_pretrained(path)
   return path
