@@ -46,13 +46,22 @@ from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
-from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
+from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch, SamplingParams
 from jaxpipe.serve.scheduler import Scheduler
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
 INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
 ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
+
+
+def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+  """An eos_id argument (one id, several, or None) as a tuple of ids."""
+  if eos_id is None:
+    return ()
+  if isinstance(eos_id, (int, np.integer)):
+    return (int(eos_id),)
+  return tuple(int(i) for i in eos_id)
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,7 +72,7 @@ class Request:
   prompt: list[int]
   max_tokens: int
   sampling: SamplingParams
-  eos_id: int | None
+  eos_id: int | tuple[int, ...] | None  # any of these ends it (kept in its output)
   output: list[int] = dataclasses.field(default_factory=list)  # generated tokens
   pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
   computed: int = 0  # leading tokens whose K/V are in `pages`
@@ -82,6 +91,11 @@ class Request:
   @property
   def tokens(self) -> list[int]:
     return self.prompt + self.output
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The tokens that end it once it has sampling.min_tokens: EOS ids and stop_token_ids."""
+    return eos_ids(self.eos_id) + tuple(self.sampling.stop_token_ids)
 
   @property
   def length(self) -> int:
@@ -221,7 +235,7 @@ class Engine:
       max_seq_len: int = 2048,
       devices: Sequence[jax.Device] | None = None,
       attention: str = "auto",
-      eos_id: int | None = None,
+      eos_id: int | Sequence[int] | None = None,
       prefix_caching: bool = True,
       token_buckets: Sequence[int] | None = None,
       page_buckets: Sequence[int] | None = None,
@@ -335,6 +349,15 @@ class Engine:
     reason = sampling.check()
     if reason:
       return reason
+    bad = [t for t in sampling.stop_token_ids if t >= self.cfg.vocab]
+    if bad:
+      return f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})"
+    banned = len(set(eos_ids(self.eos_id)) | set(sampling.stop_token_ids))
+    if sampling.min_tokens and banned > MAX_BANNED:
+      return (
+          f"min_tokens={sampling.min_tokens} holds back {banned} EOS and stop ids, more than "
+          f"{MAX_BANNED}; give fewer stop_token_ids"
+      )
     if len(prompt) == 0:
       return "the prompt is empty; give at least one token"
     bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
@@ -363,11 +386,12 @@ class Engine:
       max_tokens: int = 16,
       sampling: SamplingParams | None = None,
       *,
-      eos_id: int | None | str = ENGINE_EOS,
+      eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
   ) -> int:
     """Queues a request and returns its id; a bad one is finished at once with `error` set.
 
-    eos_id: the token that ends it (kept in its output); None: only max_tokens does.
+    eos_id: the token (or tokens) that end it, kept in its output; None: only max_tokens and
+    sampling.stop_token_ids do. Neither can be sampled before sampling.min_tokens tokens.
     """
     sampling = sampling or SamplingParams()
     rid = self._next_id
@@ -513,7 +537,7 @@ class Engine:
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
       batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
-      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r))
+      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
       rep = self._replicated
       self._programs[(t, n)] = (
           jax.jit(
@@ -578,6 +602,7 @@ class Engine:
     rows = np.zeros(r_max, np.int32)
     temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
     top_k, seed, index = (np.zeros(r_max, np.int32) for _ in range(3))
+    banned = np.full((r_max, MAX_BANNED), -1, np.int32)
     sampled, at = [], 0
     for r, n in plan:
       pos = np.arange(r.computed, r.computed + n)
@@ -598,11 +623,14 @@ class Engine:
             sp.seed,
             len(r.output),
         )
+        if len(r.output) < sp.min_tokens:
+          ids = sorted(set(r.stop_ids))
+          banned[j, : len(ids)] = ids
         sampled.append(r)
     self._flush_fills()
     batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
     new_R, finite_R, self.kv = self.step_program(t, n_pages)(
-        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index)
+        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index, banned)
     )
     return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R)
 
@@ -631,9 +659,10 @@ class Engine:
       if r.first_token_time is None:
         r.first_token_time = now
       out[r.id] = [token]
-      if token == r.eos_id or len(r.output) >= r.max_tokens:
+      stopped = token in r.stop_ids and len(r.output) > r.sampling.min_tokens
+      if stopped or len(r.output) >= r.max_tokens:
         self.scheduler.remove(r)  # its pages are freed now
-        self._finish(r, "eos" if token == r.eos_id else "length")
+        self._finish(r, "eos" if stopped else "length")
       elif self.prefill_only:
         self.scheduler.park(r)
         r.state = PREFILLED

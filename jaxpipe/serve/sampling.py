@@ -13,6 +13,9 @@ import flax
 import jax
 import jax.numpy as jnp
 
+MAX_TEMPERATURE = 100.0  # above it sampling is all but uniform; 1e308 or inf would only overflow
+MAX_BANNED = 16  # ids a row can keep from being sampled before min_tokens (EOS + stop ids)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -20,17 +23,26 @@ class SamplingParams:
   top_k: int = 0  # keep the k most likely tokens; 0 = all
   top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches p
   seed: int = 0  # the request's own random stream
+  min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+  stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end the request (kept in it)
 
   def check(self) -> str | None:
     """Why these values cannot be used, or None."""
-    if not self.temperature >= 0:
-      return f"temperature={self.temperature} must be >= 0 (0 = greedy)"
+    if not (0 <= self.temperature <= MAX_TEMPERATURE):
+      return (
+          f"temperature={self.temperature} must lie in [0, {MAX_TEMPERATURE:g}] "
+          "(0 = greedy; above that every token is equally likely anyway)"
+      )
     if not isinstance(self.top_k, int) or self.top_k < 0:
       return f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)"
     if not 0 < self.top_p <= 1:
       return f"top_p={self.top_p} must lie in (0, 1] (1 = no limit)"
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
       return f"seed={self.seed!r} must be an integer in [0, 2**31)"
+    if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+      return f"min_tokens={self.min_tokens!r} must be an integer >= 0"
+    if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+      return f"stop_token_ids={list(self.stop_token_ids)!r} must be token ids (integers >= 0)"
     return None
 
 
@@ -41,10 +53,23 @@ class SamplingBatch:
   top_p_R: jax.Array  # float32
   seed_R: jax.Array  # int32
   index_R: jax.Array  # int32 tokens generated so far by the row's request
+  # int32 [R, MAX_BANNED] ids whose logits are -inf for the row (min_tokens: EOS and stop ids
+  # before the request has that many tokens), -1 padded; None: no row bans any
+  banned_RxS: jax.Array | None = None
+
+
+def ban(logits_RxV: jax.Array, banned_RxS: jax.Array | None) -> jax.Array:
+  """logits with each row's banned ids (entries >= 0) at -inf (transformers' min_new_tokens)."""
+  if banned_RxS is None:
+    return logits_RxV
+  v = logits_RxV.shape[-1]
+  hit_RxV = jnp.any(banned_RxS[:, :, None] == jnp.arange(v)[None, None, :], axis=1)
+  return jnp.where(hit_RxV, -jnp.inf, logits_RxV)
 
 
 def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
   """Token ids [R] (int32)."""
+  logits_RxV = ban(logits_RxV, s.banned_RxS)
   v = logits_RxV.shape[-1]
   greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   scaled_RxV = logits_RxV / jnp.maximum(s.temperature_R, 1e-6)[:, None]
