@@ -46,7 +46,7 @@ import jax
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import router
 from jaxpipe.serve.engine import ENGINE_EOS, FINISHED, RUNNING, Engine, KVState, Request
-from jaxpipe.serve.sampling import SamplingParams
+from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 from jaxpipe.serve.scheduler import Scheduler
 
 QUEUED, PREFILL, HANDOFF, TRANSFER, DECODE, DONE = (
@@ -61,8 +61,8 @@ QUEUED, PREFILL, HANDOFF, TRANSFER, DECODE, DONE = (
 
 @dataclasses.dataclass(eq=False)
 class Served(Request):
-  """A request of a deployment: the engine's fields (output, times, finish_reason, error) plus
-  where it ran and what it moved."""
+  """A request of a deployment: the engine's fields (output, logprobs, times, finish_reason,
+  error) plus where it ran and what it moved."""
 
   phase: str = QUEUED
   worker: str | None = None  # where it is now (or last was)
@@ -214,6 +214,8 @@ class _Deployment:
       for erid, tokens in new.items():
         r = self.requests[w.ids[erid]]
         r.output += tokens
+        if r.sampling.logprobs is not None:  # the engine's request stays until _drain below
+          r.logprobs += w.engine.requests[erid].logprobs[-len(tokens) :]
         r.token_times += [now] * len(tokens)
         if r.first_token_time is None:
           r.first_token_time = now
@@ -223,6 +225,13 @@ class _Deployment:
     self._after_step()
     self.steps += 1
     return out
+
+  def score(self, prompt: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprobs | None]:
+    """`Engine.score` on the first live worker's engine."""
+    engines = self.engines
+    if not engines:
+      raise ValueError("no worker is left (all stopped); nothing can score the prompt")
+    return engines[0].score(prompt, top_logprobs)
 
   def cancel(self, rid: int) -> None:
     """Stops a request now, wherever it is; every page it holds on any worker is freed."""
@@ -316,6 +325,7 @@ class _Deployment:
             r.arrival,
             r.first_token_time,
             list(r.token_times),
+            list(r.logprobs),
         )
         try:
           erid = w.engine.import_request(state)

@@ -41,12 +41,21 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
-from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch, SamplingParams
+from jaxpipe.serve.sampling import (
+    MAX_BANNED,
+    MAX_LOGPROBS,
+    SamplingBatch,
+    SamplingParams,
+    TokenLogprobs,
+    as_token_logprobs,
+    top_logprobs,
+)
 from jaxpipe.serve.scheduler import Scheduler
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -74,6 +83,8 @@ class Request:
   sampling: SamplingParams
   eos_id: int | tuple[int, ...] | None  # any of these ends it (kept in its output)
   output: list[int] = dataclasses.field(default_factory=list)  # generated tokens
+  # aligned with output when sampling.logprobs is not None (raw log_softmax), else empty
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
   pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
   computed: int = 0  # leading tokens whose K/V are in `pages`
   state: str = WAITING
@@ -129,6 +140,7 @@ class KVState:
   arrival: float
   first_token_time: float | None
   token_times: list[float]
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # aligned with output
 
 
 @dataclasses.dataclass
@@ -142,6 +154,7 @@ class _Launched:
   pages: int  # padded pages per sequence
   new_R: jax.Array
   finite_R: jax.Array
+  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # `sampling.top_logprobs` of the rows
 
 
 def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -451,6 +464,7 @@ class Engine:
         id=self._next_id,
         sampling=sampling,
         output=list(r.output),
+        logprobs=list(r.logprobs),
         pages=self.allocator.fork(r.pages),
         token_times=list(r.token_times),
         page_keys=list(r.page_keys),
@@ -529,11 +543,14 @@ class Engine:
 
   def step_program(self, t: int, n: int) -> jax.stages.Compiled:
     """The compiled step for T = t tokens and n pages per sequence (compiled once each), called
-    as `program(params, kv, TokenBatch, SamplingBatch) -> (new_R, finite_R, kv)`; the K/V pools
-    are donated, so the caller keeps the returned ones."""
+    as `program(params, kv, TokenBatch, SamplingBatch) -> (new_R, finite_R, logprobs, kv)`
+    (logprobs: `sampling.top_logprobs` of every row); the K/V pools are donated, so the caller
+    keeps the returned ones."""
     if (t, n) not in self._programs:
       r = self.max_batch
-      step = functools.partial(model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh)
+      step = functools.partial(
+          model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
+      )
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
       batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
@@ -544,7 +561,7 @@ class Engine:
               step,
               donate_argnums=1,
               in_shardings=(rep, self._kv_sharding, rep, rep),
-              out_shardings=(rep, rep, self._kv_sharding),
+              out_shardings=(rep, rep, rep, self._kv_sharding),
           )
           .lower(self.params, self.kv, batch, sampling)
           .compile()
@@ -629,10 +646,10 @@ class Engine:
         sampled.append(r)
     self._flush_fills()
     batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
-    new_R, finite_R, self.kv = self.step_program(t, n_pages)(
+    new_R, finite_R, logprobs, self.kv = self.step_program(t, n_pages)(
         self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index, banned)
     )
-    return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R)
+    return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R, logprobs)
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
     """Waits for a launched iteration and applies it; returns the tokens it generated."""
@@ -640,6 +657,8 @@ class Engine:
       return {}
     plan, sampled, t, t_real = launched.plan, launched.sampled, launched.t, launched.t_real
     new_R, finite_R = np.asarray(launched.new_R), np.asarray(launched.finite_R)
+    if any(r.sampling.logprobs is not None for r in sampled):  # else they stay on the device
+      chosen_R, top_RxM, ids_RxM = jax.device_get(launched.logprobs)
     now = time.perf_counter()
     self.steps += 1
     self.counts["step_tokens"] += t_real
@@ -655,6 +674,10 @@ class Engine:
         continue
       token = int(new_R[j])
       r.output.append(token)
+      if r.sampling.logprobs is not None:
+        r.logprobs.append(
+            as_token_logprobs(chosen_R[j], top_RxM[j], ids_RxM[j], r.sampling.logprobs)
+        )
       r.token_times.append(now)
       if r.first_token_time is None:
         r.first_token_time = now
@@ -717,6 +740,49 @@ class Engine:
     if failed:
       raise RuntimeError("; ".join(failed))
     return [done[rid].output for rid in ids]
+
+  # -- scoring a prompt -------------------------------------------------------------------------
+
+  def score(self, prompt: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprobs | None]:
+    """Each prompt token's log-probability given the tokens before it and the `top_logprobs`
+    most likely tokens there (None for the first token): what lm-evaluation-harness's
+    loglikelihood asks. One exact forward pass of the training model over the whole prompt with
+    the serving parameters on the engine's devices, padded to a power-of-two length (a bounded
+    number of programs); no pages are touched. Call it between steps, from the stepping thread.
+    Raises ValueError (one line) for a bad prompt or top_logprobs."""
+    if not isinstance(top_logprobs, (int, np.integer)) or not 0 <= top_logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"top_logprobs={top_logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
+    prompt = list(prompt)
+    if not prompt:
+      raise ValueError("the prompt to score is empty; give at least one token")
+    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
+    if bad:
+      raise ValueError(
+          f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
+          f"({len(bad)} such tokens)"
+      )
+    if len(prompt) > self.max_seq_len:
+      raise ValueError(
+          f"the prompt to score has {len(prompt)} tokens, more than the context of "
+          f"{self.max_seq_len}; shorten it or give the engine a larger max_seq_len"
+      )
+    n = _bucket(len(prompt), _buckets(self.max_seq_len))
+    tokens_1xL = np.zeros((1, n), np.int32)
+    tokens_1xL[0, : len(prompt)] = prompt
+    chosen_L, top_LxM, ids_LxM = jax.device_get(self._score_fn(self.params, tokens_1xL))
+    return [None] + [
+        as_token_logprobs(chosen_L[i], top_LxM[i], ids_LxM[i], top_logprobs)
+        for i in range(len(prompt) - 1)
+    ]
+
+  @functools.cached_property
+  def _score_fn(self):
+    def score(params, tokens_1xL):  # row i: the distribution after token i, scored at token i+1
+      logits_LxV = transformer.forward(self.cfg, params, tokens_1xL)[0]
+      return top_logprobs(logits_LxV, jnp.roll(tokens_1xL[0], -1))
+
+    rep = self._replicated
+    return jax.jit(score, in_shardings=(rep, rep), out_shardings=rep)
 
   # -- metrics ----------------------------------------------------------------------------------
 
@@ -819,6 +885,7 @@ class Engine:
         r.arrival,
         r.first_token_time,
         list(r.token_times),
+        list(r.logprobs),
     )
 
   def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
@@ -859,6 +926,7 @@ class Engine:
         state.sampling,
         state.eos_id,
         output=list(state.output),
+        logprobs=list(state.logprobs),
         computed=state.computed,
         state=INCOMING,
         arrival=state.arrival,

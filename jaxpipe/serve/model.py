@@ -31,7 +31,7 @@ from jaxpipe.models import attention as attention_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import paged_attention
-from jaxpipe.serve.sampling import SamplingBatch, sample
+from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
 
@@ -199,10 +199,17 @@ def serve_step(
     *,
     backend: str = "auto",
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, jax.Array, KVPages]:
-  """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools)."""
+    logprobs: bool = False,
+) -> tuple:
+  """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools);
+  with logprobs, (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled
+  tokens, pools): a few numbers per row, never the logits, for the host to read back."""
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
-  return sample(logits_RxV, sampling), jnp.all(jnp.isfinite(logits_RxV), axis=-1), kv
+  tokens_R = sample(logits_RxV, sampling)
+  finite_R = jnp.all(jnp.isfinite(logits_RxV), axis=-1)
+  if logprobs:
+    return tokens_R, finite_R, top_logprobs(logits_RxV, tokens_R), kv
+  return tokens_R, finite_R, kv
 
 
 _forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend", donate_argnums=2)

@@ -1,8 +1,13 @@
-"""Next-token sampling, one row per request: greedy, temperature, top-k, top-p.
+"""Next-token sampling, one row per request: greedy, temperature, top-k, top-p; log-probabilities.
 
 Row r's randomness is `fold_in(key(seed_r), index_r)` with index_r the number of tokens the
 request has generated so far: a request's tokens depend on its own seed alone, not on what it
 was batched with, on preemptions, or on the engine it runs on.
+
+Log-probabilities are those of the model's raw next-token distribution (`log_softmax` of the
+float32 logits, before temperature, top-k/top-p and min_tokens bans: vLLM's default), so that
+they score the model, not the sampler; every step computes the top MAX_LOGPROBS of each row on
+the device, and the engine reads them back only when a sampled row asked for them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import jax.numpy as jnp
 
 MAX_TEMPERATURE = 100.0  # above it sampling is all but uniform; 1e308 or inf would only overflow
 MAX_BANNED = 16  # ids a row can keep from being sampled before min_tokens (EOS + stop ids)
+MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs)
+
+# (the token's log-probability, the top-k (id, log-probability) pairs, most likely first)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +34,7 @@ class SamplingParams:
   seed: int = 0  # the request's own random stream
   min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
   stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end the request (kept in it)
+  logprobs: int | None = None  # None: none; k: each token's log-probability and the top k's
 
   def check(self) -> str | None:
     """Why these values cannot be used, or None."""
@@ -43,6 +53,13 @@ class SamplingParams:
       return f"min_tokens={self.min_tokens!r} must be an integer >= 0"
     if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
       return f"stop_token_ids={list(self.stop_token_ids)!r} must be token ids (integers >= 0)"
+    if self.logprobs is not None and (
+        not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+    ):
+      return (
+          f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}] "
+          "(the number of most likely alternatives to list)"
+      )
     return None
 
 
@@ -65,6 +82,22 @@ def ban(logits_RxV: jax.Array, banned_RxS: jax.Array | None) -> jax.Array:
   v = logits_RxV.shape[-1]
   hit_RxV = jnp.any(banned_RxS[:, :, None] == jnp.arange(v)[None, None, :], axis=1)
   return jnp.where(hit_RxV, -jnp.inf, logits_RxV)
+
+
+def top_logprobs(
+    logits_RxV: jax.Array, tokens_R: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(log-probability of tokens_R [R], top MAX_LOGPROBS log-probabilities [R, MAX_LOGPROBS],
+  their ids [R, MAX_LOGPROBS] int32), all float32 of `log_softmax(logits)`."""
+  logp_RxV = jax.nn.log_softmax(logits_RxV.astype(jnp.float32), axis=-1)
+  chosen_R = jnp.take_along_axis(logp_RxV, tokens_R[:, None], axis=-1)[:, 0]
+  top_RxM, ids_RxM = jax.lax.top_k(logp_RxV, min(MAX_LOGPROBS, logp_RxV.shape[-1]))
+  return chosen_R, top_RxM, ids_RxM.astype(jnp.int32)
+
+
+def as_token_logprobs(chosen: float, top_M, ids_M, k: int) -> TokenLogprobs:
+  """One row of `top_logprobs`, read back, as a token's TokenLogprobs with k alternatives."""
+  return float(chosen), [(int(i), float(x)) for i, x in zip(ids_M[:k], top_M[:k])]
 
 
 def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
