@@ -3,6 +3,7 @@
   tok = tokenizer.for_workdir(workdir)          # WORKDIR/hf's tokenizer, else bytes
   tokenizer.check_vocab(tok, cfg.vocab_size)    # before serving: every id has an embedding row
   ids = tok.apply_chat_template(messages)       # or tok.encode(text)
+  ids, mask = tok.chat_ids_and_mask(messages)   # training: 1 on the assistant turns' tokens
   dec = tok.decoder()
   for t in generated: send(dec.push(t))         # never half a character
   send(dec.flush())
@@ -22,6 +23,7 @@ it is final.
 from __future__ import annotations
 
 import abc
+import bisect
 import codecs
 import datetime
 import json
@@ -96,6 +98,10 @@ class Tokenizer(abc.ABC):
   ) -> list[int]:
     """The ids of a conversation as the model was tuned to read it."""
 
+  @abc.abstractmethod
+  def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """A whole conversation's ids and its loss mask (1 on the assistant turns' tokens)."""
+
 
 class ByteTokenizer(Tokenizer):
   """jaxpipe's byte-level models: ids 0..255 are UTF-8 bytes; ids above, if any, are not text."""
@@ -125,6 +131,12 @@ class ByteTokenizer(Tokenizer):
       self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
   ) -> list[int]:
     raise ValueError("ByteTokenizer has no chat template: encode the prompt text instead")
+
+  def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    raise ValueError(
+        "ByteTokenizer has no chat template, so conversations ('messages') cannot be tokenized; "
+        "give 'text' documents or a Hugging Face tokenizer"
+    )
 
 
 class _ByteDecoder:
@@ -335,6 +347,9 @@ class HFTokenizer(Tokenizer):
       )
     if not messages:
       raise ValueError("apply_chat_template needs at least one message")
+    return self._render(messages, add_generation_prompt)
+
+  def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     if self._compiled is None:
       self._compiled = compile_chat_template(self._chat_template)
     # transformers drops the keys whose value is None before rendering (`"tool_calls": None`).
@@ -352,6 +367,40 @@ class HFTokenizer(Tokenizer):
   ) -> list[int]:
     # The template writes BOS itself where the model wants one: no special tokens added here.
     return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+  def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """A whole conversation's ids (`apply_chat_template`, add_generation_prompt=False) and a loss
+    mask over them: 1 on the tokens of the assistant turns, 0 elsewhere.
+
+    Assistant message i's turn is the text the conversation through message i (rendered without
+    the generation prompt) adds to the conversation up to message i rendered with it (the
+    assistant header): the message and whatever the template writes after it (the end-of-turn
+    token), less trailing whitespace. The two renderings are compared by their longest common
+    prefix, since a template may end the generation prompt with whitespace that the message
+    replaces. A token belongs to the turn whose character span holds the token's first character
+    (the `tokenizers` offsets). A template whose renderings are not prefixes of the whole
+    conversation is refused.
+    """
+    text = self.render_chat(messages, add_generation_prompt=False)
+    encoding = self._backend.encode(text, add_special_tokens=False)
+    starts = [start for start, _ in encoding.offsets]
+    mask = [0] * len(encoding.ids)
+    for i, message in enumerate(messages):
+      if message.get("role") != "assistant":
+        continue
+      before = self._render(messages[:i], add_generation_prompt=True)
+      through = self.render_chat(messages[: i + 1], add_generation_prompt=False)
+      start = len(os.path.commonprefix([before, through]))  # the header is the prompt's
+      if start < len(before.rstrip()) or not text.startswith(through):
+        raise ValueError(
+            f"{self._source}: the chat template does not render message {i}'s conversation "
+            "prefix as a prefix of the whole conversation, so its assistant turns cannot be "
+            "found; train on 'text' documents instead"
+        )
+      end_char = len(through.rstrip())  # not the whitespace that leads to the next message
+      first, end = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end_char)
+      mask[first:end] = [1] * (end - first)
+    return list(encoding.ids), mask
 
 
 def _chat_template(path: str, tokenizer_config: dict[str, Any], config_file: str) -> str | None:
