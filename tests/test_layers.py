@@ -1,7 +1,7 @@
 """The package's layers: each imports only the ones below it, and no modules import each other in
 a circle (function-local imports count too: they are arrows all the same, only later).
 
-  runtime < ops < parallel < models < pipeline < training < serve < commands
+  runtime < ops < parallel < models < data < pipeline < training < serve < commands
 
 `commands` are the `python -m` entry points: the modules directly under jaxpipe/ and every
 `__main__.py`. `kernels_pallas` sits beneath everything and imports no jaxpipe module; the
@@ -15,7 +15,17 @@ import pytest
 
 from tests import helpers
 
-LAYERS = ("runtime", "ops", "parallel", "models", "pipeline", "training", "serve", "commands")
+LAYERS = (
+    "runtime",
+    "ops",
+    "parallel",
+    "models",
+    "data",
+    "pipeline",
+    "training",
+    "serve",
+    "commands",
+)
 ROOT = pathlib.Path(helpers.ROOT)
 PACKAGES = ("jaxpipe", "kernels_pallas", "experiments", "configs")
 # `Schedule`'s convenience methods (`.validate()`, `.simulate()`, `.to_png()`...) import the
