@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import ml_collections
 from ml_collections import config_dict
 
+from jaxpipe.data import source as data_source
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
@@ -64,7 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
   p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULE_NAMES
 
   c.data = d = ml_collections.ConfigDict()
-  d.source = "stdlib"  # 'stdlib': bytes of Python's own .py files; 'synthetic': for tests
+  d.source = "stdlib"  # 'stdlib': Python's .py files as bytes; 'tokens:DIR': a token store
   d.seq_len = 128  # tokens per sequence
   d.batch = 32  # global batch, sequences per step
   d.eval_fraction = 0.02  # tail of the corpus held out for evaluation
@@ -225,8 +226,12 @@ def validate(
         f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} there"
     )
   check_fp8(m)
-  if d.source not in SOURCES:
-    raise ConfigError(f"data.source={d.source!r} is unknown; use one of {SOURCES}")
+  tokens_dir = data_source.store_dir(d.source) if isinstance(d.source, str) else None
+  if d.source not in SOURCES and tokens_dir is None:
+    raise ConfigError(
+        f"data.source={d.source!r} is unknown; use one of {SOURCES} or "
+        f"'{data_source.PREFIX}DIR' (a token store: python -m jaxpipe.data prepare)"
+    )
   if d.source == "stdlib" and m.vocab < 256:
     raise ConfigError(
         f"model.vocab={m.vocab} cannot hold the byte-level stdlib corpus; set "
@@ -234,6 +239,11 @@ def validate(
     )
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction!r} must lie strictly between 0 and 1")
+  if tokens_dir is not None:
+    try:
+      data_source.check(d.source, m.vocab, d.eval_fraction, need_eval=t.eval_every > 0)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   schedule = p.schedule
   if not isinstance(schedule, str) or not (
       schedule in SCHEDULE_NAMES + (AUTO,) or schedule.endswith(".csv")

@@ -33,6 +33,12 @@ _CONFIG_PY = '''"""Fine-tuning config of the Hugging Face checkpoint converted f
 
   python -m jaxpipe.train --workdir {workdir}
 
+data.source is the standard library's bytes, which mean nothing to this model's tokenizer: train
+on a corpus tokenized by it (docs/data.md),
+
+  python -m jaxpipe.data prepare --tokenizer {workdir} --input FILE.jsonl --out DIR
+  python -m jaxpipe.train --workdir {workdir} --config.data.source=tokens:DIR
+
 Written by `python -m jaxpipe.convert hf-to-orbax`: the model section is the checkpoint's
 ({model_type}, from hf/config.json). Override training fields (mesh, pipeline, data, optimizer,
 train) and runtime options (model.attention, model.remat, model.moe.dispatch,

@@ -2,7 +2,9 @@
 
 Because nothing depends on how many batches were drawn before, a run resumed at step s sees
 exactly the batches an uninterrupted run would have seen. Batches are numpy dicts:
-`tokens` and `targets` int32 [batch, seq_len], `mask` float32 [batch, seq_len] (1 = counted).
+`tokens` and `targets` int32 [batch, seq_len], `mask` float32 [batch, seq_len] (1 = counted);
+a token store's (`data.source=tokens:DIR`, `jaxpipe.data.source`) adds `segment_ids` and
+`positions` int32 [batch, seq_len] (documents packed into a row).
 `rows` asks for some rows of the batch only (what one process of a multi-process run feeds its
 devices), equal to those rows of the whole batch.
 """
@@ -14,6 +16,8 @@ from typing import Protocol
 
 import ml_collections
 import numpy as np
+
+from jaxpipe.data import source as data_source
 
 SPLITS = ("train", "eval")
 
@@ -110,10 +114,17 @@ class Synthetic:
     }
 
 
-def make_source(data: ml_collections.ConfigDict, vocab: int) -> Source:
-  """The source named by `data.source`."""
+def make_source(data: ml_collections.ConfigDict, vocab: int, workdir: str | None = None) -> Source:
+  """The source named by `data.source`; a token store is checked against the run's `workdir`'s
+  tokenizer (hf/, a converted checkpoint's) when it has one."""
   if data.source == "stdlib":
     return ByteCorpus(stdlib_bytes(), data.eval_fraction, data.seed)
   if data.source == "synthetic":
     return Synthetic(vocab, data.seed)
-  raise ValueError(f"data.source={data.source!r} is unknown; use 'stdlib' or 'synthetic'")
+  if data_source.store_dir(data.source) is not None:
+    store = data_source.check(data.source, vocab, data.eval_fraction, False, workdir)
+    return data_source.TokenSource(store, data.eval_fraction, data.seed)
+  raise ValueError(
+      f"data.source={data.source!r} is unknown; use 'stdlib', 'synthetic' or "
+      f"'{data_source.PREFIX}DIR' (a token store: python -m jaxpipe.data prepare)"
+  )

@@ -135,7 +135,7 @@ class Trainer:
         config, self.model_cfg, self.mesh_shape, self.layer_order is not None
     )
     self.mesh = make_mesh(config.mesh)
-    self.source = data_lib.make_source(config.data, self.model_cfg.vocab)
+    self.source = data_lib.make_source(config.data, self.model_cfg.vocab, workdir)
     self.optimizer = make_optimizer(
         config.optimizer, config.train.steps, self.grad_norm if copies else None
     )
