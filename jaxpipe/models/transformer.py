@@ -97,12 +97,16 @@ def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
   return (y * scale_D).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, channels i and i + K/2 forming a pair (the GPT-NeoX / Llama layout)."""
+def rope(x_BxLxHxK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, channels i and i + K/2 forming a pair (the GPT-NeoX / Llama layout).
+
+  positions: [L] (the same for every row) or [B, L] (per row: packed sequences).
+  """
   half = x_BxLxHxK.shape[-1] // 2
   freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
-  sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+  angle = positions.astype(jnp.float32)[..., None] * freq_K2  # [L, K/2] or [B, L, K/2]
+  angle_BxLxK2 = angle[None] if angle.ndim == 2 else angle
+  sin, cos = jnp.sin(angle_BxLxK2)[:, :, None, :], jnp.cos(angle_BxLxK2)[:, :, None, :]
   x = x_BxLxHxK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BxLxHxK.dtype)
@@ -159,23 +163,34 @@ class Dense(nn.Module):
 
 
 class Attention(nn.Module):
-  """Causal grouped-query self-attention with rotary positions."""
+  """Causal grouped-query self-attention with rotary positions.
+
+  positions: [L] or [B, L]; segment_ids_BxL (packed rows: 1, 2, ... per document, 0 padding)
+  lets a token attend only to earlier tokens of its own segment, None to every earlier token.
+  """
 
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_L):
+  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None):
     c = self.cfg
     axis_name = context_axis()
     if c.cp_overlap and axis_name is not None:
-      return self._overlapped(x_BxLxD, positions_L, axis_name)
+      return self._overlapped(x_BxLxD, positions_L, axis_name, segment_ids_BxL)
     q_BxLxHxK = Dense((c.n_heads, c.head_dim), c, name="q")(x_BxLxD)
     k_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="k")(x_BxLxD)
     v_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="v")(x_BxLxD)
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
     q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
-    o_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True, backend=c.attention)
+    o_BxLxHxK = attention(
+        q_BxLxHxK,
+        k_BxLxGxK,
+        v_BxLxGxK,
+        causal=True,
+        backend=c.attention,
+        segment_ids=segment_ids_BxL,
+    )
     return Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK)
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
@@ -186,11 +201,12 @@ class Attention(nn.Module):
     eps = self.cfg.norm_eps
     return RMSNorm(eps, name="q_norm")(q_BxLxHxK), RMSNorm(eps, name="k_norm")(k_BxLxGxK)
 
-  def _overlapped(self, x_BxSxD, positions_S, axis_name):
+  def _overlapped(self, x_BxSxD, positions_S, axis_name, segment_ids_BxS=None):
     """Ulysses with each projection fused into its all-to-all (`jaxpipe.parallel.overlap`).
 
     x holds this rank's L/P tokens; between the two fused steps every rank holds all L tokens
     of H/P heads. Parameters are the DenseGeneral path's, so either path reads a checkpoint.
+    positions_S ([S] or [B, S]) and segment_ids_BxS are this rank's slices; both are gathered.
     """
     c = self.cfg
     cp = jax.lax.axis_size(axis_name)
@@ -208,7 +224,10 @@ class Attention(nn.Module):
     w_o_HxKxD = Kernel((c.n_heads, c.head_dim, c.d_model), 2, name="o")().astype(dt)
     # Rotary angles are per token, so they commute with the all-to-all: rotate after it, at the
     # positions of the whole (gathered) sequence.
-    positions_L = jax.lax.all_gather(positions_S, axis_name, tiled=True)
+    positions_L = jax.lax.all_gather(positions_S, axis_name, axis=positions_S.ndim - 1, tiled=True)
+    segment_ids_BxL = None
+    if segment_ids_BxS is not None:
+      segment_ids_BxL = jax.lax.all_gather(segment_ids_BxS, axis_name, axis=1, tiled=True)
     if point_to_point():  # a ppermute ring
       proj_a2a, a2a_proj = overlap.proj_a2a_local, overlap.a2a_proj_local
     else:  # chunks of tokens, each its own all_to_all
@@ -224,7 +243,14 @@ class Attention(nn.Module):
     q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
     k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
     with context_parallel(None):  # head shards of the full sequence: a plain attention core
-      o_BxLxHpxK = attention(q_BxLxHpxK, k_BxLxGpxK, v_BxLxGpxK, causal=True, backend=c.attention)
+      o_BxLxHpxK = attention(
+          q_BxLxHpxK,
+          k_BxLxGpxK,
+          v_BxLxGpxK,
+          causal=True,
+          backend=c.attention,
+          segment_ids=segment_ids_BxL,
+      )
     return a2a_proj(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name)
 
 
@@ -248,10 +274,10 @@ class Block(nn.Module):
   moe: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_L):
+  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None):
     c = self.cfg
     x_BxLxD = x_BxLxD + Attention(c, name="attn")(
-        RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD), positions_L
+        RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD), positions_L, segment_ids_BxL
     )
     if self.moe:
       y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, c.fp8, name="moe")(
@@ -297,26 +323,56 @@ def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Ar
   return jnp.take(params["embed"], tokens_BxL, axis=0).astype(cfg.compute_dtype)
 
 
+def check_packed(
+    tokens_BxL: Any, segment_ids_BxL: Any = None, positions_BxL: Any = None, where: str = "batch"
+) -> None:
+  """Raises ValueError unless packed-sequence keys are integer arrays shaped like the tokens.
+
+  Packed rows hold several documents: `segment_ids` numbers them 1, 2, ... along the row (0 for
+  padding) and `positions` restart at 0 at each document's first token.
+  """
+  for name, a in (("segment_ids", segment_ids_BxL), ("positions", positions_BxL)):
+    if a is None:
+      continue
+    if tuple(np.shape(a)) != tuple(np.shape(tokens_BxL)):
+      raise ValueError(
+          f"{where}[{name!r}] has shape {tuple(np.shape(a))} but tokens have "
+          f"{tuple(np.shape(tokens_BxL))}; give one {name} entry per token, [batch, seq]"
+      )
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"{where}[{name!r}] has dtype {a.dtype}; pass integers (int32)")
+
+
 def apply_layers(
-    cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+    cfg: TransformerConfig,
+    layers: Any,
+    x_BxLxD: jax.Array,
+    positions_L: jax.Array | None = None,
+    segment_ids_BxL: jax.Array | None = None,
 ) -> jax.Array:
   """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1.
 
-  MoE layers' auxiliary losses join the gradient through `attach_aux_loss`, weighted by the
-  tokens of `x`, as if `aux * tokens` were added to a summed loss.
+  positions: [L] or [B, L] (packed rows restart them at each document); segment_ids_BxL keeps
+  attention within each document (`Attention`). MoE layers' auxiliary losses join the gradient
+  through `attach_aux_loss`, weighted by the tokens of `x`, as if `aux * tokens` were added to a
+  summed loss.
   """
-  return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=True)[0]
+  return _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach=True)[0]
 
 
 def apply_layers_aux(
-    cfg: TransformerConfig, layers: Any, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+    cfg: TransformerConfig,
+    layers: Any,
+    x_BxLxD: jax.Array,
+    positions_L: jax.Array | None = None,
+    segment_ids_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
   """`apply_layers` without attachment, plus the MoE layers' aux (leading axis: MoE layers).
 
   aux is `moe.moe_layer`'s dict ({} for a dense model); `moe.aux_objective` of it is for the
   caller to add.
   """
-  return _apply_layers(cfg, layers, x_BxLxD, positions_L, attach=False)
+  return _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach=False)
 
 
 def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
@@ -342,18 +398,20 @@ def apply_unit(
     x_BxLxD: jax.Array,
     positions_L: jax.Array,
     attach: bool = True,
+    segment_ids_BxL: jax.Array | None = None,
 ):
   """One element of the layers' leading axis: a layer, or with `cfg.moe` a group ending in MoE.
 
   Returns x, or (x, aux) for an MoE group with attach=False; with attach=True the group's
-  auxiliary loss rides on x's gradient (`attach_aux_loss`).
+  auxiliary loss rides on x's gradient (`attach_aux_loss`). positions: [L] or [B, L].
   """
+  seg = segment_ids_BxL
   if cfg.moe is None:
-    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L)
+    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L, seg)
   if "dense" in unit:
-    dense = lambda x, layer: (Block(cfg).apply({"params": layer}, x, positions_L), None)
+    dense = lambda x, layer: (Block(cfg).apply({"params": layer}, x, positions_L, seg), None)
     x_BxLxD, _ = jax.lax.scan(dense, x_BxLxD, unit["dense"])
-  x_BxLxD, aux = Block(cfg, moe=True).apply({"params": unit["moe"]}, x_BxLxD, positions_L)
+  x_BxLxD, aux = Block(cfg, moe=True).apply({"params": unit["moe"]}, x_BxLxD, positions_L, seg)
   if not attach:
     return x_BxLxD, aux
   return _attach_unit_aux(cfg, x_BxLxD, aux)
@@ -370,12 +428,12 @@ def _attach_unit_aux(cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict) -> j
   return attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
 
 
-def _apply_layers(cfg, layers, x_BxLxD, positions_L, attach):
+def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
   if positions_L is None:
     positions_L = jnp.arange(x_BxLxD.shape[1])
 
   def body(x_BxLxD, unit):
-    out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach)
+    out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach, segment_ids_BxL)
     return out if isinstance(out, tuple) else (out, None)
 
   if cfg.remat:
@@ -418,9 +476,23 @@ def mean_weights(mask_BxL: jax.Array) -> jax.Array:
   return mask_BxL * (mask_BxL.size / jnp.maximum(jnp.sum(mask_BxL), 1.0))
 
 
-def forward(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-  """Next-token logits [B, L, vocab], float32; their gradient is theirs alone (no MoE aux loss)."""
-  x_BxLxD, _ = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+def forward(
+    cfg: TransformerConfig,
+    params: dict,
+    tokens_BxL: jax.Array,
+    *,
+    segment_ids_BxL: jax.Array | None = None,
+    positions_BxL: jax.Array | None = None,
+) -> jax.Array:
+  """Next-token logits [B, L, vocab], float32; their gradient is theirs alone (no MoE aux loss).
+
+  Packed rows pass `segment_ids_BxL` and `positions_BxL` (see `check_packed`); without them
+  every row is one sequence at positions 0..L-1.
+  """
+  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "forward")
+  x_BxLxD, _ = apply_layers_aux(
+      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
+  )
   return logits(cfg, params, x_BxLxD)
 
 
@@ -430,8 +502,14 @@ def loss(
     tokens_BxL: jax.Array,
     targets_BxL: jax.Array,
     mask_BxL: jax.Array,
+    *,
+    segment_ids_BxL: jax.Array | None = None,
+    positions_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """(summed masked cross-entropy, valid-token count) of a dense model; MoE: `loss_and_aux`."""
+  """(summed masked cross-entropy, valid-token count) of a dense model; MoE: `loss_and_aux`.
+
+  Packed rows pass `segment_ids_BxL` and `positions_BxL` (`check_packed`), as `forward` does.
+  """
   if cfg.moe is not None:
     # Attached aux losses would make the gradient that of CE sum + B·L·aux while the value is the
     # CE sum alone, so jax.grad(loss / n) would not scale the aux term by 1/n.
@@ -440,7 +518,10 @@ def loss(
         "returns the MoE layers' aux, and add moe.aux_objective(cfg.moe, aux) to the "
         "mean cross-entropy"
     )
-  x_BxLxD = apply_layers(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss")
+  x_BxLxD = apply_layers(
+      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
+  )
   return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)
 
 
@@ -450,16 +531,22 @@ def loss_and_aux(
     tokens_BxL: jax.Array,
     targets_BxL: jax.Array,
     mask_BxL: jax.Array,
+    *,
+    segment_ids_BxL: jax.Array | None = None,
+    positions_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict]:
   """`loss` and the MoE layers' aux (`apply_layers_aux`), none of it on the gradient.
 
   The training objective adds `moe.aux_objective(cfg.moe, aux)` to the mean cross-entropy.
   """
-  x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], embed(cfg, params, tokens_BxL))
+  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss_and_aux")
+  x_BxLxD, aux = apply_layers_aux(
+      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
+  )
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 
-def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L):
+def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None):
   """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
-  x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, attach=False)
+  x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL)
   return _attach_unit_aux(cfg, x_BxLxD, aux), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -80,10 +80,12 @@ def check_inputs(
     data_axes: tuple[str, ...],
     seq_axes: tuple[str, ...] = (),
     stage_copies: bool = False,
+    side_inputs: PyTree = (),
 ) -> None:
   """Raises ValueError naming the first disagreement between the schedule and the inputs.
 
   stage_copies: stage_params holds every copy of a stage the placement has (placement order).
+  side_inputs: per-micro-batch side inputs, split as xs is (`Model.side_inputs`).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(
@@ -132,7 +134,7 @@ def check_inputs(
     )
   data = math.prod(mesh.shape[a] for a in data_axes)
   seq = math.prod(mesh.shape[a] for a in seq_axes)
-  for what, tree in (("xs", xs), ("targets", targets)):
+  for what, tree in (("xs", xs), ("targets", targets), ("side_inputs", side_inputs)):
     for a in jax.tree.leaves(tree):
       shape = jnp.shape(a)
       if len(shape) < 2 or shape[0] != m:
@@ -163,6 +165,7 @@ def check_model(
     data_axes: tuple[str, ...] = (),
     seq_axes: tuple[str, ...] = (),
     param_specs: tuple | None = None,
+    side_inputs: PyTree = (),
 ) -> None:
   """Traces (without compiling) one stage and the loss on one micro-batch to check shapes.
 
@@ -183,8 +186,13 @@ def check_model(
         jax.tree.map(lambda _: io, targets),
         P(),
         P(),
+        jax.tree.map(lambda _: io, side_inputs),
     )
-    local = lambda *args: check_model(model, *args) or jnp.zeros(())
+
+    def local(params, xs, targets, head_params, embed_params, side_inputs):
+      check_model(model, params, xs, targets, head_params, embed_params, side_inputs=side_inputs)
+      return jnp.zeros(())
+
     jax.eval_shape(
         jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False),
         stage_params,
@@ -192,6 +200,7 @@ def check_model(
         targets,
         head_params,
         embed_params,
+        side_inputs,
     )
     return
   params0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), stage_params)
@@ -199,7 +208,9 @@ def check_model(
   t0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), targets)
   if model.embed_fn is not None:
     x0 = jax.eval_shape(model.embed_fn, embed_params, x0)
-  y0 = jax.eval_shape(with_aux(model.stage_fn, model.stage_aux), params0, x0)[0]
+  side0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), side_inputs)
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
+  y0 = jax.eval_shape(stage_fn, params0, x0, side0)[0]
   if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (
       x0.shape,
       x0.dtype,
@@ -311,11 +322,11 @@ def _program(
   )
 
   @jax.jit
-  def program(table, layout, stage_params, xs, targets, head_params, embed_params):
+  def program(table, layout, stage_params, xs, targets, head_params, embed_params, side):
     layout = fixed if contiguous else layout
     local = to_local(stage_params, layout)
     loss, local_grads, head_g, embed_g, *stats = run(
-        table, local, xs, targets, head_params, embed_params
+        table, local, xs, targets, head_params, embed_params, side
     )
     if partners is not None:
       local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec, model)
@@ -353,6 +364,7 @@ def pipeline_value_and_grad(
     param_specs: PyTree | None = None,
     seq_axes: tuple[str, ...] = (),
     stage_order: str = "model",
+    side_inputs: PyTree = (),
 ):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
@@ -375,9 +387,19 @@ def pipeline_value_and_grad(
   resident where they run (twice the parameters), and return each copy the sum of the two
   copies' gradients (and aux), added by one ppermute between the two holders; equal copies
   stay equal under any elementwise update.
+
+  side_inputs: with `model.side_inputs`, a pytree of leaves [microbatches, batch, ...] split as
+  xs is (e.g. a packed batch's segment ids and positions); every stage function receives
+  micro-batch i's slice as its third argument wherever it runs micro-batch i, undifferentiated
+  (see `jaxpipe.pipeline.executor`).
   """
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
+  if jax.tree.leaves(side_inputs) and not model.side_inputs:
+    raise ValueError(
+        "side_inputs given but the model's stage function takes none; build the Model with "
+        "side_inputs=True and a stage (or layer) function (params, x, side)"
+    )
   seq_axes = as_axes(seq_axes)
   data_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
   check_inputs(
@@ -390,6 +412,7 @@ def pipeline_value_and_grad(
       data_axes,
       seq_axes,
       stage_copies=stage_order == "placement",
+      side_inputs=side_inputs,
   )
   specs_key = param_specs_key(param_specs)
   if specs_key is not None:
@@ -405,6 +428,7 @@ def pipeline_value_and_grad(
       data_axes,
       seq_axes,
       specs_key,
+      side_inputs,
   )
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
@@ -427,7 +451,9 @@ def pipeline_value_and_grad(
       seq_axes,
       partners,
   )
-  return program(lowered.table, layout, stage_params, xs, targets, head_params, embed_params)
+  return program(
+      lowered.table, layout, stage_params, xs, targets, head_params, embed_params, side_inputs
+  )
 
 
 def value_and_grad(

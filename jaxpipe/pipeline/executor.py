@@ -36,6 +36,20 @@ Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops 
 The tables are array arguments, not constants, so one compiled program runs any schedule with
 the same `ExecSpec` (ranks, chunks per rank, padded ticks and slots, branch set).
 
+Side inputs: the executor moves one activation array between ranks, but a stage may also need
+per-micro-batch data that is not an activation (a packed batch's segment ids and positions,
+which every stage of an LM reads). With `Model.side_inputs` the caller passes a pytree `side`
+of leaves [microbatches, batch, ...], split like `xs` (batch over the data axes, axis 2 over the
+sequence axes), and the stage function (a `layered` stage's layer function) takes a third
+argument, `side` indexed at the micro-batch its part runs: F at the row's `f_mb`, I and B at
+`b_mb`, W at `w_mb`. Every rank already holds every micro-batch's side inputs (they are inputs
+of the program, like `xs`, and small), so nothing about them crosses the pipeline axis and the
+executor needs to know nothing of what they mean. They are not differentiated. What the
+stage's vjp closure derives from them (an attention mask, rotary angles) is stored with the
+other residuals: `_Residuals.probe` traces them as inputs, so such leaves count as depending on
+the inputs, not on the parameters alone. With recomputation I, B and W rerun the forward on the
+stored input and their own micro-batch's side inputs.
+
 In a profiler trace a tick's parts are named `tick/<part>` (`tick/F`, `tick/I`, `tick/B`,
 `tick/W`) in their HLO metadata (`op_name`; GPU traces show it, CPU traces show the HLO
 instruction names); which stage and micro-batch a tick ran is in the lowered table
@@ -133,6 +147,9 @@ class Model:
   loss_fn: Callable  # (head_params, y, target) -> scalar, on the last stage's output
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
   stage_aux: bool = False  # stage_fn (layer_fn if layered) returns (x, aux); aux summed by F
+  # stage_fn (layer_fn if layered) takes (params, x, side): side is one micro-batch's slice of
+  # the side inputs (see the module docstring), not differentiated
+  side_inputs: bool = False
   # (key path of a stage parameter leaf) -> True where that leaf's gradient is combined by max
   # over micro-batches, data shards and stage copies instead of summed (observed statistics)
   max_grads: Callable | None = None
@@ -147,12 +164,25 @@ def _no_aux(fn: Callable) -> Callable:
   return lambda params, x: (fn(params, x), ())
 
 
-def with_aux(stage_fn: Callable, stage_aux: bool) -> Callable:
-  """The stage function as `(params, x) -> (y, aux)`; a layered stage stacks aux per layer."""
+def _uniform(fn: Callable, has_aux: bool, side_inputs: bool) -> Callable:
+  """fn as `(params, x, side) -> (y, aux)`: aux () without has_aux, side dropped unless used."""
+  if side_inputs:
+    return fn if has_aux else lambda params, x, side: (fn(params, x, side), ())
+  return (
+      (lambda params, x, side: fn(params, x))
+      if has_aux
+      else (lambda params, x, side: (fn(params, x), ()))
+  )
+
+
+def with_aux(stage_fn: Callable, stage_aux: bool, side_inputs: bool = False) -> Callable:
+  """The stage function as `(params, x, side) -> (y, aux)`; a layered stage stacks aux per layer.
+
+  side: one micro-batch's side inputs, passed on only with `side_inputs` (`Model.side_inputs`).
+  """
   if isinstance(stage_fn, Layered):
-    layer_fn = stage_fn.layer_fn if stage_aux else _no_aux(stage_fn.layer_fn)
-    return Layered(layer_fn, has_aux=True)
-  return stage_fn if stage_aux else _no_aux(stage_fn)
+    return Layered(_uniform(stage_fn.layer_fn, stage_aux, side_inputs), has_aux=True)
+  return _uniform(stage_fn, stage_aux, side_inputs)
 
 
 def _index(tree: PyTree, i) -> PyTree:
@@ -180,10 +210,11 @@ class Layered:
     self.layer_fn = layer_fn
     self.has_aux = has_aux  # layer_fn returns (x, aux); the stage returns (x, aux per layer)
 
-  def __call__(self, params: PyTree, x):
+  def __call__(self, params: PyTree, x, *side):
+    """side: the side inputs, when the layer function takes them (`Model.side_inputs`)."""
     if self.has_aux:
-      return lax.scan(lambda x, p: self.layer_fn(p, x), x, params)
-    return lax.scan(lambda x, p: (self.layer_fn(p, x), None), x, params)[0]
+      return lax.scan(lambda x, p: self.layer_fn(p, x, *side), x, params)
+    return lax.scan(lambda x, p: (self.layer_fn(p, x, *side), None), x, params)[0]
 
   def __eq__(self, other):
     return (
@@ -211,29 +242,40 @@ class _Residuals:
   Each closure leaf is one of: a parameter leaf itself (matched by identity while tracing; the
   backward passes the live parameter), derived from the parameters alone (e.g. a weight cast to
   the compute dtype; the backward recomputes it from the live parameters), or stored per
-  micro-batch in a residual slot.
+  micro-batch in a residual slot. Leaves that depend on the side inputs (e.g. an attention mask
+  built from segment ids) depend on the micro-batch, so they are stored.
   """
 
-  fn: Callable
+  fn: Callable  # (params, x, side) -> (y, aux)
   x: jax.ShapeDtypeStruct
   treedef: Any
   kinds: tuple[tuple, ...]  # per closure leaf: ("param", j) | ("derived",) | ("stored",)
   stored: tuple[jax.ShapeDtypeStruct, ...]  # the stored leaves, in order
+  side: PyTree = ()  # shapes of one micro-batch's side inputs
 
   @classmethod
-  def probe(cls, fn, params: PyTree, x: jax.ShapeDtypeStruct, has_aux: bool = False) -> _Residuals:
-    """`fn(params, x) -> y`, or `-> (y, aux)` with has_aux."""
-    fn = fn if has_aux else _no_aux(fn)
+  def probe(
+      cls,
+      fn,
+      params: PyTree,
+      x: jax.ShapeDtypeStruct,
+      has_aux: bool = False,
+      side: PyTree | None = None,
+  ) -> _Residuals:
+    """`fn(params, x) -> y`, or `-> (y, aux)` with has_aux; given `side` (one micro-batch's
+    side inputs, shapes), `fn(params, x, side)`, differentiated in params and x only."""
+    fn = _uniform(fn, has_aux, side is not None)
+    side = () if side is None else side
     found = {}
 
-    def f(params, x):
-      _, vjp_fn, _ = jax.vjp(fn, params, x, has_aux=True)
+    def f(params, x, side):
+      _, vjp_fn, _ = jax.vjp(lambda p, x: fn(p, x, side), params, x, has_aux=True)
       leaves, treedef = jax.tree.flatten(vjp_fn)
       found["treedef"] = treedef
       found["param_of_leaf"] = _match(leaves, jax.tree.leaves(params))
       return leaves
 
-    closed = jax.make_jaxpr(f)(params, x)
+    closed = jax.make_jaxpr(f)(params, x, side)
     on_x = _depends_on_inputs(
         closed.jaxpr, range(len(jax.tree.leaves(params)), len(closed.jaxpr.invars))
     )
@@ -246,7 +288,7 @@ class _Residuals:
       else:
         kinds.append(("stored",))
         stored.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
-    return cls(fn, x, found["treedef"], tuple(kinds), tuple(stored))
+    return cls(fn, x, found["treedef"], tuple(kinds), tuple(stored), side)
 
   def split(self, vjp_fn, params: PyTree) -> list[jax.Array]:
     leaves = jax.tree.leaves(vjp_fn)
@@ -265,7 +307,9 @@ class _Residuals:
     if any(k[0] == "derived" for k in self.kinds):
       # Only the parameter-derived leaves of this trace are used; XLA drops the rest.
       zeros = jnp.zeros(self.x.shape, self.x.dtype)
-      derived = jax.tree.leaves(jax.vjp(self.fn, params, zeros, has_aux=True)[1])
+      side = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.side)
+      fn = lambda p, x: self.fn(p, x, side)
+      derived = jax.tree.leaves(jax.vjp(fn, params, zeros, has_aux=True)[1])
     it = iter(stored)
     leaves = [
         live[k[1]] if k[0] == "param" else derived[i] if k[0] == "derived" else next(it)
@@ -296,8 +340,9 @@ class _StageOps:
   parameters, one entry per layer for a layered stage, or just the input when recomputing); I
   leaves `g` for W in the `wg` buffer (the output cotangent, or one per layer). B and W add weight
   cotangents into `grads[chunk]` (layer by layer for a layered stage). `need_dx` (traced bool) is
-  False where the input cotangent has no consumer. `stage_fn` returns (y, aux) (`with_aux`); only
-  F keeps aux.
+  False where the input cotangent has no consumer. `stage_fn` is `(params, x, side) -> (y, aux)`
+  (`with_aux`); only F keeps aux. Every part takes `side`, the side inputs of the micro-batch it
+  runs (`()` without them); the backward parts read them only when they recompute.
   """
 
   def __init__(
@@ -307,22 +352,25 @@ class _StageOps:
       x: jax.ShapeDtypeStruct,
       recompute: bool,
       model: Model | None = None,
+      side: PyTree = (),
   ):
     self.fn, self.recompute = stage_fn, recompute
     # per parameter leaf: weight cotangents combined by max (Model.max_grads) rather than added
     self.by_max = jax.tree_util.tree_map_with_path(lambda p, _: combines_by_max(model, p), params)
     self.layered = isinstance(stage_fn, Layered)
     self.x = x
-    self.aux = jax.eval_shape(stage_fn, params, x)[1]
+    self.aux = jax.eval_shape(stage_fn, params, x, side)[1]
     if self.layered:
       self.num_layers = jax.tree.leaves(params)[0].shape[0]
       one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-      self.resid = _Residuals.probe(stage_fn.layer_fn, one, x, has_aux=True)
+      self.resid = _Residuals.probe(stage_fn.layer_fn, one, x, has_aux=True, side=side)
       stack = lambda s: jax.ShapeDtypeStruct((self.num_layers,) + s.shape, s.dtype)
       kept = tuple(stack(s) for s in self.resid.stored)
       self.g = stack(x)
     else:
-      self.resid = None if recompute else _Residuals.probe(stage_fn, params, x, has_aux=True)
+      self.resid = (
+          None if recompute else _Residuals.probe(stage_fn, params, x, has_aux=True, side=side)
+      )
       kept = None if recompute else self.resid.stored
       self.g = x
     self.stored = (x,) if recompute else kept
@@ -332,47 +380,49 @@ class _StageOps:
 
   # -- forward ---------------------------------------------------------------------------------
 
-  def _layer_residuals(self, params, x):
+  def _layer_residuals(self, params, x, side):
     """-> (y, (stored, aux stacked per layer))"""
+    layer_fn = lambda p, x: self.fn.layer_fn(p, x, side)
 
     def body(x, p):
-      y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
+      y, vjp_fn, aux = jax.vjp(layer_fn, p, x, has_aux=True)
       return y, (self.resid.split(vjp_fn, p), aux)
 
     return lax.scan(body, x, params)
 
-  def forward(self, params, x, res, slot):
+  def forward(self, params, x, side, res, slot):
     """-> (y, res holding this micro-batch's stored values at `slot`, aux)"""
     if self.recompute:
-      y, aux = self.fn(params, x)
+      y, aux = self.fn(params, x, side)
       return y, [_set(res[0], (slot,), x)], aux
     if self.layered:
+      layer_fn = lambda p, x: self.fn.layer_fn(p, x, side)
 
       def body(carry, layer):
         (x, res), (p, l) = carry, layer
-        y, vjp_fn, aux = jax.vjp(self.fn.layer_fn, p, x, has_aux=True)
+        y, vjp_fn, aux = jax.vjp(layer_fn, p, x, has_aux=True)
         # each layer's residuals go straight into their slot: no stacked copy to move later
         res = [_set(b, (slot, l), v) for b, v in zip(res, self.resid.split(vjp_fn, p))]
         return (y, res), aux
 
       (y, res), aux = lax.scan(body, (x, res), (params, jnp.arange(self.num_layers)))
       return y, res, aux
-    y, vjp_fn, aux = jax.vjp(self.fn, params, x, has_aux=True)
+    y, vjp_fn, aux = jax.vjp(lambda p, x: self.fn(p, x, side), params, x, has_aux=True)
     return y, [_set(b, (slot,), v) for b, v in zip(res, self.resid.split(vjp_fn, params))], aux
 
-  def _layer_vjp(self, params, res, slot) -> Callable:
+  def _layer_vjp(self, params, side, res, slot) -> Callable:
     """layer -> that layer's vjp function, from what F stored at `slot` (layered stages)."""
     if self.recompute:
-      stacked = self._layer_residuals(params, res[0][slot])[1][0]
+      stacked = self._layer_residuals(params, res[0][slot], side)[1][0]
       read = lambda l: [r[l] for r in stacked]
     else:
       read = lambda l: [b[slot, l] for b in res]
     return lambda l: self.resid.join(read(l), _index(params, l))
 
-  def _vjp(self, params, res, slot):
+  def _vjp(self, params, side, res, slot):
     """The stage's vjp function, from what F stored at `slot` (opaque stages)."""
     if self.recompute:
-      return jax.vjp(self.fn, params, res[0][slot], has_aux=True)[1]
+      return jax.vjp(lambda p, x: self.fn(p, x, side), params, res[0][slot], has_aux=True)[1]
     return self.resid.join([b[slot] for b in res], params)
 
   # -- backward --------------------------------------------------------------------------------
@@ -382,11 +432,11 @@ class _StageOps:
   def _dx(self, vjp_fn, g, need_dx):
     return lax.cond(need_dx, lambda: vjp_fn(g)[1], self.zero_x)
 
-  def input_grad(self, params, res, slot, dy, need_dx, wg, wg_slot):
+  def input_grad(self, params, side, res, slot, dy, need_dx, wg, wg_slot):
     """I: -> (dx, wg holding what W needs at `wg_slot`)"""
     if not self.layered:
-      return self._dx(self._vjp(params, res, slot), dy, need_dx), _set(wg, (wg_slot,), dy)
-    vjp_of = self._layer_vjp(params, res, slot)
+      return self._dx(self._vjp(params, side, res, slot), dy, need_dx), _set(wg, (wg_slot,), dy)
+    vjp_of = self._layer_vjp(params, side, res, slot)
 
     def body(carry, l):
       g, wg = carry
@@ -395,12 +445,12 @@ class _StageOps:
     (g0, wg), _ = lax.scan(body, (dy, wg), jnp.arange(self.num_layers - 1, 0, -1))
     return self._dx(vjp_of(0), g0, need_dx), _set(wg, (wg_slot, 0), g0)
 
-  def full_grad(self, params, res, slot, dy, need_dx, grads, chunk):
+  def full_grad(self, params, side, res, slot, dy, need_dx, grads, chunk):
     """B: -> (dx, grads plus this micro-batch's weight cotangents at `chunk`)"""
     if not self.layered:
-      vjp_fn = self._vjp(params, res, slot)
+      vjp_fn = self._vjp(params, side, res, slot)
       return self._dx(vjp_fn, dy, need_dx), _add(grads, (chunk,), vjp_fn(dy)[0], self.by_max)
-    vjp_of = self._layer_vjp(params, res, slot)
+    vjp_of = self._layer_vjp(params, side, res, slot)
 
     def body(carry, l):
       g, grads = carry
@@ -411,11 +461,12 @@ class _StageOps:
     vjp0 = vjp_of(0)
     return self._dx(vjp0, g0, need_dx), _add(grads, (chunk, 0), vjp0(g0)[0], self.by_max)
 
-  def weight_grad(self, params, res, slot, wg, wg_slot, grads, chunk):
+  def weight_grad(self, params, side, res, slot, wg, wg_slot, grads, chunk):
     """W: -> grads plus the weight cotangents of what I left at `wg_slot`, at `chunk`"""
     if not self.layered:
-      return _add(grads, (chunk,), self._vjp(params, res, slot)(wg[wg_slot])[0], self.by_max)
-    vjp_of = self._layer_vjp(params, res, slot)
+      vjp_fn = self._vjp(params, side, res, slot)
+      return _add(grads, (chunk,), vjp_fn(wg[wg_slot])[0], self.by_max)
+    vjp_of = self._layer_vjp(params, side, res, slot)
 
     def body(grads, l):
       return _add(grads, (chunk, l), vjp_of(l)(wg[wg_slot, l])[0], self.by_max), None
@@ -541,7 +592,7 @@ def make_executor(
     param_specs: tuple | None = None,
     seq_axes: tuple[str, ...] = (),
 ) -> Callable:
-  """A jitted `run(table, local_params, xs, targets, head_params, embed_params)`.
+  """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=())`.
 
   table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
   [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, seq, ...],
@@ -555,7 +606,8 @@ def make_executor(
   embed_params gradients), each reduced over the data axes its parameter is not sharded over,
   and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data
   shards, ...] (rank r's chunk c as seen by data shard d, ordered over `data_axes` then
-  `seq_axes`).
+  `seq_axes`). side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch,
+  ...] split as xs is (see the module docstring).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -590,7 +642,7 @@ def make_executor(
       "down": [(i, (i + 1) % p) for i in range(p)],
       "up": [(i, (i - 1) % p) for i in range(p)],
   }
-  stage_fn = with_aux(model.stage_fn, model.stage_aux)
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
   loss_fn, embed_fn = model.loss_fn, model.embed_fn
   # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per tick,
   # so both can leave through one buffer, and the activation and cotangent channels of one
@@ -608,21 +660,23 @@ def make_executor(
       sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
   link_col = len(COL) + len(PARTS)  # then one flag per ppermute: does any rank receive?
 
-  def body(table, links, local, xs, targets, head_params, embed_params):
+  def body(table, links, local, xs, targets, head_params, embed_params, side):
     table = table[:, 0]
+    side_of = lambda mb: _index(side, mb)  # one micro-batch's side inputs
     rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links], axis=1)
     local = _index(local, 0)  # [chunks, ...] on this rank
     chunk0 = _index(local, 0)
     first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
     x_sd = jax.eval_shape(first_in, 0)
     x_sd = jax.ShapeDtypeStruct(x_sd.shape, x_sd.dtype)
-    y_sd = jax.eval_shape(stage_fn, chunk0, x_sd)[0]
+    side_sd = jax.eval_shape(side_of, 0)
+    y_sd = jax.eval_shape(stage_fn, chunk0, x_sd, side_sd)[0]
     if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
       raise ValueError(
           f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
           f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}"
       )
-    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model)
+    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model, side_sd)
 
     # Each part is fn(row, state) -> state: it reads its inputs from the slot buffers and writes
     # its outputs into them in place, so that a tick costs what its parts compute and move.
@@ -631,7 +685,7 @@ def make_executor(
       x = lax.cond(
           row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: s["act"][row[COL["f_in"]]]
       )
-      y, res, aux = ops.forward(_index(local, c), x, s["res"], row[COL["f_res"]])
+      y, res, aux = ops.forward(_index(local, c), x, side_of(mb), s["res"], row[COL["f_res"]])
       s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
       s[out_f] = y
 
@@ -651,14 +705,17 @@ def make_executor(
       def part(row, s):
         c = row[COL["b_chunk"]]
         params, slot = _index(local, c), row[COL["b_res"]]
+        side_mb = side_of(row[COL["b_mb"]])
         dy = s["cot"][row[COL["b_cot"]]]
         # The first stage's input cotangent feeds only the embedding, if there is one.
         need_dx = row[COL["b_first"]] == 0 if embed_fn is None else jnp.bool_(True)
         if full:
-          dx, grads = ops.full_grad(params, s["res"], slot, dy, need_dx, s["grads"], c)
+          dx, grads = ops.full_grad(params, side_mb, s["res"], slot, dy, need_dx, s["grads"], c)
           s = dict(s, grads=grads)
         else:
-          dx, wg = ops.input_grad(params, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]])
+          dx, wg = ops.input_grad(
+              params, side_mb, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]]
+          )
           s = dict(s, wg=wg)
         s[out_b] = dx
         if embed_fn is None:
@@ -683,6 +740,7 @@ def make_executor(
           s,
           grads=ops.weight_grad(
               _index(local, c),
+              side_of(row[COL["w_mb"]]),
               s["res"],
               row[COL["w_res"]],
               s["wg"],
@@ -793,7 +851,7 @@ def make_executor(
   mapped = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P()),
+      in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P(), batch_spec),
       out_specs=(P(), local_spec, P(), P())
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
@@ -801,7 +859,7 @@ def make_executor(
       check_vma=False,
   )
 
-  def run(table, local_params, xs, targets, head_params, embed_params):
+  def run(table, local_params, xs, targets, head_params, embed_params, side=()):
     if param_specs is not None:
       check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
     # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
@@ -816,7 +874,7 @@ def make_executor(
         or [jnp.zeros(table.shape[0], bool)],
         axis=1,
     )[:, : len(sends)].astype(jnp.int32)
-    return mapped(table, links, local_params, xs, targets, head_params, embed_params)
+    return mapped(table, links, local_params, xs, targets, head_params, embed_params, side)
 
   return jax.jit(run)
 
@@ -861,8 +919,14 @@ def from_local(
 
 
 def stage_ops(
-    model: Model, params: PyTree, x: jax.ShapeDtypeStruct, recompute: bool = False
+    model: Model,
+    params: PyTree,
+    x: jax.ShapeDtypeStruct,
+    recompute: bool = False,
+    side: PyTree = (),
 ) -> _StageOps:
   """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
-  built as `make_executor` builds them for stage params `params` and input `x`."""
-  return _StageOps(with_aux(model.stage_fn, model.stage_aux), params, x, recompute, model)
+  built as `make_executor` builds them for stage params `params`, input `x` and one
+  micro-batch's side inputs `side` (shapes; `()` without them)."""
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
+  return _StageOps(stage_fn, params, x, recompute, model, side)

@@ -3,7 +3,8 @@
 
   loss_and_grads(params, batch) -> (loss, grads, metrics)
 
-`batch` holds global `[batch, seq]` arrays (`tokens`, `targets`, `mask`); `loss` is the masked
+`batch` holds global `[batch, seq]` arrays (`tokens`, `targets`, `mask`, and for rows packed from
+several documents `segment_ids` and `positions`, see `packed`); `loss` is the masked
 cross-entropy divided by the global number of valid tokens (all micro-batches, all data ranks, as
 Megatron does); `metrics` is a dict of scalars (at least `tokens`, that count). Everything around
 it (optimizer, state, sharding, checkpoints) stays the same whichever function is chosen.
@@ -44,6 +45,25 @@ from jaxpipe.training import config as config_lib
 from jaxpipe.training.mesh import make_mesh
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
+PACKED_KEYS = ("segment_ids", "positions")  # optional int32 [batch, seq] keys of packed rows
+
+
+def packed(batch: dict) -> dict:
+  """The batch's packed-sequence keys present ({} for unpacked rows), checked against its tokens.
+
+  `segment_ids` number a row's documents 1, 2, ... (0: padding) and keep attention inside each;
+  `positions` restart at 0 at each document (rotary). Absent keys keep today's behaviour: one
+  sequence per row at positions 0..L-1.
+  """
+  keys = {k: batch[k] for k in PACKED_KEYS if batch.get(k) is not None}
+  transformer.check_packed(batch["tokens"], keys.get("segment_ids"), keys.get("positions"))
+  return keys
+
+
+def _packed_kwargs(batch: dict) -> dict:
+  """`packed(batch)` as the keyword arguments of `transformer.loss` and `loss_and_aux`."""
+  keys = packed(batch)
+  return {f"{k}_BxL": v for k, v in keys.items()}
 
 
 def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
@@ -54,7 +74,9 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   """
 
   def loss_sum(params, batch):
-    return transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+    return transformer.loss(
+        cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
+    )
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
@@ -98,7 +120,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
   def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):
       total, _, aux = transformer.loss_and_aux(
-          cfg, params, batch["tokens"], batch["targets"], batch["mask"]
+          cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
       )
     ce = total / denom
     aux_loss = moe_lib.aux_objective(moe_cfg, aux)
@@ -149,7 +171,8 @@ def context_parallel_loss_and_grads(
   """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
-  with rotary positions offset to its slice; `attention` runs Ulysses (see
+  with rotary positions offset to its slice (for packed rows: its slice of the batch's
+  `positions`; attention gathers the `segment_ids`); `attention` runs Ulysses (see
   `jaxpipe.models.attention.context_parallel`). Per-rank loss sums leave the shard_map as
   partials and are added outside, so the gradient of the replicated parameters is the sum of
   every rank's contribution whether or not shard_map checks varying axes.
@@ -171,31 +194,34 @@ def context_parallel_loss_and_grads(
   every_axis = P(tuple(mesh.axis_names))
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
 
-  def apply_layers(layers, x_BxSxD, positions_S):
+  def apply_layers(layers, x_BxSxD, positions_S, segment_ids_BxS):
     if cfg.moe is None:
-      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S), {}
+      return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S, segment_ids_BxS), {}
     # transformer.apply_layers, keeping each MoE group's statistics
-    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S)
+    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
     return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
 
-  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS):
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS):
     with context_parallel(axis_name):
       x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
-      positions_S = positions_local(tokens_BxS.shape[1], axis_name)
-      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S)
+      positions_S = packed_BxS.get("positions")  # this rank's slice of each row's positions
+      if positions_S is None:
+        positions_S = positions_local(tokens_BxS.shape[1], axis_name)
+      segment_ids_BxS = packed_BxS.get("segment_ids")
+      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S, segment_ids_BxS)
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
     return total[None], aux
 
   sharded = jax.shard_map(
       local_sums,
       mesh=mesh,
-      in_specs=(P(), spec, spec, spec),
+      in_specs=(P(), spec, spec, spec, spec),
       out_specs=(every_axis, aux_spec),
       check_vma=cfg.attention != "pallas",
   )
 
   def loss_sum(params, batch):
-    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"])
+    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"], packed(batch))
     return jnp.sum(total), aux
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
@@ -207,6 +233,7 @@ def context_parallel_loss_and_grads(
         "tokens": batch["tokens"],
         "targets": batch["targets"],
         "weights": transformer.mean_weights(batch["mask"]),
+        **packed(batch),
     }
     if microbatches == 1:
       (total, aux), grads = grad_fn(params, batch)

@@ -24,6 +24,11 @@ micro-batch's sequence over `cp` (its `seq_axes`), each stage runs norms and MLP
 L/cp tokens with rotary positions offset to its slice, and attention's Ulysses all-to-alls
 over `cp` sit inside the branch beside the MoE ones, for the same reason. A ppermute there would
 wait for every device of the program, so `cp_overlap` runs its chunked all-to-all form.
+
+Packed rows (the batch's optional `segment_ids` and `positions`, see `losses.packed`) reach every
+stage as the executor's side inputs: each stage reads the segment ids and positions of the
+micro-batch it runs (its slice of the sequence under cp), so attention stays inside each
+document on every rank, and the residuals derived from them are stored like the activations'.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
+from jaxpipe.training.losses import packed
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
@@ -62,21 +68,26 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
 
   With `context_axis` (the executor's `seq_axes`) each stage holds a contiguous slice of every
-  sequence and attention runs Ulysses over that axis.
+  sequence and attention runs Ulysses over that axis. The layers take the executor's side
+  inputs: a dict of the micro-batch's packed-row keys (`segment_ids`, `positions`), empty for
+  unpacked rows.
   """
 
-  def layer_fn(unit, x_BxLxD):
+  def layer_fn(unit, x_BxLxD, side):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
     # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
+    side = side or {}
     with context_parallel(context_axis, point_to_point=False):
-      if context_axis is None:
+      positions_L = side.get("positions")  # this rank's slice of the rows' positions
+      if positions_L is None and context_axis is None:
         positions_L = jnp.arange(x_BxLxD.shape[1])
-      else:
+      elif positions_L is None:
         positions_L = positions_local(x_BxLxD.shape[1], context_axis)
+      seg = side.get("segment_ids")
       if cfg.moe is None:
-        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L)
-      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L)
+        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, segment_ids_BxL=seg)
+      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg)
 
   def embed_fn(embed_params, tokens_BxL):
     return transformer.embed(cfg, embed_params, tokens_BxL)
@@ -93,6 +104,7 @@ def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
       embed_fn,
       stage_aux=cfg.moe is not None,
       max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None,
+      side_inputs=True,
   )
 
 
@@ -186,7 +198,13 @@ def pipeline_loss_and_grads(
       )
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
-    weighted = {**batch, "mask": transformer.mean_weights(batch["mask"])}
+    packed_keys = packed(batch)
+    weighted = {
+        "tokens": batch["tokens"],
+        "targets": batch["targets"],
+        "mask": transformer.mean_weights(batch["mask"]),
+        **packed_keys,
+    }
     # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
     split = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), weighted
@@ -209,6 +227,7 @@ def pipeline_loss_and_grads(
         param_specs=stage_param_specs(stage_params, ep_axis),
         seq_axes=seq_axes,
         stage_order="placement" if in_placement else "model",
+        side_inputs={k: split[k] for k in packed_keys},
     )
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]

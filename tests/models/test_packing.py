@@ -1,0 +1,210 @@
+"""Packed rows: several documents per row, kept apart by `segment_ids`, with their own `positions`.
+
+Oracle: every document run alone (unpacked, at the start of its own row, no segment ids, the
+model's 1-D positions), summed. Each training path (data-parallel, MoE, context-parallel,
+pipelined with and without recomputation) must give the packed batch that summed loss and
+gradient, and, handed all-ones segment ids and positions 0..L-1, exactly what it gives without.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.training import losses
+from jaxpipe.training.config import model_config
+from jaxpipe.training.mesh import make_mesh
+from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
+from tests import helpers
+
+B, L = 4, 16  # packed rows, tokens per row
+# Documents sit at positions 0, 2, 4, ...: rotary scores depend only on position differences, so
+# unit steps from any start would hide a path that ignores the given positions.
+STRIDE = 2
+
+
+def _documents(seed=0):
+  """Per row, document lengths (2..7) that fill it, the last row ending in 3 padding tokens."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for b in range(B):
+    room, lens = L - (3 if b == B - 1 else 0), []
+    while room:
+      n = min(int(rng.integers(2, 8)), room)
+      n = room if room - n < 2 else n  # no document shorter than 2
+      lens.append(n)
+      room -= n
+    rows.append(lens)
+  return rows
+
+
+def packed_and_alone(vocab, seed=0):
+  """(packed batch [B, L], every document alone: a batch [documents, L], each at its row's start).
+
+  A document of n tokens predicts n targets (its next tokens); padding has segment 0, mask 0.
+  """
+  rng = np.random.default_rng(seed)
+  keys = ("tokens", "targets", "segment_ids", "positions")
+  packed = {k: np.zeros((B, L), np.int32) for k in keys}
+  packed["mask"] = np.zeros((B, L), np.float32)
+  alone = {k: [] for k in ("tokens", "targets", "mask")}
+  for b, lens in enumerate(_documents(seed)):
+    start = 0
+    for d, n in enumerate(lens):
+      seq = rng.integers(0, vocab, n + 1).astype(np.int32)
+      span = slice(start, start + n)
+      packed["tokens"][b, span], packed["targets"][b, span] = seq[:-1], seq[1:]
+      packed["mask"][b, span], packed["segment_ids"][b, span] = 1.0, d + 1
+      packed["positions"][b, span] = STRIDE * np.arange(n)
+      row = {k: np.zeros(L, np.int32) for k in ("tokens", "targets")}
+      row["tokens"][:n], row["targets"][:n] = seq[:-1], seq[1:]
+      alone["tokens"].append(row["tokens"])
+      alone["targets"].append(row["targets"])
+      alone["mask"].append((np.arange(L) < n).astype(np.float32))
+      start += n
+    packed["tokens"][b, start:] = rng.integers(0, vocab, L - start)  # padding: never counted
+  return packed, {k: np.stack(v) for k, v in alone.items()}
+
+
+def alone_sums(cfg, params, alone):
+  """(summed cross-entropy, its gradient) of each document alone, summed: the 1-D positions path."""
+
+  def total(params):
+    x = transformer.embed(cfg, params, alone["tokens"])
+    x, _ = transformer.apply_layers_aux(cfg, params["layers"], x, STRIDE * jnp.arange(L))
+    return transformer.head_loss(cfg, params, x, alone["targets"], alone["mask"])[0]
+
+  return jax.jit(jax.value_and_grad(total))(params)
+
+
+def unpacked(batch):
+  return {k: batch[k] for k in ("tokens", "targets", "mask")}
+
+
+def trivially_packed(batch):
+  """One document per row at positions 0..L-1: the same rows as `unpacked` says."""
+  ones = np.ones((B, L), np.int32)
+  return {**unpacked(batch), "segment_ids": ones, "positions": ones.cumsum(1) - 1}
+
+
+def assert_sums(got, want, what):
+  (loss, grads, metrics), (want_total, want_grads) = got, want
+  n = float(metrics["tokens"])
+  helpers.close(float(loss) * n, want_total, f"{what}: summed loss")
+  flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+  wanted = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
+  assert len(flat) == len(wanted)
+  for path, g in flat:
+    helpers.close(np.asarray(g) * n, wanted[path], f"{what}: {jax.tree_util.keystr(path)}")
+
+
+def assert_same(got, want, what, rtol=0.0):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    where = f"{what}: {jax.tree_util.keystr(path)}"
+    if rtol:
+      helpers.close(a, b, where, rtol=rtol)
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def config(**mesh):
+  c = tiny.get_config()
+  c.data.seq_len = L
+  c.pipeline.microbatches = 2
+  for axis, size in mesh.items():
+    c.mesh[axis] = size
+  return c
+
+
+@functools.cache
+def dense_setup():
+  c = config()
+  cfg = model_config(c)
+  params = helpers.random_params(cfg, seed=1)
+  packed, alone = packed_and_alone(cfg.vocab)
+  return c, cfg, params, packed, alone_sums(cfg, params, alone)
+
+
+def check_path(step, params, packed, want, what, rtol_same=0.0):
+  """Packed batch vs. the documents alone; all-ones segments vs. none, exactly (or rtol_same)."""
+  step = jax.jit(step)
+  assert_sums(step(params, packed), want, what)
+  got, plain = step(params, trivially_packed(packed)), step(params, unpacked(packed))
+  assert_same(got, plain, what, rtol_same)
+
+
+def test_data_parallel_path():
+  c, cfg, params, packed, want = dense_setup()
+  check_path(losses.data_parallel_loss_and_grads(cfg, 2), params, packed, want, "dp")
+
+
+def test_moe_path():
+  c = helpers.moe_config(ep=2, lb_loss_coef=0.0, z_loss_coef=0.0, every=1)  # dropless
+  c.model.n_layers, c.data.seq_len, c.pipeline.microbatches = 2, L, 2
+  cfg = model_config(c)
+  assert cfg.moe.dispatch == "dropless"  # fixed capacity would couple a row's documents
+  params = helpers.random_params(cfg, seed=2)
+  packed, alone = packed_and_alone(cfg.vocab, seed=2)
+  want = alone_sums(cfg, params, alone)
+  mesh = make_mesh(c.mesh, jax.devices()[:2])
+  check_path(losses.moe_loss_and_grads(cfg, mesh, 2), params, packed, want, "moe")
+
+
+def test_context_parallel_path():
+  _, cfg, params, packed, want = dense_setup()
+  mesh = make_mesh(config(cp=2).mesh, jax.devices()[:2])
+  check_path(losses.context_parallel_loss_and_grads(cfg, mesh, 2), params, packed, want, "cp")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipeline_path(recompute):
+  c, cfg, params, packed, want = dense_setup()
+  c = config(pp=2)
+  c.pipeline.schedule, c.pipeline.recompute = "zb-h1", recompute
+  mesh = make_mesh(c.mesh, jax.devices()[:2])
+  step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
+  # Recomputing backward parts build the attention mask from data instead of a constant, and under
+  # the suite's XLA flags (backend -O0) CPU code rounds a few of their sums one ulp apart from the
+  # unmasked program's (exactly equal under default flags, and without recomputation).
+  rtol_same = 1e-6 if recompute else 0.0
+  check_path(step, params, packed, want, f"pp, recompute={recompute}", rtol_same)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_attention_never_crosses_a_document(backend):
+  # Changing one document's tokens changes its own logits and no other document's, bit for bit.
+  _, cfg, params, packed, _ = dense_setup()
+  cfg = dataclasses.replace(cfg, attention=backend)
+  forward = jax.jit(
+      lambda tokens: transformer.forward(
+          cfg,
+          params,
+          tokens,
+          segment_ids_BxL=packed["segment_ids"],
+          positions_BxL=packed["positions"],
+      )
+  )
+  before = np.asarray(forward(packed["tokens"]))
+  seg = packed["segment_ids"]
+  doc = (seg[:, None] == np.arange(1, 4)[None, :, None])[:, 1]  # the second document of each row
+  tokens = np.where(doc, (packed["tokens"] + 1) % cfg.vocab, packed["tokens"])
+  after = np.asarray(forward(tokens))
+  np.testing.assert_array_equal(after[~doc], before[~doc])
+  assert np.all(np.abs(after[doc] - before[doc]).max(-1) > 0)
+
+
+def test_bad_packed_keys_fail_before_running():
+  _, cfg, params, packed, _ = dense_setup()
+  step = losses.data_parallel_loss_and_grads(cfg)
+  bad_shape = (
+      r"batch\['segment_ids'\] has shape \(4, 15\) but tokens have \(4, 16\).*\[batch, seq\]"
+  )
+  with pytest.raises(ValueError, match=bad_shape):
+    step(params, {**packed, "segment_ids": packed["segment_ids"][:, 1:]})
+  with pytest.raises(ValueError, match=r"batch\['positions'\] has dtype float32; pass integers"):
+    step(params, {**packed, "positions": packed["positions"].astype(np.float32)})
