@@ -165,8 +165,8 @@ def _kernel(
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
-    if quantized:
-      p = p * vs_ref[pages].reshape(1, block)
+    if quantized:  # a stale slot's scale may be NaN too: 0 * NaN would reach the output
+      p = p * jnp.where(valid, vs_ref[pages].reshape(1, block), 0.0)
     v = jnp.where(valid.reshape(block, 1), v, jnp.zeros_like(v))  # stale slots may hold NaN
     acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
     return acc, m_next, l_next

@@ -102,8 +102,8 @@ class Transfer:
   src_rid: int
   dst: Worker
   dst_rid: int
-  parts: list[tuple[int | None, int, jax.Array, jax.Array]]  # (layer or None: all, first page,
-  # k, v), already on dst's devices
+  parts: list[tuple[int | None, int, object, object]]  # (layer or None: all, first page, k, v
+  # as `Engine.kv_of` gives them), already on dst's devices
   nbytes: int
   start: float
 
@@ -452,11 +452,12 @@ class Disaggregated(_Deployment):
     _check_groups(list(prefill_groups) + list(decode_groups), "prefill or decode")
     p_kwargs = {**engine_kwargs, **(prefill_kwargs or {}), "prefill_only": True}
     d_kwargs = {"prefix_caching": False, **engine_kwargs, **(decode_kwargs or {})}
-    for name in ("page_size",):
-      if p_kwargs.get(name) != d_kwargs.get(name):
+    defaults = {"page_size": 16, "kv_cache_dtype": "auto"}  # Engine's
+    for name, default in defaults.items():
+      if p_kwargs.get(name, default) != d_kwargs.get(name, default):
         raise ValueError(
-            f"prefill and decode workers must share {name} ({p_kwargs.get(name)} vs "
-            f"{d_kwargs.get(name)}): pages move between them as they are"
+            f"prefill and decode workers must share {name} ({p_kwargs.get(name, default)} vs "
+            f"{d_kwargs.get(name, default)}): pages move between them as they are"
         )
     self.prefill = [
         Worker(f"P{i}", Engine(model_cfg, params, devices=g, **p_kwargs))
@@ -544,7 +545,7 @@ class Disaggregated(_Deployment):
       for first, k, v in p.engine.kv_of(src_rid, layer):
         k, v = jax.device_put((k, v), d.engine.kv_sharding)  # device to device, asynchronous
         parts.append((layer, first, k, v))
-        nbytes += k.nbytes + v.nbytes
+        nbytes += sum(x.nbytes for x in jax.tree.leaves((k, v)))  # 8-bit: scales too
     now = time.perf_counter()
     r.spans.append((p.name, "handoff", self._phase_start(r), now))
     r.phase, r.note = TRANSFER, None

@@ -135,8 +135,10 @@ class KVState:
   sampling: SamplingParams
   eos_id: int | None
   computed: int  # leading tokens whose K/V are cached; 0: the receiver recomputes them
-  k: np.ndarray | None  # [G, n_layers, pages, page_size, head_dim]; None: moved apart (write_kv)
-  v: np.ndarray | None
+  # [G, n_layers, pages, page_size, head_dim]; an 8-bit cache's: (values, float32 scales
+  # [G, n_layers, pages, page_size]); None: moved apart (kv_of, write_kv)
+  k: np.ndarray | tuple[np.ndarray, np.ndarray] | None
+  v: np.ndarray | tuple[np.ndarray, np.ndarray] | None
   arrival: float
   first_token_time: float | None
   token_times: list[float]
@@ -254,12 +256,15 @@ class Engine:
       page_buckets: Sequence[int] | None = None,
       nan_freed_pages: bool = False,
       prefill_only: bool = False,
+      kv_cache_dtype: str = "auto",
   ):
     """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
     per sequence; default powers of two up to the limits, which are always included);
     nan_freed_pages: pools start as NaN and every freed page is refilled with NaN (tests: a
     read of a slot a sequence does not own would show in its output); prefill_only: a prefill
-    worker: a request that samples a token leaves the batch for `prefilled`, pages kept."""
+    worker: a request that samples a token leaves the batch for `prefilled`, pages kept;
+    kv_cache_dtype: 'auto' (the model's compute dtype), 'int8' or 'fp8' (float8_e4m3fn, both
+    with a float32 scale per KV head and slot: `serve.model`)."""
     for name, value in (
         ("page_size", page_size),
         ("num_pages", num_pages),
@@ -271,6 +276,9 @@ class Engine:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2: page 0 is the scratch page")
+    self.kv_cache_dtype = kv_cache_dtype
+    self.kv_dtype = model_lib.kv_dtype(model_cfg, kv_cache_dtype)  # refuses another name
+    quantized = model_lib.quantized(self.kv_dtype)
     devices = list(devices) if devices is not None else jax.devices()[:1]
     if model_cfg.n_kv_heads % len(devices):
       raise ValueError(
@@ -298,7 +306,10 @@ class Engine:
     self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
     self._replicated = NamedSharding(self.mesh, P())
     self._pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
-    self._kv_sharding = model_lib.KVPages(self._pool_sharding, self._pool_sharding, num_pages)
+    scales = self._pool_sharding if quantized else None
+    self._kv_sharding = model_lib.KVPages(
+        self._pool_sharding, self._pool_sharding, num_pages, scales, scales
+    )
     self.params = jax.device_put(params, self._replicated)
     self.nan_freed_pages = nan_freed_pages
     self.kv = model_lib.init_kv(
@@ -307,6 +318,7 @@ class Engine:
         page_size,
         fill=float("nan") if nan_freed_pages else 0.0,
         sharding=self._pool_sharding,
+        kv_cache_dtype=kv_cache_dtype,
     )
     self._to_fill: list[int] = []
     self.allocator = PageAllocator(
@@ -509,13 +521,10 @@ class Engine:
 
   @functools.cached_property
   def _copy_fn(self):
-    def copy(kv, src, dst):  # one page in every layer's pool
+    def copy(kv, src, dst):  # one page in every layer's pool (and scales)
       pages = jnp.arange(kv.n_layers) * kv.num_pages
-      return model_lib.KVPages(
-          kv.k.at[:, pages + dst].set(kv.k[:, pages + src]),
-          kv.v.at[:, pages + dst].set(kv.v[:, pages + src]),
-          kv.num_pages,
-      )
+      pools = jax.tree.map(lambda x: x.at[:, pages + dst].set(x[:, pages + src]), kv.pools)
+      return model_lib.KVPages(*pools[:2], kv.num_pages, *pools[2:])
 
     return jax.jit(copy, donate_argnums=0, out_shardings=self._kv_sharding)
 
@@ -525,6 +534,8 @@ class Engine:
       idx = (jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_F[None, :]).reshape(-1)
       idx = jnp.where(jnp.tile(pages_F, kv.n_layers) < kv.num_pages, idx, kv.k.shape[1])
       nan = lambda x: x.at[:, idx].set(jnp.nan, mode="drop")
+      if kv.k_scales is not None:  # 8-bit: a NaN scale makes the slot's value NaN
+        return kv.replace(k_scales=nan(kv.k_scales), v_scales=nan(kv.v_scales))
       return model_lib.KVPages(nan(kv.k), nan(kv.v), kv.num_pages)
 
     return jax.jit(fill, donate_argnums=0, out_shardings=self._kv_sharding)
@@ -811,20 +822,28 @@ class Engine:
 
   @functools.cached_property
   def _gather_fn(self):
-    def gather(kv, pages_N, layers_L):
+    def gather(kv, pages_N, layers_L):  # [G, L, N, page, K] (8-bit: and scales [G, L, N, page])
       idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
-      return kv.k[:, idx], kv.v[:, idx]  # [G, L, N, page, K]
+      if kv.k_scales is None:
+        return kv.k[:, idx], kv.v[:, idx]
+      return (kv.k[:, idx], kv.k_scales[:, idx]), (kv.v[:, idx], kv.v_scales[:, idx])
 
-    return jax.jit(gather, out_shardings=(self._pool_sharding,) * 2)
+    return jax.jit(gather, out_shardings=self._pool_sharding)
 
   @functools.cached_property
   def _scatter_fn(self):
-    def scatter(kv, pages_N, layers_L, k, v):
+    def scatter(kv, pages_N, layers_L, k, v):  # k, v as `gather` returns them
       idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
+      put = lambda pool, x: pool.at[:, idx].set(x.astype(pool.dtype))
+      if kv.k_scales is None:
+        return model_lib.KVPages(put(kv.k, k), put(kv.v, v), kv.num_pages)
+      (k, k_scales), (v, v_scales) = k, v
       return model_lib.KVPages(
-          kv.k.at[:, idx].set(k.astype(kv.k.dtype)),
-          kv.v.at[:, idx].set(v.astype(kv.v.dtype)),
+          put(kv.k, k),
+          put(kv.v, v),
           kv.num_pages,
+          put(kv.k_scales, k_scales),
+          put(kv.v_scales, v_scales),
       )
 
     return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
@@ -840,7 +859,8 @@ class Engine:
     """K and V of a request's cached tokens, exactly its pages, still on this engine's devices,
     in chunks of a power of two pages (the binary digits of the page count: at most
     log2(pages) + 1 copies, and as many compiled programs serve every length):
-    (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim]."""
+    (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim],
+    or with an 8-bit cache a pair (values, float32 scales [G, n_layers, chunk pages, page])."""
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
       raise ValueError(
@@ -866,13 +886,10 @@ class Engine:
     k = v = None
     if with_kv:
       chunks = jax.device_get([(k, v) for _, k, v in self.kv_of(rid)])
-      shape = self.kv_shape(r.computed)
-      k, v = (
-          np.concatenate([c[i] for c in chunks], axis=2)
-          if chunks
-          else np.zeros(shape, self.kv.k.dtype)
-          for i in (0, 1)
-      )
+      if chunks:
+        k, v = jax.tree.map(lambda *c: np.concatenate(c, axis=2), *chunks)
+      else:
+        k, v = self._empty_kv(r.computed), self._empty_kv(r.computed)
     return KVState(
         list(r.prompt),
         list(r.output),
@@ -887,6 +904,29 @@ class Engine:
         list(r.token_times),
         list(r.logprobs),
     )
+
+  def _empty_kv(self, computed: int):
+    """K (or V) of a request with no cached pages, as `export_request` gives it."""
+    values = np.zeros(self.kv_shape(computed), self.kv_dtype)
+    if self.kv.k_scales is None:
+      return values
+    return values, np.zeros(self.kv_shape(computed)[:-1], np.float32)
+
+  def _kv_shape_error(self, name: str, x, want: tuple[int, ...]) -> str | None:
+    """Why x does not hold K (or V) of shape `want` for this engine's cache, or None."""
+    if self.kv.k_scales is None:
+      if isinstance(x, tuple) or tuple(x.shape) != want:
+        got = tuple(x.shape) if not isinstance(x, tuple) else "a (values, scales) pair"
+        return f"{name} has shape {got}; this engine's float cache takes {want}"
+      return None
+    if not isinstance(x, tuple) or len(x) != 2:
+      return f"{name} must be a (values, scales) pair for this engine's {self.kv_cache_dtype} cache"
+    if tuple(x[0].shape) != want or tuple(x[1].shape) != want[:-1]:
+      return (
+          f"{name} has shapes {tuple(x[0].shape)}, {tuple(x[1].shape)}; this engine takes "
+          f"{want} and {want[:-1]}"
+      )
+    return None
 
   def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
     """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim]."""
@@ -903,11 +943,10 @@ class Engine:
     `admit_request`); it is not scheduled until then. Raises ValueError if it cannot be taken."""
     error = self.check_request(state.prompt, state.max_tokens, state.sampling)
     want = self.kv_shape(state.computed)
-    if error is None and state.k is not None and tuple(state.k.shape) != want:
-      error = (
-          f"the K/V has shape {tuple(state.k.shape)}; this engine holds {want} for "
-          f"{state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
-      )
+    if error is None and state.k is not None:
+      error = self._kv_shape_error("the K", state.k, want)
+      if error:
+        error += f" for {state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
     if error is None and not self.scheduler.has_slot():
       error = f"the batch is full ({self.max_batch} running or incoming requests)"
     if error is None and not self.allocator.can_alloc(want[2]):
@@ -945,16 +984,19 @@ class Engine:
     r = self.requests[rid]
     if r.state != INCOMING:
       raise ValueError(f"request {rid} is {r.state}; K/V are written only into a reserved request")
-    size = k.shape[2] if k.ndim == 5 else -1
+    values = k[0] if isinstance(k, tuple) and k else k
+    size = values.shape[2] if getattr(values, "ndim", 0) == 5 else -1
     want = (
         self.kv_shape(r.computed, None if layer is None else 1)[:2]
         + (size,)
         + (self.page_size, self.cfg.head_dim)
     )
     for name, x in (("k", k), ("v", v)):
-      if tuple(x.shape) != want or not 0 <= first <= len(r.pages) - size:
+      error = self._kv_shape_error(name, x, want)
+      if error or not 0 <= first <= len(r.pages) - size:
+        error = error or f"{name} has shape {tuple(jax.tree.leaves(x)[0].shape)}"
         raise ValueError(
-            f"{name} has shape {tuple(x.shape)} at page {first}; request {rid} holds "
+            f"{error} at page {first}; request {rid} holds "
             f"{self.kv_shape(r.computed)} ([kv_heads, layers, pages, page, head_dim])"
         )
     layers = self._layers(layer)
@@ -994,7 +1036,8 @@ class Engine:
         raise ValueError(f"cannot import the request: {state.computed} cached tokens but no K/V")
       at = 0
       for size in _pow2_chunks(len(self.requests[rid].pages)):
-        self.write_kv(rid, state.k[:, :, at : at + size], state.v[:, :, at : at + size], first=at)
+        k, v = jax.tree.map(lambda x, at=at, size=size: x[:, :, at : at + size], (state.k, state.v))
+        self.write_kv(rid, k, v, first=at)
         at += size
     self.admit_request(rid)
     return rid

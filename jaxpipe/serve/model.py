@@ -14,6 +14,12 @@ The pools of all layers share two arrays `[G, n_layers * P, page, K]`: layer l's
 pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, head_dim]`
 layout of the kernel, so a layer's attention needs no copy of its pool (its block tables are
 offset by l*P instead).
+
+An 8-bit cache (`kv_cache_dtype` "int8" or "fp8", float8_e4m3fn) halves the pools against
+bfloat16 (a quarter against float32): each (KV head, slot) is stored scaled by its absolute
+maximum over head_dim onto the 8-bit range, with that float32 scale beside it in `k_scales` /
+`v_scales [G, n_layers * P, page]` (the kernel's layout: value = stored * scale). A token is
+quantised once, as it is written; attention dequantises on the fly.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ class KVPages:
   k: jax.Array  # [G, n_layers * num_pages, page_size, head_dim]
   v: jax.Array
   num_pages: int = flax.struct.field(pytree_node=False)  # pages per layer, scratch page 0 included
+  k_scales: jax.Array | None = None  # float32 [G, n_layers * num_pages, page_size]; 8-bit pools
+  v_scales: jax.Array | None = None
+
+  @property
+  def pools(self) -> tuple:
+    """(k, v, k_scales, v_scales): what a layer reads and writes."""
+    return self.k, self.v, self.k_scales, self.v_scales
 
   @property
   def page_size(self) -> int:
@@ -64,22 +77,67 @@ class TokenBatch:
   rows_R: jax.Array  # int32 token index of each wanted row (padding: 0)
 
 
-def kv_bytes(cfg: TransformerConfig, num_pages: int, page_size: int, dtype=None) -> int:
-  """Bytes of both pools: 2 · layers · kv_heads · head_dim · bytes per element · slots."""
-  itemsize = jnp.dtype(dtype or cfg.compute_dtype).itemsize
-  return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize * num_pages * page_size
+KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: compute
+
+
+def kv_dtype(cfg: TransformerConfig, kv_cache_dtype: str = "auto"):
+  """The pools' element dtype for a `kv_cache_dtype` name; raises ValueError for another name."""
+  if kv_cache_dtype not in KV_CACHE_DTYPES:
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)} "
+        "('auto': the compute dtype; 'int8' / 'fp8': 8-bit with a scale per head and slot)"
+    )
+  return jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype] or cfg.compute_dtype)
+
+
+def quantized(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def kv_bytes(
+    cfg: TransformerConfig, num_pages: int, page_size: int, dtype=None, kv_cache_dtype="auto"
+) -> int:
+  """Bytes of both pools: 2 · layers · kv_heads · (head_dim · bytes per element + 4 for the
+  float32 scale of an 8-bit cache) · slots. dtype: the element dtype (default: kv_cache_dtype's)."""
+  dtype = jnp.dtype(dtype or kv_dtype(cfg, kv_cache_dtype))
+  per_head = cfg.head_dim * dtype.itemsize + (4 if quantized(dtype) else 0)
+  return 2 * cfg.n_layers * cfg.n_kv_heads * per_head * num_pages * page_size
 
 
 def init_kv(
-    cfg: TransformerConfig, num_pages: int, page_size: int, fill: float = 0.0, sharding=None
+    cfg: TransformerConfig,
+    num_pages: int,
+    page_size: int,
+    fill: float = 0.0,
+    sharding=None,
+    kv_cache_dtype: str = "auto",
 ) -> KVPages:
-  """Pools for `num_pages` pages per layer, every slot `fill` (NaN in tests of page ownership).
+  """Pools for `num_pages` pages per layer, every slot `fill` (NaN in tests of page ownership;
+  in an 8-bit cache the scales hold `fill` and the values 0).
 
-  sharding: of each pool (default: the default device).
+  sharding: of each pool and scale pool (default: the default device).
   """
+  dtype = kv_dtype(cfg, kv_cache_dtype)
   shape = (cfg.n_kv_heads, cfg.n_layers * num_pages, page_size, cfg.head_dim)
-  make = jax.jit(lambda: jnp.full(shape, fill, cfg.compute_dtype), out_shardings=sharding)
-  return KVPages(make(), make(), num_pages)
+  if not quantized(dtype):
+    make = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
+    return KVPages(make(), make(), num_pages)
+  pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+  scales = jax.jit(lambda: jnp.full(shape[:3], fill, jnp.float32), out_shardings=sharding)
+  return KVPages(pool(), pool(), num_pages, scales(), scales())
+
+
+def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(x / scale in `dtype`, scale [T, G] float32) with scale = max |x| over head_dim / the
+  dtype's largest value (127 for int8, 448 for float8_e4m3fn), rounded to nearest; an all-zero
+  vector keeps scale 0. fp8 values are clamped after scaling: E4M3 has no infinity, and a value
+  rounding past 448 would become NaN."""
+  x = x_TxGxK.astype(jnp.float32)
+  top = 127.0 if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
+  scale_TxG = jnp.max(jnp.abs(x), axis=-1) / top
+  y = x / jnp.where(scale_TxG > 0, scale_TxG, 1.0)[..., None]
+  y = jnp.round(y) if jnp.dtype(dtype) == jnp.int8 else y
+  return jnp.clip(y, -top, top).astype(dtype), scale_TxG
 
 
 def serving_config(cfg: TransformerConfig) -> TransformerConfig:
@@ -93,7 +151,7 @@ class _PagedHook:
   """What `attention` calls inside `kv_cache`: store this layer's new K/V, attend through pages."""
 
   def __init__(self, kv: KVPages, batch: TokenBatch, backend: str, mesh: Mesh | None):
-    self.k, self.v, self.num_pages = kv.k, kv.v, kv.num_pages
+    self.pools, self.num_pages = kv.pools, kv.num_pages
     self.batch, self.backend, self.mesh = batch, backend, mesh
     self.layer = None  # set before each layer (a traced index inside the layer scan)
 
@@ -107,15 +165,14 @@ class _PagedHook:
           fn,
           mesh=self.mesh,
           check_vma=False,
-          in_specs=(heads, heads, heads, P(KV_AXIS), P(KV_AXIS), rep, rep, rep, rep),
-          out_specs=(heads, P(KV_AXIS), P(KV_AXIS)),
+          in_specs=(heads, heads, heads, P(KV_AXIS), rep, rep, rep, rep),
+          out_specs=(heads, P(KV_AXIS)),
       )
-    o_TxHxK, self.k, self.v = fn(
+    o_TxHxK, self.pools = fn(
         q_1xTxHxK[0],
         k_1xTxGxK[0],
         v_1xTxGxK[0],
-        self.k,
-        self.v,
+        self.pools,
         b.slots_T,
         b.tables_TxN + offset,
         b.positions_T + 1,
@@ -125,15 +182,32 @@ class _PagedHook:
 
 
 def _write_and_attend(
-    q_TxHxK, k_TxGxK, v_TxGxK, k_pool, v_pool, slots_T, tables_TxN, lengths_T, offset, *, backend
+    q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, tables_TxN, lengths_T, offset, *, backend
 ):
+  """Writes the T tokens' K/V at their slots (quantised into an 8-bit pool) and attends through
+  the pages; pools = (k, v, k_scales, v_scales), the scales None for a float cache."""
+  k_pool, v_pool, k_scales, v_scales = pools
   s = k_pool.shape[2]
   g_G = jnp.arange(k_pool.shape[0])[None, :]
-  page_Tx1, off_Tx1 = (offset + slots_T // s)[:, None], (slots_T % s)[:, None]
-  k_pool = k_pool.at[g_G, page_Tx1, off_Tx1].set(k_TxGxK.astype(k_pool.dtype))
-  v_pool = v_pool.at[g_G, page_Tx1, off_Tx1].set(v_TxGxK.astype(v_pool.dtype))
-  o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, tables_TxN, lengths_T, backend=backend)
-  return o_TxHxK.astype(q_TxHxK.dtype), k_pool, v_pool
+  at = (g_G, (offset + slots_T // s)[:, None], (slots_T % s)[:, None])
+  if k_scales is None:
+    k_pool = k_pool.at[at].set(k_TxGxK.astype(k_pool.dtype))
+    v_pool = v_pool.at[at].set(v_TxGxK.astype(v_pool.dtype))
+  else:
+    (k_q, k_scale_TxG), (v_q, v_scale_TxG) = (quantize(x, k_pool.dtype) for x in (k_TxGxK, v_TxGxK))
+    k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
+    k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
+  o_TxHxK = paged_attention(
+      q_TxHxK,
+      k_pool,
+      v_pool,
+      tables_TxN,
+      lengths_T,
+      backend=backend,
+      k_scales_GxPxS=k_scales,
+      v_scales_GxPxS=v_scales,
+  )
+  return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
 
 
 def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):
@@ -160,7 +234,7 @@ def forward_paged(
   positions_T = batch.positions_T
 
   def unit_body(carry, xs):
-    x, hook.k, hook.v = carry
+    x, hook.pools = carry
     unit, u = xs
     if cfg.moe is None:
       x = _layer(cfg, hook, unit, u, x, positions_T, moe=False)
@@ -168,26 +242,23 @@ def forward_paged(
       if "dense" in unit:
 
         def dense_body(carry, xs):
-          x, hook.k, hook.v = carry
+          x, hook.pools = carry
           layer, j = xs
-          return (
-              _layer(cfg, hook, layer, u * every + j, x, positions_T, False),
-              hook.k,
-              hook.v,
-          ), None
+          x = _layer(cfg, hook, layer, u * every + j, x, positions_T, False)
+          return (x, hook.pools), None
 
-        (x, hook.k, hook.v), _ = jax.lax.scan(
-            dense_body, (x, hook.k, hook.v), (unit["dense"], jnp.arange(every - 1))
+        (x, hook.pools), _ = jax.lax.scan(
+            dense_body, (x, hook.pools), (unit["dense"], jnp.arange(every - 1))
         )
       x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, moe=True)
-    return (x, hook.k, hook.v), None
+    return (x, hook.pools), None
 
   units = cfg.n_layers // every
-  (x_1xTxD, k, v), _ = jax.lax.scan(
-      unit_body, (x_1xTxD, kv.k, kv.v), (params["layers"], jnp.arange(units))
+  (x_1xTxD, (k, v, k_scales, v_scales)), _ = jax.lax.scan(
+      unit_body, (x_1xTxD, kv.pools), (params["layers"], jnp.arange(units))
   )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
-  return logits_1xRxV[0], KVPages(k, v, kv.num_pages)
+  return logits_1xRxV[0], KVPages(k, v, kv.num_pages, k_scales, v_scales)
 
 
 def serve_step(
