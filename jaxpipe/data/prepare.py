@@ -201,7 +201,7 @@ def _parquet(path: str, skipped: collections.Counter) -> Iterator[tuple[str, Any
 
 def _text_file(path: str) -> Iterator[tuple[str, Any, str]]:
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", newline="") as f:  # the file's own line endings
       text = f.read()
   except UnicodeDecodeError as e:
     raise ValueError(f"--input {path}: not UTF-8 text ({e})") from None

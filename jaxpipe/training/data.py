@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from jaxpipe.data import source as data_source
+from jaxpipe.training import config as config_lib
 
 SPLITS = ("train", "eval")
 
@@ -122,7 +123,10 @@ def make_source(data: ml_collections.ConfigDict, vocab: int, workdir: str | None
   if data.source == "synthetic":
     return Synthetic(vocab, data.seed)
   if data_source.store_dir(data.source) is not None:
-    store = data_source.check(data.source, vocab, data.eval_fraction, False, workdir)
+    try:
+      store = data_source.check(data.source, vocab, data.eval_fraction, False, workdir)
+    except ValueError as e:  # a config error: the runner's one line and usage status
+      raise config_lib.ConfigError(str(e)) from None
     return data_source.TokenSource(store, data.eval_fraction, data.seed)
   raise ValueError(
       f"data.source={data.source!r} is unknown; use 'stdlib', 'synthetic' or "

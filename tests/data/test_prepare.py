@@ -146,7 +146,7 @@ def test_text_files_and_parquet(tmp_path, oracle, llama):
   import pyarrow as pa
   import pyarrow.parquet as pq
 
-  (tmp_path / "a.txt").write_text("first file\nline two\n")
+  (tmp_path / "a.txt").write_bytes(b"first file\r\nline two\n")  # line endings kept
   (tmp_path / "b.md").write_text("# Title\n\nbody ünïcode")
   pq.write_table(pa.table({"text": ["row one", None, "row three"]}), tmp_path / "c.parquet")
   inputs = ["a.txt", "b.md", "c.parquet"]
@@ -154,7 +154,7 @@ def test_text_files_and_parquet(tmp_path, oracle, llama):
   status, out, err = _run("--tokenizer", "bytes", *args, "--out", str(tmp_path / "s"))
   assert status == 0, err
   store, docs = _docs(tmp_path / "s")
-  want = ["first file\nline two\n", "# Title\n\nbody ünïcode", "row one", "row three"]
+  want = ["first file\r\nline two\n", "# Title\n\nbody ünïcode", "row one", "row three"]
   assert docs == [list(t.encode()) for t in want]
   assert store.meta["skipped"] == {prepare_lib.EMPTY: 1} and "empty_text 1" in out
 

@@ -211,7 +211,9 @@ def test_workdir_tokenizer_must_match(tmp_path, corpus):
   tok = helpers.tiny_bpe()
   tok.save(str(workdir / "hf" / "tokenizer.json"))
   data = _config(f"tokens:{corpus}").data
-  with pytest.raises(ValueError, match="was made with the byte tokenizer, not with the workdir's"):
+  with pytest.raises(
+      config_lib.ConfigError, match="was made with the byte tokenizer, not with the workdir's"
+  ):
     data_lib.make_source(data, 512, str(workdir))
   hf_made = tmp_path / "hf_made"  # the same tokenizer file: accepted
   shutil.copytree(corpus, hf_made)
