@@ -3,22 +3,29 @@
   python -m jaxpipe.serve --workdir /tmp/qs --prompt "def " --max_tokens 64
   python -m jaxpipe.serve --config configs/quickstart.py --prompt "import " --temperature 0.8
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
+      [--kv_cache_dtype auto|int8|fp8]
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
       [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256]
       [--page_buckets 16]
       [--mode disaggregated --prefill_workers 1 --decode_workers 2 --devices_per_worker 1]
 
 --workdir serves the newest checkpoint of a `python -m jaxpipe.train` run (its config.json
-gives the model); --config serves the fresh parameters of a config file. Prompts are UTF-8
-bytes, one token each (the byte-level models of the quickstarts); several --prompt flags are
-served as one continuously batched workload. --http serves POST /v1/completions, GET /v1/models,
-/health and /metrics (jaxpipe/serve/http/) until SIGTERM, after which running requests get
---drain_s seconds to finish before they are cancelled; every step program is compiled first.
+gives the model) or of a checkpoint converted by `python -m jaxpipe.convert hf-to-orbax`;
+--config serves the fresh parameters of a config file. Text goes through the model's tokenizer
+(`jaxpipe.models.tokenizer.for_workdir`: WORKDIR/hf's for a converted checkpoint, whose EOS ids
+end generation, else UTF-8 bytes, one token each); several --prompt flags are served as one
+continuously batched workload. The context served is the model's max_position_embeddings for a
+converted checkpoint, data.seq_len for jaxpipe's own, unless --max_seq_len says otherwise.
+--http serves POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, GET /v1/models,
+/version, /health and /metrics (jaxpipe/serve/http/) until SIGTERM, after which running requests
+get --drain_s seconds to finish before they are cancelled; every step program is compiled first.
 --mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
 behind the same endpoint, each worker with the engine flags; the default is one engine.
 """
 
 import dataclasses
+import inspect
+import json
 import os
 import sys
 import time
@@ -47,7 +54,7 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "A training run's workdir: serve its newest checkpoint.", flag_values=FLAGS
 )
 _PROMPT = flags.DEFINE_multi_string(
-    "prompt", [], "Prompt text (UTF-8 bytes are the tokens).", flag_values=FLAGS
+    "prompt", [], "Prompt text (encoded by the model's tokenizer).", flag_values=FLAGS
 )
 _MAX_TOKENS = flags.DEFINE_integer(
     "max_tokens", 64, "Tokens to generate per prompt.", flag_values=FLAGS
@@ -61,13 +68,20 @@ _SEED = flags.DEFINE_integer("seed", 0, "Prompt i samples with seed + i.", flag_
 _MAX_SEQ_LEN = flags.DEFINE_integer(
     "max_seq_len",
     None,
-    "Context served (prompt + generated); "
-    "default data.seq_len, the length the model was trained on.",
+    "Context served (prompt + generated); default the model's max_position_embeddings "
+    "(a converted checkpoint) or data.seq_len (the length a jaxpipe model was trained on).",
     flag_values=FLAGS,
 )
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
 _NUM_PAGES = flags.DEFINE_integer(
     "num_pages", 256, "KV pages per layer (page 0 is scratch).", flag_values=FLAGS
+)
+_KV_CACHE_DTYPE = flags.DEFINE_enum(
+    "kv_cache_dtype",
+    "auto",
+    ["auto", "int8", "fp8"],
+    "KV pages' dtype: auto (the compute dtype), int8 or fp8 (quantized, a scale per slot).",
+    flag_values=FLAGS,
 )
 _ATTENTION = flags.DEFINE_string(
     "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
@@ -167,16 +181,22 @@ def main(argv: list[str]) -> None:
   if _WORKDIR.value:
     try:
       config = restore.run_config(_WORKDIR.value)
+    except (FileNotFoundError, RuntimeError) as e:
+      sys.exit(f"error: {e}")
+  else:
+    config = _CONFIG.value
+  cfg = config_lib.model_config(config)
+  tok = _tokenizer(cfg)  # refused before any device work
+  if _WORKDIR.value:
+    try:
       step, params = restore.restore_params(_WORKDIR.value, config)
     except (FileNotFoundError, RuntimeError) as e:
       sys.exit(f"error: {e}")
     source = f"step {step} of {_WORKDIR.value}"
   else:
-    config = _CONFIG.value
     source = f"fresh parameters of {config_flags.get_config_filename(FLAGS['config'])}"
     params = restore.fresh_params(config)
-  cfg = config_lib.model_config(config)
-  max_seq_len = _MAX_SEQ_LEN.value or config.data.seq_len
+  max_seq_len = _MAX_SEQ_LEN.value or _model_context(_WORKDIR.value) or config.data.seq_len
   max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
   # One page bucket (the whole context) by default: one program per token bucket.
   kw = dict(
@@ -188,16 +208,24 @@ def main(argv: list[str]) -> None:
       token_buckets=token_buckets,
       page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
       attention=_ATTENTION.value,
+      eos_id=tok.eos_ids or None,
   )
+  if _KV_CACHE_DTYPE.value != "auto":
+    if "kv_cache_dtype" not in inspect.signature(Engine).parameters:
+      sys.exit(
+          f"error: --kv_cache_dtype={_KV_CACHE_DTYPE.value}: this engine stores K/V in the "
+          "compute dtype only; leave the flag out"
+      )
+    kw["kv_cache_dtype"] = _KV_CACHE_DTYPE.value
   try:
     engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)
   except ValueError as e:
     sys.exit(f"error: {e}")
   if _HTTP.value:
-    _serve_http(engine, cfg, source)
+    _serve_http(engine, cfg, source, tok)
     return
   try:
-    prompts = [list(p.encode("utf-8")) for p in _PROMPT.value]
+    prompts = [tok.encode(p) for p in _PROMPT.value]
     outputs = engine.generate(
         prompts,
         max_tokens=_MAX_TOKENS.value,
@@ -213,8 +241,36 @@ def main(argv: list[str]) -> None:
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
   )
   for prompt, out in zip(_PROMPT.value, outputs):
-    print(prompt + tokenizer_lib.ByteTokenizer().decode(out))
+    print(prompt + tok.decode([t for t in out if t not in tok.eos_ids]))
     print(f"# tokens: {out}")
+
+
+def _tokenizer(cfg):
+  """The workdir's tokenizer (bytes for jaxpipe's own models), checked against the embedding."""
+  try:
+    tok = tokenizer_lib.for_workdir(_WORKDIR.value) if _WORKDIR.value else None
+    if tok is None or isinstance(tok, tokenizer_lib.ByteTokenizer):
+      # jaxpipe's byte models; a vocabulary under 256 refuses the bytes it lacks per request
+      return tokenizer_lib.ByteTokenizer(max(cfg.vocab, tokenizer_lib.BYTES))
+    tokenizer_lib.check_vocab(tok, cfg.vocab)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  return tok
+
+
+def _model_context(workdir: str | None) -> int | None:
+  """A converted checkpoint's max_position_embeddings (WORKDIR/hf/config.json), else None."""
+  if not workdir:
+    return None
+  path = os.path.join(workdir, tokenizer_lib.HF_DIR, "config.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f).get("max_position_embeddings")
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    sys.exit(f"error: {path}: {e}")
+  return value if isinstance(value, int) and value > 0 else None
 
 
 def _deployment(cfg, params, kw: dict):
@@ -229,7 +285,7 @@ def _deployment(cfg, params, kw: dict):
   return deploy.Disaggregated(cfg, params, groups[:p], groups[p:], **kw)
 
 
-def _serve_http(backend, cfg, source: str) -> None:
+def _serve_http(backend, cfg, source: str, tok) -> None:
   import jax
 
   try:
@@ -258,6 +314,9 @@ def _serve_http(backend, cfg, source: str) -> None:
       "token_buckets": list(engine.token_buckets),
       "page_buckets": list(engine.page_buckets),
       "attention": engine.backend,
+      "kv_cache_dtype": _KV_CACHE_DTYPE.value,
+      "tokenizer": type(tok).__name__,
+      "eos_ids": list(tok.eos_ids),
       "device": jax.devices()[0].device_kind,
       "source": source,
       "model": dataclasses.asdict(cfg),
@@ -270,6 +329,7 @@ def _serve_http(backend, cfg, source: str) -> None:
         max_queue=_MAX_QUEUE.value,
         drain_s=_DRAIN_S.value,
         engine_info=info,
+        tokenizer=tok,
     )
   except ValueError as e:
     sys.exit(f"error: {e}")

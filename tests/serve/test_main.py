@@ -69,3 +69,38 @@ def test_runner_refuses_a_workdir_without_a_run(tmp_path):
   )
   assert run.returncode != 0
   assert "config.json does not exist" in run.stderr
+
+
+def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refused(tmp_path):
+  import torch
+  import transformers
+
+  from jaxpipe.training import convert
+
+  src = helpers.write_tiny_llama(tmp_path / "src")
+  workdir = str(tmp_path / "w")
+  convert.hf_to_orbax(src, workdir)
+  tok = transformers.AutoTokenizer.from_pretrained(src)
+  model = transformers.AutoModelForCausalLM.from_pretrained(src)
+  prompt = "def main"
+  ids = tok(prompt).input_ids
+  with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)
+  want = out[0, len(ids) :].tolist()
+  cmd = [sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--max_tokens", "5"]
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"}
+  run = subprocess.run(
+      [*cmd, "--prompt", prompt], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert f"# tokens: {want}" in run.stdout  # the prompt went through the BPE tokenizer
+  assert prompt + tok.decode(want, skip_special_tokens=True) in run.stdout
+
+  helpers.tiny_bpe(vocab_size=512).save(os.path.join(workdir, "hf", "tokenizer.json"))
+  run = subprocess.run(
+      [*cmd, "--prompt", prompt], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+  )
+  assert run.returncode != 0
+  lines = [x for x in run.stderr.splitlines() if x.strip()]
+  assert lines[-1].startswith("error: ") and "embedding has 384 rows" in lines[-1], lines
+  assert "Traceback" not in run.stderr

@@ -1,9 +1,14 @@
-"""The HTTP application: Starlette routes for POST /v1/completions (whole, or streamed as
-server-sent events, one chunk per token), GET /v1/models, /health and /metrics, over an
-`EngineLoop`; admission and backpressure (at most `max_batch + max_queue` sequences, then 429
-with `Retry-After`); client disconnects cancelling their sequences; and uvicorn with SIGTERM /
-SIGINT draining (the listening socket closes, running and queued requests get `drain_s` seconds,
-what is left is cancelled with finish_reason "abort", and `run` returns).
+"""The HTTP application: Starlette routes for POST /v1/completions and /v1/chat/completions
+(whole, or streamed as server-sent events), POST /tokenize and /detokenize (vLLM's), GET
+/v1/models, /version, /health and /metrics, over an `EngineLoop`; admission and backpressure (at
+most `max_batch + max_queue` sequences, then 429 with `Retry-After`); client disconnects
+cancelling their sequences; and uvicorn with SIGTERM / SIGINT draining (the listening socket
+stays open so that /health can answer 503 "draining" and new requests 503, running and queued
+requests get `drain_s` seconds, what is left is cancelled with finish_reason "abort", and `run`
+returns once nothing is in flight).
+
+Both generating endpoints reduce a request to a `protocol.Job` (prompts as token ids, sampling,
+stops, logprobs) and share its sequences, choices and streaming; only the JSON shapes differ.
 """
 
 from __future__ import annotations
@@ -29,22 +34,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import jaxpipe
+from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve.engine import ENGINE_EOS
+from jaxpipe.serve.http import logprobs as logprobs_lib
+from jaxpipe.serve.http import protocol
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
-from jaxpipe.serve.http.protocol import (
-    MAX_STOPS,
-    BadRequest,
-    Choice,
-    CompletionRequest,
-    parse_request,
-    prompts_of,
-    stop_list,
-    usage_of,
-)
-from jaxpipe.serve.sampling import SamplingParams
+from jaxpipe.serve.http.protocol import MAX_STOPS, BadRequest, Choice, Job, usage_of
 
 log = logging.getLogger(__name__)
+DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece's leading space)
 
 
 def error_response(e: BadRequest) -> JSONResponse:
@@ -68,17 +68,23 @@ class CompletionServer:
       max_queue: int = 64,
       drain_s: float = 30.0,
       engine_info: dict | None = None,
+      tokenizer: tokenizer_lib.Tokenizer | None = None,
   ):
     """max_batch + max_queue: the sequences held at once; drain_s: how long running requests
-    may go on after SIGTERM before they are cancelled; engine_info: shown by /v1/models."""
+    may go on after SIGTERM before they are cancelled; engine_info: shown by /v1/models;
+    tokenizer: the model's (default: bytes); its EOS ids end a choice (without any, the
+    engine's own EOS does)."""
     if max_queue < 0 or drain_s < 0:
       raise ValueError(f"max_queue={max_queue} and drain_s={drain_s} must be >= 0")
     self.backend, self.model_name, self.drain_s = backend, model_name, drain_s
     engines = engines_of(backend)
-    self.max_seq_len, self.eos_id = min(e.max_seq_len for e in engines), engines[0].eos_id
+    self.max_seq_len = min(e.max_seq_len for e in engines)
+    self.tok = tokenizer or tokenizer_lib.ByteTokenizer()
+    self.eos = tuple(self.tok.eos_ids) or ENGINE_EOS
+    self.hidden = protocol.special_ids(self.tok)
     self.capacity = max_batch + max_queue
     self.engine_info = engine_info or {}
-    self.metrics = Metrics()
+    self.metrics = Metrics(model_name, self.max_seq_len)
     self.loop = EngineLoop(backend, self.metrics)
     self.inflight = 0  # sequences accepted and not yet finished (event loop only)
     self.draining = False
@@ -86,7 +92,11 @@ class CompletionServer:
     self.app = Starlette(
         routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ],
@@ -102,11 +112,11 @@ class CompletionServer:
     finally:
       await asyncio.to_thread(self.loop.stop)
 
-  def _deliver(self, events: list[tuple[Seq, list[int], str | None, str | None]]) -> None:
-    for s, tokens, finish, error in events:
+  def _deliver(self, events: list) -> None:
+    for s, tokens, logprobs, finish, error in events:
       if s.done:
         continue
-      s.sink.put_nowait((s.index, tokens, finish, error))
+      s.sink.put_nowait((s.index, tokens, logprobs, finish, error))
       if finish is not None or error is not None:
         s.done = True
         self.inflight -= 1
@@ -117,6 +127,11 @@ class CompletionServer:
       self.draining = True
       self.loop.drain(self.drain_s)
 
+  @property
+  def drained(self) -> bool:
+    """Draining, and nothing is in flight any more."""
+    return self.draining and self.inflight == 0
+
   # -- endpoints --
 
   async def health(self, request: Request) -> Response:
@@ -125,6 +140,9 @@ class CompletionServer:
     if self.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+  async def version(self, request: Request) -> Response:
+    return JSONResponse({"version": jaxpipe.__version__})
 
   async def models(self, request: Request) -> Response:
     return JSONResponse(
@@ -146,6 +164,61 @@ class CompletionServer:
   async def prometheus(self, request: Request) -> Response:
     return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+  async def tokenize(self, request: Request) -> Response:
+    """vLLM's: {"prompt": text} or {"messages": [...]}, add_special_tokens (default true for a
+    prompt, false for messages, whose template writes its own)."""
+    try:
+      body = protocol.parse_json(await request.body())
+      self._check_model(body.get("model"))
+      extra = set(body) - {
+          "model",
+          "prompt",
+          "messages",
+          "add_special_tokens",
+          "add_generation_prompt",
+      }
+      if extra or ("prompt" in body) == ("messages" in body):
+        raise BadRequest(
+            'give "prompt" (text) or "messages" (a chat), one of them'
+            + (f"; unrecognized: {sorted(extra)}" if extra else ""),
+            "prompt",
+        )
+      special = body.get("add_special_tokens", "prompt" in body)
+      generation = body.get("add_generation_prompt", True)
+      if not isinstance(special, bool) or not isinstance(generation, bool):
+        raise BadRequest("add_special_tokens and add_generation_prompt must be booleans")
+      if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+          raise BadRequest(f"prompt={prompt!r:.80} must be a string", "prompt")
+        protocol.check_text(prompt, "the prompt", "prompt")
+        tokens = self._encode(prompt, special)
+      else:
+        if not isinstance(body["messages"], list):
+          raise BadRequest("messages must be a list of messages", "messages")
+        tokens = self._chat_ids(protocol.chat_messages(body["messages"]), generation)
+        if special and self.tok.bos_id is not None:
+          tokens = [self.tok.bos_id, *tokens]
+    except BadRequest as e:
+      return error_response(e)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_seq_len})
+
+  async def detokenize(self, request: Request) -> Response:
+    try:
+      body = protocol.parse_json(await request.body())
+      self._check_model(body.get("model"))
+      tokens = body.get("tokens")
+      if set(body) - {"model", "tokens"} or not isinstance(tokens, list):
+        raise BadRequest('give {"tokens": [ids...]}', "tokens")
+      bad = [t for t in tokens if type(t) is not int or not 0 <= t < self.tok.vocab_size]
+      if bad:
+        raise BadRequest(
+            f"token {bad[0]!r} is not an id of the tokenizer's {self.tok.vocab_size}", "tokens"
+        )
+    except BadRequest as e:
+      return error_response(e)
+    return JSONResponse({"prompt": self.tok.decode(tokens)})
+
   async def _http_error(self, request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return error_response(
@@ -160,29 +233,83 @@ class CompletionServer:
         BadRequest(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error")
     )
 
+  # -- text in --
+
+  def _check_model(self, model) -> None:
+    if model is not None and model != self.model_name:
+      raise BadRequest(
+          f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+          "model",
+          404,
+          "not_found_error",
+          "model_not_found",
+      )
+
+  def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    if add_special_tokens or isinstance(self.tok, tokenizer_lib.ByteTokenizer):
+      return self.tok.encode(text)
+    return self.tok.encode(text, add_special_tokens=False)
+
+  def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    try:
+      return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+      if "chat template" in str(e):
+        raise BadRequest(
+            f"this model's tokenizer has no chat template ({e}); send a prompt to "
+            "/v1/completions instead",
+            "messages",
+        ) from None
+      raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None
+    except Exception as e:  # noqa: BLE001 -- the template's own raise_exception, jinja's errors
+      raise BadRequest(
+          f"the chat template refused the messages: {type(e).__name__}: {e}", "messages"
+      ) from None
+
+  def _job(self, body: bytes, chat: bool) -> Job:
+    if chat:
+      req = protocol.parse_chat(body)
+      self._check_model(req.model)
+      ids = self._chat_ids(protocol.chat_messages(req.messages))
+      return protocol.job_of(req, [(ids, None)], chat=True)
+    req = protocol.parse_request(body)
+    self._check_model(req.model)
+    return protocol.job_of(req, protocol.prompts_of(req.prompt, self.tok), chat=False)
+
+  # -- generating --
+
   async def completions(self, request: Request) -> Response:
+    return await self._serve(request, chat=False)
+
+  async def chat_completions(self, request: Request) -> Response:
+    return await self._serve(request, chat=True)
+
+  async def _serve(self, request: Request, chat: bool) -> Response:
     arrival = time.perf_counter()
     try:
-      seqs, req, prompt_tokens = self._accept(parse_request(await request.body()), arrival)
+      job = self._job(await request.body(), chat)
+      seqs, prompt_tokens = self._accept(job, arrival)
     except BadRequest as e:
       self.metrics.rejected.labels(str(e.status)).inc()
       return error_response(e)
-    sink = seqs[0].sink
-    stops = stop_list(req.stop)
-    eos = None if req.ignore_eos else self.eos_id
-    choices = [Choice(i, stops, eos) for i in range(len(seqs))]
-    head = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": self.model_name,
-    }
-    self.loop.submit(seqs)
-    updates = self._updates(sink, seqs, choices)
-    if req.stream:
-      include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    choices = [
+        Choice(
+            i,
+            job.stops,
+            self.tok.decoder(s.prompt[-DECODER_CONTEXT:]),
+            self.hidden,
+        )
+        for i, s in enumerate(seqs)
+    ]
+    fmt = (_ChatFormat if chat else _CompletionFormat)(self, job, seqs)
+    if seqs[0].max_tokens > 0:
+      self.loop.submit(seqs)
+    else:  # echo with max_tokens 0: the prompts are scored, nothing is generated
+      self.loop.submit_scores(seqs)
+    updates = self._updates(seqs[0].sink, seqs, choices)
+    if job.stream:
       return _Stream(
-          self._sse(updates, head, choices, prompt_tokens, include_usage),
+          self._sse(updates, fmt, choices, prompt_tokens, job.include_usage),
           media_type="text/event-stream",
           on_close=lambda: self._cancel(seqs),
       )
@@ -199,58 +326,51 @@ class CompletionServer:
     error = collect.result()
     if error:
       return error_response(BadRequest(error, status=500, kind="server_error"))
-    body = {
-        **head,
-        "choices": [self._choice(c, c.text, c.tokens) for c in choices],
-        "usage": usage_of(prompt_tokens, choices),
-    }
-    return JSONResponse(body)
+    return JSONResponse(fmt.whole(choices, usage_of(prompt_tokens, choices)))
 
-  def _accept(
-      self, req: CompletionRequest, arrival: float
-  ) -> tuple[list[Seq], CompletionRequest, int]:
-    """The request's sequences, or BadRequest saying why it cannot be served now."""
-    if req.model is not None and req.model != self.model_name:
-      raise BadRequest(
-          f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-          "model",
-          404,
-          "not_found_error",
-          "model_not_found",
-      )
-    n = 1 if req.n is None else req.n
-    if n < 1:
-      raise BadRequest(f"n={n} must be >= 1", "n")
-    stops = stop_list(req.stop)
-    if len(stops) > MAX_STOPS or any(not s for s in stops):
-      raise BadRequest(f"stop={req.stop!r}: give at most {MAX_STOPS} non-empty strings", "stop")
-    prompts = prompts_of(req.prompt)
-    if not prompts:
+  def _accept(self, job: Job, arrival: float) -> tuple[list[Seq], int]:
+    """The job's sequences, or BadRequest saying why it cannot be served now."""
+    if job.n < 1:
+      raise BadRequest(f"n={job.n} must be >= 1", "n")
+    if len(job.stops) > MAX_STOPS or any(not s for s in job.stops):
+      raise BadRequest(f"stop={job.stops!r}: give at most {MAX_STOPS} non-empty strings", "stop")
+    if not job.prompts:
       raise BadRequest("the prompt list is empty; give at least one prompt", "prompt")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
-    sampling = SamplingParams(
-        1.0 if req.temperature is None else req.temperature,
-        top_k,
-        1.0 if req.top_p is None else req.top_p,
-    )
-    for i, (tokens, text) in enumerate(prompts):
-      why = self.backend.check_request(tokens, max_tokens, sampling)
-      if why:
-        where = f"prompt {i}: " if len(prompts) > 1 else ""
-        how = (
-            "; text prompts are UTF-8 bytes, one token each" if text and "vocabulary" in why else ""
+    if job.seed is not None and not 0 <= job.seed < 2**31:
+      raise BadRequest(f"seed={job.seed} must lie in [0, 2**31)", "seed")
+    logprobs_lib.check(job, self.backend)
+    sampling = logprobs_lib.with_logprobs(job.sampling, job.logprobs)
+    scoring = job.echo and job.max_tokens == 0
+    if scoring and job.stream:
+      raise BadRequest("max_tokens=0 scores the prompt only; it cannot be streamed", "stream")
+    max_tokens = []
+    for i, (tokens, _) in enumerate(job.prompts):
+      where = f"prompt {i}: " if len(job.prompts) > 1 else ""
+      room = self.max_seq_len - len(tokens)
+      if job.max_tokens is None and tokens and room < 1:
+        raise BadRequest(
+            f"{where}the prompt has {len(tokens)} tokens, which leaves no room in the context "
+            f"of {self.max_seq_len}; shorten it",
+            "messages" if job.chat else "prompt",
         )
+      m = room if job.max_tokens is None else job.max_tokens
+      why = self.backend.check_request(tokens, max(m, 1) if scoring else m, sampling)
+      if why:
         first = why.split(" ")[0]
         param = (
             first.split("=")[0]
             if "=" in first
             else "max_tokens"
             if "max_tokens" in why
+            else "messages"
+            if job.chat
             else "prompt"
         )
-        raise BadRequest(where + why + how, param)
-    k = n * len(prompts)
+        if param == "max_tokens" and job.chat and job.max_tokens is not None:
+          why += " (max_completion_tokens)"
+        raise BadRequest(where + why, param)
+      max_tokens.append(0 if scoring else m)
+    k = job.n * len(job.prompts)
     if k > self.capacity:
       raise BadRequest(
           f"n x prompts = {k} sequences exceed the server's {self.capacity} "
@@ -260,7 +380,11 @@ class CompletionServer:
     if self.loop.failed:
       raise BadRequest(f"the engine failed: {self.loop.failed}", status=503, kind="server_error")
     if self.draining:
-      raise BadRequest("the server is shutting down", status=503, kind="server_error")
+      raise BadRequest(
+          "the server is shutting down (draining); send the request to another replica",
+          status=503,
+          kind="server_error",
+      )
     if self.inflight + k > self.capacity:
       raise BadRequest(
           f"the server is full ({self.inflight} of {self.capacity} sequences in "
@@ -269,25 +393,26 @@ class CompletionServer:
           kind="rate_limit_error",
           headers={"Retry-After": "1"},
       )
-    if req.seed is not None and not 0 <= req.seed < 2**31:
-      raise BadRequest(f"seed={req.seed} must lie in [0, 2**31)", "seed")
-    seed = random.randrange(2**31) if req.seed is None else req.seed
+    seed = random.randrange(2**31) if job.seed is None else job.seed
     sink: asyncio.Queue = asyncio.Queue()
-    eos = None if req.ignore_eos else ENGINE_EOS
+    eos = None if job.ignore_eos else self.eos
     seqs = [
         Seq(
             tokens,
-            max_tokens,
+            m,
             dataclasses.replace(sampling, seed=(seed + i) % 2**31),
             eos,
             arrival,
             sink,
             i,
+            echo=job.echo,
         )
-        for i, (tokens, _) in enumerate(p for p in prompts for _ in range(n))
+        for i, (tokens, m) in enumerate(
+            (t, m) for (t, _), m in zip(job.prompts, max_tokens) for _ in range(job.n)
+        )
     ]
     self.inflight += k
-    return seqs, req, sum(len(t) for t, _ in prompts)
+    return seqs, sum(len(t) for t, _ in job.prompts)
 
   def _cancel(self, seqs: list[Seq]) -> None:
     live = [s for s in seqs if not s.done]
@@ -296,26 +421,33 @@ class CompletionServer:
 
   async def _updates(
       self, sink: asyncio.Queue, seqs: list[Seq], choices: list[Choice]
-  ) -> AsyncIterator[tuple[Choice, str, list[int]]]:
-    """(choice, text released, token ids) once per token and once per finish without a token,
-    until every choice has finished; an engine error raises RuntimeError."""
+  ) -> AsyncIterator[tuple[Choice, str, list[int], list]]:
+    """(choice, text released, token ids, their logprobs) once per token and once per finish
+    without a token, until every choice has finished; an engine error raises RuntimeError."""
     left = len(choices)
     while left:
-      index, tokens, finish, error = await sink.get()
+      index, tokens, logprobs, finish, error = await sink.get()
       c = choices[index]
       if c.finish_reason is not None:  # ended by a stop sequence; the engine's echo of it
         continue
       if error is not None:
         self._cancel(seqs)
         raise RuntimeError(error)
+      if logprobs is not None and not tokens:  # the prompt's scores (echo)
+        seqs[index].prompt_logprobs = logprobs
+        continue
       for j, token in enumerate(tokens or [None]):
         if c.finish_reason is not None:
           break
         text = c.add(token, finish if j == len(tokens or [None]) - 1 else None)
+        lp = []
+        if token is not None and logprobs is not None and j < len(logprobs):
+          lp = [logprobs[j]]
+          c.logprobs.append(logprobs[j])
         if c.finish_reason == "stop" and finish is None:  # a stop sequence: end it in the engine
           seqs[index].stopped = True
           self._cancel([seqs[index]])
-        yield c, text, [] if token is None else [token]
+        yield c, text, [] if token is None else [token], lp
       left -= c.finish_reason is not None
 
   async def _collect(self, updates) -> str | None:
@@ -328,32 +460,23 @@ class CompletionServer:
     return None
 
   async def _sse(
-      self, updates, head: dict, choices: list[Choice], prompt_tokens: int, include_usage: bool
+      self, updates, fmt, choices: list[Choice], prompt_tokens: int, include_usage: bool
   ) -> AsyncIterator[str]:
     try:
-      left = len(choices)
-      async for c, text, tokens in updates:
-        left -= c.finish_reason is not None
-        chunk = {**head, "choices": [self._choice(c, text, tokens)], "usage": None}
-        if not left:  # the last chunk carries the usage
-          chunk["usage"] = usage_of(prompt_tokens, choices)
+      for chunk in fmt.opening(choices):
         yield f"data: {json.dumps(chunk)}\n\n"
+      left = len(choices)
+      async for c, text, tokens, lp in updates:
+        left -= c.finish_reason is not None
+        usage = None if left else usage_of(prompt_tokens, choices)
+        for chunk in fmt.chunks(c, text, tokens, lp, usage):
+          yield f"data: {json.dumps(chunk)}\n\n"
       if include_usage:
-        chunk = {**head, "choices": [], "usage": usage_of(prompt_tokens, choices)}
+        chunk = {**fmt.stream_head, "choices": [], "usage": usage_of(prompt_tokens, choices)}
         yield f"data: {json.dumps(chunk)}\n\n"
     except RuntimeError as e:
       yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
     yield "data: [DONE]\n\n"
-
-  @staticmethod
-  def _choice(c: Choice, text: str, tokens: list[int]) -> dict:
-    return {
-        "index": c.index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": c.finish_reason,
-        "token_ids": tokens,
-    }
 
   # -- running --
 
@@ -367,7 +490,7 @@ class CompletionServer:
         port=port,
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=self.drain_s + 5,
+        timeout_graceful_shutdown=5,
         lifespan="on",
     )
     return _DrainingServer(config, self)
@@ -385,12 +508,142 @@ class CompletionServer:
     self.uvicorn_server(host, port, log_level).run(sockets=[sock])
 
 
+class _CompletionFormat:
+  """OpenAI's text_completion bodies and chunks."""
+
+  def __init__(self, server: CompletionServer, job: Job, seqs: list[Seq]):
+    self.server, self.job, self.seqs = server, job, seqs
+    self.head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": server.model_name,
+    }
+    self.stream_head = self.head
+    # The echoed prompt of each choice: the text as sent, or the decode of the ids sent.
+    tok = server.tok
+    self.echoed = [
+        (text if text is not None else tok.decode(tokens)) if job.echo else ""
+        for tokens, text in job.prompts
+        for _ in range(job.n)
+    ]
+
+  def _logprobs(self, c: Choice, whole: bool) -> dict | None:
+    if self.job.logprobs is None:
+      return None
+    tok, k, s = self.server.tok, self.job.logprobs, self.seqs[c.index]
+    ids, entries = c.tokens, c.logprobs
+    if not whole:
+      ids, entries = ids[-len(entries) :] if entries else [], entries
+    if whole and self.job.echo:
+      prompt = logprobs_lib.legacy(tok, s.prompt, s.prompt_logprobs or [None] * len(s.prompt), k)
+      rest = logprobs_lib.legacy(tok, ids, entries, k, len(self.echoed[c.index]))
+      return {key: prompt[key] + rest[key] for key in prompt}
+    return logprobs_lib.legacy(tok, ids, entries, k)
+
+  def _choice(self, c: Choice, text: str, tokens: list[int], logprobs: dict | None) -> dict:
+    return {
+        "index": c.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "token_ids": tokens,
+    }
+
+  def whole(self, choices: list[Choice], usage: dict) -> dict:
+    return {
+        **self.head,
+        "choices": [
+            self._choice(c, self.echoed[c.index] + c.text, c.tokens, self._logprobs(c, True))
+            for c in choices
+        ],
+        "usage": usage,
+    }
+
+  def opening(self, choices: list[Choice]) -> list[dict]:
+    """The echoed prompts, first (streams with echo)."""
+    if not self.job.echo:
+      return []
+    return [
+        {**self.head, "choices": [self._choice(c, self.echoed[c.index], [], None)], "usage": None}
+        for c in choices
+    ]
+
+  def chunks(self, c: Choice, text: str, tokens: list[int], lp: list, usage) -> list[dict]:
+    logprobs = None
+    if self.job.logprobs is not None:
+      logprobs = logprobs_lib.legacy(self.server.tok, tokens, lp, self.job.logprobs)
+    return [{**self.head, "choices": [self._choice(c, text, tokens, logprobs)], "usage": usage}]
+
+
+class _ChatFormat:
+  """OpenAI's chat.completion bodies and chat.completion.chunk chunks."""
+
+  def __init__(self, server: CompletionServer, job: Job, seqs: list[Seq]):
+    self.server, self.job = server, job
+    self.head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": server.model_name,
+    }
+    self.stream_head = {**self.head, "object": "chat.completion.chunk"}
+    if job.include_usage:
+      self.stream_head["usage"] = None
+
+  def _logprobs(self, tokens: list[int], entries: list) -> dict | None:
+    if self.job.logprobs is None:
+      return None
+    return logprobs_lib.chat(self.server.tok, tokens, entries, self.job.logprobs)
+
+  def whole(self, choices: list[Choice], usage: dict) -> dict:
+    return {
+        **self.head,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.tokens, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "token_ids": c.tokens,
+            }
+            for c in choices
+        ],
+        "usage": usage,
+    }
+
+  def _chunk(self, c: Choice, delta: dict, logprobs=None, finish=None, tokens=()) -> dict:
+    choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {**self.stream_head, "choices": [{**choice, "token_ids": list(tokens)}]}
+
+  def opening(self, choices: list[Choice]) -> list[dict]:
+    """Each choice's first delta: the role."""
+    return [self._chunk(c, {"role": "assistant", "content": ""}) for c in choices]
+
+  def chunks(self, c: Choice, text: str, tokens: list[int], lp: list, usage) -> list[dict]:
+    del usage  # only the include_usage chunk carries it
+    out = []
+    if text or lp:
+      out.append(self._chunk(c, {"content": text}, self._logprobs(tokens, lp), tokens=tokens))
+      tokens = []
+    if c.finish_reason is not None:
+      out.append(self._chunk(c, {}, finish=c.finish_reason, tokens=tokens))
+    return out
+
+
 class _DrainingServer(uvicorn.Server):
-  """uvicorn, with SIGTERM/SIGINT draining the app first and no signal re-raised after."""
+  """uvicorn, with SIGTERM/SIGINT draining the app before it exits (the socket still open, so
+  that /health says "draining" and new requests get 503), and no signal re-raised after."""
 
   def __init__(self, config: uvicorn.Config, app: CompletionServer):
     super().__init__(config)
     self._app = app
+    self._drain_requested = False
+
+  async def on_tick(self, counter: int) -> bool:
+    if self._drain_requested and self._app.drained:
+      self.should_exit = True
+    return await super().on_tick(counter)
 
   @contextlib.contextmanager
   def capture_signals(self):
@@ -399,10 +652,10 @@ class _DrainingServer(uvicorn.Server):
       return
 
     def handle(sig, frame):
-      if self.should_exit and sig == signal.SIGINT:
-        self.force_exit = True
+      if self._drain_requested and sig == signal.SIGINT:  # a second Ctrl-C: now
+        self.should_exit = self.force_exit = True
       self._app.drain()
-      self.should_exit = True
+      self._drain_requested = True
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -1,6 +1,7 @@
 """The engine loop: one thread runs the backend (an `Engine` or a deployment of several) and
-request handlers on the asyncio event loop talk to it through a queue of commands (add, cancel,
-drain, stop). The thread steps while there is work and hands each iteration's tokens and
+request handlers on the asyncio event loop talk to it through a queue of commands (add, score,
+cancel, drain, stop): scoring a prompt (`score`, for echo with logprobs) runs on this thread too,
+never on the event loop. The thread steps while there is work and hands each iteration's tokens and
 finishes back to the event loop in one call, so a step costs one hand-off whatever its batch.
 An engine fault fails the requests it held and every later one (`failed` says why); the server
 stays up to say so.
@@ -18,7 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from jaxpipe.serve import slo
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import FINISH
 from jaxpipe.serve.sampling import SamplingParams
@@ -54,6 +54,9 @@ class Backend(Protocol):
   def finished(self) -> list[Any]:
     ...  # objects with .id, .finish_reason, .error
 
+  # Optional: `score(prompt, top_logprobs)` (echo with logprobs) and `requests` (id -> object
+  # with .logprobs) when the backend computes log-probabilities.
+
   def has_work(self) -> bool:
     ...
 
@@ -72,14 +75,18 @@ class Seq:
   sampling: SamplingParams
   eos_id: int | None | str
   arrival: float  # time.perf_counter() when the request arrived
-  sink: asyncio.Queue  # (index, tokens, finish reason or None, error or None) on the event loop
+  # (index, tokens, their logprobs or None, finish reason or None, error or None) on the event
+  # loop; an event with logprobs and no tokens holds the prompt's (echo)
+  sink: asyncio.Queue
   index: int  # choice index within the request
+  echo: bool = False  # with sampling.logprobs: the prompt is scored first
   rid: int | None = None  # the backend's id (engine thread)
   first: float | None = None  # first token's time (engine thread)
   last: float | None = None
   n_tokens: int = 0
   stopped: bool = False  # ended by a stop sequence (set on the event loop before cancelling)
   done: bool = False  # its last event was delivered (event loop)
+  prompt_logprobs: list | None = None  # the prompt's scores (event loop)
 
 
 class EngineLoop:
@@ -102,6 +109,11 @@ class EngineLoop:
 
   def submit(self, seqs: list[Seq]) -> None:
     self._inbox.put(("add", seqs))
+
+  def submit_scores(self, seqs: list[Seq]) -> None:
+    """Sequences that generate nothing (max_tokens 0, echo): their prompts are scored when they
+    ask for logprobs, and they finish with "length"."""
+    self._inbox.put(("score", seqs))
 
   def cancel(self, seqs: list[Seq]) -> None:
     self._inbox.put(("cancel", seqs))
@@ -126,11 +138,19 @@ class EngineLoop:
       events: dict[Seq, list] = {}
       try:
         for kind, arg in commands:
+          if kind in ("add", "score"):
+            scored = [(s, self._score(s)) for s in arg if s.echo]
+            self._send([(s, [], lp, None, None) for s, lp in scored if lp is not None])
           if kind == "add":
             for s in arg:
               s.rid = self.backend.add_request(s.prompt, s.max_tokens, s.sampling, eos_id=s.eos_id)
               live[s.rid] = s
-              self.metrics.prompt_tokens.inc(len(s.prompt))
+              self.metrics.accepted(s)
+          elif kind == "score":
+            for s in arg:
+              self.metrics.accepted(s)
+              self._observe_finish(s, "length")
+              events[s] = [[], None, "length", None]
           elif kind == "cancel":
             for s in arg:
               if s.rid in live:
@@ -147,15 +167,17 @@ class EngineLoop:
         now = time.perf_counter()
         for rid, tokens in new.items():
           s = live[rid]
+          if s.last is not None:
+            self.metrics.observe_gaps(now - s.last, len(tokens))
           s.first = s.first or now
           s.last, s.n_tokens = now, s.n_tokens + len(tokens)
-          events[s] = [list(tokens), None, None]
+          events[s] = [list(tokens), self._logprobs(s, len(tokens)), None, None]
         for r in self.backend.finished():
           s = live.pop(r.id, None)
           if s is None:  # reported finished twice
             continue
           reason = "stop" if s.stopped else FINISH.get(r.finish_reason, "error")
-          events.setdefault(s, [[], None, None])[1:] = [
+          events.setdefault(s, [[], None, None, None])[2:] = [
               reason,
               r.error if reason == "error" else None,
           ]
@@ -164,7 +186,7 @@ class EngineLoop:
       except Exception as e:  # noqa: BLE001 -- an engine fault fails its requests, not the server
         log.exception("engine loop failed")
         self.failed = f"{type(e).__name__}: {e}"
-        added = [s for kind, arg in commands if kind == "add" for s in arg]
+        added = [s for kind, arg in commands if kind in ("add", "score") for s in arg]
         self._fail(set(live.values()) | set(added) | set(events), stopping)
         return
       if events:
@@ -190,22 +212,28 @@ class EngineLoop:
     """After an engine fault: every sequence, now and later, ends with the error."""
     error = f"the engine failed: {self.failed}"
     while True:
-      self._send([(s, [], None, error) for s in seqs])
+      self._send([(s, [], None, None, error) for s in seqs])
       if stopping:
         return
       commands = self._take(1.0)
-      seqs = {s for kind, arg in commands if kind == "add" for s in arg}
+      seqs = {s for kind, arg in commands if kind in ("add", "score") for s in arg}
       stopping = any(kind == "stop" for kind, _ in commands)
 
+  def _score(self, s: Seq) -> list | None:
+    """The prompt's logprobs (echo with logprobs), scored here on the engine thread."""
+    if s.sampling.logprobs is None:
+      return None
+    return list(self.backend.score(s.prompt, s.sampling.logprobs))
+
+  def _logprobs(self, s: Seq, n: int) -> list | None:
+    """The logprobs of s's last n tokens, when it asked for them."""
+    if s.sampling.logprobs is None:
+      return None
+    r = getattr(self.backend, "requests", {}).get(s.rid)
+    return list(r.logprobs[-n:]) if r is not None and len(r.logprobs) >= n else None
+
   def _observe_finish(self, s: Seq, reason: str) -> None:
-    m = self.metrics
-    m.finished.labels(reason).inc()
-    if s.first is not None:
-      m.ttft.observe(slo.ttft(s.arrival, s.first))
-      m.e2e.observe(s.last - s.arrival)
-    tpot = slo.tpot(s.first, s.last, s.n_tokens)
-    if tpot is not None:
-      m.tpot.observe(tpot)
+    self.metrics.finish(s, reason, time.perf_counter())
 
   def _update_gauges(self, stepped: bool, new: dict, now: float, window: collections.deque) -> None:
     m, engines = self.metrics, engines_of(self.backend)
@@ -217,7 +245,8 @@ class EngineLoop:
       m.steps.inc()
       m.kv_tokens.inc(usage["tokens"])
       m.kv_slots.inc(usage["slots"])
-    m.generation_tokens.inc(generated)
+    m.generated(generated)
+    m.engines(engines, usage)
     window.append((now, generated))
     while window[0][0] < now - self.WINDOW_S:
       window.popleft()

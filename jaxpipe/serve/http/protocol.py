@@ -1,26 +1,35 @@
-"""OpenAI's completions protocol as this server speaks it: the request body (pydantic, strict:
-unknown fields and wrong types are refused with a message naming them), the refusals, and a
-choice's text as its tokens arrive (incremental UTF-8, stop sequences held back until they
-cannot begin there). Nothing here touches the engine or the network.
+"""OpenAI's completions and chat completions protocol as this server speaks it: the request
+bodies (pydantic, strict: unknown fields and wrong types are refused with a message naming
+them), the refusals, the chat messages' checks, and a choice's text as its tokens arrive
+(incremental decoding, stop sequences held back until they cannot begin there). Nothing here
+touches the engine or the network.
 
-Text is the byte tokenizer of jaxpipe's models: a prompt's UTF-8 bytes are its tokens, and
-generated tokens below 256 are bytes of the output (decoded incrementally, so a character split
-over tokens appears whole in the chunk of its last byte). Beyond the OpenAI fields, every
-choice carries `token_ids` (its generated tokens; in a stream, the chunk's), and requests
-accept vLLM's `top_k` and `ignore_eos`.
+Text goes through the model's tokenizer (`jaxpipe.models.tokenizer`: the bytes of jaxpipe's own
+models, the Hugging Face tokenizer of a converted checkpoint). A text prompt is `tok.encode(text)`
+(with the BOS the tokenizer adds); a chat is `tok.apply_chat_template(messages)`. Output text is
+the tokenizer's incremental decode of the generated ids without special tokens (vLLM's default
+`skip_special_tokens=True`), so the EOS or stop token id that ends a choice is in its `token_ids`
+but not in its text, and a character split over tokens arrives whole. Beyond the OpenAI fields,
+every choice carries `token_ids` (its generated tokens; in a stream, the chunk's), and requests
+accept vLLM's `top_k`, `ignore_eos`, `min_tokens` and `stop_token_ids`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import pydantic
 
 from jaxpipe.models import tokenizer as tokenizer_lib
+from jaxpipe.serve.sampling import SamplingParams
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MAX_STOP_TOKEN_IDS = 16  # ids a request may end on besides EOS
 FINISH = {"eos": "stop", "length": "length", "cancelled": "abort"}  # engine reason -> OpenAI's
+ROLES = ("system", "user", "assistant")
 
 
 class StreamOptions(pydantic.BaseModel):
@@ -29,15 +38,11 @@ class StreamOptions(pydantic.BaseModel):
   continuous_usage_stats: bool | None = None  # accepted (vLLM's); every chunk's usage is null
 
 
-class CompletionRequest(pydantic.BaseModel):
-  """The body of POST /v1/completions; null means the default."""
+class _Sampling(pydantic.BaseModel):
+  """The fields completions and chat completions share; null means the default."""
 
   model_config = pydantic.ConfigDict(extra="forbid", strict=True)
   model: str | None = None  # must be the served model's name when given
-  prompt: (
-      str | list[int] | list[str] | list[list[int]]
-  )  # text (UTF-8 bytes) or token ids, or a list
-  max_tokens: int | None = None  # default 16, OpenAI's
   temperature: float | None = None  # default 1, OpenAI's; 0 = greedy
   top_p: float | None = None
   top_k: int | None = None  # vLLM's; 0 or -1 = no limit
@@ -47,21 +52,38 @@ class CompletionRequest(pydantic.BaseModel):
   stream: bool | None = None
   stream_options: StreamOptions | None = None
   ignore_eos: bool | None = None  # vLLM's: only max_tokens or a stop sequence ends the choice
+  min_tokens: int | None = None  # vLLM's: EOS and stop_token_ids are not sampled before
+  stop_token_ids: list[int] | None = None  # vLLM's: ids that end the choice besides EOS
   user: str | None = None  # accepted, unused
   # Accepted only at their defaults (clients send them unasked); anything else is refused.
-  echo: bool | None = None
-  logprobs: int | None = None
-  best_of: int | None = None
-  suffix: str | None = None
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
   repetition_penalty: float | None = None
   logit_bias: dict[str, float] | None = None
 
 
+class CompletionRequest(_Sampling):
+  """The body of POST /v1/completions."""
+
+  prompt: str | list[int] | list[str] | list[list[int]]  # text or token ids, or a list
+  max_tokens: int | None = None  # default 16, OpenAI's; 0 with echo: score the prompt only
+  echo: bool | None = None  # the prompt before the generated text (and its logprobs)
+  logprobs: int | None = None  # 0..20: each token's log-probability and the top k's
+  best_of: int | None = None
+  suffix: str | None = None
+
+
+class ChatRequest(_Sampling):
+  """The body of POST /v1/chat/completions."""
+
+  messages: list[Any]  # checked by `chat_messages`, which names the bad message
+  max_tokens: int | None = None  # default: the rest of the context
+  max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+  logprobs: bool | None = None
+  top_logprobs: int | None = None  # 0..20, with logprobs
+
+
 UNSUPPORTED = {
-    "echo": (None, False),
-    "logprobs": (None, 0),
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -87,14 +109,14 @@ class BadRequest(Exception):
     self.headers = headers
 
 
-def _validation_message(e: pydantic.ValidationError) -> tuple[str, str | None]:
+def _validation_message(e: pydantic.ValidationError, cls: type[pydantic.BaseModel]) -> tuple:
   err = e.errors()[0]
   loc = [str(x) for x in err["loc"]]
   param = loc[0] if loc else None
   if err["type"] == "extra_forbidden":
     return (
         f"unrecognized request argument {'.'.join(loc)!r}; supported: "
-        f"{', '.join(CompletionRequest.model_fields)}",
+        f"{', '.join(cls.model_fields)}",
         param,
     )
   if err["type"] == "missing":
@@ -108,20 +130,33 @@ def _validation_message(e: pydantic.ValidationError) -> tuple[str, str | None]:
   return f"{param}={err.get('input')!r:.80}: {err['msg']}", param
 
 
-def parse_request(body: bytes) -> CompletionRequest:
+def parse_json(body: bytes) -> dict:
+  """A request body as a JSON object, or BadRequest."""
   try:
     obj = json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise BadRequest(f"the request body is not valid JSON ({e}); send a JSON object") from None
   if not isinstance(obj, dict):
     raise BadRequest(f"the request body is a JSON {type(obj).__name__}; send a JSON object")
+  return obj
+
+
+def _validate(cls, body: bytes):
   try:
-    req = CompletionRequest.model_validate(obj)
+    req = cls.model_validate(parse_json(body))
   except pydantic.ValidationError as e:
-    raise BadRequest(*_validation_message(e)) from None
+    raise BadRequest(*_validation_message(e, cls)) from None
   for name, defaults in UNSUPPORTED.items():
-    if getattr(req, name) not in defaults:
+    if getattr(req, name, None) not in defaults:
       raise BadRequest(f"{name}={getattr(req, name)!r} is not supported; leave it out", name)
+  for i, s in enumerate(stop_list(req.stop)):
+    check_text(s, f"stop[{i}]" if isinstance(req.stop, list) else "stop", "stop")
+  return req
+
+
+def parse_request(body: bytes) -> CompletionRequest:
+  """A /v1/completions body, or BadRequest."""
+  req = _validate(CompletionRequest, body)
   if req.best_of not in (None, 1, req.n or 1):
     raise BadRequest(
         f"best_of={req.best_of} is not supported; leave it out (or equal to n)", "best_of"
@@ -129,36 +164,183 @@ def parse_request(body: bytes) -> CompletionRequest:
   return req
 
 
-def prompts_of(prompt: str | list) -> list[tuple[list[int], bool]]:
-  """(tokens, given as text) of each prompt of a request."""
-  if isinstance(prompt, str):
-    return [(list(prompt.encode("utf-8")), True)]
-  if not prompt or isinstance(prompt[0], int):
-    return [(list(prompt), False)]
-  return [
-      (list(p.encode("utf-8")), True) if isinstance(p, str) else (list(p), False) for p in prompt
-  ]
+def parse_chat(body: bytes) -> ChatRequest:
+  """A /v1/chat/completions body, or BadRequest."""
+  req = _validate(ChatRequest, body)
+  if req.max_tokens is not None and req.max_completion_tokens is not None:
+    if req.max_tokens != req.max_completion_tokens:
+      raise BadRequest(
+          f"max_tokens={req.max_tokens} and max_completion_tokens={req.max_completion_tokens} "
+          "differ; give one of them",
+          "max_completion_tokens",
+      )
+  if req.top_logprobs is not None and not req.logprobs:
+    raise BadRequest(f"top_logprobs={req.top_logprobs} needs logprobs=true", "top_logprobs")
+  return req
+
+
+def check_text(text: str, where: str, param: str) -> None:
+  """Refuses text that is not Unicode a tokenizer can read: JSON's "\\ud800" alone (a lone
+  surrogate) parses into a Python string that has no UTF-8."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise BadRequest(
+        f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+        "which is not text; send valid Unicode (a surrogate pair, or the character itself)",
+        param,
+    ) from None
+
+
+def prompts_of(
+    prompt: str | list, tok: tokenizer_lib.Tokenizer
+) -> list[tuple[list[int], str | None]]:
+  """(tokens, the text if given as text) of each prompt of a completions request."""
+  if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+    prompt = [prompt]
+  out = []
+  for i, p in enumerate(prompt):
+    if isinstance(p, str):
+      check_text(p, f"prompt {i}" if len(prompt) > 1 else "the prompt", "prompt")
+      out.append((tok.encode(p) if p else [], p))
+    else:
+      out.append((list(p), None))
+  return out
+
+
+def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
+  """A chat's messages as a template reads them ({"role", "content"[, "name"]}), content parts
+  joined by newlines (vLLM's), or BadRequest naming the first bad message."""
+  if not raw:
+    raise BadRequest("messages is empty; give at least one message", "messages")
+  out = []
+  for i, m in enumerate(raw):
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+      raise BadRequest(f"{where} is a JSON {type(m).__name__}; give an object", "messages")
+    extra = set(m) - {"role", "content", "name"}
+    if extra:
+      raise BadRequest(
+          f"{where} has {sorted(extra)}; a message has role, content and name only", "messages"
+      )
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+      raise BadRequest(
+          f"{where}.role={role!r}: the role must be one of {', '.join(ROLES)}", "messages"
+      )
+    if isinstance(content, list):
+      texts = []
+      for j, part in enumerate(content):
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and set(part) == {"type", "text"}
+            and isinstance(part["text"], str)
+        ):
+          raise BadRequest(
+              f"{where}.content[{j}]={part!r:.80}: only text parts "
+              '({"type": "text", "text": ...}) are supported',
+              "messages",
+          )
+        texts.append(part["text"])
+      content = "\n".join(texts)
+    if not isinstance(content, str):
+      raise BadRequest(
+          f"{where}.content={content!r:.80} must be a string or a list of text parts", "messages"
+      )
+    check_text(content, f"{where}.content", "messages")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+      raise BadRequest(f"{where}.name={name!r:.80} must be a string", "messages")
+    out.append({"role": role, "content": content} | ({"name": name} if name else {}))
+  return out
+
+
+@dataclasses.dataclass
+class Job:
+  """What a completions or chat request asks of the engine, whichever endpoint it came to."""
+
+  chat: bool
+  prompts: list[tuple[list[int], str | None]]  # tokens, and the text when given as text
+  n: int
+  max_tokens: int | None  # None: the rest of the context
+  sampling: SamplingParams  # seed 0: set per choice
+  seed: int | None
+  stops: list[str]
+  ignore_eos: bool
+  stream: bool
+  include_usage: bool
+  logprobs: int | None  # None: none; k: the top k alternatives of every token
+  echo: bool = False
+
+
+def sampling_of(req: _Sampling) -> SamplingParams:
+  """The request's sampling values (unchecked: the engine's `check_request` refuses bad ones)."""
+  return SamplingParams(
+      1.0 if req.temperature is None else req.temperature,
+      0 if req.top_k in (None, -1) else req.top_k,
+      1.0 if req.top_p is None else req.top_p,
+      min_tokens=req.min_tokens or 0,
+      stop_token_ids=tuple(req.stop_token_ids or ()),
+  )
+
+
+def job_of(req: _Sampling, prompts: list, chat: bool) -> Job:
+  if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+    raise BadRequest(
+        f"stop_token_ids has {len(req.stop_token_ids)} ids; give at most {MAX_STOP_TOKEN_IDS}",
+        "stop_token_ids",
+    )
+  if chat:
+    max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    echo = False
+  else:
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    logprobs, echo = req.logprobs, bool(req.echo)
+  return Job(
+      chat=chat,
+      prompts=prompts,
+      n=1 if req.n is None else req.n,
+      max_tokens=max_tokens,
+      sampling=sampling_of(req),
+      seed=req.seed,
+      stops=stop_list(req.stop),
+      ignore_eos=bool(req.ignore_eos),
+      stream=bool(req.stream),
+      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+      logprobs=logprobs,
+      echo=echo,
+  )
 
 
 class Choice:
-  """One choice's text as its tokens arrive: incremental UTF-8, stop sequences, finish reason.
+  """One choice's text as its tokens arrive: incremental decoding, stop sequences, finish reason.
 
   Text that could be the start of a stop sequence is held back until it is not, so no chunk
-  ever carries part of a stop sequence.
+  ever carries part of a stop sequence. Ids in `hidden` (the tokenizer's special tokens) have no
+  text, and neither has the EOS or stop token id that ends the choice (vLLM's defaults).
   """
 
-  def __init__(self, index: int, stops: Sequence[str], eos_id: int | None):
-    self.index, self.stops, self.eos_id = index, list(stops), eos_id
-    self._decoder = tokenizer_lib.ByteTokenizer().decoder()  # ids of 256 and above: no text
+  def __init__(
+      self,
+      index: int,
+      stops: Sequence[str],
+      decoder: tokenizer_lib.Decoder,
+      hidden: frozenset[int] = frozenset(),
+  ):
+    self.index, self.stops, self.hidden = index, list(stops), hidden
+    self._decoder = decoder
     self.text, self.sent, self.tokens = "", 0, []
+    self.logprobs: list = []  # per generated token, when asked for: (logprob, top pairs)
     self.finish_reason: str | None = None
 
   def add(self, token: int | None, finish: str | None) -> str:
     """Takes one token (None: none) and the finish reason if the choice ends with it; returns
-    the text it releases."""
+    the text it releases. A token with finish "stop" is the EOS or stop id that ended it."""
     if token is not None:
       self.tokens.append(token)
-      if token != self.eos_id:
+      if token not in self.hidden and finish != "stop":
         self.text += self._decoder.push(token)
     if finish is not None:
       self.text += self._decoder.flush()
@@ -191,3 +373,12 @@ def usage_of(prompt_tokens: int, choices: list[Choice]) -> dict:
       "completion_tokens": completion,
       "total_tokens": prompt_tokens + completion,
   }
+
+
+def special_ids(tok: tokenizer_lib.Tokenizer) -> frozenset[int]:
+  """The ids vLLM's `skip_special_tokens` drops from output text: a Hugging Face tokenizer's
+  added tokens marked special (BOS, EOS, chat headers); none of a byte tokenizer's."""
+  backend = getattr(tok, "_backend", None)
+  if backend is None:
+    return frozenset()
+  return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)

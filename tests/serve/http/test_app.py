@@ -359,7 +359,14 @@ BAD = [  # body, status, words of the message
     ({"prompt": "01", "max_tokens": 0}, 400, "max_tokens=0 must be a positive integer"),
     ({"prompt": "01", "max_tokens": -3}, 400, "max_tokens=-3 must be a positive integer"),
     ({"prompt": "01", "max_tokens": 511}, 400, "exceeds the context of 512 tokens"),
-    ({"prompt": "01", "temperature": -0.5}, 400, "temperature=-0.5 must be >= 0"),
+    ({"prompt": "01", "temperature": -0.5}, 400, "temperature=-0.5 must lie in [0, 100]"),
+    ({"prompt": "01", "temperature": 1e308}, 400, "temperature=1e+308 must lie in [0, 100]"),
+    (b'{"prompt": "01", "temperature": Infinity}', 400, "temperature=inf must lie in [0, 100]"),
+    (b'{"prompt": "01", "temperature": NaN}', 400, "temperature=nan must lie in [0, 100]"),
+    (b'{"prompt": "0\\ud8001"}', 400, "the prompt holds a lone UTF-16 surrogate ('\\ud800' at"),
+    (b'{"prompt": ["0", "\\udfff"]}', 400, "prompt 1 holds a lone UTF-16 surrogate"),
+    ({"prompt": "01", "min_tokens": -1}, 400, "min_tokens=-1 must be an integer >= 0"),
+    ({"prompt": "01", "stop_token_ids": [64]}, 400, "stop_token_ids [64] are outside"),
     ({"prompt": "01", "top_p": 0}, 400, "top_p=0"),
     ({"prompt": "01", "seed": -1}, 400, "seed=-1"),
     ({"prompt": ""}, 400, "the prompt is empty"),
@@ -371,7 +378,8 @@ BAD = [  # body, status, words of the message
     ({"prompt": "01", "n": 0}, 400, "n=0 must be >= 1"),
     ({"prompt": "01", "n": 17}, 400, "17 sequences exceed the server's 16"),
     ({"prompt": "01", "stop": ["1", "2", "3", "4", "5"]}, 400, "at most 4"),
-    ({"prompt": "01", "echo": True}, 400, "echo=True is not supported"),
+    ({"prompt": "01", "suffix": "x"}, 400, "suffix='x' is not supported"),
+    ({"prompt": "01", "max_tokens": 0, "echo": False}, 400, "max_tokens=0 must be a positive"),
     ({"prompt": "01", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
 ]
 
@@ -392,8 +400,13 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(url, client, bo
   )
 
 
+def test_chat_without_a_chat_template_is_a_400_saying_so(client):
+  with pytest.raises(openai.BadRequestError, match="tokenizer has no chat template"):
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "01"}])
+
+
 def test_the_openai_client_raises_the_servers_message(client):
-  with pytest.raises(openai.BadRequestError, match=r"temperature=-1\.0 must be >= 0"):
+  with pytest.raises(openai.BadRequestError, match=r"temperature=-1\.0 must lie in \[0, 100\]"):
     client.completions.create(model="tiny", prompt="01", max_tokens=2, temperature=-1)
   with pytest.raises(openai.NotFoundError, match="does not exist"):
     client.completions.create(model="other", prompt="01", max_tokens=2)
@@ -430,6 +443,31 @@ def test_the_bench_client_reads_every_token_from_the_stream(url):
   assert [len(d.token_times) for d in done] == [w.max_tokens for w in work]
   assert all(d.ttft > 0 for d in done) and makespan > 0
   assert 0 < tokens <= slots and steps >= max(w.max_tokens for w in work) and cpu_s > 0
+
+
+def test_the_bench_refuses_a_workload_longer_than_the_served_context(url):
+  (model,) = httpx.get(url + "/v1/models").json()["data"]
+  fits = workload.Lengths.parse("8:256"), workload.Lengths.parse("256")
+  serve_client.check_context(*fits, model["max_model_len"])  # 512: just fits
+  longer = workload.Lengths.parse("lognormal:64:300"), workload.Lengths.parse("8:256")
+  with pytest.raises(SystemExit, match="reach 556 tokens, past the server's context of 512"):
+    serve_client.check_context(*longer, model["max_model_len"])
+  run = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", "--out", "elsewhere"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert run.returncode == 2 and "--out is read by --mode runs only" in run.stderr
+
+
+def _until(get, ok, timeout=10):
+  start = time.monotonic()
+  while not ok(r := get()):
+    assert time.monotonic() - start < timeout, r
+    time.sleep(0.02)
+  return r
 
 
 def test_sigterm_drains_finishes_or_cancels_and_exits_0():
@@ -487,10 +525,12 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
     for e in started.values():
       assert e.wait(60)
     proc.send_signal(signal.SIGTERM)
-    try:  # from now on: nothing new is taken
-      assert httpx.get(url + "/health").status_code == 503
-    except httpx.TransportError:
-      pass
+    # From now on nothing new is taken, but the socket stays open to say so.
+    r = _until(lambda: httpx.get(url + "/health"), lambda r: r.status_code == 503)
+    assert r.json() == {"status": "draining"}
+    r = httpx.post(url + "/v1/completions", json={"prompt": "01", "max_tokens": 2})
+    assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+    assert proc.poll() is None  # still draining: the long request runs on
     for t in threads:
       t.join(60)
     assert proc.wait(60) == 0

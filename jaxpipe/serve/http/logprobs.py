@@ -1,0 +1,116 @@
+"""Log-probabilities in OpenAI's two formats, from the engine's `TokenLogprobs` (a token's
+log-probability and its top-k alternatives as (id, log-probability) pairs, most likely first).
+
+- completions (`logprobs: k`, the legacy format lm-evaluation-harness reads): `{"tokens",
+  "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`; with `echo` the prompt's
+  tokens come first, scored by `Engine.score` (the first one has nothing to be conditioned on:
+  null). As vLLM writes it, each position's dict lists the chosen token, then the top k.
+- chat (`logprobs: true, top_logprobs: k`): `{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+
+A token's string is its own decode (`tok.decode([id])`, special tokens included, a partial UTF-8
+character as U+FFFD), as vLLM writes it; log-probabilities are floored at -9999 (vLLM's), since
+JSON has no -Infinity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpipe.models import tokenizer as tokenizer_lib
+from jaxpipe.serve import sampling as sampling_lib
+from jaxpipe.serve.http.protocol import BadRequest, Job
+
+MAX_LOGPROBS = getattr(sampling_lib, "MAX_LOGPROBS", 20)
+FLOOR = -9999.0
+
+
+def supported(backend) -> bool:
+  """Whether the engine computes log-probabilities (`SamplingParams.logprobs`, `score`)."""
+  fields = {f.name for f in dataclasses.fields(sampling_lib.SamplingParams)}
+  return "logprobs" in fields and callable(getattr(backend, "score", None))
+
+
+def check(job: Job, backend) -> None:
+  """Refuses logprobs and echo requests this server cannot answer, naming the fix."""
+  param = "top_logprobs" if job.chat else "logprobs"
+  if job.logprobs is not None:
+    if not 0 <= job.logprobs <= MAX_LOGPROBS:
+      raise BadRequest(
+          f"{param}={job.logprobs} must lie in [0, {MAX_LOGPROBS}] (the alternatives listed)",
+          param,
+      )
+    if not supported(backend):
+      raise BadRequest(f"{param} is not supported by this engine; leave it out", param)
+  if job.echo and job.stream and job.logprobs is not None:
+    raise BadRequest(
+        "echo with logprobs cannot be streamed; send stream=false (or leave out logprobs)", "echo"
+    )
+  if job.max_tokens == 0 and not job.echo:
+    raise BadRequest(
+        "max_tokens=0 must be a positive integer (0 only with echo=true: score the prompt)",
+        "max_tokens",
+    )
+
+
+def with_logprobs(sampling: sampling_lib.SamplingParams, k: int | None):
+  if k is None:
+    return sampling
+  return dataclasses.replace(sampling, logprobs=k)
+
+
+def token_text(tok: tokenizer_lib.Tokenizer, token: int) -> str:
+  return tok.decode([token])
+
+
+def _lp(x: float) -> float:
+  return max(float(x), FLOOR)
+
+
+def legacy(
+    tok: tokenizer_lib.Tokenizer,
+    ids: list[int],
+    entries: list,
+    k: int,
+    offset: int = 0,
+) -> dict:
+  """The completions format over `ids` (entries aligned: TokenLogprobs, or None for none)."""
+  tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+  for token, entry in zip(ids, entries):
+    text = token_text(tok, token)
+    tokens.append(text)
+    offsets.append(offset)
+    offset += len(text)
+    if entry is None:
+      token_logprobs.append(None)
+      top_logprobs.append(None)
+      continue
+    logprob, top = entry
+    token_logprobs.append(_lp(logprob))
+    alternatives = {text: _lp(logprob)}
+    for i, lp in list(top)[:k]:
+      alternatives.setdefault(token_text(tok, int(i)), _lp(lp))
+    top_logprobs.append(alternatives)
+  return {
+      "tokens": tokens,
+      "token_logprobs": token_logprobs,
+      "top_logprobs": top_logprobs,
+      "text_offset": offsets,
+  }
+
+
+def _entry(text: str, logprob: float) -> dict:
+  return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat(tok: tokenizer_lib.Tokenizer, ids: list[int], entries: list, k: int) -> dict:
+  """The chat format over `ids` (entries aligned)."""
+  content = []
+  for token, (logprob, top) in zip(ids, entries):
+    content.append(
+        {
+            **_entry(token_text(tok, token), logprob),
+            "top_logprobs": [_entry(token_text(tok, int(i)), lp) for i, lp in list(top)[:k]],
+        }
+    )
+  return {"content": content}
