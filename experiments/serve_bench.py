@@ -54,7 +54,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 from configs import quickstart
 from experiments.serving import Done, Paged, parse_lengths, serve
@@ -627,6 +627,9 @@ def deployments(args) -> None:
 def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
+  for name in ("out", "trace_in", "trace_out"):
+    if FLAGS[name].present and not args.mode:
+      raise app.UsageError(f"--{name} is read by --mode runs only; add --mode or leave it out")
   if args.url:
     from experiments import serve_client  # httpx and prometheus_client: the serving extra
 

@@ -30,7 +30,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from experiments.serving import Done, Paged, parse_lengths, serve
-from jaxpipe.serve.workload import Work, generate
+from jaxpipe.serve.workload import Lengths, Work, generate
 
 VOCAB = (
     256  # prompt tokens are uniform over the byte vocabulary (or a jaxpipe server's smaller one)
@@ -152,6 +152,16 @@ def _twin(e: dict):
   return engine
 
 
+def check_context(prompt: Lengths, output: Lengths, max_model_len: int | None) -> None:
+  """Refuses, in one line, a workload whose longest request does not fit the served context."""
+  longest = sum(x.low if x.kind == "fixed" else x.high for x in (prompt, output))
+  if isinstance(max_model_len, int) and longest > max_model_len:
+    raise SystemExit(
+        f"--prompt {prompt} + --output {output} reach {longest} tokens, past the server's "
+        f"context of {max_model_len} (its max_model_len); give shorter --prompt/--output"
+    )
+
+
 def run(args) -> None:
   """`serve_bench --url`: its workload flags (`args`, serve_bench's flag values), plus --compare."""
   url = args.url.rstrip("/")
@@ -162,6 +172,7 @@ def run(args) -> None:
         f"--url={args.url}: no OpenAI-compatible server answers /v1/models ({e})"
     ) from None
   prompt, output = parse_lengths(args)
+  check_context(prompt, output, model.get("max_model_len"))
   print(
       f"# serve_bench over HTTP: {url}, model {model['id']!r}; {args.requests} requests per "
       f"rate, Poisson arrivals, prompt {prompt}, output {output} tokens, seed {args.seed}; "
