@@ -134,7 +134,7 @@ class TokenSource:
     in_eval_D = eval_documents(store.documents, eval_fraction)
     self.documents = {"train": np.flatnonzero(~in_eval_D), "eval": np.flatnonzero(in_eval_D)}
     self._rows: dict[tuple[str, int], list[int]] = {}  # (split, capacity) -> rows per epoch
-    self.logged = False
+    self._logged = False
 
   def long_documents(self, split: str, seq_len: int) -> int:
     """How many of the split's documents are longer than a row and are cut into pieces."""
@@ -175,8 +175,8 @@ class TokenSource:
       raise ValueError(f"batch index {index} must be >= 0")
     if not len(self.documents[split]):
       raise ValueError(f"the {split} split holds no documents; change data.eval_fraction")
-    if not self.logged and split == "train":
-      self.logged = True
+    if not self._logged and split == "train":
+      self._logged = True
       long = self.long_documents(split, seq_len)
       if long:
         logging.warning(
