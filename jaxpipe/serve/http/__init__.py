@@ -1,10 +1,13 @@
-"""An OpenAI-compatible HTTP server over a serving engine: completions (streamed as server-sent
-events, one chunk per token), models, health and Prometheus metrics.
+"""An OpenAI-compatible HTTP server over a serving engine: completions and chat completions
+(streamed as server-sent events), log-probabilities and echo, vLLM's /tokenize and /detokenize,
+models, version, health and Prometheus metrics (vLLM's names beside jaxpipe's).
 
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
 
-- `protocol`: the request body and its checks, OpenAI's error kinds, a choice's text as its
-  tokens arrive (incremental UTF-8 of the byte tokenizer, stop sequences); no engine, no network.
+- `protocol`: the request bodies and their checks (chat messages included), OpenAI's error kinds,
+  a choice's text as its tokens arrive (the model tokenizer's incremental decode, special tokens
+  left out, stop sequences); no engine, no network.
+- `logprobs`: log-probabilities in OpenAI's legacy completions and chat formats.
 - `loop`: `EngineLoop`, the thread that runs the backend (an `Engine`, or a `serve.deploy`
   deployment: `Backend` is what it needs of one), fed by the handlers through a command queue.
 - `metrics`: the Prometheus registry the loop and the handlers update.
