@@ -482,7 +482,7 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
   import jax
 
   from jaxpipe.serve import model as model_lib
-  from jaxpipe.serve.sampling import SamplingBatch
+  from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
 
   engine.precompile()
   r, i32 = engine.max_batch, lambda *shape: np.zeros(shape, np.int32)
@@ -491,10 +491,15 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
     for t, n in engine.programs:
       batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
       sampling = SamplingBatch(
-          np.zeros(r, np.float32), i32(r), np.ones(r, np.float32), i32(r), i32(r)
+          np.zeros(r, np.float32),
+          i32(r),
+          np.ones(r, np.float32),
+          i32(r),
+          i32(r),
+          np.full((r, MAX_BANNED), -1, np.int32),
       )
       t0 = time.perf_counter()
-      out, _, engine.kv = engine.step_program(t, n)(engine.params, engine.kv, batch, sampling)
+      out, _, _, engine.kv = engine.step_program(t, n)(engine.params, engine.kv, batch, sampling)
       np.asarray(out)
       samples[(t, n)].append(time.perf_counter() - t0)
   times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}
