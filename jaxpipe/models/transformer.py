@@ -343,6 +343,21 @@ def check_packed(
       raise ValueError(f"{where}[{name!r}] has dtype {a.dtype}; pass integers (int32)")
 
 
+PACKED_KEYS = ("segment_ids", "positions")  # optional int32 [batch, seq] keys of packed rows
+
+
+def packed_keys(batch: dict) -> dict:
+  """A batch dict's packed-sequence keys present ({} for unpacked rows), checked (`check_packed`).
+
+  `segment_ids` number a row's documents 1, 2, ... (0: padding) and keep attention inside each;
+  `positions` restart at 0 at each document (rotary). Absent keys keep the plain behaviour: one
+  sequence per row at positions 0..L-1.
+  """
+  keys = {k: batch[k] for k in PACKED_KEYS if batch.get(k) is not None}
+  check_packed(batch["tokens"], keys.get("segment_ids"), keys.get("positions"))
+  return keys
+
+
 def apply_layers(
     cfg: TransformerConfig,
     layers: Any,

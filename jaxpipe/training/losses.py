@@ -45,19 +45,7 @@ from jaxpipe.training import config as config_lib
 from jaxpipe.training.mesh import make_mesh
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
-PACKED_KEYS = ("segment_ids", "positions")  # optional int32 [batch, seq] keys of packed rows
-
-
-def packed(batch: dict) -> dict:
-  """The batch's packed-sequence keys present ({} for unpacked rows), checked against its tokens.
-
-  `segment_ids` number a row's documents 1, 2, ... (0: padding) and keep attention inside each;
-  `positions` restart at 0 at each document (rotary). Absent keys keep today's behaviour: one
-  sequence per row at positions 0..L-1.
-  """
-  keys = {k: batch[k] for k in PACKED_KEYS if batch.get(k) is not None}
-  transformer.check_packed(batch["tokens"], keys.get("segment_ids"), keys.get("positions"))
-  return keys
+packed = transformer.packed_keys  # a batch's packed-row keys (segment_ids, positions), checked
 
 
 def _packed_kwargs(batch: dict) -> dict:

@@ -25,9 +25,9 @@ L/cp tokens with rotary positions offset to its slice, and attention's Ulysses a
 over `cp` sit inside the branch beside the MoE ones, for the same reason. A ppermute there would
 wait for every device of the program, so `cp_overlap` runs its chunked all-to-all form.
 
-Packed rows (the batch's optional `segment_ids` and `positions`, see `losses.packed`) reach every
-stage as the executor's side inputs: each stage reads the segment ids and positions of the
-micro-batch it runs (its slice of the sequence under cp), so attention stays inside each
+Packed rows (the batch's optional `segment_ids` and `positions`, `transformer.packed_keys`)
+reach every stage as the executor's side inputs: each stage reads the segment ids and positions
+of the micro-batch it runs (its slice of the sequence under cp), so attention stays inside each
 document on every rank, and the residuals derived from them are stored like the activations'.
 """
 
@@ -52,7 +52,6 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
-from jaxpipe.training.losses import packed
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
@@ -198,7 +197,7 @@ def pipeline_loss_and_grads(
       )
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
-    packed_keys = packed(batch)
+    packed_keys = transformer.packed_keys(batch)
     weighted = {
         "tokens": batch["tokens"],
         "targets": batch["targets"],
