@@ -30,8 +30,9 @@ ROOT = helpers.ROOT
 CORPUS = os.path.join(ROOT, "tests", "fixtures", "corpus")
 LM_EVAL_TASK = os.path.join(ROOT, "tests", "fixtures", "lm_eval")
 STEPS = 20
-# Prompts from the corpus' documents: after fine-tuning, the greedy continuation of the first three
-# reaches EOS within MAX_TOKENS (the EOS rule is tested), of the last it does not.
+# Prompts from the corpus' documents. The first three were picked because, after this fine-tuning,
+# their greedy continuations reached EOS within MAX_TOKENS, the last's did not; the test needs at
+# least one to reach it (the EOS rule is then tested) and compares all four whichever way they end.
 PROMPTS = [
     "東京は日本の",
     "Mount Everest is 8,84",
@@ -114,6 +115,7 @@ def journey(tmp_path_factory):
   )
   _run(["jaxpipe.convert", "orbax-to-hf", workdir, export], env)
   port = _free_port()
+  log = open(root / "server.log", "w")  # a file, not a pipe nobody reads while it serves
   server = subprocess.Popen(
       [
           sys.executable,
@@ -133,9 +135,8 @@ def journey(tmp_path_factory):
       ],
       cwd=ROOT,
       env=env,
-      stdout=subprocess.PIPE,
+      stdout=log,
       stderr=subprocess.STDOUT,
-      text=True,
   )
   url = f"http://127.0.0.1:{port}"
   deadline = time.time() + 300
@@ -147,7 +148,7 @@ def journey(tmp_path_factory):
       pass
     if server.poll() is not None or time.time() > deadline:
       server.kill()
-      pytest.fail(f"the server did not come up:\n{server.stdout.read()[-3000:]}")
+      pytest.fail(f"the server did not come up:\n{(root / 'server.log').read_text()[-3000:]}")
     time.sleep(0.5)
   yield dict(root=root, workdir=workdir, corpus=corpus, export=export, url=url, prepared=prepared)
   server.send_signal(signal.SIGTERM)
@@ -155,6 +156,7 @@ def journey(tmp_path_factory):
     server.wait(60)
   except subprocess.TimeoutExpired:
     server.kill()
+  log.close()
 
 
 @pytest.fixture(scope="module")

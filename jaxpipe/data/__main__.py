@@ -29,7 +29,7 @@ flags.DEFINE_multi_string(
     "input",
     [],
     "A corpus file: .jsonl ('text' or 'messages'), .parquet ('text' column) or text (.txt, .md, "
-    ".py, ...: one document a file); repeat for more.",
+    ".py, ...: one document a file), or a directory of them; repeat for more.",
     flag_values=FLAGS,
 )
 flags.DEFINE_string("out", None, "The store's directory (must not exist yet).", flag_values=FLAGS)

@@ -7,6 +7,8 @@ Inputs, one kind per file suffix:
                      end-of-turn token included, `Tokenizer.chat_ids_and_mask`)
   .parquet           a `text` column (pyarrow, the `data` extra)
   .txt, .md, .py ... a whole file is one document (TEXT_SUFFIXES)
+  a directory        every file under it with one of these suffixes, in sorted order (its empty
+                     files left out and counted)
 
 Each document ends with the tokenizer's first EOS id unless it already ends with one of them (a
 chat's last end-of-turn token); a Hugging Face tokenizer also starts it with BOS where its
@@ -68,6 +70,7 @@ CHUNK = 64  # records sent to a worker at a time
 NO_FIELD = "no_text_or_messages"  # a JSONL line without a 'text' string or a 'messages' list
 BAD_CHAT = "bad_messages"  # a message that is not {role in ROLES, content: str}
 EMPTY = "empty_text"  # an empty text (or a null in a Parquet column)
+EMPTY_FILE = "empty_file"  # an empty file found in an --input directory
 
 
 def default_workers() -> int:
@@ -98,6 +101,42 @@ def load_tokenizer(spec: str) -> tuple[tokenizer_lib.Tokenizer, dict[str, Any]]:
       f"workdir) nor {spec}/{tokenizer_lib.TOKENIZER_FILE}; pass such a directory, or "
       "--tokenizer bytes for jaxpipe's byte-level models"
   )
+
+
+def _walk_visible(path: str):
+  """os.walk without hidden directories (.git, .venv, .tox: not a corpus)."""
+  for root, dirs, names in os.walk(path):
+    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    yield root, dirs, names
+
+
+def expand_inputs(inputs: list[str]) -> tuple[list[str], int]:
+  """The files of `inputs`, each directory replaced by the files under it whose suffix is one
+  `prepare` reads (recursively, in sorted order), and how many of those were empty (left out,
+  as a package's empty `__init__.py` would be; an empty file named itself is refused)."""
+  known = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
+  files, empty = [], 0
+  for path in inputs:
+    if not os.path.isdir(path):
+      files.append(path)
+      continue
+    found = sorted(
+        os.path.join(root, name)
+        for root, _, names in _walk_visible(path)
+        for name in names
+        if os.path.splitext(name)[1].lower() in known and not name.startswith(".")
+    )
+    if not found:
+      raise ValueError(
+          f"--input {path}: a directory with no file prepare reads (suffixes "
+          f"{', '.join(known)}); name the files or another directory"
+      )
+    kept = [f for f in found if os.path.getsize(f) > 0]
+    if not kept:
+      raise ValueError(f"--input {path}: every file prepare reads in it is empty")
+    empty += len(found) - len(kept)
+    files += kept
+  return files, empty
 
 
 def check_inputs(inputs: list[str]) -> None:
@@ -230,8 +269,9 @@ def _init_worker(spec: str) -> None:
 
 def _tokenize(
     tok: tokenizer_lib.Tokenizer, chunk: list[tuple[str, Any, str]]
-) -> list[tuple[np.ndarray, np.ndarray | None]]:
-  """Each record's ids (EOS-terminated) and loss mask (chats; None for text)."""
+) -> list[tuple[np.ndarray, np.ndarray | None] | None]:
+  """Each record's ids (EOS-terminated) and loss mask (chats; None for text); None for a record
+  that has no ids."""
   out = []
   eos = tok.eos_ids[0] if tok.eos_ids else None
   for kind, value, where in chunk:
@@ -243,6 +283,9 @@ def _tokenize(
     except Exception as e:  # noqa: BLE001 -- a template's own error, named with its record
       first = str(e).strip().splitlines()
       raise ValueError(f"{where}: {first[0] if first else type(e).__name__}") from None
+    if not ids:  # text the tokenizer turns into nothing (its normaliser strips it all)
+      out.append(None)
+      continue
     if eos is not None and ids[-1] not in tok.eos_ids:
       ids = [*ids, eos]
       mask = None if mask is None else [*mask, 0]
@@ -276,6 +319,7 @@ def prepare(
   if not 0 <= eval_fraction < 1:
     raise ValueError(f"--eval_fraction {eval_fraction} must lie in [0, 1)")
   tok, tokenizer_meta = load_tokenizer(tokenizer)
+  inputs, empty_files = expand_inputs(inputs)
   check_inputs(inputs)
   out = os.path.abspath(out)
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -283,6 +327,8 @@ def prepare(
   os.makedirs(os.path.dirname(out), exist_ok=True)
   tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
   skipped: collections.Counter = collections.Counter()
+  if empty_files:
+    skipped[EMPTY_FILE] = empty_files
   writer = store_lib.StoreWriter(tmp, tok.vocab_size)
   pool = None
   try:
@@ -291,15 +337,20 @@ def prepare(
       tokenized = (_tokenize(tok, c) for c in chunks)
     else:
       os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker encodes serially
-      pool = multiprocessing.get_context("fork").Pool(
+      # spawn, not fork: the tokenizer's module imports JAX, whose threads a fork would copy
+      # mid-lock (a worker could deadlock); a spawned worker imports it afresh (about 2 s)
+      pool = multiprocessing.get_context("spawn").Pool(
           workers, initializer=_init_worker, initargs=(tokenizer,)
       )
       tokenized = pool.imap(_tokenize_in_worker, chunks)
     bar = tqdm.tqdm(unit=" docs", disable=not progress, file=sys.stderr, mininterval=0.5)
     with bar:
       for docs in tokenized:
-        for ids, mask in docs:
-          writer.append(ids, mask)
+        for doc in docs:
+          if doc is None:
+            skipped[EMPTY] += 1
+          else:
+            writer.append(*doc)
         bar.update(len(docs))
     in_eval = source_lib.eval_documents(writer.documents, eval_fraction)
     lengths = writer.lengths_D

@@ -75,6 +75,9 @@ class Tokenizer(abc.ABC):
   eos_ids: tuple[int, ...]  # any of them ends a generation
   bos_id: int | None
   vocab_size: int  # ids are below it; `check_vocab` holds it against the embedding
+  special_ids: frozenset[int]  # added tokens marked special (BOS, EOS, chat headers)
+  special_tokens: dict[str, str]  # bos_token, eos_token, ... -> their text (chat templates' names)
+  chat_template: str | None  # the template's source, if the tokenizer has one
 
   @abc.abstractmethod
   def encode(self, text: str) -> list[int]:
@@ -116,6 +119,9 @@ class ByteTokenizer(Tokenizer):
     self.vocab_size = vocab_size
     self.eos_ids = () if eos_id is None else (eos_id,)
     self.bos_id = None
+    self.special_ids = frozenset()
+    self.special_tokens = {}
+    self.chat_template = None
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
@@ -278,8 +284,11 @@ class HFTokenizer(Tokenizer):
       source: str = "<memory>",
   ):
     self._backend = backend
-    self._special_tokens = special_tokens  # bos_token, eos_token, ... -> text: template variables
-    self._chat_template = chat_template
+    self.special_tokens = special_tokens  # bos_token, eos_token, ... -> text: template variables
+    self.chat_template = chat_template
+    self.special_ids = frozenset(
+        i for i, t in backend.get_added_tokens_decoder().items() if t.special
+    )
     self._compiled: jinja2.Template | None = None
     self._source = source
     self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -340,7 +349,7 @@ class HFTokenizer(Tokenizer):
 
   def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     """The conversation as text: the template rendered as transformers renders it."""
-    if self._chat_template is None:
+    if self.chat_template is None:
       raise ValueError(
           f"{self._source} has no chat template ({TOKENIZER_CONFIG_FILE} chat_template or "
           f"{CHAT_TEMPLATE_FILE})"
@@ -351,7 +360,7 @@ class HFTokenizer(Tokenizer):
 
   def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     if self._compiled is None:
-      self._compiled = compile_chat_template(self._chat_template)
+      self._compiled = compile_chat_template(self.chat_template)
     # transformers drops the keys whose value is None before rendering (`"tool_calls": None`).
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     return self._compiled.render(
@@ -359,7 +368,7 @@ class HFTokenizer(Tokenizer):
         tools=None,
         documents=None,
         add_generation_prompt=add_generation_prompt,
-        **self._special_tokens,
+        **self.special_tokens,
     )
 
   def apply_chat_template(

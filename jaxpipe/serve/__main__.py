@@ -24,7 +24,6 @@ behind the same endpoint, each worker with the engine flags; the default is one 
 """
 
 import dataclasses
-import inspect
 import json
 import os
 import sys
@@ -197,6 +196,17 @@ def main(argv: list[str]) -> None:
     source = f"fresh parameters of {config_flags.get_config_filename(FLAGS['config'])}"
     params = restore.fresh_params(config)
   max_seq_len = _MAX_SEQ_LEN.value or _model_context(_WORKDIR.value) or config.data.seq_len
+  pool = (_NUM_PAGES.value - 1) * _PAGE_SIZE.value  # tokens the KV pool holds (page 0: scratch)
+  if _MAX_SEQ_LEN.value is None and max_seq_len > pool:
+    # A model's max_position_embeddings (131,072 for Llama 3) is far more than the default pool:
+    # serve what one sequence can hold, as vLLM caps max_model_len by its KV cache.
+    print(
+        f"# the context is capped at {pool} tokens, what --num_pages {_NUM_PAGES.value} of "
+        f"--page_size {_PAGE_SIZE.value} hold (the model's is {max_seq_len}); give more pages "
+        "for more",
+        flush=True,
+    )
+    max_seq_len = pool
   max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
   # One page bucket (the whole context) by default: one program per token bucket.
   kw = dict(
@@ -211,11 +221,6 @@ def main(argv: list[str]) -> None:
       eos_id=tok.eos_ids or None,
   )
   if _KV_CACHE_DTYPE.value != "auto":
-    if "kv_cache_dtype" not in inspect.signature(Engine).parameters:
-      sys.exit(
-          f"error: --kv_cache_dtype={_KV_CACHE_DTYPE.value}: this engine stores K/V in the "
-          "compute dtype only; leave the flag out"
-      )
     kw["kv_cache_dtype"] = _KV_CACHE_DTYPE.value
   try:
     engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import itertools
 import math
 import time
@@ -156,11 +157,15 @@ class _Deployment:
     return [w.engine for w in self.workers if not w.stopped]
 
   def check_request(
-      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+      self,
+      prompt: Sequence[int],
+      max_tokens: int,
+      sampling: SamplingParams,
+      eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
   ) -> str | None:
     """Why this request cannot be served by every kind of worker, or None."""
     for e in self._kinds():
-      error = e.check_request(prompt, max_tokens, sampling)
+      error = e.check_request(prompt, max_tokens, sampling, eos_id)
       if error:
         return error
     return None
@@ -171,7 +176,7 @@ class _Deployment:
       max_tokens: int = 16,
       sampling: SamplingParams | None = None,
       *,
-      eos_id: int | None | str = ENGINE_EOS,
+      eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
   ) -> int:
     """Queues a request and returns its id; a bad one is finished at once with `error` set."""
     sampling = sampling or SamplingParams()
@@ -187,7 +192,7 @@ class _Deployment:
         arrival=time.perf_counter(),
     )
     self.requests[rid] = r
-    error = self._lost() or self.check_request(r.prompt, max_tokens, sampling)
+    error = self._lost() or self.check_request(r.prompt, max_tokens, sampling, r.eos_id)
     if error:
       self._fail(r, error)
     else:
@@ -452,12 +457,13 @@ class Disaggregated(_Deployment):
     _check_groups(list(prefill_groups) + list(decode_groups), "prefill or decode")
     p_kwargs = {**engine_kwargs, **(prefill_kwargs or {}), "prefill_only": True}
     d_kwargs = {"prefix_caching": False, **engine_kwargs, **(decode_kwargs or {})}
-    defaults = {"page_size": 16, "kv_cache_dtype": "auto"}  # Engine's
-    for name, default in defaults.items():
-      if p_kwargs.get(name, default) != d_kwargs.get(name, default):
+    defaults = inspect.signature(Engine).parameters  # what an engine takes when not given
+    for name in ("page_size", "kv_cache_dtype"):
+      p, d = (kw.get(name, defaults[name].default) for kw in (p_kwargs, d_kwargs))
+      if p != d:
         raise ValueError(
-            f"prefill and decode workers must share {name} ({p_kwargs.get(name, default)} vs "
-            f"{d_kwargs.get(name, default)}): pages move between them as they are"
+            f"prefill and decode workers must share {name} ({p} vs {d}): pages move between "
+            "them as they are"
         )
     self.prefill = [
         Worker(f"P{i}", Engine(model_cfg, params, devices=g, **p_kwargs))

@@ -366,9 +366,13 @@ class Engine:
   # -- requests ---------------------------------------------------------------------------------
 
   def check_request(
-      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+      self,
+      prompt: Sequence[int],
+      max_tokens: int,
+      sampling: SamplingParams,
+      eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
   ) -> str | None:
-    """Why this request cannot be served, or None."""
+    """Why this request (with `add_request`'s eos_id) cannot be served, or None."""
     if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
       return f"max_tokens={max_tokens!r} must be a positive integer"
     reason = sampling.check()
@@ -377,7 +381,8 @@ class Engine:
     bad = [t for t in sampling.stop_token_ids if t >= self.cfg.vocab]
     if bad:
       return f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})"
-    banned = len(set(eos_ids(self.eos_id)) | set(sampling.stop_token_ids))
+    eos = self.eos_id if eos_id == ENGINE_EOS else eos_id
+    banned = len(set(eos_ids(eos)) | set(sampling.stop_token_ids))
     if sampling.min_tokens and banned > MAX_BANNED:
       return (
           f"min_tokens={sampling.min_tokens} holds back {banned} EOS and stop ids, more than "
@@ -430,7 +435,7 @@ class Engine:
         arrival=time.perf_counter(),
     )
     self.requests[rid] = r
-    error = self.check_request(r.prompt, max_tokens, sampling)
+    error = self.check_request(r.prompt, max_tokens, sampling, r.eos_id)
     if error:
       r.error = error
       self._finish(r, "error")
@@ -471,6 +476,11 @@ class Engine:
     reason = sampling.check()
     if reason:
       raise ValueError(reason)
+    if sampling.logprobs is not None and r.sampling.logprobs is None and r.output:
+      raise ValueError(
+          f"request {rid} has {len(r.output)} tokens without log-probabilities; a fork cannot "
+          "have them for those: fork with the request's own sampling.logprobs"
+      )
     new = dataclasses.replace(
         r,
         id=self._next_id,
@@ -941,7 +951,7 @@ class Engine:
   def reserve_request(self, state: KVState) -> int:
     """Takes pages and a batch slot for a request whose K/V will follow (`write_kv`, then
     `admit_request`); it is not scheduled until then. Raises ValueError if it cannot be taken."""
-    error = self.check_request(state.prompt, state.max_tokens, state.sampling)
+    error = self.check_request(state.prompt, state.max_tokens, state.sampling, state.eos_id)
     want = self.kv_shape(state.computed)
     if error is None and state.k is not None:
       error = self._kv_shape_error("the K", state.k, want)

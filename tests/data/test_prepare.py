@@ -256,3 +256,38 @@ def test_command_line(tmp_path):
   bad = run("prepare", "--tokenizer=bytes", f"--input={TEXT}", "--workers=x")
   assert bad.returncode == cli.USAGE and bad.stderr.startswith("error: ")
   assert bad.stderr.count("\n") == 1
+
+
+def test_a_directory_input_is_its_known_files_in_sorted_order(tmp_path):
+  """A directory stands for the files under it that prepare reads, sorted, empty ones counted."""
+  src = tmp_path / "src"
+  (src / "pkg").mkdir(parents=True)
+  (src / "b.md").write_text("second")
+  (src / "a.txt").write_text("first")
+  (src / "pkg" / "__init__.py").write_text("")  # empty: left out and counted
+  (src / "pkg" / "c.py").write_text("third")
+  (src / "notes.bin").write_bytes(b"\x00\x01")  # not a kind prepare reads: not an input
+  (src / ".venv").mkdir()
+  (src / ".venv" / "site.py").write_text("hidden")  # a hidden directory is not the corpus
+  meta = prepare_lib.prepare("bytes", [str(src)], str(tmp_path / "out"), workers=1, progress=False)
+  store = store_lib.TokenStore(str(tmp_path / "out"))
+  docs = [bytes(store.ids(i).astype(np.uint8)).decode() for i in range(store.documents)]
+  assert docs == ["first", "second", "third"]
+  assert meta["skipped"] == {prepare_lib.EMPTY_FILE: 1}
+  (tmp_path / "nothing").mkdir()
+  with pytest.raises(ValueError, match="no file prepare reads"):
+    prepare_lib.prepare("bytes", [str(tmp_path / "nothing")], str(tmp_path / "o2"), workers=1)
+  (tmp_path / "nothing" / "e.txt").write_text("")
+  with pytest.raises(ValueError, match="nothing: every file prepare reads in it is empty"):
+    prepare_lib.prepare("bytes", [str(tmp_path / "nothing")], str(tmp_path / "o2"), workers=1)
+
+
+def test_text_that_encodes_to_no_ids_is_skipped_and_counted(tmp_path):
+  class NoIds(tokenizer_lib.ByteTokenizer):  # a normaliser that strips some texts entirely
+
+    def encode(self, text):
+      return [] if text == "strip me" else super().encode(text)
+
+  chunk = [("text", "keep", "f:1"), ("text", "strip me", "f:2")]
+  out = prepare_lib._tokenize(NoIds(), chunk)
+  assert out[1] is None and list(out[0][0]) == list(b"keep")

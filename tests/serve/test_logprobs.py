@@ -15,6 +15,7 @@ import pytest
 
 from jaxpipe.serve import Engine, SamplingParams
 from jaxpipe.serve.deploy import Colocated, Disaggregated
+from jaxpipe.serve.sampling import MAX_BANNED
 from tests import helpers
 
 CONTEXT = helpers.CONTEXT
@@ -254,6 +255,24 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached(engine):
     assert not set(r.output[: sp.min_tokens]) & set(stops)
     assert r.finish_reason == ("eos" if want[-1] in stops else "length")
   assert done[ids[0]].output[0] != eos and len(done[ids[0]].output) > 1
+
+
+def test_min_tokens_counts_the_requests_own_eos_ids_not_the_engines(engine):
+  """The banned-id limit holds a request's own EOS ids with its stop ids (the engine's EOS is not
+  what it stops at): too many is one error, and a request within it runs and finishes."""
+  prompt = helpers.prompts(seed=10, n=1)[0]
+  stops = tuple(range(10, 10 + MAX_BANNED))
+  sp = SamplingParams(min_tokens=1, stop_token_ids=stops)
+  assert engine.check_request(prompt, 4, sp, eos_id=None) is None
+  why = engine.check_request(prompt, 4, sp, eos_id=(1, 2))
+  assert why is not None and f"holds back {MAX_BANNED + 2} EOS and stop ids" in why
+  over = engine.add_request(prompt, 4, sp, eos_id=(1, 2))  # finished at once with the error
+  ok = engine.add_request(prompt, 4, sp, eos_id=None)
+  while engine.has_work():
+    engine.step()
+  done = {r.id: r for r in engine.finished()}
+  assert done[over].finish_reason == "error" and "holds back" in done[over].error
+  assert done[ok].finish_reason in ("eos", "length") and done[ok].error is None
 
 
 @pytest.mark.parametrize(

@@ -89,10 +89,16 @@ def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refuse
   want = out[0, len(ids) :].tolist()
   cmd = [sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--max_tokens", "5"]
   env = {**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"}
-  run = subprocess.run(
-      [*cmd, "--prompt", prompt], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+  run = subprocess.run(  # a pool of 8 pages of 16 holds 128 of the model's 256 positions
+      [*cmd, "--prompt", prompt, "--num_pages", "9"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=env,
   )
   assert run.returncode == 0, run.stderr[-2000:]
+  assert "# the context is capped at 128 tokens" in run.stdout and "model's is 256" in run.stdout
   assert f"# tokens: {want}" in run.stdout  # the prompt went through the BPE tokenizer
   assert prompt + tok.decode(want, skip_special_tokens=True) in run.stdout
 

@@ -81,7 +81,7 @@ class CompletionServer:
     self.max_seq_len = min(e.max_seq_len for e in engines)
     self.tok = tokenizer or tokenizer_lib.ByteTokenizer()
     self.eos = tuple(self.tok.eos_ids) or ENGINE_EOS
-    self.hidden = protocol.special_ids(self.tok)
+    self.hidden = self.tok.special_ids  # dropped from output text (skip_special_tokens)
     self.capacity = max_batch + max_queue
     self.engine_info = engine_info or {}
     self.metrics = Metrics(model_name, self.max_seq_len)
@@ -95,6 +95,7 @@ class CompletionServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -143,6 +144,21 @@ class CompletionServer:
 
   async def version(self, request: Request) -> Response:
     return JSONResponse({"version": jaxpipe.__version__})
+
+  async def tokenizer_info(self, request: Request) -> Response:
+    """vLLM's GET /tokenizer_info: the special tokens' text and the chat template, which
+    lm-evaluation-harness reads to tokenize through the server (with /tokenize, /detokenize)."""
+    tok = self.tok
+    return JSONResponse(
+        {
+            "tokenizer_class": type(tok).__name__,
+            **{name: tok.special_tokens.get(name) for name in ("bos_token", "eos_token")},
+            **tok.special_tokens,
+            "eos_token_ids": list(tok.eos_ids),
+            "chat_template": tok.chat_template,
+            "model_max_length": self.max_seq_len,
+        }
+    )
 
   async def models(self, request: Request) -> Response:
     return JSONResponse(
@@ -354,12 +370,15 @@ class CompletionServer:
             "messages" if job.chat else "prompt",
         )
       m = room if job.max_tokens is None else job.max_tokens
-      why = self.backend.check_request(tokens, max(m, 1) if scoring else m, sampling)
+      eos = None if job.ignore_eos else self.eos
+      why = self.backend.check_request(tokens, max(m, 1) if scoring else m, sampling, eos)
       if why:
         first = why.split(" ")[0]
         param = (
             first.split("=")[0]
             if "=" in first
+            else "stop_token_ids"
+            if first == "stop_token_ids"
             else "max_tokens"
             if "max_tokens" in why
             else "messages"

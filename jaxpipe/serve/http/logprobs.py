@@ -21,14 +21,14 @@ from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve import sampling as sampling_lib
 from jaxpipe.serve.http.protocol import BadRequest, Job
 
-MAX_LOGPROBS = getattr(sampling_lib, "MAX_LOGPROBS", 20)
+MAX_LOGPROBS = sampling_lib.MAX_LOGPROBS
 FLOOR = -9999.0
 
 
 def supported(backend) -> bool:
-  """Whether the engine computes log-probabilities (`SamplingParams.logprobs`, `score`)."""
-  fields = {f.name for f in dataclasses.fields(sampling_lib.SamplingParams)}
-  return "logprobs" in fields and callable(getattr(backend, "score", None))
+  """Whether the backend scores prompts (`score`: an Engine or a deployment; `Backend` makes it
+  optional)."""
+  return callable(getattr(backend, "score", None))
 
 
 def check(job: Job, backend) -> None:

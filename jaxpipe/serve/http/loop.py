@@ -31,7 +31,11 @@ class Backend(Protocol):
   Disaggregated) that lists them in `engines`; limits and gauges are read from those engines."""
 
   def check_request(
-      self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams
+      self,
+      prompt: Sequence[int],
+      max_tokens: int,
+      sampling: SamplingParams,
+      eos_id: int | Sequence[int] | None | str = ...,
   ) -> str | None:
     ...  # reads configuration only
 
@@ -139,8 +143,7 @@ class EngineLoop:
       try:
         for kind, arg in commands:
           if kind in ("add", "score"):
-            scored = [(s, self._score(s)) for s in arg if s.echo]
-            self._send([(s, [], lp, None, None) for s, lp in scored if lp is not None])
+            arg = self._send_scores(arg)
           if kind == "add":
             for s in arg:
               s.rid = self.backend.add_request(s.prompt, s.max_tokens, s.sampling, eos_id=s.eos_id)
@@ -218,6 +221,28 @@ class EngineLoop:
       commands = self._take(1.0)
       seqs = {s for kind, arg in commands if kind in ("add", "score") for s in arg}
       stopping = any(kind == "stop" for kind, _ in commands)
+
+  def _send_scores(self, seqs: list[Seq]) -> list[Seq]:
+    """Sends the prompt logprobs of the echo sequences among `seqs` (a prompt scored once for
+    all n of its choices); returns `seqs` less those whose prompt could not be scored, which
+    end with the error (one bad prompt fails its request, not the server)."""
+    done: dict[tuple, list | None] = {}
+    failed = set()
+    for s in seqs:
+      if not s.echo:
+        continue
+      key = (tuple(s.prompt), s.sampling.logprobs)
+      try:
+        if key not in done:
+          done[key] = self._score(s)
+      except Exception as e:  # noqa: BLE001 -- reported to the request's client
+        log.exception("scoring a prompt failed")
+        self._send([(s, [], None, None, f"scoring the prompt failed: {type(e).__name__}: {e}")])
+        failed.add(s)
+        continue
+      if done[key] is not None:
+        self._send([(s, [], done[key], None, None)])
+    return [s for s in seqs if s not in failed]
 
   def _score(self, s: Seq) -> list | None:
     """The prompt's logprobs (echo with logprobs), scored here on the engine thread."""

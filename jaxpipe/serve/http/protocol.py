@@ -373,12 +373,3 @@ def usage_of(prompt_tokens: int, choices: list[Choice]) -> dict:
       "completion_tokens": completion,
       "total_tokens": prompt_tokens + completion,
   }
-
-
-def special_ids(tok: tokenizer_lib.Tokenizer) -> frozenset[int]:
-  """The ids vLLM's `skip_special_tokens` drops from output text: a Hugging Face tokenizer's
-  added tokens marked special (BOS, EOS, chat headers); none of a byte tokenizer's."""
-  backend = getattr(tok, "_backend", None)
-  if backend is None:
-    return frozenset()
-  return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)

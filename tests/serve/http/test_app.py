@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import jax
@@ -273,7 +274,7 @@ class _Failing:
   def __init__(self):
     self.steps = None
 
-  def check_request(self, prompt, max_tokens, sampling):
+  def check_request(self, prompt, max_tokens, sampling, eos_id=None):
     return None
 
   def add_request(self, prompt, max_tokens, sampling, *, eos_id):
@@ -318,6 +319,39 @@ def test_an_engine_fault_fails_its_requests_and_health_says_so(stream):
     }
     r = httpx.post(url + "/v1/completions", json=body)
     assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
+
+
+class _UnscorableLong(_Failing):
+  """Generates like _Failing's first steps, and fails to score prompts longer than 3 tokens."""
+
+  def step(self):
+    self.steps += 1
+    return {0: [48]}
+
+  def finished(self):
+    if self.steps is not None and self.steps >= 2:
+      self.steps = None
+      return [types.SimpleNamespace(id=0, finish_reason="length", error=None)]
+    return []
+
+  def score(self, prompt, top_logprobs=0):
+    if len(prompt) > 3:
+      raise MemoryError("the prompt's logits do not fit")
+    return [None] + [(-1.0, [])] * (len(prompt) - 1)
+
+
+def test_a_prompt_that_cannot_be_scored_fails_its_request_not_the_server():
+  with _serving(_UnscorableLong()) as url:
+    body = {"prompt": "0123", "max_tokens": 0, "echo": True, "logprobs": 0}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["message"] == (
+        "scoring the prompt failed: MemoryError: the prompt's logits do not fit"
+    )
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    r = httpx.post(url + "/v1/completions", json={**body, "prompt": "01"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
 
 
 def test_metrics_parse_and_count_what_was_served(url, client):

@@ -246,6 +246,23 @@ def test_tokenize_and_detokenize_equal_transformers(url, hf):
   assert r.status_code == 400
 
 
+def test_tokenizer_info_is_what_lm_eval_reads_to_tokenize_through_the_server(url, hf):
+  from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+  tok = hf[0]
+  info = httpx.get(url + "/tokenizer_info").json()
+  assert (info["bos_token"], info["eos_token"]) == (tok.bos_token, tok.eos_token)
+  assert info["chat_template"] == tok.chat_template
+  assert info["model_max_length"] == 256
+  # lm-evaluation-harness's local-completions model picks the server's tokenizer by itself
+  assert check_remote_tokenizer_support(url + "/v1/completions")
+  remote = RemoteTokenizer(url + "/v1/completions")
+  text = "def main():\n    return 東京"
+  assert remote.encode(text) == tok(text, add_special_tokens=False).input_ids
+  assert remote.eos_token_id == tok.eos_token_id
+  assert remote.decode(tok(text).input_ids) == tok.decode(tok(text).input_ids)
+
+
 def _metrics(url) -> dict[tuple, float]:
   """Every sample of /metrics as {(name, labels...): value}, through Prometheus' own parser."""
   out = {}
