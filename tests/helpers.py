@@ -458,3 +458,19 @@ def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields)
   model.save_pretrained(path)
   fast.save_pretrained(path)
   return path
+
+
+# --- from serve/http/test_app.py and test_llama.py ----------------------------------------
+
+
+def metrics(url) -> dict[tuple, float]:
+  """Every sample of a server's /metrics as {(name, labels...): value}, through Prometheus' own
+  parser."""
+  import httpx
+  from prometheus_client.parser import text_string_to_metric_families
+
+  out = {}
+  for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    for s in family.samples:
+      out[(s.name, *sorted(s.labels.items()))] = s.value
+  return out

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from configs import tiny
 from experiments import serve_client
@@ -108,15 +107,6 @@ def _wait_healthy(url, alive, timeout=300):
   raise TimeoutError(f"{url} did not become healthy in {timeout} s")
 
 
-def _metrics(url) -> dict[tuple, float]:
-  """Every sample of /metrics as {(name, labels...): value}, through Prometheus' own parser."""
-  out = {}
-  for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-    for s in family.samples:
-      out[(s.name, *sorted(s.labels.items()))] = s.value
-  return out
-
-
 def _stream(client, **kw):
   """(chunks, text and token ids per choice, finish reasons, the last chunk's usage)."""
   chunks = list(client.completions.create(stream=True, **kw))
@@ -203,7 +193,7 @@ def test_16_concurrent_streams_are_all_answered(url, reference):
 
 def _wait(url, done, timeout=60):
   start = time.monotonic()
-  while not done(m := _metrics(url)):
+  while not done(m := helpers.metrics(url)):
     assert time.monotonic() - start < timeout, m
     time.sleep(0.05)
   return m
@@ -212,13 +202,13 @@ def _wait(url, done, timeout=60):
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_pages(url, client, stream):
   abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
-  before = _metrics(url).get(abort, 0)
+  before = helpers.metrics(url).get(abort, 0)
   kw = dict(model="tiny", prompt="0123456789" * 3, max_tokens=450, temperature=0)
   if stream:
     response = client.completions.create(**kw, stream=True)
     chunks = iter(response)
     next(chunks), next(chunks)
-    assert _metrics(url)[("jaxpipe_kv_pages_running",)] >= 2  # 32 tokens: two pages of 16
+    assert helpers.metrics(url)[("jaxpipe_kv_pages_running",)] >= 2  # 32 tokens: two pages of 16
     response.close()
   else:
     with pytest.raises(httpx.ReadTimeout):  # gives up waiting for the whole completion
@@ -355,10 +345,10 @@ def test_a_prompt_that_cannot_be_scored_fails_its_request_not_the_server():
 
 
 def test_metrics_parse_and_count_what_was_served(url, client):
-  before = _metrics(url)
+  before = helpers.metrics(url)
   for n in (3, 5, 7):
     client.completions.create(model="tiny", prompt="012", max_tokens=n, temperature=0)
-  after = _metrics(url)
+  after = helpers.metrics(url)
   delta = lambda *key: after.get(key, 0) - before.get(key, 0)
   assert delta("jaxpipe_generation_tokens_total") == 15
   assert delta("jaxpipe_prompt_tokens_total") == 9
@@ -459,7 +449,7 @@ def test_a_full_server_answers_429_with_retry_after(url, client):
   with pytest.raises(openai.RateLimitError):
     client.completions.create(model="tiny", prompt="01", max_tokens=2)
   abort = ("jaxpipe_request_finished_total", ("finish_reason", "abort"))
-  before = _metrics(url).get(abort, 0)
+  before = helpers.metrics(url).get(abort, 0)
   stream.close()  # its sequences are cancelled and their places free again
   _wait(url, lambda m: m.get(abort, 0) == before + total)
   retrying = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=5)

@@ -16,7 +16,6 @@ import openai
 import pytest
 import torch
 import transformers
-from prometheus_client.parser import text_string_to_metric_families
 
 import jaxpipe
 from jaxpipe.training import convert
@@ -263,26 +262,17 @@ def test_tokenizer_info_is_what_lm_eval_reads_to_tokenize_through_the_server(url
   assert remote.decode(tok(text).input_ids) == tok.decode(tok(text).input_ids)
 
 
-def _metrics(url) -> dict[tuple, float]:
-  """Every sample of /metrics as {(name, labels...): value}, through Prometheus' own parser."""
-  out = {}
-  for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-    for s in family.samples:
-      out[(s.name, *sorted(s.labels.items()))] = s.value
-  return out
-
-
 def test_vllms_metrics_count_what_was_served(url, client, hf):
   labels = (("engine", "0"), ("model_name", NAME))
   prompt = helpers.TINY_TEXTS[1] * 3  # 2+ pages of 16 tokens: its second run hits the cache
   n_prompt = len(hf[0](prompt).input_ids)
   assert n_prompt >= 32
-  before = _metrics(url)
+  before = helpers.metrics(url)
   for n in (5, 6, 7):
     client.completions.create(
         model=NAME, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
     )
-  after = _metrics(url)
+  after = helpers.metrics(url)
 
   def delta(name, *extra):
     key = (name, *sorted(labels + extra))
