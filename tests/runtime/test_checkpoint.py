@@ -175,3 +175,29 @@ def test_interrupted_then_resumed_run_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(a, b)
   assert resumed.checkpointer.steps() == [5, 6, 9]  # keep = 3
   assert {"6.corrupt", "7.incomplete"} <= set(os.listdir(steps_dir))
+
+
+def test_a_step_whose_metadata_holds_a_null_commit_timestamp_is_set_aside(tmp_path):
+  """What a first save killed mid-write leaves where orbax writes in place: the step's metadata
+  with `commit_timestamp_nsecs: null` and no commit file. It is not a checkpoint: a writer sets it
+  aside as incomplete and starts afresh, a reader lists no step."""
+  from jaxpipe.runtime import checkpoint as checkpoint_lib
+
+  step = tmp_path / "ckpt" / "2"
+  (step / "default").mkdir(parents=True)
+  metadata = {"init_timestamp_nsecs": 1796185884517380818, "commit_timestamp_nsecs": None}
+  (step / "_CHECKPOINT_METADATA").write_text(json.dumps(metadata))
+  assert not checkpoint_lib.is_committed(str(step))
+  reader = Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=False, read_only=True)
+  assert reader.steps() == [] and reader.latest_step() is None
+  reader.close()
+  assert step.is_dir()  # a reader moves nothing
+  writer = Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=False)
+  assert writer.steps() == [] and writer.restore_latest({"x": jnp.zeros(2)}) is None
+  writer.close()
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2.incomplete"]
+  # the same metadata with its timestamp set is a committed step
+  metadata["commit_timestamp_nsecs"] = 1796185884662682506
+  (step.parent / "3").mkdir()
+  (step.parent / "3" / "_CHECKPOINT_METADATA").write_text(json.dumps(metadata))
+  assert checkpoint_lib.is_committed(str(step.parent / "3"))
