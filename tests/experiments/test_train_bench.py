@@ -1,0 +1,216 @@
+"""The training bench: the plain step equals the Trainer's, the table and samples it promises, a
+MaxText run (a stand-in package with MaxText's log format) alternated and parsed, bad inputs."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from experiments import train_bench
+from jaxpipe.runtime import cli
+from jaxpipe.training import data as data_lib
+from jaxpipe.training.trainer import Trainer
+from tests import helpers
+
+# MaxText's own per-step lines: docs/guides/monitoring_and_debugging/understand_logs_and_metrics.md
+# (older format), and src/maxtext/common/metric_logger.py's current one (lm_loss, perplexity),
+# a rampup-phase line (no throughput) and a profiler-boundary line, as max_logging prints them.
+MAXTEXT_LOG = """\
+Updating keys from env and command line: ['run_name', 'model_name', 'steps']
+completed step: 0, seconds: 44.923, TFLOP/s/device: 17.022, Tokens/s/device: 1094.129, total_weights: 196608, loss: 12.038
+completed step: 1, seconds: 0.319, TFLOP/s/device: 2400.734, Tokens/s/device: 154316.608, total_weights: 196608, loss: 12.038
+I0101 00:00:00.000 140 metric_logger.py:190] completed step: 2, seconds: 5.658, TFLOP/s/device: 135.158, Tokens/s/device: 8687.815, total_weights: 196608, loss: 11.689, lm_loss: 11.689, perplexity: 119000.123
+[Rampup Batch Size Phase] completed step: 3, seconds: 5.402, total_weights: 98304, loss: 11.379, lm_loss: 11.379, perplexity: 87000.000
+completed profiler activation/deactivation step: 4, total_weights: 196608, loss: 11.110, lm_loss: 11.110, perplexity: 66000.000
+completed step: 5, seconds: 5.668, TFLOP/s/device: 134.909, Tokens/s/device: 8671.794, total_weights: 196608, loss: 10.879
+"""  # noqa: E501
+
+# A stand-in for MaxText's package: configs/base.yml and a train module that records its
+# arguments and logs `steps` lines in MaxText's format, each step taking 0.25 s.
+FAKE_TRAIN = textwrap.dedent("""\
+    import json, os, sys
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    with open(os.environ["FAKE_MAXTEXT_ARGS"], "a") as f:
+      f.write(json.dumps([sys.argv[1], args]) + "\\n")
+    for s in range(int(args["steps"])):
+      print(f"completed step: {s}, seconds: 0.250, TFLOP/s/device: 0.010, "
+            f"Tokens/s/device: 2048.000, total_weights: 4096, loss: 4.000, lm_loss: 4.000")
+""")
+
+
+def tiny_config():
+  c = tiny.get_config()
+  c.train.steps = 30
+  return c
+
+
+def test_plain_step_equals_trainer_step():
+  """Two steps from the same parameters on the same batches: loss and gradient norm of each
+  equal the Trainer's (the second after an AdamW update with the clipped gradient), as do the
+  parameters after them; tiny's synthetic rows carry padding, so the mask counts."""
+  config = tiny_config()
+  trainer = Trainer(config)
+  trainer.init()
+  source = data_lib.make_source(config.data, config.model.vocab)
+  plain = train_bench.PlainStep(config, config.data.batch)
+  for i in range(2):
+    host = source.batch("train", i, config.data.batch, config.data.seq_len)
+    assert host["mask"].min() == 0  # padded rows
+    want = trainer.step(host)
+    got = plain.step(plain.put(host))
+    helpers.close(got["loss"], want["loss"], f"loss at step {i}")
+    helpers.close(got["grad_norm"], want["grad_norm"], f"grad norm at step {i}")
+  for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(plain.state[0]), jax.tree.leaves(trainer.state.params)
+  ):
+    helpers.close(np.asarray(a), np.asarray(b), str(path))
+
+
+def test_plain_step_refuses_a_model_it_does_not_write():
+  config = tiny_config()
+  config.model.qk_norm = True
+  with pytest.raises(train_bench.app.UsageError, match="qk_norm"):
+    train_bench.PlainStep(config, config.data.batch)
+
+
+def test_parse_maxtext_log():
+  steps = train_bench.parse_maxtext_log(MAXTEXT_LOG)
+  assert [s["step"] for s in steps] == [0, 1, 2, 5]
+  assert steps[2] == {
+      "step": 2,
+      "seconds": 5.658,
+      "tflops_per_device": 135.158,
+      "tokens_per_device": 8687.815,
+      "total_weights": 196608.0,
+      "loss": 11.689,
+  }
+  assert steps[-1]["seconds"] == 5.668 and steps[-1]["loss"] == 10.879
+  assert train_bench.parse_maxtext_log("no steps here\n") == []
+
+
+@pytest.fixture
+def fake_maxtext(tmp_path, monkeypatch):
+  """A `maxtext` package on PYTHONPATH; -> the file its train module appends its arguments to."""
+  pkg = tmp_path / "site" / "maxtext"
+  (pkg / "configs").mkdir(parents=True)
+  (pkg / "trainers" / "pre_train").mkdir(parents=True)
+  for d in (pkg, pkg / "trainers", pkg / "trainers" / "pre_train"):
+    (d / "__init__.py").write_text("")
+  (pkg / "configs" / "base.yml").write_text("steps: 1\n")
+  (pkg / "trainers" / "pre_train" / "train.py").write_text(FAKE_TRAIN)
+  record = tmp_path / "maxtext_args.jsonl"
+  path = os.pathsep.join([str(tmp_path / "site"), helpers.ROOT, os.environ.get("PYTHONPATH", "")])
+  monkeypatch.setenv("PYTHONPATH", path)
+  monkeypatch.setenv("FAKE_MAXTEXT_ARGS", str(record))
+  return record
+
+
+def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
+  """Every contender (plain, pp = 1, pp = 2 1F1B, MaxText, the matmul) in every round in a
+  rotated order, one sample per step; the table has one row per contender and the promised
+  columns; the plain step's ratios are 1; MaxText's step time is the one its log gives."""
+  out = tmp_path / "bench.json"
+  args = [
+      "--config",
+      os.path.join(helpers.ROOT, "configs", "tiny.py"),
+      "--batch=16",
+      "--pp=2",
+      "--schedules=1f1b",
+      "--microbatches=2",
+      "--rounds=2",
+      "--steps=2",
+      "--warmup=1",
+      "--matmul_n=128",
+      f"--peer_python={sys.executable}",
+      f"--out={out}",
+  ]
+  assert cli.call(train_bench.main, train_bench.FLAGS, args) is None
+  names = [
+      train_bench.PLAIN,
+      "jaxpipe pp=1",
+      "jaxpipe pp=2 1f1b",
+      train_bench.MAXTEXT,
+      train_bench.MATMUL,
+  ]
+  got = json.loads(out.read_text())
+  assert got["order"] == [names, names[1:] + names[:1]]
+  for name in names:
+    assert len(got["samples"][name]) == 2 and all(len(r) == 2 for r in got["samples"][name])
+  assert all(s[1] is None for r in got["samples"][train_bench.MAXTEXT] for s in r)
+  assert len(got["load"]) == 2
+
+  rows = {r["name"]: r for r in got["rows"]}
+  assert list(rows) == names[:-1]
+  assert rows[train_bench.PLAIN]["wall_ratio"] == [1.0, 1.0]
+  assert rows[train_bench.PLAIN]["cpu_ratio"] == [1.0, 1.0]
+  assert rows[train_bench.MAXTEXT]["ms_per_step"] == pytest.approx(250.0)
+  assert rows[train_bench.MAXTEXT]["cpu_ratio"] is None
+  for name in names[:3]:
+    r = rows[name]
+    assert r["temp_bytes"] > 0 and r["hlo_instructions"] > 0 and 0 < r["mfu_percent"] < 100
+    walls = [np.mean([s[0] for s in rd]) for rd in got["samples"][name]]
+    assert r["tokens_per_s"] == pytest.approx(np.median([16 * 16 / w for w in walls]))
+
+  printed = capsys.readouterr().out.splitlines()
+  header = printed.index("| " + " | ".join(train_bench.COLUMNS) + " |")
+  table = printed[header + 2 : header + 2 + len(names) - 1]
+  assert [line.split(" | ")[0].lstrip("| ") for line in table] == names[:-1]
+  assert all(line.count("|") == len(train_bench.COLUMNS) + 1 for line in table)
+
+  runs = [json.loads(line) for line in fake_maxtext.read_text().splitlines()]
+  assert len(runs) == 2  # one MaxText run per round, none for the warm-up
+  base, keys = runs[0]
+  assert base.endswith(os.path.join("maxtext", "configs", "base.yml"))
+  want = {
+      "hardware": "cpu",
+      "skip_jax_distributed_system": "true",
+      "dataset_type": "synthetic",
+      "steps": "3",  # the warm-up step, then the 2 timed
+      "per_device_batch_size": "2",
+      "max_target_length": "16",
+      "base_emb_dim": "32",
+      "base_num_query_heads": "4",
+      "base_num_kv_heads": "2",
+      "head_dim": "8",
+      "base_mlp_dim": "64",
+      "base_num_decoder_layers": "2",
+      "vocab_size": "64",
+      "logits_via_embedding": "true",
+  }
+  assert {k: keys.get(k) for k in want} == want
+
+
+def _run(*flags):
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train_bench", *flags],
+      capture_output=True,
+      text=True,
+      cwd=helpers.ROOT,
+      timeout=120,
+      check=False,
+  )
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--peer_python=/nonexistent/python"], "not an executable file"),
+        ([f"--peer_python={sys.executable}"], "not a Python with MaxText importable"),
+        (["--peer_python=/bin/true"], "not a Python with MaxText importable"),
+        (["--pp=two"], "--pp two"),
+        (["--rounds=0"], "--rounds=0"),
+        (["--steps=x"], "steps"),
+    ],
+)
+def test_bad_flags_are_one_line(flags, words):
+  r = _run(*flags)
+  assert r.returncode == cli.USAGE, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr
+  assert r.stdout == ""
