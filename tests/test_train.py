@@ -313,6 +313,35 @@ def test_a_workdir_with_nothing_trained_takes_a_changed_config(tmp_path):
     workdir.check_config(changed)
 
 
+def test_a_run_from_before_data_tokenizer_resumes_with_the_tokenizer_it_read(tmp_path):
+  """config.json written before data.tokenizer existed: the run read its hf/ tokenizer if it had
+  one, so 'hf' there (bytes elsewhere) is no change, and the other value is one."""
+  for has_hf, same, other in ((True, "hf", "bytes"), (False, "bytes", "hf")):
+    path = tmp_path / str(has_hf)
+    path.mkdir()
+    if has_hf:
+      (path / "hf").mkdir()
+      (path / "hf" / "tokenizer.json").write_text("{}")
+    stored = json.loads(_config(4).to_json_best_effort())
+    del stored["data"]["tokenizer"]
+    (path / "config.json").write_text(json.dumps(stored))
+    (path / "checkpoints" / "3").mkdir(parents=True)  # something trained: a change is refused
+    (path / "checkpoints" / "3" / "commit_success.txt").write_text("")
+    config = _config(4)
+    config.data.tokenizer = same
+    assert Workdir(str(path)).check_config(config, write=False) == []
+    config.data.tokenizer = other
+    with pytest.raises(WorkdirError, match=f'data.tokenizer "{same}" -> "{other}"'):
+      Workdir(str(path)).check_config(config, write=False)
+
+
+def test_an_unknown_data_tokenizer_is_one_line(tmp_path):
+  config = _config(4)
+  config.data.tokenizer = "sentencepiece"
+  with pytest.raises(ConfigError, match="data.tokenizer='sentencepiece' is unknown; use 'bytes'"):
+    Trainer(config, str(tmp_path))
+
+
 def test_model_changed_under_a_checkpoint_names_the_same_array(tmp_path):
   helpers.checkpoint_at(_config(2, every=2), tmp_path, 2)
   wider = _config(2, every=2)

@@ -84,6 +84,8 @@ def load_tokenizer(spec: str) -> tuple[tokenizer_lib.Tokenizer, dict[str, Any]]:
     tok = tokenizer_lib.ByteTokenizer()
     return tok, {"kind": BYTES, "vocab_size": tok.vocab_size, "eos_ids": [], "bos_id": None}
   hf_dir = os.path.join(spec, tokenizer_lib.HF_DIR)
+  if tokenizer_lib.recorded(spec) == "bytes":  # a workdir whose config says its model reads bytes
+    return load_tokenizer(BYTES)
   for d in (hf_dir, spec):
     if os.path.isfile(os.path.join(d, tokenizer_lib.TOKENIZER_FILE)):
       tok = tokenizer_lib.HFTokenizer.from_dir(d)

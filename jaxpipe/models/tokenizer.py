@@ -428,15 +428,32 @@ def _chat_template(path: str, tokenizer_config: dict[str, Any], config_file: str
   raise ValueError(f"{config_file}: chat_template must be a string or a list with a 'default'")
 
 
-def for_workdir(workdir: str | os.PathLike) -> Tokenizer:
-  """The tokenizer of a workdir: its hf/ directory's when that holds one, else bytes.
+def recorded(workdir: str | os.PathLike) -> str | None:
+  """The tokenizer a workdir's config.json records (`data.tokenizer`: 'bytes' or 'hf'), or None
+  where it has no config.json or one that predates the field."""
+  config = _read_json(os.path.join(os.fspath(workdir), "config.json")) or {}
+  data = config.get("data")
+  return data.get("tokenizer") if isinstance(data, dict) else None
 
-  A workdir converted from a Hugging Face checkpoint has WORKDIR/hf/tokenizer.json; a model
-  trained by jaxpipe from scratch reads bytes. A hf/ directory with a tokenizer that is not
-  tokenizer.json (a SentencePiece model alone) is refused rather than read as bytes, which would
-  feed the model ids it never learned.
+
+def for_workdir(workdir: str | os.PathLike) -> Tokenizer:
+  """The tokenizer of a workdir, as its config records it (`data.tokenizer`): 'hf', the
+  WORKDIR/hf directory's (a converted Hugging Face checkpoint); 'bytes', UTF-8 (a model trained by
+  jaxpipe from scratch). A workdir whose config predates the field is read by what it holds: hf/
+  with a tokenizer, else bytes.
+
+  A hf/ directory with a tokenizer that is not tokenizer.json (a SentencePiece model alone) is
+  refused rather than read as bytes, which would feed the model ids it never learned.
   """
   hf_dir = os.path.join(os.fspath(workdir), HF_DIR)
+  kind = recorded(workdir)
+  if kind == "bytes":
+    return ByteTokenizer()
+  if kind == "hf" and not os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILE)):
+    raise ValueError(
+        f"{workdir}/config.json records data.tokenizer='hf' but {hf_dir}/{TOKENIZER_FILE} does "
+        "not exist; copy the checkpoint's tokenizer files there (transformers' save_pretrained)"
+    )
   if os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILE)):
     return HFTokenizer.from_dir(hf_dir)
   for other in (TOKENIZER_CONFIG_FILE, "tokenizer.model"):

@@ -31,6 +31,7 @@ UNSUPPORTED_DTYPES = {
     }
 }
 SOURCES = ("stdlib", "synthetic")
+TOKENIZERS = ("bytes", "hf")  # data.tokenizer: what the model reads (jaxpipe.models.tokenizer)
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
 GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
 
@@ -66,6 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.source = "stdlib"  # 'stdlib': Python's .py files as bytes; 'tokens:DIR': a token store
+  d.tokenizer = "bytes"  # the model's: 'bytes' (UTF-8), or 'hf' (the workdir's hf/ directory)
   d.seq_len = 128  # tokens per sequence
   d.batch = 32  # global batch, sequences per step
   d.eval_fraction = 0.02  # tail of the corpus held out for evaluation
@@ -226,6 +228,11 @@ def validate(
         f"model.dtype={m.dtype!r} does not run on {platform}: {why}; use one of {runs} there"
     )
   check_fp8(m)
+  if d.get("tokenizer", "bytes") not in TOKENIZERS:
+    raise ConfigError(
+        f"data.tokenizer={d.tokenizer!r} is unknown; use 'bytes' (UTF-8, jaxpipe's byte-level "
+        "models) or 'hf' (the workdir's hf/ tokenizer, as python -m jaxpipe.convert writes it)"
+    )
   tokens_dir = data_source.store_dir(d.source) if isinstance(d.source, str) else None
   if d.source not in SOURCES and tokens_dir is None:
     raise ConfigError(

@@ -73,6 +73,7 @@ def _finetune_config(cfg: transformer.TransformerConfig) -> ml_collections.Confi
     c.model.moe = ml_collections.ConfigDict(moe)
   # Tokens come from jaxpipe's own sources: stdlib bytes need a vocabulary of 256 or more.
   c.data.source = "stdlib" if cfg.vocab >= 256 else "synthetic"
+  c.data.tokenizer = "hf"  # the checkpoint's own, in WORKDIR/hf (jaxpipe.models.tokenizer)
   c.optimizer.lr = 1e-5  # fine-tuning, not pre-training, rates
   c.optimizer.warmup_steps = 10
   c.train.steps = 100

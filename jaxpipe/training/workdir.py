@@ -245,7 +245,13 @@ class Workdir:
     if os.path.exists(path):
       try:
         with open(path) as f:
-          old = _with_defaults(json.load(f), _as_dict(config_lib.default_config()))
+          stored = json.load(f)
+        data = stored.get("data")
+        if isinstance(data, dict) and "tokenizer" not in data:
+          # a run from before data.tokenizer read its workdir's hf/ tokenizer if there was one
+          has_hf = os.path.isfile(os.path.join(self.path, "hf", "tokenizer.json"))
+          data["tokenizer"] = "hf" if has_hf else "bytes"
+        old = _with_defaults(stored, _as_dict(config_lib.default_config()))
       except ValueError:
         logging.warning("%s does not parse; taking the current config as the run's", path)
       else:

@@ -341,3 +341,21 @@ def test_check_vocab(tok, oracle):
   tokenizer_lib.check_vocab(tokenizer_lib.ByteTokenizer(), 256)
   with pytest.raises(ValueError, match="256 tokens"):
     tokenizer_lib.check_vocab(tokenizer_lib.ByteTokenizer(), 255)
+
+
+def test_for_workdir_follows_the_tokenizer_the_config_records(hf_dir, oracle, tmp_path):
+  """data.tokenizer in WORKDIR/config.json decides, over what the directory happens to hold."""
+  imported = tmp_path / "imported"
+  _copy(hf_dir, imported / "hf")
+  config = lambda kind: json.dumps({"data": {"source": "stdlib", "tokenizer": kind}})
+  (imported / "config.json").write_text(config("bytes"))
+  assert type(tokenizer_lib.for_workdir(imported)) is tokenizer_lib.ByteTokenizer
+  (imported / "config.json").write_text(config("hf"))
+  assert tokenizer_lib.for_workdir(imported).encode(TEXTS[0]) == oracle(TEXTS[0])["input_ids"]
+  (imported / "config.json").write_text(json.dumps({"data": {"source": "stdlib"}}))  # older
+  assert type(tokenizer_lib.for_workdir(imported)) is tokenizer_lib.HFTokenizer
+  scratch = tmp_path / "scratch"
+  scratch.mkdir()
+  (scratch / "config.json").write_text(config("hf"))
+  with pytest.raises(ValueError, match="records data.tokenizer='hf' but .*tokenizer.json"):
+    tokenizer_lib.for_workdir(scratch)
