@@ -7,6 +7,7 @@
       --decode_workers 6 --rates 2,6 --requests 64 --ttft_slo 0.25 --tpot_slo 0.1
       [--prompt lognormal:64:512 --trace_in trace.csv --trace_out trace.csv --stream_layers]
   python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
+  python -m experiments.serve_bench --prefill [--prefill_tokens 1024 --prefill_context 4096]
 
 --mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
 (`--host_devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
@@ -37,6 +38,13 @@ row of the batch, for as long as the batch runs; paged: the pages they hold), su
 Runs on the first device (on CPU, one host device: the host devices share the same cores).
 Compilation happens before the clock starts.
 
+--prefill times one engine step of a prompt chunk of --prefill_tokens tokens at each cached
+prefix 0, chunk, 2·chunk, .. below --prefill_context, for the paged attention backends xla (a
+gather per token) and xla_ragged (a gather per block of a sequence's tokens), against
+`transformer.forward` on the same chunk, on a random float32 Llama-shaped model (hidden 256,
+4 layers, 8 query / 4 KV heads, vocab 1024), one sequence, pages of 16; and the attention call
+alone on one layer's shapes (`paged_attention_reference` over T tokens, and the ragged call).
+
 --kernel times the decode kernel alone on a GPU (bf16, 32 query / 8 KV heads, head dim 128,
 pages of 16, every row `context` keys): ours (`kernels_pallas.paged_attention`), JAX's own
 Pallas GPU paged attention and the XLA gather reference, in TFLOP/s (4·B·H·L·K) and in GB/s of
@@ -45,6 +53,7 @@ K/V read (2·B·L·G·K·2 bytes; decode attention is bound by memory bandwidth)
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -93,6 +102,14 @@ flags.DEFINE_integer("token_budget", 128, "Paged: tokens per step.", flag_values
 flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
 flags.DEFINE_string(
     "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
+)
+flags.DEFINE_bool("prefill", False, "Time a prefill chunk's step (CPU).", flag_values=FLAGS)
+flags.DEFINE_integer("prefill_tokens", 1024, "--prefill: tokens per chunk.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "prefill_context",
+    4096,
+    "--prefill: the sequence's length after its last chunk.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_bool("kernel", False, "Time the decode kernel alone (GPU).", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 20, "--kernel: timed calls per cell.", flag_values=FLAGS)
@@ -316,6 +333,54 @@ def kernel_table(repeats: int) -> None:
       except Exception as e:  # noqa: BLE001 -- one backend failing must not hide the others
         cells.append(f"failed: {type(e).__name__}")
     print(f"| {batch} | {context} | " + " | ".join(cells) + " |", flush=True)
+
+
+PREFILL_MODEL = transformer.TransformerConfig(
+    vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024
+)
+
+
+def prefill_table(chunk: int, context: int, repeats: int) -> None:
+  """Seconds per engine step of one `chunk`-token prompt chunk at each cached prefix, per paged
+  backend, against the training forward on the chunk (see the module docstring)."""
+  cfg, page = PREFILL_MODEL, 16
+  params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
+  tokens = np.asarray(jax.random.randint(jax.random.key(1), (context,), 0, cfg.vocab))
+  forward = jax.jit(lambda t: transformer.forward(cfg, params, t))
+  t_fwd = median_time(forward, jnp.asarray(tokens[None, :chunk]), repeats=repeats)
+  print(f"# forward on {chunk} tokens: {t_fwd:.3f} s; median of {repeats} steps per cell")
+  print("| backend | chunk tokens | context after the step | s / step | step / forward |")
+  print("|---|---|---|---|---|")
+  for backend in ("xla", "xla_ragged"):
+    engine = Engine(
+        cfg,
+        params,
+        page_size=page,
+        num_pages=context // page + 2,
+        max_batch=16,
+        max_tokens_per_step=chunk,
+        max_seq_len=context + 1,
+        attention=backend,
+        token_buckets=(chunk,),
+        prefix_caching=False,
+    )
+    times = collections.defaultdict(list)
+    for rep in range(repeats + 1):  # the first run compiles
+      engine.add_request(list(map(int, tokens)), max_tokens=1)
+      i = 0
+      while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        if rep:
+          times[i].append(time.perf_counter() - start)
+        i += 1
+      engine.finished()
+    for i in sorted(times):
+      t = float(np.median(times[i]))
+      print(
+          f"| {backend} | {chunk} | {min(context, (i + 1) * chunk)} | {t:.3f} | {t / t_fwd:.1f} |",
+          flush=True,
+      )
 
 
 QUICKSTART = config_lib.model_config(quickstart.get_config())  # the model both systems serve
@@ -636,6 +701,8 @@ def main(argv: list[str]) -> None:
     serve_client.run(args)
   elif args.kernel:
     kernel_table(args.repeats)
+  elif args.prefill:
+    prefill_table(args.prefill_tokens, args.prefill_context, min(args.repeats, 5))
   elif args.mode:
     jax.config.update("jax_num_cpu_devices", args.host_devices)  # before JAX starts its backend
     deployments(args)

@@ -573,7 +573,9 @@ class Engine:
           model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
       )
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-      batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
+      batch = model_lib.TokenBatch(
+          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r)
+      )
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
       sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
       rep = self._replicated
@@ -638,11 +640,15 @@ class Engine:
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)
     rows = np.zeros(r_max, np.int32)
+    seq_tables = np.zeros((r_max, n_pages), np.int32)
+    seq_starts, seq_counts, seq_cached = (np.zeros(r_max, np.int32) for _ in range(3))
     temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
     top_k, seed, index = (np.zeros(r_max, np.int32) for _ in range(3))
     banned = np.full((r_max, MAX_BANNED), -1, np.int32)
     sampled, at = [], 0
-    for r, n in plan:
+    for i, (r, n) in enumerate(plan):
+      seq_tables[i, : len(r.pages)] = r.pages
+      seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
       pos = np.arange(r.computed, r.computed + n)
       tokens[at : at + n] = r.tokens[r.computed : r.computed + n]
       positions[at : at + n] = pos
@@ -666,7 +672,9 @@ class Engine:
           banned[j, : len(ids)] = ids
         sampled.append(r)
     self._flush_fills()
-    batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
+    batch = model_lib.TokenBatch(
+        tokens, positions, slots, tables, rows, seq_tables, seq_starts, seq_counts, seq_cached
+    )
     new_R, finite_R, logprobs, self.kv = self.step_program(t, n_pages)(
         self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index, banned)
     )

@@ -36,7 +36,12 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import attention as attention_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.ops.attention import paged_attention
+from jaxpipe.ops.attention import (
+    RaggedRows,
+    paged_attention,
+    ragged_paged_attention,
+    resolve_paged_backend,
+)
 from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
@@ -75,6 +80,12 @@ class TokenBatch:
   slots_T: jax.Array  # int32 page * page_size + offset (in layer 0's numbering); padding: 0
   tables_TxN: jax.Array  # int32 the token's sequence's block table (padding entries: 0)
   rows_R: jax.Array  # int32 token index of each wanted row (padding: 0)
+  # The same tokens grouped by sequence (`ops.attention.RaggedRows`, what `xla_ragged` reads):
+  # B rows (the engine's max_batch), each sequence's tokens contiguous in the flat batch.
+  seq_tables_BxN: jax.Array | None = None  # int32 the sequence's block table
+  seq_starts_B: jax.Array | None = None  # int32 its first token index
+  seq_counts_B: jax.Array | None = None  # int32 its tokens this step (0: padding row)
+  seq_cached_B: jax.Array | None = None  # int32 its tokens cached before this step
 
 
 KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: compute
@@ -159,33 +170,29 @@ class _PagedHook:
     b = self.batch
     offset = self.layer * self.num_pages
     fn = lambda *a: _write_and_attend(*a, backend=self.backend)
+    if self.backend == "xla_ragged":
+      rows = RaggedRows(b.seq_tables_BxN + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
+    else:
+      rows = (b.tables_TxN + offset, b.positions_T + 1)
     if self.mesh is not None and self.mesh.size > 1:
       heads, rep = P(None, KV_AXIS, None), P()
       fn = jax.shard_map(
           fn,
           mesh=self.mesh,
           check_vma=False,
-          in_specs=(heads, heads, heads, P(KV_AXIS), rep, rep, rep, rep),
+          in_specs=(heads, heads, heads, P(KV_AXIS), rep, rep, rep),
           out_specs=(heads, P(KV_AXIS)),
       )
     o_TxHxK, self.pools = fn(
-        q_1xTxHxK[0],
-        k_1xTxGxK[0],
-        v_1xTxGxK[0],
-        self.pools,
-        b.slots_T,
-        b.tables_TxN + offset,
-        b.positions_T + 1,
-        offset,
+        q_1xTxHxK[0], k_1xTxGxK[0], v_1xTxGxK[0], self.pools, b.slots_T, rows, offset
     )
     return o_TxHxK[None]
 
 
-def _write_and_attend(
-    q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, tables_TxN, lengths_T, offset, *, backend
-):
+def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *, backend):
   """Writes the T tokens' K/V at their slots (quantised into an 8-bit pool) and attends through
-  the pages; pools = (k, v, k_scales, v_scales), the scales None for a float cache."""
+  the pages; pools = (k, v, k_scales, v_scales), the scales None for a float cache; rows: the
+  tokens by sequence (`RaggedRows`) for xla_ragged, else (tables_TxN, lengths_T) per token."""
   k_pool, v_pool, k_scales, v_scales = pools
   s = k_pool.shape[2]
   g_G = jnp.arange(k_pool.shape[0])[None, :]
@@ -197,16 +204,11 @@ def _write_and_attend(
     (k_q, k_scale_TxG), (v_q, v_scale_TxG) = (quantize(x, k_pool.dtype) for x in (k_TxGxK, v_TxGxK))
     k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
     k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
-  o_TxHxK = paged_attention(
-      q_TxHxK,
-      k_pool,
-      v_pool,
-      tables_TxN,
-      lengths_T,
-      backend=backend,
-      k_scales_GxPxS=k_scales,
-      v_scales_GxPxS=v_scales,
-  )
+  scales = dict(k_scales_GxPxS=k_scales, v_scales_GxPxS=v_scales)
+  if backend == "xla_ragged":
+    o_TxHxK = ragged_paged_attention(q_TxHxK, k_pool, v_pool, rows, **scales)
+  else:
+    o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, *rows, backend=backend, **scales)
   return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
 
 
@@ -228,6 +230,9 @@ def forward_paged(
 ) -> tuple[jax.Array, KVPages]:
   """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written)."""
   cfg = serving_config(cfg)
+  backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
+  if backend == "xla_ragged" and batch.seq_counts_B is None:
+    raise ValueError("the xla_ragged backend needs the batch's rows (TokenBatch.seq_*)")
   hook = _PagedHook(kv, batch, backend, mesh)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
@@ -286,9 +291,9 @@ def serve_step(
 _forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend", donate_argnums=2)
 
 
-def _batch(tokens, positions, slots, tables, rows) -> TokenBatch:
+def _batch(tokens, positions, slots, tables, rows, *seqs) -> TokenBatch:
   as_i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
-  return TokenBatch(*(as_i32(x) for x in (tokens, positions, slots, tables, rows)))
+  return TokenBatch(*(as_i32(x) for x in (tokens, positions, slots, tables, rows, *seqs)))
 
 
 def prefill(
@@ -314,6 +319,10 @@ def prefill(
       table[positions // s] * s + positions % s,
       np.broadcast_to(table, (len(tokens), len(table))),
       [len(tokens) - 1],
+      table[None],
+      [0],
+      [len(tokens)],
+      [start],
   )
   logits, kv = _forward_jit(cfg, params, kv, batch, backend=backend)
   return logits[0], kv
@@ -335,5 +344,8 @@ def decode_step(
   positions = np.asarray(lengths_B)
   tables = np.asarray(block_tables_BxN)
   slots = tables[np.arange(len(positions)), positions // s] * s + positions % s
-  batch = _batch(tokens_B, positions, slots, tables, np.arange(len(positions)))
+  b = len(positions)
+  batch = _batch(
+      tokens_B, positions, slots, tables, np.arange(b), tables, np.arange(b), np.ones(b), positions
+  )
   return _forward_jit(cfg, params, kv, batch, backend=backend)

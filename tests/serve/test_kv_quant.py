@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpipe.ops.attention import RaggedRows
 from jaxpipe.serve import Engine
 from jaxpipe.serve import model as serve_model
 from jaxpipe.serve.deploy import Colocated, Disaggregated
@@ -73,16 +74,30 @@ def attention_bound(q_TxHxK, k_TxGxK, v_TxGxK, kind) -> np.ndarray:
   return out
 
 
-@pytest.mark.parametrize("kind, backend", [("int8", "xla"), ("fp8", "xla"), ("int8", "pallas")])
+@pytest.mark.parametrize(
+    "kind, backend",
+    [
+        ("int8", "xla"),
+        ("fp8", "xla"),
+        ("int8", "pallas"),
+        ("int8", "xla_ragged"),
+        ("fp8", "xla_ragged"),
+    ],
+)
 def test_attention_over_an_8bit_cache_is_within_the_rounding_bound(kind, backend):
   """One 11-token sequence written and attended through pages [5, 2, 7] of pools whose every
-  other slot (and scale) is NaN; pallas: the kernel, interpreted."""
+  other slot (and scale) is NaN; pallas: the kernel, interpreted; xla_ragged: the tokens as one
+  row."""
   rng = np.random.default_rng(0)
   t, h, g, d = 11, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
   q, k, v = (rng.standard_normal((t, n, d)).astype(np.float32) for n in (h, g, g))
   table = np.asarray([5, 2, 7], np.int32)
   pos = np.arange(t)
-  args = (table[pos // PAGE] * PAGE + pos % PAGE, np.tile(table, (t, 1)), pos + 1, 0)
+  if backend == "xla_ragged":  # one row of t tokens, nothing cached before
+    rows = RaggedRows(*(np.asarray(x, np.int32) for x in (table[None], [0], [t], [0])))
+  else:
+    rows = (np.tile(table, (t, 1)), pos + 1)
+  args = (table[pos // PAGE] * PAGE + pos % PAGE, rows, 0)
   nan = float("nan")
   outs = {}
   for name in ("auto", kind):
