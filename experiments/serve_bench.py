@@ -101,7 +101,7 @@ flags.DEFINE_integer("max_batch", 32, "Paged: most requests running at once.", f
 flags.DEFINE_integer("token_budget", 128, "Paged: tokens per step.", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
 flags.DEFINE_string(
-    "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
+    "attention", "auto", "Paged attention: xla, pallas, xla_ragged, auto.", flag_values=FLAGS
 )
 flags.DEFINE_bool("prefill", False, "Time a prefill chunk's step (CPU).", flag_values=FLAGS)
 flags.DEFINE_integer("prefill_tokens", 1024, "--prefill: tokens per chunk.", flag_values=FLAGS)

@@ -8,7 +8,10 @@ every cached key of the token's sequence.
 A step is one flat batch of T tokens from any number of sequences (prefill chunks and decode
 tokens alike): token t has its position, the cache slot it writes (page * page_size + offset)
 and its sequence's block table; it sees the keys at positions 0..position of that sequence,
-which is causal attention. Padding tokens write the scratch page.
+which is causal attention. Padding tokens write the scratch page. The batch also says which
+tokens belong to which sequence (`TokenBatch.seq_*`, one row per sequence, its tokens
+contiguous), for the `xla_ragged` backend, which gathers a sequence's pages once per block of
+its tokens rather than once per token (`ops.attention.ragged_paged_attention`).
 
 The pools of all layers share two arrays `[G, n_layers * P, page, K]`: layer l's pool is the
 pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, head_dim]`
