@@ -10,8 +10,10 @@ Paged attention has its own backends behind `paged_attention`: `xla` (the pure-J
 reference: every query token gathers its whole sequence's pages), `pallas`
 (`kernels_pallas.paged_attention`, compiled on GPU, interpreted elsewhere), `xla_ragged`
 (`ragged_paged_attention`: one gather per block of a sequence's tokens, not per token) and
-`auto` (pallas on GPU, xla_ragged elsewhere). The per-token backends take a query per row and
-its block table; `xla_ragged` takes the step's tokens grouped by sequence (`RaggedRows`).
+`auto` (pallas on GPU, xla elsewhere; for a serving step whose tokens come grouped by
+sequence, `resolve_step_backend` takes xla_ragged where auto gives xla). The per-token backends
+take a query per row and its block table; `xla_ragged` takes the tokens by sequence
+(`RaggedRows`).
 
 Why blocks (measured on CPU, docs/serving.md "Prefill attention"): the per-token gather moves
 T x N·S keys per layer, 5-10x the cost of the training forward on the same tokens for a
@@ -136,15 +138,22 @@ def attention(
 
 def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
   """The concrete paged-attention backend for these pages: validates the choice, resolves 'auto'
-  (the compiled kernel on GPU when it serves the shapes, else xla_ragged)."""
+  (the compiled kernel on GPU when it serves the shapes, else xla)."""
   if backend not in PAGED_BACKENDS:
     raise ValueError(f"unknown paged attention backend {backend!r}; choose one of {PAGED_BACKENDS}")
   reason = pa.compiled_unsupported(head_dim, page_size) if _gpu_major() is not None else None
   if backend == "auto":
-    return "pallas" if _gpu_major() is not None and reason is None else "xla_ragged"
+    return "pallas" if _gpu_major() is not None and reason is None else "xla"
   if backend == "pallas" and reason is not None:
     raise ValueError(f"paged attention backend 'pallas' {reason}; use 'xla'")
   return backend
+
+
+def resolve_step_backend(backend: str, head_dim: int, page_size: int) -> str:
+  """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
+  takes xla_ragged where the per-token choice would be the xla gather."""
+  name = resolve_paged_backend(backend, head_dim, page_size)
+  return "xla_ragged" if backend == "auto" and name == "xla" else name
 
 
 def paged_attention(

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.ops.attention import resolve_paged_backend
+from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
@@ -292,7 +292,7 @@ class Engine:
         max_seq_len,
         eos_id,
     )
-    self.backend = resolve_paged_backend(attention, model_cfg.head_dim, page_size)
+    self.backend = resolve_step_backend(attention, model_cfg.head_dim, page_size)
     self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
     self.token_buckets = _check_buckets(
         "token_buckets",

@@ -44,6 +44,7 @@ from jaxpipe.ops.attention import (
     paged_attention,
     ragged_paged_attention,
     resolve_paged_backend,
+    resolve_step_backend,
 )
 from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
@@ -233,9 +234,12 @@ def forward_paged(
 ) -> tuple[jax.Array, KVPages]:
   """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written)."""
   cfg = serving_config(cfg)
-  backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
-  if backend == "xla_ragged" and batch.seq_counts_B is None:
-    raise ValueError("the xla_ragged backend needs the batch's rows (TokenBatch.seq_*)")
+  if batch.seq_counts_B is None:  # tokens not grouped by sequence: a per-token backend
+    if backend == "xla_ragged":
+      raise ValueError("the xla_ragged backend needs the batch's rows (TokenBatch.seq_*)")
+    backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
+  else:
+    backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size)
   hook = _PagedHook(kv, batch, backend, mesh)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
