@@ -489,7 +489,9 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
   samples = {tn: [] for tn in engine.programs}
   for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
     for t, n in engine.programs:
-      batch = model_lib.TokenBatch(i32(t), i32(t), i32(t), i32(t, n), i32(r))
+      batch = model_lib.TokenBatch(
+          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r)
+      )
       sampling = SamplingBatch(
           np.zeros(r, np.float32),
           i32(r),
