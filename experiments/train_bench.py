@@ -2,7 +2,8 @@
 
   python -m experiments.train_bench [--config configs/quickstart.py] [--batch 32] \
       [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8] [--rounds 3] [--steps 3] \
-      [--warmup 2] [--peer_python PATH] [--out train_bench.json] [--config.key=value]
+      [--warmup 2] [--noplain_scan] [--peer_python PATH] [--out train_bench.json] \
+      [--config.key=value]
 
 Contenders, one model (the config's) and one global batch (`--batch`, 0 = the config's):
 - plain: a hand-written JAX + optax train step of the config's model (`plain_loss`: RMSNorm,
@@ -10,7 +11,9 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   config's clipping and schedule), data-parallel over every device with `jax.jit` and a
   NamedSharding that splits the batch; written apart from jaxpipe's Trainer, it reads only the
   parameter layout (`transformer.init_params`, so both start from the same parameters). It is
-  the floor every ratio is taken against.
+  the floor every ratio is taken against. `plain jax.jit, scan` (`--plain_scan`, on by
+  default) is the same step with its layers in a `lax.scan`, as jaxpipe runs them: what the
+  loop over layers costs by itself.
 - jaxpipe pp=1: the Trainer's compiled step at pp = 1 (dp = all devices, one micro-batch).
 - jaxpipe pp=P SCHEDULE: the Trainer's pipelined step, for each `--pp` and `--schedules`, with
   `--microbatches` micro-batches (dp = devices / P).
@@ -81,6 +84,12 @@ flags.DEFINE_list(
     "schedules", ["1f1b", "zb-h1"], "Schedules of the pipelined steps.", flag_values=FLAGS
 )
 flags.DEFINE_integer("microbatches", 8, "Micro-batches of the pipelined steps.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "plain_scan",
+    True,
+    "Also time the plain step with its layers in a lax.scan (as jaxpipe runs them).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("rounds", 3, "Timed rounds; every contender runs in each.", flag_values=FLAGS)
 flags.DEFINE_integer("steps", 3, "Timed steps of each contender per round.", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed steps of each contender first.", flag_values=FLAGS)
@@ -103,6 +112,7 @@ flags.DEFINE_float("peer_timeout", 1800, "Seconds per MaxText run.", flag_values
 flags.DEFINE_string("out", None, "JSON file for every raw sample.", flag_values=FLAGS)
 
 PLAIN = "plain jax.jit"
+PLAIN_SCAN = "plain jax.jit, scan"
 MATMUL = "matmul"
 MAXTEXT = "maxtext"
 
@@ -129,25 +139,33 @@ def _rotary(x_BxLxHxK, theta):
   )
 
 
-def plain_loss(cfg, params: dict, batch: dict) -> jax.Array:
-  """Mean next-token cross-entropy over the batch's valid tokens: the config's decoder in jnp."""
-  eps = cfg.norm_eps
+def plain_layer(cfg, p: dict, x_BxLxD: jax.Array) -> jax.Array:
+  """One pre-norm decoder layer: GQA self-attention with rotary positions, then SwiGLU."""
+  eps, attn, mlp = cfg.norm_eps, p["attn"], p["mlp"]
+  h_BxLxD = _rms(x_BxLxD, p["attn_norm"]["scale"], eps)
+  q_BxLxHxK = jnp.einsum("bld,dhk->blhk", h_BxLxD, attn["q"]["kernel"])
+  k_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, attn["k"]["kernel"])
+  v_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, attn["v"]["kernel"])
+  q_BxLxHxK, k_BxLxGxK = _rotary(q_BxLxHxK, cfg.rope_theta), _rotary(k_BxLxGxK, cfg.rope_theta)
+  o_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True)
+  x_BxLxD = x_BxLxD + jnp.einsum("blhk,hkd->bld", o_BxLxHxK, attn["o"]["kernel"])
+  h_BxLxD = _rms(x_BxLxD, p["mlp_norm"]["scale"], eps)
+  gate_BxLxF = jax.nn.silu(h_BxLxD @ mlp["gate"]["kernel"])
+  return x_BxLxD + (gate_BxLxF * (h_BxLxD @ mlp["up"]["kernel"])) @ mlp["down"]["kernel"]
+
+
+def plain_loss(cfg, params: dict, batch: dict, scan: bool = False) -> jax.Array:
+  """Mean next-token cross-entropy over the batch's valid tokens: the config's decoder in jnp,
+  its layers a Python loop (XLA sees them unrolled) or, with `scan`, a `lax.scan` over them."""
   x_BxLxD = params["embed"][batch["tokens"]]
-  for i in range(cfg.n_layers):
-    p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-    attn = p["attn"]
-    h_BxLxD = _rms(x_BxLxD, p["attn_norm"]["scale"], eps)
-    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", h_BxLxD, attn["q"]["kernel"])
-    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, attn["k"]["kernel"])
-    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, attn["v"]["kernel"])
-    q_BxLxHxK, k_BxLxGxK = _rotary(q_BxLxHxK, cfg.rope_theta), _rotary(k_BxLxGxK, cfg.rope_theta)
-    o_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True)
-    x_BxLxD = x_BxLxD + jnp.einsum("blhk,hkd->bld", o_BxLxHxK, attn["o"]["kernel"])
-    mlp = p["mlp"]
-    h_BxLxD = _rms(x_BxLxD, p["mlp_norm"]["scale"], eps)
-    gate_BxLxF = jax.nn.silu(h_BxLxD @ mlp["gate"]["kernel"])
-    x_BxLxD = x_BxLxD + (gate_BxLxF * (h_BxLxD @ mlp["up"]["kernel"])) @ mlp["down"]["kernel"]
-  h_BxLxD = _rms(x_BxLxD, params["final_norm"]["scale"], eps)
+  if scan:
+    x_BxLxD, _ = jax.lax.scan(
+        lambda x, p: (plain_layer(cfg, p, x), None), x_BxLxD, params["layers"]
+    )
+  else:
+    for i in range(cfg.n_layers):
+      x_BxLxD = plain_layer(cfg, jax.tree.map(lambda a, i=i: a[i], params["layers"]), x_BxLxD)
+  h_BxLxD = _rms(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps)
   head_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
   logp_BxLxV = jax.nn.log_softmax(h_BxLxD @ head_DxV)
   nll_BxL = -jnp.take_along_axis(logp_BxLxV, batch["targets"][..., None], -1)[..., 0]
@@ -195,7 +213,7 @@ class PlainStep:
   metrics = plain.step(batch)             # {'loss', 'grad_norm'}; plain.state is (params, opt)
   """
 
-  def __init__(self, config, batch_size: int, devices=None):
+  def __init__(self, config, batch_size: int, devices=None, scan: bool = False):
     from jaxpipe.models import transformer
 
     self.cfg = transformer.TransformerConfig(**config.model.to_dict())
@@ -213,7 +231,7 @@ class PlainStep:
 
     def train_step(state, batch):
       params, opt_state = state
-      loss, grads = jax.value_and_grad(plain_loss, argnums=1)(cfg, params, batch)
+      loss, grads = jax.value_and_grad(plain_loss, argnums=1)(cfg, params, batch, scan)
       updates, opt_state = tx.update(grads, opt_state, params)
       metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
       return (optax.apply_updates(params, updates), opt_state), metrics
@@ -277,8 +295,8 @@ def compiled_info(compiled, compile_s: float) -> dict:
   }
 
 
-def plain_contender(config, host_batches, flops, tokens) -> Contender:
-  plain = PlainStep(config, len(host_batches[0]["tokens"]))
+def plain_contender(config, host_batches, flops, tokens, scan: bool = False) -> Contender:
+  plain = PlainStep(config, len(host_batches[0]["tokens"]), scan=scan)
   batches = [plain.put(b) for b in host_batches]
   t0 = time.perf_counter()
   compiled = plain.compile(batches[0])
@@ -289,7 +307,7 @@ def plain_contender(config, host_batches, flops, tokens) -> Contender:
     metrics = plain.step(batches[next(it) % len(batches)])
     return metrics, plain.state
 
-  return Contender(PLAIN, timed(step), flops, tokens, info)
+  return Contender(PLAIN_SCAN if scan else PLAIN, timed(step), flops, tokens, info)
 
 
 def jaxpipe_config(config, batch: int, pp: int = 1, schedule: str = "1f1b", microbatches: int = 1):
@@ -623,6 +641,8 @@ def build(args, config) -> list[Contender]:
   source = data_lib.make_source(config.data, model_cfg.vocab)
   host_batches = [source.batch("train", i, batch, seq) for i in range(4)]
   out = [plain_contender(config, host_batches, flops, tokens)]
+  if args.plain_scan:
+    out.append(plain_contender(config, host_batches, flops, tokens, scan=True))
   for name, c in cells:
     out.append(jaxpipe_contender(name, c, host_batches, flops, tokens))
     print(f"compiled {name}: {out[-1].info['compile_s']:.1f} s", flush=True)

@@ -50,7 +50,8 @@ def tiny_config():
   return c
 
 
-def test_plain_step_equals_trainer_step():
+@pytest.mark.parametrize("scan", [False, True])
+def test_plain_step_equals_trainer_step(scan):
   """Two steps from the same parameters on the same batches: loss and gradient norm of each
   equal the Trainer's (the second after an AdamW update with the clipped gradient), as do the
   parameters after them; tiny's synthetic rows carry padding, so the mask counts."""
@@ -58,7 +59,7 @@ def test_plain_step_equals_trainer_step():
   trainer = Trainer(config)
   trainer.init()
   source = data_lib.make_source(config.data, config.model.vocab)
-  plain = train_bench.PlainStep(config, config.data.batch)
+  plain = train_bench.PlainStep(config, config.data.batch, scan=scan)
   for i in range(2):
     host = source.batch("train", i, config.data.batch, config.data.seq_len)
     assert host["mask"].min() == 0  # padded rows
@@ -112,7 +113,8 @@ def fake_maxtext(tmp_path, monkeypatch):
 
 
 def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
-  """Every contender (plain, pp = 1, pp = 2 1F1B, MaxText, the matmul) in every round in a
+  """Every contender (plain, plain with scanned layers, pp = 1, pp = 2 1F1B, MaxText, the
+  matmul) in every round in a
   rotated order, one sample per step; the table has one row per contender and the promised
   columns; the plain step's ratios are 1; MaxText's step time is the one its log gives."""
   out = tmp_path / "bench.json"
@@ -133,6 +135,7 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   assert cli.call(train_bench.main, train_bench.FLAGS, args) is None
   names = [
       train_bench.PLAIN,
+      train_bench.PLAIN_SCAN,
       "jaxpipe pp=1",
       "jaxpipe pp=2 1f1b",
       train_bench.MAXTEXT,
@@ -151,7 +154,7 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   assert rows[train_bench.PLAIN]["cpu_ratio"] == [1.0, 1.0]
   assert rows[train_bench.MAXTEXT]["ms_per_step"] == pytest.approx(250.0)
   assert rows[train_bench.MAXTEXT]["cpu_ratio"] is None
-  for name in names[:3]:
+  for name in names[:4]:
     r = rows[name]
     assert r["temp_bytes"] > 0 and r["hlo_instructions"] > 0 and 0 < r["mfu_percent"] < 100
     walls = [np.mean([s[0] for s in rd]) for rd in got["samples"][name]]
