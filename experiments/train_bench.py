@@ -74,7 +74,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.DEFINE_integer(
     "batch",
     32,
-    "Global batch in sequences for every contender; 0 = the config's.",
+    "Global batch in sequences for every contender (32: the smallest that pp = 2 x dp = 4 x 8"
+    " micro-batches splits); 0 = the config's.",
     flag_values=FLAGS,
 )
 flags.DEFINE_list(
@@ -466,8 +467,7 @@ def parse_maxtext_log(text: str) -> list[dict[str, float]]:
   return steps
 
 
-def maxtext_contender(config, batch, flops, tokens, args) -> Contender:
-  package = check_peer(args.peer_python)
+def maxtext_contender(config, batch, flops, tokens, args, package: str) -> Contender:
   devices = len(jax.devices())
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -637,7 +637,9 @@ def build(args, config) -> list[Contender]:
   if batch % devices:
     raise app.UsageError(f"--batch {batch} does not split over the plain step's {devices} devices")
   check_plain(model_cfg)
-  peer = maxtext_contender(config, batch, flops, tokens, args) if args.peer_python else None
+  peer = None
+  if args.peer_python:
+    peer = maxtext_contender(config, batch, flops, tokens, args, args.peer_package)
   source = data_lib.make_source(config.data, model_cfg.vocab)
   host_batches = [source.batch("train", i, batch, seq) for i in range(4)]
   out = [plain_contender(config, host_batches, flops, tokens)]
@@ -664,7 +666,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"--pp {','.join(args.pp)}: integers, comma-separated") from None
   config = _CONFIG.value
   if args.peer_python:
-    check_peer(args.peer_python)  # before any compile
+    args.peer_package = check_peer(args.peer_python)  # before any compile
   load0 = os.getloadavg()
   contenders = build(args, config)
   measured = measure(contenders, args.rounds, args.steps, args.warmup)
