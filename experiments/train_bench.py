@@ -42,6 +42,7 @@ if __name__ == "__main__":
   process.use_host_devices()
 
 import dataclasses  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -210,11 +211,12 @@ def check_plain(cfg) -> None:
 class PlainStep:
   """The plain data-parallel train step: params replicated, the batch split over every device.
 
-  plain = PlainStep(config, batch_size)   # same parameters as the Trainer's (train.seed)
-  metrics = plain.step(batch)             # {'loss', 'grad_norm'}; plain.state is (params, opt)
+  plain = PlainStep(config)               # same parameters as the Trainer's (train.seed)
+  plain = PlainStep(config, scan=True)    # the same, its layers a lax.scan
+  metrics = plain.step(batch)             # {'loss', 'grad_norm'}; plain.state: (params, opt)
   """
 
-  def __init__(self, config, batch_size: int, devices=None, scan: bool = False):
+  def __init__(self, config, devices=None, scan: bool = False):
     from jaxpipe.models import transformer
 
     self.cfg = transformer.TransformerConfig(**config.model.to_dict())
@@ -297,12 +299,12 @@ def compiled_info(compiled, compile_s: float) -> dict:
 
 
 def plain_contender(config, host_batches, flops, tokens, scan: bool = False) -> Contender:
-  plain = PlainStep(config, len(host_batches[0]["tokens"]), scan=scan)
+  plain = PlainStep(config, scan=scan)
   batches = [plain.put(b) for b in host_batches]
   t0 = time.perf_counter()
   compiled = plain.compile(batches[0])
   info = compiled_info(compiled, time.perf_counter() - t0)
-  it = iter(range(10**9))
+  it = itertools.count()
 
   def step():
     metrics = plain.step(batches[next(it) % len(batches)])
@@ -327,7 +329,7 @@ def jaxpipe_contender(name, config, host_batches, flops, tokens) -> Contender:
   batches = [trainer.shard_batch(b) for b in host_batches]
   compiled = trainer.compile()
   info = compiled_info(compiled, trainer.compile_stats["compile_s"])
-  it = iter(range(10**9))
+  it = itertools.count()
 
   def step():  # what Trainer.step runs, on the compiled program
     trainer.state, metrics = compiled(trainer.state, batches[next(it) % len(batches)])

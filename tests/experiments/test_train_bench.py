@@ -59,7 +59,7 @@ def test_plain_step_equals_trainer_step(scan):
   trainer = Trainer(config)
   trainer.init()
   source = data_lib.make_source(config.data, config.model.vocab)
-  plain = train_bench.PlainStep(config, config.data.batch, scan=scan)
+  plain = train_bench.PlainStep(config, scan=scan)
   for i in range(2):
     host = source.batch("train", i, config.data.batch, config.data.seq_len)
     assert host["mask"].min() == 0  # padded rows
@@ -77,7 +77,7 @@ def test_plain_step_refuses_a_model_it_does_not_write():
   config = tiny_config()
   config.model.qk_norm = True
   with pytest.raises(train_bench.app.UsageError, match="qk_norm"):
-    train_bench.PlainStep(config, config.data.batch)
+    train_bench.PlainStep(config)
 
 
 def test_parse_maxtext_log():
