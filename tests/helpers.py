@@ -474,3 +474,31 @@ def metrics(url) -> dict[tuple, float]:
     for s in family.samples:
       out[(s.name, *sorted(s.labels.items()))] = s.value
   return out
+
+
+# --- from serve/test_engine.py and test_ragged.py ----------------------------------------
+
+
+def serve_arrivals(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, first=4, **kwargs):
+  """Adds `first` requests, then `per_arrival` more every `arrive_every` steps, until all finish.
+
+  kwargs go to add_request; a list value gives each request its own.
+  """
+  ids, queue, step = [], list(enumerate(prompts)), 0
+  while queue or engine.has_work():
+    if queue and step % arrive_every == 0:
+      k = per_arrival if ids else first
+      for i, p in queue[:k]:
+        ids.append(
+            engine.add_request(
+                p,
+                max_tokens,
+                **{key: v[i] if isinstance(v, list) else v for key, v in kwargs.items()},
+            )
+        )
+      queue = queue[k:]
+    engine.step()
+    check_pages(engine)
+    step += 1
+  done = {r.id: r for r in engine.finished()}
+  return [done[i] for i in ids]

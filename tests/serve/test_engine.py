@@ -32,37 +32,12 @@ def _engine(name):
   )
 
 
-def _serve(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, first=4, **kwargs):
-  """Adds `first` requests, then `per_arrival` more every `arrive_every` steps, until all finish.
-
-  kwargs go to add_request; a list value gives each request its own.
-  """
-  ids, queue, step = [], list(enumerate(prompts)), 0
-  while queue or engine.has_work():
-    if queue and step % arrive_every == 0:
-      k = per_arrival if ids else first
-      for i, p in queue[:k]:
-        ids.append(
-            engine.add_request(
-                p,
-                max_tokens,
-                **{key: v[i] if isinstance(v, list) else v for key, v in kwargs.items()},
-            )
-        )
-      queue = queue[k:]
-    engine.step()
-    helpers.check_pages(engine)
-    step += 1
-  done = {r.id: r for r in engine.finished()}
-  return [done[i] for i in ids]
-
-
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_greedy_equals_recompute_oracle(name):
   engine = _engine(name)
   before = dict(engine.counts)
   prompts = helpers.prompts()
-  got = _serve(engine, prompts, max_tokens=10, eos_id=None)
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
   assert [r.output for r in got] == helpers.oracle(name, prompts, 10)
   assert all(r.finish_reason == "length" and r.error is None for r in got)
   counts = {k: engine.counts[k] - before.get(k, 0) for k in engine.counts}
@@ -113,7 +88,7 @@ def test_sampling_depends_on_the_request_alone():
   alone = engine.generate([prompt], max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7)[0]
   crowd = helpers.prompts(seed=3, n=8)
   samplings = [SamplingParams(temperature=1.0, seed=i) for i in range(len(crowd))] + [sp]
-  got = _serve(engine, crowd + [prompt], max_tokens=12, first=9, sampling=samplings)
+  got = helpers.serve_arrivals(engine, crowd + [prompt], max_tokens=12, first=9, sampling=samplings)
   assert got[-1].output == alone
   assert got[-1].preemptions > 0
   other = engine.generate([prompt], max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=8)

@@ -17,7 +17,6 @@ from jaxpipe.ops.attention import RaggedRows, ragged_blocks, ragged_paged_attent
 from jaxpipe.serve import Engine
 from kernels_pallas.paged_attention import paged_attention_reference
 from tests import helpers
-from tests.serve.test_engine import _serve
 
 S, G, H, K = 4, 2, 6, 16  # page size, KV heads, query heads (GQA: 3 per KV head), head dim
 T, B, N = 40, 8, 6  # step tokens (padded), rows (padded), pages per block table
@@ -106,7 +105,7 @@ def test_engine_greedy_equals_recompute_oracle(devices):
   )
   assert engine.backend == "xla_ragged"
   prompts = helpers.prompts()
-  got = _serve(engine, prompts, max_tokens=10, eos_id=None)
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 10)
   assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
   assert engine.counts["page_copies"] > 0
