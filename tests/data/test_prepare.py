@@ -251,7 +251,9 @@ def test_command_line(tmp_path):
   run = lambda *a: subprocess.run(
       [sys.executable, "-m", "jaxpipe.data", *a], capture_output=True, text=True, cwd=helpers.ROOT
   )
-  done = run("prepare", "--tokenizer=bytes", f"--input={TEXT}", f"--out={tmp_path / 's'}")
+  done = run(  # one worker: spawned workers import JAX afresh, seconds this test need not spend
+      "prepare", "--tokenizer=bytes", f"--input={TEXT}", f"--out={tmp_path / 's'}", "--workers=1"
+  )
   assert done.returncode == 0 and ": 40 documents," in done.stdout, done.stderr
   bad = run("prepare", "--tokenizer=bytes", f"--input={TEXT}", "--workers=x")
   assert bad.returncode == cli.USAGE and bad.stderr.startswith("error: ")
