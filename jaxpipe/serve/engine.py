@@ -390,12 +390,9 @@ class Engine:
       )
     if len(prompt) == 0:
       return "the prompt is empty; give at least one token"
-    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
-    if bad:
-      return (
-          f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
-          f"({len(bad)} such tokens)"
-      )
+    outside = self._outside_vocab(prompt)
+    if outside:
+      return outside
     total = len(prompt) + max_tokens
     if total > self.max_seq_len:
       return (
@@ -409,6 +406,16 @@ class Engine:
           f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages"
       )
     return None
+
+  def _outside_vocab(self, prompt: Sequence[int]) -> str | None:
+    """Why some prompt token is no id of the model (check_request and score share it), or None."""
+    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
+    if not bad:
+      return None
+    return (
+        f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
+        f"({len(bad)} such tokens)"
+    )
 
   def add_request(
       self,
@@ -784,12 +791,9 @@ class Engine:
     prompt = list(prompt)
     if not prompt:
       raise ValueError("the prompt to score is empty; give at least one token")
-    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
-    if bad:
-      raise ValueError(
-          f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
-          f"({len(bad)} such tokens)"
-      )
+    outside = self._outside_vocab(prompt)
+    if outside:
+      raise ValueError(outside)
     if len(prompt) > self.max_seq_len:
       raise ValueError(
           f"the prompt to score has {len(prompt)} tokens, more than the context of "
