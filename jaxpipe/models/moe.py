@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import router as router_lib
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel import expert as ep_lib
+from jaxpipe.parallel import tensor as tp_lib
 
 Params = dict[str, jax.Array]
 ROUTERS = ("softmax", "sigmoid")
@@ -398,6 +399,8 @@ def moe_layer(
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if ep_axis is not None and ep_axis in manual:  # already inside a shard_map: x is the local block
     token_axes = tuple(a for a in batch_axes + (seq_axis,) if a in manual)
+    if tp_lib.sequence_parallel():  # the stream holds this tensor rank's slice of the tokens
+      token_axes += (tp_lib.tensor_axis(),)
     ep = jax.lax.axis_size(ep_axis)
     y, aux = moe_ffn(
         cfg,

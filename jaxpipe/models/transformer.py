@@ -40,6 +40,7 @@ from jaxpipe.models.attention import attention, context_axis, context_parallel, 
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.ops.vma import vary_like
 from jaxpipe.parallel import overlap
+from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.parallel.ulysses import check_divisible
 
 
@@ -62,6 +63,7 @@ class TransformerConfig:
   dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False  # recompute each layer's activations in the backward pass
   cp_overlap: bool = False  # cp > 1: fuse projections with Ulysses' all-to-alls (ppermute ring)
+  sequence_parallel: bool = False  # tp > 1: norms and residuals split along the sequence over tp
   moe: Any = (
       None  # MoE FFN sub-config (moe.MoEConfig, or its dict); None = dense FFN in every layer
   )
@@ -176,10 +178,20 @@ class Attention(nn.Module):
     c = self.cfg
     axis_name = context_axis()
     if c.cp_overlap and axis_name is not None:
+      if tp_lib.tensor_axis() is not None:
+        raise ValueError(
+            "model.cp_overlap=True fuses whole projections with Ulysses' all-to-alls, which "
+            "tensor parallelism splits; set model.cp_overlap=False or mesh.tp=1"
+        )
       return self._overlapped(x_BxLxD, positions_L, axis_name, segment_ids_BxL)
-    q_BxLxHxK = Dense((c.n_heads, c.head_dim), c, name="q")(x_BxLxD)
-    k_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="k")(x_BxLxD)
-    v_BxLxGxK = Dense((c.n_kv_heads, c.head_dim), c, name="v")(x_BxLxD)
+    # Under tensor parallelism: this rank's heads of the whole sequence (tp_lib)
+    x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
+    heads, kv_heads = tp_lib.local_heads(c.n_heads, c.n_kv_heads)
+    q_BxLxHxK = Dense((heads, c.head_dim), c, name="q")(x_BxLxD)
+    k_BxLxGxK = Dense((kv_heads, c.head_dim), c, name="k")(x_BxLxD)
+    v_BxLxGxK = Dense((kv_heads, c.head_dim), c, name="v")(x_BxLxD)
+    k_BxLxGxK = tp_lib.kv_group(k_BxLxGxK, c.n_heads, c.n_kv_heads)
+    v_BxLxGxK = tp_lib.kv_group(v_BxLxGxK, c.n_heads, c.n_kv_heads)
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
     q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
@@ -191,7 +203,7 @@ class Attention(nn.Module):
         backend=c.attention,
         segment_ids=segment_ids_BxL,
     )
-    return Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK)
+    return tp_lib.reduce_tokens(Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK))
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
     """Per-head RMSNorm of queries and keys with `cfg.qk_norm`
@@ -263,8 +275,10 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     c = self.cfg
     dense = lambda width, name: Dense((width,), c, name=name)
-    h_BxLxF = nn.silu(dense(c.d_ff, "gate")(x_BxLxD)) * dense(c.d_ff, "up")(x_BxLxD)
-    return dense(c.d_model, "down")(h_BxLxF)
+    x_BxLxD = tp_lib.gather_tokens(x_BxLxD)  # tensor parallel: d_ff / tp of the whole sequence
+    d_ff = c.d_ff // tp_lib.size()
+    h_BxLxF = nn.silu(dense(d_ff, "gate")(x_BxLxD)) * dense(d_ff, "up")(x_BxLxD)
+    return tp_lib.reduce_tokens(dense(c.d_model, "down")(h_BxLxF))
 
 
 class Block(nn.Module):
@@ -319,8 +333,8 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
 
 def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-  """Token embedding lookup, in the compute dtype."""
-  return jnp.take(params["embed"], tokens_BxL, axis=0).astype(cfg.compute_dtype)
+  """Token embedding lookup, in the compute dtype (vocabulary-parallel under `tp_lib`)."""
+  return tp_lib.vocab_embed(params["embed"], tokens_BxL).astype(cfg.compute_dtype)
 
 
 def check_packed(
@@ -444,8 +458,8 @@ def _attach_unit_aux(cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict) -> j
 
 
 def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
-  if positions_L is None:
-    positions_L = jnp.arange(x_BxLxD.shape[1])
+  if positions_L is None:  # the whole sequence's, also where the stream holds a slice of it
+    positions_L = jnp.arange(x_BxLxD.shape[1] * tp_lib.token_split())
 
   def body(x_BxLxD, unit):
     out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach, segment_ids_BxL)
@@ -458,8 +472,9 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
 
 
 def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
-  """Final norm and output head; float32 logits."""
-  x_BxLxD = rms_norm(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps)
+  """Final norm and output head; float32 logits (under `tp_lib`: this rank's vocabulary
+  slice, of the whole sequence)."""
+  x_BxLxD = tp_lib.gather_tokens(rms_norm(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps))
   w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
   return jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
 
@@ -472,9 +487,7 @@ def head_loss(
     mask_BxL: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
   """(sum of masked next-token cross-entropy, number of valid tokens); the caller divides."""
-  logits_BxLxV = logits(cfg, params, x_BxLxD)
-  logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-  target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+  logz_BxL, target_BxL = tp_lib.vocab_cross_entropy(logits(cfg, params, x_BxLxD), targets_BxL)
   mask_BxL = mask_BxL.astype(jnp.float32)
   return jnp.sum((logz_BxL - target_BxL) * mask_BxL), jnp.sum(mask_BxL)
 

@@ -16,6 +16,7 @@ from ml_collections import config_dict
 from jaxpipe.data import source as data_source
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
 
 # Mesh axes, outermost first: pipeline, data, expert, context, tensor.
@@ -52,7 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
   ms.dp = config_dict.placeholder(int)  # data-parallel size; unset = all devices left over
   ms.ep = 1  # expert-parallel size (also splits the batch outside MoE layers)
   ms.cp = 1  # context-parallel size (splits the sequence)
-  ms.tp = 1  # tensor-parallel axis, reserved: only 1 is accepted until layers split over it
+  ms.tp = 1  # tensor-parallel size (splits heads, d_ff and the vocabulary; Megatron's layout)
   ms.order = ",".join(MESH_AXES)  # device order, outermost (spans processes first) to innermost
 
   c.pipeline = p = ml_collections.ConfigDict()
@@ -116,12 +117,6 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
           f"mesh.{axis}={size!r} must be a positive integer; set --config.mesh.{axis}=1 "
           "to leave the axis unused"
       )
-  if mesh.tp != 1:
-    raise ConfigError(
-        f"mesh.tp={mesh.tp}: no layer is split over the tensor axis yet, so its ranks "
-        "would repeat the same work; set --config.mesh.tp=1 and give those devices to "
-        "dp, ep, cp or pp"
-    )
   others = [a for a in MESH_AXES if a != "dp"]
   rest = 1
   for a in others:
@@ -297,6 +292,7 @@ def validate(
       )
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
+  _check_tensor_parallel(m, d, shape)
   if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
     raise ConfigError(
         "model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
@@ -313,6 +309,39 @@ def validate(
         f"{replicas * p.microbatches}"
     )
   return shape
+
+
+def _check_tensor_parallel(
+    m: ml_collections.ConfigDict, d: ml_collections.ConfigDict, shape: dict[str, int]
+) -> None:
+  """mesh.tp against the model: what splits over it, and what cannot run with it yet."""
+  tp = shape["tp"]
+  if not isinstance(m.sequence_parallel, bool):
+    raise ConfigError(f"model.sequence_parallel={m.sequence_parallel!r} must be True or False")
+  try:
+    tp_lib.check(
+        tp=tp,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        vocab=m.vocab,
+        seq_len=d.seq_len // shape["cp"],
+        sequence_parallel=m.sequence_parallel,
+        cp=shape["cp"],
+    )
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if tp == 1:
+    return
+  unsupported = (
+      (shape["pp"] > 1, "mesh.pp > 1 (the pipeline executor)", "mesh.pp=1"),
+      (m.fp8 != "none", f"model.fp8={m.fp8!r}", "model.fp8='none'"),
+      (m.attention == "pallas", "model.attention='pallas'", "model.attention='xla'"),
+      (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),
+  )
+  for bad, what, fix in unsupported:
+    if bad:
+      raise ConfigError(f"mesh.tp={tp} does not run with {what} yet; set {fix}, or mesh.tp=1")
 
 
 def check_fp8(m: ml_collections.ConfigDict) -> None:

@@ -40,9 +40,11 @@ from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.mesh import make_mesh
+from jaxpipe.training.state import state_shardings
 
 LossAndGrads = Callable[[dict, dict], tuple[jax.Array, dict, dict]]
 packed = transformer.packed_keys  # a batch's packed-row keys (segment_ids, positions), checked
@@ -155,8 +157,10 @@ def context_parallel_loss_and_grads(
     *,
     axis_name: str = "cp",
     batch_axes: tuple[str, ...] = ("dp", "ep"),
+    tp_axis: str = "tp",
 ):
-  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`.
+  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`
+  and the layers over `tp_axis` (each when its mesh axis has more than one rank).
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
   with rotary positions offset to its slice (for packed rows: its slice of the batch's
@@ -170,6 +174,11 @@ def context_parallel_loss_and_grads(
   step's token count gives the trainer's objective; the reported loss is the cross-entropy.
   With MoE layers the metrics add the routing statistics (`moe.train_metrics`), each MoE layer's
   summed over all token shards inside the shard_map.
+
+  Tensor parallelism (`jaxpipe.parallel.tensor`) runs inside the same shard_map: parameters
+  arrive split as the trainer stores them (`state.state_shardings`: heads, d_ff and the
+  vocabulary over tp, experts over ep), every tp rank sees the same tokens and ends with the
+  same loss sum, so the sums leave over the other axes only.
   """
   if cfg.fp8 == "delayed" and cfg.attention == "pallas":
     # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
@@ -178,8 +187,22 @@ def context_parallel_loss_and_grads(
         "model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
         "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1"
     )
+  cp_axis = axis_name if mesh.shape.get(axis_name, 1) > 1 else None
+  tp = mesh.shape.get(tp_axis, 1)
+  if tp > 1 and cfg.attention == "pallas":
+    # interpreted Pallas kernels need shard_map's varying-axes check off, and without it the
+    # transposes of the tensor-parallel collectives would not be the backward's
+    raise ValueError(
+        "model.attention='pallas' cannot run with mesh.tp > 1 yet; use attention='xla' or "
+        "'cudnn', or mesh.tp=1"
+    )
+  if tp > 1 and cfg.fp8 != "none":
+    raise ValueError(
+        f"model.fp8={cfg.fp8!r} with mesh.tp={tp}: scaling a split weight needs its amax "
+        "reduced over tp, which the FP8 recipes do not do yet; set model.fp8='none' or mesh.tp=1"
+    )
   spec = P(batch_axes, axis_name)
-  every_axis = P(tuple(mesh.axis_names))
+  every_axis = P(tuple(a for a in mesh.axis_names if a != tp_axis))  # tp ranks: the same sum
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
 
   def apply_layers(layers, x_BxSxD, positions_S, segment_ids_BxS):
@@ -190,23 +213,31 @@ def context_parallel_loss_and_grads(
     return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS):
-    with context_parallel(axis_name):
+    with (
+        context_parallel(cp_axis),
+        tensor_parallel(tp_axis if tp > 1 else None, cfg.sequence_parallel),
+    ):
       x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
       positions_S = packed_BxS.get("positions")  # this rank's slice of each row's positions
-      if positions_S is None:
+      if positions_S is None and cp_axis is None:
+        positions_S = jnp.arange(tokens_BxS.shape[1])
+      elif positions_S is None:
         positions_S = positions_local(tokens_BxS.shape[1], axis_name)
       segment_ids_BxS = packed_BxS.get("segment_ids")
       x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S, segment_ids_BxS)
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
     return total[None], aux
 
-  sharded = jax.shard_map(
+  def param_specs(params):
+    return jax.tree.map(lambda s: s.spec, state_shardings(params, mesh))
+
+  sharded = lambda params, *args: jax.shard_map(
       local_sums,
       mesh=mesh,
-      in_specs=(P(), spec, spec, spec, spec),
+      in_specs=(param_specs(params), spec, spec, spec, spec),
       out_specs=(every_axis, aux_spec),
       check_vma=cfg.attention != "pallas",
-  )
+  )(params, *args)
 
   def loss_sum(params, batch):
     total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"], packed(batch))
@@ -274,7 +305,7 @@ def make_loss_and_grads(
           "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
           "between the two) or run with mesh.pp = mesh.cp = 1"
       )
-    if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1:
+    if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1 and mesh_shape["tp"] == 1:
       return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
@@ -283,8 +314,9 @@ def make_loss_and_grads(
     return pipeline_loss_and_grads(
         cfg, config.pipeline, make_mesh(config.mesh), layers_in_placement_order
     )
-  if mesh_shape["cp"] > 1:
-    # Sequence split over cp for the whole model, Ulysses all-to-alls around attention.
+  if mesh_shape["cp"] > 1 or mesh_shape["tp"] > 1:
+    # One shard_map over the mesh: the sequence split over cp for the whole model (Ulysses
+    # all-to-alls around attention), the layers over tp (Megatron's collectives).
     return context_parallel_loss_and_grads(
         cfg, make_mesh(config.mesh), config.pipeline.microbatches
     )

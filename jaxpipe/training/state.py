@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.parallel import tensor as tp_lib
 
 
 @flax.struct.dataclass
@@ -131,13 +132,16 @@ def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
-def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep") -> Any:
+def state_shardings(
+    tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep", tp_axis: str = "tp"
+) -> Any:
   """NamedShardings for a tree holding parameters or their likes (train state, optimizer moments).
 
   Leaves under a `layers` key are split over `pp_axis` (when it has more than one rank) on their
   leading layer axis, so each pipeline rank stores 1/pp of the layer stack, its gradients and
   its optimizer moments; MoE expert weights are split over `ep_axis` on their expert axis;
-  everything else is replicated.
+  attention heads, the SwiGLU hidden width and the vocabulary over `tp_axis`
+  (`jaxpipe.parallel.tensor.split_dim`, Megatron's layout); everything else is replicated.
 
   Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
   that this block is what rank r runs (`layer_order`): the model's order under contiguous
@@ -147,6 +151,7 @@ def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "
   """
   pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
   has_ep = ep_axis in mesh.axis_names
+  tp = mesh.shape[tp_axis] if tp_axis in mesh.axis_names else 1
 
   def spec(path, leaf):
     keys = [getattr(k, "key", None) for k in path]
@@ -155,6 +160,9 @@ def state_shardings(tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "
       axes[0] = pp_axis
     if has_ep and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
       axes[-3] = ep_axis  # [..., E, in, out]
+    dim = tp_lib.split_dim(tuple(keys), leaf.shape, tp)
+    if dim is not None:
+      axes[dim] = tp_axis
     while axes and axes[-1] is None:
       axes.pop()
     return NamedSharding(mesh, P(*axes))

@@ -42,7 +42,7 @@ def test_defaults_and_examples_validate():
             "mesh pp=1 x dp=3 x ep=1 x cp=1 x tp=1 = 3 devices, but 8 are available",
         ),
         (dict(mesh__pp=3), 8, "does not divide the 8 available"),
-        (dict(mesh__tp=2), 8, "mesh.tp=2: no layer is split over the tensor axis yet"),
+        (dict(mesh__tp=8), 8, "model.n_heads=4 does not split over mesh.tp=8"),
         # layers not divisible by the schedule's model stages (its own count, not pp x chunks)
         (
             dict(mesh__pp=4),

@@ -1,0 +1,288 @@
+"""Tensor and sequence parallelism over `tp` (jaxpipe.parallel.tensor): losses and gradients equal
+the one-device model's, the compiled step holds exactly Megatron's collectives, a layer's
+parameters take 1/tp of the bytes, and bad layouts stop at the config with one line."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.parallel import tensor as tp_lib
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.losses import make_loss_and_grads
+from jaxpipe.training.mesh import make_mesh
+from jaxpipe.training.state import state_shardings
+from jaxpipe.training.trainer import Trainer
+from tests import helpers
+
+
+def _config(tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False):
+  c = helpers.moe_config(ep=ep) if moe else tiny.get_config()
+  c.mesh.tp, c.mesh.cp = tp, cp
+  c.model.sequence_parallel = sp
+  c.model.n_kv_heads = kv_heads
+  c.data.batch = 8
+  return c
+
+
+@functools.cache
+def _step(tp, sp, cp, ep, kv_heads, moe):
+  """(config, model config, jitted loss_and_grads, mesh) of one layout, compiled once."""
+  c = _config(tp, sp, cp, ep, kv_heads, moe)
+  shape = config_lib.validate(c, jax.device_count())
+  cfg = config_lib.model_config(c)
+  return c, cfg, jax.jit(make_loss_and_grads(c, cfg, shape)), make_mesh(c.mesh)
+
+
+def _batch(c, seed=0):
+  rng = np.random.default_rng(seed)
+  b, l, v = c.data.batch, c.data.seq_len, c.model.vocab
+  return {
+      "tokens": rng.integers(0, v, (b, l)).astype(np.int32),
+      "targets": rng.integers(0, v, (b, l)).astype(np.int32),
+      "mask": (rng.random((b, l)) > 0.2).astype(np.float32),
+  }
+
+
+def _one_device(cfg, params, batch):
+  """(objective, (mean cross-entropy, MoE aux)) of the unsharded model on one device."""
+  if cfg.moe is not None:
+    return helpers.one_device_objective(cfg, params, batch)
+  total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+  return total / count, (total / count, {})
+
+
+def _flat(tree):
+  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE)
+    (2, False, 1, 1, 2, False),
+    (2, True, 1, 1, 2, False),
+    (4, False, 1, 1, 2, False),  # 2 KV heads under tp 4: whole on every rank, a group each
+    (4, True, 1, 1, 1, False),  # one KV head
+    (2, True, 2, 1, 4, False),  # with Ulysses over cp
+    (2, False, 1, 2, 2, True),  # MoE: dense part over tp, experts over ep
+    (2, True, 1, 2, 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    LAYOUTS,
+    ids=lambda l: "tp{}{}-cp{}-ep{}-kv{}{}".format(
+        l[0], "-sp" if l[1] else "", l[2], l[3], l[4], "-moe" if l[5] else ""
+    ),
+)
+def test_loss_and_gradients_equal_the_one_device_model(layout):
+  c, cfg, step, mesh = _step(*layout)
+  params = helpers.random_params(cfg)
+  batch = _batch(c)
+  loss, grads, metrics = step(jax.device_put(params, state_shardings(params, mesh)), batch)
+  (_, (want, aux)), want_grads = jax.jit(
+      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+  )(params, batch)
+  helpers.close(loss, want, "loss")
+  assert float(metrics["tokens"]) == batch["mask"].sum()
+  if cfg.moe is not None:
+    np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], aux["tokens_per_expert"])
+  want_flat = _flat(want_grads)
+  for path, g in _flat(grads).items():
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
+def test_three_steps_follow_the_one_device_trajectory():
+  """Three AdamW steps under tp 2 with sequence parallelism x dp 4 give tp 1's parameters."""
+  runs = []
+  for tp, sp in ((1, False), (2, True)):
+    c = _config(tp, sp)
+    c.train.steps = 3
+    trainer = Trainer(c)
+    trainer.init()
+    losses = [float(trainer.step()["loss"]) for _ in range(3)]
+    runs.append((losses, jax.device_get(trainer.model_params())))
+  np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+  want = _flat(runs[0][1])
+  for path, p in _flat(runs[1][1]).items():
+    helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
+
+
+def _forward_hlo(tp, sp):
+  """The optimised HLO of the loss (no backward) under tp, and its layer loop's body."""
+  c, cfg, _, mesh = _step(tp, sp, 1, 1, 2, False)
+  loss_and_grads = make_loss_and_grads(c, cfg, config_lib.validate(c, jax.device_count()))
+  params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  shardings = state_shardings(params, mesh)
+  params = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params, shardings
+  )
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _batch(c))
+  text = jax.jit(lambda p, b: loss_and_grads(p, b)[0]).lower(params, batch).compile().as_text()
+  return text
+
+
+COLLECTIVE = (  # an instruction's result type (a tuple when merged), op, and operands
+    r"= (?:\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(([^)]*)\)"
+)
+TP_GROUPS = "replica_groups={{0,1},{2,3},{4,5},{6,7}}"  # tp = 2, the innermost mesh axis
+
+
+def _tp_collectives(text):
+  """{(op, 'layer' or 'outside'): arrays reduced or moved over tp}; the layer loop's body is
+  compiled once for all layers, and XLA may merge independent all-reduces into one tuple."""
+  counts = {}
+  for line in text.splitlines():
+    found = re.search(COLLECTIVE, line)
+    if not found:
+      continue
+    assert TP_GROUPS in line or "{'axis_0'}" in line, f"a collective over other groups: {line}"
+    if TP_GROUPS in line:
+      where = "layer" if "while/body" in line else "outside"
+      key = (found.group(1), where)
+      counts[key] = counts.get(key, 0) + found.group(2).count("%")
+  return counts
+
+
+def test_compiled_forward_holds_megatrons_collectives():
+  """Over tp, without sequence parallelism: in each layer an all-reduce after attention and one
+  after the MLP; outside, one for the embedding and three for the cross-entropy (max, sum of
+  exponentials, target logit). With it: each layer two all-gathers and two reduce-scatters
+  instead, the embedding reduce-scattered, the head's input gathered, the same three
+  cross-entropy reductions. Nothing else crosses tp."""
+  assert _tp_collectives(_forward_hlo(2, False)) == {
+      ("all-reduce", "layer"): 2,
+      ("all-reduce", "outside"): 1 + 3,
+  }
+  assert _tp_collectives(_forward_hlo(2, True)) == {
+      ("all-gather", "layer"): 2,
+      ("reduce-scatter", "layer"): 2,
+      ("reduce-scatter", "outside"): 1,
+      ("all-gather", "outside"): 1,
+      ("all-reduce", "outside"): 3,
+  }
+
+
+def test_a_layers_parameters_take_one_tp_th_of_the_bytes():
+  """Exact per-device argument bytes of the compiled step: the split weights (q, k, v, o, gate,
+  up, down, the embedding) by tp, the norms whole, from tp 1 to tp 2."""
+  cfg = config_lib.model_config(_config())
+  params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  layers = params["layers"]
+  norms = nbytes(layers["attn_norm"]) + nbytes(layers["mlp_norm"]) + nbytes(params["final_norm"])
+  split = nbytes(params) - norms
+  args = {}
+  for tp in (1, 2):
+    c, _, step, mesh = _step(tp, False, 1, 1, 2, False)
+    shaped = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        params,
+        state_shardings(params, mesh),
+    )
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # same bytes in both
+    batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), _batch(c)
+    )
+    args[tp] = step.lower(shaped, batch).compile().memory_analysis().argument_size_in_bytes
+  assert args[1] - args[2] == split // 2
+  assert split % 2 == 0 and split > 10 * norms
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mesh.tp": 8}, "model.n_heads=4 does not split over mesh.tp=8"),
+        ({"mesh.tp": 2, "model.d_ff": 65}, "model.d_ff=65 does not split over mesh.tp=2"),
+        ({"mesh.tp": 2, "model.vocab": 65}, "model.vocab=65 does not split over mesh.tp=2"),
+        (
+            {"mesh.tp": 4, "model.n_heads": 12, "model.n_kv_heads": 3},
+            "model.n_kv_heads=3 neither splits over mesh.tp=4 nor divides it",
+        ),
+        (
+            {"mesh.tp": 4, "model.sequence_parallel": True, "data.seq_len": 18},
+            "splits each sequence of 18 tokens",
+        ),
+        ({"model.sequence_parallel": True}, "the tensor axis, which has one rank"),
+        ({"mesh.tp": 2, "mesh.pp": 2}, "mesh.tp=2 does not run with mesh.pp > 1"),
+        ({"mesh.tp": 2, "model.fp8": "current"}, "mesh.tp=2 does not run with model.fp8"),
+    ],
+)
+def test_bad_layouts_stop_at_the_config(overrides, message):
+  c = tiny.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    config_lib.validate(c, 8)
+
+
+def test_split_dims_follow_megatrons_layout():
+  assert tp_lib.split_dim(("layers", "attn", "q", "kernel"), (2, 32, 4, 8), 2) == -2
+  assert tp_lib.split_dim(("layers", "attn", "o", "kernel"), (2, 4, 8, 32), 2) == -3
+  assert tp_lib.split_dim(("layers", "mlp", "down", "kernel"), (2, 64, 32), 2) == -2
+  assert tp_lib.split_dim(("layers", "mlp", "up", "kernel"), (2, 32, 64), 2) == -1
+  assert tp_lib.split_dim(("embed",), (64, 32), 2) == -2
+  assert tp_lib.split_dim(("head",), (32, 64), 2) == -1
+  # KV heads that do not divide stay whole; norms, and anything at tp 1, too
+  assert tp_lib.split_dim(("layers", "attn", "k", "kernel"), (2, 32, 2, 8), 4) is None
+  assert tp_lib.split_dim(("layers", "attn", "k", "kernel"), (2, 32, 2, 8), 2) == -2
+  assert tp_lib.split_dim(("layers", "attn_norm", "scale"), (2, 32), 2) is None
+  assert tp_lib.split_dim(("layers", "attn", "q", "kernel"), (2, 32, 4, 8), 1) is None
+
+
+def test_vocab_parallel_cross_entropy_equals_logsumexp():
+  """The three-reduction cross-entropy over 4 vocabulary shards equals the whole-logits one,
+  value and gradient, with targets in every shard."""
+  mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(5 * rng.standard_normal((2, 6, 64)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32)
+
+  def sharded(x):
+    def local(x_BxLxVp, t_BxL):
+      with tp_lib.tensor_parallel("tp"):
+        logz, target = tp_lib.vocab_cross_entropy(x_BxLxVp, t_BxL)
+      return jnp.sum(logz - target)
+
+    spec = jax.sharding.PartitionSpec(None, None, "tp")
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec, jax.sharding.PartitionSpec()),
+        out_specs=jax.sharding.PartitionSpec(),
+    )(x, targets)
+
+  def whole(x):
+    picked = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(x, axis=-1) - picked)
+
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tp"))
+  got, got_g = jax.jit(jax.value_and_grad(sharded))(jax.device_put(logits, split))
+  want, want_g = jax.value_and_grad(whole)(logits)
+  helpers.close(got, want, "cross-entropy")
+  helpers.close(got_g, want_g, "its gradient")
+
+
+def test_checkpoint_saved_under_tp_restores_under_another_layout(tmp_path):
+  """Saved under tp 2 with sequence parallelism, restored bit for bit under tp 1 and tp 4, each
+  onto its own split (the checkpoint holds whole arrays)."""
+  c = _config(2, True)
+  c.train.steps, c.train.eval_every, c.checkpoint.every = 2, 0, 2
+  first = Trainer(c, str(tmp_path))
+  first.train(progress=False)
+  want = _flat(jax.device_get(first.state))
+  first.close()
+  for tp in (1, 4):
+    other = Trainer(_config(tp, False), str(tmp_path), existing_run="resume_changed")
+    state = other.init()
+    assert other.resumed_from == 2
+    q = state.params["layers"]["attn"]["q"]["kernel"]
+    assert q.sharding.shard_shape(q.shape)[-2] == 4 // tp  # the restored split is tp's
+    for path, value in _flat(jax.device_get(state)).items():
+      np.testing.assert_array_equal(value, want[path], err_msg=jax.tree_util.keystr(path))
+    other.close()
