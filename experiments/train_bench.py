@@ -1,9 +1,9 @@
 """jaxpipe's training step against what a user would run instead: a plain `jax.jit` step, MaxText.
 
   python -m experiments.train_bench [--config configs/quickstart.py] [--batch 32] \
-      [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8] [--rounds 3] [--steps 3] \
-      [--warmup 2] [--noplain_scan] [--peer_python PATH] [--out train_bench.json] \
-      [--config.key=value]
+      [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8[,4]] [--rounds 3] [--steps 3] \
+      [--warmup 2] [--noplain_scan] [--pool_host_memory] [--peer_python PATH] \
+      [--out train_bench.json] [--config.key=value]
 
 Contenders, one model (the config's) and one global batch (`--batch`, 0 = the config's):
 - plain: a hand-written JAX + optax train step of the config's model (`plain_loss`: RMSNorm,
@@ -16,22 +16,28 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   loop over layers costs by itself.
 - jaxpipe pp=1: the Trainer's compiled step at pp = 1 (dp = all devices, one micro-batch).
 - jaxpipe pp=P SCHEDULE: the Trainer's pipelined step, for each `--pp` and `--schedules`, with
-  `--microbatches` micro-batches (dp = devices / P).
+  `--microbatches` micro-batches (dp = devices / P); given several counts, one contender per
+  count, named with its `m=`.
 - maxtext (with `--peer_python`): MaxText's pre-training loop on the same shape, run by that
   interpreter as a subprocess each round (synthetic data, `hardware=cpu`); its per-step seconds
   come from its log (`parse_maxtext_log`). MaxText is never a dependency of jaxpipe.
 
 Each contender is compiled and warmed up (`--warmup` steps), then `--rounds` rounds each run
 every contender for `--steps` steps in turn, the order rotated by one per round, and a float32
-matmul (`--matmul_n`) timed the same way as the steps. Per step: wall time and process CPU time
+matmul (`--matmul_n`) timed the same way as the steps. Per step: wall time, process CPU time
 (`time.process_time()` around a blocked step; the 8 host devices share the machine's cores, so
-CPU time is the steadier measure). Columns: tokens/s (median over rounds of the round's tokens
-over its wall time); ms/step; CPU s/step; MFU = model FLOPs per CPU second
-(`jaxpipe.models.flops`, matmuls only) over the matmul's FLOPs per CPU second in the same
-round, median over rounds; wall and CPU ratio = the contender's time per step over the plain
-step's in the same round, median (lowest-highest) over rounds (below 1 = faster than plain);
-temp MB = per-device temporaries from `compiled.memory_analysis()`; HLO = instructions in the
-compiled program's text. `--out FILE.json` keeps every raw sample and the load of each round.
+CPU time is the steadier measure) and the process's minor page faults (`getrusage`): glibc
+returns a freed allocation over 32 MB to the OS, so a program whose temporaries come in such
+allocations faults them in again on every step. `--pool_host_memory` keeps freed memory in the
+heap instead (`mallopt`, as a device allocator pools its memory), for every contender alike.
+Columns: tokens/s (median over rounds of the round's tokens over its wall time); ms/step; CPU
+s/step; MFU = model FLOPs per CPU second (`jaxpipe.models.flops`, matmuls only) over the
+matmul's FLOPs per CPU second in the same round, median over rounds; wall and CPU ratio = the
+contender's time per step over the plain step's in the same round, median (lowest-highest)
+over rounds (below 1 = faster than plain); faults/step = minor page faults per step, median
+over rounds; temp MB = per-device temporaries from `compiled.memory_analysis()`; HLO =
+instructions in the compiled program's text. `--out FILE.json` keeps every raw sample and the
+load of each round.
 """
 
 from __future__ import annotations
@@ -41,11 +47,13 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
+import ctypes  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -85,11 +93,23 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     "schedules", ["1f1b", "zb-h1"], "Schedules of the pipelined steps.", flag_values=FLAGS
 )
-flags.DEFINE_integer("microbatches", 8, "Micro-batches of the pipelined steps.", flag_values=FLAGS)
+flags.DEFINE_list(
+    "microbatches",
+    ["8"],
+    "Micro-batches of the pipelined steps (comma-separated).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool(
     "plain_scan",
     True,
     "Also time the plain step with its layers in a lax.scan (as jaxpipe runs them).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+    "pool_host_memory",
+    False,
+    "Keep freed host memory in the heap (glibc mallopt: no mmap, no trim), as a device allocator"
+    " pools its memory; the default is glibc's, as `python -m jaxpipe.train` runs.",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("rounds", 3, "Timed rounds; every contender runs in each.", flag_values=FLAGS)
@@ -265,7 +285,8 @@ class PlainStep:
 
 @dataclasses.dataclass
 class Contender:
-  """One thing timed: `run(steps)` -> [(wall s, CPU s or None)] per step."""
+  """One thing timed: `run(steps)` -> [(wall s, CPU s or None, minor page faults or None)] per
+  step."""
 
   name: str
   run: Callable[[int], list[tuple[float, float | None]]]
@@ -274,18 +295,36 @@ class Contender:
   info: dict = dataclasses.field(default_factory=dict)  # compile s, temp bytes, HLO count
 
 
-def timed(step: Callable[[], Any]) -> Callable[[int], list[tuple[float, float]]]:
-  """-> run(steps): each step blocked on, its wall and process CPU seconds."""
+def minor_faults() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(step: Callable[[], Any]) -> Callable[[int], list[tuple[float, float, int]]]:
+  """-> run(steps): each step blocked on, its wall and process CPU seconds and minor faults."""
 
   def run(steps):
     out = []
     for _ in range(steps):
-      t0, c0 = time.perf_counter(), time.process_time()
+      f0, t0, c0 = minor_faults(), time.perf_counter(), time.process_time()
       jax.block_until_ready(step())
-      out.append((time.perf_counter() - t0, time.process_time() - c0))
+      t1, c1 = time.perf_counter(), time.process_time()
+      out.append((t1 - t0, c1 - c0, minor_faults() - f0))
     return out
 
   return run
+
+
+def pool_host_memory() -> bool:
+  """glibc: serve every allocation from the heap and never give freed memory back to the OS, so
+  that no step faults its temporaries in again; False where libc refuses (not glibc)."""
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return False
+  m_trim_threshold, m_mmap_max = -1, -4
+  return all(
+      libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
+  )
 
 
 def compiled_info(compiled, compile_s: float) -> dict:
@@ -489,7 +528,7 @@ def maxtext_contender(config, batch, flops, tokens, args, package: str) -> Conte
           f"MaxText exited {r.returncode} with {len(logged)} of {steps} timed steps logged: "
           f"{tail[0]}\n  command: {' '.join(cmd)}"
       )
-    return [(s["seconds"], None) for s in logged[-steps:]]
+    return [(s["seconds"], None, None) for s in logged[-steps:]]
 
   return Contender(MAXTEXT, run, flops, tokens, {"command": "per round, see --out"})
 
@@ -522,7 +561,8 @@ def measure(contenders: list[Contender], rounds: int, steps: int, warmup: int) -
 
 
 def per_round(rounds: list[list[list[float | None]]], i: int) -> list[float | None]:
-  """Seconds per step in each round (mean over the round's steps) of field i (0 wall, 1 CPU)."""
+  """Per step in each round (mean over the round's steps) of field i (0 wall s, 1 CPU s, 2 minor
+  page faults)."""
   out = []
   for steps in rounds:
     values = [s[i] for s in steps]
@@ -541,6 +581,7 @@ def summarise(contenders: list[Contender], measured: dict) -> list[dict]:
     if c.name == MATMUL:
       continue
     wall, cpu = per_round(samples[c.name], 0), per_round(samples[c.name], 1)
+    faults = per_round(samples[c.name], 2)
     has_cpu = None not in cpu
     rows.append(
         {
@@ -555,6 +596,7 @@ def summarise(contenders: list[Contender], measured: dict) -> list[dict]:
             ),
             "wall_ratio": [w / b for w, b in zip(wall, base_wall)],
             "cpu_ratio": [x / b for x, b in zip(cpu, base_cpu)] if has_cpu else None,
+            "faults_per_step": statistics.median(faults) if None not in faults else None,
             **c.info,
         }
     )
@@ -579,6 +621,7 @@ COLUMNS = (
     "MFU %",
     "wall ratio",
     "CPU ratio",
+    "faults/step",
     "temp MB",
     "HLO",
     "compile s",
@@ -602,6 +645,7 @@ def table(rows: list[dict]) -> str:
         fmt(r["mfu_percent"], ".1f"),
         spread(r["wall_ratio"]),
         spread(r["cpu_ratio"]),
+        fmt(r.get("faults_per_step"), ",.0f"),
         fmt(None if temp is None else temp / 2**20, ".2f"),
         fmt(r.get("hlo_instructions"), "d"),
         fmt(r.get("compile_s"), ".1f"),
@@ -625,12 +669,9 @@ def build(args, config) -> list[Contender]:
   cells = [("jaxpipe pp=1", jaxpipe_config(config, batch))]
   for pp in args.pp:
     for schedule in args.schedules:
-      cells.append(
-          (
-              f"jaxpipe pp={pp} {schedule}",
-              jaxpipe_config(config, batch, pp, schedule, args.microbatches),
-          )
-      )
+      for m in args.microbatches:
+        name = f"jaxpipe pp={pp} {schedule}" + (f" m={m}" if len(args.microbatches) > 1 else "")
+        cells.append((name, jaxpipe_config(config, batch, pp, schedule, m)))
   for _, c in cells:  # every config refused before anything compiles
     try:
       config_lib.validate(c, devices, jax.default_backend())
@@ -659,16 +700,24 @@ def build(args, config) -> list[Contender]:
 def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
-  for name in ("rounds", "steps", "microbatches", "matmul_n"):
+  for name in ("pp", "microbatches"):
+    try:
+      setattr(args, name, [int(v) for v in getattr(args, name)])
+    except ValueError:
+      raise app.UsageError(
+          f"--{name} {','.join(getattr(args, name))}: integers, comma-separated"
+      ) from None
+  for name in ("rounds", "steps", "matmul_n"):
     if getattr(args, name) < 1:
       raise app.UsageError(f"--{name}={getattr(args, name)} must be at least 1")
-  try:
-    args.pp = [int(p) for p in args.pp]
-  except ValueError:
-    raise app.UsageError(f"--pp {','.join(args.pp)}: integers, comma-separated") from None
+  if min(args.microbatches, default=0) < 1:
+    raise app.UsageError(f"--microbatches {args.microbatches}: each must be at least 1")
   config = _CONFIG.value
   if args.peer_python:
     args.peer_package = check_peer(args.peer_python)  # before any compile
+  pooled = args.pool_host_memory and pool_host_memory()
+  if args.pool_host_memory and not pooled:
+    raise app.UsageError("--pool_host_memory: this C library refuses glibc's mallopt settings")
   load0 = os.getloadavg()
   contenders = build(args, config)
   measured = measure(contenders, args.rounds, args.steps, args.warmup)
@@ -679,7 +728,8 @@ def main(argv: list[str]) -> None:
       f"\n{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.n_kv_heads} KV), d_ff "
       f"{m.d_ff}, vocab {m.vocab}; batch {batch} x {config.data.seq_len} tokens; "
       f"{len(jax.devices())} {jax.devices()[0].platform} devices on {os.cpu_count()} cores; "
-      f"{args.rounds} rounds x {args.steps} steps; load average {load0[0]:.1f} at the start, "
+      f"{args.rounds} rounds x {args.steps} steps; host memory "
+      f"{'pooled' if pooled else 'glibc default'}; load average {load0[0]:.1f} at the start, "
       f"{min(min(x) for x in measured['load']):.1f}–{max(max(x) for x in measured['load']):.1f} "
       "during the rounds"
   )

@@ -154,9 +154,11 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   assert rows[train_bench.PLAIN]["cpu_ratio"] == [1.0, 1.0]
   assert rows[train_bench.MAXTEXT]["ms_per_step"] == pytest.approx(250.0)
   assert rows[train_bench.MAXTEXT]["cpu_ratio"] is None
+  assert rows[train_bench.MAXTEXT]["faults_per_step"] is None
   for name in names[:4]:
     r = rows[name]
     assert r["temp_bytes"] > 0 and r["hlo_instructions"] > 0 and 0 < r["mfu_percent"] < 100
+    assert r["faults_per_step"] >= 0 and all(s[2] >= 0 for rd in got["samples"][name] for s in rd)
     walls = [np.mean([s[0] for s in rd]) for rd in got["samples"][name]]
     assert r["tokens_per_s"] == pytest.approx(np.median([16 * 16 / w for w in walls]))
 
@@ -207,6 +209,7 @@ def _run(*flags):
         ([f"--peer_python={sys.executable}"], "not a Python with MaxText importable"),
         (["--peer_python=/bin/true"], "not a Python with MaxText importable"),
         (["--pp=two"], "--pp two"),
+        (["--microbatches=8,0"], "--microbatches [8, 0]"),
         (["--rounds=0"], "--rounds=0"),
         (["--steps=x"], "steps"),
     ],
@@ -217,3 +220,23 @@ def test_bad_flags_are_one_line(flags, words):
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr
   assert r.stdout == ""
+
+
+def test_faults_per_step_are_the_median_over_rounds_of_the_mean_per_step():
+  """Page faults per step: each round's mean over its steps, the median over rounds; a step that
+  fills a fresh 64 MiB array (mapped afresh by glibc: over its 32 MB ceiling) faults."""
+  contenders = [
+      train_bench.Contender(train_bench.PLAIN, None, 1.0, 1),
+      train_bench.Contender("other", None, 1.0, 1),
+      train_bench.Contender(train_bench.MATMUL, None, 1.0, 0),
+  ]
+  one = lambda faults: [[[1.0, 1.0, f] for f in faults]]
+  samples = {
+      train_bench.PLAIN: one([10, 30]) + one([0, 0]) + one([5, 5]),
+      "other": one([100, 300]) + one([50, 50]) + one([0, 0]),
+      train_bench.MATMUL: one([0, 0]) * 3,
+  }
+  rows = train_bench.summarise(contenders, {"samples": samples})
+  assert [r["faults_per_step"] for r in rows] == [5, 50]
+  ((wall, cpu, faults),) = train_bench.timed(lambda: np.ones(1 << 24, np.float32))(1)
+  assert wall > 0 and cpu >= 0 and faults > 0
