@@ -74,6 +74,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.pipeline.ir.lower import BRANCHES, CHANNELS, COL, Lowered
 
 PARTS = ("F", "I", "B", "W")  # the parts a branch may run in one tick
+LOCAL_FIELDS = ("f_local", "b_local")  # table columns of same-rank moves (ExecSpec.local_moves)
 
 PyTree = Any
 
@@ -92,6 +93,10 @@ class ExecSpec:
   branches: tuple[int, ...]  # branch codes (indices into lower.BRANCHES) to compile
   channels: tuple[bool, ...]  # which lower.CHANNELS to ppermute every tick
   recompute: bool = False  # store only stage inputs, recompute the forward in I, B and W
+  # whether some table moves a value between two stages of one rank (V shapes): an F's output
+  # to the same rank's next stage (f_local), an I's or B's input cotangent (b_local); without
+  # such moves the executor compiles no per-tick step for them
+  local_moves: tuple[bool, bool] = (True, True)
 
   @classmethod
   def covering(cls, lowered: Sequence[Lowered], recompute: bool = False) -> ExecSpec:
@@ -114,6 +119,9 @@ class ExecSpec:
         branches=tuple(sorted({0} | {b for lo in lowered for b in lo.branches})),
         channels=tuple(any(lo.channels[i] for lo in lowered) for i in range(len(CHANNELS))),
         recompute=recompute,
+        local_moves=tuple(
+            any(bool(np.any(lo.table[..., COL[f]] >= 0)) for lo in lowered) for f in LOCAL_FIELDS
+        ),
     )
 
   def check(self, lowered: Lowered) -> None:
@@ -131,6 +139,9 @@ class ExecSpec:
       problems.append(f"branches {sorted(set(lowered.branches) - set(self.branches))} missing")
     if any(u and not c for u, c in zip(lowered.channels, self.channels)):
       problems.append(f"channels {lowered.channels} not within {self.channels}")
+    for f, on in zip(LOCAL_FIELDS, self.local_moves):
+      if not on and np.any(lowered.table[..., COL[f]] >= 0):
+        problems.append(f"the table moves values within a rank ({f}), the spec does not")
     if problems:
       raise ValueError(
           f"schedule {lowered.schedule.name!r} does not fit this executor: "
@@ -772,9 +783,9 @@ def make_executor(
         if kind in present:
           with jax.named_scope(f"tick/{kind}"):
             s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
-        if kind == "B" and present & {"I", "B"}:
+        if kind == "B" and present & {"I", "B"} and spec.local_moves[1]:
           s = keep_local(row, s, "b_local", out_b, "cot")
-        if kind == "F" and "F" in present:
+        if kind == "F" and "F" in present and spec.local_moves[0]:
           s = keep_local(row, s, "f_local", out_f, "act")
       # A ppermute runs where some rank receives over it this tick (its flag is the same on
       # every rank, so every rank takes part or none does); a rank with nothing to send sends

@@ -1,5 +1,6 @@
 """Executor: every schedule's loss and gradients equal unpipelined jax.value_and_grad."""
 
+import dataclasses
 import functools
 import re
 
@@ -202,3 +203,32 @@ def test_parts_and_sends_run_only_in_the_ticks_that_need_them(tmp_path):
       == sum(runs[name] for name in of_kind("ppermute"))
       < lowered.num_ticks * p * sum(lowered.channels)
   )
+
+
+def test_same_rank_moves_compile_only_where_a_table_has_them():
+  # A same-rank move (V shapes) is a 0/1-trip loop on every rank in every tick: tables without
+  # such moves (1F1B) compile none, with the same results bit for bit.
+  p, m = 2, 4
+  lowered = schedules(p)["1f1b", m]
+  spec = ExecSpec.covering([lowered])
+  assert spec.local_moves == (False, False)
+  zbv = schedules(p)["zb-v", m]
+  zbv_spec = ExecSpec.covering([zbv])
+  assert zbv_spec.local_moves == (True, True)
+  params, xs, ts = data(p, p)
+  args = (lowered.table, to_local(params, lowered.layout()), xs[:m], ts[:m], (), ())
+  mesh = mesh_for(p, False)
+  got, whiles = {}, {}
+  for moves in ((False, False), (True, True)):
+    compiled = (
+        make_executor(MODEL, dataclasses.replace(spec, local_moves=moves), mesh)
+        .lower(*args)
+        .compile()
+    )
+    whiles[moves] = len(re.findall(r" while\(", compiled.as_text()))
+    got[moves] = jax.tree.leaves(compiled(*args))
+  assert whiles[True, True] - whiles[False, False] == 2
+  for a, b in zip(got[False, False], got[True, True]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="within a rank"):
+    dataclasses.replace(zbv_spec, local_moves=(False, True)).check(zbv)
