@@ -8,6 +8,10 @@
       [--prompt lognormal:64:512 --trace_in trace.csv --trace_out trace.csv --stream_layers]
   python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
   python -m experiments.serve_bench --prefill [--prefill_tokens 1024 --prefill_context 4096]
+  python -m experiments.serve_bench --peer vllm --peer_python PATH   # against vLLM, one checkpoint
+
+--peer: experiments/serve_peer.py (jaxpipe's engine and vLLM's on one Hugging Face checkpoint
+and workload, rounds alternating; vLLM runs in the interpreter PATH, never as a dependency).
 
 --mode serves the same seeded requests through `serve.deploy`'s deployments on 8 host devices
 (`--host_devices`; on a GPU machine, its GPUs): colocated (every worker prefills and decodes;
@@ -120,6 +124,27 @@ flags.DEFINE_string(
     flag_values=FLAGS,
 )
 flags.DEFINE_bool("compare", False, "--url: also run its engine in-process.", flag_values=FLAGS)
+# jaxpipe's engine against another engine on one checkpoint (--peer, experiments/serve_peer.py)
+flags.DEFINE_string(
+    "peer",
+    None,
+    "vllm: serve the same checkpoint and workload with vLLM's offline engine too, rounds "
+    "alternating (experiments/serve_peer.py).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "peer_python", None, "--peer: the python of a venv with vLLM installed.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "peer_threads",
+    "auto,2",
+    "--peer: one vLLM process per entry: auto (vLLM's CPU binding) or N threads.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer("peer_rounds", 3, "--peer: timed rounds of every engine.", flag_values=FLAGS)
+flags.DEFINE_float(
+    "peer_timeout", 900, "--peer: seconds for a vLLM start or round.", flag_values=FLAGS
+)
 # colocated vs disaggregated (--mode)
 flags.DEFINE_string(
     "mode",
@@ -695,7 +720,12 @@ def main(argv: list[str]) -> None:
   for name in ("out", "trace_in", "trace_out"):
     if FLAGS[name].present and not args.mode:
       raise app.UsageError(f"--{name} is read by --mode runs only; add --mode or leave it out")
-  if args.url:
+  if args.peer is not None:
+    from experiments import serve_peer
+
+    present = [name for name in serve_peer.PEER_DEFAULTS if FLAGS[name].present]
+    serve_peer.run(args, present)
+  elif args.url:
     from experiments import serve_client  # httpx and prometheus_client: the serving extra
 
     serve_client.run(args)

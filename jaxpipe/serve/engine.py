@@ -62,6 +62,10 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
 INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
 ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
+# Engine.host_time's keys, in a step's order: plan the step (scheduler, pages, copy-on-write);
+# build its host arrays; compile a new step program; dispatch it; wait for its sampled tokens
+# (the device's time, less what dispatch overlapped); apply them (outputs, finishes, cache).
+HOST_PHASES = ("schedule", "build", "compile", "dispatch", "wait", "apply")
 
 
 def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -340,6 +344,9 @@ class Engine:
     self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
     self.steps = 0
     self.counts = collections.Counter()  # preemptions, page_copies, cached_tokens, tokens, ...
+    # Seconds of wall time per phase of step(), summed over steps (`HOST_PHASES`): what the host
+    # costs beside the device's work ("wait").
+    self.host_time: collections.Counter[str] = collections.Counter()
 
   # The scheduler's queues, by the names the engine has always had.
 
@@ -631,7 +638,10 @@ class Engine:
 
   def launch(self) -> _Launched | None:
     """Schedules an iteration and dispatches it without waiting for it (None: nothing to do)."""
+    start = time.perf_counter()
     plan = self.scheduler.plan()
+    planned = time.perf_counter()
+    self.host_time["schedule"] += planned - start
     if not plan:
       held = self.prefilled or self.incoming  # their pages come back when they move on
       if self.waiting and not self.running and not held:  # cannot happen for a checked request
@@ -682,20 +692,28 @@ class Engine:
     batch = model_lib.TokenBatch(
         tokens, positions, slots, tables, rows, seq_tables, seq_starts, seq_counts, seq_cached
     )
-    new_R, finite_R, logprobs, self.kv = self.step_program(t, n_pages)(
+    built = time.perf_counter()
+    program = self.step_program(t, n_pages)
+    compiled = time.perf_counter()
+    new_R, finite_R, logprobs, self.kv = program(
         self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index, banned)
     )
+    self.host_time["build"] += built - planned
+    self.host_time["compile"] += compiled - built
+    self.host_time["dispatch"] += time.perf_counter() - compiled
     return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R, logprobs)
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
     """Waits for a launched iteration and applies it; returns the tokens it generated."""
     if launched is None:
       return {}
+    start = time.perf_counter()
     plan, sampled, t, t_real = launched.plan, launched.sampled, launched.t, launched.t_real
     new_R, finite_R = np.asarray(launched.new_R), np.asarray(launched.finite_R)
     if any(r.sampling.logprobs is not None for r in sampled):  # else they stay on the device
       chosen_R, top_RxM, ids_RxM = jax.device_get(launched.logprobs)
     now = time.perf_counter()
+    self.host_time["wait"] += now - start
     self.steps += 1
     self.counts["step_tokens"] += t_real
     self.counts["padded_tokens"] += t - t_real
@@ -729,6 +747,7 @@ class Engine:
       for r, _ in plan:
         if r.state in (RUNNING, PREFILLED):
           self._register(r)
+    self.host_time["apply"] += time.perf_counter() - now
     return out
 
   def _register(self, r: Request) -> None:
