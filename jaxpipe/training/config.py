@@ -33,6 +33,8 @@ UNSUPPORTED_DTYPES = {
 }
 SOURCES = ("stdlib", "synthetic")
 TOKENIZERS = ("bytes", "hf")  # data.tokenizer: what the model reads (jaxpipe.models.tokenizer)
+# optimizer.shard: where the optimizer state lives (jaxpipe.training.zero)
+OPTIMIZER_SHARDS = ("none", "zero1", "zero2", "fsdp")
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
 GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
 
@@ -83,6 +85,7 @@ def default_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8  # AdamW epsilon
   o.weight_decay = 0.1  # decoupled weight decay on matrices (not norms)
   o.clip_norm = 1.0  # global gradient-norm clip; 0 disables
+  o.shard = "none"  # none, zero1 (moments split over dp, ep), zero2 (+ gradients), fsdp (+ params)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 300  # optimizer steps in the whole run
@@ -200,6 +203,10 @@ def validate(
   for name in ("b1", "b2"):
     if not 0 <= o[name] < 1:
       raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
+  if o.shard not in OPTIMIZER_SHARDS:
+    raise ConfigError(
+        f"optimizer.shard={o.shard!r} is unknown; use one of {', '.join(OPTIMIZER_SHARDS)}"
+    )
   if m.head_dim % 2:
     raise ConfigError(
         f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of channels"
@@ -293,6 +300,13 @@ def validate(
   if d.seq_len % cp:
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
   _check_tensor_parallel(m, d, shape)
+  if o.shard != "none":
+    from jaxpipe.training import zero  # imports the model: only when a split is asked for
+
+    try:
+      zero.check(config, shape)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
     raise ConfigError(
         "model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "

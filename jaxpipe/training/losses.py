@@ -43,6 +43,7 @@ from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.training import config as config_lib
+from jaxpipe.training import zero
 from jaxpipe.training.mesh import make_mesh
 from jaxpipe.training.state import state_shardings
 
@@ -56,15 +57,18 @@ def _packed_kwargs(batch: dict) -> dict:
   return {f"{k}_BxL": v for k, v in keys.items()}
 
 
-def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
+def data_parallel_loss_and_grads(
+    cfg: TransformerConfig, microbatches: int = 1, model_loss: Callable = transformer.loss
+) -> LossAndGrads:
   """`jax.value_and_grad` of the whole model; XLA splits the batch over the data axes.
 
   With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
-  the result equals the single-slice one up to float rounding.
+  the result equals the single-slice one up to float rounding. `model_loss`: `transformer.loss`
+  or a stand-in with its signature (`zero.fsdp_model_loss`: layers gathered one at a time).
   """
 
   def loss_sum(params, batch):
-    return transformer.loss(
+    return model_loss(
         cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
     )
 
@@ -98,8 +102,14 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   return loss_and_grads
 
 
-def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
-  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
+def moe_loss_and_grads(
+    cfg: TransformerConfig,
+    mesh,
+    microbatches: int = 1,
+    model_loss_and_aux: Callable = transformer.loss_and_aux,
+) -> LossAndGrads:
+  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis
+  (`model_loss_and_aux`: `transformer.loss_and_aux` or a stand-in with its signature).
 
   Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
   weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
@@ -109,7 +119,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
 
   def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):
-      total, _, aux = transformer.loss_and_aux(
+      total, _, aux = model_loss_and_aux(
           cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
       )
     ce = total / denom
@@ -292,6 +302,7 @@ def make_loss_and_grads(
   layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
   `layer_order` (the Trainer's storage), not the model's order.
   """
+  fsdp = config.optimizer.shard == "fsdp"
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
     if (
@@ -306,7 +317,12 @@ def make_loss_and_grads(
           "between the two) or run with mesh.pp = mesh.cp = 1"
       )
     if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1 and mesh_shape["tp"] == 1:
-      return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
+      mesh = make_mesh(config.mesh)
+      if fsdp:
+        return moe_loss_and_grads(
+            cfg, mesh, config.pipeline.microbatches, zero.fsdp_model_loss(mesh, with_aux=True)
+        )
+      return moe_loss_and_grads(cfg, mesh, config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
@@ -319,5 +335,11 @@ def make_loss_and_grads(
     # all-to-alls around attention), the layers over tp (Megatron's collectives).
     return context_parallel_loss_and_grads(
         cfg, make_mesh(config.mesh), config.pipeline.microbatches
+    )
+  if fsdp:  # each layer gathered inside the scan; elsewhere shard_map's specs gather them all
+    return data_parallel_loss_and_grads(
+        cfg,
+        config.pipeline.microbatches,
+        zero.fsdp_model_loss(make_mesh(config.mesh), with_aux=False),
     )
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)

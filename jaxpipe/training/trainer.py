@@ -30,6 +30,7 @@ from jaxpipe.runtime.metrics import MetricWriter
 from jaxpipe.runtime.preemption import StopRequest
 from jaxpipe.training import config as config_lib
 from jaxpipe.training import data as data_lib
+from jaxpipe.training import zero
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.training.state import (
@@ -39,7 +40,6 @@ from jaxpipe.training.state import (
     learning_rate,
     make_optimizer,
     reorder_layers,
-    state_shardings,
 )
 from jaxpipe.training.workdir import Workdir, WorkdirError
 
@@ -258,9 +258,13 @@ class Trainer:
 
   @property
   def state_sharding(self) -> Any:
-    """The TrainState's shardings (`state_shardings`): layers split over pp, experts over ep."""
+    """The TrainState's shardings (`state_shardings`): layers split over pp, experts over ep,
+    Megatron's dimensions over tp; the moments (and under fsdp the parameters) over the data
+    axes as `optimizer.shard` asks (`zero.train_state_shardings`)."""
     if self._state_sharding is None:
-      self._state_sharding = state_shardings(self.state_shapes, self.mesh)
+      self._state_sharding = zero.train_state_shardings(
+          self.state_shapes, self.mesh, self.config.optimizer.shard
+      )
     return self._state_sharding
 
   @functools.cached_property
@@ -273,7 +277,9 @@ class Trainer:
     """Shardings of the state in the model's order (as checkpoints hold it)."""
     if self.layer_order is None or len(self.layer_order) == self._units:
       return self.state_sharding
-    return state_shardings(self.model_state_shapes, self.mesh)
+    return zero.train_state_shardings(
+        self.model_state_shapes, self.mesh, self.config.optimizer.shard
+    )
 
   def init(self) -> TrainState:
     """Restores the newest readable checkpoint in the workdir, else initialises from train.seed."""
@@ -335,9 +341,15 @@ class Trainer:
     loss_and_grads, optimizer = self.loss_and_grads, self.optimizer
     lr = learning_rate(self.config.optimizer, self.config.train.steps)
     cfg = self.model_cfg
+    # zero1: gradients all-reduced whole; zero2, fsdp: reduce-scattered onto the moments' split
+    grad_sharding = zero.gradient_shardings(
+        self.state_shapes.params, self.mesh, self.config.optimizer.shard
+    )
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
       loss, grads, metrics = loss_and_grads(state.params, batch)
+      if grad_sharding is not None:
+        grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
       history = state.fp8
       if history is not None:  # a delayed scale's "gradient" is the amax its GEMMs saw
         seen = fp8_lib.state_of(grads)

@@ -1,0 +1,230 @@
+"""The distributed optimizer (`optimizer.shard`): ZeRO-1, ZeRO-2 and FSDP over the data axes.
+
+  none   every data rank holds the whole parameters, gradients and Adam moments
+  zero1  the moments (mu, nu) are split over the data axes; gradients are all-reduced whole,
+         each rank updates its slice, the new parameters are all-gathered
+  zero2  the gradients are also reduce-scattered onto the moments' split instead of all-reduced
+  fsdp   the parameters are stored split too; on the plain data-parallel path each layer's
+         weights are all-gathered just before use inside the layer scan (again in the
+         backward, never kept as residuals) and their gradients reduce-scattered there
+
+The data axes are `mesh.BATCH_AXES` (dp, ep); expert weights, already split over ep, split over
+dp only. Each leaf splits along one dimension: the largest that the data-parallel degree
+divides among those not already split (pp's layer axis, ep's expert axis, tp's dimension) and
+not a layer axis (so that the scan reads one layer's slice of every rank's shard). A leaf with
+no such dimension stays whole; under fsdp a weight matrix like that is refused at the config
+(`check`), vectors (norm scales, biases) stay whole.
+
+The split is a storage layout: `state.state_shardings` (what the shard_map paths take) does not
+change, so on the tensor-, context-parallel and pipeline paths GSPMD gathers fsdp's parameters
+whole where the step's shard_map begins (docs/tensor_parallel.md#distributed-optimizer).
+"""
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import transformer
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.training import config as config_lib
+from jaxpipe.training.mesh import BATCH_AXES
+from jaxpipe.training.state import state_shardings
+
+MODES = config_lib.OPTIMIZER_SHARDS
+GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights
+
+
+def _keys(path) -> list:
+  return [getattr(k, "key", getattr(k, "name", None)) for k in path]
+
+
+def layer_axes(keys: list) -> int:
+  """Leading stacked axes of a leaf: the layer (unit) axis, and an MoE group's dense layers."""
+  if "layers" not in keys:
+    return 0
+  return 2 if "dense" in keys else 1
+
+
+def data_axes(keys: list, sizes: dict[str, int]) -> tuple[str, ...]:
+  """The data axes (size > 1) a leaf splits over: dp and ep, dp only for expert weights."""
+  axes = BATCH_AXES[:1] if keys and keys[-1] in moe_lib.EXPERT_WEIGHTS else BATCH_AXES
+  return tuple(a for a in axes if sizes.get(a, 1) > 1)
+
+
+def split_dim(keys: list, shape: tuple[int, ...], taken: tuple, degree: int) -> int | None:
+  """The dimension a leaf splits along over `degree` data ranks (None: it stays whole): the
+  largest free one `degree` divides, the first of equals; `taken[i]` set: dimension i is split
+  already."""
+  free = [
+      i
+      for i in range(layer_axes(keys), len(shape))
+      if (i >= len(taken) or taken[i] is None) and shape[i] % degree == 0
+  ]
+  return max(free, key=lambda i: (shape[i], -i)) if free else None
+
+
+def data_split(tree: Any, mesh: Mesh, base: Any | None = None) -> Any:
+  """NamedShardings of a params-like tree split over the data axes on top of `base` (default
+  `state_shardings(tree, mesh)`)."""
+  base = state_shardings(tree, mesh) if base is None else base
+  sizes = dict(mesh.shape)
+
+  def split(path, leaf, sharding):
+    keys = _keys(path)
+    axes = data_axes(keys, sizes)
+    degree = math.prod(sizes[a] for a in axes)
+    if degree == 1 or not leaf.shape:
+      return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+    dim = split_dim(keys, leaf.shape, spec, degree)
+    if dim is None:
+      return sharding
+    spec = spec[:dim] + (axes if len(axes) > 1 else axes[0],) + spec[dim + 1 :]
+    return NamedSharding(mesh, P(*spec))
+
+  return jax.tree_util.tree_map_with_path(split, tree, base)
+
+
+def train_state_shardings(state: Any, mesh: Mesh, mode: str) -> Any:
+  """The TrainState's shardings under `optimizer.shard=mode`: `state_shardings`, with the
+  optimizer's moments (every non-scalar leaf of opt_state) split over the data axes unless
+  mode is 'none', and the parameters too under 'fsdp'."""
+  base = state_shardings(state, mesh)
+  if mode == "none":
+    return base
+  split = data_split(state, mesh, base)
+
+  def pick(path, whole, divided):
+    field = _keys(path)[0]
+    return divided if field == "opt_state" or (mode == "fsdp" and field == "params") else whole
+
+  return jax.tree_util.tree_map_with_path(pick, base, split)
+
+
+def gradient_shardings(params: Any, mesh: Mesh, mode: str) -> Any | None:
+  """Where the train step puts the gradients (None: wherever the gradient path leaves them):
+  whole over the data axes under zero1 (the all-reduce of ZeRO-1), split like the moments
+  under zero2 and fsdp (a reduce-scatter)."""
+  if mode == "none":
+    return None
+  if mode == "zero1":
+    return state_shardings(params, mesh)
+  return data_split(params, mesh)
+
+
+def check(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+  """optimizer.shard against the model: under fsdp every weight matrix must split over the
+  data ranks. Raises ValueError (the config turns it into ConfigError) naming the leaf."""
+  mode = config.optimizer.shard
+  if mode != "fsdp":
+    return
+  cfg = TransformerConfig(**config.model.to_dict())
+  params = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+  mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+  split = data_split(params, mesh)
+  whole = state_shardings(params, mesh)
+  for (path, leaf), s, w in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0],
+      jax.tree.leaves(split),
+      jax.tree.leaves(whole),
+      strict=True,
+  ):
+    keys = _keys(path)
+    axes = data_axes(keys, shape)
+    degree = math.prod(shape[a] for a in axes)
+    matrix = len(leaf.shape) - layer_axes(keys) >= 2
+    if degree > 1 and matrix and s.spec == w.spec:
+      where = " x ".join(f"mesh.{a}" for a in axes)
+      raise ValueError(
+          f"optimizer.shard='fsdp' splits each weight over the {degree} data-parallel ranks "
+          f"({where}), but params{jax.tree_util.keystr(path)} {list(leaf.shape)} has no "
+          f"dimension {degree} divides (layer axes and split ones aside); use a data-parallel "
+          "size dividing one of its dimensions, or optimizer.shard='zero2'"
+      )
+
+
+# -- fsdp on the plain data-parallel path --------------------------------------------------------
+
+
+def gather(tree: Any, whole: Any, split: Any) -> Any:
+  """`tree` all-gathered onto `whole` shardings; its cotangent reduce-scattered onto `split`."""
+
+  @jax.custom_vjp
+  def gathered(t):
+    return jax.lax.with_sharding_constraint(t, whole)
+
+  def backward(_, ct):
+    return (jax.lax.with_sharding_constraint(ct, split),)
+
+  gathered.defvjp(lambda t: (jax.lax.with_sharding_constraint(t, whole), None), backward)
+  return gathered(tree)
+
+
+_RECOMPUTED = ("custom_vjp_call", "custom_vjp_call_jaxpr", "sharding_constraint")
+
+
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+  # Residuals are saved as without fsdp, except a layer's gathered weights and what gives or
+  # casts them (the gather, its sharding constraint, the casts to the compute dtype): the
+  # backward gathers each layer again instead of keeping L whole layers.
+  if prim.name == "name":
+    return params["name"] != GATHERED
+  return prim.name not in _RECOMPUTED and prim.name != "convert_element_type"
+
+
+def _unit_shardings(shardings: Any) -> Any:
+  """Shardings of one scan step's slice of stacked layer leaves (the leading axis dropped)."""
+  return jax.tree.map(
+      lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:])),
+      shardings,
+      is_leaf=lambda s: isinstance(s, NamedSharding),
+  )
+
+
+def fsdp_model_loss(mesh: Mesh, with_aux: bool):
+  """`transformer.loss` (with_aux: `loss_and_aux`) with parameters stored split over the data
+  axes: the embedding, head and final norm gathered once, each layer (MoE: each group) inside
+  the layer scan."""
+
+  def model_loss(
+      cfg: TransformerConfig,
+      params: dict,
+      tokens_BxL: jax.Array,
+      targets_BxL: jax.Array,
+      mask_BxL: jax.Array,
+      *,
+      segment_ids_BxL: jax.Array | None = None,
+      positions_BxL: jax.Array | None = None,
+  ):
+    transformer.check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss")
+    if cfg.moe is not None and with_aux is False:
+      raise ValueError("fsdp_model_loss(with_aux=False) takes dense models")
+    whole, split = state_shardings(params, mesh), data_split(params, mesh)
+    outer = [k for k in params if k != "layers"]
+    top = gather(
+        {k: params[k] for k in outer}, {k: whole[k] for k in outer}, {k: split[k] for k in outer}
+    )
+    unit_whole = _unit_shardings(whole["layers"])
+    unit_split = _unit_shardings(split["layers"])
+    positions = positions_BxL if positions_BxL is not None else jnp.arange(tokens_BxL.shape[1])
+
+    def body(x_BxLxD, unit):
+      unit = checkpoint_name(gather(unit, unit_whole, unit_split), GATHERED)
+      out = transformer.apply_unit(cfg, unit, x_BxLxD, positions, False, segment_ids_BxL)
+      return out if isinstance(out, tuple) else (out, None)
+
+    policy = None if cfg.remat else _save_all_but_gathered
+    body = jax.checkpoint(body, policy=policy)
+    x_BxLxD, aux = jax.lax.scan(body, transformer.embed(cfg, top, tokens_BxL), params["layers"])
+    total, count = transformer.head_loss(cfg, top, x_BxLxD, targets_BxL, mask_BxL)
+    return (total, count, {} if aux is None else aux) if with_aux else (total, count)
+
+  return model_loss

@@ -1,0 +1,241 @@
+"""The distributed optimizer (`optimizer.shard`, jaxpipe.training.zero): gradients equal the
+one-device model's, three steps follow the replicated run, per-device bytes fall by the
+data-parallel degree, the compiled step holds the collectives of its layout, checkpoints restore
+across layouts, and bad layouts stop at the config."""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs import tiny
+from jaxpipe.models import transformer
+from jaxpipe.training import config as config_lib
+from jaxpipe.training import zero
+from jaxpipe.training.losses import make_loss_and_grads
+from jaxpipe.training.mesh import make_mesh
+from jaxpipe.training.trainer import Trainer
+from tests import helpers
+
+
+def _config(shard="none", tp=1, sp=False, cp=1, moe=False):
+  c = helpers.moe_config(ep=2) if moe else tiny.get_config()
+  c.mesh.tp, c.mesh.cp = tp, cp
+  c.model.sequence_parallel = sp
+  c.optimizer.shard = shard
+  c.data.batch = 8
+  c.train.steps = 3
+  return c
+
+
+def _flat(tree):
+  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _one_device(cfg, params, batch):
+  if cfg.moe is not None:
+    return helpers.one_device_objective(cfg, params, batch)
+  total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+  return total / count, (total / count, {})
+
+
+def _batch(c, seed=0):
+  rng = np.random.default_rng(seed)
+  b, l, v = c.data.batch, c.data.seq_len, c.model.vocab
+  return {
+      "tokens": rng.integers(0, v, (b, l)).astype(np.int32),
+      "targets": rng.integers(0, v, (b, l)).astype(np.int32),
+      "mask": (rng.random((b, l)) > 0.2).astype(np.float32),
+  }
+
+
+def _nonzero_bytes_per_device(params, divisor):
+  """Per-device bytes of `params` when leaf `path` takes 1/divisor(path) of its bytes."""
+  return sum(_nbytes(x) // divisor(path) for path, x in _flat(params).items())
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(moe=True), dict(tp=2, sp=True)], ids=["moe-ep2-dp4", "tp2-sp-dp4"]
+)
+def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
+  """Parameters stored split over the data axes (fsdp): the loss and every gradient equal the
+  unsharded model's, and the compiled gradient step's arguments hold 1/8 of every parameter:
+  MoE: experts over ep 2 x dp 4, the rest over dp 4 x ep 2; tp 2: Megatron's weights over
+  tp 2 x dp 4, the norms (whole under tp) over dp 4 only."""
+  c = _config("fsdp", **layout)
+  shape = config_lib.validate(c, jax.device_count())
+  cfg = config_lib.model_config(c)
+  mesh = make_mesh(c.mesh)
+  params = helpers.random_params(cfg)
+  placed = jax.device_put(params, zero.data_split(params, mesh))
+  whole = NamedSharding(mesh, P())
+  batch = jax.device_put(_batch(c), whole)
+  compiled = jax.jit(make_loss_and_grads(c, cfg, shape)).lower(placed, batch).compile()
+  norms = lambda path: 4 if c.mesh.tp == 2 and "scale" in jax.tree_util.keystr(path) else 8
+  want_args = _nonzero_bytes_per_device(params, norms) + _nbytes(batch)
+  assert compiled.memory_analysis().argument_size_in_bytes == want_args
+  loss, grads, _ = compiled(placed, batch)
+  (_, (want, _)), want_grads = jax.jit(
+      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+  )(params, jax.device_get(batch))
+  helpers.close(loss, want, "loss")
+  want_flat = _flat(want_grads)
+  # the replicated MoE path and tp's shard_map differ from one device by 1.6e-5 themselves
+  for path, g in _flat(grads).items():
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
+RUNS = {  # name: (reference run, config overrides)
+    "none": ("none", {}),
+    "zero1": ("none", dict(shard="zero1")),
+    "zero2": ("none", dict(shard="zero2")),
+    "fsdp": ("none", dict(shard="fsdp")),
+    "tp2-sp-zero2": ("none", dict(shard="zero2", tp=2, sp=True)),
+}
+
+
+@functools.cache
+def _run(name):
+  """Three steps of one layout: (losses, model-order params, compile stats, optimised HLO)."""
+  trainer = Trainer(_config(**RUNS[name][1]))
+  compiled = trainer.compile()
+  losses = [float(trainer.step()["loss"]) for _ in range(3)]
+  return losses, jax.device_get(trainer.model_params()), trainer.compile_stats, compiled.as_text()
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if RUNS[n][0] != n])
+def test_three_steps_follow_the_replicated_trajectory(name):
+  losses, params, _, _ = _run(name)
+  want_losses, want_params, _, _ = _run(RUNS[name][0])
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  want = _flat(want_params)
+  for path, p in _flat(params).items():
+    helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
+
+
+def _model_shapes(c):
+  cfg = config_lib.model_config(c)
+  return jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+
+
+def test_per_device_bytes_fall_by_the_data_parallel_degree():
+  """Exact argument bytes of the compiled step: zero1 divides the moments (mu, nu: two copies
+  of the parameters' bytes) by dp = 8, fsdp the parameters too; every leaf of the model has
+  a dimension 8 divides. (MoE and tp: the gradient test above.)"""
+  params = _model_shapes(_config())
+  whole = _nbytes(params)
+  args = {n: _run(n)[2]["argument_bytes"] for n in ("none", "zero1", "fsdp")}
+  assert args["none"] - args["zero1"] == 2 * whole * 7 // 8
+  assert args["none"] - args["fsdp"] == 3 * whole * 7 // 8
+
+
+COLLECTIVE = (
+    r"= (?:\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(([^)]*)\)"
+)
+
+
+def _collectives(text):
+  """{(op, where): arrays moved}; where: 'forward loop' and 'backward loop' (the layer scan's
+  bodies, compiled once for all layers) or 'outside'. Merged collectives count each array."""
+  counts = {}
+  for line in text.splitlines():
+    found = re.search(COLLECTIVE, line)
+    if not found:
+      continue
+    name = re.search(r'op_name="([^"]*)"', line)
+    name = name.group(1) if name else ""
+    if "transpose(jvp())/while/body" in name:
+      where = "backward loop"
+    elif "while/body" in name:
+      where = "forward loop"
+    else:
+      where = "outside"
+    key = (found.group(1), where)
+    counts[key] = counts.get(key, 0) + found.group(2).count("%")
+  return counts
+
+
+def test_compiled_steps_hold_the_layouts_collectives():
+  """dp 8, plain data-parallel path (GSPMD). none: the gradients' all-reduce (per layer in the
+  backward loop), nothing gathered. zero1 and zero2: the same, and each parameter all-gathered
+  once after its update. fsdp: each layer's nine weights all-gathered in the forward loop, its
+  seven matrices again in the backward loop, the embedding and final norm once outside; the
+  updated parameters stay split (no gather after the update)."""
+  leaves = len(jax.tree.leaves(_model_shapes(_config())))
+  layer = len(jax.tree.leaves(_model_shapes(_config())["layers"]))
+  counts = {n: _collectives(_run(n)[3]) for n in ("none", "zero1", "zero2", "fsdp")}
+  assert ("all-gather", "outside") not in counts["none"]
+  assert counts["none"][("all-reduce", "backward loop")] == layer
+  for n in ("zero1", "zero2"):
+    assert counts[n][("all-gather", "outside")] == leaves
+    assert counts[n][("all-reduce", "backward loop")] == layer
+  fsdp = counts["fsdp"]
+  assert fsdp[("all-gather", "forward loop")] == layer
+  assert fsdp[("all-gather", "backward loop")] == 7  # q, k, v, o, gate, up, down
+  assert fsdp[("all-gather", "outside")] == leaves - layer
+  assert not any(op == "reduce-scatter" for op, _ in fsdp)  # XLA:CPU: all-reduce + slice
+
+
+def test_split_gradients_and_gathered_layers_are_not_kept_whole():
+  """Temporaries: zero2 keeps the gradients split (at least half of their bytes saved against
+  zero1), and fsdp keeps no gathered layer for the backward (no more than zero2's)."""
+  whole = _nbytes(_model_shapes(_config()))
+  temp = {n: _run(n)[2]["temp_bytes"] for n in ("zero1", "zero2", "fsdp")}
+  assert temp["zero1"] - temp["zero2"] > whole // 2
+  assert temp["fsdp"] <= temp["zero2"]
+
+
+def test_checkpoints_restore_across_optimizer_layouts(tmp_path):
+  """Saved under tp 2 x zero1, restored bit for bit under fsdp (dp 8), onto fsdp's split; and
+  saved there, restored under tp 2 x zero1."""
+  layouts = [dict(shard="zero1", tp=2, sp=True), dict(shard="fsdp")]
+  for i, (saved, restored) in enumerate((layouts, layouts[::-1])):
+    workdir = str(tmp_path / str(i))
+    c = _config(**saved)
+    c.train.steps, c.train.eval_every, c.checkpoint.every = 2, 0, 2
+    with Trainer(c, workdir) as first:
+      first.train(progress=False)
+      want = _flat(jax.device_get(first.state))
+    with Trainer(_config(**restored), workdir, existing_run="resume_changed") as other:
+      state = other.init()
+      assert other.resumed_from == 2
+      mu = state.opt_state[1][0].mu["layers"]["mlp"]["up"]["kernel"]  # [layers, 32, 64]
+      assert mu.sharding.shard_shape(mu.shape) == ((2, 32, 8) if i == 0 else (2, 8, 32))
+      for path, value in _flat(jax.device_get(state)).items():
+        np.testing.assert_array_equal(value, want[path], err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"optimizer.shard": "zero3"}, "optimizer.shard='zero3' is unknown; use one of none"),
+        (
+            {"optimizer.shard": "fsdp", "model.vocab": 68, "model.d_model": 36},
+            "params['embed'] [68, 36] has no dimension 8 divides",
+        ),
+    ],
+)
+def test_bad_layouts_stop_at_the_config(overrides, message):
+  c = tiny.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    config_lib.validate(c, 8)
+
+
+def test_split_dims_pick_the_largest_free_dimension():
+  # layer axis left alone; largest dimension dp divides; ties: the first; split ones skipped
+  assert zero.split_dim(["layers", "mlp", "up", "kernel"], (2, 32, 64), (), 8) == 2
+  assert zero.split_dim(["layers", "attn", "q", "kernel"], (8, 32, 4, 8), (), 8) == 1
+  assert zero.split_dim(["layers", "mlp", "up", "kernel"], (2, 32, 64), (None, None, "tp"), 8) == 1
+  assert zero.split_dim(["layers", "dense", "mlp", "up"], (2, 8, 12, 12), (), 8) is None
+  assert zero.split_dim(["embed"], (64, 32), (), 8) == 0
