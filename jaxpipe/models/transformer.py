@@ -446,15 +446,19 @@ def apply_unit(
   return _attach_unit_aux(cfg, x_BxLxD, aux)
 
 
-def _attach_unit_aux(cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict) -> jax.Array:
-  """x with the MoE group's auxiliary loss on its gradient, weighted by the tokens of x."""
+def _attach_unit_aux(
+    cfg: TransformerConfig, x_BxLxD: jax.Array, aux: dict, tokens: int | None = None
+) -> jax.Array:
+  """x with the MoE group's auxiliary loss on its gradient, weighted by `tokens` (default the
+  tokens of x)."""
   if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef:
     raise ValueError(
         "moe.lb_loss_form='pooled' couples all MoE layers, so it cannot ride on each "
         "layer's gradient (pipeline and context-parallel paths); use "
         "loss_and_aux with moe.aux_objective, or moe.lb_loss_form='per_layer'"
     )
-  return attach_aux_loss(x_BxLxD, aux["loss"] * (x_BxLxD.shape[0] * x_BxLxD.shape[1]))
+  tokens = x_BxLxD.shape[0] * x_BxLxD.shape[1] if tokens is None else tokens
+  return attach_aux_loss(x_BxLxD, aux["loss"] * tokens)
 
 
 def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
@@ -574,7 +578,10 @@ def loss_and_aux(
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 
-def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None):
-  """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics)."""
+def moe_unit(
+    cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None, tokens=None
+):
+  """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics);
+  the loss weighted by `tokens` (default the tokens of x, `_attach_unit_aux`)."""
   x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL)
-  return _attach_unit_aux(cfg, x_BxLxD, aux), {k: aux[k] for k in moe_lib.AUX_KEYS}
+  return _attach_unit_aux(cfg, x_BxLxD, aux, tokens), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -166,12 +166,15 @@ def check_model(
     seq_axes: tuple[str, ...] = (),
     param_specs: tuple | None = None,
     side_inputs: PyTree = (),
+    head_specs: tuple | None = None,
+    embed_specs: tuple | None = None,
 ) -> None:
   """Traces (without compiling) one stage and the loss on one micro-batch to check shapes.
 
   Given a mesh, the functions are traced inside a `shard_map` over it on the slices the executor
   gives them (batch over `data_axes`, sequence over `seq_axes`, parameter leaves split by
-  `param_specs`, a `param_specs_key`), so they may use collectives over those axes.
+  `param_specs`, a `param_specs_key`; head and embedding parameters by `head_specs` and
+  `embed_specs`), so they may use collectives over those axes.
   """
   if mesh is not None:
     if param_specs is None:
@@ -184,8 +187,10 @@ def check_model(
         params_spec,
         jax.tree.map(lambda _: io, xs),
         jax.tree.map(lambda _: io, targets),
-        P(),
-        P(),
+        *(
+            P() if k is None else jax.tree.unflatten(k[0], list(k[1]))
+            for k in (head_specs, embed_specs)
+        ),
         jax.tree.map(lambda _: io, side_inputs),
     )
 
@@ -303,10 +308,24 @@ def _program(
     param_specs: tuple | None,
     seq_axes: tuple[str, ...] = (),
     partners: tuple | None = None,
+    model_axes: tuple[str, ...] = (),
+    head_specs: tuple | None = None,
+    embed_specs: tuple | None = None,
 ) -> Callable:
   """The jitted step; `partners` (`copy_partners`): stage copies stored resident, their
   gradients (and aux) summed between their two holders."""
-  run = make_executor(model, spec, mesh, pp_axis, data_axes, param_specs, seq_axes)
+  run = make_executor(
+      model,
+      spec,
+      mesh,
+      pp_axis,
+      data_axes,
+      param_specs,
+      seq_axes,
+      model_axes,
+      head_specs,
+      embed_specs,
+  )
   if partners is not None:
     local_spec = P(pp_axis)
     if param_specs is not None:
@@ -365,6 +384,9 @@ def pipeline_value_and_grad(
     seq_axes: tuple[str, ...] = (),
     stage_order: str = "model",
     side_inputs: PyTree = (),
+    model_axes: tuple[str, ...] = (),
+    head_specs: PyTree | None = None,
+    embed_specs: PyTree | None = None,
 ):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
@@ -392,6 +414,10 @@ def pipeline_value_and_grad(
   xs is (e.g. a packed batch's segment ids and positions); every stage function receives
   micro-batch i's slice as its third argument wherever it runs micro-batch i, undifferentiated
   (see `jaxpipe.pipeline.executor`).
+
+  model_axes (tensor parallelism, `make_executor`): axes whose ranks compute one loss together
+  from the same tokens, each holding the slices of the leaves that `param_specs`,
+  `head_specs` and `embed_specs` (pytrees like head_params and embed_params) split over them.
   """
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
@@ -415,8 +441,13 @@ def pipeline_value_and_grad(
       side_inputs=side_inputs,
   )
   specs_key = param_specs_key(param_specs)
+  model_axes = as_axes(model_axes)
+  head_key, embed_key = param_specs_key(head_specs), param_specs_key(embed_specs)
   if specs_key is not None:
-    check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params)
+    check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
+  for key, tree in ((head_key, head_params), (embed_key, embed_params)):
+    if key is not None:
+      check_param_specs(key, data_axes, seq_axes, pp_axis, tree, model_axes)
   check_model(
       model,
       stage_params,
@@ -429,6 +460,8 @@ def pipeline_value_and_grad(
       seq_axes,
       specs_key,
       side_inputs,
+      head_key,
+      embed_key,
   )
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
@@ -450,6 +483,9 @@ def pipeline_value_and_grad(
       specs_key,
       seq_axes,
       partners,
+      model_axes,
+      head_key,
+      embed_key,
   )
   return program(
       lowered.table, layout, stage_params, xs, targets, head_params, embed_params, side_inputs

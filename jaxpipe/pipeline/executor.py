@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -566,9 +567,10 @@ def check_param_specs(
     seq_axes: tuple[str, ...],
     pp_axis: str,
     params: PyTree | None = None,
+    model_axes: tuple[str, ...] = (),
 ) -> None:
-  """Raises ValueError unless a `param_specs_key` splits leaves over data axes only (and, given
-  one stage's params, has their structure)."""
+  """Raises ValueError unless a `param_specs_key` splits leaves over data and model axes only
+  (and, given one stage's params, has their structure)."""
   treedef, leaf_specs = param_specs
   if params is not None and jax.tree.structure(params) != treedef:
     raise ValueError(
@@ -576,11 +578,12 @@ def check_param_specs(
         f"{jax.tree.structure(params)}; give one spec per parameter leaf"
     )
   for leaf_spec in leaf_specs:
-    bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes]
+    bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes + model_axes]
     if bad:
       raise ValueError(
           f"param_specs entry {leaf_spec} shards over {bad}, which are not "
-          f"data axes {data_axes} of this executor; parameters split over "
+          f"data axes {data_axes} or model axes {model_axes} of this executor; parameters "
+          f"split over "
           f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
           f"sequence axes {seq_axes} hold whole parameters"
       )
@@ -602,6 +605,9 @@ def make_executor(
     data_axes: tuple[str, ...] | None = None,
     param_specs: tuple | None = None,
     seq_axes: tuple[str, ...] = (),
+    model_axes: tuple[str, ...] = (),
+    head_specs: tuple | None = None,
+    embed_specs: tuple | None = None,
 ) -> Callable:
   """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=())`.
 
@@ -619,6 +625,14 @@ def make_executor(
   shards, ...] (rank r's chunk c as seen by data shard d, ordered over `data_axes` then
   `seq_axes`). side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch,
   ...] split as xs is (see the module docstring).
+
+  model_axes (tensor parallelism): axes whose ranks see the same tokens and together compute
+  one loss, each with its slice of some parameters (`param_specs` may split stage leaves over
+  them, `head_specs` and `embed_specs`, `param_specs_key`s of head_params and embed_params,
+  those too) and running their own collectives over them. The loss is counted once. Without
+  varying-axes checks the backward of a model-axis collective treats every rank's copy of the
+  loss as its own, so each gradient arrives summed over the model ranks: gradients are reduced
+  over the model axes a leaf is not split over, as over data axes, and divided by their size.
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -638,10 +652,21 @@ def make_executor(
   # Sequence shards hold different tokens, exactly as data shards do: sums run over both.
   data_axes = batch_axes + seq_axes
   all_axes = (pp_axis,) + data_axes
+  model_axes = as_axes(model_axes)
+  clash = sorted(set(model_axes) & set(all_axes))
+  if clash:
+    raise ValueError(
+        f"model_axes {model_axes} must leave out the pipeline, data and sequence axes "
+        f"{all_axes}; drop {clash}"
+    )
+  model_size = math.prod(mesh.shape[a] for a in model_axes)
   leaf_specs = None
   if param_specs is not None:
     specs_treedef, leaf_specs = param_specs
-    check_param_specs(param_specs, batch_axes, seq_axes, pp_axis)
+    check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
+  for io_specs in (head_specs, embed_specs):
+    if io_specs is not None:
+      check_param_specs(io_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
   p = spec.num_ranks
   batch_spec = io_spec(batch_axes, seq_axes)
   # Which parts a tick runs, per branch code: the row gets one flag column per part.
@@ -832,19 +857,20 @@ def make_executor(
     grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
     loss = lax.psum(state["loss"], all_axes)
     # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
-    flat, grads_treedef = jax.tree_util.tree_flatten_with_path(grads)
-    reduced = []
-    for i, (path, g) in enumerate(flat):
-      axes = (
-          tuple(data_axes)
-          if leaf_specs is None
-          else tuple(a for a in data_axes if a not in _leaf_axes(leaf_specs[i]))
-      )
-      reduce = lax.pmax if combines_by_max(model, path) else lax.psum
-      reduced.append(reduce(g, axes) if axes else g)
-    grads = jax.tree.unflatten(grads_treedef, reduced)
-    head_g = lax.psum(head_g, all_axes)
-    embed_g = lax.psum(embed_g, all_axes)
+    def reduce_grads(tree, specs, axes_of_all):
+      flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+      reduced = []
+      for i, (path, g) in enumerate(flat):
+        own = () if specs is None else _leaf_axes(specs[1][i])
+        axes = tuple(a for a in axes_of_all + model_axes if a not in own)
+        by_max = combines_by_max(model, path)
+        g = (lax.pmax if by_max else lax.psum)(g, axes) if axes else g
+        reduced.append(g if by_max or model_size == 1 else g / model_size)
+      return jax.tree.unflatten(treedef, reduced)
+
+    grads = reduce_grads(grads, param_specs, tuple(data_axes))
+    head_g = reduce_grads(head_g, head_specs, all_axes)
+    embed_g = reduce_grads(embed_g, embed_specs, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
     out = (
         loss,
@@ -859,11 +885,24 @@ def make_executor(
   local_spec = P(pp_axis)
   if leaf_specs is not None:
     local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
+  head_spec, embed_spec = (
+      P() if io is None else jax.tree.unflatten(io[0], list(io[1]))
+      for io in (head_specs, embed_specs)
+  )
   mapped = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(P(None, pp_axis), P(), local_spec, batch_spec, batch_spec, P(), P(), batch_spec),
-      out_specs=(P(), local_spec, P(), P())
+      in_specs=(
+          P(None, pp_axis),
+          P(),
+          local_spec,
+          batch_spec,
+          batch_spec,
+          head_spec,
+          embed_spec,
+          batch_spec,
+      ),
+      out_specs=(P(), local_spec, head_spec, embed_spec)
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
       # same types; the reductions at the end are explicit, so vma checking is off.
@@ -872,7 +911,7 @@ def make_executor(
 
   def run(table, local_params, xs, targets, head_params, embed_params, side=()):
     if param_specs is not None:
-      check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params)
+      check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params, model_axes)
     # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
     links = jnp.stack(
         [

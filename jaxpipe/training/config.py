@@ -348,7 +348,6 @@ def _check_tensor_parallel(
   if tp == 1:
     return
   unsupported = (
-      (shape["pp"] > 1, "mesh.pp > 1 (the pipeline executor)", "mesh.pp=1"),
       (m.fp8 != "none", f"model.fp8={m.fp8!r}", "model.fp8='none'"),
       (m.attention == "pallas", "model.attention='pallas'", "model.attention='xla'"),
       (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),

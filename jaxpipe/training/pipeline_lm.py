@@ -47,6 +47,8 @@ from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.parallel import tensor as tp_lib
+from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
@@ -55,6 +57,7 @@ from jaxpipe.training import config as config_lib
 
 BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
+TENSOR_AXIS = "tp"  # mesh axis that splits the layers (Megatron's tensor parallelism)
 
 
 def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
@@ -63,37 +66,48 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 
 
 @functools.lru_cache(maxsize=16)
-def lm_model(cfg: TransformerConfig, context_axis: str | None = None) -> Model:
+def lm_model(
+    cfg: TransformerConfig, context_axis: str | None = None, tensor_axis: str | None = None
+) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
 
   With `context_axis` (the executor's `seq_axes`) each stage holds a contiguous slice of every
-  sequence and attention runs Ulysses over that axis. The layers take the executor's side
-  inputs: a dict of the micro-batch's packed-row keys (`segment_ids`, `positions`), empty for
-  unpacked rows.
+  sequence and attention runs Ulysses over that axis. With `tensor_axis` (the executor's
+  `model_axes`) every function runs Megatron's tensor parallelism over it
+  (`jaxpipe.parallel.tensor`; with `cfg.sequence_parallel` the activations passed between
+  stages hold a 1/tp slice of the sequence). The layers take the executor's side inputs: a dict
+  of the micro-batch's packed-row keys (`segment_ids`, `positions`), empty for unpacked rows.
   """
+  placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
 
   def layer_fn(unit, x_BxLxD, side):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
     # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
     side = side or {}
-    with context_parallel(context_axis, point_to_point=False):
+    with context_parallel(context_axis, point_to_point=False), placed():
+      seq = x_BxLxD.shape[1] * tp_lib.token_split()  # this context rank's tokens
       positions_L = side.get("positions")  # this rank's slice of the rows' positions
       if positions_L is None and context_axis is None:
-        positions_L = jnp.arange(x_BxLxD.shape[1])
+        positions_L = jnp.arange(seq)
       elif positions_L is None:
-        positions_L = positions_local(x_BxLxD.shape[1], context_axis)
+        positions_L = positions_local(seq, context_axis)
       seg = side.get("segment_ids")
       if cfg.moe is None:
         return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, segment_ids_BxL=seg)
-      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg)
+      # The executor divides the gradients of tensor ranks, each counting the one loss, by
+      # tp: so each weighs the aux loss by the micro-batch's tokens, not its sequence slice's.
+      tokens = x_BxLxD.shape[0] * seq
+      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg, tokens)
 
   def embed_fn(embed_params, tokens_BxL):
-    return transformer.embed(cfg, embed_params, tokens_BxL)
+    with placed():
+      return transformer.embed(cfg, embed_params, tokens_BxL)
 
   def loss_fn(head_params, x_BxLxD, target):
     targets_BxL, mask_BxL = target
-    return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
+    with placed():
+      return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
 
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).
@@ -128,15 +142,27 @@ def lm_layer_order(
   return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
 
 
-def stage_param_specs(stage_layers, ep_axis: str | None = "ep"):
-  """PartitionSpecs over one stage's layer params: expert weights [..., E, in, out] split on E."""
+def stage_param_specs(stage_layers, ep_axis: str | None = "ep", tp: int = 1, tp_axis: str = "tp"):
+  """PartitionSpecs over one stage's layer params (leaves [stages, ...]; the spec leaves out the
+  stage axis): expert weights [..., E, in, out] split on E over `ep_axis`, Megatron's
+  tensor-parallel dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`)."""
+  return io_param_specs(stage_layers, ep_axis, tp, tp_axis, lead=1)
+
+
+def io_param_specs(params, ep_axis=None, tp: int = 1, tp_axis: str = "tp", lead: int = 0):
+  """PartitionSpecs of parameter leaves, their first `lead` axes left out."""
 
   def spec(path, leaf):
-    if ep_axis is None or getattr(path[-1], "key", None) not in moe_lib.EXPERT_WEIGHTS:
-      return P()
-    return P(*(None,) * (len(leaf.shape) - 4), ep_axis)  # leaf: [stages, ..., E, in, out]
+    axes = [None] * (len(leaf.shape) - lead)
+    if ep_axis is not None and getattr(path[-1], "key", None) in moe_lib.EXPERT_WEIGHTS:
+      axes[-3] = ep_axis  # [..., E, in, out]
+    keys = tuple(getattr(k, "key", None) for k in path)
+    dim = tp_lib.split_dim(keys, leaf.shape, tp)
+    if dim is not None:
+      axes[dim] = tp_axis
+    return P(*axes)
 
-  return jax.tree_util.tree_map_with_path(spec, stage_layers)
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def pipeline_loss_and_grads(
@@ -155,11 +181,11 @@ def pipeline_loss_and_grads(
   holds each layer twice, and both copies get the sum of their gradients.
   """
   for axis in mesh.axis_names:
-    if axis not in ("pp", CONTEXT_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
+    if axis not in ("pp", CONTEXT_AXIS, TENSOR_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:
       raise ValueError(
           f"mesh.{axis}={mesh.shape[axis]}: the pipeline executor combines pp with "
-          f"data ({', '.join(BATCH_AXES)}) and context ({CONTEXT_AXIS}) parallelism "
-          f"only; set mesh.{axis}=1"
+          f"data ({', '.join(BATCH_AXES)}), context ({CONTEXT_AXIS}) and tensor "
+          f"({TENSOR_AXIS}) parallelism only; set mesh.{axis}=1"
       )
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
@@ -179,7 +205,9 @@ def pipeline_loss_and_grads(
   # each unit's first copy in the stored order (all of them without copies): metrics count once
   once = np.unique(order, return_index=True)[1] if in_placement else None
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
-  model = lm_model(cfg, seq_axes[0] if seq_axes else None)
+  tp = mesh.shape.get(TENSOR_AXIS, 1)
+  model_axes = (TENSOR_AXIS,) if tp > 1 else ()
+  model = lm_model(cfg, seq_axes[0] if seq_axes else None, model_axes[0] if model_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
 
@@ -223,8 +251,11 @@ def pipeline_loss_and_grads(
         embed_params={"embed": params["embed"]},
         recompute=bool(pipeline.recompute),
         data_axes=data_axes,
-        param_specs=stage_param_specs(stage_params, ep_axis),
+        param_specs=stage_param_specs(stage_params, ep_axis, tp),
         seq_axes=seq_axes,
+        model_axes=model_axes,
+        head_specs=io_param_specs(head_params, tp=tp),
+        embed_specs=io_param_specs({"embed": params["embed"]}, tp=tp),
         stage_order="placement" if in_placement else "model",
         side_inputs={k: split[k] for k in packed_keys},
     )

@@ -21,19 +21,23 @@ from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
 
-def _config(tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False):
+def _config(tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False, pp=1, schedule="1f1b"):
   c = helpers.moe_config(ep=ep) if moe else tiny.get_config()
-  c.mesh.tp, c.mesh.cp = tp, cp
+  c.mesh.tp, c.mesh.cp, c.mesh.pp = tp, cp, pp
   c.model.sequence_parallel = sp
   c.model.n_kv_heads = kv_heads
   c.data.batch = 8
+  if pp > 1:  # the pipeline executor: 2 micro-batches, one MoE layer per stage
+    c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
+    if moe:
+      c.model.n_layers, c.model.moe.every = 2, 1
   return c
 
 
 @functools.cache
-def _step(tp, sp, cp, ep, kv_heads, moe):
+def _step(tp, sp, cp, ep, kv_heads, moe, pp=1, schedule="1f1b"):
   """(config, model config, jitted loss_and_grads, mesh) of one layout, compiled once."""
-  c = _config(tp, sp, cp, ep, kv_heads, moe)
+  c = _config(tp, sp, cp, ep, kv_heads, moe, pp, schedule)
   shape = config_lib.validate(c, jax.device_count())
   cfg = config_lib.model_config(c)
   return c, cfg, jax.jit(make_loss_and_grads(c, cfg, shape)), make_mesh(c.mesh)
@@ -49,10 +53,10 @@ def _batch(c, seed=0):
   }
 
 
-def _one_device(cfg, params, batch):
+def _one_device(cfg, params, batch, microbatches=1):
   """(objective, (mean cross-entropy, MoE aux)) of the unsharded model on one device."""
   if cfg.moe is not None:
-    return helpers.one_device_objective(cfg, params, batch)
+    return helpers.one_device_objective(cfg, params, batch, microbatches)
   total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
   return total / count, (total / count, {})
 
@@ -61,7 +65,7 @@ def _flat(tree):
   return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
-LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE)
+LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE[, pp, schedule])
     (2, False, 1, 1, 2, False),
     (2, True, 1, 1, 2, False),
     (4, False, 1, 1, 2, False),  # 2 KV heads under tp 4: whole on every rank, a group each
@@ -69,14 +73,23 @@ LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE)
     (2, True, 2, 1, 4, False),  # with Ulysses over cp
     (2, False, 1, 2, 2, True),  # MoE: dense part over tp, experts over ep
     (2, True, 1, 2, 2, True),
+    (2, False, 1, 1, 2, False, 2, "1f1b"),  # inside the pipeline executor's per-tick branch
+    (2, True, 1, 1, 2, False, 2, "zb-h1"),
+    (2, True, 1, 2, 2, True, 2, "1f1b"),
 ]
 
 
 @pytest.mark.parametrize(
     "layout",
     LAYOUTS,
-    ids=lambda l: "tp{}{}-cp{}-ep{}-kv{}{}".format(
-        l[0], "-sp" if l[1] else "", l[2], l[3], l[4], "-moe" if l[5] else ""
+    ids=lambda l: "tp{}{}-cp{}-ep{}-kv{}{}{}".format(
+        l[0],
+        "-sp" if l[1] else "",
+        l[2],
+        l[3],
+        l[4],
+        "-moe" if l[5] else "",
+        f"-pp{l[6]}-{l[7]}" if len(l) > 6 else "",
     ),
 )
 def test_loss_and_gradients_equal_the_one_device_model(layout):
@@ -84,12 +97,13 @@ def test_loss_and_gradients_equal_the_one_device_model(layout):
   params = helpers.random_params(cfg)
   batch = _batch(c)
   loss, grads, metrics = step(jax.device_put(params, state_shardings(params, mesh)), batch)
+  m = c.pipeline.microbatches if c.mesh.pp > 1 else 1  # the aux loss is per micro-batch
   (_, (want, aux)), want_grads = jax.jit(
-      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+      jax.value_and_grad(functools.partial(_one_device, cfg, microbatches=m), has_aux=True)
   )(params, batch)
   helpers.close(loss, want, "loss")
   assert float(metrics["tokens"]) == batch["mask"].sum()
-  if cfg.moe is not None:
+  if cfg.moe is not None and c.mesh.pp == 1:
     np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], aux["tokens_per_expert"])
   want_flat = _flat(want_grads)
   for path, g in _flat(grads).items():
@@ -208,7 +222,6 @@ def test_a_layers_parameters_take_one_tp_th_of_the_bytes():
             "splits each sequence of 18 tokens",
         ),
         ({"model.sequence_parallel": True}, "the tensor axis, which has one rank"),
-        ({"mesh.tp": 2, "mesh.pp": 2}, "mesh.tp=2 does not run with mesh.pp > 1"),
         ({"mesh.tp": 2, "model.fp8": "current"}, "mesh.tp=2 does not run with model.fp8"),
     ],
 )
