@@ -43,6 +43,8 @@ from jaxpipe.parallel import overlap
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.parallel.ulysses import check_divisible
 
+REMAT = (False, True, "selective")  # TransformerConfig.remat's values
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -61,7 +63,9 @@ class TransformerConfig:
   tied_embeddings: bool = True  # head reuses the embedding matrix
   attention: str = "xla"  # backend name passed to jaxpipe.models.attention.attention
   dtype: str = "float32"  # compute dtype; parameters stay float32
-  remat: bool = False  # recompute each layer's activations in the backward pass
+  # recompute in the backward: False (keep every activation), True (each layer's), or
+  # 'selective' (the attention core's only, Megatron's: its [L, L] scores are not kept)
+  remat: bool | str = False
   cp_overlap: bool = False  # cp > 1: fuse projections with Ulysses' all-to-alls (ppermute ring)
   sequence_parallel: bool = False  # tp > 1: norms and residuals split along the sequence over tp
   moe: Any = (
@@ -74,6 +78,11 @@ class TransformerConfig:
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
+    if self.remat not in REMAT:
+      raise ValueError(
+          f"remat={self.remat!r} is unknown; use False (keep activations), True (recompute "
+          "each layer) or 'selective' (recompute the attention core)"
+      )
     if self.fp8 != "none" and self.cp_overlap:
       raise ValueError(
           f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
@@ -195,14 +204,12 @@ class Attention(nn.Module):
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
     q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
     k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
-    o_BxLxHxK = attention(
-        q_BxLxHxK,
-        k_BxLxGxK,
-        v_BxLxGxK,
-        causal=True,
-        backend=c.attention,
-        segment_ids=segment_ids_BxL,
+    core = functools.partial(
+        attention, causal=True, backend=c.attention, segment_ids=segment_ids_BxL
     )
+    if c.remat == "selective":  # keep q, k, v; recompute the scores in the backward
+      core = jax.checkpoint(core)
+    o_BxLxHxK = core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     return tp_lib.reduce_tokens(Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK))
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
@@ -469,7 +476,7 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
     out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach, segment_ids_BxL)
     return out if isinstance(out, tuple) else (out, None)
 
-  if cfg.remat:
+  if cfg.remat is True:  # 'selective' is the attention core's own (Attention)
     body = jax.checkpoint(body)
   x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers)
   return x_BxLxD, {} if aux is None else aux
@@ -578,9 +585,7 @@ def loss_and_aux(
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 
-def moe_unit(
-    cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None, tokens=None
-):
+def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None, tokens=None):
   """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics);
   the loss weighted by `tokens` (default the tokens of x, `_attach_unit_aux`)."""
   x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL)

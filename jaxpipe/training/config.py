@@ -14,7 +14,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxpipe.data import source as data_source
-from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.models.transformer import REMAT, TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
@@ -49,6 +49,8 @@ def default_config() -> ml_collections.ConfigDict:
 
   # Field meanings and defaults live on TransformerConfig, the one place that defines them.
   c.model = ml_collections.ConfigDict(dataclasses.asdict(TransformerConfig()))
+  # False, True or 'selective' (TransformerConfig.remat): a field of either type
+  c.model.remat = config_dict.FieldReference(False, field_type=object)
 
   c.mesh = ms = ml_collections.ConfigDict()
   ms.pp = 1  # pipeline stages
@@ -216,6 +218,11 @@ def validate(
         f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
         f"{m.n_kv_heads}; grouped-query attention shares each KV head among an equal "
         "number of query heads, so pick n_kv_heads among the divisors of n_heads"
+    )
+  if m.remat not in REMAT:
+    raise ConfigError(
+        f"model.remat={m.remat!r} is unknown; use False (keep activations), True (recompute "
+        "each layer in the backward) or 'selective' (recompute the attention core only)"
     )
   if not isinstance(m.cp_overlap, bool):
     raise ConfigError(f"model.cp_overlap={m.cp_overlap!r} must be True or False")

@@ -220,7 +220,7 @@ def context_parallel_loss_and_grads(
       return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S, segment_ids_BxS), {}
     # transformer.apply_layers, keeping each MoE group's statistics
     body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
-    return jax.lax.scan(jax.checkpoint(body) if cfg.remat else body, x_BxSxD, layers)
+    return jax.lax.scan(jax.checkpoint(body) if cfg.remat is True else body, x_BxSxD, layers)
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS):
     with (

@@ -209,6 +209,27 @@ def test_remat_gradients_and_bfloat16_loss():
   np.testing.assert_allclose(bf16, l0, rtol=5e-2)
 
 
+def test_selective_remat_recomputes_the_attention_core_only():
+  """remat='selective' (Megatron's): the same gradients; the backward's temporaries fall below
+  keeping everything (the [L, L] scores are recomputed) and stay above recomputing each whole
+  layer (the projections' outputs are kept), in the compiled program's own bytes."""
+  cfg = dataclasses.replace(CFG, n_layers=4)
+  params = _random_params(cfg)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, 256)), jnp.int32)
+  mask = jnp.ones(tokens.shape)
+  temp, grads = {}, {}
+  for remat in (False, "selective", True):
+    c = dataclasses.replace(cfg, remat=remat)
+    step = jax.jit(jax.grad(lambda p, c=c: transformer.loss(c, p, tokens, tokens, mask)[0]))
+    temp[remat] = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+    grads[remat] = step(params)
+  assert temp[True] < temp["selective"] < 0.6 * temp[False]
+  for a, b in zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads["selective"])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="remat='partial' is unknown"):
+    dataclasses.replace(cfg, remat="partial")
+
+
 def test_analytic_flops_match_compiled_count():
   # One layer so the scan body (which XLA counts once) is the whole model; sizes where matmuls
   # dominate the elementwise work XLA also counts.
