@@ -22,8 +22,9 @@ from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
 
-def _config(shard="none", tp=1, sp=False, cp=1, moe=False):
+def _config(shard="none", tp=1, sp=False, cp=1, moe=False, kv_heads=2):
   c = helpers.moe_config(ep=2) if moe else tiny.get_config()
+  c.model.n_kv_heads = kv_heads  # 4 for tp 2 x cp 2: a KV head per rank
   c.mesh.tp, c.mesh.cp = tp, cp
   c.model.sequence_parallel = sp
   c.optimizer.shard = shard
@@ -63,13 +64,15 @@ def _nonzero_bytes_per_device(params, divisor):
 
 
 @pytest.mark.parametrize(
-    "layout", [dict(moe=True), dict(tp=2, sp=True)], ids=["moe-ep2-dp4", "tp2-sp-dp4"]
+    "layout",
+    [dict(moe=True), dict(tp=2, sp=True, cp=2, kv_heads=4)],
+    ids=["moe-ep2-dp4", "tp2-sp-cp2-dp2"],
 )
 def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   """Parameters stored split over the data axes (fsdp): the loss and every gradient equal the
-  unsharded model's, and the compiled gradient step's arguments hold 1/8 of every parameter:
-  MoE: experts over ep 2 x dp 4, the rest over dp 4 x ep 2; tp 2: Megatron's weights over
-  tp 2 x dp 4, the norms (whole under tp) over dp 4 only."""
+  unsharded model's, and the compiled gradient step's arguments hold the parameters' bytes
+  split as stored: MoE: 1/8 (experts over ep 2 x dp 4, the rest over dp 4 x ep 2); tp 2 x cp 2
+  x dp 2: Megatron's weights over tp 2 x dp 2, the norms (whole under tp) over dp 2 only."""
   c = _config("fsdp", **layout)
   shape = config_lib.validate(c, jax.device_count())
   cfg = config_lib.model_config(c)
@@ -79,7 +82,8 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   whole = NamedSharding(mesh, P())
   batch = jax.device_put(_batch(c), whole)
   compiled = jax.jit(make_loss_and_grads(c, cfg, shape)).lower(placed, batch).compile()
-  norms = lambda path: 4 if c.mesh.tp == 2 and "scale" in jax.tree_util.keystr(path) else 8
+  data = 8 // (c.mesh.tp * c.mesh.cp)
+  norms = lambda path: data if "scale" in jax.tree_util.keystr(path) else data * c.mesh.tp
   want_args = _nonzero_bytes_per_device(params, norms) + _nbytes(batch)
   assert compiled.memory_analysis().argument_size_in_bytes == want_args
   loss, grads, _ = compiled(placed, batch)
@@ -217,6 +221,10 @@ def test_checkpoints_restore_across_optimizer_layouts(tmp_path):
     "overrides, message",
     [
         ({"optimizer.shard": "zero3"}, "optimizer.shard='zero3' is unknown; use one of none"),
+        (
+            {"optimizer.shard": "zero1", "mesh.pp": 2},
+            "optimizer.shard='zero1' does not run with mesh.pp=2 yet",
+        ),
         (
             {"optimizer.shard": "fsdp", "model.vocab": 68, "model.d_model": 36},
             "params['embed'] [68, 36] has no dimension 8 divides",
