@@ -101,10 +101,18 @@ def as_token_logprobs(chosen: float, top_M, ids_M, k: int) -> TokenLogprobs:
 
 
 def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
-  """Token ids [R] (int32)."""
+  """Token ids [R] (int32). A step whose rows are all greedy takes the argmax alone (`lax.cond`
+  runs one branch): the sort over the vocabulary that top-k / top-p need is skipped."""
   logits_RxV = ban(logits_RxV, s.banned_RxS)
-  v = logits_RxV.shape[-1]
   greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(
+      jnp.any(s.temperature_R > 0), lambda: _sample(logits_RxV, s, greedy_R), lambda: greedy_R
+  )
+
+
+def _sample(logits_RxV: jax.Array, s: SamplingBatch, greedy_R: jax.Array) -> jax.Array:
+  """Each row sampled with its temperature, top-k and top-p (greedy where temperature is 0)."""
+  v = logits_RxV.shape[-1]
   scaled_RxV = logits_RxV / jnp.maximum(s.temperature_R, 1e-6)[:, None]
   sorted_RxV, order_RxV = jax.lax.top_k(scaled_RxV, v)
   rank_V = jnp.arange(v)
