@@ -9,6 +9,7 @@
   python -m experiments.serve_bench --url http://127.0.0.1:8000 [--compare]   # a server, over HTTP
   python -m experiments.serve_bench --prefill [--prefill_tokens 1024 --prefill_context 4096]
   python -m experiments.serve_bench --peer vllm --peer_python PATH   # against vLLM, one checkpoint
+  python -m experiments.serve_bench --scaling [--prefill_context 4096 --repeats 2]
 
 --peer: experiments/serve_peer.py (jaxpipe's engine and vLLM's on one Hugging Face checkpoint
 and workload, rounds alternating; vLLM runs in the interpreter PATH, never as a dependency).
@@ -116,6 +117,13 @@ flags.DEFINE_integer(
     flag_values=FLAGS,
 )
 flags.DEFINE_bool("kernel", False, "Time the decode kernel alone (GPU).", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "scaling",
+    False,
+    "Prefill of a --prefill_context prompt by chunk count; prefill and decode by batch and "
+    "context (experiments/serve_scaling.py).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer("repeats", 20, "--kernel: timed calls per cell.", flag_values=FLAGS)
 flags.DEFINE_string(
     "url",
@@ -731,6 +739,10 @@ def main(argv: list[str]) -> None:
     serve_client.run(args)
   elif args.kernel:
     kernel_table(args.repeats)
+  elif args.scaling:
+    from experiments import serve_scaling
+
+    serve_scaling.run(PREFILL_MODEL, args.prefill_context, min(args.repeats, 5))
   elif args.prefill:
     prefill_table(args.prefill_tokens, args.prefill_context, min(args.repeats, 5))
   elif args.mode:

@@ -187,6 +187,15 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
+def _token_slice(r: Request, start: int, stop: int) -> list[int]:
+  """r.tokens[start:stop] without building r.tokens (prompt + output) first: a decode step
+  reads one token of each of up to max_batch requests."""
+  p = len(r.prompt)
+  if start >= p:
+    return r.output[start - p : stop - p]
+  return r.prompt[start:stop] + r.output[: max(0, stop - p)]
+
+
 def _pow2_chunks(n: int) -> list[int]:
   """The powers of two that sum to n, largest first (13 -> [8, 4, 1])."""
   return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
@@ -662,18 +671,20 @@ class Engine:
     temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
     top_k, seed, index = (np.zeros(r_max, np.int32) for _ in range(3))
     banned = np.full((r_max, MAX_BANNED), -1, np.int32)
+    per_token = self.backend != "xla_ragged"  # only the per-token backends read tables_TxN
     sampled, at = [], 0
     for i, (r, n) in enumerate(plan):
-      seq_tables[i, : len(r.pages)] = r.pages
+      table = np.asarray(r.pages, np.int32)
+      seq_tables[i, : len(table)] = table
       seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
       pos = np.arange(r.computed, r.computed + n)
-      tokens[at : at + n] = r.tokens[r.computed : r.computed + n]
+      tokens[at : at + n] = _token_slice(r, r.computed, r.computed + n)
       positions[at : at + n] = pos
-      table = np.asarray(r.pages, np.int32)
       slots[at : at + n] = table[pos // s] * s + pos % s
-      tables[at : at + n, : len(table)] = table
+      if per_token:
+        tables[at : at + n, : len(table)] = table
       at += n
-      if r.computed + n == len(r.tokens):  # all its tokens cached after this step: sample
+      if r.computed + n == r.length:  # all its tokens cached after this step: sample
         j = len(sampled)
         rows[j] = at - 1
         sp = r.sampling
@@ -709,7 +720,7 @@ class Engine:
       return {}
     start = time.perf_counter()
     plan, sampled, t, t_real = launched.plan, launched.sampled, launched.t, launched.t_real
-    new_R, finite_R = np.asarray(launched.new_R), np.asarray(launched.finite_R)
+    new_R = np.asarray(launched.new_R)  # the one read-back of a step without logprobs
     if any(r.sampling.logprobs is not None for r in sampled):  # else they stay on the device
       chosen_R, top_RxM, ids_RxM = jax.device_get(launched.logprobs)
     now = time.perf_counter()
@@ -721,7 +732,7 @@ class Engine:
       r.computed += n
     out: dict[int, list[int]] = {}
     for j, r in enumerate(sampled):
-      if not finite_R[j]:
+      if new_R[j] < 0:  # serve_step's mark of non-finite logits
         r.error = f"non-finite logits at output token {len(r.output)}; the request was stopped"
         self.scheduler.remove(r)
         self._finish(r, "error")

@@ -299,12 +299,14 @@ def serve_step(
 ) -> tuple:
   """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools);
   with logprobs, (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled
-  tokens, pools): a few numbers per row, never the logits, for the host to read back."""
+  tokens, pools): a few numbers per row, never the logits, for the host to read back. A row
+  whose logits are not all finite samples -1, so that the tokens alone tell the host."""
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
-  tokens_R = sample(logits_RxV, sampling)
+  sampled_R = sample(logits_RxV, sampling)
   finite_R = jnp.all(jnp.isfinite(logits_RxV), axis=-1)
+  tokens_R = jnp.where(finite_R, sampled_R, -1)
   if logprobs:
-    return tokens_R, finite_R, top_logprobs(logits_RxV, tokens_R), kv
+    return tokens_R, finite_R, top_logprobs(logits_RxV, sampled_R), kv
   return tokens_R, finite_R, kv
 
 
