@@ -40,6 +40,8 @@ explicit accumulation nor a psum can carry. Its building blocks (`quantize`, `co
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -141,14 +143,36 @@ def _mm_db(a, g, sizes):
   return lax.ragged_dot_general(a, g, sizes, dims, preferred_element_type=_F32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tensor_scaled(dtype, out_dtype, x, w, sizes, scale_3):
-  """Per-tensor scaled GEMM; `scale_3` the delayed scales of (x, w, g), None for current."""
-  return _tensor_fwd(dtype, out_dtype, x, w, sizes, scale_3)[0]
+_AMAX_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "fp8_amax_axes", default=()
+)
 
 
-def _tensor_fwd(dtype, out_dtype, x, w, sizes, scale_3):
-  amax_x, amax_w = amax(x), amax(w)
+@contextlib.contextmanager
+def amax_over(axes: tuple[str, ...]):
+  """While tracing inside, `dot`'s per-tensor amaxes are maxima over the mesh `axes` too: a
+  weight or activation split over them (tensor parallelism) is scaled as one tensor, as
+  Transformer Engine reduces amaxes over the tensor-parallel group."""
+  token = _AMAX_AXES.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _AMAX_AXES.reset(token)
+
+
+def _over(amax_: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  return lax.pmax(amax_, axes) if axes else amax_
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tensor_scaled(dtype, out_dtype, axes, x, w, sizes, scale_3):
+  """Per-tensor scaled GEMM; `scale_3` the delayed scales of (x, w, g), None for current; every
+  amax a maximum over the mesh `axes` too (`amax_over`)."""
+  return _tensor_fwd(dtype, out_dtype, axes, x, w, sizes, scale_3)[0]
+
+
+def _tensor_fwd(dtype, out_dtype, axes, x, w, sizes, scale_3):
+  amax_x, amax_w = _over(amax(x), axes), _over(amax(w), axes)
   if scale_3 is None:
     sx, sw = current_scale(amax_x, E4M3), current_scale(amax_w, E4M3)
   else:
@@ -158,9 +182,9 @@ def _tensor_fwd(dtype, out_dtype, x, w, sizes, scale_3):
   return y, (xq, wq, sx, sw, sizes, scale_3, amax_x, amax_w)
 
 
-def _tensor_bwd(dtype, out_dtype, res, g):
+def _tensor_bwd(dtype, out_dtype, axes, res, g):
   xq, wq, sx, sw, sizes, scale_3, amax_x, amax_w = res
-  amax_g = amax(g)
+  amax_g = _over(amax(g), axes)
   sg = current_scale(amax_g, E5M2) if scale_3 is None else scale_3[2]
   gq = quantize(g, E5M2, sg)
   dx = (_mm_da(gq, wq, sizes) * (sg * sw)).astype(dtype)
@@ -224,7 +248,7 @@ def _block_bwd(dtype, out_dtype, res, g):
 _block_scaled.defvjp(_block_fwd, _block_bwd)
 
 
-def _matmul(x_MxK, w, sizes, recipe, scale_3, out_dtype):
+def _matmul(x_MxK, w, sizes, recipe, scale_3, out_dtype, amax_axes=()):
   check_recipe(recipe)
   if recipe == "none":
     return _mm(x_MxK, w, sizes).astype(out_dtype)
@@ -236,7 +260,7 @@ def _matmul(x_MxK, w, sizes, recipe, scale_3, out_dtype):
         f"fp8={recipe!r} "
         + ("needs its fp8_scale state" if scale_3 is None else "takes no fp8_scale state")
     )
-  return _tensor_scaled(x_MxK.dtype, out_dtype, x_MxK, w, sizes, scale_3)
+  return _tensor_scaled(x_MxK.dtype, out_dtype, amax_axes, x_MxK, w, sizes, scale_3)
 
 
 def _vary_alike(x, w):
@@ -252,6 +276,7 @@ def dot(
 
   With recipe 'none' this is DenseGeneral's own `lax.dot_general` in `dtype`; otherwise the
   recipe's FP8 GEMM on the flattened [M, K] x [K, N] product. `scale_3`: delayed state.
+  Per-tensor amaxes are maxima over the axes of an enclosing `amax_over` too.
   """
   x, w = x.astype(dtype), w.astype(dtype)
   if recipe == "none":
@@ -259,7 +284,7 @@ def dot(
     return lax.dot_general(x, w, ((x_axes, tuple(range(in_dims))), ((), ())))
   lead, out = x.shape[: x.ndim - in_dims], w.shape[in_dims:]
   k = int(np.prod(w.shape[:in_dims]))
-  y = _matmul(x.reshape(-1, k), w.reshape(k, -1), None, recipe, scale_3, dtype)
+  y = _matmul(x.reshape(-1, k), w.reshape(k, -1), None, recipe, scale_3, dtype, _AMAX_AXES.get())
   return y.reshape(lead + out)
 
 

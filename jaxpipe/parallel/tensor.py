@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpipe.ops import fp8 as fp8_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
@@ -56,11 +58,13 @@ def tensor_parallel(axis_name: str | None = "tp", sequence_parallel: bool = Fals
   """While tracing inside, the layers split over `axis_name` (None: one device's layers).
 
   sequence_parallel: the residual stream between layers (and the embedding's output) holds
-  this rank's contiguous L/tp slice of every sequence.
+  this rank's contiguous L/tp slice of every sequence. FP8 projections take their per-tensor
+  scales from amaxes reduced over the axis (`fp8.amax_over`), as for the whole tensors.
   """
   token = _TP.set(None if axis_name is None else _Placement(axis_name, sequence_parallel))
   try:
-    yield
+    with fp8_lib.amax_over(() if axis_name is None else (axis_name,)):
+      yield
   finally:
     _TP.reset(token)
 

@@ -630,9 +630,11 @@ def make_executor(
   one loss, each with its slice of some parameters (`param_specs` may split stage leaves over
   them, `head_specs` and `embed_specs`, `param_specs_key`s of head_params and embed_params,
   those too) and running their own collectives over them. The loss is counted once. Without
-  varying-axes checks the backward of a model-axis collective treats every rank's copy of the
-  loss as its own, so each gradient arrives summed over the model ranks: gradients are reduced
-  over the model axes a leaf is not split over, as over data axes, and divided by their size.
+  varying-axes checks the backward of a model-axis collective (a psum's is a psum) treats every
+  rank's copy of the loss as its own: so each rank seeds its loss's backward with 1 / (model
+  ranks), which makes every cotangent the one of the single loss (a replicated value's split
+  into partials over the ranks, a split value's whole: what FP8 gradient scaling sees), and
+  gradients are then summed over the model axes a leaf is not split over, as over data axes.
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -660,6 +662,8 @@ def make_executor(
         f"{all_axes}; drop {clash}"
     )
   model_size = math.prod(mesh.shape[a] for a in model_axes)
+  # the loss each rank differentiates: its share of the one loss the model ranks compute
+  seeded_loss = model.loss_fn if model_size == 1 else lambda *a: model.loss_fn(*a) / model_size
   leaf_specs = None
   if param_specs is not None:
     specs_treedef, leaf_specs = param_specs
@@ -679,7 +683,7 @@ def make_executor(
       "up": [(i, (i - 1) % p) for i in range(p)],
   }
   stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
-  loss_fn, embed_fn = model.loss_fn, model.embed_fn
+  embed_fn = model.embed_fn
   # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per tick,
   # so both can leave through one buffer, and the activation and cotangent channels of one
   # direction can share a ppermute.
@@ -727,10 +731,10 @@ def make_executor(
 
       def last(row, s):
         target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
-        loss, (dhead, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head_params, y, target)
+        loss, (dhead, dy) = jax.value_and_grad(seeded_loss, argnums=(0, 1))(head_params, y, target)
         return dict(
             s,
-            loss=s["loss"] + loss.astype(jnp.float32),
+            loss=s["loss"] + (loss * model_size).astype(jnp.float32),
             head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
             cot=_set(s["cot"], (row[COL["f_cot"]],), dy),
         )
@@ -856,6 +860,7 @@ def make_executor(
     state, _ = lax.scan(tick, state, rows)
     grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
     loss = lax.psum(state["loss"], all_axes)
+
     # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
     def reduce_grads(tree, specs, axes_of_all):
       flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -864,8 +869,7 @@ def make_executor(
         own = () if specs is None else _leaf_axes(specs[1][i])
         axes = tuple(a for a in axes_of_all + model_axes if a not in own)
         by_max = combines_by_max(model, path)
-        g = (lax.pmax if by_max else lax.psum)(g, axes) if axes else g
-        reduced.append(g if by_max or model_size == 1 else g / model_size)
+        reduced.append((lax.pmax if by_max else lax.psum)(g, axes) if axes else g)
       return jax.tree.unflatten(treedef, reduced)
 
     grads = reduce_grads(grads, param_specs, tuple(data_axes))

@@ -355,7 +355,7 @@ def _check_tensor_parallel(
   if tp == 1:
     return
   unsupported = (
-      (m.fp8 != "none", f"model.fp8={m.fp8!r}", "model.fp8='none'"),
+      (m.fp8 == "block", "model.fp8='block'", "model.fp8='current' or 'delayed'"),
       (m.attention == "pallas", "model.attention='pallas'", "model.attention='xla'"),
       (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),
   )

@@ -206,11 +206,6 @@ def context_parallel_loss_and_grads(
         "model.attention='pallas' cannot run with mesh.tp > 1 yet; use attention='xla' or "
         "'cudnn', or mesh.tp=1"
     )
-  if tp > 1 and cfg.fp8 != "none":
-    raise ValueError(
-        f"model.fp8={cfg.fp8!r} with mesh.tp={tp}: scaling a split weight needs its amax "
-        "reduced over tp, which the FP8 recipes do not do yet; set model.fp8='none' or mesh.tp=1"
-    )
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(a for a in mesh.axis_names if a != tp_axis))  # tp ranks: the same sum
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}

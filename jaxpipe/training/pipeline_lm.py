@@ -95,9 +95,9 @@ def lm_model(
       seg = side.get("segment_ids")
       if cfg.moe is None:
         return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, segment_ids_BxL=seg)
-      # The executor divides the gradients of tensor ranks, each counting the one loss, by
-      # tp: so each weighs the aux loss by the micro-batch's tokens, not its sequence slice's.
-      tokens = x_BxLxD.shape[0] * seq
+      # The executor seeds each tensor rank's backward with 1/tp of the loss and sums their
+      # gradients, so each rank weighs the aux loss by 1/tp of the micro-batch's tokens.
+      tokens = x_BxLxD.shape[0] * seq / tp_lib.size()
       return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg, tokens)
 
   def embed_fn(embed_params, tokens_BxL):

@@ -343,9 +343,10 @@ def _assert_seen(got, want, what):
 
 
 def test_delayed_amaxes_are_maxima_through_pipeline_and_context_parallelism():
-  """The pipeline executor (pp = 2, 2 micro-batches, dp = 4) and context parallelism (cp = 2,
-  2 micro-batches) report, for every GEMM, the amax of x, w and g over the whole batch, as one
-  device sees it: combined by max over micro-batches, shards and ranks, never summed."""
+  """The pipeline executor (pp = 2, 2 micro-batches, dp = 4), context parallelism (cp = 2,
+  2 micro-batches) and tensor parallelism in the pipeline (tp = 2, pp = 2) report, for every
+  GEMM, the amax of x, w and g over the whole batch, as one device sees it: combined by max
+  over micro-batches, shards and ranks, never summed."""
   host = Trainer(_config()).source.batch("train", 7, 16, 16)
   host["mask"] = np.ones_like(host["mask"])  # every path then weighs tokens alike
   params = jax.device_get(_init_on_one_device(jax.random.key(0)))
@@ -359,6 +360,9 @@ def test_delayed_amaxes_are_maxima_through_pipeline_and_context_parallelism():
   for overrides in (
       dict(mesh__pp=2, pipeline__microbatches=2),
       dict(mesh__cp=2, pipeline__microbatches=2),
+      # tensor parallel inside the pipeline: amaxes of split tensors reduced over tp, and the
+      # gradients' those of the one loss (each tp rank seeds 1/tp of it)
+      dict(mesh__tp=2, mesh__pp=2, pipeline__microbatches=2, model__sequence_parallel=True),
   ):
     trainer = Trainer(_config(**overrides))
     stored = trainer.stored_params(jax.device_put(params, trainer.state_sharding.params))

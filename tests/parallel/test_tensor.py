@@ -222,7 +222,16 @@ def test_a_layers_parameters_take_one_tp_th_of_the_bytes():
             "splits each sequence of 18 tokens",
         ),
         ({"model.sequence_parallel": True}, "the tensor axis, which has one rank"),
-        ({"mesh.tp": 2, "model.fp8": "current"}, "mesh.tp=2 does not run with model.fp8"),
+        (
+            {
+                "mesh.tp": 2,
+                "model.fp8": "block",
+                "model.d_model": 128,
+                "model.d_ff": 128,
+                "model.head_dim": 32,
+            },
+            "mesh.tp=2 does not run with model.fp8='block'",
+        ),
     ],
 )
 def test_bad_layouts_stop_at_the_config(overrides, message):
@@ -232,6 +241,31 @@ def test_bad_layouts_stop_at_the_config(overrides, message):
     c[section][name] = value
   with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
     config_lib.validate(c, 8)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fp8_current_scaling_scales_split_tensors_as_whole_ones(pp):
+  """FP8 with current scaling under tp 2 and sequence parallelism (pp 1 and inside the pipeline
+  executor): each split weight, activation and gradient is scaled by the amax of the whole
+  tensor, so loss and gradients equal the one-device FP8 model's. Every batch row is the same,
+  so data shards see the whole batch's amaxes too; without the reduction over tp the
+  gradients are off by far more than the tolerance."""
+  c = _config(2, True, pp=pp)
+  c.model.fp8, c.model.d_model, c.model.head_dim = "current", 64, 16
+  shape = config_lib.validate(c, jax.device_count())
+  cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
+  params = helpers.random_params(cfg)
+  batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in _batch(c).items()}
+  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
+      jax.device_put(params, state_shardings(params, mesh)), batch
+  )
+  (want, _), want_grads = jax.jit(
+      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+  )(params, batch)
+  helpers.close(loss, want, "loss")
+  want_flat = _flat(want_grads)
+  for path, g in _flat(grads).items():
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
 def test_split_dims_follow_megatrons_layout():
