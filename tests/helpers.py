@@ -73,6 +73,47 @@ def one_device_objective(cfg, params, batch, microbatches=1):
   return ce + aux_loss, (ce, aux)
 
 
+def one_device_loss(cfg, params, batch, microbatches=1):
+  """(objective, (mean cross-entropy, MoE aux)) of the unsharded model on one device: dense
+  models the masked mean cross-entropy, MoE `one_device_objective`."""
+  if cfg.moe is not None:
+    return one_device_objective(cfg, params, batch, microbatches)
+  total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
+  return total / count, (total / count, {})
+
+
+def random_batch(c, seed=0):
+  """A host batch of the config's shape: random tokens and targets, about 80% of the mask set."""
+  rng = np.random.default_rng(seed)
+  b, l, v = c.data.batch, c.data.seq_len, c.model.vocab
+  return {
+      "tokens": rng.integers(0, v, (b, l)).astype(np.int32),
+      "targets": rng.integers(0, v, (b, l)).astype(np.int32),
+      "mask": (rng.random((b, l)) > 0.2).astype(np.float32),
+  }
+
+
+def flat(tree) -> dict:
+  """{key path: leaf} of a pytree."""
+  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def assert_refused(overrides: dict, message: str, num_devices: int = 8) -> None:
+  """configs/tiny.py with `{'section.field': value}` overrides stops at validation with a
+  ConfigError containing `message`."""
+  import pytest  # noqa: PLC0415 -- helpers also serve scripts without pytest's fixtures
+
+  from configs import tiny  # noqa: PLC0415
+  from jaxpipe.training import config as config_lib  # noqa: PLC0415
+
+  c = tiny.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    config_lib.validate(c, num_devices)
+
+
 def close(a, b, what, rtol=1e-5):
   b = np.asarray(b)
   np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(np.abs(b).max(), 1e-6), err_msg=what)

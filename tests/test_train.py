@@ -277,16 +277,19 @@ def test_field_kinds():
           "mesh.dp",
           "pipeline.schedule",
           "model.remat",
+          "optimizer.shard",
+          "model.sequence_parallel",
           "train.steps",
           "optimizer.lr",
           "data.seed",
           "model.d_model",
       )
-  ] == ["cadence", "layout", "layout", "layout", "run", "run", "run", "run"]
+  ] == ["cadence", "layout", "layout", "layout", "layout", "layout", "run", "run", "run", "run"]
   from configs import moe_quickstart
 
   moe = moe_quickstart.get_config()  # capacity dispatch: the mesh decides which tokens overflow
   assert field_kind("mesh.ep", moe) == field_kind("pipeline.microbatches", moe) == "run"
+  assert field_kind("model.sequence_parallel", moe) == "run"  # splits the routed tokens
   assert field_kind("pipeline.schedule", moe) == "layout"
 
 

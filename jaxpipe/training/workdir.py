@@ -57,7 +57,9 @@ LAYOUT = (
     "model.attention",
     "model.remat",
     "model.cp_overlap",
+    "model.sequence_parallel",
     "model.moe.dropless_impl",
+    "optimizer.shard",
 )
 # What a run leaves in its workdir; --restart moves these to previous-<n>/.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json")
@@ -87,7 +89,10 @@ def field_kind(key: str, config: ml_collections.ConfigDict) -> str:
         and moe is not None
         and (
             key == "pipeline.microbatches"
-            or (key.startswith("mesh.") and moe.dispatch == "capacity")
+            or (
+                (key.startswith("mesh.") or key == "model.sequence_parallel")
+                and moe.dispatch == "capacity"
+            )
         )
     ):
       return "run"

@@ -228,7 +228,8 @@ def fsdp_model_loss(mesh: Mesh, with_aux: bool):
       out = transformer.apply_unit(cfg, unit, x_BxLxD, positions, False, segment_ids_BxL)
       return out if isinstance(out, tuple) else (out, None)
 
-    policy = None if cfg.remat else _save_all_but_gathered
+    # full remat recomputes the whole layer; 'selective' is the attention core's own checkpoint
+    policy = None if cfg.remat is True else _save_all_but_gathered
     body = jax.checkpoint(body, policy=policy)
     x_BxLxD, aux = jax.lax.scan(body, transformer.embed(cfg, top, tokens_BxL), params["layers"])
     total, count = transformer.head_loss(cfg, top, x_BxLxD, targets_BxL, mask_BxL)

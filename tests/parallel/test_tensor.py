@@ -43,28 +43,6 @@ def _step(tp, sp, cp, ep, kv_heads, moe, pp=1, schedule="1f1b"):
   return c, cfg, jax.jit(make_loss_and_grads(c, cfg, shape)), make_mesh(c.mesh)
 
 
-def _batch(c, seed=0):
-  rng = np.random.default_rng(seed)
-  b, l, v = c.data.batch, c.data.seq_len, c.model.vocab
-  return {
-      "tokens": rng.integers(0, v, (b, l)).astype(np.int32),
-      "targets": rng.integers(0, v, (b, l)).astype(np.int32),
-      "mask": (rng.random((b, l)) > 0.2).astype(np.float32),
-  }
-
-
-def _one_device(cfg, params, batch, microbatches=1):
-  """(objective, (mean cross-entropy, MoE aux)) of the unsharded model on one device."""
-  if cfg.moe is not None:
-    return helpers.one_device_objective(cfg, params, batch, microbatches)
-  total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
-  return total / count, (total / count, {})
-
-
-def _flat(tree):
-  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
-
-
 LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE[, pp, schedule])
     (2, False, 1, 1, 2, False),
     (2, True, 1, 1, 2, False),
@@ -95,18 +73,20 @@ LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE[, pp, schedule])
 def test_loss_and_gradients_equal_the_one_device_model(layout):
   c, cfg, step, mesh = _step(*layout)
   params = helpers.random_params(cfg)
-  batch = _batch(c)
+  batch = helpers.random_batch(c)
   loss, grads, metrics = step(jax.device_put(params, state_shardings(params, mesh)), batch)
   m = c.pipeline.microbatches if c.mesh.pp > 1 else 1  # the aux loss is per micro-batch
   (_, (want, aux)), want_grads = jax.jit(
-      jax.value_and_grad(functools.partial(_one_device, cfg, microbatches=m), has_aux=True)
+      jax.value_and_grad(
+          functools.partial(helpers.one_device_loss, cfg, microbatches=m), has_aux=True
+      )
   )(params, batch)
   helpers.close(loss, want, "loss")
   assert float(metrics["tokens"]) == batch["mask"].sum()
   if cfg.moe is not None and c.mesh.pp == 1:
     np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], aux["tokens_per_expert"])
-  want_flat = _flat(want_grads)
-  for path, g in _flat(grads).items():
+  want_flat = helpers.flat(want_grads)
+  for path, g in helpers.flat(grads).items():
     helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
@@ -121,8 +101,8 @@ def test_three_steps_follow_the_one_device_trajectory():
     losses = [float(trainer.step()["loss"]) for _ in range(3)]
     runs.append((losses, jax.device_get(trainer.model_params())))
   np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
-  want = _flat(runs[0][1])
-  for path, p in _flat(runs[1][1]).items():
+  want = helpers.flat(runs[0][1])
+  for path, p in helpers.flat(runs[1][1]).items():
     helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
 
 
@@ -135,7 +115,7 @@ def _forward_hlo(tp, sp):
   params = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params, shardings
   )
-  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _batch(c))
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), helpers.random_batch(c))
   text = jax.jit(lambda p, b: loss_and_grads(p, b)[0]).lower(params, batch).compile().as_text()
   return text
 
@@ -200,7 +180,7 @@ def test_a_layers_parameters_take_one_tp_th_of_the_bytes():
     )
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # same bytes in both
     batch = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), _batch(c)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), helpers.random_batch(c)
     )
     args[tp] = step.lower(shaped, batch).compile().memory_analysis().argument_size_in_bytes
   assert args[1] - args[2] == split // 2
@@ -235,12 +215,7 @@ def test_a_layers_parameters_take_one_tp_th_of_the_bytes():
     ],
 )
 def test_bad_layouts_stop_at_the_config(overrides, message):
-  c = tiny.get_config()
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
-    config_lib.validate(c, 8)
+  helpers.assert_refused(overrides, message)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -255,16 +230,16 @@ def test_fp8_current_scaling_scales_split_tensors_as_whole_ones(pp):
   shape = config_lib.validate(c, jax.device_count())
   cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
   params = helpers.random_params(cfg)
-  batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in _batch(c).items()}
+  batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in helpers.random_batch(c).items()}
   loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
       jax.device_put(params, state_shardings(params, mesh)), batch
   )
   (want, _), want_grads = jax.jit(
-      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+      jax.value_and_grad(functools.partial(helpers.one_device_loss, cfg), has_aux=True)
   )(params, batch)
   helpers.close(loss, want, "loss")
-  want_flat = _flat(want_grads)
-  for path, g in _flat(grads).items():
+  want_flat = helpers.flat(want_grads)
+  for path, g in helpers.flat(grads).items():
     helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
@@ -322,7 +297,7 @@ def test_checkpoint_saved_under_tp_restores_under_another_layout(tmp_path):
   c.train.steps, c.train.eval_every, c.checkpoint.every = 2, 0, 2
   first = Trainer(c, str(tmp_path))
   first.train(progress=False)
-  want = _flat(jax.device_get(first.state))
+  want = helpers.flat(jax.device_get(first.state))
   first.close()
   for tp in (1, 4):
     other = Trainer(_config(tp, False), str(tmp_path), existing_run="resume_changed")
@@ -330,6 +305,6 @@ def test_checkpoint_saved_under_tp_restores_under_another_layout(tmp_path):
     assert other.resumed_from == 2
     q = state.params["layers"]["attn"]["q"]["kernel"]
     assert q.sharding.shard_shape(q.shape)[-2] == 4 // tp  # the restored split is tp's
-    for path, value in _flat(jax.device_get(state)).items():
+    for path, value in helpers.flat(jax.device_get(state)).items():
       np.testing.assert_array_equal(value, want[path], err_msg=jax.tree_util.keystr(path))
     other.close()

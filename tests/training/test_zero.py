@@ -33,34 +33,13 @@ def _config(shard="none", tp=1, sp=False, cp=1, moe=False, kv_heads=2):
   return c
 
 
-def _flat(tree):
-  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
-
-
 def _nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _one_device(cfg, params, batch):
-  if cfg.moe is not None:
-    return helpers.one_device_objective(cfg, params, batch)
-  total, count = transformer.loss(cfg, params, batch["tokens"], batch["targets"], batch["mask"])
-  return total / count, (total / count, {})
-
-
-def _batch(c, seed=0):
-  rng = np.random.default_rng(seed)
-  b, l, v = c.data.batch, c.data.seq_len, c.model.vocab
-  return {
-      "tokens": rng.integers(0, v, (b, l)).astype(np.int32),
-      "targets": rng.integers(0, v, (b, l)).astype(np.int32),
-      "mask": (rng.random((b, l)) > 0.2).astype(np.float32),
-  }
-
-
 def _nonzero_bytes_per_device(params, divisor):
   """Per-device bytes of `params` when leaf `path` takes 1/divisor(path) of its bytes."""
-  return sum(_nbytes(x) // divisor(path) for path, x in _flat(params).items())
+  return sum(_nbytes(x) // divisor(path) for path, x in helpers.flat(params).items())
 
 
 @pytest.mark.parametrize(
@@ -80,7 +59,7 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   params = helpers.random_params(cfg)
   placed = jax.device_put(params, zero.data_split(params, mesh))
   whole = NamedSharding(mesh, P())
-  batch = jax.device_put(_batch(c), whole)
+  batch = jax.device_put(helpers.random_batch(c), whole)
   compiled = jax.jit(make_loss_and_grads(c, cfg, shape)).lower(placed, batch).compile()
   data = 8 // (c.mesh.tp * c.mesh.cp)
   norms = lambda path: data if "scale" in jax.tree_util.keystr(path) else data * c.mesh.tp
@@ -88,12 +67,12 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   assert compiled.memory_analysis().argument_size_in_bytes == want_args
   loss, grads, _ = compiled(placed, batch)
   (_, (want, _)), want_grads = jax.jit(
-      jax.value_and_grad(functools.partial(_one_device, cfg), has_aux=True)
+      jax.value_and_grad(functools.partial(helpers.one_device_loss, cfg), has_aux=True)
   )(params, jax.device_get(batch))
   helpers.close(loss, want, "loss")
-  want_flat = _flat(want_grads)
+  want_flat = helpers.flat(want_grads)
   # the replicated MoE path and tp's shard_map differ from one device by 1.6e-5 themselves
-  for path, g in _flat(grads).items():
+  for path, g in helpers.flat(grads).items():
     helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
@@ -120,8 +99,8 @@ def test_three_steps_follow_the_replicated_trajectory(name):
   losses, params, _, _ = _run(name)
   want_losses, want_params, _, _ = _run(RUNS[name][0])
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  want = _flat(want_params)
-  for path, p in _flat(params).items():
+  want = helpers.flat(want_params)
+  for path, p in helpers.flat(params).items():
     helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
 
 
@@ -188,6 +167,18 @@ def test_compiled_steps_hold_the_layouts_collectives():
   assert not any(op == "reduce-scatter" for op, _ in fsdp)  # XLA:CPU: all-reduce + slice
 
 
+def test_fsdp_with_selective_remat_keeps_its_gather_policy():
+  """model.remat='selective' under fsdp: the backward loop gathers the seven matrices again,
+  as without remat, not all nine weights of a wholly recomputed layer (remat=True)."""
+  counts = {}
+  for remat in ("selective", True):
+    c = _config("fsdp")
+    c.model.remat = remat
+    counts[remat] = _collectives(Trainer(c).compile().as_text())
+  assert counts["selective"][("all-gather", "backward loop")] == 7
+  assert counts[True][("all-gather", "backward loop")] == 9
+
+
 def test_split_gradients_and_gathered_layers_are_not_kept_whole():
   """Temporaries: zero2 keeps the gradients split (at least half of their bytes saved against
   zero1), and fsdp keeps no gathered layer for the backward (no more than zero2's)."""
@@ -207,13 +198,13 @@ def test_checkpoints_restore_across_optimizer_layouts(tmp_path):
     c.train.steps, c.train.eval_every, c.checkpoint.every = 2, 0, 2
     with Trainer(c, workdir) as first:
       first.train(progress=False)
-      want = _flat(jax.device_get(first.state))
+      want = helpers.flat(jax.device_get(first.state))
     with Trainer(_config(**restored), workdir, existing_run="resume_changed") as other:
       state = other.init()
       assert other.resumed_from == 2
       mu = state.opt_state[1][0].mu["layers"]["mlp"]["up"]["kernel"]  # [layers, 32, 64]
       assert mu.sharding.shard_shape(mu.shape) == ((2, 32, 8) if i == 0 else (2, 8, 32))
-      for path, value in _flat(jax.device_get(state)).items():
+      for path, value in helpers.flat(jax.device_get(state)).items():
         np.testing.assert_array_equal(value, want[path], err_msg=jax.tree_util.keystr(path))
 
 
@@ -232,12 +223,7 @@ def test_checkpoints_restore_across_optimizer_layouts(tmp_path):
     ],
 )
 def test_bad_layouts_stop_at_the_config(overrides, message):
-  c = tiny.get_config()
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
-    config_lib.validate(c, 8)
+  helpers.assert_refused(overrides, message)
 
 
 def test_split_dims_pick_the_largest_free_dimension():
