@@ -113,6 +113,7 @@ CPU_ACTIVATIONS = L.Activations(
     logits=0.4,
     work=0.3,
     cp_attn=2.1,
+    tp_d=3.5,
     padded_experts=True,
 )
 """Copies of each width XLA:CPU keeps per token per layer in float32 for jaxpipe's train step
@@ -120,7 +121,9 @@ CPU_ACTIVATIONS = L.Activations(
 d_ff 768, seq_len 256 and vocab 1,024 (slopes of `memory_analysis()`'s temporaries in tokens,
 d_ff, seq_len and vocab); d and attn share one slope (their widths move together in these
 shapes). Far more than the 4 + 1 + 3 a GPU keeps: the backward's own temporaries of every layer
-are live at once in XLA:CPU's buffer assignment."""
+are live at once in XLA:CPU's buffer assignment. `tp_d` was fitted once to the quickstart at
+tp 2 (the row-parallel partial sums and replicated inputs XLA:CPU keeps beside the reduced
+ones); the other tensor-parallel layouts check it."""
 CPU_UPDATE_BYTES = 1.0  # bytes per parameter XLA:CPU adds for the optimizer update, same fit
 CPU_FIXED_BYTES = 40_000  # without a pipeline, per device whatever the shapes: tiny at dp 8
 
@@ -175,6 +178,17 @@ CHECKS = (
     _c("moe_quickstart", mesh__ep=2),
     _c("moe_quickstart", mesh__ep=8, data__batch=32),
     _c("moe_quickstart", mesh__ep=2, mesh__pp=2, pipeline__microbatches=2),
+    # tensor parallelism, sequence parallelism, the distributed optimizer, recomputation
+    _c("quickstart", mesh__tp=2),
+    _c("quickstart", mesh__tp=2, model__sequence_parallel=True),
+    _c("quickstart", mesh__tp=4, model__n_kv_heads=4),
+    _c("quickstart", mesh__tp=2, mesh__pp=2, pipeline__microbatches=2),
+    _c("quickstart", optimizer__shard="zero1"),
+    _c("quickstart", optimizer__shard="zero2"),
+    _c("quickstart", optimizer__shard="fsdp"),
+    _c("quickstart", mesh__tp=2, optimizer__shard="zero1"),
+    _c("quickstart", model__remat="selective"),
+    _c("quickstart", model__remat=True),
 )
 
 
@@ -233,7 +247,15 @@ def layout_of(config, mesh_shape: dict) -> L.Layout:
       schedule=p.schedule,
       microbatches=p.microbatches,
       chunks=None if p.chunks == 1 else p.chunks,
-      recompute="full" if p.recompute else "none",
+      shard=config.optimizer.shard,
+      sp=config.model.sequence_parallel,
+      recompute=(
+          "full"
+          if p.recompute or config.model.remat is True
+          else "selective"
+          if config.model.remat == "selective"
+          else "none"
+      ),
   )
 
 

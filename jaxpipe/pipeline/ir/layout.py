@@ -247,6 +247,7 @@ class Activations:
   logits: float = 2.0  # copies of vocab per token at the last stage (logits and gradient)
   work: float = 0.0  # pipelined: copies of one layer's residuals a running part adds
   cp_attn: float = 0.0  # cp > 1: extra copies of (2 h k + 2 g k) (Ulysses' all-to-all buffers)
+  tp_d: float = 0.0  # tp > 1: extra copies of d_model (partial sums kept beside reduced ones)
   padded_experts: bool = False  # every received row runs through every local expert (masked)
 
   def layer_elements(self, model: Model, layout: Layout, seq_len: int, moe: bool) -> float:
@@ -255,7 +256,7 @@ class Activations:
     h, g, k = model.n_heads, model.n_kv_heads, model.head_dim
     if layout.recompute == "full":
       return d / (t if layout.sp else 1)
-    d_part = self.d * d / (t if layout.sp else 1)
+    d_part = self.d * d / (t if layout.sp else 1) + (self.tp_d * d if t > 1 else 0.0)
     attn = self.attn * (2 * h * k + 2 * g * k) / t
     scores = 0.0 if layout.recompute == "selective" else self.scores * h * seq_len / t
     if layout.cp > 1:
