@@ -28,6 +28,7 @@ from absl import app, flags
 
 from jaxpipe.pipeline.ir import layout as L
 from jaxpipe.runtime import cli
+from jaxpipe.training import plan
 
 FLAGS = cli.flag_values(__name__)
 _CHECK = flags.DEFINE_bool("check", False, "Compile small layouts and compare.", flag_values=FLAGS)
@@ -104,28 +105,10 @@ PUBLISHED = {
 
 # --- this machine: what XLA:CPU keeps ----------------------------------------------------------
 
-CPU_ACTIVATIONS = L.Activations(
-    d=7.4,
-    attn=2.0,
-    ffn=7.25,
-    expert_in=7.4,
-    scores=2.6,
-    logits=0.4,
-    work=0.3,
-    cp_attn=2.1,
-    tp_d=3.5,
-    padded_experts=True,
-)
-"""Copies of each width XLA:CPU keeps per token per layer in float32 for jaxpipe's train step
-(no pipeline): fitted once to the quickstart's data-parallel program at batch 8, 16 and 32,
-d_ff 768, seq_len 256 and vocab 1,024 (slopes of `memory_analysis()`'s temporaries in tokens,
-d_ff, seq_len and vocab); d and attn share one slope (their widths move together in these
-shapes). Far more than the 4 + 1 + 3 a GPU keeps: the backward's own temporaries of every layer
-are live at once in XLA:CPU's buffer assignment. `tp_d` was fitted once to the quickstart at
-tp 2 (the row-parallel partial sums and replicated inputs XLA:CPU keeps beside the reduced
-ones); the other tensor-parallel layouts check it."""
-CPU_UPDATE_BYTES = 1.0  # bytes per parameter XLA:CPU adds for the optimizer update, same fit
-CPU_FIXED_BYTES = 40_000  # without a pipeline, per device whatever the shapes: tiny at dp 8
+# What XLA:CPU keeps per token, and the planner's view of a config: the library's
+# (jaxpipe.training.plan), which pipeline.auto_layout uses too.
+CPU_ACTIVATIONS = plan.CPU_ACTIVATIONS
+model_of, layout_of, predict = plan.model_of, plan.layout_of, plan.predict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,69 +187,6 @@ def load_config(check: Check):
     section, name = key.split(".")
     c[section][name] = value
   return c
-
-
-def model_of(config) -> L.Model:
-  """The planner's view of a jaxpipe config's model."""
-  m = config.model
-  moe = m.moe
-  kw = {}
-  if moe is not None:
-    kw = dict(
-        experts=moe.num_experts,
-        top_k=moe.top_k,
-        expert_d_ff=moe.d_ff,
-        shared_experts=moe.num_shared_experts,
-        moe_every=moe.every,
-        router_bias=moe.router == "sigmoid",
-        capacity_factor=moe.capacity_factor if moe.dispatch == "capacity" else 0.0,
-    )
-  return L.Model(
-      "config",
-      m.vocab,
-      m.d_model,
-      m.n_layers,
-      m.n_heads,
-      m.n_kv_heads,
-      m.head_dim,
-      m.d_ff,
-      tied_embeddings=m.tied_embeddings,
-      qk_norm=m.qk_norm,
-      **kw,
-  )
-
-
-def layout_of(config, mesh_shape: dict) -> L.Layout:
-  p = config.pipeline
-  return L.Layout(
-      pp=mesh_shape["pp"],
-      dp=mesh_shape["dp"],
-      tp=mesh_shape["tp"],
-      ep=mesh_shape["ep"],
-      cp=mesh_shape["cp"],
-      schedule=p.schedule,
-      microbatches=p.microbatches,
-      chunks=None if p.chunks == 1 else p.chunks,
-      shard=config.optimizer.shard,
-      sp=config.model.sequence_parallel,
-      recompute=(
-          "full"
-          if p.recompute or config.model.remat is True
-          else "selective"
-          if config.model.remat == "selective"
-          else "none"
-      ),
-  )
-
-
-def predict(config, mesh_shape: dict) -> L.Memory:
-  """The planner's per-device bytes for a jaxpipe config on this machine (float32)."""
-  model, layout = model_of(config), layout_of(config, mesh_shape)
-  batch = L.Batch(config.data.batch, config.data.seq_len)
-  mem = L.memory(model, layout, batch, L.FP32, CPU_ACTIVATIONS)
-  tokens_bytes = 3 * 4 * batch.sequences * batch.seq_len / (layout.dp * layout.ep * layout.cp)
-  update = CPU_UPDATE_BYTES * mem.params + (CPU_FIXED_BYTES if layout.pp == 1 else 0)
-  return dataclasses.replace(mem, buffers=mem.buffers + update, batch=tokens_bytes)
 
 
 def measured(config) -> dict:

@@ -67,6 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
   p.recompute = False  # recompute stage forwards in the backward instead of keeping residuals
   p.costs = ""  # auto: cost file (python -m jaxpipe.measure); empty = measure before training
   p.memory_limit_gb = 0.0  # auto: drop schedules predicted to need more per device; 0 = no limit
+  p.auto_layout = False  # auto: also choose the mesh, optimizer.shard and remat (training/plan)
   p.auto_microbatches = ()  # auto: micro-batch counts to consider; empty = all the batch allows
   p.auto_schedules = ()  # auto: generators to consider; empty = all of SCHEDULE_NAMES
 
@@ -448,10 +449,18 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> Non
   from jaxpipe.pipeline.ir import costs as costs_lib
 
   p = config.pipeline
-  if shape["pp"] == 1:
+  if not isinstance(p.auto_layout, bool):
+    raise ConfigError(f"pipeline.auto_layout={p.auto_layout!r} must be True or False")
+  if p.auto_layout and not p.memory_limit_gb > 0:
+    raise ConfigError(
+        f"pipeline.auto_layout=True searches layouts under pipeline.memory_limit_gb, which is "
+        f"{p.memory_limit_gb!r}; set it to the bytes per device to fit, in GB (e.g. 80)"
+    )
+  if shape["pp"] == 1 and not p.auto_layout:
     raise ConfigError(
         "pipeline.schedule='auto' chooses among pipeline schedules; set "
-        "--config.mesh.pp to 2 or more, or name a schedule"
+        "--config.mesh.pp to 2 or more, or name a schedule (or pipeline.auto_layout=True "
+        "to choose the mesh too)"
     )
   if not p.memory_limit_gb >= 0:
     raise ConfigError(f"pipeline.memory_limit_gb={p.memory_limit_gb!r} must be >= 0 (0: no limit)")
@@ -473,6 +482,8 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> Non
       costs_lib.load(p.costs)
     except costs_lib.CostFileError as e:
       raise ConfigError(f"pipeline.costs={p.costs!r}: {e}") from e
+  if p.auto_layout:  # the layout planner chooses (jaxpipe.training.plan), not measured costs
+    return
   try:
     auto_pairs(config, shape)
   except auto_lib.AutoError as e:

@@ -161,13 +161,20 @@ class Trainer:
     """
     from jaxpipe.pipeline.ir import auto as auto_lib
     from jaxpipe.pipeline.ir import costs as costs_lib
-    from jaxpipe.training import measure
+    from jaxpipe.training import measure, plan
 
     path = os.path.join(workdir, "auto.json") if workdir else None
     if path and os.path.exists(path) and not afresh:
       with open(path) as f:
         saved = json.load(f)
       choice, self.auto_report = saved["choice"], saved["report"]
+    elif config.pipeline.auto_layout:  # the planner's layout: nothing measured
+      chosen = plan.choose_layout(config, jax.device_count(), jax.default_backend())
+      choice, self.auto_report = chosen.fields, chosen.report
+      logging.info("%s", chosen.report)
+      if path and jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
     else:
       try:
         ranking, measured = measure.choose(config, self.mesh_shape)
@@ -179,9 +186,7 @@ class Trainer:
         if measured is not None:
           costs_lib.dump(measured, os.path.join(workdir, "costs.json"))
         files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
-    config = config.copy_and_resolve_references()  # the caller's config stays 'auto'
-    config.pipeline.update(choice)
-    return config
+    return plan.with_fields(config, choice)  # a copy: the caller's config stays 'auto'
 
   def close(self) -> None:
     """Waits for background saves and releases the workdir (also done when garbage-collected)."""

@@ -1,0 +1,60 @@
+"""pipeline.auto_layout (jaxpipe.training.plan): the layout planner picks a layout that fits the
+memory limit where the config's own layout does not, measured on the compiled step; bad
+settings stop at the config."""
+
+import functools
+import json
+import os
+
+import jax
+import pytest
+
+from configs import quickstart
+from jaxpipe.training import config as config_lib
+from jaxpipe.training import plan
+from jaxpipe.training.trainer import Trainer
+
+LIMIT_GB = 0.03  # the quickstart's replicated step needs about 38 MB per device
+
+
+def _config(auto: bool, limit: float = LIMIT_GB):
+  c = quickstart.get_config()
+  c.data.source = "synthetic"
+  c.train.eval_every = 0
+  if auto:
+    c.pipeline.schedule, c.pipeline.auto_layout, c.pipeline.memory_limit_gb = "auto", True, limit
+  return c
+
+
+@functools.cache
+def _peak_bytes(auto: bool, workdir: str | None = None) -> tuple[int, Trainer]:
+  trainer = Trainer(_config(auto), workdir)
+  trainer.compile()
+  return trainer.compile_stats["peak_bytes"], trainer
+
+
+def test_auto_layout_fits_where_the_replicated_layout_does_not(tmp_path):
+  """compiled.memory_analysis(): the config's own layout (dp 8, replicated) needs more than the
+  limit; the layout auto_layout picks needs less, and the run records its choice."""
+  replicated, _ = _peak_bytes(False)
+  chosen, trainer = _peak_bytes(True, str(tmp_path))
+  assert replicated > LIMIT_GB * 1e9 >= chosen
+  assert trainer.auto_report.startswith("auto_layout: ")
+  with open(os.path.join(tmp_path, "auto.json")) as f:
+    saved = json.load(f)["choice"]
+  for key, value in saved.items():  # the run's config is the recorded choice
+    section, name = key.split(".")
+    assert trainer.config[section][name] == value, key
+  assert trainer.config.pipeline.schedule != "auto" and not trainer.config.pipeline.auto_layout
+  trainer.close()
+
+
+def test_no_fitting_layout_is_one_line():
+  with pytest.raises(config_lib.ConfigError, match=r"no layout of 8 devices is predicted to fit"):
+    plan.choose_layout(_config(True, limit=1e-5), jax.device_count())
+
+
+def test_auto_layout_needs_a_memory_limit():
+  c = _config(True, limit=0.0)
+  with pytest.raises(config_lib.ConfigError, match=r"pipeline.auto_layout=True searches layouts"):
+    config_lib.validate(c, 8)
