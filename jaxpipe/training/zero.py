@@ -121,16 +121,10 @@ def gradient_shardings(params: Any, mesh: Mesh, mode: str) -> Any | None:
 
 
 def check(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-  """optimizer.shard against the mesh and the model: no split with pp > 1 yet; under fsdp
-  every weight matrix must split over the data ranks. Raises ValueError (the config turns it
+  """optimizer.shard against the mesh and the model: under fsdp every weight matrix must split
+  over the data ranks. Raises ValueError (the config turns it
   into ConfigError) naming the value and the fix."""
   mode = config.optimizer.shard
-  if mode != "none" and shape["pp"] > 1:
-    raise ValueError(
-        f"optimizer.shard={mode!r} does not run with mesh.pp={shape['pp']} yet (the pipeline "
-        "executor's stored layer order is untested with split moments); set "
-        "optimizer.shard='none' or mesh.pp=1"
-    )
   if mode != "fsdp":
     return
   cfg = TransformerConfig(**config.model.to_dict())
