@@ -2,7 +2,8 @@
 
   python -m experiments.train_bench [--config configs/quickstart.py] [--batch 32] \
       [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8[,4]] [--rounds 3] [--steps 3] \
-      [--warmup 2] [--noplain_scan] [--pool_host_memory] [--peer_python PATH] \
+      [--warmup 2] [--noplain_scan] [--unroll_layers 16] [--pool_host_memory] \
+      [--peer_python PATH] \
       [--out train_bench.json] [--config.key=value]
 
 Contenders, one model (the config's) and one global batch (`--batch`, 0 = the config's):
@@ -14,7 +15,9 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   the floor every ratio is taken against. `plain jax.jit, scan` (`--plain_scan`, on by
   default) is the same step with its layers in a `lax.scan`, as jaxpipe runs them: what the
   loop over layers costs by itself.
-- jaxpipe pp=1: the Trainer's compiled step at pp = 1 (dp = all devices, one micro-batch).
+- jaxpipe pp=1: the Trainer's compiled step at pp = 1 (dp = all devices, one micro-batch);
+  `--unroll_layers 16,...` adds it at each of those `model.unroll_layers` values (stacks of at
+  most that many layers unrolled; 0: a `lax.scan` loop), named with its `unroll_layers=`.
 - jaxpipe pp=P SCHEDULE: the Trainer's pipelined step, for each `--pp` and `--schedules`, with
   `--microbatches` micro-batches (dp = devices / P); given several counts, one contender per
   count, named with its `m=`.
@@ -103,6 +106,12 @@ flags.DEFINE_bool(
     "plain_scan",
     True,
     "Also time the plain step with its layers in a lax.scan (as jaxpipe runs them).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_list(
+    "unroll_layers",
+    [],
+    "Also time jaxpipe pp=1 with model.unroll_layers at each value (0: the layer scan a loop).",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
@@ -667,6 +676,10 @@ def build(args, config) -> list[Contender]:
   tokens = batch * seq
   devices = len(jax.devices())
   cells = [("jaxpipe pp=1", jaxpipe_config(config, batch))]
+  for unroll in args.unroll_layers:
+    c = jaxpipe_config(config, batch)
+    c.model.unroll_layers = unroll
+    cells.append((f"jaxpipe pp=1 unroll_layers={unroll}", c))
   for pp in args.pp:
     for schedule in args.schedules:
       for m in args.microbatches:
@@ -700,7 +713,7 @@ def build(args, config) -> list[Contender]:
 def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
-  for name in ("pp", "microbatches"):
+  for name in ("pp", "microbatches", "unroll_layers"):
     try:
       setattr(args, name, [int(v) for v in getattr(args, name)])
     except ValueError:

@@ -75,6 +75,9 @@ class TransformerConfig:
   fp8_history: int = 1024  # delayed: amax history length, in steps
   fp8_margin: int = 0  # delayed: scale = fp8_max / amax / 2^margin
   fp8_amax: str = "max"  # delayed: amax from the history's 'max' or its 'most_recent' entry
+  # a stack of at most this many layers (MoE: groups) runs unrolled, no residual stacked and
+  # copied; a longer one, or any under remat, as a lax.scan loop (0: always the loop)
+  unroll_layers: int = 0
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
@@ -82,6 +85,11 @@ class TransformerConfig:
       raise ValueError(
           f"remat={self.remat!r} is unknown; use False (keep activations), True (recompute "
           "each layer) or 'selective' (recompute the attention core)"
+      )
+    u = self.unroll_layers
+    if isinstance(u, bool) or not isinstance(u, int) or u < 0:
+      raise ValueError(
+          f"unroll_layers={u!r} must be an integer >= 0 (0: the layers always in a lax.scan loop)"
       )
     if self.fp8 != "none" and self.cp_overlap:
       raise ValueError(
@@ -478,7 +486,12 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
 
   if cfg.remat is True:  # 'selective' is the attention core's own (Attention)
     body = jax.checkpoint(body)
-  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers)
+  units = jax.tree.leaves(layers)[0].shape[0]
+  # Unrolled, each residual stays where its layer made it; a scan stacks them in buffers it
+  # fills, writes slice by slice and the backward reads back. Not under remat: unrolled, XLA
+  # schedules the recomputation beside the forward and keeps what remat would free.
+  unroll = units if 0 < units <= cfg.unroll_layers and cfg.remat is False else 1
+  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers, unroll=unroll)
   return x_BxLxD, {} if aux is None else aux
 
 

@@ -227,6 +227,15 @@ def validate(
     )
   if not isinstance(m.cp_overlap, bool):
     raise ConfigError(f"model.cp_overlap={m.cp_overlap!r} must be True or False")
+  if (
+      isinstance(m.unroll_layers, bool)
+      or not isinstance(m.unroll_layers, int)
+      or m.unroll_layers < 0
+  ):
+    raise ConfigError(
+        f"model.unroll_layers={m.unroll_layers!r} must be an integer >= 0: stacks of at most "
+        "that many layers run unrolled, longer ones as a lax.scan loop (0: always the loop)"
+    )
   if m.rope_theta <= 0:
     raise ConfigError(f"model.rope_theta={m.rope_theta!r} must be > 0")
   if m.dtype not in DTYPES:

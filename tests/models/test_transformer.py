@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from jaxpipe.models import flops, transformer
+from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.transformer import TransformerConfig
+from tests import helpers
 
 _forward = jax.jit(transformer.forward, static_argnums=0)
 _loss = jax.jit(transformer.loss, static_argnums=0)
@@ -247,3 +250,75 @@ def test_analytic_flops_match_compiled_count():
   assert flops.training_flops_per_step(cfg, 2, 128) == 3 * 2 * flops.forward_flops_per_sequence(
       cfg, 128
   )
+
+
+def test_unrolled_layer_stack_has_the_loops_gradients():
+  """model.unroll_layers: a stack of at most that many units runs unrolled (no while loop, no
+  more temporaries), a longer one (or 0, or any under remat) as the lax.scan loop; the loss and
+  gradients match the loop's to float rounding, and the unstacked reference's (`ref_loss`)."""
+  params = _random_params(CFG)
+  tokens, targets, mask = _batch(CFG)
+
+  def grad(cfg, p):
+    f = jax.value_and_grad(lambda p: transformer.loss(cfg, p, tokens, targets, mask)[0])
+    return jax.jit(f).lower(p).compile()
+
+  got, temp = {}, {}
+  for unroll in (0, 2, 4):
+    for remat in (False, True):
+      compiled = grad(dataclasses.replace(CFG, unroll_layers=unroll, remat=remat), params)
+      looped = unroll < CFG.n_layers or remat
+      assert (" while(" in compiled.as_text()) == looped, (unroll, remat)
+      temp[unroll, remat] = compiled.memory_analysis().temp_size_in_bytes
+      got[unroll, remat] = compiled(params)
+  assert temp[4, False] <= temp[0, False]
+  ref_value, ref_grads = jax.jit(
+      jax.value_and_grad(lambda p: ref_loss(CFG, p, tokens, targets, mask)[0])
+  )(params)
+  for (unroll, remat), (value, grads) in got.items():
+    loop_value, loop_grads = got[0, remat]
+    np.testing.assert_allclose(value, loop_value, rtol=1e-6)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for (path, a), b, r in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0],
+        jax.tree.leaves(loop_grads),
+        jax.tree.leaves(ref_grads),
+    ):
+      where = f"unroll_layers={unroll}, remat={remat}: {jax.tree_util.keystr(path)}"
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max(), err_msg=where)
+      scale = np.max(np.abs(r))
+      np.testing.assert_allclose(a / scale, r / scale, atol=2e-5, err_msg=where)
+
+
+def test_unrolled_moe_groups_match_the_loop():
+  moe = moe_lib.MoEConfig(num_experts=4, top_k=2, d_ff=16, every=2)
+  cfg = dataclasses.replace(CFG, moe=moe)  # 2 groups of (dense, MoE)
+  params = _random_params(cfg)
+  x = transformer.embed(cfg, params, _batch(cfg)[0])
+
+  def run(unroll):
+    c = dataclasses.replace(cfg, unroll_layers=unroll)
+
+    def objective(p):
+      y, aux = transformer.apply_layers_aux(c, p["layers"], x)
+      return jnp.sum(y**2) + jnp.sum(aux["loss"]), (y, aux)
+
+    (_, (y, aux)), g = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+    return y, aux, g
+
+  (y0, aux0, g0), (y1, aux1, g1) = run(0), run(2)
+  helpers.close(y1, y0, "x")  # to float rounding: atol 1e-5 of the largest entry
+  for k in aux0:
+    helpers.close(aux1[k], aux0[k], k)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g0)):
+    helpers.close(a, b, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_bad_unroll_layers_is_refused(bad):
+  with pytest.raises(ValueError, match=re.escape(f"unroll_layers={bad!r} must be an integer >= 0")):
+    dataclasses.replace(CFG, unroll_layers=bad)
+  if bad == -1:  # the config file's field is an int: only a negative one gets this far
+    helpers.assert_refused(
+        {"model.unroll_layers": -1}, "model.unroll_layers=-1 must be an integer >= 0"
+    )
