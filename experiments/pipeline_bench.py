@@ -37,7 +37,6 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
-import ctypes  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
@@ -192,19 +191,6 @@ def load() -> float:
   return os.getloadavg()[0]
 
 
-def keep_host_memory():
-  """glibc: serve every allocation from the heap and never give freed memory back to the OS (its
-  arenas stay one per thread: a single arena serialises XLA's compile threads)."""
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
-    return False
-  m_trim_threshold, m_mmap_max = -1, -4
-  return all(
-      libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
-  )
-
-
 def rel_err(got, want):
   pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
   return max(
@@ -233,7 +219,7 @@ def lockstep_table(cases=((4, 8), (8, 32))):
 def main(argv: list[str]) -> None:
   cli.no_arguments(argv)
   args = cli.values(FLAGS)
-  pooled = not args.system_malloc and keep_host_memory()
+  pooled = not args.system_malloc and process.pool_host_memory()
   lockstep_table()
   p, m = args.pp, args.microbatches
   if len(jax.devices()) < p:

@@ -50,7 +50,6 @@ from jaxpipe.runtime import process
 if __name__ == "__main__":
   process.use_host_devices()
 
-import ctypes  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
@@ -321,19 +320,6 @@ def timed(step: Callable[[], Any]) -> Callable[[int], list[tuple[float, float, i
     return out
 
   return run
-
-
-def pool_host_memory() -> bool:
-  """glibc: serve every allocation from the heap and never give freed memory back to the OS, so
-  that no step faults its temporaries in again; False where libc refuses (not glibc)."""
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
-    return False
-  m_trim_threshold, m_mmap_max = -1, -4
-  return all(
-      libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
-  )
 
 
 def compiled_info(compiled, compile_s: float) -> dict:
@@ -728,7 +714,7 @@ def main(argv: list[str]) -> None:
   config = _CONFIG.value
   if args.peer_python:
     args.peer_package = check_peer(args.peer_python)  # before any compile
-  pooled = args.pool_host_memory and pool_host_memory()
+  pooled = args.pool_host_memory and process.pool_host_memory()
   if args.pool_host_memory and not pooled:
     raise app.UsageError("--pool_host_memory: this C library refuses glibc's mallopt settings")
   load0 = os.getloadavg()

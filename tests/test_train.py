@@ -279,12 +279,13 @@ def test_field_kinds():
           "model.remat",
           "optimizer.shard",
           "model.sequence_parallel",
+          "model.unroll_layers",
           "train.steps",
           "optimizer.lr",
           "data.seed",
           "model.d_model",
       )
-  ] == ["cadence", "layout", "layout", "layout", "layout", "layout", "run", "run", "run", "run"]
+  ] == ["cadence"] + ["layout"] * 6 + ["run"] * 4
   from configs import moe_quickstart
 
   moe = moe_quickstart.get_config()  # capacity dispatch: the mesh decides which tokens overflow

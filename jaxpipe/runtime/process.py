@@ -139,3 +139,19 @@ def initialize(
   kwargs = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
   jax.distributed.initialize(address, count, index, **kwargs)
   return True
+
+
+def pool_host_memory() -> bool:
+  """glibc: serve every allocation from the heap and never give freed memory back to the OS, so
+  that no step maps and faults its temporaries in again (benchmarks; the arenas stay one per
+  thread, a single one would serialise XLA's compile threads); False where libc refuses."""
+  import ctypes  # noqa: PLC0415 -- only the benchmarks that ask for it load libc
+
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return False
+  m_trim_threshold, m_mmap_max = -1, -4
+  return all(
+      libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
+  )

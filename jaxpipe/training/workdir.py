@@ -58,6 +58,7 @@ LAYOUT = (
     "model.remat",
     "model.cp_overlap",
     "model.sequence_parallel",
+    "model.unroll_layers",
     "model.moe.dropless_impl",
     "optimizer.shard",
 )
