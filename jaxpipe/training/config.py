@@ -18,6 +18,7 @@ from jaxpipe.models.transformer import REMAT, TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
+from jaxpipe.training import zero
 
 # Mesh axes, outermost first: pipeline, data, expert, context, tensor.
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -33,8 +34,6 @@ UNSUPPORTED_DTYPES = {
 }
 SOURCES = ("stdlib", "synthetic")
 TOKENIZERS = ("bytes", "hf")  # data.tokenizer: what the model reads (jaxpipe.models.tokenizer)
-# optimizer.shard: where the optimizer state lives (jaxpipe.training.zero)
-OPTIMIZER_SHARDS = ("none", "zero1", "zero2", "fsdp")
 # Sections a gin file can bind, e.g. `model.d_model = 256`.
 GIN_SECTIONS = ("model", "mesh", "pipeline", "data", "optimizer", "train", "checkpoint")
 
@@ -206,10 +205,8 @@ def validate(
   for name in ("b1", "b2"):
     if not 0 <= o[name] < 1:
       raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
-  if o.shard not in OPTIMIZER_SHARDS:
-    raise ConfigError(
-        f"optimizer.shard={o.shard!r} is unknown; use one of {', '.join(OPTIMIZER_SHARDS)}"
-    )
+  if o.shard not in zero.MODES:
+    raise ConfigError(f"optimizer.shard={o.shard!r} is unknown; use one of {', '.join(zero.MODES)}")
   if m.head_dim % 2:
     raise ConfigError(
         f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of channels"
@@ -318,8 +315,6 @@ def validate(
     raise ConfigError(f"data.seq_len={d.seq_len} is not divisible by mesh.cp={cp}")
   _check_tensor_parallel(m, d, shape)
   if o.shard != "none":
-    from jaxpipe.training import zero  # imports the model: only when a split is asked for
-
     try:
       zero.check(config, shape)
     except ValueError as e:

@@ -9,10 +9,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.training.config import MESH_AXES, mesh_order, mesh_shape
-
-# The batch is split over data and expert ranks (expert ranks act as data ranks outside MoE
-# layers), the sequence over context ranks.
-BATCH_AXES = ("dp", "ep")
+from jaxpipe.training.state import BATCH_AXES
 
 
 def make_mesh(

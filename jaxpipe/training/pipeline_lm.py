@@ -142,6 +142,22 @@ def lm_layer_order(
   return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
 
 
+def layer_order(
+    config: ml_collections.ConfigDict, cfg: TransformerConfig, mesh_shape: dict[str, int]
+) -> np.ndarray | None:
+  """The order in which the Trainer stacks params['layers'] (None: the model's own order).
+
+  Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
+  contiguous block of the model's layers; stacking them rank by rank instead means the pp split
+  of the stack gives each rank exactly its stages, and no parameter moves inside a step.
+  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
+  each layer twice, a resident copy on each of them.
+  """
+  if mesh_shape["pp"] == 1:
+    return None
+  return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
+
+
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep", tp: int = 1, tp_axis: str = "tp"):
   """PartitionSpecs over one stage's layer params (leaves [stages, ...]; the spec leaves out the
   stage axis): expert weights [..., E, in, out] split on E over `ep_axis`, Megatron's

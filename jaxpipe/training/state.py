@@ -1,5 +1,6 @@
-"""The train state and where it lives: `TrainState`, the optimizer, the layers' stored order
-(rank by rank under interleaved and V placements) and the state's shardings on the mesh."""
+"""The train state and where it lives: `TrainState`, the optimizer and the state's shardings on
+the mesh (the layers' stored order, rank by rank under interleaved and V placements, is
+`pipeline_lm.layer_order`)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,10 @@ from jaxpipe.models import moe as moe_lib
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel import tensor as tp_lib
+
+# The batch is split over data and expert ranks (expert ranks act as data ranks outside MoE
+# layers), the sequence over context ranks; the optimizer's splits run over the same axes.
+BATCH_AXES = ("dp", "ep")
 
 
 @flax.struct.dataclass
@@ -94,24 +99,6 @@ def make_optimizer(
   return optax.chain(clip, adamw)
 
 
-def layer_order(
-    config: ml_collections.ConfigDict, cfg: TransformerConfig, mesh_shape: dict[str, int]
-) -> np.ndarray | None:
-  """The order in which the Trainer stacks params['layers'] (None: the model's own order).
-
-  Under interleaved and V-shaped placements the stages a pipeline rank runs are not one
-  contiguous block of the model's layers; stacking them rank by rank instead means the pp split
-  of the stack gives each rank exactly its stages, and no parameter moves inside a step.
-  Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
-  each layer twice, a resident copy on each of them.
-  """
-  if mesh_shape["pp"] == 1:
-    return None
-  from jaxpipe.training.pipeline_lm import lm_layer_order
-
-  return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
-
-
 def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any:
   """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
   `leaf[order]`; everything else unchanged. `size`: the layer axis the tree must have (default
@@ -144,7 +131,8 @@ def state_shardings(
   (`jaxpipe.parallel.tensor.split_dim`, Megatron's layout); everything else is replicated.
 
   Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
-  that this block is what rank r runs (`layer_order`): the model's order under contiguous
+  that this block is what rank r runs (`pipeline_lm.layer_order`): the model's order under
+  contiguous
   placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones, and
   rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones (Chimera,
   DualPipe), which run every stage on two ranks.

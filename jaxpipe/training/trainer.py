@@ -33,10 +33,10 @@ from jaxpipe.training import data as data_lib
 from jaxpipe.training import zero
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
+from jaxpipe.training.pipeline_lm import layer_order
 from jaxpipe.training.state import (
     TrainState,
     fresh_state,
-    layer_order,
     learning_rate,
     make_optimizer,
     reorder_layers,

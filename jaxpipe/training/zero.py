@@ -8,7 +8,7 @@
          weights are all-gathered just before use inside the layer scan (again in the
          backward, never kept as residuals) and their gradients reduce-scattered there
 
-The data axes are `mesh.BATCH_AXES` (dp, ep); expert weights, already split over ep, split over
+The data axes are `state.BATCH_AXES` (dp, ep); expert weights, already split over ep, split over
 dp only. Each leaf splits along one dimension: the largest that the data-parallel degree
 divides among those not already split (pp's layer axis, ep's expert axis, tp's dimension) and
 not a layer axis (so that the scan reads one layer's slice of every rank's shard). A leaf with
@@ -34,11 +34,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.training import config as config_lib
-from jaxpipe.training.mesh import BATCH_AXES
-from jaxpipe.training.state import state_shardings
+from jaxpipe.training.state import BATCH_AXES, state_shardings
 
-MODES = config_lib.OPTIMIZER_SHARDS
+MODES = ("none", "zero1", "zero2", "fsdp")  # optimizer.shard's values
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights
 
 

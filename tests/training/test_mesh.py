@@ -30,8 +30,8 @@ def test_axis_sizes_and_order():
   assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
   mesh = make_mesh(_mesh_cfg(dp=2, cp=2, pp=2))
   assert dict(mesh.shape) == {"pp": 2, "dp": 2, "ep": 1, "cp": 2, "tp": 1}
-  with pytest.raises(ConfigError, match=r"mesh.tp=2: no layer is split over the tensor axis"):
-    make_mesh(_mesh_cfg(dp=2, cp=2, tp=2))
+  mesh = make_mesh(_mesh_cfg(dp=2, cp=2, tp=2))
+  assert dict(mesh.shape) == {"pp": 1, "dp": 2, "ep": 1, "cp": 2, "tp": 2}
 
 
 def test_subset_of_devices():
