@@ -27,6 +27,7 @@ train step moves the sigmoid router's balancing biases. `moe.aux_objective` is t
 pooled over the layers.
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -168,9 +169,14 @@ def context_parallel_loss_and_grads(
     axis_name: str = "cp",
     batch_axes: tuple[str, ...] = ("dp", "ep"),
     tp_axis: str = "tp",
+    fsdp: bool = False,
 ):
   """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`
   and the layers over `tp_axis` (each when its mesh axis has more than one rank).
+
+  fsdp: parameters arrive split over the data axes too (`zero.data_split`); the embedding, head
+  and final norm are all-gathered at the start, each layer inside the layer scan (again in the
+  backward), and the transposes of those gathers reduce-scatter the gradients.
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
   with rotary positions offset to its slice (for packed rows: its slice of the batch's
@@ -210,14 +216,32 @@ def context_parallel_loss_and_grads(
   every_axis = P(tuple(a for a in mesh.axis_names if a != tp_axis))  # tp ranks: the same sum
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}
 
-  def apply_layers(layers, x_BxSxD, positions_S, segment_ids_BxS):
-    if cfg.moe is None:
+  def apply_layers(layers, x_BxSxD, positions_S, segment_ids_BxS, layer_specs=None):
+    if cfg.moe is None and layer_specs is None:
       return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S, segment_ids_BxS), {}
-    # transformer.apply_layers, keeping each MoE group's statistics
-    body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
-    return jax.lax.scan(jax.checkpoint(body) if cfg.remat is True else body, x_BxSxD, layers)
+    if cfg.moe is None:
+      body = lambda x, unit: (
+          transformer.apply_unit(cfg, unit, x, positions_S, True, segment_ids_BxS),
+          None,
+      )
+    else:  # transformer.apply_layers, keeping each MoE group's statistics
+      body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
+    if layer_specs is not None:
+      body = zero.local_layer_scan(cfg, body, layer_specs)
+    elif cfg.remat is True:
+      body = jax.checkpoint(body)
+    x_BxSxD, aux = jax.lax.scan(body, x_BxSxD, layers)
+    return x_BxSxD, {} if aux is None else aux
 
-  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS):
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, specs=None):
+    layer_specs = None
+    if specs is not None:  # fsdp: all but the layers gathered here, each layer in the scan
+      outer = {k: v for k, v in params.items() if k != "layers"}
+      params = {
+          **zero.gather_local(outer, {k: specs[k] for k in outer}),
+          "layers": params["layers"],
+      }
+      layer_specs = specs["layers"]
     with (
         context_parallel(cp_axis),
         tensor_parallel(tp_axis if tp > 1 else None, cfg.sequence_parallel),
@@ -229,15 +253,19 @@ def context_parallel_loss_and_grads(
       elif positions_S is None:
         positions_S = positions_local(tokens_BxS.shape[1], axis_name)
       segment_ids_BxS = packed_BxS.get("segment_ids")
-      x_BxSxD, aux = apply_layers(params["layers"], x_BxSxD, positions_S, segment_ids_BxS)
+      x_BxSxD, aux = apply_layers(
+          params["layers"], x_BxSxD, positions_S, segment_ids_BxS, layer_specs
+      )
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
     return total[None], aux
 
   def param_specs(params):
+    if fsdp:
+      return zero.local_specs(params, mesh)
     return jax.tree.map(lambda s: s.spec, state_shardings(params, mesh))
 
   sharded = lambda params, *args: jax.shard_map(
-      local_sums,
+      functools.partial(local_sums, specs=param_specs(params) if fsdp else None),
       mesh=mesh,
       in_specs=(param_specs(params), spec, spec, spec, spec),
       out_specs=(every_axis, aux_spec),
@@ -329,7 +357,7 @@ def make_loss_and_grads(
     # One shard_map over the mesh: the sequence split over cp for the whole model (Ulysses
     # all-to-alls around attention), the layers over tp (Megatron's collectives).
     return context_parallel_loss_and_grads(
-        cfg, make_mesh(config.mesh), config.pipeline.microbatches
+        cfg, make_mesh(config.mesh), config.pipeline.microbatches, fsdp=fsdp
     )
   if fsdp:  # each layer gathered inside the scan; elsewhere shard_map's specs gather them all
     return data_parallel_loss_and_grads(

@@ -228,3 +228,60 @@ def fsdp_model_loss(mesh: Mesh, with_aux: bool):
     return (total, count, {} if aux is None else aux) if with_aux else (total, count)
 
   return model_loss
+
+
+# -- fsdp inside a shard_map (the tensor- and context-parallel path) -----------------------------
+
+
+def _data_split_of(spec: P) -> tuple[tuple[str, ...], int] | None:
+  """(data axes, dimension) a `data_split` spec splits a leaf over, None if it splits none."""
+  for dim, entry in enumerate(spec):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    if names and all(a in BATCH_AXES for a in names):
+      return names, dim
+  return None
+
+
+def local_specs(params: Any, mesh: Mesh) -> Any:
+  """PartitionSpecs of `data_split` (tp, ep and pp splits, and the data axes): what a shard_map
+  takes fsdp's stored parameters as."""
+  return jax.tree.map(lambda s: s.spec, data_split(params, mesh))
+
+
+def gather_local(tree: Any, specs: Any, lead: int = 0) -> Any:
+  """Inside a shard_map: each leaf all-gathered over the data axes `specs` split it on (the
+  transpose, in the backward, is the reduce-scatter of its gradient); `lead` leading axes of
+  the specs are absent from the leaves (a scan's slice drops the layer axis)."""
+
+  def one(x, spec):
+    split = _data_split_of(spec)
+    if split is None:
+      return x
+    axes, dim = split
+    return jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim - lead, tiled=True)
+
+  return jax.tree.map(one, tree, specs, is_leaf=lambda v: isinstance(v, P))
+
+
+# the gather and what only re-types or casts its output (a varying-axes cast, the compute dtype)
+_GATHER_CASTS = ("all_gather", "pbroadcast", "pvary", "convert_element_type")
+
+
+def _save_all_but_local_gathers(prim, *_, **params) -> bool:
+  # As `_save_all_but_gathered`: a layer's gathered weights and their casts are not residuals.
+  if prim.name == "name":
+    return params["name"] != GATHERED
+  return prim.name not in _GATHER_CASTS
+
+
+def local_layer_scan(cfg: TransformerConfig, body, layer_specs: Any):
+  """`body(x, unit)` for a scan over stacked layers whose leaves arrive split over the data
+  axes: each layer gathered just before use, again in the backward (not kept)."""
+
+  def gathered_body(x, unit):
+    unit = checkpoint_name(gather_local(unit, layer_specs, lead=1), GATHERED)
+    return body(x, unit)
+
+  return jax.checkpoint(
+      gathered_body, policy=None if cfg.remat is True else _save_all_but_local_gathers
+  )

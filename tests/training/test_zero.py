@@ -82,6 +82,7 @@ RUNS = {  # name: (reference run, config overrides)
     "zero2": ("none", dict(shard="zero2")),
     "fsdp": ("none", dict(shard="fsdp")),
     "tp2-sp-zero2": ("none", dict(shard="zero2", tp=2, sp=True)),
+    "tp2-fsdp": ("none", dict(shard="fsdp", tp=2)),
 }
 
 
@@ -205,6 +206,28 @@ def test_fsdp_with_selective_remat_keeps_its_gather_policy():
     counts[remat] = _collectives(Trainer(c).compile().as_text())
   assert counts["selective"][("all-gather", "backward loop")] == 7
   assert counts[True][("all-gather", "backward loop")] == 9
+
+
+DATA_GROUPS = "replica_groups={{0,2,4,6},{1,3,5,7}}"  # dp 4 beside tp 2, the innermost axis
+
+
+def test_fsdp_on_the_tensor_parallel_path_gathers_each_layer_in_the_loop():
+  """tp 2 x dp 4 under fsdp (one shard_map): over the data groups, the forward loop gathers the
+  nine weights of each layer and the backward loop the seven matrices again (none kept), the
+  gradients are reduce-scattered per layer in the backward loop, and the embedding and final
+  norm are gathered and reduce-scattered once outside."""
+  counts = {}
+  for line in _run("tp2-fsdp")[3].splitlines():
+    found = re.search(r"= \S+ (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
+    if found and DATA_GROUPS in line:
+      key = (found.group(1), "loop" if "while/body" in line else "outside")
+      counts[key] = counts.get(key, 0) + 1
+  assert counts == {
+      ("all-gather", "loop"): 9 + 7,
+      ("reduce-scatter", "loop"): 9,
+      ("all-gather", "outside"): 2,
+      ("reduce-scatter", "outside"): 2,
+  }
 
 
 def test_split_gradients_and_gathered_layers_are_not_kept_whole():
