@@ -169,14 +169,16 @@ def context_parallel_loss_and_grads(
     axis_name: str = "cp",
     batch_axes: tuple[str, ...] = ("dp", "ep"),
     tp_axis: str = "tp",
-    fsdp: bool = False,
+    shard: str = "none",
 ):
   """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`
   and the layers over `tp_axis` (each when its mesh axis has more than one rank).
 
-  fsdp: parameters arrive split over the data axes too (`zero.data_split`); the embedding, head
-  and final norm are all-gathered at the start, each layer inside the layer scan (again in the
-  backward), and the transposes of those gathers reduce-scatter the gradients.
+  shard (`optimizer.shard`): under 'zero2' and 'fsdp' the parameters arrive split over the data
+  axes too (`zero.data_split`) and are all-gathered inside, so that the transposes of those
+  gathers reduce-scatter the gradients: under 'zero2' all of them at the start (the parameters
+  are stored whole, so the split costs nothing), under 'fsdp' the embedding, head and final norm
+  at the start and each layer inside the layer scan (again in the backward).
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
   with rotary positions offset to its slice (for packed rows: its slice of the batch's
@@ -204,6 +206,7 @@ def context_parallel_loss_and_grads(
         "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1"
     )
   cp_axis = axis_name if mesh.shape.get(axis_name, 1) > 1 else None
+  split = shard in ("zero2", "fsdp")  # parameters taken split over the data axes
   tp = mesh.shape.get(tp_axis, 1)
   if tp > 1 and cfg.attention == "pallas":
     # interpreted Pallas kernels need shard_map's varying-axes check off, and without it the
@@ -235,6 +238,8 @@ def context_parallel_loss_and_grads(
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, specs=None):
     layer_specs = None
+    if specs is not None and shard == "zero2":  # all gathered here
+      params, specs = zero.gather_local(params, specs), None
     if specs is not None:  # fsdp: all but the layers gathered here, each layer in the scan
       outer = {k: v for k, v in params.items() if k != "layers"}
       params = {
@@ -260,12 +265,12 @@ def context_parallel_loss_and_grads(
     return total[None], aux
 
   def param_specs(params):
-    if fsdp:
+    if split:
       return zero.local_specs(params, mesh)
     return jax.tree.map(lambda s: s.spec, state_shardings(params, mesh))
 
   sharded = lambda params, *args: jax.shard_map(
-      functools.partial(local_sums, specs=param_specs(params) if fsdp else None),
+      functools.partial(local_sums, specs=param_specs(params) if split else None),
       mesh=mesh,
       in_specs=(param_specs(params), spec, spec, spec, spec),
       out_specs=(every_axis, aux_spec),
@@ -357,7 +362,7 @@ def make_loss_and_grads(
     # One shard_map over the mesh: the sequence split over cp for the whole model (Ulysses
     # all-to-alls around attention), the layers over tp (Megatron's collectives).
     return context_parallel_loss_and_grads(
-        cfg, make_mesh(config.mesh), config.pipeline.microbatches, fsdp=fsdp
+        cfg, make_mesh(config.mesh), config.pipeline.microbatches, shard=config.optimizer.shard
     )
   if fsdp:  # each layer gathered inside the scan; elsewhere shard_map's specs gather them all
     return data_parallel_loss_and_grads(

@@ -211,23 +211,35 @@ def test_fsdp_with_selective_remat_keeps_its_gather_policy():
 DATA_GROUPS = "replica_groups={{0,2,4,6},{1,3,5,7}}"  # dp 4 beside tp 2, the innermost axis
 
 
-def test_fsdp_on_the_tensor_parallel_path_gathers_each_layer_in_the_loop():
-  """tp 2 x dp 4 under fsdp (one shard_map): over the data groups, the forward loop gathers the
-  nine weights of each layer and the backward loop the seven matrices again (none kept), the
-  gradients are reduce-scattered per layer in the backward loop, and the embedding and final
-  norm are gathered and reduce-scattered once outside."""
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        # each layer's nine weights gathered in the forward loop, the seven matrices again in
+        # the backward loop (none kept), each layer's gradients reduce-scattered there; the
+        # embedding and final norm gathered and reduce-scattered once outside
+        (
+            "tp2-fsdp",
+            {
+                ("all-gather", "loop"): 9 + 7,
+                ("reduce-scatter", "loop"): 9,
+                ("all-gather", "outside"): 2,
+                ("reduce-scatter", "outside"): 2,
+            },
+        ),
+        # every leaf gathered once at the start, its gradient reduce-scattered once at the end
+        ("tp2-sp-zero2", {("all-gather", "outside"): 11, ("reduce-scatter", "outside"): 11}),
+    ],
+)
+def test_the_tensor_parallel_path_reduce_scatters_gradients(name, want):
+  """tp 2 x dp 4 (one shard_map) under fsdp and zero2: the collectives over the data groups in
+  the optimised HLO; no all-reduce of gradients."""
   counts = {}
-  for line in _run("tp2-fsdp")[3].splitlines():
+  for line in _run(name)[3].splitlines():
     found = re.search(r"= \S+ (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
     if found and DATA_GROUPS in line:
       key = (found.group(1), "loop" if "while/body" in line else "outside")
       counts[key] = counts.get(key, 0) + 1
-  assert counts == {
-      ("all-gather", "loop"): 9 + 7,
-      ("reduce-scatter", "loop"): 9,
-      ("all-gather", "outside"): 2,
-      ("reduce-scatter", "outside"): 2,
-  }
+  assert counts == want
 
 
 def test_split_gradients_and_gathered_layers_are_not_kept_whole():
