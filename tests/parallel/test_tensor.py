@@ -54,6 +54,8 @@ LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE[, pp, schedule])
     (2, False, 1, 1, 2, False, 2, "1f1b"),  # inside the pipeline executor's per-tick branch
     (2, True, 1, 1, 2, False, 2, "zb-h1"),
     (2, True, 1, 2, 2, True, 2, "1f1b"),
+    (4, True, 1, 1, 2, False, 2, "1f1b"),  # KV heads whole on every rank, in the pipeline
+    (2, False, 2, 1, 4, False, 2, "zb-h1"),  # tp x cp x pp
 ]
 
 
@@ -90,19 +92,26 @@ def test_loss_and_gradients_equal_the_one_device_model(layout):
     helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
-def test_three_steps_follow_the_one_device_trajectory():
-  """Three AdamW steps under tp 2 with sequence parallelism x dp 4 give tp 1's parameters."""
-  runs = []
-  for tp, sp in ((1, False), (2, True)):
-    c = _config(tp, sp)
-    c.train.steps = 3
-    trainer = Trainer(c)
-    trainer.init()
-    losses = [float(trainer.step()["loss"]) for _ in range(3)]
-    runs.append((losses, jax.device_get(trainer.model_params())))
-  np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
-  want = helpers.flat(runs[0][1])
-  for path, p in helpers.flat(runs[1][1]).items():
+@functools.cache
+def _three_steps(tp, sp, pp):
+  """(losses, model-order parameters) after three AdamW steps of one layout."""
+  c = _config(tp, sp, pp=pp)
+  c.train.steps = 3
+  trainer = Trainer(c)
+  trainer.init()
+  losses = [float(trainer.step()["loss"]) for _ in range(3)]
+  return losses, jax.device_get(trainer.model_params())
+
+
+@pytest.mark.parametrize("tp, sp, pp", [(2, True, 1), (2, False, 2)])
+def test_three_steps_follow_the_one_device_trajectory(tp, sp, pp):
+  """Three AdamW steps under tp 2 (with sequence parallelism, and inside the pipeline at pp 2)
+  give the replicated run's losses and parameters (tp 1, pp 1)."""
+  losses, params = _three_steps(tp, sp, pp)
+  want_losses, want_params = _three_steps(1, False, 1)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  want = helpers.flat(want_params)
+  for path, p in helpers.flat(params).items():
     helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
 
 
