@@ -632,9 +632,9 @@ def make_executor(
   those too) and running their own collectives over them. The loss is counted once. Without
   varying-axes checks the backward of a model-axis collective (a psum's is a psum) treats every
   rank's copy of the loss as its own: so each rank seeds its loss's backward with 1 / (model
-  ranks), which makes every cotangent the one of the single loss (a replicated value's split
-  into partials over the ranks, a split value's whole: what FP8 gradient scaling sees), and
-  gradients are then summed over the model axes a leaf is not split over, as over data axes.
+  ranks), and gradients are then summed over the model axes a leaf is not split over, as over
+  data axes. A split value's cotangent is then the single loss's whole; a replicated value's
+  arrives as per-rank partials (their sum is the single loss's).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")

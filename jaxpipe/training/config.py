@@ -361,6 +361,13 @@ def _check_tensor_parallel(
     return
   unsupported = (
       (m.fp8 == "block", "model.fp8='block'", "model.fp8='current' or 'delayed'"),
+      (
+          # experts are whole over tp: inside the executor their gradient's amax would come
+          # from a per-rank partial of the replicated stream's cotangent
+          m.fp8 != "none" and m.moe is not None and shape["pp"] > 1 and not m.sequence_parallel,
+          "model.fp8 and MoE inside the pipeline without sequence parallelism",
+          "model.sequence_parallel=True",
+      ),
       (m.attention == "pallas", "model.attention='pallas'", "model.attention='xla'"),
       (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),
   )

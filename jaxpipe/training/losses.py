@@ -270,7 +270,7 @@ def context_parallel_loss_and_grads(
     return jax.tree.map(lambda s: s.spec, state_shardings(params, mesh))
 
   sharded = lambda params, *args: jax.shard_map(
-      functools.partial(local_sums, specs=param_specs(params) if split else None),
+      functools.partial(local_sums, specs=zero.gather_specs(params, mesh) if split else None),
       mesh=mesh,
       in_specs=(param_specs(params), spec, spec, spec, spec),
       out_specs=(every_axis, aux_spec),

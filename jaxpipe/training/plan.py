@@ -143,6 +143,9 @@ def with_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collectio
 
 
 def _fields(layout: L.Layout) -> dict:
+  # the pipeline executor recomputes by pipeline.recompute (it replaces model.remat)
+  full = layout.recompute == "full"
+  staged = layout.pp > 1
   return {
       "mesh.pp": layout.pp,
       "mesh.dp": layout.dp,
@@ -150,12 +153,24 @@ def _fields(layout: L.Layout) -> dict:
       "mesh.cp": layout.cp,
       "optimizer.shard": layout.shard,
       "model.sequence_parallel": layout.sp,
-      "model.remat": {"none": False, "selective": "selective", "full": True}[layout.recompute],
+      "model.remat": "selective" if layout.recompute == "selective" else full and not staged,
       "pipeline.schedule": layout.schedule if layout.pp > 1 else "1f1b",
       "pipeline.microbatches": layout.microbatches,
-      "pipeline.recompute": False,
+      "pipeline.recompute": full and staged,
       "pipeline.auto_layout": False,
   }
+
+
+def _runs_as_priced(layout: L.Layout, model: L.Model) -> bool:
+  """Whether jaxpipe stores the layout as the planner prices it: its optimizer split runs over
+  dp and ep only (not cp), the pipeline executor takes parameters and gradients whole over the
+  data axes (only zero1's split moments are priced right there), and MoE experts stay whole
+  over tp. Layouts outside that are left out of the search."""
+  if layout.shard != "none" and layout.cp > 1:
+    return False
+  if layout.shard in ("zero2", "fsdp") and layout.pp > 1:
+    return False
+  return not (model.experts and layout.tp > 1)
 
 
 def choose_layout(
@@ -163,7 +178,8 @@ def choose_layout(
 ) -> Choice:
   """The fastest layout the planner predicts to fit `pipeline.memory_limit_gb` per device.
 
-  Candidates come from `layout.candidates` with the config's `ep` kept, each checked by the
+  Candidates come from `layout.candidates` with the config's `ep` kept, those jaxpipe stores
+  as the planner prices them (`_runs_as_priced`), each checked by the
   config's own validation (heads, KV heads, d_ff and the vocabulary must split over tp, the
   sequence over cp, the layers into the schedule's stages); raises config.ConfigError naming the
   smallest prediction when none fits.
@@ -184,7 +200,7 @@ def choose_layout(
       L.RECOMPUTE,
       max_microbatches=max(p.auto_microbatches or (8,)),
   ):
-    if layout.ep != config.mesh.ep:
+    if layout.ep != config.mesh.ep or not _runs_as_priced(layout, model):
       continue
     fields = _fields(layout)
     candidate = with_fields(config, fields)

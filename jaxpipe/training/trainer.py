@@ -119,6 +119,7 @@ class Trainer:
         logging.warning("%s", notice)
     if config.pipeline.schedule == config_lib.AUTO:  # after the workdir check: this measures
       config = self.config = self._choose_schedule(config, workdir, existing_run == "restart")
+      self.model_cfg = config_lib.model_config(config)  # auto_layout may set remat, sp
       self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None

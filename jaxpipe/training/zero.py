@@ -234,12 +234,27 @@ def fsdp_model_loss(mesh: Mesh, with_aux: bool):
 
 
 def _data_split_of(spec: P) -> tuple[tuple[str, ...], int] | None:
-  """(data axes, dimension) a `data_split` spec splits a leaf over, None if it splits none."""
+  """(data axes, dimension) of a `gather_specs` entry, None if it splits nothing."""
   for dim, entry in enumerate(spec):
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    if names and all(a in BATCH_AXES for a in names):
-      return names, dim
+    if entry:
+      return ((entry,) if isinstance(entry, str) else tuple(entry)), dim
   return None
+
+
+def gather_specs(params: Any, mesh: Mesh) -> Any:
+  """Per leaf, only the split `data_split` adds to `state_shardings` (expert weights keep
+  their `ep` split, which is no data split of theirs): what the shard_map gathers."""
+
+  def added(split, base):
+    whole = tuple(base.spec) + (None,) * (len(split.spec) - len(base.spec))
+    return P(*(s if s != b else None for s, b in zip(split.spec, whole)))
+
+  return jax.tree.map(
+      added,
+      data_split(params, mesh),
+      state_shardings(params, mesh),
+      is_leaf=lambda v: isinstance(v, NamedSharding),
+  )
 
 
 def local_specs(params: Any, mesh: Mesh) -> Any:
@@ -249,7 +264,8 @@ def local_specs(params: Any, mesh: Mesh) -> Any:
 
 
 def gather_local(tree: Any, specs: Any, lead: int = 0) -> Any:
-  """Inside a shard_map: each leaf all-gathered over the data axes `specs` split it on (the
+  """Inside a shard_map: each leaf all-gathered over the data axes `specs` (`gather_specs`)
+  split it on (the
   transpose, in the backward, is the reduce-scatter of its gradient); `lead` leading axes of
   the specs are absent from the leaves (a scan's slice drops the layer axis)."""
 

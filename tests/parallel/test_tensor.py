@@ -317,3 +317,14 @@ def test_checkpoint_saved_under_tp_restores_under_another_layout(tmp_path):
     for path, value in helpers.flat(jax.device_get(state)).items():
       np.testing.assert_array_equal(value, want[path], err_msg=jax.tree_util.keystr(path))
     other.close()
+
+
+def test_fp8_moe_in_the_pipeline_needs_sequence_parallelism():
+  """Experts are whole over tp; inside the executor, without sequence parallelism, their
+  gradient's amax would come from a per-rank partial: refused with the fix."""
+  c = helpers.moe_config(ep=2)
+  c.mesh.tp, c.mesh.pp, c.pipeline.microbatches, c.model.fp8 = 2, 2, 2, "current"
+  with pytest.raises(config_lib.ConfigError, match=r"set model.sequence_parallel=True"):
+    config_lib.validate(c, 8)
+  c.model.sequence_parallel = True
+  config_lib.validate(c, 8)

@@ -58,3 +58,22 @@ def test_auto_layout_needs_a_memory_limit():
   c = _config(True, limit=0.0)
   with pytest.raises(config_lib.ConfigError, match=r"pipeline.auto_layout=True searches layouts"):
     config_lib.validate(c, 8)
+
+
+def test_the_trainer_runs_the_chosen_remat_and_split():
+  """A limit that takes selective recomputation and zero1: the model the trainer builds (not
+  only its config) recomputes the attention core, and its state's moments are split."""
+  trainer = Trainer(_config(True, limit=0.022))
+  fields = plan.choose_layout(_config(True, limit=0.022), jax.device_count()).fields
+  assert fields["model.remat"] == "selective" and fields["optimizer.shard"] == "zero1"
+  assert trainer.model_cfg.remat == "selective"
+  assert trainer.model_cfg.sequence_parallel == fields["model.sequence_parallel"]
+  assert trainer.config.optimizer.shard == "zero1"
+
+
+def test_full_recomputation_in_a_pipeline_is_the_executors():
+  """The executor recomputes by pipeline.recompute (model.remat does not reach it)."""
+  staged = plan._fields(plan.L.Layout(pp=2, dp=4, recompute="full"))
+  assert staged["pipeline.recompute"] is True and staged["model.remat"] is False
+  flat = plan._fields(plan.L.Layout(dp=8, recompute="full"))
+  assert flat["pipeline.recompute"] is False and flat["model.remat"] is True

@@ -76,6 +76,26 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
     helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
+@pytest.mark.parametrize("shard", ["zero2", "fsdp"])
+def test_moe_on_the_tensor_parallel_path_gathers_only_data_splits(shard):
+  """MoE over ep 2 x tp 2 x dp 2 (one shard_map): expert weights keep their ep split and are
+  gathered over dp only; loss and gradients equal the one-device model's."""
+  c = _config(shard, tp=2, moe=True)
+  shape = config_lib.validate(c, jax.device_count())
+  cfg = config_lib.model_config(c)
+  params = helpers.random_params(cfg)
+  placed = jax.device_put(params, zero.data_split(params, make_mesh(c.mesh)))
+  batch = helpers.random_batch(c)
+  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(placed, batch)
+  (_, (want, _)), want_grads = jax.jit(
+      jax.value_and_grad(functools.partial(helpers.one_device_loss, cfg), has_aux=True)
+  )(params, batch)
+  helpers.close(loss, want, "loss")
+  want_flat = helpers.flat(want_grads)
+  for path, g in helpers.flat(grads).items():
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
 RUNS = {  # name: (reference run, config overrides)
     "none": ("none", {}),
     "zero1": ("none", dict(shard="zero1")),
