@@ -82,6 +82,22 @@ def one_device_loss(cfg, params, batch, microbatches=1):
   return total / count, (total / count, {})
 
 
+def assert_one_device(cfg, params, batch, loss, grads, microbatches=1, rtol=2e-5) -> dict:
+  """A sharded step's loss and every gradient against `one_device_loss` (relative `rtol`;
+  2e-5 by default: the replicated MoE path and tp's shard_map are 1.6e-5 from one device
+  themselves); returns the one-device MoE aux."""
+  (_, (want, aux)), want_grads = jax.jit(
+      jax.value_and_grad(
+          functools.partial(one_device_loss, cfg, microbatches=microbatches), has_aux=True
+      )
+  )(params, batch)
+  close(loss, want, "loss")
+  want_flat = flat(want_grads)
+  for path, g in flat(grads).items():
+    close(g, want_flat[path], jax.tree_util.keystr(path), rtol=rtol)
+  return aux
+
+
 def random_batch(c, seed=0):
   """A host batch of the config's shape: random tokens and targets, about 80% of the mask set."""
   rng = np.random.default_rng(seed)
