@@ -54,8 +54,8 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
+from jaxpipe.training.state import BATCH_AXES  # mesh axes that split the batch
 
-BATCH_AXES = ("dp", "ep")  # mesh axes that split the batch (jaxpipe.training.mesh.BATCH_AXES)
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
 TENSOR_AXIS = "tp"  # mesh axis that splits the layers (Megatron's tensor parallelism)
 
