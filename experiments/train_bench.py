@@ -443,20 +443,24 @@ def maxtext_overrides(config, batch: int, steps: int, devices: int, outdir: str)
       f"base_num_decoder_layers={m.n_layers}",
       f"vocab_size={m.vocab}",
       f"logits_via_embedding={str(m.tied_embeddings).lower()}",
+      "normalize_embedding_logits=false",  # MaxText divides tied logits by sqrt(d_model)
       f"normalization_layer_epsilon={m.norm_eps}",
       f"rope_max_timescale={int(m.rope_theta)}",
+      "rope_interleave=false",  # channel i paired with i + K/2, as jaxpipe's rotary
       f"dtype={m.dtype}",
       "weight_dtype=float32",
       "attention=dot_product",
-      "remat_policy=minimal",
+      "remat_policy=minimal_with_context",  # MaxText always wraps a layer in jax.checkpoint
       "enable_dropout=false",
       f"ici_data_parallelism={devices}",
       "ici_fsdp_parallelism=1",
       "opt_type=adamw",
+      "adamw_mask=['scale']",  # no weight decay on the norm scales, as jaxpipe
       f"learning_rate={o.lr}",
+      "lr_schedule_type=cosine",
       f"learning_rate_schedule_steps={config.train.steps}",
       f"warmup_steps_fraction={o.warmup_steps / config.train.steps}",
-      f"cosine_learning_rate_final_fraction={o.min_lr_ratio}",
+      f"learning_rate_final_fraction={o.min_lr_ratio}",
       f"adam_b1={o.b1}",
       f"adam_b2={o.b2}",
       f"adam_eps={o.eps}",
@@ -465,9 +469,15 @@ def maxtext_overrides(config, batch: int, steps: int, devices: int, outdir: str)
   ]
 
 
+MAXTEXT_MIN_WARMUP = 3
+MAXTEXT_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext_run.py")
+
+
 def maxtext_command(peer: str, package: str, overrides: list[str]) -> list[str]:
+  """`maxtext.trainers.pre_train.train` as `python -m` runs it, through `maxtext_run.py`, which
+  adds a CPU-time line after each step's and the exact parameter count."""
   base = os.path.join(package, "configs", "base.yml")
-  return [peer, "-m", "maxtext.trainers.pre_train.train", base, *overrides]
+  return [peer, MAXTEXT_RUN, base, *overrides]
 
 
 def parse_maxtext_log(text: str) -> list[dict[str, float]]:
@@ -503,29 +513,54 @@ def parse_maxtext_log(text: str) -> list[dict[str, float]]:
   return steps
 
 
+_CPU_LINE = re.compile(r"^train_bench cpu: step (\d+), process_time: ([0-9.]+)\s*$", re.M)
+_PARAMS_LINE = re.compile(r"^train_bench parameters: (\d+)\s*$", re.M)
+
+
+def parse_maxtext_cpu(text: str) -> dict[int, float]:
+  """`maxtext_run.py`'s lines -> {step: CPU seconds from the previous logged step to this one};
+  the first logged step has none."""
+  marks = sorted((int(m[1]), float(m[2])) for m in _CPU_LINE.finditer(text))
+  return {s: t - t0 for (_, t0), (s, t) in zip(marks, marks[1:])}
+
+
+def parse_maxtext_params(text: str) -> int | None:
+  m = _PARAMS_LINE.search(text)
+  return int(m[1]) if m else None
+
+
 def maxtext_contender(config, batch, flops, tokens, args, package: str) -> Contender:
   devices = len(jax.devices())
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
 
+  # MaxText's `seconds` for a step run from one dispatch to the next, up to two steps in flight:
+  # right after the compile two steps share one step's time (2.9 and 0.1 s for steps 1 and 2 of
+  # the quickstart), so its first three steps are never timed.
+  warmup = max(args.warmup, MAXTEXT_MIN_WARMUP)
+
   def run(steps):
     with tempfile.TemporaryDirectory(prefix="train_bench_maxtext") as outdir:
-      overrides = maxtext_overrides(config, batch, args.warmup + steps, devices, outdir)
+      overrides = maxtext_overrides(config, batch, warmup + steps, devices, outdir)
       cmd = maxtext_command(args.peer_python, package, overrides + list(args.peer_overrides))
       r = subprocess.run(
           cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout, check=False
       )
-    logged = [s for s in parse_maxtext_log(r.stdout + r.stderr) if s["step"] >= args.warmup]
+    text = r.stdout + "\n" + r.stderr
+    logged = [s for s in parse_maxtext_log(text) if s["step"] >= warmup]
     if r.returncode or len(logged) < steps:
       tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
       raise RuntimeError(
           f"MaxText exited {r.returncode} with {len(logged)} of {steps} timed steps logged: "
           f"{tail[0]}\n  command: {' '.join(cmd)}"
       )
-    return [(s["seconds"], None, None) for s in logged[-steps:]]
+    cpu = parse_maxtext_cpu(text)
+    info["parameters"] = parse_maxtext_params(text)
+    return [(s["seconds"], cpu.get(s["step"]), None) for s in logged[-steps:]]
 
-  return Contender(MAXTEXT, run, flops, tokens, {"command": "per round, see --out"})
+  info = {}
+  return Contender(MAXTEXT, run, flops, tokens, info)
 
 
 # -- the bench ----------------------------------------------------------------------------------
@@ -596,6 +631,15 @@ def summarise(contenders: list[Contender], measured: dict) -> list[dict]:
         }
     )
   return rows
+
+
+def parameter_count(config) -> int:
+  """Parameters of the config's model (`transformer.init_params`, shapes only)."""
+  from jaxpipe.models import transformer
+
+  cfg = transformer.TransformerConfig(**config.model.to_dict())
+  shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
 
 
 def contenders_by(contenders: list[Contender]) -> dict[str, Contender]:
@@ -733,6 +777,13 @@ def main(argv: list[str]) -> None:
       "during the rounds"
   )
   print(table(rows))
+  if args.peer_python:
+    theirs = contenders_by(contenders)[MAXTEXT].info.get("parameters")
+    ours = parameter_count(config)
+    print(
+        f"parameters: jaxpipe {ours:,}, MaxText {'?' if theirs is None else f'{theirs:,}'}"
+        + ("" if theirs == ours else " (they differ)")
+    )
   if args.out:
     with open(args.out, "w") as f:
       json.dump(

@@ -31,16 +31,55 @@ completed profiler activation/deactivation step: 4, total_weights: 196608, loss:
 completed step: 5, seconds: 5.668, TFLOP/s/device: 134.909, Tokens/s/device: 8671.794, total_weights: 196608, loss: 10.879
 """  # noqa: E501
 
-# A stand-in for MaxText's package: configs/base.yml and a train module that records its
-# arguments and logs `steps` lines in MaxText's format, each step taking 0.25 s.
+# maxtext 0.2.5 on the quickstart shape (CPU, 8 host devices) through experiments/maxtext_run.py,
+# as it printed them on 2026-12-02: MaxText's lines, each followed by the runner's.
+MAXTEXT_RUN_LOG = """train_bench parameters: 820352
+I1202 11:26:32.956883 140642008181632 metric_logger.py:425] number parameters: 0.001 billion
+I1202 11:26:41.251433 140642008181632 metric_logger.py:265] completed step: 3, seconds: 1.630, TFLOP/s/device: 0.002, Tokens/s/device: 314.168, total_weights: 4096, loss: 70.472, lm_loss: 70.472, perplexity: 4033914660670423879059375128576.000
+train_bench cpu: step 3, process_time: 22.7426
+I1202 11:26:43.685493 140642008181632 metric_logger.py:265] completed step: 4, seconds: 1.518, TFLOP/s/device: 0.002, Tokens/s/device: 337.336, total_weights: 4096, loss: 66.616, lm_loss: 66.616, perplexity: 85293702251123630256081076224.000
+train_bench cpu: step 4, process_time: 23.7618
+I1202 11:26:45.941195 140642008181632 metric_logger.py:265] completed step: 5, seconds: 1.596, TFLOP/s/device: 0.002, Tokens/s/device: 320.846, total_weights: 4096, loss: 61.251, lm_loss: 61.251, perplexity: 398838529357200112253665280.000
+train_bench cpu: step 5, process_time: 24.7146
+"""  # noqa: E501
+
+# A stand-in for MaxText's package (maxtext 0.2.5's layout): configs/base.yml, utils/max_logging
+# and utils/max_utils, and a train module that records its arguments, counts the parameters of
+# the shape it is given and logs them as MaxText does, then logs `steps` lines as MaxText's
+# metric_logger does (absl, through max_logging.log), each taking 0.25 s and burning 0.05 s of CPU.
+FAKE_MAX_LOGGING = textwrap.dedent("""\
+    from absl import logging
+    def log(user_str):
+      logging.info(user_str, stacklevel=2)
+""")
+FAKE_MAX_UTILS = textwrap.dedent("""\
+    def calculate_num_params_from_pytree(params):
+      return sum(params.values())
+""")
 FAKE_TRAIN = textwrap.dedent("""\
-    import json, os, sys
-    args = dict(a.split("=", 1) for a in sys.argv[2:])
-    with open(os.environ["FAKE_MAXTEXT_ARGS"], "a") as f:
-      f.write(json.dumps([sys.argv[1], args]) + "\\n")
-    for s in range(int(args["steps"])):
-      print(f"completed step: {s}, seconds: 0.250, TFLOP/s/device: 0.010, "
-            f"Tokens/s/device: 2048.000, total_weights: 4096, loss: 4.000, lm_loss: 4.000")
+    import json, os, time
+    from absl import app
+    from maxtext.utils import max_logging, max_utils
+    def main(argv):
+      args = dict(a.split("=", 1) for a in argv[2:])
+      with open(os.environ["FAKE_MAXTEXT_ARGS"], "a") as f:
+        f.write(json.dumps([argv[1], args]) + "\\n")
+      d, heads, kv, k, ff, layers, vocab = (int(args[n]) for n in (
+          "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
+          "base_num_decoder_layers", "vocab_size"))
+      params = {"embedding": vocab * d, "final_norm": d,
+                "layers": layers * (2 * d * heads * k + 2 * d * kv * k + 3 * d * ff + 2 * d)}
+      n = max_utils.calculate_num_params_from_pytree(params)
+      max_logging.log(f"number parameters: {n/1e9:.3f} billion")
+      for s in range(int(args["steps"])):
+        t = time.process_time()
+        while time.process_time() - t < 0.05:
+          pass
+        max_logging.log(f"completed step: {s}, seconds: 0.250, TFLOP/s/device: 0.010, "
+                        f"Tokens/s/device: 2048.000, total_weights: 4096, loss: 4.000, "
+                        f"lm_loss: 4.000, perplexity: 54.598")
+    if __name__ == "__main__":
+      app.run(main)
 """)
 
 
@@ -95,15 +134,34 @@ def test_parse_maxtext_log():
   assert train_bench.parse_maxtext_log("no steps here\n") == []
 
 
+def test_parse_maxtext_run_log():
+  """The real MaxText's lines with the runner's: seconds, CPU seconds since the previous step
+  (none for the first logged), the exact parameter count."""
+  steps = train_bench.parse_maxtext_log(MAXTEXT_RUN_LOG)
+  assert [(s["step"], s["seconds"], s["total_weights"]) for s in steps] == [
+      (3, 1.630, 4096.0),
+      (4, 1.518, 4096.0),
+      (5, 1.596, 4096.0),
+  ]
+  cpu = train_bench.parse_maxtext_cpu(MAXTEXT_RUN_LOG)
+  assert list(cpu) == [4, 5]
+  assert cpu[4] == pytest.approx(1.0192) and cpu[5] == pytest.approx(0.9528)
+  assert train_bench.parse_maxtext_params(MAXTEXT_RUN_LOG) == 820352
+  assert train_bench.parse_maxtext_params("number parameters: 0.001 billion") is None
+
+
 @pytest.fixture
 def fake_maxtext(tmp_path, monkeypatch):
   """A `maxtext` package on PYTHONPATH; -> the file its train module appends its arguments to."""
   pkg = tmp_path / "site" / "maxtext"
   (pkg / "configs").mkdir(parents=True)
+  (pkg / "utils").mkdir(parents=True)
   (pkg / "trainers" / "pre_train").mkdir(parents=True)
-  for d in (pkg, pkg / "trainers", pkg / "trainers" / "pre_train"):
+  for d in (pkg, pkg / "utils", pkg / "trainers", pkg / "trainers" / "pre_train"):
     (d / "__init__.py").write_text("")
   (pkg / "configs" / "base.yml").write_text("steps: 1\n")
+  (pkg / "utils" / "max_logging.py").write_text(FAKE_MAX_LOGGING)
+  (pkg / "utils" / "max_utils.py").write_text(FAKE_MAX_UTILS)
   (pkg / "trainers" / "pre_train" / "train.py").write_text(FAKE_TRAIN)
   record = tmp_path / "maxtext_args.jsonl"
   path = os.pathsep.join([str(tmp_path / "site"), helpers.ROOT, os.environ.get("PYTHONPATH", "")])
@@ -145,16 +203,18 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   assert got["order"] == [names, names[1:] + names[:1]]
   for name in names:
     assert len(got["samples"][name]) == 2 and all(len(r) == 2 for r in got["samples"][name])
-  assert all(s[1] is None for r in got["samples"][train_bench.MAXTEXT] for s in r)
+  assert all(s[1] > 0 and s[2] is None for r in got["samples"][train_bench.MAXTEXT] for s in r)
   assert len(got["load"]) == 2
 
   rows = {r["name"]: r for r in got["rows"]}
   assert list(rows) == names[:-1]
   assert rows[train_bench.PLAIN]["wall_ratio"] == [1.0, 1.0]
   assert rows[train_bench.PLAIN]["cpu_ratio"] == [1.0, 1.0]
-  assert rows[train_bench.MAXTEXT]["ms_per_step"] == pytest.approx(250.0)
-  assert rows[train_bench.MAXTEXT]["cpu_ratio"] is None
-  assert rows[train_bench.MAXTEXT]["faults_per_step"] is None
+  maxtext = rows[train_bench.MAXTEXT]
+  assert maxtext["ms_per_step"] == pytest.approx(250.0)
+  assert 0.04 < maxtext["cpu_s_per_step"] < 0.5 and len(maxtext["cpu_ratio"]) == 2
+  assert maxtext["faults_per_step"] is None
+  assert maxtext["parameters"] == train_bench.parameter_count(tiny_config())
   for name in names[:4]:
     r = rows[name]
     assert r["temp_bytes"] > 0 and r["hlo_instructions"] > 0 and 0 < r["mfu_percent"] < 100
@@ -167,6 +227,8 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   table = printed[header + 2 : header + 2 + len(names) - 1]
   assert [line.split(" | ")[0].lstrip("| ") for line in table] == names[:-1]
   assert all(line.count("|") == len(train_bench.COLUMNS) + 1 for line in table)
+  n = train_bench.parameter_count(tiny_config())
+  assert f"parameters: jaxpipe {n:,}, MaxText {n:,}" in printed
 
   runs = [json.loads(line) for line in fake_maxtext.read_text().splitlines()]
   assert len(runs) == 2  # one MaxText run per round, none for the warm-up
@@ -176,7 +238,7 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
       "hardware": "cpu",
       "skip_jax_distributed_system": "true",
       "dataset_type": "synthetic",
-      "steps": "3",  # the warm-up step, then the 2 timed
+      "steps": "5",  # 3 untimed (MAXTEXT_MIN_WARMUP, above --warmup=1), then the 2 timed
       "per_device_batch_size": "2",
       "max_target_length": "16",
       "base_emb_dim": "32",
@@ -187,6 +249,9 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
       "base_num_decoder_layers": "2",
       "vocab_size": "64",
       "logits_via_embedding": "true",
+      "normalize_embedding_logits": "false",
+      "rope_interleave": "false",
+      "learning_rate_final_fraction": "0.1",
   }
   assert {k: keys.get(k) for k in want} == want
 
