@@ -368,7 +368,6 @@ def _check_tensor_parallel(
           "model.fp8 and MoE inside the pipeline without sequence parallelism",
           "model.sequence_parallel=True",
       ),
-      (m.attention == "pallas", "model.attention='pallas'", "model.attention='xla'"),
       (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),
   )
   for bad, what, fix in unsupported:

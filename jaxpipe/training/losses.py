@@ -208,13 +208,6 @@ def context_parallel_loss_and_grads(
   cp_axis = axis_name if mesh.shape.get(axis_name, 1) > 1 else None
   split = shard in ("zero2", "fsdp")  # parameters taken split over the data axes
   tp = mesh.shape.get(tp_axis, 1)
-  if tp > 1 and cfg.attention == "pallas":
-    # interpreted Pallas kernels need shard_map's varying-axes check off, and without it the
-    # transposes of the tensor-parallel collectives would not be the backward's
-    raise ValueError(
-        "model.attention='pallas' cannot run with mesh.tp > 1 yet; use attention='xla' or "
-        "'cudnn', or mesh.tp=1"
-    )
   spec = P(batch_axes, axis_name)
   every_axis = P(tuple(a for a in mesh.axis_names if a != tp_axis))  # tp ranks: the same sum
   aux_spec = {k: P() for k in moe_lib.AUX_KEYS} if cfg.moe is not None else {}

@@ -2,6 +2,7 @@
 the one-device model's, the compiled step holds exactly Megatron's collectives, a layer's
 parameters take 1/tp of the bytes, and bad layouts stop at the config with one line."""
 
+import dataclasses
 import functools
 import re
 
@@ -87,6 +88,32 @@ def test_loss_and_gradients_equal_the_one_device_model(layout):
   assert float(metrics["tokens"]) == batch["mask"].sum()
   if cfg.moe is not None and c.mesh.pp == 1:
     np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], aux["tokens_per_expert"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (2, False, 1, 1, 2, False),  # the all-reduce path, whose transposes autodiff supplies
+        pytest.param((2, True, 1, 1, 2, False, 2, "1f1b"), marks=pytest.mark.slow),
+    ],
+    ids=["tp2", "tp2-sp-pp2"],
+)
+def test_pallas_attention_under_tp_equals_the_one_device_model(layout):
+  """The Pallas flash attention (interpreted here) on each rank's heads: loss and every gradient
+  equal the one-device XLA model's, and the step does run the kernel."""
+  c = _config(*layout)
+  c.model.attention = "pallas"
+  shape = config_lib.validate(c, jax.device_count())
+  cfg = config_lib.model_config(c)
+  step = jax.jit(make_loss_and_grads(c, cfg, shape))
+  params = helpers.random_params(cfg)
+  batch = helpers.random_batch(c)
+  placed = jax.device_put(params, state_shardings(params, make_mesh(c.mesh)))
+  assert "pallas_call" in str(jax.make_jaxpr(step)(placed, batch))
+  loss, grads, _ = step(placed, batch)
+  reference = dataclasses.replace(cfg, attention="xla")
+  m = c.pipeline.microbatches if c.mesh.pp > 1 else 1
+  helpers.assert_one_device(reference, params, batch, loss, grads, microbatches=m)
 
 
 @functools.cache
