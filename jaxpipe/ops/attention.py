@@ -18,16 +18,22 @@ take a query per row and its block table; `xla_ragged` takes the tokens by seque
 Why blocks (measured on CPU, docs/serving.md "Prefill attention"): the per-token gather moves
 T x N·S keys per layer, 5-10x the cost of the training forward on the same tokens for a
 1,024-token chunk. `ragged_paged_attention` splits the tokens of each sequence into blocks of
-up to `block` consecutive queries (sequences of one token, decode, get blocks of one), gathers
-each block's sequence pages once and attends with a causal mask by position; the chunk's own
-keys are read back from the pages they were just written to, so one masked softmax serves the
-cached prefix and the chunk alike (no second pass over the chunk's keys and no merge of two
-softmaxes, and an 8-bit cache sees its own rounding exactly as the gather reference does). The
-block count is static: ceil(T / block) + the rows that can hold two or more tokens, plus one
-block per row for one-token rows, so shapes depend on (T, rows, pages) only and the engine
-compiles no more programs than before. The gather is blocks x N·S instead of T x N·S (48
-instead of 1,024 per layer for a 1,024-token step of 16 rows), at the price of up to one
-partly empty block per sequence.
+up to `block` consecutive queries (sequences of one token, decode, get blocks of one) and
+attends with a causal mask by position; the chunk's own keys are read back from the pages they
+were just written to, so one softmax serves the cached prefix and the chunk alike (no separate
+pass over the chunk's keys, and an 8-bit cache sees its own rounding exactly as the gather
+reference does). The block count is static: ceil(T / block) + the rows that can hold two or
+more tokens, plus one block per row for one-token rows, so shapes depend on (T, rows, pages)
+only and the engine compiles no more programs than before.
+
+Work follows the step's real tokens, not those static counts: each block reads only the
+chunks of `key_chunk` keys (whole pages) that hold a key it sees, the pages up to its last
+query's position, and an empty block reads none. These (block, key chunk) pairs, block-major,
+run `pairs` at a time in a loop whose trip count is the step's (zero for a pass with no live
+block), each round gathering its pairs' pages and folding each pair's partial softmax into its
+block's running max, sum and output (FlashAttention's online softmax). A prompt's attention
+is then about the causal triangle of its blocks and keys, where attending every block to the
+whole page bucket cost up to 10x the step's real work.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from kernels_pallas import paged_attention as pa
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
 PAGED_BACKENDS = ("xla", "pallas", "xla_ragged", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
+KEY_CHUNK = 64  # keys per (block, key chunk) pair of ragged_paged_attention (whole pages)
+ROUND_PAIRS = 32  # (block, key chunk) pairs per round of its loop
 
 
 @functools.cache
@@ -216,32 +224,93 @@ def _layout(rows: RaggedRows, take_B, block: int, num_blocks: int):
 
 
 def _block_attention(
-    q_TxHxK, k_pages, v_pages, k_scales, v_scales, tables_NBxN, index_NBxQ, pos_NBxQ, sm_scale
+    q_TxHxK,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    tables_NBxN,
+    index_NBxQ,
+    pos_NBxQ,
+    sm_scale,
+    *,
+    key_chunk: int = KEY_CHUNK,
+    pairs: int = ROUND_PAIRS,
 ):
   """Each block's queries over its sequence's pages, key position <= query position -> [NB, Q,
-  H, K] float32 (a query at position -1 sees no key; its output is finite and dropped)."""
+  H, K] float32 (a query at position -1 sees no key; its output is finite and dropped).
+
+  Work is spent on (block, key chunk) pairs that hold a visible key only: a block whose last
+  query is at position p reads the chunks of `key_chunk` keys (whole pages) up to p, and an
+  empty block (count 0) reads none. The pairs, block-major, run `pairs` at a time (default: one
+  per block) in a loop whose trip count is the step's: each round gathers its chunks' pages,
+  attends, and folds the partial softmax of each pair into its block's running max, sum and
+  output (an online softmax, FlashAttention's merge)."""
   nb, q = index_NBxQ.shape
   _, h, d = q_TxHxK.shape
   g, _, s, _ = k_pages.shape
   n = tables_NBxN.shape[1]
-
-  def gather(pages, scales):  # -> [NB, G, N*S, K] float32
-    x = pages[:, tables_NBxN].astype(jnp.float32)  # [G, NB, N, S, K]
-    if scales is not None:
-      x = x * scales[:, tables_NBxN][..., None]
-    return jnp.swapaxes(x, 0, 1).reshape(nb, g, n * s, d)
-
-  k_NBxGxLxK, v_NBxGxLxK = gather(k_pages, k_scales), gather(v_pages, v_scales)
-  visible_NBxQxL = jnp.arange(n * s)[None, None, :] <= pos_NBxQ[:, :, None]
-  keyed_NBxL = jnp.any(visible_NBxQxL, axis=1)  # stale slots past every query may hold NaN
-  v_NBxGxLxK = jnp.where(keyed_NBxL[:, None, :, None], v_NBxGxLxK, 0.0)
-  q_NBxQxHxK = q_TxHxK.astype(jnp.float32)[jnp.maximum(index_NBxQ, 0)]
-  q_NBxGxRxQxK = q_NBxQxHxK.reshape(nb, q, g, h // g, d).transpose(0, 2, 3, 1, 4)
+  c = max(1, min(n, key_chunk // s))  # pages per chunk
+  lc = c * s
+  pairs = max(1, min(pairs, nb * -(-n // c)))
+  last_NB = jnp.max(pos_NBxQ, axis=1)  # -1: an empty block
+  chunks_NB = jnp.where(last_NB >= 0, last_NB // lc + 1, 0)
+  end_NB = jnp.cumsum(chunks_NB)
+  total = end_NB[-1]
+  q_f32 = q_TxHxK.astype(jnp.float32)
   hp = jax.lax.Precision.HIGHEST
-  s_NBxGxRxQxL = jnp.einsum("bgrqk,bglk->bgrql", q_NBxGxRxQxK, k_NBxGxLxK, precision=hp)
-  s_NBxGxRxQxL = jnp.where(visible_NBxQxL[:, None, None], s_NBxGxRxQxL * sm_scale, pa.MASK_VALUE)
-  p_NBxGxRxQxL = jax.nn.softmax(s_NBxGxRxQxL, axis=-1)
-  o_NBxGxRxQxK = jnp.einsum("bgrql,bglk->bgrqk", p_NBxGxRxQxL, v_NBxGxLxK, precision=hp)
+
+  def gather(pool, scales, pages_PxC):  # -> [P, G, C*S, K] float32
+    x = pool[:, pages_PxC].astype(jnp.float32)  # [G, P, C, S, K]
+    if scales is not None:
+      x = x * scales[:, pages_PxC][..., None]
+    return jnp.swapaxes(x, 0, 1).reshape(pairs, g, lc, d)
+
+  def round_(i, state):
+    m_NBxGxRxQ, l_NBxGxRxQ, o_NBxGxRxQxK = state
+    j_P = i * pairs + jnp.arange(pairs)
+    live_P = j_P < total
+    blk_P = jnp.minimum(jnp.searchsorted(end_NB, j_P, side="right"), nb - 1)
+    chunk_P = j_P - (end_NB - chunks_NB)[blk_P]
+    col_PxC = chunk_P[:, None] * c + jnp.arange(c)
+    pages_PxC = jnp.take_along_axis(tables_NBxN[blk_P], jnp.minimum(col_PxC, n - 1), axis=1)
+    key_PxL = (col_PxC[:, :, None] * s + jnp.arange(s)).reshape(pairs, lc)
+    pos_PxQ = pos_NBxQ[blk_P]
+    visible_PxQxL = (key_PxL[:, None, :] <= pos_PxQ[:, :, None]) & live_P[:, None, None]
+    keyed_PxL = jnp.any(visible_PxQxL, axis=1)  # stale slots past every query may hold NaN
+    k_PxGxLxK = gather(k_pages, k_scales, pages_PxC)
+    v_PxGxLxK = jnp.where(keyed_PxL[:, None, :, None], gather(v_pages, v_scales, pages_PxC), 0.0)
+    q_PxQxHxK = q_f32[jnp.maximum(index_NBxQ[blk_P], 0)]
+    q_PxGxRxQxK = q_PxQxHxK.reshape(pairs, q, g, h // g, d).transpose(0, 2, 3, 1, 4)
+    s_PxGxRxQxL = jnp.einsum("pgrqk,pglk->pgrql", q_PxGxRxQxK, k_PxGxLxK, precision=hp)
+    s_PxGxRxQxL = jnp.where(visible_PxQxL[:, None, None], s_PxGxRxQxL * sm_scale, pa.MASK_VALUE)
+    m_PxGxRxQ = jnp.max(s_PxGxRxQxL, axis=-1)
+    e_PxGxRxQxL = jnp.exp(s_PxGxRxQxL - m_PxGxRxQ[..., None])
+    l_PxGxRxQ = jnp.sum(e_PxGxRxQxL, axis=-1)
+    o_PxGxRxQxK = jnp.einsum("pgrql,pglk->pgrqk", e_PxGxRxQxL, v_PxGxLxK, precision=hp)
+    # The round's pairs are consecutive, so their blocks lie in the window b0 .. b0 + pairs - 1:
+    # only the window's running state is read and written.
+    b0 = blk_P[0]
+    at_P = jnp.where(live_P, blk_P - b0, pairs)  # pairs: dropped
+    window = lambda x: jax.lax.dynamic_slice_in_dim(x, b0, pairs)
+    m_W, l_W, o_W = window(m_NBxGxRxQ), window(l_NBxGxRxQ), window(o_NBxGxRxQxK)
+    new_m_W = m_W.at[at_P].max(m_PxGxRxQ, mode="drop")
+    alpha_W = jnp.exp(m_W - new_m_W)
+    beta_P = jnp.exp(m_PxGxRxQ - new_m_W[jnp.minimum(at_P, pairs - 1)])
+    l_W = (l_W * alpha_W).at[at_P].add(l_PxGxRxQ * beta_P, mode="drop")
+    o_W = (o_W * alpha_W[..., None]).at[at_P].add(o_PxGxRxQxK * beta_P[..., None], mode="drop")
+    put = lambda x, w: jax.lax.dynamic_update_slice_in_dim(x, w, b0, 0)
+    return put(m_NBxGxRxQ, new_m_W), put(l_NBxGxRxQ, l_W), put(o_NBxGxRxQxK, o_W)
+
+  shape = (nb + pairs, g, h // g, q)  # padded: every window lies inside
+  state = (
+      jnp.full(shape, pa.MASK_VALUE, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+      jnp.zeros((*shape, d), jnp.float32),
+  )
+  _, l_NBxGxRxQ, o_NBxGxRxQxK = jax.lax.fori_loop(0, -(-total // pairs), round_, state)
+  l_NBxGxRxQ, o_NBxGxRxQxK = l_NBxGxRxQ[:nb], o_NBxGxRxQxK[:nb]
+  o_NBxGxRxQxK = o_NBxGxRxQxK / jnp.where(l_NBxGxRxQ > 0, l_NBxGxRxQ, 1.0)[..., None]
   return o_NBxGxRxQxK.transpose(0, 3, 1, 2, 4).reshape(nb, q, h, d)
 
 
@@ -252,6 +321,8 @@ def ragged_paged_attention(
     rows: RaggedRows,
     *,
     block: int = 32,
+    key_chunk: int = KEY_CHUNK,
+    pairs: int = ROUND_PAIRS,
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
     sm_scale: float | None = None,
@@ -286,6 +357,8 @@ def ragged_paged_attention(
         index_NBxQ,
         pos_NBxQ,
         sm_scale,
+        key_chunk=key_chunk,
+        pairs=pairs,
     )
     at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
     o_TxHxK = o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")

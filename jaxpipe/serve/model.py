@@ -211,22 +211,10 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *
     k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
   scales = dict(k_scales_GxPxS=k_scales, v_scales_GxPxS=v_scales)
   if backend == "xla_ragged":
-    o_TxHxK = _ragged_attention(q_TxHxK, k_pool, v_pool, rows, scales)
+    o_TxHxK = ragged_paged_attention(q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, **scales)
   else:
     o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, *rows, backend=backend, **scales)
   return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
-
-
-def _ragged_attention(q_TxHxK, k_pool, v_pool, rows: RaggedRows, scales: dict) -> jax.Array:
-  """`ragged_paged_attention` of a step, a decode step (no row has more than one token) taking
-  its one-query blocks only: one gather of each sequence's pages, where the general layout also
-  computes its static count of multi-query blocks, every one empty in a decode step (34 blocks of
-  32 queries beside 64 of one in a 64-sequence decode step). One program still serves both
-  (`lax.cond` runs one branch), so the engine compiles no more programs than before."""
-  attend = lambda block: lambda: ragged_paged_attention(
-      q_TxHxK, k_pool, v_pool, rows, block=block, **scales
-  )
-  return jax.lax.cond(jnp.any(rows.counts_B > 1), attend(RAGGED_BLOCK), attend(1))
 
 
 def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):

@@ -58,13 +58,14 @@ def _case():
 
 
 @pytest.mark.parametrize("block", [1, 4, 32])
-def test_ragged_attention_equals_the_gather_reference_per_token(block):
+@pytest.mark.parametrize("key_chunk, pairs", [(64, 32), (4, 3), (8, 1), (4, 64)])
+def test_ragged_attention_equals_the_gather_reference_per_token(block, key_chunk, pairs):
+  """key_chunk 4 and 8 (one and two pages per chunk) split each block's keys over several
+  pairs; 3 and 1 pairs per round split a block's pairs over rounds and put several blocks in
+  one round, so the online-softmax merge of partial results is exercised both ways."""
   q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = _case()
-  got = np.asarray(
-      jax.jit(ragged_paged_attention, static_argnames="block")(
-          q, k_pages, v_pages, rows, block=block
-      )
-  )
+  fn = jax.jit(ragged_paged_attention, static_argnames=("block", "key_chunk", "pairs"))
+  got = np.asarray(fn(q, k_pages, v_pages, rows, block=block, key_chunk=key_chunk, pairs=pairs))
   want = np.asarray(paged_attention_reference(q, k_pages, v_pages, tables_TxN, lengths_T))
   assert np.isfinite(want[:live]).all()
   scale = np.abs(want[:live]).max()
