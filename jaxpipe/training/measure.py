@@ -173,6 +173,9 @@ class StageTimer:
             wg_slots=1,
             branches=branches,
             channels=(True, False, False, False),
+            # one chunk per rank: no table moves a value within a rank, so the per-tick
+            # same-rank steps are not compiled, as in a real non-V schedule's executor
+            local_moves=(False, False),
         ),
         mesh,
         "pp",
