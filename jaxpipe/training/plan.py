@@ -161,28 +161,18 @@ def _fields(layout: L.Layout) -> dict:
   }
 
 
-def _runs_as_priced(layout: L.Layout, model: L.Model) -> bool:
-  """Whether jaxpipe stores the layout as the planner prices it: its optimizer split runs over
-  dp and ep only (not cp), the pipeline executor takes parameters and gradients whole over the
-  data axes (only zero1's split moments are priced right there), and MoE experts stay whole
-  over tp. Layouts outside that are left out of the search."""
-  if layout.shard != "none" and layout.cp > 1:
-    return False
-  if layout.shard in ("zero2", "fsdp") and layout.pp > 1:
-    return False
-  return not (model.experts and layout.tp > 1)
-
-
 def choose_layout(
     config: ml_collections.ConfigDict, devices: int, platform: str = "cpu", top: int = 8
 ) -> Choice:
   """The fastest layout the planner predicts to fit `pipeline.memory_limit_gb` per device.
 
-  Candidates come from `layout.candidates` with the config's `ep` kept, those jaxpipe stores
-  as the planner prices them (`_runs_as_priced`), each checked by the
-  config's own validation (heads, KV heads, d_ff and the vocabulary must split over tp, the
-  sequence over cp, the layers into the schedule's stages); raises config.ConfigError naming the
-  smallest prediction when none fits.
+  Candidates come from `layout.candidates` with the config's `ep` kept, each priced as jaxpipe
+  stores it (the optimizer split over dp x ep, experts over dp, never over cp; experts whole
+  over tp; zero2 and fsdp with a pipeline holding whole gradients and, under fsdp, parameters
+  gathered whole for the executor: `layout.memory`) and checked by the config's own validation
+  (heads, KV heads, d_ff and the vocabulary must split over tp, the sequence over cp, the layers
+  into the schedule's stages); raises config.ConfigError naming the smallest prediction when
+  none fits.
   """
   p = config.pipeline
   limit = p.memory_limit_gb * 1e9
@@ -200,7 +190,7 @@ def choose_layout(
       L.RECOMPUTE,
       max_microbatches=max(p.auto_microbatches or (8,)),
   ):
-    if layout.ep != config.mesh.ep or not _runs_as_priced(layout, model):
+    if layout.ep != config.mesh.ep:
       continue
     fields = _fields(layout)
     candidate = with_fields(config, fields)

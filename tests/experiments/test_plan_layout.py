@@ -46,6 +46,94 @@ def test_bytes_within_5_percent_of_memory_analysis(check):
   assert abs(r["error"]) <= 0.05, r
 
 
+# a MoE model of the quickstart's size: 8 experts of d_ff 192 and one shared, every second layer
+MOE = L.Model(
+    "moe",
+    1024,
+    128,
+    4,
+    4,
+    2,
+    32,
+    384,
+    experts=8,
+    top_k=2,
+    expert_d_ff=192,
+    shared_experts=1,
+    moe_every=2,
+)
+BATCH = L.Batch(64, 4096)
+
+
+def test_the_optimizer_splits_over_dp_and_ep_not_cp():
+  """zero.py's data axes are dp and ep: cp's ranks hold the same moments, gradients and
+  parameters, so at the same dp a cp of 2 changes none of them; dp does split them."""
+  model = plan_layout.MODELS["llama3-8b"]
+  for shard in ("zero1", "zero2", "fsdp"):
+    one = L.memory(model, L.Layout(dp=4, shard=shard), BATCH)
+    two = L.memory(model, L.Layout(dp=4, cp=2, shard=shard), BATCH)
+    assert two.optimizer == pytest.approx(one.optimizer), shard
+    assert two.grads == pytest.approx(one.grads), shard
+    assert two.weights == pytest.approx(one.weights), shard
+    dp8 = L.memory(model, L.Layout(dp=8, shard=shard), BATCH)
+    assert dp8.optimizer == pytest.approx(one.optimizer / 2), shard
+  assert L.zero_groups(L.Layout(dp=4, cp=2, ep=2)) == (8, 4)
+
+
+def test_experts_stay_whole_over_tp_and_split_over_dp_only():
+  """jaxpipe keeps experts (routed and shared) whole over tp; their optimizer state splits over
+  dp alone (ep splits them already), the dense weights' over dp x ep."""
+  whole = L.device_params(MOE, L.Layout(ep=2, dp=4))
+  for sp in (False, True):
+    split = L.device_params(MOE, L.Layout(ep=2, dp=2, tp=2, sp=sp))
+    assert split["expert"] == pytest.approx(whole["expert"])
+    assert split["expert"] == pytest.approx(2 * 8 * 3 * 128 * 192 / 2)  # 2 MoE layers, ep 2
+    # only attention, the dense FFN and the vocabulary halve; the shared experts do not
+    halves = 2 * MOE.layer_params(False)["tp"] + 2 * MOE.layer_params(True)["tp"]
+    halves += MOE.embedding_params
+    assert whole["dense"] - split["dense"] == pytest.approx(halves / 2)
+    assert MOE.layer_params(True)["shared"] == 3 * 128 * 192
+  mem = L.memory(MOE, L.Layout(ep=2, dp=4, shard="zero1"), BATCH, L.FP32)
+  assert mem.optimizer == pytest.approx(8 * (whole["dense"] / 8 + whole["expert"] / 4))
+  # the experts' activations split over tp only with sequence parallelism
+  flat = L.Layout(ep=2, dp=4)
+  per = lambda lay: L.GPU_ACTIVATIONS.layer_elements(MOE, lay, 4096, True)
+  dense_part = lambda lay: L.GPU_ACTIVATIONS.layer_elements(MOE, lay, 4096, False) - (
+      3 * 384 / lay.tp
+  )
+  experts = per(flat) - dense_part(flat)
+  tp2 = L.Layout(ep=2, dp=2, tp=2)
+  assert per(tp2) - dense_part(tp2) == pytest.approx(experts)
+  tp2sp = L.Layout(ep=2, dp=2, tp=2, sp=True)
+  assert per(tp2sp) - dense_part(tp2sp) == pytest.approx(experts / 2)
+
+
+def test_zero2_and_fsdp_in_a_pipeline_hold_whole_gradients_and_parameters():
+  """The pipeline executor takes each stage's parameters whole over the data axes and returns
+  whole gradients: zero2 adds the split copy to zero1's whole gradients, fsdp stores the split
+  parameters beside the whole ones gathered for the executor; the moments split as zero1's."""
+  model = plan_layout.MODELS["llama3-8b"]
+  staged = lambda s: L.Layout(pp=2, dp=4, microbatches=4, shard=s)
+  z1, z2, fs = (L.memory(model, staged(s), BATCH) for s in ("zero1", "zero2", "fsdp"))
+  n, g, p = z1.params, L.MIXED.grad, L.MIXED.param
+  assert z2.grads == pytest.approx(z1.grads + n * g / 4)
+  assert fs.grads == pytest.approx(z2.grads)
+  assert z2.weights == pytest.approx(z1.weights) == pytest.approx(n * p)
+  assert fs.weights == pytest.approx(n * p * (1 + 1 / 4))
+  assert z1.optimizer == pytest.approx(z2.optimizer) == pytest.approx(fs.optimizer)
+  # without a pipeline zero2 and fsdp split the gradients (and fsdp the parameters)
+  flat = lambda s: L.Layout(dp=4, microbatches=4, shard=s)
+  f1, f2, ff = (L.memory(model, flat(s), BATCH) for s in ("zero1", "zero2", "fsdp"))
+  assert f2.grads == pytest.approx(f1.grads / 4)
+  assert ff.weights == pytest.approx(f1.weights / 4)
+
+
+def test_moe_with_tp_and_no_sp_runs_the_experts_on_every_tp_rank():
+  cluster = L.h200(8)
+  t = lambda sp: L.step_time(MOE, L.Layout(ep=2, dp=2, tp=2, sp=sp), BATCH, cluster).compute_s
+  assert t(False) > t(True)
+
+
 def test_a_layout_that_does_not_fit_is_reported():
   model, batch = plan_layout.MODELS["llama3-405b"], plan_layout.BATCHES["llama3-405b"]
   plans = L.search(model, batch, L.h200(8), schedules=("1f1b",), recomputes=("full",))
@@ -70,3 +158,11 @@ def test_bad_flag_is_one_line(capsys):
   assert code == cli.USAGE
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and "gpt5" in err
+
+
+def test_the_arguments_at_cp_2_are_the_stored_bytes_priced():
+  """tiny at cp 2 x dp 4 under zero1: the compiled step's arguments (the state and the batch)
+  are the planner's weights, moments and batch, the moments split over dp 4, not dp x cp."""
+  r = plan_layout.check_one(plan_layout._c("tiny", mesh__cp=2, optimizer__shard="zero1"))
+  m = r["memory"]
+  assert m.weights + m.optimizer + m.batch == pytest.approx(r["analysis"]["argument"], rel=1e-3)

@@ -9,7 +9,7 @@ import os
 import jax
 import pytest
 
-from configs import quickstart
+from configs import moe_quickstart, quickstart
 from jaxpipe.training import config as config_lib
 from jaxpipe.training import plan
 from jaxpipe.training.trainer import Trainer
@@ -69,6 +69,21 @@ def test_the_trainer_runs_the_chosen_remat_and_split():
   assert trainer.model_cfg.remat == "selective"
   assert trainer.model_cfg.sequence_parallel == fields["model.sequence_parallel"]
   assert trainer.config.optimizer.shard == "zero1"
+
+
+def test_the_search_ranges_over_the_splits_priced_as_stored():
+  """The layouts priced as jaxpipe stores them are searched: an optimizer split beside cp (over
+  dp x ep only), zero2 and fsdp in a pipeline (whole gradients held), MoE at tp 2 (experts
+  whole over tp)."""
+  c = moe_quickstart.get_config()
+  c.data.source = "synthetic"
+  c.pipeline.schedule, c.pipeline.auto_layout, c.pipeline.memory_limit_gb = "auto", True, 1.0
+  lines = plan.choose_layout(c, jax.device_count(), top=10_000).report.splitlines()[1:]
+  labels = [line.split("  ")[0] for line in lines]
+  assert any("cp2" in x and "zero1" in x for x in labels)
+  assert any("pp2" in x and "zero2" in x for x in labels)
+  assert any("pp2" in x and "fsdp" in x for x in labels)
+  assert any(x.startswith("tp2x") for x in labels)
 
 
 def test_full_recomputation_in_a_pipeline_is_the_executors():

@@ -9,11 +9,16 @@ recomputation. Per device it holds:
 
 - parameters, gradients and optimizer state, per `Precision` and `optimizer.shard`: with p, g,
   m, o the bytes per parameter of the weights, gradients, master copy and Adam moments, and Nd
-  the data-parallel group (dp x cp x ep for dense weights, dp x cp for experts), replicated
-  p + g + m + o, ZeRO-1 p + g + (m + o)/Nd, ZeRO-2 p + (g + m + o)/Nd, ZeRO-3/FSDP
+  the group jaxpipe's distributed optimizer splits over (`jaxpipe/training/zero.py`: the data
+  axes dp x ep for dense weights, dp alone for experts, which ep splits already; never cp),
+  replicated p + g + m + o, ZeRO-1 p + g + (m + o)/Nd, ZeRO-2 p + (g + m + o)/Nd, ZeRO-3/FSDP
   (p + g + m + o)/Nd (Rajbhandari et al., SC20: 16, 4 + 12/Nd, 2 + 14/Nd, 16/Nd with mixed
-  precision). Layers split over pp (twice under bidirectional schedules), heads, d_ff and the
-  vocabulary over tp (Megatron), experts over ep;
+  precision). With a pipeline (pp > 1) the executor takes each stage's parameters whole over
+  the data axes and returns whole gradients, so there ZeRO-2 holds p + g + g/Nd + (m + o)/Nd
+  (the whole gradients and their split copy) and FSDP p/Nd + p + g + g/Nd + (m + o)/Nd (the
+  stored split and the copy gathered whole where the executor begins). Layers split over pp
+  (twice under bidirectional schedules), heads, d_ff and the vocabulary over tp (Megatron),
+  routed experts over ep; experts (routed and shared) stay whole over tp, as jaxpipe keeps them;
 - activations: what one layer keeps per token for its backward (`Activations`), times the
   tokens of one micro-batch, times the layers of one virtual stage, times the residual slots
   the schedule's executor tables keep in flight (`lower`'s `res_slots`); without a pipeline
@@ -23,11 +28,13 @@ recomputation. Per device it holds:
 
 Step time: 6 x active parameters x tokens plus attention's 12 x layers x heads x head_dim x
 seq^2/2 per sequence (forward 2 FLOPs per multiply-add, backward twice the forward, causal
-half; recomputation adds a forward) on the chips' peak at an achievable fraction, stretched by
-the schedule's bubble (asynchronous makespan of its tables), plus the communication each axis
-cannot hide: tp's all-reduces (or all-gather/reduce-scatter pairs under sequence parallelism)
-and ep's and cp's all-to-alls are on the critical path; pipeline sends are; the data-parallel
-gradient reduction overlaps the backward and only its excess counts. Each axis runs over
+half; recomputation adds a forward; MoE at tp > 1 without sp adds tp - 1 copies of the experts'
+FLOPs, every tp rank running the same tokens through whole experts) on the chips' peak at an
+achievable fraction, stretched by the schedule's bubble (asynchronous makespan of its tables),
+plus the communication each axis cannot hide: tp's all-reduces (or all-gather/reduce-scatter
+pairs under sequence parallelism) and ep's and cp's all-to-alls are on the critical path;
+pipeline sends are; the data-parallel gradient reduction overlaps the backward and only its
+excess counts. Each axis runs over
 NVLink when it and every axis inside it fit in one node, else over the network.
 """
 
@@ -90,17 +97,25 @@ class Model:
     return d * (h + 2 * g) * k + h * k * d
 
   def layer_params(self, moe: bool) -> dict[str, int]:
-    """One layer's weights by how they split: 'tp' (heads, d_ff), 'expert' (over ep and tp),
-    'replicated' (norms, router)."""
+    """One layer's weights by how they split: 'tp' (heads, d_ff: over tp), 'expert' (routed
+    experts: over ep, whole over tp), 'shared' (shared experts' matrices: whole over tp and
+    ep), 'replicated' (norms, router). jaxpipe keeps every expert whole over tp
+    (`jaxpipe/parallel/tensor.py`)."""
     d = self.d_model
     norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
     if not moe:
-      return {"tp": self.attention_params + 3 * d * self.d_ff, "expert": 0, "replicated": norms}
+      return {
+          "tp": self.attention_params + 3 * d * self.d_ff,
+          "expert": 0,
+          "shared": 0,
+          "replicated": norms,
+      }
     shared = 3 * d * self.shared_experts * self.expert_d_ff
     router = d * self.experts + (self.experts if self.router_bias else 0)
     return {
-        "tp": self.attention_params + shared,
+        "tp": self.attention_params,
         "expert": self.experts * 3 * d * self.expert_d_ff,
+        "shared": shared,
         "replicated": norms + router,
     }
 
@@ -261,12 +276,12 @@ class Activations:
     scores = 0.0 if layout.recompute == "selective" else self.scores * h * seq_len / t
     if layout.cp > 1:
       attn += self.cp_attn * (2 * h * k + 2 * g * k) / t
-    if moe:
-      e = layout.ep
+    if moe:  # experts whole over tp: every tp rank runs its tokens' experts (sp: L/tp tokens)
+      e, st = layout.ep, (t if layout.sp else 1)
       rows = model.capacity_factor * min(model.top_k, e) if model.capacity_factor else model.top_k
       local = model.experts / e if self.padded_experts else 1
-      ffn = rows * (self.ffn * model.expert_d_ff * local + self.expert_in * d) / t
-      ffn += self.ffn * model.shared_experts * model.expert_d_ff / t
+      ffn = rows * (self.ffn * model.expert_d_ff * local + self.expert_in * d) / st
+      ffn += self.ffn * model.shared_experts * model.expert_d_ff / st
     else:
       ffn = self.ffn * model.d_ff / t
     return d_part + attn + scores + ffn
@@ -432,8 +447,9 @@ class Memory:
 
 
 def device_params(model: Model, layout: Layout) -> dict[str, float]:
-  """Parameters on one device of the busiest pipeline rank, by the data-parallel group that
-  replicates them: 'dense' (over dp x cp x ep) and 'expert' (over dp x cp)."""
+  """Parameters on one device of the busiest pipeline rank, by the group jaxpipe's distributed
+  optimizer splits them over (`zero_groups`): 'dense' (over dp x ep) and 'expert' (routed
+  experts, over dp; split over ep already, whole over tp)."""
   pp_stages = 1 if layout.pp == 1 else None
   copies = 1
   if layout.pp > 1:
@@ -446,11 +462,19 @@ def device_params(model: Model, layout: Layout) -> dict[str, float]:
   dense = expert = 0.0
   for moe, n in ((False, dense_layers), (True, model.moe_layers)):
     p = model.layer_params(moe)
-    dense += n * share * (p["tp"] / t + p["replicated"])
-    expert += n * share * p["expert"] / (e * t)
+    dense += n * share * (p["tp"] / t + p["shared"] + p["replicated"])
+    expert += n * share * p["expert"] / e
   # embedding and head are vocabulary-parallel over tp; both sit on every rank in jaxpipe
   dense += model.embedding_params / t + model.d_model
   return {"dense": dense, "expert": expert}
+
+
+def zero_groups(layout: Layout) -> tuple[int, int]:
+  """The ranks jaxpipe's distributed optimizer splits dense and expert weights over
+  (`jaxpipe/training/zero.py`): the data axes `state.BATCH_AXES` = (dp, ep) for dense weights,
+  dp alone for the routed experts (ep splits them already). cp is no data axis there: its ranks
+  hold the same optimizer state."""
+  return layout.dp * layout.ep, layout.dp
 
 
 def memory(
@@ -467,18 +491,22 @@ def memory(
   several micro-batches); jaxpipe's executor keeps one beside the gradients it returns."""
   check(model, layout, batch)
   par = device_params(model, layout)
-  group_dense = layout.dp * layout.cp * layout.ep
-  group_expert = layout.dp * layout.cp
+  group_dense, group_expert = zero_groups(layout)
   n = par["dense"] + par["expert"]
   p, g, o = precision.param, precision.grad, precision.master + precision.moments
+  s = layout.shard
+  # with a pipeline the executor runs on whole parameters and returns whole gradients: zero2
+  # and fsdp split only what is stored between steps (the split gradients are a copy)
+  staged = layout.pp > 1 and s in ("zero2", "fsdp")
 
   def split(count: float, group: int) -> tuple[float, float, float]:
-    s = layout.shard
-    return (
-        count * p / (group if s == "fsdp" else 1),
-        count * g / (group if s in ("zero2", "fsdp") else 1),
-        count * o / (group if s != "none" else 1),
-    )
+    weights = count * p / (group if s == "fsdp" else 1)
+    if staged and s == "fsdp":
+      weights += count * p  # gathered whole where the executor begins
+    grads = count * g / (group if s in ("zero2", "fsdp") else 1)
+    if staged:
+      grads += count * g  # the executor's whole gradients beside their split copy
+    return weights, grads, count * o / (group if s != "none" else 1)
 
   wd, gd, od = split(par["dense"], group_dense)
   we, ge, oe = split(par["expert"], group_expert)
@@ -514,12 +542,16 @@ def memory(
     )
   buffers += tokens * acts.logits * model.vocab / layout.tp * precision.logits
   if grad_accumulator if grad_accumulator is not None else (m > 1 or layout.pp > 1):
-    grads += n * g / (group_dense if layout.shard in ("zero2", "fsdp") else 1)
-  if layout.shard == "fsdp":  # the gathered weights of the running layer and the next one
+    if layout.pp > 1 or s not in ("zero2", "fsdp"):  # the executor's accumulator is whole
+      grads += n * g
+    else:
+      grads += (par["dense"] / group_dense + par["expert"] / group_expert) * g
+  if s == "fsdp" and layout.pp == 1:  # the gathered weights of the running layer and the next
     biggest = max(
         (
             model.layer_params(x)["tp"] / layout.tp
-            + model.layer_params(x)["expert"] / (layout.ep * layout.tp)
+            + model.layer_params(x)["shared"]
+            + model.layer_params(x)["expert"] / layout.ep
         )
         for x in set(moe_of_layer)
     )
@@ -578,7 +610,12 @@ def step_time(
   flops = model.training_flops_per_token(batch.seq_len) * tokens
   extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[layout.recompute]
   rate = cluster.devices * cluster.peak_tflops * 1e12 * cluster.mfu_ceiling
-  compute = flops * (1 + extra) / rate
+  # experts are whole over tp: without sp every tp rank runs the same tokens' experts
+  redundant = 0.0
+  if model.experts and layout.tp > 1 and not layout.sp:
+    per_token = 6 * (model.top_k + model.shared_experts) * 3 * model.d_model * model.expert_d_ff
+    redundant = (layout.tp - 1) * per_token * model.moe_layers * tokens
+  compute = (flops + redundant) * (1 + extra) / rate
   bubble = 0.0
   m = layout.microbatches
   if layout.pp > 1:
@@ -600,8 +637,8 @@ def step_time(
     vol = dev_tokens * (2 * h + 2 * g) * k * a * (c - 1) / c
     comm["cp"] = 2 * layers_here * vol / bw("cp")
   if layout.ep > 1 and model.experts:  # dispatch and combine, forward and backward
-    e = layout.ep
-    vol = dev_tokens * model.top_k * model.d_model * a * (e - 1) / e / t
+    e = layout.ep  # every tp rank dispatches its tokens (all of them without sp)
+    vol = dev_tokens * model.top_k * model.d_model * a * (e - 1) / e / (t if layout.sp else 1)
     comm["ep"] = 4 * moe_here * vol / bw("ep")
   if layout.pp > 1:  # each micro-batch's stage output forward and its cotangent back
     pl = pipeline(layout.schedule, layout.pp, m, layout.chunks)
