@@ -54,7 +54,7 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
-from jaxpipe.training.state import BATCH_AXES  # mesh axes that split the batch
+from jaxpipe.training.state import BATCH_AXES, param_axes
 
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
 TENSOR_AXIS = "tp"  # mesh axis that splits the layers (Megatron's tensor parallelism)
@@ -169,14 +169,8 @@ def io_param_specs(params, ep_axis=None, tp: int = 1, tp_axis: str = "tp", lead:
   """PartitionSpecs of parameter leaves, their first `lead` axes left out."""
 
   def spec(path, leaf):
-    axes = [None] * (len(leaf.shape) - lead)
-    if ep_axis is not None and getattr(path[-1], "key", None) in moe_lib.EXPERT_WEIGHTS:
-      axes[-3] = ep_axis  # [..., E, in, out]
-    keys = tuple(getattr(k, "key", None) for k in path)
-    dim = tp_lib.split_dim(keys, leaf.shape, tp)
-    if dim is not None:
-      axes[dim] = tp_axis
-    return P(*axes)
+    keys = [getattr(k, "key", None) for k in path]
+    return P(*param_axes(keys, leaf.shape[lead:], ep_axis, tp, tp_axis))
 
   return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -119,6 +119,22 @@ def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any
   return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
+def param_axes(
+    keys: list, shape: tuple[int, ...], ep_axis: str | None, tp: int, tp_axis: str = "tp"
+) -> list:
+  """The mesh axis of each dimension of a parameter-like leaf (None: whole), the pipeline's
+  apart: MoE expert weights [..., E, in, out] split on E over `ep_axis` (None: not split),
+  Megatron's tensor-parallel dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`). The one
+  partition rule that the trainer's storage and the pipeline's stage specs share."""
+  axes = [None] * len(shape)
+  if ep_axis is not None and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
+    axes[-3] = ep_axis
+  dim = tp_lib.split_dim(tuple(keys), shape, tp)
+  if dim is not None:
+    axes[dim] = tp_axis
+  return axes
+
+
 def state_shardings(
     tree: Any, mesh: Mesh, pp_axis: str = "pp", ep_axis: str = "ep", tp_axis: str = "tp"
 ) -> Any:
@@ -143,14 +159,9 @@ def state_shardings(
 
   def spec(path, leaf):
     keys = [getattr(k, "key", None) for k in path]
-    axes = [None] * len(leaf.shape)
+    axes = param_axes(keys, leaf.shape, ep_axis if has_ep else None, tp, tp_axis)
     if pp > 1 and "layers" in keys and leaf.shape and leaf.shape[0] % pp == 0:
       axes[0] = pp_axis
-    if has_ep and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
-      axes[-3] = ep_axis  # [..., E, in, out]
-    dim = tp_lib.split_dim(tuple(keys), leaf.shape, tp)
-    if dim is not None:
-      axes[dim] = tp_axis
     while axes and axes[-1] is None:
       axes.pop()
     return NamedSharding(mesh, P(*axes))
