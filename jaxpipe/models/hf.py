@@ -755,6 +755,20 @@ def load(
 # -- save -----------------------------------------------------------------------------------------
 
 
+def _whole_weights(leaf: jax.Array, ns: int) -> jax.Array:
+  """The leaf with any split of its weight axes (tensor parallelism's heads, d_ff, vocabulary)
+  gathered on the devices, keeping its layer and expert splits (its first `ns` axes): one
+  parameter at a time, so the host still takes whole weights of one block."""
+  sharding = leaf.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return leaf
+  spec = tuple(sharding.spec)
+  if all(a is None for a in spec[ns:]):
+    return leaf
+  kept = jax.sharding.PartitionSpec(*spec[:ns])
+  return jax.device_put(leaf, jax.sharding.NamedSharding(sharding.mesh, kept))
+
+
 def _host_blocks(t: Tensor, leaf: jax.Array) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
   """(index, host copy) of each distinct block of a leaf, one at a time."""
   if not leaf.is_fully_addressable:
@@ -784,11 +798,12 @@ def hf_tensors(
     if not isinstance(leaf, jax.Array):
       leaf = jax.device_put(np.asarray(leaf))
     ns = t.layers.ndim + bool(t.experts)
-    for index, block in _host_blocks(t, leaf):
+    for index, block in _host_blocks(t, _whole_weights(leaf, ns)):
       if any(s != slice(0, n, 1) for s, n in zip(index[ns:], t.shape)):
         raise ValueError(
             f"parameter {'/'.join(t.path)} is split along a weight axis "
-            f"({index}); export params sharded on layers and experts only"
+            f"({index}) by a sharding other than a NamedSharding; export params sharded on "
+            "layers and experts only"
         )
       span = [range(*s.indices(n)) for s, n in zip(index[:ns], t.leaf_shape)]
       for local in np.ndindex(*(len(r) for r in span)):
