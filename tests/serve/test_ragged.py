@@ -73,6 +73,29 @@ def test_ragged_attention_equals_the_gather_reference_per_token(block, key_chunk
   assert (got[live:] == 0).all()  # padding tokens: no row covers them
 
 
+@pytest.mark.parametrize("key_chunk, pairs", [(64, 32), (4, 3)])
+def test_ragged_attention_on_int8_pages_equals_the_gather_reference(key_chunk, pairs):
+  """An 8-bit cache: int8 values with a float32 scale per (head, slot), NaN scales in the slots
+  no row owns; both sides dequantise the same stored values."""
+  q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = _case()
+
+  def int8(pages):
+    unowned = np.isnan(pages[..., 0])
+    scale = np.abs(np.nan_to_num(pages)).max(axis=-1) / 127
+    scale[unowned] = np.nan
+    values = np.where(unowned[..., None], 0, np.round(np.nan_to_num(pages) / scale[..., None]))
+    return values.astype(np.int8), scale.astype(np.float32)
+
+  (k8, k_s), (v8, v_s) = int8(k_pages), int8(v_pages)
+  scales = dict(k_scales_GxPxS=k_s, v_scales_GxPxS=v_s)
+  fn = jax.jit(ragged_paged_attention, static_argnames=("block", "key_chunk", "pairs"))
+  got = np.asarray(fn(q, k8, v8, rows, block=4, key_chunk=key_chunk, pairs=pairs, **scales))
+  want = np.asarray(paged_attention_reference(q, k8, v8, tables_TxN, lengths_T, **scales))
+  assert np.isfinite(want[:live]).all()
+  scale = np.abs(want[:live]).max()
+  np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_block_counts_cover_any_step():
   """The static block counts hold every split of T tokens into at most B rows."""
   for t, b, q in ((40, 8, 4), (16, 4, 16), (1024, 16, 32), (8, 16, 32)):
