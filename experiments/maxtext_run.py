@@ -5,15 +5,16 @@
 Runs `maxtext.trainers.pre_train.train` as `python -m` would, with two hooks that leave its own
 log lines as they are and add lines of their own after them:
 - after each of MaxText's `completed step: N, ...` lines, `train_bench cpu: step N,
-  process_time: S` (this process's CPU seconds so far, every thread: XLA's host devices are
-  threads of it), so the bench takes CPU seconds per step from consecutive lines as MaxText
-  takes its `seconds` from consecutive steps;
+  process_time: S, minor_faults: F` (this process's CPU seconds and minor page faults so far,
+  every thread: XLA's host devices are threads of it), so the bench takes CPU seconds and faults
+  per step from consecutive lines as MaxText takes its `seconds` from consecutive steps;
 - where MaxText logs `number parameters: 0.001 billion`, `train_bench parameters: N` (the exact
   count, from the same `max_utils.calculate_num_params_from_pytree` call).
 
 Only the standard library and MaxText are imported: jaxpipe is not installed there.
 """
 
+import resource
 import runpy
 import time
 
@@ -30,7 +31,12 @@ def _log_with_cpu():
     at = text.find(STEP)
     if at >= 0:
       step = text[at + len(STEP) :].split(",", 1)[0].strip()
-      print(f"train_bench cpu: step {step}, process_time: {time.process_time():.4f}", flush=True)
+      faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      print(
+          f"train_bench cpu: step {step}, process_time: {time.process_time():.4f}, "
+          f"minor_faults: {faults}",
+          flush=True,
+      )
 
   return hooked
 

@@ -22,8 +22,12 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   `--microbatches` micro-batches (dp = devices / P); given several counts, one contender per
   count, named with its `m=`.
 - maxtext (with `--peer_python`): MaxText's pre-training loop on the same shape, run by that
-  interpreter as a subprocess each round (synthetic data, `hardware=cpu`); its per-step seconds
-  come from its log (`parse_maxtext_log`). MaxText is never a dependency of jaxpipe.
+  interpreter as a subprocess each round (synthetic data, `hardware=cpu`) through
+  `experiments/maxtext_run.py`; its per-step seconds come from its log (`parse_maxtext_log`),
+  its CPU seconds and page faults per step and its parameter count from the lines that runner
+  adds (`parse_maxtext_cpu`, `parse_maxtext_params`; the count is printed beside jaxpipe's);
+  its first `MAXTEXT_MIN_WARMUP` steps are never timed. Tested with maxtext 0.2.5 (Python >=
+  3.12, JAX 0.12). MaxText is never a dependency of jaxpipe.
 
 Each contender is compiled and warmed up (`--warmup` steps), then `--rounds` rounds each run
 every contender for `--steps` steps in turn, the order rotated by one per round, and a float32
@@ -513,15 +517,23 @@ def parse_maxtext_log(text: str) -> list[dict[str, float]]:
   return steps
 
 
-_CPU_LINE = re.compile(r"^train_bench cpu: step (\d+), process_time: ([0-9.]+)\s*$", re.M)
+_CPU_LINE = re.compile(
+    r"^train_bench cpu: step (\d+), process_time: ([0-9.]+)(?:, minor_faults: (\d+))?\s*$", re.M
+)
 _PARAMS_LINE = re.compile(r"^train_bench parameters: (\d+)\s*$", re.M)
 
 
-def parse_maxtext_cpu(text: str) -> dict[int, float]:
-  """`maxtext_run.py`'s lines -> {step: CPU seconds from the previous logged step to this one};
-  the first logged step has none."""
-  marks = sorted((int(m[1]), float(m[2])) for m in _CPU_LINE.finditer(text))
-  return {s: t - t0 for (_, t0), (s, t) in zip(marks, marks[1:])}
+def parse_maxtext_cpu(text: str) -> dict[int, tuple[float, int | None]]:
+  """`maxtext_run.py`'s lines -> {step: (CPU seconds, minor page faults or None) from the
+  previous logged step to this one}; the first logged step has none."""
+  marks = sorted(
+      (int(m[1]), float(m[2]), None if m[3] is None else int(m[3]))
+      for m in _CPU_LINE.finditer(text)
+  )
+  return {
+      s: (t - t0, None if f is None or f0 is None else f - f0)
+      for (_, t0, f0), (s, t, f) in zip(marks, marks[1:])
+  }
 
 
 def parse_maxtext_params(text: str) -> int | None:
@@ -557,7 +569,7 @@ def maxtext_contender(config, batch, flops, tokens, args, package: str) -> Conte
       )
     cpu = parse_maxtext_cpu(text)
     info["parameters"] = parse_maxtext_params(text)
-    return [(s["seconds"], cpu.get(s["step"]), None) for s in logged[-steps:]]
+    return [(s["seconds"], *cpu.get(s["step"], (None, None))) for s in logged[-steps:]]
 
   info = {}
   return Contender(MAXTEXT, run, flops, tokens, info)
