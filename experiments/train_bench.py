@@ -2,7 +2,7 @@
 
   python -m experiments.train_bench [--config configs/quickstart.py] [--batch 32] \
       [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8[,4]] [--rounds 3] [--steps 3] \
-      [--warmup 2] [--noplain_scan] [--unroll_layers 16] [--pool_host_memory] \
+      [--warmup 2] [--noplain_scan] [--unroll_layers 16] [--nopool_host_memory] \
       [--peer_python PATH] \
       [--out train_bench.json] [--config.key=value]
 
@@ -35,8 +35,11 @@ matmul (`--matmul_n`) timed the same way as the steps. Per step: wall time, proc
 (`time.process_time()` around a blocked step; the 8 host devices share the machine's cores, so
 CPU time is the steadier measure) and the process's minor page faults (`getrusage`): glibc
 returns a freed allocation over 32 MB to the OS, so a program whose temporaries come in such
-allocations faults them in again on every step. `--pool_host_memory` keeps freed memory in the
-heap instead (`mallopt`, as a device allocator pools its memory), for every contender alike.
+allocations faults them in again on every step. By default the bench keeps freed memory in the
+heap instead (`mallopt`, as a device allocator pools its memory, and as `python -m jaxpipe.train`
+does on CPU: `train.pool_host_memory`), for every contender in its process alike;
+`--nopool_host_memory` measures with glibc's defaults. A peer runs in its own process as its
+users run it.
 Columns: tokens/s (median over rounds of the round's tokens over its wall time); ms/step; CPU
 s/step; MFU = model FLOPs per CPU second (`jaxpipe.models.flops`, matmuls only) over the
 matmul's FLOPs per CPU second in the same round, median over rounds; wall and CPU ratio = the
@@ -119,9 +122,10 @@ flags.DEFINE_list(
 )
 flags.DEFINE_bool(
     "pool_host_memory",
-    False,
+    True,
     "Keep freed host memory in the heap (glibc mallopt: no mmap, no trim), as a device allocator"
-    " pools its memory; the default is glibc's, as `python -m jaxpipe.train` runs.",
+    " pools its memory and as `python -m jaxpipe.train` runs (train.pool_host_memory);"
+    " --nopool_host_memory: glibc's defaults.",
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("rounds", 3, "Timed rounds; every contender runs in each.", flag_values=FLAGS)
@@ -772,7 +776,10 @@ def main(argv: list[str]) -> None:
     args.peer_package = check_peer(args.peer_python)  # before any compile
   pooled = args.pool_host_memory and process.pool_host_memory()
   if args.pool_host_memory and not pooled:
-    raise app.UsageError("--pool_host_memory: this C library refuses glibc's mallopt settings")
+    raise app.UsageError(
+        "--pool_host_memory: this C library refuses glibc's mallopt settings; pass "
+        "--nopool_host_memory"
+    )
   load0 = os.getloadavg()
   contenders = build(args, config)
   measured = measure(contenders, args.rounds, args.steps, args.warmup)

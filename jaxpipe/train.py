@@ -247,6 +247,11 @@ def _train(argv: list[str]) -> None:
     raise app.UsageError(str(e)) from e
   import jax
 
+  if config.train.pool_host_memory and jax.default_backend() == "cpu":
+    # glibc unmaps freed blocks over 32 MB: a step whose temporaries pass that would fault
+    # them in again every step (docs/benchmarks.md#against-maxtext); False off glibc, harmless
+    process.pool_host_memory()
+
   from jaxpipe.training.mesh import describe
   from jaxpipe.training.trainer import Trainer
 

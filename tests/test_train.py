@@ -286,6 +286,7 @@ def test_field_kinds():
           "model.d_model",
       )
   ] == ["cadence"] + ["layout"] * 6 + ["run"] * 4
+  assert field_kind("train.pool_host_memory", c) == "cadence"  # changes on resume freely
   from configs import moe_quickstart
 
   moe = moe_quickstart.get_config()  # capacity dispatch: the mesh decides which tokens overflow
@@ -550,6 +551,26 @@ def test_bad_inputs_found_in_process(tmp_path, monkeypatch):
     c.model.moe[field] = value
     with pytest.raises(ConfigError, match=needle):
       Trainer(c)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_the_trainer_pools_host_memory_on_cpu_as_configured(tmp_path, monkeypatch, pooled):
+  """train.pool_host_memory: `python -m jaxpipe.train` keeps freed host memory in the heap on
+  CPU devices (process.pool_host_memory), and leaves glibc's defaults when it is False."""
+  from jaxpipe import train
+
+  calls = []
+  monkeypatch.setattr(process, "pool_host_memory", lambda: calls.append(1) or True)
+  c = tiny.get_config()
+  c.train.steps, c.train.pool_host_memory = 1, pooled
+  monkeypatch.setattr(train, "_load_config", lambda: c)
+  train.FLAGS.unparse_flags()
+  train.FLAGS(["train", f"--workdir={tmp_path}"])
+  try:
+    train._train(["train"])
+  finally:
+    train.FLAGS.unparse_flags()
+  assert calls == ([1] if pooled else [])
 
 
 def test_schedule_cli_names_the_file_it_wrote(tmp_path, capsys):

@@ -95,6 +95,9 @@ def default_config() -> ml_collections.ConfigDict:
   t.log_every = 10  # steps between metric writes (and the non-finite check)
   t.eval_every = 100  # steps between evaluations; 0 disables
   t.eval_batches = 4  # batches per evaluation
+  # CPU devices: keep freed host memory in the heap (glibc), as device allocators pool theirs, so
+  # no step maps and faults its temporaries in again (python -m jaxpipe.train)
+  t.pool_host_memory = True
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every = 100  # steps between checkpoints; 0 saves only at the end and on SIGTERM

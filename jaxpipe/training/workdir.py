@@ -48,6 +48,7 @@ CADENCE = (
     "checkpoint.every",
     "checkpoint.keep",
     "checkpoint.async_save",
+    "train.pool_host_memory",  # how the host allocator serves the step, not what it computes
 )
 LAYOUT = (
     "pipeline.schedule",
