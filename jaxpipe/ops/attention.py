@@ -242,8 +242,8 @@ def _block_attention(
 
   Work is spent on (block, key chunk) pairs that hold a visible key only: a block whose last
   query is at position p reads the chunks of `key_chunk` keys (whole pages) up to p, and an
-  empty block (count 0) reads none. The pairs, block-major, run `pairs` at a time (default: one
-  per block) in a loop whose trip count is the step's: each round gathers its chunks' pages,
+  empty block (count 0) reads none. The pairs, block-major, run `pairs` at a time (default
+  `ROUND_PAIRS`) in a loop whose trip count is the step's: each round gathers its chunks' pages,
   attends, and folds the partial softmax of each pair into its block's running max, sum and
   output (an online softmax, FlashAttention's merge)."""
   nb, q = index_NBxQ.shape
