@@ -38,6 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.ops import fp8 as fp8_lib
 
@@ -201,6 +202,20 @@ def split_dim(keys: tuple, shape: tuple[int, ...], tp: int) -> int | None:
   ):
     return None
   return dim
+
+
+def param_specs(params, axis: str, tp: int):
+  """PartitionSpecs of a model parameter tree with Megatron's dims (`split_dim`) split over
+  `axis` of tp ranks, every other dim whole."""
+
+  def spec(path, leaf):
+    keys = tuple(getattr(k, "key", None) for k in path)
+    dim = split_dim(keys, leaf.shape, tp)
+    if dim is None:
+      return P()
+    return P(*([None] * (leaf.ndim + dim)), axis)
+
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def check(

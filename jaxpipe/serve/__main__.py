@@ -3,7 +3,7 @@
   python -m jaxpipe.serve --workdir /tmp/qs --prompt "def " --max_tokens 64
   python -m jaxpipe.serve --config configs/quickstart.py --prompt "import " --temperature 0.8
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
-      [--kv_cache_dtype auto|int8|fp8]
+      [--kv_cache_dtype auto|int8|fp8] [--tensor_parallel N]
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
       [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256]
       [--page_buckets 16]
@@ -137,8 +137,18 @@ _PREFILL_WORKERS = flags.DEFINE_integer(
 _DECODE_WORKERS = flags.DEFINE_integer(
     "decode_workers", 1, "--mode disaggregated: decode workers.", flag_values=FLAGS
 )
+_TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel",
+    1,
+    "Devices the engine splits the model over, Megatron's tensor parallelism (heads, KV heads "
+    "with their pages, d_ff and the vocabulary); --mode: use --devices_per_worker.",
+    flag_values=FLAGS,
+)
 _DEVICES_PER_WORKER = flags.DEFINE_integer(
-    "devices_per_worker", 1, "--mode: devices of each worker.", flag_values=FLAGS
+    "devices_per_worker",
+    1,
+    "--mode: devices of each worker, over which it runs tensor-parallel.",
+    flag_values=FLAGS,
 )
 _MODEL_NAME = flags.DEFINE_string(
     "model_name",
@@ -168,6 +178,11 @@ def main(argv: list[str]) -> None:
     raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')
   if _MODE.value != "engine" and not _HTTP.value:
     raise app.UsageError(f"--mode={_MODE.value} serves over HTTP only; add --http")
+  if _MODE.value != "engine" and _TENSOR_PARALLEL.value != 1:
+    raise app.UsageError(
+        f"--tensor_parallel is one engine's; with --mode={_MODE.value} give each worker its "
+        "devices with --devices_per_worker"
+    )
   token_buckets = _ints("token_buckets", _TOKEN_BUCKETS.value)
   page_buckets = _ints("page_buckets", _PAGE_BUCKETS.value)
   logging.set_verbosity(logging.WARNING)
@@ -223,7 +238,10 @@ def main(argv: list[str]) -> None:
   if _KV_CACHE_DTYPE.value != "auto":
     kw["kv_cache_dtype"] = _KV_CACHE_DTYPE.value
   try:
-    engine = Engine(cfg, params, **kw) if _MODE.value == "engine" else _deployment(cfg, params, kw)
+    if _MODE.value == "engine":
+      engine = Engine(cfg, params, devices=_engine_devices(_TENSOR_PARALLEL.value), **kw)
+    else:
+      engine = _deployment(cfg, params, kw)
   except ValueError as e:
     sys.exit(f"error: {e}")
   if _HTTP.value:
@@ -242,12 +260,27 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     sys.exit(f"error: {e}")
   print(
-      f"# {source}; {jax.devices()[0].platform}, paged attention {engine.backend}, "
+      f"# {source}; {jax.devices()[0].platform}"
+      f"{f' x {engine.mesh.size} tensor-parallel' if engine.mesh.size > 1 else ''}, "
+      f"paged attention {engine.backend}, "
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
   )
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + tok.decode([t for t in out if t not in tok.eos_ids]))
     print(f"# tokens: {out}")
+
+
+def _engine_devices(n: int) -> list:
+  """The first n devices; exits with one line when there are fewer."""
+  import jax
+
+  devices = jax.devices()
+  if not 1 <= n <= len(devices):
+    sys.exit(
+        f"error: --tensor_parallel={n} needs 1 to {len(devices)} devices (this process has "
+        f"{len(devices)}; on CPU set JAXPIPE_HOST_DEVICES)"
+    )
+  return devices[:n]
 
 
 def _tokenizer(cfg):

@@ -183,6 +183,18 @@ def _check_buckets(
   return out
 
 
+def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
+  """Raises ValueError (one line, the value and the fix) unless the model splits over tp
+  devices: the pools split the KV heads, so they must divide too (no replicated KV groups)."""
+  for name in ("n_heads", "n_kv_heads", "d_ff", "vocab"):
+    value = getattr(cfg, name)
+    if value % tp:
+      raise ValueError(
+          f"{name}={value} does not split over the engine's {tp} devices (tensor-parallel); "
+          f"give the engine a number of devices that divides {value}"
+      )
+
+
 def _bucket(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
@@ -247,8 +259,11 @@ class _EnginePages:
 class Engine:
   """Serves one model from a paged KV cache on `devices` (default: the first device).
 
-  With several devices the pools' KV heads are split over them (n_kv_heads must divide by
-  their count) and the rest is replicated; two engines on disjoint devices are independent.
+  With several devices the model runs tensor-parallel over them, Megatron's layout as in
+  training (`jaxpipe.parallel.tensor`): each holds its share of the attention heads (KV heads
+  included, with their pages), of d_ff and of the vocabulary, so n_heads, n_kv_heads, d_ff and
+  the vocabulary must divide by their count; experts and norms are whole on each. Two engines
+  on disjoint devices are independent.
   """
 
   def __init__(
@@ -293,11 +308,7 @@ class Engine:
     self.kv_dtype = model_lib.kv_dtype(model_cfg, kv_cache_dtype)  # refuses another name
     quantized = model_lib.quantized(self.kv_dtype)
     devices = list(devices) if devices is not None else jax.devices()[:1]
-    if model_cfg.n_kv_heads % len(devices):
-      raise ValueError(
-          f"n_kv_heads={model_cfg.n_kv_heads} does not split over {len(devices)} "
-          f"devices; give the engine a number of devices that divides it"
-      )
+    _check_tensor_parallel(model_cfg, len(devices))
     self.cfg = model_lib.serving_config(model_cfg)
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
     self.max_tokens_per_step, self.max_seq_len, self.eos_id = (
@@ -323,7 +334,13 @@ class Engine:
     self._kv_sharding = model_lib.KVPages(
         self._pool_sharding, self._pool_sharding, num_pages, scales, scales
     )
-    self.params = jax.device_put(params, self._replicated)
+    # Megatron's tensor-parallel layout over the engine's devices (`model_lib.forward_paged`)
+    self._param_sharding = jax.tree.map(
+        lambda spec: NamedSharding(self.mesh, spec),
+        model_lib.param_specs(params, len(devices)),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    self.params = jax.device_put(params, self._param_sharding)
     self.nan_freed_pages = nan_freed_pages
     self.kv = model_lib.init_kv(
         self.cfg,
@@ -606,7 +623,7 @@ class Engine:
           jax.jit(
               step,
               donate_argnums=1,
-              in_shardings=(rep, self._kv_sharding, rep, rep),
+              in_shardings=(self._param_sharding, self._kv_sharding, rep, rep),
               out_shardings=(rep, rep, rep, self._kv_sharding),
           )
           .lower(self.params, self.kv, batch, sampling)
@@ -845,7 +862,7 @@ class Engine:
       return top_logprobs(logits_LxV, jnp.roll(tokens_1xL[0], -1))
 
     rep = self._replicated
-    return jax.jit(score, in_shardings=(rep, rep), out_shardings=rep)
+    return jax.jit(score, in_shardings=(self._param_sharding, rep), out_shardings=rep)
 
   # -- metrics ----------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ quantised once, as it is written; attention dequantises on the fly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax
 import jax
@@ -46,6 +47,7 @@ from jaxpipe.ops.attention import (
     resolve_paged_backend,
     resolve_step_backend,
 )
+from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
@@ -164,32 +166,32 @@ def serving_config(cfg: TransformerConfig) -> TransformerConfig:
 
 
 class _PagedHook:
-  """What `attention` calls inside `kv_cache`: store this layer's new K/V, attend through pages."""
+  """What `attention` calls inside `kv_cache`: store this layer's new K/V, attend through pages.
 
-  def __init__(self, kv: KVPages, batch: TokenBatch, backend: str, mesh: Mesh | None):
-    self.pools, self.num_pages = kv.pools, kv.num_pages
-    self.batch, self.backend, self.mesh = batch, backend, mesh
+  Runs on one device's pools: under tensor parallelism inside the step's `shard_map`, where the
+  layer's K/V heads and its pools' are this rank's share."""
+
+  def __init__(self, pools: tuple, num_pages: int, batch: TokenBatch, backend: str):
+    self.pools, self.num_pages = pools, num_pages
+    self.batch, self.backend = batch, backend
     self.layer = None  # set before each layer (a traced index inside the layer scan)
 
   def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK):
     b = self.batch
     offset = self.layer * self.num_pages
-    fn = lambda *a: _write_and_attend(*a, backend=self.backend)
     if self.backend == "xla_ragged":
       rows = RaggedRows(b.seq_tables_BxN + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
     else:
       rows = (b.tables_TxN + offset, b.positions_T + 1)
-    if self.mesh is not None and self.mesh.size > 1:
-      heads, rep = P(None, KV_AXIS, None), P()
-      fn = jax.shard_map(
-          fn,
-          mesh=self.mesh,
-          check_vma=False,
-          in_specs=(heads, heads, heads, P(KV_AXIS), rep, rep, rep),
-          out_specs=(heads, P(KV_AXIS)),
-      )
-    o_TxHxK, self.pools = fn(
-        q_1xTxHxK[0], k_1xTxGxK[0], v_1xTxGxK[0], self.pools, b.slots_T, rows, offset
+    o_TxHxK, self.pools = _write_and_attend(
+        q_1xTxHxK[0],
+        k_1xTxGxK[0],
+        v_1xTxGxK[0],
+        self.pools,
+        b.slots_T,
+        rows,
+        offset,
+        backend=self.backend,
     )
     return o_TxHxK[None]
 
@@ -224,6 +226,13 @@ def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):
   return out[0] if moe else out
 
 
+def param_specs(params: dict, tp: int) -> dict:
+  """PartitionSpecs of the parameters on an engine's mesh: Megatron's tensor-parallel layout
+  over `KV_AXIS` (`jaxpipe.parallel.tensor.split_dim`), which splits the KV heads as the pools
+  are split."""
+  return tp_lib.param_specs(params, KV_AXIS, tp)
+
+
 def forward_paged(
     cfg: TransformerConfig,
     params: dict,
@@ -233,7 +242,13 @@ def forward_paged(
     backend: str = "auto",
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVPages]:
-  """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written)."""
+  """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written).
+
+  mesh: the engine's devices (axis `KV_AXIS`). Over more than one, the model runs tensor-parallel
+  (`jaxpipe.parallel.tensor`): parameters split as `param_specs`, each rank projecting its heads
+  and its share of d_ff and of the vocabulary into its own share of the pools' KV heads; the
+  rows' logits are gathered whole for sampling.
+  """
   cfg = serving_config(cfg)
   if batch.seq_counts_B is None:  # tokens not grouped by sequence: a per-token backend
     if backend == "xla_ragged":
@@ -241,7 +256,33 @@ def forward_paged(
     backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
   else:
     backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size)
-  hook = _PagedHook(kv, batch, backend, mesh)
+  run = functools.partial(_forward_local, cfg, num_pages=kv.num_pages, backend=backend)
+  if mesh is not None and mesh.size > 1:
+    tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)
+    heads = P(KV_AXIS)
+    pool_specs = tuple(None if p is None else heads for p in kv.pools)
+    run = jax.shard_map(
+        tensor,
+        mesh=mesh,
+        # the paged kernels (Pallas, interpreted on CPU) do not track varying axes
+        check_vma=False,
+        in_specs=(param_specs(params, mesh.size), pool_specs, P()),
+        out_specs=(P(), pool_specs),
+    )
+  logits_RxV, (k, v, k_scales, v_scales) = run(params, kv.pools, batch)
+  return logits_RxV, KVPages(k, v, kv.num_pages, k_scales, v_scales)
+
+
+def _tensor_parallel(run, params, pools, batch, *, axis):
+  """`run` as one tensor rank: this rank's vocabulary slice of the logits, gathered whole."""
+  with tp_lib.tensor_parallel(axis):
+    logits_RxVp, pools = run(params, pools, batch)
+  return jax.lax.all_gather(logits_RxVp, axis, axis=1, tiled=True), pools
+
+
+def _forward_local(cfg, params, pools, batch, *, num_pages, backend):
+  """The layer stack over one device's pools: (logits [R, vocab or its tp slice], pools)."""
+  hook = _PagedHook(pools, num_pages, batch, backend)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
   positions_T = batch.positions_T
@@ -267,11 +308,11 @@ def forward_paged(
     return (x, hook.pools), None
 
   units = cfg.n_layers // every
-  (x_1xTxD, (k, v, k_scales, v_scales)), _ = jax.lax.scan(
-      unit_body, (x_1xTxD, kv.pools), (params["layers"], jnp.arange(units))
+  (x_1xTxD, pools), _ = jax.lax.scan(
+      unit_body, (x_1xTxD, pools), (params["layers"], jnp.arange(units))
   )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
-  return logits_1xRxV[0], KVPages(k, v, kv.num_pages, k_scales, v_scales)
+  return logits_1xRxV[0], pools
 
 
 def serve_step(

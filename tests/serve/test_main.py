@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from configs import tiny
 from jaxpipe.models import transformer
@@ -17,8 +18,13 @@ ROOT = helpers.ROOT
 
 
 def test_a_training_checkpoint_is_served(tmp_path):
+  """Trained tensor-parallel (tp 2 with sequence parallelism, zero1), served tensor-parallel on
+  two devices; the tokens are the one-device forward pass's."""
   workdir = str(tmp_path / "run")
   config = tiny.get_config()
+  config.mesh.tp = 2
+  config.model.sequence_parallel = True
+  config.optimizer.shard = "zero1"
   trainer = Trainer(config, workdir)
   trainer.train(steps=3, progress=False)
   trained = jax.device_get(trainer.model_params())
@@ -46,15 +52,17 @@ def test_a_training_checkpoint_is_served(tmp_path):
           "6",
           "--page_size",
           "4",
+          "--tensor_parallel",
+          "2",
       ],
       cwd=ROOT,
       capture_output=True,
       text=True,
       timeout=300,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "2"},
   )
   assert run.returncode == 0, run.stderr[-2000:]
-  assert f"# step 3 of {workdir}" in run.stdout
+  assert f"# step 3 of {workdir}; cpu x 2 tensor-parallel," in run.stdout
   assert f"# tokens: {want}" in run.stdout
 
 
@@ -110,3 +118,14 @@ def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refuse
   lines = [x for x in run.stderr.splitlines() if x.strip()]
   assert lines[-1].startswith("error: ") and "embedding has 384 rows" in lines[-1], lines
   assert "Traceback" not in run.stderr
+
+
+def test_tensor_parallel_beyond_the_devices_is_one_error_line():
+  from jaxpipe.serve import __main__ as serve_main
+
+  n = len(jax.devices())
+  with pytest.raises(
+      SystemExit, match=rf"^error: --tensor_parallel={n + 1} needs 1 to {n} devices"
+  ):
+    serve_main._engine_devices(n + 1)
+  assert serve_main._engine_devices(2) == jax.devices()[:2]
