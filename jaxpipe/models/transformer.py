@@ -195,11 +195,6 @@ class Attention(nn.Module):
     c = self.cfg
     axis_name = context_axis()
     if c.cp_overlap and axis_name is not None:
-      if tp_lib.tensor_axis() is not None:
-        raise ValueError(
-            "model.cp_overlap=True fuses whole projections with Ulysses' all-to-alls, which "
-            "tensor parallelism splits; set model.cp_overlap=False or mesh.tp=1"
-        )
       return self._overlapped(x_BxLxD, positions_L, axis_name, segment_ids_BxL)
     # Under tensor parallelism: this rank's heads of the whole sequence (tp_lib)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
@@ -234,21 +229,27 @@ class Attention(nn.Module):
     x holds this rank's L/P tokens; between the two fused steps every rank holds all L tokens
     of H/P heads. Parameters are the DenseGeneral path's, so either path reads a checkpoint.
     positions_S ([S] or [B, S]) and segment_ids_BxS are this rank's slices; both are gathered.
+
+    Under tensor parallelism the same on this tp rank's heads (H/tp; `tp_lib.check` makes the
+    KV heads split over tp whenever cp > 1): the sequence is gathered over tp first with
+    sequence parallelism, and the output projection's partial sum reduced over tp after.
     """
     c = self.cfg
     cp = jax.lax.axis_size(axis_name)
-    check_divisible(x_BxSxD.shape[1] * cp, c.n_heads, c.n_kv_heads, cp, axis_name)
+    x_BxSxD = tp_lib.gather_tokens(x_BxSxD)
+    heads, kv_heads = tp_lib.local_heads(c.n_heads, c.n_kv_heads)
+    check_divisible(x_BxSxD.shape[1] * cp, heads, kv_heads, cp, axis_name)
     dt = c.compute_dtype
     x_BxSxD = x_BxSxD.astype(dt)
     w = {
         name: Kernel(shape, 1, name=name)().astype(dt)
         for name, shape in (
-            ("q", (c.d_model, c.n_heads, c.head_dim)),
-            ("k", (c.d_model, c.n_kv_heads, c.head_dim)),
-            ("v", (c.d_model, c.n_kv_heads, c.head_dim)),
+            ("q", (c.d_model, heads, c.head_dim)),
+            ("k", (c.d_model, kv_heads, c.head_dim)),
+            ("v", (c.d_model, kv_heads, c.head_dim)),
         )
     }
-    w_o_HxKxD = Kernel((c.n_heads, c.head_dim, c.d_model), 2, name="o")().astype(dt)
+    w_o_HxKxD = Kernel((heads, c.head_dim, c.d_model), 2, name="o")().astype(dt)
     # Rotary angles are per token, so they commute with the all-to-all: rotate after it, at the
     # positions of the whole (gathered) sequence.
     positions_L = jax.lax.all_gather(positions_S, axis_name, axis=positions_S.ndim - 1, tiled=True)
@@ -278,7 +279,7 @@ class Attention(nn.Module):
           backend=c.attention,
           segment_ids=segment_ids_BxL,
       )
-    return a2a_proj(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name)
+    return tp_lib.reduce_tokens(a2a_proj(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name))
 
 
 class Mlp(nn.Module):

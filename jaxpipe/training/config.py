@@ -371,7 +371,6 @@ def _check_tensor_parallel(
           "model.fp8 and MoE inside the pipeline without sequence parallelism",
           "model.sequence_parallel=True",
       ),
-      (m.cp_overlap and shape["cp"] > 1, "model.cp_overlap=True", "model.cp_overlap=False"),
   )
   for bad, what, fix in unsupported:
     if bad:

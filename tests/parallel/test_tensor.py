@@ -22,9 +22,12 @@ from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
 
-def _config(tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False, pp=1, schedule="1f1b"):
+def _config(
+    tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False, pp=1, schedule="1f1b", cp_overlap=False
+):
   c = helpers.moe_config(ep=ep) if moe else tiny.get_config()
   c.mesh.tp, c.mesh.cp, c.mesh.pp = tp, cp, pp
+  c.model.cp_overlap = cp_overlap
   c.model.sequence_parallel = sp
   c.model.n_kv_heads = kv_heads
   c.data.batch = 8
@@ -36,9 +39,9 @@ def _config(tp=1, sp=False, cp=1, ep=1, kv_heads=2, moe=False, pp=1, schedule="1
 
 
 @functools.cache
-def _step(tp, sp, cp, ep, kv_heads, moe, pp=1, schedule="1f1b"):
+def _step(tp, sp, cp, ep, kv_heads, moe, pp=1, schedule="1f1b", cp_overlap=False):
   """(config, model config, jitted loss_and_grads, mesh) of one layout, compiled once."""
-  c = _config(tp, sp, cp, ep, kv_heads, moe, pp, schedule)
+  c = _config(tp, sp, cp, ep, kv_heads, moe, pp, schedule, cp_overlap)
   shape = config_lib.validate(c, jax.device_count())
   cfg = config_lib.model_config(c)
   return c, cfg, jax.jit(make_loss_and_grads(c, cfg, shape)), make_mesh(c.mesh)
@@ -88,6 +91,27 @@ def test_loss_and_gradients_equal_the_one_device_model(layout):
   assert float(metrics["tokens"]) == batch["mask"].sum()
   if cfg.moe is not None and c.mesh.pp == 1:
     np.testing.assert_array_equal(metrics["moe_tokens_per_expert"], aux["tokens_per_expert"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (2, True, 2, 1, 4, False, 1, "1f1b", True),
+        # inside the executor's ticks, where the fused all-to-alls are chunked, not a ring
+        pytest.param((2, False, 2, 1, 4, False, 2, "zb-h1", True), marks=pytest.mark.slow),
+    ],
+    ids=["tp2-sp-cp2", "tp2-cp2-pp2"],
+)
+def test_ulysses_fused_with_its_projections_under_tp_equals_the_one_device_model(layout):
+  """model.cp_overlap: each rank's heads (H/tp) through the projections fused with Ulysses'
+  all-to-alls, the output projection's partial sum reduced over tp."""
+  c, cfg, step, mesh = _step(*layout)
+  assert cfg.cp_overlap
+  params = helpers.random_params(cfg)
+  batch = helpers.random_batch(c)
+  loss, grads, _ = step(jax.device_put(params, state_shardings(params, mesh)), batch)
+  m = c.pipeline.microbatches if c.mesh.pp > 1 else 1
+  helpers.assert_one_device(cfg, params, batch, loss, grads, microbatches=m)
 
 
 @pytest.mark.parametrize(
