@@ -81,8 +81,13 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def current_scale(amax_: jax.Array, dtype) -> jax.Array:
-  """TE's current scaling: amax / fp8_max (1 where amax is zero or not finite)."""
-  return fp8_ops.compute_scale(amax_, jnp.ones_like(amax_), fp8_max(dtype))
+  """TE's current scaling: amax / fp8_max (1 where amax is zero or not finite).
+
+  Also 1 where amax is so small (under fp8_max / float32's largest, about 1e-36) that
+  fp8_max / amax overflows: flax's formula would give 0 there, and x / 0 NaN; such a tensor
+  quantises to zeros, as an all-zero one does."""
+  scale = fp8_ops.compute_scale(amax_, jnp.ones_like(amax_), fp8_max(dtype))
+  return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:

@@ -127,6 +127,20 @@ def test_block_scaling_scales_every_tile():
     assert np.all(np.abs(back - x) <= _error_bound(x, s_full, jnp.float8_e4m3fn) * (1 + 1e-5))
 
 
+def test_a_tile_of_vanishing_values_quantises_to_zeros_not_nan():
+  """amax under fp8_max / float32's largest (here 1e-37): flax's scale formula overflows to a
+  scale of 0, and x / 0 would be NaN (an all-zero value, 0 / 0, too); the tile takes scale 1."""
+  x = np.zeros((2, 256), np.float32)
+  x[0, :128] = 1e-37 * np.linspace(-1, 1, 128)  # a tile of vanishing values
+  x[1, 128:] = np.linspace(-3, 3, 128)  # an ordinary tile beside them
+  q, s = _tiles(jnp.asarray(x), (1, 128))
+  q, s = np.asarray(q).astype(np.float32), np.asarray(s)
+  assert np.all(np.isfinite(q)) and np.all(np.isfinite(s)) and np.all(s > 0)
+  assert s[0, 0] == 1.0 and np.all(q[0, :128] == 0.0)
+  np.testing.assert_allclose(s[1, 1], 3.0 / 448.0, rtol=1e-6)
+  assert float(fp8.current_scale(jnp.float32(1e-37), fp8.E4M3)) == 1.0
+
+
 _tiles = jax.jit(fp8.quantize_tiles, static_argnums=1)
 _untiles = jax.jit(fp8.dequantize_tiles, static_argnums=(2, 3))
 
