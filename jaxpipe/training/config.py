@@ -362,8 +362,9 @@ def _check_tensor_parallel(
     raise ConfigError(str(e)) from None
   if tp == 1:
     return
+  if m.fp8 == "block":
+    _check_block_tiles(m, tp)
   unsupported = (
-      (m.fp8 == "block", "model.fp8='block'", "model.fp8='current' or 'delayed'"),
       (
           # experts are whole over tp: inside the executor their gradient's amax would come
           # from a per-rank partial of the replicated stream's cotangent
@@ -409,6 +410,34 @@ def check_fp8(m: ml_collections.ConfigDict) -> None:
           f"model.fp8='block' quantises activations in 1x{fp8_lib.BLOCK} tiles along "
           f"the width a GEMM contracts, but model.{name}={width} is not a multiple "
           f"of {fp8_lib.BLOCK}; use a multiple of {fp8_lib.BLOCK} or another recipe"
+      )
+
+
+def _check_block_tiles(m: ml_collections.ConfigDict, tp: int) -> None:
+  """model.fp8='block' under mesh.tp: every width split over tp must leave each rank whole
+  128-wide tiles, so that a rank's tiles (and their scales) are exactly the one-device model's
+  over its slice (the column-parallel outputs are what the input gradient contracts); and the
+  KV heads must split, since a whole K/V projection's gradient would be quantised per rank's
+  partial cotangent."""
+  if not tp_lib.kv_split(m.n_kv_heads, tp):
+    raise ConfigError(
+        f"model.fp8='block' under mesh.tp={tp} with model.n_kv_heads={m.n_kv_heads} whole on "
+        "every rank: each rank's K/V gradient is a partial sum, and its tiles would be scaled "
+        f"before the sum rather than after; use a mesh.tp that divides {m.n_kv_heads}, or "
+        "model.fp8='current'"
+    )
+  widths = {
+      "n_heads * head_dim": m.n_heads * m.head_dim,
+      "n_kv_heads * head_dim": m.n_kv_heads * m.head_dim,
+      "d_ff": m.d_ff,
+  }
+  for name, width in widths.items():
+    if (width // tp) % fp8_lib.BLOCK:
+      raise ConfigError(
+          f"model.fp8='block' under mesh.tp={tp} splits model.{name}={width} into "
+          f"{width // tp}-wide slices, which cut its 1x{fp8_lib.BLOCK} scaling tiles; use a "
+          f"width that is a multiple of {tp} x {fp8_lib.BLOCK} = {tp * fp8_lib.BLOCK}, "
+          "another mesh.tp, or model.fp8='current'"
       )
 
 
