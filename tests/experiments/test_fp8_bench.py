@@ -39,6 +39,7 @@ def _row(stdout, label):
   return [c.strip() for c in line.strip("|").split("|")][2:]
 
 
+@pytest.mark.slow  # a benchmark run over seeds: a minute and a half of CPU
 def test_seed_table_is_the_mean_over_seeds_and_a_rerun_keeps_the_runs(tmp_path):
   first = _bench(tmp_path, "--seeds", ",".join(map(str, SEEDS)))
   assert first.returncode == 0, first.stderr[-3000:]

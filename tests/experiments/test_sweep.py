@@ -61,7 +61,7 @@ def swept(tmp_path_factory):
       "--log_every",
       "1",
       "--repeats",
-      "3",
+      "1",
       "--trace",
       "--out",
       out,

@@ -136,7 +136,9 @@ def _check(cfg, ep, result, expect_drops=False, rtol=1e-5):
   return idx, aux
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+@pytest.mark.parametrize(
+    "ep", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)]  # ep = 8: a minute; -m slow
+)
 def test_layer_equals_dense_reference(ep):
   """Dropless exactly; capacity mode exactly with the dropped assignments zeroed, count checked."""
   dropless = tuple(moe.MoEConfig(num_experts=E, top_k=k, d_ff=F) for k in TOP_KS)

@@ -356,6 +356,7 @@ def _assert_seen(got, want, what):
     np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.slow  # the pipeline and cp programs: a minute; tp x pp runs in test_tensor
 def test_delayed_amaxes_are_maxima_through_pipeline_and_context_parallelism():
   """The pipeline executor (pp = 2, 2 micro-batches, dp = 4), context parallelism (cp = 2,
   2 micro-batches) and tensor parallelism in the pipeline (tp = 2, pp = 2) report, for every
