@@ -49,6 +49,22 @@ def _step(tp, sp, cp, ep, kv_heads, moe, pp=1, schedule="1f1b", cp_overlap=False
   return c, cfg, jax.jit(make_loss_and_grads(c, cfg, shape)), make_mesh(c.mesh)
 
 
+def _sharded_loss_and_grads(c, same_rows: bool = False):
+  """(model config, parameters, batch, loss, gradients) of config c's compiled step on random
+  parameters; same_rows: every batch row the first (data shards then see the whole batch's
+  FP8 amaxes)."""
+  shape = config_lib.validate(c, jax.device_count())
+  cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
+  params = helpers.random_params(cfg)
+  batch = helpers.random_batch(c)
+  if same_rows:
+    batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in batch.items()}
+  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
+      jax.device_put(params, state_shardings(params, mesh)), batch
+  )
+  return cfg, params, batch, loss, grads
+
+
 LAYOUTS = [  # (tp, sequence parallel, cp, ep, KV heads, MoE[, pp, schedule])
     (2, False, 1, 1, 2, False),
     (2, True, 1, 1, 2, False),
@@ -318,14 +334,7 @@ def test_fp8_current_scaling_scales_split_tensors_as_whole_ones(pp):
   gradients are off by far more than the tolerance."""
   c = _config(2, True, pp=pp)
   c.model.fp8, c.model.d_model, c.model.head_dim = "current", 64, 16
-  shape = config_lib.validate(c, jax.device_count())
-  cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
-  params = helpers.random_params(cfg)
-  batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in helpers.random_batch(c).items()}
-  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
-      jax.device_put(params, state_shardings(params, mesh)), batch
-  )
-  helpers.assert_one_device(cfg, params, batch, loss, grads)
+  helpers.assert_one_device(*_sharded_loss_and_grads(c, same_rows=True))
 
 
 def test_fp8_with_kv_heads_whole_over_tp_equals_the_one_device_model_or_is_refused():
@@ -336,14 +345,7 @@ def test_fp8_with_kv_heads_whole_over_tp_equals_the_one_device_model_or_is_refus
   before the sum (measured: a norm scale's gradient 14% off): refused."""
   c = _config(4, False, kv_heads=2)
   c.model.fp8, c.model.d_model, c.model.head_dim = "current", 64, 16
-  shape = config_lib.validate(c, jax.device_count())
-  cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
-  params = helpers.random_params(cfg)
-  batch = {k: np.repeat(v[:1], len(v), axis=0) for k, v in helpers.random_batch(c).items()}
-  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
-      jax.device_put(params, state_shardings(params, mesh)), batch
-  )
-  helpers.assert_one_device(cfg, params, batch, loss, grads)
+  helpers.assert_one_device(*_sharded_loss_and_grads(c, same_rows=True))
   for overrides, where in (
       ({"sequence_parallel": True}, "with sequence parallelism"),
       ({"pp": 2}, "inside the pipeline"),
@@ -409,13 +411,7 @@ def test_fp8_block_scaling_under_tp_follows_the_one_device_model(sp):
   c = _config(2, sp, kv_heads=8)
   c.model.fp8, c.model.d_model, c.model.d_ff = "block", 128, 256
   c.model.n_heads, c.model.head_dim = 8, 32
-  shape = config_lib.validate(c, jax.device_count())
-  cfg, mesh = config_lib.model_config(c), make_mesh(c.mesh)
-  params = helpers.random_params(cfg)
-  batch = helpers.random_batch(c)
-  loss, grads, _ = jax.jit(make_loss_and_grads(c, cfg, shape))(
-      jax.device_put(params, state_shardings(params, mesh)), batch
-  )
+  cfg, params, batch, loss, grads = _sharded_loss_and_grads(c)
   (_, (want, _)), want_grads = jax.jit(
       jax.value_and_grad(functools.partial(helpers.one_device_loss, cfg), has_aux=True)
   )(params, batch)
