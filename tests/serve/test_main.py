@@ -129,3 +129,28 @@ def test_tensor_parallel_beyond_the_devices_is_one_error_line():
   ):
     serve_main._engine_devices(n + 1)
   assert serve_main._engine_devices(2) == jax.devices()[:2]
+
+
+def test_tensor_parallel_with_a_deployment_mode_is_refused_before_any_work():
+  run = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "jaxpipe.serve",
+          "--config",
+          "configs/tiny.py",
+          "--http",
+          "--mode",
+          "colocated",
+          "--tensor_parallel",
+          "2",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "2"},
+  )
+  assert run.returncode != 0
+  assert "--tensor_parallel is one engine's; with --mode=colocated give each worker" in run.stderr
+  assert "Traceback" not in run.stderr
