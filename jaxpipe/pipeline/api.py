@@ -27,6 +27,7 @@ from jaxpipe.pipeline.executor import (
     is_contiguous,
     make_executor,
     param_specs_key,
+    scatter_of,
     to_local,
     with_aux,
 )
@@ -311,6 +312,7 @@ def _program(
     model_axes: tuple[str, ...] = (),
     head_specs: tuple | None = None,
     embed_specs: tuple | None = None,
+    grad_specs: tuple | None = None,
 ) -> Callable:
   """The jitted step; `partners` (`copy_partners`): stage copies stored resident, their
   gradients (and aux) summed between their two holders."""
@@ -325,11 +327,12 @@ def _program(
       model_axes,
       head_specs,
       embed_specs,
+      grad_specs,
   )
   if partners is not None:
     local_spec = P(pp_axis)
-    if param_specs is not None:
-      treedef, leaf_specs = param_specs
+    if (grad_specs or param_specs) is not None:
+      treedef, leaf_specs = grad_specs or param_specs
       local_spec = jax.tree.unflatten(treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
     aux_spec = P(pp_axis, None, (data_axes + seq_axes) or None)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
@@ -387,6 +390,7 @@ def pipeline_value_and_grad(
     model_axes: tuple[str, ...] = (),
     head_specs: PyTree | None = None,
     embed_specs: PyTree | None = None,
+    grad_specs: PyTree | None = None,
 ):
   """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
 
@@ -418,6 +422,10 @@ def pipeline_value_and_grad(
   model_axes (tensor parallelism, `make_executor`): axes whose ranks compute one loss together
   from the same tokens, each holding the slices of the leaves that `param_specs`,
   `head_specs` and `embed_specs` (pytrees like head_params and embed_params) split over them.
+
+  grad_specs (ZeRO-2): like `param_specs`, where the stage gradients return split: data axes
+  added on a dimension the parameter leaves whole reduce-scatter that leaf's gradient over them
+  instead of summing it (`make_executor`).
   """
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
@@ -443,8 +451,12 @@ def pipeline_value_and_grad(
   specs_key = param_specs_key(param_specs)
   model_axes = as_axes(model_axes)
   head_key, embed_key = param_specs_key(head_specs), param_specs_key(embed_specs)
+  grad_key = param_specs_key(grad_specs)
   if specs_key is not None:
     check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
+  if grad_key is not None:
+    check_param_specs(grad_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
+    scatter_of(grad_key, specs_key, tuple(data_axes))
   for key, tree in ((head_key, head_params), (embed_key, embed_params)):
     if key is not None:
       check_param_specs(key, data_axes, seq_axes, pp_axis, tree, model_axes)
@@ -486,6 +498,7 @@ def pipeline_value_and_grad(
       model_axes,
       head_key,
       embed_key,
+      grad_key,
   )
   return program(
       lowered.table, layout, stage_params, xs, targets, head_params, embed_params, side_inputs
@@ -506,6 +519,7 @@ def value_and_grad(
     pp_axis: str = "pp",
     seq_axes: tuple[str, ...] = (),
     param_specs: PyTree | None = None,
+    grad_specs: PyTree | None = None,
     check_mean: bool = True,
 ):
   """Pipelined `jax.value_and_grad` of the loss over all micro-batches; -> (loss, grads).
@@ -533,7 +547,8 @@ def value_and_grad(
   [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
   `seq_axes` (mesh axes, then not data axes) split axis 2 of xs and targets instead, for
   context-parallel stages that run their own collectives over them; `param_specs` splits
-  stage_params leaves over data axes (see `pipeline_value_and_grad`).
+  stage_params leaves over data axes, `grad_specs` the returned gradients (reduce-scattered;
+  see `pipeline_value_and_grad`).
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -557,6 +572,7 @@ def value_and_grad(
       pp_axis=pp_axis,
       seq_axes=seq_axes,
       param_specs=param_specs,
+      grad_specs=grad_specs,
   )
   if not weighted:
     return loss, grads

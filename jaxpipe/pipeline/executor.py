@@ -589,6 +589,37 @@ def check_param_specs(
       )
 
 
+def scatter_of(
+    grad_specs: tuple, param_specs: tuple | None, data_axes: tuple[str, ...]
+) -> tuple[tuple[int, tuple[str, ...]] | None, ...]:
+  """Per leaf of a `grad_specs` key: (dimension, data axes) its gradient is reduce-scattered
+  over, or None. Raises ValueError naming the leaf unless each entry repeats `param_specs`' (all
+  None without them) but for data axes added on one dimension that one leaves whole."""
+  treedef, leaves = grad_specs
+  params = (treedef, (P(),) * len(leaves)) if param_specs is None else param_specs
+  if params[0] != treedef:
+    raise ValueError(
+        f"grad_specs has structure {treedef} but param_specs has {params[0]}; give one "
+        "spec per parameter leaf"
+    )
+  out = []
+  for grad, param in zip(leaves, params[1]):
+    width = max(len(grad), len(param))
+    g = tuple(grad) + (None,) * (width - len(grad))
+    q = tuple(param) + (None,) * (width - len(param))
+    added = [(d, _leaf_axes(P(e))) for d, (e, f) in enumerate(zip(g, q)) if e != f]
+    ok = len(added) <= 1 and all(
+        q[d] is None and all(a in data_axes for a in axes) for d, axes in added
+    )
+    if not ok:
+      raise ValueError(
+          f"grad_specs entry {grad} against param_specs entry {param}: a gradient may only "
+          f"add data axes {data_axes} on one dimension the parameter leaves whole"
+      )
+    out.append(added[0] if added else None)
+  return tuple(out)
+
+
 def _leaf_axes(spec: P) -> tuple[str, ...]:
   names = []
   for entry in spec:
@@ -608,6 +639,7 @@ def make_executor(
     model_axes: tuple[str, ...] = (),
     head_specs: tuple | None = None,
     embed_specs: tuple | None = None,
+    grad_specs: tuple | None = None,
 ) -> Callable:
   """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=())`.
 
@@ -635,6 +667,12 @@ def make_executor(
   ranks), and gradients are then summed over the model axes a leaf is not split over, as over
   data axes. A split value's cotangent is then the single loss's whole; a replicated value's
   arrives as per-rank partials (their sum is the single loss's).
+
+  grad_specs (ZeRO-2; a `param_specs_key` like `param_specs`): where the returned local
+  gradients are split. A leaf's entry repeats its `param_specs` one but may add data axes on a
+  dimension that one leaves whole: the leaf's gradient then leaves reduce-scattered over those
+  axes along that dimension (`psum_scatter`) instead of summed over them, each data shard
+  keeping its slice.
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
@@ -671,6 +709,9 @@ def make_executor(
   for io_specs in (head_specs, embed_specs):
     if io_specs is not None:
       check_param_specs(io_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
+  scatter = None  # per stage leaf: (dimension of the chunk's leaf, data axes) or None
+  if grad_specs is not None:
+    scatter = scatter_of(grad_specs, param_specs, batch_axes)
   p = spec.num_ranks
   batch_spec = io_spec(batch_axes, seq_axes)
   # Which parts a tick runs, per branch code: the row gets one flag column per part.
@@ -861,18 +902,26 @@ def make_executor(
     grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
     loss = lax.psum(state["loss"], all_axes)
 
-    # A sharded leaf's slices are different parameters: sum only over the axes it is copied on.
-    def reduce_grads(tree, specs, axes_of_all):
+    # A sharded leaf's slices are different parameters: sum only over the axes it is copied on;
+    # with `scatter` (grad_specs), over a leaf's scattered axes as a reduce-scatter.
+    def reduce_grads(tree, specs, axes_of_all, scatter=None):
       flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
       reduced = []
       for i, (path, g) in enumerate(flat):
         own = () if specs is None else _leaf_axes(specs[1][i])
         axes = tuple(a for a in axes_of_all + model_axes if a not in own)
         by_max = combines_by_max(model, path)
-        reduced.append((lax.pmax if by_max else lax.psum)(g, axes) if axes else g)
+        split = None if scatter is None else scatter[i]
+        if split is not None:
+          dim, over = split
+          axes = tuple(a for a in axes if a not in over)
+        g = (lax.pmax if by_max else lax.psum)(g, axes) if axes else g
+        if split is not None:  # leaves [chunks, ...]: the chunk's dimension `dim` is 1 + dim
+          g = lax.psum_scatter(g, over, scatter_dimension=1 + dim, tiled=True)
+        reduced.append(g)
       return jax.tree.unflatten(treedef, reduced)
 
-    grads = reduce_grads(grads, param_specs, tuple(data_axes))
+    grads = reduce_grads(grads, param_specs, tuple(data_axes), scatter)
     head_g = reduce_grads(head_g, head_specs, all_axes)
     embed_g = reduce_grads(embed_g, embed_specs, all_axes)
     cast = lambda g, a: g.astype(a.dtype)
@@ -889,6 +938,9 @@ def make_executor(
   local_spec = P(pp_axis)
   if leaf_specs is not None:
     local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
+  grad_spec = local_spec
+  if grad_specs is not None:
+    grad_spec = jax.tree.unflatten(grad_specs[0], [P(pp_axis, None, *ls) for ls in grad_specs[1]])
   head_spec, embed_spec = (
       P() if io is None else jax.tree.unflatten(io[0], list(io[1]))
       for io in (head_specs, embed_specs)
@@ -906,7 +958,7 @@ def make_executor(
           embed_spec,
           batch_spec,
       ),
-      out_specs=(P(), local_spec, head_spec, embed_spec)
+      out_specs=(P(), grad_spec, head_spec, embed_spec)
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
       # same types; the reductions at the end are explicit, so vma checking is off.

@@ -23,7 +23,8 @@ are routed (and fill expert buffers) like the others. The reported `loss` is the
 alone on every path, comparable with dense models and with `Trainer.evaluate`; every MoE path
 also reports `moe_aux_loss` and the routing statistics (`moe.train_metrics`), from which the
 train step moves the sigmoid router's balancing biases. `moe.aux_objective` is the aux term; with
-`moe.lb_loss_form='pooled'` (pp = cp = 1 only) its load-balancing part is transformers' form,
+`moe.lb_loss_form='pooled'` (the plain path only: pp = cp = tp = 1, optimizer.shard not 'fsdp')
+its load-balancing part is transformers' form,
 pooled over the layers.
 """
 
@@ -65,7 +66,7 @@ def data_parallel_loss_and_grads(
 
   With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
   the result equals the single-slice one up to float rounding. `model_loss`: `transformer.loss`
-  or a stand-in with its signature (`zero.fsdp_model_loss`: layers gathered one at a time).
+  or a stand-in with its signature.
   """
 
   def loss_sum(params, batch):
@@ -202,8 +203,9 @@ def context_parallel_loss_and_grads(
     # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
     # where it tracks varying axes, which interpreted Pallas kernels need switched off
     raise ValueError(
-        "model.fp8='delayed' with attention='pallas' cannot run the context-parallel "
-        "path (mesh.cp > 1, pp = 1); use attention='xla' or 'cudnn', or mesh.pp > 1"
+        "model.fp8='delayed' with attention='pallas' cannot run the shard_map path (pp = 1 "
+        "with mesh.cp > 1, mesh.tp > 1 or optimizer.shard='fsdp'); use attention='xla' or "
+        "'cudnn', or mesh.pp > 1"
     )
   cp_axis = axis_name if mesh.shape.get(axis_name, 1) > 1 else None
   split = shard in ("zero2", "fsdp")  # parameters taken split over the data axes
@@ -323,44 +325,37 @@ def make_loss_and_grads(
   layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
   `layer_order` (the Trainer's storage), not the model's order.
   """
-  fsdp = config.optimizer.shard == "fsdp"
+  shard = config.optimizer.shard
+  one_program = mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1 and mesh_shape["tp"] == 1
+  # the plain path: XLA splits the batch, the layers need no collectives of their own (zero1
+  # and zero2 are the train step's gradient shardings); fsdp gathers each layer in the scan
+  plain = one_program and shard != "fsdp"
   if cfg.moe is not None:
     cfg.moe.validate(mesh_shape["ep"])
-    if (
-        cfg.moe.lb_loss_form == "pooled"
-        and cfg.moe.lb_loss_coef
-        and (mesh_shape["pp"] > 1 or mesh_shape["cp"] > 1)
-    ):
+    if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef and not plain:
       raise config_lib.ConfigError(
           "model.moe.lb_loss_form='pooled' couples the load-balancing statistics of all MoE "
-          "layers, which the pipeline and context-parallel paths keep apart; set "
-          "--config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the factor "
-          "between the two) or run with mesh.pp = mesh.cp = 1"
+          "layers, which the pipeline, context- and tensor-parallel paths and "
+          "optimizer.shard='fsdp' keep apart (each layer's loss rides on its own gradient); "
+          "set --config.model.moe.lb_loss_form=per_layer (see moe.aux_objective for the "
+          "factor between the two) or run with mesh.pp = mesh.cp = mesh.tp = 1 and an "
+          "optimizer.shard other than 'fsdp'"
       )
-    if mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1 and mesh_shape["tp"] == 1:
-      mesh = make_mesh(config.mesh)
-      if fsdp:
-        return moe_loss_and_grads(
-            cfg, mesh, config.pipeline.microbatches, zero.fsdp_model_loss(mesh, with_aux=True)
-        )
-      return moe_loss_and_grads(cfg, mesh, config.pipeline.microbatches)
+    if plain:
+      return moe_loss_and_grads(cfg, make_mesh(config.mesh), config.pipeline.microbatches)
   if mesh_shape["pp"] > 1:
     # One scan over the schedule's tick table (jaxpipe.pipeline.executor).
     from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
 
     return pipeline_loss_and_grads(
-        cfg, config.pipeline, make_mesh(config.mesh), layers_in_placement_order
+        cfg, config.pipeline, make_mesh(config.mesh), layers_in_placement_order, shard
     )
-  if mesh_shape["cp"] > 1 or mesh_shape["tp"] > 1:
+  if not plain:
     # One shard_map over the mesh: the sequence split over cp for the whole model (Ulysses
-    # all-to-alls around attention), the layers over tp (Megatron's collectives).
+    # all-to-alls around attention), the layers over tp (Megatron's collectives), and under
+    # fsdp each layer gathered over the data axes inside the layer scan (its gradient
+    # reduce-scattered by the gather's transpose), whatever tp and cp are.
     return context_parallel_loss_and_grads(
-        cfg, make_mesh(config.mesh), config.pipeline.microbatches, shard=config.optimizer.shard
-    )
-  if fsdp:  # each layer gathered inside the scan; elsewhere shard_map's specs gather them all
-    return data_parallel_loss_and_grads(
-        cfg,
-        config.pipeline.microbatches,
-        zero.fsdp_model_loss(make_mesh(config.mesh), with_aux=False),
+        cfg, make_mesh(config.mesh), config.pipeline.microbatches, shard=shard
     )
   return data_parallel_loss_and_grads(cfg, config.pipeline.microbatches)

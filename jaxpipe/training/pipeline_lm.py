@@ -54,6 +54,7 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
+from jaxpipe.training import zero
 from jaxpipe.training.state import BATCH_AXES, param_axes
 
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
@@ -67,7 +68,10 @@ def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 
 @functools.lru_cache(maxsize=16)
 def lm_model(
-    cfg: TransformerConfig, context_axis: str | None = None, tensor_axis: str | None = None
+    cfg: TransformerConfig,
+    context_axis: str | None = None,
+    tensor_axis: str | None = None,
+    layer_gather: tuple | None = None,
 ) -> Model:
   """Stage, embedding and head functions of the LM; cached so compiled programs are reused.
 
@@ -77,13 +81,23 @@ def lm_model(
   (`jaxpipe.parallel.tensor`; with `cfg.sequence_parallel` the activations passed between
   stages hold a 1/tp slice of the sequence). The layers take the executor's side inputs: a dict
   of the micro-batch's packed-row keys (`segment_ids`, `positions`), empty for unpacked rows.
+
+  With `layer_gather` (fsdp: (treedef, leaf specs) of one unit's `zero.gather_specs`, the layer
+  axis kept) each unit's parameters arrive split over the data axes and are all-gathered just
+  before use, inside the per-tick branch (the devices of a data group share their pp rank).
+  The executor recomputes in the backward what derives from the parameters alone instead of
+  storing it, so the gather runs again there and no gathered unit is kept per micro-batch; the
+  gather's transpose reduce-scatters the unit's gradient over those axes.
   """
   placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
+  unit_specs = None if layer_gather is None else jax.tree.unflatten(*layer_gather)
 
   def layer_fn(unit, x_BxLxD, side):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
     # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
+    if unit_specs is not None:
+      unit = zero.gather_local(unit, unit_specs, lead=1)
     side = side or {}
     with context_parallel(context_axis, point_to_point=False), placed():
       seq = x_BxLxD.shape[1] * tp_lib.token_split()  # this context rank's tokens
@@ -180,8 +194,16 @@ def pipeline_loss_and_grads(
     pipeline: ml_collections.ConfigDict,
     mesh: Mesh,
     layers_in_placement_order: bool = False,
+    shard: str = "none",
 ):
   """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
+
+  shard (`optimizer.shard`): under 'fsdp' params['layers'] arrive split over the data axes
+  (`zero.data_split`, as the Trainer stores them) and each unit is all-gathered inside its
+  stage just before use (`lm_model`'s `layer_gather`), its gradient reduce-scattered by the
+  gather's transpose; the embedding, final norm and head arrive whole. Under 'zero2' the
+  executor reduce-scatters the stage gradients over the data axes (its `grad_specs`) instead of
+  all-reducing them.
 
   metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
   (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
@@ -217,9 +239,29 @@ def pipeline_loss_and_grads(
   seq_axes = (CONTEXT_AXIS,) if mesh.shape.get(CONTEXT_AXIS, 1) > 1 else ()
   tp = mesh.shape.get(TENSOR_AXIS, 1)
   model_axes = (TENSOR_AXIS,) if tp > 1 else ()
-  model = lm_model(cfg, seq_axes[0] if seq_axes else None, model_axes[0] if model_axes else None)
   data_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
   ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
+  split_specs = gather = None  # zero2, fsdp: stage leaves' data split; fsdp: each unit's gather
+  if shard in ("zero2", "fsdp"):
+    shapes = jax.eval_shape(functools.partial(transformer.init_params, cfg), jax.random.key(0))
+    # the stored layers' split (`zero.data_split`): the leaves' own dimensions, whatever the
+    # number of stacked entries; within a stage the layer axis stays whole
+    split_specs = jax.tree.map(
+        lambda sp: P(None, *tuple(sp)[1:]),
+        zero.local_specs(shapes, mesh)["layers"],
+        is_leaf=lambda v: isinstance(v, P),
+    )
+  if shard == "fsdp":
+    leaves, treedef = jax.tree.flatten(
+        zero.gather_specs(shapes, mesh)["layers"], is_leaf=lambda v: isinstance(v, P)
+    )
+    gather = (treedef, tuple(leaves))
+  model = lm_model(
+      cfg,
+      seq_axes[0] if seq_axes else None,
+      model_axes[0] if model_axes else None,
+      layer_gather=gather,
+  )
 
   def loss_and_grads(params, batch):
     stored = jax.tree.leaves(params["layers"])[0].shape[0]
@@ -261,7 +303,10 @@ def pipeline_loss_and_grads(
         embed_params={"embed": params["embed"]},
         recompute=bool(pipeline.recompute),
         data_axes=data_axes,
-        param_specs=stage_param_specs(stage_params, ep_axis, tp),
+        param_specs=(
+            split_specs if shard == "fsdp" else stage_param_specs(stage_params, ep_axis, tp)
+        ),
+        grad_specs=split_specs if shard == "zero2" else None,
         seq_axes=seq_axes,
         model_axes=model_axes,
         head_specs=io_param_specs(head_params, tp=tp),

@@ -4,9 +4,9 @@
   zero1  the moments (mu, nu) are split over the data axes; gradients are all-reduced whole,
          each rank updates its slice, the new parameters are all-gathered
   zero2  the gradients are also reduce-scattered onto the moments' split instead of all-reduced
-  fsdp   the parameters are stored split too; on the plain data-parallel path each layer's
-         weights are all-gathered just before use inside the layer scan (again in the
-         backward, never kept as residuals) and their gradients reduce-scattered there
+  fsdp   the parameters are stored split too; each layer's weights are all-gathered just
+         before use inside the layer scan (again in the backward, never kept as residuals)
+         and their gradients reduce-scattered there
 
 The data axes are `state.BATCH_AXES` (dp, ep); expert weights, already split over ep, split over
 dp only. Each leaf splits along one dimension: the largest that the data-parallel degree
@@ -15,9 +15,14 @@ not a layer axis (so that the scan reads one layer's slice of every rank's shard
 no such dimension stays whole; under fsdp a weight matrix like that is refused at the config
 (`check`), vectors (norm scales, biases) stay whole.
 
-The split is a storage layout: `state.state_shardings` (what the shard_map paths take) does not
-change, so on the tensor-, context-parallel and pipeline paths GSPMD gathers fsdp's parameters
-whole where the step's shard_map begins (docs/tensor_parallel.md#distributed-optimizer).
+Without a pipeline, fsdp runs in one shard_map (`losses.context_parallel_loss_and_grads`,
+whatever tp and cp are) that takes the parameters split over the data axes and all-gathers them
+inside (`gather_local`: the embedding and head at the start, each layer in the layer scan,
+`local_layer_scan`), so that the gathers' transposes reduce-scatter the gradients. zero2 there
+gathers every parameter at the start on the tensor- and context-parallel paths; on the plain
+data-parallel path it is the train step's gradient sharding (`gradient_shardings`). In a
+pipeline the executor takes each stage's parameters whole over the data axes
+(docs/tensor_parallel.md#distributed-optimizer).
 """
 
 import functools
@@ -25,7 +30,6 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
@@ -148,86 +152,6 @@ def check(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
           f"dimension {degree} divides (layer axes and split ones aside); use a data-parallel "
           "size dividing one of its dimensions, or optimizer.shard='zero2'"
       )
-
-
-# -- fsdp on the plain data-parallel path --------------------------------------------------------
-
-
-def gather(tree: Any, whole: Any, split: Any) -> Any:
-  """`tree` all-gathered onto `whole` shardings; its cotangent reduce-scattered onto `split`."""
-
-  @jax.custom_vjp
-  def gathered(t):
-    return jax.lax.with_sharding_constraint(t, whole)
-
-  def backward(_, ct):
-    return (jax.lax.with_sharding_constraint(ct, split),)
-
-  gathered.defvjp(lambda t: (jax.lax.with_sharding_constraint(t, whole), None), backward)
-  return gathered(tree)
-
-
-_RECOMPUTED = ("custom_vjp_call", "custom_vjp_call_jaxpr", "sharding_constraint")
-
-
-def _save_all_but_gathered(prim, *_, **params) -> bool:
-  # Residuals are saved as without fsdp, except a layer's gathered weights and what gives or
-  # casts them (the gather, its sharding constraint, the casts to the compute dtype): the
-  # backward gathers each layer again instead of keeping L whole layers.
-  if prim.name == "name":
-    return params["name"] != GATHERED
-  return prim.name not in _RECOMPUTED and prim.name != "convert_element_type"
-
-
-def _unit_shardings(shardings: Any) -> Any:
-  """Shardings of one scan step's slice of stacked layer leaves (the leading axis dropped)."""
-  return jax.tree.map(
-      lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:])),
-      shardings,
-      is_leaf=lambda s: isinstance(s, NamedSharding),
-  )
-
-
-def fsdp_model_loss(mesh: Mesh, with_aux: bool):
-  """`transformer.loss` (with_aux: `loss_and_aux`) with parameters stored split over the data
-  axes: the embedding, head and final norm gathered once, each layer (MoE: each group) inside
-  the layer scan."""
-
-  def model_loss(
-      cfg: TransformerConfig,
-      params: dict,
-      tokens_BxL: jax.Array,
-      targets_BxL: jax.Array,
-      mask_BxL: jax.Array,
-      *,
-      segment_ids_BxL: jax.Array | None = None,
-      positions_BxL: jax.Array | None = None,
-  ):
-    transformer.check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss")
-    if cfg.moe is not None and with_aux is False:
-      raise ValueError("fsdp_model_loss(with_aux=False) takes dense models")
-    whole, split = state_shardings(params, mesh), data_split(params, mesh)
-    outer = [k for k in params if k != "layers"]
-    top = gather(
-        {k: params[k] for k in outer}, {k: whole[k] for k in outer}, {k: split[k] for k in outer}
-    )
-    unit_whole = _unit_shardings(whole["layers"])
-    unit_split = _unit_shardings(split["layers"])
-    positions = positions_BxL if positions_BxL is not None else jnp.arange(tokens_BxL.shape[1])
-
-    def body(x_BxLxD, unit):
-      unit = checkpoint_name(gather(unit, unit_whole, unit_split), GATHERED)
-      out = transformer.apply_unit(cfg, unit, x_BxLxD, positions, False, segment_ids_BxL)
-      return out if isinstance(out, tuple) else (out, None)
-
-    # full remat recomputes the whole layer; 'selective' is the attention core's own checkpoint
-    policy = None if cfg.remat is True else _save_all_but_gathered
-    body = jax.checkpoint(body, policy=policy)
-    x_BxLxD, aux = jax.lax.scan(body, transformer.embed(cfg, top, tokens_BxL), params["layers"])
-    total, count = transformer.head_loss(cfg, top, x_BxLxD, targets_BxL, mask_BxL)
-    return (total, count, {} if aux is None else aux) if with_aux else (total, count)
-
-  return model_loss
 
 
 # -- fsdp inside a shard_map (the tensor- and context-parallel path) -----------------------------

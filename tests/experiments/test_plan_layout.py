@@ -108,18 +108,24 @@ def test_experts_stay_whole_over_tp_and_split_over_dp_only():
   assert per(tp2sp) - dense_part(tp2sp) == pytest.approx(experts / 2)
 
 
-def test_zero2_and_fsdp_in_a_pipeline_hold_whole_gradients_and_parameters():
-  """The pipeline executor takes each stage's parameters whole over the data axes and returns
-  whole gradients: zero2 adds the split copy to zero1's whole gradients, fsdp stores the split
-  parameters beside the whole ones gathered for the executor; the moments split as zero1's."""
+def test_zero2_in_a_pipeline_holds_whole_gradients_and_fsdp_gathers_only_embedding_and_head():
+  """zero2: the executor adds the micro-batches' gradients into a whole accumulator and
+  reduce-scatters it after its loop, so it holds zero1's whole gradients plus their split copy.
+  fsdp: each layer is gathered inside its stage and its gradient reduce-scattered there, so the
+  layers' weights and gradients are split as without a pipeline; only the embedding and final
+  norm are gathered whole (and their gradients returned whole) where the executor begins. The
+  moments split as zero1's."""
   model = plan_layout.MODELS["llama3-8b"]
   staged = lambda s: L.Layout(pp=2, dp=4, microbatches=4, shard=s)
   z1, z2, fs = (L.memory(model, staged(s), BATCH) for s in ("zero1", "zero2", "fsdp"))
   n, g, p = z1.params, L.MIXED.grad, L.MIXED.param
   assert z2.grads == pytest.approx(z1.grads + n * g / 4)
-  assert fs.grads == pytest.approx(z2.grads)
   assert z2.weights == pytest.approx(z1.weights) == pytest.approx(n * p)
-  assert fs.weights == pytest.approx(n * p * (1 + 1 / 4))
+  outer = model.embedding_params + model.d_model
+  assert fs.weights == pytest.approx(n * p / 4 + outer * p)
+  # the gradients split (the embedding's whole from the executor, beside its split copy), the
+  # accumulator split but for the embedding and head's
+  assert fs.grads == pytest.approx(n * g / 4 + outer * g + (n - outer) * g / 4 + outer * g)
   assert z1.optimizer == pytest.approx(z2.optimizer) == pytest.approx(fs.optimizer)
   # without a pipeline zero2 and fsdp split the gradients (and fsdp the parameters)
   flat = lambda s: L.Layout(dp=4, microbatches=4, shard=s)

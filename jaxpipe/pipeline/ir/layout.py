@@ -495,14 +495,17 @@ def memory(
   n = par["dense"] + par["expert"]
   p, g, o = precision.param, precision.grad, precision.master + precision.moments
   s = layout.shard
-  # with a pipeline the executor runs on whole parameters and returns whole gradients: zero2
-  # and fsdp split only what is stored between steps (the split gradients are a copy)
-  staged = layout.pp > 1 and s in ("zero2", "fsdp")
+  # With a pipeline the executor adds the micro-batches' gradients into a whole accumulator and
+  # zero2 reduce-scatters it after its loop (the split result a copy beside it); fsdp gathers
+  # each layer inside its stage and reduce-scatters its gradient per micro-batch, so only the
+  # embedding, final norm and head are gathered whole (where the executor begins) and their
+  # gradients returned whole.
+  staged = layout.pp > 1 and s == "zero2"
+  outer = model.embedding_params / layout.tp + model.d_model if s == "fsdp" else 0.0
+  outer_whole = outer if layout.pp > 1 else 0.0
 
   def split(count: float, group: int) -> tuple[float, float, float]:
     weights = count * p / (group if s == "fsdp" else 1)
-    if staged and s == "fsdp":
-      weights += count * p  # gathered whole where the executor begins
     grads = count * g / (group if s in ("zero2", "fsdp") else 1)
     if staged:
       grads += count * g  # the executor's whole gradients beside their split copy
@@ -511,6 +514,7 @@ def memory(
   wd, gd, od = split(par["dense"], group_dense)
   we, ge, oe = split(par["expert"], group_expert)
   weights, grads, opt = wd + we, gd + ge, od + oe
+  weights, grads = weights + outer_whole * p, grads + outer_whole * g
   m = layout.microbatches
   seqs = batch.sequences // (layout.dp * layout.ep * m)
   tokens = seqs * batch.seq_len / layout.cp  # one micro-batch on one device
@@ -542,11 +546,14 @@ def memory(
     )
   buffers += tokens * acts.logits * model.vocab / layout.tp * precision.logits
   if grad_accumulator if grad_accumulator is not None else (m > 1 or layout.pp > 1):
-    if layout.pp > 1 or s not in ("zero2", "fsdp"):  # the executor's accumulator is whole
+    if s == "fsdp":  # split as the gradients are; the pipeline's embedding and head whole
+      layers = (par["dense"] - outer) / group_dense + par["expert"] / group_expert
+      grads += (layers + (outer_whole or outer / group_dense)) * g
+    elif layout.pp > 1 or s != "zero2":  # the executor's accumulator is whole
       grads += n * g
     else:
       grads += (par["dense"] / group_dense + par["expert"] / group_expert) * g
-  if s == "fsdp" and layout.pp == 1:  # the gathered weights of the running layer and the next
+  if s == "fsdp":  # the gathered weights of the running layer and the next
     biggest = max(
         (
             model.layer_params(x)["tp"] / layout.tp
