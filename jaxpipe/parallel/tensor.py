@@ -228,11 +228,19 @@ def check(
     seq_len: int,
     sequence_parallel: bool,
     cp: int = 1,
+    over: str | None = None,
+    fix: str | None = None,
+    kv_whole: bool = True,
 ) -> None:
   """Raises ValueError, naming the value and the fix, unless the model splits over tp ranks.
 
-  seq_len: the sequence as a context rank holds it (L / cp).
+  seq_len: the sequence as a context rank holds it (L / cp). over: what the ranks are, for the
+  message (default 'mesh.tp=N'); fix: the remedy for a width that does not split, a format
+  string of `value` (default: a tp dividing it, or a multiple of tp). kv_whole: KV heads may
+  stay whole on each rank when fewer than tp (training's rule); the serving engine's pools split
+  by KV head, so it passes False.
   """
+  over = over or f"mesh.tp={tp}"
   if tp == 1:
     if sequence_parallel:
       raise ValueError(
@@ -240,11 +248,13 @@ def check(
           "one rank; set mesh.tp > 1 or model.sequence_parallel=False"
       )
     return
-  for name, value in (("n_heads", n_heads), ("d_ff", d_ff), ("vocab", vocab)):
-    if value % tp:
+  widths = (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("d_ff", d_ff), ("vocab", vocab))
+  for name, value in widths:
+    if value % tp and (name != "n_kv_heads" or not kv_whole):
+      remedy = fix or "use a tp that divides {value}, or a {name} that is a multiple of {tp}"
       raise ValueError(
-          f"model.{name}={value} does not split over mesh.tp={tp}; use a tp that divides "
-          f"{value}, or a {name} that is a multiple of {tp}"
+          f"model.{name}={value} does not split over {over}; "
+          + remedy.format(value=value, name=name, tp=tp)
       )
   if not kv_split(n_kv_heads, tp) and tp % n_kv_heads:
     raise ValueError(

@@ -404,7 +404,8 @@ def pipeline_value_and_grad(
   stage), not reduced over the data shards. `seq_axes` split axis 2 of xs and targets (the
   sequence; context parallelism): every function then sees its slice of each sequence and may
   run collectives over those axes, and the aux's data shards run over `data_axes` then
-  `seq_axes`. Parameters are whole on every sequence shard.
+  `seq_axes`. A leaf `param_specs` splits over a data or sequence axis is one the stage gathers
+  (FSDP): the transpose of its gather sums its gradient, the executor does not.
 
   stage_order="placement": the leading axis of stage_params (and of the stage gradients and aux
   returned) lists stages rank by rank, each rank's chunks in order (`Lowered.layout()`
@@ -456,7 +457,7 @@ def pipeline_value_and_grad(
     check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
   if grad_key is not None:
     check_param_specs(grad_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
-    scatter_of(grad_key, specs_key, tuple(data_axes))
+    scatter_of(grad_key, specs_key, tuple(data_axes) + seq_axes)
   for key, tree in ((head_key, head_params), (embed_key, embed_params)):
     if key is not None:
       check_param_specs(key, data_axes, seq_axes, pp_axis, tree, model_axes)

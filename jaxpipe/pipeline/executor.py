@@ -569,8 +569,9 @@ def check_param_specs(
     params: PyTree | None = None,
     model_axes: tuple[str, ...] = (),
 ) -> None:
-  """Raises ValueError unless a `param_specs_key` splits leaves over data and model axes only
-  (and, given one stage's params, has their structure)."""
+  """Raises ValueError unless a `param_specs_key` splits leaves over data, sequence and model
+  axes only (and, given one stage's params, has their structure). A leaf split over data or
+  sequence axes is one the stage gathers (FSDP): its gradient is not summed over them."""
   treedef, leaf_specs = param_specs
   if params is not None and jax.tree.structure(params) != treedef:
     raise ValueError(
@@ -578,14 +579,13 @@ def check_param_specs(
         f"{jax.tree.structure(params)}; give one spec per parameter leaf"
     )
   for leaf_spec in leaf_specs:
-    bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes + model_axes]
+    bad = [a for a in _leaf_axes(leaf_spec) if a not in data_axes + seq_axes + model_axes]
     if bad:
       raise ValueError(
           f"param_specs entry {leaf_spec} shards over {bad}, which are not "
-          f"data axes {data_axes} or model axes {model_axes} of this executor; parameters "
-          f"split over "
-          f"{pp_axis!r} go on the leading [ranks, chunks] axes instead, and "
-          f"sequence axes {seq_axes} hold whole parameters"
+          f"data axes {data_axes}, sequence axes {seq_axes} or model axes {model_axes} of this "
+          f"executor; parameters split over {pp_axis!r} go on the leading [ranks, chunks] "
+          "axes instead"
       )
 
 
@@ -650,9 +650,10 @@ def make_executor(
   and loss functions then see a slice of every sequence and run their own collectives over
   those axes; a data shard, in what follows, is one slice over data and sequence axes).
   `param_specs` (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over
-  the chunk's own dims, None = replicated) shards leaves over data axes. Returns (loss summed over
-  micro-batches and data shards, local gradients like local_params, head_params gradients,
-  embed_params gradients), each reduced over the data axes its parameter is not sharded over,
+  the chunk's own dims, None = replicated) shards leaves over data (and sequence) axes.
+  Returns (loss summed over micro-batches and data shards, local gradients like local_params,
+  head_params gradients, embed_params gradients), each reduced over the data axes its
+  parameter is not sharded over,
   and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data
   shards, ...] (rank r's chunk c as seen by data shard d, ordered over `data_axes` then
   `seq_axes`). side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch,
@@ -711,7 +712,7 @@ def make_executor(
       check_param_specs(io_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
   scatter = None  # per stage leaf: (dimension of the chunk's leaf, data axes) or None
   if grad_specs is not None:
-    scatter = scatter_of(grad_specs, param_specs, batch_axes)
+    scatter = scatter_of(grad_specs, param_specs, batch_axes + seq_axes)
   p = spec.num_ranks
   batch_spec = io_spec(batch_axes, seq_axes)
   # Which parts a tick runs, per branch code: the row gets one flag column per part.

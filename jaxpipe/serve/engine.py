@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import resolve_step_backend
+from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
@@ -185,14 +186,20 @@ def _check_buckets(
 
 def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
   """Raises ValueError (one line, the value and the fix) unless the model splits over tp
-  devices: the pools split the KV heads, so they must divide too (no replicated KV groups)."""
-  for name in ("n_heads", "n_kv_heads", "d_ff", "vocab"):
-    value = getattr(cfg, name)
-    if value % tp:
-      raise ValueError(
-          f"{name}={value} does not split over the engine's {tp} devices (tensor-parallel); "
-          f"give the engine a number of devices that divides {value}"
-      )
+  devices as training's tensor parallelism does (`tp_lib.check`); the pools split the KV
+  heads, so they must divide too (no replicated KV groups)."""
+  tp_lib.check(
+      tp=tp,
+      n_heads=cfg.n_heads,
+      n_kv_heads=cfg.n_kv_heads,
+      d_ff=cfg.d_ff,
+      vocab=cfg.vocab,
+      seq_len=1,
+      sequence_parallel=False,
+      over=f"the engine's {tp} devices (tensor-parallel)",
+      fix="give the engine a number of devices that divides {value}",
+      kv_whole=False,
+  )
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:

@@ -87,7 +87,7 @@ def default_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8  # AdamW epsilon
   o.weight_decay = 0.1  # decoupled weight decay on matrices (not norms)
   o.clip_norm = 1.0  # global gradient-norm clip; 0 disables
-  o.shard = "none"  # none, zero1 (moments split over dp, ep), zero2 (+ gradients), fsdp (+ params)
+  o.shard = "none"  # none, zero1 (moments over dp, ep, cp), zero2 (+ gradients), fsdp (+ params)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 300  # optimizer steps in the whole run

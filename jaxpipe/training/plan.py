@@ -167,9 +167,9 @@ def choose_layout(
   """The fastest layout the planner predicts to fit `pipeline.memory_limit_gb` per device.
 
   Candidates come from `layout.candidates` with the config's `ep` kept, each priced as jaxpipe
-  stores it (the optimizer split over dp x ep, experts over dp, never over cp; experts whole
-  over tp; zero2 and fsdp with a pipeline holding whole gradients and, under fsdp, parameters
-  gathered whole for the executor: `layout.memory`) and checked by the config's own validation
+  stores it (the optimizer split over dp x ep x cp, experts over dp x cp; experts whole over
+  tp; zero2 with a pipeline holding whole gradients, fsdp gathering one layer at a time:
+  `layout.memory`) and checked by the config's own validation
   (heads, KV heads, d_ff and the vocabulary must split over tp, the sequence over cp, the layers
   into the schedule's stages); raises config.ConfigError naming the smallest prediction when
   none fits.

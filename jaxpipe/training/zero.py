@@ -1,4 +1,5 @@
-"""The distributed optimizer (`optimizer.shard`): ZeRO-1, ZeRO-2 and FSDP over the data axes.
+"""The distributed optimizer (`optimizer.shard`): ZeRO-1, ZeRO-2 and FSDP over the data and
+context axes.
 
   none   every data rank holds the whole parameters, gradients and Adam moments
   zero1  the moments (mu, nu) are split over the data axes; gradients are all-reduced whole,
@@ -8,12 +9,15 @@
          before use inside the layer scan (again in the backward, never kept as residuals)
          and their gradients reduce-scattered there
 
-The data axes are `state.BATCH_AXES` (dp, ep); expert weights, already split over ep, split over
-dp only. Each leaf splits along one dimension: the largest that the data-parallel degree
-divides among those not already split (pp's layer axis, ep's expert axis, tp's dimension) and
-not a layer axis (so that the scan reads one layer's slice of every rank's shard). A leaf with
-no such dimension stays whole; under fsdp a weight matrix like that is refused at the config
-(`check`), vectors (norm scales, biases) stay whole.
+The axes the optimizer splits over (`OPTIMIZER_AXES`; "the data axes" below) are the batch's,
+`state.BATCH_AXES` (dp, ep), and cp: context-parallel ranks hold the same parameters and sum
+their gradients as data ranks do, so Megatron's distributed optimizer splits over dp x cp too.
+Expert weights, already split over ep, split over dp and cp only. Each leaf splits along one
+dimension: the largest that the data-parallel degree divides among those not already split
+(pp's layer axis, ep's expert axis, tp's dimension) and not a layer axis (so that the scan
+reads one layer's slice of every rank's shard). A leaf with no such dimension stays whole;
+under fsdp a weight matrix like that is refused at the config (`check`), vectors (norm
+scales, biases) stay whole.
 
 Without a pipeline, fsdp runs in one shard_map (`losses.context_parallel_loss_and_grads`,
 whatever tp and cp are) that takes the parameters split over the data axes and all-gathers them
@@ -21,7 +25,8 @@ inside (`gather_local`: the embedding and head at the start, each layer in the l
 `local_layer_scan`), so that the gathers' transposes reduce-scatter the gradients. zero2 there
 gathers every parameter at the start on the tensor- and context-parallel paths; on the plain
 data-parallel path it is the train step's gradient sharding (`gradient_shardings`). In a
-pipeline the executor takes each stage's parameters whole over the data axes
+pipeline the executor takes each stage's parameters whole over the data axes under zero1 and
+zero2 (and reduce-scatters zero2's gradients), split under fsdp, whose stage gathers each layer
 (docs/tensor_parallel.md#distributed-optimizer).
 """
 
@@ -41,6 +46,7 @@ from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.training.state import BATCH_AXES, state_shardings
 
 MODES = ("none", "zero1", "zero2", "fsdp")  # optimizer.shard's values
+OPTIMIZER_AXES = BATCH_AXES + ("cp",)  # what the state splits over, outermost first
 GATHERED = "fsdp_gathered"  # checkpoint name of a layer's all-gathered weights
 
 
@@ -56,8 +62,9 @@ def layer_axes(keys: list) -> int:
 
 
 def data_axes(keys: list, sizes: dict[str, int]) -> tuple[str, ...]:
-  """The data axes (size > 1) a leaf splits over: dp and ep, dp only for expert weights."""
-  axes = BATCH_AXES[:1] if keys and keys[-1] in moe_lib.EXPERT_WEIGHTS else BATCH_AXES
+  """The axes (size > 1) a leaf splits over: dp, ep and cp; dp and cp for expert weights."""
+  expert = keys and keys[-1] in moe_lib.EXPERT_WEIGHTS
+  axes = tuple(a for a in OPTIMIZER_AXES if not (expert and a == "ep"))
   return tuple(a for a in axes if sizes.get(a, 1) > 1)
 
 

@@ -65,19 +65,21 @@ MOE = L.Model(
 BATCH = L.Batch(64, 4096)
 
 
-def test_the_optimizer_splits_over_dp_and_ep_not_cp():
-  """zero.py's data axes are dp and ep: cp's ranks hold the same moments, gradients and
-  parameters, so at the same dp a cp of 2 changes none of them; dp does split them."""
+def test_the_optimizer_splits_over_dp_ep_and_cp():
+  """zero.py's OPTIMIZER_AXES are dp, ep and cp (Megatron's distributed optimizer over dp x
+  cp): at the same dp a cp of 2 halves the moments, and under zero2 and fsdp the gradients,
+  and under fsdp the parameters, exactly as a dp of 8 does; 'none' splits nothing."""
   model = plan_layout.MODELS["llama3-8b"]
   for shard in ("zero1", "zero2", "fsdp"):
-    one = L.memory(model, L.Layout(dp=4, shard=shard), BATCH)
-    two = L.memory(model, L.Layout(dp=4, cp=2, shard=shard), BATCH)
-    assert two.optimizer == pytest.approx(one.optimizer), shard
-    assert two.grads == pytest.approx(one.grads), shard
-    assert two.weights == pytest.approx(one.weights), shard
+    dp4 = L.memory(model, L.Layout(dp=4, shard=shard), BATCH)
+    cp2 = L.memory(model, L.Layout(dp=4, cp=2, shard=shard), BATCH)
     dp8 = L.memory(model, L.Layout(dp=8, shard=shard), BATCH)
-    assert dp8.optimizer == pytest.approx(one.optimizer / 2), shard
-  assert L.zero_groups(L.Layout(dp=4, cp=2, ep=2)) == (8, 4)
+    assert cp2.optimizer == pytest.approx(dp4.optimizer / 2) == pytest.approx(dp8.optimizer)
+    assert cp2.grads == pytest.approx(dp8.grads), shard
+    assert cp2.weights == pytest.approx(dp8.weights), shard
+  one = L.memory(model, L.Layout(dp=4, shard="none"), BATCH)
+  assert L.memory(model, L.Layout(dp=4, cp=2), BATCH).optimizer == pytest.approx(one.optimizer)
+  assert L.zero_groups(L.Layout(dp=4, cp=2, ep=2)) == (16, 8)
 
 
 def test_experts_stay_whole_over_tp_and_split_over_dp_only():
@@ -168,7 +170,7 @@ def test_bad_flag_is_one_line(capsys):
 
 def test_the_arguments_at_cp_2_are_the_stored_bytes_priced():
   """tiny at cp 2 x dp 4 under zero1: the compiled step's arguments (the state and the batch)
-  are the planner's weights, moments and batch, the moments split over dp 4, not dp x cp."""
+  are the planner's weights, moments and batch, the moments split over dp 4 x cp 2."""
   r = plan_layout.check_one(plan_layout._c("tiny", mesh__cp=2, optimizer__shard="zero1"))
   m = r["memory"]
   assert m.weights + m.optimizer + m.batch == pytest.approx(r["analysis"]["argument"], rel=1e-3)

@@ -51,7 +51,8 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   """Parameters stored split over the data axes (fsdp): the loss and every gradient equal the
   unsharded model's, and the compiled gradient step's arguments hold the parameters' bytes
   split as stored: MoE: 1/8 (experts over ep 2 x dp 4, the rest over dp 4 x ep 2); tp 2 x cp 2
-  x dp 2: Megatron's weights over tp 2 x dp 2, the norms (whole under tp) over dp 2 only."""
+  x dp 2: 1/8 too, Megatron's weights over tp 2 x dp 2 x cp 2, the norms (whole under tp) over
+  dp 2 x cp 2 (the optimizer's axes include cp)."""
   c = _config("fsdp", **layout)
   shape = config_lib.validate(c, jax.device_count())
   cfg = config_lib.model_config(c)
@@ -61,7 +62,7 @@ def test_fsdp_loss_and_gradients_equal_the_one_device_model(layout):
   whole = NamedSharding(mesh, P())
   batch = jax.device_put(helpers.random_batch(c), whole)
   compiled = jax.jit(make_loss_and_grads(c, cfg, shape)).lower(placed, batch).compile()
-  data = 8 // (c.mesh.tp * c.mesh.cp)
+  data = 8 // c.mesh.tp  # dp x cp (x ep)
   norms = lambda path: data if "scale" in jax.tree_util.keystr(path) else data * c.mesh.tp
   want_args = _nonzero_bytes_per_device(params, norms) + _nbytes(batch)
   assert compiled.memory_analysis().argument_size_in_bytes == want_args

@@ -9,14 +9,14 @@ recomputation. Per device it holds:
 
 - parameters, gradients and optimizer state, per `Precision` and `optimizer.shard`: with p, g,
   m, o the bytes per parameter of the weights, gradients, master copy and Adam moments, and Nd
-  the group jaxpipe's distributed optimizer splits over (`jaxpipe/training/zero.py`: the data
-  axes dp x ep for dense weights, dp alone for experts, which ep splits already; never cp),
+  the group jaxpipe's distributed optimizer splits over (`jaxpipe/training/zero.py`: dp x ep x
+  cp for dense weights, dp x cp for experts, which ep splits already),
   replicated p + g + m + o, ZeRO-1 p + g + (m + o)/Nd, ZeRO-2 p + (g + m + o)/Nd, ZeRO-3/FSDP
   (p + g + m + o)/Nd (Rajbhandari et al., SC20: 16, 4 + 12/Nd, 2 + 14/Nd, 16/Nd with mixed
-  precision). With a pipeline (pp > 1) the executor takes each stage's parameters whole over
-  the data axes and returns whole gradients, so there ZeRO-2 holds p + g + g/Nd + (m + o)/Nd
-  (the whole gradients and their split copy) and FSDP p/Nd + p + g + g/Nd + (m + o)/Nd (the
-  stored split and the copy gathered whole where the executor begins). Layers split over pp
+  precision). With a pipeline (pp > 1) the executor adds the micro-batches' gradients into a
+  whole accumulator and reduce-scatters it after its loop, so there ZeRO-2 holds p + g + g/Nd
+  + (m + o)/Nd (the whole gradients and their split copy); FSDP gathers each layer inside its
+  stage, as without a pipeline, and only the embedding and head whole. Layers split over pp
   (twice under bidirectional schedules), heads, d_ff and the vocabulary over tp (Megatron),
   routed experts over ep; experts (routed and shared) stay whole over tp, as jaxpipe keeps them;
 - activations: what one layer keeps per token for its backward (`Activations`), times the
@@ -448,8 +448,8 @@ class Memory:
 
 def device_params(model: Model, layout: Layout) -> dict[str, float]:
   """Parameters on one device of the busiest pipeline rank, by the group jaxpipe's distributed
-  optimizer splits them over (`zero_groups`): 'dense' (over dp x ep) and 'expert' (routed
-  experts, over dp; split over ep already, whole over tp)."""
+  optimizer splits them over (`zero_groups`): 'dense' (over dp x ep x cp) and 'expert' (routed
+  experts, over dp x cp; split over ep already, whole over tp)."""
   pp_stages = 1 if layout.pp == 1 else None
   copies = 1
   if layout.pp > 1:
@@ -471,10 +471,11 @@ def device_params(model: Model, layout: Layout) -> dict[str, float]:
 
 def zero_groups(layout: Layout) -> tuple[int, int]:
   """The ranks jaxpipe's distributed optimizer splits dense and expert weights over
-  (`jaxpipe/training/zero.py`): the data axes `state.BATCH_AXES` = (dp, ep) for dense weights,
-  dp alone for the routed experts (ep splits them already). cp is no data axis there: its ranks
-  hold the same optimizer state."""
-  return layout.dp * layout.ep, layout.dp
+  (`jaxpipe/training/zero.py`, `OPTIMIZER_AXES`): dp x ep x cp for dense weights, dp x cp for
+  the routed experts (ep splits them already). cp's ranks hold the same parameters and sum
+  their gradients as data ranks do, so they split the state as Megatron's distributed
+  optimizer does over dp x cp."""
+  return layout.dp * layout.ep * layout.cp, layout.dp * layout.cp
 
 
 def memory(
