@@ -82,13 +82,18 @@ def one_device_loss(cfg, params, batch, microbatches=1):
   return total / count, (total / count, {})
 
 
-def assert_one_device(cfg, params, batch, loss, grads, microbatches=1, rtol=2e-5) -> dict:
+def assert_one_device(
+    cfg, params, batch, loss, grads, microbatches=1, rtol=2e-5, norm_rtol=3e-5
+) -> dict:
   """A sharded step's loss and every gradient against `one_device_loss`: the loss within
-  relative 1e-5; each gradient within relative 1e-5 as a whole (the norm of the difference over
-  the norm of the one-device gradient) and element by element within `rtol` of itself plus
-  `rtol` of its largest element (2e-5 by default: the replicated MoE path and tp's shard_map
-  are 1.6e-5 from one device themselves on a few elements of sums over every token, the
-  embedding's and the norm scales'); returns the one-device MoE aux."""
+  relative 1e-5; each gradient element by element within `rtol` of itself plus `rtol` of its
+  largest element, and as a whole within `norm_rtol` (the norm of the difference over the norm
+  of the one-device gradient). Float32 sums over every token in another order are that far
+  from one device's where they cancel: element-wise up to 1.6e-5 (the replicated MoE path and
+  tp's shard_map); as a whole up to 2.1e-5 on a K kernel whose one KV head is whole on 4 tp
+  ranks (its gradient sums softmax gradients, whose rows sum to zero), 1.7e-5 on the embedding
+  at tp 4 with sequence parallelism, 1.2e-5 on an MoE norm scale (a sum over 2 ranks left
+  out is off by about 0.5). Returns the one-device MoE aux."""
   (_, (want, aux)), want_grads = jax.jit(
       jax.value_and_grad(
           functools.partial(one_device_loss, cfg, microbatches=microbatches), has_aux=True
@@ -100,8 +105,8 @@ def assert_one_device(cfg, params, batch, loss, grads, microbatches=1, rtol=2e-5
     name, w = jax.tree_util.keystr(path), np.asarray(want_flat[path], np.float64)
     close(g, w, name, rtol=rtol)
     diff = np.linalg.norm(np.asarray(g, np.float64) - w)
-    assert diff <= 1e-5 * np.linalg.norm(w), f"{name}: |g - one device| / |one device| = " + (
-        f"{diff / np.linalg.norm(w):.2e} > 1e-5"
+    assert diff <= norm_rtol * np.linalg.norm(w), f"{name}: |g - one device| / |one device| = " + (
+        f"{diff / np.linalg.norm(w):.2e} > {norm_rtol}"
     )
   return aux
 
