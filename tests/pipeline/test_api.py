@@ -392,16 +392,10 @@ def test_grad_specs_reduce_scatter_the_gradients_over_data_axes():
 
   mesh = make_mesh((2, 2), ("pp", "dp"))
   params, xs, ts = helpers.make_data(2, 4)
-  loss, grads = jaxpipe.pipeline.value_and_grad(
-      helpers.stage_fn,
-      params,
-      xs,
-      ts,
-      helpers.loss_fn,
-      schedule="1f1b",
-      mesh=mesh,
-      grad_specs={"w": P(None, "dp"), "b": None},
+  run = lambda **specs: jaxpipe.pipeline.value_and_grad(
+      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="1f1b", mesh=mesh, **specs
   )
+  loss, grads = run(grad_specs={"w": P(None, "dp"), "b": None})
   assert grads["w"].sharding.shard_shape(grads["w"].shape) == (1, D, D // 2)
   assert grads["b"].sharding.shard_shape(grads["b"].shape) == (1, D)
   want_loss, want_grads = jax.value_and_grad(sequential)(params, xs, ts)
@@ -409,14 +403,4 @@ def test_grad_specs_reduce_scatter_the_gradients_over_data_axes():
   for k in params:
     np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="a gradient may only add data axes"):
-    jaxpipe.pipeline.value_and_grad(
-        helpers.stage_fn,
-        params,
-        xs,
-        ts,
-        helpers.loss_fn,
-        schedule="1f1b",
-        mesh=mesh,
-        param_specs={"w": P(None, "dp"), "b": None},
-        grad_specs={"w": P("dp", None), "b": None},
-    )
+    run(param_specs={"w": P(None, "dp"), "b": None}, grad_specs={"w": P("dp", None), "b": None})
