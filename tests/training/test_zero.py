@@ -145,6 +145,39 @@ def test_the_pipeline_follows_the_replicated_trajectory(shard):
   assert want_stats["argument_bytes"] - stats["argument_bytes"] == copies * stage * 3 // 4
 
 
+@functools.cache
+def _scheduled(shard, schedule):
+  """Three steps of a 4-layer tiny at pp 2 x dp 4 under `schedule` (4 micro-batches)."""
+  c = _config(shard)
+  c.model.n_layers = 4
+  c.mesh.pp, c.pipeline.microbatches, c.data.batch = 2, 4, 16
+  c.pipeline.schedule = schedule
+  trainer = Trainer(c)
+  losses = [float(trainer.step()["loss"]) for _ in range(3)]
+  return losses, jax.device_get(trainer.model_params())
+
+
+@pytest.mark.parametrize(
+    "schedule, shard",
+    [
+        ("dualpipev", "fsdp"),
+        pytest.param("dualpipev", "zero2", marks=pytest.mark.slow),
+        pytest.param("interleaved-1f1b", "zero2", marks=pytest.mark.slow),
+        pytest.param("interleaved-1f1b", "fsdp", marks=pytest.mark.slow),
+    ],
+)
+def test_chunked_and_copied_stages_follow_the_replicated_trajectory(schedule, shard):
+  """Two stages per rank (interleaved 1F1B) and stage copies summed between their holders
+  (DualPipeV) under zero2's reduce-scattered and fsdp's gathered stages: three steps give the
+  replicated run's losses and parameters."""
+  losses, params = _scheduled(shard, schedule)
+  want_losses, want_params = _scheduled("none", schedule)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  want = helpers.flat(want_params)
+  for path, p in helpers.flat(params).items():
+    helpers.close(p, want[path], jax.tree_util.keystr(path), rtol=1e-5)
+
+
 PP2_DATA = "replica_groups={{0,1,2,3},{4,5,6,7}}"  # dp 4 inside each pipeline rank
 
 
