@@ -172,8 +172,8 @@ CHECKS = (
     _c("quickstart", mesh__tp=2, optimizer__shard="zero1"),
     _c("quickstart", model__remat="selective"),
     _c("quickstart", model__remat=True),
-    # what jaxpipe stores: the optimizer split over dp x ep (not cp), experts whole over tp,
-    # zero2 and fsdp in a pipeline holding whole gradients (and fsdp's gathered parameters)
+    # what jaxpipe stores: the optimizer split beside cp (over dp x ep x cp), experts whole over
+    # tp, zero2 in a pipeline holding whole gradients, fsdp there gathering one layer at a time
     _c("quickstart", mesh__cp=2, optimizer__shard="zero1"),
     _c("quickstart", mesh__pp=2, pipeline__microbatches=2, optimizer__shard="zero2"),
     _c("quickstart", mesh__pp=2, pipeline__microbatches=2, optimizer__shard="fsdp"),

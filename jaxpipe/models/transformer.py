@@ -470,7 +470,7 @@ def _attach_unit_aux(
   if cfg.moe.lb_loss_form == "pooled" and cfg.moe.lb_loss_coef:
     raise ValueError(
         "moe.lb_loss_form='pooled' couples all MoE layers, so it cannot ride on each "
-        "layer's gradient (pipeline and context-parallel paths); use "
+        "layer's gradient (pipeline, context- and tensor-parallel paths, fsdp); use "
         "loss_and_aux with moe.aux_objective, or moe.lb_loss_form='per_layer'"
     )
   tokens = x_BxLxD.shape[0] * x_BxLxD.shape[1] if tokens is None else tokens

@@ -15,7 +15,9 @@ different rows, must stay outside the parts.
 Stage parameters are replicated over the other mesh axes unless `param_specs` shards a leaf
 over some of them (experts over `ep`): each device then holds and updates only its slice, the
 stage function sees that slice, and the leaf's gradient is reduced over the remaining data axes
-only (its shards are different parameters, not copies).
+only (its shards are different parameters, not copies; a stage that all-gathers a leaf split
+over data axes, FSDP, gets the sum from the gather's transpose). `grad_specs` (ZeRO-2) returns a
+leaf's gradient reduce-scattered over data axes instead of summed over them.
 
 A stage may also report statistics: with `Model.stage_aux` the stage function (a `layered`
 stage's layer function) returns `(y, aux)`, a pytree of arrays it computed on the way (e.g. how
@@ -913,6 +915,11 @@ def make_executor(
         axes = tuple(a for a in axes_of_all + model_axes if a not in own)
         by_max = combines_by_max(model, path)
         split = None if scatter is None else scatter[i]
+        if split is not None and by_max:
+          raise ValueError(
+              f"grad_specs splits {jax.tree_util.keystr(path)}, whose gradient combines by "
+              "max (Model.max_grads): a reduce-scatter would add its slices; leave it whole"
+          )
         if split is not None:
           dim, over = split
           axes = tuple(a for a in axes if a not in over)

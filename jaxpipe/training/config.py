@@ -322,12 +322,14 @@ def validate(
       zero.check(config, shape)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-  if m.fp8 == "delayed" and m.attention == "pallas" and cp > 1 and shape["pp"] == 1:
+  shard_map_path = cp > 1 or shape["tp"] > 1 or o.shard == "fsdp"
+  if m.fp8 == "delayed" and m.attention == "pallas" and shard_map_path and shape["pp"] == 1:
     raise ConfigError(
-        "model.fp8='delayed' with model.attention='pallas' and mesh.cp > 1 (pp = 1): "
-        "the amaxes are max-reduced over sequence shards only where the shard_map "
-        "tracks varying axes, which interpreted Pallas kernels switch off; set "
-        "--config.model.attention=xla (or cudnn), or use mesh.pp > 1"
+        "model.fp8='delayed' with model.attention='pallas' on the shard_map path (pp = 1 "
+        "with mesh.cp > 1, mesh.tp > 1 or optimizer.shard='fsdp'): the amaxes are "
+        "max-reduced over the shards only where the shard_map tracks varying axes, which "
+        "interpreted Pallas kernels switch off; set --config.model.attention=xla (or cudnn), "
+        "or use mesh.pp > 1"
     )
   replicas = shape["dp"] * shape["ep"]
   if schedule != AUTO and d.batch % (replicas * p.microbatches):

@@ -59,18 +59,15 @@ def _packed_kwargs(batch: dict) -> dict:
   return {f"{k}_BxL": v for k, v in keys.items()}
 
 
-def data_parallel_loss_and_grads(
-    cfg: TransformerConfig, microbatches: int = 1, model_loss: Callable = transformer.loss
-) -> LossAndGrads:
+def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) -> LossAndGrads:
   """`jax.value_and_grad` of the whole model; XLA splits the batch over the data axes.
 
   With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
-  the result equals the single-slice one up to float rounding. `model_loss`: `transformer.loss`
-  or a stand-in with its signature.
+  the result equals the single-slice one up to float rounding.
   """
 
   def loss_sum(params, batch):
-    return model_loss(
+    return transformer.loss(
         cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
     )
 
@@ -104,14 +101,8 @@ def data_parallel_loss_and_grads(
   return loss_and_grads
 
 
-def moe_loss_and_grads(
-    cfg: TransformerConfig,
-    mesh,
-    microbatches: int = 1,
-    model_loss_and_aux: Callable = transformer.loss_and_aux,
-) -> LossAndGrads:
-  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis
-  (`model_loss_and_aux`: `transformer.loss_and_aux` or a stand-in with its signature).
+def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
+  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
 
   Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
   weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
@@ -121,7 +112,7 @@ def moe_loss_and_grads(
 
   def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):
-      total, _, aux = model_loss_and_aux(
+      total, _, aux = transformer.loss_and_aux(
           cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
       )
     ce = total / denom

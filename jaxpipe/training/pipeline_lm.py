@@ -15,7 +15,8 @@ reported loss is the cross-entropy alone.
 
 Expert parallelism runs inside the stages: expert weights stay split over `ep` as the trainer
 stores them (the executor's `param_specs`), each MoE layer moves its tokens with `all_to_all`
-over `ep` to the ranks holding their experts, and expert gradients are reduced over `dp` only.
+over `ep` to the ranks holding their experts, and expert gradients are reduced over `dp` and
+`cp` only (reduce-scattered onto the optimizer's split under zero2 and fsdp).
 That collective sits inside the executor's per-tick `lax.switch`, which is safe because the
 devices of one ep group share their pp rank, hence their table row, branch and tick.
 
@@ -84,20 +85,17 @@ def lm_model(
 
   With `layer_gather` (fsdp: (treedef, leaf specs) of one unit's `zero.gather_specs`, the layer
   axis kept) each unit's parameters arrive split over the data axes and are all-gathered just
-  before use, inside the per-tick branch (the devices of a data group share their pp rank).
-  The executor recomputes in the backward what derives from the parameters alone instead of
-  storing it, so the gather runs again there and no gathered unit is kept per micro-batch; the
-  gather's transpose reduce-scatters the unit's gradient over those axes.
+  before use, inside the per-tick branch (the devices of a data group share their pp rank),
+  and again in the backward (`zero.gathered_layer`: a checkpoint policy keeps no gathered
+  weight, and a barrier on the unit's input keeps XLA from hoisting the gathers out of the
+  tick loop); the gather's transpose reduce-scatters the unit's gradient over those axes.
   """
   placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
-  unit_specs = None if layer_gather is None else jax.tree.unflatten(*layer_gather)
 
   def layer_fn(unit, x_BxLxD, side):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
     # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
-    if unit_specs is not None:
-      unit = zero.gather_local(unit, unit_specs, lead=1)
     side = side or {}
     with context_parallel(context_axis, point_to_point=False), placed():
       seq = x_BxLxD.shape[1] * tp_lib.token_split()  # this context rank's tokens
@@ -122,6 +120,9 @@ def lm_model(
     targets_BxL, mask_BxL = target
     with placed():
       return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
+
+  if layer_gather is not None:  # fsdp: each unit gathered just before use, again in the backward
+    layer_fn = zero.gathered_layer(layer_fn, jax.tree.unflatten(*layer_gather), tie=True)
 
   # Unit by unit, so a split backward's W needs no recomputation (the same function as
   # transformer.apply_layers; cfg.remat is replaced by pipeline.recompute here).

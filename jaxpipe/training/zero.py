@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.training.state import BATCH_AXES, state_shardings
 
 MODES = ("none", "zero1", "zero2", "fsdp")  # optimizer.shard's values
@@ -90,7 +91,9 @@ def data_split(tree: Any, mesh: Mesh, base: Any | None = None) -> Any:
     keys = _keys(path)
     axes = data_axes(keys, sizes)
     degree = math.prod(sizes[a] for a in axes)
-    if degree == 1 or not leaf.shape:
+    # a delayed-scaling scale's gradient is the amax its GEMMs saw, combined by max: a
+    # reduce-scatter would add its slices, so it stays whole
+    if degree == 1 or not leaf.shape or fp8_lib.is_state(path):
       return sharding
     spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
     dim = split_dim(keys, leaf.shape, spec, degree)
@@ -161,7 +164,7 @@ def check(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
       )
 
 
-# -- fsdp inside a shard_map (the tensor- and context-parallel path) -----------------------------
+# -- fsdp inside a shard_map (every path: the step's shard_map, or the pipeline's stages) -------
 
 
 def _data_split_of(spec: P) -> tuple[tuple[str, ...], int] | None:
@@ -210,25 +213,47 @@ def gather_local(tree: Any, specs: Any, lead: int = 0) -> Any:
   return jax.tree.map(one, tree, specs, is_leaf=lambda v: isinstance(v, P))
 
 
-# the gather and what only re-types or casts its output (a varying-axes cast, the compute dtype)
-_GATHER_CASTS = ("all_gather", "pbroadcast", "pvary", "convert_element_type")
+# the gather and what only re-types or casts its output (a varying-axes cast, the compute dtype),
+# and the barrier that ties it to the layer's input
+_GATHER_CASTS = (
+    "all_gather",
+    "pbroadcast",
+    "pvary",
+    "convert_element_type",
+    "optimization_barrier",
+)
 
 
 def _save_all_but_local_gathers(prim, *_, **params) -> bool:
-  # As `_save_all_but_gathered`: a layer's gathered weights and their casts are not residuals.
+  # Residuals are saved as without fsdp, except a layer's gathered weights and what only re-types
+  # or casts them: the backward gathers each layer again instead of keeping L whole layers.
   if prim.name == "name":
     return params["name"] != GATHERED
   return prim.name not in _GATHER_CASTS
 
 
+def gathered_layer(fn, unit_specs: Any, full_remat: bool = False, tie: bool = False):
+  """`fn(unit, x, *rest)` for a layer (unit) whose leaves arrive split over the data axes: each
+  leaf all-gathered just before use, again in the backward (not kept; `full_remat`: the whole
+  layer recomputed).
+
+  tie: the gather waits on `x` (an optimization barrier). The pipeline needs it: its tick loop
+  runs the same layers for every micro-batch, and where XLA unrolls the loop over a stage's
+  layers it hoists their gathers out of the tick loop and keeps the whole gathered stage
+  through the step. Only under a shard_map without varying-axes checks (the executor's): the
+  barrier joins the varying axes of the unit and `x`."""
+
+  def gathered(unit, x, *rest):
+    if tie:
+      unit, x = jax.lax.optimization_barrier((unit, x))
+    unit = checkpoint_name(gather_local(unit, unit_specs, lead=1), GATHERED)
+    return fn(unit, x, *rest)
+
+  return jax.checkpoint(gathered, policy=None if full_remat else _save_all_but_local_gathers)
+
+
 def local_layer_scan(cfg: TransformerConfig, body, layer_specs: Any):
   """`body(x, unit)` for a scan over stacked layers whose leaves arrive split over the data
   axes: each layer gathered just before use, again in the backward (not kept)."""
-
-  def gathered_body(x, unit):
-    unit = checkpoint_name(gather_local(unit, layer_specs, lead=1), GATHERED)
-    return body(x, unit)
-
-  return jax.checkpoint(
-      gathered_body, policy=None if cfg.remat is True else _save_all_but_local_gathers
-  )
+  layer = gathered_layer(lambda unit, x: body(x, unit), layer_specs, cfg.remat is True)
+  return lambda x, unit: layer(unit, x)

@@ -512,6 +512,14 @@ def test_hf_export_writes_the_weights_without_delayed_state():
             dict(model__fp8="delayed", model__attention="pallas", mesh__cp=2),
             "set --config.model.attention=xla",
         ),
+        (  # fsdp at pp = 1 runs the same shard_map
+            dict(model__fp8="delayed", model__attention="pallas", optimizer__shard="fsdp"),
+            "optimizer.shard='fsdp'): the amaxes",
+        ),
+        (
+            dict(model__fp8="delayed", model__attention="pallas", mesh__tp=2),
+            "set --config.model.attention=xla",
+        ),
     ],
 )
 def test_bad_fp8_config_is_refused(overrides, message):

@@ -48,7 +48,7 @@ class Layout(NamedTuple):
 
 # Pairwise-covering: every pair of (tp, pp), (tp, shard), (pp, shard), (tp, sp), MoE with each tp,
 # pp and sp setting, cp 2 with each tp and pp that leaves it heads to split. dp takes the devices
-# left (8 / (tp pp cp ep)); the optimizer splits over dp and ep.
+# left (8 / (tp pp cp ep)); the optimizer splits over dp, ep and cp.
 MATRIX = [
     Layout(1, 1, 1, False, False, "zero1"),  # dp 8
     Layout(1, 1, 1, True, False, "fsdp"),  # ep 2 x dp 4
@@ -67,6 +67,8 @@ MATRIX = [
     Layout(4, 1, 1, False, False, "zero1"),  # dp 2
     Layout(4, 1, 1, True, True, "fsdp"),  # ep 2
     Layout(4, 2, 1, False, True, "none"),
+    Layout(1, 2, 2, False, False, "fsdp"),  # dp 2: fsdp's per-layer gathers beside cp in stages
+    Layout(1, 2, 1, True, False, "fsdp"),  # ep 2 x dp 2: experts gathered over dp in stages
 ]
 IN_CI = {"tp2-pp2-cp1-moe-ep2-sp-zero2"}  # the layout no per-feature test has: every axis but cp
 

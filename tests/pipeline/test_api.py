@@ -387,7 +387,8 @@ def test_per_shard_mean_is_refused():
 def test_grad_specs_reduce_scatter_the_gradients_over_data_axes():
   """ZeRO-2's data reduction: a leaf whose grad_specs adds dp on a dimension the parameter
   leaves whole returns its gradient split over dp (each data shard its slice of the sum); the
-  values equal jax.grad of the unsplit model. A spec adding a non-data axis is refused."""
+  values equal jax.grad of the unsplit model. A spec that moves the parameter's own split, or
+  adds a non-data axis, is refused."""
   from jax.sharding import PartitionSpec as P
 
   mesh = make_mesh((2, 2), ("pp", "dp"))
@@ -404,3 +405,5 @@ def test_grad_specs_reduce_scatter_the_gradients_over_data_axes():
     np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="a gradient may only add data axes"):
     run(param_specs={"w": P(None, "dp"), "b": None}, grad_specs={"w": P("dp", None), "b": None})
+  with pytest.raises(ValueError, match=r"shards over \['pp'\], which are not"):
+    run(grad_specs={"w": P(None, "pp"), "b": None})

@@ -73,8 +73,7 @@ def test_the_trainer_runs_the_chosen_remat_and_split():
 
 def test_the_search_ranges_over_the_splits_priced_as_stored():
   """The layouts priced as jaxpipe stores them are searched: an optimizer split beside cp (over
-  dp x ep only), zero2 and fsdp in a pipeline (whole gradients held), MoE at tp 2 (experts
-  whole over tp)."""
+  dp x ep x cp), zero2 and fsdp in a pipeline, MoE at tp 2 (experts whole over tp)."""
   c = moe_quickstart.get_config()
   c.data.source = "synthetic"
   c.pipeline.schedule, c.pipeline.auto_layout, c.pipeline.memory_limit_gb = "auto", True, 1.0
