@@ -52,7 +52,7 @@ from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
-from jaxpipe.pipeline.executor import Model, layered
+from jaxpipe.pipeline.executor import Model, layered, param_specs_key
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
 from jaxpipe.training import zero
@@ -252,11 +252,8 @@ def pipeline_loss_and_grads(
         zero.local_specs(shapes, mesh)["layers"],
         is_leaf=lambda v: isinstance(v, P),
     )
-  if shard == "fsdp":
-    leaves, treedef = jax.tree.flatten(
-        zero.gather_specs(shapes, mesh)["layers"], is_leaf=lambda v: isinstance(v, P)
-    )
-    gather = (treedef, tuple(leaves))
+  if shard == "fsdp":  # hashable, for lm_model's cache
+    gather = param_specs_key(zero.gather_specs(shapes, mesh)["layers"])
   model = lm_model(
       cfg,
       seq_axes[0] if seq_axes else None,

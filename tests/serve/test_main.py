@@ -17,6 +17,18 @@ from tests import helpers
 ROOT = helpers.ROOT
 
 
+def _serve(*flags: str, devices: int = 1) -> subprocess.CompletedProcess:
+  """`python -m jaxpipe.serve FLAGS` from the repository root on `devices` host devices."""
+  return subprocess.run(
+      [sys.executable, "-m", "jaxpipe.serve", *flags],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": str(devices)},
+  )
+
+
 def test_a_training_checkpoint_is_served(tmp_path):
   """Trained tensor-parallel (tp 2 with sequence parallelism, zero1), served tensor-parallel on
   two devices; the tokens are the one-device forward pass's."""
@@ -39,27 +51,18 @@ def test_a_training_checkpoint_is_served(tmp_path):
     logits = forward(np.asarray([tokens + [0] * (16 - len(tokens))], np.int32))
     want.append(int(np.argmax(logits[0, len(tokens) - 1])))
     tokens.append(want[-1])
-  run = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "jaxpipe.serve",
-          "--workdir",
-          workdir,
-          "--prompt",
-          prompt,
-          "--max_tokens",
-          "6",
-          "--page_size",
-          "4",
-          "--tensor_parallel",
-          "2",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "2"},
+  run = _serve(
+      "--workdir",
+      workdir,
+      "--prompt",
+      prompt,
+      "--max_tokens",
+      "6",
+      "--page_size",
+      "4",
+      "--tensor_parallel",
+      "2",
+      devices=2,
   )
   assert run.returncode == 0, run.stderr[-2000:]
   assert f"# step 3 of {workdir}; cpu x 2 tensor-parallel," in run.stdout
@@ -67,14 +70,7 @@ def test_a_training_checkpoint_is_served(tmp_path):
 
 
 def test_runner_refuses_a_workdir_without_a_run(tmp_path):
-  run = subprocess.run(
-      [sys.executable, "-m", "jaxpipe.serve", "--workdir", str(tmp_path), "--prompt", "x"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
-  )
+  run = _serve("--workdir", str(tmp_path), "--prompt", "x")
   assert run.returncode != 0
   assert "config.json does not exist" in run.stderr
 
@@ -95,25 +91,16 @@ def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refuse
   with torch.no_grad():
     out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)
   want = out[0, len(ids) :].tolist()
-  cmd = [sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--max_tokens", "5"]
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"}
-  run = subprocess.run(  # a pool of 8 pages of 16 holds 128 of the model's 256 positions
-      [*cmd, "--prompt", prompt, "--num_pages", "9"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env=env,
-  )
+  flags = ("--workdir", workdir, "--max_tokens", "5", "--prompt", prompt)
+  # a pool of 8 pages of 16 holds 128 of the model's 256 positions
+  run = _serve(*flags, "--num_pages", "9")
   assert run.returncode == 0, run.stderr[-2000:]
   assert "# the context is capped at 128 tokens" in run.stdout and "model's is 256" in run.stdout
   assert f"# tokens: {want}" in run.stdout  # the prompt went through the BPE tokenizer
   assert prompt + tok.decode(want, skip_special_tokens=True) in run.stdout
 
   helpers.tiny_bpe(vocab_size=512).save(os.path.join(workdir, "hf", "tokenizer.json"))
-  run = subprocess.run(
-      [*cmd, "--prompt", prompt], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
-  )
+  run = _serve(*flags)
   assert run.returncode != 0
   lines = [x for x in run.stderr.splitlines() if x.strip()]
   assert lines[-1].startswith("error: ") and "embedding has 384 rows" in lines[-1], lines
@@ -132,24 +119,15 @@ def test_tensor_parallel_beyond_the_devices_is_one_error_line():
 
 
 def test_tensor_parallel_with_a_deployment_mode_is_refused_before_any_work():
-  run = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "jaxpipe.serve",
-          "--config",
-          "configs/tiny.py",
-          "--http",
-          "--mode",
-          "colocated",
-          "--tensor_parallel",
-          "2",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "2"},
+  run = _serve(
+      "--config",
+      "configs/tiny.py",
+      "--http",
+      "--mode",
+      "colocated",
+      "--tensor_parallel",
+      "2",
+      devices=2,
   )
   assert run.returncode != 0
   assert "--tensor_parallel is one engine's; with --mode=colocated give each worker" in run.stderr
