@@ -382,6 +382,17 @@ def test_split_dims_pick_the_largest_free_dimension():
   assert zero.split_dim(["embed"], (64, 32), (), 8) == 0
 
 
+def test_delayed_fp8_scales_stay_whole_where_a_weight_of_their_shape_splits():
+  """A delayed-scaling scale's gradient is an amax, combined by max: a reduce-scatter would add
+  its slices, so `data_split` never splits it, though a weight of its shape splits."""
+  mesh = make_mesh(_config().mesh)  # dp 8
+  like = jax.ShapeDtypeStruct((2, 8, 16), np.float32)
+  tree = {"layers": {"mlp": {"up": {"fp8_scale": like, "kernel": like}}}}
+  split = zero.data_split(tree, mesh)["layers"]["mlp"]["up"]
+  assert split["kernel"].spec == P(None, None, "dp")
+  assert split["fp8_scale"].spec in (P(), P(None, None, None))
+
+
 def test_pooled_load_balancing_is_refused_under_fsdp_and_kept_under_zero2():
   """transformers' pooled aux loss couples the MoE layers, which fsdp's layer scan (one
   shard_map, each layer's loss on its own gradient) keeps apart: refused before device work,
