@@ -10,9 +10,14 @@ never materialised. Optional int8/fp8 pages carry one float32 scale per (head, p
 
 One program per (row, KV head, split) walks its share of the row's pages, `pages_per_block` at a
 time, with an online softmax; splits (flash-decoding) are merged outside from each one's
-(output, max, sum). Slots past `lengths` are masked in the logits *and* zeroed in V, so stale
-contents of a page's unused tail (NaN included) never reach the output: a page's tail belongs to
-the sequence but was written by the page's previous owner.
+(output, max, sum). `paged_attention_rows` runs the same kernel over blocks of several query
+tokens of one sequence (a prefill chunk, `ops.attention.ragged_paged_attention`): each of a
+program's rows is one (query token, query head) with its own length, the keys at positions
+0..its own, so causal attention within the chunk is a mask by position.
+
+Slots past `lengths` are masked in the logits *and* zeroed in V, so stale contents of a page's
+unused tail (NaN included) never reach the output: a page's tail belongs to the sequence but was
+written by the page's previous owner.
 """
 
 from __future__ import annotations
@@ -135,7 +140,8 @@ def _kernel(
     pages_per_split: int,
     quantized: bool,
 ):
-  """One (row, KV head, split): q_ref [R, K]; k_ref, v_ref [P, page, K]; tables [N]; length [1]."""
+  """One (row, KV head, split): q_ref [R, K]; k_ref, v_ref [P, page, K]; tables [N]; lengths
+  [R] (each query row sees the slots before its own length)."""
   if quantized:
     ks_ref, vs_ref, table_ref, length_ref, o_ref, m_ref, l_ref = refs
   else:
@@ -143,7 +149,8 @@ def _kernel(
   rows, head_dim = q_ref.shape
   page = k_ref.shape[1]
   block = pages_per_block * page
-  length = length_ref[0]
+  lengths = length_ref[...]
+  length = jnp.max(lengths)
   first = pl.program_id(2) * pages_per_split  # this split's first logical page
   end = jnp.minimum(pl.cdiv(length, page), first + pages_per_split)
   q = q_ref[...]
@@ -159,7 +166,8 @@ def _kernel(
     s = _dot(q, k, trans_b=True) * sm_scale
     if quantized:
       s = s * ks_ref[pages].reshape(1, block)
-    valid = start * page + lax.broadcasted_iota(jnp.int32, (1, block), 1) < length
+    slot = start * page + lax.broadcasted_iota(jnp.int32, (1, block), 1)
+    valid = slot < lengths[:, None]  # [R, block]
     s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp(m_prev - m_next)
@@ -167,7 +175,8 @@ def _kernel(
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
     if quantized:  # a stale slot's scale may be NaN too: 0 * NaN would reach the output
       p = p * jnp.where(valid, vs_ref[pages].reshape(1, block), 0.0)
-    v = jnp.where(valid.reshape(block, 1), v, jnp.zeros_like(v))  # stale slots may hold NaN
+    seen = (slot < length).reshape(block, 1)  # by any row: the slots past it may hold NaN
+    v = jnp.where(seen, v, jnp.zeros_like(v))
     acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
@@ -223,12 +232,53 @@ def paged_attention(
       k_scales_GxPxS,
       v_scales_GxPxS,
   )
+  b, h, d = q_BxHxK.shape
+  g = k_pages_GxPxSxK.shape[0]
+  r = h // g
+  rows = max(MIN_ROWS, pl.next_power_of_2(r))
+  q_BxGxRxK = jnp.pad(q_BxHxK.reshape(b, g, r, d), ((0, 0), (0, 0), (0, rows - r), (0, 0)))
+  o = _paged_call(
+      q_BxGxRxK,
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      block_tables_BxN,
+      jnp.broadcast_to(lengths_B[:, None], (b, rows)),
+      k_scales_GxPxS,
+      v_scales_GxPxS,
+      sm_scale=sm_scale,
+      pages_per_block=pages_per_block,
+      k_splits=k_splits,
+      num_warps=num_warps,
+      num_stages=num_stages,
+      interpret=interpret,
+  )
+  return o[:, :, :r].reshape(b, h, d).astype(q_BxHxK.dtype)
+
+
+def _paged_call(
+    q_BxGxRxK,
+    k_pages_GxPxSxK,
+    v_pages_GxPxSxK,
+    block_tables_BxN,
+    lengths_BxR,
+    k_scales_GxPxS,
+    v_scales_GxPxS,
+    *,
+    sm_scale,
+    pages_per_block,
+    k_splits,
+    num_warps,
+    num_stages,
+    interpret,
+):
+  """The kernel over q [B, G, rows, K] (rows a power of two >= MIN_ROWS), each query row with its
+  own length [B, rows] -> [B, G, rows, K] float32 (a row with length 0: zeros)."""
   if pages_per_block < 1 or pages_per_block & (pages_per_block - 1) or k_splits < 1:
     raise ValueError(
         f"pages_per_block={pages_per_block} must be a power of two and k_splits={k_splits} >= 1"
     )
-  b, h, d = q_BxHxK.shape
-  g, p, s, _ = k_pages_GxPxSxK.shape
+  b, g, rows, d = q_BxGxRxK.shape
+  _, p, s, _ = k_pages_GxPxSxK.shape
   n = block_tables_BxN.shape[1]
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
   quantized = k_scales_GxPxS is not None
@@ -239,9 +289,6 @@ def paged_attention(
     pages_per_block = max(pages_per_block, -(-MIN_ROWS // s))
   pages_per_split = -(-n // (k_splits * pages_per_block)) * pages_per_block
   tables_BxN = jnp.pad(block_tables_BxN, ((0, 0), (0, pages_per_split * k_splits - n)))
-  r = h // g
-  rows = max(MIN_ROWS, pl.next_power_of_2(r))
-  q_BxGxRxK = jnp.pad(q_BxHxK.reshape(b, g, r, d), ((0, 0), (0, 0), (0, rows - r), (0, 0)))
   page_spec = pl.BlockSpec((None, p, s, d), lambda i, j, k: (j, 0, 0, 0))
   scale_spec = pl.BlockSpec((None, p, s), lambda i, j, k: (j, 0, 0))
   in_specs = [
@@ -255,9 +302,9 @@ def paged_attention(
     operands += [k_scales_GxPxS.astype(jnp.float32), v_scales_GxPxS.astype(jnp.float32)]
   in_specs += [
       pl.BlockSpec((None, tables_BxN.shape[1]), lambda i, j, k: (i, 0)),
-      pl.BlockSpec((None, 1), lambda i, j, k: (i, 0)),
+      pl.BlockSpec((None, rows), lambda i, j, k: (i, 0)),
   ]
-  operands += [tables_BxN, lengths_B.reshape(b, 1)]
+  operands += [tables_BxN, lengths_BxR.astype(jnp.int32)]
   kernel = functools.partial(
       _kernel,
       sm_scale=sm_scale,
@@ -287,5 +334,67 @@ def paged_attention(
   m_max = jnp.max(m, axis=0)
   w = jnp.exp(m - m_max[None])
   l_sum = jnp.sum(w * l, axis=0)
-  o = jnp.sum(w[..., None] * o, axis=0) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-  return o[:, :, :r].reshape(b, h, d).astype(q_BxHxK.dtype)
+  return jnp.sum(w[..., None] * o, axis=0) / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "pages_per_block", "num_warps", "num_stages", "interpret"),
+)
+def paged_attention_rows(
+    q_NxMxHxK: jax.Array,
+    k_pages_GxPxSxK: jax.Array,
+    v_pages_GxPxSxK: jax.Array,
+    block_tables_NxT: jax.Array,
+    positions_NxM: jax.Array,
+    *,
+    k_scales_GxPxS: jax.Array | None = None,
+    v_scales_GxPxS: jax.Array | None = None,
+    sm_scale: float | None = None,
+    pages_per_block: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+  """Blocks of M query tokens of one sequence each -> [N, M, H, K] float32: token m of block n,
+  at position positions[n, m] of the sequence whose pages are block_tables[n], attends over its
+  keys at positions 0..its own (the cached prefix and the chunk up to itself: causal); position
+  -1 is no token (output 0). The pages must already hold the block's own K/V.
+
+  One program per (block, KV head): its rows are the block's (token, query head) pairs of that
+  KV head, each with its own length, so the kernel is `paged_attention`'s with a length per row.
+  """
+  n, m, h, d = q_NxMxHxK.shape
+  check_inputs(
+      q_NxMxHxK[:, 0],
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      block_tables_NxT,
+      positions_NxM[:, 0],
+      k_scales_GxPxS,
+      v_scales_GxPxS,
+  )
+  if positions_NxM.shape != (n, m):
+    raise ValueError(f"positions must be int32 [N={n}, M={m}]; got {tuple(positions_NxM.shape)}")
+  g = k_pages_GxPxSxK.shape[0]
+  r = h // g
+  rows = max(MIN_ROWS, pl.next_power_of_2(m * r))
+  q_NxGxMRxK = q_NxMxHxK.reshape(n, m, g, r, d).transpose(0, 2, 1, 3, 4).reshape(n, g, m * r, d)
+  q_NxGxRowsxK = jnp.pad(q_NxGxMRxK, ((0, 0), (0, 0), (0, rows - m * r), (0, 0)))
+  lengths_NxMR = jnp.repeat(positions_NxM + 1, r, axis=1)  # row (m, r): token m's keys
+  o = _paged_call(
+      q_NxGxRowsxK,
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      block_tables_NxT,
+      jnp.pad(lengths_NxMR, ((0, 0), (0, rows - m * r))),
+      k_scales_GxPxS,
+      v_scales_GxPxS,
+      sm_scale=sm_scale,
+      pages_per_block=pages_per_block,
+      k_splits=1,
+      num_warps=num_warps,
+      num_stages=num_stages,
+      interpret=interpret,
+  )
+  return o[:, :, : m * r].reshape(n, g, m, r, d).transpose(0, 2, 1, 3, 4).reshape(n, m, h, d)

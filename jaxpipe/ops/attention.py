@@ -9,9 +9,11 @@ xla elsewhere (interpreted Pallas is a correctness tool, not a fast path).
 Paged attention has its own backends behind `paged_attention`: `xla` (the pure-JAX gather
 reference: every query token gathers its whole sequence's pages), `pallas`
 (`kernels_pallas.paged_attention`, compiled on GPU, interpreted elsewhere), `xla_ragged`
-(`ragged_paged_attention`: one gather per block of a sequence's tokens, not per token) and
-`auto` (pallas on GPU, xla elsewhere; for a serving step whose tokens come grouped by
-sequence, `resolve_step_backend` takes xla_ragged where auto gives xla). The per-token backends
+(`ragged_paged_attention`: one gather per block of a sequence's tokens, not per token),
+`pallas_ragged` (the same blocks through `kernels_pallas.paged_attention_rows`, the paged kernel
+with a length per query row: compiled on GPU, interpreted elsewhere) and `auto` (pallas on GPU,
+xla elsewhere; for a serving step whose tokens come grouped by sequence, `resolve_step_backend`
+takes xla_ragged where auto gives xla). The per-token backends
 take a query per row and its block table; `xla_ragged` takes the tokens by sequence
 (`RaggedRows`).
 
@@ -49,7 +51,7 @@ from kernels_pallas import flash_attention as fa
 from kernels_pallas import paged_attention as pa
 
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
-PAGED_BACKENDS = ("xla", "pallas", "xla_ragged", "auto")
+PAGED_BACKENDS = ("xla", "pallas", "xla_ragged", "pallas_ragged", "auto")
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
 KEY_CHUNK = 64  # keys per (block, key chunk) pair of ragged_paged_attention (whole pages)
 ROUND_PAIRS = 32  # (block, key chunk) pairs per round of its loop
@@ -152,8 +154,8 @@ def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
   reason = pa.compiled_unsupported(head_dim, page_size) if _gpu_major() is not None else None
   if backend == "auto":
     return "pallas" if _gpu_major() is not None and reason is None else "xla"
-  if backend == "pallas" and reason is not None:
-    raise ValueError(f"paged attention backend 'pallas' {reason}; use 'xla'")
+  if backend in ("pallas", "pallas_ragged") and reason is not None:
+    raise ValueError(f"paged attention backend {backend!r} {reason}; use 'xla'")
   return backend
 
 
@@ -181,8 +183,8 @@ def paged_attention(
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
   _, _, page_size, head_dim = k_pages_GxPxSxK.shape
   name = resolve_paged_backend(backend, head_dim, page_size)
-  if name == "xla_ragged":
-    raise ValueError("backend 'xla_ragged' takes rows of tokens: call ragged_paged_attention")
+  if name in ("xla_ragged", "pallas_ragged"):
+    raise ValueError(f"backend {name!r} takes rows of tokens: call ragged_paged_attention")
   if name == "pallas":
     return pa.paged_attention(*args, **scales, interpret=_gpu_major() is None)
   return pa.paged_attention_reference(*args, **scales)
@@ -260,10 +262,13 @@ def _block_attention(
   q_f32 = q_TxHxK.astype(jnp.float32)
   hp = jax.lax.Precision.HIGHEST
 
-  def gather(pool, scales, pages_PxC):  # -> [P, G, C*S, K] float32
+  def gather(pool, scales, pages_PxC, keys_minor=False):
+    """-> [P, G, C*S, K] float32, or [P, G, K, C*S] with keys_minor."""
     x = pool[:, pages_PxC].astype(jnp.float32)  # [G, P, C, S, K]
     if scales is not None:
       x = x * scales[:, pages_PxC][..., None]
+    if keys_minor:
+      return jnp.transpose(x, (1, 0, 4, 2, 3)).reshape(pairs, g, d, lc)
     return jnp.swapaxes(x, 0, 1).reshape(pairs, g, lc, d)
 
   def round_(i, state):
@@ -278,16 +283,25 @@ def _block_attention(
     pos_PxQ = pos_NBxQ[blk_P]
     visible_PxQxL = (key_PxL[:, None, :] <= pos_PxQ[:, :, None]) & live_P[:, None, None]
     keyed_PxL = jnp.any(visible_PxQxL, axis=1)  # stale slots past every query may hold NaN
-    k_PxGxLxK = gather(k_pages, k_scales, pages_PxC)
     v_PxGxLxK = jnp.where(keyed_PxL[:, None, :, None], gather(v_pages, v_scales, pages_PxC), 0.0)
     q_PxQxHxK = q_f32[jnp.maximum(index_NBxQ[blk_P], 0)]
     q_PxGxRxQxK = q_PxQxHxK.reshape(pairs, q, g, h // g, d).transpose(0, 2, 3, 1, 4)
-    s_PxGxRxQxL = jnp.einsum("pgrqk,pglk->pgrql", q_PxGxRxQxK, k_PxGxLxK, precision=hp)
+    if q == 1:  # a matrix-vector product per pair: multiply and sum over K, keys minor
+      k_PxGxKxL = gather(k_pages, k_scales, pages_PxC, keys_minor=True)
+      s_PxGxRxL = jnp.sum(q_PxGxRxQxK[:, :, :, 0, :, None] * k_PxGxKxL[:, :, None], axis=-2)
+      s_PxGxRxQxL = s_PxGxRxL[:, :, :, None]
+    else:
+      k_PxGxLxK = gather(k_pages, k_scales, pages_PxC)
+      s_PxGxRxQxL = jnp.einsum("pgrqk,pglk->pgrql", q_PxGxRxQxK, k_PxGxLxK, precision=hp)
     s_PxGxRxQxL = jnp.where(visible_PxQxL[:, None, None], s_PxGxRxQxL * sm_scale, pa.MASK_VALUE)
     m_PxGxRxQ = jnp.max(s_PxGxRxQxL, axis=-1)
     e_PxGxRxQxL = jnp.exp(s_PxGxRxQxL - m_PxGxRxQ[..., None])
     l_PxGxRxQ = jnp.sum(e_PxGxRxQxL, axis=-1)
-    o_PxGxRxQxK = jnp.einsum("pgrql,pglk->pgrqk", e_PxGxRxQxL, v_PxGxLxK, precision=hp)
+    if q == 1:
+      o_PxGxRxK = jnp.einsum("pgrl,pglk->pgrk", e_PxGxRxQxL[:, :, :, 0], v_PxGxLxK, precision=hp)
+      o_PxGxRxQxK = o_PxGxRxK[:, :, :, None]
+    else:
+      o_PxGxRxQxK = jnp.einsum("pgrql,pglk->pgrqk", e_PxGxRxQxL, v_PxGxLxK, precision=hp)
     # The round's pairs are consecutive, so their blocks lie in the window b0 .. b0 + pairs - 1:
     # only the window's running state is read and written.
     b0 = blk_P[0]
@@ -326,12 +340,21 @@ def ragged_paged_attention(
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
     sm_scale: float | None = None,
+    kernel: str = "xla",
 ) -> jax.Array:
   """Each token of `rows` over its sequence's keys at positions 0..its own -> [T, H, K].
 
   The pages must already hold this step's K/V (the caller writes them first). Equals
   `paged_attention_reference` per token with its sequence's table and length position + 1.
+  kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs) or 'pallas' (each block through
+  `kernels_pallas.paged_attention_rows`; interpreted off GPU).
   """
+  if kernel not in ("xla", "pallas"):
+    raise ValueError(f"kernel={kernel!r} is not 'xla' or 'pallas'")
+  q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK = map(
+      jnp.asarray, (q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK)
+  )
+  rows = RaggedRows(*(jnp.asarray(x, jnp.int32) for x in rows))
   t, h, d = q_TxHxK.shape
   g, _, s, _ = k_pages_GxPxSxK.shape
   if h % g:
@@ -344,9 +367,23 @@ def ragged_paged_attention(
     passes = ((1, t, rows.counts_B > 0),)
   else:
     passes = ((1, ones, rows.counts_B == 1), (block, blocks, rows.counts_B > 1))
-  o_TxHxK = jnp.zeros((t, h, d), jnp.float32)
-  for size, count, take_B in passes:
+
+  def attend(o_TxHxK, size, count, take_B):
     row_NB, index_NBxQ, pos_NBxQ = _layout(rows, take_B, size, count)
+    if kernel == "pallas":
+      o_NBxQxHxK = pa.paged_attention_rows(
+          q_TxHxK[jnp.maximum(index_NBxQ, 0)],
+          k_pages_GxPxSxK,
+          v_pages_GxPxSxK,
+          rows.tables_BxN[row_NB],
+          pos_NBxQ,
+          k_scales_GxPxS=k_scales_GxPxS,
+          v_scales_GxPxS=v_scales_GxPxS,
+          sm_scale=sm_scale,
+          interpret=_gpu_major() is None,
+      )
+      at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
+      return o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")
     o_NBxQxHxK = _block_attention(
         q_TxHxK,
         k_pages_GxPxSxK,
@@ -361,5 +398,16 @@ def ragged_paged_attention(
         pairs=pairs,
     )
     at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
-    o_TxHxK = o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")
+    return o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")
+
+  o_TxHxK = jnp.zeros((t, h, d), jnp.float32)
+  for size, count, take_B in passes:
+    # A pass none of whose rows has a token (the multi-token pass of a decode step) is skipped
+    # whole: its blocks' state alone is [blocks, heads, block, K] floats to initialise.
+    o_TxHxK = jax.lax.cond(
+        jnp.any(take_B),
+        functools.partial(attend, size=size, count=count, take_B=take_B),
+        lambda o: o,
+        o_TxHxK,
+    )
   return o_TxHxK.astype(q_TxHxK.dtype)

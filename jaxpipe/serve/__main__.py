@@ -83,7 +83,10 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
     flag_values=FLAGS,
 )
 _ATTENTION = flags.DEFINE_string(
-    "attention", "auto", "Paged attention backend: xla, pallas, auto.", flag_values=FLAGS
+    "attention",
+    "auto",
+    "Paged attention backend: xla, pallas, xla_ragged, pallas_ragged, auto.",
+    flag_values=FLAGS,
 )
 _MAX_BATCH = flags.DEFINE_integer(
     "max_batch",

@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 
 from jaxpipe.ops import attention as attn
-from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from kernels_pallas.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    paged_attention_rows,
+)
 from tests import helpers
 
 
@@ -130,3 +134,84 @@ def test_bad_inputs_are_named(change, words):
   )
   with pytest.raises(ValueError, match=words):
     paged_attention_reference(**change(args))
+
+
+def _rows_case(lengths, chunks, heads, kv_heads, m, seed=0):
+  """Each sequence's last `chunk` tokens as blocks of m queries (the rest of it cached before),
+  the tail of a sequence's last block padding (position -1): (q blocks [N, M, H, K], pages,
+  block tables [N, T], positions [N, M]) and, per live query, (block, slot, sequence)."""
+  q_seq, k, v, tables, _ = helpers.paged_inputs(lengths, heads, kv_heads, seed=seed)
+  rng = np.random.default_rng(seed + 1)
+  blocks, where = [], []
+  for row, (length, chunk) in enumerate(zip(lengths, chunks)):
+    for start in range(length - chunk, length, m):
+      pos = np.arange(start, start + m)
+      pos = np.where(pos < length, pos, -1)
+      where += [(len(blocks), i, row) for i in range(m) if pos[i] >= 0]
+      blocks.append((row, pos))
+  q = rng.standard_normal((len(blocks), m, heads, q_seq.shape[-1])).astype(np.float32)
+  block_tables = np.stack([tables[row] for row, _ in blocks])
+  positions = np.stack([pos for _, pos in blocks]).astype(np.int32)
+  return q, k, v, block_tables, positions, where, tables
+
+
+# (heads, kv_heads, sequence lengths, chunk lengths, queries per block): GQA 1/2/4, chunks
+# ending mid-page and on a page, a chunk after a cached prefix and a whole prompt, blocks of
+# 1 (decode), 3 and 8 queries.
+ROWS_CASES = [
+    (4, 4, [9, 20], [9, 6], 3),
+    (4, 2, [17, 8, 5], [4, 8, 1], 8),
+    (8, 2, [24, 13], [1, 1], 1),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,lengths,chunks,m", ROWS_CASES)
+def test_rows_kernel_equals_the_reference_per_token(heads, kv_heads, lengths, chunks, m):
+  """Every query of every block against the gather reference for its own token: its
+  sequence's table and length position + 1 (causal within the chunk, the cached prefix whole);
+  padding queries give 0. NaN in every slot no sequence owns."""
+  q, k, v, block_tables, positions, where, tables = _rows_case(lengths, chunks, heads, kv_heads, m)
+  got = np.asarray(
+      paged_attention_rows(q, k, v, block_tables, positions, pages_per_block=2, interpret=True)
+  )
+  blk, slot, row = (np.asarray(x) for x in zip(*where))
+  want = paged_attention_reference(
+      q[blk, slot], k, v, tables[row], (positions[blk, slot] + 1).astype(np.int32)
+  )
+  assert np.isfinite(got).all()
+  assert _rel(got[blk, slot], want) < 1e-5
+  dead = positions < 0
+  assert (got[dead] == 0).all() and dead.any() == any(c % m for c in chunks)
+
+
+def test_rows_kernel_reads_8_bit_pages_as_the_reference_does():
+  q, k, v, block_tables, positions, where, tables = _rows_case([11, 19], [5, 19], 8, 2, 4, seed=7)
+  (k8, ks), (v8, vs) = helpers.quantize(k, jnp.int8), helpers.quantize(v, jnp.int8)
+  scales = dict(k_scales_GxPxS=ks, v_scales_GxPxS=vs)
+  got = np.asarray(
+      paged_attention_rows(q, k8, v8, block_tables, positions, **scales, interpret=True)
+  )
+  blk, slot, row = (np.asarray(x) for x in zip(*where))
+  want = paged_attention_reference(
+      q[blk, slot], k8, v8, tables[row], (positions[blk, slot] + 1).astype(np.int32), **scales
+  )
+  assert _rel(got[blk, slot], want) < 1e-5
+
+
+def test_ragged_attention_through_the_rows_kernel_equals_the_xla_blocks():
+  """`ops.attention.ragged_paged_attention(kernel='pallas')`: a prefill chunk after a cached
+  prefix, a whole prompt and decode rows in one step, equal to the XLA block path."""
+  q, k, v, tables, _ = helpers.paged_inputs([21, 9, 14, 6], 4, 2, seed=9)
+  counts = np.asarray([7, 9, 1, 1], np.int32)
+  cached = np.asarray([14, 0, 13, 5], np.int32)
+  t = int(counts.sum()) + 3  # three padding tokens
+  rng = np.random.default_rng(10)
+  q_TxHxK = rng.standard_normal((t, 4, q.shape[-1])).astype(np.float32)
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+  rows = attn.RaggedRows(jnp.asarray(tables), jnp.asarray(starts), counts, cached)
+  xla = attn.ragged_paged_attention(q_TxHxK, k, v, rows, block=4)
+  pallas = attn.ragged_paged_attention(q_TxHxK, k, v, rows, block=4, kernel="pallas")
+  assert np.isfinite(np.asarray(pallas)).all()
+  assert _rel(pallas, xla) < 1e-5
+  with pytest.raises(ValueError, match="kernel='triton' is not 'xla' or 'pallas'"):
+    attn.ragged_paged_attention(q_TxHxK, k, v, rows, kernel="triton")

@@ -134,3 +134,21 @@ def test_engine_greedy_equals_recompute_oracle(devices):
   assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
   assert engine.counts["page_copies"] > 0
   assert len(engine.programs) == 1
+
+
+def test_engine_on_the_rows_kernel_equals_recompute_oracle():
+  """`attention='pallas_ragged'` (the rows kernel, interpreted here): prefill chunks beside
+  decode rows, a prefix-cache hit, freed pages NaN; greedy tokens equal the recompute oracle."""
+  engine = Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      num_pages=17,
+      nan_freed_pages=True,
+      attention="pallas_ragged",
+      **helpers.ENGINE_ARGS,
+  )
+  assert engine.backend == "pallas_ragged"
+  prompts = [helpers.prompts()[i] for i in (2, 5, 0)]  # 2 and 5 share two full pages
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=4, first=1, per_arrival=1, eos_id=None)
+  assert [r.output for r in got] == helpers.oracle("dense", prompts, 4)
+  assert engine.counts["cached_tokens"] > 0
