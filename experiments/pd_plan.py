@@ -490,7 +490,7 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
   for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
     for t, n in engine.programs:
       batch = model_lib.TokenBatch(
-          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r)
+          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r), i32(t) - 1
       )
       sampling = SamplingBatch(
           np.zeros(r, np.float32),
@@ -501,7 +501,8 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
           np.full((r, MAX_BANNED), -1, np.int32),
       )
       t0 = time.perf_counter()
-      out, _, _, engine.kv = engine.step_program(t, n)(engine.params, engine.kv, batch, sampling)
+      program = engine.step_program(t, n)
+      out, _, _, engine.kv = program(engine.params, engine.kv, batch, sampling, i32(r))
       np.asarray(out)
       samples[(t, n)].append(time.perf_counter() - t0)
   times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}

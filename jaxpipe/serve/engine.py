@@ -22,7 +22,13 @@ bad sampling values) finish at once with an `error`; the engine keeps serving th
 `import_request` move a running request, K/V included, to another engine (or, device to device,
 `kv_of` on one side and `reserve_request` / `write_kv` / `admit_request` on the other).
 `step` is `collect(launch())`: a driver of several engines launches all their steps before
-collecting any, so that they run at once on their devices. A `prefill_only` engine parks each
+collecting any, so that they run at once on their devices. With `async_scheduling`, `step`
+schedules and dispatches step n+1 before it waits for step n (vLLM's async scheduling): the
+host's work of a step overlaps the devices' work of the one before. Step n+1 is planned as if
+every request sampled in step n had its token; the token itself goes from step n's output to
+step n+1's input on the device (`TokenBatch.prev_T`), never through the host. A request that
+stops on its step-n token (EOS, a stop token) was already given step n+1: that step's work for
+it is dropped, as vLLM drops it. A `prefill_only` engine parks each
 request once its first token is sampled (`prefilled`), pages kept, for a decode engine to take.
 """
 
@@ -62,7 +68,9 @@ from jaxpipe.serve.scheduler import Scheduler
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
 INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
+FINISHING = "finishing"  # its last token is in a step in flight: off the scheduler, pages freed
 ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
+PENDING = -1  # an output token sampled by a step in flight, not read back yet (async scheduling)
 # Engine.host_time's keys, in a step's order: plan the step (scheduler, pages, copy-on-write);
 # build its host arrays; compile a new step program; dispatch it; wait for its sampled tokens
 # (the device's time, less what dispatch overlapped); apply them (outputs, finishes, cache).
@@ -158,6 +166,7 @@ class _Launched:
   sampled: list[Request]
   t: int  # padded tokens
   t_real: int
+  index: list[int]  # per sampled row: the output index its token fills (a PENDING until then)
   pages: int  # padded pages per sequence
   new_R: jax.Array
   finite_R: jax.Array
@@ -292,6 +301,7 @@ class Engine:
       nan_freed_pages: bool = False,
       prefill_only: bool = False,
       kv_cache_dtype: str = "auto",
+      async_scheduling: bool | None = None,
   ):
     """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
     per sequence; default powers of two up to the limits, which are always included);
@@ -299,7 +309,9 @@ class Engine:
     read of a slot a sequence does not own would show in its output); prefill_only: a prefill
     worker: a request that samples a token leaves the batch for `prefilled`, pages kept;
     kv_cache_dtype: 'auto' (the model's compute dtype), 'int8' or 'fp8' (float8_e4m3fn, both
-    with a float32 scale per KV head and slot: `serve.model`)."""
+    with a float32 scale per KV head and slot: `serve.model`); async_scheduling: `step`
+    dispatches the next step before waiting for this one (the module docstring); None (the
+    default): on, except on a prefill_only engine."""
     for name, value in (
         ("page_size", page_size),
         ("num_pages", num_pages),
@@ -311,6 +323,12 @@ class Engine:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2: page 0 is the scratch page")
+    if async_scheduling and prefill_only:
+      raise ValueError(
+          "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "
+          "its first token, which async scheduling would already have given a decode step; "
+          "leave async_scheduling off on prefill workers"
+      )
     self.kv_cache_dtype = kv_cache_dtype
     self.kv_dtype = model_lib.kv_dtype(model_cfg, kv_cache_dtype)  # refuses another name
     quantized = model_lib.quantized(self.kv_dtype)
@@ -371,6 +389,12 @@ class Engine:
         on_preempt=self._preempted,
     )
     self.prefill_only = prefill_only
+    self.async_scheduling = not prefill_only if async_scheduling is None else async_scheduling
+    self._inflight: _Launched | None = None  # async: the step dispatched and not collected yet
+    self._early: dict[int, list[int]] = {}  # tokens collected early (`_drain`), for step()
+    # the previous step's sampled tokens on the devices (async: what step n+1 reads step n's
+    # tokens from); zeros before the first step
+    self._no_prev = jax.device_put(np.zeros(max_batch, np.int32), self._replicated)
     self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
     self._finished: list[Request] = []
     self._next_id = 0
@@ -506,6 +530,7 @@ class Engine:
 
   def release(self, rid: int) -> None:
     """Drops a request that continues on another engine: frees its pages; `finished` omits it."""
+    self._drain()
     r = self.requests.pop(rid)
     if not self._detach(r):
       raise ValueError(f"request {rid} is finished; there is nothing to release")
@@ -514,6 +539,7 @@ class Engine:
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
     """A second sample of a running request: it continues from the same tokens, sharing every
     page (copied when either writes into a shared one). Returns the new request's id."""
+    self._drain()
     r = self.requests[rid]
     if r.state != RUNNING:
       raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
@@ -553,11 +579,15 @@ class Engine:
     return done
 
   def has_work(self) -> bool:
-    """Whether a step would compute anything (parked and incoming requests do not)."""
-    return self.scheduler.has_work()
+    """Whether a step would compute anything (parked and incoming requests do not), or a step is
+    in flight (async scheduling)."""
+    return self._inflight is not None or bool(self._early) or self.scheduler.has_work()
 
   def _finish(self, r: Request, reason: str) -> None:
-    """r, already off the scheduler (its pages freed) or never on it, is done."""
+    """r, already off the scheduler (its pages freed) or never on it, is done; output tokens
+    still PENDING (steps in flight) are dropped."""
+    while r.output and r.output[-1] == PENDING:
+      r.output.pop()
     r.state, r.finish_reason, r.finish_time = FINISHED, reason, time.perf_counter()
     self._finished.append(r)
 
@@ -611,9 +641,10 @@ class Engine:
 
   def step_program(self, t: int, n: int) -> jax.stages.Compiled:
     """The compiled step for T = t tokens and n pages per sequence (compiled once each), called
-    as `program(params, kv, TokenBatch, SamplingBatch) -> (new_R, finite_R, logprobs, kv)`
-    (logprobs: `sampling.top_logprobs` of every row); the K/V pools are donated, so the caller
-    keeps the returned ones."""
+    as `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
+    kv)` (logprobs: `sampling.top_logprobs` of every row; prev_R: the previous step's new_R,
+    read where `TokenBatch.prev_T` says); the K/V pools are donated, so the caller keeps the
+    returned ones."""
     if (t, n) not in self._programs:
       r = self.max_batch
       step = functools.partial(
@@ -621,7 +652,7 @@ class Engine:
       )
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
       batch = model_lib.TokenBatch(
-          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r)
+          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r), i32(t)
       )
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
       sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
@@ -630,10 +661,10 @@ class Engine:
           jax.jit(
               step,
               donate_argnums=1,
-              in_shardings=(self._param_sharding, self._kv_sharding, rep, rep),
+              in_shardings=(self._param_sharding, self._kv_sharding, rep, rep, rep),
               out_shardings=(rep, rep, rep, self._kv_sharding),
           )
-          .lower(self.params, self.kv, batch, sampling)
+          .lower(self.params, self.kv, batch, sampling, i32(r))
           .compile()
       )
     return self._programs[(t, n)]
@@ -666,11 +697,35 @@ class Engine:
     jax.block_until_ready(self.kv.k)
 
   def step(self) -> dict[int, list[int]]:
-    """One iteration; returns the tokens each request generated in it (by request id)."""
-    return self.collect(self.launch())
+    """One iteration; returns the tokens each request generated in it (by request id).
 
-  def launch(self) -> _Launched | None:
-    """Schedules an iteration and dispatches it without waiting for it (None: nothing to do)."""
+    With async_scheduling the iteration whose tokens it returns is the one dispatched by the
+    call before (or now, when none is in flight), and it leaves the next one in flight."""
+    if not self.async_scheduling:
+      return self.collect(self.launch())
+    out, self._early = self._early, {}
+    launched = self._inflight or self.launch()
+    self._inflight = None
+    if launched is not None:
+      self._inflight = self.launch(after=launched)  # while `launched` runs on the devices
+      for rid, tokens in self.collect(launched).items():
+        out.setdefault(rid, []).extend(tokens)
+    return out
+
+  def _drain(self) -> None:
+    """Collects the step in flight (async scheduling), its tokens kept for the next `step`:
+    what reads or moves a request's tokens or pages from outside a step calls it first."""
+    launched, self._inflight = self._inflight, None
+    if launched is not None:
+      for rid, tokens in self.collect(launched).items():
+        self._early.setdefault(rid, []).extend(tokens)
+
+  def launch(self, after: _Launched | None = None) -> _Launched | None:
+    """Schedules an iteration and dispatches it without waiting for it (None: nothing to do).
+
+    after: the step still in flight (async scheduling), launched and not collected: the tokens
+    it samples are PENDING in their requests' outputs, and this step takes them from its
+    sampled tokens on the devices."""
     start = time.perf_counter()
     plan = self.scheduler.plan()
     planned = time.perf_counter()
@@ -693,16 +748,21 @@ class Engine:
     seq_tables = np.zeros((r_max, n_pages), np.int32)
     seq_starts, seq_counts, seq_cached = (np.zeros(r_max, np.int32) for _ in range(3))
     temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
-    top_k, seed, index = (np.zeros(r_max, np.int32) for _ in range(3))
+    top_k, seed, out_index = (np.zeros(r_max, np.int32) for _ in range(3))
     banned = np.full((r_max, MAX_BANNED), -1, np.int32)
-    per_token = self.backend != "xla_ragged"  # only the per-token backends read tables_TxN
-    sampled, at = [], 0
+    prev_T = np.full(t, -1, np.int32)
+    row_in_after = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
+    per_token = self.backend not in model_lib.RAGGED_BACKENDS  # only these read tables_TxN
+    sampled, index, at = [], [], 0
     for i, (r, n) in enumerate(plan):
       table = np.asarray(r.pages, np.int32)
       seq_tables[i, : len(table)] = table
       seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
       pos = np.arange(r.computed, r.computed + n)
       tokens[at : at + n] = _token_slice(r, r.computed, r.computed + n)
+      if r.computed + n == r.length and r.output and r.output[-1] == PENDING:
+        # only the step in flight can have left a token unknown: it is read on the devices
+        prev_T[at + n - 1] = row_in_after[r.id]
       positions[at : at + n] = pos
       slots[at : at + n] = table[pos // s] * s + pos % s
       if per_token:
@@ -712,7 +772,7 @@ class Engine:
         j = len(sampled)
         rows[j] = at - 1
         sp = r.sampling
-        temp[j], top_k[j], top_p[j], seed[j], index[j] = (
+        temp[j], top_k[j], top_p[j], seed[j], out_index[j] = (
             sp.temperature,
             sp.top_k,
             sp.top_p,
@@ -723,20 +783,46 @@ class Engine:
           ids = sorted(set(r.stop_ids))
           banned[j, : len(ids)] = ids
         sampled.append(r)
+        index.append(len(r.output))
     self._flush_fills()
     batch = model_lib.TokenBatch(
-        tokens, positions, slots, tables, rows, seq_tables, seq_starts, seq_counts, seq_cached
+        tokens,
+        positions,
+        slots,
+        tables,
+        rows,
+        seq_tables,
+        seq_starts,
+        seq_counts,
+        seq_cached,
+        prev_T,
     )
     built = time.perf_counter()
     program = self.step_program(t, n_pages)
     compiled = time.perf_counter()
     new_R, finite_R, logprobs, self.kv = program(
-        self.params, self.kv, batch, SamplingBatch(temp, top_k, top_p, seed, index, banned)
+        self.params,
+        self.kv,
+        batch,
+        SamplingBatch(temp, top_k, top_p, seed, out_index, banned),
+        self._no_prev if after is None else after.new_R,
     )
     self.host_time["build"] += built - planned
     self.host_time["compile"] += compiled - built
     self.host_time["dispatch"] += time.perf_counter() - compiled
-    return _Launched(plan, sampled, t, t_real, n_pages, new_R, finite_R, logprobs)
+    # The host's view moves on at dispatch: the tokens' K/V are cached and each sampled request
+    # has one more output token, PENDING until `collect` reads it, so that the next step can be
+    # planned before this one is read back. A request whose last token this is leaves the
+    # batch now: its pages are freed (and NaN-filled, in tests) after this step was dispatched,
+    # so whatever takes them next runs after it.
+    for r, n in plan:
+      r.computed += n
+    for r in sampled:
+      r.output.append(PENDING)
+      if len(r.output) >= r.max_tokens:
+        self.scheduler.remove(r)
+        r.state = FINISHING
+    return _Launched(plan, sampled, t, t_real, index, n_pages, new_R, finite_R, logprobs)
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
     """Waits for a launched iteration and applies it; returns the tokens it generated."""
@@ -752,17 +838,18 @@ class Engine:
     self.steps += 1
     self.counts["step_tokens"] += t_real
     self.counts["padded_tokens"] += t - t_real
-    for r, n in plan:
-      r.computed += n
     out: dict[int, list[int]] = {}
     for j, r in enumerate(sampled):
+      k = launched.index[j]
+      if r.state == FINISHED:  # cancelled, or (async) stopped by its token of the step before
+        continue
       if new_R[j] < 0:  # serve_step's mark of non-finite logits
         r.error = f"non-finite logits at output token {len(r.output)}; the request was stopped"
         self.scheduler.remove(r)
         self._finish(r, "error")
         continue
       token = int(new_R[j])
-      r.output.append(token)
+      r.output[k] = token
       if r.sampling.logprobs is not None:
         r.logprobs.append(
             as_token_logprobs(chosen_R[j], top_RxM[j], ids_RxM[j], r.sampling.logprobs)
@@ -771,8 +858,8 @@ class Engine:
       if r.first_token_time is None:
         r.first_token_time = now
       out[r.id] = [token]
-      stopped = token in r.stop_ids and len(r.output) > r.sampling.min_tokens
-      if stopped or len(r.output) >= r.max_tokens:
+      stopped = token in r.stop_ids and k + 1 > r.sampling.min_tokens
+      if stopped or k + 1 >= r.max_tokens:
         self.scheduler.remove(r)  # its pages are freed now
         self._finish(r, "eos" if stopped else "length")
       elif self.prefill_only:
@@ -937,6 +1024,7 @@ class Engine:
     log2(pages) + 1 copies, and as many compiled programs serve every length):
     (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim],
     or with an 8-bit cache a pair (values, float32 scales [G, n_layers, chunk pages, page])."""
+    self._drain()
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
       raise ValueError(
@@ -956,6 +1044,7 @@ class Engine:
   def export_request(self, rid: int, with_kv: bool = True) -> KVState:
     """A request's tokens and cached K/V (host arrays; with_kv=False: none, `kv_of` moves them
     device to device), to `import_request` or `reserve_request` elsewhere."""
+    self._drain()
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
       raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request can move")

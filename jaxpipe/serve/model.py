@@ -52,6 +52,7 @@ from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
 RAGGED_BLOCK = 32  # queries per block of a multi-token row (`ragged_paged_attention`'s default)
+RAGGED_BACKENDS = ("xla_ragged", "pallas_ragged")  # the backends that read TokenBatch.seq_*
 
 
 @flax.struct.dataclass
@@ -93,6 +94,9 @@ class TokenBatch:
   seq_starts_B: jax.Array | None = None  # int32 its first token index
   seq_counts_B: jax.Array | None = None  # int32 its tokens this step (0: padding row)
   seq_cached_B: jax.Array | None = None  # int32 its tokens cached before this step
+  # Async scheduling: the token's row in the previous step's sampled tokens, which the host had
+  # not read back when it built this step (-1: tokens_T holds the token); see `serve_step`.
+  prev_T: jax.Array | None = None
 
 
 KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: compute
@@ -179,7 +183,7 @@ class _PagedHook:
   def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK):
     b = self.batch
     offset = self.layer * self.num_pages
-    if self.backend == "xla_ragged":
+    if self.backend in RAGGED_BACKENDS:
       rows = RaggedRows(b.seq_tables_BxN + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
     else:
       rows = (b.tables_TxN + offset, b.positions_T + 1)
@@ -212,8 +216,11 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *
     k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
     k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
   scales = dict(k_scales_GxPxS=k_scales, v_scales_GxPxS=v_scales)
-  if backend == "xla_ragged":
-    o_TxHxK = ragged_paged_attention(q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, **scales)
+  if backend in RAGGED_BACKENDS:
+    kernel = "pallas" if backend == "pallas_ragged" else "xla"
+    o_TxHxK = ragged_paged_attention(
+        q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, kernel=kernel, **scales
+    )
   else:
     o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, *rows, backend=backend, **scales)
   return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
@@ -251,8 +258,8 @@ def forward_paged(
   """
   cfg = serving_config(cfg)
   if batch.seq_counts_B is None:  # tokens not grouped by sequence: a per-token backend
-    if backend == "xla_ragged":
-      raise ValueError("the xla_ragged backend needs the batch's rows (TokenBatch.seq_*)")
+    if backend in RAGGED_BACKENDS:
+      raise ValueError(f"the {backend} backend needs the batch's rows (TokenBatch.seq_*)")
     backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
   else:
     backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size)
@@ -321,6 +328,7 @@ def serve_step(
     kv: KVPages,
     batch: TokenBatch,
     sampling: SamplingBatch,
+    prev_R: jax.Array | None = None,
     *,
     backend: str = "auto",
     mesh: Mesh | None = None,
@@ -329,7 +337,14 @@ def serve_step(
   """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools);
   with logprobs, (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled
   tokens, pools): a few numbers per row, never the logits, for the host to read back. A row
-  whose logits are not all finite samples -1, so that the tokens alone tell the host."""
+  whose logits are not all finite samples -1, so that the tokens alone tell the host.
+
+  prev_R: the previous step's sampled tokens, still on the device: token t of this step is
+  prev_R[batch.prev_T[t]] where prev_T[t] >= 0 (the engine's async scheduling builds step n+1
+  before step n's tokens reach the host)."""
+  if prev_R is not None and batch.prev_T is not None:
+    from_prev_T = prev_R[jnp.maximum(batch.prev_T, 0)]
+    batch = batch.replace(tokens_T=jnp.where(batch.prev_T >= 0, from_prev_T, batch.tokens_T))
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
   sampled_R = sample(logits_RxV, sampling)
   finite_R = jnp.all(jnp.isfinite(logits_RxV), axis=-1)

@@ -196,13 +196,16 @@ def _ids(trace, id_of):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_engine_and_the_simulator_make_the_same_decisions(seed):
   """Requests arriving while others run, a pool that preempts: the engine (no prefix cache: the
-  simulator models none) and a colocated simulated worker with the same budgets step for step."""
+  simulator models none) and a colocated simulated worker with the same budgets step for step.
+  The simulator plans a step after the one before is read back, as the engine without async
+  scheduling does (async, the engine plans step n+1 while step n runs)."""
   prompts, outputs, arrivals = _workload(seed)
   engine = Engine(
       helpers.DENSE,
       helpers.engine_params("dense"),
       num_pages=NUM_PAGES,
       prefix_caching=False,
+      async_scheduling=False,
       **ARGS,
   )
   engine.scheduler.trace = []
