@@ -153,6 +153,12 @@ flags.DEFINE_integer("peer_rounds", 3, "--peer: timed rounds of every engine.", 
 flags.DEFINE_float(
     "peer_timeout", 900, "--peer: seconds for a vLLM start or round.", flag_values=FLAGS
 )
+flags.DEFINE_float(
+    "peer_settle",
+    2.0,
+    "--peer: seconds of rest before each engine's round (vLLM's idle workers spin for 1 s).",
+    flag_values=FLAGS,
+)
 # colocated vs disaggregated (--mode)
 flags.DEFINE_string(
     "mode",

@@ -18,8 +18,11 @@ max_num_seqs and max_num_batched_tokens), chunked prefill, the same KV memory.
 
 Each engine serves the workload once untimed (compiling what it needs), then `--peer_rounds`
 rounds each run every engine once, the order rotated by one per round, so that load on the
-shared machine drifts over all alike. Per engine: generated tokens/s (all tokens over the time
-from submission to the last token; median over rounds), TTFT and TPOT percentiles (TPOT =
+shared machine drifts over all alike. Each round of an engine starts after `--peer_settle`
+seconds of rest (default 2): a vLLM worker busy-waits on its shared-memory queue for a second
+after its last step (vLLM's `SpinCondition`, `busy_loop_s=1`), which measured here took a core
+for 1.0 of the next engine's 2.1-2.4 s round. Per engine: generated tokens/s (all tokens over
+the time from submission to the last token; median over rounds), TTFT and TPOT percentiles (TPOT =
 (last - first) / (tokens - 1), `serve.slo`; token times are when each engine's step returned
 them to the host), and vLLM's tokens/s over jaxpipe's in the same round (median, lowest-highest).
 Greedy tokens are compared too (random weights put top logits close, so float32 rounding can
@@ -131,6 +134,8 @@ def check_peer_args(args) -> list[str]:
   for name in ("requests", "peer_rounds", "max_batch", "token_budget", "page_size"):
     if getattr(args, name) < 1:
       raise app.UsageError(f"--{name}={getattr(args, name)} must be at least 1")
+  if args.peer_settle < 0:
+    raise app.UsageError(f"--peer_settle={args.peer_settle} must be at least 0 (seconds)")
   if args.peer_timeout <= 0:
     raise app.UsageError(f"--peer_timeout={args.peer_timeout} must be > 0 seconds")
   for name in ("prompt", "output"):
@@ -464,6 +469,7 @@ def run(args, present: Sequence[str]) -> None:
       for r in range(args.peer_rounds):
         load = os.getloadavg()[0]
         for name in rotated(names, r):
+          time.sleep(args.peer_settle)  # the last engine's idle spinning over
           raw[name].append(jaxpipe.run_round() if name == JAXPIPE else peers[name].run_round())
         print(
             f"# round {r + 1}/{args.peer_rounds}: load {load:.1f} -> {os.getloadavg()[0]:.1f}; "

@@ -101,6 +101,7 @@ def script(path, body: str) -> str:
         ("--peer vllm --peer_python P --peer_rounds 0", "--peer_rounds=0 must be at least 1"),
         ("--peer vllm --peer_python P --max_batch 0", "--max_batch=0 must be at least 1"),
         ("--peer vllm --peer_python P --peer_timeout 0", "--peer_timeout=0.0 must be > 0"),
+        ("--peer vllm --peer_python P --peer_settle -1", "--peer_settle=-1.0 must be at least 0"),
         ("--peer vllm --peer_python P --prompt 9:2", "--prompt: length spec '9:2' needs"),
         ("--peer vllm --peer_python P --mode colocated", "--peer runs alone; leave out --mode"),
     ],
