@@ -252,3 +252,32 @@ def test_engine_on_gpu_equals_recompute_oracle():
   assert engine.backend == "pallas"
   prompts = helpers.prompts(seed=6)
   assert engine.generate(prompts, max_tokens=10) == helpers.oracle("dense", prompts, 10)
+
+
+def test_compiled_rows_kernel_and_the_engine_on_it():
+  """The rows kernel (`pallas_ragged`) compiled: every query of prefill blocks after a cached
+  prefix against the per-token gather reference, then the engine on it against the recompute
+  oracle."""
+  from jaxpipe.ops import attention as attn
+  from jaxpipe.serve import Engine
+
+  q, k, v, tables, _ = helpers.paged_inputs([300, 77, 129, 512], 32, 8, head_dim=128, page=16)
+  counts = np.asarray([64, 77, 1, 33], np.int32)
+  cached = np.asarray([236, 0, 128, 479], np.int32)
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+  rows = attn.RaggedRows(jnp.asarray(tables), jnp.asarray(starts), counts, cached)
+  q_TxHxK = np.random.default_rng(1).standard_normal((int(counts.sum()), 32, 128), np.float32)
+  got = attn.ragged_paged_attention(q_TxHxK, k, v, rows, kernel="pallas")
+  row = np.repeat(np.arange(4), counts)
+  lens = np.concatenate([np.arange(c, c + n) + 1 for c, n in zip(cached, counts)]).astype(np.int32)
+  want = attn.paged_attention(q_TxHxK, k, v, tables[row], lens, backend="xla")
+  assert helpers.rel(got, want) < 1e-5
+  engine = Engine(
+      helpers.CONFIGS["dense"],
+      helpers.engine_params("dense"),
+      num_pages=17,
+      attention="pallas_ragged",
+      **helpers.ENGINE_ARGS,
+  )
+  prompts = helpers.prompts(seed=6)
+  assert engine.generate(prompts, max_tokens=10) == helpers.oracle("dense", prompts, 10)
