@@ -382,21 +382,20 @@ def ragged_paged_attention(
           sm_scale=sm_scale,
           interpret=_gpu_major() is None,
       )
-      at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
-      return o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")
-    o_NBxQxHxK = _block_attention(
-        q_TxHxK,
-        k_pages_GxPxSxK,
-        v_pages_GxPxSxK,
-        k_scales_GxPxS,
-        v_scales_GxPxS,
-        rows.tables_BxN[row_NB],
-        index_NBxQ,
-        pos_NBxQ,
-        sm_scale,
-        key_chunk=key_chunk,
-        pairs=pairs,
-    )
+    else:
+      o_NBxQxHxK = _block_attention(
+          q_TxHxK,
+          k_pages_GxPxSxK,
+          v_pages_GxPxSxK,
+          k_scales_GxPxS,
+          v_scales_GxPxS,
+          rows.tables_BxN[row_NB],
+          index_NBxQ,
+          pos_NBxQ,
+          sm_scale,
+          key_chunk=key_chunk,
+          pairs=pairs,
+      )
     at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
     return o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")
 

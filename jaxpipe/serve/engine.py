@@ -703,13 +703,11 @@ class Engine:
     call before (or now, when none is in flight), and it leaves the next one in flight."""
     if not self.async_scheduling:
       return self.collect(self.launch())
-    out, self._early = self._early, {}
-    launched = self._inflight or self.launch()
-    self._inflight = None
+    launched, self._inflight = self._inflight or self.launch(), None
     if launched is not None:
       self._inflight = self.launch(after=launched)  # while `launched` runs on the devices
-      for rid, tokens in self.collect(launched).items():
-        out.setdefault(rid, []).extend(tokens)
+      self._collect_early(launched)
+    out, self._early = self._early, {}
     return out
 
   def _drain(self) -> None:
@@ -717,8 +715,12 @@ class Engine:
     what reads or moves a request's tokens or pages from outside a step calls it first."""
     launched, self._inflight = self._inflight, None
     if launched is not None:
-      for rid, tokens in self.collect(launched).items():
-        self._early.setdefault(rid, []).extend(tokens)
+      self._collect_early(launched)
+
+  def _collect_early(self, launched: _Launched) -> None:
+    """`collect`, its tokens added to those the next `step` returns."""
+    for rid, tokens in self.collect(launched).items():
+      self._early.setdefault(rid, []).extend(tokens)
 
   def launch(self, after: _Launched | None = None) -> _Launched | None:
     """Schedules an iteration and dispatches it without waiting for it (None: nothing to do).
@@ -753,7 +755,7 @@ class Engine:
     prev_T = np.full(t, -1, np.int32)
     row_in_after = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
     per_token = self.backend not in model_lib.RAGGED_BACKENDS  # only these read tables_TxN
-    sampled, index, at = [], [], 0
+    sampled, at = [], 0
     for i, (r, n) in enumerate(plan):
       table = np.asarray(r.pages, np.int32)
       seq_tables[i, : len(table)] = table
@@ -783,7 +785,6 @@ class Engine:
           ids = sorted(set(r.stop_ids))
           banned[j, : len(ids)] = ids
         sampled.append(r)
-        index.append(len(r.output))
     self._flush_fills()
     batch = model_lib.TokenBatch(
         tokens,
@@ -822,6 +823,7 @@ class Engine:
       if len(r.output) >= r.max_tokens:
         self.scheduler.remove(r)
         r.state = FINISHING
+    index = out_index[: len(sampled)].tolist()
     return _Launched(plan, sampled, t, t_real, index, n_pages, new_R, finite_R, logprobs)
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
@@ -844,7 +846,7 @@ class Engine:
       if r.state == FINISHED:  # cancelled, or (async) stopped by its token of the step before
         continue
       if new_R[j] < 0:  # serve_step's mark of non-finite logits
-        r.error = f"non-finite logits at output token {len(r.output)}; the request was stopped"
+        r.error = f"non-finite logits at output token {k}; the request was stopped"
         self.scheduler.remove(r)
         self._finish(r, "error")
         continue

@@ -114,20 +114,26 @@ def test_block_counts_cover_any_step():
       assert sum(-(-c // q) for c in multi) <= blocks
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_engine_greedy_equals_recompute_oracle(devices):
-  """Preemption, prefix hits, copy-on-write and NaN in freed pages, with the KV heads split over
-  `devices` devices."""
+def _engine(attention: str, devices: int = 1) -> Engine:
+  """A small pool (preemption happens) whose freed pages are NaN, on `attention`."""
   engine = Engine(
       helpers.DENSE,
       helpers.engine_params("dense"),
       num_pages=17,
       nan_freed_pages=True,
-      attention="xla_ragged",
+      attention=attention,
       devices=jax.devices()[:devices],
       **helpers.ENGINE_ARGS,
   )
-  assert engine.backend == "xla_ragged"
+  assert engine.backend == attention
+  return engine
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_engine_greedy_equals_recompute_oracle(devices):
+  """Preemption, prefix hits, copy-on-write and NaN in freed pages, with the KV heads split over
+  `devices` devices."""
+  engine = _engine("xla_ragged", devices)
   prompts = helpers.prompts()
   got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 10)
@@ -139,15 +145,7 @@ def test_engine_greedy_equals_recompute_oracle(devices):
 def test_engine_on_the_rows_kernel_equals_recompute_oracle():
   """`attention='pallas_ragged'` (the rows kernel, interpreted here): prefill chunks beside
   decode rows, a prefix-cache hit, freed pages NaN; greedy tokens equal the recompute oracle."""
-  engine = Engine(
-      helpers.DENSE,
-      helpers.engine_params("dense"),
-      num_pages=17,
-      nan_freed_pages=True,
-      attention="pallas_ragged",
-      **helpers.ENGINE_ARGS,
-  )
-  assert engine.backend == "pallas_ragged"
+  engine = _engine("pallas_ragged")
   prompts = [helpers.prompts()[i] for i in (2, 5, 0)]  # 2 and 5 share two full pages
   got = helpers.serve_arrivals(engine, prompts, max_tokens=4, first=1, per_arrival=1, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 4)
