@@ -358,6 +358,9 @@ def test_zb_v_pipeline_with_ep_and_cp_matches_transformers_reading_each_tensor_o
   _assert_bit_equal(_weights(case.src), _weights(out))
 
 
+# Half a minute of subprocesses: -m slow. CI keeps the import, export and ZB-V pipeline against
+# transformers in process (the tests above) and the CLI's own training paths (tests/test_train.py).
+@pytest.mark.slow
 def test_cli_fine_tunes_an_imported_mixtral_with_zb_v_and_exports_it(cases, tmp_path):
   case = cases["mixtral"]
   workdir, dst = str(tmp_path / "run"), str(tmp_path / "out")

@@ -150,6 +150,9 @@ def test_pipeline_value_and_grad_across_processes_equals_one_process(tmp_path):
       np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6 * scale, err_msg=name)
 
 
+# Two minutes of four launches: -m slow. CI keeps the failed write on one process (both save
+# modes), the hung rank, the pipeline across processes, and one process's signals (test_train).
+@pytest.mark.slow
 def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   """2 processes (pp across) stopped by SIGTERM to the launcher; resumed in 1 process, SIGTERM;
   resumed in 2 (dp across), SIGTERM to rank 1 alone; resumed in 2, rank 1 killed with -9. Every
