@@ -21,7 +21,9 @@ rounds each run every engine once, the order rotated by one per round, so that l
 shared machine drifts over all alike. Each round of an engine starts after `--peer_settle`
 seconds of rest (default 2): a vLLM worker busy-waits on its shared-memory queue for a second
 after its last step (vLLM's `SpinCondition`, `busy_loop_s=1`), which measured here took a core
-for 1.0 of the next engine's 2.1-2.4 s round. Per engine: generated tokens/s (all tokens over
+for 1.0 of the next engine's 2.1-2.4 s round. The vLLM processes whose turn it is not are
+stopped (SIGSTOP) for the round and continued after: idle, a vLLM worker's gloo threads still
+wake about 100 times a second each. Per engine: generated tokens/s (all tokens over
 the time from submission to the last token; median over rounds), TTFT and TPOT percentiles (TPOT =
 (last - first) / (tokens - 1), `serve.slo`; token times are when each engine's step returned
 them to the host), and vLLM's tokens/s over jaxpipe's in the same round (median, lowest-highest).
@@ -287,6 +289,7 @@ class Peer:
         env={**os.environ, **env},
         start_new_session=True,  # its engine and worker processes in a group of their own
     )
+    self.paused = False
     self._lines: queue.Queue[str | None] = queue.Queue()
     self._other: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
@@ -334,9 +337,18 @@ class Peer:
     self.proc.stdin.flush()
     return self.expect("round")
 
+  def pause(self, paused: bool) -> None:
+    """Stops (SIGSTOP) or continues (SIGCONT) its whole process group. Idle, a vLLM worker's
+    gloo threads still wake about 100 times a second each, and each wake-up takes a core from
+    the engine whose round is running."""
+    if paused != self.paused and self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+    self.paused = paused
+
   def close(self) -> None:
     """Asks it to quit; ends its process group if it has not within 60 s."""
     try:
+      self.pause(False)  # a stopped process cannot read its quit line
       if self.proc.poll() is None:
         self.proc.stdin.write("quit\n")
       self.proc.stdin.close()
@@ -470,6 +482,8 @@ def run(args, present: Sequence[str]) -> None:
         load = os.getloadavg()[0]
         for name in rotated(names, r):
           time.sleep(args.peer_settle)  # the last engine's idle spinning over
+          for other, peer in peers.items():  # only this round's engine is awake
+            peer.pause(other != name)
           raw[name].append(jaxpipe.run_round() if name == JAXPIPE else peers[name].run_round())
         print(
             f"# round {r + 1}/{args.peer_rounds}: load {load:.1f} -> {os.getloadavg()[0]:.1f}; "

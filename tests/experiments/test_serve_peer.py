@@ -8,6 +8,7 @@ import os
 import stat
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -175,6 +176,32 @@ def test_a_round_through_the_stand_in(fake_vllm, tmp_path):
   assert kw["max_num_seqs"] == 3 and kw["max_num_batched_tokens"] == 8
   assert kw["enable_prefix_caching"] is False and kw["kv_cache_memory_bytes"] == 12345
   assert kw["skip_tokenizer_init"] and kw["dtype"] == "float32" and kw["max_model_len"] == 16
+
+
+def _state(pid: int) -> str:
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_paused_peer_is_stopped_then_runs_and_quits(fake_vllm, tmp_path):
+  """pause(True) stops the peer's process (state T) while another engine's round runs;
+  pause(False) continues it, and a peer closed while paused is continued to read its quit."""
+  spec = tmp_path / "spec.json"
+  spec.write_text(json.dumps(SPEC))
+  peer = serve_peer.Peer(sys.executable, str(spec), {}, str(tmp_path / "log"), timeout=60)
+  try:
+    assert _state(peer.proc.pid) in "RS"
+    peer.pause(True)
+    deadline = time.monotonic() + 10
+    while _state(peer.proc.pid) != "T" and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert _state(peer.proc.pid) == "T"
+    peer.pause(False)
+    assert peer.run_round()["tokens"] == [[8, 9, 10], [10], [3, 4]]
+    peer.pause(True)
+  finally:
+    peer.close()
+  assert peer.proc.returncode == 0
 
 
 def test_a_peer_that_dies_says_why(fake_vllm, tmp_path, monkeypatch):
