@@ -138,7 +138,8 @@ def _check(cfg, ep, result, expect_drops=False, rtol=1e-5):
 
 @pytest.mark.parametrize(
     # ep = 4 and 8 (a minute) run with -m slow: ep = 2 already splits the experts over ranks
-    "ep", [1, 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+    "ep",
+    [1, 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
 )
 def test_layer_equals_dense_reference(ep):
   """Dropless exactly; capacity mode exactly with the dropped assignments zeroed, count checked."""
