@@ -39,6 +39,7 @@ OMP_NUM_THREADS=N; OMP_NUM_THREADS alone is overridden by the binding).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,7 +50,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from absl import app
@@ -426,6 +427,27 @@ class Jaxpipe:
     }
 
 
+@contextlib.contextmanager
+def peers_closed() -> Iterator[dict[str, Peer]]:
+  """A dict to hold the run's peers; every one is closed on the way out, also on an error,
+  Ctrl-C or SIGTERM (raised as SystemExit meanwhile): a peer stopped by `Peer.pause` would
+  otherwise outlive the bench, stopped for good, its stdin's end never read."""
+
+  def exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)
+
+  previous = signal.signal(signal.SIGTERM, exit_on_term)
+  peers: dict[str, Peer] = {}
+  try:
+    yield peers
+  finally:
+    try:
+      for p in peers.values():
+        p.close()
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+
+
 def rotated(items: list, r: int) -> list:
   k = r % len(items)
   return items[k:] + items[:k]
@@ -460,8 +482,7 @@ def run(args, present: Sequence[str]) -> None:
           },
           f,
       )
-    peers: dict[str, Peer] = {}
-    try:
+    with peers_closed() as peers:
       for entry in threads:
         log = os.path.join(tempfile.gettempdir(), f"serve_peer_vllm_{entry}.log")
         started = time.perf_counter()
@@ -493,9 +514,6 @@ def run(args, present: Sequence[str]) -> None:
             ),
             flush=True,
         )
-    finally:
-      for p in peers.values():
-        p.close()
   report(args, raw, work, length, load0, jax.devices()[0].device_kind)
 
 

@@ -5,7 +5,9 @@ by the peer's own `write` (transformers), its greedy tokens equal transformers' 
 
 import json
 import os
+import signal
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -15,6 +17,7 @@ import pytest
 
 from experiments import serve_bench, serve_peer, vllm_peer
 from jaxpipe.runtime import cli
+from tests import helpers
 
 # A stand-in for vLLM 0.32's offline API as vllm_peer.py uses it: LLM(**kwargs).llm_engine with
 # add_request / step / has_unfinished_requests; one token per request per step, token = prompt's
@@ -202,6 +205,43 @@ def test_a_paused_peer_is_stopped_then_runs_and_quits(fake_vllm, tmp_path):
   finally:
     peer.close()
   assert peer.proc.returncode == 0
+
+
+_HOLDS_A_PAUSED_PEER = """
+import sys, time
+from experiments import serve_peer
+with serve_peer.peers_closed() as peers:
+  peers["x"] = serve_peer.Peer(sys.executable, sys.argv[1], {}, sys.argv[2], timeout=60)
+  peers["x"].pause(True)
+  print(peers["x"].proc.pid, flush=True)
+  time.sleep(120)
+"""
+
+
+def test_sigterm_to_the_bench_continues_and_closes_a_paused_peer(fake_vllm, tmp_path):
+  """SIGTERM while a peer is stopped: the bench exits and the peer with it, not left stopped."""
+  spec = tmp_path / "spec.json"
+  spec.write_text(json.dumps(SPEC))
+  bench = subprocess.Popen(
+      [sys.executable, "-c", _HOLDS_A_PAUSED_PEER, str(spec), str(tmp_path / "log")],
+      cwd=helpers.ROOT,
+      stdout=subprocess.PIPE,
+      text=True,
+  )
+  pid = None
+  try:
+    pid = int(bench.stdout.readline())
+    deadline = time.monotonic() + 10
+    while _state(pid) != "T" and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert _state(pid) == "T"
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not os.path.exists(f"/proc/{pid}")  # continued, quit and reaped
+  finally:
+    bench.kill()
+    if pid is not None and os.path.exists(f"/proc/{pid}"):  # the failure's stopped leftover
+      os.killpg(pid, signal.SIGKILL)
 
 
 def test_a_peer_that_dies_says_why(fake_vllm, tmp_path, monkeypatch):
