@@ -270,16 +270,16 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   """Trains one cell, measures its costs beside its own step, predicts; -> its result row."""
   workdir = os.path.join(out, cell.dirname)
   os.makedirs(workdir, exist_ok=True)
-  overrides = (
-      fixed
-      + cell.args()
-      + [
-          f"--config.train.steps={args.steps}",
-          f"--config.train.log_every={args.log_every}",
-          "--config.train.eval_every=0",
-          "--config.checkpoint.every=0",
-      ]
-  )
+  # The measurement below gets the same train settings: the learning-rate schedule (over
+  # train.steps) is part of the step's program, so its step is the cell's own and is read from
+  # the compilation cache the run just filled instead of compiled again.
+  train = [
+      f"--config.train.steps={args.steps}",
+      f"--config.train.log_every={args.log_every}",
+      "--config.train.eval_every=0",
+      "--config.checkpoint.every=0",
+  ]
+  overrides = fixed + cell.args() + train
   row = {"cell": cell.name, "status": "failed", "load": load_average()}
   rc, last = run(
       [sys.executable, "-m", "jaxpipe.train", "--config", args.config, "--workdir", workdir]
@@ -309,7 +309,7 @@ def run_cell(cell: Cell, args, fixed: list[str], gin: list[str], out: str) -> di
   if resolved.mesh.pp > 1:
     # what auto chose runs as a named schedule from here on
     chosen = [f"--config.pipeline.{k}={p[k]}" for k in ("schedule", "microbatches", "chunks")]
-    predict_cell(row, resolved, fixed + cell.args() + chosen + gin, args, workdir)
+    predict_cell(row, resolved, fixed + cell.args() + chosen + train + gin, args, workdir)
   return row
 
 

@@ -108,6 +108,10 @@ def test_sweep_runs_cells_records_failures_and_resumes(swept):
     assert float(r["predicted_ms"]) == pytest.approx(1e3 * pred.cpu_s)  # CPU: shared cores
     assert float(r["paired_ms"]) == pytest.approx(1e3 * paired["step_cpu_s"])
   assert os.path.getsize(os.path.join(out, "sweep.png")) > 0
+  # each cell's measurement times the cell's own step (same train settings, so the same
+  # program): one train step compiled per cell, the second read from the compilation cache
+  cached = os.listdir(env["JAX_COMPILATION_CACHE_DIR"])
+  assert sum(f.startswith("jit_train_step-") for f in cached) == len(MICROBATCHES), cached
   with open(os.path.join(out, "sweep.md")) as f:
     assert f"| microbatches={FAILS} | failed: train exited 2: error: data.batch=16" in f.read()
   # the same command again: finished cells are skipped, the failed one runs again
