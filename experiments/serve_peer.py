@@ -453,6 +453,29 @@ def rotated(items: list, r: int) -> list:
   return items[k:] + items[:k]
 
 
+def alternate(jaxpipe, peers: dict, rounds: int, settle: float) -> dict[str, list[dict]]:
+  """`rounds` rounds, each engine's workload once per round in turn (`rotated`), after `settle`
+  seconds of rest, with every peer but the one whose turn it is stopped (`Peer.pause`): ->
+  {engine: its round results}."""
+  names = [JAXPIPE, *peers]
+  raw = {n: [] for n in names}
+  for r in range(rounds):
+    load = os.getloadavg()[0]
+    for name in rotated(names, r):
+      time.sleep(settle)  # the last engine's idle spinning over
+      for other, peer in peers.items():  # only this round's engine is awake
+        peer.pause(other != name)
+      raw[name].append(jaxpipe.run_round() if name == JAXPIPE else peers[name].run_round())
+    print(
+        f"# round {r + 1}/{rounds}: load {load:.1f} -> {os.getloadavg()[0]:.1f}; "
+        + ", ".join(
+            f"{n} {round_figures(raw[n][-1]['times'])['tokens_per_s']:,.0f} tok/s" for n in names
+        ),
+        flush=True,
+    )
+  return raw
+
+
 def run(args, present: Sequence[str]) -> None:
   """The whole comparison (the module docstring); prints its tables."""
   import jax
@@ -497,23 +520,7 @@ def run(args, present: Sequence[str]) -> None:
       started = time.perf_counter()
       jaxpipe.run_round()  # compiles the step programs the workload needs
       print(f"# jaxpipe: warm-up round {time.perf_counter() - started:.0f} s", flush=True)
-      names = [JAXPIPE, *peers]
-      raw = {n: [] for n in names}
-      for r in range(args.peer_rounds):
-        load = os.getloadavg()[0]
-        for name in rotated(names, r):
-          time.sleep(args.peer_settle)  # the last engine's idle spinning over
-          for other, peer in peers.items():  # only this round's engine is awake
-            peer.pause(other != name)
-          raw[name].append(jaxpipe.run_round() if name == JAXPIPE else peers[name].run_round())
-        print(
-            f"# round {r + 1}/{args.peer_rounds}: load {load:.1f} -> {os.getloadavg()[0]:.1f}; "
-            + ", ".join(
-                f"{n} {round_figures(raw[n][-1]['times'])['tokens_per_s']:,.0f} tok/s"
-                for n in names
-            ),
-            flush=True,
-        )
+      raw = alternate(jaxpipe, peers, args.peer_rounds, args.peer_settle)
   report(args, raw, work, length, load0, jax.devices()[0].device_kind)
 
 

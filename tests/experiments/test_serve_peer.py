@@ -244,6 +244,42 @@ def test_sigterm_to_the_bench_continues_and_closes_a_paused_peer(fake_vllm, tmp_
       os.killpg(pid, signal.SIGKILL)
 
 
+class _Turns:
+  """A stand-in engine: its round records which peers were stopped while it ran."""
+
+  def __init__(self, name, log, peers):
+    self.name, self.log, self.peers, self.stopped = name, log, peers, False
+
+  def pause(self, stop: bool):
+    self.stopped = stop
+
+  def run_round(self):
+    assert not self.stopped, f"{self.name} ran while stopped"
+    self.log.append((self.name, sorted(n for n, p in self.peers.items() if p.stopped)))
+    return {"times": [[0.1, 0.2]]}
+
+
+def test_each_round_stops_every_peer_but_the_one_whose_turn_it_is(capsys):
+  log, peers = [], {}
+  for name in ("vllm-auto", "vllm-2"):
+    peers[name] = _Turns(name, log, peers)
+  raw = serve_peer.alternate(_Turns(serve_peer.JAXPIPE, log, peers), peers, rounds=3, settle=0)
+  assert {n: len(r) for n, r in raw.items()} == {serve_peer.JAXPIPE: 3, "vllm-auto": 3, "vllm-2": 3}
+  everyone = ["vllm-2", "vllm-auto"]
+  assert log == [  # turns rotate by one a round; jaxpipe runs with both peers stopped
+      (serve_peer.JAXPIPE, everyone),
+      ("vllm-auto", ["vllm-2"]),
+      ("vllm-2", ["vllm-auto"]),
+      ("vllm-auto", ["vllm-2"]),
+      ("vllm-2", ["vllm-auto"]),
+      (serve_peer.JAXPIPE, everyone),
+      ("vllm-2", ["vllm-auto"]),
+      (serve_peer.JAXPIPE, everyone),
+      ("vllm-auto", ["vllm-2"]),
+  ]
+  assert capsys.readouterr().out.count("# round ") == 3
+
+
 def test_a_peer_that_dies_says_why(fake_vllm, tmp_path, monkeypatch):
   monkeypatch.setenv("FAKE_VLLM_DIE", "1")
   spec = tmp_path / "spec.json"
