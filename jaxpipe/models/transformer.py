@@ -76,7 +76,8 @@ class TransformerConfig:
   fp8_margin: int = 0  # delayed: scale = fp8_max / amax / 2^margin
   fp8_amax: str = "max"  # delayed: amax from the history's 'max' or its 'most_recent' entry
   # a stack of at most this many layers (MoE: groups) runs unrolled, no residual stacked and
-  # copied; a longer one, or any under remat, as a lax.scan loop (0: always the loop)
+  # copied; a longer one, any under remat, or under fsdp (one layer gathered at a time), as a
+  # lax.scan loop (0: always the loop). Pipelined stages run their layers their own way.
   unroll_layers: int = 0
 
   def __post_init__(self):
@@ -488,12 +489,18 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
   if cfg.remat is True:  # 'selective' is the attention core's own (Attention)
     body = jax.checkpoint(body)
   units = jax.tree.leaves(layers)[0].shape[0]
-  # Unrolled, each residual stays where its layer made it; a scan stacks them in buffers it
-  # fills, writes slice by slice and the backward reads back. Not under remat: unrolled, XLA
-  # schedules the recomputation beside the forward and keeps what remat would free.
-  unroll = units if 0 < units <= cfg.unroll_layers and cfg.remat is False else 1
-  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers, unroll=unroll)
+  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers, unroll=stack_unroll(cfg, units))
   return x_BxLxD, {} if aux is None else aux
+
+
+def stack_unroll(cfg: TransformerConfig, units: int) -> int:
+  """The `unroll` of a `lax.scan` over a stack of `units` layers (MoE: groups): all of them
+  where `cfg.unroll_layers` allows, else 1 (a loop).
+
+  Unrolled, each residual stays where its layer made it; a scan stacks them in buffers it
+  fills, writes slice by slice and the backward reads back. Not under remat: unrolled, XLA
+  schedules the recomputation beside the forward and keeps what remat would free."""
+  return units if 0 < units <= cfg.unroll_layers and cfg.remat is False else 1
 
 
 def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:

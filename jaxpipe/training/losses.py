@@ -215,11 +215,14 @@ def context_parallel_loss_and_grads(
       )
     else:  # transformer.apply_layers, keeping each MoE group's statistics
       body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
+    unroll = 1  # fsdp: a loop, so that one layer at a time is gathered whole
     if layer_specs is not None:
       body = zero.local_layer_scan(cfg, body, layer_specs)
-    elif cfg.remat is True:
-      body = jax.checkpoint(body)
-    x_BxSxD, aux = jax.lax.scan(body, x_BxSxD, layers)
+    else:
+      unroll = transformer.stack_unroll(cfg, jax.tree.leaves(layers)[0].shape[0])
+      if cfg.remat is True:
+        body = jax.checkpoint(body)
+    x_BxSxD, aux = jax.lax.scan(body, x_BxSxD, layers, unroll=unroll)
     return x_BxSxD, {} if aux is None else aux
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, specs=None):

@@ -286,3 +286,24 @@ def test_routing_statistics_and_bias_step_are_the_same_on_every_path(every_path,
     assert float(metrics["moe_dropped_frac"]) == 0.0, name
     helpers.close(metrics["moe_aux_loss"], want_aux, f"{name}: aux loss")
     np.testing.assert_allclose(metrics["bias"], want_bias, rtol=0, atol=1e-7, err_msg=name)
+
+
+def test_the_context_parallel_path_unrolls_its_layer_groups():
+  """model.unroll_layers on the shard_map path (cp 2, MoE): its layer groups leave the while
+  loop, and the loss and gradients are the loop's."""
+  got, whiles = {}, {}
+  for unroll in (0, 16):
+    c = helpers.path_config(cp=2)
+    c.model.unroll_layers = unroll
+    trainer = Trainer(c)
+    params = helpers.random_params(trainer.model_cfg)
+    batch = trainer.source.batch("train", 0, 16, 8)
+    step = jax.jit(trainer.loss_and_grads)
+    whiles[unroll] = step.lower(params, batch).as_text().count("stablehlo.while")
+    got[unroll] = jax.device_get(step(params, batch)[:2])
+  assert whiles[16] < whiles[0], whiles  # the micro-batch loop stays
+  (loss, grads), (want_loss, want_grads) = got[16], got[0]
+  helpers.close(loss, want_loss, "loss")
+  want_flat = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path))
