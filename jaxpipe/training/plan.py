@@ -21,6 +21,7 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from jaxpipe.models import transformer
 from jaxpipe.pipeline.ir import layout as L
 from jaxpipe.training import config as config_lib
 
@@ -44,6 +45,24 @@ shapes). Far more than the 4 + 1 + 3 a GPU keeps: the backward's own temporaries
 are live at once in XLA:CPU's buffer assignment. `tp_d` was fitted once to the quickstart at
 tp 2 (the row-parallel partial sums and replicated inputs XLA:CPU keeps beside the reduced
 ones); the other tensor-parallel layouts check it."""
+CPU_ACTIVATIONS_UNROLLED = L.Activations(
+    d=5.6,
+    attn=1.5,
+    ffn=5.15,
+    expert_in=13.5,
+    scores=2.0,
+    logits=0.9,
+    work=0.3,
+    cp_attn=0.0,
+    tp_d=0.36,
+    padded_experts=True,
+)
+"""The same for a layer stack that runs unrolled (`model.unroll_layers`, `unrolled`): each
+layer's residuals stay where it made them instead of in the loop's stacks, so fewer copies are
+live. Fitted the same way, to the quickstart with its 4 layers unrolled (dp 8 at batch 8, 16,
+32, d_ff 768, seq_len 256, vocabulary 1,024; d and attn in the loop's ratio); `tp_d` to tp 2,
+`expert_in` to the MoE quickstart at ep 2. Ulysses' buffers add nothing here (the fit at cp 2
+gave -0.1)."""
 CPU_UPDATE_BYTES = 1.0  # bytes per parameter XLA:CPU adds for the optimizer update, same fit
 CPU_FIXED_BYTES = 40_000  # without a pipeline, per device whatever the shapes: tiny at dp 8
 # Host devices are threads of one process: collectives are copies in shared memory. Only the
@@ -105,11 +124,26 @@ def layout_of(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Layout:
   )
 
 
+def unrolled(config: ml_collections.ConfigDict, mesh_shape: dict) -> bool:
+  """Whether the config's train step runs its layer stack unrolled (`model.unroll_layers`):
+  without a pipeline, fsdp or remat, a stack of at most that many layers (MoE: groups)."""
+  if mesh_shape["pp"] > 1 or config.optimizer.shard == "fsdp":
+    return False
+  cfg = config_lib.model_config(config)
+  units = cfg.n_layers // (cfg.moe.every if cfg.moe is not None else 1)
+  return units > 1 and transformer.stack_unroll(cfg, units) == units
+
+
 def predict(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Memory:
   """The planner's per-device bytes for a jaxpipe config on XLA:CPU host devices (float32)."""
   model, layout = model_of(config), layout_of(config, mesh_shape)
   batch = L.Batch(config.data.batch, config.data.seq_len)
-  mem = L.memory(model, layout, batch, L.FP32, CPU_ACTIVATIONS)
+  acts = CPU_ACTIVATIONS
+  if unrolled(config, mesh_shape):
+    acts = CPU_ACTIVATIONS_UNROLLED
+    if layout.shard == "zero2":  # measured: XLA:CPU then keeps the gradients whole, as zero1
+      layout = dataclasses.replace(layout, shard="zero1")
+  mem = L.memory(model, layout, batch, L.FP32, acts)
   tokens_bytes = 3 * 4 * batch.sequences * batch.seq_len / (layout.dp * layout.ep * layout.cp)
   update = CPU_UPDATE_BYTES * mem.params + (CPU_FIXED_BYTES if layout.pp == 1 else 0)
   return dataclasses.replace(mem, buffers=mem.buffers + update, batch=tokens_bytes)
