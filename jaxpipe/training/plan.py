@@ -129,9 +129,8 @@ def unrolled(config: ml_collections.ConfigDict, mesh_shape: dict) -> bool:
   without a pipeline, fsdp or remat, a stack of at most that many layers (MoE: groups)."""
   if mesh_shape["pp"] > 1 or config.optimizer.shard == "fsdp":
     return False
-  cfg = config_lib.model_config(config)
-  units = cfg.n_layers // (cfg.moe.every if cfg.moe is not None else 1)
-  return units > 1 and transformer.stack_unroll(cfg, units) == units
+  units = config_lib.layer_units(config)
+  return units > 1 and transformer.stack_unroll(config_lib.model_config(config), units) == units
 
 
 def predict(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Memory:
