@@ -91,6 +91,15 @@ def test_the_planner_prices_the_stack_as_the_step_runs_it():
   loop = _config(False)
   loop.model.unroll_layers = 0
   assert plan.predict(c, shape).activations < plan.predict(loop, shape).activations
+  # unrolled, zero2 keeps its gradients whole (measured): priced as zero1; in the loop, less
+  total = {}
+  for unroll in (16, 0):
+    for shard in ("zero1", "zero2"):
+      x = _config(False)
+      x.model.unroll_layers, x.optimizer.shard = unroll, shard
+      total[unroll, shard] = plan.predict(x, shape).total
+  assert total[16, "zero2"] == total[16, "zero1"]
+  assert total[0, "zero2"] < total[0, "zero1"]
 
 
 def test_the_search_ranges_over_the_splits_priced_as_stored():
