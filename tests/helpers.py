@@ -572,3 +572,64 @@ def serve_arrivals(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, f
     step += 1
   done = {r.id: r for r in engine.finished()}
   return [done[i] for i in ids]
+
+
+# --- from serve/test_ragged.py ------------------------------------------------------------------
+
+
+def ragged_case():
+  """One step of five sequences in a flat batch of 40 tokens (pages of 4; 2 KV heads, 6 query
+  heads, head dim 16), three padding rows and padding tokens at the end, NaN in every slot no
+  row owns: (q, k pages, v pages, rows, per-token tables, per-token lengths, live tokens)."""
+  from jaxpipe.ops.attention import RaggedRows
+
+  s, g, h, d = 4, 2, 6, 16  # page size, KV heads, query heads (GQA: 3 per KV head), head dim
+  t, b, n = 40, 8, 6  # step tokens (padded), rows (padded), pages per block table
+  # (pages, tokens cached before the step, tokens in the step)
+  seqs = [
+      ([3, 9], 0, 7),  # a first chunk ending mid-page
+      ([1, 4, 12], 9, 1),  # a decode row
+      ([5, 7, 2], 5, 6),  # a later chunk over a cached prefix, ending mid-page
+      ([5, 7, 11, 13], 8, 7),  # a prefix-cache hit: pages 5 and 7 shared with the row above
+      ([6, 14], 4, 1),  # a decode row at a page's first slot
+  ]
+  rng = np.random.default_rng(0)
+  k_pages = np.full((g, 16, s, d), np.nan, np.float32)
+  v_pages = np.full((g, 16, s, d), np.nan, np.float32)
+  tables_TxN, lengths_T = np.zeros((t, n), np.int32), np.ones(t, np.int32)
+  tables_BxN = rng.integers(0, 16, (b, n)).astype(np.int32)  # padding rows: any pages
+  starts, counts, cached = (np.zeros(b, np.int32) for _ in range(3))
+  at = 0
+  for i, (pages, done, count) in enumerate(seqs):
+    for pos in range(done + count):  # every slot the sequence holds is written (shared: twice)
+      page, slot = pages[pos // s], pos % s
+      if np.isnan(k_pages[0, page, slot, 0]) or pos >= done:
+        k_pages[:, page, slot] = rng.standard_normal((g, d))
+        v_pages[:, page, slot] = rng.standard_normal((g, d))
+    tables_BxN[i] = 0
+    tables_BxN[i, : len(pages)] = pages
+    starts[i], counts[i], cached[i] = at, count, done
+    tables_TxN[at : at + count] = tables_BxN[i]
+    lengths_T[at : at + count] = np.arange(done, done + count) + 1
+    at += count
+  q = rng.standard_normal((t, h, d)).astype(np.float32)
+  rows = RaggedRows(tables_BxN, starts, counts, cached)
+  return q, k_pages, v_pages, rows, tables_TxN, lengths_T, at
+
+
+def ragged_engine(attention: str, devices: int = 1):
+  """An engine with a small pool (preemption happens) whose freed pages are NaN, on
+  `attention`, over `devices` devices."""
+  from jaxpipe.serve import Engine
+
+  engine = Engine(
+      DENSE,
+      engine_params("dense"),
+      num_pages=17,
+      nan_freed_pages=True,
+      attention=attention,
+      devices=jax.devices()[:devices],
+      **ENGINE_ARGS,
+  )
+  assert engine.backend == attention
+  return engine

@@ -23,7 +23,7 @@ _FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 _MODULE = re.compile(r"\bpython3? -m ([A-Za-z_][\w.]*\w)")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _PATH = re.compile(
-    r"`((?:jaxpipe|kernels_pallas|configs|experiments|tests|notebooks|docs)/[^`\s]*)`"
+    r"`((?:jaxpipe|kernels_pallas|kernels_cpu|configs|experiments|tests|notebooks|docs)/[^`\s]*)`"
 )
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 

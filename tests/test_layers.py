@@ -4,8 +4,9 @@ a circle (function-local imports count too: they are arrows all the same, only l
   runtime < ops < parallel < models < data < pipeline < training < serve < commands
 
 `commands` are the `python -m` entry points: the modules directly under jaxpipe/ and every
-`__main__.py`. `kernels_pallas` sits beneath everything and imports no jaxpipe module; the
-schedule IR (jaxpipe/pipeline/ir) imports nothing of jaxpipe above the runtime's JAX-free files.
+`__main__.py`. `kernels_pallas` and `kernels_cpu` sit beneath everything and import no jaxpipe
+module; the schedule IR (jaxpipe/pipeline/ir) imports nothing of jaxpipe above the runtime's
+JAX-free files.
 """
 
 import ast
@@ -27,7 +28,7 @@ LAYERS = (
     "commands",
 )
 ROOT = pathlib.Path(helpers.ROOT)
-PACKAGES = ("jaxpipe", "kernels_pallas", "experiments", "configs")
+PACKAGES = ("jaxpipe", "kernels_pallas", "kernels_cpu", "experiments", "configs")
 # `Schedule`'s convenience methods (`.validate()`, `.simulate()`, `.to_png()`...) import the
 # modules that implement them when called: the one circle kept, and kept function-local.
 LOCAL_CIRCLE = {
@@ -89,8 +90,8 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
   bad = []
   for a, targets in sorted(graph.items()):
     for b in sorted(targets):
-      if b.startswith("jaxpipe") and a.startswith("kernels_pallas"):
-        bad.append(f"{a} -> {b} (kernels_pallas imports no jaxpipe module)")
+      if b.startswith("jaxpipe") and a.startswith(("kernels_pallas", "kernels_cpu")):
+        bad.append(f"{a} -> {b} ({a.split('.')[0]} imports no jaxpipe module)")
       la, lb = layer(a), layer(b)
       if la is not None and lb is not None and lb > la:
         bad.append(f"{a} ({LAYERS[la]}) -> {b} ({LAYERS[lb]})")

@@ -11,10 +11,12 @@ reference: every query token gathers its whole sequence's pages), `pallas`
 (`kernels_pallas.paged_attention`, compiled on GPU, interpreted elsewhere), `xla_ragged`
 (`ragged_paged_attention`: one gather per block of a sequence's tokens, not per token),
 `pallas_ragged` (the same blocks through `kernels_pallas.paged_attention_rows`, the paged kernel
-with a length per query row: compiled on GPU, interpreted elsewhere) and `auto` (pallas on GPU,
-xla elsewhere; for a serving step whose tokens come grouped by sequence, `resolve_step_backend`
-takes xla_ragged where auto gives xla). The per-token backends
-take a query per row and its block table; `xla_ragged` takes the tokens by sequence
+with a length per query row: compiled on GPU, interpreted elsewhere), `cpu_ragged` (the same rows
+through `kernels_cpu.paged_attention`, a C++ kernel called through XLA's FFI that reads the pages
+in place: CPU only, float32 pools) and `auto` (pallas on GPU, xla elsewhere; for a serving step
+whose tokens come grouped by sequence, `resolve_step_backend` takes cpu_ragged on a CPU where the
+kernel builds and the pools are float32, else xla_ragged, where auto gives xla). The per-token
+backends take a query per row and its block table; the ragged ones take the tokens by sequence
 (`RaggedRows`).
 
 Why blocks (measured on CPU, docs/serving.md "Prefill attention"): the per-token gather moves
@@ -42,16 +44,19 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from kernels_cpu import paged_attention as cpu_pa
 from kernels_pallas import flash_attention as fa
 from kernels_pallas import paged_attention as pa
 
 BACKENDS = ("xla", "cudnn", "pallas", "auto")
-PAGED_BACKENDS = ("xla", "pallas", "xla_ragged", "pallas_ragged", "auto")
+PAGED_BACKENDS = ("xla", "pallas", "xla_ragged", "pallas_ragged", "cpu_ragged", "auto")
+RAGGED_KERNELS = {"xla_ragged": "xla", "pallas_ragged": "pallas", "cpu_ragged": "cpu"}
 _AUTO_ORDER_GPU = ("cudnn", "pallas", "xla")
 KEY_CHUNK = 64  # keys per (block, key chunk) pair of ragged_paged_attention (whole pages)
 ROUND_PAIRS = 32  # (block, key chunk) pairs per round of its loop
@@ -159,11 +164,43 @@ def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
   return backend
 
 
-def resolve_step_backend(backend: str, head_dim: int, page_size: int) -> str:
+def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
+  """Why the cpu_ragged backend cannot serve these pools here, or None when it can."""
+  if jax.default_backend() != "cpu":
+    return f"runs on CPU only, and this process runs on {jax.default_backend()}"
+  if jnp.dtype(kv_dtype) != jnp.float32:
+    return f"reads float32 pools, not {jnp.dtype(kv_dtype).name} (--kv_cache_dtype auto)"
+  if head_dim % cpu_pa.HEAD_DIM_MULTIPLE:
+    return f"needs a head dim that is a multiple of {cpu_pa.HEAD_DIM_MULTIPLE}, not {head_dim}"
+  return cpu_pa.unavailable()
+
+
+@functools.cache
+def _fall_back(reason: str) -> None:
+  """Says once per process why a CPU serving step runs the XLA attention."""
+  warnings.warn(
+      f"paged attention: the CPU kernel is unavailable ({reason}); running xla_ragged",
+      RuntimeWarning,
+      stacklevel=3,
+  )
+
+
+def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=jnp.float32) -> str:
   """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
-  takes xla_ragged where the per-token choice would be the xla gather."""
+  takes a ragged backend where the per-token choice would be the xla gather, cpu_ragged when
+  the CPU kernel serves these pools (`cpu_kernel_unsupported`) and xla_ragged otherwise."""
   name = resolve_paged_backend(backend, head_dim, page_size)
-  return "xla_ragged" if backend == "auto" and name == "xla" else name
+  if name == "cpu_ragged" and (reason := cpu_kernel_unsupported(head_dim, kv_dtype)):
+    raise ValueError(f"paged attention backend 'cpu_ragged' {reason}; use 'xla_ragged'")
+  if backend != "auto" or name != "xla":
+    return name
+  if jax.default_backend() != "cpu":
+    return "xla_ragged"
+  if (reason := cpu_kernel_unsupported(head_dim, kv_dtype)) is None:
+    return "cpu_ragged"
+  if jnp.dtype(kv_dtype) == jnp.float32 and head_dim % cpu_pa.HEAD_DIM_MULTIPLE == 0:
+    _fall_back(reason)  # no compiler or a failed build: worth saying; a quantised cache is not
+  return "xla_ragged"
 
 
 def paged_attention(
@@ -183,7 +220,7 @@ def paged_attention(
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
   _, _, page_size, head_dim = k_pages_GxPxSxK.shape
   name = resolve_paged_backend(backend, head_dim, page_size)
-  if name in ("xla_ragged", "pallas_ragged"):
+  if name in RAGGED_KERNELS:
     raise ValueError(f"backend {name!r} takes rows of tokens: call ragged_paged_attention")
   if name == "pallas":
     return pa.paged_attention(*args, **scales, interpret=_gpu_major() is None)
@@ -346,11 +383,12 @@ def ragged_paged_attention(
 
   The pages must already hold this step's K/V (the caller writes them first). Equals
   `paged_attention_reference` per token with its sequence's table and length position + 1.
-  kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs) or 'pallas' (each block through
-  `kernels_pallas.paged_attention_rows`; interpreted off GPU).
+  kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs), 'pallas' (each block through
+  `kernels_pallas.paged_attention_rows`; interpreted off GPU) or 'cpu' (the rows through
+  `kernels_cpu.paged_attention`: CPU, float32 pools; `block`, `key_chunk` and `pairs` unused).
   """
-  if kernel not in ("xla", "pallas"):
-    raise ValueError(f"kernel={kernel!r} is not 'xla' or 'pallas'")
+  if kernel not in ("xla", "pallas", "cpu"):
+    raise ValueError(f"kernel={kernel!r} is not 'xla', 'pallas' or 'cpu'")
   q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK = map(
       jnp.asarray, (q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK)
   )
@@ -360,6 +398,13 @@ def ragged_paged_attention(
   if h % g:
     raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({g})")
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  if kernel == "cpu":
+    if k_scales_GxPxS is not None or v_scales_GxPxS is not None:
+      raise ValueError("the cpu kernel reads float32 pools, without scales; use kernel='xla'")
+    o_TxHxK = cpu_pa.ragged_paged_attention(
+        q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, *rows, sm_scale=sm_scale
+    )
+    return o_TxHxK.astype(q_TxHxK.dtype)
   b = rows.counts_B.shape[0]
   block = max(1, min(block, t))
   ones, blocks = ragged_blocks(t, b, block)

@@ -85,7 +85,8 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
 _ATTENTION = flags.DEFINE_string(
     "attention",
     "auto",
-    "Paged attention backend: xla, pallas, xla_ragged, pallas_ragged, auto.",
+    "Paged attention: xla, pallas, xla_ragged, pallas_ragged, cpu_ragged, auto (pallas on "
+    "GPU; cpu_ragged on CPU where the C++ kernel builds and the cache is float32; else xla_ragged)",
     flag_values=FLAGS,
 )
 _MAX_BATCH = flags.DEFINE_integer(

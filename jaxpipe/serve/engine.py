@@ -341,7 +341,7 @@ class Engine:
         max_seq_len,
         eos_id,
     )
-    self.backend = resolve_step_backend(attention, model_cfg.head_dim, page_size)
+    self.backend = resolve_step_backend(attention, model_cfg.head_dim, page_size, self.kv_dtype)
     self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
     self.token_buckets = _check_buckets(
         "token_buckets",

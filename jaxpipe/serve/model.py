@@ -10,8 +10,9 @@ tokens alike): token t has its position, the cache slot it writes (page * page_s
 and its sequence's block table; it sees the keys at positions 0..position of that sequence,
 which is causal attention. Padding tokens write the scratch page. The batch also says which
 tokens belong to which sequence (`TokenBatch.seq_*`, one row per sequence, its tokens
-contiguous), for the `xla_ragged` backend, which gathers a sequence's pages once per block of
-its tokens rather than once per token (`ops.attention.ragged_paged_attention`).
+contiguous), for the ragged backends (`RAGGED_BACKENDS`), which read a sequence's pages once per
+block of its tokens rather than once per token (`ops.attention.ragged_paged_attention`):
+`cpu_ragged`, the C++ kernel, is auto's choice on CPU, `xla_ragged` where it cannot run.
 
 The pools of all layers share two arrays `[G, n_layers * P, page, K]`: layer l's pool is the
 pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, head_dim]`
@@ -41,6 +42,7 @@ from jaxpipe.models import attention as attention_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import (
+    RAGGED_KERNELS,
     RaggedRows,
     paged_attention,
     ragged_paged_attention,
@@ -52,7 +54,7 @@ from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
 RAGGED_BLOCK = 32  # queries per block of a multi-token row (`ragged_paged_attention`'s default)
-RAGGED_BACKENDS = ("xla_ragged", "pallas_ragged")  # the backends that read TokenBatch.seq_*
+RAGGED_BACKENDS = tuple(RAGGED_KERNELS)  # the backends that read TokenBatch.seq_*
 
 
 @flax.struct.dataclass
@@ -217,9 +219,8 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *
     k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
   scales = dict(k_scales_GxPxS=k_scales, v_scales_GxPxS=v_scales)
   if backend in RAGGED_BACKENDS:
-    kernel = "pallas" if backend == "pallas_ragged" else "xla"
     o_TxHxK = ragged_paged_attention(
-        q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, kernel=kernel, **scales
+        q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, kernel=RAGGED_KERNELS[backend], **scales
     )
   else:
     o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, *rows, backend=backend, **scales)
@@ -262,7 +263,7 @@ def forward_paged(
       raise ValueError(f"the {backend} backend needs the batch's rows (TokenBatch.seq_*)")
     backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
   else:
-    backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size)
+    backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size, kv.k.dtype)
   run = functools.partial(_forward_local, cfg, num_pages=kv.num_pages, backend=backend)
   if mesh is not None and mesh.size > 1:
     tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)

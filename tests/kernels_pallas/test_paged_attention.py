@@ -213,5 +213,5 @@ def test_ragged_attention_through_the_rows_kernel_equals_the_xla_blocks():
   pallas = attn.ragged_paged_attention(q_TxHxK, k, v, rows, block=4, kernel="pallas")
   assert np.isfinite(np.asarray(pallas)).all()
   assert _rel(pallas, xla) < 1e-5
-  with pytest.raises(ValueError, match="kernel='triton' is not 'xla' or 'pallas'"):
+  with pytest.raises(ValueError, match="kernel='triton' is not 'xla', 'pallas' or 'cpu'"):
     attn.ragged_paged_attention(q_TxHxK, k, v, rows, kernel="triton")

@@ -13,48 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpipe.ops.attention import RaggedRows, ragged_blocks, ragged_paged_attention
-from jaxpipe.serve import Engine
+from jaxpipe.ops.attention import ragged_blocks, ragged_paged_attention
 from kernels_pallas.paged_attention import paged_attention_reference
 from tests import helpers
-
-S, G, H, K = 4, 2, 6, 16  # page size, KV heads, query heads (GQA: 3 per KV head), head dim
-T, B, N = 40, 8, 6  # step tokens (padded), rows (padded), pages per block table
-
-
-def _case():
-  """Five sequences in a flat batch of T tokens, three padding rows and padding tokens at the
-  end: (q, k pages, v pages, rows, per-token tables, per-token lengths, live tokens)."""
-  # (pages, tokens cached before the step, tokens in the step)
-  seqs = [
-      ([3, 9], 0, 7),  # a first chunk ending mid-page
-      ([1, 4, 12], 9, 1),  # a decode row
-      ([5, 7, 2], 5, 6),  # a later chunk over a cached prefix, ending mid-page
-      ([5, 7, 11, 13], 8, 7),  # a prefix-cache hit: pages 5 and 7 shared with the row above
-      ([6, 14], 4, 1),  # a decode row at a page's first slot
-  ]
-  rng = np.random.default_rng(0)
-  k_pages = np.full((G, 16, S, K), np.nan, np.float32)
-  v_pages = np.full((G, 16, S, K), np.nan, np.float32)
-  tables_TxN, lengths_T = np.zeros((T, N), np.int32), np.ones(T, np.int32)
-  tables_BxN = rng.integers(0, 16, (B, N)).astype(np.int32)  # padding rows: any pages
-  starts, counts, cached = (np.zeros(B, np.int32) for _ in range(3))
-  at = 0
-  for i, (pages, done, n) in enumerate(seqs):
-    for pos in range(done + n):  # every slot the sequence holds is written (shared ones twice)
-      page, slot = pages[pos // S], pos % S
-      if np.isnan(k_pages[0, page, slot, 0]) or pos >= done:
-        k_pages[:, page, slot] = rng.standard_normal((G, K))
-        v_pages[:, page, slot] = rng.standard_normal((G, K))
-    tables_BxN[i] = 0
-    tables_BxN[i, : len(pages)] = pages
-    starts[i], counts[i], cached[i] = at, n, done
-    tables_TxN[at : at + n] = tables_BxN[i]
-    lengths_T[at : at + n] = np.arange(done, done + n) + 1
-    at += n
-  q = rng.standard_normal((T, H, K)).astype(np.float32)
-  rows = RaggedRows(tables_BxN, starts, counts, cached)
-  return q, k_pages, v_pages, rows, tables_TxN, lengths_T, at
 
 
 @pytest.mark.parametrize("block", [1, 4, 32])
@@ -63,7 +24,7 @@ def test_ragged_attention_equals_the_gather_reference_per_token(block, key_chunk
   """key_chunk 4 and 8 (one and two pages per chunk) split each block's keys over several
   pairs; 3 and 1 pairs per round split a block's pairs over rounds and put several blocks in
   one round, so the online-softmax merge of partial results is exercised both ways."""
-  q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = _case()
+  q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = helpers.ragged_case()
   fn = jax.jit(ragged_paged_attention, static_argnames=("block", "key_chunk", "pairs"))
   got = np.asarray(fn(q, k_pages, v_pages, rows, block=block, key_chunk=key_chunk, pairs=pairs))
   want = np.asarray(paged_attention_reference(q, k_pages, v_pages, tables_TxN, lengths_T))
@@ -77,7 +38,7 @@ def test_ragged_attention_equals_the_gather_reference_per_token(block, key_chunk
 def test_ragged_attention_on_int8_pages_equals_the_gather_reference(key_chunk, pairs):
   """An 8-bit cache: int8 values with a float32 scale per (head, slot), NaN scales in the slots
   no row owns; both sides dequantise the same stored values."""
-  q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = _case()
+  q, k_pages, v_pages, rows, tables_TxN, lengths_T, live = helpers.ragged_case()
 
   def int8(pages):
     unowned = np.isnan(pages[..., 0])
@@ -114,26 +75,11 @@ def test_block_counts_cover_any_step():
       assert sum(-(-c // q) for c in multi) <= blocks
 
 
-def _engine(attention: str, devices: int = 1) -> Engine:
-  """A small pool (preemption happens) whose freed pages are NaN, on `attention`."""
-  engine = Engine(
-      helpers.DENSE,
-      helpers.engine_params("dense"),
-      num_pages=17,
-      nan_freed_pages=True,
-      attention=attention,
-      devices=jax.devices()[:devices],
-      **helpers.ENGINE_ARGS,
-  )
-  assert engine.backend == attention
-  return engine
-
-
 @pytest.mark.parametrize("devices", [1, 2])
 def test_engine_greedy_equals_recompute_oracle(devices):
   """Preemption, prefix hits, copy-on-write and NaN in freed pages, with the KV heads split over
   `devices` devices."""
-  engine = _engine("xla_ragged", devices)
+  engine = helpers.ragged_engine("xla_ragged", devices)
   prompts = helpers.prompts()
   got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 10)
@@ -145,7 +91,7 @@ def test_engine_greedy_equals_recompute_oracle(devices):
 def test_engine_on_the_rows_kernel_equals_recompute_oracle():
   """`attention='pallas_ragged'` (the rows kernel, interpreted here): prefill chunks beside
   decode rows, a prefix-cache hit, freed pages NaN; greedy tokens equal the recompute oracle."""
-  engine = _engine("pallas_ragged")
+  engine = helpers.ragged_engine("pallas_ragged")
   prompts = [helpers.prompts()[i] for i in (2, 5, 0)]  # 2 and 5 share two full pages
   got = helpers.serve_arrivals(engine, prompts, max_tokens=4, first=1, per_arrival=1, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 4)

@@ -1,0 +1,364 @@
+// Ragged paged attention for the CPU, an XLA FFI custom call (kernels_cpu/paged_attention.py).
+//
+// Each row b of the step holds counts[b] consecutive tokens of one sequence, starting at flat
+// token starts[b], at positions cached[b] .. cached[b] + counts[b] - 1; its keys and values are
+// in the pages tables[b, :] of the pools (this step's own already written). Every query attends
+// to its sequence's keys at positions 0 .. its own, exactly the gather reference's semantics
+// (jaxpipe.ops.attention.ragged_paged_attention), in one pass over the pages: the pages are read
+// in place, never gathered into a copy, and a page's keys are transposed once into a small
+// buffer shared by every query of a tile. Work items are (row, KV head, tile of up to kTile
+// tokens), taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
+//
+// Layouts (row-major): q [T, H, D], pools [G, P, S, D], tables [B, N], starts / counts / cached
+// [B], out [T, H, D]; query head h reads KV head h / (H / G). Tokens of no row get zeros.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;       // tokens of one row per work item
+constexpr int64_t kChunkKeys = 64;  // keys (whole pages) read and scored together
+constexpr int64_t kTranspose = 8;   // a chunk's keys are transposed for this many queries or more
+
+// Eight floats as one value: GCC's and Clang's vector extensions, one AVX register on x86, two
+// NEON registers on Arm. The loops below hold their running sums in these.
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+constexpr int64_t kW = 8;  // floats an F8 holds; the head dim must be a multiple
+
+inline F8 Load(const float* x) {
+  F8 v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+inline void Store(float* x, F8 v) { std::memcpy(x, &v, sizeof(v)); }
+inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
+inline float Sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// exp(x) as 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, with Cephes' expf polynomial
+// (about 1 ulp). x is clamped to [-87, 88]: exp(-inf), a running max's first rescale, gives
+// 2^-126 times a zero sum.
+inline F8 Exp(F8 x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  x = x > Splat(88.0f) ? Splat(88.0f) : x;
+  const F8 magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const F8 n = (x * Splat(1.44269504088896341f) + magic) - magic;
+  F8 r = x - n * Splat(0.693359375f);
+  r = r - n * Splat(-2.12194440e-4f);
+  F8 y = Splat(1.9875691500e-4f);
+  y = y * r + Splat(1.3981999507e-3f);
+  y = y * r + Splat(8.3334519073e-3f);
+  y = y * r + Splat(4.1665795894e-2f);
+  y = y * r + Splat(1.6666665459e-1f);
+  y = y * r + Splat(5.0000001201e-1f);
+  y = y * r * r + r + Splat(1.0f);
+  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
+  F8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+inline float Exp(float x) { return Exp(Splat(x))[0]; }
+
+struct Item {
+  int32_t row, head, first, last;  // tokens first .. last - 1 of the row, KV head `head`
+};
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* tables;
+  const int32_t* starts;
+  const int32_t* cached;
+  float* out;
+  int64_t H, D, G, P, S, N, R;
+  float scale;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> active{0};
+  std::atomic<bool> closed{false};
+};
+
+void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
+             std::vector<const float*>& k_rows, std::vector<const float*>& v_rows) {
+  const int64_t D = p.D, S = p.S, R = p.R;
+  const int64_t C = std::max<int64_t>(1, kChunkKeys / S);  // pages a chunk
+  const int64_t L = (C * S + 4 * kW - 1) / (4 * kW) * (4 * kW);  // its keys, whole blocks of 32
+  const int64_t tokens = it.last - it.first, vecs = tokens * R;
+  scratch.resize(vecs * (2 * D + 2) + D * L + R * L + R);
+  float* qs = scratch.data();   // [vecs, D] scaled queries
+  float* acc = qs + vecs * D;   // [vecs, D] running sum of weighted values
+  float* m = acc + vecs * D;    // [vecs] running max
+  float* l = m + vecs;          // [vecs] running sum of weights
+  float* kt = l + vecs;         // [D, L] this chunk's keys, keys minor
+  float* s = kt + D * L;        // [R, L] one token's scores over the chunk, per query head
+  float* alpha = s + R * L;     // [R] the token's rescale of each head's running sums
+  const int64_t cached = p.cached[it.row], start = p.starts[it.row];
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* src = p.q + ((start + it.first + i) * p.H + it.head * R + r) * D;
+      float* dst = qs + (i * R + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+    }
+  }
+  std::fill(acc, acc + vecs * D, 0.0f);
+  std::fill(m, m + vecs, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + vecs, 0.0f);
+  const int64_t pages = (cached + it.last - 1) / S + 1;  // up to the tile's last position
+  const int32_t* table = p.tables + it.row * p.N;
+  const float* k_head = p.k + it.head * p.P * S * D;
+  const float* v_head = p.v + it.head * p.P * S * D;
+  k_rows.resize(L);  // key j of the chunk: its K and V rows
+  v_rows.resize(L);
+  for (int64_t c0 = 0; c0 < pages; c0 += C) {
+    const int64_t n_pages = std::min(C, pages - c0), j0 = c0 * S;
+    for (int64_t pi = 0; pi < n_pages; ++pi) {
+      const int64_t page = static_cast<int64_t>(table[c0 + pi]) * S * D;
+      for (int64_t j = 0; j < S; ++j) {
+        k_rows[pi * S + j] = k_head + page + j * D;
+        v_rows[pi * S + j] = v_head + page + j * D;
+      }
+    }
+    // The next chunk's pages are fetched while this one is scored (the first chunk's before
+    // it): a sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot
+    // follow from one to the next.
+    for (int64_t pi = c0 == 0 ? 0 : c0 + C; pi < std::min(pages, c0 + 2 * C); ++pi) {
+      const int64_t page = static_cast<int64_t>(table[pi]) * S * D;
+      for (int64_t x = 0; x < S * D; x += 64 / sizeof(float)) {
+        __builtin_prefetch(k_head + page + x);
+        __builtin_prefetch(v_head + page + x);
+      }
+    }
+    // The tile's tokens at or past the chunk's first key.
+    const int64_t from = std::max<int64_t>(0, j0 - cached - it.first);
+    const bool transposed = (tokens - from) * R >= kTranspose;
+    if (transposed) {
+      for (int64_t j = 0; j < n_pages * S; ++j) {
+        const float* krow = k_rows[j];
+        for (int64_t d = 0; d < D; ++d) kt[d * L + j] = krow[d];
+      }
+      const int64_t padded = (n_pages * S + 4 * kW - 1) / (4 * kW) * (4 * kW);
+      for (int64_t d = 0; d < D; ++d) {  // the padding keys score 0 and are never weighted
+        std::fill(kt + d * L + n_pages * S, kt + d * L + padded, 0.0f);
+      }
+    }
+    for (int64_t i = from; i < tokens; ++i) {
+      const int64_t pos = cached + it.first + i;
+      const int64_t seen = std::min(n_pages * S, pos - j0 + 1);  // keys j0 .. j0 + seen - 1
+      const float* q_i = qs + i * R * D;
+      if (transposed) {  // 32 keys at a time: four independent sums over d
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qv = q_i + r * D;
+          float* sr = s + r * L;
+          for (int64_t j = 0; j < seen; j += 4 * kW) {
+            F8 t0 = Splat(0.0f), t1 = t0, t2 = t0, t3 = t0;
+            for (int64_t d = 0; d < D; ++d) {
+              const F8 qd = Splat(qv[d]);
+              const float* krow = kt + d * L + j;
+              t0 += qd * Load(krow);
+              t1 += qd * Load(krow + kW);
+              t2 += qd * Load(krow + 2 * kW);
+              t3 += qd * Load(krow + 3 * kW);
+            }
+            Store(sr + j, t0);
+            Store(sr + j + kW, t1);
+            Store(sr + j + 2 * kW, t2);
+            Store(sr + j + 3 * kW, t3);
+          }
+        }
+      } else {  // key by key, each row read once for the token's R query heads
+        for (int64_t j = 0; j < seen; ++j) {
+          const float* krow = k_rows[j];
+          for (int64_t r = 0; r < R; ++r) {
+            const float* qv = q_i + r * D;
+            F8 t = Splat(0.0f);
+            for (int64_t d = 0; d < D; d += kW) t += Load(qv + d) * Load(krow + d);
+            s[r * L + j] = Sum(t);
+          }
+        }
+      }
+      // The online softmax's update: each head's new max, its scores' weights and the factor
+      // alpha[r] by which its running sums shrink; then the weighted values, 32 channels at a
+      // time held over the keys, each value row read for the token's R heads while in cache.
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t vec = i * R + r;
+        float* sr = s + r * L;
+        float mx = m[vec];
+        for (int64_t j = 0; j < seen; ++j) mx = std::max(mx, sr[j]);
+        alpha[r] = Exp(m[vec] - mx);
+        F8 sum = Splat(0.0f);
+        const F8 mx8 = Splat(mx);
+        int64_t j = 0;
+        for (; j + kW <= seen; j += kW) {
+          const F8 e = Exp(Load(sr + j) - mx8);
+          Store(sr + j, e);
+          sum += e;
+        }
+        float total = Sum(sum);
+        for (; j < seen; ++j) {
+          sr[j] = Exp(sr[j] - mx);
+          total += sr[j];
+        }
+        l[vec] = l[vec] * alpha[r] + total;
+        m[vec] = mx;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float* sr = s + r * L;
+        float* a = acc + (i * R + r) * D;
+        const F8 al = Splat(alpha[r]);
+        int64_t d = 0;
+        for (; d + 4 * kW <= D; d += 4 * kW) {
+          F8 t0 = Load(a + d) * al, t1 = Load(a + d + kW) * al, t2 = Load(a + d + 2 * kW) * al,
+             t3 = Load(a + d + 3 * kW) * al;
+          for (int64_t j = 0; j < seen; ++j) {  // stale slots past `seen` are never read
+            const F8 w = Splat(sr[j]);
+            const float* vrow = v_rows[j] + d;
+            t0 += w * Load(vrow);
+            t1 += w * Load(vrow + kW);
+            t2 += w * Load(vrow + 2 * kW);
+            t3 += w * Load(vrow + 3 * kW);
+          }
+          Store(a + d, t0);
+          Store(a + d + kW, t1);
+          Store(a + d + 2 * kW, t2);
+          Store(a + d + 3 * kW, t3);
+        }
+        for (; d < D; d += kW) {
+          F8 t = Load(a + d) * al;
+          for (int64_t j = 0; j < seen; ++j) t += Splat(sr[j]) * Load(v_rows[j] + d);
+          Store(a + d, t);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t vec = i * R + r;
+      float* dst = p.out + ((start + it.first + i) * p.H + it.head * R + r) * D;
+      const float inv = 1.0f / l[vec];  // > 0: key 0 is always seen
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[vec * D + d] * inv;
+    }
+  }
+}
+
+void Work(Problem& p) {
+  std::vector<float> scratch;
+  std::vector<const float*> k_rows, v_rows;
+  const int64_t n = static_cast<int64_t>(p.items.size());
+  for (int64_t i = p.next.fetch_add(1); i < n; i = p.next.fetch_add(1)) {
+    RunItem(p, p.items[i], scratch, k_rows, v_rows);
+  }
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
+                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("expected q [T, H, D], pools [G, P, S, D], tables [B, N]");
+  }
+  if (v.dimensions().size() != 4 || !std::equal(kd.begin(), kd.end(), v.dimensions().begin())) {
+    return ffi::Error::InvalidArgument("the K and V pools differ in shape");
+  }
+  const int64_t T = qd[0], H = qd[1], D = qd[2], G = kd[0], P = kd[1], S = kd[2];
+  const int64_t B = td[0], N = td[1];
+  if (kd[3] != D || G == 0 || H % G != 0 || D % kW != 0) {
+    return ffi::Error::InvalidArgument(
+        "head dims differ or are not a multiple of 8, or query heads not a multiple of KV heads");
+  }
+  for (auto* x : {&starts, &counts, &cached}) {
+    if (x->dimensions().size() != 1 || x->dimensions()[0] != B) {
+      return ffi::Error::InvalidArgument("starts, counts and cached must be [B], B = tables' rows");
+    }
+  }
+  auto state = std::make_shared<Problem>();
+  Problem& p = *state;
+  p.q = q.typed_data();
+  p.k = k.typed_data();
+  p.v = v.typed_data();
+  p.tables = tables.typed_data();
+  p.starts = starts.typed_data();
+  p.cached = cached.typed_data();
+  p.out = out->typed_data();
+  p.H = H, p.D = D, p.G = G, p.P = P, p.S = S, p.N = N, p.R = H / G;
+  p.scale = sm_scale;
+  std::memset(p.out, 0, sizeof(float) * T * H * D);
+  const int32_t* cnt = counts.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t c = cnt[b], first = p.starts[b], pos0 = p.cached[b];
+    if (c <= 0) continue;
+    if (first < 0 || first + c > T || pos0 < 0 || pos0 + c > N * S) {
+      return ffi::Error::InvalidArgument(
+          "row " + std::to_string(b) + " (start " + std::to_string(first) + ", count " +
+          std::to_string(c) + ", cached " + std::to_string(pos0) + ") lies outside the " +
+          std::to_string(T) + " tokens or its " + std::to_string(N * S) + "-key table");
+    }
+    for (int64_t i = 0; i <= (pos0 + c - 1) / S; ++i) {
+      const int32_t page = p.tables[b * N + i];
+      if (page < 0 || page >= P) {
+        return ffi::Error::InvalidArgument("row " + std::to_string(b) + " reads page " +
+                                           std::to_string(page) + ", outside the pool's " +
+                                           std::to_string(P));
+      }
+    }
+    for (int64_t f = 0; f < c; f += kTile) {
+      for (int64_t g = 0; g < G; ++g) {
+        p.items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g),
+                           static_cast<int32_t>(f), static_cast<int32_t>(std::min(c, f + kTile))});
+      }
+    }
+  }
+  // The longest items first, so that the last ones taken are short.
+  std::stable_sort(p.items.begin(), p.items.end(), [&](const Item& a, const Item& b) {
+    auto cost = [&](const Item& x) {
+      return static_cast<int64_t>(x.last - x.first) * (p.cached[x.row] + x.last);
+    };
+    return cost(a) > cost(b);
+  });
+  // The caller takes items too: with the pool's other threads, one worker per thread.
+  const int64_t helpers = std::max<int64_t>(
+      0, std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(p.items.size()) - 1));
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([state] {
+      state->active.fetch_add(1);
+      if (!state->closed.load()) Work(*state);  // a task that starts late finds nothing to do
+      state->active.fetch_sub(1);
+    });
+  }
+  Work(p);
+  // Wait for the tasks that started before the close: each finishes the item it holds. One
+  // that starts after it touches only `state`, which it owns a share of.
+  p.closed.store(true);
+  while (p.active.load() != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [B, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cached [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+                                  .Attr<float>("sm_scale"));

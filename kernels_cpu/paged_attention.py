@@ -1,0 +1,140 @@
+"""Ragged paged attention on the CPU: `paged_attention.cc` through XLA's FFI.
+
+The C++ source is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`),
+for this CPU (`-march=native`), into a cache directory (`$JAXPIPE_KERNEL_CACHE`, else
+`~/.cache/jaxpipe/kernels_cpu`) keyed by the source, the flags, the compiler, the CPU and jaxlib,
+so that later processes load it in milliseconds. `unavailable()` says why the kernel cannot run
+here (no compiler, a failed build), and callers then take the XLA path.
+
+Why a kernel: on CPU, XLA gathers a step's pages into a copy and reads the copy again in a
+separate fusion for every (block, key chunk) round (`jaxpipe.ops.attention._block_attention`);
+this kernel reads each page in place once per tile of queries, with the online softmax in
+registers and scratch (docs/serving.md, "A CPU kernel").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+TARGET = "jaxpipe_ragged_paged_attention"
+HEAD_DIM_MULTIPLE = 8  # the kernel's register blocks (8 floats)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+         "-fopenmp-simd")  # fmt: skip
+
+
+def _cache_dir() -> Path:
+  root = os.environ.get("JAXPIPE_KERNEL_CACHE")
+  return Path(root) if root else Path.home() / ".cache" / "jaxpipe" / "kernels_cpu"
+
+
+def _cpu() -> str:
+  """What -march=native compiles for: the CPU's model and feature flags."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      lines = [x for x in f if x.startswith(("model name", "flags"))]
+    return "".join(sorted(set(lines)))
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> tuple[str, str]:
+  """(the compiler's path, its --version) -> FileNotFoundError naming $CXX when there is none."""
+  name = os.environ.get("CXX", "c++")
+  path = shutil.which(name)
+  if path is None:
+    raise FileNotFoundError(f"no C++ compiler {name!r} on PATH (set $CXX or install g++)")
+  version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+  return path, version.stdout
+
+
+def build() -> Path:
+  """The compiled library, built now unless the cache holds it; an error says why not."""
+  compiler, version = _compiler()
+  include = jax.ffi.include_dir()
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode(),
+               jax.__version__.encode(), include.encode()):  # fmt: skip
+    key.update(part)
+  out = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  # Built beside its final name and renamed: processes that build at once (test workers) each
+  # rename a whole library, never load a half-written one.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  try:
+    run = subprocess.run(
+        [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if run.returncode:
+      tail = "\n".join(run.stderr.strip().splitlines()[-5:])
+      raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed:\n{tail}")
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return out
+
+
+@functools.cache
+def unavailable() -> str | None:
+  """None once the kernel is built and registered with XLA for the CPU; else the reason."""
+  try:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(
+        TARGET, jax.ffi.pycapsule(library.JaxpipeRaggedPagedAttention), platform="cpu"
+    )
+  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    return str(e)
+  return None
+
+
+def ragged_paged_attention(
+    q_TxHxK: jax.Array,
+    k_pages_GxPxSxK: jax.Array,
+    v_pages_GxPxSxK: jax.Array,
+    tables_BxN: jax.Array,
+    starts_B: jax.Array,
+    counts_B: jax.Array,
+    cached_B: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+  """Each token of each row over its sequence's keys at positions 0..its own -> [T, H, K]
+  float32 (zeros for tokens of no row); float32 pools. Row b: counts_B[b] tokens from flat token
+  starts_B[b], at positions cached_B[b] onward, its pages tables_BxN[b]."""
+  reason = unavailable()
+  if reason is not None:
+    raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
+  if k_pages_GxPxSxK.dtype != jnp.float32 or v_pages_GxPxSxK.dtype != jnp.float32:
+    raise ValueError(f"the CPU kernel reads float32 pools, not {k_pages_GxPxSxK.dtype}")
+  if q_TxHxK.shape[-1] % HEAD_DIM_MULTIPLE:
+    raise ValueError(
+        f"the CPU kernel needs a head dim that is a multiple of {HEAD_DIM_MULTIPLE}, "
+        f"not {q_TxHxK.shape[-1]}"
+    )
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_TxHxK.shape, jnp.float32))
+  return call(
+      q_TxHxK.astype(jnp.float32),
+      k_pages_GxPxSxK,
+      v_pages_GxPxSxK,
+      *(x.astype(jnp.int32) for x in (tables_BxN, starts_B, counts_B, cached_B)),
+      sm_scale=np.float32(sm_scale),
+  )

@@ -1,0 +1,172 @@
+"""The CPU paged-attention kernel (`kernels_cpu.paged_attention`, XLA FFI) against the per-token
+gather reference, its errors, the rule that picks it, and the engine on it against the recompute
+oracle.
+
+`paged_attention_reference` gathers every token's pages and takes one softmax with XLA; the
+kernel reads the pages in place with an online softmax over chunks of 64 keys, its own
+exponential, and scores summed in another order: the two agree to a relative 1e-5 of the
+output's scale. Slots no row owns, and the unwritten tail of each row's last page, hold NaN, so
+a key read outside a row's positions would show. The tests need a C++ compiler; without one on
+PATH they skip (and the engine runs xla_ragged), but a compiler whose build fails fails them.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.ops import attention as attn
+from jaxpipe.ops.attention import RaggedRows, ragged_paged_attention
+from kernels_cpu import paged_attention as cpu_pa
+from kernels_pallas.paged_attention import paged_attention_reference
+from tests import helpers
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None,
+    reason="no C++ compiler on PATH: the CPU kernel cannot be built here",
+)
+
+
+def _pages(seqs, page_size, kv_heads, head_dim, rng, rows=None, tokens=None):
+  """Random pools holding the sequences' keys (NaN in every other slot) and the step's rows:
+  seqs are (tokens cached before the step, tokens in the step); each gets its own pages, in a
+  shuffled order. -> (k, v, RaggedRows, per-token tables, per-token lengths, live tokens)."""
+  s = page_size
+  need = [-(-(c + n) // s) for c, n in seqs]
+  n_max, total = max(need), sum(need) + 3  # three pages no row owns
+  k = np.full((kv_heads, total, s, head_dim), np.nan, np.float32)
+  v = np.full_like(k, np.nan)
+  order = rng.permutation(total)
+  rows = rows or len(seqs)
+  tables = np.zeros((rows, n_max), np.int32)
+  starts, counts, cached = (np.zeros(rows, np.int32) for _ in range(3))
+  tokens = tokens or sum(n for _, n in seqs)
+  tables_T, lengths_T = np.zeros((tokens, n_max), np.int32), np.ones(tokens, np.int32)
+  at = used = 0
+  for i, ((c, n), m) in enumerate(zip(seqs, need)):
+    pages = order[used : used + m]
+    used += m
+    for pos in range(c + n):
+      k[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
+      v[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
+    tables[i, :m] = pages
+    starts[i], counts[i], cached[i] = at, n, c
+    tables_T[at : at + n] = tables[i]
+    lengths_T[at : at + n] = np.arange(c, c + n) + 1
+    at += n
+  return k, v, RaggedRows(tables, starts, counts, cached), tables_T, lengths_T, at
+
+
+def _check(q, k, v, rows, tables_T, lengths_T, live):
+  fn = jax.jit(ragged_paged_attention, static_argnames="kernel")
+  got = np.asarray(fn(q, k, v, rows, kernel="cpu"))
+  want = np.asarray(paged_attention_reference(q, k, v, tables_T, lengths_T))
+  assert np.isfinite(want[:live]).all()
+  scale = np.abs(want[:live]).max()
+  np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * scale)
+  assert (got[live:] == 0).all()  # tokens of no row
+
+
+def test_kernel_equals_the_gather_reference_on_the_ragged_case():
+  """The xla_ragged tests' step: a chunk ending mid-page, decode rows (one at a page's first
+  slot), a chunk over a cached prefix, a prefix-cache hit sharing pages with another row,
+  padding rows and tokens; 3 query heads per KV head, head dim 16 (one register block)."""
+  q, k, v, rows, tables_T, lengths_T, live = helpers.ragged_case()
+  _check(q, k, v, rows, tables_T, lengths_T, live)
+
+
+@pytest.mark.parametrize(
+    "page_size, kv_heads, heads, head_dim",
+    [(16, 4, 8, 32), (8, 2, 2, 64), (16, 1, 4, 48), (4, 2, 8, 40)],
+)
+def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads, heads, head_dim):
+  """Contexts of several 64-key chunks, rows longer than a work item's 16 tokens (several
+  tiles), prefills with and without a cached prefix (a tile's queries starting mid-chunk),
+  decode rows; one to four query heads per KV head (so both the transposed and the key-by-key
+  scores run); head dims of 1 to 8 register blocks and not a multiple of 32 (48, 40)."""
+  rng = np.random.default_rng(page_size + head_dim)
+  seqs = [(0, 150), (37, 1), (0, 3), (200, 1), (70, 45), (129, 17), (0, 1), (5, 60)]
+  k, v, rows, tables_T, lengths_T, live = _pages(
+      seqs, page_size, kv_heads, head_dim, rng, rows=11, tokens=live_pad(seqs)
+  )
+  q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
+  _check(q, k, v, rows, tables_T, lengths_T, live)
+
+
+def live_pad(seqs) -> int:
+  """The step's token count: its tokens plus 13 of padding."""
+  return sum(n for _, n in seqs) + 13
+
+
+def test_kernel_refuses_a_page_outside_the_pool():
+  """A block table entry past the pool's pages is an error naming the row and the page, not a
+  read of memory outside the pool."""
+  rng = np.random.default_rng(0)
+  k, v, rows, _, _, _ = _pages([(3, 2), (0, 4)], 4, 2, 16, rng)
+  tables = rows.tables_BxN.copy()
+  tables[1, 0] = k.shape[1] + 5
+  q = rng.standard_normal((6, 4, 16)).astype(np.float32)
+  pool = k.shape[1]
+  message = rf"row 1 reads page {pool + 5}, outside the pool's {pool}(\D|$)"
+  with pytest.raises(Exception, match=message):
+    np.asarray(ragged_paged_attention(q, k, v, rows._replace(tables_BxN=tables), kernel="cpu"))
+
+
+def test_kernel_refuses_quantised_pools_and_odd_head_dims():
+  rng = np.random.default_rng(0)
+  k, v, rows, _, _, _ = _pages([(0, 4)], 4, 1, 16, rng)
+  q = rng.standard_normal((4, 2, 16)).astype(np.float32)
+  with pytest.raises(ValueError, match="float32 pools, not int8"):
+    int8 = np.zeros(k.shape, np.int8)
+    cpu_pa.ragged_paged_attention(q, int8, int8, *rows, sm_scale=1.0)
+  with pytest.raises(ValueError, match="multiple of 8, not 12"):
+    cpu_pa.ragged_paged_attention(q[..., :12], k[..., :12], v[..., :12], *rows, sm_scale=1.0)
+  scales = np.ones(k.shape[:3], np.float32)
+  with pytest.raises(ValueError, match="without scales"):
+    ragged_paged_attention(q, k, v, rows, kernel="cpu", k_scales_GxPxS=scales)
+
+
+def test_auto_picks_the_kernel_on_cpu_for_float32_pools_only():
+  """The rule docs/serving.md states: a serving step on CPU runs cpu_ragged for a float32
+  cache, xla_ragged for a quantised one or a head dim the kernel does not take; naming
+  cpu_ragged for those is an error that names the fix."""
+  assert attn.resolve_step_backend("auto", 32, 16) == "cpu_ragged"
+  assert attn.resolve_step_backend("auto", 32, 16, jnp.int8) == "xla_ragged"
+  assert attn.resolve_step_backend("auto", 12, 16) == "xla_ragged"
+  assert attn.resolve_step_backend("xla_ragged", 32, 16) == "xla_ragged"
+  with pytest.raises(ValueError, match="float32 pools, not int8.*use 'xla_ragged'"):
+    attn.resolve_step_backend("cpu_ragged", 32, 16, jnp.int8)
+  with pytest.raises(ValueError, match="multiple of 8, not 12"):
+    attn.resolve_step_backend("cpu_ragged", 12, 16)
+  with pytest.raises(ValueError, match="takes rows of tokens"):
+    q, k = np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 4, 8), np.float32)
+    tables, lengths = np.zeros((1, 1), np.int32), np.ones(1, np.int32)
+    attn.paged_attention(q, k, k, tables, lengths, backend="cpu_ragged")
+
+
+def test_auto_falls_back_and_says_why_when_the_kernel_cannot_build(monkeypatch, tmp_path):
+  """No compiler: build() names the missing one, and auto runs xla_ragged with a warning that
+  carries the reason."""
+  monkeypatch.setenv("CXX", "no-such-compiler-jaxpipe")
+  monkeypatch.setenv("JAXPIPE_KERNEL_CACHE", str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="no C.. compiler 'no-such-compiler-jaxpipe'"):
+    cpu_pa.build()
+  reason = "no C++ compiler 'no-such-compiler-jaxpipe' on PATH (test)"
+  monkeypatch.setattr(cpu_pa, "unavailable", lambda: reason)
+  with pytest.warns(RuntimeWarning, match=r"CPU kernel is unavailable \(no C\+\+ compiler"):
+    assert attn.resolve_step_backend("auto", 32, 16) == "xla_ragged"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_engine_on_the_kernel_equals_recompute_oracle(devices):
+  """The engine on cpu_ragged: preemption, prefix hits, copy-on-write and NaN in freed pages,
+  with the KV heads split over `devices` devices (the kernel called per device)."""
+  engine = helpers.ragged_engine("cpu_ragged", devices)
+  prompts = helpers.prompts()
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
+  assert [r.output for r in got] == helpers.oracle("dense", prompts, 10)
+  assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
+  assert engine.counts["page_copies"] > 0
