@@ -2,7 +2,7 @@
 
   python -m experiments.serve_bench [--requests 64 --rates 2,8,32 --prompt 8:96 --output 8:96
       --kv_tokens 3072 --page_size 16 --seed 0]
-  python -m experiments.serve_bench --kernel     # on a GPU: the PagedAttention kernel alone
+  python -m experiments.serve_bench --kernel     # the paged-attention kernel alone (GPU or CPU)
   python -m experiments.serve_bench --mode colocated|disaggregated|both --prefill_workers 2
       --decode_workers 6 --rates 2,6 --requests 64 --ttft_slo 0.25 --tpot_slo 0.1
       [--prompt lognormal:64:512 --trace_in trace.csv --trace_out trace.csv --stream_layers]
@@ -106,7 +106,10 @@ flags.DEFINE_integer("max_batch", 32, "Paged: most requests running at once.", f
 flags.DEFINE_integer("token_budget", 128, "Paged: tokens per step.", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload.", flag_values=FLAGS)
 flags.DEFINE_string(
-    "attention", "auto", "Paged attention: xla, pallas, xla_ragged, auto.", flag_values=FLAGS
+    "attention",
+    "auto",
+    "Paged attention: xla, pallas, xla_ragged, pallas_ragged, cpu_ragged, auto.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_bool("prefill", False, "Time a prefill chunk's step (CPU).", flag_values=FLAGS)
 flags.DEFINE_integer("prefill_tokens", 1024, "--prefill: tokens per chunk.", flag_values=FLAGS)
@@ -116,7 +119,12 @@ flags.DEFINE_integer(
     "--prefill: the sequence's length after its last chunk.",
     flag_values=FLAGS,
 )
-flags.DEFINE_bool("kernel", False, "Time the decode kernel alone (GPU).", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "kernel",
+    False,
+    "Time the paged-attention kernel alone (GPU; on CPU the C++ one).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool(
     "scaling",
     False,
@@ -335,10 +343,7 @@ def kernel_table(repeats: int) -> None:
   from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 
   if jax.default_backend() != "gpu":
-    print(
-        "# --kernel times the compiled kernel: it needs a GPU (tests/test_paged_attention.py "
-        "checks it in interpret mode here)"
-    )
+    cpu_kernel_table(repeats)
     return
   heads, kv_heads, head_dim, page, dtype = 32, 8, 128, 16, jnp.bfloat16
   print(
@@ -374,6 +379,81 @@ def kernel_table(repeats: int) -> None:
     print(f"| {batch} | {context} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _rows(seqs, page: int, kv_heads: int, head_dim: int, rng):
+  """Pools holding sequences (cached, new tokens), each on its own shuffled pages, and the step's
+  rows (`ops.attention.RaggedRows`) -> (k, v, rows, token count)."""
+  from jaxpipe.ops.attention import RaggedRows
+
+  need = [-(-(c + n) // page) for c, n in seqs]
+  total = sum(need) + 1
+  k = rng.standard_normal((kv_heads, total, page, head_dim), dtype=np.float32)
+  v = rng.standard_normal((kv_heads, total, page, head_dim), dtype=np.float32)
+  order = rng.permutation(total)
+  tables = np.zeros((len(seqs), max(need)), np.int32)
+  starts, counts, cached = (np.zeros(len(seqs), np.int32) for _ in range(3))
+  at = used = 0
+  for i, ((c, n), m) in enumerate(zip(seqs, need)):
+    tables[i, :m] = order[used : used + m]
+    starts[i], counts[i], cached[i] = at, n, c
+    used, at = used + m, at + n
+  rows = RaggedRows(*(jnp.asarray(x) for x in (tables, starts, counts, cached)))
+  return jnp.asarray(k), jnp.asarray(v), rows, at  # on the device: no copy in the timed call
+
+
+def cpu_kernel_table(repeats: int) -> None:
+  """One layer's paged attention on this CPU, the serving model's heads (8 query / 4 KV, head dim
+  32, pages of 16, float32): the C++ kernel (`cpu_ragged`) against XLA's block path
+  (`xla_ragged`) on decode and prefill steps, alternated; each cell the median of the rounds."""
+  from jaxpipe.ops.attention import cpu_kernel_unsupported, ragged_paged_attention
+
+  heads, kv_heads, head_dim, page = 8, 4, 32, 16
+  reason = cpu_kernel_unsupported(head_dim, jnp.float32)
+  if reason is not None:
+    print(f"# --kernel on CPU times the C++ kernel, which cannot run here: {reason}")
+    return
+  rng = np.random.default_rng(0)
+  prompts = [150, 200, 100, 250, 180, 90, 54]
+  cases = {
+      "decode, 64 rows at context 32-320": [(int(c), 1) for c in rng.integers(32, 320, 64)],
+      "decode, 64 rows at context 2,048": [(2047, 1)] * 64,
+      "prefill, 7 prompts (1,024 tokens)": [(0, n) for n in prompts],
+      "prefill, 1,024 tokens after 3,072 cached": [(3072, 1024)],
+  }
+  print(
+      f"# one layer's paged attention on {platform_name()}: {heads} / {kv_heads} heads, head dim "
+      f"{head_dim}, pages of {page}, float32; ms per call, median of {repeats} alternated rounds"
+  )
+  print(
+      "| step | tokens | (query, key) pairs | xla_ragged ms | cpu_ragged ms "
+      "| xla_ragged / cpu_ragged |"
+  )
+  print("|---|---|---|---|---|---|")
+  for name, seqs in cases.items():
+    k, v, rows, tokens = _rows(seqs, page, kv_heads, head_dim, rng)
+    q = jnp.asarray(rng.standard_normal((tokens, heads, head_dim), dtype=np.float32))
+    block = 1 if all(n == 1 for _, n in seqs) else 32
+    fns = {
+        kernel: jax.jit(functools.partial(ragged_paged_attention, block=block, kernel=kernel))
+        for kernel in ("xla", "cpu")
+    }
+    times = collections.defaultdict(list)
+    for _ in range(repeats):
+      for kernel, fn in fns.items():
+        times[kernel].append(median_time(fn, q, k, v, rows, repeats=5))
+    xla, cpu = (float(np.median(times[x])) for x in ("xla", "cpu"))
+    keys = sum((c + n) * n - n * (n - 1) // 2 for c, n in seqs)  # per query: its position + 1
+    print(
+        f"| {name} | {tokens:,} | {keys:,} | {1e3 * xla:.3f} | {1e3 * cpu:.3f} | {xla / cpu:.2f} |",
+        flush=True,
+    )
+
+
+def platform_name() -> str:
+  import platform
+
+  return f"{os.cpu_count()} cores ({platform.machine()})"
+
+
 PREFILL_MODEL = transformer.TransformerConfig(
     vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024
 )
@@ -382,6 +462,8 @@ PREFILL_MODEL = transformer.TransformerConfig(
 def prefill_table(chunk: int, context: int, repeats: int) -> None:
   """Seconds per engine step of one `chunk`-token prompt chunk at each cached prefix, per paged
   backend, against the training forward on the chunk (see the module docstring)."""
+  from jaxpipe.ops.attention import cpu_kernel_unsupported
+
   cfg, page = PREFILL_MODEL, 16
   params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
   tokens = np.asarray(jax.random.randint(jax.random.key(1), (context,), 0, cfg.vocab))
@@ -390,7 +472,10 @@ def prefill_table(chunk: int, context: int, repeats: int) -> None:
   print(f"# forward on {chunk} tokens: {t_fwd:.3f} s; median of {repeats} steps per cell")
   print("| backend | chunk tokens | context after the step | s / step | step / forward |")
   print("|---|---|---|---|---|")
-  for backend in ("xla", "xla_ragged"):
+  backends = ["xla", "xla_ragged"]
+  if cpu_kernel_unsupported(cfg.head_dim, jnp.float32) is None:
+    backends.append("cpu_ragged")
+  for backend in backends:
     engine = Engine(
         cfg,
         params,

@@ -4,7 +4,7 @@
 
 Two tables on serve_bench's random float32 Llama-shaped model (`PREFILL_MODEL`: hidden 256,
 4 layers, 8 query / 4 KV heads, head dim 32, d_ff 1,024, vocab 1,024), pages of 16, the engine's
-default attention (xla_ragged on CPU), prefix caching off, every program compiled before the clock:
+default attention (cpu_ragged on CPU), prefix caching off, every program compiled before the clock:
 
 - by chunk count: one `--prefill_context`-token prompt prefilled in k = 1, 2, 4, .. chunks
   (`max_tokens_per_step` = context / k, power-of-two page buckets); the total prefill time (the
