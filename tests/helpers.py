@@ -617,14 +617,14 @@ def ragged_case():
   return q, k_pages, v_pages, rows, tables_TxN, lengths_T, at
 
 
-def ragged_engine(attention: str, devices: int = 1):
-  """An engine with a small pool (preemption happens) whose freed pages are NaN, on
-  `attention`, over `devices` devices."""
+def ragged_engine(attention: str, devices: int = 1, name: str = "dense"):
+  """An engine of model `name` with a small pool (preemption happens) whose freed pages are NaN,
+  on `attention`, over `devices` devices."""
   from jaxpipe.serve import Engine
 
   engine = Engine(
-      DENSE,
-      engine_params("dense"),
+      CONFIGS[name],
+      engine_params(name),
       num_pages=17,
       nan_freed_pages=True,
       attention=attention,

@@ -160,13 +160,14 @@ def test_auto_falls_back_and_says_why_when_the_kernel_cannot_build(monkeypatch, 
     assert attn.resolve_step_backend("auto", 32, 16) == "xla_ragged"
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_engine_on_the_kernel_equals_recompute_oracle(devices):
+@pytest.mark.parametrize("name, devices", [("dense", 1), ("dense", 2), ("moe", 1)])
+def test_engine_on_the_kernel_equals_recompute_oracle(name, devices):
   """The engine on cpu_ragged: preemption, prefix hits, copy-on-write and NaN in freed pages,
-  with the KV heads split over `devices` devices (the kernel called per device)."""
-  engine = helpers.ragged_engine("cpu_ragged", devices)
+  the dense model with its KV heads on one device and split over two (the kernel called per
+  device), and the MoE model."""
+  engine = helpers.ragged_engine("cpu_ragged", devices, name)
   prompts = helpers.prompts()
   got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
-  assert [r.output for r in got] == helpers.oracle("dense", prompts, 10)
+  assert [r.output for r in got] == helpers.oracle(name, prompts, 10)
   assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
   assert engine.counts["page_copies"] > 0
