@@ -2,9 +2,10 @@
 
 The C++ source is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`),
 for this CPU (`-march=native`), into a cache directory (`$JAXPIPE_KERNEL_CACHE`, else
-`~/.cache/jaxpipe/kernels_cpu`) keyed by the source, the flags, the compiler, the CPU and jaxlib,
-so that later processes load it in milliseconds. `unavailable()` says why the kernel cannot run
-here (no compiler, a failed build), and callers then take the XLA path.
+`~/.cache/jaxpipe/kernels_cpu`, else one under the system's temporary directory) keyed by the
+source, the flags, the compiler, the CPU and jaxlib, so that later processes load it in
+milliseconds. `unavailable()` says why the kernel cannot run here (no compiler, a failed build),
+and callers then take the XLA path.
 
 Why a kernel: on CPU, XLA gathers a step's pages into a copy and reads the copy again in a
 separate fusion for every (block, key chunk) round (`jaxpipe.ops.attention._block_attention`);
@@ -36,8 +37,19 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 
 
 def _cache_dir() -> Path:
+  """$JAXPIPE_KERNEL_CACHE, else ~/.cache/jaxpipe/kernels_cpu, else (a home that cannot be
+  written) a directory of this user's under the system's temporary directory."""
   root = os.environ.get("JAXPIPE_KERNEL_CACHE")
-  return Path(root) if root else Path.home() / ".cache" / "jaxpipe" / "kernels_cpu"
+  if root:
+    return Path(root)
+  home = Path.home() / ".cache" / "jaxpipe" / "kernels_cpu"
+  try:
+    home.mkdir(parents=True, exist_ok=True)
+    if os.access(home, os.W_OK):
+      return home
+  except OSError:
+    pass
+  return Path(tempfile.gettempdir()) / f"jaxpipe-kernels-cpu-{os.getuid()}"
 
 
 def _cpu() -> str:

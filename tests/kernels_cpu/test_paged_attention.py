@@ -24,10 +24,13 @@ from kernels_cpu import paged_attention as cpu_pa
 from kernels_pallas.paged_attention import paged_attention_reference
 from tests import helpers
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None,
-    reason="no C++ compiler on PATH: the CPU kernel cannot be built here",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "c++")) is None,
+        reason="no C++ compiler on PATH: the CPU kernel cannot be built here",
+    ),
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="a kernel for the CPU platform"),
+]
 
 
 def _pages(seqs, page_size, kv_heads, head_dim, rng, rows=None, tokens=None):
