@@ -297,7 +297,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   p.out = out->typed_data();
   p.H = H, p.D = D, p.G = G, p.P = P, p.S = S, p.N = N, p.R = H / G;
   p.scale = sm_scale;
-  std::memset(p.out, 0, sizeof(float) * T * H * D);
+  if (T * H * D > 0) std::memset(p.out, 0, sizeof(float) * T * H * D);
+  std::vector<char> covered(T, 0);  // rows must not share a token: each output has one writer
   const int32_t* cnt = counts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t c = cnt[b], first = p.starts[b], pos0 = p.cached[b];
@@ -307,6 +308,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
           "row " + std::to_string(b) + " (start " + std::to_string(first) + ", count " +
           std::to_string(c) + ", cached " + std::to_string(pos0) + ") lies outside the " +
           std::to_string(T) + " tokens or its " + std::to_string(N * S) + "-key table");
+    }
+    for (int64_t t = first; t < first + c; ++t) {
+      if (covered[t]) {
+        return ffi::Error::InvalidArgument("row " + std::to_string(b) + " holds token " +
+                                           std::to_string(t) + ", which another row holds too");
+      }
+      covered[t] = 1;
     }
     for (int64_t i = 0; i <= (pos0 + c - 1) / S; ++i) {
       const int32_t page = p.tables[b * N + i];
@@ -326,7 +334,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   // The longest items first, so that the last ones taken are short.
   std::stable_sort(p.items.begin(), p.items.end(), [&](const Item& a, const Item& b) {
     auto cost = [&](const Item& x) {
-      return static_cast<int64_t>(x.last - x.first) * (p.cached[x.row] + x.last);
+      return static_cast<int64_t>(x.last - x.first) * (static_cast<int64_t>(p.cached[x.row]) + x.last);
     };
     return cost(a) > cost(b);
   });

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import numpy as np
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
@@ -38,7 +39,8 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 
 def _cache_dir() -> Path:
   """$JAXPIPE_KERNEL_CACHE, else ~/.cache/jaxpipe/kernels_cpu, else (a home that cannot be
-  written) a directory of this user's under the system's temporary directory."""
+  written) a directory of this user's under the system's temporary directory, which must be
+  this user's own and writable by no one else (it holds libraries this process loads)."""
   root = os.environ.get("JAXPIPE_KERNEL_CACHE")
   if root:
     return Path(root)
@@ -49,17 +51,23 @@ def _cache_dir() -> Path:
       return home
   except OSError:
     pass
-  return Path(tempfile.gettempdir()) / f"jaxpipe-kernels-cpu-{os.getuid()}"
+  tmp = Path(tempfile.gettempdir()) / f"jaxpipe-kernels-cpu-{os.getuid()}"
+  tmp.mkdir(mode=0o700, exist_ok=True)
+  st = tmp.stat()
+  if st.st_uid != os.getuid() or st.st_mode & 0o022:
+    raise OSError(f"{tmp} is not this user's alone; set $JAXPIPE_KERNEL_CACHE to a directory")
+  return tmp
 
 
 def _cpu() -> str:
-  """What -march=native compiles for: the CPU's model and feature flags."""
+  """What -march=native compiles for: the CPU's model and features (x86 and Arm lines)."""
+  keys = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU part")
   try:
     with open("/proc/cpuinfo") as f:
-      lines = [x for x in f if x.startswith(("model name", "flags"))]
-    return "".join(sorted(set(lines)))
+      lines = [x for x in f if x.startswith(keys)]
+    return platform.machine() + "".join(sorted(set(lines)))
   except OSError:
-    return platform.processor() or platform.machine()
+    return platform.machine() + platform.processor()
 
 
 def _compiler() -> tuple[str, str]:
@@ -78,7 +86,7 @@ def build() -> Path:
   include = jax.ffi.include_dir()
   key = hashlib.sha256()
   for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode(),
-               jax.__version__.encode(), include.encode()):  # fmt: skip
+               jaxlib.version.__version__.encode(), include.encode()):  # fmt: skip
     key.update(part)
   out = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
   if out.exists():
@@ -98,6 +106,9 @@ def build() -> Path:
     if run.returncode:
       tail = "\n".join(run.stderr.strip().splitlines()[-5:])
       raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed:\n{tail}")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o755 & ~umask)  # readable by whoever shares the cache, as the linker's output
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
@@ -113,7 +124,7 @@ def unavailable() -> str | None:
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(library.JaxpipeRaggedPagedAttention), platform="cpu"
     )
-  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+  except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
     return str(e)
   return None
 

@@ -118,6 +118,23 @@ def test_kernel_refuses_a_page_outside_the_pool():
     np.asarray(ragged_paged_attention(q, k, v, rows._replace(tables_BxN=tables), kernel="cpu"))
 
 
+def test_kernel_refuses_rows_that_share_a_token():
+  """Two rows that claim the same flat token would both write its output: an error naming it."""
+  rng = np.random.default_rng(0)
+  k, v, rows, _, _, _ = _pages([(3, 2), (0, 4)], 4, 2, 16, rng)
+  starts = rows.starts_B.copy()
+  starts[1] = 1  # row 0 holds tokens 0 and 1
+  q = rng.standard_normal((6, 4, 16)).astype(np.float32)
+  with pytest.raises(Exception, match=r"row 1 holds token 1, which another row holds too"):
+    np.asarray(ragged_paged_attention(q, k, v, rows._replace(starts_B=starts), kernel="cpu"))
+
+
+def test_the_built_library_is_readable_by_whoever_shares_the_cache():
+  """The library is written through a private temporary file and renamed: its mode must still
+  let another user of a shared $JAXPIPE_KERNEL_CACHE load it."""
+  assert cpu_pa.build().stat().st_mode & 0o044 == 0o044
+
+
 def test_kernel_refuses_quantised_pools_and_odd_head_dims():
   rng = np.random.default_rng(0)
   k, v, rows, _, _, _ = _pages([(0, 4)], 4, 1, 16, rng)
