@@ -402,8 +402,9 @@ def _rows(seqs, page: int, kv_heads: int, head_dim: int, rng):
 
 def cpu_kernel_table(repeats: int) -> None:
   """One layer's paged attention on this CPU, the serving model's heads (8 query / 4 KV, head dim
-  32, pages of 16, float32): the C++ kernel (`cpu_ragged`) against XLA's block path
-  (`xla_ragged`) on decode and prefill steps, alternated; each cell the median of the rounds."""
+  32, pages of 16, float32 or an int8 cache): the C++ kernel (`cpu_ragged`) against XLA's block
+  path (`xla_ragged`) on decode and prefill steps, alternated; each cell the median of the
+  rounds."""
   from jaxpipe.ops.attention import cpu_kernel_unsupported, ragged_paged_attention
 
   heads, kv_heads, head_dim, page = 8, 4, 32, 16
@@ -413,24 +414,31 @@ def cpu_kernel_table(repeats: int) -> None:
     return
   rng = np.random.default_rng(0)
   prompts = [150, 200, 100, 250, 180, 90, 54]
+  short = [(int(c), 1) for c in rng.integers(32, 320, 64)]
   cases = {
-      "decode, 64 rows at context 32-320": [(int(c), 1) for c in rng.integers(32, 320, 64)],
-      "decode, 64 rows at context 2,048": [(2047, 1)] * 64,
-      "prefill, 7 prompts (1,024 tokens)": [(0, n) for n in prompts],
-      "prefill, 1,024 tokens after 3,072 cached": [(3072, 1024)],
+      "decode, 64 rows at context 32-320": (short, False),
+      "decode, 64 rows at context 32-320, int8 cache": (short, True),
+      "decode, 64 rows at context 2,048": ([(2047, 1)] * 64, False),
+      "prefill, 7 prompts (1,024 tokens)": ([(0, n) for n in prompts], False),
+      "prefill, 7 prompts (1,024 tokens), int8 cache": ([(0, n) for n in prompts], True),
+      "prefill, 1,024 tokens after 3,072 cached": ([(3072, 1024)], False),
   }
   print(
       f"# one layer's paged attention on {platform_name()}: {heads} / {kv_heads} heads, head dim "
-      f"{head_dim}, pages of {page}, float32; ms per call, median of {repeats} alternated rounds"
+      f"{head_dim}, pages of {page}; ms per call, median of {repeats} alternated rounds"
   )
   print(
       "| step | tokens | (query, key) pairs | xla_ragged ms | cpu_ragged ms "
       "| xla_ragged / cpu_ragged |"
   )
   print("|---|---|---|---|---|---|")
-  for name, seqs in cases.items():
+  for name, (seqs, int8) in cases.items():
     k, v, rows, tokens = _rows(seqs, page, kv_heads, head_dim, rng)
     q = jnp.asarray(rng.standard_normal((tokens, heads, head_dim), dtype=np.float32))
+    scales = {}
+    if int8:  # the engine's 8-bit cache: int8 values, a float32 scale per (head, page, slot)
+      (k, k_s), (v, v_s) = (serve_model.quantize(x, jnp.int8) for x in (k, v))
+      scales = dict(k_scales_GxPxS=k_s, v_scales_GxPxS=v_s)
     block = 1 if all(n == 1 for _, n in seqs) else 32
     fns = {
         kernel: jax.jit(functools.partial(ragged_paged_attention, block=block, kernel=kernel))
@@ -439,7 +447,7 @@ def cpu_kernel_table(repeats: int) -> None:
     times = collections.defaultdict(list)
     for _ in range(repeats):
       for kernel, fn in fns.items():
-        times[kernel].append(median_time(fn, q, k, v, rows, repeats=5))
+        times[kernel].append(median_time(functools.partial(fn, **scales), q, k, v, rows, repeats=5))
     xla, cpu = (float(np.median(times[x])) for x in ("xla", "cpu"))
     keys = sum((c + n) * n - n * (n - 1) // 2 for c, n in seqs)  # per query: its position + 1
     print(

@@ -9,8 +9,10 @@
 // buffer shared by every query of a tile. Work items are (row, KV head, tile of up to kTile
 // tokens), taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
 //
-// Layouts (row-major): q [T, H, D], pools [G, P, S, D], tables [B, N], starts / counts / cached
-// [B], out [T, H, D]; query head h reads KV head h / (H / G). Tokens of no row get zeros.
+// Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32, or of int8 with scales
+// [G, P, S] (a key or value row is its int8 values times its slot's scale), tables [B, N],
+// starts / counts / cached [B], out [T, H, D]; query head h reads KV head h / (H / G). Tokens of
+// no row get zeros.
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +24,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -39,10 +45,25 @@ typedef float F8 __attribute__((vector_size(32)));
 typedef int32_t I8 __attribute__((vector_size(32)));
 constexpr int64_t kW = 8;  // floats an F8 holds; the head dim must be a multiple
 
+typedef int8_t C8 __attribute__((vector_size(8)));
+
 inline F8 Load(const float* x) {
   F8 v;
   std::memcpy(&v, x, sizeof(v));
   return v;
+}
+inline F8 Load(const int8_t* x) {  // eight int8 values as floats
+#if defined(__AVX2__)  // one sign-extending load and one conversion (GCC's generic path is scalar)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(x))));
+  F8 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+#else
+  C8 v;
+  std::memcpy(&v, x, sizeof(v));
+  return __builtin_convertvector(__builtin_convertvector(v, I8), F8);
+#endif
 }
 inline void Store(float* x, F8 v) { std::memcpy(x, &v, sizeof(v)); }
 inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
@@ -79,8 +100,10 @@ struct Item {
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // float or int8 pools
+  const void* v;
+  const float* k_scale;  // int8 pools: a scale per (head, page, slot); float pools: null
+  const float* v_scale;
   const int32_t* tables;
   const int32_t* starts;
   const int32_t* cached;
@@ -93,8 +116,15 @@ struct Problem {
   std::atomic<bool> closed{false};
 };
 
-void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
-             std::vector<const float*>& k_rows, std::vector<const float*>& v_rows) {
+// Rows of the pools: float, or int8 times a float scale per (head, page, slot).
+template <typename T>
+struct Rows {
+  std::vector<const T*> k, v;  // key j of the chunk: its K and V rows
+  std::vector<float> k_scale, v_scale;
+};
+
+template <typename T>
+void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows<T>& rows) {
   const int64_t D = p.D, S = p.S, R = p.R;
   const int64_t C = std::max<int64_t>(1, kChunkKeys / S);  // pages a chunk
   const int64_t L = (C * S + 4 * kW - 1) / (4 * kW) * (4 * kW);  // its keys, whole blocks of 32
@@ -120,10 +150,17 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
   std::fill(l, l + vecs, 0.0f);
   const int64_t pages = (cached + it.last - 1) / S + 1;  // up to the tile's last position
   const int32_t* table = p.tables + it.row * p.N;
-  const float* k_head = p.k + it.head * p.P * S * D;
-  const float* v_head = p.v + it.head * p.P * S * D;
-  k_rows.resize(L);  // key j of the chunk: its K and V rows
-  v_rows.resize(L);
+  const T* k_head = static_cast<const T*>(p.k) + it.head * p.P * S * D;
+  const T* v_head = static_cast<const T*>(p.v) + it.head * p.P * S * D;
+  const int64_t scale_head = it.head * p.P * S;
+  rows.k.resize(L);
+  rows.v.resize(L);
+  rows.k_scale.assign(L, 1.0f);
+  rows.v_scale.assign(L, 1.0f);
+  auto& k_rows = rows.k;
+  auto& v_rows = rows.v;
+  float* k_sc = rows.k_scale.data();
+  float* v_sc = rows.v_scale.data();
   for (int64_t c0 = 0; c0 < pages; c0 += C) {
     const int64_t n_pages = std::min(C, pages - c0), j0 = c0 * S;
     for (int64_t pi = 0; pi < n_pages; ++pi) {
@@ -132,13 +169,18 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
         k_rows[pi * S + j] = k_head + page + j * D;
         v_rows[pi * S + j] = v_head + page + j * D;
       }
+      if (p.k_scale != nullptr) {
+        const int64_t at = scale_head + static_cast<int64_t>(table[c0 + pi]) * S;
+        std::memcpy(k_sc + pi * S, p.k_scale + at, sizeof(float) * S);
+        std::memcpy(v_sc + pi * S, p.v_scale + at, sizeof(float) * S);
+      }
     }
     // The next chunk's pages are fetched while this one is scored (the first chunk's before
     // it): a sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot
     // follow from one to the next.
     for (int64_t pi = c0 == 0 ? 0 : c0 + C; pi < std::min(pages, c0 + 2 * C); ++pi) {
       const int64_t page = static_cast<int64_t>(table[pi]) * S * D;
-      for (int64_t x = 0; x < S * D; x += 64 / sizeof(float)) {
+      for (int64_t x = 0; x < S * D; x += 64 / sizeof(T)) {
         __builtin_prefetch(k_head + page + x);
         __builtin_prefetch(v_head + page + x);
       }
@@ -148,8 +190,12 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
     const bool transposed = (tokens - from) * R >= kTranspose;
     if (transposed) {
       for (int64_t j = 0; j < n_pages * S; ++j) {
-        const float* krow = k_rows[j];
-        for (int64_t d = 0; d < D; ++d) kt[d * L + j] = krow[d];
+        const T* krow = k_rows[j];
+        const F8 sc = Splat(k_sc[j]);
+        for (int64_t d = 0; d < D; d += kW) {
+          const F8 x = Load(krow + d) * sc;
+          for (int64_t e = 0; e < kW; ++e) kt[(d + e) * L + j] = x[e];
+        }
       }
       const int64_t padded = (n_pages * S + 4 * kW - 1) / (4 * kW) * (4 * kW);
       for (int64_t d = 0; d < D; ++d) {  // the padding keys score 0 and are never weighted
@@ -182,12 +228,12 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
         }
       } else {  // key by key, each row read once for the token's R query heads
         for (int64_t j = 0; j < seen; ++j) {
-          const float* krow = k_rows[j];
+          const T* krow = k_rows[j];
           for (int64_t r = 0; r < R; ++r) {
             const float* qv = q_i + r * D;
             F8 t = Splat(0.0f);
             for (int64_t d = 0; d < D; d += kW) t += Load(qv + d) * Load(krow + d);
-            s[r * L + j] = Sum(t);
+            s[r * L + j] = Sum(t) * k_sc[j];
           }
         }
       }
@@ -225,8 +271,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
           F8 t0 = Load(a + d) * al, t1 = Load(a + d + kW) * al, t2 = Load(a + d + 2 * kW) * al,
              t3 = Load(a + d + 3 * kW) * al;
           for (int64_t j = 0; j < seen; ++j) {  // stale slots past `seen` are never read
-            const F8 w = Splat(sr[j]);
-            const float* vrow = v_rows[j] + d;
+            const F8 w = Splat(sr[j] * v_sc[j]);
+            const T* vrow = v_rows[j] + d;
             t0 += w * Load(vrow);
             t1 += w * Load(vrow + kW);
             t2 += w * Load(vrow + 2 * kW);
@@ -239,7 +285,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
         }
         for (; d < D; d += kW) {
           F8 t = Load(a + d) * al;
-          for (int64_t j = 0; j < seen; ++j) t += Splat(sr[j]) * Load(v_rows[j] + d);
+          for (int64_t j = 0; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(v_rows[j] + d);
           Store(a + d, t);
         }
       }
@@ -255,19 +301,22 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch,
   }
 }
 
+template <typename T>
 void Work(Problem& p) {
   std::vector<float> scratch;
-  std::vector<const float*> k_rows, v_rows;
+  Rows<T> rows;
   const int64_t n = static_cast<int64_t>(p.items.size());
   for (int64_t i = p.next.fetch_add(1); i < n; i = p.next.fetch_add(1)) {
-    RunItem(p, p.items[i], scratch, k_rows, v_rows);
+    RunItem<T>(p, p.items[i], scratch, rows);
   }
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
-                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
-                ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+// The whole call for pools of E (float, or int8 with scales k_scale / v_scale [G, P, S]).
+template <typename E, typename Pool>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v,
+               const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32>& tables,
+               ffi::Buffer<ffi::S32>& starts, ffi::Buffer<ffi::S32>& counts,
+               ffi::Buffer<ffi::S32>& cached, ffi::ResultBuffer<ffi::F32>& out, float sm_scale) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("expected q [T, H, D], pools [G, P, S, D], tables [B, N]");
@@ -291,6 +340,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   p.q = q.typed_data();
   p.k = k.typed_data();
   p.v = v.typed_data();
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   p.tables = tables.typed_data();
   p.starts = starts.typed_data();
   p.cached = cached.typed_data();
@@ -344,16 +395,41 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([state] {
       state->active.fetch_add(1);
-      if (!state->closed.load()) Work(*state);  // a task that starts late finds nothing to do
+      if (!state->closed.load()) Work<E>(*state);  // a task that starts late finds nothing to do
       state->active.fetch_sub(1);
     });
   }
-  Work(p);
+  Work<E>(p);
   // Wait for the tasks that started before the close: each finishes the item it holds. One
   // that starts after it touches only `state`, which it owns a share of.
   p.closed.store(true);
   while (p.active.load() != 0) std::this_thread::yield();
   return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
+                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+  return Run<float>(pool, q, k, v, nullptr, nullptr, tables, starts, counts, cached, out,
+                    sm_scale);
+}
+
+ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                    ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scales,
+                    ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> tables,
+                    ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                    ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out,
+                    float sm_scale) {
+  const auto kd = k.dimensions();
+  for (auto* x : {&k_scales, &v_scales}) {
+    const auto sd = x->dimensions();
+    if (kd.size() != 4 || sd.size() != 3 || !std::equal(sd.begin(), sd.end(), kd.begin())) {
+      return ffi::Error::InvalidArgument("the scales must be [G, P, S], the pools' leading axes");
+    }
+  }
+  return Run<int8_t>(pool, q, k, v, k_scales.typed_data(), v_scales.typed_data(), tables, starts,
+                     counts, cached, out, sm_scale);
 }
 
 }  // namespace
@@ -364,6 +440,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k pool [G, P, S, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [B, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cached [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+                                  .Attr<float>("sm_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttentionInt8, ImplInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // k pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // v pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [G, P, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales [G, P, S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables [B, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B]

@@ -32,7 +32,9 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "jaxpipe_ragged_paged_attention"
+TARGET_INT8 = "jaxpipe_ragged_paged_attention_int8"  # int8 pools with a float32 scale per slot
 HEAD_DIM_MULTIPLE = 8  # the kernel's register blocks (8 floats)
+POOL_DTYPES = (jnp.float32, jnp.int8)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          "-fopenmp-simd")  # fmt: skip
 
@@ -121,9 +123,11 @@ def unavailable() -> str | None:
   """None once the kernel is built and registered with XLA for the CPU; else the reason."""
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(
-        TARGET, jax.ffi.pycapsule(library.JaxpipeRaggedPagedAttention), platform="cpu"
-    )
+    for target, symbol in ((TARGET, "JaxpipeRaggedPagedAttention"),
+                           (TARGET_INT8, "JaxpipeRaggedPagedAttentionInt8")):  # fmt: skip
+      jax.ffi.register_ffi_target(
+          target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+      )
   except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
     return str(e)
   return None
@@ -139,25 +143,36 @@ def ragged_paged_attention(
     cached_B: jax.Array,
     *,
     sm_scale: float,
+    k_scales_GxPxS: jax.Array | None = None,
+    v_scales_GxPxS: jax.Array | None = None,
 ) -> jax.Array:
   """Each token of each row over its sequence's keys at positions 0..its own -> [T, H, K]
-  float32 (zeros for tokens of no row); float32 pools. Row b: counts_B[b] tokens from flat token
-  starts_B[b], at positions cached_B[b] onward, its pages tables_BxN[b]."""
+  float32 (zeros for tokens of no row). Row b: counts_B[b] tokens from flat token starts_B[b],
+  at positions cached_B[b] onward, its pages tables_BxN[b]. Pools: float32, or int8 with a
+  float32 scale per (head, page, slot) (`jaxpipe.serve.model.quantize`'s cache)."""
   reason = unavailable()
   if reason is not None:
     raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
-  if k_pages_GxPxSxK.dtype != jnp.float32 or v_pages_GxPxSxK.dtype != jnp.float32:
-    raise ValueError(f"the CPU kernel reads float32 pools, not {k_pages_GxPxSxK.dtype}")
+  dtype = k_pages_GxPxSxK.dtype
+  if dtype not in POOL_DTYPES or v_pages_GxPxSxK.dtype != dtype:
+    raise ValueError(f"the CPU kernel reads float32 or int8 pools, not {dtype}")
+  scaled = k_scales_GxPxS is not None and v_scales_GxPxS is not None
+  if scaled != (dtype == jnp.int8) or (k_scales_GxPxS is None) != (v_scales_GxPxS is None):
+    raise ValueError("the CPU kernel takes K and V scales with int8 pools, and only then")
   if q_TxHxK.shape[-1] % HEAD_DIM_MULTIPLE:
     raise ValueError(
         f"the CPU kernel needs a head dim that is a multiple of {HEAD_DIM_MULTIPLE}, "
         f"not {q_TxHxK.shape[-1]}"
     )
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_TxHxK.shape, jnp.float32))
+  pools = (k_pages_GxPxSxK, v_pages_GxPxSxK)
+  if scaled:
+    pools += (k_scales_GxPxS.astype(jnp.float32), v_scales_GxPxS.astype(jnp.float32))
+  call = jax.ffi.ffi_call(
+      TARGET_INT8 if scaled else TARGET, jax.ShapeDtypeStruct(q_TxHxK.shape, jnp.float32)
+  )
   return call(
       q_TxHxK.astype(jnp.float32),
-      k_pages_GxPxSxK,
-      v_pages_GxPxSxK,
+      *pools,
       *(x.astype(jnp.int32) for x in (tables_BxN, starts_B, counts_B, cached_B)),
       sm_scale=np.float32(sm_scale),
   )

@@ -13,11 +13,11 @@ reference: every query token gathers its whole sequence's pages), `pallas`
 `pallas_ragged` (the same blocks through `kernels_pallas.paged_attention_rows`, the paged kernel
 with a length per query row: compiled on GPU, interpreted elsewhere), `cpu_ragged` (the same rows
 through `kernels_cpu.paged_attention`, a C++ kernel called through XLA's FFI that reads the pages
-in place: CPU only, float32 pools) and `auto` (pallas on GPU, xla elsewhere; for a serving step
-whose tokens come grouped by sequence, `resolve_step_backend` takes cpu_ragged on a CPU where the
-kernel builds and the pools are float32, else xla_ragged, where auto gives xla). The per-token
-backends take a query per row and its block table; the ragged ones take the tokens by sequence
-(`RaggedRows`).
+in place: CPU only, float32 or int8 pools) and `auto` (pallas on GPU, xla elsewhere; for a
+serving step whose tokens come grouped by sequence, `resolve_step_backend` takes cpu_ragged on a
+CPU where the kernel builds and the pools are float32 or int8, else xla_ragged, where auto gives
+xla). The per-token backends take a query per row and its block table; the ragged ones take the
+tokens by sequence (`RaggedRows`).
 
 Why blocks (measured on CPU, docs/serving.md "Prefill attention"): the per-token gather moves
 T x N·S keys per layer, 5-10x the cost of the training forward on the same tokens for a
@@ -168,8 +168,11 @@ def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
   """Why the cpu_ragged backend cannot serve these pools here, or None when it can."""
   if jax.default_backend() != "cpu":
     return f"runs on CPU only, and this process runs on {jax.default_backend()}"
-  if jnp.dtype(kv_dtype) != jnp.float32:
-    return f"reads float32 pools, not {jnp.dtype(kv_dtype).name} (--kv_cache_dtype auto)"
+  if jnp.dtype(kv_dtype) not in cpu_pa.POOL_DTYPES:
+    return (
+        f"reads float32 or int8 pools, not {jnp.dtype(kv_dtype).name} "
+        "(--kv_cache_dtype auto or int8)"
+    )
   if head_dim % cpu_pa.HEAD_DIM_MULTIPLE:
     return f"needs a head dim that is a multiple of {cpu_pa.HEAD_DIM_MULTIPLE}, not {head_dim}"
   return cpu_pa.unavailable()
@@ -188,7 +191,8 @@ def _fall_back(reason: str) -> None:
 def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=jnp.float32) -> str:
   """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
   takes a ragged backend where the per-token choice would be the xla gather, cpu_ragged when
-  the CPU kernel serves these pools (`cpu_kernel_unsupported`) and xla_ragged otherwise."""
+  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32 or int8) and xla_ragged
+  otherwise."""
   name = resolve_paged_backend(backend, head_dim, page_size)
   if name == "cpu_ragged" and (reason := cpu_kernel_unsupported(head_dim, kv_dtype)):
     raise ValueError(f"paged attention backend 'cpu_ragged' {reason}; use 'xla_ragged'")
@@ -198,8 +202,8 @@ def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=j
     return "xla_ragged"
   if (reason := cpu_kernel_unsupported(head_dim, kv_dtype)) is None:
     return "cpu_ragged"
-  if jnp.dtype(kv_dtype) == jnp.float32 and head_dim % cpu_pa.HEAD_DIM_MULTIPLE == 0:
-    _fall_back(reason)  # no compiler or a failed build: worth saying; a quantised cache is not
+  if jnp.dtype(kv_dtype) in cpu_pa.POOL_DTYPES and head_dim % cpu_pa.HEAD_DIM_MULTIPLE == 0:
+    _fall_back(reason)  # no compiler or a failed build: worth saying; an fp8 cache is not
   return "xla_ragged"
 
 
@@ -385,7 +389,8 @@ def ragged_paged_attention(
   `paged_attention_reference` per token with its sequence's table and length position + 1.
   kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs), 'pallas' (each block through
   `kernels_pallas.paged_attention_rows`; interpreted off GPU) or 'cpu' (the rows through
-  `kernels_cpu.paged_attention`: CPU, float32 pools; `block`, `key_chunk` and `pairs` unused).
+  `kernels_cpu.paged_attention`: CPU, float32 or int8 pools; `block`, `key_chunk` and `pairs`
+  unused).
   """
   if kernel not in ("xla", "pallas", "cpu"):
     raise ValueError(f"kernel={kernel!r} is not 'xla', 'pallas' or 'cpu'")
@@ -399,10 +404,14 @@ def ragged_paged_attention(
     raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({g})")
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
   if kernel == "cpu":
-    if k_scales_GxPxS is not None or v_scales_GxPxS is not None:
-      raise ValueError("the cpu kernel reads float32 pools, without scales; use kernel='xla'")
     o_TxHxK = cpu_pa.ragged_paged_attention(
-        q_TxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, *rows, sm_scale=sm_scale
+        q_TxHxK,
+        k_pages_GxPxSxK,
+        v_pages_GxPxSxK,
+        *rows,
+        sm_scale=sm_scale,
+        k_scales_GxPxS=k_scales_GxPxS,
+        v_scales_GxPxS=v_scales_GxPxS,
     )
     return o_TxHxK.astype(q_TxHxK.dtype)
   b = rows.counts_B.shape[0]

@@ -63,10 +63,10 @@ def _pages(seqs, page_size, kv_heads, head_dim, rng, rows=None, tokens=None):
   return k, v, RaggedRows(tables, starts, counts, cached), tables_T, lengths_T, at
 
 
-def _check(q, k, v, rows, tables_T, lengths_T, live):
+def _check(q, k, v, rows, tables_T, lengths_T, live, **scales):
   fn = jax.jit(ragged_paged_attention, static_argnames="kernel")
-  got = np.asarray(fn(q, k, v, rows, kernel="cpu"))
-  want = np.asarray(paged_attention_reference(q, k, v, tables_T, lengths_T))
+  got = np.asarray(fn(q, k, v, rows, kernel="cpu", **scales))
+  want = np.asarray(paged_attention_reference(q, k, v, tables_T, lengths_T, **scales))
   assert np.isfinite(want[:live]).all()
   scale = np.abs(want[:live]).max()
   np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * scale)
@@ -97,6 +97,32 @@ def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads
   )
   q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
   _check(q, k, v, rows, tables_T, lengths_T, live)
+
+
+def _int8(pages):
+  """An 8-bit cache of float pages: int8 values and a float32 scale per (head, page, slot), the
+  engine's rounding (`serve.model.quantize`); NaN scales in the slots no row owns."""
+  unowned = np.isnan(pages[..., 0])
+  x = np.nan_to_num(pages)
+  scale = np.abs(x).max(axis=-1) / 127
+  values = np.round(x / np.where(scale > 0, scale, 1.0)[..., None])
+  scale[unowned] = np.nan
+  return values.astype(np.int8), scale.astype(np.float32)
+
+
+@pytest.mark.parametrize("page_size, heads, head_dim", [(4, 6, 16), (16, 8, 32), (8, 2, 48)])
+def test_kernel_on_int8_pages_equals_the_gather_reference(page_size, heads, head_dim):
+  """An 8-bit cache: both sides dequantise the same stored values (scale times int8); the
+  ragged tests' step and a multi-chunk one, both score paths, head dims of 2 to 6 blocks."""
+  rng = np.random.default_rng(head_dim)
+  if page_size == 4:
+    q, k, v, rows, tables_T, lengths_T, live = helpers.ragged_case()
+  else:
+    seqs = [(0, 150), (37, 1), (70, 45), (129, 17), (0, 1)]
+    k, v, rows, tables_T, lengths_T, live = _pages(seqs, page_size, 2, head_dim, rng, rows=7)
+    q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
+  (k8, k_s), (v8, v_s) = _int8(k), _int8(v)
+  _check(q, k8, v8, rows, tables_T, lengths_T, live, k_scales_GxPxS=k_s, v_scales_GxPxS=v_s)
 
 
 def live_pad(seqs) -> int:
@@ -139,26 +165,30 @@ def test_kernel_refuses_quantised_pools_and_odd_head_dims():
   rng = np.random.default_rng(0)
   k, v, rows, _, _, _ = _pages([(0, 4)], 4, 1, 16, rng)
   q = rng.standard_normal((4, 2, 16)).astype(np.float32)
-  with pytest.raises(ValueError, match="float32 pools, not int8"):
+  with pytest.raises(ValueError, match="float32 or int8 pools, not float8_e4m3fn"):
+    fp8 = np.zeros(k.shape, jnp.float8_e4m3fn)
+    cpu_pa.ragged_paged_attention(q, fp8, fp8, *rows, sm_scale=1.0)
+  with pytest.raises(ValueError, match="scales with int8 pools, and only then"):
     int8 = np.zeros(k.shape, np.int8)
     cpu_pa.ragged_paged_attention(q, int8, int8, *rows, sm_scale=1.0)
   with pytest.raises(ValueError, match="multiple of 8, not 12"):
     cpu_pa.ragged_paged_attention(q[..., :12], k[..., :12], v[..., :12], *rows, sm_scale=1.0)
   scales = np.ones(k.shape[:3], np.float32)
-  with pytest.raises(ValueError, match="without scales"):
+  with pytest.raises(ValueError, match="scales with int8 pools, and only then"):
     ragged_paged_attention(q, k, v, rows, kernel="cpu", k_scales_GxPxS=scales)
 
 
-def test_auto_picks_the_kernel_on_cpu_for_float32_pools_only():
-  """The rule docs/serving.md states: a serving step on CPU runs cpu_ragged for a float32
-  cache, xla_ragged for a quantised one or a head dim the kernel does not take; naming
+def test_auto_picks_the_kernel_on_cpu_for_float32_and_int8_pools_only():
+  """The rule docs/serving.md states: a serving step on CPU runs cpu_ragged for a float32 or
+  int8 cache, xla_ragged for an fp8 one or a head dim the kernel does not take; naming
   cpu_ragged for those is an error that names the fix."""
   assert attn.resolve_step_backend("auto", 32, 16) == "cpu_ragged"
-  assert attn.resolve_step_backend("auto", 32, 16, jnp.int8) == "xla_ragged"
+  assert attn.resolve_step_backend("auto", 32, 16, jnp.int8) == "cpu_ragged"
+  assert attn.resolve_step_backend("auto", 32, 16, jnp.float8_e4m3fn) == "xla_ragged"
   assert attn.resolve_step_backend("auto", 12, 16) == "xla_ragged"
   assert attn.resolve_step_backend("xla_ragged", 32, 16) == "xla_ragged"
-  with pytest.raises(ValueError, match="float32 pools, not int8.*use 'xla_ragged'"):
-    attn.resolve_step_backend("cpu_ragged", 32, 16, jnp.int8)
+  with pytest.raises(ValueError, match="int8 pools, not float8_e4m3fn.*use 'xla_ragged'"):
+    attn.resolve_step_backend("cpu_ragged", 32, 16, jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="multiple of 8, not 12"):
     attn.resolve_step_backend("cpu_ragged", 12, 16)
   with pytest.raises(ValueError, match="takes rows of tokens"):
