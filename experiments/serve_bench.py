@@ -63,6 +63,7 @@ import functools
 import json
 import math
 import os
+import platform
 import time
 
 import jax
@@ -424,8 +425,9 @@ def cpu_kernel_table(repeats: int) -> None:
       "prefill, 1,024 tokens after 3,072 cached": ([(3072, 1024)], False),
   }
   print(
-      f"# one layer's paged attention on {platform_name()}: {heads} / {kv_heads} heads, head dim "
-      f"{head_dim}, pages of {page}; ms per call, median of {repeats} alternated rounds"
+      f"# one layer's paged attention on {os.cpu_count()} cores ({platform.machine()}): {heads} / "
+      f"{kv_heads} heads, head dim {head_dim}, pages of {page}; ms per call, median of {repeats} "
+      "alternated rounds"
   )
   print(
       "| step | tokens | (query, key) pairs | xla_ragged ms | cpu_ragged ms "
@@ -454,12 +456,6 @@ def cpu_kernel_table(repeats: int) -> None:
         f"| {name} | {tokens:,} | {keys:,} | {1e3 * xla:.3f} | {1e3 * cpu:.3f} | {xla / cpu:.2f} |",
         flush=True,
     )
-
-
-def platform_name() -> str:
-  import platform
-
-  return f"{os.cpu_count()} cores ({platform.machine()})"
 
 
 PREFILL_MODEL = transformer.TransformerConfig(

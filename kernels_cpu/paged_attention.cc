@@ -69,6 +69,26 @@ inline void Store(float* x, F8 v) { std::memcpy(x, &v, sizeof(v)); }
 inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
 inline float Sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// 32 consecutive floats as four F8 sums, independent so that their multiply-adds overlap: the
+// register block of both the scores (32 keys) and the weighted values (32 channels).
+struct F32x4 {
+  F8 v[4];
+
+  template <typename T>
+  static F32x4 Load(const T* x) {
+    return {{::Load(x), ::Load(x + kW), ::Load(x + 2 * kW), ::Load(x + 3 * kW)}};
+  }
+  void Store(float* x) const {
+    for (int e = 0; e < 4; ++e) ::Store(x + e * kW, v[e]);
+  }
+  void AddScaled(F8 w, const F32x4& x) {  // this += w * x
+    for (int e = 0; e < 4; ++e) v[e] += w * x.v[e];
+  }
+  void Scale(F8 w) {
+    for (int e = 0; e < 4; ++e) v[e] *= w;
+  }
+};
+
 // exp(x) as 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, with Cephes' expf polynomial
 // (about 1 ulp). x is clamped to [-87, 88]: exp(-inf), a running max's first rescale, gives
 // 2^-126 times a zero sum.
@@ -211,19 +231,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           const float* qv = q_i + r * D;
           float* sr = s + r * L;
           for (int64_t j = 0; j < seen; j += 4 * kW) {
-            F8 t0 = Splat(0.0f), t1 = t0, t2 = t0, t3 = t0;
-            for (int64_t d = 0; d < D; ++d) {
-              const F8 qd = Splat(qv[d]);
-              const float* krow = kt + d * L + j;
-              t0 += qd * Load(krow);
-              t1 += qd * Load(krow + kW);
-              t2 += qd * Load(krow + 2 * kW);
-              t3 += qd * Load(krow + 3 * kW);
-            }
-            Store(sr + j, t0);
-            Store(sr + j + kW, t1);
-            Store(sr + j + 2 * kW, t2);
-            Store(sr + j + 3 * kW, t3);
+            F32x4 t = {};
+            for (int64_t d = 0; d < D; ++d) t.AddScaled(Splat(qv[d]), F32x4::Load(kt + d * L + j));
+            t.Store(sr + j);
           }
         }
       } else {  // key by key, each row read once for the token's R query heads
@@ -268,20 +278,12 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         const F8 al = Splat(alpha[r]);
         int64_t d = 0;
         for (; d + 4 * kW <= D; d += 4 * kW) {
-          F8 t0 = Load(a + d) * al, t1 = Load(a + d + kW) * al, t2 = Load(a + d + 2 * kW) * al,
-             t3 = Load(a + d + 3 * kW) * al;
+          F32x4 t = F32x4::Load(a + d);
+          t.Scale(al);
           for (int64_t j = 0; j < seen; ++j) {  // stale slots past `seen` are never read
-            const F8 w = Splat(sr[j] * v_sc[j]);
-            const T* vrow = v_rows[j] + d;
-            t0 += w * Load(vrow);
-            t1 += w * Load(vrow + kW);
-            t2 += w * Load(vrow + 2 * kW);
-            t3 += w * Load(vrow + 3 * kW);
+            t.AddScaled(Splat(sr[j] * v_sc[j]), F32x4::Load(v_rows[j] + d));
           }
-          Store(a + d, t0);
-          Store(a + d + kW, t1);
-          Store(a + d + 2 * kW, t2);
-          Store(a + d + 3 * kW, t3);
+          t.Store(a + d);
         }
         for (; d < D; d += kW) {
           F8 t = Load(a + d) * al;

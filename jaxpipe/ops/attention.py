@@ -164,8 +164,8 @@ def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
   return backend
 
 
-def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
-  """Why the cpu_ragged backend cannot serve these pools here, or None when it can."""
+def _cpu_kernel_refuses(head_dim: int, kv_dtype) -> str | None:
+  """Why the cpu_ragged backend does not take these pools on this platform, built or not."""
   if jax.default_backend() != "cpu":
     return f"runs on CPU only, and this process runs on {jax.default_backend()}"
   if jnp.dtype(kv_dtype) not in cpu_pa.POOL_DTYPES:
@@ -175,7 +175,13 @@ def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
     )
   if head_dim % cpu_pa.HEAD_DIM_MULTIPLE:
     return f"needs a head dim that is a multiple of {cpu_pa.HEAD_DIM_MULTIPLE}, not {head_dim}"
-  return cpu_pa.unavailable()
+  return None
+
+
+def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
+  """Why the cpu_ragged backend cannot serve these pools here (including a kernel that cannot
+  be built), or None when it can."""
+  return _cpu_kernel_refuses(head_dim, kv_dtype) or cpu_pa.unavailable()
 
 
 @functools.cache
@@ -198,13 +204,12 @@ def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=j
     raise ValueError(f"paged attention backend 'cpu_ragged' {reason}; use 'xla_ragged'")
   if backend != "auto" or name != "xla":
     return name
-  if jax.default_backend() != "cpu":
+  if _cpu_kernel_refuses(head_dim, kv_dtype):  # not a CPU, an fp8 cache, another head dim
     return "xla_ragged"
-  if (reason := cpu_kernel_unsupported(head_dim, kv_dtype)) is None:
-    return "cpu_ragged"
-  if jnp.dtype(kv_dtype) in cpu_pa.POOL_DTYPES and head_dim % cpu_pa.HEAD_DIM_MULTIPLE == 0:
-    _fall_back(reason)  # no compiler or a failed build: worth saying; an fp8 cache is not
-  return "xla_ragged"
+  if (reason := cpu_pa.unavailable()) is not None:
+    _fall_back(reason)  # no compiler or a failed build: worth saying
+    return "xla_ragged"
+  return "cpu_ragged"
 
 
 def paged_attention(
