@@ -132,3 +132,23 @@ def test_tensor_parallel_with_a_deployment_mode_is_refused_before_any_work():
   assert run.returncode != 0
   assert "--tensor_parallel is one engine's; with --mode=colocated give each worker" in run.stderr
   assert "Traceback" not in run.stderr
+
+
+def test_the_cpu_kernel_asked_for_an_fp8_cache_is_one_error_line():
+  """`--attention cpu_ragged` where the kernel does not take the cache: one `error:` line that
+  names the cache and the backend to use instead."""
+  run = _serve(
+      "--config",
+      "configs/tiny.py",
+      "--prompt",
+      "def ",
+      "--attention",
+      "cpu_ragged",
+      "--kv_cache_dtype",
+      "fp8",
+  )
+  assert run.returncode != 0
+  lines = [x for x in run.stderr.splitlines() if x.strip()]
+  assert lines[-1].startswith("error: ") and "not float8_e4m3fn" in lines[-1], lines
+  assert "use 'xla_ragged'" in lines[-1]
+  assert "Traceback" not in run.stderr
