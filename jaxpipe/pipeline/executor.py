@@ -30,9 +30,12 @@ leaves that are the stage's own parameters (matched by identity while tracing) o
 the parameters alone (casts, transposes), which the backward takes from, or recomputes from, the
 live parameters. I applies that closure for the input cotangent, W for the weight cotangent,
 which is added to the gradient at once. For a `layered` stage the closure is kept per layer and
-I hands W each layer's output cotangent, so W computes weight cotangents only; for an opaque
-stage W re-derives them from the stage's output cotangent (the input-cotangent chain inside the
-stage runs again).
+each layer's backward is split once into two halves (`split_backward`): I runs the equations the
+input cotangent needs and keeps, per layer, what the rest read from them (the cotangents at
+each weight product's output); W runs only the rest, chiefly the weight products, so I and W
+together cost one backward, as B does (B runs the two halves back to back). For an opaque
+stage, or with recomputation, I keeps the stage's (each layer's) output cotangent and W
+re-derives the weight cotangents from it (the input-cotangent chain runs again).
 
 Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops the write.
 The tables are array arguments, not constants, so one compiled program runs any schedule with
@@ -75,6 +78,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.pipeline.ir.lower import BRANCHES, CHANNELS, COL, Lowered
+from jaxpipe.pipeline.split_backward import split_backward
 
 PARTS = ("F", "I", "B", "W")  # the parts a branch may run in one tick
 LOCAL_FIELDS = ("f_local", "b_local")  # table columns of same-rank moves (ExecSpec.local_moves)
@@ -380,13 +384,19 @@ class _StageOps:
       self.resid = _Residuals.probe(stage_fn.layer_fn, one, x, has_aux=True, side=side)
       stack = lambda s: jax.ShapeDtypeStruct((self.num_layers,) + s.shape, s.dtype)
       kept = tuple(stack(s) for s in self.resid.stored)
-      self.g = stack(x)
+      # a split backward: I hands W what W's own equations read, so neither redoes the other's
+      self.split = None
+      if not recompute:
+        backward = lambda stored, p, g: self.resid.join(stored, p)(g)
+        self.split = split_backward(backward, list(self.resid.stored), one, x)
+      self.g = tuple(stack(s) for s in (self.split.kept if self.split else (x,)))
     else:
       self.resid = (
           None if recompute else _Residuals.probe(stage_fn, params, x, has_aux=True, side=side)
       )
       kept = None if recompute else self.resid.stored
-      self.g = x
+      self.split = None
+      self.g = (x,)
     self.stored = (x,) if recompute else kept
 
   def zero_x(self):
@@ -449,21 +459,49 @@ class _StageOps:
   def input_grad(self, params, side, res, slot, dy, need_dx, wg, wg_slot):
     """I: -> (dx, wg holding what W needs at `wg_slot`)"""
     if not self.layered:
-      return self._dx(self._vjp(params, side, res, slot), dy, need_dx), _set(wg, (wg_slot,), dy)
+      dx = self._dx(self._vjp(params, side, res, slot), dy, need_dx)
+      return dx, [_set(wg[0], (wg_slot,), dy)]
+    if self.split is not None:
+      half = lambda l, g, need_dx=True: self.split.input_half(
+          [b[slot, l] for b in res], _index(params, l), g, need_dx
+      )
+      keep = lambda wg, l, kept: [_set(b, (wg_slot, l), k) for b, k in zip(wg, kept)]
+
+      def body(carry, l):
+        g, wg = carry
+        dx, kept = half(l, g)
+        return (dx, keep(wg, l, kept)), None
+
+      (g0, wg), _ = lax.scan(body, (dy, wg), jnp.arange(self.num_layers - 1, 0, -1))
+      dx, kept = half(0, g0, need_dx)
+      return dx, keep(wg, 0, kept)
     vjp_of = self._layer_vjp(params, side, res, slot)
 
     def body(carry, l):
-      g, wg = carry
-      return (vjp_of(l)(g)[1], _set(wg, (wg_slot, l), g)), None
+      g, (wg,) = carry
+      return (vjp_of(l)(g)[1], [_set(wg, (wg_slot, l), g)]), None
 
     (g0, wg), _ = lax.scan(body, (dy, wg), jnp.arange(self.num_layers - 1, 0, -1))
-    return self._dx(vjp_of(0), g0, need_dx), _set(wg, (wg_slot, 0), g0)
+    return self._dx(vjp_of(0), g0, need_dx), [_set(wg[0], (wg_slot, 0), g0)]
 
   def full_grad(self, params, side, res, slot, dy, need_dx, grads, chunk):
     """B: -> (dx, grads plus this micro-batch's weight cotangents at `chunk`)"""
     if not self.layered:
       vjp_fn = self._vjp(params, side, res, slot)
       return self._dx(vjp_fn, dy, need_dx), _add(grads, (chunk,), vjp_fn(dy)[0], self.by_max)
+    if self.split is not None:
+      # I's equations then W's, each once: the two halves of one backward
+      def full(l, g, grads, need_dx=True):
+        stored, layer = [b[slot, l] for b in res], _index(params, l)
+        dx, kept = self.split.input_half(stored, layer, g, need_dx)
+        return dx, _add(grads, (chunk, l), self.split.weight_half(stored, layer, kept), self.by_max)
+
+      (g0, grads), _ = lax.scan(
+          lambda carry, l: (full(l, *carry), None),
+          (dy, grads),
+          jnp.arange(self.num_layers - 1, 0, -1),
+      )
+      return full(0, g0, grads, need_dx)
     vjp_of = self._layer_vjp(params, side, res, slot)
 
     def body(carry, l):
@@ -479,11 +517,17 @@ class _StageOps:
     """W: -> grads plus the weight cotangents of what I left at `wg_slot`, at `chunk`"""
     if not self.layered:
       vjp_fn = self._vjp(params, side, res, slot)
-      return _add(grads, (chunk,), vjp_fn(wg[wg_slot])[0], self.by_max)
-    vjp_of = self._layer_vjp(params, side, res, slot)
+      return _add(grads, (chunk,), vjp_fn(wg[0][wg_slot])[0], self.by_max)
+    if self.split is not None:
+      dp_of = lambda l: self.split.weight_half(
+          [b[slot, l] for b in res], _index(params, l), [b[wg_slot, l] for b in wg]
+      )
+    else:
+      vjp_of = self._layer_vjp(params, side, res, slot)
+      dp_of = lambda l: vjp_of(l)(wg[0][wg_slot, l])[0]
 
     def body(grads, l):
-      return _add(grads, (chunk, l), vjp_of(l)(wg[wg_slot, l])[0], self.by_max), None
+      return _add(grads, (chunk, l), dp_of(l), self.by_max), None
 
     return lax.scan(body, grads, jnp.arange(self.num_layers))[0]
 
@@ -890,7 +934,8 @@ def make_executor(
         act=slots(spec.act_slots, x_sd),
         res=[slots(spec.res_slots, s) for s in ops.stored],
         cot=slots(spec.cot_slots, x_sd),
-        wg=slots(spec.wg_slots, ops.g),
+        # what I keeps for W; no buffer where no part splits a backward
+        wg=[slots(spec.wg_slots, g) for g in ops.g] if present & {"I", "W"} else [],
         grads=jax.tree.map(acc, local),
         loss=jnp.zeros((), jnp.float32),
         head_g=jax.tree.map(acc, head_params),

@@ -312,7 +312,7 @@ def predict(
   buffers = (
       (slots(lowered.act_slots) + slots(lowered.cot_slots)) * b["activation"]
       + slots(lowered.res_slots) * b["residual"]
-      + slots(lowered.wg_slots) * b["wg"]
+      + lowered.wg_slots * b["wg"]  # none where no backward is split
       + b["work"]
   )
   copies = pl.copies  # resident copies of the layer stack (bidirectional placements: 2)

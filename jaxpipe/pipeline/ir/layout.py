@@ -23,7 +23,8 @@ recomputation. Per device it holds:
   tokens of one micro-batch, times the layers of one virtual stage, times the residual slots
   the schedule's executor tables keep in flight (`lower`'s `res_slots`); without a pipeline
   one micro-batch's residuals of every layer (gradient accumulation runs them one at a time);
-  plus the stage inputs and cotangents in flight and the logits of one micro-batch;
+  plus the stage inputs and cotangents in flight, what a split backward's I keeps for its W
+  (`kept_elements`, per layer of a stage and wg slot) and the logits of one micro-batch;
 - collective buffers: FSDP's gathered layer (two, one prefetched), the gradient accumulator.
 
 Step time: 6 x active parameters x tokens plus attention's 12 x layers x heads x head_dim x
@@ -290,6 +291,26 @@ class Activations:
 GPU_ACTIVATIONS = Activations()
 
 
+def kept_elements(model: Model, layout: Layout, moe: bool) -> float:
+  """Elements a split backward's I keeps for its W per token of a layer (jaxpipe's
+  `split_backward`): the cotangents at each weight product's output (q, k, v; gate and up, of
+  every routed row under MoE, with the router's logits; the two products into the residual
+  stream) and at the two norms' outputs. Under full recomputation, the layer's output
+  cotangent."""
+  t, d = layout.tp, model.d_model
+  st = t if layout.sp else 1
+  if layout.recompute == "full":
+    return d / st
+  attn = (model.n_heads + 2 * model.n_kv_heads) * model.head_dim / t
+  if not moe:
+    return attn + 2 * model.d_ff / t + 4 * d / st
+  e = layout.ep
+  rows = model.capacity_factor * min(model.top_k, e) if model.capacity_factor else model.top_k
+  experts = rows * (2 * model.expert_d_ff + d) + model.experts
+  shared = 2 * model.shared_experts * model.expert_d_ff
+  return attn + 3 * d / st + (experts + shared) / st
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
   """One class of interconnect, as a collective sees it per device."""
@@ -529,8 +550,13 @@ def memory(
     stage = max(sum(per_layer[i : i + int(layers)]) for i in range(0, model.n_layers, int(layers)))
     residual = tokens * stage * a
     activations = pl.res_slots * residual
-    slots = max(pl.act_slots, 1) + max(pl.cot_slots, 1) + max(pl.wg_slots, 1)
+    slots = max(pl.act_slots, 1) + max(pl.cot_slots, 1)
+    kept = max(
+        sum(kept_elements(model, layout, x) for x in moe_of_layer[i : i + int(layers)])
+        for i in range(0, model.n_layers, int(layers))
+    )
     buffers = slots * tokens * width * a + acts.work * residual / layers
+    buffers += pl.wg_slots * tokens * kept * a  # what I keeps for W, per layer of a stage
   else:
     residual = tokens * sum(per_layer) * a
     activations = residual
