@@ -7,10 +7,12 @@ layer's backward twice (everything between the output and each weight: the atten
 the activation function's). Instead the backward is traced once, to a jaxpr, and its equations
 are split: I runs every equation the input cotangent needs and hands W the values W's own
 equations read from them (for a transformer layer the cotangents at each weight product's
-output: q, k, v, the MLP's gate and up, the residual stream's); W runs only the equations that
-feed the weight cotangents alone, chiefly the weight products `x.T @ dy`. Together they run
-each equation of the backward once, so I + W costs what one full backward does, plus storing
-what I hands on.
+output: q, k, v, the MLP's gate and up, the two products into the residual stream); W runs
+only the equations that feed the weight cotangents alone and touch a weight product: the
+products `x.T @ dy` and what feeds or follows them. The rest of the weight cotangents' work
+(a norm's scale cotangent, a bias's: a reduction to one value per feature) runs in I, which
+keeps those few values rather than their per-token inputs. Together they run each equation of
+the backward once, so I + W costs what one full backward does, plus storing what I hands on.
 
 Calls (`jit` inside a layer) and remat blocks (`jax.checkpoint`: FSDP's gathered layer
 recomputes its gathers in the backward) are inlined first, so that a body whose outputs feed
@@ -129,6 +131,32 @@ def _restricted(eqns: Sequence, live: Sequence[frozenset[int]]) -> list:
   return out
 
 
+def _outside_products(w_eqns: Sequence) -> tuple[list, list]:
+  """(W's equations I may run instead, the rest): those that neither feed nor follow one of W's
+  matrix products and read only what I has (a norm's scale cotangent, a bias's: reductions to
+  one value per feature, whose per-token inputs I would otherwise keep for W)."""
+  made = [{v for v in e.outvars if _is_var(v)} for e in w_eqns]
+  near = [e.primitive.name == "dot_general" for e in w_eqns]
+  after = set()  # values that follow a product
+  for k, e in enumerate(w_eqns):
+    if near[k] or any(a in after for a in e.invars if _is_var(a)):
+      near[k] = True
+      after |= made[k]
+  feeding = set()  # values a product (or what feeds it) reads
+  for k in range(len(w_eqns) - 1, -1, -1):
+    if near[k] or made[k] & feeding:
+      near[k] = True
+      feeding.update(a for a in w_eqns[k].invars if _is_var(a))
+  moved, kept, in_w = [], [], set()
+  for k, e in enumerate(w_eqns):
+    if near[k] or any(a in in_w for a in e.invars if _is_var(a)):
+      kept.append(e)
+      in_w |= made[k]
+    else:
+      moved.append(e)
+  return moved, kept
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitBackward:
   """`backward(stored, params, g) -> (dparams, dx)` as I and W halves; see the module docstring.
@@ -173,13 +201,14 @@ def split_backward(backward: Callable, stored, params, g) -> SplitBackward:
       for e, w, i in zip(eqns, in_w, in_i)
   ]
   w_eqns = _restricted(eqns, in_w)
+  moved, w_eqns = _outside_products(w_eqns)
   made_by_w = {v for e in w_eqns for v in e.outvars if _is_var(v)}
   kept, seen = [], set()
   for a in [a for e in w_eqns for a in e.invars] + list(dp_out):
     if _is_var(a) and a not in made_by_w and a not in w_inputs and a not in seen:
       seen.add(a)
       kept.append(a)
-  i_eqns = _restricted(eqns, in_i)
+  i_eqns = _restricted(eqns, in_i) + moved
   i_only_kept = _restricted(i_eqns, _live(i_eqns, kept))
 
   def make(ins, outs, es):

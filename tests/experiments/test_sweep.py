@@ -133,9 +133,10 @@ def test_measured_cost_files_are_complete_and_their_bytes_exact(swept):
     b = 16 // (4 * m)  # batch 16 over dp = 4 data ranks and m micro-batches
     assert e.bytes["activation"] == b * 16 * 32 * 4  # [b, seq 16, d_model 32] float32
     # one layer per stage; I keeps for W the cotangents at q, k, v ((H + 2 KV) K), gate and up
-    # (2 d_ff), the two products into the residual stream and the two norms' outputs (4 d)
-    kept = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.d_ff + 4 * cfg.d_model
-    assert e.bytes["wg"] == b * 16 * kept * 4
+    # (2 d_ff) and the two products into the residual stream (2 d) per token, and the two norms'
+    # scale cotangents (d each)
+    kept = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.d_ff + 2 * cfg.d_model
+    assert e.bytes["wg"] == (b * 16 * kept + 2 * cfg.d_model) * 4
     assert e.bytes["residual"] > e.bytes["activation"] and e.bytes["work"] > 0
     # AdamW keeps two moments beside each parameter; the layer stack is split over pp = 2
     assert costs.step["layer_state_bytes"] == 3 * layers // 2

@@ -8,6 +8,7 @@ import pytest
 
 from jaxpipe.models import transformer
 from jaxpipe.pipeline.executor import _Residuals
+from jaxpipe.pipeline.ir import layout as planner
 from jaxpipe.pipeline.split_backward import split_backward
 
 B, L = 2, 16
@@ -135,12 +136,26 @@ def test_each_product_runs_once(case):
 
 
 def test_kept_is_the_cotangent_at_each_weight_product():
-  """What I hands W for a Llama layer, per token: the cotangents at the outputs of q, k and v
-  (heads x head_dim each), of the MLP's gate and up (d_ff each), of the two products that end
-  in the residual stream (d_model each), and at the outputs of the two norms (d_model each, for
-  their scales)."""
+  """What I hands W for a Llama layer: per token, the cotangents at the outputs of q, k and v
+  (heads x head_dim each), of the MLP's gate and up (d_ff each) and of the two products that end
+  in the residual stream (d_model each); per layer, the two norms' scale cotangents (d_model
+  each), which I computes (a W keeping their per-token inputs would hold 2 d_model per token
+  more)."""
   split = _traced_split(llama_layer, _layer_params(), jnp.ones((B, L, CFG.d_model)))["split"]
-  per_token = sum(int(np.prod(k.shape)) for k in split.kept) // (B * L)
+  per_token = [k for k in split.kept if k.shape[:2] == (B, L)]
+  per_layer = [k.shape for k in split.kept if k.shape[:2] != (B, L)]
   c = CFG
-  want = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 2 * c.d_ff + 2 * c.d_model + 2 * c.d_model
-  assert per_token == want, (per_token, want, [k.shape for k in split.kept])
+  want = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 2 * c.d_ff + 2 * c.d_model
+  got = sum(int(np.prod(k.shape)) for k in per_token) // (B * L)
+  assert got == want, (got, want, [k.shape for k in split.kept])
+  assert sorted(per_layer) == [(c.d_model,), (c.d_model,)], per_layer
+
+
+def test_the_planner_prices_what_the_split_keeps():
+  """The layout planner's `kept_elements` (pure Python, no JAX) against the traced split of the
+  same layer: per token, the elements of what I keeps for W."""
+  split = _traced_split(llama_layer, _layer_params(), jnp.ones((B, L, CFG.d_model)))["split"]
+  got = sum(int(np.prod(k.shape)) for k in split.kept if k.shape[:2] == (B, L)) / (B * L)
+  c = CFG
+  model = planner.Model("t", c.vocab, c.d_model, 1, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff)
+  assert planner.kept_elements(model, planner.Layout(), moe=False) == got

@@ -295,20 +295,20 @@ def kept_elements(model: Model, layout: Layout, moe: bool) -> float:
   """Elements a split backward's I keeps for its W per token of a layer (jaxpipe's
   `split_backward`): the cotangents at each weight product's output (q, k, v; gate and up, of
   every routed row under MoE, with the router's logits; the two products into the residual
-  stream) and at the two norms' outputs. Under full recomputation, the layer's output
-  cotangent."""
+  stream); the norms' scale cotangents are one value per feature and layer, left out. Under
+  full recomputation, the layer's output cotangent."""
   t, d = layout.tp, model.d_model
   st = t if layout.sp else 1
   if layout.recompute == "full":
     return d / st
   attn = (model.n_heads + 2 * model.n_kv_heads) * model.head_dim / t
   if not moe:
-    return attn + 2 * model.d_ff / t + 4 * d / st
+    return attn + 2 * model.d_ff / t + 2 * d / st
   e = layout.ep
   rows = model.capacity_factor * min(model.top_k, e) if model.capacity_factor else model.top_k
   experts = rows * (2 * model.expert_d_ff + d) + model.experts
   shared = 2 * model.shared_experts * model.expert_d_ff
-  return attn + 3 * d / st + (experts + shared) / st
+  return attn + d / st + (experts + shared) / st
 
 
 @dataclasses.dataclass(frozen=True)
