@@ -36,6 +36,16 @@ PyTree = Any
 
 _NAME = "split_backward"
 _BARRIER = "optimization_barrier"
+# primitives that are, or may hold, a matrix product (W keeps them and what touches them)
+_PRODUCTS = (
+    "dot_general",
+    "ragged_dot",
+    "conv_general",
+    "pallas_call",
+    "custom_call",
+    "triton",
+    "mosaic",
+)
 # inlined: their bodies' equations are split
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2")
 
@@ -131,12 +141,19 @@ def _restricted(eqns: Sequence, live: Sequence[frozenset[int]]) -> list:
   return out
 
 
+def _is_product(eqn) -> bool:
+  """A matrix product, or anything that may hold one (a kernel, a custom call, a loop): I takes
+  over none of these from W, nor what feeds or follows them."""
+  name = eqn.primitive.name
+  return name.startswith(_PRODUCTS) or any(True for _ in core.jaxprs_in_params(eqn.params))
+
+
 def _outside_products(w_eqns: Sequence) -> tuple[list, list]:
   """(W's equations I may run instead, the rest): those that neither feed nor follow one of W's
   matrix products and read only what I has (a norm's scale cotangent, a bias's: reductions to
   one value per feature, whose per-token inputs I would otherwise keep for W)."""
   made = [{v for v in e.outvars if _is_var(v)} for e in w_eqns]
-  near = [e.primitive.name == "dot_general" for e in w_eqns]
+  near = [_is_product(e) for e in w_eqns]
   after = set()  # values that follow a product
   for k, e in enumerate(w_eqns):
     if near[k] or any(a in after for a in e.invars if _is_var(a)):

@@ -39,6 +39,15 @@ def tied_layer(p, x_BxLxD):
   return jnp.tanh(x_BxLxD @ p["w"])
 
 
+def conv_layer(p, x_BxLxD):
+  # a weight product that is a convolution over the sequence, not a dot_general
+  y = jax.lax.conv_general_dilated(x_BxLxD, p["k"], (1,), "SAME", dimension_numbers=CONV_DIMS)
+  return jnp.tanh(y)
+
+
+CONV_DIMS = ("NWC", "WIO", "NWC")
+
+
 def _layer_params():
   params = transformer.init_params(CFG, jax.random.key(0))
   return jax.tree.map(lambda a: a[0], params["layers"])
@@ -54,12 +63,12 @@ def _split(fn, params, x):
 
 
 def _dots(fn, *args) -> int:
-  """dot_general equations in the jaxpr of fn(*args), calls included."""
+  """Matrix products (dot_general, convolution) in the jaxpr of fn(*args), calls included."""
 
   def count(jaxpr):
     n = 0
     for eqn in jaxpr.eqns:
-      n += eqn.primitive.name == "dot_general"
+      n += eqn.primitive.name in ("dot_general", "conv_general_dilated")
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         n += count(sub)
     return n
@@ -75,6 +84,10 @@ CASES = {
             "up": jax.random.normal(jax.random.key(1), (CFG.d_model, 48)),
             "down": jax.random.normal(jax.random.key(2), (48, CFG.d_model)),
         },
+    ),
+    "conv": (
+        conv_layer,
+        lambda: {"k": jax.random.normal(jax.random.key(6), (3, CFG.d_model, CFG.d_model)) / 8},
     ),
     "tied": (
         tied_layer,
