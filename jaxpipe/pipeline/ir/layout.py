@@ -23,8 +23,9 @@ recomputation. Per device it holds:
   tokens of one micro-batch, times the layers of one virtual stage, times the residual slots
   the schedule's executor tables keep in flight (`lower`'s `res_slots`); without a pipeline
   one micro-batch's residuals of every layer (gradient accumulation runs them one at a time);
-  plus the stage inputs and cotangents in flight, what a split backward's I keeps for its W
-  (`kept_elements`, per layer of a stage and wg slot) and the logits of one micro-batch;
+  plus the stage inputs and cotangents in flight, the larger of a running part's workspace and
+  what a split backward's I keeps for its W (`kept_elements`, per layer of a stage and wg slot:
+  the same values, held across ticks) and the logits of one micro-batch;
 - collective buffers: FSDP's gathered layer (two, one prefetched), the gradient accumulator.
 
 Step time: 6 x active parameters x tokens plus attention's 12 x layers x heads x head_dim x
@@ -555,8 +556,10 @@ def memory(
         sum(kept_elements(model, layout, x) for x in moe_of_layer[i : i + int(layers)])
         for i in range(0, model.n_layers, int(layers))
     )
-    buffers = slots * tokens * width * a + acts.work * residual / layers
-    buffers += pl.wg_slots * tokens * kept * a  # what I keeps for W, per layer of a stage
+    # What I keeps for W (per layer of a stage and wg slot) are the values a running backward
+    # part's workspace (`work`) holds, kept across ticks: the larger of the two is charged.
+    work = acts.work * residual / layers
+    buffers = slots * tokens * width * a + max(work, pl.wg_slots * tokens * kept * a)
   else:
     residual = tokens * sum(per_layer) * a
     activations = residual
