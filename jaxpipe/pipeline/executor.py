@@ -440,14 +440,14 @@ class _StageOps:
       stacked = self._layer_residuals(params, res[0][slot], side)[1][0]
       read = lambda l: [r[l] for r in stacked]
     else:
-      read = lambda l: [b[slot, l] for b in res]
+      read = lambda l: _at(res, slot, l)
     return lambda l: self.resid.join(read(l), _index(params, l))
 
   def _vjp(self, params, side, res, slot):
     """The stage's vjp function, from what F stored at `slot` (opaque stages)."""
     if self.recompute:
       return jax.vjp(lambda p, x: self.fn(p, x, side), params, res[0][slot], has_aux=True)[1]
-    return self.resid.join([b[slot] for b in res], params)
+    return self.resid.join(_at(res, slot), params)
 
   # -- backward --------------------------------------------------------------------------------
   # Layers run in reverse, layers L-1..1 in a scan and layer 0 last, so that its input cotangent
@@ -463,7 +463,7 @@ class _StageOps:
       return dx, [_set(wg[0], (wg_slot,), dy)]
     if self.split is not None:
       half = lambda l, g, need_dx=True: self.split.input_half(
-          [b[slot, l] for b in res], _index(params, l), g, need_dx
+          _at(res, slot, l), _index(params, l), g, need_dx
       )
       keep = lambda wg, l, kept: [_set(b, (wg_slot, l), k) for b, k in zip(wg, kept)]
 
@@ -492,7 +492,7 @@ class _StageOps:
     if self.split is not None:
       # I's equations then W's, each once: the two halves of one backward
       def full(l, g, grads, need_dx=True):
-        stored, layer = [b[slot, l] for b in res], _index(params, l)
+        stored, layer = _at(res, slot, l), _index(params, l)
         dx, kept = self.split.input_half(stored, layer, g, need_dx)
         return dx, _add(grads, (chunk, l), self.split.weight_half(stored, layer, kept), self.by_max)
 
@@ -520,7 +520,7 @@ class _StageOps:
       return _add(grads, (chunk,), vjp_fn(wg[0][wg_slot])[0], self.by_max)
     if self.split is not None:
       dp_of = lambda l: self.split.weight_half(
-          [b[slot, l] for b in res], _index(params, l), [b[wg_slot, l] for b in wg]
+          _at(res, slot, l), _index(params, l), _at(wg, wg_slot, l)
       )
     else:
       vjp_of = self._layer_vjp(params, side, res, slot)
@@ -530,6 +530,11 @@ class _StageOps:
       return _add(grads, (chunk, l), dp_of(l), self.by_max), None
 
     return lax.scan(body, grads, jnp.arange(self.num_layers))[0]
+
+
+def _at(bufs: Sequence[jax.Array], *index) -> list[jax.Array]:
+  """Each buffer's entry at `index` (a slot, or a slot and a layer)."""
+  return [b[index] for b in bufs]
 
 
 def _set(buf, index: tuple, value):

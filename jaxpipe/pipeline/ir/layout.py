@@ -548,14 +548,13 @@ def memory(
   if layout.pp > 1:
     pl = pipeline(layout.schedule, layout.pp, m, layout.chunks)
     layers = model.n_layers / pl.stages  # per virtual stage
-    stage = max(sum(per_layer[i : i + int(layers)]) for i in range(0, model.n_layers, int(layers)))
-    residual = tokens * stage * a
+    step = int(layers)
+    # per-layer elements -> the largest virtual stage's sum
+    biggest = lambda per: max(sum(per[i : i + step]) for i in range(0, len(per), step))
+    residual = tokens * biggest(per_layer) * a
     activations = pl.res_slots * residual
     slots = max(pl.act_slots, 1) + max(pl.cot_slots, 1)
-    kept = max(
-        sum(kept_elements(model, layout, x) for x in moe_of_layer[i : i + int(layers)])
-        for i in range(0, model.n_layers, int(layers))
-    )
+    kept = biggest([kept_elements(model, layout, x) for x in moe_of_layer])
     # What I keeps for W (per layer of a stage and wg slot) are the values a running backward
     # part's workspace (`work`) holds, kept across ticks: the larger of the two is charged.
     work = acts.work * residual / layers
