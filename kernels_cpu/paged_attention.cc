@@ -3,7 +3,10 @@
 // Each row b of the step holds counts[b] consecutive tokens of one sequence, starting at flat
 // token starts[b], at positions cached[b] .. cached[b] + counts[b] - 1; its keys and values are
 // in the pages tables[b, :] of the pools (this step's own already written). Every query attends
-// to its sequence's keys at positions 0 .. its own, exactly the gather reference's semantics
+// to its sequence's keys at positions 0 .. its own, or with a sliding window W > 0 (a scalar
+// operand: a layer's own) at positions pos - W + 1 .. pos only, whose pages alone are read (the
+// ones before may already hold another sequence's keys); scores may be soft-capped as
+// c·tanh(s / c) (Gemma 2). This is exactly the gather reference's semantics
 // (jaxpipe.ops.attention.ragged_paged_attention), in one pass over the pages: the pages are read
 // in place, never gathered into a copy, and a page's keys are transposed once into a small
 // buffer shared by every query of a tile. Work items are (row, KV head, tile of up to kTile
@@ -129,7 +132,8 @@ struct Problem {
   const int32_t* cached;
   float* out;
   int64_t H, D, G, P, S, N, R;
-  float scale;
+  int64_t window;  // keys of the last `window` positions only; 0: every earlier key
+  float scale, softcap;
   std::vector<Item> items;
   std::atomic<int64_t> next{0};
   std::atomic<int> active{0};
@@ -169,6 +173,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   std::fill(m, m + vecs, -std::numeric_limits<float>::infinity());
   std::fill(l, l + vecs, 0.0f);
   const int64_t pages = (cached + it.last - 1) / S + 1;  // up to the tile's last position
+  // the first key any token of the tile sees: its chunks start at that key's page
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, cached + it.first - p.window + 1) : 0;
   const int32_t* table = p.tables + it.row * p.N;
   const T* k_head = static_cast<const T*>(p.k) + it.head * p.P * S * D;
   const T* v_head = static_cast<const T*>(p.v) + it.head * p.P * S * D;
@@ -181,7 +187,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   auto& v_rows = rows.v;
   float* k_sc = rows.k_scale.data();
   float* v_sc = rows.v_scale.data();
-  for (int64_t c0 = 0; c0 < pages; c0 += C) {
+  const int64_t page0 = lowest / S;
+  for (int64_t c0 = page0; c0 < pages; c0 += C) {
     const int64_t n_pages = std::min(C, pages - c0), j0 = c0 * S;
     for (int64_t pi = 0; pi < n_pages; ++pi) {
       const int64_t page = static_cast<int64_t>(table[c0 + pi]) * S * D;
@@ -198,7 +205,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     // The next chunk's pages are fetched while this one is scored (the first chunk's before
     // it): a sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot
     // follow from one to the next.
-    for (int64_t pi = c0 == 0 ? 0 : c0 + C; pi < std::min(pages, c0 + 2 * C); ++pi) {
+    for (int64_t pi = c0 == page0 ? page0 : c0 + C; pi < std::min(pages, c0 + 2 * C); ++pi) {
       const int64_t page = static_cast<int64_t>(table[pi]) * S * D;
       for (int64_t x = 0; x < S * D; x += 64 / sizeof(T)) {
         __builtin_prefetch(k_head + page + x);
@@ -225,19 +232,22 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     for (int64_t i = from; i < tokens; ++i) {
       const int64_t pos = cached + it.first + i;
       const int64_t seen = std::min(n_pages * S, pos - j0 + 1);  // keys j0 .. j0 + seen - 1
+      // keys before j0 + begin lie outside the window: never scored, weighted or read
+      const int64_t begin = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      if (begin >= seen) continue;
       const float* q_i = qs + i * R * D;
       if (transposed) {  // 32 keys at a time: four independent sums over d
         for (int64_t r = 0; r < R; ++r) {
           const float* qv = q_i + r * D;
           float* sr = s + r * L;
-          for (int64_t j = 0; j < seen; j += 4 * kW) {
+          for (int64_t j = begin / (4 * kW) * (4 * kW); j < seen; j += 4 * kW) {
             F32x4 t = {};
             for (int64_t d = 0; d < D; ++d) t.AddScaled(Splat(qv[d]), F32x4::Load(kt + d * L + j));
             t.Store(sr + j);
           }
         }
       } else {  // key by key, each row read once for the token's R query heads
-        for (int64_t j = 0; j < seen; ++j) {
+        for (int64_t j = begin; j < seen; ++j) {
           const T* krow = k_rows[j];
           for (int64_t r = 0; r < R; ++r) {
             const float* qv = q_i + r * D;
@@ -253,12 +263,15 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       for (int64_t r = 0; r < R; ++r) {
         const int64_t vec = i * R + r;
         float* sr = s + r * L;
+        if (p.softcap > 0) {
+          for (int64_t j = begin; j < seen; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
+        }
         float mx = m[vec];
-        for (int64_t j = 0; j < seen; ++j) mx = std::max(mx, sr[j]);
+        for (int64_t j = begin; j < seen; ++j) mx = std::max(mx, sr[j]);
         alpha[r] = Exp(m[vec] - mx);
         F8 sum = Splat(0.0f);
         const F8 mx8 = Splat(mx);
-        int64_t j = 0;
+        int64_t j = begin;
         for (; j + kW <= seen; j += kW) {
           const F8 e = Exp(Load(sr + j) - mx8);
           Store(sr + j, e);
@@ -280,14 +293,14 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         for (; d + 4 * kW <= D; d += 4 * kW) {
           F32x4 t = F32x4::Load(a + d);
           t.Scale(al);
-          for (int64_t j = 0; j < seen; ++j) {  // stale slots past `seen` are never read
+          for (int64_t j = begin; j < seen; ++j) {  // stale slots past `seen` are never read
             t.AddScaled(Splat(sr[j] * v_sc[j]), F32x4::Load(v_rows[j] + d));
           }
           t.Store(a + d);
         }
         for (; d < D; d += kW) {
           F8 t = Load(a + d) * al;
-          for (int64_t j = 0; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(v_rows[j] + d);
+          for (int64_t j = begin; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(v_rows[j] + d);
           Store(a + d, t);
         }
       }
@@ -297,7 +310,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     for (int64_t r = 0; r < R; ++r) {
       const int64_t vec = i * R + r;
       float* dst = p.out + ((start + it.first + i) * p.H + it.head * R + r) * D;
-      const float inv = 1.0f / l[vec];  // > 0: key 0 is always seen
+      const float inv = 1.0f / l[vec];  // > 0: the token's own key is always seen
       for (int64_t d = 0; d < D; ++d) dst[d] = acc[vec * D + d] * inv;
     }
   }
@@ -318,7 +331,8 @@ template <typename E, typename Pool>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v,
                const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32>& tables,
                ffi::Buffer<ffi::S32>& starts, ffi::Buffer<ffi::S32>& counts,
-               ffi::Buffer<ffi::S32>& cached, ffi::ResultBuffer<ffi::F32>& out, float sm_scale) {
+               ffi::Buffer<ffi::S32>& cached, ffi::Buffer<ffi::S32>& window,
+               ffi::ResultBuffer<ffi::F32>& out, float sm_scale, float softcap) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("expected q [T, H, D], pools [G, P, S, D], tables [B, N]");
@@ -331,6 +345,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
   if (kd[3] != D || G == 0 || H % G != 0 || D % kW != 0) {
     return ffi::Error::InvalidArgument(
         "head dims differ or are not a multiple of 8, or query heads not a multiple of KV heads");
+  }
+  if (window.element_count() != 1) {
+    return ffi::Error::InvalidArgument("window must be one int32");
   }
   for (auto* x : {&starts, &counts, &cached}) {
     if (x->dimensions().size() != 1 || x->dimensions()[0] != B) {
@@ -350,6 +367,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
   p.out = out->typed_data();
   p.H = H, p.D = D, p.G = G, p.P = P, p.S = S, p.N = N, p.R = H / G;
   p.scale = sm_scale;
+  p.softcap = softcap;
+  p.window = std::max<int32_t>(0, window.typed_data()[0]);
   if (T * H * D > 0) std::memset(p.out, 0, sizeof(float) * T * H * D);
   std::vector<char> covered(T, 0);  // rows must not share a token: each output has one writer
   const int32_t* cnt = counts.typed_data();
@@ -369,7 +388,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
       }
       covered[t] = 1;
     }
-    for (int64_t i = 0; i <= (pos0 + c - 1) / S; ++i) {
+    const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+    for (int64_t i = lowest / S; i <= (pos0 + c - 1) / S; ++i) {  // the pages it reads
       const int32_t page = p.tables[b * N + i];
       if (page < 0 || page >= P) {
         return ffi::Error::InvalidArgument("row " + std::to_string(b) + " reads page " +
@@ -412,17 +432,18 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
                 ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
-                ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
-  return Run<float>(pool, q, k, v, nullptr, nullptr, tables, starts, counts, cached, out,
-                    sm_scale);
+                ffi::Buffer<ffi::S32> cached, ffi::Buffer<ffi::S32> window,
+                ffi::ResultBuffer<ffi::F32> out, float sm_scale, float softcap) {
+  return Run<float>(pool, q, k, v, nullptr, nullptr, tables, starts, counts, cached, window, out,
+                    sm_scale, softcap);
 }
 
 ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                     ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scales,
                     ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> tables,
                     ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
-                    ffi::Buffer<ffi::S32> cached, ffi::ResultBuffer<ffi::F32> out,
-                    float sm_scale) {
+                    ffi::Buffer<ffi::S32> cached, ffi::Buffer<ffi::S32> window,
+                    ffi::ResultBuffer<ffi::F32> out, float sm_scale, float softcap) {
   const auto kd = k.dimensions();
   for (auto* x : {&k_scales, &v_scales}) {
     const auto sd = x->dimensions();
@@ -431,7 +452,7 @@ ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     }
   }
   return Run<int8_t>(pool, q, k, v, k_scales.typed_data(), v_scales.typed_data(), tables, starts,
-                     counts, cached, out, sm_scale);
+                     counts, cached, window, out, sm_scale, softcap);
 }
 
 }  // namespace
@@ -446,8 +467,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cached [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (0: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("softcap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttentionInt8, ImplInt8,
                               ffi::Ffi::Bind()
@@ -461,5 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttentionInt8, ImplInt8,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cached [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (0: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("softcap"));

@@ -145,11 +145,17 @@ def ragged_paged_attention(
     sm_scale: float,
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """Each token of each row over its sequence's keys at positions 0..its own -> [T, H, K]
   float32 (zeros for tokens of no row). Row b: counts_B[b] tokens from flat token starts_B[b],
   at positions cached_B[b] onward, its pages tables_BxN[b]. Pools: float32, or int8 with a
-  float32 scale per (head, page, slot) (`jaxpipe.serve.model.quantize`'s cache)."""
+  float32 scale per (head, page, slot) (`jaxpipe.serve.model.quantize`'s cache).
+
+  window: > 0, a token at position p sees the keys at p - window + 1 .. p only, and only their
+  pages are read (a traced int32 may vary by layer); softcap: > 0, scores become
+  softcap·tanh(s / softcap) before the softmax."""
   reason = unavailable()
   if reason is not None:
     raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
@@ -174,5 +180,7 @@ def ragged_paged_attention(
       q_TxHxK.astype(jnp.float32),
       *pools,
       *(x.astype(jnp.int32) for x in (tables_BxN, starts_B, counts_B, cached_B)),
+      jnp.asarray(window, jnp.int32).reshape(()),
       sm_scale=np.float32(sm_scale),
+      softcap=np.float32(softcap),
   )

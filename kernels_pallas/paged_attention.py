@@ -18,6 +18,11 @@ program's rows is one (query token, query head) with its own length, the keys at
 Slots past `lengths` are masked in the logits *and* zeroed in V, so stale contents of a page's
 unused tail (NaN included) never reach the output: a page's tail belongs to the sequence but was
 written by the page's previous owner.
+
+A sliding window (`window` > 0, a traced int32 allowed: a layer's own) limits a row of length n
+to the slots n - window .. n - 1, and the pages before them are not read (a sequence's freed
+pages may hold another's keys); `softcap` > 0 caps the scores as softcap·tanh(s / softcap)
+(Gemma 2), both as transformers computes them.
 """
 
 from __future__ import annotations
@@ -83,7 +88,13 @@ def check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_sc
       raise ValueError(f"{name} must be [G, P, page] = {(g, p, s)}; got {tuple(sc.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames="sm_scale")
+def first_slots(lengths, window):
+  """The first slot a row of `lengths` sees: lengths - window with a window (> 0), else 0."""
+  window = jnp.asarray(window, jnp.int32)
+  return jnp.where(window > 0, jnp.maximum(lengths - window, 0), 0).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "softcap"))
 def paged_attention_reference(
     q_BxHxK,
     k_pages_GxPxSxK,
@@ -94,8 +105,11 @@ def paged_attention_reference(
     k_scales_GxPxS=None,
     v_scales_GxPxS=None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
-  """Gathers each row's pages into a contiguous [T = N * page] sequence and attends over it."""
+  """Gathers each row's pages into a contiguous [T = N * page] sequence and attends over it
+  (its slots first_slots(length, window) .. length - 1)."""
   check_inputs(
       q_BxHxK,
       k_pages_GxPxSxK,
@@ -119,11 +133,14 @@ def paged_attention_reference(
   k_BxGxTxK, v_BxGxTxK = gather(k_pages_GxPxSxK, k_scales_GxPxS), gather(
       v_pages_GxPxSxK, v_scales_GxPxS
   )
-  valid_BxT = jnp.arange(n * s)[None, :] < lengths_B[:, None]
+  t_T = jnp.arange(n * s)[None, :]
+  valid_BxT = (t_T < lengths_B[:, None]) & (t_T >= first_slots(lengths_B, window)[:, None])
   v_BxGxTxK = jnp.where(valid_BxT[:, None, :, None], v_BxGxTxK, 0.0)
   q_BxGxRxK = q_BxHxK.astype(jnp.float32).reshape(b, g, h // g, d)
   hp = lax.Precision.HIGHEST
   s_BxGxRxT = jnp.einsum("bgrk,bgtk->bgrt", q_BxGxRxK, k_BxGxTxK, precision=hp) * sm_scale
+  if softcap:
+    s_BxGxRxT = softcap * jnp.tanh(s_BxGxRxT / softcap)
   s_BxGxRxT = jnp.where(valid_BxT[:, None, None, :], s_BxGxRxT, MASK_VALUE)
   p_BxGxRxT = jax.nn.softmax(s_BxGxRxT, axis=-1)
   o_BxGxRxK = jnp.einsum("bgrt,bgtk->bgrk", p_BxGxRxT, v_BxGxTxK, precision=hp)
@@ -136,23 +153,27 @@ def _kernel(
     v_ref,
     *refs,
     sm_scale: float,
+    softcap: float,
     pages_per_block: int,
     pages_per_split: int,
     quantized: bool,
 ):
   """One (row, KV head, split): q_ref [R, K]; k_ref, v_ref [P, page, K]; tables [N]; lengths
-  [R] (each query row sees the slots before its own length)."""
+  and firsts [R] (each query row sees the slots first .. length - 1)."""
   if quantized:
-    ks_ref, vs_ref, table_ref, length_ref, o_ref, m_ref, l_ref = refs
+    ks_ref, vs_ref, table_ref, length_ref, first_ref, o_ref, m_ref, l_ref = refs
   else:
-    table_ref, length_ref, o_ref, m_ref, l_ref = refs
+    table_ref, length_ref, first_ref, o_ref, m_ref, l_ref = refs
   rows, head_dim = q_ref.shape
   page = k_ref.shape[1]
   block = pages_per_block * page
-  lengths = length_ref[...]
+  lengths, firsts = length_ref[...], first_ref[...]
   length = jnp.max(lengths)
+  lowest = jnp.min(jnp.where(lengths > 0, firsts, length))  # no row sees a slot before it
   first = pl.program_id(2) * pages_per_split  # this split's first logical page
-  end = jnp.minimum(pl.cdiv(length, page), first + pages_per_split)
+  # the window's first block of pages: none before it is read
+  first = jnp.maximum(first, lowest // page // pages_per_block * pages_per_block)
+  end = jnp.minimum(pl.cdiv(length, page), pl.program_id(2) * pages_per_split + pages_per_split)
   q = q_ref[...]
 
   def body(j, carry):
@@ -166,8 +187,10 @@ def _kernel(
     s = _dot(q, k, trans_b=True) * sm_scale
     if quantized:
       s = s * ks_ref[pages].reshape(1, block)
+    if softcap:
+      s = softcap * jnp.tanh(s / softcap)
     slot = start * page + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-    valid = slot < lengths[:, None]  # [R, block]
+    valid = (slot < lengths[:, None]) & (slot >= firsts[:, None])  # [R, block]
     s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp(m_prev - m_next)
@@ -175,7 +198,8 @@ def _kernel(
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
     if quantized:  # a stale slot's scale may be NaN too: 0 * NaN would reach the output
       p = p * jnp.where(valid, vs_ref[pages].reshape(1, block), 0.0)
-    seen = (slot < length).reshape(block, 1)  # by any row: the slots past it may hold NaN
+    # by any row: the slots past it (a page's stale tail) and before the window may hold NaN
+    seen = ((slot < length) & (slot >= lowest)).reshape(block, 1)
     v = jnp.where(seen, v, jnp.zeros_like(v))
     acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
@@ -195,6 +219,7 @@ def _kernel(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "softcap",
         "pages_per_block",
         "k_splits",
         "num_warps",
@@ -212,13 +237,16 @@ def paged_attention(
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
     pages_per_block: int = 8,
     k_splits: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
-  """Attention of each row's query over the first `lengths[b]` slots of its pages -> [B, H, K].
+  """Attention of each row's query over the first `lengths[b]` slots of its pages (the last
+  `window` of them with a window) -> [B, H, K].
 
   pages_per_block: pages per inner step (a power of two; block = pages_per_block * page keys);
   k_splits: programs per (row, KV head) that split its pages (flash-decoding), merged here.
@@ -243,9 +271,11 @@ def paged_attention(
       v_pages_GxPxSxK,
       block_tables_BxN,
       jnp.broadcast_to(lengths_B[:, None], (b, rows)),
+      jnp.broadcast_to(first_slots(lengths_B, window)[:, None], (b, rows)),
       k_scales_GxPxS,
       v_scales_GxPxS,
       sm_scale=sm_scale,
+      softcap=softcap,
       pages_per_block=pages_per_block,
       k_splits=k_splits,
       num_warps=num_warps,
@@ -261,10 +291,12 @@ def _paged_call(
     v_pages_GxPxSxK,
     block_tables_BxN,
     lengths_BxR,
+    firsts_BxR,
     k_scales_GxPxS,
     v_scales_GxPxS,
     *,
     sm_scale,
+    softcap,
     pages_per_block,
     k_splits,
     num_warps,
@@ -272,7 +304,7 @@ def _paged_call(
     interpret,
 ):
   """The kernel over q [B, G, rows, K] (rows a power of two >= MIN_ROWS), each query row with its
-  own length [B, rows] -> [B, G, rows, K] float32 (a row with length 0: zeros)."""
+  own first slot and length [B, rows] -> [B, G, rows, K] float32 (a row with length 0: zeros)."""
   if pages_per_block < 1 or pages_per_block & (pages_per_block - 1) or k_splits < 1:
     raise ValueError(
         f"pages_per_block={pages_per_block} must be a power of two and k_splits={k_splits} >= 1"
@@ -303,11 +335,13 @@ def _paged_call(
   in_specs += [
       pl.BlockSpec((None, tables_BxN.shape[1]), lambda i, j, k: (i, 0)),
       pl.BlockSpec((None, rows), lambda i, j, k: (i, 0)),
+      pl.BlockSpec((None, rows), lambda i, j, k: (i, 0)),
   ]
-  operands += [tables_BxN, lengths_BxR.astype(jnp.int32)]
+  operands += [tables_BxN, lengths_BxR.astype(jnp.int32), firsts_BxR.astype(jnp.int32)]
   kernel = functools.partial(
       _kernel,
       sm_scale=sm_scale,
+      softcap=softcap,
       pages_per_block=pages_per_block,
       pages_per_split=pages_per_split,
       quantized=quantized,
@@ -339,7 +373,14 @@ def _paged_call(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "pages_per_block", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "softcap",
+        "pages_per_block",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
 )
 def paged_attention_rows(
     q_NxMxHxK: jax.Array,
@@ -351,6 +392,8 @@ def paged_attention_rows(
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
     pages_per_block: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -382,15 +425,18 @@ def paged_attention_rows(
   q_NxGxMRxK = q_NxMxHxK.reshape(n, m, g, r, d).transpose(0, 2, 1, 3, 4).reshape(n, g, m * r, d)
   q_NxGxRowsxK = jnp.pad(q_NxGxMRxK, ((0, 0), (0, 0), (0, rows - m * r), (0, 0)))
   lengths_NxMR = jnp.repeat(positions_NxM + 1, r, axis=1)  # row (m, r): token m's keys
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - m * r)))
   o = _paged_call(
       q_NxGxRowsxK,
       k_pages_GxPxSxK,
       v_pages_GxPxSxK,
       block_tables_NxT,
-      jnp.pad(lengths_NxMR, ((0, 0), (0, rows - m * r))),
+      pad(lengths_NxMR),
+      pad(first_slots(lengths_NxMR, window)),
       k_scales_GxPxS,
       v_scales_GxPxS,
       sm_scale=sm_scale,
+      softcap=softcap,
       pages_per_block=pages_per_block,
       k_splits=1,
       num_warps=num_warps,

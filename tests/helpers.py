@@ -213,9 +213,10 @@ def out_and_grads(fn, q, k, v, do):
 KERNEL_PAGE = 4
 
 
-def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0):
+def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0, window=0):
   """q, pages (NaN wherever no row's keys are), tables (distinct pages, in random order),
-  lengths."""
+  lengths. With a window, a row's keys before its last `window` are NaN too, as pages freed and
+  handed to another sequence would be."""
   rng = np.random.default_rng(seed)
   b, n = len(lengths), max(-(-max(lengths) // page), 1)
   num_pages = b * n + 3
@@ -227,6 +228,9 @@ def paged_inputs(lengths, heads, kv_heads, head_dim=16, page=KERNEL_PAGE, seed=0
     pages, slots = tables[row, np.arange(length) // page], np.arange(length) % page
     k[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
     v[:, pages, slots] = rng.standard_normal((kv_heads, length, head_dim))
+    gone = np.arange(max(length - window, 0) if window else 0)
+    k[:, tables[row, gone // page], gone % page] = np.nan
+    v[:, tables[row, gone // page], gone % page] = np.nan
   return q, k, v, tables, np.asarray(lengths, np.int32)
 
 
@@ -575,6 +579,44 @@ def serve_arrivals(engine, prompts, max_tokens, arrive_every=3, per_arrival=2, f
 
 
 # --- from serve/test_ragged.py ------------------------------------------------------------------
+
+
+def ragged_pages(seqs, page_size, kv_heads, head_dim, rng, rows=None, tokens=None, window=0):
+  """Random pools holding the sequences' keys (NaN in every other slot) and the step's rows:
+  seqs are (tokens cached before the step, tokens in the step); each gets its own pages, in a
+  shuffled order. -> (k, v, RaggedRows, per-token tables, per-token lengths, live tokens).
+  With a window, the keys no token of the step sees (the first's before its window) are NaN
+  too, as pages freed and handed to another sequence would be."""
+  from jaxpipe.ops.attention import RaggedRows
+
+  s = page_size
+  need = [-(-(c + n) // s) for c, n in seqs]
+  n_max, total = max(need), sum(need) + 3  # three pages no row owns
+  k = np.full((kv_heads, total, s, head_dim), np.nan, np.float32)
+  v = np.full_like(k, np.nan)
+  order = rng.permutation(total)
+  rows = rows or len(seqs)
+  tables = np.zeros((rows, n_max), np.int32)
+  starts, counts, cached = (np.zeros(rows, np.int32) for _ in range(3))
+  tokens = tokens or sum(n for _, n in seqs)
+  tables_T, lengths_T = np.zeros((tokens, n_max), np.int32), np.ones(tokens, np.int32)
+  at = used = 0
+  for i, ((c, n), m) in enumerate(zip(seqs, need)):
+    pages = order[used : used + m]
+    used += m
+    for pos in range(c + n):
+      k[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
+      v[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
+    if window:
+      gone = np.arange(max(c - window + 1, 0))
+      k[:, pages[gone // s], gone % s] = np.nan
+      v[:, pages[gone // s], gone % s] = np.nan
+    tables[i, :m] = pages
+    starts[i], counts[i], cached[i] = at, n, c
+    tables_T[at : at + n] = tables[i]
+    lengths_T[at : at + n] = np.arange(c, c + n) + 1
+    at += n
+  return k, v, RaggedRows(tables, starts, counts, cached), tables_T, lengths_T, at
 
 
 def ragged_case():

@@ -47,7 +47,8 @@ def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None =
 
 @contextlib.contextmanager
 def kv_cache(hook):
-  """While tracing inside, `attention(q, k, v, causal=True)` returns `hook(q, k, v)` instead."""
+  """While tracing inside, `attention(q, k, v, causal=True, ...)` returns
+  `hook(q, k, v, sm_scale=..., window=..., softcap=...)` instead."""
   token = _KV_CACHE.set(hook)
   try:
     yield
@@ -74,17 +75,21 @@ def attention(
     backend: str = "xla",
     segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
 
-  Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs).
+  Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs);
+  inside `kv_cache(hook)` the hook attends over the cache. window, softcap: as
+  `jaxpipe.ops.attention.attention` takes them.
   """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
   hook = _KV_CACHE.get()
   if hook is not None:
-    if not causal or segment_ids is not None or sm_scale is not None:
-      raise ValueError("a KV cache serves causal attention without segment_ids or sm_scale")
-    return hook(q, k, v)
+    if not causal or segment_ids is not None:
+      raise ValueError("a KV cache serves causal attention without segment_ids")
+    return hook(q, k, v, sm_scale=sm_scale, window=window, softcap=softcap)
   axis_name = _CONTEXT_AXIS.get()
   if axis_name is not None:
     return ulysses_attention_local(
@@ -96,7 +101,17 @@ def attention(
         backend=backend,
         segment_ids_BxS=segment_ids,
         sm_scale=sm_scale,
+        window=window,
+        softcap=softcap,
     )
   return core.attention(
-      q, k, v, causal=causal, backend=backend, segment_ids=segment_ids, sm_scale=sm_scale
+      q,
+      k,
+      v,
+      causal=causal,
+      backend=backend,
+      segment_ids=segment_ids,
+      sm_scale=sm_scale,
+      window=window,
+      softcap=softcap,
   )

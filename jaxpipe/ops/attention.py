@@ -72,9 +72,19 @@ def _gpu_major() -> int | None:
 
 
 def unsupported_reason(
-    backend: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None
+    backend: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids=None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> str | None:
-  """Why `backend` cannot serve these shapes/dtypes on this platform, or None if it can."""
+  """Why `backend` cannot serve these shapes/dtypes on this platform, or None if it can.
+
+  window: a sliding window (keys of the last `window` positions; 0: none), a Python int or a
+  traced one (per layer); softcap: scores capped as c·tanh(s / c) (0: none).
+  """
   if q.shape[2] % k.shape[2]:
     return (
         f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}); "
@@ -83,6 +93,12 @@ def unsupported_reason(
   head_dim, dtype = q.shape[-1], q.dtype
   if backend == "xla":
     return None
+  if softcap:
+    return f"takes no score soft-capping (softcap={softcap}); use 'xla'"
+  if backend == "pallas" and not _static_zero(window):
+    return "takes no sliding window; use 'xla'"
+  if backend == "cudnn" and not isinstance(window, int):
+    return "takes a sliding window fixed at trace time only, not one per layer; use 'xla'"
   if backend == "cudnn":
     if _gpu_major() is None:
       return f"needs a CUDA GPU, but this process runs on {jax.default_backend()}"
@@ -103,19 +119,30 @@ def unsupported_reason(
   raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
 
+def _static_zero(window) -> bool:
+  return isinstance(window, int) and window == 0
+
+
 def resolve_backend(
-    backend: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids=None
+    backend: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids=None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> str:
   """The concrete backend that will run: validates an explicit choice, resolves 'auto'."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+  why = lambda name: unsupported_reason(name, q, k, v, segment_ids, window, softcap)
   if backend == "auto":
     order = _AUTO_ORDER_GPU if _gpu_major() is not None else ("xla",)
     for name in order:
-      if unsupported_reason(name, q, k, v, segment_ids) is None:
+      if why(name) is None:
         return name
-    raise ValueError(unsupported_reason("xla", q, k, v, segment_ids))
-  reason = unsupported_reason(backend, q, k, v, segment_ids)
+    raise ValueError(why("xla"))
+  reason = why(backend)
   if reason is not None:
     raise ValueError(
         f"attention backend {backend!r} cannot serve q{tuple(q.shape)} "
@@ -133,22 +160,74 @@ def attention(
     backend: str = "xla",
     segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
 
   The arrays are this device's whole sequence; `jaxpipe.models.attention.attention` is the
   layers' entry point, which adds Ulysses context parallelism and the serving KV-cache hook.
+
+  Args:
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK: queries, keys and values (H a multiple of G).
+    causal: a query sees keys at its own position and before only.
+    backend: one of BACKENDS.
+    segment_ids: [B, L] document ids of packed rows; attention stays inside each document.
+    sm_scale: the scores' scale (default head_dim^-1/2).
+    window: with causal, a query at i sees keys at i - window < j <= i only (transformers'
+      sliding window); 0 sees every earlier key. A Python int, or a traced int32 scalar (a
+      layer's own window inside a scan over layers).
+    softcap: scores become softcap·tanh(s / softcap) before the mask and softmax (Gemma 2); 0
+      leaves them.
+
+  Returns:
+    [B, L, H, K] in q's dtype.
   """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
-  name = resolve_backend(backend, q, k, v, segment_ids)
+  name = resolve_backend(backend, q, k, v, segment_ids, window, softcap)
   if name == "pallas":
     return fa.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids)
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+  if name == "xla" and (softcap or not isinstance(window, int)):
+    return _masked_attention(q, k, v, causal, mask, sm_scale, window, softcap)
+  local = None if _static_zero(window) else (window - 1, 0)
   return jax.nn.dot_product_attention(
-      q, k, v, mask=mask, scale=sm_scale, is_causal=causal, implementation=name
+      q,
+      k,
+      v,
+      mask=mask,
+      scale=sm_scale,
+      is_causal=causal,
+      local_window_size=local,
+      implementation=name,
   )
+
+
+def _masked_attention(q, k, v, causal, mask, sm_scale, window, softcap):
+  """Attention written out for what `jax.nn.dot_product_attention` does not take: scores
+  soft-capped, or a window known only when the program runs (one per layer)."""
+  b, l, h, d = q.shape
+  s, g = k.shape[1], k.shape[2]
+  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  q_BxLxGxRxK = q.reshape(b, l, g, h // g, d)
+  scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k, preferred_element_type=jnp.float32)
+  scores = scores * scale
+  if softcap:
+    scores = softcap * jnp.tanh(scores / softcap)
+  i_L, j_S = jnp.arange(l)[:, None], jnp.arange(s)[None, :]
+  keep_LxS = jnp.ones((l, s), bool)
+  if causal:
+    keep_LxS = j_S <= i_L
+    keep_LxS = keep_LxS & ((window <= 0) | (j_S > i_L - window))
+  keep = keep_LxS[None, None, None]
+  if mask is not None:  # [B, 1, L, S]
+    keep = keep & mask[:, :, None]
+  scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(scores, axis=-1)
+  o_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", p.astype(v.dtype), v)
+  return o_BxLxGxRxK.reshape(b, l, h, d).astype(q.dtype)
 
 
 def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
@@ -222,10 +301,20 @@ def paged_attention(
     backend: str = "auto",
     k_scales_GxPxS: jax.Array | None = None,
     v_scales_GxPxS: jax.Array | None = None,
+    sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
-  """One query token per row attending over its first `lengths[b]` paged keys
-  (`kernels_pallas.paged_attention`)."""
-  scales = dict(k_scales_GxPxS=k_scales_GxPxS, v_scales_GxPxS=v_scales_GxPxS)
+  """One query token per row attending over its first `lengths[b]` paged keys, the last
+  `window` of them with a window (`kernels_pallas.paged_attention`); scores scaled by sm_scale
+  (default head_dim^-1/2) and soft-capped with softcap > 0."""
+  scales = dict(
+      k_scales_GxPxS=k_scales_GxPxS,
+      v_scales_GxPxS=v_scales_GxPxS,
+      sm_scale=sm_scale,
+      window=window,
+      softcap=softcap,
+  )
   args = (q_BxHxK, k_pages_GxPxSxK, v_pages_GxPxSxK, block_tables_BxN, lengths_B)
   _, _, page_size, head_dim = k_pages_GxPxSxK.shape
   name = resolve_paged_backend(backend, head_dim, page_size)
@@ -284,16 +373,20 @@ def _block_attention(
     *,
     key_chunk: int = KEY_CHUNK,
     pairs: int = ROUND_PAIRS,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ):
-  """Each block's queries over its sequence's pages, key position <= query position -> [NB, Q,
-  H, K] float32 (a query at position -1 sees no key; its output is finite and dropped).
+  """Each block's queries over its sequence's pages, key position <= query position (and >
+  query position - window with a window) -> [NB, Q, H, K] float32 (a query at position -1 sees
+  no key; its output is finite and dropped). Scores soft-capped with softcap > 0.
 
-  Work is spent on (block, key chunk) pairs that hold a visible key only: a block whose last
-  query is at position p reads the chunks of `key_chunk` keys (whole pages) up to p, and an
-  empty block (count 0) reads none. The pairs, block-major, run `pairs` at a time (default
-  `ROUND_PAIRS`) in a loop whose trip count is the step's: each round gathers its chunks' pages,
-  attends, and folds the partial softmax of each pair into its block's running max, sum and
-  output (an online softmax, FlashAttention's merge)."""
+  Work is spent on (block, key chunk) pairs that hold a visible key only: a block whose queries
+  are at positions p0 .. p reads the chunks of `key_chunk` keys (whole pages) from the one of
+  p0 - window + 1 (0 without a window) up to p, and an empty block (count 0) reads none. The
+  pairs, block-major, run `pairs` at a time (default `ROUND_PAIRS`) in a loop whose trip count
+  is the step's: each round gathers its chunks' pages, attends, and folds the partial softmax of
+  each pair into its block's running max, sum and output (an online softmax, FlashAttention's
+  merge)."""
   nb, q = index_NBxQ.shape
   _, h, d = q_TxHxK.shape
   g, _, s, _ = k_pages.shape
@@ -302,7 +395,10 @@ def _block_attention(
   lc = c * s
   pairs = max(1, min(pairs, nb * -(-n // c)))
   last_NB = jnp.max(pos_NBxQ, axis=1)  # -1: an empty block
-  chunks_NB = jnp.where(last_NB >= 0, last_NB // lc + 1, 0)
+  w = jnp.asarray(window, jnp.int32)
+  lowest_NB = jnp.min(jnp.where(pos_NBxQ >= 0, pos_NBxQ, last_NB[:, None]), axis=1)
+  from_NB = jnp.where(w > 0, jnp.maximum(lowest_NB - w + 1, 0), 0) // lc  # each block's 1st chunk
+  chunks_NB = jnp.where(last_NB >= 0, last_NB // lc + 1 - from_NB, 0)
   end_NB = jnp.cumsum(chunks_NB)
   total = end_NB[-1]
   q_f32 = q_TxHxK.astype(jnp.float32)
@@ -322,12 +418,14 @@ def _block_attention(
     j_P = i * pairs + jnp.arange(pairs)
     live_P = j_P < total
     blk_P = jnp.minimum(jnp.searchsorted(end_NB, j_P, side="right"), nb - 1)
-    chunk_P = j_P - (end_NB - chunks_NB)[blk_P]
+    chunk_P = from_NB[blk_P] + j_P - (end_NB - chunks_NB)[blk_P]
     col_PxC = chunk_P[:, None] * c + jnp.arange(c)
     pages_PxC = jnp.take_along_axis(tables_NBxN[blk_P], jnp.minimum(col_PxC, n - 1), axis=1)
     key_PxL = (col_PxC[:, :, None] * s + jnp.arange(s)).reshape(pairs, lc)
     pos_PxQ = pos_NBxQ[blk_P]
     visible_PxQxL = (key_PxL[:, None, :] <= pos_PxQ[:, :, None]) & live_P[:, None, None]
+    in_window = (w <= 0) | (key_PxL[:, None, :] > pos_PxQ[:, :, None] - w)
+    visible_PxQxL = visible_PxQxL & in_window  # the keys before a window may be another's
     keyed_PxL = jnp.any(visible_PxQxL, axis=1)  # stale slots past every query may hold NaN
     v_PxGxLxK = jnp.where(keyed_PxL[:, None, :, None], gather(v_pages, v_scales, pages_PxC), 0.0)
     q_PxQxHxK = q_f32[jnp.maximum(index_NBxQ[blk_P], 0)]
@@ -339,7 +437,10 @@ def _block_attention(
     else:
       k_PxGxLxK = gather(k_pages, k_scales, pages_PxC)
       s_PxGxRxQxL = jnp.einsum("pgrqk,pglk->pgrql", q_PxGxRxQxK, k_PxGxLxK, precision=hp)
-    s_PxGxRxQxL = jnp.where(visible_PxQxL[:, None, None], s_PxGxRxQxL * sm_scale, pa.MASK_VALUE)
+    s_PxGxRxQxL = s_PxGxRxQxL * sm_scale
+    if softcap:
+      s_PxGxRxQxL = softcap * jnp.tanh(s_PxGxRxQxL / softcap)
+    s_PxGxRxQxL = jnp.where(visible_PxQxL[:, None, None], s_PxGxRxQxL, pa.MASK_VALUE)
     m_PxGxRxQ = jnp.max(s_PxGxRxQxL, axis=-1)
     e_PxGxRxQxL = jnp.exp(s_PxGxRxQxL - m_PxGxRxQ[..., None])
     l_PxGxRxQ = jnp.sum(e_PxGxRxQxL, axis=-1)
@@ -387,8 +488,14 @@ def ragged_paged_attention(
     v_scales_GxPxS: jax.Array | None = None,
     sm_scale: float | None = None,
     kernel: str = "xla",
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """Each token of `rows` over its sequence's keys at positions 0..its own -> [T, H, K].
+
+  window: > 0, a token at position p sees the keys at p - window + 1 .. p only (a traced int32
+  may vary by layer), and no kernel reads the pages before them; softcap: > 0, scores become
+  softcap·tanh(s / softcap).
 
   The pages must already hold this step's K/V (the caller writes them first). Equals
   `paged_attention_reference` per token with its sequence's table and length position + 1.
@@ -417,6 +524,8 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         k_scales_GxPxS=k_scales_GxPxS,
         v_scales_GxPxS=v_scales_GxPxS,
+        window=window,
+        softcap=softcap,
     )
     return o_TxHxK.astype(q_TxHxK.dtype)
   b = rows.counts_B.shape[0]
@@ -439,6 +548,8 @@ def ragged_paged_attention(
           k_scales_GxPxS=k_scales_GxPxS,
           v_scales_GxPxS=v_scales_GxPxS,
           sm_scale=sm_scale,
+          window=window,
+          softcap=softcap,
           interpret=_gpu_major() is None,
       )
     else:
@@ -454,6 +565,8 @@ def ragged_paged_attention(
           sm_scale,
           key_chunk=key_chunk,
           pairs=pairs,
+          window=window,
+          softcap=softcap,
       )
     at_NBxQ = jnp.where(index_NBxQ >= 0, index_NBxQ, t)  # t: dropped
     return o_TxHxK.at[at_NBxQ].set(o_NBxQxHxK, mode="drop")

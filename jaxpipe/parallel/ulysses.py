@@ -70,11 +70,14 @@ def ulysses_attention_local(
     backend: str = "xla",
     segment_ids_BxS: jax.Array | None = None,
     sm_scale: float | None = None,
+    window: int | jax.Array = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """Attention over the full sequence from sequence shards; returns this rank's [B, L/P, H, K].
 
   Rank r holds tokens [r·L/P, (r+1)·L/P). Query head h reads KV head h // (H/G); a tiled
   all_to_all gives rank r query heads [r·H/P, ..) and KV heads [r·G/P, ..), the same groups.
+  window and softcap: as `jaxpipe.ops.attention.attention` takes them, over the whole sequence.
   """
   cp = lax.axis_size(axis_name)
   check_divisible(q_BxSxHxK.shape[1] * cp, q_BxSxHxK.shape[2], k_BxSxGxK.shape[2], cp, axis_name)
@@ -83,7 +86,15 @@ def ulysses_attention_local(
   if segment_ids_BxS is not None:
     segment_ids = lax.all_gather(segment_ids_BxS, axis_name, axis=1, tiled=True)
   o_BxLxHpxK = attention(
-      q, k, v, causal=causal, backend=backend, segment_ids=segment_ids, sm_scale=sm_scale
+      q,
+      k,
+      v,
+      causal=causal,
+      backend=backend,
+      segment_ids=segment_ids,
+      sm_scale=sm_scale,
+      window=window,
+      softcap=softcap,
   )
   return heads_to_seq(o_BxLxHpxK, axis_name)
 

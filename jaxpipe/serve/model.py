@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import attention as attention_lib
+from jaxpipe.models import rope as rope_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import (
@@ -182,7 +183,7 @@ class _PagedHook:
     self.batch, self.backend = batch, backend
     self.layer = None  # set before each layer (a traced index inside the layer scan)
 
-  def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK):
+  def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK, sm_scale=None, window=0, softcap=0.0):
     b = self.batch
     offset = self.layer * self.num_pages
     if self.backend in RAGGED_BACKENDS:
@@ -198,14 +199,31 @@ class _PagedHook:
         rows,
         offset,
         backend=self.backend,
+        sm_scale=sm_scale,
+        window=window,
+        softcap=softcap,
     )
     return o_TxHxK[None]
 
 
-def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *, backend):
+def _write_and_attend(
+    q_TxHxK,
+    k_TxGxK,
+    v_TxGxK,
+    pools,
+    slots_T,
+    rows,
+    offset,
+    *,
+    backend,
+    sm_scale=None,
+    window=0,
+    softcap=0.0,
+):
   """Writes the T tokens' K/V at their slots (quantised into an 8-bit pool) and attends through
   the pages; pools = (k, v, k_scales, v_scales), the scales None for a float cache; rows: the
-  tokens by sequence (`RaggedRows`) for xla_ragged, else (tables_TxN, lengths_T) per token."""
+  tokens by sequence (`RaggedRows`) for xla_ragged, else (tables_TxN, lengths_T) per token.
+  sm_scale, window, softcap: the layer's (`ops.attention.ragged_paged_attention`)."""
   k_pool, v_pool, k_scales, v_scales = pools
   s = k_pool.shape[2]
   g_G = jnp.arange(k_pool.shape[0])[None, :]
@@ -217,7 +235,13 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *
     (k_q, k_scale_TxG), (v_q, v_scale_TxG) = (quantize(x, k_pool.dtype) for x in (k_TxGxK, v_TxGxK))
     k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
     k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
-  scales = dict(k_scales_GxPxS=k_scales, v_scales_GxPxS=v_scales)
+  scales = dict(
+      k_scales_GxPxS=k_scales,
+      v_scales_GxPxS=v_scales,
+      sm_scale=sm_scale,
+      window=window,
+      softcap=softcap,
+  )
   if backend in RAGGED_BACKENDS:
     o_TxHxK = ragged_paged_attention(
         q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, kernel=RAGGED_KERNELS[backend], **scales
@@ -227,11 +251,25 @@ def _write_and_attend(q_TxHxK, k_TxGxK, v_TxGxK, pools, slots_T, rows, offset, *
   return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
 
 
-def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool):
+def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool, seq_lens_T=None):
   hook.layer = index
   with attention_lib.kv_cache(hook):
-    out = transformer.Block(cfg, moe=moe).apply({"params": layer_params}, x_1xTxD, positions_T)
+    out = transformer.Block(cfg, moe=moe).apply(
+        {"params": layer_params}, x_1xTxD, positions_T, None, index, seq_lens_T
+    )
   return out[0] if moe else out
+
+
+def _seq_lens(batch: TokenBatch) -> jax.Array:
+  """Each token's sequence length as this step leaves it (its last position here, plus one):
+  what transformers' length-dependent rotary variants take, call by call of `generate`."""
+  if batch.seq_counts_B is None:
+    return batch.positions_T + 1
+  t_T = jnp.arange(batch.tokens_T.shape[0])
+  starts, counts = batch.seq_starts_B, batch.seq_counts_B
+  mine_TxB = (t_T[:, None] >= starts[None]) & (t_T[:, None] < (starts + counts)[None])
+  ends_B = batch.seq_cached_B + counts
+  return jnp.max(jnp.where(mine_TxB, ends_B[None], batch.positions_T[:, None] + 1), axis=1)
 
 
 def param_specs(params: dict, tp: int) -> dict:
@@ -294,25 +332,28 @@ def _forward_local(cfg, params, pools, batch, *, num_pages, backend):
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
   positions_T = batch.positions_T
+  seq_lens_T = None
+  if rope_lib.scaling_of(cfg.rope_scaling).length_dependent:
+    seq_lens_T = _seq_lens(batch)
 
   def unit_body(carry, xs):
     x, hook.pools = carry
     unit, u = xs
     if cfg.moe is None:
-      x = _layer(cfg, hook, unit, u, x, positions_T, moe=False)
+      x = _layer(cfg, hook, unit, u, x, positions_T, False, seq_lens_T)
     else:
       if "dense" in unit:
 
         def dense_body(carry, xs):
           x, hook.pools = carry
           layer, j = xs
-          x = _layer(cfg, hook, layer, u * every + j, x, positions_T, False)
+          x = _layer(cfg, hook, layer, u * every + j, x, positions_T, False, seq_lens_T)
           return (x, hook.pools), None
 
         (x, hook.pools), _ = jax.lax.scan(
             dense_body, (x, hook.pools), (unit["dense"], jnp.arange(every - 1))
         )
-      x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, moe=True)
+      x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, True, seq_lens_T)
     return (x, hook.pools), None
 
   units = cfg.n_layers // every

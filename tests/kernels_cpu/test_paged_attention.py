@@ -33,38 +33,8 @@ pytestmark = [
 ]
 
 
-def _pages(seqs, page_size, kv_heads, head_dim, rng, rows=None, tokens=None):
-  """Random pools holding the sequences' keys (NaN in every other slot) and the step's rows:
-  seqs are (tokens cached before the step, tokens in the step); each gets its own pages, in a
-  shuffled order. -> (k, v, RaggedRows, per-token tables, per-token lengths, live tokens)."""
-  s = page_size
-  need = [-(-(c + n) // s) for c, n in seqs]
-  n_max, total = max(need), sum(need) + 3  # three pages no row owns
-  k = np.full((kv_heads, total, s, head_dim), np.nan, np.float32)
-  v = np.full_like(k, np.nan)
-  order = rng.permutation(total)
-  rows = rows or len(seqs)
-  tables = np.zeros((rows, n_max), np.int32)
-  starts, counts, cached = (np.zeros(rows, np.int32) for _ in range(3))
-  tokens = tokens or sum(n for _, n in seqs)
-  tables_T, lengths_T = np.zeros((tokens, n_max), np.int32), np.ones(tokens, np.int32)
-  at = used = 0
-  for i, ((c, n), m) in enumerate(zip(seqs, need)):
-    pages = order[used : used + m]
-    used += m
-    for pos in range(c + n):
-      k[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
-      v[:, pages[pos // s], pos % s] = rng.standard_normal((kv_heads, head_dim))
-    tables[i, :m] = pages
-    starts[i], counts[i], cached[i] = at, n, c
-    tables_T[at : at + n] = tables[i]
-    lengths_T[at : at + n] = np.arange(c, c + n) + 1
-    at += n
-  return k, v, RaggedRows(tables, starts, counts, cached), tables_T, lengths_T, at
-
-
 def _check(q, k, v, rows, tables_T, lengths_T, live, **scales):
-  fn = jax.jit(ragged_paged_attention, static_argnames="kernel")
+  fn = jax.jit(ragged_paged_attention, static_argnames=("kernel", "softcap"))
   got = np.asarray(fn(q, k, v, rows, kernel="cpu", **scales))
   want = np.asarray(paged_attention_reference(q, k, v, tables_T, lengths_T, **scales))
   assert np.isfinite(want[:live]).all()
@@ -92,11 +62,28 @@ def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads
   scores run); head dims of 1 to 8 register blocks and not a multiple of 32 (48, 40)."""
   rng = np.random.default_rng(page_size + head_dim)
   seqs = [(0, 150), (37, 1), (0, 3), (200, 1), (70, 45), (129, 17), (0, 1), (5, 60)]
-  k, v, rows, tables_T, lengths_T, live = _pages(
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
       seqs, page_size, kv_heads, head_dim, rng, rows=11, tokens=live_pad(seqs)
   )
   q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
   _check(q, k, v, rows, tables_T, lengths_T, live)
+
+
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (70, 2.0), (1, 0.0), (0, 1.5)])
+def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, softcap):
+  """Sliding windows (a traced one, as a layer of a mixed stack passes it) from the token alone
+  to longer than a chunk, and soft-capped scores, float32 and int8: the keys before each row's
+  window are NaN, as freed pages given to another sequence would be, and never reach it."""
+  rng = np.random.default_rng(window)
+  seqs = [(0, 150), (37, 1), (0, 3), (200, 1), (70, 45), (129, 17), (0, 1), (5, 60)]
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
+      seqs, 16, 2, 32, rng, rows=11, tokens=live_pad(seqs), window=window
+  )
+  q = rng.standard_normal((tables_T.shape[0], 6, 32)).astype(np.float32)
+  _check(q, k, v, rows, tables_T, lengths_T, live, window=window, softcap=softcap)
+  (k8, k_s), (v8, v_s) = _int8(k), _int8(v)
+  scales = dict(k_scales_GxPxS=k_s, v_scales_GxPxS=v_s, window=window, softcap=softcap)
+  _check(q, k8, v8, rows, tables_T, lengths_T, live, **scales)
 
 
 def _int8(pages):
@@ -119,7 +106,9 @@ def test_kernel_on_int8_pages_equals_the_gather_reference(page_size, heads, head
     q, k, v, rows, tables_T, lengths_T, live = helpers.ragged_case()
   else:
     seqs = [(0, 150), (37, 1), (70, 45), (129, 17), (0, 1)]
-    k, v, rows, tables_T, lengths_T, live = _pages(seqs, page_size, 2, head_dim, rng, rows=7)
+    k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
+        seqs, page_size, 2, head_dim, rng, rows=7
+    )
     q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
   (k8, k_s), (v8, v_s) = _int8(k), _int8(v)
   _check(q, k8, v8, rows, tables_T, lengths_T, live, k_scales_GxPxS=k_s, v_scales_GxPxS=v_s)
@@ -134,7 +123,7 @@ def test_kernel_refuses_a_page_outside_the_pool():
   """A block table entry past the pool's pages is an error naming the row and the page, not a
   read of memory outside the pool."""
   rng = np.random.default_rng(0)
-  k, v, rows, _, _, _ = _pages([(3, 2), (0, 4)], 4, 2, 16, rng)
+  k, v, rows, _, _, _ = helpers.ragged_pages([(3, 2), (0, 4)], 4, 2, 16, rng)
   tables = rows.tables_BxN.copy()
   tables[1, 0] = k.shape[1] + 5
   q = rng.standard_normal((6, 4, 16)).astype(np.float32)
@@ -147,7 +136,7 @@ def test_kernel_refuses_a_page_outside_the_pool():
 def test_kernel_refuses_rows_that_share_a_token():
   """Two rows that claim the same flat token would both write its output: an error naming it."""
   rng = np.random.default_rng(0)
-  k, v, rows, _, _, _ = _pages([(3, 2), (0, 4)], 4, 2, 16, rng)
+  k, v, rows, _, _, _ = helpers.ragged_pages([(3, 2), (0, 4)], 4, 2, 16, rng)
   starts = rows.starts_B.copy()
   starts[1] = 1  # row 0 holds tokens 0 and 1
   q = rng.standard_normal((6, 4, 16)).astype(np.float32)
@@ -163,7 +152,7 @@ def test_the_built_library_is_readable_by_whoever_shares_the_cache():
 
 def test_kernel_refuses_quantised_pools_and_odd_head_dims():
   rng = np.random.default_rng(0)
-  k, v, rows, _, _, _ = _pages([(0, 4)], 4, 1, 16, rng)
+  k, v, rows, _, _, _ = helpers.ragged_pages([(0, 4)], 4, 1, 16, rng)
   q = rng.standard_normal((4, 2, 16)).astype(np.float32)
   with pytest.raises(ValueError, match="float32 or int8 pools, not float8_e4m3fn"):
     fp8 = np.zeros(k.shape, jnp.float8_e4m3fn)

@@ -85,6 +85,58 @@ def test_quantized_pages(dtype, tolerance):
   assert 0 < err < tolerance
 
 
+def _windowed_softcapped(q, k, v, tables, lengths, window, softcap):
+  """Written out in numpy (float64) over each row's keys gathered in order: a row of length n
+  sees keys n - window .. n - 1 (all with window 0), its scores capped as c·tanh(s / c)."""
+  b, h, d = q.shape
+  g, _, s, _ = k.shape
+  out = np.zeros((b, h, d))
+  for row in range(b):
+    n = lengths[row]
+    lo = max(n - window, 0) if window else 0
+    keys = k[:, tables[row]].reshape(g, -1, d)[:, lo:n].astype(np.float64)
+    values = v[:, tables[row]].reshape(g, -1, d)[:, lo:n].astype(np.float64)
+    for head in range(h):
+      group = head // (h // g)
+      scores = keys[group] @ q[row, head].astype(np.float64) / np.sqrt(d)
+      if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+      p = np.exp(scores - scores.max())
+      out[row, head] = p @ values[group] / p.sum()
+  return out
+
+
+WINDOWED = [(0, 2.0), (5, 0.0), (9, 1.5), (1, 0.0)]  # (window, softcap): 1, the token alone
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWED)
+def test_reference_window_and_softcap_equal_attention_written_out(window, softcap):
+  q, k, v, tables, lens = helpers.paged_inputs([13, 1, 24, 9], 8, 2, seed=4, window=window)
+  got = paged_attention_reference(q, k, v, tables, lens, window=window, softcap=softcap)
+  assert np.isfinite(got).all()
+  assert _rel(got, _windowed_softcapped(q, k, v, tables, lens, window, softcap)) < 1e-5
+  if softcap and not window:  # the cap changes the output (a window's NaN keys show anyway)
+    assert _rel(got, _windowed_softcapped(q, k, v, tables, lens, 0, 0.0)) > 1e-3
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWED)
+def test_kernels_with_window_and_softcap_equal_the_reference(window, softcap):
+  """The decode kernel (several splits) and the rows kernel read only the window's pages: the
+  keys before it are NaN and the outputs stay finite and equal the reference's."""
+  q, k, v, tables, lens = helpers.paged_inputs([13, 1, 24, 9], 8, 2, seed=4, window=window)
+  args = dict(window=window, softcap=softcap)
+  want = paged_attention_reference(q, k, v, tables, lens, **args)
+  got = paged_attention(
+      q, k, v, tables, lens, k_splits=2, pages_per_block=2, **args, interpret=True
+  )
+  assert np.isfinite(got).all() and _rel(got, want) < 1e-5
+  # the rows kernel: each row's last token as a block of one, at its position
+  got = paged_attention_rows(q[:, None], k, v, tables, (lens - 1)[:, None], **args, interpret=True)[
+      :, 0
+  ]
+  assert np.isfinite(got).all() and _rel(got, want) < 1e-5
+
+
 def test_a_row_without_keys_gives_zeros():
   q, k, v, tables, _ = helpers.paged_inputs([5, 5], 4, 2)
   lens = np.asarray([0, 5], np.int32)

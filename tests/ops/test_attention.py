@@ -87,3 +87,55 @@ def test_cudnn_limits_named(monkeypatch):
 def test_bad_requests_raise(backend, qkv, match):
   with pytest.raises(ValueError, match=match):
     attn.attention(*qkv, backend=backend)
+
+
+def _written_out(q, k, v, window, softcap, segment_ids=None):
+  """Causal attention written out in numpy (float64): query i sees keys j <= i with
+  i - j < window (all with window 0) of its own segment, scores capped as c·tanh(s / c)."""
+  import numpy as np
+
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, l, h, d = q.shape
+  g = k.shape[2]
+  scores = np.einsum("blhd,bshd->bhls", q, np.repeat(k, h // g, axis=2)) / np.sqrt(d)
+  if softcap:
+    scores = softcap * np.tanh(scores / softcap)
+  i, j = np.arange(l)[:, None], np.arange(l)[None, :]
+  keep = (j <= i) & ((i - j < window) if window else True)
+  keep = np.broadcast_to(keep, (b, 1, l, l))
+  if segment_ids is not None:
+    seg = np.asarray(segment_ids)
+    keep = keep & (seg[:, None, :, None] == seg[:, None, None, :])
+  scores = np.where(keep, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True)
+  return np.einsum("bhls,bshd->blhd", p, np.repeat(v, h // g, axis=2))
+
+
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (1, 0.0), (0, 3.0), (7, 2.0)])
+def test_xla_window_and_softcap_equal_attention_written_out(window, softcap):
+  """A window fixed at trace time (jax.nn's local window), one traced as a layer's own inside
+  a scan over layers, and soft-capping, with and without packed segments."""
+  q, k, v = _qkv()
+  seg = jnp.asarray([[1] * 10 + [2] * 14, [1] * 24])
+  for segment_ids in (None, seg):
+    want = _written_out(q, k, v, window, softcap, segment_ids)
+    static = functools.partial(
+        attn.attention, window=window, softcap=softcap, segment_ids=segment_ids
+    )
+    assert _rel(jax.jit(static)(q, k, v), want) < 1e-5
+    traced = lambda q, k, v, w: attn.attention(
+        q, k, v, window=w, softcap=softcap, segment_ids=segment_ids
+    )
+    assert _rel(jax.jit(traced)(q, k, v, jnp.int32(window)), want) < 1e-5
+  plain = _written_out(q, k, v, 0, 0.0)
+  assert _rel(jax.jit(static)(q, k, v), plain) > 1e-2  # the window or cap is seen
+
+
+def test_backends_without_windows_or_softcap_say_so():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="takes no sliding window; use 'xla'"):
+    attn.attention(q, k, v, backend="pallas", window=4)
+  with pytest.raises(ValueError, match="takes no score soft-capping .* use 'xla'"):
+    attn.attention(q, k, v, backend="pallas", softcap=30.0)
+  assert attn.resolve_backend("auto", q, k, v, window=jnp.int32(4), softcap=50.0) == "xla"

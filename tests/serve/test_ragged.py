@@ -57,6 +57,29 @@ def test_ragged_attention_on_int8_pages_equals_the_gather_reference(key_chunk, p
   np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (40, 2.0), (1, 1.5)])
+def test_ragged_attention_with_a_window_and_softcap_equals_the_gather_reference(
+    kernel, window, softcap
+):
+  """Sliding windows (traced, as a mixed stack's layer passes them) and soft-capped scores on
+  both ragged kernels: the keys before each row's window are NaN, as freed pages handed to
+  another sequence would be, and never reach the output."""
+  rng = np.random.default_rng(window)
+  seqs = [(0, 30), (37, 1), (0, 3), (50, 1), (20, 13)]
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
+      seqs, 4, 2, 16, rng, rows=7, tokens=56, window=window
+  )
+  q = rng.standard_normal((tables_T.shape[0], 4, 16)).astype(np.float32)
+  args = dict(window=window, softcap=softcap)
+  fn = jax.jit(ragged_paged_attention, static_argnames=("kernel", "block", "key_chunk", "softcap"))
+  got = np.asarray(fn(q, k, v, rows, kernel=kernel, block=8, key_chunk=8, **args))
+  want = np.asarray(paged_attention_reference(q, k, v, tables_T, lengths_T, **args))
+  assert np.isfinite(want[:live]).all() and np.isfinite(got).all()
+  scale = np.abs(want[:live]).max()
+  np.testing.assert_allclose(got[:live], want[:live], rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_block_counts_cover_any_step():
   """The static block counts hold every split of T tokens into at most B rows."""
   for t, b, q in ((40, 8, 4), (16, 4, 16), (1024, 16, 32), (8, 16, 32)):
