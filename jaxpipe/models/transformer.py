@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.ops.vma import vary_like
@@ -44,6 +45,8 @@ from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.parallel.ulysses import check_divisible
 
 REMAT = (False, True, "selective")  # TransformerConfig.remat's values
+ACTIVATIONS = ("silu", "gelu_tanh")  # TransformerConfig.activation's values
+LAYER_TYPES = ("full", "sliding")  # TransformerConfig.layer_types' values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +82,27 @@ class TransformerConfig:
   # copied; a longer one, any under remat, or under fsdp (one layer gathered at a time), as a
   # lax.scan loop (0: always the loop). Pipelined stages run their layers their own way.
   unroll_layers: int = 0
+  # -- what the model families vary (jaxpipe.models.families reads them from config.json) --
+  rope_scaling: Any = None  # rotary variant (rope.RopeScaling or its dict); None: the default
+  rope_fraction: float = 1.0  # share of head_dim that rotates (partial_rotary_factor: Phi)
+  rope_local_theta: float = 0.0  # sliding layers' own unscaled rotary base (Gemma 3); 0: same
+  qkv_bias: bool = False  # q, k and v projections carry biases (Qwen2)
+  o_bias: bool = False  # the attention output projection carries a bias
+  mlp_bias: bool = False  # the FFN's three projections carry biases
+  activation: str = "silu"  # the gated FFN's: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU: Gemma)
+  norm_plus_one: bool = False  # RMSNorms scale by 1 + w, w stored from 0 (Gemma)
+  sandwich_norm: bool = False  # a norm on each sublayer's output too, before the add (Gemma 2/3)
+  embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype (Gemma)
+  attn_scale_dim: float = 0.0  # scores scaled by this^-1/2; 0: head_dim (query_pre_attn_scalar)
+  attn_softcap: float = 0.0  # scores -> c·tanh(s / c) before the softmax (Gemma 2); 0: off
+  final_softcap: float = 0.0  # logits -> c·tanh(l / c) (Gemma 2); 0: off
+  sliding_window: int = 0  # a sliding layer's query sees the keys of its last this many positions
+  # per layer 'full' or 'sliding' (LAYER_TYPES); (): every layer sliding when sliding_window > 0
+  layer_types: tuple = ()
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
+    self._check_family_fields()
     if self.remat not in REMAT:
       raise ValueError(
           f"remat={self.remat!r} is unknown; use False (keep activations), True (recompute "
@@ -91,6 +112,11 @@ class TransformerConfig:
     if isinstance(u, bool) or not isinstance(u, int) or u < 0:
       raise ValueError(
           f"unroll_layers={u!r} must be an integer >= 0 (0: the layers always in a lax.scan loop)"
+      )
+    if self.cp_overlap and (self.qkv_bias or self.o_bias):
+      raise ValueError(
+          "cp_overlap=True fuses the projections into Ulysses' all-to-alls without biases, but "
+          "qkv_bias or o_bias is set; set cp_overlap=False"
       )
     if self.fp8 != "none" and self.cp_overlap:
       raise ValueError(
@@ -105,31 +131,99 @@ class TransformerConfig:
           "layers come in groups of moe.every (the last of each is MoE)"
       )
 
+  def _check_family_fields(self):
+    scaling = rope_lib.scaling_of(self.rope_scaling)
+    object.__setattr__(self, "rope_scaling", None if scaling == rope_lib.RopeScaling() else scaling)
+    object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation={self.activation!r} is unknown; use one of {ACTIVATIONS}")
+    if not 0 < self.rope_fraction <= 1 or self.rotary_dim % 2:
+      raise ValueError(
+          f"rope_fraction={self.rope_fraction} must lie in (0, 1] and rotate an even number "
+          f"of head_dim={self.head_dim}'s channels (it rotates {self.rotary_dim})"
+      )
+    for name in ("attn_scale_dim", "attn_softcap", "final_softcap", "rope_local_theta"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: off)")
+    w = self.sliding_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"sliding_window={w!r} must be an integer >= 0 (0: full attention)")
+    types = self.layer_types
+    if types and (len(types) != self.n_layers or set(types) - set(LAYER_TYPES)):
+      raise ValueError(
+          f"layer_types={types!r} must name each of the {self.n_layers} layers one of "
+          f"{LAYER_TYPES}, or be empty"
+      )
+    if "sliding" in types and not w:
+      raise ValueError(
+          "layer_types names sliding layers but sliding_window=0; set the window's width"
+      )
+
   @property
   def compute_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
 
+  @property
+  def rotary_dim(self) -> int:
+    """Channels of a head that rotate (the first ones; the rest pass as they are)."""
+    return int(self.head_dim * self.rope_fraction)
 
-def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-  """x / rms(x) * scale, computed in float32."""
+  @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention)."""
+    types = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.n_layers
+    return tuple(self.sliding_window if t == "sliding" else 0 for t in types)
+
+  @property
+  def mixed_layers(self) -> bool:
+    """Whether layers differ (sliding and full ones): each then needs its index to run."""
+    return len(set(self.layer_windows)) > 1
+
+
+def rms_norm(
+    x_BxLxD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False
+) -> jax.Array:
+  """x / rms(x) * scale (or * (1 + scale) with plus_one: Gemma's), computed in float32."""
   x = x_BxLxD.astype(jnp.float32)
   y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-  return (y * scale_D).astype(x_BxLxD.dtype)
+  return (y * (1.0 + scale_D if plus_one else scale_D)).astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxHxK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, channels i and i + K/2 forming a pair (the GPT-NeoX / Llama layout).
+def layer_window(cfg: TransformerConfig, layer: jax.Array | None) -> int | jax.Array:
+  """A layer's sliding window (0: full attention): a Python int when every layer has the same
+  one, else the traced entry of `layer` (the layer's index in the model)."""
+  windows = cfg.layer_windows
+  if not cfg.mixed_layers:
+    return windows[0]
+  if layer is None:
+    raise ValueError(
+        "this model mixes sliding-window and full-attention layers, so each layer must be "
+        "given its index in the model (apply_unit's `index`)"
+    )
+  return jnp.asarray(windows, jnp.int32)[layer]
 
-  positions: [L] (the same for every row) or [B, L] (per row: packed sequences).
-  """
-  half = x_BxLxHxK.shape[-1] // 2
-  freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None] * freq_K2  # [L, K/2] or [B, L, K/2]
-  angle_BxLxK2 = angle[None] if angle.ndim == 2 else angle
-  sin, cos = jnp.sin(angle_BxLxK2)[:, :, None, :], jnp.cos(angle_BxLxK2)[:, :, None, :]
-  x = x_BxLxHxK.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BxLxHxK.dtype)
+
+def rotary(
+    cfg: TransformerConfig,
+    x_BxLxHxK: jax.Array,
+    positions: jax.Array,
+    window: int | jax.Array,
+    seq_len: jax.Array | int | None,
+) -> jax.Array:
+  """Queries or keys rotated as the layer of `window` rotates them (`layer_window`): sliding
+  layers by rope_local_theta when it is set (unscaled), every other layer by rope_theta and
+  rope_scaling (`jaxpipe.models.rope`). seq_len: for length-dependent variants."""
+  full = (cfg.rope_theta, rope_lib.scaling_of(cfg.rope_scaling))
+  local = (cfg.rope_local_theta, rope_lib.RopeScaling()) if cfg.rope_local_theta else full
+  if local == full or isinstance(window, int):
+    theta, scaling = local if local != full and window else full
+    return rope_lib.apply(x_BxLxHxK, positions, theta, scaling, cfg.rotary_dim, seq_len)
+  (theta_f, scaling_f), (theta_l, scaling_l) = full, local
+  inv_f, att_f = rope_lib.inverse_frequencies(theta_f, cfg.rotary_dim, scaling_f, seq_len)
+  inv_l, att_l = rope_lib.inverse_frequencies(theta_l, cfg.rotary_dim, scaling_l, seq_len)
+  sliding = window > 0
+  inv = jnp.where(sliding, inv_l, inv_f)
+  return rope_lib.rotate(x_BxLxHxK, positions, inv, jnp.where(sliding, att_l, att_f))
 
 
 # Normal, not Flax's default truncated normal: same scale, and XLA compiles it several times faster.
@@ -138,11 +232,13 @@ _KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
 
 class RMSNorm(nn.Module):
   eps: float
+  plus_one: bool = False  # scale by 1 + w, w starting at 0 (Gemma)
 
   @nn.compact
   def __call__(self, x_BxLxD):
-    scale_D = self.param("scale", nn.initializers.ones, (x_BxLxD.shape[-1],), jnp.float32)
-    return rms_norm(x_BxLxD, scale_D, self.eps)
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale_D = self.param("scale", init, (x_BxLxD.shape[-1],), jnp.float32)
+    return rms_norm(x_BxLxD, scale_D, self.eps, self.plus_one)
 
 
 def _kernel_init(in_dims: int):
@@ -171,6 +267,9 @@ class Dense(nn.Module):
   features: tuple[int, ...]
   cfg: TransformerConfig
   in_dims: int = 1
+  use_bias: bool = False  # a bias [features], added after `reduce`
+  # applied to the product before the bias (a row-parallel projection's sum over tp ranks)
+  reduce: Any = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -179,7 +278,13 @@ class Dense(nn.Module):
     scale_3 = None
     if self.cfg.fp8 == "delayed":  # dequantisation scales of (x, w, g); see fp8.py
       scale_3 = self.param("fp8_scale", nn.initializers.ones, (3,), jnp.float32)
-    return fp8_lib.dot(x, w, self.in_dims, self.cfg.fp8, scale_3, self.cfg.compute_dtype)
+    y = fp8_lib.dot(x, w, self.in_dims, self.cfg.fp8, scale_3, self.cfg.compute_dtype)
+    if self.reduce is not None:
+      y = self.reduce(y)
+    if self.use_bias:
+      b = self.param("bias", nn.initializers.zeros, tuple(self.features), jnp.float32)
+      y = y + b.astype(y.dtype)
+    return y
 
 
 class Attention(nn.Module):
@@ -187,44 +292,63 @@ class Attention(nn.Module):
 
   positions: [L] or [B, L]; segment_ids_BxL (packed rows: 1, 2, ... per document, 0 padding)
   lets a token attend only to earlier tokens of its own segment, None to every earlier token.
+  layer: the layer's index in the model (traced), needed where layers differ
+  (`cfg.mixed_layers`). seq_lens: each position's sequence length for length-dependent rotary
+  variants (the serving engine's); None: the whole sequence the call holds.
   """
 
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None):
+  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None, layer=None, seq_lens=None):
     c = self.cfg
     axis_name = context_axis()
+    window = layer_window(c, layer)
     if c.cp_overlap and axis_name is not None:
-      return self._overlapped(x_BxLxD, positions_L, axis_name, segment_ids_BxL)
+      return self._overlapped(x_BxLxD, positions_L, axis_name, segment_ids_BxL, window)
     # Under tensor parallelism: this rank's heads of the whole sequence (tp_lib)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
     heads, kv_heads = tp_lib.local_heads(c.n_heads, c.n_kv_heads)
-    q_BxLxHxK = Dense((heads, c.head_dim), c, name="q")(x_BxLxD)
-    k_BxLxGxK = Dense((kv_heads, c.head_dim), c, name="k")(x_BxLxD)
-    v_BxLxGxK = Dense((kv_heads, c.head_dim), c, name="v")(x_BxLxD)
+    dense = lambda width, name: Dense((width, c.head_dim), c, use_bias=c.qkv_bias, name=name)
+    q_BxLxHxK = dense(heads, "q")(x_BxLxD)
+    k_BxLxGxK = dense(kv_heads, "k")(x_BxLxD)
+    v_BxLxGxK = dense(kv_heads, "v")(x_BxLxD)
     k_BxLxGxK = tp_lib.kv_group(k_BxLxGxK, c.n_heads, c.n_kv_heads)
     v_BxLxGxK = tp_lib.kv_group(v_BxLxGxK, c.n_heads, c.n_kv_heads)
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
-    q_BxLxHxK = rope(q_BxLxHxK, positions_L, c.rope_theta)
-    k_BxLxGxK = rope(k_BxLxGxK, positions_L, c.rope_theta)
+    if seq_lens is None and rope_lib.scaling_of(c.rope_scaling).length_dependent:
+      seq_lens = x_BxLxD.shape[1] * (1 if axis_name is None else jax.lax.axis_size(axis_name))
+    q_BxLxHxK = rotary(c, q_BxLxHxK, positions_L, window, seq_lens)
+    k_BxLxGxK = rotary(c, k_BxLxGxK, positions_L, window, seq_lens)
     core = functools.partial(
-        attention, causal=True, backend=c.attention, segment_ids=segment_ids_BxL
+        attention,
+        causal=True,
+        backend=c.attention,
+        segment_ids=segment_ids_BxL,
+        **self._score_args(window),
     )
     if c.remat == "selective":  # keep q, k, v; recompute the scores in the backward
       core = jax.checkpoint(core)
     o_BxLxHxK = core(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-    return tp_lib.reduce_tokens(Dense((c.d_model,), c, in_dims=2, name="o")(o_BxLxHxK))
+    out = Dense((c.d_model,), c, 2, c.o_bias, tp_lib.reduce_tokens, name="o")
+    return out(o_BxLxHxK)
+
+  def _score_args(self, window) -> dict:
+    """attention()'s sm_scale, window and softcap for this layer."""
+    c = self.cfg
+    sm_scale = c.attn_scale_dim**-0.5 if c.attn_scale_dim else None
+    return dict(sm_scale=sm_scale, window=window, softcap=c.attn_softcap)
 
   def _qk_norm(self, q_BxLxHxK, k_BxLxGxK):
     """Per-head RMSNorm of queries and keys with `cfg.qk_norm`
     (one scale per channel, all heads)."""
     if not self.cfg.qk_norm:
       return q_BxLxHxK, k_BxLxGxK
-    eps = self.cfg.norm_eps
-    return RMSNorm(eps, name="q_norm")(q_BxLxHxK), RMSNorm(eps, name="k_norm")(k_BxLxGxK)
+    c = self.cfg
+    norm = lambda name: RMSNorm(c.norm_eps, c.norm_plus_one, name=name)
+    return norm("q_norm")(q_BxLxHxK), norm("k_norm")(k_BxLxGxK)
 
-  def _overlapped(self, x_BxSxD, positions_S, axis_name, segment_ids_BxS=None):
+  def _overlapped(self, x_BxSxD, positions_S, axis_name, segment_ids_BxS=None, window=0):
     """Ulysses with each projection fused into its all-to-all (`jaxpipe.parallel.overlap`).
 
     x holds this rank's L/P tokens; between the two fused steps every rank holds all L tokens
@@ -269,8 +393,11 @@ class Attention(nn.Module):
     q_BxLxHpxK, k_BxLxGpxK = self._qk_norm(
         q_BxLxHpxK, k_BxLxGpxK
     )  # per token and head: after the a2a
-    q_BxLxHpxK = rope(q_BxLxHpxK, positions_L, c.rope_theta)
-    k_BxLxGpxK = rope(k_BxLxGpxK, positions_L, c.rope_theta)
+    seq_len = (
+        positions_L.shape[-1] if rope_lib.scaling_of(c.rope_scaling).length_dependent else None
+    )
+    q_BxLxHpxK = rotary(c, q_BxLxHpxK, positions_L, window, seq_len)
+    k_BxLxGpxK = rotary(c, k_BxLxGpxK, positions_L, window, seq_len)
     with context_parallel(None):  # head shards of the full sequence: a plain attention core
       o_BxLxHpxK = attention(
           q_BxLxHpxK,
@@ -279,43 +406,56 @@ class Attention(nn.Module):
           causal=True,
           backend=c.attention,
           segment_ids=segment_ids_BxL,
+          **self._score_args(window),
       )
     return tp_lib.reduce_tokens(a2a_proj(o_BxLxHpxK, w_o_HxKxD, axis_name=axis_name))
 
 
+ACTIVATION_FNS = {"silu": nn.silu, "gelu_tanh": functools.partial(nn.gelu, approximate=True)}
+
+
 class Mlp(nn.Module):
-  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+  """Gated feed-forward: down(act(gate(x)) * up(x)); act silu (SwiGLU) or GELU-tanh (GeGLU)."""
 
   cfg: TransformerConfig
 
   @nn.compact
   def __call__(self, x_BxLxD):
     c = self.cfg
-    dense = lambda width, name: Dense((width,), c, name=name)
+    dense = lambda width, name: Dense((width,), c, use_bias=c.mlp_bias, name=name)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)  # tensor parallel: d_ff / tp of the whole sequence
     d_ff = c.d_ff // tp_lib.size()
-    h_BxLxF = nn.silu(dense(d_ff, "gate")(x_BxLxD)) * dense(d_ff, "up")(x_BxLxD)
-    return tp_lib.reduce_tokens(dense(c.d_model, "down")(h_BxLxF))
+    act = ACTIVATION_FNS[c.activation]
+    h_BxLxF = act(dense(d_ff, "gate")(x_BxLxD)) * dense(d_ff, "up")(x_BxLxD)
+    down = Dense((c.d_model,), c, 1, c.mlp_bias, tp_lib.reduce_tokens, name="down")
+    return down(h_BxLxF)
 
 
 class Block(nn.Module):
-  """One pre-norm decoder layer; with `moe` its FFN is `cfg.moe` and it returns (x, moe aux)."""
+  """One pre-norm decoder layer; with `moe` its FFN is `cfg.moe` and it returns (x, moe aux).
+
+  With `cfg.sandwich_norm` each sublayer's output is normalised too before it joins the
+  residual stream (Gemma 2 and 3). layer, seq_lens: as `Attention` takes them.
+  """
 
   cfg: TransformerConfig
   moe: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None):
+  def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None, layer=None, seq_lens=None):
     c = self.cfg
-    x_BxLxD = x_BxLxD + Attention(c, name="attn")(
-        RMSNorm(c.norm_eps, name="attn_norm")(x_BxLxD), positions_L, segment_ids_BxL
+    norm = lambda name: RMSNorm(c.norm_eps, c.norm_plus_one, name=name)
+    post = lambda name, y: norm(name)(y) if c.sandwich_norm else y
+    y_BxLxD = Attention(c, name="attn")(
+        norm("attn_norm")(x_BxLxD), positions_L, segment_ids_BxL, layer, seq_lens
     )
+    x_BxLxD = x_BxLxD + post("attn_post_norm", y_BxLxD)
     if self.moe:
       y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, c.fp8, name="moe")(
-          RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD)
+          norm("mlp_norm")(x_BxLxD)
       )
-      return x_BxLxD + y_BxLxD, aux
-    return x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x_BxLxD))
+      return x_BxLxD + post("mlp_post_norm", y_BxLxD), aux
+    return x_BxLxD + post("mlp_post_norm", Mlp(c, name="mlp")(norm("mlp_norm")(x_BxLxD)))
 
 
 def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
@@ -323,7 +463,8 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
   k_embed, k_layers, k_head = jax.random.split(rng, 3)
   x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
   block = Block(cfg)
-  init_dense = lambda k: block.init(k, x_1x1xD, jnp.arange(1))["params"]
+  # any layer's parameters have the same shapes: initialise as layer 0
+  init_dense = lambda k: block.init(k, x_1x1xD, jnp.arange(1), None, 0)["params"]
   if cfg.moe is None:
     layers = jax.vmap(init_dense)(jax.random.split(k_layers, cfg.n_layers))
   else:
@@ -331,7 +472,8 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
     def init_group(k):
       k_dense, k_moe = jax.random.split(k)
-      group = {"moe": Block(cfg, moe=True).init(k_moe, x_1x1xD, jnp.arange(1))["params"]}
+      moe_block = Block(cfg, moe=True)
+      group = {"moe": moe_block.init(k_moe, x_1x1xD, jnp.arange(1), None, 0)["params"]}
       if every > 1:
         group["dense"] = jax.vmap(init_dense)(jax.random.split(k_dense, every - 1))
       return group
@@ -342,7 +484,9 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
   params = {
       "embed": scale * jax.random.normal(k_embed, (cfg.vocab, cfg.d_model), jnp.float32),
       "layers": layers,
-      "final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)},
+      "final_norm": {
+          "scale": jnp.full((cfg.d_model,), 0.0 if cfg.norm_plus_one else 1.0, jnp.float32)
+      },
   }
   if not cfg.tied_embeddings:
     params["head"] = scale * jax.random.normal(k_head, (cfg.d_model, cfg.vocab), jnp.float32)
@@ -350,8 +494,12 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
 
 def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-  """Token embedding lookup, in the compute dtype (vocabulary-parallel under `tp_lib`)."""
-  return tp_lib.vocab_embed(params["embed"], tokens_BxL).astype(cfg.compute_dtype)
+  """Token embedding lookup, in the compute dtype (vocabulary-parallel under `tp_lib`); times
+  sqrt(d_model) rounded to the compute dtype with `cfg.embed_scale`, as transformers' Gemma."""
+  x_BxLxD = tp_lib.vocab_embed(params["embed"], tokens_BxL).astype(cfg.compute_dtype)
+  if cfg.embed_scale:
+    x_BxLxD = x_BxLxD * np.float32(math.sqrt(cfg.d_model)).astype(cfg.compute_dtype)
+  return x_BxLxD
 
 
 def check_packed(
@@ -445,22 +593,40 @@ def apply_unit(
     positions_L: jax.Array,
     attach: bool = True,
     segment_ids_BxL: jax.Array | None = None,
+    index: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
 ):
   """One element of the layers' leading axis: a layer, or with `cfg.moe` a group ending in MoE.
 
   Returns x, or (x, aux) for an MoE group with attach=False; with attach=True the group's
   auxiliary loss rides on x's gradient (`attach_aux_loss`). positions: [L] or [B, L].
+  index: the unit's place in the model's stack (traced), which a model whose layers differ
+  (`cfg.mixed_layers`: sliding and full attention) needs; seq_lens: as `Attention` takes them.
   """
   seg = segment_ids_BxL
+  every = 1 if cfg.moe is None else cfg.moe.every
+  layer = lambda j: None if index is None else index * every + j
   if cfg.moe is None:
-    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L, seg)
+    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L, seg, layer(0), seq_lens)
   if "dense" in unit:
-    dense = lambda x, layer: (Block(cfg).apply({"params": layer}, x, positions_L, seg), None)
-    x_BxLxD, _ = jax.lax.scan(dense, x_BxLxD, unit["dense"])
-  x_BxLxD, aux = Block(cfg, moe=True).apply({"params": unit["moe"]}, x_BxLxD, positions_L, seg)
+
+    def dense(x, layer_j):
+      params, j = layer_j
+      return Block(cfg).apply({"params": params}, x, positions_L, seg, layer(j), seq_lens), None
+
+    x_BxLxD, _ = jax.lax.scan(dense, x_BxLxD, (unit["dense"], jnp.arange(every - 1)))
+  x_BxLxD, aux = Block(cfg, moe=True).apply(
+      {"params": unit["moe"]}, x_BxLxD, positions_L, seg, layer(every - 1), seq_lens
+  )
   if not attach:
     return x_BxLxD, aux
   return _attach_unit_aux(cfg, x_BxLxD, aux)
+
+
+def unit_indices(cfg: TransformerConfig, units: int, first: int = 0) -> jax.Array | None:
+  """The indices `apply_unit` takes for `units` consecutive units from `first` where the model's
+  layers differ, else None (every layer runs alike and needs none)."""
+  return first + jnp.arange(units) if cfg.mixed_layers else None
 
 
 def _attach_unit_aux(
@@ -482,14 +648,16 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
   if positions_L is None:  # the whole sequence's, also where the stream holds a slice of it
     positions_L = jnp.arange(x_BxLxD.shape[1] * tp_lib.token_split())
 
-  def body(x_BxLxD, unit):
-    out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach, segment_ids_BxL)
+  def body(x_BxLxD, unit_index):
+    unit, index = unit_index
+    out = apply_unit(cfg, unit, x_BxLxD, positions_L, attach, segment_ids_BxL, index)
     return out if isinstance(out, tuple) else (out, None)
 
   if cfg.remat is True:  # 'selective' is the attention core's own (Attention)
     body = jax.checkpoint(body)
   units = jax.tree.leaves(layers)[0].shape[0]
-  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, layers, unroll=stack_unroll(cfg, units))
+  xs = (layers, unit_indices(cfg, units))
+  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, xs, unroll=stack_unroll(cfg, units))
   return x_BxLxD, {} if aux is None else aux
 
 
@@ -506,9 +674,13 @@ def stack_unroll(cfg: TransformerConfig, units: int) -> int:
 def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
   """Final norm and output head; float32 logits (under `tp_lib`: this rank's vocabulary
   slice, of the whole sequence)."""
-  x_BxLxD = tp_lib.gather_tokens(rms_norm(x_BxLxD, params["final_norm"]["scale"], cfg.norm_eps))
+  scale_D = params["final_norm"]["scale"]
+  x_BxLxD = tp_lib.gather_tokens(rms_norm(x_BxLxD, scale_D, cfg.norm_eps, cfg.norm_plus_one))
   w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
-  return jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
+  logits = jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
+  if cfg.final_softcap:
+    logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+  return logits
 
 
 def head_loss(
@@ -606,8 +778,16 @@ def loss_and_aux(
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 
-def moe_unit(cfg: TransformerConfig, unit, x_BxLxD, positions_L, segment_ids_BxL=None, tokens=None):
-  """MoE group (`apply_unit`) with its auxiliary loss attached to x -> (x, routing statistics);
-  the loss weighted by `tokens` (default the tokens of x, `_attach_unit_aux`)."""
-  x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL)
+def moe_unit(
+    cfg: TransformerConfig,
+    unit,
+    x_BxLxD,
+    positions_L,
+    segment_ids_BxL=None,
+    tokens=None,
+    index=None,
+):
+  """MoE group (`apply_unit`, at `index`) with its auxiliary loss attached to x -> (x, routing
+  statistics); the loss weighted by `tokens` (default the tokens of x, `_attach_unit_aux`)."""
+  x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL, index)
   return _attach_unit_aux(cfg, x_BxLxD, aux, tokens), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -174,8 +174,13 @@ _SPLIT_DIM = {
     ("attn", "k", "kernel"): -2,  # [D, G, K]: KV heads, when they split
     ("attn", "v", "kernel"): -2,
     ("attn", "o", "kernel"): -3,  # [H, K, D]: heads
+    ("attn", "q", "bias"): -2,  # [H, K]: heads (the o and down biases, [D], stay whole:
+    ("attn", "k", "bias"): -2,  # they are added once, after the reduction over tp)
+    ("attn", "v", "bias"): -2,
     ("mlp", "gate", "kernel"): -1,  # [D, F]
     ("mlp", "up", "kernel"): -1,
+    ("mlp", "gate", "bias"): -1,  # [F]
+    ("mlp", "up", "bias"): -1,
     ("mlp", "down", "kernel"): -2,  # [F, D]
     ("embed",): -2,  # [V, D]: vocabulary
     ("head",): -1,  # [D, V]: vocabulary
@@ -197,9 +202,7 @@ def split_dim(keys: tuple, shape: tuple[int, ...], tp: int) -> int | None:
     dim = _SPLIT_DIM.get(keys)
   if dim is None or len(shape) < -dim:
     return None
-  if keys[-3:] in (("attn", "k", "kernel"), ("attn", "v", "kernel")) and not kv_split(
-      shape[dim], tp
-  ):
+  if keys[-3:-1] in (("attn", "k"), ("attn", "v")) and not kv_split(shape[dim], tp):
     return None
   return dim
 
