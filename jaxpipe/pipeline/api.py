@@ -215,7 +215,9 @@ def check_model(
   if model.embed_fn is not None:
     x0 = jax.eval_shape(model.embed_fn, embed_params, x0)
   side0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], a.dtype), side_inputs)
-  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
+  if model.unit_index:  # stage 0's layers
+    side0 = (side0, jax.ShapeDtypeStruct((), jnp.int32))
   y0 = jax.eval_shape(stage_fn, params0, x0, side0)[0]
   if jax.tree.structure(y0) != jax.tree.structure(x0) or (y0.shape, y0.dtype) != (
       x0.shape,
@@ -344,11 +346,11 @@ def _program(
   )
 
   @jax.jit
-  def program(table, layout, stage_params, xs, targets, head_params, embed_params, side):
+  def program(table, layout, stage_params, xs, targets, head_params, embed_params, side, stages):
     layout = fixed if contiguous else layout
     local = to_local(stage_params, layout)
     loss, local_grads, head_g, embed_g, *stats = run(
-        table, local, xs, targets, head_params, embed_params, side
+        table, local, xs, targets, head_params, embed_params, side, stages
     )
     if partners is not None:
       local_grads = sum_copies(local_grads, partners, mesh, pp_axis, local_spec, model)
@@ -479,6 +481,7 @@ def pipeline_value_and_grad(
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
   layout = lowered.layout()
+  stages = layout  # the model stage of each rank's chunk, whatever order params come in
   contiguous = is_contiguous(layout) and layout.size == schedule.num_stages
   stored, partners = schedule.num_stages, None
   if stage_order == "placement":
@@ -502,7 +505,15 @@ def pipeline_value_and_grad(
       grad_key,
   )
   return program(
-      lowered.table, layout, stage_params, xs, targets, head_params, embed_params, side_inputs
+      lowered.table,
+      layout,
+      stage_params,
+      xs,
+      targets,
+      head_params,
+      embed_params,
+      side_inputs,
+      stages,
   )
 
 

@@ -171,6 +171,10 @@ class Model:
   # (key path of a stage parameter leaf) -> True where that leaf's gradient is combined by max
   # over micro-batches, data shards and stage copies instead of summed (observed statistics)
   max_grads: Callable | None = None
+  # a layered stage's layer function takes a last argument, the layer's index in the model
+  # (its model stage x layers per stage + its place in the stage; traced), for layers that
+  # differ by their place (sliding-window and full-attention layers)
+  unit_index: bool = False
 
 
 def combines_by_max(model: Model | None, path) -> bool:
@@ -193,14 +197,34 @@ def _uniform(fn: Callable, has_aux: bool, side_inputs: bool) -> Callable:
   )
 
 
-def with_aux(stage_fn: Callable, stage_aux: bool, side_inputs: bool = False) -> Callable:
+def with_aux(
+    stage_fn: Callable, stage_aux: bool, side_inputs: bool = False, unit_index: bool = False
+) -> Callable:
   """The stage function as `(params, x, side) -> (y, aux)`; a layered stage stacks aux per layer.
 
   side: one micro-batch's side inputs, passed on only with `side_inputs` (`Model.side_inputs`).
+  With `unit_index` (a layered stage) side is `(side, index)` instead: the index of the stage's
+  first layer in the model for the stage, of the layer itself for its layer function, which
+  gets it as its last argument.
   """
   if isinstance(stage_fn, Layered):
-    return Layered(_uniform(stage_fn.layer_fn, stage_aux, side_inputs), has_aux=True)
+    if unit_index:
+      fn = _indexed(stage_fn.layer_fn, stage_aux, side_inputs)
+    else:
+      fn = _uniform(stage_fn.layer_fn, stage_aux, side_inputs)
+    return Layered(fn, has_aux=True, indexed=unit_index)
   return _uniform(stage_fn, stage_aux, side_inputs)
+
+
+def _indexed(fn: Callable, has_aux: bool, side_inputs: bool) -> Callable:
+  """A layer function taking `index` last as `(params, x, (side, index)) -> (y, aux)`."""
+
+  def call(params, x, side_index):
+    side, index = side_index
+    out = fn(params, x, side, index) if side_inputs else fn(params, x, index)
+    return out if has_aux else (out, ())
+
+  return call
 
 
 def _index(tree: PyTree, i) -> PyTree:
@@ -224,25 +248,37 @@ class Layered:
   weight cotangents instead of redoing the input-cotangent chain through the stage.
   """
 
-  def __init__(self, layer_fn: Callable, has_aux: bool = False):
+  def __init__(self, layer_fn: Callable, has_aux: bool = False, indexed: bool = False):
     self.layer_fn = layer_fn
     self.has_aux = has_aux  # layer_fn returns (x, aux); the stage returns (x, aux per layer)
+    # side is (side, index): the stage's first layer's index, which each layer's grows by one
+    self.indexed = indexed
 
   def __call__(self, params: PyTree, x, *side):
     """side: the side inputs, when the layer function takes them (`Model.side_inputs`)."""
-    if self.has_aux:
-      return lax.scan(lambda x, p: self.layer_fn(p, x, *side), x, params)
-    return lax.scan(lambda x, p: (self.layer_fn(p, x, *side), None), x, params)[0]
+    fn = self.layer_fn if self.has_aux else lambda p, x, *s: (self.layer_fn(p, x, *s), None)
+    if not self.indexed:
+      out = lax.scan(lambda x, p: fn(p, x, *side), x, params)
+    else:
+      (mb_side, first), layers = side[0], jax.tree.leaves(params)[0].shape[0]
+      body = lambda x, pl: fn(pl[0], x, (mb_side, first + pl[1]))
+      out = lax.scan(body, x, (params, jnp.arange(layers)))
+    return out if self.has_aux else out[0]
+
+  def at_layer(self, side, l):
+    """A layer's side from its stage's (`indexed`: the stage's first index plus l)."""
+    return (side[0], side[1] + l) if self.indexed else side
 
   def __eq__(self, other):
     return (
         isinstance(other, Layered)
         and other.layer_fn == self.layer_fn
         and other.has_aux == self.has_aux
+        and other.indexed == self.indexed
     )
 
   def __hash__(self):
-    return hash((Layered, self.layer_fn, self.has_aux))
+    return hash((Layered, self.layer_fn, self.has_aux, self.indexed))
 
   def __repr__(self):
     return f"layered({self.layer_fn!r})"
@@ -406,13 +442,14 @@ class _StageOps:
 
   def _layer_residuals(self, params, x, side):
     """-> (y, (stored, aux stacked per layer))"""
-    layer_fn = lambda p, x: self.fn.layer_fn(p, x, side)
 
-    def body(x, p):
+    def body(x, layer):
+      p, l = layer
+      layer_fn = lambda p, x: self.fn.layer_fn(p, x, self.fn.at_layer(side, l))
       y, vjp_fn, aux = jax.vjp(layer_fn, p, x, has_aux=True)
       return y, (self.resid.split(vjp_fn, p), aux)
 
-    return lax.scan(body, x, params)
+    return lax.scan(body, x, (params, jnp.arange(self.num_layers)))
 
   def forward(self, params, x, side, res, slot):
     """-> (y, res holding this micro-batch's stored values at `slot`, aux)"""
@@ -420,10 +457,10 @@ class _StageOps:
       y, aux = self.fn(params, x, side)
       return y, [_set(res[0], (slot,), x)], aux
     if self.layered:
-      layer_fn = lambda p, x: self.fn.layer_fn(p, x, side)
 
       def body(carry, layer):
         (x, res), (p, l) = carry, layer
+        layer_fn = lambda p, x: self.fn.layer_fn(p, x, self.fn.at_layer(side, l))
         y, vjp_fn, aux = jax.vjp(layer_fn, p, x, has_aux=True)
         # each layer's residuals go straight into their slot: no stacked copy to move later
         res = [_set(b, (slot, l), v) for b, v in zip(res, self.resid.split(vjp_fn, p))]
@@ -692,7 +729,11 @@ def make_executor(
     embed_specs: tuple | None = None,
     grad_specs: tuple | None = None,
 ) -> Callable:
-  """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=())`.
+  """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=(),
+  stages=None)`.
+
+  stages: int32 [p, chunks], the model stage each rank's chunk computes (`Lowered.layout()`),
+  which `Model.unit_index` needs to number the layers.
 
   table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
   [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, seq, ...],
@@ -775,7 +816,9 @@ def make_executor(
       "down": [(i, (i + 1) % p) for i in range(p)],
       "up": [(i, (i - 1) % p) for i in range(p)],
   }
-  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
+  if model.unit_index and not isinstance(model.stage_fn, Layered):
+    raise ValueError("Model.unit_index numbers the layers of a layered stage; wrap it in layered()")
   embed_fn = model.embed_fn
   # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per tick,
   # so both can leave through one buffer, and the activation and cotangent channels of one
@@ -793,9 +836,14 @@ def make_executor(
       sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
   link_col = len(COL) + len(PARTS)  # then one flag per ppermute: does any rank receive?
 
-  def body(table, links, local, xs, targets, head_params, embed_params, side):
+  def body(table, links, local, xs, targets, head_params, embed_params, side, stages):
     table = table[:, 0]
-    side_of = lambda mb: _index(side, mb)  # one micro-batch's side inputs
+    # one micro-batch's side inputs; with unit_index also the chunk's first layer in the model
+    if model.unit_index:
+      layers = jax.tree.leaves(local)[0].shape[2]  # [1, chunks, layers, ...]
+      side_of = lambda mb, c=0: (_index(side, mb), stages[0, c] * layers)
+    else:
+      side_of = lambda mb, c=0: _index(side, mb)
     rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links], axis=1)
     local = _index(local, 0)  # [chunks, ...] on this rank
     chunk0 = _index(local, 0)
@@ -818,7 +866,7 @@ def make_executor(
       x = lax.cond(
           row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: s["act"][row[COL["f_in"]]]
       )
-      y, res, aux = ops.forward(_index(local, c), x, side_of(mb), s["res"], row[COL["f_res"]])
+      y, res, aux = ops.forward(_index(local, c), x, side_of(mb, c), s["res"], row[COL["f_res"]])
       s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
       s[out_f] = y
 
@@ -838,7 +886,7 @@ def make_executor(
       def part(row, s):
         c = row[COL["b_chunk"]]
         params, slot = _index(local, c), row[COL["b_res"]]
-        side_mb = side_of(row[COL["b_mb"]])
+        side_mb = side_of(row[COL["b_mb"]], c)
         dy = s["cot"][row[COL["b_cot"]]]
         # The first stage's input cotangent feeds only the embedding, if there is one.
         need_dx = row[COL["b_first"]] == 0 if embed_fn is None else jnp.bool_(True)
@@ -873,7 +921,7 @@ def make_executor(
           s,
           grads=ops.weight_grad(
               _index(local, c),
-              side_of(row[COL["w_mb"]]),
+              side_of(row[COL["w_mb"]], c),
               s["res"],
               row[COL["w_res"]],
               s["wg"],
@@ -1015,6 +1063,7 @@ def make_executor(
           head_spec,
           embed_spec,
           batch_spec,
+          P(pp_axis),
       ),
       out_specs=(P(), grad_spec, head_spec, embed_spec)
       + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
@@ -1023,7 +1072,14 @@ def make_executor(
       check_vma=False,
   )
 
-  def run(table, local_params, xs, targets, head_params, embed_params, side=()):
+  def run(table, local_params, xs, targets, head_params, embed_params, side=(), stages=None):
+    if stages is None:
+      if model.unit_index:
+        raise ValueError(
+            "Model.unit_index needs `stages`, the model stage of each rank's chunks "
+            "[ranks, chunks] (Lowered.layout())"
+        )
+      stages = jnp.zeros((spec.num_ranks, spec.chunks), jnp.int32)
     if param_specs is not None:
       check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params, model_axes)
     # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
@@ -1038,7 +1094,8 @@ def make_executor(
         or [jnp.zeros(table.shape[0], bool)],
         axis=1,
     )[:, : len(sends)].astype(jnp.int32)
-    return mapped(table, links, local_params, xs, targets, head_params, embed_params, side)
+    stages = jnp.asarray(stages, jnp.int32)
+    return mapped(table, links, local_params, xs, targets, head_params, embed_params, side, stages)
 
   return jax.jit(run)
 
@@ -1092,5 +1149,7 @@ def stage_ops(
   """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
   built as `make_executor` builds them for stage params `params`, input `x` and one
   micro-batch's side inputs `side` (shapes; `()` without them)."""
-  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs)
+  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
+  if model.unit_index and not isinstance(model.stage_fn, Layered):
+    raise ValueError("Model.unit_index numbers the layers of a layered stage; wrap it in layered()")
   return _StageOps(stage_fn, params, x, recompute, model, side)

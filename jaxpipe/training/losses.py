@@ -209,20 +209,24 @@ def context_parallel_loss_and_grads(
     if cfg.moe is None and layer_specs is None:
       return transformer.apply_layers(cfg, layers, x_BxSxD, positions_S, segment_ids_BxS), {}
     if cfg.moe is None:
-      body = lambda x, unit: (
-          transformer.apply_unit(cfg, unit, x, positions_S, True, segment_ids_BxS),
+      body = lambda x, unit, index: (
+          transformer.apply_unit(cfg, unit, x, positions_S, True, segment_ids_BxS, index),
           None,
       )
     else:  # transformer.apply_layers, keeping each MoE group's statistics
-      body = lambda x, unit: transformer.moe_unit(cfg, unit, x, positions_S, segment_ids_BxS)
+      body = lambda x, unit, index: transformer.moe_unit(
+          cfg, unit, x, positions_S, segment_ids_BxS, index=index
+      )
+    units = jax.tree.leaves(layers)[0].shape[0]
     unroll = 1  # fsdp: a loop, so that one layer at a time is gathered whole
     if layer_specs is not None:
       body = zero.local_layer_scan(cfg, body, layer_specs)
     else:
-      unroll = transformer.stack_unroll(cfg, jax.tree.leaves(layers)[0].shape[0])
+      unroll = transformer.stack_unroll(cfg, units)
       if cfg.remat is True:
         body = jax.checkpoint(body)
-    x_BxSxD, aux = jax.lax.scan(body, x_BxSxD, layers, unroll=unroll)
+    xs = (layers, transformer.unit_indices(cfg, units))
+    x_BxSxD, aux = jax.lax.scan(lambda x, xs: body(x, *xs), x_BxSxD, xs, unroll=unroll)
     return x_BxSxD, {} if aux is None else aux
 
   def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, specs=None):

@@ -159,7 +159,8 @@ class StageTimer:
     ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
     stage_specs = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
     local = jax.tree.map(lambda a: jnp.broadcast_to(a[None, None], (p, 1) + a.shape), stage)
-    self._args = (local, tokens, target, head, embed)
+    # every rank runs model stage 0's layers (and numbers them so, where layers differ)
+    self._args = (local, tokens, target, head, embed, (), np.zeros((p, 1), np.int32))
     codes = tuple(sorted(BRANCHES.index(b) for b in ("idle", "F", "I", "B", "W", "F+B")))
     make = lambda n, branches: make_executor(
         model,

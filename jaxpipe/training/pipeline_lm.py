@@ -92,7 +92,7 @@ def lm_model(
   """
   placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
 
-  def layer_fn(unit, x_BxLxD, side):
+  def layer_fn(unit, x_BxLxD, side, index=None):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
     # ppermute has no place in the per-tick branch: cp_overlap runs its chunked all_to_alls
@@ -106,11 +106,11 @@ def lm_model(
         positions_L = positions_local(seq, context_axis)
       seg = side.get("segment_ids")
       if cfg.moe is None:
-        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, segment_ids_BxL=seg)
+        return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, True, seg, index)
       # The executor seeds each tensor rank's backward with 1/tp of the loss and sums their
       # gradients, so each rank weighs the aux loss by 1/tp of the micro-batch's tokens.
       tokens = x_BxLxD.shape[0] * seq / tp_lib.size()
-      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg, tokens)
+      return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg, tokens, index)
 
   def embed_fn(embed_params, tokens_BxL):
     with placed():
@@ -133,6 +133,7 @@ def lm_model(
       stage_aux=cfg.moe is not None,
       max_grads=fp8_lib.is_state if cfg.fp8 == "delayed" else None,
       side_inputs=True,
+      unit_index=cfg.mixed_layers,  # sliding and full layers: each takes its place's kind
   )
 
 

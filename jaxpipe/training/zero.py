@@ -253,7 +253,9 @@ def gathered_layer(fn, unit_specs: Any, full_remat: bool = False, tie: bool = Fa
 
 
 def local_layer_scan(cfg: TransformerConfig, body, layer_specs: Any):
-  """`body(x, unit)` for a scan over stacked layers whose leaves arrive split over the data
-  axes: each layer gathered just before use, again in the backward (not kept)."""
-  layer = gathered_layer(lambda unit, x: body(x, unit), layer_specs, cfg.remat is True)
-  return lambda x, unit: layer(unit, x)
+  """`body(x, unit, *rest)` for a scan over stacked layers whose leaves arrive split over the
+  data axes: each layer gathered just before use, again in the backward (not kept)."""
+  layer = gathered_layer(
+      lambda unit, x, *rest: body(x, unit, *rest), layer_specs, cfg.remat is True
+  )
+  return lambda x, unit, *rest: layer(unit, x, *rest)
