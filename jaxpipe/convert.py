@@ -9,6 +9,7 @@ the positional arguments; --fp8 belongs to hf-to-orbax, --step and --dtype to or
 """
 
 import sys
+import warnings
 
 from jaxpipe.runtime import process
 
@@ -78,21 +79,28 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--{name} is a flag of {other}, not of {command}")
   f = FLAGS
   try:
-    if command == "hf-to-orbax":
-      src, workdir = argv[2:]
-      plan = hf_to_orbax(src, workdir, f.pp, f.ep, f.fp8)
-      print(
-          f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
-          f"{plan.dtype}) -> {workdir}/checkpoints/0"
-          + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items()))
-      )
-      print(f"fine-tune: python -m jaxpipe.train --workdir {workdir}")
-    else:
-      workdir, dst = argv[2:]
-      written = orbax_to_hf(workdir, dst, f.step, f.dtype, f.pp, f.ep)
-      print(f"{written['model_type']} ({written['dtype']}) -> {dst}")
+    with warnings.catch_warnings():
+      # config.json fields that change nothing: named on one line, not refused
+      warnings.showwarning = _one_line
+      if command == "hf-to-orbax":
+        src, workdir = argv[2:]
+        plan = hf_to_orbax(src, workdir, f.pp, f.ep, f.fp8)
+        print(
+            f"{plan.hf_config['model_type']} ({len(plan.files) - len(plan.ignored)} tensors, "
+            f"{plan.dtype}) -> {workdir}/checkpoints/0"
+            + "".join(f"\n  not read: {n} ({why})" for n, why in sorted(plan.ignored.items()))
+        )
+        print(f"fine-tune: python -m jaxpipe.train --workdir {workdir}")
+      else:
+        workdir, dst = argv[2:]
+        written = orbax_to_hf(workdir, dst, f.step, f.dtype, f.pp, f.ep)
+        print(f"{written['model_type']} ({written['dtype']}) -> {dst}")
   except (hf.CheckpointError, ValueError, OSError) as e:
     sys.exit(f"error: {e}")
+
+
+def _one_line(message, category, *_, **__) -> None:
+  print(f"warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Mixtral and Qwen3-MoE as jaxpipe models.
+"""Hugging Face checkpoints in and out, for every family of `jaxpipe.models.families`.
 
   plan = hf.check(src_dir)                      # config.json + safetensors headers, no tensor data
   cfg, params = hf.load(src_dir, shardings)     # tensor by tensor onto the mesh
@@ -9,14 +9,15 @@ A checkpoint directory is transformers' `save_pretrained` layout: `config.json` 
 its PyTorch module (`model.layers.3.self_attn.q_proj.weight`, Linear weights `[out, in]`, MoE
 experts one tensor each: `...block_sparse_moe.experts.5.w1.weight`).
 
-`check` maps config.json onto `TransformerConfig` and reads the safetensors headers; it refuses,
-naming the field or tensor, whatever the model would not compute as transformers does: another
-model_type, an unknown field or one whose value is not implemented (biases, sliding windows,
-rope scaling, ...), a tensor missing, unknown or of the wrong shape. `load` then reads each
-device's block of each parameter, tensor by tensor, and puts it straight on that device (layers
-split over pp and experts over ep when the shardings say so), so the host holds one block at a
-time. Weights become float32 (exact from bf16, fp16 and fp32); `save` writes them back in the
-source's dtype unless told otherwise, so a round trip is bit-exact.
+`check` maps config.json onto `TransformerConfig` through the family its model_type names and
+reads the safetensors headers. It refuses, naming the field or tensor, what the model would not
+compute as transformers does (another model_type, a value of a field that changes the math and
+is not implemented, a tensor missing, unknown or of the wrong shape), and names in one warning
+line the fields it does not know, which transformers' class would not read either. `load` then
+reads each device's block of each parameter, tensor by tensor, and puts it straight on that
+device (layers split over pp and experts over ep when the shardings say so), so the host holds
+one block at a time. Weights become float32 (exact from bf16, fp16 and fp32); `save` writes them
+back in the source's dtype unless told otherwise, so a round trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -25,24 +26,21 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import rope as rope_lib
 from jaxpipe.models import transformer
+from jaxpipe.models.families import FAMILIES, CheckpointError, Fields, Tensor
 from jaxpipe.ops import fp8
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+ARCHITECTURES = {name: f.architecture for name, f in FAMILIES.items()}
 CONFIG_FILE = "config.json"
 # WORKDIR/hf: where `python -m jaxpipe.convert hf-to-orbax` puts the source's config.json,
 # tokenizer and other files that are not weights (read by the tokenizer, carried by the export)
@@ -51,90 +49,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors -> numpy names
 
-# Fields that do not change the function the model computes (metadata, inference settings).
-_METADATA = {
-    "architectures",
-    "model_type",
-    "transformers_version",
-    "_name_or_path",
-    "torch_dtype",
-    "dtype",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "initializer_range",
-    "use_cache",
-    "max_position_embeddings",
-    "tokenizer_class",
-    "return_dict",
-    "output_attentions",
-    "output_hidden_states",
-    "pretraining_tp",
-}  # Llama: splits the matmuls into slices, same function
-# Per model_type: the defaults transformers uses for a field that config.json leaves out.
-_DEFAULTS = {
-    "llama": dict(
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-    ),
-    "mixtral": dict(
-        rms_norm_eps=1e-5,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        attention_dropout=0.0,
-        num_experts_per_tok=2,
-        num_local_experts=8,
-        output_router_logits=False,
-        router_aux_loss_coef=0.001,
-        router_jitter_noise=0.0,
-        sliding_window=None,
-    ),
-    "qwen3_moe": dict(
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        attention_bias=False,
-        attention_dropout=0.0,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=None,
-        decoder_sparse_step=1,
-        norm_topk_prob=False,
-        mlp_only_layers=[],
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        output_router_logits=False,
-        router_aux_loss_coef=0.001,
-    ),
-}
-# Values a field must have, because jaxpipe computes only that case; a dict value checks keys.
-_REQUIRED = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "attention_dropout": 0.0,
-    "router_jitter_noise": 0.0,
-    "use_sliding_window": False,
-    "mlp_only_layers": [],
-}
-_WHY = {
-    "hidden_act": "the FFNs are SwiGLU (silu)",
-    "attention_bias": "projections have no bias",
-    "mlp_bias": "projections have no bias",
-    "attention_dropout": "there is no dropout",
-    "router_jitter_noise": "the LM's router takes no jitter",
-    "use_sliding_window": "attention is full causal",
-    "mlp_only_layers": "dense layers are placed by decoder_sparse_step alone (moe.every)",
-    "sliding_window": "attention is full causal",
-}
 # Tensors a checkpoint may carry that the model recomputes: (pattern, why).
 _DERIVED = (
     (
@@ -143,164 +57,69 @@ _DERIVED = (
     ),
 )
 
+__all__ = ["CheckpointError", "Tensor", "check", "load", "save", "hf_tensors"]
 
-class CheckpointError(ValueError):
-  """A checkpoint jaxpipe cannot reproduce; the message names the field or tensor and the fix."""
+
+class UnknownFieldsWarning(UserWarning):
+  """config.json holds fields jaxpipe does not know; transformers' class does not read them."""
 
 
 # -- config.json <-> TransformerConfig ------------------------------------------------------------
 
 
-def _rope_theta(hf: dict) -> float:
-  """rope_theta from either layout (`rope_theta` + `rope_scaling`, or `rope_parameters`)."""
-  scaling = hf.get("rope_scaling")
-  if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
-    raise CheckpointError(
-        f"config.json: rope_scaling={scaling!r} is not implemented (jaxpipe's "
-        "rotary embedding is the default, unscaled one)"
-    )
-  params = hf.get("rope_parameters")
-  if params is not None:
-    extra = sorted(set(params) - {"rope_theta", "rope_type"})
-    if params.get("rope_type", "default") != "default" or extra:
-      raise CheckpointError(
-          f"config.json: rope_parameters={params!r} is not implemented (only "
-          "rope_type 'default' with rope_theta)"
+def _family(model_type: Any, where: str = "config.json"):
+  if model_type not in FAMILIES:
+    hint = ""
+    if model_type == "gemma3":
+      hint = (
+          " (a Gemma 3 vision-language checkpoint; jaxpipe reads Gemma 3's text model, gemma3_text)"
       )
-    if "rope_theta" in params:
-      return float(params["rope_theta"])
-  return float(hf.get("rope_theta", _DEFAULTS[hf["model_type"]]["rope_theta"]))
-
-
-def config_from_hf(hf: dict) -> transformer.TransformerConfig:
-  """The TransformerConfig of a transformers config.json (a dict); CheckpointError if none fits."""
-  model_type = hf.get("model_type")
-  if model_type not in ARCHITECTURES:
     raise CheckpointError(
-        f"config.json: model_type={model_type!r} is not supported; jaxpipe reads "
-        f"{sorted(ARCHITECTURES)}"
+        f"{where}: model_type={model_type!r} is not supported{hint}; jaxpipe reads "
+        f"{sorted(FAMILIES)}"
     )
-  archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
-  if archs != [ARCHITECTURES[model_type]]:
+  return FAMILIES[model_type]
+
+
+def config_from_hf(hf: dict, warn: bool = True) -> transformer.TransformerConfig:
+  """The TransformerConfig of a transformers config.json (a dict); CheckpointError if none fits.
+
+  Args:
+    hf: config.json as read.
+    warn: say in one warning line (`UnknownFieldsWarning`) which fields no family reads.
+
+  Returns:
+    The model config.json describes.
+  """
+  family = _family(hf.get("model_type"))
+  archs = hf.get("architectures") or [family.architecture]
+  if archs != [family.architecture]:
     raise CheckpointError(
         f"config.json: architectures={archs!r}; jaxpipe reads a causal LM, "
-        f"{[ARCHITECTURES[model_type]]}"
+        f"{[family.architecture]}"
     )
-  defaults = _DEFAULTS[model_type]
-  moe_keys = {
-      "mixtral": {
-          "num_local_experts",
-          "num_experts_per_tok",
-          "output_router_logits",
-          "router_aux_loss_coef",
-          "router_jitter_noise",
-          "sliding_window",
-      },
-      "qwen3_moe": {
-          "num_experts",
-          "num_local_experts",
-          "num_experts_per_tok",
-          "moe_intermediate_size",
-          "norm_topk_prob",
-          "decoder_sparse_step",
-          "mlp_only_layers",
-          "output_router_logits",
-          "router_aux_loss_coef",
-          "use_sliding_window",
-          "sliding_window",
-          "max_window_layers",
-      },
-  }
-  known = (
-      _METADATA
-      | set(defaults)
-      | moe_keys.get(model_type, set())
-      | {
-          "vocab_size",
-          "hidden_size",
-          "intermediate_size",
-          "num_hidden_layers",
-          "num_attention_heads",
-          "num_key_value_heads",
-          "head_dim",
-          "rope_scaling",
-          "rope_parameters",
-          "layer_types",
-      }
-  )
-  for key, value in hf.items():
-    if key not in known:
-      raise CheckpointError(
-          f"config.json: field {key!r} (= {value!r}) is not understood for "
-          f"model_type {model_type!r}; jaxpipe would ignore it and could compute "
-          "another model, so it refuses the checkpoint"
-      )
-
-  def get(key):
-    if key in hf:
-      return hf[key]
-    if key in defaults:
-      return defaults[key]
+  if hf.get("quantization_config"):
     raise CheckpointError(
-        f"config.json: field {key!r} is missing; model_type {model_type!r} needs it"
+        "config.json: quantization_config is set: the weights are quantized, which jaxpipe "
+        "does not read; convert a checkpoint in float32, bfloat16 or float16"
     )
-
-  for key, want in _REQUIRED.items():
-    if (key in hf or key in defaults) and get(key) != want:
-      raise CheckpointError(
-          f"config.json: {key}={get(key)!r} is not implemented ({_WHY[key]}); "
-          f"jaxpipe reads {key}={want!r}"
-      )
-  kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
-  if kinds != ["full_attention"]:
-    raise CheckpointError(
-        f"config.json: layer_types {kinds} are not implemented (attention is "
-        "full causal); jaxpipe reads 'full_attention' layers only"
-    )
-  if model_type == "mixtral" and get("sliding_window") is not None:
-    raise CheckpointError(
-        f"config.json: sliding_window={get('sliding_window')!r} is not "
-        f"implemented ({_WHY['sliding_window']}); jaxpipe reads null"
-    )
-  heads = get("num_attention_heads")
-  kv_heads = hf.get("num_key_value_heads") or heads
-  head_dim = hf.get("head_dim") or get("hidden_size") // heads
-  moe = None
-  if model_type != "llama":
-    experts = hf.get("num_local_experts", hf.get("num_experts")) or get(
-        "num_local_experts" if model_type == "mixtral" else "num_experts"
-    )
-    aux = get("output_router_logits")  # transformers adds the aux loss only then
-    renorm = True if model_type == "mixtral" else bool(get("norm_topk_prob"))
-    moe = moe_lib.MoEConfig(
-        num_experts=experts,
-        top_k=get("num_experts_per_tok"),
-        router="softmax",
-        d_ff=get("intermediate_size") if model_type == "mixtral" else get("moe_intermediate_size"),
-        norm_topk_prob=renorm,
-        norm_top1=renorm,
-        lb_loss_coef=float(get("router_aux_loss_coef")) if aux else 0.0,
-        lb_loss_form="pooled",
-        z_loss_coef=0.0,
-        every=get("decoder_sparse_step") if model_type == "qwen3_moe" else 1,
-    )
+  fields = Fields(hf, family.model_type, family.defaults, family.ignored)
   try:
-    return transformer.TransformerConfig(
-        vocab=get("vocab_size"),
-        d_model=get("hidden_size"),
-        n_layers=get("num_hidden_layers"),
-        n_heads=heads,
-        n_kv_heads=kv_heads,
-        head_dim=head_dim,
-        d_ff=get("intermediate_size"),
-        rope_theta=_rope_theta(hf),
-        qk_norm=model_type == "qwen3_moe",
-        norm_eps=float(get("rms_norm_eps")),
-        tied_embeddings=bool(get("tie_word_embeddings")),
-        moe=moe,
-    )
+    cfg = family.read(fields)
+  except CheckpointError:
+    raise
   except ValueError as e:
     raise CheckpointError(f"config.json: {e}") from e
+  unknown = fields.unknown()
+  if unknown and warn:
+    warnings.warn(
+        f"config.json: ignoring fields jaxpipe does not know for model_type "
+        f"{family.model_type!r} (transformers' {family.architecture} reads none of them): "
+        + ", ".join(unknown),
+        UnknownFieldsWarning,
+        stacklevel=2,
+    )
+  return cfg
 
 
 # TransformerConfig fields that define the function (the rest are runtime choices).
@@ -316,6 +135,17 @@ _MODEL_FIELDS = (
     "qk_norm",
     "norm_eps",
     "tied_embeddings",
+    "rope_fraction",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "activation",
+    "norm_plus_one",
+    "sandwich_norm",
+    "embed_scale",
+    "attn_softcap",
+    "final_softcap",
+    "layer_windows",
 )
 _MOE_FIELDS = (
     "num_experts",
@@ -335,6 +165,14 @@ _MOE_FIELDS = (
 def _function_fields(cfg: transformer.TransformerConfig) -> dict[str, Any]:
   """The fields that decide what the model computes, with equivalent settings made equal."""
   fields = {f: getattr(cfg, f) for f in _MODEL_FIELDS}
+  fields["rope_scaling"] = rope_lib.scaling_of(cfg.rope_scaling)
+  fields["attn_scale_dim"] = cfg.attn_scale_dim or cfg.head_dim
+  if any(cfg.layer_windows):  # the sliding layers' rotary, which full layers do not use
+    fields["rope_local"] = (
+        (cfg.rope_local_theta, rope_lib.RopeScaling())
+        if cfg.rope_local_theta
+        else (cfg.rope_theta, fields["rope_scaling"])
+    )
   if cfg.moe is not None:
     m = cfg.moe
     fields.update({f"moe.{f}": getattr(m, f) for f in _MOE_FIELDS})
@@ -345,193 +183,65 @@ def _function_fields(cfg: transformer.TransformerConfig) -> dict[str, Any]:
   return fields
 
 
-def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -> dict:
-  """config.json for `cfg`: `base` (the source's) with the model's fields set, or a new one.
-
-  Without a base: dense models are Llama, MoE models Qwen3-MoE with qk_norm and Mixtral without.
-  Raises CheckpointError, naming the field, when no supported architecture computes `cfg`.
-  """
-  if base is None:
-    model_type = "llama" if cfg.moe is None else "qwen3_moe" if cfg.qk_norm else "mixtral"
-    hf = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type}
-  else:
-    hf = json.loads(json.dumps(base))
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-      raise CheckpointError(f"base config.json: model_type={model_type!r} is not supported")
-  hf.update(
-      vocab_size=cfg.vocab,
-      hidden_size=cfg.d_model,
-      num_hidden_layers=cfg.n_layers,
-      num_attention_heads=cfg.n_heads,
-      num_key_value_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      rms_norm_eps=cfg.norm_eps,
-      tie_word_embeddings=cfg.tied_embeddings,
-  )
-  if "rope_parameters" in hf:
-    hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": cfg.rope_theta}
-  else:
-    hf["rope_theta"] = cfg.rope_theta
-  m = cfg.moe
-  if m is None or model_type == "qwen3_moe":
-    hf["intermediate_size"] = cfg.d_ff
-  if m is not None:
-    hf["num_experts_per_tok"] = m.top_k
-    hf["num_local_experts" if "num_experts" not in hf else "num_experts"] = m.num_experts
-    if model_type == "mixtral":
-      hf["intermediate_size"] = m.d_ff
-    else:
-      hf.update(
-          moe_intermediate_size=m.d_ff, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.every
-      )
-    if base is None:  # the training objective, as transformers spells it
-      hf.update(output_router_logits=m.lb_loss_coef > 0, router_aux_loss_coef=m.lb_loss_coef)
+def _computes(family, cfg, hf: dict) -> str | None:
+  """Why config.json `hf` (written by `family`) computes another model than cfg, or None."""
   try:
-    back = config_from_hf(hf)
+    back = config_from_hf(hf, warn=False)
   except CheckpointError as e:
-    raise CheckpointError(f"no {model_type} config.json computes this model: {e}") from e
+    return f"no {family.model_type} config.json computes this model: {e}"
   want, got = _function_fields(cfg), _function_fields(back)
   for field in want:
     if want[field] != got.get(field):
-      raise CheckpointError(
-          f"model.{field}={want[field]!r} has no counterpart in {model_type} (which would compute "
-          f"{got.get(field)!r}); export needs a model that {ARCHITECTURES[model_type]} computes"
+      return (
+          f"model.{field}={want[field]!r} has no counterpart in {family.model_type} (which would "
+          f"compute {got.get(field)!r}); export needs a model that {family.architecture} computes"
       )
-  return hf
+  return None
 
 
-# -- tensors --------------------------------------------------------------------------------------
+def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -> dict:
+  """config.json for `cfg`: `base` (the source's) with the model's fields set, or a new one.
 
+  Without a base, the first family (in `FAMILIES` order: Llama first) that computes cfg.
 
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-  """One parameter leaf and the checkpoint tensors stacked into it."""
+  Args:
+    cfg: the model.
+    base: the source checkpoint's config.json, whose other fields are kept.
 
-  path: tuple[str, ...]  # keys of the leaf in the params dict
-  pattern: str  # checkpoint name; {i} the layer, {e} the expert
-  layers: np.ndarray  # the layer index at each position of the leaf's leading stack axes
-  experts: int  # E for an expert axis after the stack axes (one tensor per expert), else 0
-  shape: tuple[int, ...]  # one tensor in jaxpipe's layout
-  in_dims: int  # leading axes of `shape` that a Linear contracts ([out, in] on disk); 0: as is
+  Returns:
+    The config.json dict.
 
-  @property
-  def leaf_shape(self) -> tuple[int, ...]:
-    return self.layers.shape + ((self.experts,) if self.experts else ()) + self.shape
-
-  @property
-  def hf_shape(self) -> tuple[int, ...]:
-    if not self.in_dims:
-      return self.shape
-    return (math.prod(self.shape[self.in_dims :]), math.prod(self.shape[: self.in_dims]))
-
-  def names(self) -> Iterator[tuple[tuple[int, ...], str]]:
-    """(position in the leaf's stack and expert axes, checkpoint name) of every tensor."""
-    for pos in np.ndindex(self.layers.shape):
-      for e in range(self.experts) if self.experts else (None,):
-        yield pos + (() if e is None else (e,)), self.pattern.format(i=self.layers[pos], e=e)
-
-  def to_jax(self, w: np.ndarray) -> np.ndarray:
-    return w.T.reshape(self.shape) if self.in_dims else w.reshape(self.shape)
-
-  def to_hf(self, a: np.ndarray) -> np.ndarray:
-    return a.reshape(self.hf_shape[::-1]).T if self.in_dims else a
+  Raises:
+    CheckpointError: naming the field, when no supported architecture computes cfg.
+  """
+  if base is not None:
+    family = _family(base.get("model_type"), "base config.json")
+    hf = json.loads(json.dumps(base))
+    family.write(hf, cfg)
+    if (why := _computes(family, cfg, hf)) is not None:
+      raise CheckpointError(why)
+    return hf
+  reasons = []
+  for family in FAMILIES.values():
+    if family.moe != (cfg.moe is not None):
+      continue
+    hf = {"architectures": [family.architecture], "model_type": family.model_type}
+    family.write(hf, cfg)
+    if cfg.moe is not None:  # the training objective, as transformers spells it
+      hf.update(
+          output_router_logits=cfg.moe.lb_loss_coef > 0,
+          router_aux_loss_coef=cfg.moe.lb_loss_coef,
+      )
+    why = _computes(family, cfg, hf)
+    if why is None:
+      return hf
+    reasons.append(why)
+  raise CheckpointError(reasons[0])  # the first family's: Llama's, or Mixtral's for MoE
 
 
 def tensors(cfg: transformer.TransformerConfig, model_type: str) -> list[Tensor]:
   """Every parameter leaf of `cfg`'s model with the checkpoint tensors it is made of."""
-  d, h, g, k, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab
-  top = np.zeros((), int)
-  out = [
-      Tensor(("embed",), "model.embed_tokens.weight", top, 0, (v, d), 0),
-      Tensor(("final_norm", "scale"), "model.norm.weight", top, 0, (d,), 0),
-  ]
-  if not cfg.tied_embeddings:
-    out.append(Tensor(("head",), "lm_head.weight", top, 0, (d, v), 1))
-
-  def layer(prefix, layers, moe):
-    p = "model.layers.{i}."
-    a = p + "self_attn."
-    t = [
-        Tensor(prefix + ("attn_norm", "scale"), p + "input_layernorm.weight", layers, 0, (d,), 0),
-        Tensor(prefix + ("attn", "q", "kernel"), a + "q_proj.weight", layers, 0, (d, h, k), 1),
-        Tensor(prefix + ("attn", "k", "kernel"), a + "k_proj.weight", layers, 0, (d, g, k), 1),
-        Tensor(prefix + ("attn", "v", "kernel"), a + "v_proj.weight", layers, 0, (d, g, k), 1),
-        Tensor(prefix + ("attn", "o", "kernel"), a + "o_proj.weight", layers, 0, (h, k, d), 2),
-        Tensor(
-            prefix + ("mlp_norm", "scale"),
-            p + "post_attention_layernorm.weight",
-            layers,
-            0,
-            (d,),
-            0,
-        ),
-    ]
-    if cfg.qk_norm:
-      t += [
-          Tensor(
-              prefix + ("attn", f"{n}_norm", "scale"), a + f"{n}_norm.weight", layers, 0, (k,), 0
-          )
-          for n in "qk"
-      ]
-    if not moe:
-      f = cfg.d_ff
-      return t + [
-          Tensor(
-              prefix + ("mlp", n, "kernel"),
-              p + f"mlp.{n}_proj.weight",
-              layers,
-              0,
-              (f, d) if n == "down" else (d, f),
-              1,
-          )
-          for n in ("gate", "up", "down")
-      ]
-    m = cfg.moe
-    e, f = m.num_experts, m.d_ff
-    block = p + ("block_sparse_moe." if model_type == "mixtral" else "mlp.")
-    names = (
-        {"gate": "w1", "up": "w3", "down": "w2"}
-        if model_type == "mixtral"
-        else {n: f"{n}_proj" for n in ("gate", "up", "down")}
-    )
-    w = prefix + ("moe",)
-    return t + [
-        Tensor(w + ("router_DxE",), block + "gate.weight", layers, 0, (d, e), 1),
-        Tensor(
-            w + ("wi_gate_ExDxF",),
-            block + "experts.{e}." + names["gate"] + ".weight",
-            layers,
-            e,
-            (d, f),
-            1,
-        ),
-        Tensor(
-            w + ("wi_up_ExDxF",),
-            block + "experts.{e}." + names["up"] + ".weight",
-            layers,
-            e,
-            (d, f),
-            1,
-        ),
-        Tensor(
-            w + ("wo_ExFxD",),
-            block + "experts.{e}." + names["down"] + ".weight",
-            layers,
-            e,
-            (f, d),
-            1,
-        ),
-    ]
-
-  if cfg.moe is None:
-    return out + layer(("layers",), np.arange(cfg.n_layers), moe=False)
-  every = cfg.moe.every
-  groups = np.arange(cfg.n_layers // every) * every
-  out += layer(("layers", "moe"), groups + every - 1, moe=True)
-  if every > 1:
-    out += layer(("layers", "dense"), groups[:, None] + np.arange(every - 1), moe=False)
-  return out
+  return _family(model_type).tensors(cfg)
 
 
 # -- checking a directory -------------------------------------------------------------------------
@@ -637,10 +347,10 @@ def check(directory: str) -> Plan:
     if dtype not in _DTYPES:
       raise CheckpointError(f"tensor {name} has dtype {dtype}; jaxpipe reads {sorted(_DTYPES)}")
     dtypes[name] = _DTYPES[dtype]
-    if shape != want[name].hf_shape:
+    if shape != want[name].file_shape:
       raise CheckpointError(
           f"tensor {name} has shape {list(shape)}, but config.json implies "
-          f"{list(want[name].hf_shape)}"
+          f"{list(want[name].file_shape)}"
       )
   return Plan(directory, hf, cfg, plan, where, dtypes, ignored)
 
@@ -680,9 +390,15 @@ class _Reader:
     }
     self._cpu = jax.devices("cpu")[0]
 
+    self._last = (None, None)  # the fused tensors' parts read one tensor in turn
+
   def get(self, name: str) -> np.ndarray:
+    if self._last[0] == name:
+      return self._last[1]
     with jax.default_device(self._cpu):  # bfloat16 needs the flax reader; keep it off accelerators
-      return np.asarray(self._files[self._plan.files[name]].get_tensor(name), np.float32)
+      tensor = np.asarray(self._files[self._plan.files[name]].get_tensor(name), np.float32)
+    self._last = (name, tensor)
+    return tensor
 
 
 def _read_block(t: Tensor, reader: _Reader, index: tuple[slice, ...]) -> np.ndarray:
@@ -793,6 +509,11 @@ def hf_tensors(
   plan = tensors(cfg, model_type)
   _check_leaves(cfg, plan)
   dtype = np.dtype(dtype)
+  parts = {}  # fused tensors: name -> the number of leaves it is made of
+  for t in plan:
+    if t.rows:
+      parts[t.pattern] = parts.get(t.pattern, 0) + 1
+  pending: dict[str, dict[int, np.ndarray]] = {}
   for t in plan:
     leaf = functools.reduce(lambda node, key: node[key], t.path, params)
     if not isinstance(leaf, jax.Array):
@@ -809,7 +530,15 @@ def hf_tensors(
       for local in np.ndindex(*(len(r) for r in span)):
         pos = tuple(r[j] for r, j in zip(span, local))
         name = t.pattern.format(i=t.layers[pos[: t.layers.ndim]], e=pos[-1] if t.experts else None)
-        yield name, np.ascontiguousarray(t.to_hf(block[local]).astype(dtype))
+        array = t.to_hf(block[local]).astype(dtype)
+        if t.rows:  # one part of a fused tensor: whole once every part is in
+          got = pending.setdefault(name, {})
+          got[t.rows[0]] = array
+          if len(got) < parts[t.pattern]:
+            continue
+          array = np.concatenate([got[k] for k in sorted(got)])
+          del pending[name]
+        yield name, np.ascontiguousarray(array)
 
 
 def save(

@@ -60,8 +60,8 @@ def get_config(arg=None):
 
 def finetune_config(workdir: str) -> ml_collections.ConfigDict:
   """The default config with the model of WORKDIR/hf/config.json and fine-tuning settings."""
-  with open(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)) as f:
-    return _finetune_config(hf.config_from_hf(json.load(f)))
+  with open(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)) as f:  # the import said what it ignored
+    return _finetune_config(hf.config_from_hf(json.load(f), warn=False))
 
 
 def _finetune_config(cfg: transformer.TransformerConfig) -> ml_collections.ConfigDict:

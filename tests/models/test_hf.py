@@ -15,6 +15,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -473,14 +474,22 @@ def _edited(case, tmp_path, config=None, tensors=None):
     "config, tensors, message",
     [
         ({"model_type": "deepseek_v3"}, None, r"model_type='deepseek_v3' is not supported"),
-        ({"attention_bias": True}, None, r"attention_bias=True is not implemented"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None, r"rope_scaling=.*llama3"),
-        ({"q_lora_rank": 1536}, None, r"field 'q_lora_rank' .* is not understood"),
+        ({"attention_dropout": 0.1}, None, r"attention_dropout=0.1 is not implemented"),
+        (
+            {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+            None,
+            r"rope_type 'proportional' is not implemented",
+        ),
         ({"hidden_act": "gelu"}, None, r"hidden_act='gelu' is not implemented"),
         (
-            {"layer_types": ["sliding_attention", "full_attention"]},
+            {"quantization_config": {"quant_method": "fp8"}},
             None,
-            r"layer_types \['full_attention', 'sliding_attention'\] are not implemented",
+            r"quantization_config is set: the weights are quantized",
+        ),
+        (
+            {"attention_bias": True},
+            None,
+            r"tensor model.layers.0.self_attn.q_proj.bias is missing",
         ),
         (
             None,
@@ -501,11 +510,11 @@ def _edited(case, tmp_path, config=None, tensors=None):
     ],
     ids=[
         "model_type",
-        "bias",
-        "rope_scaling",
-        "mla_field",
+        "dropout",
+        "rope_type",
         "activation",
-        "sliding_layers",
+        "quantized",
+        "bias_without_tensors",
         "missing",
         "unknown",
         "shape",
@@ -517,9 +526,37 @@ def test_bad_checkpoints_are_refused_naming_the_field_or_tensor(
   src = _edited(cases["llama"], tmp_path, config, tensors)
   with pytest.raises(hf.CheckpointError, match=message):
     hf.load(src)
-  with pytest.raises(SystemExit, match="^error: .*" + message):
+  with pytest.raises(SystemExit, match="^error: .*" + message) as e:
     convert_main(["hf-to-orbax", src, str(tmp_path / "run")])
+  assert str(e.value).count("config.json:") <= 1  # one prefix, not one per layer of the reader
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_fields_that_change_nothing_convert_with_one_warning_line(cases, tmp_path, capsys):
+  """Metadata transformers ignores converts silently; a field no family knows converts with one
+  warning naming it (transformers' Llama keeps it as an attribute and never reads it)."""
+  quiet = {
+      "_model_name_or_path": "org/model",
+      "unk_token_id": 0,
+      "transformers.js_config": {"dtype": "q4"},
+      "is_llama_config": True,
+      "rope_interleaved": False,
+  }
+  src = _edited(cases["llama"], tmp_path / "quiet", quiet)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert hf.check(src).cfg == hf.check(cases["llama"].src).cfg
+  src = _edited(cases["llama"], tmp_path / "loud", {**quiet, "q_lora_rank": 1536, "zzz": 1})
+  with pytest.warns(hf.UnknownFieldsWarning) as record:
+    assert hf.check(src).cfg == hf.check(cases["llama"].src).cfg
+  (w,) = record
+  assert str(w.message).endswith(": q_lora_rank, zzz") and "model_type 'llama'" in str(w.message)
+  run = tmp_path / "run"
+  capsys.readouterr()
+  convert_main(["hf-to-orbax", src, str(run)])  # the command converts it, saying so on one line
+  assert convert_lib.committed_steps(str(run)) == [0]
+  (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert line.startswith("warning: config.json: ignoring fields") and line.endswith("zzz")
 
 
 def test_derived_tensors_are_reported_not_read(cases, tmp_path):
@@ -535,11 +572,22 @@ def test_derived_tensors_are_reported_not_read(cases, tmp_path):
   assert inv_freq not in dict(hf.hf_tensors(*hf.load(plan), "llama"))
 
 
-def test_mixtral_sliding_window_and_qwen3_sliding_window_are_refused(cases, tmp_path):
-  with pytest.raises(hf.CheckpointError, match="sliding_window=4096 is not implemented"):
-    hf.check(_edited(cases["mixtral"], tmp_path, {"sliding_window": 4096}))
-  with pytest.raises(hf.CheckpointError, match="use_sliding_window=True is not implemented"):
-    hf.check(_edited(cases["qwen3_moe"], tmp_path / "q", {"use_sliding_window": True}))
+def test_moe_sliding_windows_are_transformers(cases, tmp_path):
+  """Mixtral's sliding_window and Qwen3-MoE's use_sliding_window slide every layer, as
+  transformers computes them, over a sequence longer than the window."""
+  for name, fields in (
+      ("mixtral", {"sliding_window": 3}),
+      ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 3}),
+  ):
+    src = _edited(cases[name], tmp_path / name, fields)
+    cfg, params = hf.load(src)
+    assert cfg.sliding_window == 3 and cfg.layer_windows == (3,) * cfg.n_layers
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    with torch.no_grad():
+      want = model(input_ids=torch.tensor(cases[name].ids)).logits.numpy()
+    got = jax.jit(functools.partial(transformer.forward, cfg))(params, cases[name].ids)
+    assert _rel(got, want) < 1e-5, name
+    assert _rel(got, cases[name].logits) > 1e-3, name  # the window is seen
 
 
 def test_export_refuses_a_model_no_architecture_computes():

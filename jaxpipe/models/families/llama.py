@@ -1,0 +1,46 @@
+"""Llama 1 to 3.3 (`LlamaForCausalLM`): RMSNorm, SwiGLU, grouped-query attention, any rotary
+variant (Llama 3.1+ set `llama3`); `attention_bias` puts biases on q, k, v and o, `mlp_bias` on
+the FFN. Also the family a dense model trained from scratch exports as."""
+
+from jaxpipe.models import transformer
+from jaxpipe.models.families import base
+
+DEFAULTS = dict(
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    attention_dropout=0.0,
+    max_position_embeddings=2048,
+)
+
+
+def read(f: base.Fields) -> transformer.TransformerConfig:
+  base.no_dropout(f)
+  theta, scaling, fraction = base.rope(f)
+  if fraction != 1.0:
+    raise f.refuse("partial_rotary_factor", "transformers' Llama rotates every channel", 1.0)
+  bias = bool(f.get("attention_bias"))
+  return transformer.TransformerConfig(
+      **base.common(f),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      activation=base.activation(f),
+      qkv_bias=bias,
+      o_bias=bias,
+      mlp_bias=bool(f.get("mlp_bias")),
+  )
+
+
+def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  base.write_common(hf, cfg)
+  hf.update(
+      attention_bias=cfg.qkv_bias,
+      mlp_bias=cfg.mlp_bias,
+      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+  )
+
+
+FAMILY = base.Family("llama", "LlamaForCausalLM", DEFAULTS, read, write, base.dense_tensors)

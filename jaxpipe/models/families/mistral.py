@@ -1,0 +1,42 @@
+"""Mistral (`MistralForCausalLM`): Llama's layers with a sliding window on every layer when
+`sliding_window` is set (Mistral 7B v0.1: 4096; v0.2 and later: null)."""
+
+from jaxpipe.models import transformer
+from jaxpipe.models.families import base
+
+DEFAULTS = dict(
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_dropout=0.0,
+    num_key_value_heads=8,
+    sliding_window=4096,
+    max_position_embeddings=4096 * 32,
+)
+
+
+def read(f: base.Fields) -> transformer.TransformerConfig:
+  base.no_dropout(f)
+  theta, scaling, fraction = base.rope(f)
+  if fraction != 1.0:
+    raise f.refuse("partial_rotary_factor", "transformers' Mistral rotates every channel", 1.0)
+  f.used.add("layer_types")  # transformers' Mistral warns and ignores them
+  return transformer.TransformerConfig(
+      **base.common(f),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      activation=base.activation(f),
+      sliding_window=f.get("sliding_window") or 0,
+  )
+
+
+def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  base.write_common(hf, cfg)
+  hf.update(
+      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      sliding_window=cfg.sliding_window or None,
+  )
+
+
+FAMILY = base.Family("mistral", "MistralForCausalLM", DEFAULTS, read, write, base.dense_tensors)

@@ -1,0 +1,51 @@
+"""Qwen3 dense (`Qwen3ForCausalLM`): Llama's layers with a per-head RMSNorm of queries and keys
+before rotary (`qk_norm`), `attention_bias` on q, k, v and o, and Qwen2's sliding windows."""
+
+from jaxpipe.models import transformer
+from jaxpipe.models.families import base, qwen2
+
+DEFAULTS = dict(
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    num_key_value_heads=32,
+    head_dim=128,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=28,
+    max_position_embeddings=32768,
+)
+
+
+def read(f: base.Fields) -> transformer.TransformerConfig:
+  base.no_dropout(f)
+  theta, scaling, fraction = base.rope(f)
+  if fraction != 1.0:
+    raise f.refuse("partial_rotary_factor", "transformers' Qwen3 rotates every channel", 1.0)
+  fields = base.common(f)
+  bias = bool(f.get("attention_bias"))
+  return transformer.TransformerConfig(
+      **fields,
+      **qwen2.sliding(f, fields["n_layers"]),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      activation=base.activation(f),
+      qk_norm=True,
+      qkv_bias=bias,
+      o_bias=bias,
+  )
+
+
+def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  base.write_common(hf, cfg)
+  qwen2.write_sliding(hf, cfg)
+  hf.update(
+      attention_bias=cfg.qkv_bias,
+      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+  )
+
+
+FAMILY = base.Family("qwen3", "Qwen3ForCausalLM", DEFAULTS, read, write, base.dense_tensors)
