@@ -474,60 +474,169 @@ TINY_LLAMA = dict(
 )
 
 
-def tiny_bpe(vocab_size: int = 384):
-  """A byte-level BPE tokenizer (GPT-2, Llama 3) trained on TINY_TEXTS; BOS added to prompts."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer and Qwen's own tokenizer.json)
+QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def tiny_bpe(vocab_size: int = 384, qwen: bool = False):
+  """A byte-level BPE tokenizer (GPT-2, Llama 3) trained on TINY_TEXTS; BOS added to prompts.
+
+  qwen: laid out as Qwen2's (NFC, its regex split, no BOS, <|endoftext|> among the specials),
+  which transformers' Qwen2Tokenizer rebuilds whatever tokenizer.json says."""
+  from tokenizers import (
+      Regex,
+      Tokenizer,
+      decoders,
+      models,
+      normalizers,
+      pre_tokenizers,
+      processors,
+      trainers,
+  )
 
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  if qwen:
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
       vocab_size=vocab_size,
-      special_tokens=TINY_SPECIALS,
+      special_tokens=TINY_SPECIALS + (["<|endoftext|>"] if qwen else []),
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
   )
   tok.train_from_iterator(TINY_TEXTS * 4, trainer=trainer)
-  tok.post_processor = processors.TemplateProcessing(
-      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-  )
+  if not qwen:
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
   return tok
 
 
-def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields) -> str:
-  """A random LlamaForCausalLM (float32, eager attention) and its BPE tokenizer with a chat
-  template, saved by transformers into `path` (config, safetensors, tokenizer files and a
-  generation_config whose eos_token_id is [</s>, <|eot_id|>]). Returns the path as a string.
+# Every family of jaxpipe.models.families that write_tiny_model writes: (transformers' config
+# and model classes, fields beside TINY_LLAMA's). Windows of 5 positions under prompts and
+# sequences longer than that; rope variants past a pre-training context of 16 positions.
+TINY_FAMILIES = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=5,
+            query_pre_attn_scalar=12,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=4.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=5,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            sliding_window=5,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=16,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2],
+                "long_factor": [2.0, 4.0],
+            },
+        ),
+    ),
+}
 
-  The weights are unit-scale random (not transformers' 0.02 init), so greedy decoding varies
-  from token to token and every weight matters.
+
+def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields) -> str:
+  """A random LlamaForCausalLM (`write_tiny_model`) of TINY_LLAMA's shape and `llama_fields`."""
+  return write_tiny_model(path, "llama", seed, vocab_size, plain=True, **llama_fields)
+
+
+def write_tiny_model(
+    path, family: str, seed: int = 0, vocab_size: int = 384, plain: bool = False, **fields
+) -> str:
+  """A random model of `family` (TINY_FAMILIES; float32, eager attention) and its BPE tokenizer
+  with a chat template, saved by transformers into `path` (config, safetensors, tokenizer files
+  and a generation_config whose eos_token_id is [</s>, <|eot_id|>]). Returns the path as a string.
+
+  plain: TINY_LLAMA's fields alone, not the family's own beside them. The weights are unit-scale
+  random (not transformers' 0.02 init), so greedy decoding varies from token to token and every
+  weight matters; Gemma's (1 + w) norms get w around 0.
   """
   import torch
   import transformers
 
   path = str(path)
+  qwen = family.startswith("qwen")
   fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tiny_bpe(vocab_size),
+      tokenizer_object=tiny_bpe(vocab_size, qwen=qwen),
       bos_token="<s>",
       eos_token="</s>",
       chat_template=TINY_CHAT_TEMPLATE,
   )
   bos, eos = fast.convert_tokens_to_ids("<s>"), fast.convert_tokens_to_ids("</s>")
   eot = fast.convert_tokens_to_ids("<|eot_id|>")
-  fields = {**TINY_LLAMA, **llama_fields}
-  config = transformers.LlamaConfig(
+  config_cls, model_cls, own = TINY_FAMILIES[family]
+  fields = {**TINY_LLAMA, **({} if plain else own), **fields}
+  config = getattr(transformers, config_cls)(
       vocab_size=vocab_size,
       bos_token_id=bos,
       eos_token_id=eos,
+      pad_token_id=None,
       attn_implementation="eager",
       **fields,
   )
   torch.manual_seed(seed)
-  model = transformers.LlamaForCausalLM(config)
+  model = getattr(transformers, model_cls)(config)
   gen = torch.Generator().manual_seed(seed)
+  plus_one = family.startswith("gemma")
   with torch.no_grad():
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
-      p.copy_(1 + 0.2 * noise if "norm" in name else 2.0 * noise / p.shape[-1] ** 0.5)
+      if "norm" in name:
+        p.copy_(0.2 * noise if plus_one else 1 + 0.2 * noise)
+      elif name.endswith("bias"):
+        p.copy_(0.5 * noise)
+      else:
+        p.copy_(2.0 * noise / p.shape[-1] ** 0.5)
   model.generation_config = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot])
   model.save_pretrained(path)
   fast.save_pretrained(path)

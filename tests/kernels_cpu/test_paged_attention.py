@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.ops import attention as attn
-from jaxpipe.ops.attention import RaggedRows, ragged_paged_attention
+from jaxpipe.ops.attention import ragged_paged_attention
 from kernels_cpu import paged_attention as cpu_pa
 from kernels_pallas.paged_attention import paged_attention_reference
 from tests import helpers

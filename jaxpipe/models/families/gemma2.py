@@ -63,12 +63,17 @@ def write_gemma(hf: dict, cfg: transformer.TransformerConfig) -> None:
   base.write_layer_types(hf, cfg)
   hf.update(
       hidden_activation="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
-      query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_dim,
+      query_pre_attn_scalar=_number(cfg.attn_scale_dim or cfg.head_dim),
       attn_logit_softcapping=cfg.attn_softcap or None,
       final_logit_softcapping=cfg.final_softcap or None,
       attention_bias=cfg.qkv_bias,
   )
   hf.pop("hidden_act", None)  # ignored by transformers' Gemma; one activation field, not two
+
+
+def _number(x: float) -> int | float:
+  """x as config.json spells it: transformers' Gemma configs type query_pre_attn_scalar int."""
+  return int(x) if float(x).is_integer() else x
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:

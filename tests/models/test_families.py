@@ -1,0 +1,208 @@
+"""Every dense family of `jaxpipe.models.families` against transformers itself.
+
+For each family a tiny random model written by transformers' `save_pretrained` (config as
+written, tokenizer beside it; `helpers.TINY_FAMILIES`: llama3 rope, q/k/v biases, q/k norms,
+sliding windows alone and mixed with full layers, Gemma's norms, caps and scale, fused Phi-3
+projections with longrope and partial rotary) converts, and then:
+
+- its logits, loss and every gradient equal transformers' forward and backward (CPU torch,
+  float32) on sequences longer than any sliding window and past the rotary variants' original
+  context, before and after changed weights are exported and read back by transformers;
+- export and import round-trip bit for bit;
+- three AdamW steps at pp 2 x tp 2 (sequence parallel, 1F1B) from the converted workdir equal
+  the same steps on one device.
+
+Greedy text through `python -m jaxpipe.serve --http` is checked against `generate` in
+tests/serve/http/test_families.py.
+"""
+
+import copy
+import functools
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+
+from jaxpipe.models import hf, transformer
+from jaxpipe.training import convert as convert_lib
+from jaxpipe.training.state import make_optimizer
+from jaxpipe.training.trainer import Trainer
+from tests import helpers
+
+FAMILIES = list(helpers.TINY_FAMILIES)
+BATCH, SEQ = 8, 24  # longer than the windows (5) and the rotary variants' context (16)
+
+torch = transformers = None  # the oracle (dev extra), imported on first use
+
+
+def _import_oracle():
+  global torch, transformers
+  import torch
+  import transformers
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """family -> (transformers' checkpoint directory, its model)."""
+  _import_oracle()
+  root = tmp_path_factory.mktemp("families")
+  out = {}
+  for i, family in enumerate(FAMILIES):
+    src = helpers.write_tiny_model(root / family, family, seed=i)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    out[family] = (src, model.eval())
+  return out
+
+
+def _ids(seed=0):
+  return np.random.default_rng(seed).integers(0, 384, (BATCH, SEQ))
+
+
+def _oracle(model, ids, grad_dir):
+  """transformers' (loss, logits, gradients by checkpoint name) for labels = ids; the gradients
+  saved by save_pretrained as if they were weights, so that transformers lays them out."""
+  model.zero_grad()
+  out = model(input_ids=torch.tensor(ids), labels=torch.tensor(ids))
+  out.loss.backward()
+  grads = copy.deepcopy(model)
+  with torch.no_grad():
+    for p, g in zip(model.parameters(), grads.parameters()):
+      g.copy_(p.grad)
+  grads.save_pretrained(grad_dir)
+  return out.loss.item(), out.logits.detach().numpy(), load_file(f"{grad_dir}/model.safetensors")
+
+
+def _batch(ids):
+  mask = np.ones(ids.shape, np.float32)
+  mask[:, -1] = 0.0  # transformers shifts the labels
+  return dict(
+      tokens=ids.astype(np.int32), targets=np.roll(ids, -1, axis=1).astype(np.int32), mask=mask
+  )
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+@functools.cache
+def _step(cfg):
+  def objective(params, batch):
+    x = transformer.embed(cfg, params, batch["tokens"])
+    x = transformer.apply_layers(cfg, params["layers"], x)
+    total, count = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
+    return total / count, transformer.logits(cfg, params, x)
+
+  return jax.jit(jax.value_and_grad(objective, has_aux=True))
+
+
+def _check(cfg, family, model_type, params, model, ids, tmp):
+  (loss, logits), grads = _step(cfg)(params, _batch(ids))
+  want_loss, want_logits, want_grads = _oracle(model, ids, str(tmp))
+  assert _rel(logits, want_logits) < 1e-5, family
+  assert abs(float(loss) - want_loss) < 1e-5 * want_loss, family
+  got = dict(hf.hf_tensors(cfg, grads, model_type))
+  assert got.keys() == want_grads.keys(), family
+  for name, g in want_grads.items():
+    assert _rel(got[name], g) < 2e-5, (family, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_equal_transformers_before_and_after_export(
+    family, checkpoints, tmp_path
+):
+  src, model = checkpoints[family]
+  plan = hf.check(src)
+  cfg, params = hf.load(plan)
+  model_type = plan.hf_config["model_type"]
+  _check(cfg, family, model_type, params, model, _ids(), tmp_path / "grads")
+  # changed weights (as after training), exported and read by transformers: the same again
+  rng = np.random.default_rng(7)
+  params = jax.tree.map(lambda p: p * (1 + 0.1 * rng.standard_normal(p.shape, np.float32)), params)
+  dst = tmp_path / "out"
+  hf.save(cfg, params, str(dst), hf_config=plan.hf_config)
+  changed = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager")
+  assert type(changed) is type(model)
+  _check(cfg, family, model_type, params, changed, _ids(1), tmp_path / "grads2")
+
+
+def _weights(directory):
+  return load_file(os.path.join(directory, hf.WEIGHTS_FILE))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_and_import_round_trip_bit_for_bit(family, checkpoints, tmp_path):
+  src, _ = checkpoints[family]
+  plan = hf.check(src)
+  cfg, params = hf.load(plan)
+  dst = str(tmp_path / family)
+  written = hf.save(cfg, params, dst, hf_config=plan.hf_config)
+  want, got = _weights(src), _weights(dst)
+  assert want.keys() == got.keys()
+  for name in want:
+    assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes(), name
+  with open(os.path.join(src, hf.CONFIG_FILE)) as f:
+    assert json.load(f) == written
+  assert hf.check(dst).cfg == cfg
+
+
+def _trainer_steps(workdir, batches):
+  """(losses, model-order parameters) after one step per batch at pp 2 x tp 2 (dp 2), sequence
+  parallel, 1F1B over 2 micro-batches, resumed from the converted checkpoint."""
+  config = convert_lib.finetune_config(workdir)
+  config.mesh.pp, config.mesh.tp = 2, 2
+  config.model.sequence_parallel = True
+  config.pipeline.schedule, config.pipeline.microbatches = "1f1b", 2
+  config.data.batch, config.data.seq_len = BATCH, SEQ
+  config.optimizer.lr, config.optimizer.warmup_steps = 1e-2, 0
+  # Adam's g / (|g| + eps) turns the rounding of a gradient near zero into a step of up to lr
+  # with eps 1e-8; with 1e-3 such a step stays as small as its gradient, elsewhere it is Adam's
+  config.optimizer.eps = 1e-3
+  config.train.steps = len(batches)
+  with Trainer(config, workdir) as trainer:
+    trainer.init()
+    assert trainer.resumed_from == 0
+    losses = [float(trainer.step(batch)["loss"]) for batch in batches]
+    return losses, jax.device_get(trainer.model_params()), config
+
+
+def _one_device_steps(cfg, params, batches, config):
+  """The same steps on one device: transformer.loss's gradient, the trainer's optimizer."""
+  opt = make_optimizer(config.optimizer, config.train.steps)
+  device = jax.devices()[0]
+  params = jax.device_put(params, device)
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(lambda p: helpers.one_device_loss(cfg, p, batch)[0])(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for batch in batches:
+    params, state, loss = step(params, state, jax.device_put(batch, device))
+    losses.append(float(loss))
+  return losses, jax.device_get(params)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_three_steps_at_pp2_tp2_equal_the_one_device_steps(family, checkpoints, tmp_path):
+  src, _ = checkpoints[family]
+  workdir = str(tmp_path / "run")
+  convert_lib.hf_to_orbax(src, workdir)
+  cfg, params = hf.load(src)
+  batches = [_batch(_ids(seed)) for seed in range(3)]
+  losses, got, config = _trainer_steps(workdir, batches)
+  want_losses, want = _one_device_steps(cfg, params, batches, config)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  want = helpers.flat(want)
+  for path, p in helpers.flat(got).items():
+    helpers.close(p, want[path], f"{family}: {jax.tree_util.keystr(path)}", rtol=1e-5)
+  assert not np.allclose(want_losses[0], want_losses[-1])  # the steps moved the model
+  shutil.rmtree(workdir)

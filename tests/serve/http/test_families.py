@@ -1,0 +1,83 @@
+"""`python -m jaxpipe.serve --http` on each family's converted checkpoint says what transformers'
+`generate` says: greedy text and token ids through the `openai` client, on a prompt longer
+than the sliding windows, with the server's default attention (the CPU kernel here) and sliding
+layers holding only their window's pages. One server per family, all started at once."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import torch
+import transformers
+
+from jaxpipe.training import convert
+from tests import helpers
+
+ROOT = helpers.ROOT
+FAMILIES = list(helpers.TINY_FAMILIES)
+# longer than four windows of 5 positions, past the rotary variants' 16-position context
+PROMPT = "def main():\n    return 0\n\nfor i in range(10):\n    print(i * i)\n"
+
+
+def _start(workdir, port):
+  return subprocess.Popen(
+      [
+          sys.executable, "-m", "jaxpipe.serve", "--workdir", workdir, "--http",
+          "--port", str(port), "--model_name", "m", "--max_batch", "2", "--num_pages", "40",
+          "--max_tokens_per_step", "32", "--token_buckets", "32",
+      ],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+  )  # fmt: skip
+
+
+def _free_port() -> int:
+  with socket.create_server(("127.0.0.1", 0)) as s:
+    return s.getsockname()[1]
+
+
+def test_greedy_text_is_transformers_generate(tmp_path):
+  """Every family in one test, so that their servers start and compile side by side in one
+  worker: text, token ids and prompt length as transformers' tokenizer and `generate` give."""
+  procs = {}
+  with contextlib.ExitStack() as stack:
+    for i, family in enumerate(FAMILIES):
+      src = helpers.write_tiny_model(tmp_path / family, family, seed=i)
+      workdir = str(tmp_path / f"{family}_run")
+      convert.hf_to_orbax(src, workdir)
+      port = _free_port()
+      proc = _start(workdir, port)
+      stack.callback(lambda p=proc: (p.terminate(), p.wait(60)))
+      procs[family] = (proc, f"http://127.0.0.1:{port}", src, workdir)
+    deadline = time.monotonic() + 600
+    for family, (proc, url, src, workdir) in procs.items():
+      while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"the {family} server did not start"
+        try:
+          if httpx.get(url + "/health").status_code == 200:
+            break
+        except httpx.TransportError:
+          pass
+        time.sleep(0.2)
+      tok = transformers.AutoTokenizer.from_pretrained(os.path.join(workdir, "hf"))
+      model = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+      ids = tok(PROMPT).input_ids
+      assert len(ids) > 20
+      with torch.no_grad():
+        out = model.eval().generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+      want = out[0, len(ids) :].tolist()
+      client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+      r = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0)
+      (c,) = r.choices
+      assert c.token_ids == want, family
+      assert c.text == tok.decode(want, skip_special_tokens=True), family
+      assert r.usage.prompt_tokens == len(ids), family
