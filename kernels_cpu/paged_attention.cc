@@ -12,8 +12,8 @@
 // buffer shared by every query of a tile. Work items are (row, KV head, tile of up to kTile
 // tokens), taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
 //
-// Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32, or of int8 with scales
-// [G, P, S] (a key or value row is its int8 values times its slot's scale), tables [B, N],
+// Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32 or bfloat16, or of int8 with
+// scales [G, P, S] (a key or value row is its int8 values times its slot's scale), tables [B, N],
 // starts / counts / cached [B], out [T, H, D]; query head h reads KV head h / (H / G). Tokens of
 // no row get zeros.
 
@@ -49,6 +49,8 @@ typedef int32_t I8 __attribute__((vector_size(32)));
 constexpr int64_t kW = 8;  // floats an F8 holds; the head dim must be a multiple
 
 typedef int8_t C8 __attribute__((vector_size(8)));
+typedef uint16_t H8 __attribute__((vector_size(16)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
 
 inline F8 Load(const float* x) {
   F8 v;
@@ -67,6 +69,14 @@ inline F8 Load(const int8_t* x) {  // eight int8 values as floats
   std::memcpy(&v, x, sizeof(v));
   return __builtin_convertvector(__builtin_convertvector(v, I8), F8);
 #endif
+}
+inline F8 Load(const uint16_t* x) {  // eight bfloat16 values: each a float's upper 16 bits
+  H8 h;
+  std::memcpy(&h, x, sizeof(h));
+  const U8 bits = __builtin_convertvector(h, U8) << 16;
+  F8 r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
 }
 inline void Store(float* x, F8 v) { std::memcpy(x, &v, sizeof(v)); }
 inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
@@ -123,7 +133,7 @@ struct Item {
 
 struct Problem {
   const float* q;
-  const void* k;  // float or int8 pools
+  const void* k;  // float, bfloat16 (uint16 bits) or int8 pools
   const void* v;
   const float* k_scale;  // int8 pools: a scale per (head, page, slot); float pools: null
   const float* v_scale;
@@ -438,6 +448,15 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
                     sm_scale, softcap);
 }
 
+ffi::Error ImplBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> k,
+                    ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> tables,
+                    ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                    ffi::Buffer<ffi::S32> cached, ffi::Buffer<ffi::S32> window,
+                    ffi::ResultBuffer<ffi::F32> out, float sm_scale, float softcap) {
+  return Run<uint16_t>(pool, q, k, v, nullptr, nullptr, tables, starts, counts, cached, window,
+                       out, sm_scale, softcap);
+}
+
 ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                     ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scales,
                     ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> tables,
@@ -469,6 +488,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cached [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window [] (0: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("softcap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttentionBf16, ImplBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables [B, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // starts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // counts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cached [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window [] (0: none)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("softcap"));
 

@@ -33,8 +33,9 @@ import numpy as np
 SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "jaxpipe_ragged_paged_attention"
 TARGET_INT8 = "jaxpipe_ragged_paged_attention_int8"  # int8 pools with a float32 scale per slot
+TARGET_BF16 = "jaxpipe_ragged_paged_attention_bf16"  # bfloat16 pools
 HEAD_DIM_MULTIPLE = 8  # the kernel's register blocks (8 floats)
-POOL_DTYPES = (jnp.float32, jnp.int8)
+POOL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          "-fopenmp-simd")  # fmt: skip
 
@@ -124,6 +125,7 @@ def unavailable() -> str | None:
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
     for target, symbol in ((TARGET, "JaxpipeRaggedPagedAttention"),
+                           (TARGET_BF16, "JaxpipeRaggedPagedAttentionBf16"),
                            (TARGET_INT8, "JaxpipeRaggedPagedAttentionInt8")):  # fmt: skip
       jax.ffi.register_ffi_target(
           target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
@@ -150,8 +152,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
   """Each token of each row over its sequence's keys at positions 0..its own -> [T, H, K]
   float32 (zeros for tokens of no row). Row b: counts_B[b] tokens from flat token starts_B[b],
-  at positions cached_B[b] onward, its pages tables_BxN[b]. Pools: float32, or int8 with a
-  float32 scale per (head, page, slot) (`jaxpipe.serve.model.quantize`'s cache).
+  at positions cached_B[b] onward, its pages tables_BxN[b]. Pools: float32, bfloat16, or int8
+  with a float32 scale per (head, page, slot) (`jaxpipe.serve.model.quantize`'s cache).
 
   window: > 0, a token at position p sees the keys at p - window + 1 .. p only, and only their
   pages are read (a traced int32 may vary by layer); softcap: > 0, scores become
@@ -161,7 +163,7 @@ def ragged_paged_attention(
     raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
   dtype = k_pages_GxPxSxK.dtype
   if dtype not in POOL_DTYPES or v_pages_GxPxSxK.dtype != dtype:
-    raise ValueError(f"the CPU kernel reads float32 or int8 pools, not {dtype}")
+    raise ValueError(f"the CPU kernel reads float32, bfloat16 or int8 pools, not {dtype}")
   scaled = k_scales_GxPxS is not None and v_scales_GxPxS is not None
   if scaled != (dtype == jnp.int8) or (k_scales_GxPxS is None) != (v_scales_GxPxS is None):
     raise ValueError("the CPU kernel takes K and V scales with int8 pools, and only then")
@@ -173,9 +175,8 @@ def ragged_paged_attention(
   pools = (k_pages_GxPxSxK, v_pages_GxPxSxK)
   if scaled:
     pools += (k_scales_GxPxS.astype(jnp.float32), v_scales_GxPxS.astype(jnp.float32))
-  call = jax.ffi.ffi_call(
-      TARGET_INT8 if scaled else TARGET, jax.ShapeDtypeStruct(q_TxHxK.shape, jnp.float32)
-  )
+  target = TARGET_INT8 if scaled else TARGET_BF16 if dtype == jnp.bfloat16 else TARGET
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_TxHxK.shape, jnp.float32))
   return call(
       q_TxHxK.astype(jnp.float32),
       *pools,

@@ -258,7 +258,26 @@ MOE = dataclasses.replace(
 )
 
 
-CONFIGS = {"dense": DENSE, "moe": MOE}
+# Gemma's layers (sliding layers between full ones, caps, 1 + w norms, sandwich norms, GeGLU,
+# the sliding layers' own rotary base) and Mistral's (every layer slides): windows of 5
+GEMMA = dataclasses.replace(
+    DENSE,
+    n_layers=3,
+    sliding_window=5,
+    layer_types=("sliding", "full", "sliding"),
+    attn_softcap=2.0,
+    final_softcap=5.0,
+    norm_plus_one=True,
+    sandwich_norm=True,
+    embed_scale=True,
+    activation="gelu_tanh",
+    attn_scale_dim=12.0,
+    rope_local_theta=100.0,
+)
+SLIDING = dataclasses.replace(DENSE, sliding_window=5)
+
+
+CONFIGS = {"dense": DENSE, "moe": MOE, "gemma": GEMMA, "sliding": SLIDING}
 
 
 # One compiled step per engine: every step is padded to 16 tokens and the longest block table.

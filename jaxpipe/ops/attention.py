@@ -13,9 +13,9 @@ reference: every query token gathers its whole sequence's pages), `pallas`
 `pallas_ragged` (the same blocks through `kernels_pallas.paged_attention_rows`, the paged kernel
 with a length per query row: compiled on GPU, interpreted elsewhere), `cpu_ragged` (the same rows
 through `kernels_cpu.paged_attention`, a C++ kernel called through XLA's FFI that reads the pages
-in place: CPU only, float32 or int8 pools) and `auto` (pallas on GPU, xla elsewhere; for a
+in place: CPU only, float32, bfloat16 or int8 pools) and `auto` (pallas on GPU, xla elsewhere; for a
 serving step whose tokens come grouped by sequence, `resolve_step_backend` takes cpu_ragged on a
-CPU where the kernel builds and the pools are float32 or int8, else xla_ragged, where auto gives
+CPU where the kernel builds and the pools are float32, bfloat16 or int8, else xla_ragged, where auto gives
 xla). The per-token backends take a query per row and its block table; the ragged ones take the
 tokens by sequence (`RaggedRows`).
 
@@ -249,7 +249,7 @@ def _cpu_kernel_refuses(head_dim: int, kv_dtype) -> str | None:
     return f"runs on CPU only, and this process runs on {jax.default_backend()}"
   if jnp.dtype(kv_dtype) not in cpu_pa.POOL_DTYPES:
     return (
-        f"reads float32 or int8 pools, not {jnp.dtype(kv_dtype).name} "
+        f"reads float32, bfloat16 or int8 pools, not {jnp.dtype(kv_dtype).name} "
         "(--kv_cache_dtype auto or int8)"
     )
   if head_dim % cpu_pa.HEAD_DIM_MULTIPLE:
@@ -276,7 +276,7 @@ def _fall_back(reason: str) -> None:
 def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=jnp.float32) -> str:
   """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
   takes a ragged backend where the per-token choice would be the xla gather, cpu_ragged when
-  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32 or int8) and xla_ragged
+  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32, bfloat16 or int8) and xla_ragged
   otherwise."""
   name = resolve_paged_backend(backend, head_dim, page_size)
   if name == "cpu_ragged" and (reason := cpu_kernel_unsupported(head_dim, kv_dtype)):
@@ -501,7 +501,7 @@ def ragged_paged_attention(
   `paged_attention_reference` per token with its sequence's table and length position + 1.
   kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs), 'pallas' (each block through
   `kernels_pallas.paged_attention_rows`; interpreted off GPU) or 'cpu' (the rows through
-  `kernels_cpu.paged_attention`: CPU, float32 or int8 pools; `block`, `key_chunk` and `pairs`
+  `kernels_cpu.paged_attention`: CPU, float32, bfloat16 or int8 pools; `block`, `key_chunk` and `pairs`
   unused).
   """
   if kernel not in ("xla", "pallas", "cpu"):

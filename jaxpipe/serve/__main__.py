@@ -86,7 +86,7 @@ _ATTENTION = flags.DEFINE_string(
     "attention",
     "auto",
     "Paged attention: xla, pallas, xla_ragged, pallas_ragged, cpu_ragged, auto (pallas on "
-    "GPU; cpu_ragged on CPU where the C++ kernel builds, for a float32 or int8 cache; else "
+    "GPU; cpu_ragged on CPU where the C++ kernel builds, for a float32, bfloat16 or int8 cache; else "
     "xla_ragged)",
     flag_values=FLAGS,
 )
@@ -269,6 +269,7 @@ def main(argv: list[str]) -> None:
       f"{f' x {engine.mesh.size} tensor-parallel' if engine.mesh.size > 1 else ''}, "
       f"paged attention {engine.backend}, "
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
+      + (f"; {engine.rings_note()}" if engine.ring_size else "")
   )
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + tok.decode([t for t in out if t not in tok.eos_ids]))
@@ -382,7 +383,8 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
       f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
       f"attention {engine.backend}, {programs} step programs compiled in "
       f"{time.perf_counter() - start:.1f} s; "
-      f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
+      + "".join(f"{e.rings_note()}; " for e in engines[:1] if e.ring_size)
+      + f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
       f"{_DRAIN_S.value:g} s)",
       flush=True,
   )

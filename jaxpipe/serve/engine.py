@@ -21,6 +21,11 @@ bad sampling values) finish at once with an `error`; the engine keeps serving th
 `fork` starts a second sample of a running request on shared pages; `export_request` and
 `import_request` move a running request, K/V included, to another engine (or, device to device,
 `kv_of` on one side and `reserve_request` / `write_kv` / `admit_request` on the other).
+Sliding-window layers keep a ring of pages per running sequence (`model.ring_pages`: its
+window and a step's chunk), taken at admission from an allocator of their own and given back
+with the request, so that they hold no page of the context outside it; full-attention layers
+keep every page as before. Such a model serves without the prefix cache and K/V moves (a ring
+holds the last positions only, which a prefix or another engine does not have).
 `step` is `collect(launch())`: a driver of several engines launches all their steps before
 collecting any, so that they run at once on their devices. With `async_scheduling`, `step`
 schedules and dispatches step n+1 before it waits for step n (vLLM's async scheduling): the
@@ -99,6 +104,7 @@ class Request:
   # aligned with output when sampling.logprobs is not None (raw log_softmax), else empty
   logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
   pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
+  ring: list[int] = dataclasses.field(default_factory=list)  # sliding layers' pages (ring ids)
   computed: int = 0  # leading tokens whose K/V are in `pages`
   state: str = WAITING
   finish_reason: str | None = None  # 'eos', 'length', 'cancelled', 'error'
@@ -258,6 +264,10 @@ class _EnginePages:
     shared = [i for i in range(r.computed // s, len(r.pages)) if e.allocator.refs[r.pages[i]] > 1]
     if not e.allocator.can_alloc(new + len(shared)):
       return False
+    if e.ring_size and not r.ring:  # its sliding layers' ring, for as long as it runs
+      if not e.ring_allocator.can_alloc(e.ring_size):
+        return False
+      r.ring = [e.ring_allocator.alloc() for _ in range(e.ring_size)]
     for i in shared:
       page, source = e.allocator.writable(r.pages[i])
       e._copy_page(source, page)
@@ -270,6 +280,9 @@ class _EnginePages:
     if r.pages:
       self.engine.allocator.free(r.pages)
       r.pages = []
+    if r.ring:
+      self.engine.ring_allocator.free(r.ring)
+      r.ring = []
 
 
 class Engine:
@@ -279,7 +292,8 @@ class Engine:
   training (`jaxpipe.parallel.tensor`): each holds its share of the attention heads (KV heads
   included, with their pages), of d_ff and of the vocabulary, so n_heads, n_kv_heads, d_ff and
   the vocabulary must divide by their count; experts and norms are whole on each. Two engines
-  on disjoint devices are independent.
+  on disjoint devices are independent. A model with sliding-window layers keeps rings of pages
+  for them (the module docstring).
   """
 
   def __init__(
@@ -335,6 +349,17 @@ class Engine:
     devices = list(devices) if devices is not None else jax.devices()[:1]
     _check_tensor_parallel(model_cfg, len(devices))
     self.cfg = model_lib.serving_config(model_cfg)
+    max_pages_per_seq = math.ceil(max_seq_len / page_size)
+    # sliding-window layers: a ring of pages per running sequence, where it is shorter than the
+    # context (model.ring_pages); none, or every layer keeps every page
+    rings = model_lib.ring_layers(self.cfg)
+    ring = model_lib.ring_pages(self.cfg, page_size, max_tokens_per_step) if rings else 0
+    self.ring_size = ring if 0 < ring < max_pages_per_seq else 0
+    window_pages = 1 + max_batch * self.ring_size if self.ring_size else 0
+    if self.ring_size and len(rings) == self.cfg.n_layers:
+      # no layer keeps the context: its pages are bookkeeping of no bytes, as many as could run
+      num_pages = max(num_pages, 1 + max_batch * max_pages_per_seq)
+    prefix_caching = prefix_caching and not self.ring_size
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
     self.max_tokens_per_step, self.max_seq_len, self.eos_id = (
         max_tokens_per_step,
@@ -357,7 +382,13 @@ class Engine:
     self._pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
     scales = self._pool_sharding if quantized else None
     self._kv_sharding = model_lib.KVPages(
-        self._pool_sharding, self._pool_sharding, num_pages, scales, scales
+        self._pool_sharding,
+        self._pool_sharding,
+        num_pages,
+        scales,
+        scales,
+        window_pages,
+        rings if self.ring_size else (),
     )
     # Megatron's tensor-parallel layout over the engine's devices (`model_lib.forward_paged`)
     self._param_sharding = jax.tree.map(
@@ -374,11 +405,18 @@ class Engine:
         fill=float("nan") if nan_freed_pages else 0.0,
         sharding=self._pool_sharding,
         kv_cache_dtype=kv_cache_dtype,
+        window_pages=window_pages,
     )
     self._to_fill: list[int] = []
+    self._to_fill_ring: list[int] = []
     self.allocator = PageAllocator(
         num_pages, on_free=self._to_fill.append if nan_freed_pages else None
     )
+    self.ring_allocator = None
+    if self.ring_size:
+      self.ring_allocator = PageAllocator(
+          window_pages, on_free=self._to_fill_ring.append if nan_freed_pages else None
+      )
     self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_caching else None
     self.requests: dict[int, Request] = {}
     self.scheduler: Scheduler[Request] = Scheduler(
@@ -554,6 +592,13 @@ class Engine:
           f"request {rid} has {len(r.output)} tokens without log-probabilities; a fork cannot "
           "have them for those: fork with the request's own sampling.logprobs"
       )
+    ring = []
+    if self.ring_size:  # a ring is written in place: the fork's is a copy
+      if not self.ring_allocator.can_alloc(self.ring_size):
+        raise ValueError("no free ring pages for the sliding-window layers; fork later")
+      ring = [self.ring_allocator.alloc() for _ in range(self.ring_size)]
+      for src, dst in zip(r.ring, ring):
+        self._copy_page(src, dst, ring=True)
     new = dataclasses.replace(
         r,
         id=self._next_id,
@@ -561,6 +606,7 @@ class Engine:
         output=list(r.output),
         logprobs=list(r.logprobs),
         pages=self.allocator.fork(r.pages),
+        ring=ring,
         token_times=list(r.token_times),
         page_keys=list(r.page_keys),
         cached_tokens=0,
@@ -606,38 +652,49 @@ class Engine:
 
   # -- device work ------------------------------------------------------------------------------
 
+  def _layer_pages(self, ring: bool) -> np.ndarray:
+    """The first page of each full-attention layer (ring: of each ring layer) in the pools."""
+    layout = self.kv.layout
+    return layout.offsets[layout.ring == ring]
+
   @functools.cached_property
   def _copy_fn(self):
-    def copy(kv, src, dst):  # one page in every layer's pool (and scales)
-      pages = jnp.arange(kv.n_layers) * kv.num_pages
-      pools = jax.tree.map(lambda x: x.at[:, pages + dst].set(x[:, pages + src]), kv.pools)
-      return model_lib.KVPages(*pools[:2], kv.num_pages, *pools[2:])
+    def copy(kv, firsts_L, src, dst):  # one page in each listed layer's pool (and scales)
+      pools = jax.tree.map(lambda x: x.at[:, firsts_L + dst].set(x[:, firsts_L + src]), kv.pools)
+      return kv.with_pools(*pools)
 
     return jax.jit(copy, donate_argnums=0, out_shardings=self._kv_sharding)
 
   @functools.cached_property
   def _fill_fn(self):
-    def fill(kv, pages_F):  # NaN into the listed pages of every layer; entries past the pool drop
-      idx = (jnp.arange(kv.n_layers)[:, None] * kv.num_pages + pages_F[None, :]).reshape(-1)
-      idx = jnp.where(jnp.tile(pages_F, kv.n_layers) < kv.num_pages, idx, kv.k.shape[1])
+    def fill(kv, firsts_L, pages_F, size):  # NaN into the listed pages of the listed layers;
+      # entries of `size` or more (padding) drop
+      idx = (firsts_L[:, None] + pages_F[None, :]).reshape(-1)
+      idx = jnp.where(jnp.tile(pages_F, firsts_L.shape[0]) < size, idx, kv.k.shape[1])
       nan = lambda x: x.at[:, idx].set(jnp.nan, mode="drop")
       if kv.k_scales is not None:  # 8-bit: a NaN scale makes the slot's value NaN
         return kv.replace(k_scales=nan(kv.k_scales), v_scales=nan(kv.v_scales))
-      return model_lib.KVPages(nan(kv.k), nan(kv.v), kv.num_pages)
+      return kv.with_pools(nan(kv.k), nan(kv.v))
 
     return jax.jit(fill, donate_argnums=0, out_shardings=self._kv_sharding)
 
-  def _copy_page(self, src: int, dst: int) -> None:
+  def _copy_page(self, src: int, dst: int, ring: bool = False) -> None:
     self._flush_fills()
-    self.kv = self._copy_fn(self.kv, np.int32(src), np.int32(dst))
+    firsts = self._layer_pages(ring)
+    self.kv = self._copy_fn(self.kv, firsts, np.int32(src), np.int32(dst))
 
   def _flush_fills(self) -> None:
-    if self._to_fill:
-      fill = set(self._to_fill)  # a page freed, taken and freed again before a step: once
-      pages = np.full(self.num_pages, self.num_pages, np.int32)
-      pages[: len(fill)] = sorted(fill)
-      self._to_fill.clear()
-      self.kv = self._fill_fn(self.kv, pages)
+    for ring, freed, size in (
+        (False, self._to_fill, self.num_pages),
+        (True, self._to_fill_ring, self.kv.window_pages),
+    ):
+      if freed:
+        fill = set(freed)  # a page freed, taken and freed again before a step: once
+        pages = np.full(size, size, np.int32)
+        pages[: len(fill)] = sorted(fill)
+        freed.clear()
+        firsts = self._layer_pages(ring)
+        self.kv = self._fill_fn(self.kv, firsts, pages, np.int32(size))
 
   def step_program(self, t: int, n: int) -> jax.stages.Compiled:
     """The compiled step for T = t tokens and n pages per sequence (compiled once each), called
@@ -651,8 +708,19 @@ class Engine:
           model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
       )
       i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+      rings = (i32(t), i32(t, n), i32(r, n)) if self.ring_size else (None,) * 3
       batch = model_lib.TokenBatch(
-          i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r), i32(t)
+          i32(t),
+          i32(t),
+          i32(t),
+          i32(t, n),
+          i32(r),
+          i32(r, n),
+          i32(r),
+          i32(r),
+          i32(r),
+          i32(t),
+          *rings,
       )
       f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
       sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
@@ -689,6 +757,8 @@ class Engine:
       if max_pages is None or n <= _bucket(max_pages, self.page_buckets):
         for t in self.token_buckets:
           self.step_program(t, n)
+    if move_pages:
+      self._check_movable()
     for size in _pow2_chunks((1 << move_pages.bit_length()) - 1):
       scratch = np.full(size, SCRATCH_PAGE, np.int32)
       layers = self._layers(0 if per_layer else None)
@@ -753,6 +823,12 @@ class Engine:
     top_k, seed, out_index = (np.zeros(r_max, np.int32) for _ in range(3))
     banned = np.full((r_max, MAX_BANNED), -1, np.int32)
     prev_T = np.full(t, -1, np.int32)
+    ring_slots = ring_tables = ring_seq_tables = None
+    if self.ring_size:  # entry i of a ring's table: ring[i mod R]
+      ring_slots = np.full(t, SCRATCH_PAGE * s, np.int32)
+      ring_tables = np.zeros((t, n_pages), np.int32)
+      ring_seq_tables = np.zeros((r_max, n_pages), np.int32)
+      around = np.arange(n_pages) % self.ring_size
     row_in_after = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
     per_token = self.backend not in model_lib.RAGGED_BACKENDS  # only these read tables_TxN
     sampled, at = [], 0
@@ -769,6 +845,12 @@ class Engine:
       slots[at : at + n] = table[pos // s] * s + pos % s
       if per_token:
         tables[at : at + n, : len(table)] = table
+      if self.ring_size:
+        ring = np.asarray(r.ring, np.int32)
+        ring_seq_tables[i] = ring[around]
+        ring_slots[at : at + n] = ring[(pos // s) % self.ring_size] * s + pos % s
+        if per_token:
+          ring_tables[at : at + n] = ring[around]
       at += n
       if r.computed + n == r.length:  # all its tokens cached after this step: sample
         j = len(sampled)
@@ -797,6 +879,9 @@ class Engine:
         seq_counts,
         seq_cached,
         prev_T,
+        ring_slots,
+        ring_tables,
+        ring_seq_tables,
     )
     built = time.perf_counter()
     program = self.step_program(t, n_pages)
@@ -968,7 +1053,7 @@ class Engine:
     owned = {p for r in self.running for p in r.pages}
     tokens = sum(r.computed for r in self.running)
     slots = sum(len(r.pages) for r in self.running) * self.page_size
-    return {
+    usage = {
         "pages_total": self.num_pages - 1,
         "pages_in_use": self.allocator.num_used,
         "pages_running": len(owned),
@@ -977,6 +1062,21 @@ class Engine:
         "slots": slots,
         "tokens_per_slot": tokens / slots if slots else 1.0,
     }
+    if self.ring_size:  # the sliding-window layers' rings
+      usage["ring_pages_total"] = self.ring_allocator.num_pages - 1
+      usage["ring_pages_in_use"] = self.ring_allocator.num_used
+    return usage
+
+  def rings_note(self) -> str:
+    """What the sliding-window layers' rings save, for a startup line ('' without rings)."""
+    if not self.ring_size:
+      return ""
+    size = functools.partial(model_lib.kv_bytes, self.cfg, self.num_pages, self.page_size)
+    rings = size(self.kv_dtype, window_pages=self.kv.window_pages)
+    return (
+        f"sliding layers keep rings of {self.ring_size} pages a sequence: KV pools "
+        f"{rings / 2**20:.1f} MiB, {size(self.kv_dtype) / 2**20:.1f} MiB if they kept the context"
+    )
 
   # -- moving requests between engines ----------------------------------------------------------
 
@@ -988,7 +1088,7 @@ class Engine:
   @functools.cached_property
   def _gather_fn(self):
     def gather(kv, pages_N, layers_L):  # [G, L, N, page, K] (8-bit: and scales [G, L, N, page])
-      idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
+      idx = jnp.asarray(kv.layout.offsets)[layers_L][:, None] + pages_N[None, :]
       if kv.k_scales is None:
         return kv.k[:, idx], kv.v[:, idx]
       return (kv.k[:, idx], kv.k_scales[:, idx]), (kv.v[:, idx], kv.v_scales[:, idx])
@@ -998,17 +1098,13 @@ class Engine:
   @functools.cached_property
   def _scatter_fn(self):
     def scatter(kv, pages_N, layers_L, k, v):  # k, v as `gather` returns them
-      idx = layers_L[:, None] * kv.num_pages + pages_N[None, :]
+      idx = jnp.asarray(kv.layout.offsets)[layers_L][:, None] + pages_N[None, :]
       put = lambda pool, x: pool.at[:, idx].set(x.astype(pool.dtype))
       if kv.k_scales is None:
-        return model_lib.KVPages(put(kv.k, k), put(kv.v, v), kv.num_pages)
+        return kv.with_pools(put(kv.k, k), put(kv.v, v))
       (k, k_scales), (v, v_scales) = k, v
-      return model_lib.KVPages(
-          put(kv.k, k),
-          put(kv.v, v),
-          kv.num_pages,
-          put(kv.k_scales, k_scales),
-          put(kv.v_scales, v_scales),
+      return kv.with_pools(
+          put(kv.k, k), put(kv.v, v), put(kv.k_scales, k_scales), put(kv.v_scales, v_scales)
       )
 
     return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
@@ -1020,12 +1116,22 @@ class Engine:
       raise ValueError(f"layer={layer} is outside [0, {self.cfg.n_layers})")
     return np.asarray([layer], np.int32)
 
+  def _check_movable(self) -> None:
+    """K/V moves need every layer's pages of the context, which ring layers do not keep."""
+    if self.ring_size:
+      raise ValueError(
+          "this model's sliding-window layers keep rings of their window's pages, not the "
+          "context's: moving a request's K/V between engines is not implemented for them; "
+          "move it with computed=0 (recomputed) or serve it on one engine"
+      )
+
   def kv_of(self, rid: int, layer: int | None = None) -> list[tuple[int, jax.Array, jax.Array]]:
     """K and V of a request's cached tokens, exactly its pages, still on this engine's devices,
     in chunks of a power of two pages (the binary digits of the page count: at most
     log2(pages) + 1 copies, and as many compiled programs serve every length):
     (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim],
     or with an 8-bit cache a pair (values, float32 scales [G, n_layers, chunk pages, page])."""
+    self._check_movable()
     self._drain()
     r = self.requests[rid]
     if r.state not in (RUNNING, PREFILLED):
@@ -1052,6 +1158,7 @@ class Engine:
       raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request can move")
     k = v = None
     if with_kv:
+      self._check_movable()
       chunks = jax.device_get([(k, v) for _, k, v in self.kv_of(rid)])
       if chunks:
         k, v = jax.tree.map(lambda *c: np.concatenate(c, axis=2), *chunks)
@@ -1108,6 +1215,8 @@ class Engine:
   def reserve_request(self, state: KVState) -> int:
     """Takes pages and a batch slot for a request whose K/V will follow (`write_kv`, then
     `admit_request`); it is not scheduled until then. Raises ValueError if it cannot be taken."""
+    if state.computed:
+      self._check_movable()
     error = self.check_request(state.prompt, state.max_tokens, state.sampling, state.eos_id)
     want = self.kv_shape(state.computed)
     if error is None and state.k is not None:

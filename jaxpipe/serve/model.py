@@ -14,10 +14,17 @@ contiguous), for the ragged backends (`RAGGED_BACKENDS`), which read a sequence'
 block of its tokens rather than once per token (`ops.attention.ragged_paged_attention`):
 `cpu_ragged`, the C++ kernel, is auto's choice on CPU, `xla_ragged` where it cannot run.
 
-The pools of all layers share two arrays `[G, n_layers * P, page, K]`: layer l's pool is the
-pages `l*P .. l*P + P-1` of it, itself in the `[kv_heads, num_pages, page_size, head_dim]`
-layout of the kernel, so a layer's attention needs no copy of its pool (its block tables are
-offset by l*P instead).
+The pools of all layers share two arrays `[G, pages, page, K]`: layer l's pool is the P pages
+from its offset (l*P when every layer keeps every page), itself in the `[kv_heads, num_pages,
+page_size, head_dim]` layout of the kernel, so a layer's attention needs no copy of its pool
+(its block tables are offset instead).
+
+Sliding-window layers need only the keys of their window. Given `window_pages` (> 0), each of
+them takes that many pages after the full-attention layers' (`KVPages.offsets`), and a sequence
+holds a ring of pages there (`TokenBatch.ring_*`): position p lives in the ring's page
+(p // page) mod R, so that writing a token overwrites one a window and a step's chunk before it,
+which no query of the step sees. Layers' pools are thus sized by the window and the chunk, not
+by the context (`ring_pages`).
 
 An 8-bit cache (`kv_cache_dtype` "int8" or "fp8", float8_e4m3fn) halves the pools against
 bfloat16 (a quarter against float32): each (KV head, slot) is stored scaled by its absolute
@@ -60,13 +67,16 @@ RAGGED_BACKENDS = tuple(RAGGED_KERNELS)  # the backends that read TokenBatch.seq
 
 @flax.struct.dataclass
 class KVPages:
-  """K and V pools of every layer; layer l owns pages [l*num_pages, (l+1)*num_pages)."""
+  """K and V pools of every layer: a full-attention layer owns `num_pages` pages, a ring layer
+  (sliding window, `ring_layers`) `window_pages`, each layer's from its `offsets` entry."""
 
-  k: jax.Array  # [G, n_layers * num_pages, page_size, head_dim]
+  k: jax.Array  # [G, pages of every layer, page_size, head_dim]
   v: jax.Array
   num_pages: int = flax.struct.field(pytree_node=False)  # pages per layer, scratch page 0 included
-  k_scales: jax.Array | None = None  # float32 [G, n_layers * num_pages, page_size]; 8-bit pools
+  k_scales: jax.Array | None = None  # float32 [G, pages of every layer, page_size]; 8-bit pools
   v_scales: jax.Array | None = None
+  window_pages: int = flax.struct.field(pytree_node=False, default=0)  # per ring layer
+  ring_layers: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
   @property
   def pools(self) -> tuple:
@@ -79,7 +89,55 @@ class KVPages:
 
   @property
   def n_layers(self) -> int:
-    return self.k.shape[1] // self.num_pages
+    rings = len(self.ring_layers)
+    return (self.k.shape[1] - rings * self.window_pages) // self.num_pages + rings
+
+  @property
+  def layout(self) -> PoolLayout:
+    return PoolLayout(self.n_layers, self.num_pages, self.window_pages, self.ring_layers)
+
+  def with_pools(self, k, v, k_scales=None, v_scales=None) -> KVPages:
+    """The same layout over other pools."""
+    return self.replace(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """Where each layer's pages lie in the pools: full-attention layers first, `num_pages` each,
+  then the ring layers, `window_pages` each."""
+
+  n_layers: int
+  num_pages: int
+  window_pages: int = 0
+  ring_layers: tuple[int, ...] = ()
+
+  @property
+  def ring(self) -> np.ndarray:
+    """bool [n_layers]: which layers keep rings."""
+    return np.isin(np.arange(self.n_layers), self.ring_layers)
+
+  @property
+  def offsets(self) -> np.ndarray:
+    """int32 [n_layers]: each layer's first page in the pools."""
+    full = np.flatnonzero(~self.ring)
+    out = np.zeros(self.n_layers, np.int32)
+    out[full] = np.arange(len(full)) * self.num_pages
+    rings = np.flatnonzero(self.ring)
+    out[rings] = len(full) * self.num_pages + np.arange(len(rings)) * self.window_pages
+    return out
+
+
+def ring_layers(cfg: TransformerConfig) -> tuple[int, ...]:
+  """The layers that keep a ring of their window's pages: the sliding-window ones."""
+  return tuple(l for l, w in enumerate(cfg.layer_windows) if w)
+
+
+def ring_pages(cfg: TransformerConfig, page_size: int, max_tokens_per_step: int) -> int:
+  """Pages in one sequence's ring: its widest window plus the longest chunk a step writes (so
+  that no token of a step overwrites a key another query of the step sees), and one page more
+  for a window that starts mid-page."""
+  window = max(cfg.layer_windows)
+  return -(-(window + max_tokens_per_step - 1) // page_size) + 1
 
 
 @flax.struct.dataclass
@@ -100,6 +158,11 @@ class TokenBatch:
   # Async scheduling: the token's row in the previous step's sampled tokens, which the host had
   # not read back when it built this step (-1: tokens_T holds the token); see `serve_step`.
   prev_T: jax.Array | None = None
+  # Ring layers (KVPages.ring_layers): the slots and block tables of each sequence's ring, its
+  # pages repeated along the table (entry i: ring[i mod R]), in ring numbering.
+  ring_slots_T: jax.Array | None = None
+  ring_tables_TxN: jax.Array | None = None
+  ring_seq_tables_BxN: jax.Array | None = None
 
 
 KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: compute
@@ -120,13 +183,22 @@ def quantized(dtype) -> bool:
 
 
 def kv_bytes(
-    cfg: TransformerConfig, num_pages: int, page_size: int, dtype=None, kv_cache_dtype="auto"
+    cfg: TransformerConfig,
+    num_pages: int,
+    page_size: int,
+    dtype=None,
+    kv_cache_dtype="auto",
+    window_pages: int = 0,
 ) -> int:
-  """Bytes of both pools: 2 · layers · kv_heads · (head_dim · bytes per element + 4 for the
-  float32 scale of an 8-bit cache) · slots. dtype: the element dtype (default: kv_cache_dtype's)."""
+  """Bytes of both pools: 2 · kv_heads · (head_dim · bytes per element + 4 for the float32
+  scale of an 8-bit cache) · slots of every layer (num_pages each, window_pages each for the
+  sliding-window layers given window_pages > 0). dtype: the element dtype (default:
+  kv_cache_dtype's)."""
   dtype = jnp.dtype(dtype or kv_dtype(cfg, kv_cache_dtype))
   per_head = cfg.head_dim * dtype.itemsize + (4 if quantized(dtype) else 0)
-  return 2 * cfg.n_layers * cfg.n_kv_heads * per_head * num_pages * page_size
+  rings = len(ring_layers(cfg)) if window_pages else 0
+  pages = (cfg.n_layers - rings) * num_pages + rings * window_pages
+  return 2 * cfg.n_kv_heads * per_head * pages * page_size
 
 
 def init_kv(
@@ -136,20 +208,25 @@ def init_kv(
     fill: float = 0.0,
     sharding=None,
     kv_cache_dtype: str = "auto",
+    window_pages: int = 0,
 ) -> KVPages:
-  """Pools for `num_pages` pages per layer, every slot `fill` (NaN in tests of page ownership;
-  in an 8-bit cache the scales hold `fill` and the values 0).
+  """Pools for `num_pages` pages per layer (with window_pages > 0, that many per
+  sliding-window layer instead, which then keeps rings), every slot `fill` (NaN in tests of page
+  ownership; in an 8-bit cache the scales hold `fill` and the values 0).
 
   sharding: of each pool and scale pool (default: the default device).
   """
   dtype = kv_dtype(cfg, kv_cache_dtype)
-  shape = (cfg.n_kv_heads, cfg.n_layers * num_pages, page_size, cfg.head_dim)
+  rings = ring_layers(cfg) if window_pages else ()
+  total = (cfg.n_layers - len(rings)) * num_pages + len(rings) * window_pages
+  shape = (cfg.n_kv_heads, total, page_size, cfg.head_dim)
+  layout = dict(window_pages=window_pages if rings else 0, ring_layers=rings)
   if not quantized(dtype):
     make = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
-    return KVPages(make(), make(), num_pages)
+    return KVPages(make(), make(), num_pages, **layout)
   pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
   scales = jax.jit(lambda: jnp.full(shape[:3], fill, jnp.float32), out_shardings=sharding)
-  return KVPages(pool(), pool(), num_pages, scales(), scales())
+  return KVPages(pool(), pool(), num_pages, scales(), scales(), **layout)
 
 
 def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -178,24 +255,35 @@ class _PagedHook:
   Runs on one device's pools: under tensor parallelism inside the step's `shard_map`, where the
   layer's K/V heads and its pools' are this rank's share."""
 
-  def __init__(self, pools: tuple, num_pages: int, batch: TokenBatch, backend: str):
-    self.pools, self.num_pages = pools, num_pages
+  def __init__(self, pools: tuple, layout: PoolLayout, batch: TokenBatch, backend: str):
+    self.pools, self.layout = pools, layout
     self.batch, self.backend = batch, backend
     self.layer = None  # set before each layer (a traced index inside the layer scan)
 
   def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK, sm_scale=None, window=0, softcap=0.0):
-    b = self.batch
-    offset = self.layer * self.num_pages
+    b, layout = self.batch, self.layout
+    offset = jnp.asarray(layout.offsets)[self.layer]
+    slots, tables, seq_tables = b.slots_T, b.tables_TxN, b.seq_tables_BxN
+    if layout.ring_layers:  # a ring layer reads and writes its sequence's ring
+      ring = layout.ring
+      if ring.all():
+        slots, tables, seq_tables = b.ring_slots_T, b.ring_tables_TxN, b.ring_seq_tables_BxN
+      else:
+        on = jnp.asarray(ring)[self.layer]
+        pick = lambda x, y: None if x is None else jnp.where(on, x, y)
+        slots = pick(b.ring_slots_T, slots)
+        tables = pick(b.ring_tables_TxN, tables)
+        seq_tables = pick(b.ring_seq_tables_BxN, seq_tables)
     if self.backend in RAGGED_BACKENDS:
-      rows = RaggedRows(b.seq_tables_BxN + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
+      rows = RaggedRows(seq_tables + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
     else:
-      rows = (b.tables_TxN + offset, b.positions_T + 1)
+      rows = (tables + offset, b.positions_T + 1)
     o_TxHxK, self.pools = _write_and_attend(
         q_1xTxHxK[0],
         k_1xTxGxK[0],
         v_1xTxGxK[0],
         self.pools,
-        b.slots_T,
+        slots,
         rows,
         offset,
         backend=self.backend,
@@ -302,7 +390,7 @@ def forward_paged(
     backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
   else:
     backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size, kv.k.dtype)
-  run = functools.partial(_forward_local, cfg, num_pages=kv.num_pages, backend=backend)
+  run = functools.partial(_forward_local, cfg, layout=kv.layout, backend=backend)
   if mesh is not None and mesh.size > 1:
     tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)
     heads = P(KV_AXIS)
@@ -315,8 +403,8 @@ def forward_paged(
         in_specs=(param_specs(params, mesh.size), pool_specs, P()),
         out_specs=(P(), pool_specs),
     )
-  logits_RxV, (k, v, k_scales, v_scales) = run(params, kv.pools, batch)
-  return logits_RxV, KVPages(k, v, kv.num_pages, k_scales, v_scales)
+  logits_RxV, pools = run(params, kv.pools, batch)
+  return logits_RxV, kv.with_pools(*pools)
 
 
 def _tensor_parallel(run, params, pools, batch, *, axis):
@@ -326,9 +414,9 @@ def _tensor_parallel(run, params, pools, batch, *, axis):
   return jax.lax.all_gather(logits_RxVp, axis, axis=1, tiled=True), pools
 
 
-def _forward_local(cfg, params, pools, batch, *, num_pages, backend):
+def _forward_local(cfg, params, pools, batch, *, layout, backend):
   """The layer stack over one device's pools: (logits [R, vocab or its tp slice], pools)."""
-  hook = _PagedHook(pools, num_pages, batch, backend)
+  hook = _PagedHook(pools, layout, batch, backend)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
   positions_T = batch.positions_T

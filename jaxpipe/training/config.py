@@ -302,6 +302,10 @@ def validate(
       model_config(config).moe.validate(shape["ep"])
     except (TypeError, ValueError) as e:
       raise ConfigError(f"model.moe: {e}") from e
+  try:  # the model's own checks: rotary variants, windows and layer kinds, activations, ...
+    model_config(config)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"model: {e}") from e
   if schedule == AUTO:
     _check_auto(config, shape)
   elif shape["pp"] > 1 or schedule.endswith(".csv"):

@@ -20,6 +20,7 @@ import pytest
 
 from jaxpipe.ops import attention as attn
 from jaxpipe.ops.attention import ragged_paged_attention
+from jaxpipe.serve import model as serve_model
 from kernels_cpu import paged_attention as cpu_pa
 from kernels_pallas.paged_attention import paged_attention_reference
 from tests import helpers
@@ -84,6 +85,17 @@ def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, so
   (k8, k_s), (v8, v_s) = _int8(k), _int8(v)
   scales = dict(k_scales_GxPxS=k_s, v_scales_GxPxS=v_s, window=window, softcap=softcap)
   _check(q, k8, v8, rows, tables_T, lengths_T, live, **scales)
+
+
+def test_kernel_on_bfloat16_pages_equals_the_gather_reference():
+  """A bfloat16 cache (serve --dtype bfloat16): both sides widen the same stored values."""
+  rng = np.random.default_rng(1)
+  seqs = [(0, 150), (37, 1), (70, 45), (129, 17), (0, 1)]
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(seqs, 16, 2, 32, rng, rows=7)
+  q = rng.standard_normal((tables_T.shape[0], 4, 32)).astype(np.float32)
+  bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+  _check(q, bf16(k), bf16(v), rows, tables_T, lengths_T, live, window=40, softcap=3.0)
+  assert attn.resolve_step_backend("auto", 32, 16, jnp.bfloat16) == "cpu_ragged"
 
 
 def _int8(pages):
@@ -154,7 +166,7 @@ def test_kernel_refuses_quantised_pools_and_odd_head_dims():
   rng = np.random.default_rng(0)
   k, v, rows, _, _, _ = helpers.ragged_pages([(0, 4)], 4, 1, 16, rng)
   q = rng.standard_normal((4, 2, 16)).astype(np.float32)
-  with pytest.raises(ValueError, match="float32 or int8 pools, not float8_e4m3fn"):
+  with pytest.raises(ValueError, match="float32, bfloat16 or int8 pools, not float8_e4m3fn"):
     fp8 = np.zeros(k.shape, jnp.float8_e4m3fn)
     cpu_pa.ragged_paged_attention(q, fp8, fp8, *rows, sm_scale=1.0)
   with pytest.raises(ValueError, match="scales with int8 pools, and only then"):
@@ -210,3 +222,21 @@ def test_engine_on_the_kernel_equals_recompute_oracle(name, devices):
   assert [r.output for r in got] == helpers.oracle(name, prompts, 10)
   assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
   assert engine.counts["page_copies"] > 0
+
+
+@pytest.mark.parametrize("name", ["gemma", "sliding"])
+def test_engine_on_the_kernel_keeps_rings_for_sliding_layers(name):
+  """The engine on cpu_ragged with sliding-window layers: rings overwritten past the window
+  (40-token sequences, 24-slot rings), NaN in freed pages; the pools hold a full layer's pages
+  for the context and a ring layer's for its rings only (none of the context's when every
+  layer slides), as kv_bytes counts them."""
+  engine = helpers.ragged_engine("cpu_ragged", 1, name)
+  prompts = helpers.prompts()
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
+  assert [r.output for r in got] == helpers.oracle(name, prompts, 10)
+  cfg = helpers.CONFIGS[name]
+  per_page = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 4  # K and V, float32, 4 slots
+  rings, window_pages = 2, 1 + 4 * 6  # gemma's layers 0 and 2, or both of sliding's
+  pools = engine.kv.k.nbytes + engine.kv.v.nbytes
+  assert pools == per_page * ((cfg.n_layers - rings) * engine.num_pages + rings * window_pages)
+  assert pools == serve_model.kv_bytes(cfg, engine.num_pages, 4, window_pages=window_pages)

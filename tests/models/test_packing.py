@@ -8,6 +8,7 @@ gradient, and, handed all-ones segment ids and positions 0..L-1, exactly what it
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import pytest
 
 from configs import tiny
 from jaxpipe.models import transformer
-from jaxpipe.training import losses
+from jaxpipe.training import losses, zero
 from jaxpipe.training.config import model_config
 from jaxpipe.training.mesh import make_mesh
 from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
@@ -251,3 +252,72 @@ def test_executor_side_inputs_reach_every_part(recompute):
   helpers.close(loss, want_loss, "loss")
   for k in want_grads:
     helpers.close(grads[k], want_grads[k], k)
+
+
+# The model families' variants on one model: sliding windows (3, shorter than most documents)
+# beside a full layer with its own rotary base, q/k/v, o and FFN biases, GeGLU, (1 + w) and
+# sandwich norms, scaled embeddings, the scores' scale and caps, the final cap, llama3 rotary on
+# half of each head. Each parallel path equals the documents alone on one device.
+VARIANTS = dict(
+    n_kv_heads=4,
+    sliding_window=3,
+    layer_types=("sliding", "full"),
+    qkv_bias=True,
+    o_bias=True,
+    mlp_bias=True,
+    activation="gelu_tanh",
+    norm_plus_one=True,
+    sandwich_norm=True,
+    embed_scale=True,
+    attn_scale_dim=12.0,
+    attn_softcap=2.0,
+    final_softcap=5.0,
+    rope_local_theta=100.0,
+    rope_fraction=0.5,
+    rope_scaling=dict(
+        type="llama3",
+        factor=4.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position=8,
+    ),
+)
+
+
+@functools.cache
+def variants_setup():
+  c = config()
+  c.model.update(VARIANTS)
+  cfg = model_config(c)
+  params = helpers.random_params(cfg, seed=3)
+  packed, alone = packed_and_alone(cfg.vocab, seed=3)
+  return cfg, params, packed, alone_sums(cfg, params, alone)
+
+
+def test_model_variants_on_the_data_parallel_path():
+  cfg, params, packed, want = variants_setup()
+  assert cfg.mixed_layers and cfg.layer_windows == (3, 0)
+  check_path(losses.data_parallel_loss_and_grads(cfg, 2), params, packed, want, "variants dp")
+
+
+@pytest.mark.parametrize("mesh, shard", [(dict(cp=2, tp=2), "none"), (dict(dp=2), "fsdp")])
+def test_model_variants_on_the_shard_map_path(mesh, shard):
+  """Ulysses over cp with Megatron's tp (biases split with their heads), and fsdp's per-layer
+  gathers: each layer still takes its index's window and rotary."""
+  cfg, params, packed, want = variants_setup()
+  mesh = make_mesh(config(**mesh).mesh, jax.devices()[: math.prod(mesh.values())])
+  if shard == "fsdp":
+    params = jax.device_put(params, zero.data_split(params, mesh))
+  step = losses.context_parallel_loss_and_grads(cfg, mesh, 2, shard=shard)
+  check_path(step, params, packed, want, f"variants {shard}", rtol_same=1e-6)
+
+
+def test_model_variants_on_the_pipeline_path():
+  """zb-h1 over 2 ranks: the sliding layer on rank 0, the full one on rank 1, each numbered by
+  its model stage (a stage that took its local index would slide on both)."""
+  cfg, params, packed, want = variants_setup()
+  c = config(pp=2)
+  c.pipeline.schedule = "zb-h1"
+  mesh = make_mesh(c.mesh, jax.devices()[:2])
+  step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
+  check_path(step, params, packed, want, "variants pp")

@@ -119,3 +119,21 @@ def test_engine_on_the_rows_kernel_equals_recompute_oracle():
   got = helpers.serve_arrivals(engine, prompts, max_tokens=4, first=1, per_arrival=1, eos_id=None)
   assert [r.output for r in got] == helpers.oracle("dense", prompts, 4)
   assert engine.counts["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["gemma", "sliding"])
+@pytest.mark.parametrize("attention", ["xla_ragged", "pallas_ragged"])
+def test_sliding_window_models_keep_rings_and_equal_the_recompute_oracle(name, attention):
+  """Sliding layers (between full ones, or all of them) hold a ring of their window's and a
+  step's pages, overwritten as the sequence grows past it (prompts and outputs run to 40
+  tokens, rings hold 24), on a small pool with NaN in every freed page and preemption."""
+  engine = helpers.ragged_engine(attention, 1, name)
+  assert engine.ring_size == 6 and engine.prefix_cache is None  # ceil((5 + 16 - 1) / 4) + 1
+  prompts = helpers.prompts()
+  got = helpers.serve_arrivals(engine, prompts, max_tokens=10, eos_id=None)
+  assert [r.output for r in got] == helpers.oracle(name, prompts, 10)
+  # gemma's full layer keeps the context's pages of a 17-page pool, and preempts; sliding keeps
+  # none: its rings are all it holds, one per running request, and nothing waits for pages
+  assert (engine.counts["preemptions"] > 0) == (name == "gemma")
+  assert engine.kv.window_pages == 1 + 4 * 6
+  helpers.check_pages(engine)

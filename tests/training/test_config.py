@@ -193,6 +193,25 @@ def test_defaults_and_examples_validate():
         (dict(data__source="c4"), 8, "data.source='c4' is unknown"),
         (dict(data__source="stdlib"), 8, "model.vocab=64 cannot hold the byte-level stdlib corpus"),
         (dict(data__seq_len=9, mesh__cp=2), 8, "data.seq_len=9 is not divisible by mesh.cp=2"),
+        # the model families' fields
+        (dict(model__activation="relu"), 8, "model: activation='relu' is unknown"),
+        (
+            dict(model__layer_types=("sliding", "full")),
+            8,
+            "model: layer_types names sliding layers but sliding_window=0",
+        ),
+        (
+            dict(model__sliding_window=4, model__layer_types=("sliding",)),
+            8,
+            "model: layer_types=('sliding',) must name each of the 2 layers",
+        ),
+        (dict(model__rope_fraction=1.5), 8, "model: rope_fraction=1.5 must lie in (0, 1]"),
+        (
+            dict(model__rope_scaling=dict(type="yarn", factor=4.0)),
+            8,
+            "model: rope type 'yarn' needs original_max_position",
+        ),
+        (dict(model__attn_softcap=-1.0), 8, "model: attn_softcap=-1.0 must be >= 0"),
     ],
 )
 def test_bad_values_raise_clear_errors(overrides, devices, needle):
