@@ -13,11 +13,11 @@ reference: every query token gathers its whole sequence's pages), `pallas`
 `pallas_ragged` (the same blocks through `kernels_pallas.paged_attention_rows`, the paged kernel
 with a length per query row: compiled on GPU, interpreted elsewhere), `cpu_ragged` (the same rows
 through `kernels_cpu.paged_attention`, a C++ kernel called through XLA's FFI that reads the pages
-in place: CPU only, float32, bfloat16 or int8 pools) and `auto` (pallas on GPU, xla elsewhere; for a
-serving step whose tokens come grouped by sequence, `resolve_step_backend` takes cpu_ragged on a
-CPU where the kernel builds and the pools are float32, bfloat16 or int8, else xla_ragged, where auto gives
-xla). The per-token backends take a query per row and its block table; the ragged ones take the
-tokens by sequence (`RaggedRows`).
+in place: CPU only, float32, bfloat16 or int8 pools) and `auto` (pallas on GPU, xla elsewhere;
+for a serving step whose tokens come grouped by sequence, `resolve_step_backend` takes
+cpu_ragged on a CPU where the kernel builds and the pools are float32, bfloat16 or int8, else
+xla_ragged, where auto gives xla). The per-token backends take a query per row and its block
+table; the ragged ones take the tokens by sequence (`RaggedRows`).
 
 Why blocks (measured on CPU, docs/serving.md "Prefill attention"): the per-token gather moves
 T x N·S keys per layer, 5-10x the cost of the training forward on the same tokens for a
@@ -276,8 +276,8 @@ def _fall_back(reason: str) -> None:
 def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=jnp.float32) -> str:
   """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
   takes a ragged backend where the per-token choice would be the xla gather, cpu_ragged when
-  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32, bfloat16 or int8) and xla_ragged
-  otherwise."""
+  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32, bfloat16 or int8) and
+  xla_ragged otherwise."""
   name = resolve_paged_backend(backend, head_dim, page_size)
   if name == "cpu_ragged" and (reason := cpu_kernel_unsupported(head_dim, kv_dtype)):
     raise ValueError(f"paged attention backend 'cpu_ragged' {reason}; use 'xla_ragged'")
@@ -501,8 +501,8 @@ def ragged_paged_attention(
   `paged_attention_reference` per token with its sequence's table and length position + 1.
   kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs), 'pallas' (each block through
   `kernels_pallas.paged_attention_rows`; interpreted off GPU) or 'cpu' (the rows through
-  `kernels_cpu.paged_attention`: CPU, float32, bfloat16 or int8 pools; `block`, `key_chunk` and `pairs`
-  unused).
+  `kernels_cpu.paged_attention`: CPU, float32, bfloat16 or int8 pools; `block`, `key_chunk`
+  and `pairs` unused).
   """
   if kernel not in ("xla", "pallas", "cpu"):
     raise ValueError(f"kernel={kernel!r} is not 'xla', 'pallas' or 'cpu'")

@@ -86,8 +86,8 @@ _ATTENTION = flags.DEFINE_string(
     "attention",
     "auto",
     "Paged attention: xla, pallas, xla_ragged, pallas_ragged, cpu_ragged, auto (pallas on "
-    "GPU; cpu_ragged on CPU where the C++ kernel builds, for a float32, bfloat16 or int8 cache; else "
-    "xla_ragged)",
+    "GPU; cpu_ragged on CPU where the C++ kernel builds, for a float32, bfloat16 or int8 "
+    "cache; else xla_ragged)",
     flag_values=FLAGS,
 )
 _MAX_BATCH = flags.DEFINE_integer(
