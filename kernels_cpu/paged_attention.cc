@@ -448,8 +448,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
                     sm_scale, softcap);
 }
 
-ffi::Error ImplBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::BF16> k,
-                    ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::S32> tables,
+ffi::Error ImplBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k,
+                    ffi::Buffer<ffi::U16> v, ffi::Buffer<ffi::S32> tables,
                     ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
                     ffi::Buffer<ffi::S32> cached, ffi::Buffer<ffi::S32> window,
                     ffi::ResultBuffer<ffi::F32> out, float sm_scale, float softcap) {
@@ -495,8 +495,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttentionBf16, ImplBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k pool [G, P, S, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v pool [G, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // k pool [G, P, S, D],
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // v: bfloat16 bits
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables [B, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // counts [B]

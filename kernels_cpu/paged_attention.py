@@ -36,6 +36,8 @@ TARGET_INT8 = "jaxpipe_ragged_paged_attention_int8"  # int8 pools with a float32
 TARGET_BF16 = "jaxpipe_ragged_paged_attention_bf16"  # bfloat16 pools
 HEAD_DIM_MULTIPLE = 8  # the kernel's register blocks (8 floats)
 POOL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+# a bfloat16 pool may also come as its bits (uint16), which XLA:CPU updates in place
+BF16_BITS = jnp.uint16
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          "-fopenmp-simd")  # fmt: skip
 
@@ -162,7 +164,9 @@ def ragged_paged_attention(
   if reason is not None:
     raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
   dtype = k_pages_GxPxSxK.dtype
-  if dtype not in POOL_DTYPES or v_pages_GxPxSxK.dtype != dtype:
+  if dtype == BF16_BITS and v_pages_GxPxSxK.dtype == dtype:
+    dtype = jnp.dtype(jnp.bfloat16)  # read as the bits they are
+  elif dtype not in POOL_DTYPES or v_pages_GxPxSxK.dtype != dtype:
     raise ValueError(f"the CPU kernel reads float32, bfloat16 or int8 pools, not {dtype}")
   scaled = k_scales_GxPxS is not None and v_scales_GxPxS is not None
   if scaled != (dtype == jnp.int8) or (k_scales_GxPxS is None) != (v_scales_GxPxS is None):
@@ -172,7 +176,10 @@ def ragged_paged_attention(
         f"the CPU kernel needs a head dim that is a multiple of {HEAD_DIM_MULTIPLE}, "
         f"not {q_TxHxK.shape[-1]}"
     )
-  pools = (k_pages_GxPxSxK, v_pages_GxPxSxK)
+  pools = tuple(
+      jax.lax.bitcast_convert_type(x, BF16_BITS) if x.dtype == jnp.bfloat16 else x
+      for x in (k_pages_GxPxSxK, v_pages_GxPxSxK)
+  )
   if scaled:
     pools += (k_scales_GxPxS.astype(jnp.float32), v_scales_GxPxS.astype(jnp.float32))
   target = TARGET_INT8 if scaled else TARGET_BF16 if dtype == jnp.bfloat16 else TARGET

@@ -3,7 +3,7 @@
   python -m jaxpipe.serve --workdir /tmp/qs --prompt "def " --max_tokens 64
   python -m jaxpipe.serve --config configs/quickstart.py --prompt "import " --temperature 0.8
       [--prompt ...] [--top_k K] [--top_p P] [--seed S] [--max_seq_len N] [--num_pages N]
-      [--kv_cache_dtype auto|int8|fp8] [--tensor_parallel N]
+      [--dtype float32|bfloat16] [--kv_cache_dtype auto|int8|fp8] [--tensor_parallel N]
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
       [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256]
       [--page_buckets 16]
@@ -74,6 +74,14 @@ _MAX_SEQ_LEN = flags.DEFINE_integer(
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=FLAGS)
 _NUM_PAGES = flags.DEFINE_integer(
     "num_pages", 256, "KV pages per layer (page 0 is scratch).", flag_values=FLAGS
+)
+_DTYPE = flags.DEFINE_enum(
+    "dtype",
+    None,
+    ["float32", "bfloat16"],
+    "The weights' and the compute's dtype (default: the run's model.dtype): bfloat16 halves the "
+    "weights (cast once, at load) and, with --kv_cache_dtype auto, the KV pages.",
+    flag_values=FLAGS,
 )
 _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "kv_cache_dtype",
@@ -215,6 +223,8 @@ def main(argv: list[str]) -> None:
   else:
     source = f"fresh parameters of {config_flags.get_config_filename(FLAGS['config'])}"
     params = restore.fresh_params(config)
+  if _DTYPE.value is not None:
+    cfg, params = in_dtype(cfg, params, _DTYPE.value)
   max_seq_len = _MAX_SEQ_LEN.value or _model_context(_WORKDIR.value) or config.data.seq_len
   pool = (_NUM_PAGES.value - 1) * _PAGE_SIZE.value  # tokens the KV pool holds (page 0: scratch)
   if _MAX_SEQ_LEN.value is None and max_seq_len > pool:
@@ -274,6 +284,15 @@ def main(argv: list[str]) -> None:
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + tok.decode([t for t in out if t not in tok.eos_ids]))
     print(f"# tokens: {out}")
+
+
+def in_dtype(cfg, params, dtype: str):
+  """(cfg computing in `dtype`, params cast to it): the weights held as they are multiplied."""
+  import jax
+  import jax.numpy as jnp
+
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return dataclasses.replace(cfg, dtype=dtype), jax.tree.map(cast, params)
 
 
 def _engine_devices(n: int) -> list:

@@ -165,7 +165,12 @@ class TokenBatch:
   ring_seq_tables_BxN: jax.Array | None = None
 
 
-KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # None: compute
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bfloat16": jnp.bfloat16,
+    "int8": jnp.int8,
+    "fp8": jnp.float8_e4m3fn,
+}  # None: the compute dtype
 
 
 def kv_dtype(cfg: TransformerConfig, kv_cache_dtype: str = "auto"):
@@ -294,6 +299,31 @@ class _PagedHook:
     return o_TxHxK[None]
 
 
+# Inside a step a bfloat16 pool travels as its bits: XLA:CPU widens a bfloat16 scatter (and a
+# bfloat16 operand of a custom call in a loop) to float32 copies of the whole pool, every layer;
+# uint16 ones it updates in place. `_forward_local` converts at the step's edges.
+BITS = jnp.uint16
+
+
+def _to_bits(pool):
+  if pool is None or pool.dtype != jnp.bfloat16:
+    return pool
+  return jax.lax.bitcast_convert_type(pool, BITS)
+
+
+def _from_bits(pool, dtype):
+  if pool is None or dtype != jnp.bfloat16:
+    return pool
+  return jax.lax.bitcast_convert_type(pool, dtype)
+
+
+def _scatter(pool, at, x):
+  """pool.at[at].set(x) in the pool's dtype (a bfloat16 pool's bits as uint16 BITS)."""
+  if pool.dtype == BITS:
+    return pool.at[at].set(jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BITS))
+  return pool.at[at].set(x.astype(pool.dtype))
+
+
 def _write_and_attend(
     q_TxHxK,
     k_TxGxK,
@@ -317,8 +347,7 @@ def _write_and_attend(
   g_G = jnp.arange(k_pool.shape[0])[None, :]
   at = (g_G, (offset + slots_T // s)[:, None], (slots_T % s)[:, None])
   if k_scales is None:
-    k_pool = k_pool.at[at].set(k_TxGxK.astype(k_pool.dtype))
-    v_pool = v_pool.at[at].set(v_TxGxK.astype(v_pool.dtype))
+    k_pool, v_pool = _scatter(k_pool, at, k_TxGxK), _scatter(v_pool, at, v_TxGxK)
   else:
     (k_q, k_scale_TxG), (v_q, v_scale_TxG) = (quantize(x, k_pool.dtype) for x in (k_TxGxK, v_TxGxK))
     k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
@@ -330,12 +359,16 @@ def _write_and_attend(
       window=window,
       softcap=softcap,
   )
+  # the CPU kernel reads a bfloat16 pool's bits as they are; the others a bfloat16 view
+  k_read, v_read = k_pool, v_pool
+  if k_pool.dtype == BITS and backend != "cpu_ragged":
+    k_read, v_read = _from_bits(k_pool, jnp.bfloat16), _from_bits(v_pool, jnp.bfloat16)
   if backend in RAGGED_BACKENDS:
     o_TxHxK = ragged_paged_attention(
-        q_TxHxK, k_pool, v_pool, rows, block=RAGGED_BLOCK, kernel=RAGGED_KERNELS[backend], **scales
+        q_TxHxK, k_read, v_read, rows, block=RAGGED_BLOCK, kernel=RAGGED_KERNELS[backend], **scales
     )
   else:
-    o_TxHxK = paged_attention(q_TxHxK, k_pool, v_pool, *rows, backend=backend, **scales)
+    o_TxHxK = paged_attention(q_TxHxK, k_read, v_read, *rows, backend=backend, **scales)
   return o_TxHxK.astype(q_TxHxK.dtype), (k_pool, v_pool, k_scales, v_scales)
 
 
@@ -416,7 +449,8 @@ def _tensor_parallel(run, params, pools, batch, *, axis):
 
 def _forward_local(cfg, params, pools, batch, *, layout, backend):
   """The layer stack over one device's pools: (logits [R, vocab or its tp slice], pools)."""
-  hook = _PagedHook(pools, layout, batch, backend)
+  dtypes = [None if p is None else p.dtype for p in pools]
+  hook = _PagedHook(tuple(_to_bits(p) for p in pools), layout, batch, backend)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
   every = 1 if cfg.moe is None else cfg.moe.every
   positions_T = batch.positions_T
@@ -446,10 +480,10 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend):
 
   units = cfg.n_layers // every
   (x_1xTxD, pools), _ = jax.lax.scan(
-      unit_body, (x_1xTxD, pools), (params["layers"], jnp.arange(units))
+      unit_body, (x_1xTxD, hook.pools), (params["layers"], jnp.arange(units))
   )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
-  return logits_1xRxV[0], pools
+  return logits_1xRxV[0], tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))
 
 
 def serve_step(

@@ -201,3 +201,32 @@ def test_a_bad_cache_dtype_is_refused_in_one_line():
         [d[1:2]],
         prefill_kwargs=dict(kv_cache_dtype="int8"),
     )
+
+
+def test_bfloat16_serving_keeps_weights_and_pages_in_bfloat16_on_every_kernel():
+  """serve --dtype bfloat16: weights cast once, pools bfloat16, and the same greedy tokens from
+  the CPU kernel (which reads the pools' bits in place) and the XLA path; the logits are the
+  model's in bfloat16: within its rounding of the float32 ones, and not equal to them."""
+  from jaxpipe.serve import __main__ as serve_main
+
+  cfg, params = serve_main.in_dtype(CFG, helpers.engine_params("dense"), "bfloat16")
+  assert cfg.dtype == "bfloat16" and {x.dtype for x in jax.tree.leaves(params)} == {
+      np.dtype("bfloat16")
+  }
+  prompts = helpers.prompts(seed=4, n=6)
+  outs = {}
+  for attention in ("cpu_ragged", "xla_ragged"):
+    engine = Engine(cfg, params, num_pages=17, attention=attention, **helpers.ENGINE_ARGS)
+    assert engine.kv.k.dtype == np.dtype("bfloat16") and engine.backend == attention
+    outs[attention] = engine.generate(prompts, max_tokens=8)
+  assert outs["cpu_ragged"] == outs["xla_ragged"]
+  kv = serve_model.init_kv(cfg, 9, PAGE)
+  got, _ = serve_model.prefill(cfg, params, kv, prompts[0], 0, list(range(1, 9)))
+  want, _ = serve_model.prefill(
+      CFG, helpers.engine_params("dense"), serve_model.init_kv(CFG, 9, PAGE), prompts[0], 0,
+      list(range(1, 9)),
+  )  # fmt: skip
+  # bfloat16 keeps 8 bits of mantissa (2^-9 relative rounding): through the two layers' dozen
+  # rounded products of unit-scale random weights the logits move by a few percent, not more
+  err = float(np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max())
+  assert 1e-4 < err < 6e-2
