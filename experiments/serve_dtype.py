@@ -8,8 +8,10 @@ bfloat16 (`jaxpipe.serve.__main__.in_dtype`); with `--kv_cache_dtype auto` the K
 bfloat16 too, which the CPU kernel (`cpu_ragged`) reads. This bench builds one engine per dtype
 on the same random weights of a Llama of the given shape (toy: the serving bench's, hidden 256,
 4 layers, vocabulary 1,024; smollm2-135m: 30 layers, hidden 576, 9/3 heads, d_ff 1,536,
-vocabulary 49,152, tied embeddings), serves the same seeded requests (all arriving at once,
-greedy, EOS ignored) in alternating rounds after a warm-up round each, and prints per dtype:
+vocabulary 49,152, tied embeddings), compiles its step programs (a decode batch's and a prefill
+chunk's token count, tables padded to the longest sequence), serves the same seeded requests
+(all arriving at once, greedy, EOS ignored) in alternating rounds after a warm-up round each,
+and prints per dtype:
 tokens/s per round and their median, the ratio to float32 in the same round, the weights' and
 pools' bytes, and how many requests' greedy tokens equal float32's.
 """
@@ -81,6 +83,10 @@ def engine(cfg, params, dtype: str, work, args) -> Engine:
       max_tokens_per_step=args.token_budget,
       max_seq_len=length,
       prefix_caching=False,
+      # few programs, all compiled before the clock starts: decode batches and prefill chunks,
+      # every sequence's table padded to the longest
+      token_buckets=(args.max_batch, args.token_budget),
+      page_buckets=(length // s,),
   )
 
 
@@ -110,7 +116,8 @@ def main(argv) -> None:
   engines = {d: engine(cfg, params, d, work, args) for d in DTYPES}
   load0 = os.getloadavg()[0]
   for e in engines.values():
-    serve_round(e, work)  # compiles the step programs the workload needs
+    e.precompile()
+    serve_round(e, work)  # a warm-up round
   rounds = {d: [] for d in DTYPES}
   for r in range(args.rounds):
     for d in DTYPES[r % 2 :] + DTYPES[: r % 2]:

@@ -500,6 +500,22 @@ QWEN_SPLIT = (
 )
 
 
+# Llama 3.2's own config fields on TINY_LLAMA's shape: llama3 rotary (factor 32 past 8,192
+# positions, as Llama-3.2-1B's config.json), its base, its context; tied embeddings and head_dim
+# are TINY_LLAMA's
+LLAMA_32 = dict(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    rope_theta=500_000.0,
+    max_position_embeddings=131_072,
+)
+
+
 def tiny_bpe(vocab_size: int = 384, qwen: bool = False):
   """A byte-level BPE tokenizer (GPT-2, Llama 3) trained on TINY_TEXTS; BOS added to prompts.
 

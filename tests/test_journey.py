@@ -77,7 +77,7 @@ def _get(url: str, timeout: float = 5.0) -> dict:
 def journey(tmp_path_factory):
   root = tmp_path_factory.mktemp("journey")
   env = helpers.env(root, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-  src = helpers.write_tiny_llama(root / "src")
+  src = helpers.write_tiny_llama(root / "src", **helpers.LLAMA_32)  # Llama 3.2's config fields
   workdir, corpus, export = str(root / "w"), str(root / "corpus"), str(root / "export")
   _run(["jaxpipe.convert", "hf-to-orbax", src, workdir], env)
   prepared = _run(
@@ -191,6 +191,23 @@ def _client(journey):
   import openai
 
   return openai.OpenAI(base_url=journey["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def test_the_model_is_llama_3_2s_as_transformers_wrote_it(journey):
+  """The source config.json as transformers wrote it, llama3 rotary and its metadata included,
+  converted as it is; the export writes the same fields back."""
+  from jaxpipe.models import hf
+
+  with open(os.path.join(journey["root"], "src", "config.json")) as f:
+    src = json.load(f)
+  assert src["rope_parameters"]["rope_type"] == "llama3" and src["tie_word_embeddings"]
+  assert {"transformers_version", "dtype", "architectures", "head_dim"} <= set(src)
+  cfg = hf.config_from_hf(src)
+  assert cfg.rope_scaling.type == "llama3" and cfg.rope_scaling.factor == 32.0
+  assert (cfg.rope_theta, cfg.head_dim, cfg.tied_embeddings) == (500_000.0, 8, True)
+  with open(os.path.join(journey["export"], "config.json")) as f:
+    out = json.load(f)
+  assert out["rope_parameters"] == src["rope_parameters"] and out["head_dim"] == src["head_dim"]
 
 
 def test_training_on_the_corpus_lowered_the_loss(journey):

@@ -219,6 +219,20 @@ def rope(f: Fields, default_theta: float = 10_000.0, layer_type: str = "full_att
   return float(theta), _scaling(f, dict(params), where), float(fraction)
 
 
+def whole_rope(f: Fields, family: str, default_theta: float = 10_000.0, layer_type=LAYER_KINDS[0]):
+  """(rope_theta, RopeScaling or None) of a family whose transformers class rotates every
+  channel of a head: a partial_rotary_factor other than 1 is refused by name."""
+  theta, scaling, fraction = rope(f, default_theta, layer_type)
+  if fraction != 1.0:
+    raise f.refuse("partial_rotary_factor", f"transformers' {family} rotates every channel", 1.0)
+  return theta, scaling
+
+
+def act_name(cfg: transformer.TransformerConfig) -> str:
+  """transformers' name of cfg's FFN activation."""
+  return "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu"
+
+
 def write_rope(hf: dict, cfg: transformer.TransformerConfig) -> None:
   """Sets the rotary fields of config.json `hf` to cfg's, in the layout hf already uses."""
   scaling = rope_lib.scaling_of(cfg.rope_scaling)

@@ -62,7 +62,7 @@ def write_gemma(hf: dict, cfg: transformer.TransformerConfig) -> None:
   base.write_common(hf, cfg)
   base.write_layer_types(hf, cfg)
   hf.update(
-      hidden_activation="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_activation=base.act_name(cfg),
       query_pre_attn_scalar=_number(cfg.attn_scale_dim or cfg.head_dim),
       attn_logit_softcapping=cfg.attn_softcap or None,
       final_logit_softcapping=cfg.final_softcap or None,
@@ -77,9 +77,7 @@ def _number(x: float) -> int | float:
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Gemma 2 rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Gemma 2")
   return transformer.TransformerConfig(
       **gemma_fields(f, pattern=2), rope_theta=theta, rope_scaling=scaling
   )

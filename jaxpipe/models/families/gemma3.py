@@ -35,9 +35,7 @@ def _local_theta(f: base.Fields) -> float:
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
-  theta, scaling, fraction = base.rope(f, DEFAULTS["rope_theta"], "full_attention")
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Gemma 3 rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Gemma 3", DEFAULTS["rope_theta"], "full_attention")
   pattern = f.get("sliding_window_pattern")
   return transformer.TransformerConfig(
       **gemma2.gemma_fields(f, pattern=pattern),

@@ -19,9 +19,7 @@ DEFAULTS = dict(
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
   base.no_dropout(f)
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Llama rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Llama")
   bias = bool(f.get("attention_bias"))
   return transformer.TransformerConfig(
       **base.common(f),
@@ -39,7 +37,7 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
   hf.update(
       attention_bias=cfg.qkv_bias,
       mlp_bias=cfg.mlp_bias,
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
   )
 
 

@@ -18,9 +18,7 @@ DEFAULTS = dict(
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
   base.no_dropout(f)
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Mistral rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Mistral")
   f.used.add("layer_types")  # transformers' Mistral warns and ignores them
   return transformer.TransformerConfig(
       **base.common(f),
@@ -34,7 +32,7 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
   base.write_common(hf, cfg)
   hf.update(
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
       sliding_window=cfg.sliding_window or None,
   )
 

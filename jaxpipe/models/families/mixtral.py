@@ -32,9 +32,7 @@ def aux_loss_coef(f: base.Fields) -> float:
 def read(f: base.Fields) -> transformer.TransformerConfig:
   base.no_dropout(f)
   f.require("router_jitter_noise", lambda v: not v, "the LM's router takes no jitter", 0.0)
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Mixtral rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Mixtral")
   moe = moe_lib.MoEConfig(
       num_experts=f.get("num_local_experts"),
       top_k=f.get("num_experts_per_tok"),
@@ -64,7 +62,7 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
       num_experts_per_tok=m.top_k,
       num_local_experts=m.num_experts,
       sliding_window=cfg.sliding_window or None,
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
   )
 
 

@@ -38,7 +38,7 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
   base.write_common(hf, cfg)
   hf.update(
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
       sliding_window=cfg.sliding_window or None,
   )
 

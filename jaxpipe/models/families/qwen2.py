@@ -39,9 +39,7 @@ def write_sliding(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
   base.no_dropout(f)
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Qwen2 rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Qwen2")
   fields = base.common(f)
   return transformer.TransformerConfig(
       **fields,
@@ -56,7 +54,7 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
   base.write_common(hf, cfg)
   write_sliding(hf, cfg)
-  hf["hidden_act"] = "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu"
+  hf["hidden_act"] = base.act_name(cfg)
 
 
 FAMILY = base.Family("qwen2", "Qwen2ForCausalLM", DEFAULTS, read, write, base.dense_tensors)

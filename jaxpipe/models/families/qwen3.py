@@ -22,9 +22,7 @@ DEFAULTS = dict(
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
   base.no_dropout(f)
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Qwen3 rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Qwen3")
   fields = base.common(f)
   bias = bool(f.get("attention_bias"))
   return transformer.TransformerConfig(
@@ -44,7 +42,7 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
   qwen2.write_sliding(hf, cfg)
   hf.update(
       attention_bias=cfg.qkv_bias,
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
   )
 
 

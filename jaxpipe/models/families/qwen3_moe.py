@@ -36,9 +36,7 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
       "dense layers are placed by decoder_sparse_step alone (moe.every)",
       [],
   )
-  theta, scaling, fraction = base.rope(f)
-  if fraction != 1.0:
-    raise f.refuse("partial_rotary_factor", "transformers' Qwen3-MoE rotates every channel", 1.0)
+  theta, scaling = base.whole_rope(f, "Qwen3-MoE")
   renorm = bool(f.get("norm_topk_prob"))
   moe = moe_lib.MoEConfig(
       # transformers maps num_experts onto num_local_experts and writes the latter
@@ -80,7 +78,7 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
       decoder_sparse_step=m.every,
       use_sliding_window=bool(cfg.sliding_window),
       attention_bias=cfg.qkv_bias,
-      hidden_act="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu",
+      hidden_act=base.act_name(cfg),
   )
   hf["num_experts" if "num_experts" in hf else "num_local_experts"] = m.num_experts
   if cfg.sliding_window:
