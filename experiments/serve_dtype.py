@@ -23,7 +23,7 @@ import statistics
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from experiments.serve_peer import agreement, round_figures, workload
 from jaxpipe.models import transformer
