@@ -115,13 +115,18 @@ def test_readme_links_into_docs():
 
 
 def test_paths_in_code_font_exist():
-  """`jaxpipe/serve/pages.py`, `tests/serve/`: files and folders the prose names (placeholders
-  such as `checkpoints/<step>/` or `jaxpipe/{train,launch}.py` aside)."""
+  """`jaxpipe/serve/pages.py`, `tests/serve/`, `tests/x.py::test_y`: files, folders and tests the
+  prose names (placeholders such as `checkpoints/<step>/` or `jaxpipe/{train,launch}.py` aside)."""
   missing = []
   for path in [README, *PAGES]:
     for name in _PATH.findall(path.read_text()):
-      if not any(c in name for c in "<{*") and not (ROOT / name).exists():
+      if any(c in name for c in "<{*"):
+        continue
+      file, _, test = name.partition("::")  # a test's node id names its file and its function
+      if not (ROOT / file).exists():
         missing.append(f"{path.relative_to(ROOT)}: {name}")
+      elif test and not re.search(rf"^def {re.escape(test)}\(", (ROOT / file).read_text(), re.M):
+        missing.append(f"{path.relative_to(ROOT)}: {name} (no such test in {file})")
   assert not missing, "paths named in the docs that this checkout does not have:\n" + "\n".join(
       missing
   )
