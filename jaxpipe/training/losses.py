@@ -45,7 +45,7 @@ from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.training import config as config_lib
-from jaxpipe.training import zero
+from jaxpipe.training import microbatch, zero
 from jaxpipe.training.mesh import make_mesh
 from jaxpipe.training.state import state_shardings
 
@@ -74,27 +74,7 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
   def loss_and_grads(params, batch):
-    if microbatches == 1:
-      (total, count), grads = grad_fn(params, batch)
-    else:
-      # Row i*m + j goes to micro-batch j: a reshape that keeps the batch axis's sharding.
-      split = jax.tree.map(
-          lambda x: jnp.swapaxes(
-              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
-          ),
-          batch,
-      )
-
-      def body(carry, mb):
-        (s, n), g = grad_fn(params, mb)
-        return fp8_lib.accumulate(carry, (s, n, g)), None
-
-      zeros = (
-          jnp.zeros((), jnp.float32),
-          jnp.zeros((), jnp.float32),
-          jax.tree.map(jnp.zeros_like, params),
-      )
-      (total, count, grads), _ = jax.lax.scan(body, zeros, split)
+    (total, count), grads = microbatch.accumulate(grad_fn, params, batch, microbatches)
     denom = jnp.maximum(count, 1.0)
     return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
 
@@ -125,24 +105,7 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
     denom = jnp.maximum(count, 1.0)
-    if microbatches == 1:
-      (_, (loss, aux)), grads = grad_fn(params, batch, denom)
-    else:
-      split = jax.tree.map(
-          lambda x: jnp.swapaxes(
-              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
-          ),
-          batch,
-      )
-
-      def body(carry, mb):
-        (_, (ce, a)), g = grad_fn(params, mb, denom)
-        return fp8_lib.accumulate(carry, (ce, a, g)), None
-
-      first = jax.tree.map(lambda x: x[0], split)
-      (_, (ce_sd, aux_sd)), grads_sd = jax.eval_shape(grad_fn, params, first, denom)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (ce_sd, aux_sd, grads_sd))
-      (loss, aux, grads), _ = jax.lax.scan(body, zeros, split)
+    (_, (loss, aux)), grads = microbatch.accumulate(grad_fn, params, batch, microbatches, denom)
     metrics = {
         "tokens": count,
         **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
@@ -285,25 +248,7 @@ def context_parallel_loss_and_grads(
         "weights": transformer.mean_weights(batch["mask"]),
         **packed(batch),
     }
-    if microbatches == 1:
-      (total, aux), grads = grad_fn(params, batch)
-    else:
-      # Row i*m + j goes to micro-batch j, as in the data-parallel path.
-      split = jax.tree.map(
-          lambda x: jnp.swapaxes(
-              x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1
-          ),
-          batch,
-      )
-
-      def body(carry, mb):
-        return fp8_lib.accumulate(carry, grad_fn(params, mb)), None
-
-      first = jax.tree.map(lambda x: x[0], split)
-      zeros = jax.tree.map(
-          lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first)
-      )
-      ((total, aux), grads), _ = jax.lax.scan(body, zeros, split)
+    (total, aux), grads = microbatch.accumulate(grad_fn, params, batch, microbatches)
     metrics = {"tokens": count}
     if cfg.moe is not None:
       metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))

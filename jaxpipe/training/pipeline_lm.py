@@ -55,7 +55,7 @@ from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
 from jaxpipe.pipeline.executor import Model, layered, param_specs_key
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.training import config as config_lib
-from jaxpipe.training import zero
+from jaxpipe.training import microbatch, zero
 from jaxpipe.training.state import BATCH_AXES, param_axes
 
 CONTEXT_AXIS = "cp"  # mesh axis that splits the sequence
@@ -283,10 +283,7 @@ def pipeline_loss_and_grads(
         "mask": transformer.mean_weights(batch["mask"]),
         **packed_keys,
     }
-    # Row i*m + j goes to micro-batch j: keeps the batch axis's sharding (as the dp path does).
-    split = jax.tree.map(
-        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), weighted
-    )
+    split = microbatch.split(weighted, m)  # as every path splits
     stage_params = jax.tree.map(
         lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]
     )
