@@ -9,7 +9,7 @@ against compiled programs and tabled for H200 clusters.
 and quickstart shapes, pp 1, 2 and 4, several schedules and micro-batch counts, dp, ep and cp
 variations, dense and MoE) on the 8 host devices and compares the planner's per-device total
 with `compiled.memory_analysis()`: argument + output - alias + temporaries, the peak the
-Trainer records (`Trainer.compile`). The planner's model (`jaxpipe/pipeline/ir/layout.py`) is
+Trainer records (`Trainer.compile`). The planner's model (`jaxpipe/planning/layout.py`) is
 pure Python; what XLA:CPU keeps per token is calibrated in `CPU_ACTIVATIONS` (its docstring
 names the programs). `--tables` ranks every layout the planner considers for each model and
 cluster size and prints the fastest that fit, beside the published layouts (`PUBLISHED`).
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from jaxpipe.pipeline.ir import layout as L
+from jaxpipe.planning import layout as L
 from jaxpipe.runtime import cli
 from jaxpipe.training import plan
 

@@ -46,12 +46,12 @@ from collections.abc import Sequence
 import ml_collections
 from absl import flags
 
-from jaxpipe.pipeline.ir import auto as auto_lib
-from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import lower
+from jaxpipe.planning import auto as auto_lib
+from jaxpipe.planning import costs as costs_lib
 from jaxpipe.runtime import cli, files
 from jaxpipe.training import config as config_lib
-from jaxpipe.training.measure import load_average
+from jaxpipe.training.stage_timing import load_average
 
 COLUMNS = (
     "cell",

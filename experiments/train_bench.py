@@ -713,8 +713,8 @@ def table(rows: list[dict]) -> str:
 def build(args, config) -> list[Contender]:
   """The contenders, compiled and ready: plain first, then jaxpipe's, MaxText, the matmul."""
   from jaxpipe.models import flops as flops_lib
+  from jaxpipe.training import batches as data_lib
   from jaxpipe.training import config as config_lib
-  from jaxpipe.training import data as data_lib
 
   batch = args.batch or config.data.batch
   seq = config.data.seq_len

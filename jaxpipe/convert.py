@@ -4,7 +4,7 @@
   python -m jaxpipe.train --workdir WORKDIR [--config.key=value ...]
   python -m jaxpipe.convert orbax-to-hf WORKDIR DST_DIR [--step S] [--dtype D] [--pp P] [--ep E]
 
-What each writes and reads: `jaxpipe.training.convert`. The sub-command and its directories are
+What each writes and reads: `jaxpipe.training.hf_workdir`. The sub-command and its directories are
 the positional arguments; --fp8 belongs to hf-to-orbax, --step and --dtype to orbax-to-hf.
 """
 
@@ -23,7 +23,7 @@ from jaxpipe.ops import fp8 as fp8_lib  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 
 # Workdirs converted before the library moved to jaxpipe.training name it here in their config.py.
-from jaxpipe.training.convert import (  # noqa: E402
+from jaxpipe.training.hf_workdir import (  # noqa: E402
     finetune_config,  # noqa: E402, F401
     hf_to_orbax,
     orbax_to_hf,

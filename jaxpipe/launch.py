@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 
 from jaxpipe.runtime import cli
-from jaxpipe.runtime.launch import Rank, describe_status, free_port
+from jaxpipe.runtime.ranks import Rank, describe_status, free_port
 
 FLAGS = cli.flag_values(__name__)
 FLAGS.set_gnu_getopt(False)  # the flags end where the command starts: its flags are its own

@@ -6,7 +6,7 @@
   python -m jaxpipe.schedule auto --pp 4 --microbatches 8 --costs costs.json
 
 What is timed and how (every part on every rank, idle and ppermute ticks subtracted, medians
-over rounds): `jaxpipe.training.measure`. `--paired` also times the config's own train step in
+over rounds): `jaxpipe.training.stage_timing`. `--paired` also times the config's own train step in
 the same rounds.
 """
 
@@ -24,10 +24,10 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import flags  # noqa: E402
 
-from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
+from jaxpipe.planning import costs as costs_lib  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
-from jaxpipe.training.measure import measure, seconds  # noqa: E402
+from jaxpipe.training.stage_timing import measure, seconds  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)

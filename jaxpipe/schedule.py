@@ -21,11 +21,11 @@ from collections.abc import Callable
 from absl import app, flags
 
 from jaxpipe.pipeline import SCHEDULE_NAMES, Schedule, make_schedule
-from jaxpipe.pipeline.ir import auto as auto_lib
-from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.export import text_grid, to_csv, to_perfetto, to_png
 from jaxpipe.pipeline.ir.formulas import anchor
 from jaxpipe.pipeline.ir.simulate import resolve_costs, simulate
+from jaxpipe.planning import auto as auto_lib
+from jaxpipe.planning import costs as costs_lib
 from jaxpipe.runtime import cli
 
 FLAGS = cli.flag_values(__name__)

@@ -4,7 +4,7 @@
       --config.model.n_layers=8 --config.pipeline.schedule=zb-h1 --config.pipeline.microbatches=8 \
       --costs costs.json --out zb-h1.ticks.json      # open in ui.perfetto.dev
 
-What the planned and the measured ticks are: `jaxpipe.pipeline.tick_trace`.
+What the planned and the measured ticks are: `jaxpipe.planning.ticks`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import tempfile  # noqa: E402
 from absl import flags  # noqa: E402
 
 from jaxpipe.pipeline.api import lowered_for  # noqa: E402
-from jaxpipe.pipeline.ir import costs as costs_lib  # noqa: E402
-from jaxpipe.pipeline.tick_trace import (  # noqa: E402
+from jaxpipe.planning import costs as costs_lib  # noqa: E402
+from jaxpipe.planning.ticks import (  # noqa: E402
     TraceError,
     branch_of_table,
     perfetto_trace,
@@ -31,8 +31,8 @@ from jaxpipe.pipeline.tick_trace import (  # noqa: E402
 )
 from jaxpipe.runtime import cli  # noqa: E402
 from jaxpipe.training import config as config_lib  # noqa: E402
-from jaxpipe.training.measure import measure  # noqa: E402
 from jaxpipe.training.pipeline_lm import lm_schedule  # noqa: E402
+from jaxpipe.training.stage_timing import measure  # noqa: E402
 from jaxpipe.training.trainer import Trainer  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)  # absl's FLAGS when run, else its own (`jaxpipe.runtime.cli`)

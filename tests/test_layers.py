@@ -1,7 +1,7 @@
 """The package's layers: each imports only the ones below it, and no modules import each other in
 a circle (function-local imports count too: they are arrows all the same, only later).
 
-  runtime < ops < parallel < models < data < pipeline < training < serve < commands
+  runtime < ops < parallel < models < data < pipeline < planning < training < serve < commands
 
 `commands` are the `python -m` entry points: the modules directly under jaxpipe/ and every
 `__main__.py`. `kernels_pallas` and `kernels_cpu` sit beneath everything and import no jaxpipe
@@ -23,6 +23,7 @@ LAYERS = (
     "models",
     "data",
     "pipeline",
+    "planning",
     "training",
     "serve",
     "commands",
@@ -164,6 +165,19 @@ def test_the_schedule_ir_imports_nothing_above_the_runtime(graph):
   for m in ir:
     outside = {t for t in graph[m] if not t.startswith("jaxpipe.pipeline.ir")}
     assert outside <= {"jaxpipe.runtime.files"}, (m, outside)
+
+
+def test_only_the_library_is_installed():
+  """pyproject.toml installs jaxpipe and the kernels; experiments/ and configs/ run from the
+  repository's root and are not installed, so no other `import experiments` finds them."""
+  import tomllib
+
+  import setuptools
+
+  find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+  found = setuptools.find_packages(str(ROOT), include=find["find"]["include"])
+  assert {p.split(".")[0] for p in found} == {"jaxpipe", "kernels_pallas", "kernels_cpu"}, found
+  assert "jaxpipe.planning" in found
 
 
 def test_no_test_module_imports_another():

@@ -1,7 +1,7 @@
 """`data.source=tokens:DIR`: training batches packed from the whole documents of a token store.
 
 Batch i of a split is a pure function of (seed, split, i), as for every source of
-`jaxpipe.training.data`, so a resumed run is bit-exact. How:
+`jaxpipe.training.batches`, so a resumed run is bit-exact. How:
 
 - The split. Each document goes to eval when a hash of its index (splitmix64, no seed) falls
   below `data.eval_fraction`, else to train: documents, never parts of one, are held out, and
@@ -36,7 +36,7 @@ from jaxpipe.data import store as store_lib
 from jaxpipe.models import tokenizer as tokenizer_lib
 
 PREFIX = "tokens:"  # data.source = "tokens:DIR"
-SPLITS = ("train", "eval")  # as jaxpipe.training.data.SPLITS
+SPLITS = ("train", "eval")  # as jaxpipe.training.batches.SPLITS
 
 
 def store_dir(source: str) -> str | None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from jaxpipe.pipeline.ir.costs import CostFile, Prediction
 from jaxpipe.pipeline.ir.lower import Lowered, lower
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.schedules import SCHEDULE_NAMES, make_schedule
+from jaxpipe.planning.costs import CostFile, Prediction
 
 GB = 2**30
 

@@ -36,8 +36,8 @@ import jax
 import numpy as np
 
 from jaxpipe.pipeline.executor import PARTS
-from jaxpipe.pipeline.ir.costs import Prediction
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, Lowered
+from jaxpipe.planning.costs import Prediction
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\b([\w\-]+)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

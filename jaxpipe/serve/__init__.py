@@ -8,7 +8,7 @@
 `Colocated` and `Disaggregated` (serve/deploy.py) run several engines, prefill and decode apart.
 
 The engine and the simulator (serve/sim.py) schedule with one `Scheduler` (serve/scheduler.py),
-deployments and the simulator route with one router (serve/router.py), and TTFT / TPOT are
+deployments and the simulator route with one router (serve/placement.py), and TTFT / TPOT are
 `serve/slo.py`'s; serve/http/ is the OpenAI-compatible server (`CompletionServer`).
 """
 

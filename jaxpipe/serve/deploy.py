@@ -5,7 +5,7 @@ generated in it, by request id, to stream), `cancel`, `finished`, `has_work`. Ea
 `Engine` on its own group of devices; every `step` launches all the workers' steps before it
 collects any, so they run at once on their devices (one host thread drives them all).
 
-Where requests go is `serve.router`'s, the same code the simulator routes with:
+Where requests go is `serve.placement`'s, the same code the simulator routes with:
 
 - `Colocated`: every worker prefills and decodes (continuous batching, chunked prefill under
   its token budget). A new request goes to the worker with the fewest requests, ties to the first.
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.serve import router
+from jaxpipe.serve import placement
 from jaxpipe.serve.engine import ENGINE_EOS, FINISHED, RUNNING, Engine, KVState, Request
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 from jaxpipe.serve.scheduler import Scheduler
@@ -90,7 +90,7 @@ class Worker:
 
   @property
   def scheduler(self) -> Scheduler:
-    """The engine's scheduler (what `serve.router` compares)."""
+    """The engine's scheduler (what `serve.placement` compares)."""
     return self.engine.scheduler
 
 
@@ -303,7 +303,7 @@ class _Deployment:
     raise NotImplementedError
 
   def _route(self, entries: list[Worker]) -> Worker:
-    """The entry worker a new request goes to (`serve.router.entry_worker`)."""
+    """The entry worker a new request goes to (`serve.placement.entry_worker`)."""
     raise NotImplementedError
 
   def _submit_pending(self) -> None:
@@ -416,7 +416,7 @@ class Colocated(_Deployment):
     return [w for w in self.workers if not w.stopped]
 
   def _route(self, entries: list[Worker]) -> Worker:
-    return router.entry_worker(entries, prefill=False)
+    return placement.entry_worker(entries, prefill=False)
 
   def _lost(self) -> str | None:
     if not self._entry_workers():
@@ -493,7 +493,7 @@ class Disaggregated(_Deployment):
     return [w for w in self.prefill if not w.stopped]
 
   def _route(self, entries: list[Worker]) -> Worker:
-    return router.entry_worker(entries, prefill=True)
+    return placement.entry_worker(entries, prefill=True)
 
   def _lost(self) -> str | None:
     for side, workers in (("prefill", self.prefill), ("decode", self.decode)):
@@ -536,7 +536,7 @@ class Disaggregated(_Deployment):
         self._fail(r, lost)
         continue
       pages = p.engine.kv_shape(er.computed)[2]
-      d = router.decode_worker([d for d in self.decode if not d.stopped], pages)
+      d = placement.decode_worker([d for d in self.decode if not d.stopped], pages)
       if d is None:
         r.note = f"waiting for a decode worker with a free slot and {pages} free pages"
         continue

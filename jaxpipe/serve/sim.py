@@ -7,7 +7,7 @@ pages are taken as tokens are computed, and when none is left the newest running
 preempted and recomputed later. (`policy='prefill-first'` instead runs whole waiting prompts in a
 step of their own before any decoding, as vLLM's first scheduler did: the baseline DistServe
 measured.) A prefill worker parks a request once its first token is sampled; the deployments'
-router (`serve.router`) hands it to the decode worker with a free slot and the most free pages,
+router (`serve.placement`) hands it to the decode worker with a free slot and the most free pages,
 whose pages are reserved; the copy takes `Cluster.transfer_time(tokens)` and the request joins
 that decoder's batch at its first step boundary after the copy lands, when the prefill worker
 frees its pages. New requests go to the entry worker the router picks (the fewest prompt tokens
@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from jaxpipe.serve import router, slo
+from jaxpipe.serve import placement, slo
 from jaxpipe.serve.scheduler import Scheduler
 
 
@@ -353,7 +353,7 @@ class _Sim:
     self.handoff: collections.deque[tuple[_Worker, SimRequest]] = collections.deque()
 
   def route(self, r: SimRequest) -> None:
-    router.entry_worker(self.entry, prefill=self.cluster.disaggregated).scheduler.add(r)
+    placement.entry_worker(self.entry, prefill=self.cluster.disaggregated).scheduler.add(r)
 
   def start_transfers(self, now: float) -> list[tuple[float, _Worker, _Worker, SimRequest]]:
     """Reserves a decode worker for every parked request that fits one; returns the copies
@@ -362,7 +362,7 @@ class _Sim:
     while self.handoff:
       src, r = self.handoff.popleft()
       pages = math.ceil(r.computed / self.cluster.page_size)
-      d = router.decode_worker(self.decode, pages)
+      d = placement.decode_worker(self.decode, pages)
       if d is None:
         left.append((src, r))
         continue

@@ -507,8 +507,8 @@ def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
 
 def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
   """pipeline.schedule = 'auto': its fields, and at least one candidate the IR can build."""
-  from jaxpipe.pipeline.ir import auto as auto_lib
-  from jaxpipe.pipeline.ir import costs as costs_lib
+  from jaxpipe.planning import auto as auto_lib
+  from jaxpipe.planning import costs as costs_lib
 
   p = config.pipeline
   if not isinstance(p.auto_layout, bool):
@@ -564,7 +564,7 @@ def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> li
 def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tuple[int, int]]:
   """(micro-batches, stages) pairs the runnable auto candidates need costs for; AutoError if
   none can run."""
-  from jaxpipe.pipeline.ir import auto as auto_lib
+  from jaxpipe.planning import auto as auto_lib
 
   cands = auto_lib.candidates(
       mesh_shape["pp"],

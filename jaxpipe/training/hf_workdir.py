@@ -47,12 +47,12 @@ must stay, and so must optimizer.clip_norm > 0 (checkpoints/0 holds that optimiz
 """
 import os
 
-from jaxpipe.training import convert
+from jaxpipe.training import hf_workdir
 
 
 def get_config(arg=None):
   del arg
-  c = convert.finetune_config(os.path.dirname(os.path.abspath(__file__)))
+  c = hf_workdir.finetune_config(os.path.dirname(os.path.abspath(__file__)))
   c.model.fp8 = {fp8!r}  # hf-to-orbax --fp8: checkpoints/0 holds this recipe's state
   return c
 '''

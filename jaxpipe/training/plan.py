@@ -1,4 +1,4 @@
-"""The layout planner (`jaxpipe.pipeline.ir.layout`) on a jaxpipe config: the planner's model
+"""The layout planner (`jaxpipe.planning.layout`) on a jaxpipe config: the planner's model
 and layout of a config, its per-device bytes on this machine's XLA:CPU, and the layout search of
 `pipeline.auto_layout`.
 
@@ -22,7 +22,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxpipe.models import transformer
-from jaxpipe.pipeline.ir import layout as L
+from jaxpipe.planning import layout as L
 from jaxpipe.training import config as config_lib
 
 CPU_ACTIVATIONS = L.Activations(

@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import transformer
 from jaxpipe.pipeline.executor import ExecSpec, make_executor, param_specs_key, stage_ops
-from jaxpipe.pipeline.ir import auto as auto_lib
-from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, idle_row
+from jaxpipe.planning import auto as auto_lib
+from jaxpipe.planning import costs as costs_lib
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.mesh import BATCH_AXES, make_mesh
 from jaxpipe.training.pipeline_lm import CONTEXT_AXIS, lm_model, stage_param_specs

@@ -28,8 +28,8 @@ from jaxpipe.runtime import files, multihost
 from jaxpipe.runtime.checkpoint import Checkpointer
 from jaxpipe.runtime.metrics import MetricWriter
 from jaxpipe.runtime.preemption import StopRequest
+from jaxpipe.training import batches as data_lib
 from jaxpipe.training import config as config_lib
-from jaxpipe.training import data as data_lib
 from jaxpipe.training import zero
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
@@ -160,9 +160,9 @@ class Trainer:
     The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
     workdir; a run resumed there keeps its first choice unless `afresh` (a restart).
     """
-    from jaxpipe.pipeline.ir import auto as auto_lib
-    from jaxpipe.pipeline.ir import costs as costs_lib
-    from jaxpipe.training import measure, plan
+    from jaxpipe.planning import auto as auto_lib
+    from jaxpipe.planning import costs as costs_lib
+    from jaxpipe.training import plan, stage_timing
 
     path = os.path.join(workdir, "auto.json") if workdir else None
     if path and os.path.exists(path) and not afresh:
@@ -178,7 +178,7 @@ class Trainer:
         files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
     else:
       try:
-        ranking, measured = measure.choose(config, self.mesh_shape)
+        ranking, measured = stage_timing.choose(config, self.mesh_shape)
       except (auto_lib.AutoError, costs_lib.CostFileError) as e:
         raise config_lib.ConfigError(f"pipeline.schedule='auto': {e}") from e
       choice, self.auto_report = dict(auto_lib.choice_config(ranking.best)), ranking.report()

@@ -13,8 +13,8 @@ from configs import tiny
 from jaxpipe.data import prepare as prepare_lib
 from jaxpipe.data import source as source_lib
 from jaxpipe.data import store as store_lib
+from jaxpipe.training import batches as data_lib
 from jaxpipe.training import config as config_lib
-from jaxpipe.training import data as data_lib
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 

@@ -7,7 +7,7 @@ layouts that do not fit, bad input.
 import pytest
 
 from experiments import plan_layout
-from jaxpipe.pipeline.ir import layout as L
+from jaxpipe.planning import layout as L
 from jaxpipe.runtime import cli
 
 

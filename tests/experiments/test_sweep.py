@@ -16,10 +16,10 @@ import pytest
 from configs import tiny
 from experiments import sweep
 from jaxpipe.models import transformer
-from jaxpipe.pipeline import tick_trace
 from jaxpipe.pipeline.api import lowered_for
-from jaxpipe.pipeline.ir import auto as auto_lib
-from jaxpipe.pipeline.ir import costs as costs_lib
+from jaxpipe.planning import auto as auto_lib
+from jaxpipe.planning import costs as costs_lib
+from jaxpipe.planning import ticks
 from jaxpipe.runtime import cli
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.pipeline_lm import lm_schedule
@@ -221,7 +221,7 @@ def test_planned_and_measured_ticks_line_up_per_rank(swept):
   per_tick = trace["otherData"]["per_tick"]
   # every tick of every rank, read back from the profiler trace, ran the branch its table names
   measured = [[row["branch"][r] for row in per_tick] for r in range(2)]
-  assert measured == tick_trace.branch_of_table(lo)
+  assert measured == ticks.branch_of_table(lo)
   for row in per_tick:
     assert all(0 <= w for w in row["measured_work_s"]) and row["measured_s"] > 0
   prediction = costs_lib.load(cell_costs(out, m)).predict(lo)

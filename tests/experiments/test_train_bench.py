@@ -14,7 +14,7 @@ import pytest
 from configs import tiny
 from experiments import train_bench
 from jaxpipe.runtime import cli
-from jaxpipe.training import data as data_lib
+from jaxpipe.training import batches as data_lib
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 

@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpipe.models import hf, transformer
-from jaxpipe.training import convert as convert_lib
+from jaxpipe.training import hf_workdir as convert_lib
 from jaxpipe.training.state import make_optimizer
 from jaxpipe.training.trainer import Trainer
 from tests import helpers

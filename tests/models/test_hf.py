@@ -29,7 +29,7 @@ from jaxpipe.models import hf, moe, transformer
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.runtime import cli
 from jaxpipe.training import config as config_lib
-from jaxpipe.training import convert as convert_lib
+from jaxpipe.training import hf_workdir as convert_lib
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.state import state_shardings
 from jaxpipe.training.trainer import Trainer

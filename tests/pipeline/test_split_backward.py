@@ -8,8 +8,8 @@ import pytest
 
 from jaxpipe.models import transformer
 from jaxpipe.pipeline.executor import _Residuals
-from jaxpipe.pipeline.ir import layout as planner
 from jaxpipe.pipeline.split_backward import split_backward
+from jaxpipe.planning import layout as planner
 
 B, L = 2, 16
 CFG = transformer.TransformerConfig(

@@ -6,9 +6,9 @@ import pytest
 
 from jaxpipe import schedule as schedule_cli
 from jaxpipe.pipeline import SCHEDULE_NAMES, make_schedule
-from jaxpipe.pipeline.ir import auto as auto_lib
-from jaxpipe.pipeline.ir import costs as costs_lib
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, lower
+from jaxpipe.planning import auto as auto_lib
+from jaxpipe.planning import costs as costs_lib
 from jaxpipe.runtime import cli
 
 SECONDS = dict(

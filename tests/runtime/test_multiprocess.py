@@ -20,7 +20,7 @@ from configs import tiny
 from jaxpipe.pipeline import value_and_grad
 from jaxpipe.runtime import multihost, process
 from jaxpipe.runtime.checkpoint import is_committed
-from jaxpipe.runtime.launch import without_gloo_notices
+from jaxpipe.runtime.ranks import without_gloo_notices
 from jaxpipe.training import mesh as mesh_lib
 from jaxpipe.training.config import ConfigError, default_config
 from jaxpipe.training.trainer import Trainer

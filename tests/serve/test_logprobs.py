@@ -101,11 +101,11 @@ def llama(tmp_path_factory):
   import transformers
 
   from jaxpipe.training import config as config_lib
-  from jaxpipe.training import convert, restore
+  from jaxpipe.training import hf_workdir, restore
 
   root = tmp_path_factory.mktemp("llama")
   src = helpers.write_tiny_llama(root / "hf")
-  convert.hf_to_orbax(src, str(root / "run"))
+  hf_workdir.hf_to_orbax(src, str(root / "run"))
   config = restore.run_config(str(root / "run"))
   _, params = restore.restore_params(str(root / "run"), config)
   torch.set_num_threads(1)

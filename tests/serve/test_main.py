@@ -79,11 +79,11 @@ def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refuse
   import torch
   import transformers
 
-  from jaxpipe.training import convert
+  from jaxpipe.training import hf_workdir
 
   src = helpers.write_tiny_llama(tmp_path / "src")
   workdir = str(tmp_path / "w")
-  convert.hf_to_orbax(src, workdir)
+  hf_workdir.hf_to_orbax(src, workdir)
   tok = transformers.AutoTokenizer.from_pretrained(src)
   model = transformers.AutoModelForCausalLM.from_pretrained(src)
   prompt = "def main"

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from jaxpipe.serve import router
+from jaxpipe.serve import placement
 from jaxpipe.serve.scheduler import Scheduler
 from jaxpipe.serve.sim import CountedPages
 from tests import helpers
@@ -34,15 +34,15 @@ def test_a_prefilled_request_goes_to_the_decode_worker_with_the_most_free_pages(
   most free pages: c, although it runs a request and the others none (the opposite rule, fewest
   free pages, would pick a; the first in the list is a too)."""
   ws = [worker("a", 5), worker("b", 7), worker("c", 9, running=1), worker("d", 6)]
-  assert router.decode_worker(ws, pages=2).name == "c"
+  assert placement.decode_worker(ws, pages=2).name == "c"
   # a full batch or too few pages rule a worker out, however many pages it has
   full = worker("full", 20, running=4)
-  assert router.decode_worker([full] + ws, pages=2).name == "c"
-  assert router.decode_worker(ws, pages=8).name == "c"
-  assert router.decode_worker(ws, pages=10) is None  # it waits on its prefill worker
+  assert placement.decode_worker([full] + ws, pages=2).name == "c"
+  assert placement.decode_worker(ws, pages=8).name == "c"
+  assert placement.decode_worker(ws, pages=10) is None  # it waits on its prefill worker
   # equal free pages: the one with fewer running requests, then the first
   assert (
-      router.decode_worker(
+      placement.decode_worker(
           [worker("x", 9, running=2), worker("y", 9, running=1), worker("z", 9, running=1)], pages=1
       ).name
       == "y"
@@ -55,9 +55,9 @@ def test_a_new_request_goes_to_the_least_loaded_entry_worker():
   long_one = worker("long", 64, waiting=[40])  # 1 request, 40 tokens
   short_ones = worker("short", 64, waiting=[3, 3, 3])  # 3 requests, 9 tokens
   busy = worker("busy", 64, running=2)  # 2 requests, a token each left
-  assert router.entry_worker([long_one, short_ones, busy], prefill=True).name == "busy"
-  assert router.entry_worker([long_one, short_ones], prefill=True).name == "short"
-  assert router.entry_worker([short_ones, long_one, busy], prefill=False).name == "long"
+  assert placement.entry_worker([long_one, short_ones, busy], prefill=True).name == "busy"
+  assert placement.entry_worker([long_one, short_ones], prefill=True).name == "short"
+  assert placement.entry_worker([short_ones, long_one, busy], prefill=False).name == "long"
   twins = [worker("first", 64, waiting=[5]), worker("second", 64, waiting=[5])]
-  assert router.entry_worker(twins, prefill=True).name == "first"
-  assert router.entry_worker(twins, prefill=False).name == "first"
+  assert placement.entry_worker(twins, prefill=True).name == "first"
+  assert placement.entry_worker(twins, prefill=False).name == "first"

@@ -6,7 +6,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from jaxpipe.training import data
+from jaxpipe.training import batches as data
 
 
 def _same(a, b):

@@ -3,7 +3,7 @@
 `schedule` (actions, placements, `Schedule`), `schedules/` (one generator per published
 schedule), `validate` and `deps` (dependencies), `simulate` and `formulas` (bubbles and memory
 against the papers), `export` (text, CSV, Perfetto, PNG), `lower` (integer tick tables for the
-executor), `costs` and `auto` (measured stage costs, predicted step time, the auto ranking).
+executor). Pricing and choosing schedules is `jaxpipe.planning`'s.
 """
 
 from jaxpipe.pipeline.ir.schedule import Action, Op, Overlap, Placement, Schedule

@@ -132,14 +132,16 @@ def test_registry_errors():
 
 
 def test_no_jax_in_ir_and_cli(tmp_path):
-  """The schedule layer and its CLI run without importing JAX."""
+  """The schedule layer, the planning models and the schedule CLI run without importing JAX."""
   csv_path = tmp_path / "s.csv"
   code = f"""
 import importlib, pkgutil, runpy, sys
 import jaxpipe.pipeline
 import jaxpipe.pipeline.ir as ir
 for m in pkgutil.walk_packages(ir.__path__, "jaxpipe.pipeline.ir."):
-  importlib.import_module(m.name)  # every module of the IR, the cost files and auto included
+  importlib.import_module(m.name)  # every module of the IR
+for m in ("costs", "auto", "layout"):  # the planning models the schedule CLI and notebooks use
+  importlib.import_module("jaxpipe.planning." + m)
 from jaxpipe.pipeline import make_schedule
 make_schedule("1f1b", pp=4, microbatches=8).simulate(lockstep=True)
 import functools

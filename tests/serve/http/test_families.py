@@ -15,7 +15,7 @@ import openai
 import torch
 import transformers
 
-from jaxpipe.training import convert
+from jaxpipe.training import hf_workdir
 from tests import helpers
 
 ROOT = helpers.ROOT
@@ -52,7 +52,7 @@ def test_greedy_text_is_transformers_generate(tmp_path):
     for i, family in enumerate(FAMILIES):
       src = helpers.write_tiny_model(tmp_path / family, family, seed=i)
       workdir = str(tmp_path / f"{family}_run")
-      convert.hf_to_orbax(src, workdir)
+      hf_workdir.hf_to_orbax(src, workdir)
       port = _free_port()
       proc = _start(workdir, port)
       stack.callback(lambda p=proc: (p.terminate(), p.wait(60)))
