@@ -64,6 +64,27 @@ def test_readme_is_short():
   ), f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail into docs/"
 
 
+MAX_RESULT_CELL = 100  # characters a README results cell shows; the detail is on the page it links
+
+
+def test_readme_results_cells_are_short():
+  """Each cell of the README's results tables shows one figure: at most MAX_RESULT_CELL
+  characters as rendered (a link counts as its text)."""
+  text = README.read_text()
+  results = text[text.index("\n## Results") : text.index("\n## ", text.index("\n## Results") + 1)]
+  rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
+  assert len(rows) > 10, rows
+  long = []
+  for row in rows:
+    for cell in row.strip("|").split(" | "):
+      shown = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", cell.strip())
+      if len(shown) > MAX_RESULT_CELL:
+        long.append(f"{len(shown)}: {shown}")
+  assert not long, "README results cells over the limit (move the detail to the linked page):\n" + (
+      "\n".join(long)
+  )
+
+
 def _modules() -> list[tuple[str, str]]:
   found = []
   for path in [README, *PAGES]:
