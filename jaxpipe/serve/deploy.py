@@ -47,6 +47,7 @@ import jax
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import placement
 from jaxpipe.serve.engine import ENGINE_EOS, FINISHED, RUNNING, Engine, KVState, Request
+from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 from jaxpipe.serve.scheduler import Scheduler
 
@@ -162,8 +163,9 @@ class _Deployment:
       max_tokens: int,
       sampling: SamplingParams,
       eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
-  ) -> str | None:
-    """Why this request cannot be served by every kind of worker, or None."""
+  ) -> Refusal | None:
+    """Why this request cannot be served by every kind of worker (`Engine.check_request`), or
+    None."""
     for e in self._kinds():
       error = e.check_request(prompt, max_tokens, sampling, eos_id)
       if error:

@@ -59,6 +59,7 @@ from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import slo
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
+from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.sampling import (
     MAX_BANNED,
     MAX_LOGPROBS,
@@ -473,50 +474,74 @@ class Engine:
       max_tokens: int,
       sampling: SamplingParams,
       eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
-  ) -> str | None:
-    """Why this request (with `add_request`'s eos_id) cannot be served, or None."""
+  ) -> Refusal | None:
+    """Why this request cannot be served, or None.
+
+    Args:
+      prompt: the prompt's token ids.
+      max_tokens: the most tokens to generate.
+      sampling: the request's sampling values.
+      eos_id: as `add_request` takes it (ENGINE_EOS: the engine's own).
+
+    Returns:
+      None, or a `Refusal`: one line naming the fix, with the request field at fault in
+      `.param` (`max_tokens`, `prompt`, `stop_token_ids`, `min_tokens` or a sampling field).
+    """
     if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-      return f"max_tokens={max_tokens!r} must be a positive integer"
+      return Refusal(f"max_tokens={max_tokens!r} must be a positive integer", "max_tokens")
     reason = sampling.check()
     if reason:
       return reason
     bad = [t for t in sampling.stop_token_ids if t >= self.cfg.vocab]
     if bad:
-      return f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})"
+      return Refusal(
+          f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})",
+          "stop_token_ids",
+      )
     eos = self.eos_id if eos_id == ENGINE_EOS else eos_id
     banned = len(set(eos_ids(eos)) | set(sampling.stop_token_ids))
     if sampling.min_tokens and banned > MAX_BANNED:
-      return (
+      return Refusal(
           f"min_tokens={sampling.min_tokens} holds back {banned} EOS and stop ids, more than "
-          f"{MAX_BANNED}; give fewer stop_token_ids"
+          f"{MAX_BANNED}; give fewer stop_token_ids",
+          "min_tokens",
       )
     if len(prompt) == 0:
-      return "the prompt is empty; give at least one token"
+      return Refusal("the prompt is empty; give at least one token", "prompt")
     outside = self._outside_vocab(prompt)
     if outside:
       return outside
+    if len(prompt) >= self.max_seq_len:
+      return Refusal(
+          f"the prompt has {len(prompt)} tokens, which leaves no room in the context of "
+          f"{self.max_seq_len}; shorten it",
+          "prompt",
+      )
     total = len(prompt) + max_tokens
     if total > self.max_seq_len:
-      return (
+      return Refusal(
           f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-          f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+          f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens",
+          "max_tokens",
       )
     pages = math.ceil(total / self.page_size)
     if pages > self.num_pages - 1:
-      return (
+      return Refusal(
           f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
-          f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages"
+          f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages",
+          "max_tokens",
       )
     return None
 
-  def _outside_vocab(self, prompt: Sequence[int]) -> str | None:
+  def _outside_vocab(self, prompt: Sequence[int]) -> Refusal | None:
     """Why some prompt token is no id of the model (check_request and score share it), or None."""
     bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
     if not bad:
       return None
-    return (
+    return Refusal(
         f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
-        f"({len(bad)} such tokens)"
+        f"({len(bad)} such tokens)",
+        "prompt",
     )
 
   def add_request(

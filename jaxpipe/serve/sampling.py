@@ -18,6 +18,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.serve.refusal import Refusal
+
 MAX_TEMPERATURE = 100.0  # above it sampling is all but uniform; 1e308 or inf would only overflow
 MAX_BANNED = 16  # ids a row can keep from being sampled before min_tokens (EOS + stop ids)
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs)
@@ -36,29 +38,34 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end the request (kept in it)
   logprobs: int | None = None  # None: none; k: each token's log-probability and the top k's
 
-  def check(self) -> str | None:
-    """Why these values cannot be used, or None."""
+  def check(self) -> Refusal | None:
+    """Why these values cannot be used (the field at fault in `.param`), or None."""
     if not (0 <= self.temperature <= MAX_TEMPERATURE):
-      return (
+      return Refusal(
           f"temperature={self.temperature} must lie in [0, {MAX_TEMPERATURE:g}] "
-          "(0 = greedy; above that every token is equally likely anyway)"
+          "(0 = greedy; above that every token is equally likely anyway)",
+          "temperature",
       )
     if not isinstance(self.top_k, int) or self.top_k < 0:
-      return f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)"
+      return Refusal(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)", "top_k")
     if not 0 < self.top_p <= 1:
-      return f"top_p={self.top_p} must lie in (0, 1] (1 = no limit)"
+      return Refusal(f"top_p={self.top_p} must lie in (0, 1] (1 = no limit)", "top_p")
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
-      return f"seed={self.seed!r} must be an integer in [0, 2**31)"
+      return Refusal(f"seed={self.seed!r} must be an integer in [0, 2**31)", "seed")
     if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-      return f"min_tokens={self.min_tokens!r} must be an integer >= 0"
+      return Refusal(f"min_tokens={self.min_tokens!r} must be an integer >= 0", "min_tokens")
     if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-      return f"stop_token_ids={list(self.stop_token_ids)!r} must be token ids (integers >= 0)"
+      return Refusal(
+          f"stop_token_ids={list(self.stop_token_ids)!r} must be token ids (integers >= 0)",
+          "stop_token_ids",
+      )
     if self.logprobs is not None and (
         not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
     ):
-      return (
+      return Refusal(
           f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}] "
-          "(the number of most likely alternatives to list)"
+          "(the number of most likely alternatives to list)",
+          "logprobs",
       )
     return None
 

@@ -120,22 +120,33 @@ def test_a_request_samples_the_same_at_another_row_of_a_shared_batch():
   assert all(done[i].output != alone for i in others)
 
 
-BAD = [
-    ([], 4, SamplingParams(), "empty"),
-    ([1, 64], 4, SamplingParams(), "outside the vocabulary"),
-    ([1, -1], 4, SamplingParams(), "outside the vocabulary"),
-    (list(range(40)), 9, SamplingParams(), "exceeds the context"),
-    ([1, 2], 0, SamplingParams(), "max_tokens=0"),
-    ([1, 2], 4, SamplingParams(temperature=-0.5), "temperature=-0.5"),
-    ([1, 2], 4, SamplingParams(top_p=0.0), "top_p=0.0"),
+BAD = [  # prompt, max_tokens, sampling, words of the error, the request field it names
+    ([], 4, SamplingParams(), "empty", "prompt"),
+    ([1, 64], 4, SamplingParams(), "outside the vocabulary", "prompt"),
+    ([1, -1], 4, SamplingParams(), "outside the vocabulary", "prompt"),
+    (list(range(40)), 9, SamplingParams(), "exceeds the context", "max_tokens"),
+    ([1] * CONTEXT, 1, SamplingParams(), "leaves no room in the context of 48", "prompt"),
+    ([1, 2], 0, SamplingParams(), "max_tokens=0", "max_tokens"),
+    ([1, 2], 4, SamplingParams(temperature=-0.5), "temperature=-0.5", "temperature"),
+    ([1, 2], 4, SamplingParams(top_p=0.0), "top_p=0.0", "top_p"),
+    ([1, 2], 4, SamplingParams(stop_token_ids=(64,)), "stop_token_ids [64]", "stop_token_ids"),
+    ([1, 2], 4, SamplingParams(min_tokens=-1), "min_tokens=-1", "min_tokens"),
 ]
+
+
+def test_a_refusal_names_the_request_field_at_fault():
+  engine = _engine("dense")
+  for prompt, max_tokens, sp, words, param in BAD:
+    why = engine.check_request(prompt, max_tokens, sp)
+    assert words in why and why.param == param, (why, why.param)
+  assert engine.check_request([1, 2], 4, SamplingParams()) is None
 
 
 def test_bad_requests_fail_alone_and_the_rest_are_served():
   engine = _engine("dense")
   good = helpers.prompts(seed=4, n=3)
   ids = []
-  for (prompt, max_tokens, sp, _), g in zip(BAD, good + [None] * len(BAD)):
+  for (prompt, max_tokens, sp, *_), g in zip(BAD, good + [None] * len(BAD)):
     ids.append(engine.add_request(prompt, max_tokens, sp))
     if g is not None:
       ids.append(engine.add_request(g, 6, eos_id=None))
@@ -144,7 +155,7 @@ def test_bad_requests_fail_alone_and_the_rest_are_served():
   done = {r.id: r for r in engine.finished()}
   errors = [done[i] for i in ids if done[i].error]
   assert [e.finish_reason for e in errors] == ["error"] * len(BAD)
-  for r, (*_, words) in zip(errors, BAD):
+  for r, (*_, words, _) in zip(errors, BAD):
     assert words in r.error, r.error
   assert [done[i].output for i in ids if not done[i].error] == helpers.oracle("dense", good, 6)
 

@@ -42,9 +42,25 @@ from jaxpipe.serve.http import protocol
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import MAX_STOPS, BadRequest, Choice, Job, usage_of
+from jaxpipe.serve.refusal import Refusal
 
 log = logging.getLogger(__name__)
 DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece's leading space)
+
+
+def _bad_request(why: Refusal, job: Job) -> BadRequest:
+  """The 400 for a backend's refusal, its field as the request spells it: a chat request's
+  prompt is `messages`, its `max_tokens` may come as `max_completion_tokens` and its
+  `logprobs` count as `top_logprobs`."""
+  param, message = why.param, str(why)
+  if job.chat:
+    if param == "prompt":
+      param = "messages"
+    elif param == "logprobs":
+      param = "top_logprobs"
+    elif param == "max_tokens" and job.max_tokens is not None:
+      message += " (max_completion_tokens)"
+  return BadRequest(message, param)
 
 
 def error_response(e: BadRequest) -> JSONResponse:
@@ -362,32 +378,13 @@ class CompletionServer:
     max_tokens = []
     for i, (tokens, _) in enumerate(job.prompts):
       where = f"prompt {i}: " if len(job.prompts) > 1 else ""
-      room = self.max_seq_len - len(tokens)
-      if job.max_tokens is None and tokens and room < 1:
-        raise BadRequest(
-            f"{where}the prompt has {len(tokens)} tokens, which leaves no room in the context "
-            f"of {self.max_seq_len}; shorten it",
-            "messages" if job.chat else "prompt",
-        )
-      m = room if job.max_tokens is None else job.max_tokens
+      # without max_tokens, the rest of the context (a prompt that fills it is the engine's to
+      # refuse, as the prompt's fault)
+      m = max(self.max_seq_len - len(tokens), 1) if job.max_tokens is None else job.max_tokens
       eos = None if job.ignore_eos else self.eos
       why = self.backend.check_request(tokens, max(m, 1) if scoring else m, sampling, eos)
       if why:
-        first = why.split(" ")[0]
-        param = (
-            first.split("=")[0]
-            if "=" in first
-            else "stop_token_ids"
-            if first == "stop_token_ids"
-            else "max_tokens"
-            if "max_tokens" in why
-            else "messages"
-            if job.chat
-            else "prompt"
-        )
-        if param == "max_tokens" and job.chat and job.max_tokens is not None:
-          why += " (max_completion_tokens)"
-        raise BadRequest(where + why, param)
+        raise _bad_request(why.prefixed(where), job)
       max_tokens.append(0 if scoring else m)
     k = job.n * len(job.prompts)
     if k > self.capacity:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import FINISH
+from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Backend(Protocol):
       max_tokens: int,
       sampling: SamplingParams,
       eos_id: int | Sequence[int] | None | str = ...,
-  ) -> str | None:
+  ) -> Refusal | None:
     ...  # reads configuration only
 
   def add_request(

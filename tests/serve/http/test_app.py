@@ -370,51 +370,110 @@ def test_metrics_parse_and_count_what_was_served(url, client):
     assert (name,) in after
 
 
-BAD = [  # body, status, words of the message
-    (b'{"prompt": "01", ', 400, "not valid JSON"),
-    (b'["01"]', 400, "send a JSON object"),
-    ({"prompt": "01", "max_tokens": "five"}, 400, "max_tokens='five'"),
-    ({"prompt": "01", "temperature": "hot"}, 400, "temperature='hot'"),
-    ({"prompt": "01", "n": 1.5}, 400, "n=1.5"),
-    ({"prompt": "01", "stream": "yes"}, 400, "stream='yes'"),
-    ({"prompt": "01", "colour": "red"}, 400, "unrecognized request argument 'colour'"),
-    ({"prompt": 7}, 400, "prompt=7 must be a string"),
-    ({"max_tokens": 3}, 400, "'prompt' is required"),
-    ({"prompt": "01", "max_tokens": 0}, 400, "max_tokens=0 must be a positive integer"),
-    ({"prompt": "01", "max_tokens": -3}, 400, "max_tokens=-3 must be a positive integer"),
-    ({"prompt": "01", "max_tokens": 511}, 400, "exceeds the context of 512 tokens"),
-    ({"prompt": "01", "temperature": -0.5}, 400, "temperature=-0.5 must lie in [0, 100]"),
-    ({"prompt": "01", "temperature": 1e308}, 400, "temperature=1e+308 must lie in [0, 100]"),
-    (b'{"prompt": "01", "temperature": Infinity}', 400, "temperature=inf must lie in [0, 100]"),
-    (b'{"prompt": "01", "temperature": NaN}', 400, "temperature=nan must lie in [0, 100]"),
-    (b'{"prompt": "0\\ud8001"}', 400, "the prompt holds a lone UTF-16 surrogate ('\\ud800' at"),
-    (b'{"prompt": ["0", "\\udfff"]}', 400, "prompt 1 holds a lone UTF-16 surrogate"),
-    ({"prompt": "01", "min_tokens": -1}, 400, "min_tokens=-1 must be an integer >= 0"),
-    ({"prompt": "01", "stop_token_ids": [64]}, 400, "stop_token_ids [64] are outside"),
-    ({"prompt": "01", "top_p": 0}, 400, "top_p=0"),
-    ({"prompt": "01", "seed": -1}, 400, "seed=-1"),
-    ({"prompt": ""}, 400, "the prompt is empty"),
-    ({"prompt": []}, 400, "the prompt is empty"),
-    ({"prompt": "0\u00e91"}, 400, "prompt token 195 is outside the vocabulary [0, 64)"),
-    ({"prompt": [1, 64]}, 400, "prompt token 64 is outside the vocabulary [0, 64)"),
-    ({"prompt": [[1, 2], [3, 99]]}, 400, "prompt 1: prompt token 99"),
-    ({"prompt": ["01", [3]]}, 400, "must be a string, a list of token ids, or a list of either"),
-    ({"prompt": "01", "n": 0}, 400, "n=0 must be >= 1"),
-    ({"prompt": "01", "n": 17}, 400, "17 sequences exceed the server's 16"),
-    ({"prompt": "01", "stop": ["1", "2", "3", "4", "5"]}, 400, "at most 4"),
-    ({"prompt": "01", "suffix": "x"}, 400, "suffix='x' is not supported"),
-    ({"prompt": "01", "max_tokens": 0, "echo": False}, 400, "max_tokens=0 must be a positive"),
-    ({"prompt": "01", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+BAD = [  # body, status, words of the message, the error's param
+    (b'{"prompt": "01", ', 400, "not valid JSON", None),
+    (b'["01"]', 400, "send a JSON object", None),
+    ({"prompt": "01", "max_tokens": "five"}, 400, "max_tokens='five'", "max_tokens"),
+    ({"prompt": "01", "temperature": "hot"}, 400, "temperature='hot'", "temperature"),
+    ({"prompt": "01", "n": 1.5}, 400, "n=1.5", "n"),
+    ({"prompt": "01", "stream": "yes"}, 400, "stream='yes'", "stream"),
+    ({"prompt": "01", "colour": "red"}, 400, "unrecognized request argument 'colour'", "colour"),
+    ({"prompt": 7}, 400, "prompt=7 must be a string", "prompt"),
+    ({"max_tokens": 3}, 400, "'prompt' is required", "prompt"),
+    (
+        {"prompt": "01", "max_tokens": 0},
+        400,
+        "max_tokens=0 must be a positive integer",
+        "max_tokens",
+    ),
+    (
+        {"prompt": "01", "max_tokens": -3},
+        400,
+        "max_tokens=-3 must be a positive integer",
+        "max_tokens",
+    ),
+    ({"prompt": "01", "max_tokens": 511}, 400, "exceeds the context of 512 tokens", "max_tokens"),
+    (
+        {"prompt": "01", "temperature": -0.5},
+        400,
+        "temperature=-0.5 must lie in [0, 100]",
+        "temperature",
+    ),
+    (
+        {"prompt": "01", "temperature": 1e308},
+        400,
+        "temperature=1e+308 must lie in [0, 100]",
+        "temperature",
+    ),
+    (
+        b'{"prompt": "01", "temperature": Infinity}',
+        400,
+        "temperature=inf must lie in [0, 100]",
+        "temperature",
+    ),
+    (
+        b'{"prompt": "01", "temperature": NaN}',
+        400,
+        "temperature=nan must lie in [0, 100]",
+        "temperature",
+    ),
+    (
+        b'{"prompt": "0\\ud8001"}',
+        400,
+        "the prompt holds a lone UTF-16 surrogate ('\\ud800' at",
+        "prompt",
+    ),
+    (b'{"prompt": ["0", "\\udfff"]}', 400, "prompt 1 holds a lone UTF-16 surrogate", "prompt"),
+    (
+        {"prompt": "01", "min_tokens": -1},
+        400,
+        "min_tokens=-1 must be an integer >= 0",
+        "min_tokens",
+    ),
+    (
+        {"prompt": "01", "stop_token_ids": [64]},
+        400,
+        "stop_token_ids [64] are outside",
+        "stop_token_ids",
+    ),
+    ({"prompt": "01", "top_p": 0}, 400, "top_p=0", "top_p"),
+    ({"prompt": "01", "seed": -1}, 400, "seed=-1", "seed"),
+    ({"prompt": ""}, 400, "the prompt is empty", "prompt"),
+    ({"prompt": []}, 400, "the prompt is empty", "prompt"),
+    ({"prompt": "0\u00e91"}, 400, "prompt token 195 is outside the vocabulary [0, 64)", "prompt"),
+    ({"prompt": [1, 64]}, 400, "prompt token 64 is outside the vocabulary [0, 64)", "prompt"),
+    ({"prompt": [[1, 2], [3, 99]]}, 400, "prompt 1: prompt token 99", "prompt"),
+    (
+        {"prompt": ["01", [3]]},
+        400,
+        "must be a string, a list of token ids, or a list of either",
+        "prompt",
+    ),
+    ({"prompt": [1] * 512}, 400, "leaves no room in the context of 512", "prompt"),
+    ({"prompt": "01", "n": 0}, 400, "n=0 must be >= 1", "n"),
+    ({"prompt": "01", "n": 17}, 400, "17 sequences exceed the server's 16", "n"),
+    ({"prompt": "01", "stop": ["1", "2", "3", "4", "5"]}, 400, "at most 4", "stop"),
+    ({"prompt": "01", "suffix": "x"}, 400, "suffix='x' is not supported", "suffix"),
+    (
+        {"prompt": "01", "max_tokens": 0, "echo": False},
+        400,
+        "max_tokens=0 must be a positive",
+        "max_tokens",
+    ),
+    ({"prompt": "01", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist", "model"),
 ]
 
 
-@pytest.mark.parametrize("body,status,words", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_requests_get_an_openai_error_and_the_server_goes_on(url, client, body, status, words):
+@pytest.mark.parametrize("body,status,words,param", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_requests_get_an_openai_error_and_the_server_goes_on(
+    url, client, body, status, words, param
+):
   kw = {"content": body} if isinstance(body, bytes) else {"json": body}
   r = httpx.post(url + "/v1/completions", headers={"content-type": "application/json"}, **kw)
   assert r.status_code == status
   error = r.json()["error"]
   assert words in error["message"]
+  assert error["param"] == param, error
   assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
   assert (
       client.completions.create(model="tiny", prompt="01", max_tokens=2, temperature=0)

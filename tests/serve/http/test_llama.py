@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import jaxpipe
-from jaxpipe.training import convert
+from jaxpipe.training import hf_workdir
 from tests import helpers
 
 ROOT = helpers.ROOT
@@ -33,7 +33,7 @@ def llama(tmp_path_factory):
   """(transformers' model directory, the converted workdir)."""
   root = tmp_path_factory.mktemp("llama")
   src = helpers.write_tiny_llama(root / "src")
-  convert.hf_to_orbax(src, str(root / "w"))
+  hf_workdir.hf_to_orbax(src, str(root / "w"))
   return src, str(root / "w")
 
 
@@ -221,6 +221,27 @@ def test_bad_messages_are_a_400_naming_the_message(url, messages, words):
       url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
   )
   assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"max_completion_tokens": 300}, "max_tokens", "(max_completion_tokens)"),
+        ({"max_tokens": 300}, "max_tokens", "exceeds the context of 256"),
+        ({"top_logprobs": 3, "logprobs": True, "temperature": -1}, "temperature", "temperature="),
+        ({"min_tokens": -2}, "min_tokens", "min_tokens=-2"),
+    ],
+)
+def test_a_chat_refusal_names_the_chat_requests_field(url, fields, param, words):
+  r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, **fields})
+  error = r.json()["error"]
+  assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+
+
+def test_a_chat_prompt_past_the_context_is_refused_as_messages(url):
+  long = [{"role": "user", "content": "word " * 1000}]  # past the context of 256 tokens
+  r = httpx.post(url + "/v1/chat/completions", json={"messages": long, "max_tokens": 4})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_tokenize_and_detokenize_equal_transformers(url, hf):
