@@ -46,8 +46,9 @@ import jax
 
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import placement
-from jaxpipe.serve.engine import ENGINE_EOS, FINISHED, RUNNING, Engine, KVState, Request
+from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.refusal import Refusal
+from jaxpipe.serve.request import ENGINE_EOS, FINISHED, RUNNING, KVState, Request
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 from jaxpipe.serve.scheduler import Scheduler
 

@@ -11,10 +11,12 @@ and run one compiled step per iteration. Each `step()`:
    writing into it (the engine's side of the scheduler: `_EnginePages`); when none is free, the
    newest running request is preempted: its pages are freed and it waits again at the head of
    the queue, to be recomputed from its tokens;
-3. runs the model once over all scheduled tokens (padded to a bucket of tokens and of pages per
-   sequence, so the number of compiled programs is bounded: `programs`) and samples a token for
-   every request whose tokens are all cached;
+3. runs the model once over all scheduled tokens (the step's arrays are `serve.batch`'s, padded
+   to a bucket of tokens and of pages per sequence, so the number of compiled programs is
+   bounded: `programs`) and samples a token for every request whose tokens are all cached;
 4. finishes requests on EOS or `max_tokens`, freeing their pages at once.
+
+A request's fields and states are `serve.request`'s.
 
 Bad requests (empty prompt, tokens outside the vocabulary, too long for the context or the pool,
 bad sampling values) finish at once with an `error`; the engine keeps serving the others.
@@ -56,10 +58,24 @@ from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.parallel import tensor as tp_lib
+from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve import model as model_lib
-from jaxpipe.serve import slo
+from jaxpipe.serve.batch import bucket
 from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
 from jaxpipe.serve.refusal import Refusal
+from jaxpipe.serve.request import (
+    ENGINE_EOS,
+    FINISHED,
+    FINISHING,
+    INCOMING,
+    PENDING,
+    PREFILLED,
+    RUNNING,
+    WAITING,
+    KVState,
+    Request,
+    eos_ids,
+)
 from jaxpipe.serve.sampling import (
     MAX_BANNED,
     MAX_LOGPROBS,
@@ -71,98 +87,10 @@ from jaxpipe.serve.sampling import (
 )
 from jaxpipe.serve.scheduler import Scheduler
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
-INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
-FINISHING = "finishing"  # its last token is in a step in flight: off the scheduler, pages freed
-ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
-PENDING = -1  # an output token sampled by a step in flight, not read back yet (async scheduling)
 # Engine.host_time's keys, in a step's order: plan the step (scheduler, pages, copy-on-write);
 # build its host arrays; compile a new step program; dispatch it; wait for its sampled tokens
 # (the device's time, less what dispatch overlapped); apply them (outputs, finishes, cache).
 HOST_PHASES = ("schedule", "build", "compile", "dispatch", "wait", "apply")
-
-
-def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
-  """An eos_id argument (one id, several, or None) as a tuple of ids."""
-  if eos_id is None:
-    return ()
-  if isinstance(eos_id, (int, np.integer)):
-    return (int(eos_id),)
-  return tuple(int(i) for i in eos_id)
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-  """One generation request and its state; times are `time.perf_counter()` seconds."""
-
-  id: int
-  prompt: list[int]
-  max_tokens: int
-  sampling: SamplingParams
-  eos_id: int | tuple[int, ...] | None  # any of these ends it (kept in its output)
-  output: list[int] = dataclasses.field(default_factory=list)  # generated tokens
-  # aligned with output when sampling.logprobs is not None (raw log_softmax), else empty
-  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
-  pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
-  ring: list[int] = dataclasses.field(default_factory=list)  # sliding layers' pages (ring ids)
-  computed: int = 0  # leading tokens whose K/V are in `pages`
-  state: str = WAITING
-  finish_reason: str | None = None  # 'eos', 'length', 'cancelled', 'error'
-  error: str | None = None
-  arrival: float = 0.0
-  first_token_time: float | None = None
-  finish_time: float | None = None
-  token_times: list[float] = dataclasses.field(default_factory=list)
-  preemptions: int = 0
-  cached_tokens: int = 0  # prompt tokens taken from the prefix cache (summed over admissions)
-  page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of full pages
-  registered: int = 0  # full pages offered to the prefix cache since the last admission
-
-  @property
-  def tokens(self) -> list[int]:
-    return self.prompt + self.output
-
-  @property
-  def stop_ids(self) -> tuple[int, ...]:
-    """The tokens that end it once it has sampling.min_tokens: EOS ids and stop_token_ids."""
-    return eos_ids(self.eos_id) + tuple(self.sampling.stop_token_ids)
-
-  @property
-  def length(self) -> int:
-    """len(tokens), without building them (what the scheduler reads)."""
-    return len(self.prompt) + len(self.output)
-
-  @property
-  def ttft(self) -> float | None:
-    """Time to first token (`slo.ttft`)."""
-    return slo.ttft(self.arrival, self.first_token_time)
-
-  @property
-  def tpot(self) -> float | None:
-    """Mean time per output token after the first (`slo.tpot`)."""
-    times = self.token_times
-    return slo.tpot(times[0], times[-1], len(times)) if times else None
-
-
-@dataclasses.dataclass
-class KVState:
-  """A request and its cached K/V, to move it to another engine (`export_request`)."""
-
-  prompt: list[int]
-  output: list[int]
-  max_tokens: int
-  sampling: SamplingParams
-  eos_id: int | None
-  computed: int  # leading tokens whose K/V are cached; 0: the receiver recomputes them
-  # [G, n_layers, pages, page_size, head_dim]; an 8-bit cache's: (values, float32 scales
-  # [G, n_layers, pages, page_size]); None: moved apart (kv_of, write_kv)
-  k: np.ndarray | tuple[np.ndarray, np.ndarray] | None
-  v: np.ndarray | tuple[np.ndarray, np.ndarray] | None
-  arrival: float
-  first_token_time: float | None
-  token_times: list[float]
-  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # aligned with output
 
 
 @dataclasses.dataclass
@@ -216,19 +144,6 @@ def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
       fix="give the engine a number of devices that divides {value}",
       kv_whole=False,
   )
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-  return next(b for b in buckets if b >= n)
-
-
-def _token_slice(r: Request, start: int, stop: int) -> list[int]:
-  """r.tokens[start:stop] without building r.tokens (prompt + output) first: a decode step
-  reads one token of each of up to max_batch requests."""
-  p = len(r.prompt)
-  if start >= p:
-    return r.output[start - p : stop - p]
-  return r.prompt[start:stop] + r.output[: max(0, stop - p)]
 
 
 def _pow2_chunks(n: int) -> list[int]:
@@ -377,6 +292,14 @@ class Engine:
     )
     self.page_buckets = _check_buckets(
         "page_buckets", page_buckets, self.max_pages_per_seq, _buckets(self.max_pages_per_seq)
+    )
+    self._batch_shape = batch_lib.BatchShape(
+        page_size,
+        max_batch,
+        self.token_buckets,
+        self.page_buckets,
+        self.ring_size,
+        per_token=self.backend not in model_lib.RAGGED_BACKENDS,  # only these read tables_TxN
     )
     self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
     self._replicated = NamedSharding(self.mesh, P())
@@ -779,7 +702,7 @@ class Engine:
     K/V gather and write of every chunk of up to `move_pages` pages (`kv_of`, `write_kv`; all
     layers, or one with per_layer) by running them on the scratch page."""
     for n in self.page_buckets:
-      if max_pages is None or n <= _bucket(max_pages, self.page_buckets):
+      if max_pages is None or n <= bucket(max_pages, self.page_buckets):
         for t in self.token_buckets:
           self.step_program(t, n)
     if move_pages:
@@ -835,87 +758,17 @@ class Engine:
             f"({self.allocator.num_free} free pages)"
         )
       return None
-    s, r_max = self.page_size, self.max_batch
-    t_real = sum(n for _, n in plan)
-    t = _bucket(t_real, self.token_buckets)
-    n_pages = _bucket(max(len(r.pages) for r, _ in plan), self.page_buckets)
-    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)
-    rows = np.zeros(r_max, np.int32)
-    seq_tables = np.zeros((r_max, n_pages), np.int32)
-    seq_starts, seq_counts, seq_cached = (np.zeros(r_max, np.int32) for _ in range(3))
-    temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
-    top_k, seed, out_index = (np.zeros(r_max, np.int32) for _ in range(3))
-    banned = np.full((r_max, MAX_BANNED), -1, np.int32)
-    prev_T = np.full(t, -1, np.int32)
-    ring_slots = ring_tables = ring_seq_tables = None
-    if self.ring_size:  # entry i of a ring's table: ring[i mod R]
-      ring_slots = np.full(t, SCRATCH_PAGE * s, np.int32)
-      ring_tables = np.zeros((t, n_pages), np.int32)
-      ring_seq_tables = np.zeros((r_max, n_pages), np.int32)
-      around = np.arange(n_pages) % self.ring_size
-    row_in_after = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
-    per_token = self.backend not in model_lib.RAGGED_BACKENDS  # only these read tables_TxN
-    sampled, at = [], 0
-    for i, (r, n) in enumerate(plan):
-      table = np.asarray(r.pages, np.int32)
-      seq_tables[i, : len(table)] = table
-      seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
-      pos = np.arange(r.computed, r.computed + n)
-      tokens[at : at + n] = _token_slice(r, r.computed, r.computed + n)
-      if r.computed + n == r.length and r.output and r.output[-1] == PENDING:
-        # only the step in flight can have left a token unknown: it is read on the devices
-        prev_T[at + n - 1] = row_in_after[r.id]
-      positions[at : at + n] = pos
-      slots[at : at + n] = table[pos // s] * s + pos % s
-      if per_token:
-        tables[at : at + n, : len(table)] = table
-      if self.ring_size:
-        ring = np.asarray(r.ring, np.int32)
-        ring_seq_tables[i] = ring[around]
-        ring_slots[at : at + n] = ring[(pos // s) % self.ring_size] * s + pos % s
-        if per_token:
-          ring_tables[at : at + n] = ring[around]
-      at += n
-      if r.computed + n == r.length:  # all its tokens cached after this step: sample
-        j = len(sampled)
-        rows[j] = at - 1
-        sp = r.sampling
-        temp[j], top_k[j], top_p[j], seed[j], out_index[j] = (
-            sp.temperature,
-            sp.top_k,
-            sp.top_p,
-            sp.seed,
-            len(r.output),
-        )
-        if len(r.output) < sp.min_tokens:
-          ids = sorted(set(r.stop_ids))
-          banned[j, : len(ids)] = ids
-        sampled.append(r)
+    after_rows = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
+    step = batch_lib.build(plan, self._batch_shape, after_rows)
     self._flush_fills()
-    batch = model_lib.TokenBatch(
-        tokens,
-        positions,
-        slots,
-        tables,
-        rows,
-        seq_tables,
-        seq_starts,
-        seq_counts,
-        seq_cached,
-        prev_T,
-        ring_slots,
-        ring_tables,
-        ring_seq_tables,
-    )
     built = time.perf_counter()
-    program = self.step_program(t, n_pages)
+    program = self.step_program(step.t, step.pages)
     compiled = time.perf_counter()
     new_R, finite_R, logprobs, self.kv = program(
         self.params,
         self.kv,
-        batch,
-        SamplingBatch(temp, top_k, top_p, seed, out_index, banned),
+        step.tokens,
+        step.sampling,
         self._no_prev if after is None else after.new_R,
     )
     self.host_time["build"] += built - planned
@@ -928,13 +781,14 @@ class Engine:
     # so whatever takes them next runs after it.
     for r, n in plan:
       r.computed += n
-    for r in sampled:
+    for r in step.sampled:
       r.output.append(PENDING)
       if len(r.output) >= r.max_tokens:
         self.scheduler.remove(r)
         r.state = FINISHING
-    index = out_index[: len(sampled)].tolist()
-    return _Launched(plan, sampled, t, t_real, index, n_pages, new_R, finite_R, logprobs)
+    return _Launched(
+        plan, step.sampled, step.t, step.t_real, step.index, step.pages, new_R, finite_R, logprobs
+    )
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
     """Waits for a launched iteration and applies it; returns the tokens it generated."""
@@ -1052,7 +906,7 @@ class Engine:
           f"the prompt to score has {len(prompt)} tokens, more than the context of "
           f"{self.max_seq_len}; shorten it or give the engine a larger max_seq_len"
       )
-    n = _bucket(len(prompt), _buckets(self.max_seq_len))
+    n = bucket(len(prompt), _buckets(self.max_seq_len))
     tokens_1xL = np.zeros((1, n), np.int32)
     tokens_1xL[0, : len(prompt)] = prompt
     chosen_L, top_LxM, ids_LxM = jax.device_get(self._score_fn(self.params, tokens_1xL))

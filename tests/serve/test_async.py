@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxpipe.serve.engine import PENDING, Engine
+from jaxpipe.serve.engine import Engine
+from jaxpipe.serve.request import PENDING
 from jaxpipe.serve.sampling import SamplingParams
 from tests import helpers
 

@@ -25,7 +25,7 @@ from jaxpipe.serve.deploy import (
     Disaggregated,
     device_groups,
 )
-from jaxpipe.serve.engine import INCOMING
+from jaxpipe.serve.request import INCOMING
 from tests import helpers
 
 KW = dict(num_pages=33, nan_freed_pages=True, **helpers.ENGINE_ARGS)

@@ -5,7 +5,7 @@ import pytest
 
 from experiments import serve_bench
 from jaxpipe.serve import slo
-from jaxpipe.serve.engine import Request
+from jaxpipe.serve.request import Request
 from jaxpipe.serve.sampling import SamplingParams
 from jaxpipe.serve.sim import SimRequest
 

@@ -36,13 +36,13 @@ from starlette.routing import Route
 
 import jaxpipe
 from jaxpipe.models import tokenizer as tokenizer_lib
-from jaxpipe.serve.engine import ENGINE_EOS
 from jaxpipe.serve.http import logprobs as logprobs_lib
 from jaxpipe.serve.http import protocol
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import MAX_STOPS, BadRequest, Choice, Job, usage_of
 from jaxpipe.serve.refusal import Refusal
+from jaxpipe.serve.request import ENGINE_EOS
 
 log = logging.getLogger(__name__)
 DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece's leading space)

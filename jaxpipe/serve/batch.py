@@ -1,0 +1,135 @@
+"""A step's token batch: the host arrays one engine step runs on, built from the scheduler's plan.
+
+The plan is a list of (request, tokens this step). Tokens are laid out flat, each request's
+contiguous, and padded to a bucket of tokens; block tables are padded to a bucket of pages per
+sequence, so that the number of compiled step programs stays bounded. A request whose tokens
+are all cached after the step gets a sampled row, with its sampling values. Host-side numpy
+only: the engine dispatches what this builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxpipe.serve import model as model_lib
+from jaxpipe.serve.pages import SCRATCH_PAGE
+from jaxpipe.serve.request import PENDING, Request, token_slice
+from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+  """What an engine's steps are padded to and which arrays its attention reads."""
+
+  page_size: int  # tokens per page
+  max_batch: int  # rows of the per-sequence and sampling arrays (R = B)
+  token_buckets: tuple[int, ...]  # padded tokens per step, ascending
+  page_buckets: tuple[int, ...]  # padded pages per sequence, ascending
+  ring_size: int = 0  # pages of a sliding layer's ring; 0: no ring layers
+  per_token: bool = True  # the backend reads per-token block tables (tables_TxN)
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """One step's arrays and what the engine needs to apply its result."""
+
+  tokens: model_lib.TokenBatch
+  sampling: SamplingBatch
+  sampled: list[Request]  # in row order
+  t: int  # padded tokens
+  t_real: int  # scheduled tokens
+  pages: int  # padded pages per sequence
+  index: list[int]  # per sampled row: the output index its token fills
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket that holds n (the buckets ascend; the last is the limit)."""
+  return next(b for b in buckets if b >= n)
+
+
+def build(
+    plan: Sequence[tuple[Request, int]], shape: BatchShape, after_rows: Mapping[int, int]
+) -> StepBatch:
+  """The arrays of a step that runs `plan`.
+
+  Args:
+    plan: (request, its tokens this step) in the scheduler's order; each request's pages (and
+      ring) already hold room for them.
+    shape: the engine's padding and layout.
+    after_rows: request id -> its row among the sampled tokens of the step in flight (async
+      scheduling); a request whose next input is that PENDING token reads it from there.
+
+  Returns:
+    The step's `TokenBatch` and `SamplingBatch`, the sampled requests and the sizes.
+  """
+  s, r_max = shape.page_size, shape.max_batch
+  t_real = sum(n for _, n in plan)
+  t = bucket(t_real, shape.token_buckets)
+  n_pages = bucket(max(len(r.pages) for r, _ in plan), shape.page_buckets)
+  tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+  slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)
+  rows = np.zeros(r_max, np.int32)
+  seq_tables = np.zeros((r_max, n_pages), np.int32)
+  seq_starts, seq_counts, seq_cached = (np.zeros(r_max, np.int32) for _ in range(3))
+  temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
+  top_k, seed, out_index = (np.zeros(r_max, np.int32) for _ in range(3))
+  banned = np.full((r_max, MAX_BANNED), -1, np.int32)
+  prev_T = np.full(t, -1, np.int32)
+  ring_slots = ring_tables = ring_seq_tables = None
+  if shape.ring_size:  # entry i of a ring's table: ring[i mod R]
+    ring_slots = np.full(t, SCRATCH_PAGE * s, np.int32)
+    ring_tables = np.zeros((t, n_pages), np.int32)
+    ring_seq_tables = np.zeros((r_max, n_pages), np.int32)
+    around = np.arange(n_pages) % shape.ring_size
+  sampled, at = [], 0
+  for i, (r, n) in enumerate(plan):
+    table = np.asarray(r.pages, np.int32)
+    seq_tables[i, : len(table)] = table
+    seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
+    pos = np.arange(r.computed, r.computed + n)
+    tokens[at : at + n] = token_slice(r, r.computed, r.computed + n)
+    if r.computed + n == r.length and r.output and r.output[-1] == PENDING:
+      # only the step in flight can have left a token unknown: it is read on the devices
+      prev_T[at + n - 1] = after_rows[r.id]
+    positions[at : at + n] = pos
+    slots[at : at + n] = table[pos // s] * s + pos % s
+    if shape.per_token:
+      tables[at : at + n, : len(table)] = table
+    if shape.ring_size:
+      ring = np.asarray(r.ring, np.int32)
+      ring_seq_tables[i] = ring[around]
+      ring_slots[at : at + n] = ring[(pos // s) % shape.ring_size] * s + pos % s
+      if shape.per_token:
+        ring_tables[at : at + n] = ring[around]
+    at += n
+    if r.computed + n == r.length:  # all its tokens cached after this step: sample
+      j = len(sampled)
+      rows[j] = at - 1
+      sp = r.sampling
+      temp[j], top_k[j], top_p[j], seed[j] = sp.temperature, sp.top_k, sp.top_p, sp.seed
+      out_index[j] = len(r.output)
+      if len(r.output) < sp.min_tokens:
+        ids = sorted(set(r.stop_ids))
+        banned[j, : len(ids)] = ids
+      sampled.append(r)
+  batch = model_lib.TokenBatch(
+      tokens,
+      positions,
+      slots,
+      tables,
+      rows,
+      seq_tables,
+      seq_starts,
+      seq_counts,
+      seq_cached,
+      prev_T,
+      ring_slots,
+      ring_tables,
+      ring_seq_tables,
+  )
+  sampling = SamplingBatch(temp, top_k, top_p, seed, out_index, banned)
+  index = out_index[: len(sampled)].tolist()
+  return StepBatch(batch, sampling, sampled, t, t_real, n_pages, index)

@@ -1,0 +1,114 @@
+"""A generation request as the engine holds it, its states, and a request moved between engines.
+
+A request is WAITING, RUNNING (its pages hold its computed tokens), FINISHING (its last token is
+in a step in flight), FINISHED; a prefill worker parks it PREFILLED, and an engine receiving
+K/V holds it INCOMING. Outputs sampled by a step in flight are PENDING until read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpipe.serve import slo
+from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
+INCOMING = "incoming"  # reserved by reserve_request: pages held, K/V arriving, not yet scheduled
+FINISHING = "finishing"  # its last token is in a step in flight: off the scheduler, pages freed
+ENGINE_EOS = "engine"  # add_request's default eos_id: the engine's
+PENDING = -1  # an output token sampled by a step in flight, not read back yet (async scheduling)
+
+
+def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+  """An eos_id argument (one id, several, or None) as a tuple of ids."""
+  if eos_id is None:
+    return ()
+  if isinstance(eos_id, (int, np.integer)):
+    return (int(eos_id),)
+  return tuple(int(i) for i in eos_id)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One generation request and its state; times are `time.perf_counter()` seconds."""
+
+  id: int
+  prompt: list[int]
+  max_tokens: int
+  sampling: SamplingParams
+  eos_id: int | tuple[int, ...] | None  # any of these ends it (kept in its output)
+  output: list[int] = dataclasses.field(default_factory=list)  # generated tokens
+  # aligned with output when sampling.logprobs is not None (raw log_softmax), else empty
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+  pages: list[int] = dataclasses.field(default_factory=list)  # block table: physical page ids
+  ring: list[int] = dataclasses.field(default_factory=list)  # sliding layers' pages (ring ids)
+  computed: int = 0  # leading tokens whose K/V are in `pages`
+  state: str = WAITING
+  finish_reason: str | None = None  # 'eos', 'length', 'cancelled', 'error'
+  error: str | None = None
+  arrival: float = 0.0
+  first_token_time: float | None = None
+  finish_time: float | None = None
+  token_times: list[float] = dataclasses.field(default_factory=list)
+  preemptions: int = 0
+  cached_tokens: int = 0  # prompt tokens taken from the prefix cache (summed over admissions)
+  page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of full pages
+  registered: int = 0  # full pages offered to the prefix cache since the last admission
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The tokens that end it once it has sampling.min_tokens: EOS ids and stop_token_ids."""
+    return eos_ids(self.eos_id) + tuple(self.sampling.stop_token_ids)
+
+  @property
+  def length(self) -> int:
+    """len(tokens), without building them (what the scheduler reads)."""
+    return len(self.prompt) + len(self.output)
+
+  @property
+  def ttft(self) -> float | None:
+    """Time to first token (`slo.ttft`)."""
+    return slo.ttft(self.arrival, self.first_token_time)
+
+  @property
+  def tpot(self) -> float | None:
+    """Mean time per output token after the first (`slo.tpot`)."""
+    times = self.token_times
+    return slo.tpot(times[0], times[-1], len(times)) if times else None
+
+
+@dataclasses.dataclass
+class KVState:
+  """A request and its cached K/V, to move it to another engine (`export_request`)."""
+
+  prompt: list[int]
+  output: list[int]
+  max_tokens: int
+  sampling: SamplingParams
+  eos_id: int | None
+  computed: int  # leading tokens whose K/V are cached; 0: the receiver recomputes them
+  # [G, n_layers, pages, page_size, head_dim]; an 8-bit cache's: (values, float32 scales
+  # [G, n_layers, pages, page_size]); None: moved apart (kv_of, write_kv)
+  k: np.ndarray | tuple[np.ndarray, np.ndarray] | None
+  v: np.ndarray | tuple[np.ndarray, np.ndarray] | None
+  arrival: float
+  first_token_time: float | None
+  token_times: list[float]
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # aligned with output
+
+
+def token_slice(r: Request, start: int, stop: int) -> list[int]:
+  """r.tokens[start:stop] without building r.tokens (prompt + output) first: a decode step
+  reads one token of each of up to max_batch requests."""
+  p = len(r.prompt)
+  if start >= p:
+    return r.output[start - p : stop - p]
+  return r.prompt[start:stop] + r.output[: max(0, stop - p)]
