@@ -1,7 +1,7 @@
 """Serving: a paged KV cache, PagedAttention and a continuous-batching engine on the training model.
 
-  from jaxpipe.serve import Engine
-  engine = Engine(model_cfg, params, page_size=16, num_pages=256, max_batch=16)
+  from jaxpipe.serve import Engine, EngineConfig
+  engine = Engine(model_cfg, params, EngineConfig(page_size=16, num_pages=256, max_batch=16))
   engine.generate([[1, 2, 3], [4, 5]], max_tokens=32)
 
 `python -m jaxpipe.serve --workdir DIR --prompt "def "` serves a training run's newest checkpoint.
@@ -15,10 +15,14 @@ deployments and the simulator route with one router (serve/placement.py), and TT
 
 def __getattr__(name):
   # Lazy, so that `python -m jaxpipe.serve` can set up host devices before JAX is imported.
-  if name in ("Engine", "Request", "KVState"):
+  if name in ("Engine", "EngineConfig"):
     from jaxpipe.serve import engine
 
     return getattr(engine, name)
+  if name in ("Request", "KVState"):
+    from jaxpipe.serve import request
+
+    return getattr(request, name)
   if name in ("Colocated", "Disaggregated"):
     from jaxpipe.serve import deploy
 

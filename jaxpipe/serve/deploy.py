@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import itertools
 import math
 import time
@@ -46,7 +45,7 @@ import jax
 
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import placement
-from jaxpipe.serve.engine import Engine
+from jaxpipe.serve.engine import Engine, EngineConfig
 from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.request import ENGINE_EOS, FINISHED, RUNNING, KVState, Request
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
@@ -460,9 +459,9 @@ class Disaggregated(_Deployment):
     _check_groups(list(prefill_groups) + list(decode_groups), "prefill or decode")
     p_kwargs = {**engine_kwargs, **(prefill_kwargs or {}), "prefill_only": True}
     d_kwargs = {"prefix_caching": False, **engine_kwargs, **(decode_kwargs or {})}
-    defaults = inspect.signature(Engine).parameters  # what an engine takes when not given
+    defaults = EngineConfig()  # what an engine takes when not given
     for name in ("page_size", "kv_cache_dtype"):
-      p, d = (kw.get(name, defaults[name].default) for kw in (p_kwargs, d_kwargs))
+      p, d = (kw.get(name, getattr(defaults, name)) for kw in (p_kwargs, d_kwargs))
       if p != d:
         raise ValueError(
             f"prefill and decode workers must share {name} ({p} vs {d}): pages move between "

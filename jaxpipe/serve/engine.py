@@ -201,6 +201,48 @@ class _EnginePages:
       r.ring = []
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """An engine's settings: its pool, its batch, its step's padding and its behaviour."""
+
+  page_size: int = 16  # tokens per KV page
+  num_pages: int = 256  # pages in the pool, the scratch page 0 included
+  max_batch: int = 16  # running sequences at most (the sampled rows of a step)
+  max_tokens_per_step: int = 256  # the scheduler's token budget per step
+  max_seq_len: int = 2048  # prompt + generated tokens of one request at most
+  attention: str = "auto"  # the step's attention backend (`ops.attention.resolve_step_backend`)
+  eos_id: int | Sequence[int] | None = None  # the engine's EOS ids (add_request's default)
+  prefix_caching: bool = True  # reuse the cached pages of shared prompt prefixes
+  # padded sizes a step may take (tokens per step, pages per sequence); None: powers of two up
+  # to the limits, which are always included
+  token_buckets: Sequence[int] | None = None
+  page_buckets: Sequence[int] | None = None
+  # pools start as NaN and every freed page is refilled with NaN (tests: a read of a slot a
+  # sequence does not own would show in its output)
+  nan_freed_pages: bool = False
+  prefill_only: bool = False  # a prefill worker: a sampled request waits in `prefilled`, pages kept
+  # 'auto' (the model's compute dtype), 'bfloat16', 'int8' or 'fp8' (float8_e4m3fn; the 8-bit
+  # ones with a float32 scale per KV head and slot: `serve.model`)
+  kv_cache_dtype: str = "auto"
+  # `step` dispatches the next step before waiting for this one (the module docstring); None:
+  # on, except on a prefill_only engine
+  async_scheduling: bool | None = None
+
+  def __post_init__(self):
+    for name in ("page_size", "num_pages", "max_batch", "max_tokens_per_step", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if self.num_pages < 2:
+      raise ValueError(f"num_pages={self.num_pages} must be >= 2: page 0 is the scratch page")
+    if self.async_scheduling and self.prefill_only:
+      raise ValueError(
+          "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "
+          "its first token, which async scheduling would already have given a decode step; "
+          "leave async_scheduling off on prefill workers"
+      )
+
+
 class Engine:
   """Serves one model from a paged KV cache on `devices` (default: the first device).
 
@@ -216,49 +258,32 @@ class Engine:
       self,
       model_cfg: TransformerConfig,
       params: dict,
+      config: EngineConfig | None = None,
       *,
-      page_size: int = 16,
-      num_pages: int = 256,
-      max_batch: int = 16,
-      max_tokens_per_step: int = 256,
-      max_seq_len: int = 2048,
       devices: Sequence[jax.Device] | None = None,
-      attention: str = "auto",
-      eos_id: int | Sequence[int] | None = None,
-      prefix_caching: bool = True,
-      token_buckets: Sequence[int] | None = None,
-      page_buckets: Sequence[int] | None = None,
-      nan_freed_pages: bool = False,
-      prefill_only: bool = False,
-      kv_cache_dtype: str = "auto",
-      async_scheduling: bool | None = None,
+      **fields,
   ):
-    """token_buckets / page_buckets: the padded sizes a step may take (tokens per step, pages
-    per sequence; default powers of two up to the limits, which are always included);
-    nan_freed_pages: pools start as NaN and every freed page is refilled with NaN (tests: a
-    read of a slot a sequence does not own would show in its output); prefill_only: a prefill
-    worker: a request that samples a token leaves the batch for `prefilled`, pages kept;
-    kv_cache_dtype: 'auto' (the model's compute dtype), 'int8' or 'fp8' (float8_e4m3fn, both
-    with a float32 scale per KV head and slot: `serve.model`); async_scheduling: `step`
-    dispatches the next step before waiting for this one (the module docstring); None (the
-    default): on, except on a prefill_only engine."""
-    for name, value in (
-        ("page_size", page_size),
-        ("num_pages", num_pages),
-        ("max_batch", max_batch),
-        ("max_tokens_per_step", max_tokens_per_step),
-        ("max_seq_len", max_seq_len),
-    ):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    if num_pages < 2:
-      raise ValueError(f"num_pages={num_pages} must be >= 2: page 0 is the scratch page")
-    if async_scheduling and prefill_only:
-      raise ValueError(
-          "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "
-          "its first token, which async scheduling would already have given a decode step; "
-          "leave async_scheduling off on prefill workers"
+    """Places the parameters and the page pools on `devices`.
+
+    Args:
+      model_cfg: the model.
+      params: its parameters (`transformer.init_params`'s tree).
+      config: the engine's settings (default `EngineConfig()`).
+      devices: the engine's devices (default: the first device); several run the model
+        tensor-parallel.
+      **fields: `EngineConfig` fields that replace the config's (`Engine(cfg, params,
+        max_batch=8)`).
+    """
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+      raise TypeError(
+          f"Engine got unknown settings {unknown}; EngineConfig's fields are "
+          f"{[f.name for f in dataclasses.fields(EngineConfig)]}"
       )
+    self.config = config = dataclasses.replace(config or EngineConfig(), **fields)
+    page_size, num_pages, max_batch = config.page_size, config.num_pages, config.max_batch
+    max_tokens_per_step, max_seq_len = config.max_tokens_per_step, config.max_seq_len
+    kv_cache_dtype, prefill_only = config.kv_cache_dtype, config.prefill_only
     self.kv_cache_dtype = kv_cache_dtype
     self.kv_dtype = model_lib.kv_dtype(model_cfg, kv_cache_dtype)  # refuses another name
     quantized = model_lib.quantized(self.kv_dtype)
@@ -275,23 +300,25 @@ class Engine:
     if self.ring_size and len(rings) == self.cfg.n_layers:
       # no layer keeps the context: its pages are bookkeeping of no bytes, as many as could run
       num_pages = max(num_pages, 1 + max_batch * max_pages_per_seq)
-    prefix_caching = prefix_caching and not self.ring_size
+    prefix_caching = config.prefix_caching and not self.ring_size
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
-    self.max_tokens_per_step, self.max_seq_len, self.eos_id = (
-        max_tokens_per_step,
-        max_seq_len,
-        eos_id,
+    self.max_tokens_per_step, self.max_seq_len = max_tokens_per_step, max_seq_len
+    self.eos_id = config.eos_id
+    self.backend = resolve_step_backend(
+        config.attention, model_cfg.head_dim, page_size, self.kv_dtype
     )
-    self.backend = resolve_step_backend(attention, model_cfg.head_dim, page_size, self.kv_dtype)
     self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
     self.token_buckets = _check_buckets(
         "token_buckets",
-        token_buckets,
+        config.token_buckets,
         max_tokens_per_step,
         _buckets(max_tokens_per_step, min(8, max_tokens_per_step)),
     )
     self.page_buckets = _check_buckets(
-        "page_buckets", page_buckets, self.max_pages_per_seq, _buckets(self.max_pages_per_seq)
+        "page_buckets",
+        config.page_buckets,
+        self.max_pages_per_seq,
+        _buckets(self.max_pages_per_seq),
     )
     self._batch_shape = batch_lib.BatchShape(
         page_size,
@@ -321,7 +348,7 @@ class Engine:
         is_leaf=lambda x: isinstance(x, P),
     )
     self.params = jax.device_put(params, self._param_sharding)
-    self.nan_freed_pages = nan_freed_pages
+    self.nan_freed_pages = nan_freed_pages = config.nan_freed_pages
     self.kv = model_lib.init_kv(
         self.cfg,
         num_pages,
@@ -351,7 +378,9 @@ class Engine:
         on_preempt=self._preempted,
     )
     self.prefill_only = prefill_only
-    self.async_scheduling = not prefill_only if async_scheduling is None else async_scheduling
+    self.async_scheduling = (
+        not prefill_only if config.async_scheduling is None else config.async_scheduling
+    )
     self._inflight: _Launched | None = None  # async: the step dispatched and not collected yet
     self._early: dict[int, list[int]] = {}  # tokens collected early (`_drain`), for step()
     # the previous step's sampled tokens on the devices (async: what step n+1 reads step n's

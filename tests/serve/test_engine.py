@@ -6,6 +6,7 @@ requests arrive mid-run, pages run out (preemption), prompts share prefixes (pre
 copy-on-write), freed pages hold NaN, and for a dense and an MoE model.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.models import transformer
-from jaxpipe.serve import Engine, SamplingParams
+from jaxpipe.serve import Engine, EngineConfig, SamplingParams
 from jaxpipe.serve import model as serve_model
 from tests import helpers
 
@@ -256,3 +257,17 @@ def test_prefill_and_decode_step_equal_the_forward_pass_with_the_pallas_kernel()
   third, kv = serve_model.decode_step(cfg, params, kv, [tokens[10]], [10], [table], backend=backend)
   for got, w in ((first, want[4]), (second, want[9]), (third[0], want[10])):
     np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_takes_one_config_and_fields_that_replace_its_own():
+  config = EngineConfig(page_size=PAGE, num_pages=17, max_batch=2, max_seq_len=CONTEXT)
+  engine = Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), config, max_batch=3)
+  assert engine.config == dataclasses.replace(config, max_batch=3)
+  assert (engine.max_batch, engine.page_size, engine.num_pages) == (3, PAGE, 17)
+  assert config.max_batch == 2  # the caller's config as it was
+  with pytest.raises(TypeError, match=r"unknown settings \['max_batchs'\].*'max_batch'"):
+    Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), config, max_batchs=3)
+  with pytest.raises(ValueError, match="num_pages=1 must be >= 2"):
+    EngineConfig(num_pages=1)
+  with pytest.raises(ValueError, match="max_batch=0 must be a positive integer"):
+    Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), max_batch=0)
