@@ -167,19 +167,6 @@ def test_the_schedule_ir_imports_nothing_above_the_runtime(graph):
     assert outside <= {"jaxpipe.runtime.files"}, (m, outside)
 
 
-def test_only_the_library_is_installed():
-  """pyproject.toml installs jaxpipe and the kernels; experiments/ and configs/ run from the
-  repository's root and are not installed, so no other `import experiments` finds them."""
-  import tomllib
-
-  import setuptools
-
-  find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-  found = setuptools.find_packages(str(ROOT), include=find["find"]["include"])
-  assert {p.split(".")[0] for p in found} == {"jaxpipe", "kernels_pallas", "kernels_cpu"}, found
-  assert "jaxpipe.planning" in found
-
-
 def test_no_test_module_imports_another():
   graph = imports_of(ROOT, ("tests",))
   bad = {

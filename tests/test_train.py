@@ -587,9 +587,10 @@ def test_schedule_cli_names_the_file_it_wrote(tmp_path, capsys):
     assert capsys.readouterr().out == f"wrote {fmt} to {out}\n" and os.path.getsize(out) > 0
 
 
-def test_configs_are_part_of_the_package(tmp_path):
-  """A wheel built from the tree holds the config files, so `from configs import quickstart`
-  works wherever jaxpipe is installed."""
+def test_the_wheel_holds_the_library_not_the_runners(tmp_path):
+  """A wheel built from the tree holds jaxpipe and its kernels (the CPU kernel's source
+  included); experiments/ and configs/ run from the repository's root and are not installed, so
+  no other `import experiments` or `import configs` finds them."""
   pytest.importorskip("setuptools")  # the build backend, built without isolation (no download)
   src = tmp_path / "src"
   shutil.copytree(
@@ -619,8 +620,10 @@ def test_configs_are_part_of_the_package(tmp_path):
   (wheel,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
   names = set(zipfile.ZipFile(wheel).namelist())
   assert {
-      "configs/__init__.py",
-      "configs/quickstart.py",
-      "configs/tiny.py",
-      "configs/wider.gin",
-  } <= names
+      "jaxpipe/__init__.py",
+      "jaxpipe/planning/costs.py",
+      "kernels_cpu/paged_attention.cc",
+      "kernels_pallas/__init__.py",
+  } <= names, sorted(names)[:20]
+  tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+  assert tops == {"jaxpipe", "kernels_cpu", "kernels_pallas"}, tops
