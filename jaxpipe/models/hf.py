@@ -307,7 +307,17 @@ def _headers(directory: str) -> tuple[dict[str, str], dict[str, tuple[tuple[int,
 
 
 def check(directory: str) -> Plan:
-  """Reads config.json and the safetensors headers; CheckpointError naming what does not fit."""
+  """Reads config.json and the safetensors headers, before any device work.
+
+  Args:
+    directory: a checkpoint directory written by transformers' `save_pretrained`.
+
+  Returns:
+    The plan: the model config and where each tensor is (`load` takes it).
+
+  Raises:
+    CheckpointError: naming what does not fit (a refused field, a missing or misshapen tensor).
+  """
   path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(path):
     raise CheckpointError(
@@ -443,11 +453,16 @@ def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
 def load(
     directory: str | Plan, shardings: Any = None
 ) -> tuple[transformer.TransformerConfig, dict]:
-  """(config, float32 params) of a checkpoint directory, each leaf placed on its sharding.
+  """Reads a checkpoint's weights onto the devices, one tensor at a time.
 
-  `shardings`: a pytree of Shardings shaped like the params (e.g.
-  `jaxpipe.training.state.state_shardings` of their shapes on a mesh), one Sharding for all, or None
-  for the first device.
+  Args:
+    directory: a checkpoint directory, or the `Plan` that `check` made of it.
+    shardings: a pytree of Shardings shaped like the params (e.g.
+      `jaxpipe.training.state.state_shardings` of their shapes on a mesh), one Sharding for all,
+      or None for the first device.
+
+  Returns:
+    (the model config, its float32 params), each leaf placed on its sharding.
   """
   plan = directory if isinstance(directory, Plan) else check(directory)
   if shardings is None:
@@ -502,9 +517,17 @@ def _host_blocks(t: Tensor, leaf: jax.Array) -> Iterator[tuple[tuple[slice, ...]
 def hf_tensors(
     cfg: transformer.TransformerConfig, params: dict, model_type: str, dtype: Any = np.float32
 ) -> Iterator[tuple[str, np.ndarray]]:
-  """(checkpoint name, array in checkpoint layout and `dtype`) of every tensor of `params`.
+  """Every tensor of `params` as the checkpoint names and lays it out.
 
-  Any tree shaped like the params works (gradients too); the host holds one block at a time.
+  Args:
+    cfg: the model config.
+    params: the params, or any tree shaped like them (gradients too).
+    model_type: the family's transformers `model_type` (its names and fused tensors).
+    dtype: the arrays' dtype.
+
+  Returns:
+    An iterator of (checkpoint name, numpy array); the host holds one block at a time (a fused
+    tensor's parts until its last part).
   """
   plan = tensors(cfg, model_type)
   _check_leaves(cfg, plan)

@@ -394,41 +394,50 @@ def pipeline_value_and_grad(
     embed_specs: PyTree | None = None,
     grad_specs: PyTree | None = None,
 ):
-  """-> (loss, stage grads, head grads, embed grads[, stage aux]); the trainer's path.
+  """Loss and gradients of a model run by a pipeline schedule; the trainer's path.
 
-  `model.embed_fn(embed_params, xs[mb])` feeds the first stage of every route and
-  `model.loss_fn(head_params, y, targets[mb])` closes the last; both parameter sets are
-  replicated over the pipeline and their gradients summed over it. `param_specs`, a pytree like
-  one stage's params with PartitionSpec (or None) leaves over that stage's own dims, splits
-  leaves over data axes (e.g. experts over 'ep'); the stage function then sees its slice.
-  With `model.stage_aux` the stage function returns (x, aux) and a fifth result holds aux summed
-  over micro-batches, leaves [stages, data shards, ...] (per layer after stages for a layered
-  stage), not reduced over the data shards. `seq_axes` split axis 2 of xs and targets (the
-  sequence; context parallelism): every function then sees its slice of each sequence and may
-  run collectives over those axes, and the aux's data shards run over `data_axes` then
-  `seq_axes`. A leaf `param_specs` splits over a data or sequence axis is one the stage gathers
-  (FSDP): the transpose of its gather sums its gradient, the executor does not.
+  Every micro-batch runs through the schedule's tables: `model.embed_fn` feeds the first stage of
+  each route, the stages follow, `model.loss_fn` closes the last. The result equals
+  `jax.value_and_grad` of the unpipelined model summed over the micro-batches.
 
-  stage_order="placement": the leading axis of stage_params (and of the stage gradients and aux
-  returned) lists stages rank by rank, each rank's chunks in order (`Lowered.layout()`
-  flattened), so a stack split over the pipeline axis already sits where it runs. Placements
-  that run a stage on two ranks (bidirectional: Chimera, DualPipe) then take both copies,
-  resident where they run (twice the parameters), and return each copy the sum of the two
-  copies' gradients (and aux), added by one ppermute between the two holders; equal copies
-  stay equal under any elementwise update.
+  Args:
+    model: the stage, embed and loss functions (`executor.Model`, or `layered` for a stack of
+      layers per stage).
+    stage_params: leaves [stages, ...], one entry per virtual stage (see `stage_order`).
+    xs: leaves [microbatches, batch, ...], the embed function's inputs.
+    targets: leaves [microbatches, batch, ...], the loss function's targets.
+    schedule: the schedule (`jaxpipe.pipeline.make_schedule`), lowered to tick tables here.
+    mesh: the device mesh; `pp_axis` is its pipeline axis.
+    head_params: the loss function's parameters, replicated over the pipeline (their gradient
+      summed over it).
+    embed_params: the embed function's parameters, likewise.
+    recompute: rerun each stage's forward in its backward instead of keeping its residuals.
+    pp_axis: the mesh axis the stages are placed on.
+    data_axes: mesh axes that split the batch (default: every mesh axis but the pipeline and
+      sequence axes).
+    param_specs: a pytree like one stage's params of PartitionSpec (or None) leaves over that
+      stage's own dims: a leaf split over a data axis is sliced there (experts over 'ep'); one
+      split over a data or sequence axis that the stage gathers is FSDP (the gather's
+      transpose sums its gradient).
+    seq_axes: axes that split axis 2 of xs and targets (the sequence; context parallelism);
+      every function sees its slice and may run collectives over them.
+    stage_order: 'model' (stages in model order) or 'placement' (rank by rank, each rank's
+      chunks in order, `Lowered.layout()` flattened: a stack split over the pipeline axis sits
+      where it runs; a stage that runs on two ranks, as in Chimera and DualPipe, takes both
+      copies and returns each the sum of the two copies' gradients).
+    side_inputs: with `model.side_inputs`, leaves [microbatches, batch, ...] split as xs is (a
+      packed batch's segment ids and positions), passed to every stage undifferentiated.
+    model_axes: tensor-parallel axes, whose ranks compute one loss together from the same
+      tokens, each holding the slices `param_specs`, `head_specs` and `embed_specs` give it.
+    head_specs: like `param_specs`, for head_params.
+    embed_specs: like `param_specs`, for embed_params.
+    grad_specs: ZeRO-2: like `param_specs`, where a data axis on a dimension the parameter
+      leaves whole reduce-scatters that gradient over it instead of summing it.
 
-  side_inputs: with `model.side_inputs`, a pytree of leaves [microbatches, batch, ...] split as
-  xs is (e.g. a packed batch's segment ids and positions); every stage function receives
-  micro-batch i's slice as its third argument wherever it runs micro-batch i, undifferentiated
-  (see `jaxpipe.pipeline.executor`).
-
-  model_axes (tensor parallelism, `make_executor`): axes whose ranks compute one loss together
-  from the same tokens, each holding the slices of the leaves that `param_specs`,
-  `head_specs` and `embed_specs` (pytrees like head_params and embed_params) split over them.
-
-  grad_specs (ZeRO-2): like `param_specs`, where the stage gradients return split: data axes
-  added on a dimension the parameter leaves whole reduce-scatter that leaf's gradient over them
-  instead of summing it (`make_executor`).
+  Returns:
+    (loss, stage grads, head grads, embed grads), and with `model.stage_aux` a fifth item: the
+    stages' aux summed over micro-batches, leaves [stages, data shards, ...] (per layer after
+    stages for a layered stage; shards over `data_axes` then `seq_axes`), not reduced.
   """
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")

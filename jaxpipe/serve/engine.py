@@ -504,10 +504,18 @@ class Engine:
       *,
       eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
   ) -> int:
-    """Queues a request and returns its id; a bad one is finished at once with `error` set.
+    """Queues a request; a bad one (`check_request`) is finished at once with `error` set.
 
-    eos_id: the token (or tokens) that end it, kept in its output; None: only max_tokens and
-    sampling.stop_token_ids do. Neither can be sampled before sampling.min_tokens tokens.
+    Args:
+      prompt: the prompt's token ids.
+      max_tokens: the most tokens to generate.
+      sampling: its sampling values (default: greedy).
+      eos_id: the token (or tokens) that end it, kept in its output; None: only max_tokens and
+        sampling.stop_token_ids do. Neither can be sampled before sampling.min_tokens tokens.
+        Default: the engine's `EngineConfig.eos_id`.
+
+    Returns:
+      The request's id (`step`'s keys, `finished()`'s `.id`).
     """
     sampling = sampling or SamplingParams()
     rid = self._next_id
@@ -889,9 +897,19 @@ class Engine:
       top_k: int = 0,
       top_p: float = 1.0,
   ) -> list[list[int]]:
-    """Generated tokens of every prompt (request i samples with seed + i).
+    """Runs every prompt to its end and returns the generated tokens.
 
-    Raises ValueError naming every bad prompt before any work.
+    Args:
+      prompts: token ids of each prompt.
+      max_tokens: the most tokens to generate per prompt.
+      temperature: 0 is greedy; top_k and top_p narrow the sampled set (0 and 1: no limit).
+      seed: request i samples with seed + i.
+
+    Returns:
+      The generated tokens of each prompt, in order (EOS kept when it ends one).
+
+    Raises:
+      ValueError: naming every bad prompt, before any work.
     """
     samplings = [SamplingParams(temperature, top_k, top_p, seed + i) for i in range(len(prompts))]
     errors = [

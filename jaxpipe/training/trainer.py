@@ -90,9 +90,16 @@ class Trainer:
       workdir: str | None = None,
       existing_run: str = "resume",
   ):
-    """existing_run: what to do with a run the workdir already holds: 'resume' it (refused if
-    the config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue it
-    under the changed config) or 'restart' (move it to previous-<n>/ and start over)."""
+    """Checks the config, takes the workdir and builds the loss, mesh, data and optimizer.
+
+    Args:
+      config: the run's config (`jaxpipe.training.config.default_config` and overrides); one
+        that cannot run raises `ConfigError` naming the field and the fix.
+      workdir: where checkpoints, metrics and config.json go; None: nothing is written.
+      existing_run: what to do with a run the workdir already holds: 'resume' it (refused if the
+        config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue
+        it under the changed config) or 'restart' (move it to previous-<n>/ and start over).
+    """
     self.config = config
     self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
     self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won
@@ -406,7 +413,15 @@ class Trainer:
     return compiled
 
   def step(self, batch: dict | None = None) -> dict[str, jax.Array]:
-    """One optimizer step on `batch` (numpy or on-mesh arrays; default: the next train batch)."""
+    """One optimizer step.
+
+    Args:
+      batch: `tokens`, `targets`, `mask` (and a packed batch's `segment_ids`, `positions`), numpy
+        or on-mesh arrays [batch, seq_len]; default: the next train batch.
+
+    Returns:
+      The step's metrics (`loss`, `grad_norm`, `tokens`, ...) as arrays on the mesh.
+    """
     if self.state is None:
       self.init()
     if batch is None:
@@ -420,6 +435,9 @@ class Trainer:
 
   def evaluate(self) -> float:
     """Mean per-token cross-entropy over `train.eval_batches` eval batches.
+
+    Returns:
+      The mean loss, as a Python float.
 
     Runs the training path's `loss_and_grads` and drops the gradients (XLA then drops the
     backward), so the loss is the one training reports and the layout is training's: layers
@@ -445,9 +463,15 @@ class Trainer:
   # -- the loop ---------------------------------------------------------------------------------
 
   def train(self, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Trains up to step `steps` (default train.steps), resuming from the workdir.
+    """Trains up to step `steps`, resuming from the workdir.
 
-    Returns {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted', 'stop_signal'}.
+    Args:
+      steps: the step to stop at (default `train.steps`).
+      progress: show a progress bar (process 0).
+
+    Returns:
+      {'start', 'step', 'first_loss', 'last_loss', 'eval_loss', 'preempted', 'stop_signal'}.
+
     SIGTERM or a first SIGINT (Ctrl-C) saves a checkpoint after the current step and returns with
     preempted=True and stop_signal naming the signal; a second SIGINT raises KeyboardInterrupt at
     once, without saving. A non-finite loss or gradient raises NonFiniteLossError naming which and

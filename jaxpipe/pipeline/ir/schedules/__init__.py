@@ -28,7 +28,22 @@ SCHEDULE_NAMES = tuple(GENERATORS)
 def make_schedule(
     name: str, *, pp: int, microbatches: int, chunks: int | None = None, **options
 ) -> Schedule:
-  """Builds and validates the named schedule for `pp` ranks and `microbatches` micro-batches."""
+  """Builds and validates a published schedule.
+
+  Args:
+    name: one of SCHEDULE_NAMES ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'dualpipe', ...).
+    pp: pipeline ranks.
+    microbatches: micro-batches per step.
+    chunks: virtual stages per rank where the schedule takes a count (interleaved 1F1B); None:
+      the schedule's own.
+    **options: the generator's own options.
+
+  Returns:
+    The validated `Schedule`.
+
+  Raises:
+    ValueError: an unknown name (with the closest known one) or a bad count.
+  """
   if name not in GENERATORS:
     close = difflib.get_close_matches(name, SCHEDULE_NAMES, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
