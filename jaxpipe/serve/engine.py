@@ -274,12 +274,10 @@ class Engine:
       **fields: `EngineConfig` fields that replace the config's (`Engine(cfg, params,
         max_batch=8)`).
     """
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(EngineConfig)})
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    unknown = sorted(set(fields) - set(names))
     if unknown:
-      raise TypeError(
-          f"Engine got unknown settings {unknown}; EngineConfig's fields are "
-          f"{[f.name for f in dataclasses.fields(EngineConfig)]}"
-      )
+      raise TypeError(f"Engine got unknown settings {unknown}; EngineConfig's fields are {names}")
     self.config = config = dataclasses.replace(config or EngineConfig(), **fields)
     page_size, num_pages, max_batch = config.page_size, config.num_pages, config.max_batch
     max_tokens_per_step, max_seq_len = config.max_tokens_per_step, config.max_seq_len
@@ -307,7 +305,7 @@ class Engine:
     self.backend = resolve_step_backend(
         config.attention, model_cfg.head_dim, page_size, self.kv_dtype
     )
-    self.max_pages_per_seq = math.ceil(max_seq_len / page_size)
+    self.max_pages_per_seq = max_pages_per_seq
     self.token_buckets = _check_buckets(
         "token_buckets",
         config.token_buckets,
