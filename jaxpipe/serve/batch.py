@@ -45,6 +45,27 @@ class StepBatch:
   index: list[int]  # per sampled row: the output index its token fills
 
 
+def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
+  """Buckets: powers of two from `start` below `limit`, then `limit`."""
+  out, b = [], start
+  while b < limit:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (limit,)
+
+
+def check_buckets(
+    name: str, buckets: Sequence[int] | None, limit: int, default: tuple[int, ...]
+) -> tuple[int, ...]:
+  """A setting's buckets, sorted, the limit added (None: `default`); one line for a bad one."""
+  if buckets is None:
+    return default
+  out = tuple(sorted({int(b) for b in buckets if 0 < b < limit} | {limit}))
+  if any(not 0 < b <= limit for b in buckets):
+    raise ValueError(f"{name}={tuple(buckets)} must lie in [1, {limit}]")
+  return out
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
   """The smallest bucket that holds n (the buckets ascend; the last is the limit)."""
   return next(b for b in buckets if b >= n)

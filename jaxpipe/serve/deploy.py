@@ -105,7 +105,7 @@ class Transfer:
   dst: Worker
   dst_rid: int
   parts: list[tuple[int | None, int, object, object]]  # (layer or None: all, first page, k, v
-  # as `Engine.kv_of` gives them), already on dst's devices
+  # as `KVTransfer.kv_of` gives them), already on dst's devices
   nbytes: int
   start: float
 
@@ -335,7 +335,7 @@ class _Deployment:
             list(r.logprobs),
         )
         try:
-          erid = w.engine.import_request(state)
+          erid = w.engine.transfer.import_request(state)
         except ValueError as e:  # no batch slot now: try again next step
           r.note = str(e)
           self._pending.append(r)
@@ -537,7 +537,7 @@ class Disaggregated(_Deployment):
         self._drain(p)
         self._fail(r, lost)
         continue
-      pages = p.engine.kv_shape(er.computed)[2]
+      pages = p.engine.transfer.kv_shape(er.computed)[2]
       d = placement.decode_worker([d for d in self.decode if not d.stopped], pages)
       if d is None:
         r.note = f"waiting for a decode worker with a free slot and {pages} free pages"
@@ -545,13 +545,13 @@ class Disaggregated(_Deployment):
       self._start(r, p, er.id, d)
 
   def _start(self, r: Served, p: Worker, src_rid: int, d: Worker) -> None:
-    state = p.engine.export_request(src_rid, with_kv=False)
-    dst_rid = d.engine.reserve_request(state)
+    state = p.engine.transfer.export_request(src_rid, with_kv=False)
+    dst_rid = d.engine.transfer.reserve_request(state)
     parts, nbytes = [], 0
     layers = range(p.engine.cfg.n_layers) if self.stream_layers else [None]
     for layer in layers:
-      for first, k, v in p.engine.kv_of(src_rid, layer):
-        k, v = jax.device_put((k, v), d.engine.kv_sharding)  # device to device, asynchronous
+      for first, k, v in p.engine.transfer.kv_of(src_rid, layer):
+        k, v = jax.device_put((k, v), d.engine.transfer.sharding)  # device to device, asynchronous
         parts.append((layer, first, k, v))
         nbytes += sum(x.nbytes for x in jax.tree.leaves((k, v)))  # 8-bit: scales too
     now = time.perf_counter()
@@ -564,9 +564,9 @@ class Disaggregated(_Deployment):
     D's batch and P frees its pages."""
     for rid, t in list(self.transfers.items()):
       for layer, first, k, v in t.parts:
-        t.dst.engine.write_kv(t.dst_rid, k, v, layer, first)
+        t.dst.engine.transfer.write_kv(t.dst_rid, k, v, layer, first)
       jax.block_until_ready([x for *_, k, v in t.parts for x in (k, v)])
-      t.dst.engine.admit_request(t.dst_rid)
+      t.dst.engine.transfer.admit_request(t.dst_rid)
       t.src.engine.release(t.src_rid)
       del t.src.ids[t.src_rid]
       t.dst.ids[t.dst_rid] = rid

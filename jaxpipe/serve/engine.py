@@ -16,13 +16,16 @@ and run one compiled step per iteration. Each `step()`:
    bounded: `programs`) and samples a token for every request whose tokens are all cached;
 4. finishes requests on EOS or `max_tokens`, freeing their pages at once.
 
-A request's fields and states are `serve.request`'s.
+The engine's parts, one module each: a request's fields and states (`serve.request`), the
+scheduler (`serve.scheduler`), the page allocator and prefix cache (`serve.pages`), building a
+step's token batch (`serve.batch`), the compiled step programs (`serve.programs`), scoring a
+prompt (`serve.scoring`) and moving a request's K/V between engines (`serve.kv_transfer`,
+`Engine.transfer`). This module holds the request lifecycle and the step.
 
 Bad requests (empty prompt, tokens outside the vocabulary, too long for the context or the pool,
 bad sampling values) finish at once with an `error`; the engine keeps serving the others.
-`fork` starts a second sample of a running request on shared pages; `export_request` and
-`import_request` move a running request, K/V included, to another engine (or, device to device,
-`kv_of` on one side and `reserve_request` / `write_kv` / `admit_request` on the other).
+`fork` starts a second sample of a running request on shared pages; `transfer` moves a running
+request, K/V included, to another engine.
 Sliding-window layers keep a ring of pages per running sequence (`model.ring_pages`: its
 window and a step's chunk), taken at admission from an allocator of their own and given back
 with the request, so that they hold no page of the context outside it; full-attention layers
@@ -54,38 +57,36 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.batch import bucket
-from jaxpipe.serve.pages import SCRATCH_PAGE, PageAllocator, PrefixCache, page_key
+from jaxpipe.serve.kv_transfer import KVTransfer
+from jaxpipe.serve.pages import PageAllocator, PrefixCache, page_key
+from jaxpipe.serve.programs import StepPrograms
 from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.request import (
     ENGINE_EOS,
     FINISHED,
     FINISHING,
-    INCOMING,
     PENDING,
     PREFILLED,
     RUNNING,
     WAITING,
-    KVState,
     Request,
     eos_ids,
+    outside_vocab,
 )
 from jaxpipe.serve.sampling import (
     MAX_BANNED,
-    MAX_LOGPROBS,
-    SamplingBatch,
     SamplingParams,
     TokenLogprobs,
     as_token_logprobs,
-    top_logprobs,
 )
 from jaxpipe.serve.scheduler import Scheduler
+from jaxpipe.serve.scoring import Scorer
 
 # Engine.host_time's keys, in a step's order: plan the step (scheduler, pages, copy-on-write);
 # build its host arrays; compile a new step program; dispatch it; wait for its sampled tokens
@@ -108,26 +109,6 @@ class _Launched:
   logprobs: tuple[jax.Array, jax.Array, jax.Array]  # `sampling.top_logprobs` of the rows
 
 
-def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
-  """Powers of two from `start` below `limit`, then `limit`."""
-  out, b = [], start
-  while b < limit:
-    out.append(b)
-    b *= 2
-  return tuple(out) + (limit,)
-
-
-def _check_buckets(
-    name: str, buckets: Sequence[int] | None, limit: int, default: tuple[int, ...]
-) -> tuple[int, ...]:
-  if buckets is None:
-    return default
-  out = tuple(sorted({int(b) for b in buckets if 0 < b < limit} | {limit}))
-  if any(not 0 < b <= limit for b in buckets):
-    raise ValueError(f"{name}={tuple(buckets)} must lie in [1, {limit}]")
-  return out
-
-
 def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
   """Raises ValueError (one line, the value and the fix) unless the model splits over tp
   devices as training's tensor parallelism does (`tp_lib.check`); the pools split the KV
@@ -144,11 +125,6 @@ def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
       fix="give the engine a number of devices that divides {value}",
       kv_whole=False,
   )
-
-
-def _pow2_chunks(n: int) -> list[int]:
-  """The powers of two that sum to n, largest first (13 -> [8, 4, 1])."""
-  return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
 class _EnginePages:
@@ -306,17 +282,17 @@ class Engine:
         config.attention, model_cfg.head_dim, page_size, self.kv_dtype
     )
     self.max_pages_per_seq = max_pages_per_seq
-    self.token_buckets = _check_buckets(
+    self.token_buckets = batch_lib.check_buckets(
         "token_buckets",
         config.token_buckets,
         max_tokens_per_step,
-        _buckets(max_tokens_per_step, min(8, max_tokens_per_step)),
+        batch_lib.powers_of_two(max_tokens_per_step, min(8, max_tokens_per_step)),
     )
-    self.page_buckets = _check_buckets(
+    self.page_buckets = batch_lib.check_buckets(
         "page_buckets",
         config.page_buckets,
         self.max_pages_per_seq,
-        _buckets(self.max_pages_per_seq),
+        batch_lib.powers_of_two(self.max_pages_per_seq),
     )
     self._batch_shape = batch_lib.BatchShape(
         page_size,
@@ -328,11 +304,11 @@ class Engine:
     )
     self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
     self._replicated = NamedSharding(self.mesh, P())
-    self._pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
-    scales = self._pool_sharding if quantized else None
-    self._kv_sharding = model_lib.KVPages(
-        self._pool_sharding,
-        self._pool_sharding,
+    self.pool_sharding = NamedSharding(self.mesh, P(model_lib.KV_AXIS))
+    scales = self.pool_sharding if quantized else None
+    self.kv_cache_sharding = model_lib.KVPages(
+        self.pool_sharding,
+        self.pool_sharding,
         num_pages,
         scales,
         scales,
@@ -352,7 +328,7 @@ class Engine:
         num_pages,
         page_size,
         fill=float("nan") if nan_freed_pages else 0.0,
-        sharding=self._pool_sharding,
+        sharding=self.pool_sharding,
         kv_cache_dtype=kv_cache_dtype,
         window_pages=window_pages,
     )
@@ -384,10 +360,18 @@ class Engine:
     # the previous step's sampled tokens on the devices (async: what step n+1 reads step n's
     # tokens from); zeros before the first step
     self._no_prev = jax.device_put(np.zeros(max_batch, np.int32), self._replicated)
-    self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
     self._finished: list[Request] = []
     self._next_id = 0
-    self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+    self.compiled = StepPrograms(
+        self.cfg,
+        self.backend,
+        self.mesh,
+        max_batch,
+        (self._param_sharding, self.kv_cache_sharding, self._replicated),
+        ring=bool(self.ring_size),
+    )
+    self.scorer = Scorer(self.cfg, self._param_sharding, self._replicated, max_seq_len)
+    self.transfer = KVTransfer(self)
     self.steps = 0
     self.counts = collections.Counter()  # preemptions, page_copies, cached_tokens, tokens, ...
     # Seconds of wall time per phase of step(), summed over steps (`HOST_PHASES`): what the host
@@ -413,7 +397,7 @@ class Engine:
 
   @property
   def incoming(self) -> list[Request]:
-    """Requests reserved for K/V on its way (`reserve_request`), batch slots held."""
+    """Requests reserved for K/V on its way (`KVTransfer.reserve_request`), batch slots held."""
     return self.scheduler.incoming
 
   # -- requests ---------------------------------------------------------------------------------
@@ -458,7 +442,7 @@ class Engine:
       )
     if len(prompt) == 0:
       return Refusal("the prompt is empty; give at least one token", "prompt")
-    outside = self._outside_vocab(prompt)
+    outside = outside_vocab(prompt, self.cfg.vocab)
     if outside:
       return outside
     if len(prompt) >= self.max_seq_len:
@@ -483,17 +467,6 @@ class Engine:
       )
     return None
 
-  def _outside_vocab(self, prompt: Sequence[int]) -> Refusal | None:
-    """Why some prompt token is no id of the model (check_request and score share it), or None."""
-    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab]
-    if not bad:
-      return None
-    return Refusal(
-        f"prompt token {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab}) "
-        f"({len(bad)} such tokens)",
-        "prompt",
-    )
-
   def add_request(
       self,
       prompt: Sequence[int],
@@ -516,8 +489,7 @@ class Engine:
       The request's id (`step`'s keys, `finished()`'s `.id`).
     """
     sampling = sampling or SamplingParams()
-    rid = self._next_id
-    self._next_id += 1
+    rid = self.new_id()
     r = Request(
         rid,
         [int(t) if isinstance(t, (int, np.integer)) else t for t in prompt],
@@ -540,7 +512,7 @@ class Engine:
     if r.state == FINISHED:
       return False
     self.scheduler.remove(r)
-    self._unwritten.pop(r.id, None)
+    self.transfer.forget(r.id)
     return True
 
   def cancel(self, rid: int) -> None:
@@ -551,7 +523,7 @@ class Engine:
 
   def release(self, rid: int) -> None:
     """Drops a request that continues on another engine: frees its pages; `finished` omits it."""
-    self._drain()
+    self.drain()
     r = self.requests.pop(rid)
     if not self._detach(r):
       raise ValueError(f"request {rid} is finished; there is nothing to release")
@@ -560,7 +532,7 @@ class Engine:
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
     """A second sample of a running request: it continues from the same tokens, sharing every
     page (copied when either writes into a shared one). Returns the new request's id."""
-    self._drain()
+    self.drain()
     r = self.requests[rid]
     if r.state != RUNNING:
       raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
@@ -584,7 +556,7 @@ class Engine:
         self._copy_page(src, dst, ring=True)
     new = dataclasses.replace(
         r,
-        id=self._next_id,
+        id=self.new_id(),
         sampling=sampling,
         output=list(r.output),
         logprobs=list(r.logprobs),
@@ -595,10 +567,14 @@ class Engine:
         cached_tokens=0,
         preemptions=0,
     )
-    self._next_id += 1
     self.requests[new.id] = new
     self.scheduler.join(new)
     return new.id
+
+  def new_id(self) -> int:
+    """A fresh request id."""
+    self._next_id += 1
+    return self._next_id - 1
 
   def finished(self) -> list[Request]:
     """Requests finished since the last call (they leave `requests`)."""
@@ -646,7 +622,7 @@ class Engine:
       pools = jax.tree.map(lambda x: x.at[:, firsts_L + dst].set(x[:, firsts_L + src]), kv.pools)
       return kv.with_pools(*pools)
 
-    return jax.jit(copy, donate_argnums=0, out_shardings=self._kv_sharding)
+    return jax.jit(copy, donate_argnums=0, out_shardings=self.kv_cache_sharding)
 
   @functools.cached_property
   def _fill_fn(self):
@@ -659,14 +635,14 @@ class Engine:
         return kv.replace(k_scales=nan(kv.k_scales), v_scales=nan(kv.v_scales))
       return kv.with_pools(nan(kv.k), nan(kv.v))
 
-    return jax.jit(fill, donate_argnums=0, out_shardings=self._kv_sharding)
+    return jax.jit(fill, donate_argnums=0, out_shardings=self.kv_cache_sharding)
 
   def _copy_page(self, src: int, dst: int, ring: bool = False) -> None:
-    self._flush_fills()
+    self.flush_fills()
     firsts = self._layer_pages(ring)
     self.kv = self._copy_fn(self.kv, firsts, np.int32(src), np.int32(dst))
 
-  def _flush_fills(self) -> None:
+  def flush_fills(self) -> None:
     for ring, freed, size in (
         (False, self._to_fill, self.num_pages),
         (True, self._to_fill_ring, self.kv.window_pages),
@@ -680,50 +656,13 @@ class Engine:
         self.kv = self._fill_fn(self.kv, firsts, pages, np.int32(size))
 
   def step_program(self, t: int, n: int) -> jax.stages.Compiled:
-    """The compiled step for T = t tokens and n pages per sequence (compiled once each), called
-    as `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
-    kv)` (logprobs: `sampling.top_logprobs` of every row; prev_R: the previous step's new_R,
-    read where `TokenBatch.prev_T` says); the K/V pools are donated, so the caller keeps the
-    returned ones."""
-    if (t, n) not in self._programs:
-      r = self.max_batch
-      step = functools.partial(
-          model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
-      )
-      i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-      rings = (i32(t), i32(t, n), i32(r, n)) if self.ring_size else (None,) * 3
-      batch = model_lib.TokenBatch(
-          i32(t),
-          i32(t),
-          i32(t),
-          i32(t, n),
-          i32(r),
-          i32(r, n),
-          i32(r),
-          i32(r),
-          i32(r),
-          i32(t),
-          *rings,
-      )
-      f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
-      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
-      rep = self._replicated
-      self._programs[(t, n)] = (
-          jax.jit(
-              step,
-              donate_argnums=1,
-              in_shardings=(self._param_sharding, self._kv_sharding, rep, rep, rep),
-              out_shardings=(rep, rep, rep, self._kv_sharding),
-          )
-          .lower(self.params, self.kv, batch, sampling, i32(r))
-          .compile()
-      )
-    return self._programs[(t, n)]
+    """The compiled step for t tokens and n pages per sequence (`StepPrograms.get`)."""
+    return self.compiled.get(t, n, self.params, self.kv)
 
   @property
   def programs(self) -> list[tuple[int, int]]:
     """(tokens, pages per sequence) of every step program compiled so far."""
-    return sorted(self._programs)
+    return self.compiled.shapes
 
   @property
   def max_programs(self) -> int:
@@ -733,20 +672,19 @@ class Engine:
   def precompile(
       self, max_pages: int | None = None, move_pages: int = 0, per_layer: bool = False
   ) -> None:
-    """Compiles every step program up to `max_pages` pages per sequence (default all), and the
-    K/V gather and write of every chunk of up to `move_pages` pages (`kv_of`, `write_kv`; all
-    layers, or one with per_layer) by running them on the scratch page."""
+    """Compiles the step programs and the K/V moves a run will need.
+
+    Args:
+      max_pages: every step program up to this many pages per sequence (default all).
+      move_pages: the gather and write of every chunk of up to this many pages
+        (`KVTransfer.precompile`), run on the scratch page.
+      per_layer: those of one layer instead of all.
+    """
     for n in self.page_buckets:
       if max_pages is None or n <= bucket(max_pages, self.page_buckets):
         for t in self.token_buckets:
           self.step_program(t, n)
-    if move_pages:
-      self._check_movable()
-    for size in _pow2_chunks((1 << move_pages.bit_length()) - 1):
-      scratch = np.full(size, SCRATCH_PAGE, np.int32)
-      layers = self._layers(0 if per_layer else None)
-      k, v = self._gather_fn(self.kv, scratch, layers)
-      self.kv = self._scatter_fn(self.kv, scratch, layers, k, v)
+    self.transfer.precompile(move_pages, per_layer)
     jax.block_until_ready(self.kv.k)
 
   def step(self) -> dict[int, list[int]]:
@@ -763,7 +701,7 @@ class Engine:
     out, self._early = self._early, {}
     return out
 
-  def _drain(self) -> None:
+  def drain(self) -> None:
     """Collects the step in flight (async scheduling), its tokens kept for the next `step`:
     what reads or moves a request's tokens or pages from outside a step calls it first."""
     launched, self._inflight = self._inflight, None
@@ -795,7 +733,7 @@ class Engine:
       return None
     after_rows = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
     step = batch_lib.build(plan, self._batch_shape, after_rows)
-    self._flush_fills()
+    self.flush_fills()
     built = time.perf_counter()
     program = self.step_program(step.t, step.pages)
     compiled = time.perf_counter()
@@ -932,42 +870,18 @@ class Engine:
   # -- scoring a prompt -------------------------------------------------------------------------
 
   def score(self, prompt: Sequence[int], top_logprobs: int = 0) -> list[TokenLogprobs | None]:
-    """Each prompt token's log-probability given the tokens before it and the `top_logprobs`
-    most likely tokens there (None for the first token): what lm-evaluation-harness's
-    loglikelihood asks. One exact forward pass of the training model over the whole prompt with
-    the serving parameters on the engine's devices, padded to a power-of-two length (a bounded
-    number of programs); no pages are touched. Call it between steps, from the stepping thread.
-    Raises ValueError (one line) for a bad prompt or top_logprobs."""
-    if not isinstance(top_logprobs, (int, np.integer)) or not 0 <= top_logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"top_logprobs={top_logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
-    prompt = list(prompt)
-    if not prompt:
-      raise ValueError("the prompt to score is empty; give at least one token")
-    outside = self._outside_vocab(prompt)
-    if outside:
-      raise ValueError(outside)
-    if len(prompt) > self.max_seq_len:
-      raise ValueError(
-          f"the prompt to score has {len(prompt)} tokens, more than the context of "
-          f"{self.max_seq_len}; shorten it or give the engine a larger max_seq_len"
-      )
-    n = bucket(len(prompt), _buckets(self.max_seq_len))
-    tokens_1xL = np.zeros((1, n), np.int32)
-    tokens_1xL[0, : len(prompt)] = prompt
-    chosen_L, top_LxM, ids_LxM = jax.device_get(self._score_fn(self.params, tokens_1xL))
-    return [None] + [
-        as_token_logprobs(chosen_L[i], top_LxM[i], ids_LxM[i], top_logprobs)
-        for i in range(len(prompt) - 1)
-    ]
+    """Each prompt token's log-probability given the tokens before it (`serve.scoring`).
 
-  @functools.cached_property
-  def _score_fn(self):
-    def score(params, tokens_1xL):  # row i: the distribution after token i, scored at token i+1
-      logits_LxV = transformer.forward(self.cfg, params, tokens_1xL)[0]
-      return top_logprobs(logits_LxV, jnp.roll(tokens_1xL[0], -1))
+    Call it between steps, from the stepping thread.
 
-    rep = self._replicated
-    return jax.jit(score, in_shardings=(self._param_sharding, rep), out_shardings=rep)
+    Args:
+      prompt: token ids.
+      top_logprobs: how many of the most likely tokens to list at each place.
+
+    Returns:
+      None for the first token, then each token's `TokenLogprobs`.
+    """
+    return self.scorer.score(self.params, prompt, top_logprobs)
 
   # -- metrics ----------------------------------------------------------------------------------
 
@@ -1001,243 +915,3 @@ class Engine:
         f"sliding layers keep rings of {self.ring_size} pages a sequence: KV pools "
         f"{rings / 2**20:.1f} MiB, {size(self.kv_dtype) / 2**20:.1f} MiB if they kept the context"
     )
-
-  # -- moving requests between engines ----------------------------------------------------------
-
-  @property
-  def kv_sharding(self) -> NamedSharding:
-    """Where K/V for this engine must be to be written (`write_kv`): KV heads over its devices."""
-    return self._pool_sharding
-
-  @functools.cached_property
-  def _gather_fn(self):
-    def gather(kv, pages_N, layers_L):  # [G, L, N, page, K] (8-bit: and scales [G, L, N, page])
-      idx = jnp.asarray(kv.layout.offsets)[layers_L][:, None] + pages_N[None, :]
-      if kv.k_scales is None:
-        return kv.k[:, idx], kv.v[:, idx]
-      return (kv.k[:, idx], kv.k_scales[:, idx]), (kv.v[:, idx], kv.v_scales[:, idx])
-
-    return jax.jit(gather, out_shardings=self._pool_sharding)
-
-  @functools.cached_property
-  def _scatter_fn(self):
-    def scatter(kv, pages_N, layers_L, k, v):  # k, v as `gather` returns them
-      idx = jnp.asarray(kv.layout.offsets)[layers_L][:, None] + pages_N[None, :]
-      put = lambda pool, x: pool.at[:, idx].set(x.astype(pool.dtype))
-      if kv.k_scales is None:
-        return kv.with_pools(put(kv.k, k), put(kv.v, v))
-      (k, k_scales), (v, v_scales) = k, v
-      return kv.with_pools(
-          put(kv.k, k), put(kv.v, v), put(kv.k_scales, k_scales), put(kv.v_scales, v_scales)
-      )
-
-    return jax.jit(scatter, donate_argnums=0, out_shardings=self._kv_sharding)
-
-  def _layers(self, layer: int | None) -> np.ndarray:
-    if layer is None:
-      return np.arange(self.cfg.n_layers, dtype=np.int32)
-    if not 0 <= layer < self.cfg.n_layers:
-      raise ValueError(f"layer={layer} is outside [0, {self.cfg.n_layers})")
-    return np.asarray([layer], np.int32)
-
-  def _check_movable(self) -> None:
-    """K/V moves need every layer's pages of the context, which ring layers do not keep."""
-    if self.ring_size:
-      raise ValueError(
-          "this model's sliding-window layers keep rings of their window's pages, not the "
-          "context's: moving a request's K/V between engines is not implemented for them; "
-          "move it with computed=0 (recomputed) or serve it on one engine"
-      )
-
-  def kv_of(self, rid: int, layer: int | None = None) -> list[tuple[int, jax.Array, jax.Array]]:
-    """K and V of a request's cached tokens, exactly its pages, still on this engine's devices,
-    in chunks of a power of two pages (the binary digits of the page count: at most
-    log2(pages) + 1 copies, and as many compiled programs serve every length):
-    (first page index, k, v), each [G, n_layers (1 with `layer`), chunk pages, page, head_dim],
-    or with an 8-bit cache a pair (values, float32 scales [G, n_layers, chunk pages, page])."""
-    self._check_movable()
-    self._drain()
-    r = self.requests[rid]
-    if r.state not in (RUNNING, PREFILLED):
-      raise ValueError(
-          f"request {rid} is {r.state}; only a running or prefilled request has pages to export"
-      )
-    used = math.ceil(r.computed / self.page_size)
-    self._flush_fills()
-    out, at = [], 0
-    for size in _pow2_chunks(used):
-      k, v = self._gather_fn(
-          self.kv, np.asarray(r.pages[at : at + size], np.int32), self._layers(layer)
-      )
-      out.append((at, k, v))
-      at += size
-    return out
-
-  def export_request(self, rid: int, with_kv: bool = True) -> KVState:
-    """A request's tokens and cached K/V (host arrays; with_kv=False: none, `kv_of` moves them
-    device to device), to `import_request` or `reserve_request` elsewhere."""
-    self._drain()
-    r = self.requests[rid]
-    if r.state not in (RUNNING, PREFILLED):
-      raise ValueError(f"request {rid} is {r.state}; only a running or prefilled request can move")
-    k = v = None
-    if with_kv:
-      self._check_movable()
-      chunks = jax.device_get([(k, v) for _, k, v in self.kv_of(rid)])
-      if chunks:
-        k, v = jax.tree.map(lambda *c: np.concatenate(c, axis=2), *chunks)
-      else:
-        k, v = self._empty_kv(r.computed), self._empty_kv(r.computed)
-    return KVState(
-        list(r.prompt),
-        list(r.output),
-        r.max_tokens,
-        r.sampling,
-        r.eos_id,
-        r.computed,
-        k,
-        v,
-        r.arrival,
-        r.first_token_time,
-        list(r.token_times),
-        list(r.logprobs),
-    )
-
-  def _empty_kv(self, computed: int):
-    """K (or V) of a request with no cached pages, as `export_request` gives it."""
-    values = np.zeros(self.kv_shape(computed), self.kv_dtype)
-    if self.kv.k_scales is None:
-      return values
-    return values, np.zeros(self.kv_shape(computed)[:-1], np.float32)
-
-  def _kv_shape_error(self, name: str, x, want: tuple[int, ...]) -> str | None:
-    """Why x does not hold K (or V) of shape `want` for this engine's cache, or None."""
-    if self.kv.k_scales is None:
-      if isinstance(x, tuple) or tuple(x.shape) != want:
-        got = tuple(x.shape) if not isinstance(x, tuple) else "a (values, scales) pair"
-        return f"{name} has shape {got}; this engine's float cache takes {want}"
-      return None
-    if not isinstance(x, tuple) or len(x) != 2:
-      return f"{name} must be a (values, scales) pair for this engine's {self.kv_cache_dtype} cache"
-    if tuple(x[0].shape) != want or tuple(x[1].shape) != want[:-1]:
-      return (
-          f"{name} has shapes {tuple(x[0].shape)}, {tuple(x[1].shape)}; this engine takes "
-          f"{want} and {want[:-1]}"
-      )
-    return None
-
-  def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
-    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim]."""
-    return (
-        self.cfg.n_kv_heads,
-        self.cfg.n_layers if layers is None else layers,
-        math.ceil(computed / self.page_size),
-        self.page_size,
-        self.cfg.head_dim,
-    )
-
-  def reserve_request(self, state: KVState) -> int:
-    """Takes pages and a batch slot for a request whose K/V will follow (`write_kv`, then
-    `admit_request`); it is not scheduled until then. Raises ValueError if it cannot be taken."""
-    if state.computed:
-      self._check_movable()
-    error = self.check_request(state.prompt, state.max_tokens, state.sampling, state.eos_id)
-    want = self.kv_shape(state.computed)
-    if error is None and state.k is not None:
-      error = self._kv_shape_error("the K", state.k, want)
-      if error:
-        error += f" for {state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
-    if error is None and not self.scheduler.has_slot():
-      error = f"the batch is full ({self.max_batch} running or incoming requests)"
-    if error is None and not self.allocator.can_alloc(want[2]):
-      error = (
-          f"{want[2]} free pages are needed to import the request, "
-          f"{self.allocator.num_free} are free"
-      )
-    if error is not None:
-      raise ValueError(f"cannot import the request: {error}")
-    rid = self._next_id
-    self._next_id += 1
-    r = Request(
-        rid,
-        list(state.prompt),
-        state.max_tokens,
-        state.sampling,
-        state.eos_id,
-        output=list(state.output),
-        logprobs=list(state.logprobs),
-        computed=state.computed,
-        state=INCOMING,
-        arrival=state.arrival,
-        first_token_time=state.first_token_time,
-        token_times=list(state.token_times),
-    )
-    r.pages = [self.allocator.alloc() for _ in range(want[2])]
-    self._unwritten[rid] = {(l, i) for l in range(self.cfg.n_layers) for i in range(want[2])}
-    self.requests[rid] = r
-    self.scheduler.expect(r)
-    return rid
-
-  def write_kv(self, rid: int, k, v, layer: int | None = None, first: int = 0) -> None:
-    """Writes K/V of an incoming request (all layers or one; pages first.. of its block table)
-    into its reserved pages. Arrays on other devices are copied here first (device to device)."""
-    r = self.requests[rid]
-    if r.state != INCOMING:
-      raise ValueError(f"request {rid} is {r.state}; K/V are written only into a reserved request")
-    values = k[0] if isinstance(k, tuple) and k else k
-    size = values.shape[2] if getattr(values, "ndim", 0) == 5 else -1
-    want = (
-        self.kv_shape(r.computed, None if layer is None else 1)[:2]
-        + (size,)
-        + (self.page_size, self.cfg.head_dim)
-    )
-    for name, x in (("k", k), ("v", v)):
-      error = self._kv_shape_error(name, x, want)
-      if error or not 0 <= first <= len(r.pages) - size:
-        error = error or f"{name} has shape {tuple(jax.tree.leaves(x)[0].shape)}"
-        raise ValueError(
-            f"{error} at page {first}; request {rid} holds "
-            f"{self.kv_shape(r.computed)} ([kv_heads, layers, pages, page, head_dim])"
-        )
-    layers = self._layers(layer)
-    k, v = jax.device_put((k, v), self._pool_sharding)
-    self._flush_fills()
-    self.kv = self._scatter_fn(
-        self.kv, np.asarray(r.pages[first : first + size], np.int32), layers, k, v
-    )
-    self._unwritten[rid].difference_update(
-        (l, i) for l in layers.tolist() for i in range(first, first + size)
-    )
-
-  def admit_request(self, rid: int) -> None:
-    """An incoming request whose K/V are all written joins the batch."""
-    r = self.requests[rid]
-    if r.state != INCOMING:
-      raise ValueError(f"request {rid} is {r.state}; only an incoming request can be admitted")
-    missing = self._unwritten[rid]
-    if missing:
-      raise ValueError(
-          f"request {rid} still lacks the K/V of {len(missing)} (layer, page) pairs, "
-          f"layers {sorted({l for l, _ in missing})}; write them (write_kv) first"
-      )
-    del self._unwritten[rid]
-    self.scheduler.join(r)
-    r.state = RUNNING
-
-  def import_request(self, state: KVState) -> int:
-    """Adds a request with its K/V already cached (from `export_request`); returns its id.
-
-    computed=0 and no K/V: the request is recomputed here from its tokens."""
-    rid = self.reserve_request(state)
-    if self.requests[rid].pages:
-      if state.k is None:
-        self.cancel(rid)
-        self.finished()
-        raise ValueError(f"cannot import the request: {state.computed} cached tokens but no K/V")
-      at = 0
-      for size in _pow2_chunks(len(self.requests[rid].pages)):
-        k, v = jax.tree.map(lambda x, at=at, size=size: x[:, :, at : at + size], (state.k, state.v))
-        self.write_kv(rid, k, v, first=at)
-        at += size
-    self.admit_request(rid)
-    return rid

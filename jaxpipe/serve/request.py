@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpipe.serve import slo
+from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -30,6 +31,17 @@ def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
   if isinstance(eos_id, (int, np.integer)):
     return (int(eos_id),)
   return tuple(int(i) for i in eos_id)
+
+
+def outside_vocab(prompt: Sequence[int], vocab: int) -> Refusal | None:
+  """Why some prompt token is no id of a model with `vocab` ids, or None."""
+  bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+  if not bad:
+    return None
+  return Refusal(
+      f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab}) ({len(bad)} such tokens)",
+      "prompt",
+  )
 
 
 @dataclasses.dataclass(eq=False)

@@ -92,7 +92,8 @@ def test_disaggregated_greedy_equals_colocated_and_the_oracle(colocated, disagg)
   colo = run(colocated, prompts, 8)
   disagg.precompile(max(map(len, prompts)))
   compiled = lambda: [
-      (e.programs, e._gather_fn._cache_size(), e._scatter_fn._cache_size()) for e in disagg.engines
+      (e.programs, e.transfer.gather_fn._cache_size(), e.transfer.scatter_fn._cache_size())
+      for e in disagg.engines
   ]
   before = compiled()
   dis = run(disagg, prompts, 8)
@@ -181,21 +182,21 @@ def test_a_full_decode_side_keeps_requests_waiting_on_prefill(disagg):
     assert r.phase == HANDOFF and "waiting for a decode worker" in r.note and len(r.output) == 1
   assert len(p.prefilled) == 2 and not disagg.transfers
   d = disagg.decode[0].engine
-  state = p.export_request(p.prefilled[0].id)
+  state = p.transfer.export_request(p.prefilled[0].id)
   with pytest.raises(ValueError, match="2 free pages are needed to import the request, 1 are free"):
-    d.reserve_request(state)
+    d.transfer.reserve_request(state)
   for w in disagg.decode:
     w.engine.allocator.free(hogs[w.name])
   # the engine refuses K/V that does not match, and a request with layers still missing
-  rid = d.reserve_request(state)
-  ((_, k, v),) = p.kv_of(p.prefilled[0].id)  # 2 pages: one chunk
+  rid = d.transfer.reserve_request(state)
+  ((_, k, v),) = p.transfer.kv_of(p.prefilled[0].id)  # 2 pages: one chunk
   with pytest.raises(ValueError, match=r"k has shape \(2, 2, 2, 4, 16\) at page 1"):
-    d.write_kv(rid, k, v, first=1)  # past its 2 pages
+    d.transfer.write_kv(rid, k, v, first=1)  # past its 2 pages
   with pytest.raises(ValueError, match=r"k has shape \(2, 2, 2, 4, 8\)"):
-    d.write_kv(rid, k[..., :8], v[..., :8])
-  d.write_kv(rid, *p.kv_of(p.prefilled[0].id, layer=0)[0][1:], layer=0)
+    d.transfer.write_kv(rid, k[..., :8], v[..., :8])
+  d.transfer.write_kv(rid, *p.transfer.kv_of(p.prefilled[0].id, layer=0)[0][1:], layer=0)
   with pytest.raises(ValueError, match=r"still lacks .* layers \[1\]"):
-    d.admit_request(rid)
+    d.transfer.admit_request(rid)
   d.cancel(rid)
   d.finished()
   while disagg.has_work():

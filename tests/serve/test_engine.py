@@ -187,7 +187,7 @@ def test_cancel_frees_pages_at_once():
   assert not engine.running
   freed = [p for p in pages if engine.allocator.refs[p] == 0]
   assert freed  # the last, partly filled page is never cached
-  engine._flush_fills()  # what the next step does first: freed pages become NaN on the device
+  engine.flush_fills()  # what the next step does first: freed pages become NaN on the device
   k = np.asarray(engine.kv.k).reshape(
       helpers.DENSE.n_kv_heads, helpers.DENSE.n_layers, engine.num_pages, PAGE, -1
   )
@@ -233,7 +233,7 @@ def test_export_import_moves_a_request_to_an_engine_on_other_devices():
     first.step()
   moved = []
   for i in ids:
-    moved.append(second.import_request(first.export_request(i)))
+    moved.append(second.transfer.import_request(first.transfer.export_request(i)))
     first.cancel(i)
   first.finished()
   while second.has_work():

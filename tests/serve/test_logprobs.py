@@ -138,7 +138,7 @@ def test_score_equals_transformers_log_softmax(llama):
       assert [t for t, _ in top] == order.tolist()
       if k:
         helpers.close([x for _, x in top], want_LxV[i, order], f"{n} tokens: top", rtol=1e-5)
-  assert engine._score_fn._cache_size() == 4  # one program per length bucket
+  assert engine.scorer.program._cache_size() == 4  # one program per length bucket
   assert engine.allocator.num_used == 0 and not engine.has_work()  # no pages touched
 
 

@@ -1,0 +1,100 @@
+"""The engine's compiled step programs, one per (padded tokens, padded pages per sequence).
+
+A step's arrays are padded to a bucket of tokens and of pages per sequence (`serve.batch`), so
+the programs an engine ever compiles are bounded by the product of the two bucket lists. Each
+is compiled ahead of time from shapes, once, and kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.serve import model as model_lib
+from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
+
+
+class StepPrograms:
+  """The compile cache of one engine's step (`Engine.compiled`)."""
+
+  def __init__(
+      self,
+      cfg: TransformerConfig,
+      backend: str,
+      mesh: Mesh,
+      max_batch: int,
+      shardings: tuple,
+      ring: bool,
+  ):
+    """Args:
+    cfg: the serving model.
+    backend: the step's attention backend.
+    mesh: the engine's devices.
+    max_batch: the sampled rows of a step.
+    shardings: (parameters' tree, the K/V pools' `KVPages`, the replicated sharding).
+    ring: whether the model keeps rings of pages for sliding-window layers (their block tables
+      are part of the step's batch).
+    """
+    self.cfg, self.backend, self.mesh, self.max_batch = cfg, backend, mesh, max_batch
+    self._params, self._kv, self._replicated = shardings
+    self.ring = ring
+    self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+
+  @property
+  def shapes(self) -> list[tuple[int, int]]:
+    """(tokens, pages per sequence) of every program compiled so far."""
+    return sorted(self._compiled)
+
+  def get(self, t: int, n: int, params, kv) -> jax.stages.Compiled:
+    """The compiled step for t tokens and n pages per sequence, compiled on first use.
+
+    Args:
+      t: padded tokens.
+      n: padded pages per sequence.
+      params: the engine's parameters (their shapes and shardings).
+      kv: the engine's K/V pools (likewise).
+
+    Returns:
+      `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
+      kv)` (logprobs: `sampling.top_logprobs` of every row; prev_R: the previous step's new_R,
+      read where `TokenBatch.prev_T` says). The pools are donated: the caller keeps the
+      returned ones.
+    """
+    if (t, n) not in self._compiled:
+      r = self.max_batch
+      step = functools.partial(
+          model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
+      )
+      i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+      rings = (i32(t), i32(t, n), i32(r, n)) if self.ring else (None,) * 3
+      batch = model_lib.TokenBatch(
+          i32(t),
+          i32(t),
+          i32(t),
+          i32(t, n),
+          i32(r),
+          i32(r, n),
+          i32(r),
+          i32(r),
+          i32(r),
+          i32(t),
+          *rings,
+      )
+      f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
+      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
+      rep = self._replicated
+      self._compiled[(t, n)] = (
+          jax.jit(
+              step,
+              donate_argnums=1,
+              in_shardings=(self._params, self._kv, rep, rep, rep),
+              out_shardings=(rep, rep, rep, self._kv),
+          )
+          .lower(params, kv, batch, sampling, i32(r))
+          .compile()
+      )
+    return self._compiled[(t, n)]
