@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,6 @@ from jax.sharding import NamedSharding
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.request import INCOMING, PREFILLED, RUNNING, KVState, Request
 
-if TYPE_CHECKING:
-  from jaxpipe.serve.engine import Engine
-
 
 def pow2_chunks(n: int) -> list[int]:
   """The powers of two that sum to n, largest first (13 -> [8, 4, 1])."""
@@ -36,9 +32,10 @@ def pow2_chunks(n: int) -> list[int]:
 
 
 class KVTransfer:
-  """One engine's K/V export and import (`Engine.transfer`)."""
+  """One engine's K/V export and import (`Engine.transfer`; it reads the engine's requests,
+  scheduler, allocator and pools, and writes its pools)."""
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine):
     self.engine = engine
     self._unwritten: dict[int, set[tuple[int, int]]] = {}  # incoming -> (layer, page) unwritten
 
