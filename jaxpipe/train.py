@@ -253,15 +253,17 @@ def _train(argv: list[str]) -> None:
     process.pool_host_memory()
 
   from jaxpipe.training.mesh import describe
+  from jaxpipe.training.resolve import resolve
   from jaxpipe.training.trainer import Trainer
 
   existing = (
       "resume_changed" if _RESUME_CHANGED.value else "restart" if _RESTART.value else "resume"
   )
   say = print if jax.process_index() == 0 else lambda *args: None  # process 0 speaks
-  with Trainer(config, _WORKDIR.value, existing_run=existing) as trainer:
-    if trainer.auto_report:
-      say(trainer.auto_report)
+  run = resolve(config, _WORKDIR.value, existing_run=existing)  # checked before any device work
+  if run.auto_report:
+    say(run.auto_report)
+  with Trainer(run) as trainer:
     d = config.data
     order = f" (order {config.mesh.order})" if jax.process_count() > 1 else ""
     say(

@@ -5,12 +5,9 @@ around it (optimizer, state, sharding, checkpoints) stays the same whichever fun
 """
 
 import functools
-import json
-import logging
 import math
 import os
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +31,7 @@ from jaxpipe.training import zero
 from jaxpipe.training.losses import make_loss_and_grads
 from jaxpipe.training.mesh import batch_sharding, make_mesh, replicated
 from jaxpipe.training.pipeline_lm import layer_order
+from jaxpipe.training.resolve import ResolvedConfig, resolve
 from jaxpipe.training.state import (
     TrainState,
     fresh_state,
@@ -41,7 +39,6 @@ from jaxpipe.training.state import (
     make_optimizer,
     reorder_layers,
 )
-from jaxpipe.training.workdir import Workdir, WorkdirError
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -52,7 +49,7 @@ class NonFiniteLossError(FloatingPointError):
 class Trainer:
   """Trains the config's model on a named mesh; drives the same code from a script or a notebook.
 
-    trainer = Trainer(config, workdir=None)   # validates the config, builds the mesh
+    trainer = Trainer(config, workdir=None)   # resolves the config (`resolve`), builds the mesh
     trainer.init()                            # restores the latest checkpoint in workdir, or inits
     metrics = trainer.step()                  # one step on the next batch (or trainer.step(batch))
     trainer.state, trainer.mesh               # TrainState(step, params, opt_state, fp8); the Mesh
@@ -86,48 +83,39 @@ class Trainer:
 
   def __init__(
       self,
-      config: ml_collections.ConfigDict,
+      config: ml_collections.ConfigDict | ResolvedConfig,
       workdir: str | None = None,
       existing_run: str = "resume",
   ):
-    """Checks the config, takes the workdir and builds the loss, mesh, data and optimizer.
+    """Builds the loss, mesh, data and optimizer of a resolved config.
 
     Args:
-      config: the run's config (`jaxpipe.training.config.default_config` and overrides); one
-        that cannot run raises `ConfigError` naming the field and the fix.
-      workdir: where checkpoints, metrics and config.json go; None: nothing is written.
+      config: the run's config (`jaxpipe.training.config.default_config` and overrides),
+        resolved here (`jaxpipe.training.resolve`: one that cannot run raises `ConfigError`
+        naming the field and the fix), or a `ResolvedConfig`, whose workdir lock the trainer
+        takes over.
+      workdir: where checkpoints, metrics and config.json go; None: nothing is written. Only
+        with an unresolved config.
       existing_run: what to do with a run the workdir already holds: 'resume' it (refused if the
         config changes what is trained, `jaxpipe.training.workdir`), 'resume_changed' (continue
         it under the changed config) or 'restart' (move it to previous-<n>/ and start over).
+        Only with an unresolved config.
     """
-    self.config = config
-    self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
-    self.auto_report = None  # pipeline.schedule = 'auto': the ranking and why the choice won
-    self.model_cfg = config_lib.model_config(config)
-    self.workdir = workdir
+    if isinstance(config, ResolvedConfig):
+      if workdir is not None or existing_run != "resume":
+        raise ValueError(
+            "a ResolvedConfig carries its workdir and existing_run; pass them to resolve(), "
+            "not to Trainer()"
+        )
+      run = config
+    else:
+      run = resolve(config, workdir, existing_run)
+    self.resolved = run
+    config = self.config = run.config
+    self.mesh_shape, self.model_cfg, self.workdir = run.mesh_shape, run.model_cfg, run.workdir
+    self.auto_report, self.notices = run.auto_report, run.notices
     self.checkpointer = None
-    self.notices: list[str] = []  # what the workdir check accepted and the user should know
-    if workdir is not None:  # before any device work: a busy or mismatched workdir stops here
-      # Process 0 takes the lock and checks the config for the whole run; the others wait for its
-      # verdict, so that none of them goes on to a collective that process 0 never reaches.
-      self._workdir = Workdir(workdir)
-      self._release = weakref.finalize(self, self._workdir.unlock)
-      refused = None
-      if jax.process_index() == 0:
-        try:
-          self._workdir.lock()
-          self.notices = self._workdir.check_config(config, existing_run)
-        except BaseException as e:  # noqa: BLE001 -- re-raised below, once the others know
-          refused = e
-      if multihost.any_process(refused is not None):
-        self.close()
-        raise refused or WorkdirError(f"process 0 refused --workdir {workdir}; its error says why")
-      for notice in self.notices:
-        logging.warning("%s", notice)
-    if config.pipeline.schedule == config_lib.AUTO:  # after the workdir check: this measures
-      config = self.config = self._choose_schedule(config, workdir, existing_run == "restart")
-      self.model_cfg = config_lib.model_config(config)  # auto_layout may set remat, sp
-      self.mesh_shape = config_lib.validate(config, jax.device_count(), jax.default_backend())
+    workdir = run.workdir
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None
     copies = False
@@ -159,51 +147,13 @@ class Trainer:
     self._eval_step = None
     self.compile_stats: dict[str, float] = {}  # set by compile(): seconds, bytes per device
 
-  def _choose_schedule(
-      self, config: ml_collections.ConfigDict, workdir: str | None, afresh: bool
-  ) -> ml_collections.ConfigDict:
-    """pipeline.schedule = 'auto' -> a copy of the config running the best-ranked candidate.
-
-    The choice (and, when measured here, the costs) go to `auto.json` (`costs.json`) in the
-    workdir; a run resumed there keeps its first choice unless `afresh` (a restart).
-    """
-    from jaxpipe.planning import auto as auto_lib
-    from jaxpipe.planning import costs as costs_lib
-    from jaxpipe.training import plan, stage_timing
-
-    path = os.path.join(workdir, "auto.json") if workdir else None
-    if path and os.path.exists(path) and not afresh:
-      with open(path) as f:
-        saved = json.load(f)
-      choice, self.auto_report = saved["choice"], saved["report"]
-    elif config.pipeline.auto_layout:  # the planner's layout: nothing measured
-      chosen = plan.choose_layout(config, jax.device_count(), jax.default_backend())
-      choice, self.auto_report = chosen.fields, chosen.report
-      logging.info("%s", chosen.report)
-      if path and jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
-    else:
-      try:
-        ranking, measured = stage_timing.choose(config, self.mesh_shape)
-      except (auto_lib.AutoError, costs_lib.CostFileError) as e:
-        raise config_lib.ConfigError(f"pipeline.schedule='auto': {e}") from e
-      choice, self.auto_report = dict(auto_lib.choice_config(ranking.best)), ranking.report()
-      if path and jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        if measured is not None:
-          costs_lib.dump(measured, os.path.join(workdir, "costs.json"))
-        files.write_json(path, {"choice": choice, "report": self.auto_report}, indent=1)
-    return plan.with_fields(config, choice)  # a copy: the caller's config stays 'auto'
-
   def close(self) -> None:
     """Waits for background saves and releases the workdir (also done when garbage-collected)."""
     try:
       if self.checkpointer is not None:
         self.checkpointer.close()
     finally:
-      if self.workdir is not None:
-        self._release()
+      self.resolved.close()
 
   def __enter__(self) -> "Trainer":
     return self

@@ -1,6 +1,6 @@
 """pipeline.auto_layout (jaxpipe.training.plan): the layout planner picks a layout that fits the
 memory limit where the config's own layout does not, measured on the compiled step; bad
-settings stop at the config."""
+settings stop at the config. The choice is made by `resolve`, before a Trainer is built."""
 
 import functools
 import json
@@ -12,7 +12,9 @@ import pytest
 from configs import moe_quickstart, quickstart
 from jaxpipe.training import config as config_lib
 from jaxpipe.training import plan
+from jaxpipe.training.resolve import resolve
 from jaxpipe.training.trainer import Trainer
+from jaxpipe.training.workdir import Workdir
 
 LIMIT_GB = 0.03  # the quickstart's replicated step needs about 32 MB per device
 
@@ -122,3 +124,29 @@ def test_full_recomputation_in_a_pipeline_is_the_executors():
   assert staged["pipeline.recompute"] is True and staged["model.remat"] is False
   flat = plan._fields(plan.L.Layout(dp=8, recompute="full"))
   assert flat["pipeline.recompute"] is False and flat["model.remat"] is True
+
+
+def test_the_config_is_resolved_and_the_workdir_held_before_a_trainer_is_built(tmp_path):
+  """`resolve` makes the auto_layout choice and takes the workdir before any Trainer exists (the
+  command prints the choice from it); `Trainer(run)` takes the lock over and releases it."""
+  lock_file = Workdir(str(tmp_path))._lock_path
+  given = _config(True)
+  run = resolve(given, str(tmp_path))
+  assert run.auto_report.startswith("auto_layout: ")
+  assert run.config.pipeline.schedule != "auto" and given.pipeline.schedule == "auto"
+  assert run.mesh_shape == config_lib.validate(run.config, jax.device_count())
+  assert open(lock_file).read().strip()  # held: the holder is written in the lock file
+  with pytest.raises(ValueError, match="a ResolvedConfig carries its workdir"):
+    Trainer(run, str(tmp_path))
+  trainer = Trainer(run)
+  assert (trainer.config, trainer.auto_report) == (run.config, run.auto_report)
+  del run
+  assert open(lock_file).read().strip()  # the trainer holds it now
+  trainer.close()
+  assert not open(lock_file).read().strip()
+
+
+def test_a_bad_existing_run_is_refused_before_the_workdir_is_touched(tmp_path):
+  with pytest.raises(ValueError, match=r"existing_run='resum' must be one of \('resume'"):
+    resolve(_config(False), str(tmp_path / "run"), existing_run="resum")
+  assert not os.path.exists(tmp_path / "run")
