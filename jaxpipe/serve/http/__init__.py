@@ -4,9 +4,11 @@ models, version, health and Prometheus metrics (vLLM's names beside jaxpipe's).
 
   python -m jaxpipe.serve --workdir /tmp/qs --http --host 127.0.0.1 --port 8000
 
-- `protocol`: the request bodies and their checks (chat messages included), OpenAI's error kinds,
-  a choice's text as its tokens arrive (the model tokenizer's incremental decode, special tokens
-  left out, stop sequences); no engine, no network.
+- `protocol`: the request bodies as they parse (types, unknown fields, chat messages), OpenAI's
+  error kinds, a choice's text as its tokens arrive (the model tokenizer's incremental decode,
+  special tokens left out, stop sequences); no engine, no network.
+- `checks`: the one place a parsed request's content is checked, each refusal naming its field
+  as the request spells it.
 - `logprobs`: log-probabilities in OpenAI's legacy completions and chat formats.
 - `loop`: `EngineLoop`, the thread that runs the backend (an `Engine`, or a `serve.deploy`
   deployment: `Backend` is what it needs of one), fed by the handlers through a command queue.

@@ -36,31 +36,15 @@ from starlette.routing import Route
 
 import jaxpipe
 from jaxpipe.models import tokenizer as tokenizer_lib
+from jaxpipe.serve.http import checks, protocol
 from jaxpipe.serve.http import logprobs as logprobs_lib
-from jaxpipe.serve.http import protocol
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
-from jaxpipe.serve.http.protocol import MAX_STOPS, BadRequest, Choice, Job, usage_of
-from jaxpipe.serve.refusal import Refusal
+from jaxpipe.serve.http.protocol import BadRequest, Choice, Job, usage_of
 from jaxpipe.serve.request import ENGINE_EOS
 
 log = logging.getLogger(__name__)
 DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece's leading space)
-
-
-def _bad_request(why: Refusal, job: Job) -> BadRequest:
-  """The 400 for a backend's refusal, its field as the request spells it: a chat request's
-  prompt is `messages`, its `max_tokens` may come as `max_completion_tokens` and its
-  `logprobs` count as `top_logprobs`."""
-  param, message = why.param, str(why)
-  if job.chat:
-    if param == "prompt":
-      param = "messages"
-    elif param == "logprobs":
-      param = "top_logprobs"
-    elif param == "max_tokens" and job.max_tokens is not None:
-      message += " (max_completion_tokens)"
-  return BadRequest(message, param)
 
 
 def error_response(e: BadRequest) -> JSONResponse:
@@ -97,6 +81,7 @@ class CompletionServer:
     self.max_seq_len = min(e.max_seq_len for e in engines)
     self.tok = tokenizer or tokenizer_lib.ByteTokenizer()
     self.eos = tuple(self.tok.eos_ids) or ENGINE_EOS
+    self.limits = checks.Limits(self.max_seq_len, self.eos)
     self.hidden = self.tok.special_ids  # dropped from output text (skip_special_tokens)
     self.capacity = max_batch + max_queue
     self.engine_info = engine_info or {}
@@ -361,31 +346,22 @@ class CompletionServer:
     return JSONResponse(fmt.whole(choices, usage_of(prompt_tokens, choices)))
 
   def _accept(self, job: Job, arrival: float) -> tuple[list[Seq], int]:
-    """The job's sequences, or BadRequest saying why it cannot be served now."""
-    if job.n < 1:
-      raise BadRequest(f"n={job.n} must be >= 1", "n")
-    if len(job.stops) > MAX_STOPS or any(not s for s in job.stops):
-      raise BadRequest(f"stop={job.stops!r}: give at most {MAX_STOPS} non-empty strings", "stop")
-    if not job.prompts:
-      raise BadRequest("the prompt list is empty; give at least one prompt", "prompt")
-    if job.seed is not None and not 0 <= job.seed < 2**31:
-      raise BadRequest(f"seed={job.seed} must lie in [0, 2**31)", "seed")
-    logprobs_lib.check(job, self.backend)
+    """The job's sequences, or BadRequest saying why it cannot be served now.
+
+    Args:
+      job: the request, from either endpoint.
+      arrival: when it came (`time.perf_counter`), for the latency metrics.
+
+    Returns:
+      The sequences (n per prompt, prompt by prompt) and the prompts' token count.
+
+    Raises:
+      BadRequest: its content is refused (`checks.check`: 400), it asks for more sequences than
+        the server holds (400), the engine failed or the server is draining (503), or the server
+        is full (429, with Retry-After).
+    """
+    max_tokens = checks.check(job, self.backend, self.limits)
     sampling = logprobs_lib.with_logprobs(job.sampling, job.logprobs)
-    scoring = job.echo and job.max_tokens == 0
-    if scoring and job.stream:
-      raise BadRequest("max_tokens=0 scores the prompt only; it cannot be streamed", "stream")
-    max_tokens = []
-    for i, (tokens, _) in enumerate(job.prompts):
-      where = f"prompt {i}: " if len(job.prompts) > 1 else ""
-      # without max_tokens, the rest of the context (a prompt that fills it is the engine's to
-      # refuse, as the prompt's fault)
-      m = max(self.max_seq_len - len(tokens), 1) if job.max_tokens is None else job.max_tokens
-      eos = None if job.ignore_eos else self.eos
-      why = self.backend.check_request(tokens, max(m, 1) if scoring else m, sampling, eos)
-      if why:
-        raise _bad_request(why.prefixed(where), job)
-      max_tokens.append(0 if scoring else m)
     k = job.n * len(job.prompts)
     if k > self.capacity:
       raise BadRequest(

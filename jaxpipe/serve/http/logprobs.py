@@ -19,38 +19,8 @@ import dataclasses
 
 from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve import sampling as sampling_lib
-from jaxpipe.serve.http.protocol import BadRequest, Job
 
-MAX_LOGPROBS = sampling_lib.MAX_LOGPROBS
 FLOOR = -9999.0
-
-
-def supported(backend) -> bool:
-  """Whether the backend scores prompts (`score`: an Engine or a deployment; `Backend` makes it
-  optional)."""
-  return callable(getattr(backend, "score", None))
-
-
-def check(job: Job, backend) -> None:
-  """Refuses logprobs and echo requests this server cannot answer, naming the fix."""
-  param = "top_logprobs" if job.chat else "logprobs"
-  if job.logprobs is not None:
-    if not 0 <= job.logprobs <= MAX_LOGPROBS:
-      raise BadRequest(
-          f"{param}={job.logprobs} must lie in [0, {MAX_LOGPROBS}] (the alternatives listed)",
-          param,
-      )
-    if not supported(backend):
-      raise BadRequest(f"{param} is not supported by this engine; leave it out", param)
-  if job.echo and job.stream and job.logprobs is not None:
-    raise BadRequest(
-        "echo with logprobs cannot be streamed; send stream=false (or leave out logprobs)", "echo"
-    )
-  if job.max_tokens == 0 and not job.echo:
-    raise BadRequest(
-        "max_tokens=0 must be a positive integer (0 only with echo=true: score the prompt)",
-        "max_tokens",
-    )
 
 
 def with_logprobs(sampling: sampling_lib.SamplingParams, k: int | None):

@@ -26,8 +26,6 @@ import pydantic
 from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve.sampling import SamplingParams
 
-MAX_STOPS = 4  # OpenAI's limit on stop sequences
-MAX_STOP_TOKEN_IDS = 16  # ids a request may end on besides EOS
 FINISH = {"eos": "stop", "length": "length", "cancelled": "abort"}  # engine reason -> OpenAI's
 ROLES = ("system", "user", "assistant")
 
@@ -275,7 +273,8 @@ class Job:
 
 
 def sampling_of(req: _Sampling) -> SamplingParams:
-  """The request's sampling values (unchecked: the engine's `check_request` refuses bad ones)."""
+  """The request's sampling values (unchecked: `checks.check` and the backend's `check_request`
+  refuse bad ones)."""
   return SamplingParams(
       1.0 if req.temperature is None else req.temperature,
       0 if req.top_k in (None, -1) else req.top_k,
@@ -286,11 +285,16 @@ def sampling_of(req: _Sampling) -> SamplingParams:
 
 
 def job_of(req: _Sampling, prompts: list, chat: bool) -> Job:
-  if req.stop_token_ids and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-    raise BadRequest(
-        f"stop_token_ids has {len(req.stop_token_ids)} ids; give at most {MAX_STOP_TOKEN_IDS}",
-        "stop_token_ids",
-    )
+  """A parsed request as a `Job`, its values unchecked (`checks.check` refuses bad ones).
+
+  Args:
+    req: a `CompletionRequest`, or a `ChatRequest` when `chat`.
+    prompts: (tokens, the text when given as text) of each prompt.
+    chat: whether the request came to /v1/chat/completions.
+
+  Returns:
+    The job, with the defaults of what the request left out.
+  """
   if chat:
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

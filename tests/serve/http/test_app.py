@@ -24,7 +24,8 @@ from experiments import serve_client
 from jaxpipe.models import transformer
 from jaxpipe.serve import deploy, workload
 from jaxpipe.serve.engine import Engine
-from jaxpipe.serve.http import CompletionServer
+from jaxpipe.serve.http import CompletionServer, checks, protocol
+from jaxpipe.serve.request import ENGINE_EOS
 from jaxpipe.training import config as config_lib
 from tests import helpers
 
@@ -481,6 +482,31 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(
       .finish_reason
       == "length"
   )
+
+
+def test_checks_name_the_field_as_a_chat_or_a_completions_request_spells_it(reference):
+  limits = checks.Limits(ENGINE["max_seq_len"], ENGINE_EOS)
+
+  def job(chat, fields, prompts):
+    body = json.dumps({("messages" if chat else "prompt"): [], **fields}).encode()
+    req = protocol.parse_chat(body) if chat else protocol.parse_request(body)
+    return protocol.job_of(req, prompts, chat=chat)
+
+  for chat, param in ((False, "prompt"), (True, "messages")):  # the backend's refusal
+    with pytest.raises(protocol.BadRequest, match="prompt token 64 is outside") as e:
+      checks.check(job(chat, {}, [([1, 64], None)]), reference, limits)
+    assert e.value.status == 400 and e.value.param == param
+  for chat, fields, param in (  # a check of the server's own
+      (False, {"logprobs": 21}, "logprobs"),
+      (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+  ):
+    with pytest.raises(protocol.BadRequest, match=f"{param}=21 must lie in") as e:
+      checks.check(job(chat, fields, [([1, 2], None)]), reference, limits)
+    assert e.value.param == param
+  # Each prompt's max_tokens: the request's (16 by default for completions), else the rest of
+  # the context.
+  assert checks.check(job(False, {}, [([1, 2], None), ([3], None)]), reference, limits) == [16, 16]
+  assert checks.check(job(True, {}, [([1, 2], None)]), reference, limits) == [510]
 
 
 def test_chat_without_a_chat_template_is_a_400_saying_so(client):
