@@ -17,6 +17,7 @@ __all__ = [
     "Action",
     "Op",
     "Overlap",
+    "PipelineSharding",
     "Placement",
     "Schedule",
     "SCHEDULE_NAMES",
@@ -34,6 +35,10 @@ def __getattr__(name):
     from jaxpipe.pipeline.api import value_and_grad
 
     return value_and_grad
+  if name == "PipelineSharding":
+    from jaxpipe.pipeline.sharding import PipelineSharding
+
+    return PipelineSharding
   if name == "layered":
     from jaxpipe.pipeline.executor import layered
 

@@ -18,15 +18,12 @@ from jaxpipe.pipeline import loss as loss_lib
 from jaxpipe.pipeline.executor import (
     ExecSpec,
     Model,
-    as_axes,
     check_param_specs,
     combines_by_max,
-    data_axes_of,
     from_local,
     io_spec,
     is_contiguous,
     make_executor,
-    param_specs_key,
     scatter_of,
     to_local,
     with_aux,
@@ -34,6 +31,7 @@ from jaxpipe.pipeline.executor import (
 from jaxpipe.pipeline.ir.lower import Lowered, lower
 from jaxpipe.pipeline.ir.schedule import Schedule
 from jaxpipe.pipeline.ir.schedules import make_schedule
+from jaxpipe.pipeline.sharding import PipelineSharding, as_sharding
 
 PyTree = Any
 
@@ -303,40 +301,18 @@ def sum_copies(
 def _program(
     model: Model,
     spec: ExecSpec,
-    mesh: Mesh,
-    pp_axis: str,
+    sharding: PipelineSharding,
     num_stages: int,
-    data_axes: tuple[str, ...],
     contiguous: bool,
-    param_specs: tuple | None,
-    seq_axes: tuple[str, ...] = (),
     partners: tuple | None = None,
-    model_axes: tuple[str, ...] = (),
-    head_specs: tuple | None = None,
-    embed_specs: tuple | None = None,
-    grad_specs: tuple | None = None,
 ) -> Callable:
   """The jitted step; `partners` (`copy_partners`): stage copies stored resident, their
   gradients (and aux) summed between their two holders."""
-  run = make_executor(
-      model,
-      spec,
-      mesh,
-      pp_axis,
-      data_axes,
-      param_specs,
-      seq_axes,
-      model_axes,
-      head_specs,
-      embed_specs,
-      grad_specs,
-  )
+  run = make_executor(model, spec, sharding)
+  mesh, pp_axis = sharding.mesh, sharding.pp_axis
   if partners is not None:
-    local_spec = P(pp_axis)
-    if (grad_specs or param_specs) is not None:
-      treedef, leaf_specs = grad_specs or param_specs
-      local_spec = jax.tree.unflatten(treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
-    aux_spec = P(pp_axis, None, (data_axes + seq_axes) or None)
+    local_spec = sharding.local_spec(sharding.grad_key or sharding.param_key)
+    aux_spec = P(pp_axis, None, sharding.token_axes or None)
   # A contiguous layout is fixed by its shape: a reshape, so stage parameters already split
   # over the pipeline axis in stage order need no communication. Other layouts stay arguments.
   fixed = (
@@ -379,20 +355,12 @@ def pipeline_value_and_grad(
     targets,
     *,
     schedule: Schedule,
-    mesh: Mesh,
+    sharding: PipelineSharding | Mesh,
     head_params: PyTree = (),
     embed_params: PyTree = (),
     recompute: bool = False,
-    pp_axis: str = "pp",
-    data_axes: tuple[str, ...] | None = None,
-    param_specs: PyTree | None = None,
-    seq_axes: tuple[str, ...] = (),
     stage_order: str = "model",
     side_inputs: PyTree = (),
-    model_axes: tuple[str, ...] = (),
-    head_specs: PyTree | None = None,
-    embed_specs: PyTree | None = None,
-    grad_specs: PyTree | None = None,
 ):
   """Loss and gradients of a model run by a pipeline schedule; the trainer's path.
 
@@ -407,38 +375,33 @@ def pipeline_value_and_grad(
     xs: leaves [microbatches, batch, ...], the embed function's inputs.
     targets: leaves [microbatches, batch, ...], the loss function's targets.
     schedule: the schedule (`jaxpipe.pipeline.make_schedule`), lowered to tick tables here.
-    mesh: the device mesh; `pp_axis` is its pipeline axis.
+    sharding: where the model sits on the mesh, a `PipelineSharding`: the pipeline axis the
+      stages are placed on, the axes that split the batch (by default every mesh axis but the
+      pipeline and sequence axes) and the sequence (axis 2 of xs and targets, context
+      parallelism: every function sees its slice and may run collectives over them), the
+      tensor-parallel model axes, and the splits of the stage, head and embed parameters and of
+      the returned stage gradients. A bare Mesh stands for `PipelineSharding(mesh)`.
     head_params: the loss function's parameters, replicated over the pipeline (their gradient
       summed over it).
     embed_params: the embed function's parameters, likewise.
     recompute: rerun each stage's forward in its backward instead of keeping its residuals.
-    pp_axis: the mesh axis the stages are placed on.
-    data_axes: mesh axes that split the batch (default: every mesh axis but the pipeline and
-      sequence axes).
-    param_specs: a pytree like one stage's params of PartitionSpec (or None) leaves over that
-      stage's own dims: a leaf split over a data axis is sliced there (experts over 'ep'); one
-      split over a data or sequence axis that the stage gathers is FSDP (the gather's
-      transpose sums its gradient).
-    seq_axes: axes that split axis 2 of xs and targets (the sequence; context parallelism);
-      every function sees its slice and may run collectives over them.
     stage_order: 'model' (stages in model order) or 'placement' (rank by rank, each rank's
       chunks in order, `Lowered.layout()` flattened: a stack split over the pipeline axis sits
       where it runs; a stage that runs on two ranks, as in Chimera and DualPipe, takes both
       copies and returns each the sum of the two copies' gradients).
     side_inputs: with `model.side_inputs`, leaves [microbatches, batch, ...] split as xs is (a
       packed batch's segment ids and positions), passed to every stage undifferentiated.
-    model_axes: tensor-parallel axes, whose ranks compute one loss together from the same
-      tokens, each holding the slices `param_specs`, `head_specs` and `embed_specs` give it.
-    head_specs: like `param_specs`, for head_params.
-    embed_specs: like `param_specs`, for embed_params.
-    grad_specs: ZeRO-2: like `param_specs`, where a data axis on a dimension the parameter
-      leaves whole reduce-scatters that gradient over it instead of summing it.
 
   Returns:
     (loss, stage grads, head grads, embed grads), and with `model.stage_aux` a fifth item: the
     stages' aux summed over micro-batches, leaves [stages, data shards, ...] (per layer after
-    stages for a layered stage; shards over `data_axes` then `seq_axes`), not reduced.
+    stages for a layered stage; shards over the data axes then the sequence axes), not reduced.
+
+  Raises:
+    TypeError: `sharding` is neither a PipelineSharding nor a Mesh.
+    ValueError: the schedule, the sharding, the inputs or the model disagree.
   """
+  sharding = as_sharding(sharding)
   if stage_order not in ("model", "placement"):
     raise ValueError(f"stage_order={stage_order!r}: use 'model' or 'placement'")
   if jax.tree.leaves(side_inputs) and not model.side_inputs:
@@ -446,8 +409,8 @@ def pipeline_value_and_grad(
         "side_inputs given but the model's stage function takes none; build the Model with "
         "side_inputs=True and a stage (or layer) function (params, x, side)"
     )
-  seq_axes = as_axes(seq_axes)
-  data_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
+  mesh, pp_axis = sharding.mesh, sharding.pp_axis
+  data_axes, seq_axes, model_axes = sharding.batch_axes, sharding.seq_axes, sharding.model_axes
   check_inputs(
       schedule,
       mesh,
@@ -460,16 +423,13 @@ def pipeline_value_and_grad(
       stage_copies=stage_order == "placement",
       side_inputs=side_inputs,
   )
-  specs_key = param_specs_key(param_specs)
-  model_axes = as_axes(model_axes)
-  head_key, embed_key = param_specs_key(head_specs), param_specs_key(embed_specs)
-  grad_key = param_specs_key(grad_specs)
+  specs_key, grad_key = sharding.param_key, sharding.grad_key
   if specs_key is not None:
     check_param_specs(specs_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
   if grad_key is not None:
     check_param_specs(grad_key, data_axes, seq_axes, pp_axis, stage_params, model_axes)
-    scatter_of(grad_key, specs_key, tuple(data_axes) + seq_axes)
-  for key, tree in ((head_key, head_params), (embed_key, embed_params)):
+    scatter_of(grad_key, specs_key, sharding.token_axes)
+  for key, tree in ((sharding.head_key, head_params), (sharding.embed_key, embed_params)):
     if key is not None:
       check_param_specs(key, data_axes, seq_axes, pp_axis, tree, model_axes)
   check_model(
@@ -484,8 +444,8 @@ def pipeline_value_and_grad(
       seq_axes,
       specs_key,
       side_inputs,
-      head_key,
-      embed_key,
+      sharding.head_key,
+      sharding.embed_key,
   )
   lowered = lowered_for(schedule)
   spec = ExecSpec.covering([lowered], recompute=recompute)
@@ -497,22 +457,7 @@ def pipeline_value_and_grad(
     partners = copy_partners(layout)
     stored = layout.size
     layout, contiguous = np.arange(layout.size, dtype=np.int32).reshape(layout.shape), True
-  program = _program(
-      model,
-      spec,
-      mesh,
-      pp_axis,
-      stored,
-      tuple(data_axes),
-      contiguous,
-      specs_key,
-      seq_axes,
-      partners,
-      model_axes,
-      head_key,
-      embed_key,
-      grad_key,
-  )
+  program = _program(model, spec, sharding, stored, contiguous, partners)
   return program(
       lowered.table,
       layout,
@@ -534,24 +479,14 @@ def value_and_grad(
     loss_fn: Callable,
     *,
     schedule: Schedule | str,
-    mesh: Mesh,
+    sharding: PipelineSharding | Mesh,
     chunks: int | None = None,
     recompute: bool = False,
-    pp_axis: str = "pp",
-    seq_axes: tuple[str, ...] = (),
-    param_specs: PyTree | None = None,
-    grad_specs: PyTree | None = None,
     check_mean: bool = True,
 ):
   """Pipelined `jax.value_and_grad` of the loss over all micro-batches; -> (loss, grads).
 
   f applies stage 0, 1, ..., S-1 in turn: `stage_fn(stage_params[s], x) -> x` (same shape).
-  stage_params: leaves [S, ...], S the schedule's model stages (pp * chunks for interleaved and
-  V schedules; pp for bidirectional ones, whose two copies of each stage get the same
-  parameters and summed gradients). xs: [microbatches, batch, ...]; targets: leaves
-  [microbatches, batch, ...]. schedule: a Schedule, a name (built for this mesh and
-  microbatch count, `chunks` per rank) or a torch-format CSV path. Every mesh axis other than
-  `pp_axis` is a data axis: the batch dimension is split over them.
 
   `loss_fn(y, target)` sees one micro-batch's slice on one data (and sequence) shard, and the
   results are added over micro-batches and shards. Return either
@@ -566,17 +501,41 @@ def value_and_grad(
   on a doubled micro-batch and a result that does not grow is refused with a ValueError.
   A stage made of layers is best given as `jaxpipe.pipeline.layered(layer_fn)` with leaves
   [S, layers_per_stage, ...]: split backwards (zero-bubble schedules) then redo no work.
-  `seq_axes` (mesh axes, then not data axes) split axis 2 of xs and targets instead, for
-  context-parallel stages that run their own collectives over them; `param_specs` splits
-  stage_params leaves over data axes, `grad_specs` the returned gradients (reduce-scattered;
-  see `pipeline_value_and_grad`).
+
+  Args:
+    stage_fn: `(params of one stage, x) -> x` of the same shape and dtype.
+    stage_params: leaves [S, ...], S the schedule's model stages (pp * chunks for interleaved
+      and V schedules; pp for bidirectional ones, whose two copies of each stage get the same
+      parameters and summed gradients).
+    xs: [microbatches, batch, ...], the first stage's inputs.
+    targets: leaves [microbatches, batch, ...], loss_fn's targets.
+    loss_fn: `(y, target) -> loss` or `-> (loss_sum, weight)` on one micro-batch's slice.
+    schedule: a Schedule, a name (built for the mesh and microbatch count, `chunks` per rank) or
+      a torch-format CSV path.
+    sharding: a `PipelineSharding` (see `pipeline_value_and_grad`): the batch is split over
+      `data_axes` (by default every mesh axis but `pp_axis` and `seq_axes`); `seq_axes` split
+      axis 2 of xs and targets instead, for context-parallel stages that run their own
+      collectives over them; `param_specs` splits stage_params leaves over data axes,
+      `grad_specs` the returned gradients (reduce-scattered over data axes). A bare Mesh
+      stands for `PipelineSharding(mesh)`.
+    chunks: stages per rank, for a schedule given by name.
+    recompute: rerun each stage's forward in its backward instead of keeping its residuals.
+    check_mean: refuse a loss_fn that averages over its slice (see above).
+
+  Returns:
+    (loss, grads), grads like stage_params.
+
+  Raises:
+    TypeError: `sharding` is neither a PipelineSharding nor a Mesh.
+    ValueError: the schedule, the sharding, the inputs or loss_fn disagree.
   """
+  sharding = as_sharding(sharding)
+  mesh, pp_axis = sharding.mesh, sharding.pp_axis
   if pp_axis not in mesh.axis_names:
     raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
   m = jnp.shape(xs)[0] if jnp.ndim(xs) else 0
   schedule = resolve_schedule(schedule, pp=mesh.shape[pp_axis], microbatches=m, chunks=chunks)
-  seq_axes = as_axes(seq_axes)
-  data_axes = data_axes_of(mesh, pp_axis, None, seq_axes)
+  seq_axes, data_axes = sharding.seq_axes, sharding.batch_axes
   check_inputs(schedule, mesh, pp_axis, stage_params, xs, targets, data_axes, seq_axes)
   weighted = loss_lib.is_weighted(loss_fn, mesh, xs, targets, data_axes, seq_axes)
   if check_mean:
@@ -588,12 +547,8 @@ def value_and_grad(
       xs,
       targets,
       schedule=schedule,
-      mesh=mesh,
+      sharding=sharding,
       recompute=recompute,
-      pp_axis=pp_axis,
-      seq_axes=seq_axes,
-      param_specs=param_specs,
-      grad_specs=grad_specs,
   )
   if not weighted:
     return loss, grads

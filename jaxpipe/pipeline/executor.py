@@ -12,12 +12,13 @@ all devices of such a collective, which share their pp rank, read the same row, 
 parts and reach them at the same tick. Only pp-axis collectives, whose members are on
 different rows, must stay outside the parts.
 
-Stage parameters are replicated over the other mesh axes unless `param_specs` shards a leaf
-over some of them (experts over `ep`): each device then holds and updates only its slice, the
-stage function sees that slice, and the leaf's gradient is reduced over the remaining data axes
-only (its shards are different parameters, not copies; a stage that all-gathers a leaf split
-over data axes, FSDP, gets the sum from the gather's transpose). `grad_specs` (ZeRO-2) returns a
-leaf's gradient reduce-scattered over data axes instead of summed over them.
+Stage parameters are replicated over the other mesh axes unless the `PipelineSharding`'s
+`param_specs` shards a leaf over some of them (experts over `ep`): each device then holds and
+updates only its slice, the stage function sees that slice, and the leaf's gradient is reduced
+over the remaining data axes only (its shards are different parameters, not copies; a stage
+that all-gathers a leaf split over data axes, FSDP, gets the sum from the gather's transpose).
+`grad_specs` (ZeRO-2) returns a leaf's gradient reduce-scattered over data axes instead of
+summed over them.
 
 A stage may also report statistics: with `Model.stage_aux` the stage function (a `layered`
 stage's layer function) returns `(y, aux)`, a pytree of arrays it computed on the way (e.g. how
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +78,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.pipeline.ir.lower import BRANCHES, CHANNELS, COL, Lowered
+from jaxpipe.pipeline.sharding import PipelineSharding, as_sharding
 from jaxpipe.pipeline.split_backward import split_backward
 
 PARTS = ("F", "I", "B", "W")  # the parts a branch may run in one tick
@@ -616,37 +617,9 @@ def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset:
   return {**state, **lax.while_loop(lambda c: c[0][col] != unset, body, (row, part))[1]}
 
 
-def param_specs_key(param_specs: PyTree | None) -> tuple | None:
-  """A stage's spec pytree (PartitionSpec or None leaves) -> a hashable (treedef, leaves) key."""
-  if param_specs is None:
-    return None
-  leaves, treedef = jax.tree.flatten(param_specs, is_leaf=lambda v: v is None or isinstance(v, P))
-  bad = [v for v in leaves if v is not None and not isinstance(v, P)]
-  if bad:
-    raise TypeError(f"param_specs leaves must be PartitionSpec or None, got {bad[0]!r}")
-  return treedef, tuple(P() if v is None else v for v in leaves)
-
-
 def io_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:
   """Spec of xs/targets leaves [microbatches, batch, seq, ...]: batch and sequence split."""
   return P(None, batch_axes or None, *((seq_axes,) if seq_axes else ()))
-
-
-def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
-  """A mesh axis name or a sequence of them -> a tuple of names."""
-  if axes is None:
-    return ()
-  return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-def data_axes_of(
-    mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None, seq_axes: tuple[str, ...]
-) -> tuple[str, ...]:
-  """The axes that split the batch: `data_axes`, or by default every mesh axis but the pipeline
-  and sequence axes."""
-  if data_axes is None:
-    return tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
-  return as_axes(data_axes)
 
 
 def check_param_specs(
@@ -715,271 +688,352 @@ def _leaf_axes(spec: P) -> tuple[str, ...]:
   return tuple(names)
 
 
-@functools.lru_cache(maxsize=64)
-def make_executor(
-    model: Model,
-    spec: ExecSpec,
-    mesh: Mesh,
-    pp_axis: str = "pp",
-    data_axes: tuple[str, ...] | None = None,
-    param_specs: tuple | None = None,
-    seq_axes: tuple[str, ...] = (),
-    model_axes: tuple[str, ...] = (),
-    head_specs: tuple | None = None,
-    embed_specs: tuple | None = None,
-    grad_specs: tuple | None = None,
-) -> Callable:
-  """A jitted `run(table, local_params, xs, targets, head_params, embed_params, side=(),
-  stages=None)`.
+def reduce_grads(
+    tree: PyTree,
+    specs: tuple | None,
+    axes: tuple[str, ...],
+    model_axes: tuple[str, ...],
+    model: Model | None,
+    scatter: tuple | None = None,
+) -> PyTree:
+  """Gradients accumulated on one device, reduced over the mesh axes each leaf is copied on.
 
-  stages: int32 [p, chunks], the model stage each rank's chunk computes (`Lowered.layout()`),
-  which `Model.unit_index` needs to number the layers.
+  A sharded leaf's slices are different parameters, not copies: each leaf is summed (its max
+  taken, for the leaves `model` combines by max) over `axes` and `model_axes` except those its
+  spec splits it over. Runs inside a `shard_map` over those axes.
 
-  table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`); local_params: leaves
-  [p, chunks, ...], rank r's chunk c at [r, c]; xs/targets: [microbatches, batch, seq, ...],
-  the batch axis split over `data_axes` (default: every mesh axis but `pp_axis` and
-  `seq_axes`) and the sequence axis over `seq_axes` (context parallelism: the stage, embedding
-  and loss functions then see a slice of every sequence and run their own collectives over
-  those axes; a data shard, in what follows, is one slice over data and sequence axes).
-  `param_specs` (`param_specs_key` of a pytree like one chunk's params, PartitionSpec leaves over
-  the chunk's own dims, None = replicated) shards leaves over data (and sequence) axes.
-  Returns (loss summed over micro-batches and data shards, local gradients like local_params,
-  head_params gradients, embed_params gradients), each reduced over the data axes its
-  parameter is not sharded over,
-  and with `model.stage_aux` the stage aux summed over micro-batches: leaves [p, chunks, data
-  shards, ...] (rank r's chunk c as seen by data shard d, ordered over `data_axes` then
-  `seq_axes`). side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch,
-  ...] split as xs is (see the module docstring).
+  Args:
+    tree: the gradients, as accumulated on this device.
+    specs: a `param_specs_key` of `tree` (None: every leaf replicated).
+    axes: the axes to reduce over besides the model axes: data and sequence axes, and the
+      pipeline axis for parameters every rank holds.
+    model_axes: the tensor-parallel axes, reduced over as `axes` are.
+    model: the model whose `Model.max_grads` picks the leaves combined by max, or None.
+    scatter: per leaf of chunk-stacked leaves [chunks, ...] (`scatter_of`): (dimension of the
+      chunk's leaf, data axes) to reduce-scatter it over instead of summing it, or None.
 
-  model_axes (tensor parallelism): axes whose ranks see the same tokens and together compute
-  one loss, each with its slice of some parameters (`param_specs` may split stage leaves over
-  them, `head_specs` and `embed_specs`, `param_specs_key`s of head_params and embed_params,
-  those too) and running their own collectives over them. The loss is counted once. Without
-  varying-axes checks the backward of a model-axis collective (a psum's is a psum) treats every
-  rank's copy of the loss as its own: so each rank seeds its loss's backward with 1 / (model
-  ranks), and gradients are then summed over the model axes a leaf is not split over, as over
-  data axes. A split value's cotangent is then the single loss's whole; a replicated value's
-  arrives as per-rank partials (their sum is the single loss's).
+  Returns:
+    `tree` reduced, each leaf of its input's shape but for a reduce-scattered dimension.
 
-  grad_specs (ZeRO-2; a `param_specs_key` like `param_specs`): where the returned local
-  gradients are split. A leaf's entry repeats its `param_specs` one but may add data axes on a
-  dimension that one leaves whole: the leaf's gradient then leaves reduce-scattered over those
-  axes along that dimension (`psum_scatter`) instead of summed over them, each data shard
-  keeping its slice.
+  Raises:
+    ValueError: `scatter` splits a leaf whose gradient combines by max.
   """
-  if pp_axis not in mesh.axis_names:
-    raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
-  if mesh.shape[pp_axis] != spec.num_ranks:
-    raise ValueError(
-        f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
-        f"{mesh.shape[pp_axis]} devices; make them equal"
-    )
-  seq_axes = as_axes(seq_axes)
-  batch_axes = data_axes_of(mesh, pp_axis, data_axes, seq_axes)
-  both = sorted(set(batch_axes) & set(seq_axes))
-  if both or pp_axis in batch_axes + seq_axes:
-    raise ValueError(
-        f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
-        f"out the pipeline axis {pp_axis!r}; drop {both or [pp_axis]} from one"
-    )
-  # Sequence shards hold different tokens, exactly as data shards do: sums run over both.
-  data_axes = batch_axes + seq_axes
-  all_axes = (pp_axis,) + data_axes
-  model_axes = as_axes(model_axes)
-  clash = sorted(set(model_axes) & set(all_axes))
-  if clash:
-    raise ValueError(
-        f"model_axes {model_axes} must leave out the pipeline, data and sequence axes "
-        f"{all_axes}; drop {clash}"
-    )
-  model_size = math.prod(mesh.shape[a] for a in model_axes)
-  # the loss each rank differentiates: its share of the one loss the model ranks compute
-  seeded_loss = model.loss_fn if model_size == 1 else lambda *a: model.loss_fn(*a) / model_size
-  leaf_specs = None
-  if param_specs is not None:
-    specs_treedef, leaf_specs = param_specs
-    check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
-  for io_specs in (head_specs, embed_specs):
-    if io_specs is not None:
-      check_param_specs(io_specs, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
-  scatter = None  # per stage leaf: (dimension of the chunk's leaf, data axes) or None
-  if grad_specs is not None:
-    scatter = scatter_of(grad_specs, param_specs, batch_axes + seq_axes)
-  p = spec.num_ranks
-  batch_spec = io_spec(batch_axes, seq_axes)
-  # Which parts a tick runs, per branch code: the row gets one flag column per part.
-  parts_of = [set(BRANCHES[c].split("+")) - {"idle"} for c in range(len(BRANCHES))]
-  part_flags = np.array([[kind in parts for kind in PARTS] for parts in parts_of], np.int32)
-  run_col = {kind: len(COL) + i for i, kind in enumerate(PARTS)}
-  present = set().union(*(parts_of[c] for c in spec.branches))
-  perms = {
-      "down": [(i, (i + 1) % p) for i in range(p)],
-      "up": [(i, (i - 1) % p) for i in range(p)],
-  }
-  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
-  if model.unit_index and not isinstance(model.stage_fn, Layered):
-    raise ValueError("Model.unit_index numbers the layers of a layered stage; wrap it in layered()")
-  embed_fn = model.embed_fn
-  # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per tick,
-  # so both can leave through one buffer, and the activation and cotangent channels of one
-  # direction can share a ppermute.
-  shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in spec.branches)
-  out_f, out_b = ("out", "out") if shared_link else ("out_y", "out_dx")
-  sends = []  # the ppermutes of a tick: (direction, kinds of value it carries, buffer it sends)
-  for direction in ("down", "up"):
-    on = tuple(
-        kind for kind in ("act", "grad") if spec.channels[CHANNELS.index(f"{kind}_{direction}")]
-    )
-    if shared_link and len(on) == 2:
-      sends.append((direction, on, "out"))
-    else:
-      sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
-  link_col = len(COL) + len(PARTS)  # then one flag per ppermute: does any rank receive?
-
-  def body(table, links, local, xs, targets, head_params, embed_params, side, stages):
-    table = table[:, 0]
-    # one micro-batch's side inputs; with unit_index also the chunk's first layer in the model
-    if model.unit_index:
-      layers = jax.tree.leaves(local)[0].shape[2]  # [1, chunks, layers, ...]
-      side_of = lambda mb, c=0: (_index(side, mb), stages[0, c] * layers)
-    else:
-      side_of = lambda mb, c=0: _index(side, mb)
-    rows = jnp.concatenate([table, jnp.asarray(part_flags)[table[:, COL["branch"]]], links], axis=1)
-    local = _index(local, 0)  # [chunks, ...] on this rank
-    chunk0 = _index(local, 0)
-    first_in = (lambda mb: embed_fn(embed_params, xs[mb])) if embed_fn else (lambda mb: xs[mb])
-    x_sd = jax.eval_shape(first_in, 0)
-    x_sd = jax.ShapeDtypeStruct(x_sd.shape, x_sd.dtype)
-    side_sd = jax.eval_shape(side_of, 0)
-    y_sd = jax.eval_shape(stage_fn, chunk0, x_sd, side_sd)[0]
-    if (y_sd.shape, y_sd.dtype) != (x_sd.shape, x_sd.dtype):
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  reduced = []
+  for i, (path, g) in enumerate(flat):
+    own = () if specs is None else _leaf_axes(specs[1][i])
+    over = tuple(a for a in axes + model_axes if a not in own)
+    by_max = combines_by_max(model, path)
+    split = None if scatter is None else scatter[i]
+    if split is not None and by_max:
       raise ValueError(
-          f"stage_fn must keep its input's shape and dtype: {x_sd.shape} "
-          f"{x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}"
+          f"grad_specs splits {jax.tree_util.keystr(path)}, whose gradient combines by "
+          "max (Model.max_grads): a reduce-scatter would add its slices; leave it whole"
       )
-    ops = _StageOps(stage_fn, chunk0, x_sd, spec.recompute, model, side_sd)
+    if split is not None:
+      dim, scattered = split
+      over = tuple(a for a in over if a not in scattered)
+    g = (lax.pmax if by_max else lax.psum)(g, over) if over else g
+    if split is not None:  # leaves [chunks, ...]: the chunk's dimension `dim` is 1 + dim
+      g = lax.psum_scatter(g, scattered, scatter_dimension=1 + dim, tiled=True)
+    reduced.append(g)
+  return jax.tree.unflatten(treedef, reduced)
 
-    # Each part is fn(row, state) -> state: it reads its inputs from the slot buffers and writes
-    # its outputs into them in place, so that a tick costs what its parts compute and move.
-    def forward(row, s):
-      mb, c = row[COL["f_mb"]], row[COL["f_chunk"]]
-      x = lax.cond(
-          row[COL["f_first"]] == 1, lambda: first_in(mb), lambda: s["act"][row[COL["f_in"]]]
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TickPlan:
+  """What a tick may run under one `ExecSpec`, fixed when the executor is built.
+
+  A row of the table gets, after its `COL` columns, one flag per part (PARTS order), looked up
+  from its branch code, then one per ppermute of `sends`: whether any rank receives over it in
+  that tick.
+  """
+
+  present: frozenset[str]  # the parts some compiled branch runs
+  part_flags: np.ndarray  # int32 [branch code, part]: whether the branch runs the part
+  run_col: dict[str, int]  # the row column of each part's flag
+  link_col: int  # the row column of the first ppermute's flag
+  shared_link: bool  # F's output and I's or B's input cotangent leave through one buffer
+  out_f: str  # the state buffer F's output leaves through
+  out_b: str  # the state buffer I's or B's input cotangent leaves through
+  # the ppermutes of a tick: (direction, kinds of value it carries, buffer it sends)
+  sends: tuple[tuple[str, tuple[str, ...], str], ...]
+  perms: dict[str, list[tuple[int, int]]]  # per direction: the (source, target) rank pairs
+
+  @classmethod
+  def of(cls, spec: ExecSpec) -> _TickPlan:
+    """The plan of the program compiled for `spec`."""
+    p = spec.num_ranks
+    parts_of = [set(BRANCHES[c].split("+")) - {"idle"} for c in range(len(BRANCHES))]
+    # Without a branch that runs F beside I or B, a rank sends at most one of y and dx per
+    # tick, so both can leave through one buffer, and the activation and cotangent channels of
+    # one direction can share a ppermute.
+    shared_link = not any("F" in parts_of[c] and parts_of[c] & {"I", "B"} for c in spec.branches)
+    out_f, out_b = ("out", "out") if shared_link else ("out_y", "out_dx")
+    sends = []
+    for direction in ("down", "up"):
+      on = tuple(
+          kind for kind in ("act", "grad") if spec.channels[CHANNELS.index(f"{kind}_{direction}")]
       )
-      y, res, aux = ops.forward(_index(local, c), x, side_of(mb, c), s["res"], row[COL["f_res"]])
-      s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
-      s[out_f] = y
+      if shared_link and len(on) == 2:
+        sends.append((direction, on, "out"))
+      else:
+        sends += [(direction, (kind,), out_f if kind == "act" else out_b) for kind in on]
+    return cls(
+        present=frozenset().union(*(parts_of[c] for c in spec.branches)),
+        part_flags=np.array([[kind in parts for kind in PARTS] for parts in parts_of], np.int32),
+        run_col={kind: len(COL) + i for i, kind in enumerate(PARTS)},
+        link_col=len(COL) + len(PARTS),
+        shared_link=shared_link,
+        out_f=out_f,
+        out_b=out_b,
+        sends=tuple(sends),
+        perms={
+            "down": [(i, (i + 1) % p) for i in range(p)],
+            "up": [(i, (i - 1) % p) for i in range(p)],
+        },
+    )
 
-      def last(row, s):
-        target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], targets)
-        loss, (dhead, dy) = jax.value_and_grad(seeded_loss, argnums=(0, 1))(head_params, y, target)
-        return dict(
-            s,
-            loss=s["loss"] + (loss * model_size).astype(jnp.float32),
-            head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
-            cot=_set(s["cot"], (row[COL["f_cot"]],), dy),
-        )
+  def links(self, table: jax.Array) -> jax.Array:
+    """int32 [ticks, sends] of a whole table [ticks, ranks, ...]: whether any rank receives over
+    each ppermute, the same on every rank."""
+    return jnp.stack(
+        [
+            jnp.any(
+                jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]] for kind in kinds]) >= 0,
+                axis=(0, 2),
+            )
+            for direction, kinds, _ in self.sends
+        ]
+        or [jnp.zeros(table.shape[0], bool)],
+        axis=1,
+    )[:, : len(self.sends)].astype(jnp.int32)
 
-      return _gated(row, COL["f_last"], last, s, ("loss", "head_g", "cot"))
+  def rows(self, table: jax.Array, links: jax.Array) -> jax.Array:
+    """One rank's table [ticks, len(COL)] with its part flags and the ticks' `links` after it."""
+    return jnp.concatenate(
+        [table, jnp.asarray(self.part_flags)[table[:, COL["branch"]]], links], axis=1
+    )
 
-    def backward(full: bool):
-      def part(row, s):
-        c = row[COL["b_chunk"]]
-        params, slot = _index(local, c), row[COL["b_res"]]
-        side_mb = side_of(row[COL["b_mb"]], c)
-        dy = s["cot"][row[COL["b_cot"]]]
-        # The first stage's input cotangent feeds only the embedding, if there is one.
-        need_dx = row[COL["b_first"]] == 0 if embed_fn is None else jnp.bool_(True)
-        if full:
-          dx, grads = ops.full_grad(params, side_mb, s["res"], slot, dy, need_dx, s["grads"], c)
-          s = dict(s, grads=grads)
-        else:
-          dx, wg = ops.input_grad(
-              params, side_mb, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]]
-          )
-          s = dict(s, wg=wg)
-        s[out_b] = dx
-        if embed_fn is None:
-          return s
 
-        def embed_grad(row, s):
-          _, embed_vjp = jax.vjp(lambda e: embed_fn(e, xs[row[COL["b_mb"]]]), embed_params)
-          return dict(
-              s,
-              embed_g=jax.tree.map(
-                  lambda a, d: a + d.astype(a.dtype), s["embed_g"], embed_vjp(dx)[0]
-              ),
-          )
+class _RankProgram:
+  """One rank's traced program inside the executor's `shard_map`: the parts of its ticks.
 
-        return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
+  Each part is `part(row, state) -> state` over the tick state (`init_state`): it reads its
+  inputs from the rank's slot buffers and writes its outputs into them in place, so that a tick
+  costs what its parts compute and move. `tick` runs the parts a row names, then the ppermutes.
+  """
 
-      return part
+  def __init__(
+      self,
+      model: Model,
+      stage_fn: Callable,
+      spec: ExecSpec,
+      plan: _TickPlan,
+      sharding: PipelineSharding,
+      local: PyTree,
+      xs,
+      targets,
+      head_params: PyTree,
+      embed_params: PyTree,
+      side: PyTree,
+      stages: jax.Array,
+  ):
+    """Traces one stage's shapes for the slot buffers.
 
-    def weight(row, s):
-      c = row[COL["w_chunk"]]
-      return dict(
-          s,
-          grads=ops.weight_grad(
-              _index(local, c),
-              side_of(row[COL["w_mb"]], c),
-              s["res"],
-              row[COL["w_res"]],
-              s["wg"],
-              row[COL["w_wg"]],
-              s["grads"],
-              c,
-          ),
+    Args:
+      model: the model the executor runs.
+      stage_fn: its stage function as `(params, x, side) -> (y, aux)` (`with_aux`).
+      spec: the executor's static sizes.
+      plan: its tick plan.
+      sharding: where the program's values sit on the mesh.
+      local: this rank's stage params, leaves [chunks, ...].
+      xs: the inputs, leaves [microbatches, batch, ...] (this device's slice).
+      targets: the targets, likewise.
+      head_params: the loss function's parameters.
+      embed_params: the embed function's parameters.
+      side: the side inputs, leaves [microbatches, batch, ...] (`Model.side_inputs`).
+      stages: int32 [1, chunks], the model stage of each of this rank's chunks.
+
+    Raises:
+      ValueError: the stage function changes its input's shape or dtype.
+    """
+    self.model, self.spec, self.plan, self.sharding = model, spec, plan, sharding
+    self.local, self.xs, self.targets = local, xs, targets
+    self.head_params, self.embed_params = head_params, embed_params
+    self.side, self.stages = side, stages
+    self.embed_fn = model.embed_fn
+    model_size = sharding.model_size
+    # the loss each rank differentiates: its share of the one loss the model ranks compute
+    self.seeded_loss = (
+        model.loss_fn if model_size == 1 else lambda *a: model.loss_fn(*a) / model_size
+    )
+    # the layers of a chunk, by which Model.unit_index numbers a chunk's first layer
+    self.layers = jax.tree.leaves(local)[0].shape[1] if model.unit_index else 0
+    chunk0 = _index(local, 0)
+    x_sd = jax.eval_shape(self.first_in, 0)
+    self.x_sd = jax.ShapeDtypeStruct(x_sd.shape, x_sd.dtype)
+    side_sd = jax.eval_shape(self.side_of, 0)
+    y_sd = jax.eval_shape(stage_fn, chunk0, self.x_sd, side_sd)[0]
+    if (y_sd.shape, y_sd.dtype) != (self.x_sd.shape, self.x_sd.dtype):
+      raise ValueError(
+          f"stage_fn must keep its input's shape and dtype: {self.x_sd.shape} "
+          f"{self.x_sd.dtype} -> {y_sd.shape} {y_sd.dtype}"
       )
+    self.ops = _StageOps(stage_fn, chunk0, self.x_sd, spec.recompute, model, side_sd)
 
+  def side_of(self, mb, c=0) -> PyTree:
+    """Micro-batch mb's side inputs; with `Model.unit_index` also chunk c's first layer in the
+    model."""
+    if self.model.unit_index:
+      return (_index(self.side, mb), self.stages[0, c] * self.layers)
+    return _index(self.side, mb)
+
+  def first_in(self, mb) -> jax.Array:
+    """The first stage's input for micro-batch mb: its embedding, or xs[mb] without embed_fn."""
+    if self.embed_fn:
+      return self.embed_fn(self.embed_params, self.xs[mb])
+    return self.xs[mb]
+
+  # -- parts -----------------------------------------------------------------------------------
+
+  def forward(self, row, s: dict) -> dict:
+    """F: row's f_mb through chunk f_chunk, and on the last stage (f_last) its loss."""
+    mb, c = row[COL["f_mb"]], row[COL["f_chunk"]]
+    x = lax.cond(
+        row[COL["f_first"]] == 1, lambda: self.first_in(mb), lambda: s["act"][row[COL["f_in"]]]
+    )
+    y, res, aux = self.ops.forward(
+        _index(self.local, c), x, self.side_of(mb, c), s["res"], row[COL["f_res"]]
+    )
+    s = dict(s, res=res, stats=_add(s["stats"], (c,), aux))
+    s[self.plan.out_f] = y
+    loss = functools.partial(self._loss, y)
+    return _gated(row, COL["f_last"], loss, s, ("loss", "head_g", "cot"))
+
+  def _loss(self, y, row, s: dict) -> dict:
+    """The loss of the last stage's output y, its head gradient and y's cotangent."""
+    target = jax.tree.map(lambda t: t[row[COL["f_mb"]]], self.targets)
+    loss, (dhead, dy) = jax.value_and_grad(self.seeded_loss, argnums=(0, 1))(
+        self.head_params, y, target
+    )
+    return dict(
+        s,
+        loss=s["loss"] + (loss * self.sharding.model_size).astype(jnp.float32),
+        head_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["head_g"], dhead),
+        cot=_set(s["cot"], (row[COL["f_cot"]],), dy),
+    )
+
+  def backward(self, row, s: dict, full: bool) -> dict:
+    """B (`full`) or I: row's b_mb back through chunk b_chunk; on the first stage (b_first) the
+    input cotangent goes on into the embedding."""
+    c = row[COL["b_chunk"]]
+    params, slot = _index(self.local, c), row[COL["b_res"]]
+    side_mb = self.side_of(row[COL["b_mb"]], c)
+    dy = s["cot"][row[COL["b_cot"]]]
+    # The first stage's input cotangent feeds only the embedding, if there is one.
+    need_dx = row[COL["b_first"]] == 0 if self.embed_fn is None else jnp.bool_(True)
+    if full:
+      dx, grads = self.ops.full_grad(params, side_mb, s["res"], slot, dy, need_dx, s["grads"], c)
+      s = dict(s, grads=grads)
+    else:
+      dx, wg = self.ops.input_grad(
+          params, side_mb, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]]
+      )
+      s = dict(s, wg=wg)
+    s[self.plan.out_b] = dx
+    if self.embed_fn is None:
+      return s
+    embed_grad = functools.partial(self._embed_grad, dx)
+    return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
+
+  def _embed_grad(self, dx, row, s: dict) -> dict:
+    """The embedding's gradient from the first stage's input cotangent dx."""
+    _, embed_vjp = jax.vjp(lambda e: self.embed_fn(e, self.xs[row[COL["b_mb"]]]), self.embed_params)
+    return dict(
+        s,
+        embed_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["embed_g"], embed_vjp(dx)[0]),
+    )
+
+  def weight(self, row, s: dict) -> dict:
+    """W: the weight cotangents of row's w_mb on chunk w_chunk, from what its I kept."""
+    c = row[COL["w_chunk"]]
+    return dict(
+        s,
+        grads=self.ops.weight_grad(
+            _index(self.local, c),
+            self.side_of(row[COL["w_mb"]], c),
+            s["res"],
+            row[COL["w_res"]],
+            s["wg"],
+            row[COL["w_wg"]],
+            s["grads"],
+            c,
+        ),
+    )
+
+  def keep_local(self, row, s: dict, field: str, buf: str, slot_buf: str) -> dict:
+    """A value for the same rank (V shapes) goes from its send buffer to its slot after the part
+    that made it: a part writing a slot buffer it also reads would make XLA copy the buffer."""
+    move = lambda row, s: dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
+    return _gated(row, COL[field], move, s, (buf, slot_buf), unset=-1)
+
+  def send(self, direction: str, kinds: tuple[str, ...], buf: str, row, s: dict) -> dict:
+    """One ppermute of `buf` over the pipeline axis; where the row receives, into its slot."""
+    got = lax.ppermute(s[buf], self.sharding.pp_axis, self.plan.perms[direction])
+    for kind in kinds:
+      col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
+      s = _gated(
+          row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,), unset=-1
+      )
+    return s
+
+  def tick(self, s: dict, row) -> tuple[dict, None]:
+    """One tick, a `lax.scan` step: the parts the row names, then the ppermutes."""
+    plan, out_f, out_b = self.plan, self.plan.out_f, self.plan.out_b
     # A part reads only values written in earlier ticks, and a slot freed by its last read may
     # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
     # res and cot and writes wg; F reads act and writes res and cot), receipts last.
-    part_fns = {"W": weight, "I": backward(False), "B": backward(True), "F": forward}
-    part_keys = {
-        "W": ("res", "wg", "grads"),
-        "I": ("res", "cot", "wg", out_b, "embed_g"),
-        "B": ("res", "cot", "grads", out_b, "embed_g"),
-        "F": ("act", "res", "cot", out_f, "loss", "head_g", "stats"),
+    parts = {
+        "W": (self.weight, ("res", "wg", "grads")),
+        "I": (
+            functools.partial(self.backward, full=False),
+            ("res", "cot", "wg", out_b, "embed_g"),
+        ),
+        "B": (
+            functools.partial(self.backward, full=True),
+            ("res", "cot", "grads", out_b, "embed_g"),
+        ),
+        "F": (self.forward, ("act", "res", "cot", out_f, "loss", "head_g", "stats")),
     }
-
-    def keep_local(row, s, field, buf, slot_buf):
-      """A value for the same rank (V shapes) goes from its send buffer to its slot after the part
-      that made it: a part writing a slot buffer it also reads would make XLA copy the buffer."""
-      move = lambda row, s: dict(s, **{slot_buf: _set(s[slot_buf], (row[COL[field]],), s[buf])})
-      return _gated(row, COL[field], move, s, (buf, slot_buf), unset=-1)
-
-    def tick(s, row):
-      for kind in ("W", "I", "B", "F"):
-        if kind in present:
-          with jax.named_scope(f"tick/{kind}"):
-            s = _gated(row, run_col[kind], part_fns[kind], s, part_keys[kind])
-        if kind == "B" and present & {"I", "B"} and spec.local_moves[1]:
-          s = keep_local(row, s, "b_local", out_b, "cot")
-        if kind == "F" and "F" in present and spec.local_moves[0]:
-          s = keep_local(row, s, "f_local", out_f, "act")
-      # A ppermute runs where some rank receives over it this tick (its flag is the same on
-      # every rank, so every rank takes part or none does); a rank with nothing to send sends
-      # whatever its buffer holds and its neighbour's table discards it.
-      for i, (direction, kinds, buf) in enumerate(sends):
-        with jax.named_scope(f"tick/send_{direction}"):
-          s = _gated(
-              row,
-              link_col + i,
-              functools.partial(send, direction, kinds, buf),
-              s,
-              (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds),
-          )
-      return s, None
-
-    def send(direction, kinds, buf, row, s):
-      got = lax.ppermute(s[buf], pp_axis, perms[direction])
-      for kind in kinds:
-        col, name = COL[f"recv_{kind}_{direction}"], "act" if kind == "act" else "cot"
+    for kind in ("W", "I", "B", "F"):
+      if kind in plan.present:
+        fn, keys = parts[kind]
+        with jax.named_scope(f"tick/{kind}"):
+          s = _gated(row, plan.run_col[kind], fn, s, keys)
+      if kind == "B" and plan.present & {"I", "B"} and self.spec.local_moves[1]:
+        s = self.keep_local(row, s, "b_local", out_b, "cot")
+      if kind == "F" and "F" in plan.present and self.spec.local_moves[0]:
+        s = self.keep_local(row, s, "f_local", out_f, "act")
+    # A ppermute runs where some rank receives over it this tick (its flag is the same on every
+    # rank, so every rank takes part or none does); a rank with nothing to send sends whatever
+    # its buffer holds and its neighbour's table discards it.
+    for i, (direction, kinds, buf) in enumerate(plan.sends):
+      with jax.named_scope(f"tick/send_{direction}"):
         s = _gated(
-            row, col, lambda row, s: {name: _set(s[name], (row[col],), got)}, s, (name,), unset=-1
+            row,
+            plan.link_col + i,
+            functools.partial(self.send, direction, kinds, buf),
+            s,
+            (buf,) + tuple("act" if kind == "act" else "cot" for kind in kinds),
         )
-      return s
+    return s, None
 
+  # -- state -----------------------------------------------------------------------------------
+
+  def init_state(self) -> dict:
+    """The tick state before the first tick: empty slot buffers, zero accumulators."""
+    spec, ops, x_sd = self.spec, self.ops, self.x_sd
     # at least one slot, so that parts reading a buffer trace even when none is used
     slots = lambda n, sd: jnp.zeros((max(n, 1),) + sd.shape, sd.dtype)
     acc = lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype))
@@ -988,76 +1042,175 @@ def make_executor(
         res=[slots(spec.res_slots, s) for s in ops.stored],
         cot=slots(spec.cot_slots, x_sd),
         # what I keeps for W; no buffer where no part splits a backward
-        wg=[slots(spec.wg_slots, g) for g in ops.g] if present & {"I", "W"} else [],
-        grads=jax.tree.map(acc, local),
+        wg=[slots(spec.wg_slots, g) for g in ops.g] if self.plan.present & {"I", "W"} else [],
+        grads=jax.tree.map(acc, self.local),
         loss=jnp.zeros((), jnp.float32),
-        head_g=jax.tree.map(acc, head_params),
-        embed_g=jax.tree.map(acc, embed_params),
+        head_g=jax.tree.map(acc, self.head_params),
+        embed_g=jax.tree.map(acc, self.embed_params),
         stats=jax.tree.map(
             lambda a: jnp.zeros((spec.chunks,) + a.shape, _aux_dtype(a.dtype)), ops.aux
         ),
     )
-    for name in {out_f, out_b}:
+    for name in {self.plan.out_f, self.plan.out_b}:
       state[name] = ops.zero_x()
-    state, _ = lax.scan(tick, state, rows)
+    return state
+
+  def results(self, state: dict, scatter: tuple | None) -> tuple:
+    """What the `shard_map` returns from the state after the last tick: the loss and gradients
+    reduced over the axes their values are copied on (`reduce_grads`, with `scatter` for the
+    stage gradients), cast to their parameters' dtypes, then with `Model.stage_aux` the stats."""
+    sharding, model = self.sharding, self.model
     grads, head_g, embed_g, stats = (state[k] for k in ("grads", "head_g", "embed_g", "stats"))
+    all_axes = (sharding.pp_axis,) + sharding.token_axes
     loss = lax.psum(state["loss"], all_axes)
-
-    # A sharded leaf's slices are different parameters: sum only over the axes it is copied on;
-    # with `scatter` (grad_specs), over a leaf's scattered axes as a reduce-scatter.
-    def reduce_grads(tree, specs, axes_of_all, scatter=None):
-      flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-      reduced = []
-      for i, (path, g) in enumerate(flat):
-        own = () if specs is None else _leaf_axes(specs[1][i])
-        axes = tuple(a for a in axes_of_all + model_axes if a not in own)
-        by_max = combines_by_max(model, path)
-        split = None if scatter is None else scatter[i]
-        if split is not None and by_max:
-          raise ValueError(
-              f"grad_specs splits {jax.tree_util.keystr(path)}, whose gradient combines by "
-              "max (Model.max_grads): a reduce-scatter would add its slices; leave it whole"
-          )
-        if split is not None:
-          dim, over = split
-          axes = tuple(a for a in axes if a not in over)
-        g = (lax.pmax if by_max else lax.psum)(g, axes) if axes else g
-        if split is not None:  # leaves [chunks, ...]: the chunk's dimension `dim` is 1 + dim
-          g = lax.psum_scatter(g, over, scatter_dimension=1 + dim, tiled=True)
-        reduced.append(g)
-      return jax.tree.unflatten(treedef, reduced)
-
-    grads = reduce_grads(grads, param_specs, tuple(data_axes), scatter)
-    head_g = reduce_grads(head_g, head_specs, all_axes)
-    embed_g = reduce_grads(embed_g, embed_specs, all_axes)
+    model_axes = sharding.model_axes
+    grads = reduce_grads(grads, sharding.param_key, sharding.token_axes, model_axes, model, scatter)
+    head_g = reduce_grads(head_g, sharding.head_key, all_axes, model_axes, model)
+    embed_g = reduce_grads(embed_g, sharding.embed_key, all_axes, model_axes, model)
     cast = lambda g, a: g.astype(a.dtype)
     out = (
         loss,
-        jax.tree.map(lambda g, a: cast(g, a)[None], grads, local),
-        jax.tree.map(cast, head_g, head_params),
-        jax.tree.map(cast, embed_g, embed_params),
+        jax.tree.map(lambda g, a: cast(g, a)[None], grads, self.local),
+        jax.tree.map(cast, head_g, self.head_params),
+        jax.tree.map(cast, embed_g, self.embed_params),
     )
     if model.stage_aux:
       out += (jax.tree.map(lambda a: a[None, :, None], stats),)
     return out
 
-  local_spec = P(pp_axis)
-  if leaf_specs is not None:
-    local_spec = jax.tree.unflatten(specs_treedef, [P(pp_axis, None, *ls) for ls in leaf_specs])
-  grad_spec = local_spec
-  if grad_specs is not None:
-    grad_spec = jax.tree.unflatten(grad_specs[0], [P(pp_axis, None, *ls) for ls in grad_specs[1]])
-  head_spec, embed_spec = (
-      P() if io is None else jax.tree.unflatten(io[0], list(io[1]))
-      for io in (head_specs, embed_specs)
-  )
+
+def _stage_fn_of(model: Model) -> Callable:
+  """The model's stage function as the executor calls it (`with_aux`)."""
+  if model.unit_index and not isinstance(model.stage_fn, Layered):
+    raise ValueError("Model.unit_index numbers the layers of a layered stage; wrap it in layered()")
+  return with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
+
+
+def _check_sharding(spec: ExecSpec, sharding: PipelineSharding) -> None:
+  """Raises ValueError unless `sharding`'s mesh and axes fit `spec` and its specs split leaves
+  over data, sequence and model axes only."""
+  mesh, pp_axis = sharding.mesh, sharding.pp_axis
+  if pp_axis not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} lack the pipeline axis {pp_axis!r}")
+  if mesh.shape[pp_axis] != spec.num_ranks:
+    raise ValueError(
+        f"the schedule has {spec.num_ranks} ranks but mesh axis {pp_axis!r} has "
+        f"{mesh.shape[pp_axis]} devices; make them equal"
+    )
+  batch_axes, seq_axes, model_axes = sharding.batch_axes, sharding.seq_axes, sharding.model_axes
+  both = sorted(set(batch_axes) & set(seq_axes))
+  if both or pp_axis in batch_axes + seq_axes:
+    raise ValueError(
+        f"data_axes {batch_axes} and seq_axes {seq_axes} must be disjoint and leave "
+        f"out the pipeline axis {pp_axis!r}; drop {both or [pp_axis]} from one"
+    )
+  all_axes = (pp_axis,) + sharding.token_axes
+  clash = sorted(set(model_axes) & set(all_axes))
+  if clash:
+    raise ValueError(
+        f"model_axes {model_axes} must leave out the pipeline, data and sequence axes "
+        f"{all_axes}; drop {clash}"
+    )
+  for key in (sharding.param_key, sharding.head_key, sharding.embed_key):
+    if key is not None:
+      check_param_specs(key, batch_axes, seq_axes, pp_axis, model_axes=model_axes)
+
+
+def make_executor(model: Model, spec: ExecSpec, sharding: PipelineSharding | Mesh) -> Callable:
+  """The executor's program for `model` under tables that fit `spec`, split as `sharding` says.
+
+  The program is a jitted `run(table, local_params, xs, targets, head_params, embed_params,
+  side=(), stages=None)`:
+
+  - table: int32 [spec.num_ticks, p, len(FIELDS)] (`Lowered.padded`).
+  - local_params: leaves [p, chunks, ...], rank r's chunk c at [r, c], each chunk's own
+    dimensions split as `sharding.param_specs` says.
+  - xs, targets: leaves [microbatches, batch, seq, ...], the batch axis split over the data axes
+    and the sequence axis over the sequence axes (context parallelism: the stage, embedding and
+    loss functions then see a slice of every sequence and run their own collectives over those
+    axes; a data shard, in what follows, is one slice over data and sequence axes).
+  - head_params, embed_params: the loss and embed functions' parameters.
+  - side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch, ...] split as
+    xs is (see the module docstring).
+  - stages: int32 [p, chunks], the model stage each rank's chunk computes
+    (`Lowered.layout()`), which `Model.unit_index` needs to number the layers.
+
+  It returns (loss summed over micro-batches and data shards, local gradients like
+  local_params, head_params gradients, embed_params gradients), each reduced over the data axes
+  its parameter is not sharded over, and with `model.stage_aux` the stage aux summed over
+  micro-batches: leaves [p, chunks, data shards, ...] (rank r's chunk c as seen by data shard
+  d, ordered over the data axes then the sequence axes).
+
+  Model axes (tensor parallelism) are axes whose ranks see the same tokens and together compute
+  one loss, each with its slice of some parameters (`param_specs`, `head_specs` and
+  `embed_specs` may split leaves over them) and running their own collectives over them. The
+  loss is counted once. Without varying-axes checks the backward of a model-axis collective (a
+  psum's is a psum) treats every rank's copy of the loss as its own: so each rank seeds its
+  loss's backward with 1 / (model ranks), and gradients are then summed over the model axes a
+  leaf is not split over, as over data axes. A split value's cotangent is then the single
+  loss's whole; a replicated value's arrives as per-rank partials (their sum is the single
+  loss's).
+
+  `grad_specs` (ZeRO-2) says where the returned local gradients are split. A leaf's entry
+  repeats its `param_specs` one but may add data axes on a dimension that one leaves whole: the
+  leaf's gradient then leaves reduce-scattered over those axes along that dimension
+  (`psum_scatter`) instead of summed over them, each data shard keeping its slice.
+
+  Args:
+    model: the stage, embed and loss functions.
+    spec: the static sizes of the tables the program runs (`ExecSpec.covering`).
+    sharding: the mesh, its axes and the parameters' specs (`PipelineSharding`); a bare Mesh
+      stands for `PipelineSharding(mesh)`.
+
+  Returns:
+    The jitted `run`, cached per (model, spec, sharding).
+
+  Raises:
+    TypeError: `sharding` is neither a PipelineSharding nor a Mesh.
+    ValueError: the mesh, the axes or the specs do not fit `spec` or each other.
+  """
+  return _make_executor(model, spec, as_sharding(sharding))  # the type checked before the cache
+
+
+@functools.lru_cache(maxsize=64)
+def _make_executor(model: Model, spec: ExecSpec, sharding: PipelineSharding) -> Callable:
+  """`make_executor` for a `PipelineSharding`, one program per (model, spec, sharding)."""
+  _check_sharding(spec, sharding)
+  scatter = None  # per stage leaf: (dimension of the chunk's leaf, data axes) or None
+  if sharding.grad_key is not None:
+    scatter = scatter_of(sharding.grad_key, sharding.param_key, sharding.token_axes)
+  stage_fn = _stage_fn_of(model)
+  plan = _TickPlan.of(spec)
+
+  def body(table, links, local, xs, targets, head_params, embed_params, side, stages):
+    rows = plan.rows(table[:, 0], links)
+    rank = _RankProgram(
+        model,
+        stage_fn,
+        spec,
+        plan,
+        sharding,
+        _index(local, 0),
+        xs,
+        targets,
+        head_params,
+        embed_params,
+        side,
+        stages,
+    )
+    state, _ = lax.scan(rank.tick, rank.init_state(), rows)
+    return rank.results(state, scatter)
+
+  pp_axis, batch_axes, seq_axes = sharding.pp_axis, sharding.batch_axes, sharding.seq_axes
+  batch_spec = io_spec(batch_axes, seq_axes)
+  head_spec, embed_spec = (sharding.spec_tree(k) for k in (sharding.head_key, sharding.embed_key))
   mapped = jax.shard_map(
       body,
-      mesh=mesh,
+      mesh=sharding.mesh,
       in_specs=(
           P(None, pp_axis),
           P(),
-          local_spec,
+          sharding.local_spec(sharding.param_key),
           batch_spec,
           batch_spec,
           head_spec,
@@ -1065,8 +1218,13 @@ def make_executor(
           batch_spec,
           P(pp_axis),
       ),
-      out_specs=(P(), grad_spec, head_spec, embed_spec)
-      + ((P(pp_axis, None, data_axes or None),) if model.stage_aux else ()),
+      out_specs=(
+          P(),
+          sharding.local_spec(sharding.grad_key or sharding.param_key),
+          head_spec,
+          embed_spec,
+      )
+      + ((P(pp_axis, None, sharding.token_axes or None),) if model.stage_aux else ()),
       # The carries mix per-rank values with replicated ones and every part must return the
       # same types; the reductions at the end are explicit, so vma checking is off.
       check_vma=False,
@@ -1080,20 +1238,11 @@ def make_executor(
             "[ranks, chunks] (Lowered.layout())"
         )
       stages = jnp.zeros((spec.num_ranks, spec.chunks), jnp.int32)
-    if param_specs is not None:
-      check_param_specs(param_specs, batch_axes, seq_axes, pp_axis, local_params, model_axes)
-    # [ticks, sends]: whether any rank receives over each ppermute, the same on every rank
-    links = jnp.stack(
-        [
-            jnp.any(
-                jnp.stack([table[:, :, COL[f"recv_{kind}_{direction}"]] for kind in kinds]) >= 0,
-                axis=(0, 2),
-            )
-            for direction, kinds, _ in sends
-        ]
-        or [jnp.zeros(table.shape[0], bool)],
-        axis=1,
-    )[:, : len(sends)].astype(jnp.int32)
+    if sharding.param_key is not None:
+      check_param_specs(
+          sharding.param_key, batch_axes, seq_axes, pp_axis, local_params, sharding.model_axes
+      )
+    links = plan.links(table)
     stages = jnp.asarray(stages, jnp.int32)
     return mapped(table, links, local_params, xs, targets, head_params, embed_params, side, stages)
 
@@ -1149,7 +1298,4 @@ def stage_ops(
   """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
   built as `make_executor` builds them for stage params `params`, input `x` and one
   micro-batch's side inputs `side` (shapes; `()` without them)."""
-  stage_fn = with_aux(model.stage_fn, model.stage_aux, model.side_inputs, model.unit_index)
-  if model.unit_index and not isinstance(model.stage_fn, Layered):
-    raise ValueError("Model.unit_index numbers the layers of a layered stage; wrap it in layered()")
-  return _StageOps(stage_fn, params, x, recompute, model, side)
+  return _StageOps(_stage_fn_of(model), params, x, recompute, model, side)

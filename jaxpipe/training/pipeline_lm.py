@@ -52,8 +52,9 @@ from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.parallel.tensor import tensor_parallel
 from jaxpipe.parallel.ulysses import positions_local
 from jaxpipe.pipeline.api import lowered_for, pipeline_value_and_grad
-from jaxpipe.pipeline.executor import Model, layered, param_specs_key
+from jaxpipe.pipeline.executor import Model, layered
 from jaxpipe.pipeline.ir.schedule import Schedule
+from jaxpipe.pipeline.sharding import PipelineSharding, param_specs_key
 from jaxpipe.training import config as config_lib
 from jaxpipe.training import microbatch, zero
 from jaxpipe.training.state import BATCH_AXES, param_axes
@@ -294,19 +295,21 @@ def pipeline_loss_and_grads(
         split["tokens"],
         (split["targets"], split["mask"]),
         schedule=schedule,
-        mesh=mesh,
+        sharding=PipelineSharding(
+            mesh,
+            data_axes=data_axes,
+            seq_axes=seq_axes,
+            model_axes=model_axes,
+            param_specs=(
+                split_specs if shard == "fsdp" else stage_param_specs(stage_params, ep_axis, tp)
+            ),
+            head_specs=io_param_specs(head_params, tp=tp),
+            embed_specs=io_param_specs({"embed": params["embed"]}, tp=tp),
+            grad_specs=split_specs if shard == "zero2" else None,
+        ),
         head_params=head_params,
         embed_params={"embed": params["embed"]},
         recompute=bool(pipeline.recompute),
-        data_axes=data_axes,
-        param_specs=(
-            split_specs if shard == "fsdp" else stage_param_specs(stage_params, ep_axis, tp)
-        ),
-        grad_specs=split_specs if shard == "zero2" else None,
-        seq_axes=seq_axes,
-        model_axes=model_axes,
-        head_specs=io_param_specs(head_params, tp=tp),
-        embed_specs=io_param_specs({"embed": params["embed"]}, tp=tp),
         stage_order="placement" if in_placement else "model",
         side_inputs={k: split[k] for k in packed_keys},
     )

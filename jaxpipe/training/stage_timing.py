@@ -32,8 +32,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import transformer
-from jaxpipe.pipeline.executor import ExecSpec, make_executor, param_specs_key, stage_ops
+from jaxpipe.pipeline.executor import ExecSpec, make_executor, stage_ops
 from jaxpipe.pipeline.ir.lower import BRANCHES, COL, idle_row
+from jaxpipe.pipeline.sharding import PipelineSharding
 from jaxpipe.planning import auto as auto_lib
 from jaxpipe.planning import costs as costs_lib
 from jaxpipe.training import config as config_lib
@@ -178,11 +179,7 @@ class StageTimer:
             # same-rank steps are not compiled, as in a real non-V schedule's executor
             local_moves=(False, False),
         ),
-        mesh,
-        "pp",
-        data,
-        param_specs_key(stage_specs),
-        seq_axes,
+        PipelineSharding(mesh, data_axes=data, seq_axes=seq_axes, param_specs=stage_specs),
     )
     self._run = make(ticks, codes)
     self._short = make(1, (0,))  # one idle tick: what a call costs around its ticks

@@ -244,7 +244,7 @@ def test_executor_side_inputs_reach_every_part(recompute):
       xs,
       ts,
       schedule=make_schedule("zb-h1", pp=stages, microbatches=m),
-      mesh=make_mesh(config(pp=2).mesh, jax.devices()[:2]),
+      sharding=make_mesh(config(pp=2).mesh, jax.devices()[:2]),
       recompute=recompute,
       side_inputs={"gate_BxL": gates},
   )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxpipe.pipeline
-from jaxpipe.pipeline import api, make_schedule
+from jaxpipe.pipeline import PipelineSharding, api, make_schedule
 from tests import helpers
 
 B, L, D = helpers.B, helpers.L, helpers.D
@@ -40,7 +40,7 @@ def test_named_schedule_with_data_parallel_axis():
   mesh = make_mesh((2, 2), ("dp", "pp"))
   params, xs, ts = helpers.make_data(2, 4)
   loss, grads = jaxpipe.pipeline.value_and_grad(
-      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="zb-h1", mesh=mesh
+      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="zb-h1", sharding=mesh
   )
   assert_matches(loss, grads, params, xs, ts)
 
@@ -59,7 +59,7 @@ def test_hand_written_csv_schedule(tmp_path):
   mesh = make_mesh((2,), ("pp",))
   params, xs, ts = helpers.make_data(2, 3, seed=1)
   loss, grads = jaxpipe.pipeline.value_and_grad(
-      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=str(path), mesh=mesh
+      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=str(path), sharding=mesh
   )
   assert_matches(loss, grads, params, xs, ts)
 
@@ -70,7 +70,7 @@ def test_value_and_grad_inside_jit():
   sched = make_schedule("interleaved-1f1b", pp=2, microbatches=4, chunks=2)
   f = jax.jit(
       lambda ps: jaxpipe.pipeline.value_and_grad(
-          helpers.stage_fn, ps, xs, ts, helpers.loss_fn, schedule=sched, mesh=mesh
+          helpers.stage_fn, ps, xs, ts, helpers.loss_fn, schedule=sched, sharding=mesh
       )
   )
   loss, grads = f(params)
@@ -87,7 +87,7 @@ def expect_error_before_compiling(match, **overrides):
       targets=ts,
       loss_fn=helpers.loss_fn,
       schedule="1f1b",
-      mesh=mesh,
+      sharding=mesh,
   )
   kwargs.update(overrides)
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
@@ -130,12 +130,57 @@ def test_error_batch_not_divisible_by_data_axis():
   mesh = make_mesh((4, 2), ("dp", "pp"))
   params, xs, ts = helpers.make_data(2, 4)
   expect_error_before_compiling(
-      "not divisible by the 4 data-parallel", mesh=mesh, xs=xs[:, :2], targets=ts[:, :2]
+      "not divisible by the 4 data-parallel", sharding=mesh, xs=xs[:, :2], targets=ts[:, :2]
   )
 
 
 def test_error_mesh_without_pipeline_axis():
-  expect_error_before_compiling("lack the pipeline axis 'pp'", mesh=make_mesh((2,), ("x",)))
+  expect_error_before_compiling("lack the pipeline axis 'pp'", sharding=make_mesh((2,), ("x",)))
+
+
+def test_error_sharding_of_the_wrong_type_names_the_value_and_the_fix():
+  from jaxpipe.pipeline.executor import ExecSpec, Model, make_executor
+
+  params, xs, ts = helpers.make_data(2, 4)
+  model = Model(helpers.stage_fn, lambda h, y, t: helpers.loss_fn(y, t))
+  schedule = make_schedule("1f1b", pp=2, microbatches=4)
+  spec = ExecSpec.covering([api.lowered_for(schedule)])
+  want = r"^sharding=\('pp', 'dp'\) \(tuple\): pass sharding=PipelineSharding\(mesh, \.\.\.\)"
+  calls = (
+      lambda bad: jaxpipe.pipeline.value_and_grad(
+          helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="1f1b", sharding=bad
+      ),
+      lambda bad: api.pipeline_value_and_grad(
+          model, params, xs, ts, schedule=schedule, sharding=bad
+      ),
+      lambda bad: make_executor(model, spec, bad),
+  )
+  with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
+    for call in calls:
+      with pytest.raises(TypeError, match=want) as raised:
+        call(("pp", "dp"))
+      assert "\n" not in str(raised.value)
+    # a value whose repr runs over many lines: on one line, cut short
+    with pytest.raises(
+        TypeError, match=r"^sharding=array\(\[\[.{60,}\.\.\. \(ndarray\): pass"
+    ) as raised:
+      calls[1](np.arange(64).reshape(8, 8))
+    assert "\n" not in str(raised.value)
+  with pytest.raises(TypeError, match=r"PipelineSharding\(mesh='pp'\): the mesh must be"):
+    PipelineSharding("pp")
+
+
+def test_sharding_normalises_axes_and_compares_by_its_contents():
+  from jax.sharding import PartitionSpec as P
+
+  mesh = make_mesh((2, 2), ("pp", "dp"))
+  a = PipelineSharding(mesh, seq_axes="dp", param_specs={"w": P(None, "dp"), "b": None})
+  b = PipelineSharding(mesh, seq_axes=["dp"], param_specs={"w": P(None, "dp"), "b": P()})
+  assert a.seq_axes == ("dp",) and a.batch_axes == () and a.token_axes == ("dp",)
+  assert a == b and hash(a) == hash(b)  # one cached program for both
+  assert a != PipelineSharding(mesh) and PipelineSharding(mesh).batch_axes == ("dp",)
+  with pytest.raises(TypeError, match="must be PartitionSpec or None"):
+    PipelineSharding(mesh, grad_specs={"w": "dp"})
 
 
 def test_residuals_exclude_the_stage_weights():
@@ -173,7 +218,7 @@ def test_parameter_derived_residuals_are_recomputed_not_stored():
   p["scale"] = jnp.array([0.5, 2.0], jnp.float32)
   for schedule in ("zb-h1",):  # split backward: W rebuilds the closure from the live params
     loss, grads = jaxpipe.pipeline.value_and_grad(
-        scaled_stage_fn, p, xs, ts, helpers.loss_fn, schedule=schedule, mesh=mesh
+        scaled_stage_fn, p, xs, ts, helpers.loss_fn, schedule=schedule, sharding=mesh
     )
     want_loss, want_grads = jax.jit(jax.value_and_grad(scaled_sequential))(p, xs, ts)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -206,11 +251,21 @@ def test_error_sequence_not_divisible_by_seq_axes():
         r"context-parallel shards of mesh axes \('cp',\)",
     ):
       api.pipeline_value_and_grad(
-          model, params, xs, ts, schedule=schedule, mesh=mesh, seq_axes=("cp",)
+          model,
+          params,
+          xs,
+          ts,
+          schedule=schedule,
+          sharding=PipelineSharding(mesh, seq_axes=("cp",)),
       )
     with pytest.raises(ValueError, match="seq_axes entry 'pp' must be a mesh axis"):
       api.pipeline_value_and_grad(
-          model, params, xs, ts, schedule=schedule, mesh=mesh, seq_axes=("pp",)
+          model,
+          params,
+          xs,
+          ts,
+          schedule=schedule,
+          sharding=PipelineSharding(mesh, seq_axes=("pp",)),
       )
 
 
@@ -244,7 +299,13 @@ def test_sequence_split_over_seq_axes():
 
   want_loss, want_grads = jax.value_and_grad(unsplit)(params)
   loss, grads = jaxpipe.pipeline.value_and_grad(
-      mixing_stage, params, xs, ts, helpers.loss_fn, schedule="zb-h1", mesh=mesh, seq_axes=("cp",)
+      mixing_stage,
+      params,
+      xs,
+      ts,
+      helpers.loss_fn,
+      schedule="zb-h1",
+      sharding=PipelineSharding(mesh, seq_axes=("cp",)),
   )
   assert seen == {3}
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -271,8 +332,7 @@ def test_param_specs_split_leaves_the_stage_gathers():
       ts,
       helpers.loss_fn,
       schedule="1f1b",
-      mesh=mesh,
-      param_specs={"w": P(None, "dp"), "b": None},
+      sharding=PipelineSharding(mesh, param_specs={"w": P(None, "dp"), "b": None}),
   )
   want_loss, want_grads = jax.value_and_grad(sequential)(params, xs, ts)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -290,11 +350,16 @@ def test_error_axes_named_twice_or_not_auto():
   with mock.patch.object(api, "_program", side_effect=AssertionError("compiled")):
     with pytest.raises(ValueError, match="seq_axes entry 'dp' must be a mesh axis"):
       api.pipeline_value_and_grad(
-          model, params, xs, ts, schedule=schedule, mesh=mesh, data_axes=("dp",), seq_axes="dp"
+          model,
+          params,
+          xs,
+          ts,
+          schedule=schedule,
+          sharding=PipelineSharding(mesh, data_axes=("dp",), seq_axes="dp"),
       )
     explicit = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"mesh axes \['pp', 'dp'\] are not Auto"):
-      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, mesh=explicit)
+      api.pipeline_value_and_grad(model, params, xs, ts, schedule=schedule, sharding=explicit)
 
 
 def masked_loss(y_BxLxD, target):
@@ -348,8 +413,7 @@ def test_weighted_loss_is_normalised_by_the_global_weight(shape, names, schedule
       targets,
       masked_loss,
       schedule=schedule,
-      mesh=make_mesh(shape, names),
-      seq_axes=seq_axes,
+      sharding=PipelineSharding(make_mesh(shape, names), seq_axes=seq_axes),
   )
   assert_matches(loss, grads, params, xs, targets, globally_normalised)
 
@@ -365,22 +429,22 @@ def test_per_shard_mean_is_refused():
         r"data/sequence shards.*\(loss_sum, weight\)",
     ):
       jaxpipe.pipeline.value_and_grad(
-          helpers.stage_fn, params, xs, targets, mean_loss, schedule="1f1b", mesh=mesh
+          helpers.stage_fn, params, xs, targets, mean_loss, schedule="1f1b", sharding=mesh
       )
     mean_pair = lambda y, t: (mean_loss(y, t), jnp.ones(()))
     with pytest.raises(ValueError, match="the loss_sum part of loss_fn averages"):
       jaxpipe.pipeline.value_and_grad(
-          helpers.stage_fn, params, xs, targets, mean_pair, schedule="1f1b", mesh=mesh
+          helpers.stage_fn, params, xs, targets, mean_pair, schedule="1f1b", sharding=mesh
       )
     y_weight = lambda y, t: (masked_loss(y, t)[0], jnp.sum(y))
     with pytest.raises(ValueError, match="weight computed from the stage output y"):
       jaxpipe.pipeline.value_and_grad(
-          helpers.stage_fn, params, xs, targets, y_weight, schedule="1f1b", mesh=mesh
+          helpers.stage_fn, params, xs, targets, y_weight, schedule="1f1b", sharding=mesh
       )
     triple = lambda y, t: masked_loss(y, t) + (1.0,)
     with pytest.raises(ValueError, match=r"a scalar .* or a pair of scalars \(loss_sum, weight\)"):
       jaxpipe.pipeline.value_and_grad(
-          helpers.stage_fn, params, xs, targets, triple, schedule="1f1b", mesh=mesh
+          helpers.stage_fn, params, xs, targets, triple, schedule="1f1b", sharding=mesh
       )
 
 
@@ -394,7 +458,13 @@ def test_grad_specs_reduce_scatter_the_gradients_over_data_axes():
   mesh = make_mesh((2, 2), ("pp", "dp"))
   params, xs, ts = helpers.make_data(2, 4)
   run = lambda **specs: jaxpipe.pipeline.value_and_grad(
-      helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule="1f1b", mesh=mesh, **specs
+      helpers.stage_fn,
+      params,
+      xs,
+      ts,
+      helpers.loss_fn,
+      schedule="1f1b",
+      sharding=PipelineSharding(mesh, **specs),
   )
   loss, grads = run(grad_specs={"w": P(None, "dp"), "b": None})
   assert grads["w"].sharding.shard_shape(grads["w"].shape) == (1, D, D // 2)

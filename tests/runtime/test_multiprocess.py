@@ -55,7 +55,7 @@ def pipeline_results() -> dict[str, np.ndarray]:
     params, xs, ts = helpers.make_data(8 if schedule == "zb-v" else 4, 8)
     loss, grads = multihost.to_host(
         value_and_grad(
-            helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=schedule, mesh=mesh
+            helpers.stage_fn, params, xs, ts, helpers.loss_fn, schedule=schedule, sharding=mesh
         )
     )
     out.update({f"{schedule}/loss": loss, **{f"{schedule}/{k}": g for k, g in grads.items()}})

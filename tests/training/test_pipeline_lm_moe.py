@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import moe
 from jaxpipe.pipeline.api import pipeline_value_and_grad, resolve_schedule
-from jaxpipe.pipeline.executor import Model, param_specs_key
+from jaxpipe.pipeline.executor import Model
+from jaxpipe.pipeline.sharding import PipelineSharding, param_specs_key
 from jaxpipe.training.trainer import Trainer
 from tests import helpers
 
@@ -110,10 +111,22 @@ def test_param_specs_must_name_data_axes_and_match_the_params():
   xs = jnp.ones((2, 8, 4))
   schedule = resolve_schedule("gpipe", pp=2, microbatches=2)
   with pytest.raises(ValueError, match=r"shards over \['pp'\], which are not data axes"):
-    pipeline_value_and_grad(model, stage, xs, xs, schedule=schedule, mesh=mesh, param_specs=P("pp"))
+    pipeline_value_and_grad(
+        model,
+        stage,
+        xs,
+        xs,
+        schedule=schedule,
+        sharding=PipelineSharding(mesh, param_specs=P("pp")),
+    )
   with pytest.raises(ValueError, match="param_specs has structure"):
     pipeline_value_and_grad(
-        model, stage, xs, xs, schedule=schedule, mesh=mesh, param_specs={"w": P()}
+        model,
+        stage,
+        xs,
+        xs,
+        schedule=schedule,
+        sharding=PipelineSharding(mesh, param_specs={"w": P()}),
     )
   with pytest.raises(TypeError, match="must be PartitionSpec or None"):
     param_specs_key({"w": "dp"})
@@ -165,7 +178,7 @@ def test_stage_aux_is_summed_per_stage_and_data_shard(name, layers, recompute):
     )
     model = Model(stage, loss_fn, stage_aux=True)
   loss, grads, _, _, aux = pipeline_value_and_grad(
-      model, params, xs, ts, schedule=schedule, mesh=mesh, recompute=recompute
+      model, params, xs, ts, schedule=schedule, sharding=mesh, recompute=recompute
   )
   flat = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[len(lead) :]), params)
 
