@@ -9,4 +9,8 @@ def __getattr__(name):
     from jaxpipe.training.trainer import Trainer
 
     return Trainer
+  if name == "resolve":
+    from jaxpipe.training.resolve import resolve
+
+    return resolve
   raise AttributeError(name)
