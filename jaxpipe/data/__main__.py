@@ -47,7 +47,19 @@ flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.", flag_value
 
 
 def main(argv: list[str]) -> int | None:
-  """The command (module docstring): argv is the program name and the sub-command."""
+  """Runs the command described in the module docstring.
+
+  Args:
+    argv: the program name and the sub-command (`prepare`).
+
+  Returns:
+    0 once the store is written (its summary printed), or 1 after printing a one-line error when
+    `prepare` refuses the inputs or fails to read or write a file.
+
+  Raises:
+    app.UsageError: no or an unknown sub-command, `--tokenizer` or `--out` missing, or no
+      `--input`.
+  """
   if len(argv) != 2 or argv[1] not in COMMANDS:
     raise app.UsageError(
         f"give the sub-command prepare{'; got ' + repr(argv[1:]) if len(argv) > 1 else ''}, "

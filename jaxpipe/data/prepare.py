@@ -78,8 +78,20 @@ def default_workers() -> int:
 
 
 def load_tokenizer(spec: str) -> tuple[tokenizer_lib.Tokenizer, dict[str, Any]]:
-  """--tokenizer: 'bytes', a workdir with hf/tokenizer.json, or a directory with tokenizer.json;
-  -> the tokenizer and what meta.json records of it."""
+  """Loads the tokenizer `--tokenizer` names.
+
+  A workdir whose config records a byte-level model gets the byte tokenizer.
+
+  Args:
+    spec: `'bytes'`, a workdir with `hf/tokenizer.json`, or a directory with `tokenizer.json`.
+
+  Returns:
+    The tokenizer, and what `meta.json` records of it (kind, vocab size, EOS ids, BOS id; for a
+    Hugging Face tokenizer also its directory and the sha256 of its `tokenizer.json`).
+
+  Raises:
+    ValueError: `spec` is none of these.
+  """
   if spec == BYTES:
     tok = tokenizer_lib.ByteTokenizer()
     return tok, {"kind": BYTES, "vocab_size": tok.vocab_size, "eos_ids": [], "bos_id": None}
@@ -113,9 +125,22 @@ def _walk_visible(path: str):
 
 
 def expand_inputs(inputs: list[str]) -> tuple[list[str], int]:
-  """The files of `inputs`, each directory replaced by the files under it whose suffix is one
-  `prepare` reads (recursively, in sorted order), and how many of those were empty (left out,
-  as a package's empty `__init__.py` would be; an empty file named itself is refused)."""
+  """The files of `inputs`, each directory replaced by the files under it.
+
+  A directory contributes the files whose suffix is one `prepare` reads, recursively, in sorted
+  order, hidden files and directories left out. Its empty files are left out and counted (as a
+  package's empty `__init__.py` would be); an empty file named itself is kept here and refused
+  by `check_inputs`.
+
+  Args:
+    inputs: the `--input` paths, files or directories.
+
+  Returns:
+    The files, in order, and how many empty files the directories held.
+
+  Raises:
+    ValueError: a directory holds no file `prepare` reads, or only empty ones.
+  """
   known = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
   files, empty = [], 0
   for path in inputs:
@@ -142,8 +167,17 @@ def expand_inputs(inputs: list[str]) -> tuple[list[str], int]:
 
 
 def check_inputs(inputs: list[str]) -> None:
-  """One line for the first input that is missing, empty or of an unknown kind; pyarrow when a
-  Parquet file is among them."""
+  """Refuses, in one line, the first input that is missing, empty or of an unknown kind.
+
+  Also checks that pyarrow is installed when a Parquet file is among the inputs.
+
+  Args:
+    inputs: the input files (directories already expanded).
+
+  Raises:
+    ValueError: no inputs; an input is missing, empty or of an unknown kind; or a Parquet input
+      without pyarrow.
+  """
   if not inputs:
     raise ValueError("give at least one --input FILE")
   known = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
@@ -250,7 +284,19 @@ def _text_file(path: str) -> Iterator[tuple[str, Any, str]]:
 
 
 def records(inputs: list[str], skipped: collections.Counter) -> Iterator[tuple[str, Any, str]]:
-  """(kind, text or messages, where) of every document of the inputs, in order."""
+  """Every document of the inputs, in order.
+
+  Args:
+    inputs: the input files.
+    skipped: counts, by reason, the records that cannot be a document; updated in place.
+
+  Yields:
+    `(kind, value, where)`: `"text"` and its string, or `"messages"` and the chat's list of
+    `{role, content}`; `where` names the file (and the line or row).
+
+  Raises:
+    ValueError: a malformed or undecodable file, or one of which no record is a document.
+  """
   for path in inputs:
     suffix = os.path.splitext(path)[1].lower()
     if suffix in JSONL_SUFFIXES:
@@ -312,8 +358,24 @@ def prepare(
     eval_fraction: float = 0.02,
     progress: bool = True,
 ) -> dict[str, Any]:
-  """Writes the store of `inputs` into `out` (module docstring); -> its meta.json, with the
-  seconds it took and the eval split's size at `eval_fraction` added."""
+  """Writes the store of `inputs` into `out`, as the module docstring describes.
+
+  Args:
+    tokenizer: the `--tokenizer` spec (see `load_tokenizer`).
+    inputs: the `--input` files or directories.
+    out: the store's directory; must not exist yet (or be empty).
+    workers: tokenizing processes; default `min(CPU count, 8)`.
+    eval_fraction: the `data.eval_fraction` whose eval split size is reported, in [0, 1); the
+      store is the same whatever it is.
+    progress: show a progress bar on stderr.
+
+  Returns:
+    The store's `meta.json`, with the seconds it took and the eval split's documents and tokens at
+    `eval_fraction` added.
+
+  Raises:
+    ValueError: a bad argument, tokenizer or input, or an existing `out` (one line each).
+  """
   t0 = time.perf_counter()
   workers = default_workers() if workers is None else workers
   if workers < 1:
@@ -381,7 +443,15 @@ def prepare(
 
 
 def summary(out: str, result: dict[str, Any]) -> str:
-  """The one line `prepare` prints at the end."""
+  """The one line `prepare` prints at the end.
+
+  Args:
+    out: the store's directory.
+    result: what `prepare` returned.
+
+  Returns:
+    Documents, tokens, what was skipped, seconds, tokens/s and the eval split's size.
+  """
   skipped = ", ".join(f"{k} {v}" for k, v in result["skipped"].items()) or "none"
   rate = result["tokens"] / max(result["seconds"], 1e-9)
   return (

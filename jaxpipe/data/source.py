@@ -40,12 +40,30 @@ SPLITS = ("train", "eval")  # as jaxpipe.training.batches.SPLITS
 
 
 def store_dir(source: str) -> str | None:
-  """DIR of a `tokens:DIR` source; None for any other source."""
+  """The directory of a `tokens:DIR` source.
+
+  Args:
+    source: the value of `data.source`.
+
+  Returns:
+    DIR of a `tokens:DIR` source; None for any other source.
+  """
   return source[len(PREFIX) :] if source.startswith(PREFIX) else None
 
 
 def eval_documents(documents: int, eval_fraction: float) -> np.ndarray:
-  """bool [documents]: which documents the eval split holds (a hash of the index, no seed)."""
+  """Which documents the eval split holds.
+
+  A document goes to eval when a hash of its index (splitmix64, no seed) falls below
+  `eval_fraction`.
+
+  Args:
+    documents: the number of documents in the store.
+    eval_fraction: the fraction of documents held out for eval, in [0, 1].
+
+  Returns:
+    bool [documents]: True for the eval split's documents.
+  """
   z = np.arange(documents, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
   with np.errstate(over="ignore"):  # splitmix64: arithmetic modulo 2^64
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -55,7 +73,16 @@ def eval_documents(documents: int, eval_fraction: float) -> np.ndarray:
 
 
 def tokenizer_sha256(path: str) -> str:
-  """The sha256 of a tokenizer.json file (what a store records of the tokenizer it was made by)."""
+  """The sha256 of a `tokenizer.json` file.
+
+  This is what a store records of the tokenizer it was made by.
+
+  Args:
+    path: the `tokenizer.json` file.
+
+  Returns:
+    Its sha256, as a hex string.
+  """
   with open(path, "rb") as f:
     return hashlib.sha256(f.read()).hexdigest()
 
@@ -74,9 +101,23 @@ def check(
     need_eval: bool,
     workdir: str | None = None,
 ) -> store_lib.TokenStore:
-  """The store of `source` = tokens:DIR, refused in one line (naming the value and the fix) when
-  it is not a store, when its tokenizer's ids exceed the `vocab` embedding rows, when a split the
-  run needs is empty, or when `workdir` holds a tokenizer (hf/) other than the store's."""
+  """Opens the store of a `tokens:DIR` source, checked against the run.
+
+  Args:
+    source: the value of `data.source`, `tokens:DIR`.
+    vocab: the model's embedding rows (`model.vocab`).
+    eval_fraction: `data.eval_fraction`.
+    need_eval: whether the run evaluates, so the eval split must hold documents.
+    workdir: the run's workdir; a tokenizer it holds (`hf/tokenizer.json`) must be the store's.
+
+  Returns:
+    The opened `TokenStore`.
+
+  Raises:
+    ValueError: in one line naming the value and the fix, when `source` is not a store, when its
+      tokenizer's ids exceed the `vocab` embedding rows, when a split the run needs is empty, or
+      when `workdir` holds a tokenizer (hf/) other than the store's.
+  """
   path = store_dir(source)
   if not path:
     raise ValueError(f"data.source={source!r} names no directory; use {PREFIX}DIR")
@@ -137,7 +178,15 @@ class TokenSource:
     self._logged = False
 
   def long_documents(self, split: str, seq_len: int) -> int:
-    """How many of the split's documents are longer than a row and are cut into pieces."""
+    """How many of the split's documents are longer than a row and are cut into pieces.
+
+    Args:
+      split: `"train"` or `"eval"`.
+      seq_len: tokens per row, less one (a row holds `seq_len + 1` tokens).
+
+    Returns:
+      The number of the split's documents longer than `seq_len + 1` tokens.
+    """
     return int(np.sum(self.store.lengths_D[self.documents[split]] > seq_len + 1))
 
   @functools.lru_cache(maxsize=8)  # noqa: B019 -- a source lives as long as its run
@@ -169,6 +218,25 @@ class TokenSource:
   def batch(
       self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
   ) -> dict[str, np.ndarray]:
+    """Batch `index` of `split`, packed as the module docstring describes.
+
+    A pure function of (seed, split, index). The first train batch logs how many documents are cut
+    into row-sized pieces.
+
+    Args:
+      split: `"train"` or `"eval"`.
+      index: the batch's index, >= 0.
+      batch: rows in the global batch.
+      seq_len: tokens per row.
+      rows: which of the batch's rows to read (those of one process); default all `batch` rows.
+
+    Returns:
+      A dict of `tokens`, `targets`, `segment_ids` and `positions` (int32 [rows, seq_len]) and
+      `mask` (float32 [rows, seq_len]).
+
+    Raises:
+      ValueError: an unknown split, a negative `index`, or a split with no documents.
+    """
     if split not in SPLITS:
       raise ValueError(f"split={split!r} is unknown; use one of {SPLITS}")
     if index < 0:

@@ -33,7 +33,14 @@ PREPARE = "python -m jaxpipe.data prepare"  # the command that writes stores (fo
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-  """The narrowest unsigned dtype holding every id below `vocab_size`."""
+  """The narrowest unsigned dtype holding every id below `vocab_size`.
+
+  Args:
+    vocab_size: the tokenizer's number of ids.
+
+  Returns:
+    `uint16` when `vocab_size` is at most 65,536, else `uint32`.
+  """
   return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
@@ -69,7 +76,16 @@ class StoreWriter:
     return np.diff(np.asarray(self._offsets, np.int64))
 
   def append(self, ids_N: Sequence[int] | np.ndarray, mask_N: Sequence[int] | None = None) -> None:
-    """Adds one document: its ids and, for chat data, its loss mask (1 = trained on)."""
+    """Adds one document: its ids and, for chat data, its loss mask.
+
+    Args:
+      ids_N: the document's token ids, [tokens], non-empty, each in `[0, vocab_size)`.
+      mask_N: its loss mask, [tokens] (1 = trained on); None counts every token.
+
+    Raises:
+      ValueError: `ids_N` is empty or not 1-D, holds ids outside the vocabulary, or `mask_N` has
+        another shape.
+    """
     ids_N = np.asarray(ids_N)
     if ids_N.ndim != 1 or not len(ids_N):
       raise ValueError(f"a document needs a non-empty list of ids, got shape {ids_N.shape}")
@@ -91,7 +107,15 @@ class StoreWriter:
     self._offsets.append(self.tokens + len(ids_N))
 
   def close(self, meta: dict[str, Any]) -> dict[str, Any]:
-    """Writes the offsets and meta.json (`meta` adds to the counts written here); -> the meta."""
+    """Writes the offsets and `meta.json`, finishing the store.
+
+    Args:
+      meta: entries added to the ones written here (format version, dtype, document and token
+        counts, whether there is a loss mask).
+
+    Returns:
+      The meta written to `meta.json`.
+    """
     self._tokens.close()
     if self._mask is not None:
       self._mask.close()
@@ -155,12 +179,31 @@ class TokenStore:
     return np.diff(self.offsets_D1)
 
   def ids(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
-    """Tokens [start, end) of document `doc` (a zero-copy view of the memory map)."""
+    """Tokens `[start, end)` of document `doc`.
+
+    Args:
+      doc: the document's index.
+      start: the first token, relative to the document's start.
+      end: one past the last token, relative to the document's start; None: the document's end.
+
+    Returns:
+      A zero-copy view of the memory map, [end - start], of the store's dtype.
+    """
     lo, hi = int(self.offsets_D1[doc]), int(self.offsets_D1[doc + 1])
     return self.tokens_N[lo + start : hi if end is None else lo + end]
 
   def mask(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray | None:
-    """The loss mask of the same tokens; None when the store has none (every token counted)."""
+    """The loss mask of the same tokens as `ids(doc, start, end)`.
+
+    Args:
+      doc: the document's index.
+      start: the first token, relative to the document's start.
+      end: one past the last token, relative to the document's start; None: the document's end.
+
+    Returns:
+      A zero-copy uint8 view, [end - start] (1 = trained on); None when the store has no mask
+      (every token counted).
+    """
     if self.mask_N is None:
       return None
     lo, hi = int(self.offsets_D1[doc]), int(self.offsets_D1[doc + 1])
@@ -168,7 +211,18 @@ class TokenStore:
 
 
 def read_meta(path: str) -> dict[str, Any]:
-  """DIR/meta.json, checked: one line naming the directory when it is not a token store."""
+  """Reads a store's `meta.json`, checked.
+
+  Args:
+    path: the store's directory.
+
+  Returns:
+    The parsed `meta.json`.
+
+  Raises:
+    ValueError: one line naming the directory when it is not a token store (no directory, no or
+      an unreadable `meta.json`, another format version).
+  """
   if not os.path.isdir(path):
     raise ValueError(f"{path}: no such directory; make a token store with {PREPARE}")
   meta_file = os.path.join(path, META_FILE)

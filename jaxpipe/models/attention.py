@@ -31,9 +31,13 @@ _KV_CACHE: contextvars.ContextVar = contextvars.ContextVar("kv_cache", default=N
 def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None = None):
   """While tracing inside, `attention` takes sequence shards over `axis_name` (Ulysses).
 
-  point_to_point=False: the code runs where a `ppermute` cannot (a branch that other devices
-  of the program do not take), so layers move data with all_to_alls only; None keeps the
-  enclosing setting (True at the top).
+  Enter it within a `shard_map` whose sequence is split over `axis_name`.
+
+  Args:
+    axis_name: the context axis; None: one device's attention.
+    point_to_point: False: the code runs where a `ppermute` cannot (a branch that other devices
+      of the program do not take), so layers move data with all_to_alls only; None keeps the
+      enclosing setting (True at the top).
   """
   if point_to_point is None:
     point_to_point = _POINT_TO_POINT.get()
@@ -47,8 +51,14 @@ def context_parallel(axis_name: str | None = "cp", point_to_point: bool | None =
 
 @contextlib.contextmanager
 def kv_cache(hook):
-  """While tracing inside, `attention(q, k, v, causal=True, ...)` returns
-  `hook(q, k, v, sm_scale=..., window=..., softcap=...)` instead."""
+  """While tracing inside, `attention` hands its q, k, v to `hook` instead.
+
+  `attention(q, k, v, causal=True, ...)` returns `hook(q, k, v, sm_scale=..., window=...,
+  softcap=...)` (serving: store the new keys/values in pages, attend over the cached ones).
+
+  Args:
+    hook: the function that attends over the cache.
+  """
   token = _KV_CACHE.set(hook)
   try:
     yield
@@ -78,11 +88,29 @@ def attention(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> jax.Array:
-  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
+  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout.
 
-  Inside `context_parallel(axis)` the arrays are this rank's sequence shard (Ulysses runs);
-  inside `kv_cache(hook)` the hook attends over the cache. window, softcap: as
-  `jaxpipe.ops.attention.attention` takes them.
+  K/V may have fewer heads than Q. Inside `context_parallel(axis)` the arrays are this rank's
+  sequence shard (Ulysses runs); inside `kv_cache(hook)` the hook attends over the cache;
+  otherwise `jaxpipe.ops.attention.attention` runs.
+
+  Args:
+    q_BxLxHxK: queries, [B, L, H, K] (L/P tokens per rank inside `context_parallel`).
+    k_BxLxGxK: keys, [B, L, G, K].
+    v_BxLxGxK: values, [B, L, G, K].
+    causal: a query sees keys at its own position and before only.
+    backend: one of `jaxpipe.ops.attention.BACKENDS`.
+    segment_ids: [B, L] document ids of packed rows; attention stays inside each document.
+    sm_scale: the scores' scale (default head_dim^-1/2).
+    window: a sliding window, as `jaxpipe.ops.attention.attention` takes it.
+    softcap: a score soft-cap, as `jaxpipe.ops.attention.attention` takes it.
+
+  Returns:
+    [B, L, H, K] (this rank's shard inside `context_parallel`), or what the hook returns.
+
+  Raises:
+    ValueError: inside `kv_cache`, a call that is not causal or has `segment_ids`; otherwise as
+      the attention core raises.
   """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
   hook = _KV_CACHE.get()

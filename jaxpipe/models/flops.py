@@ -4,7 +4,20 @@ from jaxpipe.models.transformer import TransformerConfig
 
 
 def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: bool = True) -> int:
-  """Forward-pass FLOPs of one sequence; causal attention counts only the unmasked half."""
+  """Forward-pass FLOPs of one sequence.
+
+  Matmuls only, 2 FLOPs per multiply-accumulate: the QKV and output projections, attention scores
+  and values, the gated MLP of every layer, and the output head. Causal attention counts only the
+  unmasked half of the scores and values.
+
+  Args:
+    cfg: the model's shape (layers, widths, heads, vocabulary).
+    seq_len: tokens in the sequence.
+    causal: whether attention is causal (half the score and value FLOPs).
+
+  Returns:
+    The forward FLOPs of one sequence, as an int.
+  """
   d, h, g, k, f, l = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, seq_len
   qkv = 2 * l * d * (h + 2 * g) * k
   out = 2 * l * h * k * d
@@ -15,5 +28,16 @@ def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: boo
 
 
 def training_flops_per_step(cfg: TransformerConfig, batch: int, seq_len: int) -> int:
-  """Forward + backward (twice the forward) FLOPs of one optimizer step, without recomputation."""
+  """FLOPs of one optimizer step: forward plus backward (twice the forward).
+
+  Counts no recomputation; attention is causal.
+
+  Args:
+    cfg: the model's shape.
+    batch: sequences in the step's global batch.
+    seq_len: tokens per sequence.
+
+  Returns:
+    `3 * batch` times the forward FLOPs of one sequence, as an int.
+  """
   return 3 * batch * forward_flops_per_sequence(cfg, seq_len)

@@ -240,7 +240,18 @@ def config_to_hf(cfg: transformer.TransformerConfig, base: dict | None = None) -
 
 
 def tensors(cfg: transformer.TransformerConfig, model_type: str) -> list[Tensor]:
-  """Every parameter leaf of `cfg`'s model with the checkpoint tensors it is made of."""
+  """Every parameter leaf of `cfg`'s model with the checkpoint tensors it is made of.
+
+  Args:
+    cfg: the model.
+    model_type: the family's transformers `model_type` (its names and fused tensors).
+
+  Returns:
+    The `Tensor`s of every leaf.
+
+  Raises:
+    CheckpointError: an unsupported `model_type`.
+  """
   return _family(model_type).tensors(cfg)
 
 
@@ -572,12 +583,26 @@ def save(
     dtype: Any = None,
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
-  """Writes `params` as a transformers checkpoint directory; returns the config.json written.
+  """Writes `params` as a transformers checkpoint directory.
 
-  hf_config: the source's config.json, kept but for the model's fields (`config_to_hf`);
-  dtype: of the written weights, default the one hf_config names, else float32.
-  Files of at most `max_shard_bytes` (but one tensor each at least), listed in an index when
-  there are several. Existing weights in `directory` are replaced.
+  Files hold at most `max_shard_bytes` each (but one tensor each at least), listed in an index
+  when there are several. Existing weights in `directory` are replaced.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    directory: the checkpoint directory, made if missing.
+    hf_config: the source's config.json, kept but for the model's fields (`config_to_hf`).
+    dtype: of the written weights; default the one hf_config names, else float32.
+    max_shard_bytes: the most bytes of one safetensors file.
+
+  Returns:
+    The config.json written.
+
+  Raises:
+    CheckpointError: no supported architecture computes `cfg`.
+    ValueError: a dtype other than float32, bfloat16 or float16, or parameters split in a way the
+      export does not read.
   """
   from safetensors.numpy import save_file
 

@@ -102,7 +102,15 @@ class MoEConfig:
       raise ValueError(f"every={self.every} must be >= 1 (1: an MoE FFN in every layer)")
 
   def validate(self, ep: int) -> None:
-    """Checks against an expert axis of size `ep`."""
+    """Checks against an expert axis of size `ep`.
+
+    Args:
+      ep: the expert axis's size.
+
+    Raises:
+      ValueError: `num_experts` is not divisible by `ep`, or expert groups (`n_groups`) neither
+        divide nor are divisible by `ep` (a group must be a set of whole ranks or lie within one).
+    """
     e = self.num_experts
     if ep < 1 or e % ep:
       raise ValueError(
@@ -117,7 +125,19 @@ class MoEConfig:
 
 
 def init_moe_params(cfg: MoEConfig, key: jax.Array, d_model: int, dtype=jnp.float32) -> Params:
-  """Fan-in scaled normal weights; the balancing bias starts at zero."""
+  """Fan-in scaled normal weights; the balancing bias starts at zero.
+
+  Args:
+    cfg: the MoE FFN.
+    key: a PRNG key.
+    d_model: D, the model width.
+    dtype: the experts' (and shared experts') weight dtype; the router is float32.
+
+  Returns:
+    The params: `router_DxE` [D, E]; `wi_gate_ExDxF`, `wi_up_ExDxF` [E, D, F] and `wo_ExFxD`
+    [E, F, D]; `expert_bias_E` [E] for the sigmoid router; with shared experts
+    `shared_gate_DxS`, `shared_up_DxS` [D, S] and `shared_down_SxD` [S, D], S = n · d_ff.
+  """
   e, f = cfg.num_experts, cfg.d_ff
   ks = jax.random.split(key, 7)
   nrm = lambda k, shape, fan_in: (jax.random.normal(k, shape) / jnp.sqrt(fan_in)).astype(dtype)
@@ -138,7 +158,15 @@ def init_moe_params(cfg: MoEConfig, key: jax.Array, d_model: int, dtype=jnp.floa
 
 
 def param_specs(params: Params, ep_axis: str | None) -> dict[str, P]:
-  """Experts sharded over the expert axis on their leading dim; the rest replicated."""
+  """Experts sharded over the expert axis on their leading dim; the rest replicated.
+
+  Args:
+    params: the MoE FFN's params (names as `init_moe_params` gives them).
+    ep_axis: the expert mesh axis; None: every leaf replicated.
+
+  Returns:
+    A `PartitionSpec` per param name.
+  """
   return {k: P(ep_axis) if k.startswith(("wi_", "wo_")) else P() for k in params}
 
 
@@ -164,7 +192,14 @@ def _shared_experts(params: Params, x_TxD: jax.Array, fp8: str) -> jax.Array:
 
 
 def fp8_state_names(cfg: MoEConfig) -> tuple[str, ...]:
-  """Delayed-scaling state leaves of an MoE FFN's params, one per GEMM (see fp8.py)."""
+  """Delayed-scaling state leaves of an MoE FFN's params, one per GEMM (see fp8.py).
+
+  Args:
+    cfg: the MoE FFN.
+
+  Returns:
+    The leaves' names: the routed experts' three GEMMs, then the shared experts' if any.
+  """
   gemms = ("wi_gate", "wi_up", "wo") + (
       ("shared_gate", "shared_up", "shared_down") if cfg.num_shared_experts else ()
   )
@@ -174,7 +209,18 @@ def fp8_state_names(cfg: MoEConfig) -> tuple[str, ...]:
 def experts_grouped(
     params: Params, recv: ep_lib.Received, n_local: int, fp8: str = "none"
 ) -> jax.Array:
-  """SwiGLU of every received (row, local expert) as a grouped GEMM, weighted and summed per row."""
+  """SwiGLU of every received (row, local expert) as a grouped GEMM, weighted and summed per row.
+
+  Args:
+    params: this device's expert weights (E/ep experts), and fp8 state leaves for `'delayed'`.
+    recv: the rows `dispatch` delivered: tokens [N, D], local expert ids [N, K] (`n_local`: not
+      here), weights [N, K].
+    n_local: experts on this device, E/ep.
+    fp8: the GEMMs' recipe (`jaxpipe.ops.fp8.RECIPES`).
+
+  Returns:
+    Each row's weighted sum of its experts' outputs, [N, D] float32.
+  """
   n, k = recv.eid_NxK.shape
   flat = recv.eid_NxK.reshape(-1)
   # Sorting puts the (row, expert) entries of expert 0 first, ..., then the empty ones; a row
@@ -223,9 +269,24 @@ def moe_ffn(
 ) -> tuple[jax.Array, dict[str, Any]]:
   """MoE FFN of this device's T tokens inside `shard_map`.
 
-  `params` holds this device's E/ep experts; `token_axes` are all mesh axes the tokens are split
-  over (they must include `ep_axis`); losses and statistics are over all tokens of those axes.
-  `fp8`: the experts' GEMM recipe (`jaxpipe.ops.fp8`; delayed takes its `fp8_*` params).
+  Losses and statistics are over all tokens of `token_axes`.
+
+  Args:
+    cfg: the MoE FFN.
+    params: this device's params, holding its E/ep experts.
+    x_TxD: this device's tokens, [T, D].
+    ep_axis: the expert mesh axis; None: one device.
+    token_axes: all mesh axes the tokens are split over; they must include `ep_axis`.
+    rng: a PRNG key for the router's jitter (folded in per token shard); None: no jitter.
+    fp8: the experts' GEMM recipe (`jaxpipe.ops.fp8`; delayed takes its `fp8_*` params).
+
+  Returns:
+    `(y, aux)`: the output [T, D] in `x_TxD`'s dtype, and the weighted auxiliary `loss`, its
+    parts and the routing statistics (`AUX_KEYS`).
+
+  Raises:
+    ValueError: `token_axes` lacks `ep_axis`, d_model is not divisible by `fp8_block` with fp8
+      dispatch, or the config does not fit the expert axis.
   """
   ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
   cfg.validate(ep)
@@ -306,18 +367,27 @@ AUX_KEYS = (
 
 
 def aux_objective(cfg: MoEConfig, aux_GxX: dict[str, jax.Array]) -> jax.Array:
-  """Auxiliary loss of G MoE layers (aux with a leading G axis), to add to the mean cross-entropy.
+  """Auxiliary loss of G MoE layers, to add to the mean cross-entropy.
 
   With f_le = c_le / T (assignments to expert e in layer l per token; they sum to K) and P_le the
   mean router probability of e in layer l over the T tokens:
-    'per_layer' (Megatron's): sum_l lb_loss_coef · (E/K) sum_e f_le P_le + z_loss_coef · z_l,
-      1 per layer at perfect balance, G for the model;
-    'pooled' (transformers' `load_balancing_loss_func`): lb_loss_coef · E sum_e f_e P_e with f_e
-      and P_e averaged over the layers first, K at perfect balance; plus the same z-losses.
+
+  - 'per_layer' (Megatron's): sum_l lb_loss_coef · (E/K) sum_e f_le P_le + z_loss_coef · z_l,
+    1 per layer at perfect balance, G for the model;
+  - 'pooled' (transformers' `load_balancing_loss_func`): lb_loss_coef · E sum_e f_e P_e with f_e
+    and P_e averaged over the layers first, K at perfect balance; plus the same z-losses.
+
   When every layer routes alike, pooled = (K / G) × per-layer sum: matching a transformers run
   takes lb_loss_coef = router_aux_loss_coef with 'pooled', or router_aux_loss_coef · K / G with
   'per_layer' at balance. The pooled form couples the layers, so it needs all of them in one
   program (`transformer.loss_and_aux`); per-layer losses ride on each layer's gradient anywhere.
+
+  Args:
+    cfg: the MoE FFN.
+    aux_GxX: the layers' aux (`AUX_KEYS`), each with a leading G axis.
+
+  Returns:
+    The auxiliary loss, a scalar.
   """
   loss = aux_GxX["loss"].sum()
   if cfg.lb_loss_form == "pooled":
@@ -349,7 +419,14 @@ def expert_parallel(
     batch_axes: tuple[str, ...] = ("dp", "ep"),
     seq_axis: str | None = "cp",
 ):
-  """While tracing inside, `moe_layer` calls without a mesh shard over `mesh` this way."""
+  """While tracing inside, `moe_layer` calls without a mesh shard over `mesh` this way.
+
+  Args:
+    mesh: the device mesh.
+    ep_axis: the expert axis.
+    batch_axes: the axes the batch is split over.
+    seq_axis: the axis the sequence is split over.
+  """
   token = _PLACEMENT.set(_Placement(mesh, ep_axis, tuple(batch_axes), seq_axis))
   try:
     yield
@@ -381,11 +458,27 @@ def moe_layer(
     rng: jax.Array | None = None,
     fp8: str = "none",
 ) -> tuple[jax.Array, dict[str, Any]]:
-  """MoE FFN of a [B, L, D] batch, placed as the module docstring says; returns (y, aux).
+  """MoE FFN of a [B, L, D] batch, placed as the module docstring says.
 
-  Axes named here but absent from the mesh are ignored. aux holds the weighted auxiliary
-  `loss` to add to the training loss and the routing statistics (AUX_KEYS), over all tokens.
-  `fp8` is `moe_ffn`'s.
+  Axes named here but absent from the mesh are ignored.
+
+  Args:
+    cfg: the MoE FFN.
+    params: the params: all experts, or this rank's E/ep inside a `shard_map` over `ep_axis`.
+    x_BxLxD: the tokens, [B, L, D] (the local block inside a `shard_map`).
+    mesh: the mesh to shard over; None: the one set by `expert_parallel`, else one device.
+    ep_axis: the expert axis.
+    batch_axes: the axes the batch is split over.
+    seq_axis: the axis the sequence is split over.
+    rng: a PRNG key for the router's jitter; None: no jitter.
+    fp8: the experts' GEMM recipe, as `moe_ffn` takes it.
+
+  Returns:
+    `(y, aux)`: the output [B, L, D], and the weighted auxiliary `loss` to add to the training
+    loss with the routing statistics (`AUX_KEYS`), over all tokens.
+
+  Raises:
+    ValueError: the config does not fit the expert axis, or as `moe_ffn` raises.
   """
   b, l, d = x_BxLxD.shape
   placement = _PLACEMENT.get()
@@ -449,8 +542,17 @@ def dense_reference(
 ) -> tuple[jax.Array, dict[str, Any]]:
   """One device, no dispatch: every expert on every token, mixed by the routing weights.
 
-  `keep_TxK` zeroes the assignments a capacity-mode layer dropped; `x_expert_TxD` is what the
-  routed experts see instead of `x_TxD` (the fp8 round trip of the dispatch payload).
+  Args:
+    cfg: the MoE FFN.
+    params: all experts' params.
+    x_TxD: the tokens, [T, D].
+    keep_TxK: zeroes the assignments a capacity-mode layer dropped; None keeps all.
+    x_expert_TxD: what the routed experts see instead of `x_TxD` (the fp8 round trip of the
+      dispatch payload); None: `x_TxD`.
+
+  Returns:
+    `(y, aux)`: the output [T, D] in `x_TxD`'s dtype, and the auxiliary losses with
+    `tokens_per_expert`.
   """
   r = router_lib.route(cfg, params["router_DxE"], params.get("expert_bias_E"), x_TxD)
   w_TxK = r.w_TxK if keep_TxK is None else jnp.where(keep_TxK, r.w_TxK, 0.0)
@@ -484,6 +586,21 @@ class MoEFFN(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    """Runs `moe_layer` on `x_BxLxD` with the module's params.
+
+    At initialisation it only makes the params (`init_moe_params`; fp8 state leaves as ones) and
+    returns zeros and an empty aux: the output is discarded, and tracing the dispatch would cost
+    compile time.
+
+    Args:
+      x_BxLxD: the tokens, [B, L, D].
+
+    Returns:
+      `(y, aux)` as `moe_layer` returns them, y [B, L, D] in the module's dtype.
+
+    Raises:
+      ValueError: MoE parameters are missing from the module's params.
+    """
     d = x_BxLxD.shape[-1]
     shapes = jax.eval_shape(lambda k: init_moe_params(self.cfg, k, d), jax.random.key(0))
     if self.fp8 == "delayed":
@@ -517,7 +634,17 @@ class MoEFFN(nn.Module):
 
 
 def step_metrics(aux_GxX: dict[str, jax.Array], n_tokens, top_k: int) -> dict[str, jax.Array]:
-  """Scalar training metrics from the aux of G MoE layers (leading axis G)."""
+  """Scalar training metrics from the aux of G MoE layers (leading axis G).
+
+  Args:
+    aux_GxX: the layers' aux (`AUX_KEYS`), each with a leading G axis.
+    n_tokens: tokens each layer routed.
+    top_k: K, experts per token.
+
+  Returns:
+    `moe_aux_loss` (summed over layers), `moe_lb_loss` and `moe_z_loss` (means), `moe_imbalance`
+    (the worst layer's max / mean tokens per expert) and `moe_dropped_frac`.
+  """
   counts = aux_GxX["tokens_per_expert"].astype(jnp.float32)
   return {
       "moe_aux_loss": aux_GxX["loss"].sum(),
@@ -536,9 +663,17 @@ def train_metrics(
 ) -> dict[str, jax.Array]:
   """A training step's MoE metrics from its G layers' aux summed over its micro-batches.
 
-  Counts add up over micro-batches and losses and ratios are averaged; `n_tokens` is the step's
-  tokens. Adds `moe_tokens_per_expert` [G, E], which the train step consumes to move the
-  balancing biases (`update_biases`).
+  Counts add up over micro-batches and losses and ratios are averaged.
+
+  Args:
+    aux_sum_GxX: the layers' aux summed over the micro-batches, each with a leading G axis.
+    microbatches: the step's micro-batches.
+    n_tokens: the step's tokens.
+    top_k: K, experts per token.
+
+  Returns:
+    `step_metrics`'s, plus `moe_tokens_per_expert` [G, E], which the train step consumes to move
+    the balancing biases (`update_biases`).
   """
   aux = {k: v if k in COUNT_KEYS else v / microbatches for k, v in aux_sum_GxX.items()}
   return {**step_metrics(aux, n_tokens, top_k), "moe_tokens_per_expert": aux["tokens_per_expert"]}
@@ -550,7 +685,16 @@ def update_biases(
   """Every `expert_bias_E` leaf becomes its old value plus the balancing step.
 
   The optimizer's update of the bias (weight decay; its gradient is zero) is discarded: the bias
-  moves only by DeepSeek-V3's sign rule.
+  moves only by DeepSeek-V3's sign rule (not at all when `cfg.bias_update_rate` is 0).
+
+  Args:
+    cfg: the MoE FFN.
+    old_params: the parameters before the optimizer step.
+    new_params: the parameters after it.
+    tokens_per_expert_GxE: the step's tokens per expert, [G, E], reshaped onto each bias leaf.
+
+  Returns:
+    `new_params` with every `expert_bias_E` leaf replaced.
   """
 
   def pick(path, old, new):
@@ -574,6 +718,14 @@ def expert_shardings(tree: Any, mesh, ep_axis: str = "ep") -> Any:
 
   Expert weights (any leading stacked axes, then [E, ., .]) are split over `ep_axis` on E, so
   each rank stores its own experts; everything else is replicated.
+
+  Args:
+    tree: a tree of arrays or shapes.
+    mesh: the device mesh.
+    ep_axis: the expert axis; absent from the mesh: everything replicated.
+
+  Returns:
+    A tree of `NamedSharding`s of the same structure.
   """
   from jax.sharding import NamedSharding
 

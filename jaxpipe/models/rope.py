@@ -91,7 +91,17 @@ class RopeScaling:
 
 
 def scaling_of(value: Any) -> RopeScaling:
-  """A RopeScaling from itself, a dict of its fields (config files) or None (the default)."""
+  """A `RopeScaling` from itself, a dict of its fields (config files) or None (the default).
+
+  Args:
+    value: a `RopeScaling`, a mapping of its fields, or None.
+
+  Returns:
+    The `RopeScaling`.
+
+  Raises:
+    ValueError: the fields describe no valid variant (see `RopeScaling`).
+  """
   if value is None:
     return RopeScaling()
   if isinstance(value, RopeScaling):
@@ -177,10 +187,21 @@ def _longrope_attention(s: RopeScaling) -> float:
 
 
 def frequencies(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, float]:
-  """(inverse frequencies [dim/2] float32, cos/sin factor) at short lengths.
+  """The inverse frequencies and the cos/sin factor at short lengths.
 
   For `dynamic` and `longrope` these are the frequencies up to max_position and
   original_max_position; `inverse_frequencies` gives them at any length.
+
+  Args:
+    theta: the rotary base.
+    dim: d, the rotary width in channels.
+    scaling: the variant.
+
+  Returns:
+    `(inv, factor)`: inverse frequencies [dim/2] float32, and the factor on cos and sin.
+
+  Raises:
+    ValueError: a longrope factor list whose length is not dim/2.
   """
   t = scaling.type
   if t in ("default", "dynamic"):
@@ -197,11 +218,18 @@ def frequencies(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarra
 def inverse_frequencies(
     theta: float, dim: int, scaling: RopeScaling, seq_len: jax.Array | None = None
 ) -> tuple[jax.Array, float]:
-  """(inverse frequencies [..., dim/2] float32, cos/sin factor) for sequences of `seq_len`.
+  """The inverse frequencies and the cos/sin factor for sequences of `seq_len`.
 
-  seq_len: the sequence length each call or token computes (any shape, integers), as
-  transformers takes max(position_ids) + 1; used by the length-dependent variants only, whose
-  frequencies then carry its shape in front.
+  Args:
+    theta: the rotary base.
+    dim: d, the rotary width in channels.
+    scaling: the variant.
+    seq_len: the sequence length each call or token computes (any shape, integers), as
+      transformers takes max(position_ids) + 1; used by the length-dependent variants only, whose
+      frequencies then carry its shape in front. None: the short-length frequencies.
+
+  Returns:
+    `(inv, factor)`: inverse frequencies [..., dim/2] float32, and the factor on cos and sin.
   """
   inv, attention = frequencies(theta, dim, scaling)
   if not scaling.length_dependent or seq_len is None:
@@ -253,10 +281,20 @@ def apply(
 def rotate(
     x_BxLxHxK: jax.Array, positions: jax.Array, inv: jax.Array, attention: float | jax.Array = 1.0
 ) -> jax.Array:
-  """x's first 2·len(inv) channels rotated by positions times `inv` (channel i with i + d/2),
-  cos and sin times `attention`; the other channels as they are.
+  """`x`'s first `2·len(inv)` channels rotated by positions times `inv`.
 
-  inv: [d/2], or [L, d/2] / [B, L, d/2] per position (length-dependent variants).
+  Channel i pairs with i + d/2 (d = 2·len(inv)); cos and sin are multiplied by `attention`; the
+  other channels pass as they are.
+
+  Args:
+    x_BxLxHxK: queries or keys, [B, L, H, K].
+    positions: [L] (the same for every row) or [B, L].
+    inv: inverse frequencies, [d/2], or [L, d/2] / [B, L, d/2] per position (length-dependent
+      variants).
+    attention: the factor on cos and sin (the variant's attention scaling).
+
+  Returns:
+    `x` rotated, [B, L, H, K], in its dtype.
   """
   angle = positions.astype(jnp.float32)[..., None] * inv  # [L or B,L, d/2]
   angle_BxLxK2 = angle[None] if angle.ndim == 2 else angle

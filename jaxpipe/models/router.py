@@ -33,8 +33,19 @@ class Routing(NamedTuple):
 def router_logits(
     w_DxE: jax.Array, x_TxD: jax.Array, rng: jax.Array | None = None, jitter: float = 0.0
 ) -> jax.Array:
-  """Float32 logits; with `rng` and jitter > 0 the input is scaled by U(1-jitter, 1+jitter)
-  (Switch)."""
+  """The router's float32 logits.
+
+  With `rng` and `jitter > 0` the input is scaled by U(1-jitter, 1+jitter) (Switch).
+
+  Args:
+    w_DxE: the router's weight, [D, E].
+    x_TxD: the tokens, [T, D].
+    rng: a PRNG key for the jitter; None: no jitter.
+    jitter: the jitter's half-width.
+
+  Returns:
+    Float32 logits, [T, E].
+  """
   x_TxD = x_TxD.astype(jnp.float32)
   if rng is not None and jitter > 0:
     x_TxD = x_TxD * jax.random.uniform(rng, x_TxD.shape, jnp.float32, 1.0 - jitter, 1.0 + jitter)
@@ -46,6 +57,15 @@ def group_mask(scores_TxE: jax.Array, n_groups: int, topk_groups: int, per_group
 
   A group scores the sum of its `per_group` best experts: 2 is DeepSeek-V3's rule, 1 (the max)
   DeepSeek-V2's.
+
+  Args:
+    scores_TxE: each token's expert scores, [T, E].
+    n_groups: groups of E / n_groups contiguous experts.
+    topk_groups: groups kept per token.
+    per_group: experts summed for a group's score.
+
+  Returns:
+    Float32 [T, E]: 1.0 on the kept groups' experts, 0.0 elsewhere.
   """
   t, e = scores_TxE.shape
   grouped_TxGxM = scores_TxE.reshape(t, n_groups, e // n_groups)
@@ -62,8 +82,25 @@ def route(
     x_TxD: jax.Array,
     rng: jax.Array | None = None,
 ) -> Routing:
-  """Top-k routing of T tokens; `bias_E` steers only the sigmoid router's choice,
-  never its weights."""
+  """Top-k routing of T tokens.
+
+  `bias_E` steers only the sigmoid router's choice, never its weights; it is balanced outside
+  the gradient (auxiliary-loss-free balancing).
+
+  Args:
+    cfg: the router's settings (`MoEConfig`'s fields).
+    w_DxE: the router's weight, [D, E].
+    bias_E: the sigmoid router's balancing bias, [E]; None: none.
+    x_TxD: the tokens, [T, D].
+    rng: a PRNG key for the router's jitter; None: no jitter.
+
+  Returns:
+    The `Routing`: chosen experts [T, K] (best first), their combine weights [T, K], the
+    per-token distribution over experts [T, E] and the raw logits [T, E].
+
+  Raises:
+    ValueError: an unknown `cfg.router`.
+  """
   logits = router_logits(w_DxE, x_TxD, rng, cfg.jitter)
   if cfg.router == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
@@ -90,9 +127,19 @@ def route(
 def load_balancing_loss(
     probs_sum_E: jax.Array, counts_E: jax.Array, n_tokens, top_k: int
 ) -> jax.Array:
-  """Switch loss E * sum_e f_e * P_e, f_e = share of the T*K assignments, P_e = mean probability.
+  """Switch loss `E * sum_e f_e * P_e`.
 
-  Takes sums so that the caller can add them over token shards first; 1.0 at perfect balance.
+  f_e is expert e's share of the T*K assignments, P_e its mean probability. Takes sums so that
+  the caller can add them over token shards first; 1.0 at perfect balance.
+
+  Args:
+    probs_sum_E: each expert's probability summed over the tokens, [E].
+    counts_E: assignments per expert, [E].
+    n_tokens: T, the tokens the sums cover.
+    top_k: K, experts per token.
+
+  Returns:
+    The loss, a float32 scalar.
   """
   e = probs_sum_E.shape[0]
   f_E = counts_E.astype(jnp.float32) / (n_tokens * top_k)
@@ -100,7 +147,16 @@ def load_balancing_loss(
 
 
 def z_loss(logits_TxE: jax.Array) -> jax.Array:
-  """Per-token squared log-sum-exp of the logits, summed (ST-MoE); divide by the token count."""
+  """Per-token squared log-sum-exp of the logits, summed (ST-MoE).
+
+  Divide by the token count for the mean.
+
+  Args:
+    logits_TxE: the router's logits, [T, E].
+
+  Returns:
+    The sum over tokens, a scalar.
+  """
   return jnp.sum(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2)
 
 
@@ -108,6 +164,14 @@ def update_expert_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: 
   """DeepSeek-V3's step: raise the bias of underloaded experts by `rate`, lower overloaded ones.
 
   Leading axes (stacked layers) are independent.
+
+  Args:
+    bias_E: the balancing bias, [..., E].
+    tokens_per_expert_E: the step's tokens per expert, [..., E].
+    rate: the bias update speed.
+
+  Returns:
+    The new bias, [..., E]: `bias + rate * sign(mean load - load)`.
   """
   load = tokens_per_expert_E.astype(jnp.float32)
   return bias_E + rate * jnp.sign(load.mean(-1, keepdims=True) - load).astype(bias_E.dtype)

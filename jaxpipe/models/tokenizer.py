@@ -63,6 +63,14 @@ class Decoder(Protocol):
   """A stream of ids to text: `push` returns the text that became final with that id."""
 
   def push(self, token_id: int) -> str:
+    """Feeds one id.
+
+    Args:
+      token_id: the next generated id.
+
+    Returns:
+      The text that became final with that id (possibly empty).
+    """
     ...
 
   def flush(self) -> str:
@@ -81,29 +89,70 @@ class Tokenizer(abc.ABC):
 
   @abc.abstractmethod
   def encode(self, text: str) -> list[int]:
-    """The ids of `text`, with whatever special tokens the tokenizer adds to a prompt (BOS)."""
+    """The ids of `text`, with whatever special tokens the tokenizer adds to a prompt (BOS).
+
+    Args:
+      text: the text to encode.
+
+    Returns:
+      The ids.
+    """
 
   @abc.abstractmethod
   def decode(self, ids: Sequence[int]) -> str:
-    """The text of `ids`, special tokens included (as transformers' decode does by default)."""
+    """The text of `ids`, special tokens included (as transformers' decode does by default).
+
+    Args:
+      ids: the ids to decode.
+
+    Returns:
+      The text.
+    """
 
   @abc.abstractmethod
   def decoder(self, context: Sequence[int] = ()) -> Decoder:
-    """A fresh incremental decoder; `context` (the prompt's last ids) only shapes the first text.
+    """A fresh incremental decoder.
 
     SentencePiece drops the leading space of a text's first word; given the prompt's tail, the
     first generated word keeps its space as the whole decode would have it.
+
+    Args:
+      context: the prompt's last ids; they only shape the first text, and are not decoded.
+
+    Returns:
+      The `Decoder`.
     """
 
   @abc.abstractmethod
   def apply_chat_template(
       self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
   ) -> list[int]:
-    """The ids of a conversation as the model was tuned to read it."""
+    """The ids of a conversation as the model was tuned to read it.
+
+    Args:
+      messages: the conversation, a list of `{role, content, ...}`.
+      add_generation_prompt: end with the header of an assistant turn for the model to write.
+
+    Returns:
+      The ids.
+
+    Raises:
+      ValueError: the tokenizer has no chat template.
+    """
 
   @abc.abstractmethod
   def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids and its loss mask (1 on the assistant turns' tokens)."""
+    """A whole conversation's ids and its loss mask (1 on the assistant turns' tokens).
+
+    Args:
+      messages: the conversation, a list of `{role, content, ...}`.
+
+    Returns:
+      `(ids, mask)`, lists of the same length.
+
+    Raises:
+      ValueError: the tokenizer cannot tokenize conversations.
+    """
 
 
 class ByteTokenizer(Tokenizer):
@@ -124,21 +173,62 @@ class ByteTokenizer(Tokenizer):
     self.chat_template = None
 
   def encode(self, text: str) -> list[int]:
+    """The UTF-8 bytes of `text` as ids.
+
+    Args:
+      text: the text to encode.
+
+    Returns:
+      The ids, each in 0..255.
+    """
     return list(text.encode("utf-8"))
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids`; ids that are not bytes are left out, invalid UTF-8 becomes U+FFFD.
+
+    Args:
+      ids: the ids to decode.
+
+    Returns:
+      The text.
+    """
     return bytes(i for i in ids if 0 <= i < BYTES).decode("utf-8", errors="replace")
 
   def decoder(self, context: Sequence[int] = ()) -> Decoder:
+    """A fresh incremental UTF-8 decoder.
+
+    Args:
+      context: unused: a byte's text does not depend on the bytes before a whole character.
+
+    Returns:
+      The `Decoder`.
+    """
     del context  # a byte's text does not depend on the bytes before a whole character
     return _ByteDecoder()
 
   def apply_chat_template(
       self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
   ) -> list[int]:
+    """Refused: the byte tokenizer has no chat template.
+
+    Args:
+      messages: the conversation.
+      add_generation_prompt: unused.
+
+    Raises:
+      ValueError: always; encode the prompt text instead.
+    """
     raise ValueError("ByteTokenizer has no chat template: encode the prompt text instead")
 
   def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """Refused: the byte tokenizer has no chat template, so conversations cannot be tokenized.
+
+    Args:
+      messages: the conversation.
+
+    Raises:
+      ValueError: always; give 'text' documents or a Hugging Face tokenizer.
+    """
     raise ValueError(
         "ByteTokenizer has no chat template, so conversations ('messages') cannot be tokenized; "
         "give 'text' documents or a Hugging Face tokenizer"
@@ -178,6 +268,15 @@ class IncrementalDecoder:
     self._read = len(self._ids)
 
   def push(self, token_id: int) -> str:
+    """Feeds one id and returns the text it makes final.
+
+    Args:
+      token_id: the next id.
+
+    Returns:
+      What the window adds past the already-emitted text; empty while that ends in U+FFFD (a
+      character still incomplete) or adds nothing (a token that merges with the next).
+    """
     self._ids.append(token_id)
     prefix_text = self._decode(self._ids[self._prefix : self._read])
     text = self._decode(self._ids[self._prefix :])
@@ -226,6 +325,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
   """A chat template compiled as transformers compiles it (utils/chat_template_utils.py).
 
   Templates come from the Hub and are untrusted code: the environment is sandboxed and immutable.
+
+  Args:
+    source: the template's Jinja source.
+
+  Returns:
+    The compiled template.
   """
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(
       trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
@@ -300,8 +405,18 @@ class HFTokenizer(Tokenizer):
   def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
     """The tokenizer `save_pretrained` wrote into `path`; local files only, never the network.
 
-    eos_ids are generation_config.json's `eos_token_id` (the ids generation stops at: chat
-    models list several), else config.json's, else the tokenizer's eos token.
+    eos_ids are generation_config.json's `eos_token_id` (the ids generation stops at: chat models
+    list several), else config.json's, else the tokenizer's eos token.
+
+    Args:
+      path: the tokenizer's directory, holding `tokenizer.json`.
+
+    Returns:
+      The `HFTokenizer`.
+
+    Raises:
+      ValueError: no or an unreadable `tokenizer.json`, a malformed JSON file beside it, a bad
+        `eos_token_id`, or a `chat_template` of the wrong form.
     """
     path = os.fspath(path)
     tokenizer_file = os.path.join(path, TOKENIZER_FILE)
@@ -338,17 +453,54 @@ class HFTokenizer(Tokenizer):
     return cls(backend, special_tokens, chat_template, eos_ids, source=path)
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The ids of `text`; the post-processor adds BOS (or not) as the tokenizer was built to."""
+    """The ids of `text`.
+
+    Args:
+      text: the text to encode.
+      add_special_tokens: let the post-processor add BOS (or not) as the tokenizer was built to.
+
+    Returns:
+      The ids.
+    """
     return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids`, special tokens included.
+
+    Args:
+      ids: the ids to decode.
+
+    Returns:
+      The text.
+    """
     return self._backend.decode(list(ids), skip_special_tokens=False)
 
   def decoder(self, context: Sequence[int] = ()) -> Decoder:
+    """A fresh `IncrementalDecoder` over `decode`.
+
+    Args:
+      context: the prompt's last ids; they only shape the first text.
+
+    Returns:
+      The `Decoder`.
+    """
     return IncrementalDecoder(self.decode, context)
 
   def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The conversation as text: the template rendered as transformers renders it."""
+    """The conversation as text: the template rendered as transformers renders it.
+
+    Keys whose value is None are dropped from each message before rendering.
+
+    Args:
+      messages: the conversation, a list of `{role, content, ...}`; at least one.
+      add_generation_prompt: end with the header of an assistant turn.
+
+    Returns:
+      The rendered text.
+
+    Raises:
+      ValueError: the tokenizer has no chat template, or `messages` is empty.
+    """
     if self.chat_template is None:
       raise ValueError(
           f"{self._source} has no chat template ({TOKENIZER_CONFIG_FILE} chat_template or "
@@ -375,11 +527,27 @@ class HFTokenizer(Tokenizer):
       self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
   ) -> list[int]:
     # The template writes BOS itself where the model wants one: no special tokens added here.
+    """The ids of a conversation as the model was tuned to read it.
+
+    The template writes BOS itself where the model wants one: no special tokens are added.
+
+    Args:
+      messages: the conversation, a list of `{role, content, ...}`.
+      add_generation_prompt: end with the header of an assistant turn.
+
+    Returns:
+      The ids.
+
+    Raises:
+      ValueError: the tokenizer has no chat template, or `messages` is empty.
+    """
     return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
   def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids (`apply_chat_template`, add_generation_prompt=False) and a loss
-    mask over them: 1 on the tokens of the assistant turns, 0 elsewhere.
+    """A whole conversation's ids and a loss mask over them.
+
+    The ids are `apply_chat_template`'s with add_generation_prompt=False; the mask is 1 on the
+    tokens of the assistant turns, 0 elsewhere.
 
     Assistant message i's turn is the text the conversation through message i (rendered without
     the generation prompt) adds to the conversation up to message i rendered with it (the
@@ -387,8 +555,17 @@ class HFTokenizer(Tokenizer):
     token), less trailing whitespace. The two renderings are compared by their longest common
     prefix, since a template may end the generation prompt with whitespace that the message
     replaces. A token belongs to the turn whose character span holds the token's first character
-    (the `tokenizers` offsets). A template whose renderings are not prefixes of the whole
-    conversation is refused.
+    (the `tokenizers` offsets).
+
+    Args:
+      messages: the conversation, a list of `{role, content, ...}`.
+
+    Returns:
+      `(ids, mask)`, lists of the same length.
+
+    Raises:
+      ValueError: no chat template, an empty conversation, or a template whose renderings are not
+        prefixes of the whole conversation.
     """
     text = self.render_chat(messages, add_generation_prompt=False)
     encoding = self._backend.encode(text, add_special_tokens=False)
@@ -429,21 +606,39 @@ def _chat_template(path: str, tokenizer_config: dict[str, Any], config_file: str
 
 
 def recorded(workdir: str | os.PathLike) -> str | None:
-  """The tokenizer a workdir's config.json records (`data.tokenizer`: 'bytes' or 'hf'), or None
-  where it has no config.json or one that predates the field."""
+  """The tokenizer a workdir's config.json records (`data.tokenizer`).
+
+  Args:
+    workdir: the run's workdir.
+
+  Returns:
+    `'bytes'` or `'hf'`; None where it has no config.json or one that predates the field.
+
+  Raises:
+    ValueError: a config.json that is not a readable JSON object.
+  """
   config = _read_json(os.path.join(os.fspath(workdir), "config.json")) or {}
   data = config.get("data")
   return data.get("tokenizer") if isinstance(data, dict) else None
 
 
 def for_workdir(workdir: str | os.PathLike) -> Tokenizer:
-  """The tokenizer of a workdir, as its config records it (`data.tokenizer`): 'hf', the
-  WORKDIR/hf directory's (a converted Hugging Face checkpoint); 'bytes', UTF-8 (a model trained by
-  jaxpipe from scratch). A workdir whose config predates the field is read by what it holds: hf/
-  with a tokenizer, else bytes.
+  """The tokenizer of a workdir, as its config records it (`data.tokenizer`).
 
-  A hf/ directory with a tokenizer that is not tokenizer.json (a SentencePiece model alone) is
-  refused rather than read as bytes, which would feed the model ids it never learned.
+  `'hf'`: the WORKDIR/hf directory's (a converted Hugging Face checkpoint); `'bytes'`: UTF-8 (a
+  model trained by jaxpipe from scratch). A workdir whose config predates the field is read by
+  what it holds: hf/ with a tokenizer, else bytes.
+
+  Args:
+    workdir: the run's workdir.
+
+  Returns:
+    An `HFTokenizer` or a `ByteTokenizer`.
+
+  Raises:
+    ValueError: config.json records `'hf'` but hf/tokenizer.json is missing; or a hf/ directory
+      with a tokenizer that is not tokenizer.json (a SentencePiece model alone), refused rather
+      than read as bytes, which would feed the model ids it never learned.
   """
   hf_dir = os.path.join(os.fspath(workdir), HF_DIR)
   kind = recorded(workdir)
@@ -469,6 +664,13 @@ def check_vocab(tokenizer: Tokenizer, embedding_rows: int) -> None:
   """Refuses a tokenizer whose ids may exceed the model's embedding (a gather out of bounds).
 
   A smaller vocabulary is fine: embeddings are often padded to a multiple of 64 or 128.
+
+  Args:
+    tokenizer: the tokenizer.
+    embedding_rows: the model's embedding rows (its vocab size).
+
+  Raises:
+    ValueError: the tokenizer's vocabulary is larger than `embedding_rows`.
   """
   if tokenizer.vocab_size > embedding_rows:
     raise ValueError(

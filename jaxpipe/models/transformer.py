@@ -183,15 +183,36 @@ class TransformerConfig:
 def rms_norm(
     x_BxLxD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False
 ) -> jax.Array:
-  """x / rms(x) * scale (or * (1 + scale) with plus_one: Gemma's), computed in float32."""
+  """`x / rms(x) * scale`, computed in float32.
+
+  Args:
+    x_BxLxD: the activations, [..., D].
+    scale_D: the norm's scale, [D].
+    eps: added to the mean square.
+    plus_one: scale by `1 + scale` instead (Gemma's).
+
+  Returns:
+    The normalised activations, shaped as `x_BxLxD`, in its dtype.
+  """
   x = x_BxLxD.astype(jnp.float32)
   y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
   return (y * (1.0 + scale_D if plus_one else scale_D)).astype(x_BxLxD.dtype)
 
 
 def layer_window(cfg: TransformerConfig, layer: jax.Array | None) -> int | jax.Array:
-  """A layer's sliding window (0: full attention): a Python int when every layer has the same
-  one, else the traced entry of `layer` (the layer's index in the model)."""
+  """A layer's sliding window (0: full attention).
+
+  Args:
+    cfg: the model.
+    layer: the layer's index in the model (traced); needed only where layers differ
+      (`cfg.mixed_layers`).
+
+  Returns:
+    A Python int when every layer has the same window, else the traced entry of `layer`.
+
+  Raises:
+    ValueError: the model mixes sliding and full layers and `layer` is None.
+  """
   windows = cfg.layer_windows
   if not cfg.mixed_layers:
     return windows[0]
@@ -210,9 +231,22 @@ def rotary(
     window: int | jax.Array,
     seq_len: jax.Array | int | None,
 ) -> jax.Array:
-  """Queries or keys rotated as the layer of `window` rotates them (`layer_window`): sliding
-  layers by rope_local_theta when it is set (unscaled), every other layer by rope_theta and
-  rope_scaling (`jaxpipe.models.rope`). seq_len: for length-dependent variants."""
+  """Queries or keys rotated as the layer of `window` rotates them (`layer_window`).
+
+  Sliding layers rotate by rope_local_theta when it is set (unscaled), every other layer by
+  rope_theta and rope_scaling (`jaxpipe.models.rope`).
+
+  Args:
+    cfg: the model.
+    x_BxLxHxK: queries or keys, [B, L, H, K].
+    positions: [L] or [B, L].
+    window: the layer's sliding window (0: full), a Python int or traced.
+    seq_len: for length-dependent variants, the sequence length of the call or of each position;
+      None: max(positions) + 1.
+
+  Returns:
+    `x_BxLxHxK` rotated, in its dtype.
+  """
   full = (cfg.rope_theta, rope_lib.scaling_of(cfg.rope_scaling))
   local = (cfg.rope_local_theta, rope_lib.RopeScaling()) if cfg.rope_local_theta else full
   if local == full or isinstance(window, int):
@@ -236,6 +270,14 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
+    """Normalises `x_BxLxD` with the module's `scale` parameter [D].
+
+    Args:
+      x_BxLxD: the activations, [..., D].
+
+    Returns:
+      `rms_norm(x_BxLxD, scale, eps, plus_one)`, shaped as `x_BxLxD`.
+    """
     init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
     scale_D = self.param("scale", init, (x_BxLxD.shape[-1],), jnp.float32)
     return rms_norm(x_BxLxD, scale_D, self.eps, self.plus_one)
@@ -273,6 +315,15 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    """Projects `x`'s last `in_dims` axes to `features`.
+
+    Args:
+      x: the input, [..., *in].
+
+    Returns:
+      [..., *features] in the compute dtype: the product, passed through `reduce` when set, plus
+      the bias when `use_bias`.
+    """
     shape = x.shape[x.ndim - self.in_dims :] + tuple(self.features)
     w = self.param("kernel", _kernel_init(self.in_dims), shape, jnp.float32)
     scale_3 = None
@@ -301,6 +352,25 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None, layer=None, seq_lens=None):
+    """Causal grouped-query self-attention of `x_BxLxD`.
+
+    With `cfg.cp_overlap` inside `context_parallel`, the projections run fused with Ulysses'
+    all-to-alls.
+
+    Args:
+      x_BxLxD: the normalised residual stream, [B, L, D]: this rank's tokens inside
+        `context_parallel` or with sequence parallelism.
+      positions_L: [L] or [B, L].
+      segment_ids_BxL: packed rows' segment ids (1, 2, ... per document, 0 padding): a token
+        attends only to earlier tokens of its own segment; None: to every earlier token.
+      layer: the layer's index in the model (traced), needed where layers differ
+        (`cfg.mixed_layers`).
+      seq_lens: each position's sequence length for length-dependent rotary variants (the serving
+        engine's); None: the whole sequence the call holds.
+
+    Returns:
+      The attention output projected back to the residual stream, shaped as `x_BxLxD`.
+    """
     c = self.cfg
     axis_name = context_axis()
     window = layer_window(c, layer)
@@ -421,6 +491,15 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
+    """The gated feed-forward `down(act(gate(x)) * up(x))`.
+
+    Args:
+      x_BxLxD: the normalised residual stream, [B, L, D] (this rank's tokens with sequence
+        parallelism).
+
+    Returns:
+      The FFN's output, shaped as `x_BxLxD`.
+    """
     c = self.cfg
     dense = lambda width, name: Dense((width,), c, use_bias=c.mlp_bias, name=name)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)  # tensor parallel: d_ff / tp of the whole sequence
@@ -443,6 +522,18 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_L, segment_ids_BxL=None, layer=None, seq_lens=None):
+    """One pre-norm decoder layer on the residual stream.
+
+    Args:
+      x_BxLxD: the residual stream, [B, L, D].
+      positions_L: [L] or [B, L].
+      segment_ids_BxL: packed rows' segment ids, as `Attention` takes them.
+      layer: the layer's index, as `Attention` takes it.
+      seq_lens: as `Attention` takes them.
+
+    Returns:
+      The new residual stream [B, L, D]; with `moe`, `(x, aux)` with the MoE FFN's aux.
+    """
     c = self.cfg
     norm = lambda name: RMSNorm(c.norm_eps, c.norm_plus_one, name=name)
     post = lambda name, y: norm(name)(y) if c.sandwich_norm else y
@@ -459,7 +550,16 @@ class Block(nn.Module):
 
 
 def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
-  """Fresh float32 parameters; `layers` leaves carry a leading [n_layers] axis."""
+  """Fresh float32 parameters.
+
+  Args:
+    cfg: the model.
+    rng: a PRNG key.
+
+  Returns:
+    The parameter dict (module docstring); `layers` leaves carry a leading [n_layers] axis
+    ([n_layers / moe.every] groups with `cfg.moe`).
+  """
   k_embed, k_layers, k_head = jax.random.split(rng, 3)
   x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
   block = Block(cfg)
@@ -494,8 +594,19 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
 
 def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:
-  """Token embedding lookup, in the compute dtype (vocabulary-parallel under `tp_lib`); times
-  sqrt(d_model) rounded to the compute dtype with `cfg.embed_scale`, as transformers' Gemma."""
+  """Token embedding lookup, in the compute dtype.
+
+  Vocabulary-parallel under `tp_lib`; times sqrt(d_model) rounded to the compute dtype with
+  `cfg.embed_scale`, as transformers' Gemma.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+
+  Returns:
+    [B, L, D], or [B, L/tp, D] with sequence parallelism.
+  """
   x_BxLxD = tp_lib.vocab_embed(params["embed"], tokens_BxL).astype(cfg.compute_dtype)
   if cfg.embed_scale:
     x_BxLxD = x_BxLxD * np.float32(math.sqrt(cfg.d_model)).astype(cfg.compute_dtype)
@@ -505,10 +616,19 @@ def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Ar
 def check_packed(
     tokens_BxL: Any, segment_ids_BxL: Any = None, positions_BxL: Any = None, where: str = "batch"
 ) -> None:
-  """Raises ValueError unless packed-sequence keys are integer arrays shaped like the tokens.
+  """Checks that packed-sequence keys are integer arrays shaped like the tokens.
 
   Packed rows hold several documents: `segment_ids` numbers them 1, 2, ... along the row (0 for
   padding) and `positions` restart at 0 at each document's first token.
+
+  Args:
+    tokens_BxL: the tokens, [B, L].
+    segment_ids_BxL: the segment ids, or None.
+    positions_BxL: the positions, or None.
+    where: what holds them, for the message.
+
+  Raises:
+    ValueError: a key of another shape or a non-integer dtype.
   """
   for name, a in (("segment_ids", segment_ids_BxL), ("positions", positions_BxL)):
     if a is None:
@@ -526,11 +646,20 @@ PACKED_KEYS = ("segment_ids", "positions")  # optional int32 [batch, seq] keys o
 
 
 def packed_keys(batch: dict) -> dict:
-  """A batch dict's packed-sequence keys present ({} for unpacked rows), checked (`check_packed`).
+  """A batch dict's packed-sequence keys that are present, checked (`check_packed`).
 
   `segment_ids` number a row's documents 1, 2, ... (0: padding) and keep attention inside each;
   `positions` restart at 0 at each document (rotary). Absent keys keep the plain behaviour: one
   sequence per row at positions 0..L-1.
+
+  Args:
+    batch: a batch dict with `tokens` [B, L] and optionally `segment_ids` and `positions`.
+
+  Returns:
+    The present keys (`PACKED_KEYS`) and their arrays; {} for unpacked rows.
+
+  Raises:
+    ValueError: a key of another shape than the tokens, or a non-integer dtype.
   """
   keys = {k: batch[k] for k in PACKED_KEYS if batch.get(k) is not None}
   check_packed(batch["tokens"], keys.get("segment_ids"), keys.get("positions"))
@@ -544,12 +673,25 @@ def apply_layers(
     positions_L: jax.Array | None = None,
     segment_ids_BxL: jax.Array | None = None,
 ) -> jax.Array:
-  """Runs the stacked layers in order (a scan over their leading axis); positions default to 0..L-1.
+  """Runs the stacked layers in order (a scan over their leading axis).
 
-  positions: [L] or [B, L] (packed rows restart them at each document); segment_ids_BxL keeps
-  attention within each document (`Attention`). MoE layers' auxiliary losses join the gradient
-  through `attach_aux_loss`, weighted by the tokens of `x`, as if `aux * tokens` were added to a
-  summed loss.
+  MoE layers' auxiliary losses join the gradient through `attach_aux_loss`, weighted by the
+  tokens of `x`, as if `aux * tokens` were added to a summed loss.
+
+  Args:
+    cfg: the model.
+    layers: the layers' parameters, with a leading layer (MoE: group) axis.
+    x_BxLxD: the residual stream, [B, L, D].
+    positions_L: [L] or [B, L] (packed rows restart them at each document); default 0..L-1 of the
+      whole sequence.
+    segment_ids_BxL: keeps attention within each document (`Attention`).
+
+  Returns:
+    The residual stream after the layers, [B, L, D].
+
+  Raises:
+    ValueError: an MoE model with the pooled load-balancing loss, which cannot ride on each
+      layer's gradient.
   """
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach=True)[0]
 
@@ -561,19 +703,36 @@ def apply_layers_aux(
     positions_L: jax.Array | None = None,
     segment_ids_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
-  """`apply_layers` without attachment, plus the MoE layers' aux (leading axis: MoE layers).
+  """`apply_layers` without attachment, plus the MoE layers' aux.
 
-  aux is `moe.moe_layer`'s dict ({} for a dense model); `moe.aux_objective` of it is for the
-  caller to add.
+  `moe.aux_objective` of the aux is for the caller to add.
+
+  Args:
+    cfg: the model.
+    layers: the layers' parameters, with a leading layer (MoE: group) axis.
+    x_BxLxD: the residual stream, [B, L, D].
+    positions_L: [L] or [B, L]; default 0..L-1 of the whole sequence.
+    segment_ids_BxL: keeps attention within each document.
+
+  Returns:
+    `(x, aux)`: the residual stream [B, L, D], and `moe.moe_layer`'s aux dict with a leading axis
+    of MoE layers ({} for a dense model).
   """
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach=False)
 
 
 def attach_aux_loss(x: jax.Array, aux_loss: jax.Array) -> jax.Array:
-  """Identity on x whose backward also sends cotangent 1 to `aux_loss` (Megatron's aux-loss scaler).
+  """Identity on `x` whose backward also sends cotangent 1 to `aux_loss`.
 
-  Inside a `shard_map` the loss is first cast to vary like x, so that the cotangents of every
-  shard's copy are summed on the way back.
+  Megatron's aux-loss scaler. Inside a `shard_map` the loss is first cast to vary like x, so that
+  the cotangents of every shard's copy are summed on the way back.
+
+  Args:
+    x: any array.
+    aux_loss: a scalar loss to put on the gradient.
+
+  Returns:
+    `x`.
   """
   return _attach(x, vary_like(aux_loss, x))
 
@@ -598,10 +757,24 @@ def apply_unit(
 ):
   """One element of the layers' leading axis: a layer, or with `cfg.moe` a group ending in MoE.
 
-  Returns x, or (x, aux) for an MoE group with attach=False; with attach=True the group's
-  auxiliary loss rides on x's gradient (`attach_aux_loss`). positions: [L] or [B, L].
-  index: the unit's place in the model's stack (traced), which a model whose layers differ
-  (`cfg.mixed_layers`: sliding and full attention) needs; seq_lens: as `Attention` takes them.
+  Args:
+    cfg: the model.
+    unit: the unit's parameters (no leading layer axis).
+    x_BxLxD: the residual stream, [B, L, D].
+    positions_L: [L] or [B, L].
+    attach: put an MoE group's auxiliary loss on x's gradient (`attach_aux_loss`) instead of
+      returning it.
+    segment_ids_BxL: packed rows' segment ids, as `Attention` takes them.
+    index: the unit's place in the model's stack (traced), which a model whose layers differ
+      (`cfg.mixed_layers`: sliding and full attention) needs.
+    seq_lens: as `Attention` takes them.
+
+  Returns:
+    x [B, L, D], or `(x, aux)` for an MoE group with attach=False.
+
+  Raises:
+    ValueError: attach=True with the pooled load-balancing loss, or layers that differ without
+      `index`.
   """
   seg = segment_ids_BxL
   every = 1 if cfg.moe is None else cfg.moe.every
@@ -624,8 +797,17 @@ def apply_unit(
 
 
 def unit_indices(cfg: TransformerConfig, units: int, first: int = 0) -> jax.Array | None:
-  """The indices `apply_unit` takes for `units` consecutive units from `first` where the model's
-  layers differ, else None (every layer runs alike and needs none)."""
+  """The indices `apply_unit` takes for `units` consecutive units from `first`.
+
+  Args:
+    cfg: the model.
+    units: the number of units.
+    first: the first unit's index in the model's stack.
+
+  Returns:
+    `first + arange(units)` where the model's layers differ, else None (every layer runs alike
+    and needs none).
+  """
   return first + jnp.arange(units) if cfg.mixed_layers else None
 
 
@@ -662,18 +844,34 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
 
 
 def stack_unroll(cfg: TransformerConfig, units: int) -> int:
-  """The `unroll` of a `lax.scan` over a stack of `units` layers (MoE: groups): all of them
-  where `cfg.unroll_layers` allows, else 1 (a loop).
+  """The `unroll` of a `lax.scan` over a stack of `units` layers (MoE: groups).
 
-  Unrolled, each residual stays where its layer made it; a scan stacks them in buffers it
-  fills, writes slice by slice and the backward reads back. Not under remat: unrolled, XLA
-  schedules the recomputation beside the forward and keeps what remat would free."""
+  Unrolled, each residual stays where its layer made it; a scan stacks them in buffers it fills,
+  writes slice by slice and the backward reads back. Not under remat: unrolled, XLA schedules the
+  recomputation beside the forward and keeps what remat would free.
+
+  Args:
+    cfg: the model.
+    units: the stack's layers (MoE: groups).
+
+  Returns:
+    `units` (all of them) where `cfg.unroll_layers` allows, else 1 (a loop).
+  """
   return units if 0 < units <= cfg.unroll_layers and cfg.remat is False else 1
 
 
 def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
-  """Final norm and output head; float32 logits (under `tp_lib`: this rank's vocabulary
-  slice, of the whole sequence)."""
+  """Final norm and output head.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    x_BxLxD: the residual stream after the layers, [B, L, D].
+
+  Returns:
+    Float32 logits [B, L, V] (under `tp_lib`: this rank's vocabulary slice [B, L, V/tp], of the
+    whole sequence), soft-capped with `cfg.final_softcap`.
+  """
   scale_D = params["final_norm"]["scale"]
   x_BxLxD = tp_lib.gather_tokens(rms_norm(x_BxLxD, scale_D, cfg.norm_eps, cfg.norm_plus_one))
   w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
@@ -690,19 +888,36 @@ def head_loss(
     targets_BxL: jax.Array,
     mask_BxL: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-  """(sum of masked next-token cross-entropy, number of valid tokens); the caller divides."""
+  """The masked next-token cross-entropy, summed; the caller divides.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    x_BxLxD: the residual stream after the layers, [B, L, D].
+    targets_BxL: the next tokens, [B, L].
+    mask_BxL: 1 where a target counts, [B, L].
+
+  Returns:
+    `(sum of masked cross-entropy, number of valid tokens)`, float32 scalars.
+  """
   logz_BxL, target_BxL = tp_lib.vocab_cross_entropy(logits(cfg, params, x_BxLxD), targets_BxL)
   mask_BxL = mask_BxL.astype(jnp.float32)
   return jnp.sum((logz_BxL - target_BxL) * mask_BxL), jnp.sum(mask_BxL)
 
 
 def mean_weights(mask_BxL: jax.Array) -> jax.Array:
-  """Loss weights mask · N / (valid tokens): a weighted sum over all N tokens is the valid mean.
+  """Loss weights `mask · N / (valid tokens)`: a weighted sum over all N tokens is the valid mean.
 
   For paths whose MoE auxiliary losses ride on the gradient (`apply_layers` weighs each with the
   tokens it saw, N/m per micro-batch): weighted cross-entropy plus attached aux, divided by the
   static N, is the mean cross-entropy over valid tokens plus the mean over micro-batches of the
   aux losses (the trainer's objective), with no data-dependent scale inside the layers.
+
+  Args:
+    mask_BxL: 1 where a target counts, [B, L].
+
+  Returns:
+    Float32 weights, [B, L].
   """
   mask_BxL = mask_BxL.astype(jnp.float32)
   return mask_BxL * (mask_BxL.size / jnp.maximum(jnp.sum(mask_BxL), 1.0))
@@ -716,10 +931,20 @@ def forward(
     segment_ids_BxL: jax.Array | None = None,
     positions_BxL: jax.Array | None = None,
 ) -> jax.Array:
-  """Next-token logits [B, L, vocab], float32; their gradient is theirs alone (no MoE aux loss).
+  """Next-token logits; their gradient is theirs alone (no MoE aux loss).
 
-  Packed rows pass `segment_ids_BxL` and `positions_BxL` (see `check_packed`); without them
-  every row is one sequence at positions 0..L-1.
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+    segment_ids_BxL: packed rows' segment ids (see `check_packed`); None: one sequence per row.
+    positions_BxL: packed rows' positions; None: 0..L-1.
+
+  Returns:
+    Float32 logits, [B, L, vocab].
+
+  Raises:
+    ValueError: packed keys of another shape than the tokens, or not integers.
   """
   check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "forward")
   x_BxLxD, _ = apply_layers_aux(
@@ -738,9 +963,22 @@ def loss(
     segment_ids_BxL: jax.Array | None = None,
     positions_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """(summed masked cross-entropy, valid-token count) of a dense model; MoE: `loss_and_aux`.
+  """Summed masked cross-entropy and valid-token count of a dense model; MoE: `loss_and_aux`.
 
-  Packed rows pass `segment_ids_BxL` and `positions_BxL` (`check_packed`), as `forward` does.
+  Args:
+    cfg: the model; dense (no `cfg.moe`).
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+    targets_BxL: the next tokens, [B, L].
+    mask_BxL: 1 where a target counts, [B, L].
+    segment_ids_BxL: packed rows' segment ids (`check_packed`), as `forward` takes them.
+    positions_BxL: packed rows' positions, as `forward` takes them.
+
+  Returns:
+    `(sum of masked cross-entropy, number of valid tokens)`, float32 scalars.
+
+  Raises:
+    ValueError: an MoE model, or bad packed keys.
   """
   if cfg.moe is not None:
     # Attached aux losses would make the gradient that of CE sum + B·L·aux while the value is the
@@ -770,6 +1008,21 @@ def loss_and_aux(
   """`loss` and the MoE layers' aux (`apply_layers_aux`), none of it on the gradient.
 
   The training objective adds `moe.aux_objective(cfg.moe, aux)` to the mean cross-entropy.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+    targets_BxL: the next tokens, [B, L].
+    mask_BxL: 1 where a target counts, [B, L].
+    segment_ids_BxL: packed rows' segment ids, as `forward` takes them.
+    positions_BxL: packed rows' positions, as `forward` takes them.
+
+  Returns:
+    `(sum of masked cross-entropy, number of valid tokens, aux)`; aux {} for a dense model.
+
+  Raises:
+    ValueError: bad packed keys.
   """
   check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss_and_aux")
   x_BxLxD, aux = apply_layers_aux(
@@ -787,7 +1040,22 @@ def moe_unit(
     tokens=None,
     index=None,
 ):
-  """MoE group (`apply_unit`, at `index`) with its auxiliary loss attached to x -> (x, routing
-  statistics); the loss weighted by `tokens` (default the tokens of x, `_attach_unit_aux`)."""
+  """MoE group (`apply_unit`, at `index`) with its auxiliary loss attached to x.
+
+  Args:
+    cfg: the model, with `cfg.moe`.
+    unit: the group's parameters.
+    x_BxLxD: the residual stream, [B, L, D].
+    positions_L: [L] or [B, L].
+    segment_ids_BxL: packed rows' segment ids.
+    tokens: the weight of the attached loss; default the tokens of x (`_attach_unit_aux`).
+    index: the group's place in the model's stack, where layers differ.
+
+  Returns:
+    `(x, stats)`: the residual stream [B, L, D] and the group's routing statistics (`AUX_KEYS`).
+
+  Raises:
+    ValueError: the pooled load-balancing loss, which cannot ride on the gradient.
+  """
   x_BxLxD, aux = apply_unit(cfg, unit, x_BxLxD, positions_L, False, segment_ids_BxL, index)
   return _attach_unit_aux(cfg, x_BxLxD, aux, tokens), {k: aux[k] for k in moe_lib.AUX_KEYS}

@@ -80,10 +80,23 @@ def unsupported_reason(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> str | None:
-  """Why `backend` cannot serve these shapes/dtypes on this platform, or None if it can.
+  """Why `backend` cannot serve these shapes and dtypes on this platform, or None if it can.
 
-  window: a sliding window (keys of the last `window` positions; 0: none), a Python int or a
-  traced one (per layer); softcap: scores capped as c·tanh(s / c) (0: none).
+  Args:
+    backend: one of `BACKENDS` but `'auto'`.
+    q: queries, [B, L, H, K].
+    k: keys, [B, L, G, K] (H a multiple of G).
+    v: values, [B, L, G, K].
+    segment_ids: [B, L] document ids of packed rows, or None.
+    window: a sliding window (keys of the last `window` positions; 0: none), a Python int or a
+      traced one (per layer).
+    softcap: scores capped as c·tanh(s / c) (0: none).
+
+  Returns:
+    A sentence saying why, and what to use instead; None when `backend` can serve the call.
+
+  Raises:
+    ValueError: an unknown backend.
   """
   if q.shape[2] % k.shape[2]:
     return (
@@ -132,7 +145,26 @@ def resolve_backend(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> str:
-  """The concrete backend that will run: validates an explicit choice, resolves 'auto'."""
+  """The concrete backend that will run: validates an explicit choice, resolves `'auto'`.
+
+  `'auto'` takes the first of cudnn, pallas, xla that can serve the call on a GPU; xla
+  elsewhere.
+
+  Args:
+    backend: one of `BACKENDS`.
+    q: queries, [B, L, H, K].
+    k: keys, [B, L, G, K].
+    v: values, [B, L, G, K].
+    segment_ids: [B, L] document ids of packed rows, or None.
+    window: a sliding window, as `unsupported_reason` takes it.
+    softcap: a score soft-cap, as `unsupported_reason` takes it.
+
+  Returns:
+    The backend's name: `'xla'`, `'cudnn'` or `'pallas'`.
+
+  Raises:
+    ValueError: an unknown backend, or one that cannot serve the call (the message says why).
+  """
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
   why = lambda name: unsupported_reason(name, q, k, v, segment_ids, window, softcap)
@@ -163,13 +195,16 @@ def attention(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> jax.Array:
-  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout (K/V may have fewer heads).
+  """Scaled dot-product attention, `jax.nn.dot_product_attention` layout.
 
-  The arrays are this device's whole sequence; `jaxpipe.models.attention.attention` is the
-  layers' entry point, which adds Ulysses context parallelism and the serving KV-cache hook.
+  K/V may have fewer heads than Q. The arrays are this device's whole sequence;
+  `jaxpipe.models.attention.attention` is the layers' entry point, which adds Ulysses context
+  parallelism and the serving KV-cache hook.
 
   Args:
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK: queries, keys and values (H a multiple of G).
+    q_BxLxHxK: queries, [B, L, H, K] (H a multiple of G).
+    k_BxLxGxK: keys, [B, L, G, K].
+    v_BxLxGxK: values, [B, L, G, K].
     causal: a query sees keys at its own position and before only.
     backend: one of BACKENDS.
     segment_ids: [B, L] document ids of packed rows; attention stays inside each document.
@@ -182,6 +217,9 @@ def attention(
 
   Returns:
     [B, L, H, K] in q's dtype.
+
+  Raises:
+    ValueError: an unknown backend, or one that cannot serve the call.
   """
   q, k, v = q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
   name = resolve_backend(backend, q, k, v, segment_ids, window, softcap)
@@ -231,8 +269,23 @@ def _masked_attention(q, k, v, causal, mask, sm_scale, window, softcap):
 
 
 def resolve_paged_backend(backend: str, head_dim: int, page_size: int) -> str:
-  """The concrete paged-attention backend for these pages: validates the choice, resolves 'auto'
-  (the compiled kernel on GPU when it serves the shapes, else xla)."""
+  """The concrete paged-attention backend for these pages.
+
+  Validates the choice and resolves `'auto'`: the compiled kernel (`'pallas'`) on GPU when it
+  serves the shapes, else `'xla'`.
+
+  Args:
+    backend: one of `PAGED_BACKENDS`.
+    head_dim: K, the head dimension.
+    page_size: S, tokens per page.
+
+  Returns:
+    The backend's name.
+
+  Raises:
+    ValueError: an unknown backend, or `'pallas'`/`'pallas_ragged'` on a GPU whose compiled
+      kernel cannot serve these shapes.
+  """
   if backend not in PAGED_BACKENDS:
     raise ValueError(f"unknown paged attention backend {backend!r}; choose one of {PAGED_BACKENDS}")
   reason = pa.compiled_unsupported(head_dim, page_size) if _gpu_major() is not None else None
@@ -258,8 +311,17 @@ def _cpu_kernel_refuses(head_dim: int, kv_dtype) -> str | None:
 
 
 def cpu_kernel_unsupported(head_dim: int, kv_dtype) -> str | None:
-  """Why the cpu_ragged backend cannot serve these pools here (including a kernel that cannot
-  be built), or None when it can."""
+  """Why the `cpu_ragged` backend cannot serve these pools here, or None when it can.
+
+  Includes a kernel that cannot be built.
+
+  Args:
+    head_dim: K, the head dimension.
+    kv_dtype: the K/V pools' dtype.
+
+  Returns:
+    A sentence saying why; None when the CPU kernel serves these pools on this platform.
+  """
   return _cpu_kernel_refuses(head_dim, kv_dtype) or cpu_pa.unavailable()
 
 
@@ -274,10 +336,26 @@ def _fall_back(reason: str) -> None:
 
 
 def resolve_step_backend(backend: str, head_dim: int, page_size: int, kv_dtype=jnp.float32) -> str:
-  """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence: 'auto'
-  takes a ragged backend where the per-token choice would be the xla gather, cpu_ragged when
-  the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32, bfloat16 or int8) and
-  xla_ragged otherwise."""
+  """`resolve_paged_backend` for a serving step, whose tokens come grouped by sequence.
+
+  `'auto'` takes a ragged backend where the per-token choice would be the xla gather:
+  `cpu_ragged` when the CPU kernel serves these pools (`cpu_kernel_unsupported`: float32,
+  bfloat16 or int8) and `xla_ragged` otherwise. A CPU kernel that fails to build is reported
+  once per process (a `RuntimeWarning`).
+
+  Args:
+    backend: one of `PAGED_BACKENDS`.
+    head_dim: K, the head dimension.
+    page_size: S, tokens per page.
+    kv_dtype: the K/V pools' dtype.
+
+  Returns:
+    The backend's name.
+
+  Raises:
+    ValueError: an unknown backend, one that cannot serve these pages, or `'cpu_ragged'` where
+      the CPU kernel cannot serve these pools.
+  """
   name = resolve_paged_backend(backend, head_dim, page_size)
   if name == "cpu_ragged" and (reason := cpu_kernel_unsupported(head_dim, kv_dtype)):
     raise ValueError(f"paged attention backend 'cpu_ragged' {reason}; use 'xla_ragged'")
@@ -305,9 +383,30 @@ def paged_attention(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> jax.Array:
-  """One query token per row attending over its first `lengths[b]` paged keys, the last
-  `window` of them with a window (`kernels_pallas.paged_attention`); scores scaled by sm_scale
-  (default head_dim^-1/2) and soft-capped with softcap > 0."""
+  """One query token per row attending over its first `lengths[b]` paged keys.
+
+  With a window, only the last `window` of them (`kernels_pallas.paged_attention`).
+
+  Args:
+    q_BxHxK: one query per row, [B, H, K].
+    k_pages_GxPxSxK: the key pool, [G, P, S, K]: KV heads, pages, tokens per page, head dim.
+    v_pages_GxPxSxK: the value pool, [G, P, S, K].
+    block_tables_BxN: each row's pages, int32 [B, N].
+    lengths_B: each row's number of keys, int32 [B].
+    backend: one of `PAGED_BACKENDS` but the ragged ones.
+    k_scales_GxPxS: per-slot scales of an 8-bit key pool, [G, P, S]; None: none.
+    v_scales_GxPxS: per-slot scales of an 8-bit value pool, [G, P, S]; None: none.
+    sm_scale: the scores' scale (default head_dim^-1/2).
+    window: > 0: a row sees its last `window` keys only; 0: all of them.
+    softcap: > 0: scores become softcap·tanh(s / softcap).
+
+  Returns:
+    [B, H, K], each row's attention output.
+
+  Raises:
+    ValueError: an unknown backend, one that cannot serve these pages, or a ragged backend
+      (those take rows of tokens: `ragged_paged_attention`).
+  """
   scales = dict(
       k_scales_GxPxS=k_scales_GxPxS,
       v_scales_GxPxS=v_scales_GxPxS,
@@ -338,7 +437,17 @@ class RaggedRows(NamedTuple):
 
 
 def ragged_blocks(num_tokens: int, num_rows: int, block: int) -> tuple[int, int]:
-  """(one-query blocks, `block`-query blocks) that always cover T tokens in <= num_rows rows."""
+  """Block counts that always cover T tokens in at most `num_rows` rows.
+
+  Args:
+    num_tokens: T, the step's tokens.
+    num_rows: the step's rows (sequences).
+    block: queries per multi-token block (capped at T).
+
+  Returns:
+    `(one-query blocks, block-query blocks)`: `min(rows, T)`, and `ceil(T / block)` plus the
+    rows that can hold two or more tokens.
+  """
   block = max(1, min(block, num_tokens))
   ones = min(num_rows, num_tokens)
   return ones, -(-num_tokens // block) + min(num_rows, num_tokens // 2)
@@ -491,18 +600,35 @@ def ragged_paged_attention(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> jax.Array:
-  """Each token of `rows` over its sequence's keys at positions 0..its own -> [T, H, K].
-
-  window: > 0, a token at position p sees the keys at p - window + 1 .. p only (a traced int32
-  may vary by layer), and no kernel reads the pages before them; softcap: > 0, scores become
-  softcap·tanh(s / softcap).
+  """Each token of `rows` over its sequence's keys at positions 0..its own.
 
   The pages must already hold this step's K/V (the caller writes them first). Equals
   `paged_attention_reference` per token with its sequence's table and length position + 1.
-  kernel: 'xla' (`_block_attention`'s (block, key chunk) pairs), 'pallas' (each block through
-  `kernels_pallas.paged_attention_rows`; interpreted off GPU) or 'cpu' (the rows through
-  `kernels_cpu.paged_attention`: CPU, float32, bfloat16 or int8 pools; `block`, `key_chunk`
-  and `pairs` unused).
+
+  Args:
+    q_TxHxK: the step's queries, [T, H, K] (H a multiple of G).
+    k_pages_GxPxSxK: the key pool, [G, P, S, K].
+    v_pages_GxPxSxK: the value pool, [G, P, S, K].
+    rows: the tokens grouped by sequence (`RaggedRows`).
+    block: queries per block of a sequence's consecutive tokens.
+    key_chunk: keys per (block, key chunk) pair (whole pages).
+    pairs: (block, key chunk) pairs per round of the loop.
+    k_scales_GxPxS: per-slot scales of an 8-bit key pool, [G, P, S]; None: none.
+    v_scales_GxPxS: per-slot scales of an 8-bit value pool, [G, P, S]; None: none.
+    sm_scale: the scores' scale (default head_dim^-1/2).
+    kernel: `'xla'` (`_block_attention`'s (block, key chunk) pairs), `'pallas'` (each block
+      through `kernels_pallas.paged_attention_rows`; interpreted off GPU) or `'cpu'` (the rows
+      through `kernels_cpu.paged_attention`: CPU, float32, bfloat16 or int8 pools; `block`,
+      `key_chunk` and `pairs` unused).
+    window: > 0, a token at position p sees the keys at p - window + 1 .. p only (a traced int32
+      may vary by layer), and no kernel reads the pages before them.
+    softcap: > 0, scores become softcap·tanh(s / softcap).
+
+  Returns:
+    [T, H, K] in q's dtype; 0 for padding tokens that no row covers.
+
+  Raises:
+    ValueError: an unknown `kernel`, or H not a multiple of G.
   """
   if kernel not in ("xla", "pallas", "cpu"):
     raise ValueError(f"kernel={kernel!r} is not 'xla', 'pallas' or 'cpu'")

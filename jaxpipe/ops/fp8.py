@@ -64,6 +64,14 @@ _F32 = jnp.float32
 
 
 def check_recipe(recipe: str) -> None:
+  """Checks that `recipe` is one of `RECIPES`.
+
+  Args:
+    recipe: the `model.fp8` value.
+
+  Raises:
+    ValueError: an unknown recipe.
+  """
   if recipe not in RECIPES:
     raise ValueError(f"fp8={recipe!r} is unknown; use one of {RECIPES}")
 
@@ -72,35 +80,75 @@ def check_recipe(recipe: str) -> None:
 
 
 def fp8_max(dtype) -> float:
-  """Largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
+  """Largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2).
+
+  Args:
+    dtype: the FP8 dtype.
+
+  Returns:
+    Its largest finite value, as a Python float.
+  """
   return float(fp8_ops.get_fp8_max(dtype, _F32))
 
 
 def amax(x: jax.Array) -> jax.Array:
+  """The largest absolute value of `x`.
+
+  Args:
+    x: any array.
+
+  Returns:
+    `max(|x|)`, a float32 scalar.
+  """
   return jnp.max(jnp.abs(x)).astype(_F32)
 
 
 def current_scale(amax_: jax.Array, dtype) -> jax.Array:
-  """TE's current scaling: amax / fp8_max (1 where amax is zero or not finite).
+  """TE's current scaling: amax / fp8_max.
 
-  Also 1 where amax is so small (under fp8_max / float32's largest, about 1e-36) that
-  fp8_max / amax overflows: flax's formula would give 0 there, and x / 0 NaN; such a tensor
-  quantises to zeros, as an all-zero one does."""
+  1 where amax is zero or not finite. Also 1 where amax is so small (under fp8_max / float32's
+  largest, about 1e-36) that fp8_max / amax overflows: flax's formula would give 0 there, and
+  x / 0 NaN; such a tensor quantises to zeros, as an all-zero one does.
+
+  Args:
+    amax_: the tensor's amax (any shape: one scale per entry).
+    dtype: the FP8 format the tensor is cast to.
+
+  Returns:
+    The dequantisation scale(s), float32, shaped as `amax_`.
+  """
   scale = fp8_ops.compute_scale(amax_, jnp.ones_like(amax_), fp8_max(dtype))
   return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
 def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-  """clamp(x / scale) in `dtype`, computed in float32 (scale broadcasts against x)."""
+  """`clamp(x / scale)` in `dtype`, computed in float32.
+
+  Args:
+    x: the tensor.
+    dtype: the FP8 format.
+    scale: the dequantisation scale; broadcasts against `x`.
+
+  Returns:
+    The quantised tensor, shaped as `x`, in `dtype`.
+  """
   return fp8_ops.quantize(x.astype(_F32), dtype, jnp.broadcast_to(scale, x.shape), _F32)
 
 
 def quantize_tiles(
     x_RxC: jax.Array, tile: tuple[int, int], dtype=E4M3
 ) -> tuple[jax.Array, jax.Array]:
-  """-> (q [R, C], scales [ceil(R/tr), ceil(C/tc)]): one current scale per tr x tc tile.
+  """Quantises `x_RxC` with one current scale per `tr x tc` tile.
 
   Edge tiles are partial (zero padding changes no amax).
+
+  Args:
+    x_RxC: the tensor, [R, C].
+    tile: `(tr, tc)`, the tile's rows and columns.
+    dtype: the FP8 format.
+
+  Returns:
+    `(q, scales)`: q [R, C] in `dtype`, and the float32 scales [ceil(R/tr), ceil(C/tc)].
   """
   (r, c), (tr, tc) = x_RxC.shape, tile
   padded = jnp.pad(x_RxC, ((0, -r % tr), (0, -c % tc)))
@@ -111,7 +159,17 @@ def quantize_tiles(
 
 
 def dequantize_tiles(q_RxC: jax.Array, s: jax.Array, tile: tuple[int, int], dtype) -> jax.Array:
-  """q * (its tile's scale), in `dtype`."""
+  """`q * (its tile's scale)`, in `dtype`.
+
+  Args:
+    q_RxC: the quantised tensor, [R, C].
+    s: its tiles' scales, [ceil(R/tr), ceil(C/tc)].
+    tile: `(tr, tc)`, the tile's rows and columns.
+    dtype: the result's dtype.
+
+  Returns:
+    The dequantised tensor, [R, C], in `dtype`.
+  """
   (r, c), (tr, tc) = q_RxC.shape, tile
   s_RxC = jnp.repeat(jnp.repeat(s, tr, axis=0), tc, axis=1)[:r, :c]
   return (q_RxC.astype(_F32) * s_RxC).astype(dtype)
@@ -155,9 +213,14 @@ _AMAX_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def amax_over(axes: tuple[str, ...]):
-  """While tracing inside, `dot`'s per-tensor amaxes are maxima over the mesh `axes` too: a
-  weight or activation split over them (tensor parallelism) is scaled as one tensor, as
-  Transformer Engine reduces amaxes over the tensor-parallel group."""
+  """While tracing inside, `dot`'s per-tensor amaxes are maxima over the mesh `axes` too.
+
+  A weight or activation split over them (tensor parallelism) is scaled as one tensor, as
+  Transformer Engine reduces amaxes over the tensor-parallel group.
+
+  Args:
+    axes: the mesh axes to reduce amaxes over; empty: none.
+  """
   token = _AMAX_AXES.set(tuple(axes))
   try:
     yield
@@ -277,11 +340,26 @@ def _vary_alike(x, w):
 def dot(
     x: jax.Array, w: jax.Array, in_dims: int, recipe: str, scale_3: jax.Array | None, dtype
 ) -> jax.Array:
-  """x's last `in_dims` axes contracted with w's first `in_dims` (nn.DenseGeneral's product).
+  """`x`'s last `in_dims` axes contracted with `w`'s first `in_dims` (nn.DenseGeneral's product).
 
-  With recipe 'none' this is DenseGeneral's own `lax.dot_general` in `dtype`; otherwise the
-  recipe's FP8 GEMM on the flattened [M, K] x [K, N] product. `scale_3`: delayed state.
-  Per-tensor amaxes are maxima over the axes of an enclosing `amax_over` too.
+  With recipe `'none'` this is DenseGeneral's own `lax.dot_general` in `dtype`; otherwise the
+  recipe's FP8 GEMM on the flattened [M, K] x [K, N] product. Per-tensor amaxes are maxima over
+  the axes of an enclosing `amax_over` too.
+
+  Args:
+    x: the input, [..., *contracted].
+    w: the weight, [*contracted, *out].
+    in_dims: how many axes are contracted.
+    recipe: one of `RECIPES`.
+    scale_3: the delayed recipe's state, the scales of (x, w, g) [3]; None for other recipes.
+    dtype: the compute and result dtype; `x` and `w` are cast to it.
+
+  Returns:
+    The product, [..., *out], in `dtype`.
+
+  Raises:
+    ValueError: an unknown recipe, or `scale_3` given for a recipe other than `'delayed'` (or
+      missing for it).
   """
   x, w = x.astype(dtype), w.astype(dtype)
   if recipe == "none":
@@ -296,8 +374,24 @@ def dot(
 def grouped(
     x_MxK: jax.Array, w_GxKxN: jax.Array, sizes_G: jax.Array, recipe: str, scale_3: jax.Array | None
 ) -> jax.Array:
-  """`jax.lax.ragged_dot(x, w, sizes)` (float32 result) in the recipe; per-tensor scales cover
-  all of this device's experts together."""
+  """`jax.lax.ragged_dot(x, w, sizes)` in the recipe.
+
+  Per-tensor scales cover all of this device's experts together.
+
+  Args:
+    x_MxK: the rows, grouped by expert, [M, K].
+    w_GxKxN: one weight per group, [G, K, N].
+    sizes_G: rows per group, int [G].
+    recipe: one of `RECIPES`.
+    scale_3: the delayed recipe's state [3]; None for other recipes.
+
+  Returns:
+    The grouped product, [M, N], float32.
+
+  Raises:
+    ValueError: an unknown recipe, or `scale_3` given for a recipe other than `'delayed'` (or
+      missing for it).
+  """
   return _matmul(x_MxK, w_GxKxN, sizes_G, recipe, scale_3, _F32)
 
 
@@ -305,25 +399,55 @@ def grouped(
 
 
 def is_state(path) -> bool:
-  """Whether a key path names a delayed-scaling state leaf (its gradient combines by max)."""
+  """Whether a key path names a delayed-scaling state leaf (its gradient combines by max).
+
+  Args:
+    path: a pytree key path.
+
+  Returns:
+    True when its last key is a string starting with `STATE_PREFIX`.
+  """
   key = getattr(path[-1], "key", None) if path else None
   return isinstance(key, str) and key.startswith(STATE_PREFIX)
 
 
 def accumulate(a: Any, b: Any) -> Any:
-  """a + b over two gradient trees, except state leaves (observed amaxes): max(a, b)."""
+  """`a + b` over two gradient trees, except state leaves (observed amaxes): `max(a, b)`.
+
+  Args:
+    a: a gradient tree.
+    b: a gradient tree of the same structure.
+
+  Returns:
+    The combined tree.
+  """
   return jax.tree_util.tree_map_with_path(
       lambda p, u, v: jnp.maximum(u, v) if is_state(p) else u + v, a, b
   )
 
 
 def map_grads(fn: Callable, grads: Any) -> Any:
-  """`fn` on every gradient leaf but the state leaves (e.g. the loss normalisation)."""
+  """`fn` on every gradient leaf but the state leaves (e.g. the loss normalisation).
+
+  Args:
+    fn: the function of a leaf.
+    grads: a gradient tree.
+
+  Returns:
+    The tree with `fn` applied to every leaf that is not a state leaf; state leaves as they are.
+  """
   return jax.tree_util.tree_map_with_path(lambda p, g: g if is_state(p) else fn(g), grads)
 
 
 def state_of(tree: dict) -> dict:
-  """The state leaves of a parameter-shaped dict tree (nested dicts), nothing else."""
+  """The state leaves of a parameter-shaped dict tree (nested dicts), nothing else.
+
+  Args:
+    tree: nested dicts of parameters.
+
+  Returns:
+    The nested dicts that lead to state leaves, holding only those leaves.
+  """
   out = {}
   for k, v in tree.items():
     if isinstance(k, str) and k.startswith(STATE_PREFIX):
@@ -336,7 +460,15 @@ def state_of(tree: dict) -> dict:
 
 
 def with_state(tree: dict, state: dict) -> dict:
-  """`tree` with the leaves `state` names set to its values (added where `tree` lacks them)."""
+  """`tree` with the leaves `state` names set to its values (added where `tree` lacks them).
+
+  Args:
+    tree: nested dicts of parameters.
+    state: nested dicts of state leaves (the `state_of` structure).
+
+  Returns:
+    A new tree; `tree` itself is not changed.
+  """
   out = dict(tree)
   for k, v in state.items():
     out[k] = with_state(tree.get(k, {}), v) if isinstance(v, dict) else v
@@ -344,7 +476,15 @@ def with_state(tree: dict, state: dict) -> dict:
 
 
 def init_history(params: dict, length: int) -> dict:
-  """Zero amax histories for every state leaf [..., 3] of `params`: [..., 3, length]."""
+  """Zero amax histories for every state leaf of `params`.
+
+  Args:
+    params: nested dicts of parameters whose state leaves are [..., 3].
+    length: entries per history (`fp8_history`).
+
+  Returns:
+    The `state_of` structure with float32 zeros [..., 3, length] for each state leaf.
+  """
   return jax.tree.map(lambda s: jnp.zeros(s.shape + (length,), _F32), state_of(params))
 
 
@@ -355,9 +495,25 @@ _FORMAT_MAX = np.array([fp8_max(f) for f in SCALE_FORMATS], np.float32)
 def advance(
     scales: dict, history: dict, seen: dict, margin: int = 0, algo: str = "max"
 ) -> tuple[dict, dict]:
-  """One step of delayed scaling: each observed amax enters its history, then the scales
-  follow TE's rule from the history's maximum (`algo='max'`) or newest entry ('most_recent').
-  All three trees have the `state_of` structure. -> (scales, history)."""
+  """One step of delayed scaling.
+
+  Each observed amax enters its history, then the scales follow TE's rule,
+  `(fp8_max / amax) / 2^margin`, from the history's maximum or its newest entry; a zero or
+  non-finite amax keeps the old scale. All three trees have the `state_of` structure.
+
+  Args:
+    scales: the scales the step used, leaves [..., 3].
+    history: the amax histories, leaves [..., 3, length].
+    seen: the amaxes the step observed, leaves [..., 3].
+    margin: TE's margin, powers of two of headroom below the format's largest value.
+    algo: `'max'` (the history's maximum) or `'most_recent'` (its newest entry).
+
+  Returns:
+    `(scales, history)`: the next step's scales and the updated histories.
+
+  Raises:
+    ValueError: an unknown `algo`.
+  """
   if algo not in AMAX_ALGOS:
     raise ValueError(f"fp8_amax={algo!r} is unknown; use one of {AMAX_ALGOS}")
 

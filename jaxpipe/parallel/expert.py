@@ -55,8 +55,22 @@ class Plan:
 
 
 def capacity_for(tokens: int, top_k: int, ep: int, capacity_factor: float | None) -> int:
-  """Rows per destination: ceil(cf * T * min(K, ep) / ep), the balanced share, capped at T;
-  None = T."""
+  """Rows one source may send one destination.
+
+  The balanced share `ceil(cf * T * min(K, ep) / ep)`, capped at T (and at least 1).
+
+  Args:
+    tokens: T, tokens on this device.
+    top_k: K, experts per token.
+    ep: size of the expert axis.
+    capacity_factor: cf; None: T (dropless).
+
+  Returns:
+    The capacity in rows.
+
+  Raises:
+    ValueError: `capacity_factor` is not > 0.
+  """
   if capacity_factor is None:
     return tokens
   if capacity_factor <= 0:
@@ -72,7 +86,23 @@ def make_plan(
     capacity_factor: float | None = None,
     impl: str = "fixed",
 ) -> Plan:
-  """A plan; `capacity_factor` None means dropless."""
+  """The static sizes of one dispatch on one device.
+
+  Args:
+    tokens: T, tokens on this device.
+    top_k: K, experts per token.
+    num_experts: E, experts over the whole expert axis; a multiple of `ep`.
+    ep: size of the expert axis.
+    capacity_factor: see `capacity_for`; None means dropless.
+    impl: the transport, one of `IMPLS`: `'fixed'`, `'ragged'` or `'ragged_emulated'`.
+
+  Returns:
+    The `Plan`.
+
+  Raises:
+    ValueError: an unknown `impl`, `num_experts` not divisible by `ep`, a capacity factor with a
+      ragged (dropless) transport, or a `capacity_factor` that is not > 0.
+  """
   if impl not in IMPLS:
     raise ValueError(f"dispatch impl={impl!r} is unknown; use one of {IMPLS}")
   if num_experts % ep:
@@ -106,7 +136,18 @@ def _exclusive_cumsum(x, axis=0):
 
 
 def make_layout(idx_TxK: jax.Array, plan: Plan) -> Layout:
-  """Layout of one dispatch from the chosen experts; pure, no communication."""
+  """Layout of one dispatch from the chosen experts; pure, no communication.
+
+  Pairs are numbered per destination in token order, so a full buffer drops the latest tokens.
+
+  Args:
+    idx_TxK: each token's chosen experts, int [T, K], global ids in [0, E).
+    plan: the dispatch's static sizes.
+
+  Returns:
+    The `Layout`: each choice's destination rank, pair counts per rank and per expert, which
+    choices are kept and carry their pair, and the send buffer's rows.
+  """
   t, k = idx_TxK.shape
   rank_TxK = idx_TxK // plan.n_local
   in_rank_TxR = jax.nn.one_hot(rank_TxK, plan.ep, dtype=jnp.int32).max(axis=1)
@@ -155,7 +196,17 @@ class Ragged(NamedTuple):
 
 
 def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
-  """Offsets of a packed dispatch; rows from source s land after those of sources < s."""
+  """Offsets of a packed dispatch, from an all_gather of the send sizes.
+
+  Rows from source s land after those of sources < s. Runs inside `shard_map`.
+
+  Args:
+    send_sizes_R: rows this device sends each destination, int [ep].
+    axis: the expert axis.
+
+  Returns:
+    The `Ragged` offsets and sizes for `ragged_all_to_all` both ways, each [ep].
+  """
   me = jax.lax.axis_index(axis)
   sizes_RxR = jax.lax.all_gather(send_sizes_R, axis)  # [source, destination]
   in_off_RxR = _exclusive_cumsum(sizes_RxR, axis=1)
@@ -173,8 +224,22 @@ def ragged_offsets(send_sizes_R: jax.Array, axis: str) -> Ragged:
 def ragged_all_to_all_emulated(
     operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
 ):
-  """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers,
-  for backends without it."""
+  """`jax.lax.ragged_all_to_all`'s semantics from all_gather and gathers.
+
+  For backends without `ragged_all_to_all`. Runs inside `shard_map`.
+
+  Args:
+    operand: the send buffer, [rows, ...].
+    output: the receive buffer, [rows, ...]; its rows that nothing lands on are kept.
+    input_offsets: where this device's rows for each destination start in `operand`, [ep].
+    send_sizes: rows this device sends each destination, [ep].
+    output_offsets: where this device's rows land in each destination's `output`, [ep].
+    recv_sizes: rows received from each source, [ep]; unused (implied by the senders' sizes).
+    axis_name: the mesh axis.
+
+  Returns:
+    `output` with every source's rows written in place.
+  """
   del recv_sizes  # implied by the senders' sizes
   me = jax.lax.axis_index(axis_name)
   all_ops = jax.lax.all_gather(operand, axis_name)
@@ -261,8 +326,27 @@ def dispatch(
     axis: str | None,
     fp8_block: int | None = None,
 ) -> tuple[Received, Handle]:
-  """Sends each kept (token, rank) pair to its rank
-  with the ids and weights of its experts there."""
+  """Sends each kept (token, rank) pair to its rank with the ids and weights of its experts there.
+
+  Runs inside `shard_map` over `axis`.
+
+  Args:
+    x_TxD: this device's tokens, [T, D].
+    idx_TxK: each token's chosen experts, int [T, K], global ids.
+    w_TxK: their combine weights, [T, K].
+    plan: the dispatch's static sizes; must match `idx_TxK`'s shape.
+    axis: the expert axis; None on one device (`plan.ep == 1`).
+    fp8_block: send the payload in e4m3 with one scale per row and `fp8_block` channels
+      (DeepSeek-V3's tiles; its gradient moves back in full precision); None: in `x_TxD`'s dtype.
+
+  Returns:
+    The `Received` rows of this device (tokens [N, D], local expert ids [N, K] with `n_local` for
+    a choice that is not here or an empty row, weights [N, K]), and the `Handle` that `combine`
+    reuses.
+
+  Raises:
+    ValueError: `idx_TxK`'s shape does not match the plan, or `plan.ep > 1` without `axis`.
+  """
   t, k = idx_TxK.shape
   if (t, k) != (plan.tokens, plan.top_k):
     raise ValueError(
@@ -296,7 +380,19 @@ def dispatch(
 
 
 def combine(y_NxD: jax.Array, handle: Handle, plan: Plan, *, axis: str | None) -> jax.Array:
-  """Returns each pair's row to its token and sums over the token's ranks; dropped pairs add 0."""
+  """Returns each pair's row to its token and sums over the token's ranks.
+
+  The exact transpose of `dispatch`'s movement; dropped pairs add 0.
+
+  Args:
+    y_NxD: the weighted sum of each received row's experts, [N, D].
+    handle: what `dispatch` returned with the rows.
+    plan: the dispatch's static sizes.
+    axis: the expert axis; None on one device.
+
+  Returns:
+    Each token's output, [T, D].
+  """
   back_S = _move(_Move(plan, axis, False), y_NxD, handle.ragged)
   back_pad = jnp.concatenate([back_S, jnp.zeros((1, back_S.shape[1]), back_S.dtype)])
   lay = handle.layout

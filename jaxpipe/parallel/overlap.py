@@ -53,7 +53,22 @@ def _check_heads(heads: int, cp: int, what: str) -> int:
 
 
 def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp") -> jax.Array:
-  """seq_to_heads(x @ w) in P chunked steps: [B, L/P, D] -> [B, L, N/P, K], inside shard_map."""
+  """`seq_to_heads(x @ w)` in P chunked steps, inside `shard_map`.
+
+  Step s computes the heads destined for rank r+s and ppermutes them by s, so each step's GEMM
+  runs while the previous step's transfer is in flight.
+
+  Args:
+    x_BxSxD: this rank's tokens, [B, L/P, D].
+    w_DxNxK: the projection, [D, N, K], every head.
+    axis_name: the context axis.
+
+  Returns:
+    Every token of this rank's heads, [B, L, N/P, K].
+
+  Raises:
+    ValueError: N heads do not divide over the context ranks.
+  """
   cp = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
   heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_local")
@@ -73,7 +88,22 @@ def proj_a2a_local(x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "
 def a2a_proj_local(
     o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
 ) -> jax.Array:
-  """heads_to_seq(o) @ w in P chunked steps: [B, L, N/P, K] -> [B, L/P, D], inside shard_map."""
+  """`heads_to_seq(o) @ w` in P chunked steps, inside `shard_map`.
+
+  Every transfer is issued up front; step s's GEMM starts as soon as chunk s lands.
+
+  Args:
+    o_BxLxNpxK: every token of this rank's heads, [B, L, N/P, K].
+    w_NxKxD: the output projection, [N, K, D], every head.
+    axis_name: the context axis.
+
+  Returns:
+    This rank's tokens, projected, [B, L/P, D].
+
+  Raises:
+    ValueError: N heads do not divide over the context ranks, `o` holds another number of heads
+      per rank, or L is not divisible by P.
+  """
   cp = lax.axis_size(axis_name)
   rank = lax.axis_index(axis_name)
   heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_local")
@@ -111,7 +141,24 @@ def _check_chunks(seq: int, chunks: int, what: str) -> int:
 def proj_a2a_chunked_local(
     x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp", chunks: int = 2
 ) -> jax.Array:
-  """seq_to_heads(x @ w) as `chunks` GEMM + all_to_all pairs over slices of this rank's tokens."""
+  """`seq_to_heads(x @ w)` as `chunks` GEMM + all_to_all pairs over slices of this rank's tokens.
+
+  For where a `ppermute` cannot run: chunk j+1's GEMM can run while chunk j's all_to_all is in
+  flight.
+
+  Args:
+    x_BxSxD: this rank's tokens, [B, L/P, D].
+    w_DxNxK: the projection, [D, N, K], every head.
+    axis_name: the context axis.
+    chunks: slices of this rank's tokens; must divide L/P.
+
+  Returns:
+    Every token of this rank's heads, [B, L, N/P, K].
+
+  Raises:
+    ValueError: N heads do not divide over the context ranks, or `chunks` is < 1 or does not
+      divide L/P.
+  """
   cp = lax.axis_size(axis_name)
   heads_per = _check_heads(w_DxNxK.shape[1], cp, "proj_a2a_chunked_local")
   batch, seq, _ = x_BxSxD.shape
@@ -128,7 +175,21 @@ def proj_a2a_chunked_local(
 def a2a_proj_chunked_local(
     o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp", chunks: int = 2
 ) -> jax.Array:
-  """heads_to_seq(o) @ w as `chunks` all_to_all + GEMM pairs over slices of each rank's tokens."""
+  """`heads_to_seq(o) @ w` as `chunks` all_to_all + GEMM pairs over slices of each rank's tokens.
+
+  Args:
+    o_BxLxNpxK: every token of this rank's heads, [B, L, N/P, K].
+    w_NxKxD: the output projection, [N, K, D], every head.
+    axis_name: the context axis.
+    chunks: slices of each rank's tokens; must divide L/P.
+
+  Returns:
+    This rank's tokens, projected, [B, L/P, D].
+
+  Raises:
+    ValueError: N heads do not divide over the context ranks, `o` holds another number of heads
+      per rank, L is not divisible by P, or `chunks` is < 1 or does not divide L/P.
+  """
   cp = lax.axis_size(axis_name)
   heads_per = _check_heads(w_NxKxD.shape[0], cp, "a2a_proj_chunked_local")
   if o_BxLxNpxK.shape[2] != heads_per:
@@ -152,12 +213,30 @@ def a2a_proj_chunked_local(
 def proj_then_a2a_local(
     x_BxSxD: jax.Array, w_DxNxK: jax.Array, *, axis_name: str = "cp"
 ) -> jax.Array:
-  """Unfused reference for proj_a2a_local: one GEMM, then one all_to_all."""
+  """Unfused reference for `proj_a2a_local`: one GEMM, then one all_to_all.
+
+  Args:
+    x_BxSxD: this rank's tokens, [B, L/P, D].
+    w_DxNxK: the projection, [D, N, K].
+    axis_name: the context axis.
+
+  Returns:
+    Every token of this rank's heads, [B, L, N/P, K].
+  """
   return seq_to_heads(jnp.einsum("bsd,dnk->bsnk", x_BxSxD, w_DxNxK), axis_name)
 
 
 def a2a_then_proj_local(
     o_BxLxNpxK: jax.Array, w_NxKxD: jax.Array, *, axis_name: str = "cp"
 ) -> jax.Array:
-  """Unfused reference for a2a_proj_local: one all_to_all, then one GEMM."""
+  """Unfused reference for `a2a_proj_local`: one all_to_all, then one GEMM.
+
+  Args:
+    o_BxLxNpxK: every token of this rank's heads, [B, L, N/P, K].
+    w_NxKxD: the output projection, [N, K, D].
+    axis_name: the context axis.
+
+  Returns:
+    This rank's tokens, projected, [B, L/P, D].
+  """
   return jnp.einsum("bsnk,nkd->bsd", heads_to_seq(o_BxLxNpxK, axis_name), w_NxKxD)

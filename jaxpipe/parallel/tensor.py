@@ -56,11 +56,16 @@ _TP: contextvars.ContextVar[_Placement | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def tensor_parallel(axis_name: str | None = "tp", sequence_parallel: bool = False):
-  """While tracing inside, the layers split over `axis_name` (None: one device's layers).
+  """While tracing inside, the layers split over `axis_name`.
 
-  sequence_parallel: the residual stream between layers (and the embedding's output) holds
-  this rank's contiguous L/tp slice of every sequence. FP8 projections take their per-tensor
-  scales from amaxes reduced over the axis (`fp8.amax_over`), as for the whole tensors.
+  Enter it within a `shard_map` whose parameters arrive split by `split_dim` (`param_specs`).
+  FP8 projections take their per-tensor scales from amaxes reduced over the axis
+  (`fp8.amax_over`), as for the whole tensors.
+
+  Args:
+    axis_name: the tensor-parallel mesh axis; None: one device's layers.
+    sequence_parallel: the residual stream between layers (and the embedding's output) holds
+      this rank's contiguous L/tp slice of every sequence.
   """
   token = _TP.set(None if axis_name is None else _Placement(axis_name, sequence_parallel))
   try:
@@ -94,15 +99,32 @@ def token_split() -> int:
 
 
 def gather_tokens(x_BxSxD: jax.Array) -> jax.Array:
-  """A layer's input: with sequence parallelism the whole sequence from every rank's slice."""
+  """A layer's input: with sequence parallelism, the whole sequence from every rank's slice.
+
+  Args:
+    x_BxSxD: the residual stream as this rank holds it, [B, L/tp, D] with sequence parallelism,
+      else [B, L, D].
+
+  Returns:
+    [B, L, D]: all-gathered along the sequence with sequence parallelism, else `x_BxSxD` as is.
+  """
   if not sequence_parallel():
     return x_BxSxD
   return lax.all_gather(x_BxSxD, tensor_axis(), axis=1, tiled=True)
 
 
 def reduce_tokens(y_BxLxD: jax.Array) -> jax.Array:
-  """A row-parallel layer's partial output summed over the tensor axis: all-reduced, or with
-  sequence parallelism reduce-scattered to this rank's slice of the sequence."""
+  """A row-parallel layer's partial output summed over the tensor axis.
+
+  All-reduced, or with sequence parallelism reduce-scattered to this rank's slice of the
+  sequence. Outside `tensor_parallel` it is returned as is.
+
+  Args:
+    y_BxLxD: this rank's partial sum, [B, L, D].
+
+  Returns:
+    The sum over the tensor axis, [B, L, D], or [B, L/tp, D] with sequence parallelism.
+  """
   axis = tensor_axis()
   if axis is None:
     return y_BxLxD
@@ -112,19 +134,47 @@ def reduce_tokens(y_BxLxD: jax.Array) -> jax.Array:
 
 
 def kv_split(n_kv_heads: int, tp: int) -> bool:
-  """Whether the KV heads split over tp ranks (else every rank holds all of them)."""
+  """Whether the KV heads split over tp ranks (else every rank holds all of them).
+
+  Args:
+    n_kv_heads: the model's KV heads.
+    tp: tensor-parallel ranks.
+
+  Returns:
+    True when `tp` divides `n_kv_heads`.
+  """
   return n_kv_heads % tp == 0
 
 
 def local_heads(n_heads: int, n_kv_heads: int) -> tuple[int, int]:
-  """(query heads, KV heads) this rank projects."""
+  """The query and KV heads this rank projects.
+
+  Args:
+    n_heads: the model's query heads.
+    n_kv_heads: the model's KV heads.
+
+  Returns:
+    `(n_heads // tp, n_kv_heads // tp)`, or `(n_heads // tp, n_kv_heads)` when the KV heads do
+    not split over tp.
+  """
   tp = size()
   return n_heads // tp, n_kv_heads // tp if kv_split(n_kv_heads, tp) else n_kv_heads
 
 
 def kv_group(kv_BxLxGxK: jax.Array, n_heads: int, n_kv_heads: int) -> jax.Array:
-  """The KV heads this rank's query heads read: all of them when they split over tp; else the
-  one group of this rank's contiguous query heads (tp a multiple of n_kv_heads)."""
+  """The KV heads this rank's query heads read.
+
+  All of them when they split over tp; else the one group of this rank's contiguous query heads
+  (tp a multiple of n_kv_heads).
+
+  Args:
+    kv_BxLxGxK: keys or values as this rank projects them, [B, L, G, K].
+    n_heads: the model's query heads.
+    n_kv_heads: the model's KV heads.
+
+  Returns:
+    `kv_BxLxGxK` as is, or its one KV head for this rank, [B, L, 1, K].
+  """
   tp = size()
   if tp == 1 or kv_split(n_kv_heads, tp):
     return kv_BxLxGxK
@@ -133,8 +183,18 @@ def kv_group(kv_BxLxGxK: jax.Array, n_heads: int, n_kv_heads: int) -> jax.Array:
 
 
 def vocab_embed(table_VpxD: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
-  """Embedding lookup with the table's rows split over the tensor axis; [B, L, D], or
-  [B, L/tp, D] with sequence parallelism."""
+  """Embedding lookup with the table's rows split over the tensor axis.
+
+  Each rank looks up the tokens of its vocabulary slice, zeros for the others, and the result is
+  reduced over the axis (`reduce_tokens`).
+
+  Args:
+    table_VpxD: this rank's rows of the embedding table, [V/tp, D].
+    tokens_BxL: token ids, [B, L], over the whole vocabulary.
+
+  Returns:
+    The embeddings, [B, L, D], or [B, L/tp, D] with sequence parallelism.
+  """
   axis = tensor_axis()
   if axis is None:
     return jnp.take(table_VpxD, tokens_BxL, axis=0)
@@ -148,8 +208,19 @@ def vocab_embed(table_VpxD: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
 def vocab_cross_entropy(
     logits_BxLxVp: jax.Array, targets_BxL: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """(log-partition, target logit) [B, L] of logits whose vocabulary is split over the tensor
-  axis, from three reductions of [B, L] (a max, a sum of exponentials, the target's logit)."""
+  """Log-partition and target logit of logits whose vocabulary is split over the tensor axis.
+
+  Computed from three reductions of [B, L] (a max, a sum of exponentials, the target's logit), so
+  whole logits are never gathered. No gradient flows through the max.
+
+  Args:
+    logits_BxLxVp: this rank's slice of the logits, [B, L, V/tp].
+    targets_BxL: target ids, [B, L], over the whole vocabulary.
+
+  Returns:
+    `(logz_BxL, target_BxL)`: the log-sum-exp over the whole vocabulary and the target's logit,
+    each [B, L].
+  """
   axis = tensor_axis()
   if axis is None:
     logz_BxL = jax.nn.logsumexp(logits_BxLxVp, axis=-1)
@@ -188,11 +259,19 @@ _SPLIT_DIM = {
 
 
 def split_dim(keys: tuple, shape: tuple[int, ...], tp: int) -> int | None:
-  """The axis (from the end) of a model parameter split over tp ranks, None if it stays whole.
+  """The axis (from the end) of a model parameter split over tp ranks.
 
-  keys: the parameter's path of dict keys. KV projections stay whole when their heads do not
-  divide over tp (`kv_split`); everything not named above (norms, routers, experts, fp8
-  scales) stays whole.
+  KV projections stay whole when their heads do not divide over tp (`kv_split`); everything not
+  named in the split table (norms, routers, experts, fp8 scales) stays whole.
+
+  Args:
+    keys: the parameter's path of dict keys (non-string entries are ignored).
+    shape: the parameter's shape.
+    tp: tensor-parallel ranks.
+
+  Returns:
+    The split axis as a negative index, or None if the parameter stays whole (always when
+    `tp == 1`).
   """
   if tp == 1:
     return None
@@ -208,8 +287,18 @@ def split_dim(keys: tuple, shape: tuple[int, ...], tp: int) -> int | None:
 
 
 def param_specs(params, axis: str, tp: int):
-  """PartitionSpecs of a model parameter tree with Megatron's dims (`split_dim`) split over
-  `axis` of tp ranks, every other dim whole."""
+  """PartitionSpecs of a model parameter tree for tensor parallelism.
+
+  Megatron's dims (`split_dim`) are split over `axis` of tp ranks, every other dim whole.
+
+  Args:
+    params: the model's parameter tree (arrays or shapes).
+    axis: the tensor-parallel mesh axis.
+    tp: its ranks.
+
+  Returns:
+    A tree of `PartitionSpec`s of the same structure.
+  """
 
   def spec(path, leaf):
     keys = tuple(getattr(k, "key", None) for k in path)
@@ -235,13 +324,26 @@ def check(
     fix: str | None = None,
     kv_whole: bool = True,
 ) -> None:
-  """Raises ValueError, naming the value and the fix, unless the model splits over tp ranks.
+  """Checks that the model splits over tp ranks.
 
-  seq_len: the sequence as a context rank holds it (L / cp). over: what the ranks are, for the
-  message (default 'mesh.tp=N'); fix: the remedy for a width that does not split, a format
-  string of `value` (default: a tp dividing it, or a multiple of tp). kv_whole: KV heads may
-  stay whole on each rank when fewer than tp (training's rule); the serving engine's pools split
-  by KV head, so it passes False.
+  Args:
+    tp: tensor-parallel ranks.
+    n_heads: the model's query heads.
+    n_kv_heads: the model's KV heads.
+    d_ff: the MLP's width.
+    vocab: the vocabulary size.
+    seq_len: the sequence as a context rank holds it (L / cp).
+    sequence_parallel: whether the residual stream splits along the sequence over tp.
+    cp: context-parallel (Ulysses) ranks.
+    over: what the ranks are, for the message; default `'mesh.tp=N'`.
+    fix: the remedy for a width that does not split, a format string of `value` (and `name`,
+      `tp`); default: a tp dividing it, or a multiple of tp.
+    kv_whole: KV heads may stay whole on each rank when fewer than tp (training's rule); the
+      serving engine's pools split by KV head, so it passes False.
+
+  Raises:
+    ValueError: naming the value and the fix, unless the model splits over tp ranks (and its
+      heads per tensor rank over cp ranks).
   """
   over = over or f"mesh.tp={tp}"
   if tp == 1:

@@ -26,7 +26,18 @@ from jaxpipe.ops.attention import attention
 def check_divisible(
     seq_len: int, heads: int, kv_heads: int, cp: int, axis_name: str = "cp"
 ) -> None:
-  """Raises ValueError when the sequence or the (KV) heads do not split evenly over cp ranks."""
+  """Checks that the sequence and the (KV) heads split evenly over the context ranks.
+
+  Args:
+    seq_len: the whole sequence's length L.
+    heads: query heads H.
+    kv_heads: key/value heads G.
+    cp: context ranks P.
+    axis_name: the context axis, named in the errors.
+
+  Raises:
+    ValueError: `seq_len`, `heads` or `kv_heads` is not divisible by `cp`.
+  """
   if seq_len % cp:
     raise ValueError(
         f"sequence length {seq_len} is not divisible by the context axis "
@@ -46,17 +57,43 @@ def check_divisible(
 
 
 def seq_to_heads(x_BxSxNxK: jax.Array, axis_name: str = "cp") -> jax.Array:
-  """[B, L/P, N, K] (this rank's tokens) -> [B, L, N/P, K] (this rank's heads), inside shard_map."""
+  """Trades this rank's tokens for this rank's heads with one all_to_all, inside `shard_map`.
+
+  Args:
+    x_BxSxNxK: this rank's tokens, [B, L/P, N, K].
+    axis_name: the context axis.
+
+  Returns:
+    Every token of this rank's heads, [B, L, N/P, K].
+  """
   return lax.all_to_all(x_BxSxNxK, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
 def heads_to_seq(x_BxLxNxK: jax.Array, axis_name: str = "cp") -> jax.Array:
-  """[B, L, N/P, K] (this rank's heads) -> [B, L/P, N, K] (this rank's tokens), inside shard_map."""
+  """Trades this rank's heads for this rank's tokens with one all_to_all, inside `shard_map`.
+
+  The inverse of `seq_to_heads`.
+
+  Args:
+    x_BxLxNxK: every token of this rank's heads, [B, L, N/P, K].
+    axis_name: the context axis.
+
+  Returns:
+    This rank's tokens, every head, [B, L/P, N, K].
+  """
   return lax.all_to_all(x_BxLxNxK, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
 def positions_local(seq_local: int, axis_name: str = "cp") -> jax.Array:
-  """Global token positions [L/P] of this context rank's contiguous slice, inside shard_map."""
+  """Global token positions of this context rank's contiguous slice, inside `shard_map`.
+
+  Args:
+    seq_local: tokens per rank, L/P.
+    axis_name: the context axis.
+
+  Returns:
+    int32 [L/P]: positions `r·L/P .. (r+1)·L/P - 1` on rank r.
+  """
   return lax.axis_index(axis_name) * seq_local + lax.iota("int32", seq_local)
 
 
@@ -73,11 +110,29 @@ def ulysses_attention_local(
     window: int | jax.Array = 0,
     softcap: float = 0.0,
 ) -> jax.Array:
-  """Attention over the full sequence from sequence shards; returns this rank's [B, L/P, H, K].
+  """Attention over the full sequence from sequence shards, inside `shard_map`.
 
   Rank r holds tokens [r·L/P, (r+1)·L/P). Query head h reads KV head h // (H/G); a tiled
   all_to_all gives rank r query heads [r·H/P, ..) and KV heads [r·G/P, ..), the same groups.
-  window and softcap: as `jaxpipe.ops.attention.attention` takes them, over the whole sequence.
+
+  Args:
+    q_BxSxHxK: this rank's queries, [B, L/P, H, K].
+    k_BxSxGxK: this rank's keys, [B, L/P, G, K].
+    v_BxSxGxK: this rank's values, [B, L/P, G, K].
+    axis_name: the context axis.
+    causal: mask each query to keys at or before its position.
+    backend: the attention backend, as `jaxpipe.ops.attention.attention` takes it.
+    segment_ids_BxS: this rank's segment ids, [B, L/P] (packed sequences); gathered whole.
+    sm_scale: the softmax scale; None: `attention`'s default.
+    window: a sliding window, as `jaxpipe.ops.attention.attention` takes it, over the whole
+      sequence.
+    softcap: a score soft-cap, as `jaxpipe.ops.attention.attention` takes it.
+
+  Returns:
+    This rank's attention output, [B, L/P, H, K].
+
+  Raises:
+    ValueError: the sequence or the (KV) heads do not split evenly over the context ranks.
   """
   cp = lax.axis_size(axis_name)
   check_divisible(q_BxSxHxK.shape[1] * cp, q_BxSxHxK.shape[2], k_BxSxGxK.shape[2], cp, axis_name)
@@ -112,7 +167,29 @@ def ulysses_attention(
     segment_ids_BxL: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
-  """Global-array entry: shards the sequence over `axis_name` (and batch over `batch_axes`)."""
+  """Ulysses attention on global arrays.
+
+  Shards the sequence over `axis_name` (and the batch over `batch_axes`) and runs
+  `ulysses_attention_local` in a `shard_map` over `mesh`.
+
+  Args:
+    q_BxLxHxK: queries, [B, L, H, K].
+    k_BxLxGxK: keys, [B, L, G, K].
+    v_BxLxGxK: values, [B, L, G, K].
+    mesh: the device mesh holding `axis_name` (and `batch_axes`).
+    axis_name: the context axis the sequence is split over.
+    batch_axes: the mesh axes the batch is split over; None: replicated.
+    causal: mask each query to keys at or before its position.
+    backend: the attention backend, as `jaxpipe.ops.attention.attention` takes it.
+    segment_ids_BxL: segment ids, [B, L] (packed sequences).
+    sm_scale: the softmax scale; None: `attention`'s default.
+
+  Returns:
+    The attention output, [B, L, H, K], sharded as the inputs.
+
+  Raises:
+    ValueError: the sequence or the (KV) heads do not split evenly over the context ranks.
+  """
   cp = mesh.shape[axis_name]
   check_divisible(q_BxLxHxK.shape[1], q_BxLxHxK.shape[2], k_BxLxGxK.shape[2], cp, axis_name)
   spec = P(batch_axes, axis_name)

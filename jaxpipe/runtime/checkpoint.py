@@ -47,7 +47,14 @@ _METADATA_FILE = "_CHECKPOINT_METADATA"
 
 
 def is_committed(step_dir: str) -> bool:
-  """Whether orbax finished writing this step (its commit marker or commit timestamp exists)."""
+  """Whether orbax finished writing this step.
+
+  Args:
+    step_dir: a step's directory, `<checkpoints>/<step>`.
+
+  Returns:
+    True if its commit marker file exists, or its metadata records a commit timestamp.
+  """
   if os.path.isfile(os.path.join(step_dir, _COMMIT_FILE)):
     return True
   try:
@@ -67,7 +74,14 @@ class CheckpointMismatchError(RuntimeError):
 
 
 def directory_bytes(path: str) -> int:
-  """Bytes in the files under `path`."""
+  """Bytes in the files under `path`.
+
+  Args:
+    path: a directory.
+
+  Returns:
+    The total size of the files under `path`, recursively, in bytes.
+  """
   return sum(
       os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
   )
@@ -178,16 +192,35 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def needed_bytes(self, state: Any) -> int:
-    """Room one more checkpoint of `state` (arrays or their shapes) takes: the newest committed
-    step's size on disk, or the arrays' own size before any step is committed."""
+    """Room one more checkpoint of `state` takes.
+
+    Args:
+      state: the state pytree, as arrays or their shapes (anything with `.shape` and `.dtype`).
+
+    Returns:
+      The newest committed step's size on disk in bytes, or the arrays' own size before any step is
+      committed.
+    """
     latest = self.latest_step()
     if latest is not None:
       return directory_bytes(os.path.join(self.directory, str(latest)))
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
   def check_space(self, state: Any, step: int | None = None) -> int:
-    """The bytes a checkpoint of `state` takes; CheckpointSaveError if the filesystem has less
-    (on any process of the run: all of them stop)."""
+    """Checks that the filesystem has room for a checkpoint of `state`.
+
+    A collective in a multi-process run: if any process lacks the room, all of them raise.
+
+    Args:
+      state: the state pytree, as arrays or their shapes.
+      step: the step about to be saved, named in the error.
+
+    Returns:
+      The bytes a checkpoint of `state` takes.
+
+    Raises:
+      CheckpointSaveError: the filesystem has less room (on any process of the run).
+    """
     needed, free = self.needed_bytes(state), shutil.disk_usage(self.directory).free
     if multihost.any_process(free < needed):
       what = f"not saving step {step}" if step is not None else "no checkpoint fits"
@@ -199,10 +232,20 @@ class Checkpointer:
     return needed
 
   def save(self, step: int, state: Any, force: bool = False) -> bool:
-    """Starts saving `state` as `step` (in the background when async); False if orbax skipped it.
+    """Starts saving `state` as `step` (in the background when async).
 
-    Raises CheckpointSaveError, before writing, when the disk has no room for it, and when an
-    earlier background save failed or this synchronous one fails.
+    Args:
+      step: the training step to save as.
+      state: the state pytree.
+      force: passed to orbax's `CheckpointManager.save`: save even where its policy would skip.
+
+    Returns:
+      False if orbax skipped the step, else True.
+
+    Raises:
+      CheckpointSaveError: before writing, when the disk has no room for it; and when an earlier
+        background save failed or this synchronous one fails.
+      ValueError: the checkpointer is read-only.
     """
     if self.read_only:
       raise ValueError(f"{self.directory} was opened read-only (a reader); not saving step {step}")
@@ -273,12 +316,22 @@ class Checkpointer:
     )
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any] | None:
-    """(step, state) of the newest step that restores onto `abstract_state`'s shapes and shardings.
+    """Restores the newest step that restores onto `abstract_state`'s shapes and shardings.
 
     A newer step that fails (on any process) while an older one restores is corrupt and is set
-    aside (left in place by a reader); if none restores, the newest step's error is raised:
-    CheckpointMismatchError when every step's metadata disagrees with the model (a config
-    change), else RuntimeError.
+    aside (left in place by a reader).
+
+    Args:
+      abstract_state: the state's structure, shapes, dtypes and shardings (e.g.
+        `jax.ShapeDtypeStruct` leaves).
+
+    Returns:
+      `(step, state)` of the newest step that restores, or None when there is no committed step.
+
+    Raises:
+      CheckpointMismatchError: no step restores and every step's metadata disagrees with the model
+        (a config change).
+      RuntimeError: no step restores, for another reason; the newest step's error is its cause.
     """
     failed, first_error, mismatched = [], None, True
     for step in reversed(self.steps()):

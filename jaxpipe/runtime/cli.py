@@ -40,19 +40,37 @@ USAGE = 2  # exit status of a command line that cannot run: a bad flag or argume
 
 
 def flag_values(module: str) -> flags.FlagValues:
-  """Where the runner `module` (its `__name__`) defines its flags: absl's FLAGS when it runs as
-  the program, else a FlagValues of its own."""
+  """Where the runner `module` defines its flags.
+
+  Args:
+    module: the runner's `__name__`.
+
+  Returns:
+    absl's global `FLAGS` when the runner runs as the program (`"__main__"`), else a
+    `FlagValues` of its own.
+  """
   return flags.FLAGS if module == "__main__" else flags.FlagValues()
 
 
 def parse(
     flag_values: flags.FlagValues, argv: Sequence[str], known_only: bool = False
 ) -> list[str]:
-  """Parses `argv` (as sys.argv: the program name first) into `flag_values`, every flag back to
-  its default first, so that one call's flags do not leak into the next; -> the program name
-  and the arguments that are not flags. With `known_only`, unknown flags are left among those
-  arguments too (a runner that hands `--config.key=value` overrides on to the processes it
-  starts). A bad flag raises app.UsageError with absl's one-line message."""
+  """Parses `argv` into `flag_values`, every flag back to its default first.
+
+  Resetting the flags first keeps one call's flags from leaking into the next.
+
+  Args:
+    flag_values: the runner's flags.
+    argv: the command line as `sys.argv` holds it: the program name first.
+    known_only: leave unknown flags among the returned arguments (a runner that hands
+      `--config.key=value` overrides on to the processes it starts).
+
+  Returns:
+    The program name and the arguments that are not flags.
+
+  Raises:
+    app.UsageError: a bad flag, with absl's one-line message.
+  """
   if flag_values.is_parsed():
     flag_values.unparse_flags()
   # ml_collections reads `--config.key=value` overrides from sys.argv, not from the list parsed
@@ -66,13 +84,29 @@ def parse(
 
 
 def values(flag_values: flags.FlagValues) -> types.SimpleNamespace:
-  """The parsed flags' values as attributes (`args.max_batch`): a copy, which the runner's
-  functions take and may add derived fields to without touching the flags."""
+  """The parsed flags' values as attributes (`args.max_batch`).
+
+  A copy, which the runner's functions take and may add derived fields to without touching the
+  flags.
+
+  Args:
+    flag_values: the runner's parsed flags.
+
+  Returns:
+    A `SimpleNamespace` with one attribute per flag.
+  """
   return types.SimpleNamespace(**flag_values.flag_values_dict())
 
 
 def no_arguments(argv: Sequence[str]) -> None:
-  """app.UsageError unless argv holds the program name alone: a runner that takes flags only."""
+  """Refuses positional arguments: for a runner that takes flags only.
+
+  Args:
+    argv: the program name, then the positional arguments.
+
+  Raises:
+    app.UsageError: `argv` holds more than the program name.
+  """
   if len(argv) > 1:
     raise app.UsageError(
         f"unexpected arguments {list(argv[1:])}: this command takes flags only, "
@@ -86,9 +120,17 @@ def _refuse(error: app.UsageError) -> NoReturn:
 
 
 def run(main: Callable[[list[str]], int | None], known_only: bool = False) -> NoReturn:
-  """`app.run(main)` over the program's flags (absl's FLAGS), with one-line usage errors; main's
-  return value is the exit status (None: 0). absl's log shows warnings and errors only (not the
-  INFO lines of JAX probing for backends) unless --verbosity is given."""
+  """Runs `main` as the program: `app.run(main)` over absl's `FLAGS`, with one-line usage errors.
+
+  A bad flag, or an `app.UsageError` raised by `main`, prints `error: ...` and exits with status
+  `USAGE`. absl's log shows warnings and errors only (not the INFO lines of JAX probing for
+  backends) unless `--verbosity` is given.
+
+  Args:
+    main: takes the program name and the positional arguments; its return value is the exit
+      status (None: 0).
+    known_only: leave unknown flags among `main`'s arguments.
+  """
 
   def parse_or_refuse(argv: list[str]) -> list[str]:
     try:
@@ -113,9 +155,19 @@ def call(
     args: Sequence[str],
     known_only: bool = False,
 ) -> int | None:
-  """`main` run in this process as `python -m <runner> ARGS` runs it (tests, notebooks): `args`
-  (the arguments after the program name) parsed into the runner's `flag_values`, then main;
-  -> its return value, or USAGE after printing the one-line error the command would."""
+  """Runs `main` in this process as `python -m <runner> ARGS` runs it (tests, notebooks).
+
+  `args` are parsed into the runner's `flag_values`, then `main` runs on the rest.
+
+  Args:
+    main: the runner's `main`.
+    flag_values: the runner's flags.
+    args: the arguments after the program name.
+    known_only: leave unknown flags among `main`'s arguments.
+
+  Returns:
+    `main`'s return value, or `USAGE` after printing the one-line error the command would.
+  """
   try:
     return main(parse(flag_values, ["main", *args], known_only))
   except app.UsageError as e:

@@ -27,14 +27,34 @@ def _rows(lines: list[str]) -> list[dict]:
 
 
 def read_rows(path: str) -> list[dict]:
-  """The rows of a metrics.jsonl; a line cut short by a killed writer is skipped."""
+  """The rows of a `metrics.jsonl` file.
+
+  A line cut short by a killed writer is skipped, as is any line that is not a JSON object with
+  an integer `step`.
+
+  Args:
+    path: the `metrics.jsonl` file.
+
+  Returns:
+    The rows, in file order, each a dict with an int `"step"`.
+  """
   with open(path) as f:
     return _rows(f.readlines())
 
 
 def drop_rows_after(path: str, step: int) -> int:
-  """Rewrites `path` without the rows past `step` (or cut short), atomically; returns how many
-  lines went."""
+  """Rewrites `path` without the rows past `step`, atomically.
+
+  Lines cut short (or not rows) go as well. A missing file, or one with nothing to drop, is left
+  as it is.
+
+  Args:
+    path: the `metrics.jsonl` file.
+    step: the last step to keep.
+
+  Returns:
+    How many lines went (0 when the file is missing or unchanged).
+  """
   if not os.path.exists(path):
     return 0
   with open(path) as f:
@@ -66,6 +86,15 @@ class MetricWriter:
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
+    """Logs one step's scalars to `metrics.jsonl` and TensorBoard.
+
+    Does nothing on processes other than 0. NaN and infinite values go to the JSON line as strings
+    (JSON has no literal for them), so every line stays parseable.
+
+    Args:
+      step: the training step the scalars belong to.
+      scalars: metric name to value.
+    """
     if not self.enabled:
       return
     # JSON has no NaN/inf literals; write them as strings so every line stays parseable.

@@ -16,22 +16,45 @@ from jax.sharding import PartitionSpec as P
 
 
 def any_process(flag: bool) -> bool:
-  """Whether `flag` holds on any process (all processes get the same answer)."""
+  """Whether `flag` holds on any process.
+
+  A collective: all processes get the same answer. In a single process it returns at once.
+
+  Args:
+    flag: this process's value.
+
+  Returns:
+    True if `flag` is true on at least one process.
+  """
   if jax.process_count() == 1:
     return bool(flag)
   return bool(np.max(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
 def barrier(name: str) -> None:
-  """Returns once every process has reached `barrier(name)`."""
+  """Returns once every process has reached `barrier(name)`.
+
+  Returns at once in a single process.
+
+  Args:
+    name: the barrier's name, the same on every process.
+  """
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
 
 
 def to_host(tree):
-  """numpy copies of a tree of arrays, whole: an array split over devices of other processes
-  (pipeline-split layers, say) is gathered from them (`process_allgather`), which `np.asarray`
-  and `jax.device_get` cannot do."""
+  """NumPy copies of a tree of arrays, whole.
+
+  An array split over devices of other processes (pipeline-split layers, say) is gathered from
+  them (`process_allgather`), which `np.asarray` and `jax.device_get` cannot do.
+
+  Args:
+    tree: a pytree of arrays (`jax.Array` or anything `np.asarray` takes).
+
+  Returns:
+    The same tree with every leaf a whole `np.ndarray`.
+  """
 
   def read(x):
     if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
@@ -59,6 +82,14 @@ class OneStepLate:
     self._pending: jax.Array | None = None
 
   def __call__(self, value: int) -> int:
+    """Posts `value` and returns the maximum over processes of the previous call's values.
+
+    Args:
+      value: this process's integer for this call.
+
+    Returns:
+      The maximum over processes of the values posted at the previous call; 0 on the first call.
+    """
     posted = jax.make_array_from_process_local_data(
         self._posted, np.array([value], np.int32), (self._count,)
     )
@@ -95,7 +126,13 @@ class BreakableBarrier:
     self._lock = threading.Lock()  # orbax waits from several threads (one at a time)
 
   def break_(self, why: str) -> None:
-    """Breaks the barrier for every process; the first process to break it gives the reason."""
+    """Breaks the barrier for every process.
+
+    The first process to break it gives the reason; later breaks keep it.
+
+    Args:
+      why: the reason, reported by every later wait's `Broken`.
+    """
     try:
       self._client.key_value_set(f"{self._root}/broken/first", f"{jax.process_index()} {why}")
     except jax.errors.JaxRuntimeError as e:
@@ -110,6 +147,19 @@ class BreakableBarrier:
     return None
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
+    """Waits until every process has reached this barrier.
+
+    Each process's n-th wait on `key` meets the others' n-th.
+
+    Args:
+      key: the barrier's key; may be used again.
+      timeout_ms: how long to wait for the other processes, in milliseconds.
+
+    Raises:
+      Broken: the barrier is broken, by any process, before or during the wait.
+      TimeoutError: the others did not arrive within `timeout_ms`; the barrier is then broken for
+        every process.
+    """
     with self._lock:
       n = self._waits[key] = self._waits.get(key, 0) + 1
     here = f"{self._root}/wait/{key}/{n}/"

@@ -21,10 +21,18 @@ def host_device_count() -> int:
 
 
 def use_host_devices(count: int | None = None) -> None:
-  """Gives the CPU platform `count` devices (default $JAXPIPE_HOST_DEVICES or 8).
+  """Gives the CPU platform `count` devices.
 
   Without an accelerator this is what makes a real multi-device mesh; with one it only adds CPU
-  devices that nothing uses. XLA reads the flag when JAX starts, hence the import check.
+  devices that nothing uses. XLA reads the flag when JAX starts, hence the import check. Does
+  nothing when `XLA_FLAGS` already sets `--xla_force_host_platform_device_count`.
+
+  Args:
+    count: the number of CPU devices; default `$JAXPIPE_HOST_DEVICES`, or 8.
+
+  Raises:
+    RuntimeError: JAX is already imported.
+    ValueError: `$JAXPIPE_HOST_DEVICES` is not a positive integer.
   """
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_force_host_platform_device_count" in flags:
@@ -82,15 +90,26 @@ def initialize(
     process_id: int | None = None,
     heartbeat_timeout_s: int | None = None,
 ) -> bool:
-  """Joins a multi-process run (`jax.distributed`) if one is described; False if this process runs
-  alone. Call it before the first device is touched.
+  """Joins a multi-process run (`jax.distributed`) if one is described.
 
-  The run is described by the arguments, else by $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES
-  and $JAX_PROCESS_ID (what `jaxpipe.launch` sets), else by SLURM (srun) or Open MPI (mpirun),
-  whose variables JAX reads itself. $JAX_NUM_CPU_DEVICES sets each process's CPU device count
-  (JAX reads it; it overrides XLA_FLAGS); CPU collectives across processes use gloo. A process
-  that stops sending heartbeats for `heartbeat_timeout_s` (default $JAXPIPE_HEARTBEAT_TIMEOUT,
-  else JAX's 100 s) counts as dead and the others stop. ValueError names a bad value.
+  Call it before the first device is touched. The run is described by the arguments, else by
+  `$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES` and `$JAX_PROCESS_ID` (what `jaxpipe.launch`
+  sets), else by SLURM (srun) or Open MPI (mpirun), whose variables JAX reads itself.
+  `$JAX_NUM_CPU_DEVICES` sets each process's CPU device count (JAX reads it; it overrides
+  `XLA_FLAGS`); CPU collectives across processes use gloo.
+
+  Args:
+    coordinator_address: process 0's `host:port`.
+    num_processes: the processes of the run, one per host.
+    process_id: this process's index, in `0..num_processes - 1`.
+    heartbeat_timeout_s: seconds without heartbeats after which a process counts as dead and the
+      others stop; default `$JAXPIPE_HEARTBEAT_TIMEOUT`, else JAX's 100 s.
+
+  Returns:
+    True if this process joined (or had joined) a multi-process run; False if it runs alone.
+
+  Raises:
+    ValueError: a bad value (named in the message), or a run described only in part.
   """
   import jax  # noqa: PLC0415 -- after use_host_devices() has set XLA_FLAGS
 

@@ -33,7 +33,14 @@ _STACK_DUMP = re.compile(
 
 
 def without_gloo_notices(text: bytes) -> bytes:
-  """`text` without gloo's notices, whole or in pieces."""
+  """`text` without gloo's notices, whole or in pieces.
+
+  Args:
+    text: a rank's output.
+
+  Returns:
+    `text` with gloo's connection notices (and lines left with only their numbers) removed.
+  """
   if b"peer ranks" not in text:
     return text
   return _NUMBERS_LINE.sub(b"", _GLOO_PIECES.sub(b"", _GLOO_NOTICE.sub(b"", text)))
@@ -47,7 +54,14 @@ def free_port() -> int:
 
 
 def describe_status(code: int) -> str:
-  """'status 3' or 'killed by SIGKILL' for a Popen return code."""
+  """Describes how a process ended, e.g. `'status 3'` or `'killed by SIGKILL'`.
+
+  Args:
+    code: a `Popen` return code (negative: killed by that signal).
+
+  Returns:
+    `'status N'`, `'killed by SIGNAME'`, or `'killed by signal N'` for an unknown signal.
+  """
   if code >= 0:
     return f"status {code}"
   try:
@@ -130,7 +144,13 @@ class Rank:
       sys.stdout.buffer.flush()
 
   def signal(self, signum: int) -> None:
-    """Sends `signum` to the rank's process group (the command and whatever it started)."""
+    """Sends `signum` to the rank's process group (the command and whatever it started).
+
+    Does nothing once the rank has ended.
+
+    Args:
+      signum: the signal number, e.g. `signal.SIGTERM`.
+    """
     if self.ended_at is None:
       try:
         os.killpg(self.proc.pid, signum)

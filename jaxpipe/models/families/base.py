@@ -96,7 +96,18 @@ class Fields:
     return key in self.hf
 
   def get(self, key: str, default: Any = ...) -> Any:
-    """The field's value; absent: `default`, else the family's default, else an error."""
+    """The field's value, marked as read.
+
+    Args:
+      key: the config.json field.
+      default: the value when the field is absent; left out: the family's default.
+
+    Returns:
+      The field's value; absent: `default`, else the family's default.
+
+    Raises:
+      CheckpointError: the field is absent, with no `default` and no family default.
+    """
     self.used.add(key)
     if key in self.hf:
       return self.hf[key]
@@ -109,19 +120,49 @@ class Fields:
     )
 
   def given(self, key: str, default: Any = None) -> Any:
-    """The field's value, None (or `default`) when absent or null; the family's default is not
-    used (for fields whose absence means 'off')."""
+    """The field's value, or `default` when absent or null.
+
+    The family's default is not used (for fields whose absence means 'off').
+
+    Args:
+      key: the config.json field.
+      default: the value when the field is absent or null.
+
+    Returns:
+      The field's value, or `default`.
+    """
     value = self.get(key, None)
     return default if value is None else value
 
   def refuse(self, key: str, why: str, want: Any = ...) -> CheckpointError:
-    """The error for a value of `key` jaxpipe does not compute (why: what it computes)."""
+    """The error for a value of `key` jaxpipe does not compute.
+
+    Args:
+      key: the config.json field.
+      why: what jaxpipe computes instead.
+      want: the value jaxpipe reads, named in the message; left out: none named.
+
+    Returns:
+      The `CheckpointError` (for the caller to raise), naming the field's value.
+    """
     value = self.get(key, None)
     also = "" if want is ... else f"; jaxpipe reads {key}={want!r}"
     return CheckpointError(f"config.json: {key}={value!r} is not implemented ({why}){also}")
 
   def require(self, key: str, allowed: Callable[[Any], bool], why: str, want: Any = ...):
-    """Refuses the field's value (or its default) unless `allowed(value)`."""
+    """Refuses the field's value (or its default) unless `allowed(value)`.
+
+    A field that is absent and has no family default passes.
+
+    Args:
+      key: the config.json field.
+      allowed: whether jaxpipe computes a value.
+      why: what jaxpipe computes, for the message.
+      want: the value jaxpipe reads, for the message.
+
+    Raises:
+      CheckpointError: `allowed` is false for the field's value.
+    """
     if key in self.hf or key in self.defaults:
       if not allowed(self.get(key)):
         raise self.refuse(key, why, want)
@@ -144,6 +185,18 @@ ACTIVATIONS = {  # transformers' ACT2FN names -> TransformerConfig.activation
 
 
 def activation(f: Fields, key: str = "hidden_act") -> str:
+  """The FFN's activation as `TransformerConfig.activation` names it.
+
+  Args:
+    f: the config.json fields.
+    key: the field naming transformers' activation (its ACT2FN name).
+
+  Returns:
+    `'silu'` or `'gelu_tanh'`.
+
+  Raises:
+    CheckpointError: an activation jaxpipe does not compute.
+  """
   value = f.get(key)
   if value not in ACTIVATIONS:
     raise f.refuse(key, f"the FFN's activation is one of {sorted(ACTIVATIONS)}")
@@ -151,7 +204,17 @@ def activation(f: Fields, key: str = "hidden_act") -> str:
 
 
 def no_dropout(f: Fields, *keys: str) -> None:
-  """Dropout only changes training, but there it does: jaxpipe has none, so it must be 0."""
+  """Refuses nonzero dropout.
+
+  Dropout only changes training, but there it does: jaxpipe has none, so it must be 0.
+
+  Args:
+    f: the config.json fields.
+    *keys: the dropout fields to check; none given: `attention_dropout`.
+
+  Raises:
+    CheckpointError: a dropout field is nonzero.
+  """
   for key in keys or ("attention_dropout",):
     f.require(key, lambda v: not v, "jaxpipe trains without dropout", 0.0)
 
@@ -206,9 +269,22 @@ LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_typ
 
 
 def rope(f: Fields, default_theta: float = 10_000.0, layer_type: str = "full_attention"):
-  """(rope_theta, RopeScaling or None, rotary fraction) from either layout: `rope_parameters`
-  (transformers 5; nested by layer type in Gemma 3, `layer_type` picking one) or `rope_theta`
-  with `rope_scaling`; `partial_rotary_factor` at the top or inside."""
+  """The rotary settings, from either layout of config.json.
+
+  Reads `rope_parameters` (transformers 5; nested by layer type in Gemma 3, `layer_type` picking
+  one) or `rope_theta` with `rope_scaling`; `partial_rotary_factor` at the top or inside.
+
+  Args:
+    f: the config.json fields.
+    default_theta: rope_theta when config.json gives none.
+    layer_type: which layer type's parameters to read when they are nested by layer type.
+
+  Returns:
+    `(rope_theta, RopeScaling or None, rotary fraction)`; None for the default variant.
+
+  Raises:
+    CheckpointError: a rotary variant jaxpipe does not compute, or bad parameters for one.
+  """
   params, where = f.given("rope_parameters"), "rope_parameters"
   if params is not None and set(params) & set(LAYER_KINDS):
     params, where = params.get(layer_type) or {}, f"rope_parameters[{layer_type!r}]"
@@ -220,8 +296,21 @@ def rope(f: Fields, default_theta: float = 10_000.0, layer_type: str = "full_att
 
 
 def whole_rope(f: Fields, family: str, default_theta: float = 10_000.0, layer_type=LAYER_KINDS[0]):
-  """(rope_theta, RopeScaling or None) of a family whose transformers class rotates every
-  channel of a head: a partial_rotary_factor other than 1 is refused by name."""
+  """The rotary settings of a family whose transformers class rotates every channel of a head.
+
+  Args:
+    f: the config.json fields.
+    family: the family's name, for the message.
+    default_theta: rope_theta when config.json gives none.
+    layer_type: which layer type's parameters to read when they are nested by layer type.
+
+  Returns:
+    `(rope_theta, RopeScaling or None)`.
+
+  Raises:
+    CheckpointError: a partial_rotary_factor other than 1 (refused by name), or what `rope`
+      raises.
+  """
   theta, scaling, fraction = rope(f, default_theta, layer_type)
   if fraction != 1.0:
     raise f.refuse("partial_rotary_factor", f"transformers' {family} rotates every channel", 1.0)
@@ -229,12 +318,27 @@ def whole_rope(f: Fields, family: str, default_theta: float = 10_000.0, layer_ty
 
 
 def act_name(cfg: transformer.TransformerConfig) -> str:
-  """transformers' name of cfg's FFN activation."""
+  """transformers' name of cfg's FFN activation.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    `'gelu_pytorch_tanh'` for `gelu_tanh`, else `'silu'`.
+  """
   return "gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else "silu"
 
 
 def write_rope(hf: dict, cfg: transformer.TransformerConfig) -> None:
-  """Sets the rotary fields of config.json `hf` to cfg's, in the layout hf already uses."""
+  """Sets the rotary fields of config.json `hf` to cfg's, in the layout `hf` already uses.
+
+  `rope_parameters` when `hf` has it or has no `rope_theta`, else `rope_theta` with
+  `rope_scaling`.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   scaling = rope_lib.scaling_of(cfg.rope_scaling)
   params = {"rope_type": scaling.type, "rope_theta": cfg.rope_theta}
   inverse = {v: k for k, v in _ROPE_KEYS.items()}
@@ -258,7 +362,18 @@ def write_rope(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def common(f: Fields, **extra) -> dict:
-  """The TransformerConfig fields every decoder family reads alike, plus `extra`."""
+  """The TransformerConfig fields every decoder family reads alike, plus `extra`.
+
+  Args:
+    f: the config.json fields.
+    **extra: more TransformerConfig fields, added as they are.
+
+  Returns:
+    TransformerConfig keyword arguments: vocab, widths, layers, heads, norm eps, tied embeddings.
+
+  Raises:
+    CheckpointError: a needed field is missing.
+  """
   heads = f.get("num_attention_heads")
   hidden = f.get("hidden_size")
   return dict(
@@ -276,7 +391,12 @@ def common(f: Fields, **extra) -> dict:
 
 
 def write_common(hf: dict, cfg: transformer.TransformerConfig) -> None:
-  """Sets the fields `common` reads, and the rotary ones."""
+  """Sets the fields `common` reads, and the rotary ones.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   hf.update(
       vocab_size=cfg.vocab,
       hidden_size=cfg.d_model,
@@ -292,8 +412,19 @@ def write_common(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def layer_types(f: Fields, n_layers: int) -> tuple | None:
-  """transformers' `layer_types` (sliding_attention / full_attention per layer) as
-  TransformerConfig names, None when config.json has none."""
+  """transformers' `layer_types` as TransformerConfig names.
+
+  Args:
+    f: the config.json fields.
+    n_layers: the model's layers.
+
+  Returns:
+    A tuple of `'sliding'` / `'full'`, one per layer; None when config.json has none.
+
+  Raises:
+    CheckpointError: `layer_types` does not name each layer `sliding_attention` or
+      `full_attention`.
+  """
   given = f.given("layer_types")
   if given is None:
     return None
@@ -307,8 +438,17 @@ def layer_types(f: Fields, n_layers: int) -> tuple | None:
 
 
 def windows(window: int | None, types: tuple | None) -> dict:
-  """TransformerConfig's sliding_window and layer_types for sliding layers of `window` (None or
-  0: none, so that every layer attends to every earlier key) among `types` (None: all sliding)."""
+  """TransformerConfig's `sliding_window` and `layer_types` for sliding layers of `window`.
+
+  Args:
+    window: the sliding window; None or 0: none, so that every layer attends to every earlier
+      key.
+    types: the layer kinds (`layer_types`'s result); None: all sliding.
+
+  Returns:
+    `dict(sliding_window=..., layer_types=...)`; `layer_types` is empty unless the layers mix
+    sliding and full attention.
+  """
   kinds = set(types or ("sliding",))
   if not window or kinds == {"full"}:
     return dict(sliding_window=0, layer_types=())
@@ -316,6 +456,12 @@ def windows(window: int | None, types: tuple | None) -> dict:
 
 
 def write_layer_types(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets config.json's `layer_types` (and `sliding_window`, if any) from cfg's layer windows.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   windows = cfg.layer_windows
   hf["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
   if cfg.sliding_window:
@@ -366,24 +512,61 @@ class Tensor:
         yield pos + (() if e is None else (e,)), self.pattern.format(i=self.layers[pos], e=e)
 
   def to_jax(self, w: np.ndarray) -> np.ndarray:
-    """The leaf's entry from the whole checkpoint tensor."""
+    """The leaf's entry from the whole checkpoint tensor.
+
+    Args:
+      w: the checkpoint tensor, `file_shape`.
+
+    Returns:
+      The leaf's entry (its rows of a fused tensor), in jaxpipe's layout, `shape`.
+    """
     if self.rows:
       w = w[self.rows[0] : self.rows[1]]
     return w.T.reshape(self.shape) if self.in_dims else w.reshape(self.shape)
 
   def to_hf(self, a: np.ndarray) -> np.ndarray:
-    """The checkpoint tensor (or this leaf's rows of it) from the leaf's entry."""
+    """The checkpoint tensor (or this leaf's rows of it) from the leaf's entry.
+
+    Args:
+      a: the leaf's entry, `shape`.
+
+    Returns:
+      The tensor as stored, `hf_shape`.
+    """
     return a.reshape(self.hf_shape[::-1]).T if self.in_dims else a.reshape(self.hf_shape)
 
 
 def linear(path, pattern, layers, out_shape, in_shape, rows=None, total=0) -> Tensor:
-  """A Linear weight [out, in] stored as a kernel [*in_shape, *out_shape]."""
+  """A Linear weight [out, in] stored as a kernel [*in_shape, *out_shape].
+
+  Args:
+    path: keys of the leaf in the params dict.
+    pattern: checkpoint name; {i} the layer.
+    layers: the layer index at each position of the leaf's stack axes.
+    out_shape: the output axes.
+    in_shape: the input (contracted) axes.
+    rows: this leaf's (start, stop) rows of a fused checkpoint tensor; None: the whole tensor.
+    total: the fused tensor's rows.
+
+  Returns:
+    The `Tensor`.
+  """
   shape = tuple(in_shape) + tuple(out_shape)
   return Tensor(tuple(path), pattern, layers, 0, shape, len(in_shape), rows, total)
 
 
 def vector(path, pattern, layers, shape) -> Tensor:
-  """A norm scale or bias, stored flat (a bias of heads [H, K] as [H * K])."""
+  """A norm scale or bias, stored flat (a bias of heads [H, K] as [H * K]).
+
+  Args:
+    path: keys of the leaf in the params dict.
+    pattern: checkpoint name; {i} the layer.
+    layers: the layer index at each position of the leaf's stack axes.
+    shape: one tensor's shape in jaxpipe's layout.
+
+  Returns:
+    The `Tensor`.
+  """
   return Tensor(tuple(path), pattern, layers, 0, tuple(shape), 0, flat=len(shape) > 1)
 
 
@@ -400,7 +583,14 @@ class Names:
 
 
 def top_tensors(cfg: transformer.TransformerConfig) -> list[Tensor]:
-  """Embedding, final norm and (untied) head."""
+  """Embedding, final norm and (untied) head.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    Their `Tensor`s.
+  """
   d, v = cfg.d_model, cfg.vocab
   top = np.zeros((), int)
   out = [
@@ -413,7 +603,20 @@ def top_tensors(cfg: transformer.TransformerConfig) -> list[Tensor]:
 
 
 def attention_tensors(cfg, prefix, layers, names: Names = Names()) -> list[Tensor]:
-  """One decoder layer's norms and attention (and its q/k norms) as `names` spells them."""
+  """One decoder layer's norms and attention (and its q/k norms) as `names` spells them.
+
+  Args:
+    cfg: the model.
+    prefix: keys of the layer's leaves in the params dict.
+    layers: the layer index at each position of the leaves' stack axes.
+    names: the checkpoint's names of the layer's parts.
+
+  Returns:
+    Their `Tensor`s.
+
+  Raises:
+    CheckpointError: a fused qkv projection with biases (not read).
+  """
   d, h, g, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   p, a = "model.layers.{i}.", "model.layers.{i}.self_attn."
   at = lambda *keys: prefix + ("attn",) + keys
@@ -452,7 +655,20 @@ def attention_tensors(cfg, prefix, layers, names: Names = Names()) -> list[Tenso
 
 
 def mlp_tensors(cfg, prefix, layers, names: Names = Names()) -> list[Tensor]:
-  """One dense layer's FFN, gate and up fused when `names.gate_up` says so."""
+  """One dense layer's FFN, gate and up fused when `names.gate_up` says so.
+
+  Args:
+    cfg: the model.
+    prefix: keys of the layer's leaves in the params dict.
+    layers: the layer index at each position of the leaves' stack axes.
+    names: the checkpoint's names of the layer's parts.
+
+  Returns:
+    Their `Tensor`s.
+
+  Raises:
+    CheckpointError: a fused gate_up projection with biases (not read).
+  """
   d, f = cfg.d_model, cfg.d_ff
   m = "model.layers.{i}.mlp."
   at = lambda *keys: prefix + ("mlp",) + keys
@@ -474,7 +690,15 @@ def mlp_tensors(cfg, prefix, layers, names: Names = Names()) -> list[Tensor]:
 
 
 def dense_tensors(cfg: transformer.TransformerConfig, names: Names = Names()) -> list[Tensor]:
-  """Every parameter of a dense decoder (every layer alike) with its checkpoint tensors."""
+  """Every parameter of a dense decoder (every layer alike) with its checkpoint tensors.
+
+  Args:
+    cfg: the model.
+    names: the checkpoint's names of a layer's parts.
+
+  Returns:
+    The `Tensor`s of every leaf.
+  """
   layers = np.arange(cfg.n_layers)
   return (
       top_tensors(cfg)
@@ -502,8 +726,13 @@ def moe_tensors(
 ) -> list[Tensor]:
   """Every parameter of an MoE decoder: groups of `moe.every` layers, the last of each MoE.
 
-  block: the MoE FFN's prefix under a layer ("block_sparse_moe." in Mixtral, "mlp."); experts:
-  jaxpipe's gate/up/down -> the expert's projection names (Mixtral: w1, w3, w2).
+  Args:
+    cfg: the model, with `cfg.moe` set.
+    block: the MoE FFN's prefix under a layer ("block_sparse_moe." in Mixtral, "mlp.").
+    experts: jaxpipe's gate/up/down -> the expert's projection names (Mixtral: w1, w3, w2).
+
+  Returns:
+    The `Tensor`s of every leaf.
   """
   m, d = cfg.moe, cfg.d_model
   e, f = m.num_experts, m.d_ff

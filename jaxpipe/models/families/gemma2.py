@@ -33,8 +33,22 @@ IGNORED = frozenset({"hidden_act"})
 
 
 def gemma_fields(f: base.Fields, pattern: int) -> dict:
-  """What Gemma 2 and 3 share beside the rotary fields: layer i slides unless (i + 1) is a
-  multiple of `pattern`, when config.json lists no layer_types."""
+  """What Gemma 2 and 3 share beside the rotary fields.
+
+  When config.json lists no layer_types, layer i slides unless (i + 1) is a multiple of
+  `pattern`.
+
+  Args:
+    f: the config.json fields.
+    pattern: one global layer in every `pattern` layers.
+
+  Returns:
+    TransformerConfig keyword arguments (all but the rotary ones).
+
+  Raises:
+    CheckpointError: dropout, bidirectional attention, bad layer_types, an activation jaxpipe
+      does not compute, or a missing field without a default.
+  """
   base.no_dropout(f)
   f.require("use_bidirectional_attention", lambda v: not v, "attention is causal", False)
   fields = base.common(f)
@@ -59,6 +73,14 @@ def gemma_fields(f: base.Fields, pattern: int) -> dict:
 
 
 def write_gemma(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Gemma 2 config.json to cfg's.
+
+  Also used by Gemma 3. Leaves one activation field, `hidden_activation`.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   base.write_layer_types(hf, cfg)
   hf.update(
@@ -77,6 +99,17 @@ def _number(x: float) -> int | float:
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Gemma 2 config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   theta, scaling = base.whole_rope(f, "Gemma 2")
   return transformer.TransformerConfig(
       **gemma_fields(f, pattern=2), rope_theta=theta, rope_scaling=scaling
@@ -84,6 +117,16 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """Every parameter leaf of a Gemma 2 model with its checkpoint tensors.
+
+  Names its norms as Gemma does (a norm before and after each sublayer).
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The `Tensor`s of every leaf.
+  """
   return base.dense_tensors(cfg, NAMES)
 
 

@@ -35,6 +35,17 @@ def _local_theta(f: base.Fields) -> float:
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Gemma 3 text config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   theta, scaling = base.whole_rope(f, "Gemma 3", DEFAULTS["rope_theta"], "full_attention")
   pattern = f.get("sliding_window_pattern")
   return transformer.TransformerConfig(
@@ -47,6 +58,15 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Gemma 3 text config.json to cfg's.
+
+  The sliding layers' rotary base goes to `rope_parameters['sliding_attention']` in
+  transformers 5's layout, else to `rope_local_base_freq`.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   nested = "rope_parameters" in hf or "rope_theta" not in hf  # transformers 5's layout
   gemma2.write_gemma(hf, cfg)
   local = cfg.rope_local_theta or cfg.rope_theta

@@ -17,6 +17,17 @@ DEFAULTS = dict(
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Mistral config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   theta, scaling = base.whole_rope(f, "Mistral")
   f.used.add("layer_types")  # transformers' Mistral warns and ignores them
@@ -30,6 +41,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Mistral config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   hf.update(
       hidden_act=base.act_name(cfg),

@@ -24,12 +24,32 @@ EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def aux_loss_coef(f: base.Fields) -> float:
-  """transformers adds the pooled load-balancing loss only with output_router_logits."""
+  """The load-balancing loss coefficient transformers trains with.
+
+  transformers adds the pooled load-balancing loss only with output_router_logits.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    `router_aux_loss_coef` with `output_router_logits`, else 0.0.
+  """
   coef = float(f.get("router_aux_loss_coef"))
   return coef if f.get("output_router_logits") else 0.0
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Mixtral config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   f.require("router_jitter_noise", lambda v: not v, "the LM's router takes no jitter", 0.0)
   theta, scaling = base.whole_rope(f, "Mixtral")
@@ -55,6 +75,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Mixtral config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   m = cfg.moe
   hf.update(
@@ -67,6 +93,14 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """Every parameter leaf of a Mixtral model with its checkpoint tensors.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The `Tensor`s of every leaf.
+  """
   return base.moe_tensors(cfg, "block_sparse_moe.", EXPERTS)
 
 

@@ -22,6 +22,17 @@ NAMES = base.Names(qkv="qkv_proj", gate_up="gate_up_proj")
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Phi-3 config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f, "attention_dropout", "resid_pdrop", "embd_pdrop")
   theta, scaling, fraction = base.rope(f)
   f.used.add("original_max_position_embeddings")  # read by the rotary variants that use it
@@ -36,6 +47,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Phi-3 config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   hf.update(
       hidden_act=base.act_name(cfg),
@@ -44,6 +61,16 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """Every parameter leaf of a Phi-3 model with its checkpoint tensors.
+
+  q, k, v and gate, up are rows of the fused `qkv_proj` and `gate_up_proj`.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The `Tensor`s of every leaf.
+  """
   return base.dense_tensors(cfg, NAMES)
 
 

@@ -20,7 +20,21 @@ DEFAULTS = dict(
 
 
 def sliding(f: base.Fields, n_layers: int) -> dict:
-  """sliding_window and layer_types as transformers' Qwen2 and Qwen3 derive them."""
+  """sliding_window and layer_types as transformers' Qwen2 and Qwen3 derive them.
+
+  With `use_sliding_window`, layers from `max_window_layers` on slide (unless config.json lists
+  `layer_types`).
+
+  Args:
+    f: the config.json fields.
+    n_layers: the model's layers.
+
+  Returns:
+    `dict(sliding_window=..., layer_types=...)` as `base.windows` gives it.
+
+  Raises:
+    CheckpointError: bad layer_types, or a missing field without a default.
+  """
   window = f.get("sliding_window")  # read either way: without use_sliding_window it is moot
   window = window if f.get("use_sliding_window") else None
   first = f.get("max_window_layers")
@@ -31,6 +45,12 @@ def sliding(f: base.Fields, n_layers: int) -> dict:
 
 
 def write_sliding(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets `layer_types`, `use_sliding_window` and `sliding_window` of config.json from cfg.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_layer_types(hf, cfg)
   hf["use_sliding_window"] = bool(cfg.sliding_window)
   if not cfg.sliding_window:
@@ -38,6 +58,17 @@ def write_sliding(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Qwen2 config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   theta, scaling = base.whole_rope(f, "Qwen2")
   fields = base.common(f)
@@ -52,6 +83,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Qwen2 config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   write_sliding(hf, cfg)
   hf["hidden_act"] = base.act_name(cfg)

@@ -21,6 +21,17 @@ DEFAULTS = dict(
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Qwen3 config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   theta, scaling = base.whole_rope(f, "Qwen3")
   fields = base.common(f)
@@ -38,6 +49,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Qwen3 config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   qwen2.write_sliding(hf, cfg)
   hf.update(

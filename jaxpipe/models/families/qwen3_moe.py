@@ -29,6 +29,17 @@ EXPERTS = {n: f"{n}_proj" for n in ("gate", "up", "down")}
 
 
 def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a Qwen3-MoE config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   f.require(
       "mlp_only_layers",
@@ -69,6 +80,12 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
 
 
 def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a Qwen3-MoE config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
   base.write_common(hf, cfg)
   m = cfg.moe
   hf.update(
@@ -86,6 +103,14 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
 
 
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """Every parameter leaf of a Qwen3-MoE model with its checkpoint tensors.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The `Tensor`s of every leaf.
+  """
   return base.moe_tensors(cfg, "mlp.", EXPERTS)
 
 
