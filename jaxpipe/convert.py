@@ -62,8 +62,16 @@ flags.DEFINE_enum(
 
 
 def main(argv: list[str]) -> None:
-  """The command (module docstring): argv is the program name, the sub-command and its two
-  directories."""
+  """Runs the command (module docstring).
+
+  Args:
+    argv: the program name, the sub-command (`hf-to-orbax` or `orbax-to-hf`) and its two
+      directories.
+
+  Raises:
+    app.UsageError: no known sub-command, the wrong number of directories, or a flag of the
+      other sub-command.
+  """
   command = argv[1] if len(argv) > 1 else None
   if command not in COMMANDS:
     raise app.UsageError(

@@ -60,7 +60,19 @@ flags.DEFINE_integer(
 
 
 def main(argv: list[str]) -> int:
-  """The command (module docstring): argv is the program name and the command to run."""
+  """Runs the command (module docstring): starts the ranks and waits for them.
+
+  Args:
+    argv: the program name and the command to run.
+
+  Returns:
+    The exit status: 0 when every rank exits 0, else that of the rank that failed first
+    (128 + signal number for a signal).
+
+  Raises:
+    app.UsageError: no command to run, --log_dir given (the ranks' logs go to --rank_log_dir), or
+      --processes or --devices_per_process below 1.
+  """
   command = argv[1:]
   if not command:
     raise app.UsageError(

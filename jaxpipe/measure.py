@@ -53,7 +53,15 @@ flags.DEFINE_bool(
 
 
 def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, float]]:
-  """A call timing one train step of the config (its schedule) on a batch already on the mesh."""
+  """A call timing one train step of the config (its schedule) on a batch already on the mesh.
+
+  Args:
+    config: the run's config; the trainer is built and compiled here and the step run once
+      before the call is returned.
+
+  Returns:
+    A call without arguments that runs one step and returns its (wall, process CPU) seconds.
+  """
   trainer = Trainer(config)
   trainer.compile()
   batch = trainer.batch(0)
@@ -62,6 +70,11 @@ def step_timer(config: ml_collections.ConfigDict) -> Callable[[], tuple[float, f
 
 
 def main(argv: list[str]) -> None:
+  """Runs the command (module docstring): measures the stage costs and writes the cost file.
+
+  Args:
+    argv: the program name; `config_lib.runner_config` exits on any other argument.
+  """
   f = FLAGS
   config = config_lib.runner_config(argv, FLAGS)
   try:

@@ -75,11 +75,29 @@ flags.DEFINE_string("out", None, "Write here instead of stdout.", flag_values=FL
 
 
 def is_cost_file(text: str | None) -> bool:
+  """Whether a --costs value names a cost file rather than per-kind costs.
+
+  Args:
+    text: the --costs value, or None.
+
+  Returns:
+    True if it ends with .json or is an existing file.
+  """
   return bool(text) and (text.endswith(".json") or os.path.isfile(text))
 
 
 def parse_costs(text: str | None) -> dict[str, float]:
-  """'F=1,I=1,W=1' -> {'F': 1.0, ...}; keys F, B, I, W, F&B."""
+  """Per-kind costs from their text: 'F=1,I=1,W=1' -> {'F': 1.0, ...}.
+
+  Args:
+    text: comma-separated KIND=VALUE items, KIND one of F, B, I, W, F&B; None or '' gives {}.
+
+  Returns:
+    The costs by kind, as floats.
+
+  Raises:
+    ValueError: an item not of the form KIND=number, an unknown kind or a negative value.
+  """
   out = {}
   for item in filter(None, (text or "").split(",")):
     key, sep, value = item.partition("=")
@@ -96,7 +114,18 @@ def parse_costs(text: str | None) -> dict[str, float]:
 
 
 def parse_ints(flag: str, text: str | None) -> list[int] | None:
-  """'8,16' -> [8, 16]; None stays None."""
+  """A comma list of counts: '8,16' -> [8, 16]; None stays None.
+
+  Args:
+    flag: the flag's name, for the error message.
+    text: the flag's value, or None.
+
+  Returns:
+    The counts, or None for None.
+
+  Raises:
+    ValueError: an item that is not a whole number, no item, or one below 1.
+  """
   if text is None:
     return None
   try:
@@ -111,7 +140,18 @@ def parse_ints(flag: str, text: str | None) -> list[int] | None:
 
 
 def parse_options(items: list[str]) -> dict:
-  """['group=4'] -> {'group': 4}: ints, floats, true/false, else strings."""
+  """Generator options from --option: ['group=4'] -> {'group': 4}.
+
+  Args:
+    items: NAME=VALUE strings; a VALUE becomes an int, a float, a bool (true/false, any case)
+      or else stays a string.
+
+  Returns:
+    The options by name.
+
+  Raises:
+    ValueError: an item without `=` or without a name.
+  """
   out = {}
   for item in items:
     key, sep, value = item.partition("=")
@@ -133,7 +173,15 @@ def parse_options(items: list[str]) -> dict:
 
 
 def stats(schedule: Schedule, args) -> str:
-  """Async and lock-step bubble, rate, peak activations, beside the anchors.md figures."""
+  """Async and lock-step bubble, rate, peak activations, beside the anchors.md figures.
+
+  Args:
+    schedule: the schedule to simulate.
+    args: the command's values; reads `costs` (resolved per-kind costs) and `latency`.
+
+  Returns:
+    The report, one figure per line.
+  """
   a = simulate(schedule, args.costs, latency=args.latency)
   ls = simulate(schedule, args.costs, lockstep=True, latency=args.latency)
   pl = schedule.placement
@@ -217,7 +265,16 @@ def _ticks(schedule: Schedule, args) -> str:
 
 
 def use_cost_file(schedule: Schedule, args) -> None:
-  """--costs FILE: the schedule's entry as per-kind costs, one ppermute as the latency."""
+  """--costs FILE: the schedule's entry as per-kind costs, one ppermute as the latency.
+
+  Args:
+    schedule: its micro-batch and stage counts pick the cost file's entry.
+    args: the command's values; `cost_file` is read, `costs` set, and `latency` set where it is
+      0.0 (not given).
+
+  Raises:
+    CostFileError: the cost file has no entry for the schedule's counts.
+  """
   entry = args.cost_file.entry(schedule.num_microbatches, schedule.num_stages)
   args.costs = entry.kinds()
   if args.latency == 0.0:
@@ -225,7 +282,20 @@ def use_cost_file(schedule: Schedule, args) -> None:
 
 
 def auto(args) -> str:
-  """Ranks every generator at --microbatches (comma list) by predicted step time."""
+  """Ranks every generator at --microbatches (comma list) by predicted step time.
+
+  Args:
+    args: the command's values; reads `cost_file`, `pp`, `microbatches_list`, `schedules`
+      (comma list, empty: every generator), `memory_limit` (GB per device, 0: none) and
+      `layers`.
+
+  Returns:
+    The ranking's report.
+
+  Raises:
+    ValueError: --pp, --microbatches or a cost file is missing.
+    AutoError: no candidate can run (`jaxpipe.planning.auto.rank`).
+  """
   if args.cost_file is None or args.pp is None or args.microbatches_list is None:
     raise ValueError(
         "auto needs --pp, --microbatches and --costs FILE (from python -m jaxpipe.measure)"
@@ -239,7 +309,20 @@ def auto(args) -> str:
 
 
 def load(args) -> Schedule:
-  """The schedule named by args.schedule (a generator name or a CSV path), validated."""
+  """The schedule named by args.schedule (a generator name or a CSV path), validated.
+
+  Args:
+    args: the command's values; reads `schedule`, `pp`, `microbatches`, `chunks` and `options`
+      (the generator's options).
+
+  Returns:
+    The validated `Schedule`.
+
+  Raises:
+    FileNotFoundError: a .csv path that does not exist.
+    ValueError: for a CSV, --pp, --microbatches or --chunks disagrees with the file; for a
+      generator, --pp or --microbatches is missing, or `make_schedule` refuses it.
+  """
   if args.schedule.endswith(".csv") or os.path.isfile(args.schedule):
     if not os.path.isfile(args.schedule):
       raise FileNotFoundError(f"no such schedule file {args.schedule!r}")
@@ -263,8 +346,17 @@ def load(args) -> Schedule:
 
 
 def main(argv: list[str]) -> int:
-  """The command (module docstring): argv is the program name and the schedule; the rest are
-  flags. -> the exit status: 0, 2 for a schedule or flag that cannot work, 1 if --out fails."""
+  """Runs the command (module docstring).
+
+  Args:
+    argv: the program name and the schedule; the rest are flags.
+
+  Returns:
+    The exit status: 0, 2 for a schedule or flag that cannot work, 1 if --out fails.
+
+  Raises:
+    app.UsageError: not exactly one schedule is given.
+  """
   if len(argv) != 2:
     raise app.UsageError(
         f"give one schedule: one of {', '.join(SCHEDULE_NAMES)}, a torch CSV "

@@ -44,6 +44,11 @@ flags.DEFINE_string("out", "ticks.perfetto.json", "Perfetto file to write.", fla
 
 
 def main(argv: list[str]) -> None:
+  """Runs the command (module docstring): profiles one train step and writes the Perfetto file.
+
+  Args:
+    argv: the program name; `config_lib.runner_config` exits on any other argument.
+  """
   f = FLAGS
   config = config_lib.runner_config(argv, FLAGS)
   try:

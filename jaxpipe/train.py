@@ -321,6 +321,15 @@ def _exit(status: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+  """Runs the command (module docstring): trains, and ends any failure with one `error:` line.
+
+  Without --debug, an interrupt (Ctrl-C) that stops the run without saving exits with
+  INTERRUPTED (130), a usage, config or checkpoint-mismatch error with USAGE (2), any other
+  failure with FAULT (1); --debug re-raises the exception instead.
+
+  Args:
+    argv: the program name (any other positional argument is a usage error).
+  """
   logging.set_verbosity(logging.WARNING)
   if not _DEBUG.value:
     for handler in std_logging.getLogger().handlers:  # absl's, which every logger reaches

@@ -143,8 +143,21 @@ class Ranking:
 def chunk_choices(
     name: str, pp: int, layers: int | None, stage_counts: Sequence[int] = ()
 ) -> list[int | None]:
-  """Chunk counts to try: the generator's own, or for interleaved 1F1B every v >= 2 whose pp*v
-  stages split the layers (without layers: whose stage count is in `stage_counts`)."""
+  """Chunk counts to try for one generator.
+
+  The generator's own count, or for interleaved 1F1B every v >= 2 whose pp*v stages split the
+  layers (without layers: whose stage count is in `stage_counts`).
+
+  Args:
+    name: the generator's name (one of SCHEDULE_NAMES).
+    pp: pipeline ranks.
+    layers: layer units every stage count must divide, or None.
+    stage_counts: stage counts the cost file has, used when `layers` is None.
+
+  Returns:
+    [None] (the generator's own count) for any generator but interleaved 1F1B; for it the
+    counts v in increasing order, possibly none.
+  """
   if name != "interleaved-1f1b":
     return [None]
   if layers is not None:
@@ -159,8 +172,24 @@ def candidates(
     layers: int | None = None,
     stage_counts: Sequence[int] = (),
 ) -> list[Candidate]:
-  """Every (generator, chunks, micro-batches) built from the IR; those the generator refuses or
-  whose stages do not split `layers` come back with the reason in `dropped`."""
+  """Every (generator, chunks, micro-batches) built from the IR.
+
+  Those the generator refuses, that have no chunk count, or whose stages do not split `layers`
+  come back with the reason in `dropped`.
+
+  Args:
+    pp: pipeline ranks.
+    microbatches: micro-batch counts to try.
+    names: generators to try (SCHEDULE_NAMES).
+    layers: layer units every stage count must divide, or None.
+    stage_counts: the cost file's stage counts (`chunk_choices` without `layers`).
+
+  Returns:
+    The candidates, by micro-batch count, then generator, then chunk count.
+
+  Raises:
+    AutoError: no micro-batch count, no name, or a name that is not a generator.
+  """
   if not microbatches:
     raise AutoError("no micro-batch counts to choose from; give at least one")
   unknown = [n for n in names if n not in SCHEDULE_NAMES]
@@ -204,9 +233,25 @@ def rank(
     layers: int | None = None,
     names: Sequence[str] = SCHEDULE_NAMES,
 ) -> Ranking:
-  """Prices every candidate; AutoError if none can run, naming the smallest memory need when the
-  limit is what rules them all out. `memory_limit` in bytes per device; `layers`: layer units
-  each stage count must divide (None: any the cost file has)."""
+  """Prices every candidate with the cost file and ranks them.
+
+  Args:
+    pp: pipeline ranks.
+    microbatches: micro-batch counts to try.
+    costs: the measured cost file; candidates it has no entry for are dropped.
+    memory_limit: bytes per device; candidates predicted to need more are dropped. None: no
+      limit.
+    layers: layer units each stage count must divide (None: any the cost file has).
+    names: generators to try.
+
+  Returns:
+    The `Ranking`: runnable candidates first by predicted step time (then memory), then the
+    dropped ones.
+
+  Raises:
+    AutoError: none can run; naming the smallest memory need when the limit is what rules them
+      all out.
+  """
   cands = candidates(pp, microbatches, names, layers, [e.stages for e in costs.entries])
   for c in cands:
     if c.dropped:
@@ -239,7 +284,15 @@ def rank(
 
 
 def require_runnable(cands: Sequence[Candidate], pp: int) -> None:
-  """AutoError saying why every candidate was dropped, when none is left."""
+  """Checks that some candidate is left.
+
+  Args:
+    cands: the candidates, each priced or dropped.
+    pp: pipeline ranks, for the message.
+
+  Raises:
+    AutoError: every candidate was dropped; the message says why.
+  """
   if any(not c.dropped for c in cands):
     return
   ms = sorted({c.microbatches for c in cands})
@@ -258,5 +311,12 @@ def require_runnable(cands: Sequence[Candidate], pp: int) -> None:
 
 
 def choice_config(best: Candidate) -> Mapping[str, object]:
-  """The `pipeline` fields that run the chosen candidate."""
+  """The `pipeline` fields that run the chosen candidate.
+
+  Args:
+    best: the chosen candidate.
+
+  Returns:
+    {'schedule': name, 'microbatches': m, 'chunks': v}, chunks 1 for the generator's own count.
+  """
   return {"schedule": best.name, "microbatches": best.microbatches, "chunks": best.chunks or 1}

@@ -104,7 +104,19 @@ class CostFile:
   devices: Devices = Devices()
 
   def entry(self, microbatches: int, stages: int) -> StageCosts:
-    """The entry measured for `microbatches` micro-batches over `stages` model stages."""
+    """The entry measured for `microbatches` micro-batches over `stages` model stages.
+
+    Args:
+      microbatches: the schedule's micro-batch count.
+      stages: its number of model stages.
+
+    Returns:
+      The matching `StageCosts`.
+
+    Raises:
+      CostFileError: the file has no such entry; the message names the keys it has and the
+        command that measures the missing one.
+    """
     for e in self.entries:
       if (e.microbatches, e.stages) == (microbatches, stages):
         return e
@@ -115,11 +127,30 @@ class CostFile:
     )
 
   def predict(self, lowered: Lowered) -> Prediction:
-    """`predict` with this file's entry for the lowered schedule, its step and devices."""
+    """`predict` with this file's entry for the lowered schedule, its step and devices.
+
+    Args:
+      lowered: the tick tables the executor runs.
+
+    Returns:
+      The `Prediction`.
+
+    Raises:
+      CostFileError: the file has no entry for the schedule's micro-batch and stage counts.
+    """
     s = lowered.schedule
     return predict(lowered, self.entry(s.num_microbatches, s.num_stages), self.step, self.devices)
 
   def has(self, microbatches: int, stages: int) -> bool:
+    """Whether the file has an entry for these counts.
+
+    Args:
+      microbatches: micro-batch count.
+      stages: number of model stages.
+
+    Returns:
+      True if `entry(microbatches, stages)` finds one.
+    """
     return any((e.microbatches, e.stages) == (microbatches, stages) for e in self.entries)
 
   def keys_text(self) -> str:
@@ -151,7 +182,19 @@ def _section(path: str, where: str, got, keys: tuple[str, ...], integer: bool = 
 
 
 def parse(data: Mapping, path: str = "<costs>") -> CostFile:
-  """Checks a cost file's contents; CostFileError names the first missing or bad value."""
+  """Checks a cost file's contents.
+
+  Args:
+    data: the file's JSON object (module docstring).
+    path: the file's name, for the messages.
+
+  Returns:
+    The `CostFile`.
+
+  Raises:
+    CostFileError: names the first missing or bad value (a wrong format, a missing or unknown
+      key, a negative number, a repeated entry, or shared-core devices without CPU seconds).
+  """
   if not isinstance(data, Mapping) or data.get("format") != FORMAT:
     got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
     raise CostFileError(
@@ -209,7 +252,17 @@ def parse(data: Mapping, path: str = "<costs>") -> CostFile:
 
 
 def load(path: str | os.PathLike) -> CostFile:
-  """Reads and checks a cost file."""
+  """Reads and checks a cost file.
+
+  Args:
+    path: the JSON file `python -m jaxpipe.measure` writes.
+
+  Returns:
+    The `CostFile`.
+
+  Raises:
+    CostFileError: no such file, not JSON, or contents that `parse` refuses.
+  """
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise CostFileError(f"no such cost file {path!r}; write one with `{MEASURE}`")
@@ -222,7 +275,15 @@ def load(path: str | os.PathLike) -> CostFile:
 
 
 def dump(costs: Mapping, path: str | os.PathLike) -> None:
-  """Writes a cost file's contents after checking them."""
+  """Writes a cost file's contents after checking them.
+
+  Args:
+    costs: the file's JSON object (module docstring).
+    path: where to write it.
+
+  Raises:
+    CostFileError: contents that `parse` refuses; nothing is written.
+  """
   parse(costs, os.fspath(path))
   files.write_json(path, costs, indent=1)
 
@@ -231,10 +292,18 @@ def dump(costs: Mapping, path: str | os.PathLike) -> None:
 
 
 def sends_per_tick(lowered: Lowered) -> tuple[int, ...]:
-  """[tick] ppermutes the executor runs, as `executor.make_executor` issues them for these
-  tables: one per used channel, except that activations and cotangents going the same way share
-  one when no branch runs a forward beside a backward; each only on ticks where some rank
-  receives over it."""
+  """[tick] ppermutes the executor runs, as `executor.make_executor` issues them for these tables.
+
+  One per used channel, except that activations and cotangents going the same way share one when
+  no branch runs a forward beside a backward; each only on ticks where some rank receives over
+  it.
+
+  Args:
+    lowered: the tick tables.
+
+  Returns:
+    [num_ticks] the count of ppermutes in each tick.
+  """
   parts = [set(BRANCHES[c].split("+")) for c in lowered.branches]
   shared = not any("F" in p and p & {"I", "B"} for p in parts)
   links = []  # the table columns each ppermute delivers to
@@ -252,8 +321,19 @@ def sends_per_tick(lowered: Lowered) -> tuple[int, ...]:
 
 
 def rank_tick_seconds(schedule: Schedule, parts, seconds: Mapping[str, float]) -> float:
-  """Seconds one rank's parts take in one tick: a forward beside a full backward costs `F&B`,
-  a route's first forward adds `embed`, its last forward `head`."""
+  """Seconds one rank's parts take in one tick.
+
+  A forward beside a full backward costs `F&B`, a route's first forward adds `embed`, its last
+  forward `head`.
+
+  Args:
+    schedule: the schedule, whose routes say which forward is first or last.
+    parts: the rank's actions in the tick.
+    seconds: seconds by kind (SECONDS).
+
+  Returns:
+    The seconds.
+  """
   kinds = [a.kind for a in parts]
   total = sum(seconds[k] for k in kinds)
   if "F" in kinds and "B" in kinds:
@@ -291,7 +371,21 @@ class Prediction:
 def predict(
     lowered: Lowered, costs: StageCosts, step: Mapping[str, float], devices: Devices = Devices()
 ) -> Prediction:
-  """Step time and per-device memory of `lowered` (the tables the executor runs) from costs."""
+  """Step time and per-device memory of `lowered` (the tables the executor runs) from costs.
+
+  Args:
+    lowered: the tick tables the executor runs.
+    costs: the entry measured for the schedule's micro-batch and stage counts.
+    step: the cost file's `step` section (STEP, and STEP_CPU for shared cores).
+    devices: what the costs were measured on; with `parallel` False (and CPU seconds) the step
+      time is the CPU time over the cores, else lock-step.
+
+  Returns:
+    The `Prediction`.
+
+  Raises:
+    CostFileError: `costs` was measured for other micro-batch or stage counts.
+  """
   schedule = lowered.schedule
   pl = schedule.placement
   if (schedule.num_microbatches, schedule.num_stages) != (costs.microbatches, costs.stages):

@@ -99,10 +99,18 @@ class Model:
     return d * (h + 2 * g) * k + h * k * d
 
   def layer_params(self, moe: bool) -> dict[str, int]:
-    """One layer's weights by how they split: 'tp' (heads, d_ff: over tp), 'expert' (routed
-    experts: over ep, whole over tp), 'shared' (shared experts' matrices: whole over tp and
-    ep), 'replicated' (norms, router). jaxpipe keeps every expert whole over tp
-    (`jaxpipe/parallel/tensor.py`)."""
+    """One layer's weights by how they split.
+
+    jaxpipe keeps every expert whole over tp (`jaxpipe/parallel/tensor.py`).
+
+    Args:
+      moe: a MoE layer (else a dense one).
+
+    Returns:
+      Parameter counts under 'tp' (heads, d_ff: over tp), 'expert' (routed experts: over ep,
+      whole over tp), 'shared' (shared experts' matrices: whole over tp and ep) and 'replicated'
+      (norms, router).
+    """
     d = self.d_model
     norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
     if not moe:
@@ -142,9 +150,17 @@ class Model:
     return self.params - unused * self.moe_layers
 
   def training_flops_per_token(self, seq_len: int) -> float:
-    """Forward + backward model FLOPs per token, as `jaxpipe.models.flops` counts them (matmuls,
-    2 per multiply-add, backward = 2 x forward, causal attention half), with the active weights;
-    the embedding lookup is no matmul, the head is."""
+    """Forward + backward model FLOPs per token, as `jaxpipe.models.flops` counts them.
+
+    Matmuls, 2 per multiply-add, backward = 2 x forward, causal attention half, with the active
+    weights; the embedding lookup is no matmul, the head is.
+
+    Args:
+      seq_len: tokens per sequence (attention's cost grows with it).
+
+    Returns:
+      The FLOPs of one token.
+    """
     matmul = self.active_params - self.embedding_params - self._norm_params
     matmul += self.vocab * self.d_model  # the head
     attn = 2 * 2 * seq_len * self.n_heads * self.head_dim / 2  # scores and values, causal
@@ -229,7 +245,20 @@ FP32 = Precision(param=4, grad=4, master=0, moments=8, act=4, logits=4)  # jaxpi
 
 
 def zero_bytes_per_param(shard: str, group: int, precision: Precision = MIXED) -> float:
-  """Bytes per parameter a device holds for weights, gradients and optimizer state."""
+  """Bytes per parameter a device holds for weights, gradients and optimizer state.
+
+  Args:
+    shard: the optimizer sharding, one of SHARDS.
+    group: Nd, the ranks the optimizer splits over.
+    precision: bytes per element of what a device holds.
+
+  Returns:
+    p + g + o (none), p + g + o/Nd (zero1), p + (g + o)/Nd (zero2) or (p + g + o)/Nd (fsdp),
+    with o the master and moments' bytes.
+
+  Raises:
+    LayoutError: an unknown `shard`.
+  """
   p, g, o = precision.param, precision.grad, precision.master + precision.moments
   if shard == "none":
     return p + g + o
@@ -268,7 +297,17 @@ class Activations:
   padded_experts: bool = False  # every received row runs through every local expert (masked)
 
   def layer_elements(self, model: Model, layout: Layout, seq_len: int, moe: bool) -> float:
-    """Elements one layer keeps per token of a device's micro-batch (tokens not split by tp)."""
+    """Elements one layer keeps per token of a device's micro-batch (tokens not split by tp).
+
+    Args:
+      model: the model's shape.
+      layout: its tp, ep, cp, sequence parallelism and recomputation count.
+      seq_len: tokens per sequence (for the attention scores).
+      moe: a MoE layer (else a dense one).
+
+    Returns:
+      The elements per token.
+    """
     t, d = layout.tp, model.d_model
     h, g, k = model.n_heads, model.n_kv_heads, model.head_dim
     if layout.recompute == "full":
@@ -293,11 +332,21 @@ GPU_ACTIVATIONS = Activations()
 
 
 def kept_elements(model: Model, layout: Layout, moe: bool) -> float:
-  """Elements a split backward's I keeps for its W per token of a layer (jaxpipe's
-  `split_backward`): the cotangents at each weight product's output (q, k, v; gate and up, of
-  every routed row under MoE, with the router's logits; the two products into the residual
-  stream); the norms' scale cotangents are one value per feature and layer, left out. Under
-  full recomputation, the layer's output cotangent."""
+  """Elements a split backward's I keeps for its W per token of a layer.
+
+  As jaxpipe's `split_backward` keeps them: the cotangents at each weight product's output (q,
+  k, v; gate and up, of every routed row under MoE, with the router's logits; the two products
+  into the residual stream); the norms' scale cotangents are one value per feature and layer,
+  left out. Under full recomputation, the layer's output cotangent.
+
+  Args:
+    model: the model's shape.
+    layout: its tp, ep, sequence parallelism and recomputation.
+    moe: a MoE layer (else a dense one).
+
+  Returns:
+    The elements per token.
+  """
   t, d = layout.tp, model.d_model
   st = t if layout.sp else 1
   if layout.recompute == "full":
@@ -336,9 +385,18 @@ class Cluster:
 
 
 def h200(devices: int) -> Cluster:
-  """H200 SXM nodes of 8: 141 GB HBM3e, 989 TFLOP/s dense bf16, NVLink 900 GB/s, 400 Gb/s
-  (50 GB/s) of network per GPU; 6 GB kept free; matmuls at 60% of peak with no bubble and
-  no exposed communication (an assumption: a ceiling near the best published MFUs)."""
+  """A cluster of H200 SXM nodes of 8.
+
+  141 GB HBM3e, 989 TFLOP/s dense bf16, NVLink 900 GB/s, 400 Gb/s (50 GB/s) of network per GPU;
+  6 GB kept free; matmuls at 60% of peak with no bubble and no exposed communication (an
+  assumption: a ceiling near the best published MFUs).
+
+  Args:
+    devices: GPUs in all.
+
+  Returns:
+    The `Cluster`.
+  """
   return Cluster(
       f"{devices} x H200",
       devices,
@@ -356,7 +414,18 @@ def h200(devices: int) -> Cluster:
 
 
 def check(model: Model, layout: Layout, batch: Batch) -> None:
-  """Raises LayoutError (one line) for a layout that cannot run the model."""
+  """Checks that a layout can run the model.
+
+  Args:
+    model: the model's shape.
+    layout: the layout.
+    batch: one step's data.
+
+  Raises:
+    LayoutError: (one line) a layout that cannot run the model: a count below 1, an unknown
+      shard or recompute, tp, cp or ep not dividing what they split, the batch not splitting
+      into dp x ep x microbatches, sp without tp, or layers not splitting into the stages.
+  """
   for name in ("pp", "dp", "tp", "ep", "cp", "microbatches"):
     v = getattr(layout, name)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -422,7 +491,20 @@ class Pipeline:
 
 @functools.lru_cache(maxsize=512)
 def pipeline(name: str, pp: int, microbatches: int, chunks: int | None) -> Pipeline:
-  """The schedule lowered as the executor lowers it (`lower`); LayoutError if it cannot run."""
+  """The schedule lowered as the executor lowers it (`lower`).
+
+  Args:
+    name: the schedule (jaxpipe.pipeline.SCHEDULE_NAMES).
+    pp: pipeline ranks.
+    microbatches: micro-batches per step.
+    chunks: model chunks per rank; None: the schedule's own.
+
+  Returns:
+    The `Pipeline`: stages, slots in flight and bubble.
+
+  Raises:
+    LayoutError: the schedule cannot run these counts.
+  """
   from jaxpipe.pipeline.ir.lower import lower  # numpy: only when a pipeline is planned
   from jaxpipe.pipeline.ir.schedules import make_schedule
 
@@ -469,9 +551,21 @@ class Memory:
 
 
 def device_params(model: Model, layout: Layout) -> dict[str, float]:
-  """Parameters on one device of the busiest pipeline rank, by the group jaxpipe's distributed
-  optimizer splits them over (`zero_groups`): 'dense' (over dp x ep x cp) and 'expert' (routed
-  experts, over dp x cp; split over ep already, whole over tp)."""
+  """Parameters on one device of the busiest pipeline rank.
+
+  By the group jaxpipe's distributed optimizer splits them over (`zero_groups`).
+
+  Args:
+    model: the model's shape.
+    layout: the layout.
+
+  Returns:
+    {'dense': count (over dp x ep x cp), 'expert': count (routed experts, over dp x cp; split
+    over ep already, whole over tp)}.
+
+  Raises:
+    LayoutError: with pp > 1, a schedule that cannot run (`pipeline`).
+  """
   pp_stages = 1 if layout.pp == 1 else None
   copies = 1
   if layout.pp > 1:
@@ -492,11 +586,19 @@ def device_params(model: Model, layout: Layout) -> dict[str, float]:
 
 
 def zero_groups(layout: Layout) -> tuple[int, int]:
-  """The ranks jaxpipe's distributed optimizer splits dense and expert weights over
-  (`jaxpipe/training/zero.py`, `OPTIMIZER_AXES`): dp x ep x cp for dense weights, dp x cp for
-  the routed experts (ep splits them already). cp's ranks hold the same parameters and sum
-  their gradients as data ranks do, so they split the state as Megatron's distributed
-  optimizer does over dp x cp."""
+  """The ranks jaxpipe's distributed optimizer splits dense and expert weights over.
+
+  As `jaxpipe/training/zero.py` (`OPTIMIZER_AXES`) splits them: dp x ep x cp for dense weights,
+  dp x cp for the routed experts (ep splits them already). cp's ranks hold the same parameters
+  and sum their gradients as data ranks do, so they split the state as Megatron's distributed
+  optimizer does over dp x cp.
+
+  Args:
+    layout: the layout.
+
+  Returns:
+    (dense group, expert group) sizes.
+  """
   return layout.dp * layout.ep * layout.cp, layout.dp * layout.cp
 
 
@@ -510,8 +612,21 @@ def memory(
 ) -> Memory:
   """Per-device bytes of `layout` training `model` on `batch`.
 
-  grad_accumulator: a separate gradient buffer summed over micro-batches (None: when there are
-  several micro-batches); jaxpipe's executor keeps one beside the gradients it returns."""
+  Args:
+    model: the model's shape.
+    layout: the layout.
+    batch: one step's data.
+    precision: bytes per element of what a device holds.
+    acts: what one layer keeps for its backward.
+    grad_accumulator: a separate gradient buffer summed over micro-batches (None: when there
+      are several micro-batches); jaxpipe's executor keeps one beside the gradients it returns.
+
+  Returns:
+    The `Memory` of the busiest device.
+
+  Raises:
+    LayoutError: a layout that cannot run the model (`check`).
+  """
   check(model, layout, batch)
   par = device_params(model, layout)
   group_dense, group_expert = zero_groups(layout)
@@ -612,7 +727,15 @@ def _ring(volume: float, n: int) -> float:
 
 
 def axis_links(layout: Layout, cluster: Cluster) -> dict[str, Link]:
-  """Each axis' link: NVLink when it and the axes inside it (AXES order) fit in a node."""
+  """Each axis' link: NVLink when it and the axes inside it (AXES order) fit in a node.
+
+  Args:
+    layout: the mesh's axis sizes.
+    cluster: devices per node and the two links.
+
+  Returns:
+    The `Link` of each axis in AXES.
+  """
   inner, out = 1, {}
   for axis in AXES:
     inner *= getattr(layout, axis)
@@ -634,13 +757,35 @@ class StepTime:
     return self.compute_s + self.bubble_s + sum(self.comm_s.values())
 
   def mfu(self, cluster: Cluster) -> float:
+    """Model FLOPs utilization of the predicted step.
+
+    Args:
+      cluster: the devices and their peak.
+
+    Returns:
+      The step's model FLOPs over what the devices' peak does in its time.
+    """
     return self.flops / (self.step_s * cluster.devices * cluster.peak_tflops * 1e12)
 
 
 def step_time(
     model: Model, layout: Layout, batch: Batch, cluster: Cluster, precision: Precision = MIXED
 ) -> StepTime:
-  """Seconds per step at cluster scale (see the module docstring for what counts)."""
+  """Seconds per step at cluster scale (see the module docstring for what counts).
+
+  Args:
+    model: the model's shape.
+    layout: the layout.
+    batch: one step's data.
+    cluster: the devices, their speed and links.
+    precision: bytes per element (for what the collectives move).
+
+  Returns:
+    The `StepTime`, by part.
+
+  Raises:
+    LayoutError: a layout that cannot run the model (`check`).
+  """
   check(model, layout, batch)
   tokens = batch.sequences * batch.seq_len
   flops = model.training_flops_per_token(batch.seq_len) * tokens
@@ -727,8 +872,26 @@ def search(
     precision: Precision = MIXED,
     acts: Activations = GPU_ACTIVATIONS,
 ) -> list[Plan]:
-  """Every layout of `cluster.devices` devices the planner considers, priced; fitting ones first,
-  by step time. tp within a node, pp dividing the layers, a micro-batch of one sequence."""
+  """Every layout of `cluster.devices` devices the planner considers, priced.
+
+  tp within a node, pp dividing the layers, a micro-batch of one sequence (`candidates`);
+  layouts that cannot run are left out.
+
+  Args:
+    model: the model's shape.
+    batch: one step's data.
+    cluster: the devices, their memory, speed and links.
+    schedules: pipeline schedules to try at pp > 1.
+    shards: optimizer shardings to try.
+    recomputes: recomputation choices to try.
+    max_microbatches: the most micro-batches per step.
+    precision: bytes per element of what a device holds.
+    acts: what one layer keeps for its backward.
+
+  Returns:
+    The plans: fitting ones (memory within the device's less its reserve) first, by step time,
+    then memory.
+  """
   budget = (cluster.memory_gb - cluster.reserve_gb) * 1e9
   plans = []
   n = cluster.devices
@@ -755,9 +918,25 @@ def candidates(
     recomputes: Iterable[str],
     max_microbatches: int,
 ) -> Iterable[Layout]:
-  """Layouts over `devices`: tp a power of two within a node, cp and ep powers of two, pp a
-  power of two dividing the layers (or the layers' stages), micro-batches so that one
-  micro-batch is one sequence per device (capped), every schedule, shard and recompute."""
+  """Layouts over `devices`.
+
+  tp a power of two within a node, cp and ep powers of two, pp a power of two dividing the
+  layers (or the layers' stages), micro-batches so that one micro-batch is one sequence per
+  device (capped), every schedule, shard and recompute.
+
+  Args:
+    model: the model's shape (ep must divide its experts).
+    batch: one step's data.
+    devices: devices in all.
+    node: devices per node.
+    schedules: pipeline schedules at pp > 1.
+    shards: optimizer shardings (only 'none' where no rank shares the optimizer).
+    recomputes: recomputation choices.
+    max_microbatches: the cap on micro-batches per step.
+
+  Returns:
+    The layouts, lazily (a generator); `check` may still refuse some.
+  """
   eps = [e for e in _pow2_upto(min(devices, 64)) if not model.experts or model.experts % e == 0]
   eps = eps if model.experts else [1]
   for tp in [t for t in _pow2_upto(node) if devices % t == 0]:
@@ -784,8 +963,25 @@ def candidates(
 
 
 def fmt_bytes(b: float) -> str:
+  """Bytes as GB (10^9) with one decimal, for tables.
+
+  Args:
+    b: bytes.
+
+  Returns:
+    The text, without a unit.
+  """
   return f"{b / 1e9:.1f}"
 
 
 def round_up(x: float, q: int) -> int:
+  """`x` rounded up to a multiple of `q`.
+
+  Args:
+    x: the value.
+    q: the multiple.
+
+  Returns:
+    The smallest multiple of q not below x.
+  """
   return int(math.ceil(x / q) * q)

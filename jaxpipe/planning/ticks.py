@@ -57,6 +57,15 @@ class HloIndex:
 
   @classmethod
   def parse(cls, hlo_text: str) -> HloIndex:
+    """Indexes a compiled program's HLO text.
+
+    Args:
+      hlo_text: the compiled step's HLO (`compiled.as_text()`).
+
+    Returns:
+      The `HloIndex`: op_name of every instruction that has one, and the while loops named
+      `tick/<part>/while` with what each runs.
+    """
     op_name, loops = {}, {}
     for line in hlo_text.splitlines():
       m = _INSTR.match(line)
@@ -68,7 +77,14 @@ class HloIndex:
     return cls(op_name, loops)
 
   def body_of(self, hlo_op: str) -> str | None:
-    """The tick part whose loop body runs this instruction, or None."""
+    """The tick part whose loop body runs this instruction, or None.
+
+    Args:
+      hlo_op: an instruction's name, as a trace event's `hlo_op` stat gives it.
+
+    Returns:
+      The part (one of PARTS), or None for an instruction outside the parts' loop bodies.
+    """
     name = self.op_name.get(hlo_op, "")
     for kind in PARTS:
       if f"/tick/{kind}/while/body/" in name:
@@ -85,7 +101,17 @@ class MeasuredTick:
 
 
 def events_by_device(xspace_path: str) -> dict[int, list[tuple[str, float, float]]]:
-  """device ordinal -> [(hlo_op, start_ns, duration_ns)] from a profiler .xplane.pb."""
+  """device ordinal -> [(hlo_op, start_ns, duration_ns)] from a profiler .xplane.pb.
+
+  Events without an `hlo_op` stat, or without a device (a `device_ordinal` stat or a GPU
+  plane), are left out.
+
+  Args:
+    xspace_path: the .xplane.pb file `jax.profiler.trace` wrote.
+
+  Returns:
+    Each device's events, in the file's order.
+  """
   from jax.profiler import ProfileData
 
   data = ProfileData.from_file(xspace_path)
@@ -104,14 +130,33 @@ def events_by_device(xspace_path: str) -> dict[int, list[tuple[str, float, float
 
 
 def branch_name(parts: set[str]) -> str:
-  """The BRANCHES entry running exactly `parts` ('idle' for none)."""
+  """The BRANCHES entry running exactly `parts` ('idle' for none).
+
+  Args:
+    parts: the parts that ran, e.g. {'F', 'I'}.
+
+  Returns:
+    The branch's name, e.g. 'F+I'.
+  """
   return next(b for b in BRANCHES if set(b.split("+")) - {"idle"} == parts)
 
 
 def measured_ticks(
     events: list[tuple[str, float, float]], index: HloIndex, num_ticks: int
 ) -> list[MeasuredTick]:
-  """One device's ticks: the k-th run of every tick loop is tick k (see the module docstring)."""
+  """One device's ticks: the k-th run of every tick loop is tick k (see the module docstring).
+
+  Args:
+    events: the device's (hlo_op, start_ns, duration_ns) events (`events_by_device`).
+    index: the compiled step's `HloIndex`.
+    num_ticks: ticks in the executor's tables.
+
+  Returns:
+    [num_ticks] the device's `MeasuredTick`s.
+
+  Raises:
+    TraceError: a tick loop ran other than once per tick (not a profile of exactly one step).
+  """
   events = sorted(events, key=lambda e: (e[1], -e[2]))
   runs = {}  # loop -> its events, in order
   for e in events:
@@ -143,7 +188,14 @@ def measured_ticks(
 
 
 def rank_devices(mesh) -> list[int]:
-  """[pp rank] -> the device id of its first data shard (every other mesh index 0)."""
+  """[pp rank] -> the device id of its first data shard (every other mesh index 0).
+
+  Args:
+    mesh: the train step's mesh, with a 'pp' axis.
+
+  Returns:
+    One device id per pipeline rank.
+  """
   devs = np.asarray(mesh.devices)
   pp = list(mesh.axis_names).index("pp")
   first = [0] * devs.ndim
@@ -155,7 +207,22 @@ def rank_devices(mesh) -> list[int]:
 
 
 def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int) -> list[list[MeasuredTick]]:
-  """[rank][tick] from a profile of exactly one step; TraceError says what the trace lacks."""
+  """[rank][tick] from a profile of exactly one step.
+
+  Args:
+    xspace_path: the .xplane.pb file of the profile.
+    hlo_text: the compiled step's HLO text.
+    mesh: the step's mesh; each pipeline rank is read on its first data shard.
+    num_ticks: ticks in the executor's tables.
+
+  Returns:
+    [pp rank][num_ticks] `MeasuredTick`s.
+
+  Raises:
+    TraceError: says what the trace lacks: tick loops in the HLO (not the pipeline executor's
+      step), events that name HLO instructions, events of the loops themselves on a rank's
+      device, or one run of each loop per tick.
+  """
   index = HloIndex.parse(hlo_text)
   if not any(kind in PARTS for kind in index.loops.values()):
     raise TraceError(
@@ -185,7 +252,14 @@ def read_profile(xspace_path: str, hlo_text: str, mesh, num_ticks: int) -> list[
 
 
 def branch_of_table(lowered: Lowered) -> list[list[str]]:
-  """[rank][tick] the branch each rank's row names."""
+  """[rank][tick] the branch each rank's row names.
+
+  Args:
+    lowered: the executor's tables.
+
+  Returns:
+    [num_ranks][num_ticks] branch names (BRANCHES).
+  """
   codes = lowered.table[..., COL["branch"]]
   return [
       [BRANCHES[int(codes[t, r])] for t in range(lowered.num_ticks)]
@@ -196,7 +270,17 @@ def branch_of_table(lowered: Lowered) -> list[list[str]]:
 def tick_table(
     lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]]
 ) -> list[dict]:
-  """Per tick: planned and measured seconds (slowest rank) and each rank's measured slack."""
+  """Per tick: planned and measured seconds (slowest rank) and each rank's measured slack.
+
+  Args:
+    lowered: the executor's tables.
+    prediction: the cost file's prediction for them.
+    measured: [rank][tick] measured ticks (`read_profile`).
+
+  Returns:
+    One dict per tick: tick, planned_s, measured_s, planned_work_s and measured_work_s (per
+    rank), measured_slack_s (per rank) and branch (per rank, measured).
+  """
   rows = []
   for t in range(lowered.num_ticks):
     per_rank = [m[t] for m in measured]
@@ -217,8 +301,18 @@ def tick_table(
 def perfetto_trace(
     lowered: Lowered, prediction: Prediction, measured: list[list[MeasuredTick]]
 ) -> dict:
-  """A Chrome trace (json.dump it): per rank a planned, a measured and a slack track, one time
-  axis in us; otherData holds the totals and the per-tick table."""
+  """A Chrome trace (json.dump it): per rank a planned, a measured and a slack track.
+
+  One time axis in us; otherData holds the totals and the per-tick table (`tick_table`).
+
+  Args:
+    lowered: the executor's tables.
+    prediction: the cost file's prediction for them (the planned track).
+    measured: [rank][tick] measured ticks (`read_profile`).
+
+  Returns:
+    The trace as a JSON object: traceEvents, displayTimeUnit and otherData.
+  """
   p = lowered.schedule.num_ranks
   events = []
   tracks = ("planned", "measured", "measured slack (outside the parts)")
@@ -303,7 +397,18 @@ def perfetto_trace(
 
 
 def profile_step(trainer, directory: str) -> tuple[str, str]:
-  """Compiles, warms up and profiles one train step; -> (the .xplane.pb path, the HLO text)."""
+  """Compiles, warms up and profiles one train step.
+
+  Args:
+    trainer: the `Trainer` whose step is profiled (two warm-up steps run first).
+    directory: where `jax.profiler.trace` writes.
+
+  Returns:
+    (the .xplane.pb path, the HLO text of the compiled step).
+
+  Raises:
+    TraceError: the profiler wrote no .xplane.pb.
+  """
   compiled = trainer.compile()
   for _ in range(2):
     jax.block_until_ready(trainer.step())

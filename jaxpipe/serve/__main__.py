@@ -181,6 +181,15 @@ def _ints(name: str, values: list[str] | None) -> list[int] | None:
 
 
 def main(argv: list[str]) -> None:
+  """Runs the command (module docstring): generates from --prompt, or serves over --http.
+
+  Args:
+    argv: the program name (any other positional argument is a usage error).
+
+  Raises:
+    app.UsageError: not exactly one of --workdir and --config, not exactly one of --prompt and
+      --http, --mode other than engine without --http, or --tensor_parallel with such a mode.
+  """
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_CONFIG.value is None) == (_WORKDIR.value is None):
@@ -287,7 +296,16 @@ def main(argv: list[str]) -> None:
 
 
 def in_dtype(cfg, params, dtype: str):
-  """(cfg computing in `dtype`, params cast to it): the weights held as they are multiplied."""
+  """(cfg computing in `dtype`, params cast to it): the weights held as they are multiplied.
+
+  Args:
+    cfg: the model's `TransformerConfig`.
+    params: its params; floating-point leaves are cast, others kept.
+    dtype: the compute dtype, e.g. 'bfloat16'.
+
+  Returns:
+    (the config with `dtype`, the cast params).
+  """
   import jax
   import jax.numpy as jnp
 

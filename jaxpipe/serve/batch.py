@@ -46,7 +46,15 @@ class StepBatch:
 
 
 def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
-  """Buckets: powers of two from `start` below `limit`, then `limit`."""
+  """Buckets: powers of two from `start` below `limit`, then `limit`.
+
+  Args:
+    limit: the largest bucket.
+    start: the smallest bucket (then doubled).
+
+  Returns:
+    The ascending buckets, `limit` last.
+  """
   out, b = [], start
   while b < limit:
     out.append(b)
@@ -57,7 +65,20 @@ def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
 def check_buckets(
     name: str, buckets: Sequence[int] | None, limit: int, default: tuple[int, ...]
 ) -> tuple[int, ...]:
-  """A setting's buckets, sorted, the limit added (None: `default`); one line for a bad one."""
+  """A setting's buckets, sorted, the limit added (None: `default`).
+
+  Args:
+    name: the setting's name, for the message.
+    buckets: the buckets asked for, or None.
+    limit: the largest bucket, always included.
+    default: the buckets without a setting.
+
+  Returns:
+    The ascending buckets, without repeats, `limit` last.
+
+  Raises:
+    ValueError: (one line) a bucket outside [1, limit].
+  """
   if buckets is None:
     return default
   out = tuple(sorted({int(b) for b in buckets if 0 < b < limit} | {limit}))
@@ -67,7 +88,15 @@ def check_buckets(
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
-  """The smallest bucket that holds n (the buckets ascend; the last is the limit)."""
+  """The smallest bucket that holds n (the buckets ascend; the last is the limit).
+
+  Args:
+    n: the size to hold, at most the limit.
+    buckets: the ascending buckets.
+
+  Returns:
+    The bucket.
+  """
   return next(b for b in buckets if b >= n)
 
 

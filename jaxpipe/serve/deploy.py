@@ -113,7 +113,19 @@ class Transfer:
 def device_groups(
     workers: int, devices_per_worker: int, devices: Sequence[jax.Device] | None = None
 ) -> list[list[jax.Device]]:
-  """`workers` disjoint groups of `devices_per_worker` consecutive devices."""
+  """`workers` disjoint groups of `devices_per_worker` consecutive devices.
+
+  Args:
+    workers: groups to make.
+    devices_per_worker: devices in each group.
+    devices: the devices to split, in order; None: `jax.devices()`.
+
+  Returns:
+    [workers] lists of `devices_per_worker` devices.
+
+  Raises:
+    ValueError: `devices_per_worker` below 1, or more devices needed than there are.
+  """
   devices = list(jax.devices() if devices is None else devices)
   if devices_per_worker < 1:
     raise ValueError(f"devices per worker={devices_per_worker} must be >= 1")
@@ -484,8 +496,18 @@ class Disaggregated(_Deployment):
     return [self.prefill[0].engine, self.decode[0].engine]
 
   def precompile(self, max_prompt: int | None = None) -> None:
-    """Prefill workers: steps up to max_prompt tokens of context; decode workers: every step;
-    both: the K/V moves of up to that many tokens' pages."""
+    """Compiles what the workers will run.
+
+    Prefill workers: steps up to max_prompt tokens of context; decode workers: every step; both:
+    the K/V moves of up to that many tokens' pages (one layer's with `stream_layers`).
+
+    Args:
+      max_prompt: the longest context a prefill worker computes; None: each engine's
+        max_seq_len.
+
+    Raises:
+      ValueError: a model with sliding-window ring layers, whose K/V cannot move.
+    """
     for w in self.prefill + self.decode:
       e = w.engine
       pages = math.ceil((max_prompt or e.max_seq_len) / e.page_size)

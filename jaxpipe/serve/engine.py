@@ -516,13 +516,24 @@ class Engine:
     return True
 
   def cancel(self, rid: int) -> None:
-    """Stops a request now; its pages are freed at once. A finished request is left as it is."""
+    """Stops a request now; its pages are freed at once. A finished request is left as it is.
+
+    Args:
+      rid: the request's id.
+    """
     r = self.requests[rid]
     if self._detach(r):
       self._finish(r, "cancelled")
 
   def release(self, rid: int) -> None:
-    """Drops a request that continues on another engine: frees its pages; `finished` omits it."""
+    """Drops a request that continues on another engine: frees its pages; `finished` omits it.
+
+    Args:
+      rid: the request's id.
+
+    Raises:
+      ValueError: the request is finished; there is nothing to release.
+    """
     self.drain()
     r = self.requests.pop(rid)
     if not self._detach(r):
@@ -530,8 +541,22 @@ class Engine:
     r.state = FINISHED
 
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
-    """A second sample of a running request: it continues from the same tokens, sharing every
-    page (copied when either writes into a shared one). Returns the new request's id."""
+    """A second sample of a running request.
+
+    It continues from the same tokens, sharing every page (copied when either writes into a
+    shared one); sliding-window rings are copied.
+
+    Args:
+      rid: the running request's id.
+      sampling: the fork's sampling; None: the request's own.
+
+    Returns:
+      The new request's id.
+
+    Raises:
+      ValueError: the request is not running, the batch is full, the sampling is refused, it asks
+        for log-probabilities the request's tokens so far lack, or no ring pages are free.
+    """
     self.drain()
     r = self.requests[rid]
     if r.state != RUNNING:
@@ -656,7 +681,15 @@ class Engine:
         self.kv = self._fill_fn(self.kv, firsts, pages, np.int32(size))
 
   def step_program(self, t: int, n: int) -> jax.stages.Compiled:
-    """The compiled step for t tokens and n pages per sequence (`StepPrograms.get`)."""
+    """The compiled step for t tokens and n pages per sequence (`StepPrograms.get`).
+
+    Args:
+      t: the token bucket.
+      n: the page bucket.
+
+    Returns:
+      The compiled program (compiled on first use).
+    """
     return self.compiled.get(t, n, self.params, self.kv)
 
   @property
@@ -714,11 +747,20 @@ class Engine:
       self._early.setdefault(rid, []).extend(tokens)
 
   def launch(self, after: _Launched | None = None) -> _Launched | None:
-    """Schedules an iteration and dispatches it without waiting for it (None: nothing to do).
+    """Schedules an iteration and dispatches it without waiting for it.
 
-    after: the step still in flight (async scheduling), launched and not collected: the tokens
-    it samples are PENDING in their requests' outputs, and this step takes them from its
-    sampled tokens on the devices."""
+    Args:
+      after: the step still in flight (async scheduling), launched and not collected: the tokens
+        it samples are PENDING in their requests' outputs, and this step takes them from its
+        sampled tokens on the devices. None: no step in flight.
+
+    Returns:
+      The launched step, to `collect`; None: nothing to do.
+
+    Raises:
+      RuntimeError: a waiting request that cannot be admitted into an idle engine (which cannot
+        happen for a checked request).
+    """
     start = time.perf_counter()
     plan = self.scheduler.plan()
     planned = time.perf_counter()
@@ -764,7 +806,14 @@ class Engine:
     )
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
-    """Waits for a launched iteration and applies it; returns the tokens it generated."""
+    """Waits for a launched iteration and applies it.
+
+    Args:
+      launched: what `launch` returned; None: nothing.
+
+    Returns:
+      The tokens it generated, by request id (one each).
+    """
     if launched is None:
       return {}
     start = time.perf_counter()

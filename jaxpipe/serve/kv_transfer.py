@@ -27,7 +27,14 @@ from jaxpipe.serve.request import INCOMING, PREFILLED, RUNNING, KVState, Request
 
 
 def pow2_chunks(n: int) -> list[int]:
-  """The powers of two that sum to n, largest first (13 -> [8, 4, 1])."""
+  """The powers of two that sum to n, largest first (13 -> [8, 4, 1]).
+
+  Args:
+    n: a page count, >= 0.
+
+  Returns:
+    The chunk sizes; [] for 0.
+  """
   return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
@@ -73,8 +80,18 @@ class KVTransfer:
     return jax.jit(scatter, donate_argnums=0, out_shardings=self.engine.kv_cache_sharding)
 
   def precompile(self, move_pages: int, per_layer: bool = False) -> None:
-    """Compiles the gather and write of every chunk of up to `move_pages` pages (all layers, or
-    one with per_layer) by running them on the scratch page."""
+    """Compiles the gather and write of every chunk of up to `move_pages` pages.
+
+    Of all layers, or one with per_layer, by running them on the scratch page.
+
+    Args:
+      move_pages: the most pages one move takes; 0 compiles nothing.
+      per_layer: the moves of one layer instead of all.
+
+    Raises:
+      ValueError: `move_pages` with a model whose sliding-window layers keep rings
+        (`check_movable`).
+    """
     if move_pages:
       self.check_movable()
     e = self.engine
@@ -85,7 +102,17 @@ class KVTransfer:
       e.kv = self.scatter_fn(e.kv, scratch, layers, k, v)
 
   def layers(self, layer: int | None) -> np.ndarray:
-    """The layers a move covers: all (None) or the one given."""
+    """The layers a move covers: all (None) or the one given.
+
+    Args:
+      layer: a layer index, or None for all.
+
+    Returns:
+      The layer indices, int32 [n_layers] or [1].
+
+    Raises:
+      ValueError: a layer outside [0, n_layers).
+    """
     n = self.engine.cfg.n_layers
     if layer is None:
       return np.arange(n, dtype=np.int32)
@@ -103,7 +130,11 @@ class KVTransfer:
       )
 
   def forget(self, rid: int) -> None:
-    """Drops what is known of an incoming request's unwritten K/V (it was cancelled)."""
+    """Drops what is known of an incoming request's unwritten K/V (it was cancelled).
+
+    Args:
+      rid: the request's id; one not known is ignored.
+    """
     self._unwritten.pop(rid, None)
 
   # -- the source side --------------------------------------------------------------------------
@@ -179,7 +210,15 @@ class KVTransfer:
   # -- the destination side ---------------------------------------------------------------------
 
   def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
-    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim]."""
+    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim].
+
+    Args:
+      computed: cached tokens; pages = ceil(computed / page_size).
+      layers: layers moved; None: all.
+
+    Returns:
+      The shape, G the KV heads.
+    """
     cfg = self.engine.cfg
     return (
         cfg.n_kv_heads,
@@ -308,7 +347,15 @@ class KVTransfer:
     )
 
   def admit_request(self, rid: int) -> None:
-    """An incoming request whose K/V are all written joins the batch."""
+    """An incoming request whose K/V are all written joins the batch.
+
+    Args:
+      rid: the request's id.
+
+    Raises:
+      ValueError: the request is not incoming, or some (layer, page) of its K/V is not written
+        yet.
+    """
     r = self.engine.requests[rid]
     if r.state != INCOMING:
       raise ValueError(f"request {rid} is {r.state}; only an incoming request can be admitted")

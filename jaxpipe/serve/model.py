@@ -97,7 +97,17 @@ class KVPages:
     return PoolLayout(self.n_layers, self.num_pages, self.window_pages, self.ring_layers)
 
   def with_pools(self, k, v, k_scales=None, v_scales=None) -> KVPages:
-    """The same layout over other pools."""
+    """The same layout over other pools.
+
+    Args:
+      k: the K pool [G, pages of every layer, page_size, head_dim].
+      v: the V pool, shaped as k.
+      k_scales: float32 [G, pages of every layer, page_size] of an 8-bit cache, else None.
+      v_scales: the same for V.
+
+    Returns:
+      The `KVPages`.
+    """
     return self.replace(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
 
 
@@ -128,14 +138,31 @@ class PoolLayout:
 
 
 def ring_layers(cfg: TransformerConfig) -> tuple[int, ...]:
-  """The layers that keep a ring of their window's pages: the sliding-window ones."""
+  """The layers that keep a ring of their window's pages: the sliding-window ones.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    Their indices, ascending.
+  """
   return tuple(l for l, w in enumerate(cfg.layer_windows) if w)
 
 
 def ring_pages(cfg: TransformerConfig, page_size: int, max_tokens_per_step: int) -> int:
-  """Pages in one sequence's ring: its widest window plus the longest chunk a step writes (so
-  that no token of a step overwrites a key another query of the step sees), and one page more
-  for a window that starts mid-page."""
+  """Pages in one sequence's ring.
+
+  Its widest window plus the longest chunk a step writes (so that no token of a step overwrites
+  a key another query of the step sees), and one page more for a window that starts mid-page.
+
+  Args:
+    cfg: the model, with sliding-window layers.
+    page_size: tokens per page.
+    max_tokens_per_step: the longest chunk a step writes.
+
+  Returns:
+    The page count.
+  """
   window = max(cfg.layer_windows)
   return -(-(window + max_tokens_per_step - 1) // page_size) + 1
 
@@ -174,7 +201,19 @@ KV_CACHE_DTYPES = {
 
 
 def kv_dtype(cfg: TransformerConfig, kv_cache_dtype: str = "auto"):
-  """The pools' element dtype for a `kv_cache_dtype` name; raises ValueError for another name."""
+  """The pools' element dtype for a `kv_cache_dtype` name.
+
+  Args:
+    cfg: the model (its compute dtype, for 'auto').
+    kv_cache_dtype: one of KV_CACHE_DTYPES ('auto': the compute dtype; 'int8' / 'fp8': 8-bit
+      with a scale per head and slot).
+
+  Returns:
+    The dtype.
+
+  Raises:
+    ValueError: another name.
+  """
   if kv_cache_dtype not in KV_CACHE_DTYPES:
     raise ValueError(
         f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)} "
@@ -184,6 +223,14 @@ def kv_dtype(cfg: TransformerConfig, kv_cache_dtype: str = "auto"):
 
 
 def quantized(dtype) -> bool:
+  """Whether pools of this dtype are an 8-bit cache (with scales).
+
+  Args:
+    dtype: the pools' element dtype.
+
+  Returns:
+    True for int8 and float8_e4m3fn.
+  """
   return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -195,10 +242,23 @@ def kv_bytes(
     kv_cache_dtype="auto",
     window_pages: int = 0,
 ) -> int:
-  """Bytes of both pools: 2 · kv_heads · (head_dim · bytes per element + 4 for the float32
-  scale of an 8-bit cache) · slots of every layer (num_pages each, window_pages each for the
-  sliding-window layers given window_pages > 0). dtype: the element dtype (default:
-  kv_cache_dtype's)."""
+  """Bytes of both pools.
+
+  2 · kv_heads · (head_dim · bytes per element + 4 for the float32 scale of an 8-bit cache) ·
+  slots of every layer (num_pages each, window_pages each for the sliding-window layers given
+  window_pages > 0).
+
+  Args:
+    cfg: the model.
+    num_pages: pages per full-attention layer.
+    page_size: tokens per page.
+    dtype: the element dtype (default: kv_cache_dtype's).
+    kv_cache_dtype: one of KV_CACHE_DTYPES.
+    window_pages: pages per sliding-window layer; 0: num_pages, as every layer.
+
+  Returns:
+    The bytes.
+  """
   dtype = jnp.dtype(dtype or kv_dtype(cfg, kv_cache_dtype))
   per_head = cfg.head_dim * dtype.itemsize + (4 if quantized(dtype) else 0)
   rings = len(ring_layers(cfg)) if window_pages else 0
@@ -215,11 +275,23 @@ def init_kv(
     kv_cache_dtype: str = "auto",
     window_pages: int = 0,
 ) -> KVPages:
-  """Pools for `num_pages` pages per layer (with window_pages > 0, that many per
-  sliding-window layer instead, which then keeps rings), every slot `fill` (NaN in tests of page
-  ownership; in an 8-bit cache the scales hold `fill` and the values 0).
+  """Pools for `num_pages` pages per layer, every slot `fill`.
 
-  sharding: of each pool and scale pool (default: the default device).
+  With window_pages > 0, that many per sliding-window layer instead, which then keeps rings.
+  `fill` is NaN in tests of page ownership; in an 8-bit cache the scales hold `fill` and the
+  values 0.
+
+  Args:
+    cfg: the model.
+    num_pages: pages per full-attention layer, scratch page 0 included.
+    page_size: tokens per page.
+    fill: the value of every slot.
+    sharding: of each pool and scale pool (default: the default device).
+    kv_cache_dtype: one of KV_CACHE_DTYPES.
+    window_pages: pages per sliding-window layer; 0: no rings.
+
+  Returns:
+    The `KVPages`, pools [kv_heads, pages of every layer, page_size, head_dim].
   """
   dtype = kv_dtype(cfg, kv_cache_dtype)
   rings = ring_layers(cfg) if window_pages else ()
@@ -235,10 +307,20 @@ def init_kv(
 
 
 def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """(x / scale in `dtype`, scale [T, G] float32) with scale = max |x| over head_dim / the
-  dtype's largest value (127 for int8, 448 for float8_e4m3fn), rounded to nearest; an all-zero
-  vector keeps scale 0. fp8 values are clamped after scaling: E4M3 has no infinity, and a value
-  rounding past 448 would become NaN."""
+  """Vectors scaled onto an 8-bit range, with their scales.
+
+  Each vector is divided by scale = max |x| over head_dim / the dtype's largest value (127 for
+  int8, 448 for float8_e4m3fn) and rounded to nearest; an all-zero vector keeps scale 0. fp8
+  values are clamped after scaling: E4M3 has no infinity, and a value rounding past 448 would
+  become NaN.
+
+  Args:
+    x_TxGxK: [T, G, head_dim] keys or values.
+    dtype: int8 or float8_e4m3fn.
+
+  Returns:
+    (x / scale in `dtype` [T, G, head_dim], scale [T, G] float32).
+  """
   x = x_TxGxK.astype(jnp.float32)
   top = 127.0 if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
   scale_TxG = jnp.max(jnp.abs(x), axis=-1) / top
@@ -248,7 +330,14 @@ def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def serving_config(cfg: TransformerConfig) -> TransformerConfig:
-  """The model as served: MoE layers dropless, so that no token's output depends on its batch."""
+  """The model as served: MoE layers dropless, so that no token's output depends on its batch.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    `cfg`, its MoE dispatch 'dropless'.
+  """
   if cfg.moe is None or cfg.moe.dispatch == "dropless":
     return cfg
   return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
@@ -394,9 +483,18 @@ def _seq_lens(batch: TokenBatch) -> jax.Array:
 
 
 def param_specs(params: dict, tp: int) -> dict:
-  """PartitionSpecs of the parameters on an engine's mesh: Megatron's tensor-parallel layout
-  over `KV_AXIS` (`jaxpipe.parallel.tensor.split_dim`), which splits the KV heads as the pools
-  are split."""
+  """PartitionSpecs of the parameters on an engine's mesh.
+
+  Megatron's tensor-parallel layout over `KV_AXIS` (`jaxpipe.parallel.tensor.split_dim`), which
+  splits the KV heads as the pools are split.
+
+  Args:
+    params: the model's params.
+    tp: the engine's devices.
+
+  Returns:
+    A tree of `PartitionSpec`s with the structure of `params`.
+  """
   return tp_lib.param_specs(params, KV_AXIS, tp)
 
 
@@ -409,12 +507,25 @@ def forward_paged(
     backend: str = "auto",
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVPages]:
-  """(logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written).
+  """The model on one step's tokens over the paged pools.
 
-  mesh: the engine's devices (axis `KV_AXIS`). Over more than one, the model runs tensor-parallel
-  (`jaxpipe.parallel.tensor`): parameters split as `param_specs`, each rank projecting its heads
-  and its share of d_ff and of the vocabulary into its own share of the pools' KV heads; the
-  rows' logits are gathered whole for sampling.
+  Args:
+    cfg: the model (served as `serving_config`).
+    params: its params.
+    kv: the pools.
+    batch: the step's T tokens and R wanted rows.
+    backend: the paged attention backend ('auto' chooses; the ragged ones need
+      `TokenBatch.seq_*`).
+    mesh: the engine's devices (axis `KV_AXIS`). Over more than one, the model runs
+      tensor-parallel (`jaxpipe.parallel.tensor`): parameters split as `param_specs`, each rank
+      projecting its heads and its share of d_ff and of the vocabulary into its own share of the
+      pools' KV heads; the rows' logits are gathered whole for sampling.
+
+  Returns:
+    (logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written).
+
+  Raises:
+    ValueError: a ragged backend for a batch without its rows.
   """
   cfg = serving_config(cfg)
   if batch.seq_counts_B is None:  # tokens not grouped by sequence: a per-token backend
@@ -498,14 +609,28 @@ def serve_step(
     mesh: Mesh | None = None,
     logprobs: bool = False,
 ) -> tuple:
-  """One engine iteration: (sampled tokens [R], whether each row's logits are finite [R], pools);
-  with logprobs, (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled
-  tokens, pools): a few numbers per row, never the logits, for the host to read back. A row
-  whose logits are not all finite samples -1, so that the tokens alone tell the host.
+  """One engine iteration: the model, then sampling, on the devices.
 
-  prev_R: the previous step's sampled tokens, still on the device: token t of this step is
-  prev_R[batch.prev_T[t]] where prev_T[t] >= 0 (the engine's async scheduling builds step n+1
-  before step n's tokens reach the host)."""
+  A row whose logits are not all finite samples -1, so that the tokens alone tell the host.
+
+  Args:
+    cfg: the model.
+    params: its params.
+    kv: the pools.
+    batch: the step's tokens.
+    sampling: each row's sampling values.
+    prev_R: the previous step's sampled tokens, still on the device: token t of this step is
+      prev_R[batch.prev_T[t]] where prev_T[t] >= 0 (the engine's async scheduling builds step
+      n+1 before step n's tokens reach the host).
+    backend: the paged attention backend.
+    mesh: the engine's devices (`forward_paged`).
+    logprobs: also return the log-probabilities.
+
+  Returns:
+    (sampled tokens [R], whether each row's logits are finite [R], pools); with logprobs,
+    (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled tokens, pools): a
+    few numbers per row, never the logits, for the host to read back.
+  """
   if prev_R is not None and batch.prev_T is not None:
     from_prev_T = prev_R[jnp.maximum(batch.prev_T, 0)]
     batch = batch.replace(tokens_T=jnp.where(batch.prev_T >= 0, from_prev_T, batch.tokens_T))
@@ -536,9 +661,20 @@ def prefill(
     *,
     backend: str = "auto",
 ) -> tuple[jax.Array, KVPages]:
-  """A prompt chunk at positions start.. of one sequence -> (its last token's logits [V], pools).
+  """A prompt chunk at positions start.. of one sequence.
 
-  `block_table` must already hold pages for positions 0..start+len(tokens)-1.
+  Args:
+    cfg: the model.
+    params: its params.
+    kv: the pools.
+    tokens: the chunk's token ids.
+    start: the first token's position (tokens cached before it).
+    block_table: the sequence's pages; it must already hold pages for positions
+      0..start+len(tokens)-1.
+    backend: the paged attention backend.
+
+  Returns:
+    (its last token's logits [V], pools).
   """
   s = kv.page_size
   positions = np.arange(start, start + len(tokens))
@@ -568,8 +704,20 @@ def decode_step(
     *,
     backend: str = "auto",
 ) -> tuple[jax.Array, KVPages]:
-  """One token per sequence, at position lengths[b] (the tokens cached before it)
-  -> ([B, V], pools)."""
+  """One token per sequence, at position lengths[b] (the tokens cached before it).
+
+  Args:
+    cfg: the model.
+    params: its params.
+    kv: the pools.
+    tokens_B: each sequence's token.
+    lengths_B: each sequence's tokens cached before it.
+    block_tables_BxN: [B, N] each sequence's pages.
+    backend: the paged attention backend.
+
+  Returns:
+    (logits [B, V], pools).
+  """
   s = kv.page_size
   positions = np.asarray(lengths_B)
   tables = np.asarray(block_tables_BxN)

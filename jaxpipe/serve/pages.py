@@ -53,17 +53,40 @@ class PageAllocator:
     return page
 
   def can_alloc(self, n: int) -> bool:
-    """Whether n pages can be allocated now, reclaiming from the prefix cache if needed."""
+    """Whether n pages can be allocated now, reclaiming from the prefix cache if needed.
+
+    Args:
+      n: pages wanted.
+
+    Returns:
+      True if at least n pages are free (after reclaiming).
+    """
     if len(self._free) < n and self.reclaim is not None:
       self.reclaim(n - len(self._free))
     return len(self._free) >= n
 
   def incref(self, page: int) -> None:
+    """One more owner of an owned page.
+
+    Args:
+      page: the page.
+
+    Raises:
+      ValueError: the page is free; only an owned page can be shared.
+    """
     if self.refs[page] < 1:
       raise ValueError(f"page {page} is free; only an owned page can be shared")
     self.refs[page] += 1
 
   def decref(self, page: int) -> None:
+    """One owner fewer; the page returns to the free list when none is left.
+
+    Args:
+      page: the page.
+
+    Raises:
+      ValueError: the page is already free (double free).
+    """
     if self.refs[page] < 1:
       raise ValueError(f"page {page} is already free (double free)")
     self.refs[page] -= 1
@@ -73,17 +96,48 @@ class PageAllocator:
         self._on_free(page)
 
   def fork(self, pages: Sequence[int]) -> list[int]:
-    """Another owner for every page of a block table (a second sample of the same prefix)."""
+    """Another owner for every page of a block table (a second sample of the same prefix).
+
+    Args:
+      pages: the block table.
+
+    Returns:
+      A copy of it, the fork's block table.
+
+    Raises:
+      ValueError: a page that is free.
+    """
     for p in pages:
       self.incref(p)
     return list(pages)
 
   def free(self, pages: Sequence[int]) -> None:
+    """One owner fewer for every page of a block table (`decref`).
+
+    Args:
+      pages: the block table.
+
+    Raises:
+      ValueError: a page that is already free (double free).
+    """
     for p in pages:
       self.decref(p)
 
   def writable(self, page: int) -> tuple[int, int | None]:
-    """(page to write, source to copy it from or None): copy-on-write for a shared page."""
+    """(page to write, source to copy it from or None): copy-on-write for a shared page.
+
+    A shared page is replaced by a fresh one (the caller copies the source into it), and this
+    owner gives the shared one up.
+
+    Args:
+      page: a page this owner holds.
+
+    Returns:
+      (page, None) for a page only this owner holds; (new page, page) for a shared one.
+
+    Raises:
+      OutOfPages: a shared page and no free page; nothing changes then.
+    """
     if self.refs[page] == 1:
       return page, None
     new = self.alloc()  # before the decref: a failed alloc leaves everything as it was
@@ -92,7 +146,15 @@ class PageAllocator:
 
 
 def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-  """Key of a full page: a digest of the previous page's key and this page's tokens."""
+  """Key of a full page: a digest of the previous page's key and this page's tokens.
+
+  Args:
+    parent: the previous page's key; b'' for the first page.
+    tokens: the page's tokens.
+
+  Returns:
+    The SHA-256 digest.
+  """
   return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
@@ -112,7 +174,15 @@ class PrefixCache:
     return len(self._pages)
 
   def keys_of(self, tokens: Sequence[int], full_pages: int) -> list[bytes]:
-    """Keys of the first `full_pages` pages of `tokens`."""
+    """Keys of the first `full_pages` pages of `tokens`.
+
+    Args:
+      tokens: the sequence's tokens.
+      full_pages: pages to key, each of page_size tokens.
+
+    Returns:
+      [full_pages] keys, each chained on the one before (`page_key`).
+    """
     keys, parent, s = [], b"", self.page_size
     for i in range(full_pages):
       parent = page_key(parent, tokens[i * s : (i + 1) * s])
@@ -120,7 +190,15 @@ class PrefixCache:
     return keys
 
   def match(self, tokens: Sequence[int]) -> list[int]:
-    """The cached pages of the longest cached page-aligned prefix of `tokens`, each now shared."""
+    """The cached pages of the longest cached page-aligned prefix of `tokens`, each now shared.
+
+    Args:
+      tokens: the sequence's tokens.
+
+    Returns:
+      The pages, in order; each has one more owner (the caller), and its entry is the most
+      recently used.
+    """
     pages = []
     for key in self.keys_of(tokens, len(tokens) // self.page_size):
       page = self._pages.get(key)
@@ -132,7 +210,12 @@ class PrefixCache:
     return pages
 
   def insert(self, key: bytes, page: int) -> None:
-    """Caches `page` under `key` (a no-op if the key is cached already)."""
+    """Caches `page` under `key` (a no-op if the key is cached already).
+
+    Args:
+      key: the page's key (`page_key`).
+      page: the full page; the entry becomes one more owner of it.
+    """
     if key in self._pages:
       self._pages.move_to_end(key)
       return
@@ -140,7 +223,14 @@ class PrefixCache:
     self._pages[key] = page
 
   def evict(self, n: int) -> int:
-    """Drops up to n least recently used entries that alone own their page; returns how many."""
+    """Drops up to n least recently used entries that alone own their page.
+
+    Args:
+      n: entries to drop.
+
+    Returns:
+      How many were dropped.
+    """
     victims = [k for k, p in self._pages.items() if self.allocator.refs[p] == 1][:n]
     for key in victims:
       self.allocator.decref(self._pages.pop(key))

@@ -29,14 +29,34 @@ W = TypeVar("W", bound=HasScheduler)
 
 
 def entry_worker(workers: Sequence[W], prefill: bool) -> W:
-  """The worker a new request goes to (prefill: the disaggregated entry side)."""
+  """The worker a new request goes to (module docstring).
+
+  Args:
+    workers: the workers that take new requests.
+    prefill: the disaggregated entry side: the fewest prompt tokens left to compute; else the
+      fewest requests waiting or running.
+
+  Returns:
+    The least-loaded worker; ties go to the first.
+  """
   if prefill:
     return min(workers, key=lambda w: w.scheduler.tokens_left())
   return min(workers, key=lambda w: w.scheduler.held())
 
 
 def decode_worker(workers: Sequence[W], pages: int) -> W | None:
-  """The decode worker a prefilled request of `pages` pages moves to, or None for now."""
+  """The decode worker a prefilled request of `pages` pages moves to, or None for now.
+
+  Of those with a free batch slot and that many free pages, the one with the most free pages,
+  ties to the fewest running requests, then the first.
+
+  Args:
+    workers: the decode workers.
+    pages: the request's pages.
+
+  Returns:
+    The worker, or None if none can take it now.
+  """
   # Pages first: the engine's check may reclaim prefix-cache pages, which `num_free` then counts.
   fits = [w for w in workers if w.scheduler.pages.can_alloc(pages) and w.scheduler.has_slot()]
   if not fits:

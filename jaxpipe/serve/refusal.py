@@ -29,5 +29,12 @@ class Refusal(str):
     return out
 
   def prefixed(self, prefix: str) -> Refusal:
-    """The same refusal with `prefix` before its message (e.g. which prompt of a list)."""
+    """The same refusal with `prefix` before its message (e.g. which prompt of a list).
+
+    Args:
+      prefix: text to put first.
+
+    Returns:
+      The new `Refusal`, with the same `param`.
+    """
     return Refusal(prefix + self, self.param)

@@ -25,7 +25,14 @@ PENDING = -1  # an output token sampled by a step in flight, not read back yet (
 
 
 def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
-  """An eos_id argument (one id, several, or None) as a tuple of ids."""
+  """An eos_id argument (one id, several, or None) as a tuple of ids.
+
+  Args:
+    eos_id: one id, a sequence of ids, or None.
+
+  Returns:
+    The ids; () for None.
+  """
   if eos_id is None:
     return ()
   if isinstance(eos_id, (int, np.integer)):
@@ -34,7 +41,15 @@ def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
 
 
 def outside_vocab(prompt: Sequence[int], vocab: int) -> Refusal | None:
-  """Why some prompt token is no id of a model with `vocab` ids, or None."""
+  """Why some prompt token is no id of a model with `vocab` ids, or None.
+
+  Args:
+    prompt: the prompt's tokens.
+    vocab: the model's vocabulary size.
+
+  Returns:
+    None, or a `Refusal` of `prompt` naming the first bad token and their count.
+  """
   bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
   if not bad:
     return None
@@ -118,8 +133,18 @@ class KVState:
 
 
 def token_slice(r: Request, start: int, stop: int) -> list[int]:
-  """r.tokens[start:stop] without building r.tokens (prompt + output) first: a decode step
-  reads one token of each of up to max_batch requests."""
+  """r.tokens[start:stop] without building r.tokens (prompt + output) first.
+
+  A decode step reads one token of each of up to max_batch requests.
+
+  Args:
+    r: the request.
+    start: the first position.
+    stop: the position after the last.
+
+  Returns:
+    The tokens at positions start..stop-1 of prompt + output.
+  """
   p = len(r.prompt)
   if start >= p:
     return r.output[start - p : stop - p]

@@ -83,7 +83,15 @@ class SamplingBatch:
 
 
 def ban(logits_RxV: jax.Array, banned_RxS: jax.Array | None) -> jax.Array:
-  """logits with each row's banned ids (entries >= 0) at -inf (transformers' min_new_tokens)."""
+  """logits with each row's banned ids (entries >= 0) at -inf (transformers' min_new_tokens).
+
+  Args:
+    logits_RxV: [R, V] logits.
+    banned_RxS: [R, S] ids each row may not sample (-1: none), or None.
+
+  Returns:
+    [R, V] logits.
+  """
   if banned_RxS is None:
     return logits_RxV
   v = logits_RxV.shape[-1]
@@ -94,8 +102,17 @@ def ban(logits_RxV: jax.Array, banned_RxS: jax.Array | None) -> jax.Array:
 def top_logprobs(
     logits_RxV: jax.Array, tokens_R: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(log-probability of tokens_R [R], top MAX_LOGPROBS log-probabilities [R, MAX_LOGPROBS],
-  their ids [R, MAX_LOGPROBS] int32), all float32 of `log_softmax(logits)`."""
+  """The log-probabilities the host reads back, from `log_softmax(logits)` in float32.
+
+  Args:
+    logits_RxV: [R, V] logits.
+    tokens_R: [R] the tokens sampled.
+
+  Returns:
+    (log-probability of tokens_R [R], top MAX_LOGPROBS log-probabilities [R, MAX_LOGPROBS],
+    their ids [R, MAX_LOGPROBS] int32), the log-probabilities float32; fewer than MAX_LOGPROBS
+    columns when V is smaller.
+  """
   logp_RxV = jax.nn.log_softmax(logits_RxV.astype(jnp.float32), axis=-1)
   chosen_R = jnp.take_along_axis(logp_RxV, tokens_R[:, None], axis=-1)[:, 0]
   top_RxM, ids_RxM = jax.lax.top_k(logp_RxV, min(MAX_LOGPROBS, logp_RxV.shape[-1]))
@@ -103,13 +120,33 @@ def top_logprobs(
 
 
 def as_token_logprobs(chosen: float, top_M, ids_M, k: int) -> TokenLogprobs:
-  """One row of `top_logprobs`, read back, as a token's TokenLogprobs with k alternatives."""
+  """One row of `top_logprobs`, read back, as a token's TokenLogprobs with k alternatives.
+
+  Args:
+    chosen: the sampled token's log-probability.
+    top_M: the top log-probabilities, most likely first.
+    ids_M: their ids.
+    k: alternatives to keep.
+
+  Returns:
+    (log-probability, [(id, log-probability)] of the k most likely).
+  """
   return float(chosen), [(int(i), float(x)) for i, x in zip(ids_M[:k], top_M[:k])]
 
 
 def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
-  """Token ids [R] (int32). A step whose rows are all greedy takes the argmax alone (`lax.cond`
-  runs one branch): the sort over the vocabulary that top-k / top-p need is skipped."""
+  """Token ids [R] (int32), one per row of logits.
+
+  A step whose rows are all greedy takes the argmax alone (`lax.cond` runs one branch): the sort
+  over the vocabulary that top-k / top-p need is skipped.
+
+  Args:
+    logits_RxV: [R, V] logits.
+    s: each row's sampling values (temperature 0: greedy) and banned ids.
+
+  Returns:
+    [R] int32 token ids.
+  """
   logits_RxV = ban(logits_RxV, s.banned_RxS)
   greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   return jax.lax.cond(

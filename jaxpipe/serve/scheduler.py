@@ -58,22 +58,48 @@ class Pages(Protocol[S]):
     ...
 
   def can_alloc(self, n: int) -> bool:
-    """Whether n pages can be had now (the engine may reclaim prefix-cache pages for them)."""
+    """Whether n pages can be had now (the engine may reclaim prefix-cache pages for them).
+
+    Args:
+      n: pages wanted.
+
+    Returns:
+      True if they can.
+    """
     ...
 
   def match_prefix(self, seq: S) -> bool:
-    """Gives a sequence with nothing computed what the prefix cache holds of its tokens (its
-    pages, `seq.computed` set to the tokens they hold). True if there is a prefix cache, hit or
-    not; the scheduler then releases the hits again if the sequence cannot be admitted."""
+    """Gives a sequence with nothing computed what the prefix cache holds of its tokens.
+
+    Its pages, `seq.computed` set to the tokens they hold. The scheduler releases the hits again if
+    the sequence cannot be admitted.
+
+    Args:
+      seq: a sequence with nothing computed.
+
+    Returns:
+      True if there is a prefix cache, hit or not.
+    """
     ...
 
   def reserve(self, seq: S, n: int) -> bool:
-    """Pages for seq's tokens computed..computed+n-1 (a shared one copied before it is written);
-    False, taking nothing, if too few are free."""
+    """Pages for seq's tokens computed..computed+n-1 (a shared one copied before it is written).
+
+    Args:
+      seq: the sequence.
+      n: tokens to hold.
+
+    Returns:
+      True; False, taking nothing, if too few are free.
+    """
     ...
 
   def release(self, seq: S) -> None:
-    """Frees every page seq holds."""
+    """Frees every page seq holds.
+
+    Args:
+      seq: the sequence.
+    """
     ...
 
 
@@ -109,29 +135,54 @@ class Scheduler(Generic[S]):
   # -- the queues -------------------------------------------------------------------------------
 
   def add(self, seq: S) -> None:
-    """A new sequence waits, last in line."""
+    """A new sequence waits, last in line.
+
+    Args:
+      seq: the sequence.
+    """
     self.waiting.append(seq)
     self._waiting_left += seq.length - seq.computed
 
   def expect(self, seq: S) -> None:
-    """Holds a batch slot for a sequence whose pages the owner reserved and whose K/V are on
-    their way; it is not scheduled until `join`."""
+    """Holds a batch slot for a sequence whose K/V are on their way.
+
+    The owner reserved its pages; it is not scheduled until `join`.
+
+    Args:
+      seq: the incoming sequence.
+    """
     self.incoming.append(seq)
 
   def join(self, seq: S) -> None:
-    """A sequence joins the batch as it is, K/V cached (an incoming one, or a fork)."""
+    """A sequence joins the batch as it is, K/V cached (an incoming one, or a fork).
+
+    Args:
+      seq: the sequence.
+    """
     if seq in self.incoming:
       self.incoming.remove(seq)
     self.running.append(seq)
 
   def park(self, seq: S) -> None:
-    """A prefill worker's sequence sampled its first token: out of the batch, pages kept."""
+    """A prefill worker's sequence sampled its first token: out of the batch, pages kept.
+
+    Args:
+      seq: a running sequence.
+    """
     self.running.remove(seq)
     self.parked.append(seq)
 
   def remove(self, seq: S) -> bool:
-    """Takes a sequence off this worker (finished, cancelled, or moved on) and frees its pages
-    at once; False if no queue held it."""
+    """Takes a sequence off this worker (finished, cancelled, or moved on).
+
+    Its pages are freed at once.
+
+    Args:
+      seq: the sequence.
+
+    Returns:
+      True; False if no queue held it.
+    """
     for queue in (self.running, self.waiting, self.parked, self.incoming):
       if seq in queue:
         queue.remove(seq)
@@ -186,7 +237,11 @@ class Scheduler(Generic[S]):
     return plan
 
   def preempt(self, seq: S) -> None:
-    """Recompute preemption: seq's pages are freed and it waits first in line with its tokens."""
+    """Recompute preemption: seq's pages are freed and it waits first in line with its tokens.
+
+    Args:
+      seq: a running sequence; its computed tokens are reset to 0.
+    """
     self.running.remove(seq)
     self.pages.release(seq)
     seq.computed = 0

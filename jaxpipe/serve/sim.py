@@ -42,6 +42,15 @@ from jaxpipe.serve.scheduler import Scheduler
 class CostModel(Protocol):
 
   def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """Seconds of one step that computes `new[i]` tokens of sequence i.
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      The step's seconds.
+    """
     ...
 
 
@@ -73,6 +82,14 @@ class ModelShape:
     return self.layers * self.layer_params + 2 * self.vocab * self.d_model
 
   def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+    """Bytes of K and V one token keeps over every layer.
+
+    Args:
+      itemsize: bytes per element.
+
+    Returns:
+      2 · layers · kv_heads · head_dim · itemsize.
+    """
     return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
 
@@ -104,6 +121,15 @@ class Roofline:
   allreduce_latency: float = 10e-6  # seconds per all-reduce beyond its bandwidth term
 
   def flops(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """FLOPs of one step: layer matmuls, causal attention, the head on each sequence's last token.
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      The FLOPs.
+    """
     m = self.model
     t = sum(new)
     # Causal attention: new token j of a sequence with c keys after the step sees c - n + 1 + j.
@@ -115,11 +141,29 @@ class Roofline:
     )  # the head, on each sequence's last token
 
   def bytes(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """HBM bytes of one step: every weight read once, its context's K/V read, its new K/V written.
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      The bytes.
+    """
     m = self.model
     weights = (m.layers * m.layer_params + m.vocab * m.d_model) * self.itemsize
     return weights + m.kv_bytes_per_token(self.itemsize) * (sum(context) + sum(new))
 
   def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """max(FLOPs / peak, bytes / HBM bandwidth) on tp GPUs, plus the tensor-parallel all-reduces.
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      The step's seconds.
+    """
     g, tp = self.gpu, self.tp
     t = max(self.flops(new, context) / (tp * g.flops), self.bytes(new, context) / (tp * g.hbm_bw))
     if tp > 1:
@@ -128,7 +172,14 @@ class Roofline:
     return t
 
   def kv_capacity(self, reserve: float = 0.1) -> int:
-    """Tokens of K/V that fit beside the weights in tp GPUs' memory, `reserve` of it kept free."""
+    """Tokens of K/V that fit beside the weights in tp GPUs' memory, `reserve` of it kept free.
+
+    Args:
+      reserve: the fraction of memory kept free.
+
+    Returns:
+      The token count, at least 0.
+    """
     free = self.tp * self.gpu.memory * (1 - reserve) - self.model.params * self.itemsize
     return max(0, int(free // self.model.kv_bytes_per_token(self.itemsize)))
 
@@ -148,10 +199,29 @@ class StepTable:
   host_row: float = 0.0
 
   def host_time(self, new: Sequence[int], context: Sequence[int]) -> float:
-    """The part of `step_time` spent in the host's Python (one thread for every worker)."""
+    """The part of `step_time` spent in the host's Python (one thread for every worker).
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      host_step + host_row per scheduled sequence.
+    """
     return self.host_step + self.host_row * len(new)
 
   def step_time(self, new: Sequence[int], context: Sequence[int]) -> float:
+    """The measured time of the step program the step runs in, plus its host time.
+
+    Its token bucket holds the step's tokens, its pages bucket the longest context's pages.
+
+    Args:
+      new: tokens of each sequence computed in the step.
+      context: each sequence's context length (keys cached after the step).
+
+    Returns:
+      The step's seconds.
+    """
     tokens = sorted({t for t, _ in self.times})
     pages = sorted({n for _, n in self.times})
     t = _bucket(sum(new), tokens)
@@ -202,7 +272,14 @@ class Cluster:
     return self.colocated is None
 
   def transfer_time(self, tokens: int) -> float:
-    """One request's copy: its pages' K/V (pages rounded up) over the link."""
+    """One request's copy: its pages' K/V (pages rounded up) over the link.
+
+    Args:
+      tokens: the request's cached tokens.
+
+    Returns:
+      The copy's seconds: its latency plus its bytes over the bandwidth.
+    """
     pages = math.ceil(tokens / self.page_size)
     nbytes = pages * self.page_size * self.kv_bytes_per_token
     return self.transfer_latency + nbytes / self.transfer_bw
@@ -250,12 +327,37 @@ class CountedPages:
     return self.free
 
   def can_alloc(self, n: int) -> bool:
+    """Whether n pages are free.
+
+    Args:
+      n: pages wanted.
+
+    Returns:
+      True if at least n are free.
+    """
     return self.free >= n
 
   def match_prefix(self, r) -> bool:
+    """No prefix cache: every prompt is computed whole.
+
+    Args:
+      r: the request.
+
+    Returns:
+      False.
+    """
     return False
 
   def reserve(self, r, n: int) -> bool:
+    """Pages for r's tokens computed..computed+n-1.
+
+    Args:
+      r: the request; its `pages` count grows by the pages taken.
+      n: tokens to hold.
+
+    Returns:
+      True; False, taking nothing, if too few are free.
+    """
     need = math.ceil((r.computed + n) / self.page_size) - r.pages
     if need > self.free:
       return False
@@ -264,6 +366,11 @@ class CountedPages:
     return True
 
   def release(self, r) -> None:
+    """Frees every page r holds.
+
+    Args:
+      r: the request; its `pages` count drops to 0.
+    """
     self.free += r.pages
     r.pages = 0
 
@@ -318,9 +425,17 @@ def simulate(
     arrivals: Sequence[tuple[float, int, int]],
     trace: dict[str, list] | None = None,
 ) -> list[SimRequest]:
-  """Serves (arrival seconds, prompt tokens, output tokens) requests; returns them finished.
+  """Serves (arrival seconds, prompt tokens, output tokens) requests.
 
-  trace: filled with each worker's scheduling decisions (`Scheduler.trace`), by worker name."""
+  Args:
+    cluster: the workers, their cost models and clock (module docstring).
+    arrivals: (arrival seconds, prompt tokens, output tokens) per request.
+    trace: filled with each worker's scheduling decisions (`Scheduler.trace`), by worker name.
+
+  Returns:
+    The requests, finished; a request that needs more pages than a worker has is not served,
+    its `error` saying so.
+  """
   reqs = [SimRequest(i, a, p, o) for i, (a, p, o) in enumerate(arrivals)]
   s = cluster.page_size
   for r in reqs:

@@ -33,18 +33,41 @@ class SLO:
       raise ValueError(f"attainment={self.attainment} must lie in (0, 1]")
 
   def met(self, r) -> bool:
-    """Whether a finished request (with .ttft, .tpot, .error) met both targets."""
+    """Whether a finished request met both targets.
+
+    Args:
+      r: a request with .ttft, .tpot and .error; one with an error or no first token misses, one
+        without a TPOT (fewer than two tokens) meets any TPOT target.
+
+    Returns:
+      True if it met both.
+    """
     if getattr(r, "error", None) or r.ttft is None:
       return False
     return r.ttft <= self.ttft and (r.tpot is None or r.tpot <= self.tpot)
 
   def scaled(self, factor: float) -> SLO:
-    """Both targets times `factor` (DistServe's SLO scale)."""
+    """Both targets times `factor` (DistServe's SLO scale).
+
+    Args:
+      factor: the scale, > 0.
+
+    Returns:
+      The scaled `SLO`, with the same attainment.
+    """
     return SLO(self.ttft * factor, self.tpot * factor, self.attainment)
 
   def tightest_scale(self, requests: Sequence) -> float:
-    """The smallest factor f for which `scaled(f)` is met by the `attainment` share of the
-    requests (inf if failed requests alone exceed the rest): how tight an SLO they can meet."""
+    """The smallest factor f for which `scaled(f)` is met by the `attainment` share of the requests.
+
+    How tight an SLO they can meet.
+
+    Args:
+      requests: finished requests, with .ttft, .tpot and .error.
+
+    Returns:
+      The factor; inf if failed requests alone exceed the rest, or there are no requests.
+    """
     need = [
         math.inf
         if getattr(r, "error", None) or r.ttft is None
@@ -56,36 +79,85 @@ class SLO:
 
 
 def ttft(arrival: float, first_token: float | None) -> float | None:
-  """Time to first token: arrival to the first token's time (None before there is one)."""
+  """Time to first token: arrival to the first token's time (None before there is one).
+
+  Args:
+    arrival: when the request arrived, seconds.
+    first_token: when its first token came, or None.
+
+  Returns:
+    The seconds, or None.
+  """
   return None if first_token is None else first_token - arrival
 
 
 def tpot(first_token: float | None, last_token: float | None, tokens: int) -> float | None:
-  """Time per output token after the first: (last - first) / (tokens - 1), the mean gap
-  between a request's tokens; None with fewer than two tokens (it meets any TPOT target)."""
+  """Time per output token after the first: (last - first) / (tokens - 1).
+
+  The mean gap between a request's tokens.
+
+  Args:
+    first_token: when its first token came.
+    last_token: when its last token came.
+    tokens: its output tokens.
+
+  Returns:
+    The seconds; None with fewer than two tokens (it meets any TPOT target).
+  """
   if tokens < 2:
     return None
   return (last_token - first_token) / (tokens - 1)
 
 
 def attainment(requests: Sequence, slo: SLO) -> float:
-  """The share of requests that met the SLO."""
+  """The share of requests that met the SLO.
+
+  Args:
+    requests: finished requests.
+    slo: the targets.
+
+  Returns:
+    The share in [0, 1]; 0 for no requests.
+  """
   return sum(slo.met(r) for r in requests) / len(requests) if requests else 0.0
 
 
 def e2e(r) -> float | None:
-  """End-to-end latency of a finished request: arrival to its last token."""
+  """End-to-end latency of a finished request: arrival to its last token.
+
+  Args:
+    r: a request with .arrival and .finish_time.
+
+  Returns:
+    finish_time - arrival, or None before it finished.
+  """
   return None if r.finish_time is None else r.finish_time - r.arrival
 
 
 def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 90, 99)) -> list[float]:
-  """The qs-th percentiles of the values that are not None (NaN when there are none)."""
+  """The qs-th percentiles of the values that are not None.
+
+  Args:
+    values: the values, None for a missing one.
+    qs: the percentiles, in [0, 100].
+
+  Returns:
+    One float per q; NaN when there are no values.
+  """
   xs = [v for v in values if v is not None]
   return [float(np.percentile(xs, q)) if xs else math.nan for q in qs]
 
 
 def summary(requests: Sequence, slo: SLO) -> dict[str, float]:
-  """TTFT and TPOT p50 and p90 (seconds) and the share that met the SLO."""
+  """TTFT and TPOT p50 and p90 (seconds) and the share that met the SLO.
+
+  Args:
+    requests: finished requests, with .ttft and .tpot.
+    slo: the targets.
+
+  Returns:
+    {"ttft50", "ttft90", "tpot50", "tpot90", "met"}.
+  """
   (ttft50, ttft90), (tpot50, tpot90) = (
       percentiles((getattr(r, m) for r in requests), (50, 90)) for m in ("ttft", "tpot")
   )
@@ -135,6 +207,12 @@ class GoodputSearch:
     return None if hi / lo <= 1 + self.rel_tol else math.sqrt(lo * hi)
 
   def record(self, rate: float, attainment: float) -> None:
+    """Records a probe's outcome.
+
+    Args:
+      rate: the probed rate.
+      attainment: the share of its requests that met the SLO.
+    """
     self.tried[rate] = attainment
 
   def bracket(self) -> tuple[float | None, float | None]:
@@ -156,7 +234,21 @@ def search_goodput(
     rel_tol: float = 0.1,
     max_probes: int = 8,
 ) -> Search:
-  """`GoodputSearch` run to the end with attain_at(rate) as the probe."""
+  """`GoodputSearch` run to the end with attain_at(rate) as the probe.
+
+  Args:
+    attain_at: rate -> attainment, one whole run at that rate.
+    rates: the rates to probe first.
+    target: the attainment a rate must reach.
+    rel_tol: the bisection stops when the bracket is within this ratio.
+    max_probes: the most rates probed.
+
+  Returns:
+    The `Search`: goodput, the rates tried and the lowest failing rate above it.
+
+  Raises:
+    ValueError: no rates, or one that is not positive.
+  """
   search = GoodputSearch(rates, target, rel_tol, max_probes)
   while (rate := search.next_rate()) is not None:
     search.record(rate, attain_at(rate))

@@ -46,6 +46,17 @@ class Lengths:
 
   @classmethod
   def parse(cls, spec: str) -> Lengths:
+    """A distribution from its spec string (module docstring).
+
+    Args:
+      spec: "N" (fixed), "MIN:MAX" (uniform, inclusive) or "lognormal:MEDIAN:MAX[:SIGMA]".
+
+    Returns:
+      The `Lengths`.
+
+    Raises:
+      ValueError: a spec of another form, or one without 1 <= MIN (MEDIAN) <= MAX and SIGMA > 0.
+    """
     parts = str(spec).split(":")
     try:
       if parts[0] == "lognormal" and len(parts) in (3, 4):
@@ -69,6 +80,15 @@ class Lengths:
     return out
 
   def sample(self, rng: np.random.Generator) -> int:
+    """One token count.
+
+    Args:
+      rng: the generator to draw from.
+
+    Returns:
+      The count, in [low, high] (lognormal: round(MEDIAN * exp(SIGMA * N(0, 1))) clipped to
+      [1, MAX]).
+    """
     if self.kind == "fixed":
       return self.low
     if self.kind == "uniform":
@@ -90,7 +110,22 @@ def generate(
   """n requests, Poisson arrivals at `rate` per second (exponential gaps, mean 1/rate).
 
   The gaps are drawn first, so the same seed at another rate gives the same requests, their
-  arrivals scaled by the ratio of the rates."""
+  arrivals scaled by the ratio of the rates.
+
+  Args:
+    n: requests, >= 1.
+    rate: requests per second, > 0.
+    prompt: the prompts' lengths.
+    output: the outputs' lengths.
+    vocab: prompt tokens are drawn from [0, vocab).
+    seed: the generator's seed.
+
+  Returns:
+    The requests, by arrival.
+
+  Raises:
+    ValueError: n below 1 or a rate not above 0.
+  """
   if n < 1 or not rate > 0:
     raise ValueError(f"a workload needs n >= 1 requests (got {n}) and rate > 0 (got {rate})")
   rng = np.random.default_rng(seed)
@@ -103,7 +138,18 @@ def generate(
 
 
 def at_rate(work: list[Work], rate: float) -> list[Work]:
-  """The same requests (a trace's) with arrivals scaled so that requests / last arrival = rate."""
+  """The same requests (a trace's) with arrivals scaled so that requests / last arrival = rate.
+
+  Args:
+    work: the requests, by arrival.
+    rate: requests per second, > 0.
+
+  Returns:
+    New requests, arrivals scaled.
+
+  Raises:
+    ValueError: a rate not above 0.
+  """
   if not rate > 0:
     raise ValueError(f"rate={rate} must be > 0")
   scale = work[-1].arrival / len(work) * rate
@@ -111,6 +157,12 @@ def at_rate(work: list[Work], rate: float) -> list[Work]:
 
 
 def write_csv(path: str | os.PathLike, work: list[Work]) -> None:
+  """Writes a trace CSV: the header and all four columns (module docstring).
+
+  Args:
+    path: the file to write.
+    work: the requests.
+  """
   with open(path, "w", newline="") as f:
     out = csv.writer(f)
     out.writerow(COLUMNS)
@@ -119,7 +171,22 @@ def write_csv(path: str | os.PathLike, work: list[Work]) -> None:
 
 
 def read_csv(path: str | os.PathLike, vocab: int, seed: int = 0) -> list[Work]:
-  """The requests of a trace CSV; ValueError naming the file, line and value when malformed."""
+  """The requests of a trace CSV.
+
+  Args:
+    path: the trace (module docstring).
+    vocab: the model's vocabulary: prompt tokens must lie in [0, vocab), and absent ones are
+      drawn from it.
+    seed: the generator's seed, for absent prompts.
+
+  Returns:
+    The requests, by arrival.
+
+  Raises:
+    ValueError: naming the file, line and value when malformed (a wrong header or field count,
+      a bad or decreasing arrival, a length below 1, a prompt that does not match its length or
+      the vocabulary), or when the trace holds no requests.
+  """
   rng = np.random.default_rng(seed)
   work: list[Work] = []
   with open(path, newline="") as f:

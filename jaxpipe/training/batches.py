@@ -28,7 +28,19 @@ class Source(Protocol):
   def batch(
       self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
   ) -> dict[str, np.ndarray]:
-    """Batch number `index` of `split` (only its `rows`, in that order, when given)."""
+    """Batch number `index` of `split` (only its `rows`, in that order, when given).
+
+    Args:
+      split: 'train' or 'eval'.
+      index: the batch's number, >= 0; the batch is a function of (seed, split, index) only.
+      batch: B, sequences in the whole batch.
+      seq_len: L, tokens per sequence.
+      rows: the rows to return, in that order; None: all B.
+
+    Returns:
+      `tokens` and `targets` int32 [R, L], `mask` float32 [R, L] (1 = counted), R the rows asked
+      for; a token store adds `segment_ids` and `positions` int32 [R, L].
+    """
 
 
 def _rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -72,6 +84,22 @@ class ByteCorpus:
   def batch(
       self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
   ) -> dict[str, np.ndarray]:
+    """Windows of seq_len + 1 bytes at step-indexed random offsets of the split.
+
+    Args:
+      split: 'train' or 'eval'.
+      index: the batch's number, >= 0; the batch is a function of (seed, split, index) only.
+      batch: B, sequences in the whole batch.
+      seq_len: L, tokens per sequence.
+      rows: the rows to return, in that order; None: all B.
+
+    Returns:
+      `tokens` and `targets` int32 [R, L] (a window's first L bytes and its last L), `mask`
+      float32 [R, L] of ones.
+
+    Raises:
+      ValueError: an unknown split, a negative index, or a split shorter than seq_len + 1 bytes.
+    """
     rng = _rng(self.seed, split, index)
     data = self.splits[split]
     if len(data) < seq_len + 1:
@@ -101,6 +129,22 @@ class Synthetic:
   def batch(
       self, split: str, index: int, batch: int, seq_len: int, rows: np.ndarray | None = None
   ) -> dict[str, np.ndarray]:
+    """Arithmetic progressions mod vocab, each row right-padded after a random length.
+
+    Args:
+      split: 'train' or 'eval'.
+      index: the batch's number, >= 0; the batch is a function of (seed, split, index) only.
+      batch: B, sequences in the whole batch.
+      seq_len: L, tokens per sequence.
+      rows: the rows to return, in that order; None: all B.
+
+    Returns:
+      `tokens` and `targets` int32 [R, L] (targets 0 on padding), `mask` float32 [R, L], 1 on the
+      first L/2 to L positions of a row, 0 on its padding.
+
+    Raises:
+      ValueError: an unknown split or a negative index.
+    """
     rng = _rng(self.seed, split, index)
     start_R = _rows(rng.integers(0, self.vocab, size=batch), rows)
     stride_R = _rows(rng.integers(1, 4, size=batch), rows)
@@ -116,8 +160,25 @@ class Synthetic:
 
 
 def make_source(data: ml_collections.ConfigDict, vocab: int, workdir: str | None = None) -> Source:
-  """The source named by `data.source`; a token store is checked against the run's `workdir`'s
-  tokenizer (hf/, a converted checkpoint's) when it has one."""
+  """The source named by `data.source`.
+
+  A token store is checked against the run's `workdir`'s tokenizer (hf/, a converted
+  checkpoint's) when it has one.
+
+  Args:
+    data: the config's `data` section: source ('stdlib', 'synthetic' or 'tokens:DIR'),
+      eval_fraction and seed.
+    vocab: the model's vocabulary size.
+    workdir: the run's workdir, or None.
+
+  Returns:
+    The `Source`.
+
+  Raises:
+    ConfigError: a token store that does not fit the run.
+    ValueError: an unknown source.
+    FileNotFoundError: 'stdlib' where the standard library has no .py files.
+  """
   if data.source == "stdlib":
     return ByteCorpus(stdlib_bytes(), data.eval_fraction, data.seed)
   if data.source == "synthetic":

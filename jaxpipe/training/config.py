@@ -109,13 +109,31 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-  """The model section as the model's own dataclass."""
+  """The model section as the model's own dataclass.
+
+  Args:
+    config: the run's config.
+
+  Returns:
+    `TransformerConfig(**config.model)`.
+  """
   return TransformerConfig(**config.model.to_dict())
 
 
 def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Axis sizes with an unset `dp` filled from the device count;
-  raises ConfigError if they cannot fit."""
+  """Axis sizes with an unset `dp` filled from the device count.
+
+  Args:
+    mesh: the config's `mesh` section, one size per axis of MESH_AXES (dp may be None).
+    num_devices: the devices the run has.
+
+  Returns:
+    The size of every axis of MESH_AXES.
+
+  Raises:
+    ConfigError: the sizes cannot fit: a size that is not a positive integer, or a product that
+      is not (or, dp unset, does not divide) the device count.
+  """
   for axis in MESH_AXES:
     size = mesh[axis]
     if axis == "dp" and size is None:
@@ -150,8 +168,19 @@ def mesh_shape(mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
 
 
 def mesh_order(mesh: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """mesh.order as a tuple of every axis, outermost first: the axes it lists lead, the others
-  follow in MESH_AXES order. ConfigError names an unknown or repeated axis."""
+  """mesh.order as a tuple of every axis, outermost first.
+
+  The axes it lists lead, the others follow in MESH_AXES order.
+
+  Args:
+    mesh: the config's `mesh` section; `order` is a comma list of axes.
+
+  Returns:
+    Every axis of MESH_AXES, outermost first.
+
+  Raises:
+    ConfigError: names an unknown or repeated axis.
+  """
   listed = [a.strip() for a in str(mesh.order).split(",") if a.strip()]
   bad = [a for a in listed if a not in MESH_AXES]
   if bad or len(set(listed)) != len(listed):
@@ -181,9 +210,18 @@ def _non_negative(section: str, cfg: ml_collections.ConfigDict, names: Iterable[
 def validate(
     config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None
 ) -> dict[str, int]:
-  """Checks every value the run depends on, before any device work; returns the mesh shape.
+  """Checks every value the run depends on, before any device work.
 
-  platform: the backend the run will use ('cpu', 'gpu', 'tpu'), for the dtypes it cannot run.
+  Args:
+    config: the run's config.
+    num_devices: the devices the run has.
+    platform: the backend the run will use ('cpu', 'gpu', 'tpu'), for the dtypes it cannot run.
+
+  Returns:
+    The mesh shape (`mesh_shape`).
+
+  Raises:
+    ConfigError: the first value that cannot run; the message names the field and the fix.
   """
   m, p, d, o, t, k = (
       config.model,
@@ -400,8 +438,17 @@ def _check_tensor_parallel(
 
 
 def check_fp8(m: ml_collections.ConfigDict) -> None:
-  """model.fp8 and its delayed-scaling fields; block scaling's 1x128 tiles need the contracted
-  widths to be multiples of 128."""
+  """Checks model.fp8 and its delayed-scaling fields.
+
+  Block scaling's 1x128 tiles need the contracted widths to be multiples of 128.
+
+  Args:
+    m: the config's `model` section.
+
+  Raises:
+    ConfigError: an unknown recipe or amax algorithm, a bad history length or margin, FP8 with
+      cp_overlap, or under 'block' a contracted width that is not a multiple of the block.
+  """
   if m.fp8 not in fp8_lib.RECIPES:
     raise ConfigError(f"model.fp8={m.fp8!r} is unknown; use one of {fp8_lib.RECIPES}")
   _positive("model", m, ("fp8_history",))
@@ -463,8 +510,20 @@ def _check_block_tiles(m: ml_collections.ConfigDict, tp: int) -> None:
 
 
 def pipeline_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
-  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX);
-  ConfigError if none."""
+  """The validated schedule `pipeline` names for `pp` ranks, from the IR (no JAX).
+
+  Args:
+    pipeline: the config's `pipeline` section: schedule (a generator name or a CSV path),
+      microbatches and chunks (1: the generator's own count, or the file's).
+    pp: pipeline ranks.
+
+  Returns:
+    The validated `Schedule`.
+
+  Raises:
+    ConfigError: the schedule cannot be built, or a CSV disagrees with `pp`, the micro-batch
+      count or the chunk count.
+  """
   name = pipeline.schedule
   if name.endswith(".csv"):
     try:
@@ -553,8 +612,16 @@ def _check_auto(config: ml_collections.ConfigDict, shape: dict[str, int]) -> Non
 
 
 def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[int]:
-  """The micro-batch counts auto may choose: pipeline.auto_microbatches, else every count the
-  per-replica batch splits into."""
+  """The micro-batch counts auto may choose.
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes (dp and ep make the data-parallel replicas).
+
+  Returns:
+    pipeline.auto_microbatches (sorted, without repeats), else every count the per-replica
+    batch splits into.
+  """
   if config.pipeline.auto_microbatches:
     return sorted(set(config.pipeline.auto_microbatches))
   per_replica = config.data.batch // (mesh_shape["dp"] * mesh_shape["ep"])
@@ -562,8 +629,18 @@ def auto_microbatches(config: ml_collections.ConfigDict, mesh_shape: dict) -> li
 
 
 def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tuple[int, int]]:
-  """(micro-batches, stages) pairs the runnable auto candidates need costs for; AutoError if
-  none can run."""
+  """(micro-batches, stages) pairs the runnable auto candidates need costs for.
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes.
+
+  Returns:
+    The sorted pairs.
+
+  Raises:
+    AutoError: no candidate can run.
+  """
   from jaxpipe.planning import auto as auto_lib
 
   cands = auto_lib.candidates(
@@ -577,12 +654,26 @@ def auto_pairs(config: ml_collections.ConfigDict, mesh_shape: dict) -> list[tupl
 
 
 def auto_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The schedules auto may choose: pipeline.auto_schedules, else every generator."""
+  """The schedules auto may choose.
+
+  Args:
+    config: the run's config.
+
+  Returns:
+    pipeline.auto_schedules, else every generator (SCHEDULE_NAMES).
+  """
   return tuple(config.pipeline.auto_schedules) or SCHEDULE_NAMES
 
 
 def layer_units(config: ml_collections.ConfigDict) -> int:
-  """Entries of the layer stack stages split: layers, or groups of moe.every layers."""
+  """Entries of the layer stack stages split: layers, or groups of moe.every layers.
+
+  Args:
+    config: the run's config.
+
+  Returns:
+    model.n_layers, over moe.every for a MoE model.
+  """
   m = config.model
   return m.n_layers // (m.moe.every if m.moe is not None else 1)
 
@@ -615,8 +706,13 @@ def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
 
 
 def define_runner_flags(flag_values) -> None:
-  """The `--config` (ml_collections file), `--gin_file` and `--gin_param` flags of a runner, on
-  its FlagValues (`jaxpipe.runtime.cli.flag_values`)."""
+  """Defines the `--config`, `--gin_file` and `--gin_param` flags of a runner.
+
+  `--config` is an ml_collections file (required); `--gin_file` and `--gin_param` repeat.
+
+  Args:
+    flag_values: the runner's FlagValues (`jaxpipe.runtime.cli.flag_values`).
+  """
   from absl import flags
   from ml_collections import config_flags
 
@@ -637,7 +733,19 @@ def define_runner_flags(flag_values) -> None:
 
 
 def runner_config(argv: list[str], flag_values) -> ml_collections.ConfigDict:
-  """The config those flags name, overrides and gin bindings applied; exits on stray arguments."""
+  """The config those flags name, overrides and gin bindings applied.
+
+  Args:
+    argv: the program name and any positional arguments (there should be none).
+    flag_values: the runner's FlagValues (`define_runner_flags`).
+
+  Returns:
+    The config.
+
+  Raises:
+    SystemExit: exits on stray arguments.
+    ConfigError: a gin file or binding that cannot be applied (`apply_gin`).
+  """
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   f = flag_values
@@ -665,8 +773,20 @@ def _section_configurable(section: str):
 def apply_gin(
     config: ml_collections.ConfigDict, files: Iterable[str] = (), bindings: Iterable[str] = ()
 ) -> ml_collections.ConfigDict:
-  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings)
-  onto `config`."""
+  """Applies gin bindings such as `model.d_model = 256` (files, then single bindings) onto `config`.
+
+  Args:
+    config: the config to change, in place.
+    files: gin files.
+    bindings: single bindings.
+
+  Returns:
+    `config`, changed.
+
+  Raises:
+    ConfigError: a file that does not exist, a binding gin cannot parse, or one that names no
+      field of its section or a value the field does not take.
+  """
   import gin
 
   files, bindings = list(files), list(bindings)

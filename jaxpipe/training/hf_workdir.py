@@ -59,7 +59,14 @@ def get_config(arg=None):
 
 
 def finetune_config(workdir: str) -> ml_collections.ConfigDict:
-  """The default config with the model of WORKDIR/hf/config.json and fine-tuning settings."""
+  """The default config with the model of WORKDIR/hf/config.json and fine-tuning settings.
+
+  Args:
+    workdir: a workdir `hf_to_orbax` wrote (its hf/config.json names the model).
+
+  Returns:
+    The config.
+  """
   with open(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)) as f:  # the import said what it ignored
     return _finetune_config(hf.config_from_hf(json.load(f), warn=False))
 
@@ -101,8 +108,27 @@ def _param_shardings(cfg: transformer.TransformerConfig, mesh):
 
 
 def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "none") -> hf.Plan:
-  """Writes a training workdir that resumes from the checkpoint in `src` (module docstring),
-  for fine-tuning with the FP8 recipe `fp8` (model.fp8)."""
+  """Writes a training workdir that resumes from the checkpoint in `src` (module docstring).
+
+  For fine-tuning with the FP8 recipe `fp8` (model.fp8). Every refusal comes before any device
+  work.
+
+  Args:
+    src: a checkpoint directory written by transformers' `save_pretrained`.
+    workdir: the training workdir to write; it must hold no checkpoint yet.
+    pp: pipeline ranks the weights are loaded over.
+    ep: expert ranks the weights are loaded over.
+    fp8: the fine-tuning run's FP8 recipe (model.fp8); 'delayed' adds its scales and amax
+      histories to checkpoint 0.
+
+  Returns:
+    The `hf.Plan` of the source: its config and where each tensor is.
+
+  Raises:
+    CheckpointError: a source that does not fit (`hf.check`).
+    ValueError: an FP8 recipe the model cannot run, a workdir that already holds checkpoints,
+      or more devices asked for than are visible.
+  """
   from jaxpipe.training.state import fresh_state, make_optimizer, state_shardings
 
   plan = hf.check(src)  # every refusal comes before any device work
@@ -159,7 +185,17 @@ def _copy_files(src: str, dst: str, weights: bool) -> None:
 
 
 def workdir_model(workdir: str) -> transformer.TransformerConfig:
-  """The model a workdir trains: its config.json (a run's or the conversion's), else hf/'s."""
+  """The model a workdir trains: its config.json (a run's or the conversion's), else hf/'s.
+
+  Args:
+    workdir: a training or converted workdir.
+
+  Returns:
+    The `TransformerConfig`.
+
+  Raises:
+    ValueError: the workdir has neither config.json nor hf/config.json.
+  """
   if os.path.isfile(os.path.join(workdir, "config.json")):  # written by the trainer
     return config_lib.model_config(run_config(workdir))
   if os.path.isfile(os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)):
@@ -171,7 +207,14 @@ def workdir_model(workdir: str) -> transformer.TransformerConfig:
 
 
 def committed_steps(workdir: str) -> list[int]:
-  """The committed checkpoint steps of a workdir, oldest first."""
+  """The committed checkpoint steps of a workdir, oldest first.
+
+  Args:
+    workdir: a training or converted workdir.
+
+  Returns:
+    The steps; [] without checkpoints.
+  """
   ckpt_dir = os.path.join(workdir, "checkpoints")
   names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
   return sorted(
@@ -184,9 +227,18 @@ def committed_steps(workdir: str) -> list[int]:
 def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, mesh) -> dict:
   """The params of checkpoint `step` (model order) on `mesh`; optimizer moments are not read.
 
-  Unlike `jaxpipe.training.restore.restore_params` (the newest readable step, whole TrainState, one
-  device), this reads a third of the bytes, needs no optimizer config and splits the model
+  Unlike `jaxpipe.training.restore.restore_params` (the newest readable step, whole TrainState,
+  one device), this reads a third of the bytes, needs no optimizer config and splits the model
   over pp and ep, as an export of a model too large for one device must.
+
+  Args:
+    workdir: the workdir whose checkpoints/ holds the step.
+    step: the checkpoint's step.
+    cfg: the model the checkpoint holds.
+    mesh: a pp x ep mesh the params are split over.
+
+  Returns:
+    The params tree, sharded over `mesh`.
   """
   import orbax.checkpoint as ocp
 
@@ -223,7 +275,27 @@ def orbax_to_hf(
     pp: int = 1,
     ep: int = 1,
 ) -> dict:
-  """Writes checkpoint `step` (default the newest) of `workdir` as a transformers directory."""
+  """Writes checkpoint `step` (default the newest) of `workdir` as a transformers directory.
+
+  The files of WORKDIR/hf/ go beside the weights.
+
+  Args:
+    workdir: a training or converted workdir.
+    dst: the transformers directory to write.
+    step: the committed checkpoint to export; None: the newest.
+    dtype: of the written weights ('float32', 'bfloat16', 'float16'); None: the source's
+      (else float32).
+    pp: pipeline ranks the params are restored over.
+    ep: expert ranks the params are restored over.
+
+  Returns:
+    The config.json written.
+
+  Raises:
+    ValueError: a workdir without a model config or committed checkpoint, a `step` that is not
+      a committed one, a model no supported architecture computes, or more devices asked for
+      than are visible.
+  """
   cfg = workdir_model(workdir)
   base_path = os.path.join(workdir, HF_DIR, hf.CONFIG_FILE)
   base = None

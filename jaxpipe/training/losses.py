@@ -64,6 +64,14 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
 
   With `microbatches > 1` the batch is processed in that many slices (gradient accumulation);
   the result equals the single-slice one up to float rounding.
+
+  Args:
+    cfg: the model.
+    microbatches: slices the batch is processed in.
+
+  Returns:
+    `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
+    global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
 
   def loss_sum(params, batch):
@@ -87,6 +95,15 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
   Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
   weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
   `loss`. Metrics add the routing statistics (`moe.train_metrics`), as every MoE path does.
+
+  Args:
+    cfg: the model, with MoE layers.
+    mesh: the device mesh, with an `ep` axis.
+    microbatches: slices the batch is processed in.
+
+  Returns:
+    `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
+    global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
   moe_cfg = cfg.moe
 
@@ -126,14 +143,10 @@ def context_parallel_loss_and_grads(
     tp_axis: str = "tp",
     shard: str = "none",
 ):
-  """The trainer's `loss_and_grads(params, batch)` with the sequence split over `axis_name`
-  and the layers over `tp_axis` (each when its mesh axis has more than one rank).
+  """The trainer's `loss_and_grads(params, batch)` with the sequence and the layers split.
 
-  shard (`optimizer.shard`): under 'zero2' and 'fsdp' the parameters arrive split over the data
-  axes too (`zero.data_split`) and are all-gathered inside, so that the transposes of those
-  gathers reduce-scatter the gradients: under 'zero2' all of them at the start (the parameters
-  are stored whole, so the split costs nothing), under 'fsdp' the embedding, head and final norm
-  at the start and each layer inside the layer scan (again in the backward).
+  The sequence is split over `axis_name` and the layers over `tp_axis` (each when its mesh axis
+  has more than one rank).
 
   Inside one `shard_map` every rank embeds, normalises and runs the MLPs on its own L/P tokens,
   with rotary positions offset to its slice (for packed rows: its slice of the batch's
@@ -152,6 +165,27 @@ def context_parallel_loss_and_grads(
   arrive split as the trainer stores them (`state.state_shardings`: heads, d_ff and the
   vocabulary over tp, experts over ep), every tp rank sees the same tokens and ends with the
   same loss sum, so the sums leave over the other axes only.
+
+  Args:
+    cfg: the model.
+    mesh: the device mesh.
+    microbatches: slices the batch is processed in.
+    axis_name: the mesh axis the sequence is split over.
+    batch_axes: the mesh axes the batch is split over.
+    tp_axis: the mesh axis the layers are split over.
+    shard: `optimizer.shard`. Under 'zero2' and 'fsdp' the parameters arrive split over the
+      data axes too (`zero.data_split`) and are all-gathered inside, so that the transposes of
+      those gathers reduce-scatter the gradients: under 'zero2' all of them at the start (the
+      parameters are stored whole, so the split costs nothing), under 'fsdp' the embedding,
+      head and final norm at the start and each layer inside the layer scan (again in the
+      backward).
+
+  Returns:
+    `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
+    global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
+
+  Raises:
+    ValueError: model.fp8='delayed' with attention='pallas', which this path cannot run.
   """
   if cfg.fp8 == "delayed" and cfg.attention == "pallas":
     # delayed scaling's amaxes leave the shard_map as the scales' cotangents, max-reduced only
@@ -265,8 +299,23 @@ def make_loss_and_grads(
 ) -> LossAndGrads:
   """The gradient computation the config asks for.
 
-  layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
-  `layer_order` (the Trainer's storage), not the model's order.
+  The plain path (`data_parallel_loss_and_grads`, or `moe_loss_and_grads` for MoE) at pp = cp =
+  tp = 1 without fsdp; the pipeline's at pp > 1; else `context_parallel_loss_and_grads`.
+
+  Args:
+    config: the run's config.
+    cfg: the model.
+    mesh_shape: axis sizes.
+    layers_in_placement_order: with pp > 1, params['layers'] are stacked in the schedule's
+      `layer_order` (the Trainer's storage), not the model's order.
+
+  Returns:
+    `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
+    global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
+
+  Raises:
+    ConfigError: moe.lb_loss_form='pooled' (with a load-balancing coefficient) off the plain
+      path.
   """
   shard = config.optimizer.shard
   one_program = mesh_shape["pp"] == 1 and mesh_shape["cp"] == 1 and mesh_shape["tp"] == 1

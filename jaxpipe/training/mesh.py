@@ -22,6 +22,18 @@ def make_mesh(
   outermost axes are the ones that span processes (hosts): with 2 processes of 4 devices and
   pp = 4, dp = 2, order 'pp,...' puts pipeline stages 0-1 on one process and 2-3 on the other,
   order 'dp,...' each data replica's whole pipeline on one process.
+
+  Args:
+    mesh_cfg: the config's `mesh` section: axis sizes (dp None: the rest of the devices) and
+      order.
+    devices: the devices to lay out; None: `jax.devices()`.
+
+  Returns:
+    The `Mesh`, axes in MESH_AXES order.
+
+  Raises:
+    ConfigError: sizes that do not fit the devices, or a bad order (`mesh_shape`,
+      `mesh_order`).
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
@@ -37,7 +49,14 @@ def make_mesh(
 
 
 def axes_across_processes(mesh: Mesh) -> tuple[str, ...]:
-  """The mesh axes along which neighbouring devices belong to different processes."""
+  """The mesh axes along which neighbouring devices belong to different processes.
+
+  Args:
+    mesh: the device mesh.
+
+  Returns:
+    Those axes' names, in the mesh's order.
+  """
   process_of = np.vectorize(lambda d: d.process_index)(mesh.devices)
   return tuple(
       a
@@ -47,7 +66,14 @@ def axes_across_processes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def describe(mesh: Mesh) -> str:
-  """The axis sizes and devices, and across processes which axes span them."""
+  """The axis sizes and devices, and across processes which axes span them.
+
+  Args:
+    mesh: the device mesh.
+
+  Returns:
+    One line of text.
+  """
   sizes = str(dict(mesh.shape))
   where = f"on {mesh.devices.size} {mesh.devices.flat[0].platform} devices"
   processes = jax.process_count()
@@ -62,10 +88,24 @@ def describe(mesh: Mesh) -> str:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of `[batch, seq]` arrays: batch over BATCH_AXES, sequence over cp."""
+  """Sharding of `[batch, seq]` arrays: batch over BATCH_AXES, sequence over cp.
+
+  Args:
+    mesh: the device mesh.
+
+  Returns:
+    The `NamedSharding`.
+  """
   return NamedSharding(mesh, P(BATCH_AXES, "cp"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-  """The same full array on every device."""
+  """The same full array on every device.
+
+  Args:
+    mesh: the device mesh.
+
+  Returns:
+    The `NamedSharding` with an empty spec.
+  """
   return NamedSharding(mesh, P())

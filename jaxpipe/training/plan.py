@@ -71,7 +71,14 @@ CPU_LINK = L.Link("shared memory", 5.0)
 
 
 def model_of(config: ml_collections.ConfigDict) -> L.Model:
-  """The planner's view of a jaxpipe config's model."""
+  """The planner's view of a jaxpipe config's model.
+
+  Args:
+    config: the run's config.
+
+  Returns:
+    The planner's `Model`.
+  """
   m = config.model
   moe = m.moe
   kw = {}
@@ -101,7 +108,15 @@ def model_of(config: ml_collections.ConfigDict) -> L.Model:
 
 
 def layout_of(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Layout:
-  """The planner's view of a config's layout on a mesh of `mesh_shape`."""
+  """The planner's view of a config's layout on a mesh of `mesh_shape`.
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes.
+
+  Returns:
+    The planner's `Layout`; recompute 'full' under pipeline.recompute or model.remat=True.
+  """
   p = config.pipeline
   return L.Layout(
       pp=mesh_shape["pp"],
@@ -125,8 +140,17 @@ def layout_of(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Layout:
 
 
 def unrolled(config: ml_collections.ConfigDict, mesh_shape: dict) -> bool:
-  """Whether the config's train step runs its layer stack unrolled (`model.unroll_layers`):
-  without a pipeline, fsdp or remat, a stack of at most that many layers (MoE: groups)."""
+  """Whether the config's train step runs its layer stack unrolled (`model.unroll_layers`).
+
+  Without a pipeline, fsdp or remat, a stack of at most that many layers (MoE: groups).
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes.
+
+  Returns:
+    True if the stack runs unrolled.
+  """
   if mesh_shape["pp"] > 1 or config.optimizer.shard == "fsdp":
     return False
   units = config_lib.layer_units(config)
@@ -134,7 +158,19 @@ def unrolled(config: ml_collections.ConfigDict, mesh_shape: dict) -> bool:
 
 
 def predict(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Memory:
-  """The planner's per-device bytes for a jaxpipe config on XLA:CPU host devices (float32)."""
+  """The planner's per-device bytes for a jaxpipe config on XLA:CPU host devices (float32).
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes.
+
+  Returns:
+    The `Memory`, with the optimizer update's bytes in `buffers` and the step's input arrays in
+    `batch`.
+
+  Raises:
+    LayoutError: a layout the planner finds cannot run the model.
+  """
   model, layout = model_of(config), layout_of(config, mesh_shape)
   batch = L.Batch(config.data.batch, config.data.seq_len)
   acts = CPU_ACTIVATIONS
@@ -149,7 +185,15 @@ def predict(config: ml_collections.ConfigDict, mesh_shape: dict) -> L.Memory:
 
 
 def cpu_host(devices: int, memory_gb: float) -> L.Cluster:
-  """`devices` XLA:CPU host devices of one process, `memory_gb` each (the limit asked for)."""
+  """`devices` XLA:CPU host devices of one process, `memory_gb` each (the limit asked for).
+
+  Args:
+    devices: host devices.
+    memory_gb: memory per device, 10^9 bytes.
+
+  Returns:
+    The planner's `Cluster`, one node linked by shared memory.
+  """
   return L.Cluster(
       f"{devices} CPU host devices", devices, memory_gb, 0.1, 1.0, devices, CPU_LINK, CPU_LINK
   )
@@ -165,7 +209,15 @@ class Choice:
 
 
 def with_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
-  """A copy of the config with dotted `fields` set (a bare key is a pipeline field)."""
+  """A copy of the config with dotted `fields` set (a bare key is a pipeline field).
+
+  Args:
+    config: the run's config (left unchanged).
+    fields: dotted config key -> value, e.g. {'mesh.pp': 2}.
+
+  Returns:
+    The changed copy.
+  """
   config = config.copy_and_resolve_references()
   for key, value in fields.items():
     section, name = key.split(".", 1) if "." in key else ("pipeline", key)
@@ -202,10 +254,22 @@ def choose_layout(
   Candidates come from `layout.candidates` with the config's `ep` kept, each priced as jaxpipe
   stores it (the optimizer split over dp x ep x cp, experts over dp x cp; experts whole over
   tp; zero2 with a pipeline holding whole gradients, fsdp gathering one layer at a time:
-  `layout.memory`) and checked by the config's own validation
-  (heads, KV heads, d_ff and the vocabulary must split over tp, the sequence over cp, the layers
-  into the schedule's stages); raises config.ConfigError naming the smallest prediction when
-  none fits.
+  `layout.memory`) and checked by the config's own validation (heads, KV heads, d_ff and the
+  vocabulary must split over tp, the sequence over cp, the layers into the schedule's stages).
+  Among layouts predicted equally fast, the one that changes least wins.
+
+  Args:
+    config: the run's config.
+    devices: the devices the run has.
+    platform: the backend ('cpu': bytes calibrated to XLA:CPU, else the GPU defaults).
+    top: rows of the ranking the report shows.
+
+  Returns:
+    The `Choice`: the config fields to set, the predicted bytes per device and the report.
+
+  Raises:
+    ConfigError: no layout runs the model, or none is predicted to fit; then naming the
+      smallest prediction.
   """
   p = config.pipeline
   limit = p.memory_limit_gb * 1e9

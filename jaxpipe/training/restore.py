@@ -15,7 +15,17 @@ from jaxpipe.training import config as config_lib
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a training run wrote to `workdir/config.json`."""
+  """The resolved config a training run wrote to `workdir/config.json`.
+
+  Args:
+    workdir: the directory a `python -m jaxpipe.train --workdir` run wrote.
+
+  Returns:
+    The config.
+
+  Raises:
+    FileNotFoundError: the workdir has no config.json.
+  """
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(
@@ -33,6 +43,18 @@ def restore_params(
 
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
   schedule; the optimizer state is read with it (its structure is the config's) and dropped.
+  The checkpoints are only read: the run may be saving into the directory at the same time.
+
+  Args:
+    workdir: the training run's directory.
+    config: the run's config (`run_config`).
+    device: where the parameters go; None: the first device.
+
+  Returns:
+    (step, params) of the newest committed checkpoint.
+
+  Raises:
+    FileNotFoundError: no committed checkpoint.
   """
   from jaxpipe.training.state import (  # the trainer's own state and optimizer
       fresh_state,
@@ -68,6 +90,13 @@ def restore_params(
 
 
 def fresh_params(config: ml_collections.ConfigDict) -> dict:
-  """The parameters training would start from (train.seed)."""
+  """The parameters training would start from (train.seed).
+
+  Args:
+    config: the run's config.
+
+  Returns:
+    The initialized params tree.
+  """
   cfg = config_lib.model_config(config)
   return jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(config.train.seed))

@@ -35,14 +35,33 @@ class TrainState:
 def fresh_state(
     cfg: TransformerConfig, optimizer: optax.GradientTransformation, params: dict
 ) -> TrainState:
-  """Step 0 at `params`: the optimizer's initial state and, for model.fp8='delayed', zero amax
-  histories (the structure every checkpoint of the run holds)."""
+  """Step 0 at `params`.
+
+  The optimizer's initial state and, for model.fp8='delayed', zero amax histories (the
+  structure every checkpoint of the run holds).
+
+  Args:
+    cfg: the model (its fp8 recipe and history length).
+    optimizer: the run's optimizer (`make_optimizer`).
+    params: the parameters to start from.
+
+  Returns:
+    The `TrainState` at step 0.
+  """
   history = fp8_lib.init_history(params, cfg.fp8_history) if cfg.fp8 == "delayed" else None
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), history)
 
 
 def learning_rate(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
-  """Linear warm-up to `opt.lr`, then cosine decay to `opt.lr * opt.min_lr_ratio` at `steps`."""
+  """Linear warm-up to `opt.lr`, then cosine decay to `opt.lr * opt.min_lr_ratio` at `steps`.
+
+  Args:
+    opt: the config's `optimizer` section: lr, warmup_steps, min_lr_ratio.
+    steps: the run's steps (the decay ends at warmup_steps + 1 if that is later).
+
+  Returns:
+    The optax schedule, step -> learning rate.
+  """
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=opt.lr,
@@ -60,7 +79,15 @@ def _decays(params: dict) -> dict:
 
 
 def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm` with the norm computed by `norm` (e.g. `Trainer.grad_norm`)."""
+  """`optax.clip_by_global_norm` with the norm computed by `norm` (e.g. `Trainer.grad_norm`).
+
+  Args:
+    max_norm: updates whose norm reaches this are scaled down to it.
+    norm: tree of updates -> its global norm, a scalar.
+
+  Returns:
+    The stateless gradient transformation.
+  """
 
   def update(updates, state, params=None):
     del params
@@ -79,8 +106,16 @@ def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.Gra
 def make_optimizer(
     opt: ml_collections.ConfigDict, steps: int, norm: Callable[[Any], jax.Array] | None = None
 ) -> optax.GradientTransformation:
-  """AdamW with warm-up + cosine schedule, after clipping by the global norm (`norm`, default
-  optax's over every leaf)."""
+  """AdamW with warm-up + cosine schedule, after clipping by the global norm.
+
+  Args:
+    opt: the config's `optimizer` section; clip_norm 0 leaves out the clipping.
+    steps: the run's steps (`learning_rate`).
+    norm: tree -> global norm for the clipping (`clip_by_norm`); None: optax's over every leaf.
+
+  Returns:
+    The optax gradient transformation.
+  """
   adamw = optax.adamw(
       learning_rate(opt, steps),
       b1=opt.b1,
@@ -100,9 +135,22 @@ def make_optimizer(
 
 
 def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any:
-  """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as
-  `leaf[order]`; everything else unchanged. `size`: the layer axis the tree must have (default
-  len(order), a permutation; an order that repeats or drops entries says it)."""
+  """Leaves under a `layers` key (params, gradients, optimizer moments) re-stacked as `leaf[order]`.
+
+  Everything else is unchanged.
+
+  Args:
+    tree: a tree of parameter-like leaves.
+    order: [n] the entries of the layer axis to take, in order.
+    size: the layer axis the tree must have (default len(order), a permutation; an order that
+      repeats or drops entries says it).
+
+  Returns:
+    The re-stacked tree, each `layers` leaf [n, ...].
+
+  Raises:
+    ValueError: a `layers` leaf whose layer axis is not `size` long.
+  """
   size = len(order) if size is None else size
 
   def reorder(path, x):
@@ -122,10 +170,22 @@ def reorder_layers(tree: Any, order: np.ndarray, size: int | None = None) -> Any
 def param_axes(
     keys: list, shape: tuple[int, ...], ep_axis: str | None, tp: int, tp_axis: str = "tp"
 ) -> list:
-  """The mesh axis of each dimension of a parameter-like leaf (None: whole), the pipeline's
-  apart: MoE expert weights [..., E, in, out] split on E over `ep_axis` (None: not split),
-  Megatron's tensor-parallel dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`). The one
-  partition rule that the trainer's storage and the pipeline's stage specs share."""
+  """The mesh axis of each dimension of a parameter-like leaf (None: whole), the pipeline's apart.
+
+  MoE expert weights [..., E, in, out] are split on E over `ep_axis`, Megatron's
+  tensor-parallel dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`). The one partition
+  rule that the trainer's storage and the pipeline's stage specs share.
+
+  Args:
+    keys: the leaf's path, as dict keys.
+    shape: the leaf's shape.
+    ep_axis: the expert axis; None: experts not split.
+    tp: tensor-parallel ranks.
+    tp_axis: the tensor-parallel axis.
+
+  Returns:
+    One mesh axis name or None per dimension of `shape`.
+  """
   axes = [None] * len(shape)
   if ep_axis is not None and keys and keys[-1] in moe_lib.EXPERT_WEIGHTS:
     axes[-3] = ep_axis
@@ -140,18 +200,28 @@ def state_shardings(
 ) -> Any:
   """NamedShardings for a tree holding parameters or their likes (train state, optimizer moments).
 
-  Leaves under a `layers` key are split over `pp_axis` (when it has more than one rank) on their
-  leading layer axis, so each pipeline rank stores 1/pp of the layer stack, its gradients and
-  its optimizer moments; MoE expert weights are split over `ep_axis` on their expert axis;
-  attention heads, the SwiGLU hidden width and the vocabulary over `tp_axis`
-  (`jaxpipe.parallel.tensor.split_dim`, Megatron's layout); everything else is replicated.
+  Leaves under a `layers` key are split over `pp_axis` (when it has more than one rank and
+  divides the leading axis) on their leading layer axis, so each pipeline rank stores 1/pp of
+  the layer stack, its gradients and its optimizer moments; MoE expert weights are split over
+  `ep_axis` on their expert axis; attention heads, the SwiGLU hidden width and the vocabulary
+  over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`, Megatron's layout); everything else is
+  replicated.
 
   Rank r holds entries [r·L/pp, (r+1)·L/pp) of the layer axis. The Trainer stacks the layers so
   that this block is what rank r runs (`pipeline_lm.layer_order`): the model's order under
-  contiguous
-  placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped ones, and
-  rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones (Chimera,
-  DualPipe), which run every stage on two ranks.
+  contiguous placements (GPipe, 1F1B, ZB-H1/H2), rank by rank under interleaved and V-shaped
+  ones, and rank by rank with every layer twice (L = 2 × the model's) under bidirectional ones
+  (Chimera, DualPipe), which run every stage on two ranks.
+
+  Args:
+    tree: the tree (arrays or shapes: leaves need `shape`).
+    mesh: the device mesh.
+    pp_axis: the pipeline axis.
+    ep_axis: the expert axis.
+    tp_axis: the tensor-parallel axis.
+
+  Returns:
+    A tree of `NamedSharding`s with the structure of `tree`.
   """
   pp = mesh.shape[pp_axis] if pp_axis in mesh.axis_names else 1
   has_ep = ep_axis in mesh.axis_names

@@ -170,7 +170,14 @@ class Trainer:
     return fresh_state(self.model_cfg, self.optimizer, params)
 
   def grad_norm(self, grads: dict) -> jax.Array:
-    """Global norm of a params-shaped tree, each parameter counted once (resident copies once)."""
+    """Global norm of a params-shaped tree, each parameter counted once (resident copies once).
+
+    Args:
+      grads: a tree with the structure of the state's params (e.g. gradients).
+
+    Returns:
+      The norm, a float32 scalar.
+    """
 
     def squares(path, g):
       s = jnp.square(g.astype(jnp.float32))
@@ -196,14 +203,28 @@ class Trainer:
     }
 
   def model_params(self, params: dict | None = None) -> dict:
-    """A copy of `params` (default the state's) with the layers in the model's order."""
+    """A copy of `params` (default the state's) with the layers in the model's order.
+
+    Args:
+      params: params in the state's layer order; None: the state's.
+
+    Returns:
+      The copy, in the model's order.
+    """
     params = self.state.params if params is None else params
     if self.layer_order is None:
       return jax.tree.map(jnp.copy, params)  # the next step donates the state's buffers
     return self._reorder["params_to_model"](params)
 
   def stored_params(self, params: dict) -> dict:
-    """Model-order `params` (e.g. `transformer.init_params`) in the state's layer order."""
+    """Model-order `params` (e.g. `transformer.init_params`) in the state's layer order.
+
+    Args:
+      params: params in the model's order.
+
+    Returns:
+      The params in the state's order (`params` itself where the two orders are the same).
+    """
     if self.layer_order is None:
       return params
     return self._reorder["params_to_stored"](params)
@@ -266,7 +287,14 @@ class Trainer:
   # -- batches ----------------------------------------------------------------------------------
 
   def shard_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Places a global numpy batch on the mesh (each device takes its slice)."""
+    """Places a global numpy batch on the mesh (each device takes its slice).
+
+    Args:
+      host_batch: the whole batch, arrays [batch, seq_len].
+
+    Returns:
+      The same keys as global arrays on the mesh.
+    """
     return {
         k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda idx, v=v: v[idx])
         for k, v in host_batch.items()
@@ -284,7 +312,15 @@ class Trainer:
   def batch(self, index: int, split: str = "train") -> dict[str, jax.Array]:
     """Batch `index` of `split`, on the mesh; training step s (0-based) uses train batch s.
 
-    Across processes each process reads only the rows its devices hold (`local_rows`)."""
+    Across processes each process reads only the rows its devices hold (`local_rows`).
+
+    Args:
+      index: the batch's number.
+      split: 'train' or 'eval'.
+
+    Returns:
+      The batch's arrays [data.batch, data.seq_len], global arrays on the mesh.
+    """
     d = self.config.data
     rows = self.local_rows
     if rows is None:

@@ -81,7 +81,15 @@ class WorkdirBusy(RuntimeError):
 
 
 def field_kind(key: str, config: ml_collections.ConfigDict) -> str:
-  """'cadence', 'layout' or 'run' (see the module docstring) for a dotted config key."""
+  """'cadence', 'layout' or 'run' (see the module docstring) for a dotted config key.
+
+  Args:
+    key: a dotted config key, e.g. 'mesh.pp'.
+    config: the new config (whether it has MoE layers and capacity dispatch).
+
+  Returns:
+    The key's kind.
+  """
   if key in CADENCE:
     return "cadence"
   if key.startswith("mesh.") or key in LAYOUT:
@@ -103,7 +111,17 @@ def field_kind(key: str, config: ml_collections.ConfigDict) -> str:
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-  """(dotted key, old value, new value) for each field that differs between two config dicts."""
+  """(dotted key, old value, new value) for each field that differs between two config dicts.
+
+  Args:
+    old: the stored config, as nested dicts.
+    new: the new config, as nested dicts.
+    prefix: the dotted key of the section being compared ('' at the top).
+
+  Returns:
+    The changes, the new config's keys first; a field only one side has is compared with an
+    absent marker.
+  """
   if isinstance(old, dict) and isinstance(new, dict):
     out = []
     for k in list(new) + [k for k in old if k not in new]:
@@ -241,9 +259,24 @@ class Workdir:
   def check_config(
       self, config: ml_collections.ConfigDict, existing_run: str = "resume", write: bool = True
   ) -> list[str]:
-    """Compares `config` with the run the workdir holds (see the module docstring); returns
-    notices to show, raises WorkdirError to refuse. With `write` (process 0) it records the
-    config in config.json, accepted changes in config_history.jsonl, and carries out a restart."""
+    """Compares `config` with the run the workdir holds (see the module docstring).
+
+    With `write` (process 0) it records the config in config.json, accepted changes in
+    config_history.jsonl, and carries out a restart.
+
+    Args:
+      config: the new run's config.
+      existing_run: 'resume', 'resume_changed' or 'restart' (EXISTING_RUN).
+      write: record and restart (process 0); False only checks.
+
+    Returns:
+      Notices to show.
+
+    Raises:
+      WorkdirError: to refuse: a config that changes what is trained under 'resume' once
+        something has been trained, or train.steps below the newest checkpoint's step.
+      ValueError: an unknown `existing_run`.
+    """
     if existing_run not in EXISTING_RUN:
       raise ValueError(f"existing_run={existing_run!r} must be one of {EXISTING_RUN}")
     path = os.path.join(self.path, "config.json")

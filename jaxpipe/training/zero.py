@@ -56,23 +56,49 @@ def _keys(path) -> list:
 
 
 def layer_axes(keys: list) -> int:
-  """Leading stacked axes of a leaf: the layer (unit) axis, and an MoE group's dense layers."""
+  """Leading stacked axes of a leaf: the layer (unit) axis, and an MoE group's dense layers.
+
+  Args:
+    keys: the leaf's path, as dict keys.
+
+  Returns:
+    0 outside `layers`, 2 under a group's `dense` layers, else 1.
+  """
   if "layers" not in keys:
     return 0
   return 2 if "dense" in keys else 1
 
 
 def data_axes(keys: list, sizes: dict[str, int]) -> tuple[str, ...]:
-  """The axes (size > 1) a leaf splits over: dp, ep and cp; dp and cp for expert weights."""
+  """The axes (size > 1) a leaf splits over: dp, ep and cp; dp and cp for expert weights.
+
+  Args:
+    keys: the leaf's path, as dict keys.
+    sizes: axis sizes of the mesh.
+
+  Returns:
+    The axes, outermost first (OPTIMIZER_AXES order).
+  """
   expert = keys and keys[-1] in moe_lib.EXPERT_WEIGHTS
   axes = tuple(a for a in OPTIMIZER_AXES if not (expert and a == "ep"))
   return tuple(a for a in axes if sizes.get(a, 1) > 1)
 
 
 def split_dim(keys: list, shape: tuple[int, ...], taken: tuple, degree: int) -> int | None:
-  """The dimension a leaf splits along over `degree` data ranks (None: it stays whole): the
-  largest free one `degree` divides, the first of equals; `taken[i]` set: dimension i is split
-  already."""
+  """The dimension a leaf splits along over `degree` data ranks (None: it stays whole).
+
+  The largest free one `degree` divides, the first of equals; layer axes are never free.
+
+  Args:
+    keys: the leaf's path, as dict keys.
+    shape: the leaf's shape.
+    taken: one entry per dimension (possibly fewer); `taken[i]` set: dimension i is split
+      already.
+    degree: the data ranks the leaf splits over.
+
+  Returns:
+    The dimension, or None.
+  """
   free = [
       i
       for i in range(layer_axes(keys), len(shape))
@@ -82,8 +108,18 @@ def split_dim(keys: list, shape: tuple[int, ...], taken: tuple, degree: int) -> 
 
 
 def data_split(tree: Any, mesh: Mesh, base: Any | None = None) -> Any:
-  """NamedShardings of a params-like tree split over the data axes on top of `base` (default
-  `state_shardings(tree, mesh)`)."""
+  """NamedShardings of a params-like tree split over the data axes on top of `base`.
+
+  A delayed-scaling scale stays whole (its gradient is an amax, combined by max).
+
+  Args:
+    tree: a params-like tree (arrays or shapes).
+    mesh: the device mesh (or an abstract one).
+    base: the shardings to add the data split to; None: `state_shardings(tree, mesh)`.
+
+  Returns:
+    A tree of `NamedSharding`s with the structure of `tree`.
+  """
   base = state_shardings(tree, mesh) if base is None else base
   sizes = dict(mesh.shape)
 
@@ -106,9 +142,19 @@ def data_split(tree: Any, mesh: Mesh, base: Any | None = None) -> Any:
 
 
 def train_state_shardings(state: Any, mesh: Mesh, mode: str) -> Any:
-  """The TrainState's shardings under `optimizer.shard=mode`: `state_shardings`, with the
-  optimizer's moments (every non-scalar leaf of opt_state) split over the data axes unless
-  mode is 'none', and the parameters too under 'fsdp'."""
+  """The TrainState's shardings under `optimizer.shard=mode`.
+
+  `state_shardings`, with the optimizer's moments (every non-scalar leaf of opt_state) split over
+  the data axes unless mode is 'none', and the parameters too under 'fsdp'.
+
+  Args:
+    state: the TrainState (arrays or shapes).
+    mesh: the device mesh.
+    mode: one of MODES.
+
+  Returns:
+    A tree of `NamedSharding`s with the structure of `state`.
+  """
   base = state_shardings(state, mesh)
   if mode == "none":
     return base
@@ -122,9 +168,19 @@ def train_state_shardings(state: Any, mesh: Mesh, mode: str) -> Any:
 
 
 def gradient_shardings(params: Any, mesh: Mesh, mode: str) -> Any | None:
-  """Where the train step puts the gradients (None: wherever the gradient path leaves them):
-  whole over the data axes under zero1 (the all-reduce of ZeRO-1), split like the moments
-  under zero2 and fsdp (a reduce-scatter)."""
+  """Where the train step puts the gradients.
+
+  Whole over the data axes under zero1 (the all-reduce of ZeRO-1), split like the moments under
+  zero2 and fsdp (a reduce-scatter).
+
+  Args:
+    params: the params tree (arrays or shapes).
+    mesh: the device mesh.
+    mode: one of MODES.
+
+  Returns:
+    A tree of `NamedSharding`s, or None (mode 'none': wherever the gradient path leaves them).
+  """
   if mode == "none":
     return None
   if mode == "zero1":
@@ -133,9 +189,17 @@ def gradient_shardings(params: Any, mesh: Mesh, mode: str) -> Any | None:
 
 
 def check(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-  """optimizer.shard against the mesh and the model: under fsdp every weight matrix must split
-  over the data ranks. Raises ValueError (the config turns it
-  into ConfigError) naming the value and the fix."""
+  """optimizer.shard against the mesh and the model.
+
+  Under fsdp every weight matrix must split over the data ranks.
+
+  Args:
+    config: the run's config.
+    shape: axis sizes of the mesh.
+
+  Raises:
+    ValueError: (the config turns it into ConfigError) naming the value and the fix.
+  """
   mode = config.optimizer.shard
   if mode != "fsdp":
     return
@@ -176,8 +240,17 @@ def _data_split_of(spec: P) -> tuple[tuple[str, ...], int] | None:
 
 
 def gather_specs(params: Any, mesh: Mesh) -> Any:
-  """Per leaf, only the split `data_split` adds to `state_shardings` (expert weights keep
-  their `ep` split, which is no data split of theirs): what the shard_map gathers."""
+  """Per leaf, only the split `data_split` adds to `state_shardings`: what the shard_map gathers.
+
+  Expert weights keep their `ep` split, which is no data split of theirs.
+
+  Args:
+    params: the params tree (arrays or shapes).
+    mesh: the device mesh.
+
+  Returns:
+    A tree of `PartitionSpec`s with the structure of `params`.
+  """
 
   def added(split, base):
     whole = tuple(base.spec) + (None,) * (len(split.spec) - len(base.spec))
@@ -192,16 +265,34 @@ def gather_specs(params: Any, mesh: Mesh) -> Any:
 
 
 def local_specs(params: Any, mesh: Mesh) -> Any:
-  """PartitionSpecs of `data_split` (tp, ep and pp splits, and the data axes): what a shard_map
-  takes fsdp's stored parameters as."""
+  """PartitionSpecs of `data_split`: what a shard_map takes fsdp's stored parameters as.
+
+  The tp, ep and pp splits, and the data axes.
+
+  Args:
+    params: the params tree (arrays or shapes).
+    mesh: the device mesh.
+
+  Returns:
+    A tree of `PartitionSpec`s with the structure of `params`.
+  """
   return jax.tree.map(lambda s: s.spec, data_split(params, mesh))
 
 
 def gather_local(tree: Any, specs: Any, lead: int = 0) -> Any:
-  """Inside a shard_map: each leaf all-gathered over the data axes `specs` (`gather_specs`)
-  split it on (the
-  transpose, in the backward, is the reduce-scatter of its gradient); `lead` leading axes of
-  the specs are absent from the leaves (a scan's slice drops the layer axis)."""
+  """Inside a shard_map: each leaf all-gathered over the data axes `specs` split it on.
+
+  The transpose, in the backward, is the reduce-scatter of its gradient.
+
+  Args:
+    tree: this rank's local leaves.
+    specs: the tree's `gather_specs`.
+    lead: leading axes of the specs that are absent from the leaves (a scan's slice drops the
+      layer axis).
+
+  Returns:
+    The tree with the split leaves gathered whole over the data axes.
+  """
 
   def one(x, spec):
     split = _data_split_of(spec)
@@ -233,15 +324,24 @@ def _save_all_but_local_gathers(prim, *_, **params) -> bool:
 
 
 def gathered_layer(fn, unit_specs: Any, full_remat: bool = False, tie: bool = False):
-  """`fn(unit, x, *rest)` for a layer (unit) whose leaves arrive split over the data axes: each
-  leaf all-gathered just before use, again in the backward (not kept; `full_remat`: the whole
-  layer recomputed).
+  """`fn(unit, x, *rest)` for a layer (unit) whose leaves arrive split over the data axes.
 
-  tie: the gather waits on `x` (an optimization barrier). The pipeline needs it: its tick loop
-  runs the same layers for every micro-batch, and where XLA unrolls the loop over a stage's
-  layers it hoists their gathers out of the tick loop and keeps the whole gathered stage
-  through the step. Only under a shard_map without varying-axes checks (the executor's): the
-  barrier joins the varying axes of the unit and `x`."""
+  Each leaf is all-gathered just before use, again in the backward (not kept).
+
+  Args:
+    fn: the layer, `fn(unit, x, *rest)`, on whole weights.
+    unit_specs: the layer's `gather_specs`, with the layer axis (absent from the unit's
+      leaves).
+    full_remat: the whole layer recomputed in the backward.
+    tie: the gather waits on `x` (an optimization barrier). The pipeline needs it: its tick
+      loop runs the same layers for every micro-batch, and where XLA unrolls the loop over a
+      stage's layers it hoists their gathers out of the tick loop and keeps the whole gathered
+      stage through the step. Only under a shard_map without varying-axes checks (the
+      executor's): the barrier joins the varying axes of the unit and `x`.
+
+  Returns:
+    The checkpointed layer, with `fn`'s signature.
+  """
 
   def gathered(unit, x, *rest):
     if tie:
@@ -253,8 +353,19 @@ def gathered_layer(fn, unit_specs: Any, full_remat: bool = False, tie: bool = Fa
 
 
 def local_layer_scan(cfg: TransformerConfig, body, layer_specs: Any):
-  """`body(x, unit, *rest)` for a scan over stacked layers whose leaves arrive split over the
-  data axes: each layer gathered just before use, again in the backward (not kept)."""
+  """`body(x, unit, *rest)` for a scan over stacked layers whose leaves arrive split.
+
+  The leaves arrive split over the data axes. Each layer is gathered just before use, again in
+  the backward (not kept); with `cfg.remat is True` the whole layer is recomputed.
+
+  Args:
+    cfg: the model (its remat).
+    body: the scan body on whole weights, `body(x, unit, *rest)`.
+    layer_specs: the layers' `gather_specs`.
+
+  Returns:
+    The scan body, with `body`'s signature.
+  """
   layer = gathered_layer(
       lambda unit, x, *rest: body(x, unit, *rest), layer_specs, cfg.remat is True
   )

@@ -13,12 +13,31 @@ Key = tuple[str, int, int]
 
 
 def produces(schedule: Schedule, a: Action) -> Key:
+  """The key of what an action produces.
+
+  Args:
+    schedule: the schedule.
+    a: the action.
+
+  Returns:
+    ("F", stage, mb) for a forward (the stage's output), ("G", stage, mb) for B or I (the
+    gradient of the stage's input), ("W", stage, mb) for W (its weight gradient).
+  """
   return ("F" if a.kind == "F" else "G" if a.kind in ("B", "I") else "W", a.stage, a.microbatch)
 
 
 def requires(schedule: Schedule, a: Action) -> list[Key]:
-  """What `a` waits for: the previous stage's output, the next stage's input gradient,
-  its own F/I."""
+  """What `a` waits for: the previous stage's output, the next stage's input gradient, its own F/I.
+
+  Args:
+    schedule: the schedule, whose routes order the stages of `a`'s micro-batch.
+    a: the action.
+
+  Returns:
+    The keys (`produces`) it needs: F the previous stage's ("F", ...), none on the route's first
+    stage; B and I its own ("F", ...) and the next stage's ("G", ...), not on the last; W its
+    own ("G", ...).
+  """
   which = schedule.microbatch_route[a.microbatch]
   route = schedule.placement.routes[which]
   i = schedule.placement.route_positions[which][a.stage]
@@ -85,11 +104,18 @@ def list_schedule(
 ) -> Timeline:
   """Runs each rank's ops in order, each as soon as its rank is free and its inputs arrived.
 
-  `cost=None` gives every op one unit (the lock-step tick grid); `durations[rank][position]`,
-  if given, replaces `cost`. Cross-rank inputs arrive
-  `latency` after they are produced. Ops that wait forever are reported in `blocked` rather
-  than raised, so the validator can draw them. Linear in the number of ops: a rank waiting on
-  an input is parked under that input's key and resumed once, when it is produced.
+  Ops that wait forever are reported in `blocked` rather than raised, so the validator can draw
+  them. Linear in the number of ops: a rank waiting on an input is parked under that input's key
+  and resumed once, when it is produced.
+
+  Args:
+    schedule: the schedule.
+    cost: op -> its duration; None gives every op one unit (the lock-step tick grid).
+    latency: cross-rank inputs arrive `latency` after they are produced.
+    durations: [rank][position] durations; if given, replaces `cost`.
+
+  Returns:
+    The `Timeline`: [rank][position] start and end times, and the blocked ops.
   """
   needs, makes = _cached(schedule, "_dependency_table", _dependency_table)
   p = schedule.num_ranks
@@ -150,5 +176,14 @@ def _cached(schedule: Schedule, name: str, build):
 
 
 def unit_timeline(schedule: Schedule) -> Timeline:
-  """list_schedule with unit costs (validator's deadlock check, lock-step ticks), cached."""
+  """list_schedule with unit costs (validator's deadlock check, lock-step ticks), cached.
+
+  The result is remembered on the schedule until its ops, placement or routes change.
+
+  Args:
+    schedule: the schedule.
+
+  Returns:
+    The `Timeline`.
+  """
   return _cached(schedule, "_unit_timeline", list_schedule)

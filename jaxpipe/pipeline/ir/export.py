@@ -36,7 +36,18 @@ COLOURS = {"F": "#4c8bd6", "B": "#d65f4c", "I": "#e8a33d", "W": "#6aab5e"}
 
 
 def tick_rows(schedule: Schedule, grid: str = "lockstep") -> list[list[Op | None]]:
-  """[rank][column] -> op or None (idle), on the lock-step tick grid or in plain order."""
+  """[rank][column] -> op or None (idle), on the lock-step tick grid or in plain order.
+
+  Args:
+    schedule: the schedule.
+    grid: 'lockstep' (idle cells show the bubble) or 'order' (each rank's ops, no idle cells).
+
+  Returns:
+    One row per rank.
+
+  Raises:
+    ValueError: another grid.
+  """
   if grid == "order":
     return [list(ops) for ops in schedule.ranks]
   if grid != "lockstep":
@@ -51,7 +62,15 @@ def tick_rows(schedule: Schedule, grid: str = "lockstep") -> list[list[Op | None
 
 
 def text_grid(schedule: Schedule, idle: str = ".") -> str:
-  """One row per rank, one column per lock-step tick; idle ticks shown as `idle`."""
+  """One row per rank, one column per lock-step tick; idle ticks shown as `idle`.
+
+  Args:
+    schedule: the schedule.
+    idle: the text of an idle cell.
+
+  Returns:
+    The grid, a header line of tick numbers first.
+  """
   rows = tick_rows(schedule)
   width = max([len(str(op)) for ops in schedule.ranks for op in ops] + [1]) + 1
   steps = max([len(r) for r in rows] + [0])
@@ -66,7 +85,18 @@ def text_grid(schedule: Schedule, idle: str = ".") -> str:
 
 
 def to_csv(schedule: Schedule, grid: str = "lockstep") -> str:
-  """torch.distributed.pipelining CSV text; `grid='order'` writes no idle cells."""
+  """torch.distributed.pipelining CSV text (module docstring).
+
+  Args:
+    schedule: the schedule.
+    grid: 'lockstep' (empty cells are the bubble) or 'order', which writes no idle cells.
+
+  Returns:
+    The CSV, one row per rank.
+
+  Raises:
+    ValueError: another grid.
+  """
   out = io.StringIO()
   writer = csv.writer(out, lineterminator="\n")
   for row in tick_rows(schedule, grid):
@@ -137,7 +167,24 @@ def _infer_placement(
 def from_csv(
     text_or_path: str | os.PathLike, name: str | None = None, validate: bool = True
 ) -> Schedule:
-  """Reads torch's CSV (text or a path); infers placement, routes and micro-batch count."""
+  """Reads torch's CSV (text or a path); infers placement, routes and micro-batch count.
+
+  Communication and FSDP cells (compute_comms CSVs) are skipped; each rank keeps only its order.
+
+  Args:
+    text_or_path: the CSV text, or the path of a file holding it.
+    name: the schedule's name; None: the file's name without extension ('csv' for text).
+    validate: validate the schedule.
+
+  Returns:
+    The `Schedule`.
+
+  Raises:
+    FileNotFoundError: a .csv path that does not exist.
+    ValueError: a cell that cannot be read, no rows or actions, a stage on two ranks, stages or
+      micro-batches numbered with gaps, routes that are neither all stages nor (bidirectional)
+      one half each, or (with validate) an invalid schedule.
+  """
   path = None
   if isinstance(text_or_path, os.PathLike) or (
       isinstance(text_or_path, str) and "\n" not in text_or_path and os.path.isfile(text_or_path)
@@ -192,7 +239,19 @@ def to_perfetto(
     lockstep: bool = False,
     unit_us: float = 1000.0,
 ) -> str:
-  """Chrome trace JSON: a process per rank, a thread per chunk, one time unit = `unit_us` us."""
+  """Chrome trace JSON: a process per rank, a thread per chunk, one time unit = `unit_us` us.
+
+  An overlapped F&B puts its backward on a thread of its own, so that no track overlaps.
+
+  Args:
+    schedule: the schedule.
+    costs: per-kind costs (`simulate`); None: the defaults.
+    lockstep: the lock-step timeline instead of the asynchronous one.
+    unit_us: microseconds per time unit.
+
+  Returns:
+    The trace as JSON text, otherData holding the schedule, makespan and costs.
+  """
   result = simulate(schedule, costs=costs, lockstep=lockstep)
   pl = schedule.placement
   events = []
@@ -254,7 +313,15 @@ def to_png(
 ) -> None:
   """Timeline PNG: a row per rank, a bar per op coloured by kind, micro-batch written inside.
 
-  An overlapped F&B is drawn as two half-height bars, forward above backward.
+  An overlapped F&B is drawn as two half-height bars, forward above backward; later chunks are
+  lighter.
+
+  Args:
+    schedule: the schedule.
+    path: the PNG file to write.
+    costs: per-kind costs (`simulate`); None: the defaults.
+    lockstep: the lock-step timeline instead of the asynchronous one.
+    title: the plot's title; None: the schedule's name, counts, bubble and rate.
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure

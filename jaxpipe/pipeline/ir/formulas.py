@@ -52,7 +52,22 @@ def anchor(
     costs: Mapping[str, float] | None = None,
     group: int | None = None,
 ) -> Anchor:
-  """anchors.md's figures for `name` at `pp` ranks, `microbatches`, `chunks` per rank."""
+  """anchors.md's figures for `name` at `pp` ranks, `microbatches`, `chunks` per rank.
+
+  Args:
+    name: the schedule (a generator name).
+    pp: pipeline ranks, p.
+    microbatches: micro-batches per step, m.
+    chunks: chunks per rank, v (interleaved 1F1B); None: 2.
+    costs: per-kind costs (`resolve_costs`: F = I = W = 1, B = I + W by default).
+    group: interleaved 1F1B's warm-up group; None: p.
+
+  Returns:
+    The `Anchor`: bubble and activation figures with their view, units and source.
+
+  Raises:
+    ValueError: a schedule without published figures, or costs `resolve_costs` refuses.
+  """
   c = resolve_costs(costs)
   f, b, w = c["F"], c["B"], c["W"]
   fb = c["F&B"] if c["F&B"] is not None else f + b

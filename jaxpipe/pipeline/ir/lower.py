@@ -79,6 +79,14 @@ class Costs:
   W: float = 1.0  # weight cotangent
 
   def of(self, kind: str) -> float:
+    """Duration of one part of a kind.
+
+    Args:
+      kind: 'F', 'I', 'W', or 'B' (a full backward, I + W).
+
+    Returns:
+      The duration.
+    """
     return self.I + self.W if kind == "B" else getattr(self, kind)
 
 
@@ -149,7 +157,17 @@ class Lowered:
     return tuple(sorted(set(int(b) for b in np.unique(self.table[..., COL["branch"]]))))
 
   def padded(self, num_ticks: int) -> np.ndarray:
-    """The table with idle ticks appended, so schedules of different lengths share a program."""
+    """The table with idle ticks appended, so schedules of different lengths share a program.
+
+    Args:
+      num_ticks: the ticks the padded table has, at least `self.num_ticks`.
+
+    Returns:
+      int32 [num_ticks, ranks, len(FIELDS)].
+
+    Raises:
+      ValueError: fewer ticks than the table has.
+    """
     if num_ticks < self.num_ticks:
       raise ValueError(f"cannot pad {self.num_ticks} ticks down to {num_ticks}")
     pad = np.tile(idle_row(), (num_ticks - self.num_ticks, self.schedule.num_ranks, 1))
@@ -187,10 +205,28 @@ def idle_row() -> np.ndarray:
 
 
 def op_cost(op, costs: Costs) -> float:
+  """Duration of an op: the sum of its parts' (an overlapped pair costs both).
+
+  Args:
+    op: an Action or an Overlap.
+    costs: durations by kind.
+
+  Returns:
+    The duration.
+  """
   return sum(costs.of(a.kind) for a in op.parts())
 
 
 def async_makespan(schedule: Schedule, costs: Costs = Costs()) -> float:
+  """The makespan of the schedule run asynchronously (`list_schedule`) with these costs.
+
+  Args:
+    schedule: the schedule.
+    costs: durations by kind.
+
+  Returns:
+    The last op's end time; 0 for no ops.
+  """
   timeline = list_schedule(schedule, lambda op: op_cost(op, costs))
   return max([e for ends in timeline.end for e in ends] + [0.0])
 
@@ -198,7 +234,19 @@ def async_makespan(schedule: Schedule, costs: Costs = Costs()) -> float:
 def lower(
     schedule: Schedule, costs: Costs = Costs(), variants: Sequence[LowerOptions] = VARIANTS
 ) -> Lowered:
-  """Lowers `schedule` with each variant and returns the shortest (then leanest) tables."""
+  """Lowers `schedule` with each variant and returns the shortest (then leanest) tables.
+
+  The shortest lock-step time wins, then the fewest residual slots, then the fewest other slots,
+  then the fewest ticks.
+
+  Args:
+    schedule: a validated schedule.
+    costs: durations by kind, which the tick packing weighs.
+    variants: the lowering variants to try.
+
+  Returns:
+    The best `Lowered`.
+  """
   makespan = async_makespan(schedule, costs)
   best, best_key = None, None
   for opts in variants:

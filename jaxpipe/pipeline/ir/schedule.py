@@ -122,19 +122,49 @@ class Placement:
     return tuple({s: i for i, s in enumerate(route)} for route in self.routes)
 
   def rank_stages(self, rank: int) -> tuple[int, ...]:
-    """Virtual stages on `rank`, in ascending order; position = local chunk index."""
+    """Virtual stages on `rank`, in ascending order; position = local chunk index.
+
+    Args:
+      rank: the rank.
+
+    Returns:
+      The stages.
+    """
     return self._rank_stages[rank]
 
   def local_chunk(self, stage: int) -> int:
+    """The local chunk index of a virtual stage on its rank.
+
+    Args:
+      stage: the virtual stage.
+
+    Returns:
+      Its position among `rank_stages` of its rank.
+    """
     return self._rank_stages[self.stage_rank[stage]].index(stage)
 
   def stage_copy(self, stage: int) -> int:
-    """Which copy of its model stage a virtual stage holds (0 or 1 in bidirectional layouts)."""
+    """Which copy of its model stage a virtual stage holds (0 or 1 in bidirectional layouts).
+
+    Args:
+      stage: the virtual stage.
+
+    Returns:
+      The number of earlier virtual stages with the same model stage.
+    """
     return sum(1 for s in range(stage) if self.stage_model[s] == self.stage_model[stage])
 
   @classmethod
   def interleaved(cls, num_ranks: int, chunks: int = 1) -> Placement:
-    """Stage s on rank s % p: plain for one chunk, Megatron's interleaved (VPP) for several."""
+    """Stage s on rank s % p: plain for one chunk, Megatron's interleaved (VPP) for several.
+
+    Args:
+      num_ranks: p.
+      chunks: chunks per rank.
+
+    Returns:
+      The `Placement` of p * chunks stages, one route through all of them.
+    """
     n = num_ranks * chunks
     return cls(
         num_ranks, tuple(s % num_ranks for s in range(n)), tuple(range(n)), (tuple(range(n)),)
@@ -142,8 +172,14 @@ class Placement:
 
   @classmethod
   def vshape(cls, num_ranks: int) -> Placement:
-    """2p stages, down then up: stage s on rank s for s < p, on rank 2p-1-s after
-    (ZB-V, DualPipeV)."""
+    """2p stages, down then up: stage s on rank s for s < p, on rank 2p-1-s after (ZB-V, DualPipeV).
+
+    Args:
+      num_ranks: p.
+
+    Returns:
+      The `Placement`, one route through all 2p stages.
+    """
     p = num_ranks
     ranks = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     return cls(p, ranks, tuple(range(2 * p)), (tuple(range(2 * p)),))
@@ -152,8 +188,14 @@ class Placement:
   def bidirectional(cls, num_ranks: int) -> Placement:
     """Two copies of p model stages: virtual stage s on rank s, virtual p+s on rank p-1-s.
 
-    Route 0 runs down (ranks 0..p-1), route 1 up (ranks p-1..0); this is also how the
-    torch CSV writes a bidirectional schedule, as a 2p-stage pipeline.
+    Route 0 runs down (ranks 0..p-1), route 1 up (ranks p-1..0); this is also how the torch CSV
+    writes a bidirectional schedule, as a 2p-stage pipeline.
+
+    Args:
+      num_ranks: p.
+
+    Returns:
+      The `Placement`.
     """
     p = num_ranks
     ranks = tuple(range(p)) + tuple(p - 1 - s for s in range(p))
@@ -196,6 +238,14 @@ class Schedule:
     return self.placement.num_stages
 
   def route(self, microbatch: int) -> tuple[int, ...]:
+    """The virtual stages a micro-batch runs through, in order.
+
+    Args:
+      microbatch: the micro-batch.
+
+    Returns:
+      Its route's stages.
+    """
     return self.placement.routes[self.microbatch_route[microbatch]]
 
   def actions(self) -> Iterator[tuple[int, int, Action]]:
@@ -212,7 +262,14 @@ class Schedule:
     return self
 
   def same_ops(self, other: Schedule) -> bool:
-    """Same placement, micro-batches, routes and per-rank ops (names and options aside)."""
+    """Same placement, micro-batches, routes and per-rank ops (names and options aside).
+
+    Args:
+      other: the schedule to compare with.
+
+    Returns:
+      True if they run the same ops.
+    """
     return (
         self.placement == other.placement
         and self.ranks == other.ranks
@@ -223,26 +280,62 @@ class Schedule:
   def simulate(
       self, costs: Mapping[str, float] | None = None, lockstep: bool = False, latency: float = 0.0
   ):
-    """Simulated timelines, bubble and activations; see jaxpipe.pipeline.ir.simulate."""
+    """Simulated timelines, bubble and activations; see jaxpipe.pipeline.ir.simulate.
+
+    Args:
+      costs: per-kind costs; None: the defaults (F = I = W = 1, B = I + W).
+      lockstep: SPMD ticks instead of asynchronous execution.
+      latency: cross-rank latency.
+
+    Returns:
+      The `SimResult`.
+    """
     from jaxpipe.pipeline.ir.simulate import simulate
 
     return simulate(self, costs=costs, lockstep=lockstep, latency=latency)
 
   def to_csv(self, grid: str = "lockstep") -> str:
-    """torch.distributed.pipelining's CSV; see jaxpipe.pipeline.ir.export.to_csv."""
+    """torch.distributed.pipelining's CSV; see jaxpipe.pipeline.ir.export.to_csv.
+
+    Args:
+      grid: 'lockstep' (empty cells are the bubble) or 'order' (no idle cells).
+
+    Returns:
+      The CSV text.
+    """
     from jaxpipe.pipeline.ir.export import to_csv
 
     return to_csv(self, grid=grid)
 
   @classmethod
   def from_csv(cls, text_or_path: str | os.PathLike, name: str | None = None) -> Schedule:
-    """Loads (and validates) a schedule from torch's CSV text or a path to it."""
+    """Loads (and validates) a schedule from torch's CSV text or a path to it.
+
+    Args:
+      text_or_path: the CSV text, or the path of a file holding it.
+      name: the schedule's name; None: the file's name ('csv' for text).
+
+    Returns:
+      The validated `Schedule`.
+
+    Raises:
+      FileNotFoundError: a .csv path that does not exist.
+      ValueError: a CSV that cannot be read as a schedule, or an invalid one.
+    """
     from jaxpipe.pipeline.ir.export import from_csv
 
     return from_csv(text_or_path, name=name)
 
   def to_perfetto(self, costs: Mapping[str, float] | None = None, lockstep: bool = False) -> str:
-    """Chrome trace JSON (opens in Perfetto); see jaxpipe.pipeline.ir.export.to_perfetto."""
+    """Chrome trace JSON (opens in Perfetto); see jaxpipe.pipeline.ir.export.to_perfetto.
+
+    Args:
+      costs: per-kind costs; None: the defaults.
+      lockstep: the lock-step timeline instead of the asynchronous one.
+
+    Returns:
+      The trace as JSON text.
+    """
     from jaxpipe.pipeline.ir.export import to_perfetto
 
     return to_perfetto(self, costs=costs, lockstep=lockstep)
@@ -250,7 +343,12 @@ class Schedule:
   def to_grid(self, mark: Sequence[tuple[int, int]] = (), aligned: bool = False) -> str:
     """Text grid, one row per rank, one column per position in the rank's list.
 
-    `aligned`: one column per lock-step tick instead, so idle cells show the bubble.
+    Args:
+      mark: (rank, position) cells to mark as >op< (with `aligned`, none are marked).
+      aligned: one column per lock-step tick instead, so idle cells show the bubble.
+
+    Returns:
+      The grid, a header line first.
     """
     if aligned:
       from jaxpipe.pipeline.ir.export import text_grid

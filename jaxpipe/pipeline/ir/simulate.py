@@ -36,7 +36,17 @@ COST_KEYS = ("F", "B", "I", "W", "F&B")
 
 
 def resolve_costs(costs: Mapping[str, float] | None = None) -> dict[str, float | None]:
-  """Fills defaults: F = I = W = 1, B = I + W, F&B = None (sum of the pair's parts)."""
+  """Fills defaults: F = I = W = 1, B = I + W, F&B = None (sum of the pair's parts).
+
+  Args:
+    costs: per-kind costs (COST_KEYS); None: all defaults.
+
+  Returns:
+    Every kind of COST_KEYS as a float, F&B None unless given.
+
+  Raises:
+    ValueError: an unknown kind, or a cost that is not a non-negative number.
+  """
   costs = dict(costs or {})
   bad = sorted(set(costs) - set(COST_KEYS))
   if bad:
@@ -51,7 +61,15 @@ def resolve_costs(costs: Mapping[str, float] | None = None) -> dict[str, float |
 
 
 def op_cost(op: Op, costs: Mapping[str, float | None]) -> float:
-  """Time one op takes; an overlapped pair costs `F&B` if set, else the sum of its parts."""
+  """Time one op takes; an overlapped pair costs `F&B` if set, else the sum of its parts.
+
+  Args:
+    op: an Action or an Overlap.
+    costs: resolved per-kind costs (`resolve_costs`).
+
+  Returns:
+    The time.
+  """
   parts = op.parts()
   if len(parts) > 1 and costs["F&B"] is not None:
     return costs["F&B"]
@@ -108,7 +126,14 @@ class SimResult:
 
 
 def lockstep_ticks(schedule: Schedule) -> list[list[int]]:
-  """[rank][position] -> the tick the op runs in under lock-step execution."""
+  """[rank][position] -> the tick the op runs in under lock-step execution.
+
+  Args:
+    schedule: the schedule.
+
+  Returns:
+    The ticks: each op's asynchronous start time under unit costs.
+  """
   timeline = _timeline(schedule, None, 0.0)
   return [[int(t) for t in row] for row in timeline.start]
 
@@ -130,7 +155,14 @@ def _timeline(schedule: Schedule, durations, latency: float):
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
-  """[rank] -> most micro-batch-stages whose F ran and whose B (or W) has not yet run."""
+  """[rank] -> most micro-batch-stages whose F ran and whose B (or W) has not yet run.
+
+  Args:
+    schedule: the schedule; only each rank's order counts.
+
+  Returns:
+    One peak per rank.
+  """
   peaks = []
   for ops in schedule.ranks:
     held = peak = 0
@@ -151,7 +183,20 @@ def simulate(
     lockstep: bool = False,
     latency: float = 0.0,
 ) -> SimResult:
-  """Runs `schedule` in simulation; `latency` delays cross-rank inputs (async) or ends each tick."""
+  """Runs `schedule` in simulation (module docstring for the views and units).
+
+  Args:
+    schedule: the schedule.
+    costs: per-kind costs (`resolve_costs`); None: the defaults.
+    lockstep: SPMD ticks instead of asynchronous execution.
+    latency: delays cross-rank inputs (async) or ends each tick (lock-step).
+
+  Returns:
+    The `SimResult`.
+
+  Raises:
+    ValueError: costs `resolve_costs` refuses, or a negative latency.
+  """
   c = resolve_costs(costs)
   if not isinstance(latency, numbers.Real) or latency < 0:
     raise ValueError(f"latency={latency!r} must be a non-negative number")

@@ -17,7 +17,18 @@ def _fail(schedule: Schedule, why: str, cells) -> None:
 
 
 def validate(schedule: Schedule) -> None:
-  """Raises ScheduleError naming the first problem, with the offending cells marked."""
+  """Checks a schedule: placement, completeness, dependency order, and freedom from deadlock.
+
+  Args:
+    schedule: the schedule.
+
+  Raises:
+    ScheduleError: naming the first problem, with the offending cells marked in the grid: an
+      action outside the micro-batches or stages, on another rank than its stage, off its
+      micro-batch's route, or repeated; a missing forward or backward, or both a full and a
+      split backward; a forward overlapped with its own backward; a backward before its forward
+      (W before its I) on a rank; or a deadlock.
+  """
   pl = schedule.placement
   m = schedule.num_microbatches
   n_s = pl.num_virtual_stages

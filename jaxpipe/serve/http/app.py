@@ -48,7 +48,14 @@ DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece'
 
 
 def error_response(e: BadRequest) -> JSONResponse:
-  """OpenAI's error body."""
+  """OpenAI's error body.
+
+  Args:
+    e: the refusal: its message, kind, param, code, status and headers.
+
+  Returns:
+    {"error": {"message", "type", "param", "code"}} with the refusal's status and headers.
+  """
   return JSONResponse(
       {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
       status_code=e.status,
@@ -137,6 +144,14 @@ class CompletionServer:
   # -- endpoints --
 
   async def health(self, request: Request) -> Response:
+    """GET /health: whether the server takes requests.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      {"status": "ok"}; 503 with "failed" (and the engine's error) or "draining".
+    """
     if self.loop.failed:
       return JSONResponse({"status": "failed", "error": self.loop.failed}, status_code=503)
     if self.draining:
@@ -144,11 +159,28 @@ class CompletionServer:
     return JSONResponse({"status": "ok"})
 
   async def version(self, request: Request) -> Response:
+    """GET /version: jaxpipe's version.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      {"version": jaxpipe.__version__}.
+    """
     return JSONResponse({"version": jaxpipe.__version__})
 
   async def tokenizer_info(self, request: Request) -> Response:
-    """vLLM's GET /tokenizer_info: the special tokens' text and the chat template, which
-    lm-evaluation-harness reads to tokenize through the server (with /tokenize, /detokenize)."""
+    """vLLM's GET /tokenizer_info: the special tokens' text and the chat template.
+
+    lm-evaluation-harness reads it to tokenize through the server (with /tokenize, /detokenize).
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      tokenizer_class, bos_token, eos_token and the other special tokens, eos_token_ids,
+      chat_template and model_max_length.
+    """
     tok = self.tok
     return JSONResponse(
         {
@@ -162,6 +194,14 @@ class CompletionServer:
     )
 
   async def models(self, request: Request) -> Response:
+    """GET /v1/models: the one model served.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      OpenAI's model list, its entry with max_model_len and the engine's settings.
+    """
     return JSONResponse(
         {
             "object": "list",
@@ -179,11 +219,29 @@ class CompletionServer:
     )
 
   async def prometheus(self, request: Request) -> Response:
+    """GET /metrics: the Prometheus metrics.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      The registry in Prometheus' text format.
+    """
     return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
   async def tokenize(self, request: Request) -> Response:
-    """vLLM's: {"prompt": text} or {"messages": [...]}, add_special_tokens (default true for a
-    prompt, false for messages, whose template writes its own)."""
+    """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...]}.
+
+    add_special_tokens defaults to true for a prompt, false for messages, whose template writes
+    its own; add_generation_prompt (messages) to true.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      {"tokens", "count", "max_model_len"}; OpenAI's error body (400, or 404 for another model)
+      for a request that is refused.
+    """
     try:
       body = protocol.parse_json(await request.body())
       self._check_model(body.get("model"))
@@ -221,6 +279,15 @@ class CompletionServer:
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_seq_len})
 
   async def detokenize(self, request: Request) -> Response:
+    """vLLM's POST /detokenize: {"tokens": [ids...]} -> {"prompt": text}.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      {"prompt": the decoded text}; OpenAI's error body (400, or 404 for another model) for a
+      request that is refused, e.g. an id outside the vocabulary.
+    """
     try:
       body = protocol.parse_json(await request.body())
       self._check_model(body.get("model"))
@@ -296,9 +363,35 @@ class CompletionServer:
   # -- generating --
 
   async def completions(self, request: Request) -> Response:
+    """POST /v1/completions: OpenAI's completions, whole or streamed.
+
+    A request the server refuses is answered with OpenAI's error body: 400 for its content, 404
+    for another model, 429 (with Retry-After) when the server is full, 503 when the engine failed
+    or the server is draining; 500 when the engine fails during it; 499 when the client goes away
+    before the end.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      The whole response as JSON, or with "stream" server-sent events ending in `data: [DONE]`.
+    """
     return await self._serve(request, chat=False)
 
   async def chat_completions(self, request: Request) -> Response:
+    """POST /v1/chat/completions: OpenAI's chat completions, whole or streamed.
+
+    A request the server refuses is answered with OpenAI's error body: 400 for its content, 404
+    for another model, 429 (with Retry-After) when the server is full, 503 when the engine failed
+    or the server is draining; 500 when the engine fails during it; 499 when the client goes away
+    before the end.
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      The whole response as JSON, or with "stream" server-sent events ending in `data: [DONE]`.
+    """
     return await self._serve(request, chat=True)
 
   async def _serve(self, request: Request, chat: bool) -> Response:
@@ -475,7 +568,16 @@ class CompletionServer:
   def uvicorn_server(
       self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
   ) -> uvicorn.Server:
-    """A uvicorn server for the app whose signals drain it (see the module docstring)."""
+    """A uvicorn server for the app whose signals drain it (see the module docstring).
+
+    Args:
+      host: the address to listen on.
+      port: the port to listen on.
+      log_level: uvicorn's log level.
+
+    Returns:
+      The server (not started).
+    """
     config = uvicorn.Config(
         self.app,
         host=host,
@@ -488,7 +590,16 @@ class CompletionServer:
     return _DrainingServer(config, self)
 
   def run(self, host: str, port: int, log_level: str = "warning") -> None:
-    """Serves on host:port until SIGTERM/SIGINT, then drains and returns."""
+    """Serves on host:port until SIGTERM/SIGINT, then drains and returns.
+
+    Args:
+      host: the address to listen on (IPv6 if it holds a ':').
+      port: the port to listen on.
+      log_level: uvicorn's log level.
+
+    Raises:
+      OSError: the address cannot be listened on.
+    """
     try:
       sock = socket.create_server(
           (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -54,8 +54,14 @@ def spelled(param: str | None, chat: bool) -> str | None:
 
 
 def scores(backend) -> bool:
-  """Whether the backend scores prompts (`score`: an Engine or a deployment; `Backend` makes it
-  optional), which logprobs and echo need."""
+  """Whether the backend scores prompts, which logprobs and echo need.
+
+  Args:
+    backend: an Engine or a deployment (`score`; `Backend` makes it optional).
+
+  Returns:
+    True if it has a callable `score`.
+  """
   return callable(getattr(backend, "score", None))
 
 

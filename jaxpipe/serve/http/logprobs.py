@@ -24,12 +24,30 @@ FLOOR = -9999.0
 
 
 def with_logprobs(sampling: sampling_lib.SamplingParams, k: int | None):
+  """The sampling with `logprobs=k` (top-k alternatives per token) where k is given.
+
+  Args:
+    sampling: the request's sampling.
+    k: alternatives per token; None: the sampling unchanged.
+
+  Returns:
+    The sampling.
+  """
   if k is None:
     return sampling
   return dataclasses.replace(sampling, logprobs=k)
 
 
 def token_text(tok: tokenizer_lib.Tokenizer, token: int) -> str:
+  """A token's string: its own decode, special tokens included (a partial UTF-8 character: U+FFFD).
+
+  Args:
+    tok: the model's tokenizer.
+    token: the token's id.
+
+  Returns:
+    `tok.decode([token])`.
+  """
   return tok.decode([token])
 
 
@@ -44,7 +62,18 @@ def legacy(
     k: int,
     offset: int = 0,
 ) -> dict:
-  """The completions format over `ids` (entries aligned: TokenLogprobs, or None for none)."""
+  """The completions format over `ids` (module docstring).
+
+  Args:
+    tok: the model's tokenizer.
+    ids: the tokens.
+    entries: aligned with `ids`: a `TokenLogprobs`, or None for none (the prompt's first).
+    k: alternatives per position, after the chosen token.
+    offset: the first token's text offset.
+
+  Returns:
+    {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, one entry per token.
+  """
   tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
   for token, entry in zip(ids, entries):
     text = token_text(tok, token)
@@ -74,7 +103,17 @@ def _entry(text: str, logprob: float) -> dict:
 
 
 def chat(tok: tokenizer_lib.Tokenizer, ids: list[int], entries: list, k: int) -> dict:
-  """The chat format over `ids` (entries aligned)."""
+  """The chat format over `ids` (module docstring).
+
+  Args:
+    tok: the model's tokenizer.
+    ids: the tokens.
+    entries: aligned with `ids`, a `TokenLogprobs` each.
+    k: alternatives per token.
+
+  Returns:
+    {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}, one entry per token.
+  """
   content = []
   for token, (logprob, top) in zip(ids, entries):
     content.append(

@@ -38,6 +38,17 @@ class Backend(Protocol):
       sampling: SamplingParams,
       eos_id: int | Sequence[int] | None | str = ...,
   ) -> Refusal | None:
+    """Why this request cannot be served, or None; reads configuration only.
+
+    Args:
+      prompt: the prompt's token ids.
+      max_tokens: the most tokens to generate.
+      sampling: the request's sampling values.
+      eos_id: as `add_request` takes it (ENGINE_EOS: the backend's own).
+
+    Returns:
+      None, or a `Refusal` naming the fix.
+    """
     ...  # reads configuration only
 
   def add_request(
@@ -48,12 +59,29 @@ class Backend(Protocol):
       *,
       eos_id: int | None | str,
   ) -> int:
+    """Queues a request.
+
+    Args:
+      prompt: the prompt's token ids.
+      max_tokens: the most tokens to generate.
+      sampling: the request's sampling values.
+      eos_id: the token (or tokens) that end it; None: only max_tokens and stop ids do; or the
+        ENGINE_EOS ("engine"): the backend's own.
+
+    Returns:
+      The request's id (`step`'s keys, `finished()`'s `.id`).
+    """
     ...
 
   def step(self) -> dict[int, list[int]]:
     ...
 
   def cancel(self, rid: int) -> None:
+    """Stops a request now.
+
+    Args:
+      rid: the request's id.
+    """
     ...
 
   def finished(self) -> list[Any]:
@@ -67,7 +95,14 @@ class Backend(Protocol):
 
 
 def engines_of(backend: Backend) -> list:
-  """The engines behind a backend: a deployment's live workers', or the engine itself."""
+  """The engines behind a backend: a deployment's live workers', or the engine itself.
+
+  Args:
+    backend: an `Engine` or a deployment.
+
+  Returns:
+    The engines.
+  """
   return list(getattr(backend, "engines", None) or [backend])
 
 
@@ -108,23 +143,49 @@ class EngineLoop:
     self.failed: str | None = None  # why the loop stopped on an error
 
   def start(self, aloop: asyncio.AbstractEventLoop, deliver) -> None:
+    """Starts the engine thread.
+
+    Args:
+      aloop: the event loop the handlers run on.
+      deliver: called on `aloop` with each hand-off: a list of (seq, tokens, logprobs or None,
+        finish reason or None, error or None).
+    """
     self._aloop, self._deliver = aloop, deliver
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self._thread.start()
 
   def submit(self, seqs: list[Seq]) -> None:
+    """Queues sequences to generate.
+
+    Args:
+      seqs: the request's sequences (echo ones are scored first).
+    """
     self._inbox.put(("add", seqs))
 
   def submit_scores(self, seqs: list[Seq]) -> None:
-    """Sequences that generate nothing (max_tokens 0, echo): their prompts are scored when they
-    ask for logprobs, and they finish with "length"."""
+    """Queues sequences that generate nothing (max_tokens 0, echo).
+
+    Their prompts are scored when they ask for logprobs, and they finish with "length".
+
+    Args:
+      seqs: the request's sequences.
+    """
     self._inbox.put(("score", seqs))
 
   def cancel(self, seqs: list[Seq]) -> None:
+    """Queues the cancellation of sequences; those already finished are left.
+
+    Args:
+      seqs: the sequences to stop.
+    """
     self._inbox.put(("cancel", seqs))
 
   def drain(self, seconds: float) -> None:
-    """Lets what runs go on for `seconds`, then cancels the rest."""
+    """Lets what runs go on for `seconds`, then cancels the rest.
+
+    Args:
+      seconds: the time left to the running sequences.
+    """
     self._inbox.put(("drain", time.perf_counter() + seconds))
 
   def stop(self) -> None:

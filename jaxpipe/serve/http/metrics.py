@@ -34,7 +34,14 @@ LABELS = ["model_name", "engine"]
 
 
 def buckets_1_2_5(limit: int) -> list[int]:
-  """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+  """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`.
+
+  Args:
+    limit: the largest value a bucket may have.
+
+  Returns:
+    The ascending buckets, none above `limit`.
+  """
   out, base = [], 1
   while True:
     for m in (1, 2, 5):
@@ -132,6 +139,14 @@ class VllmMetrics:
     )
 
   def success(self, reason: str):
+    """The vllm:request_success counter for one finish reason.
+
+    Args:
+      reason: the finish reason label.
+
+    Returns:
+      The counter bound to this server's labels and the reason.
+    """
     return self._success.labels(**self._labels, finished_reason=reason)
 
 
@@ -246,24 +261,45 @@ class Metrics:
     )
 
   def accepted(self, s) -> None:
-    """A sequence was handed to the engine (a `loop.Seq`)."""
+    """A sequence was handed to the engine.
+
+    Args:
+      s: the `loop.Seq`; its prompt's tokens are counted (and looked up in the prefix cache when it
+        generates).
+    """
     self.prompt_tokens.inc(len(s.prompt))
     self.vllm.prompt_tokens.inc(len(s.prompt))
     if s.max_tokens > 0:  # the engine looks its prompt up in the prefix cache
       self.vllm.prefix_queries.inc(len(s.prompt))
 
   def generated(self, n: int) -> None:
+    """Counts generated tokens.
+
+    Args:
+      n: tokens generated.
+    """
     self.generation_tokens.inc(n)
     self.vllm.generation_tokens.inc(n)
 
   def observe_gaps(self, seconds: float, n: int) -> None:
-    """n tokens of one sequence came `seconds` after its previous ones."""
+    """n tokens of one sequence came `seconds` after its previous ones.
+
+    Args:
+      seconds: since the sequence's previous tokens.
+      n: tokens that came; each is observed at seconds / n.
+    """
     for _ in range(n):
       self.vllm.itl.observe(seconds / n)
       self.vllm.tpot.observe(seconds / n)
 
   def finish(self, s, reason: str, now: float) -> None:
-    """A sequence finished (`reason`: OpenAI's finish_reason, or "error")."""
+    """A sequence finished.
+
+    Args:
+      s: the `loop.Seq`, with its arrival, first and last token times and token count.
+      reason: OpenAI's finish_reason, or "error".
+      now: the time (`time.perf_counter`), the end of a sequence with no token.
+    """
     self.finished.labels(reason).inc()
     self.vllm.success(reason).inc()
     self.vllm.request_prompt_tokens.observe(len(s.prompt))
@@ -279,7 +315,12 @@ class Metrics:
       self.vllm.request_tpot.observe(tpot)
 
   def engines(self, engines: list, usage: dict) -> None:
-    """Gauges and engine counters after a loop iteration (`Engine.counts`, `kv_usage` summed)."""
+    """Gauges and engine counters after a loop iteration (`Engine.counts`, `kv_usage` summed).
+
+    Args:
+      engines: the engines behind the backend (`loop.engines_of`).
+      usage: their summed `kv_usage`: pages_in_use and pages_total.
+    """
     v = self.vllm
     v.running.set(sum(len(e.running) for e in engines))
     v.waiting.set(sum(len(e.waiting) for e in engines))

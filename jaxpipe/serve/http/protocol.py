@@ -129,7 +129,17 @@ def _validation_message(e: pydantic.ValidationError, cls: type[pydantic.BaseMode
 
 
 def parse_json(body: bytes) -> dict:
-  """A request body as a JSON object, or BadRequest."""
+  """A request body as a JSON object.
+
+  Args:
+    body: the request's bytes.
+
+  Returns:
+    The object.
+
+  Raises:
+    BadRequest: the body is not JSON, or not an object.
+  """
   try:
     obj = json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -153,7 +163,17 @@ def _validate(cls, body: bytes):
 
 
 def parse_request(body: bytes) -> CompletionRequest:
-  """A /v1/completions body, or BadRequest."""
+  """A /v1/completions body.
+
+  Args:
+    body: the request's bytes.
+
+  Returns:
+    The `CompletionRequest`.
+
+  Raises:
+    BadRequest: a body that does not validate, or best_of other than 1 or n.
+  """
   req = _validate(CompletionRequest, body)
   if req.best_of not in (None, 1, req.n or 1):
     raise BadRequest(
@@ -163,7 +183,18 @@ def parse_request(body: bytes) -> CompletionRequest:
 
 
 def parse_chat(body: bytes) -> ChatRequest:
-  """A /v1/chat/completions body, or BadRequest."""
+  """A /v1/chat/completions body.
+
+  Args:
+    body: the request's bytes.
+
+  Returns:
+    The `ChatRequest`.
+
+  Raises:
+    BadRequest: a body that does not validate, max_tokens and max_completion_tokens that
+      differ, or top_logprobs without logprobs.
+  """
   req = _validate(ChatRequest, body)
   if req.max_tokens is not None and req.max_completion_tokens is not None:
     if req.max_tokens != req.max_completion_tokens:
@@ -178,8 +209,18 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 
 def check_text(text: str, where: str, param: str) -> None:
-  """Refuses text that is not Unicode a tokenizer can read: JSON's "\\ud800" alone (a lone
-  surrogate) parses into a Python string that has no UTF-8."""
+  r"""Refuses text that is not Unicode a tokenizer can read.
+
+  JSON's "\ud800" alone (a lone surrogate) parses into a Python string that has no UTF-8.
+
+  Args:
+    text: the text.
+    where: what holds it, for the message (e.g. 'the prompt').
+    param: the request field at fault.
+
+  Raises:
+    BadRequest: the text holds a lone surrogate.
+  """
   try:
     text.encode("utf-8")
   except UnicodeEncodeError as e:
@@ -193,7 +234,18 @@ def check_text(text: str, where: str, param: str) -> None:
 def prompts_of(
     prompt: str | list, tok: tokenizer_lib.Tokenizer
 ) -> list[tuple[list[int], str | None]]:
-  """(tokens, the text if given as text) of each prompt of a completions request."""
+  """(tokens, the text if given as text) of each prompt of a completions request.
+
+  Args:
+    prompt: a string, a list of token ids, or a list of either (several prompts).
+    tok: the model's tokenizer, for text prompts.
+
+  Returns:
+    One (token ids, text or None) per prompt.
+
+  Raises:
+    BadRequest: a text prompt that is not valid Unicode (`check_text`).
+  """
   if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
     prompt = [prompt]
   out = []
@@ -207,8 +259,20 @@ def prompts_of(
 
 
 def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
-  """A chat's messages as a template reads them ({"role", "content"[, "name"]}), content parts
-  joined by newlines (vLLM's), or BadRequest naming the first bad message."""
+  """A chat's messages as a template reads them ({"role", "content"[, "name"]}).
+
+  Content parts are joined by newlines (vLLM's).
+
+  Args:
+    raw: the request's `messages`.
+
+  Returns:
+    The messages.
+
+  Raises:
+    BadRequest: naming the first bad message (no messages, an unknown key or role, content that
+      is neither a string nor text parts, invalid Unicode, a name that is not a string).
+  """
   if not raw:
     raise BadRequest("messages is empty; give at least one message", "messages")
   out = []
@@ -273,8 +337,17 @@ class Job:
 
 
 def sampling_of(req: _Sampling) -> SamplingParams:
-  """The request's sampling values (unchecked: `checks.check` and the backend's `check_request`
-  refuse bad ones)."""
+  """The request's sampling values.
+
+  Unchecked: `checks.check` and the backend's `check_request` refuse bad ones. Unset values take
+  OpenAI's defaults (temperature 1, top_p 1; top_k -1 or unset: off).
+
+  Args:
+    req: a completions or chat request.
+
+  Returns:
+    The `SamplingParams`.
+  """
   return SamplingParams(
       1.0 if req.temperature is None else req.temperature,
       0 if req.top_k in (None, -1) else req.top_k,
@@ -340,8 +413,18 @@ class Choice:
     self.finish_reason: str | None = None
 
   def add(self, token: int | None, finish: str | None) -> str:
-    """Takes one token (None: none) and the finish reason if the choice ends with it; returns
-    the text it releases. A token with finish "stop" is the EOS or stop id that ended it."""
+    """Takes one token and the finish reason if the choice ends with it.
+
+    A token with finish "stop" is the EOS or stop id that ended it (its text is not released).
+    Text that may begin a stop sequence is held back until it cannot.
+
+    Args:
+      token: the token, or None for none.
+      finish: the finish reason if the choice ends here, else None.
+
+    Returns:
+      The text it releases.
+    """
     if token is not None:
       self.tokens.append(token)
       if token not in self.hidden and finish != "stop":
@@ -365,12 +448,27 @@ class Choice:
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
-  """A request's stop sequences as a list (OpenAI takes one string or a list)."""
+  """A request's stop sequences as a list (OpenAI takes one string or a list).
+
+  Args:
+    stop: one string, a list, or None.
+
+  Returns:
+    The list; [] for none.
+  """
   return [stop] if isinstance(stop, str) else stop or []
 
 
 def usage_of(prompt_tokens: int, choices: list[Choice]) -> dict:
-  """OpenAI's `usage` of a request: its prompts' tokens and every choice's generated ones."""
+  """OpenAI's `usage` of a request: its prompts' tokens and every choice's generated ones.
+
+  Args:
+    prompt_tokens: the prompts' tokens.
+    choices: the request's choices.
+
+  Returns:
+    {"prompt_tokens", "completion_tokens", "total_tokens"}.
+  """
   completion = sum(len(c.tokens) for c in choices)
   return {
       "prompt_tokens": prompt_tokens,

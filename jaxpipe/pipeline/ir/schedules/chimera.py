@@ -55,7 +55,25 @@ CONCAT = ("merged", "direct")
 def chimera(
     pp: int, microbatches: int, chunks: int | None = None, concat: str = "merged", **options
 ) -> Schedule:
-  """Chimera on `pp` ranks: bidirectional 1F1B units, merged (default) or concatenated."""
+  """Chimera on `pp` ranks: bidirectional 1F1B units, merged (default) or concatenated.
+
+  The merged order runs from m = 2p-2 on; below that, and with concat='direct', the units are
+  concatenated (module docstring).
+
+  Args:
+    pp: ranks, p; even.
+    microbatches: m, even (ideally a multiple of p); half go down, half up.
+    chunks: 2 (one per pipeline) or None.
+    concat: 'merged' or 'direct' (CONCAT).
+    **options: none other.
+
+  Returns:
+    The `Schedule`, on `Placement.bidirectional`.
+
+  Raises:
+    ValueError: another option, an unknown concat, chunks other than 2, or an odd p or m (or
+      one below 2).
+  """
   if options:
     raise ValueError(
         f"chimera takes only the option concat={CONCAT}, got {sorted(options)}; remove them"

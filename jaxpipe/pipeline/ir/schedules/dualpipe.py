@@ -134,7 +134,21 @@ def _check_args(name: str, pp: int, microbatches: int, chunks: int | None, optio
 
 
 def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """DualPipe on `pp` ranks: two copies of `pp` model stages, half the micro-batches each way."""
+  """DualPipe on `pp` ranks: two copies of `pp` model stages, half the micro-batches each way.
+
+  Args:
+    pp: ranks, p; even.
+    microbatches: m, even and at least 2p.
+    chunks: 2 (one per direction) or None.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.bidirectional`.
+
+  Raises:
+    ValueError: an option, chunks other than 2, a count that is not a positive integer, an odd
+      p, or m odd or below 2p.
+  """
   _check_args("dualpipe", pp, microbatches, chunks, options)
   p, m = pp, microbatches
   if p % 2:
@@ -173,7 +187,21 @@ def dualpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -
 
 
 def dualpipev(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """DualPipeV on `pp` ranks: 2*pp model stages in a V, every micro-batch down and back up."""
+  """DualPipeV on `pp` ranks: 2*pp model stages in a V, every micro-batch down and back up.
+
+  Args:
+    pp: ranks, p.
+    microbatches: m, at least 2p.
+    chunks: 2 (the V's two arms) or None.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.vshape`.
+
+  Raises:
+    ValueError: an option, chunks other than 2, a count that is not a positive integer, or m
+      below 2p.
+  """
   _check_args("dualpipev", pp, microbatches, chunks, options)
   p, m = pp, microbatches
   if m < 2 * p:

@@ -32,7 +32,20 @@ def _no_options(name: str, options: dict) -> None:
 
 
 def gpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """All forwards, then all backwards, each in micro-batch order."""
+  """All forwards, then all backwards, each in micro-batch order.
+
+  Args:
+    pp: ranks.
+    microbatches: micro-batches per step.
+    chunks: 1 or None; one chunk per rank.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.interleaved(pp)`.
+
+  Raises:
+    ValueError: chunks other than 1, a count below 1, or an option.
+  """
   _one_chunk("gpipe", chunks, pp, microbatches)
   _no_options("gpipe", options)
   m = microbatches
@@ -44,7 +57,22 @@ def gpipe(pp: int, microbatches: int, chunks: int | None = None, **options) -> S
 
 
 def one_f_one_b(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """Megatron's non-interleaved 1F1B: warm-up forwards, steady 1F1B, cool-down backwards."""
+  """Megatron's non-interleaved 1F1B: warm-up forwards, steady 1F1B, cool-down backwards.
+
+  Rank r runs min(pp - r - 1, microbatches) warm-up forwards.
+
+  Args:
+    pp: ranks.
+    microbatches: micro-batches per step.
+    chunks: 1 or None; one chunk per rank.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.interleaved(pp)`.
+
+  Raises:
+    ValueError: chunks other than 1, a count below 1, or an option.
+  """
   _one_chunk("1f1b", chunks, pp, microbatches)
   _no_options("1f1b", options)
   m = microbatches
@@ -60,7 +88,17 @@ def one_f_one_b(pp: int, microbatches: int, chunks: int | None = None, **options
 
 
 def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
-  """Megatron's `get_schedule_table`: the (micro-batch, chunk) of each forward, in order."""
+  """Megatron's `get_schedule_table`: the (micro-batch, chunk) of each forward, in order.
+
+  Args:
+    microbatches: micro-batches per step.
+    chunks: chunks per rank.
+    group: micro-batches per group; each group runs through every chunk before the next (the
+      last group takes what is left).
+
+  Returns:
+    microbatches * chunks (micro-batch, chunk) pairs.
+  """
   table = []
   for lo in range(0, microbatches, group):
     hi = microbatches if lo + group >= microbatches else lo + group
@@ -69,12 +107,38 @@ def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int
 
 
 def interleaved_warmup(pp: int, rank: int, microbatches: int, chunks: int, group: int) -> int:
-  """Megatron's warm-up count for the interleaved schedule (forwards before the first backward)."""
+  """Megatron's warm-up count for the interleaved schedule (forwards before the first backward).
+
+  Args:
+    pp: ranks.
+    rank: the rank.
+    microbatches: micro-batches per step.
+    chunks: chunks per rank.
+    group: micro-batches per group.
+
+  Returns:
+    min((pp - rank - 1) * 2 + (chunks - 1) * group, microbatches * chunks).
+  """
   return min((pp - rank - 1) * 2 + (chunks - 1) * group, microbatches * chunks)
 
 
 def interleaved_1f1b(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """Megatron's interleaved 1F1B; option `group`: micro-batches per group (default pp)."""
+  """Megatron's interleaved 1F1B.
+
+  Args:
+    pp: ranks, p.
+    microbatches: m.
+    chunks: chunks per rank, v >= 2; None: 2.
+    **options: `group`, micro-batches per group (default pp), in [p, m], with m % group 0 or
+      >= p.
+
+  Returns:
+    The `Schedule`, on `Placement.interleaved(pp, v)`.
+
+  Raises:
+    ValueError: another option, v below 2, or a group out of range or leaving a short last
+      group.
+  """
   group = options.pop("group", None)
   _no_options("interleaved-1f1b (besides group)", options)
   v = 2 if chunks is None else chunks

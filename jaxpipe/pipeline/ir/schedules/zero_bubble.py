@@ -77,7 +77,20 @@ def _check(
 
 
 def zb_h1(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """ZB-H1: 1F1B with split backwards, rank r deferring its first r W's to fill the tail."""
+  """ZB-H1: 1F1B with split backwards, rank r deferring its first r W's to fill the tail.
+
+  Args:
+    pp: ranks, p.
+    microbatches: micro-batches per step, m.
+    chunks: 1 or None.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.interleaved(pp)`.
+
+  Raises:
+    ValueError: a count that is not a positive integer, chunks other than 1, or an option.
+  """
   _check("zb-h1", pp, microbatches, chunks, 1, options)
   m = microbatches
   ranks = []
@@ -122,7 +135,22 @@ def _drop_microbatches(ops: list[Op], m: int) -> list[Op]:
 
 
 def zb_h2(pp: int, microbatches: int, chunks: int | None = None, **options) -> Schedule:
-  """ZB-H2: 2(p-r)-1 warm-up forwards and W's moved to make a bubble-free parallelogram."""
+  """ZB-H2: 2(p-r)-1 warm-up forwards and W's moved to make a bubble-free parallelogram.
+
+  With fewer than 2p - 1 micro-batches the full order is built and the extra ones dropped.
+
+  Args:
+    pp: ranks, p.
+    microbatches: micro-batches per step, m.
+    chunks: 1 or None.
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.interleaved(pp)`.
+
+  Raises:
+    ValueError: a count that is not a positive integer, chunks other than 1, or an option.
+  """
   _check("zb-h2", pp, microbatches, chunks, 1, options)
   m = microbatches
   full = max(m, 2 * pp - 1)  # fewer micro-batches: build the full order, drop the extra ones
@@ -286,7 +314,24 @@ def _zb_v_generated(
 def zb_v(
     pp: int, microbatches: int, chunks: int | None = None, fewer: str = "generator", **options
 ) -> Schedule:
-  """ZB-V: two chunks per rank in a V (stages r and 2p-1-r), bubble-free at F = I = W."""
+  """ZB-V: two chunks per rank in a V (stages r and 2p-1-r), bubble-free at F = I = W.
+
+  Args:
+    pp: ranks, p.
+    microbatches: micro-batches per step, m.
+    chunks: 2 or None.
+    fewer: how fewer than 2p - 1 micro-batches run (FEWER): 'generator' builds the order for m
+      (the least idle of its variants), 'drop' builds it for 2p - 1 and drops the extra ones
+      (torch's rule).
+    **options: none.
+
+  Returns:
+    The `Schedule`, on `Placement.vshape(pp)`.
+
+  Raises:
+    ValueError: a count that is not a positive integer, chunks other than 2, an option, or an
+      unknown `fewer`.
+  """
   _check("zb-v", pp, microbatches, chunks, 2, options)
   if fewer not in FEWER:
     raise ValueError(f"zb-v: fewer={fewer!r} is not one of {FEWER}")
