@@ -39,7 +39,23 @@ PyTree = Any
 def resolve_schedule(
     schedule: Schedule | str, *, pp: int, microbatches: int, chunks: int | None = None
 ) -> Schedule:
-  """A Schedule, a generator name, or a path to a torch-format CSV -> a validated Schedule."""
+  """A Schedule, a generator name, or a path to a torch-format CSV as a validated Schedule.
+
+  Args:
+    schedule: a `Schedule`, a schedule name (`make_schedule`), or the path of a torch-format CSV
+      (a name ending in .csv, or an existing file).
+    pp: pipeline ranks, for a schedule given by name.
+    microbatches: micro-batches per step, for a schedule given by name.
+    chunks: virtual stages per rank, for a schedule given by name; None: the schedule's own.
+
+  Returns:
+    The validated `Schedule`.
+
+  Raises:
+    TypeError: `schedule` is none of these.
+    FileNotFoundError: a .csv path that does not exist.
+    ValueError: an invalid schedule, an unknown name or a bad count.
+  """
   if isinstance(schedule, Schedule):
     return schedule.validate()
   if not isinstance(schedule, (str, os.PathLike)):
@@ -60,7 +76,14 @@ _LOWERED: dict = {}
 
 
 def lowered_for(schedule: Schedule) -> Lowered:
-  """`lower(schedule)`, memoised on the schedule's contents."""
+  """`lower(schedule)`, memoised on the schedule's contents.
+
+  Args:
+    schedule: a validated schedule.
+
+  Returns:
+    The `Lowered` tables.
+  """
   key = _key(schedule)
   if key not in _LOWERED:
     if len(_LOWERED) > 256:
@@ -81,10 +104,23 @@ def check_inputs(
     stage_copies: bool = False,
     side_inputs: PyTree = (),
 ) -> None:
-  """Raises ValueError naming the first disagreement between the schedule and the inputs.
+  """Checks that the schedule, the mesh and the inputs agree.
 
-  stage_copies: stage_params holds every copy of a stage the placement has (placement order).
-  side_inputs: per-micro-batch side inputs, split as xs is (`Model.side_inputs`).
+  Args:
+    schedule: the schedule to run.
+    mesh: the device mesh, every axis of type Auto.
+    pp_axis: the mesh axis the stages are placed on; its size must be the schedule's ranks.
+    stage_params: leaves [stages, ...]: one entry per model stage, or per stage copy with
+      `stage_copies`.
+    xs: leaves [microbatches, batch, ...], the embed function's (or first stage's) inputs.
+    targets: leaves [microbatches, batch, ...], the loss function's targets.
+    data_axes: the mesh axes that split the batch (axis 1); it must divide over them.
+    seq_axes: the mesh axes that split the sequence (axis 2); it must divide over them.
+    stage_copies: stage_params holds every copy of a stage the placement has (placement order).
+    side_inputs: per-micro-batch side inputs, split as xs is (`Model.side_inputs`).
+
+  Raises:
+    ValueError: the first disagreement between the schedule and the inputs, named.
   """
   if pp_axis not in mesh.axis_names:
     raise ValueError(
@@ -174,6 +210,24 @@ def check_model(
   gives them (batch over `data_axes`, sequence over `seq_axes`, parameter leaves split by
   `param_specs`, a `param_specs_key`; head and embedding parameters by `head_specs` and
   `embed_specs`), so they may use collectives over those axes.
+
+  Args:
+    model: the stage, embed and loss functions.
+    stage_params: leaves [stages, ...]; one stage's shapes are traced.
+    xs: leaves [microbatches, batch, ...], the embed function's (or first stage's) inputs.
+    targets: leaves [microbatches, batch, ...], the loss function's targets.
+    head_params: the loss function's parameters.
+    embed_params: the embed function's parameters.
+    mesh: the device mesh to trace on, or None to trace unsplit.
+    data_axes: the mesh axes that split the batch (axis 1).
+    seq_axes: the mesh axes that split the sequence (axis 2).
+    param_specs: a `param_specs_key` of one stage's params, or None: replicated.
+    side_inputs: per-micro-batch side inputs, leaves [microbatches, batch, ...] split as xs is.
+    head_specs: a `param_specs_key` of `head_params`, or None: replicated.
+    embed_specs: a `param_specs_key` of `embed_params`, or None: replicated.
+
+  Raises:
+    ValueError: the stage changes its input's shape or dtype, or the loss is not a scalar.
   """
   if mesh is not None:
     if param_specs is None:
@@ -234,9 +288,22 @@ def check_model(
 
 
 def copy_partners(layout: np.ndarray) -> tuple[tuple, tuple] | None:
-  """Where the other copy of each rank's chunks lives: (ppermute pairs (holder, rank), the
-  holder's chunk for each [rank][chunk]); None without copies. Every stage must have two copies,
-  and all of a rank's partners must sit on one rank (as in bidirectional placements)."""
+  """Where the other copy of each rank's chunks lives.
+
+  Every stage must have two copies, and all of a rank's partners must sit on one rank (as in
+  bidirectional placements).
+
+  Args:
+    layout: the model stage of each rank's chunk, [ranks, chunks] (`Lowered.layout()`).
+
+  Returns:
+    `(pairs, chunks)`: the ppermute pairs `(holder, rank)`, one per rank, and the holder's chunk
+    for each `[rank][chunk]`; None without copies.
+
+  Raises:
+    ValueError: a stage without exactly two copies, a rank whose partners sit on several ranks,
+      or holders that are not a permutation of the ranks.
+  """
   holders: dict[int, list[tuple[int, int]]] = {}
   for (r, c), stage in np.ndenumerate(layout):
     holders.setdefault(int(stage), []).append((r, c))
@@ -278,9 +345,22 @@ def sum_copies(
     spec: PyTree,
     model: Model | None = None,
 ) -> PyTree:
-  """Leaves [ranks, chunks, ...] (split over pp_axis as `spec` says): each copy of a stage gets
-  the sum of both copies' values (their max for the leaves `model` combines by max), one
-  ppermute between the two holders (`copy_partners`)."""
+  """Each copy of a stage's value as the sum of both copies' values.
+
+  One ppermute between the two holders (`copy_partners`); the leaves `model` combines by max
+  get their max instead of their sum.
+
+  Args:
+    tree: leaves [ranks, chunks, ...], split over `pp_axis` as `spec` says.
+    partners: `(pairs, chunks)` from `copy_partners`.
+    mesh: the device mesh.
+    pp_axis: the mesh axis the stages are placed on.
+    spec: the PartitionSpec pytree of `tree`'s leaves.
+    model: the model whose `Model.max_grads` picks the leaves combined by max, or None.
+
+  Returns:
+    `tree` with both copies of each stage holding the combined value, leaves as in `tree`.
+  """
   pairs, chunks = partners
   chunk_of = np.asarray(chunks, np.int32)
 

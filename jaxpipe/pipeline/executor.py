@@ -108,7 +108,21 @@ class ExecSpec:
 
   @classmethod
   def covering(cls, lowered: Sequence[Lowered], recompute: bool = False) -> ExecSpec:
-    """The smallest spec that runs every table in `lowered`."""
+    """The smallest spec that runs every table in `lowered`.
+
+    Args:
+      lowered: the lowered schedules the program is to run; they must agree on the number of
+        ranks and chunks per rank.
+      recompute: store only stage inputs and recompute the forward in I, B and W.
+
+    Returns:
+      The `ExecSpec`: the shared ranks and chunks, the largest tick and slot counts, and the union
+      of branches, channels and same-rank moves.
+
+    Raises:
+      ValueError: `lowered` is empty, or its schedules disagree on `num_ranks` or
+        `chunks_per_rank` (one program serves one value).
+    """
     if not lowered:
       raise ValueError("need at least one lowered schedule")
     pls = [lo.schedule.placement for lo in lowered]
@@ -133,6 +147,16 @@ class ExecSpec:
     )
 
   def check(self, lowered: Lowered) -> None:
+    """Checks that this spec runs the table of `lowered`.
+
+    Args:
+      lowered: a lowered schedule.
+
+    Raises:
+      ValueError: its ranks or chunks differ from the spec's, or its ticks, slots, branches,
+        channels or same-rank moves exceed it; the message lists every problem and points to
+        `ExecSpec.covering()`.
+    """
     pl = lowered.schedule.placement
     problems = []
     if pl.num_ranks != self.num_ranks or pl.chunks_per_rank != self.chunks:
@@ -179,7 +203,15 @@ class Model:
 
 
 def combines_by_max(model: Model | None, path) -> bool:
-  """Whether `model` combines the gradient of the stage parameter leaf at `path` by max."""
+  """Whether `model` combines the gradient of the stage parameter leaf at `path` by max.
+
+  Args:
+    model: the model whose `Model.max_grads` decides, or None.
+    path: the key path of a stage parameter leaf.
+
+  Returns:
+    True where `model.max_grads(path)` says so; False without a model or `max_grads`.
+  """
   return model is not None and model.max_grads is not None and bool(model.max_grads(path))
 
 
@@ -203,10 +235,22 @@ def with_aux(
 ) -> Callable:
   """The stage function as `(params, x, side) -> (y, aux)`; a layered stage stacks aux per layer.
 
-  side: one micro-batch's side inputs, passed on only with `side_inputs` (`Model.side_inputs`).
-  With `unit_index` (a layered stage) side is `(side, index)` instead: the index of the stage's
-  first layer in the model for the stage, of the layer itself for its layer function, which
-  gets it as its last argument.
+  `side` is one micro-batch's side inputs, passed on only with `side_inputs`. With `unit_index`
+  (a layered stage) side is `(side, index)` instead: the index of the stage's first layer in the
+  model for the stage, of the layer itself for its layer function, which gets it as its last
+  argument.
+
+  Args:
+    stage_fn: the stage function, or a `Layered` stage.
+    stage_aux: whether `stage_fn` (its layer function, if layered) returns `(y, aux)`
+      (`Model.stage_aux`); without it aux is `()`.
+    side_inputs: whether it takes the side inputs as a third argument (`Model.side_inputs`).
+    unit_index: whether a layered stage's layer function takes its layer's index in the model
+      last (`Model.unit_index`).
+
+  Returns:
+    The function `(params, x, side) -> (y, aux)`; for a layered stage a `Layered` whose layer
+    function has that form and which returns aux stacked per layer.
   """
   if isinstance(stage_fn, Layered):
     if unit_index:
@@ -267,7 +311,15 @@ class Layered:
     return out if self.has_aux else out[0]
 
   def at_layer(self, side, l):
-    """A layer's side from its stage's (`indexed`: the stage's first index plus l)."""
+    """A layer's side inputs from its stage's.
+
+    Args:
+      side: the stage's side inputs; with `indexed`, `(side, index of the stage's first layer)`.
+      l: the layer's place in the stage (traced or int).
+
+    Returns:
+      `side` itself; with `indexed`, `(side, the stage's first index plus l)`.
+    """
     return (side[0], side[1] + l) if self.indexed else side
 
   def __eq__(self, other):
@@ -286,7 +338,14 @@ class Layered:
 
 
 def layered(layer_fn: Callable) -> Layered:
-  """Marks a stage as layers of `layer_fn` (stage params: leaves [layers_per_stage, ...])."""
+  """Marks a stage as layers of `layer_fn`.
+
+  Args:
+    layer_fn: `(params_of_one_layer, x) -> x`.
+
+  Returns:
+    A `Layered` stage, whose params are leaves [layers_per_stage, ...].
+  """
   return Layered(layer_fn)
 
 
@@ -618,7 +677,15 @@ def _gated(row, col: int, fn: Callable, state: dict, keys: Sequence[str], unset:
 
 
 def io_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:
-  """Spec of xs/targets leaves [microbatches, batch, seq, ...]: batch and sequence split."""
+  """The spec of xs/targets leaves [microbatches, batch, seq, ...]: batch and sequence split.
+
+  Args:
+    batch_axes: the mesh axes that split the batch (axis 1).
+    seq_axes: the mesh axes that split the sequence (axis 2).
+
+  Returns:
+    The PartitionSpec; micro-batches are not split.
+  """
   return P(None, batch_axes or None, *((seq_axes,) if seq_axes else ()))
 
 
@@ -630,9 +697,23 @@ def check_param_specs(
     params: PyTree | None = None,
     model_axes: tuple[str, ...] = (),
 ) -> None:
-  """Raises ValueError unless a `param_specs_key` splits leaves over data, sequence and model
-  axes only (and, given one stage's params, has their structure). A leaf split over data or
-  sequence axes is one the stage gathers (FSDP): its gradient is not summed over them."""
+  """Checks that a `param_specs_key` splits leaves over data, sequence and model axes only.
+
+  A leaf split over data or sequence axes is one the stage gathers (FSDP): its gradient is not
+  summed over them.
+
+  Args:
+    param_specs: a `param_specs_key`, `(treedef, leaf specs)`.
+    data_axes: the data axes.
+    seq_axes: the sequence axes.
+    pp_axis: the pipeline axis (named in the error).
+    params: one stage's params, or None; given them, the key must have their structure.
+    model_axes: the model (tensor-parallel) axes.
+
+  Raises:
+    ValueError: the key's structure differs from `params`', or an entry splits a leaf over an
+      axis that is none of the data, sequence or model axes.
+  """
   treedef, leaf_specs = param_specs
   if params is not None and jax.tree.structure(params) != treedef:
     raise ValueError(
@@ -653,9 +734,21 @@ def check_param_specs(
 def scatter_of(
     grad_specs: tuple, param_specs: tuple | None, data_axes: tuple[str, ...]
 ) -> tuple[tuple[int, tuple[str, ...]] | None, ...]:
-  """Per leaf of a `grad_specs` key: (dimension, data axes) its gradient is reduce-scattered
-  over, or None. Raises ValueError naming the leaf unless each entry repeats `param_specs`' (all
-  None without them) but for data axes added on one dimension that one leaves whole."""
+  """Where each leaf's gradient is reduce-scattered, from a `grad_specs` key.
+
+  Args:
+    grad_specs: a `param_specs_key` of the gradient specs.
+    param_specs: the `param_specs_key` of the parameter specs, or None (every entry None).
+    data_axes: the data axes a gradient may be reduce-scattered over.
+
+  Returns:
+    Per leaf: `(dimension, data axes)` its gradient is reduce-scattered over, or None.
+
+  Raises:
+    ValueError: the two keys' structures differ, or an entry (named in the message) does not
+      repeat its `param_specs` one but for data axes added on one dimension that one leaves
+      whole.
+  """
   treedef, leaves = grad_specs
   params = (treedef, (P(),) * len(leaves)) if param_specs is None else param_specs
   if params[0] != treedef:
@@ -1250,18 +1343,33 @@ def _make_executor(model: Model, spec: ExecSpec, sharding: PipelineSharding) -> 
 
 
 def is_contiguous(layout) -> bool:
-  """Whether rank r's chunks are model stages r·v .. r·v+v-1 in order (no copies): a reshape."""
+  """Whether rank r's chunks are model stages r·v .. r·v+v-1 in order (no copies): a reshape.
+
+  Args:
+    layout: the model stage of each rank's chunk, [ranks, chunks] (`Lowered.layout()`).
+
+  Returns:
+    True for a numpy layout equal to `arange(size)` in its shape; False otherwise, and for any
+    non-numpy (e.g. traced) layout.
+  """
   if not isinstance(layout, np.ndarray):
     return False
   return bool(np.array_equal(layout, np.arange(layout.size).reshape(layout.shape)))
 
 
 def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
-  """[stages, ...] -> [ranks, chunks, ...]: each rank's chunks, copies of a stage included.
+  """Stage-stacked params as each rank's chunks, copies of a stage included.
 
   A contiguous numpy layout is a reshape, so a stage stack already split over the pipeline axis
   stays in place; any other layout (or a traced one) is a gather, for which XLA moves the
   stages to their ranks.
+
+  Args:
+    stage_params: a pytree of leaves [stages, ...].
+    layout: the model stage of each rank's chunk, [ranks, chunks] (`Lowered.layout()`).
+
+  Returns:
+    The pytree with leaves [ranks, chunks, ...].
   """
   if is_contiguous(layout):
     return jax.tree.map(lambda a: a.reshape(tuple(layout.shape) + a.shape[1:]), stage_params)
@@ -1272,8 +1380,18 @@ def to_local(stage_params: PyTree, layout: np.ndarray) -> PyTree:
 def from_local(
     local_grads: PyTree, layout: np.ndarray, num_stages: int, model: Model | None = None
 ) -> PyTree:
-  """[ranks, chunks, ...] -> [stages, ...], summing the gradients of a stage's copies (or taking
-  their max, for the leaves `model` combines by max)."""
+  """Per-chunk gradients as stage-stacked ones, summing the gradients of a stage's copies.
+
+  Args:
+    local_grads: a pytree of leaves [ranks, chunks, ...].
+    layout: the model stage of each rank's chunk, [ranks, chunks] (`Lowered.layout()`).
+    num_stages: the number of model stages.
+    model: the model whose `Model.max_grads` picks the leaves whose copies' gradients are
+      combined by max instead of summed, or None.
+
+  Returns:
+    The pytree with leaves [num_stages, ...].
+  """
   if is_contiguous(layout) and layout.size == num_stages:
     return jax.tree.map(lambda g: g.reshape((num_stages,) + g.shape[2:]), local_grads)
   idx = jnp.reshape(layout, (-1,))
@@ -1295,7 +1413,16 @@ def stage_ops(
     recompute: bool = False,
     side: PyTree = (),
 ) -> _StageOps:
-  """The parts a tick runs on one stage (`forward`, `input_grad`, `weight_grad`, `full_grad`),
-  built as `make_executor` builds them for stage params `params`, input `x` and one
-  micro-batch's side inputs `side` (shapes; `()` without them)."""
+  """The parts a tick runs on one stage, built as `make_executor` builds them.
+
+  Args:
+    model: the model whose stage function the parts run.
+    params: one stage's params.
+    x: the stage input's shape and dtype.
+    recompute: store only stage inputs and recompute the forward in I, B and W.
+    side: one micro-batch's side inputs (shapes); `()` without them.
+
+  Returns:
+    The parts (`forward`, `input_grad`, `weight_grad`, `full_grad`).
+  """
   return _StageOps(_stage_fn_of(model), params, x, recompute, model, side)

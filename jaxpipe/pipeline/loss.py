@@ -40,9 +40,26 @@ def is_weighted(
     data_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
 ) -> bool:
-  """Whether loss_fn(y, target) returns (loss_sum, weight) rather than a scalar sum; traced (not
-  run) on one micro-batch's shard, so collectives over the data and sequence axes are allowed.
-  Raises ValueError for any other result, or for a weight computed from y."""
+  """Whether `loss_fn(y, target)` returns `(loss_sum, weight)` rather than a scalar sum.
+
+  Traced (not run) on one micro-batch's shard, so collectives over the data and sequence axes
+  are allowed.
+
+  Args:
+    loss_fn: `(y, target) -> loss` on one micro-batch's shard.
+    mesh: the device mesh.
+    xs: the first stage's inputs, [microbatches, batch, ...] (the first micro-batch's stands in
+      for the stage output y).
+    targets: the targets, a pytree of leaves [microbatches, batch, ...].
+    data_axes: the mesh axes that split the batch.
+    seq_axes: the mesh axes that split the sequence (axis 2).
+
+  Returns:
+    True for a pair of scalars `(loss_sum, weight)`, False for a scalar.
+
+  Raises:
+    ValueError: `loss_fn` returns anything else, or a weight computed from y.
+  """
   found = {}
 
   def local(xs_shard, targets_shard):
@@ -78,7 +95,14 @@ def is_weighted(
 
 @functools.lru_cache(maxsize=64)
 def summed(loss_fn: Callable) -> Callable:
-  """The loss_sum part of a (loss_sum, weight) loss, a stable function (compiled once)."""
+  """The loss_sum part of a `(loss_sum, weight)` loss, a stable function (compiled once).
+
+  Args:
+    loss_fn: `(y, target) -> (loss_sum, weight)`.
+
+  Returns:
+    `(y, target) -> loss_sum`, the same function for the same `loss_fn` (cached).
+  """
   return lambda y, target: loss_fn(y, target)[0]
 
 
@@ -107,7 +131,20 @@ def global_weight(
     data_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
 ) -> jax.Array:
-  """The weights loss_fn returns, added over all micro-batches and data and sequence shards."""
+  """The weights `loss_fn` returns, added over all micro-batches and data and sequence shards.
+
+  Args:
+    loss_fn: `(y, target) -> (loss_sum, weight)` on one micro-batch's shard.
+    mesh: the device mesh.
+    xs: the first stage's inputs, [microbatches, batch, ...] (each micro-batch's stands in for
+      the stage output y).
+    targets: the targets, a pytree of leaves [microbatches, batch, ...].
+    data_axes: the mesh axes that split the batch.
+    seq_axes: the mesh axes that split the sequence (axis 2).
+
+  Returns:
+    The total weight, a float32 scalar.
+  """
   program = _weight_program(loss_fn, mesh, data_axes, seq_axes, jax.tree.structure(targets))
   return program(xs, targets)
 
@@ -149,12 +186,26 @@ def check_not_mean(
     data_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
 ) -> None:
-  """Raises ValueError when loss_fn averages over its shard where the shards' results are added.
+  """Checks that `loss_fn` does not average over its shard where the shards' results are added.
 
   Runs loss_fn on the first micro-batch (its input standing in for y) and on that micro-batch
   doubled: a sum doubles, a mean does not. Only where it can: with more than one data or
   sequence shard and concrete inputs (not under an outer jit), and a loss that accepts the
-  doubled shapes.
+  doubled shapes; otherwise it returns without a verdict.
+
+  Args:
+    loss_fn: `(y, target) -> loss_sum`, or `-> (loss_sum, weight)` on one micro-batch's shard.
+    weighted: whether `loss_fn` returns `(loss_sum, weight)` (`is_weighted`); then its
+      loss_sum is probed.
+    mesh: the device mesh.
+    xs: the first stage's inputs, [microbatches, batch, ...] (the first micro-batch's stands in
+      for the stage output y).
+    targets: the targets, a pytree of leaves [microbatches, batch, ...].
+    data_axes: the mesh axes that split the batch.
+    seq_axes: the mesh axes that split the sequence (axis 2).
+
+  Raises:
+    ValueError: `loss_fn` (its loss_sum part) averages over its batch.
   """
   shards = math.prod(mesh.shape[a] for a in data_axes + seq_axes)
   if shards == 1 or any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((xs, targets))):

@@ -15,7 +15,14 @@ PyTree = Any
 
 
 def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
-  """A mesh axis name or a sequence of them -> a tuple of names."""
+  """A mesh axis name or a sequence of them as a tuple of names.
+
+  Args:
+    axes: one mesh axis name, a sequence of them, or None.
+
+  Returns:
+    The names as a tuple; `()` for None.
+  """
   if axes is None:
     return ()
   return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -24,15 +31,35 @@ def as_axes(axes: str | Sequence[str] | None) -> tuple[str, ...]:
 def data_axes_of(
     mesh: Mesh, pp_axis: str, data_axes: str | Sequence[str] | None, seq_axes: tuple[str, ...]
 ) -> tuple[str, ...]:
-  """The axes that split the batch: `data_axes`, or by default every mesh axis but the pipeline
-  and sequence axes."""
+  """The axes that split the batch.
+
+  Args:
+    mesh: the device mesh.
+    pp_axis: the mesh axis the stages are placed on.
+    data_axes: the batch axes (one name or a sequence of them), or None for the default: every
+      mesh axis but `pp_axis` and the sequence axes.
+    seq_axes: the sequence (context-parallel) axes.
+
+  Returns:
+    The batch axes as a tuple of names.
+  """
   if data_axes is None:
     return tuple(a for a in mesh.axis_names if a != pp_axis and a not in seq_axes)
   return as_axes(data_axes)
 
 
 def param_specs_key(param_specs: PyTree | None) -> tuple | None:
-  """A stage's spec pytree (PartitionSpec or None leaves) -> a hashable (treedef, leaves) key."""
+  """A stage's spec pytree as a hashable key.
+
+  Args:
+    param_specs: a pytree of PartitionSpec or None leaves, or None.
+
+  Returns:
+    `(treedef, leaves)`, a None leaf as `P()`; None for None.
+
+  Raises:
+    TypeError: a leaf is neither a PartitionSpec nor None.
+  """
   if param_specs is None:
     return None
   leaves, treedef = jax.tree.flatten(param_specs, is_leaf=lambda v: v is None or isinstance(v, P))
@@ -125,8 +152,15 @@ class PipelineSharding:
     return math.prod(self.mesh.shape[a] for a in self.model_axes)
 
   def local_spec(self, key: tuple | None) -> PyTree:
-    """The spec of stage leaves [ranks, chunks, ...] whose own dimensions `key` (a
-    `param_specs_key`, None: replicated) splits."""
+    """The spec of stage leaves [ranks, chunks, ...] whose own dimensions `key` splits.
+
+    Args:
+      key: a `param_specs_key`; None: replicated.
+
+    Returns:
+      A pytree of PartitionSpecs over [ranks, chunks, ...], ranks on `pp_axis`; `P(pp_axis)` for
+      None.
+    """
     if key is None:
       return P(self.pp_axis)
     treedef, leaf_specs = key
@@ -134,8 +168,14 @@ class PipelineSharding:
 
   @staticmethod
   def spec_tree(key: tuple | None) -> PyTree:
-    """The PartitionSpec pytree of a `param_specs_key`, None leaves as P(); P() for None (every
-    leaf replicated)."""
+    """The PartitionSpec pytree of a `param_specs_key`.
+
+    Args:
+      key: a `param_specs_key`, or None (every leaf replicated).
+
+    Returns:
+      The pytree of PartitionSpecs, None leaves as `P()`; `P()` for None.
+    """
     return P() if key is None else jax.tree.unflatten(key[0], list(key[1]))
 
   def _identity(self) -> tuple:

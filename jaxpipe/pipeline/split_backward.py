@@ -187,18 +187,51 @@ class SplitBackward:
   _dp_tree: Any  # treedef of dparams
 
   def input_half(self, stored, params, g, need_dx: bool = True):
-    """-> (dx, kept list); without need_dx, dx is zeros and only what W needs is computed."""
+    """Runs I: the input cotangent, and what W reads from I's equations.
+
+    Args:
+      stored: the stored residuals `backward` reads, shaped as `split_backward` traced them.
+      params: the layer's parameters, shaped as traced.
+      g: the layer's output cotangent, shaped as traced.
+      need_dx: whether the input cotangent is needed (a bool, or a traced bool: then both
+        variants are compiled under a `lax.cond`); without it dx is zeros and only what W needs
+        is computed.
+
+    Returns:
+      `(dx, kept)`: the input cotangent (shaped as `backward`'s dx) and a list of arrays shaped
+      as `self.kept`.
+    """
     flat = jax.tree.leaves((stored, params, g))
     return self._input(flat, need_dx)
 
   def weight_half(self, stored, params, kept) -> PyTree:
+    """Runs W: the weight cotangents from what `input_half` kept.
+
+    Args:
+      stored: the stored residuals `backward` reads, shaped as `split_backward` traced them.
+      params: the layer's parameters, shaped as traced.
+      kept: the arrays `input_half` returned, shaped as `self.kept`.
+
+    Returns:
+      dparams, a pytree like `backward`'s.
+    """
     flat = jax.tree.leaves((stored, params))
     return jax.tree.unflatten(self._dp_tree, self._weight(flat, list(kept)))
 
 
 def split_backward(backward: Callable, stored, params, g) -> SplitBackward:
-  """Traces `backward(stored, params, g) -> (dparams, dx)` (arguments: arrays or shapes) and
-  splits it (module docstring)."""
+  """Traces `backward(stored, params, g) -> (dparams, dx)` and splits it (module docstring).
+
+  Args:
+    backward: `(stored, params, g) -> (dparams, dx)`, one layer's backward.
+    stored: the stored residuals it reads (arrays or shapes).
+    params: the layer's parameters (arrays or shapes).
+    g: the layer's output cotangent (arrays or shapes).
+
+  Returns:
+    The `SplitBackward`, whose `input_half` and `weight_half` take arguments of the same
+    structure and shapes.
+  """
   closed, shapes = jax.make_jaxpr(backward, return_shape=True)(stored, params, g)
   dp_shapes, dx_shape = shapes
   n_dp = len(jax.tree.leaves(dp_shapes))

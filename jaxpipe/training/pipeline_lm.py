@@ -64,7 +64,19 @@ TENSOR_AXIS = "tp"  # mesh axis that splits the layers (Megatron's tensor parall
 
 
 def lm_schedule(pipeline: ml_collections.ConfigDict, pp: int) -> Schedule:
-  """config.pipeline -> the validated schedule for `pp` ranks (as config validation builds it)."""
+  """The validated schedule of `config.pipeline` for `pp` ranks (as config validation builds it).
+
+  Args:
+    pipeline: the config's `pipeline` section.
+    pp: pipeline ranks.
+
+  Returns:
+    The validated `Schedule`.
+
+  Raises:
+    ConfigError: the schedule cannot be built, or a CSV disagrees with `pp`, the micro-batch
+      count or the chunk count.
+  """
   return config_lib.pipeline_schedule(pipeline, pp)
 
 
@@ -90,6 +102,19 @@ def lm_model(
   and again in the backward (`zero.gathered_layer`: a checkpoint policy keeps no gathered
   weight, and a barrier on the unit's input keeps XLA from hoisting the gathers out of the
   tick loop); the gather's transpose reduce-scatters the unit's gradient over those axes.
+
+  Args:
+    cfg: the model's configuration.
+    context_axis: the mesh axis that splits the sequence (Ulysses attention), or None.
+    tensor_axis: the mesh axis of Megatron's tensor parallelism, or None.
+    layer_gather: under fsdp, `(treedef, leaf specs)` of one unit's `zero.gather_specs`; None:
+      the units' parameters arrive whole.
+
+  Returns:
+    The executor's `Model`: a `layered` stage of units, the embedding and the head's loss, with
+    the MoE routing statistics as stage aux (`cfg.moe`), the fp8 scaling state's gradients
+    combined by max (`cfg.fp8 == "delayed"`), the packed-row keys as side inputs, and each
+    layer's index (`cfg.mixed_layers`).
   """
   placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
 
@@ -139,11 +164,21 @@ def lm_model(
 
 
 def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
-  """The order of the layer stack (entries of its `units`) that puts on each pipeline rank, when
-  split over pp, exactly the stages it runs: stage by stage as `Lowered.layout()` lists them, rank
-  by rank. None when that is the model's own order (contiguous placements). A placement that runs
-  a stage on two ranks (bidirectional: Chimera, DualPipe) lists its units twice, one resident
-  copy on each rank that runs them."""
+  """The order of the layer stack that puts on each pipeline rank exactly the stages it runs.
+
+  When the stack is split over pp, each rank then holds its stages: stage by stage as
+  `Lowered.layout()` lists them, rank by rank. A placement that runs a stage on two ranks
+  (bidirectional: Chimera, DualPipe) lists its units twice, one resident copy on each rank that
+  runs them.
+
+  Args:
+    schedule: the validated schedule.
+    units: the entries of the layer stack, a multiple of the schedule's stages.
+
+  Returns:
+    The indices into the stack's units, one per stored entry (a unit once per copy of its
+    stage); None when that is the model's own order (contiguous placements).
+  """
   layout = lowered_for(schedule).layout().ravel()
   if np.array_equal(layout, np.arange(layout.size)):
     return None
@@ -154,7 +189,19 @@ def placement_order(schedule: Schedule, units: int) -> np.ndarray | None:
 def lm_layer_order(
     cfg: TransformerConfig, pipeline: ml_collections.ConfigDict, pp: int
 ) -> np.ndarray | None:
-  """`placement_order` of the LM's layer stack (an entry per layer, or per moe.every group)."""
+  """`placement_order` of the LM's layer stack (an entry per layer, or per moe.every group).
+
+  Args:
+    cfg: the model's configuration.
+    pipeline: the config's `pipeline` section.
+    pp: pipeline ranks.
+
+  Returns:
+    The order of the stack's entries, or None for the model's own order.
+
+  Raises:
+    ConfigError: the schedule cannot be built (`lm_schedule`).
+  """
   every = cfg.moe.every if cfg.moe is not None else 1
   return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
 
@@ -169,6 +216,18 @@ def layer_order(
   of the stack gives each rank exactly its stages, and no parameter moves inside a step.
   Bidirectional placements (Chimera, DualPipe) run every stage on two ranks: the order lists
   each layer twice, a resident copy on each of them.
+
+  Args:
+    config: the training config (its `pipeline` section is read).
+    cfg: the model's configuration.
+    mesh_shape: the mesh's axis sizes, with a `pp` entry.
+
+  Returns:
+    The order of the stack's entries (`placement_order`); None for the model's own order, and
+    always with `mesh_shape["pp"] == 1`.
+
+  Raises:
+    ConfigError: the schedule cannot be built (`lm_schedule`).
   """
   if mesh_shape["pp"] == 1:
     return None
@@ -176,14 +235,36 @@ def layer_order(
 
 
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep", tp: int = 1, tp_axis: str = "tp"):
-  """PartitionSpecs over one stage's layer params (leaves [stages, ...]; the spec leaves out the
-  stage axis): expert weights [..., E, in, out] split on E over `ep_axis`, Megatron's
-  tensor-parallel dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`)."""
+  """PartitionSpecs over one stage's layer params.
+
+  Expert weights [..., E, in, out] are split on E over `ep_axis`, Megatron's tensor-parallel
+  dims over `tp_axis` (`jaxpipe.parallel.tensor.split_dim`).
+
+  Args:
+    stage_layers: the stage-stacked layer params, leaves [stages, ...].
+    ep_axis: the expert axis; None: experts not split.
+    tp: tensor-parallel ranks.
+    tp_axis: the tensor-parallel axis.
+
+  Returns:
+    A pytree like `stage_layers` of PartitionSpecs that leave out the stage axis.
+  """
   return io_param_specs(stage_layers, ep_axis, tp, tp_axis, lead=1)
 
 
 def io_param_specs(params, ep_axis=None, tp: int = 1, tp_axis: str = "tp", lead: int = 0):
-  """PartitionSpecs of parameter leaves, their first `lead` axes left out."""
+  """PartitionSpecs of parameter leaves, their first `lead` axes left out.
+
+  Args:
+    params: a pytree of parameter leaves (arrays or shapes), keyed by dict keys.
+    ep_axis: the expert axis; None: experts not split.
+    tp: tensor-parallel ranks.
+    tp_axis: the tensor-parallel axis.
+    lead: the number of leading axes (stacking) the specs leave out.
+
+  Returns:
+    A pytree like `params` of PartitionSpecs (`state.param_axes`).
+  """
 
   def spec(path, leaf):
     keys = [getattr(k, "key", None) for k in path]
@@ -201,19 +282,36 @@ def pipeline_loss_and_grads(
 ):
   """`loss_and_grads(params, batch) -> (loss, grads, metrics)` run as a pipeline.
 
-  shard (`optimizer.shard`): under 'fsdp' params['layers'] arrive split over the data axes
-  (`zero.data_split`, as the Trainer stores them) and each unit is all-gathered inside its
-  stage just before use (`lm_model`'s `layer_gather`), its gradient reduce-scattered by the
-  gather's transpose; the embedding, final norm and head arrive whole. Under 'zero2' the
-  executor reduce-scatters the stage gradients over the data axes (its `grad_specs`) instead of
-  all-reducing them.
+  Args:
+    cfg: the model's configuration; its layer units must split evenly into the schedule's
+      stages.
+    pipeline: the config's `pipeline` section (schedule, micro-batches, recompute).
+    mesh: the device mesh: `pp`, the data axes (dp, ep), `cp` and `tp`; every other axis of
+      size 1.
+    layers_in_placement_order: params['layers'] (and the layer gradients and per-layer
+      statistics returned) are stacked in `placement_order(schedule, units)` where that is not
+      None, so that no parameter moves between pipeline ranks inside the step; under
+      bidirectional placements that holds each layer twice, and both copies get the sum of
+      their gradients.
+    shard: `optimizer.shard`. Under 'fsdp' params['layers'] arrive split over the data axes
+      (`zero.data_split`, as the Trainer stores them) and each unit is all-gathered inside its
+      stage just before use (`lm_model`'s `layer_gather`), its gradient reduce-scattered by the
+      gather's transpose; the embedding, final norm and head arrive whole. Under 'zero2' the
+      executor reduce-scatters the stage gradients over the data axes (its `grad_specs`)
+      instead of all-reducing them.
 
-  metrics: `tokens`, and with MoE layers the routing statistics of the data/expert-parallel path
-  (`moe.step_metrics`, `moe_tokens_per_expert`) from the stages' aux.
-  layers_in_placement_order: params['layers'] (and the layer gradients and per-layer statistics
-  returned) are stacked in `placement_order(schedule, units)` where that is not None, so that no
-  parameter moves between pipeline ranks inside the step; under bidirectional placements that
-  holds each layer twice, and both copies get the sum of their gradients.
+  Returns:
+    `loss_and_grads(params, batch) -> (loss, grads, metrics)`: the loss (the cross-entropy
+    alone) and the gradients like params, both divided by the batch's tokens (the fp8
+    delayed-scaling state's gradients aside); metrics: `tokens`, and with MoE layers the
+    routing statistics of the data/expert-parallel path (`moe.step_metrics`,
+    `moe_tokens_per_expert`) from the stages' aux. It raises ValueError when params['layers']
+    does not hold the number of entries the step takes.
+
+  Raises:
+    ValueError: a mesh axis other than pp, data, context and tensor axes has size > 1, or
+      `cfg.n_layers` does not split into the schedule's model stages.
+    ConfigError: the schedule cannot be built (`lm_schedule`).
   """
   for axis in mesh.axis_names:
     if axis not in ("pp", CONTEXT_AXIS, TENSOR_AXIS) + BATCH_AXES and mesh.shape[axis] > 1:

@@ -52,8 +52,18 @@ TICKS = 10  # rows of a measuring table: one that sets up, then the part on ever
 
 
 def seconds(fn: Callable, *args) -> tuple[float, float]:
-  """(wall, process CPU) seconds of one call: CPU time counts every device's work on the host
-  and little of what other processes take from the cores."""
+  """The wall and process CPU seconds of one call, to its results' readiness.
+
+  CPU time counts every device's work on the host and little of what other processes take from
+  the cores.
+
+  Args:
+    fn: the function to call.
+    *args: its arguments.
+
+  Returns:
+    `(wall, cpu)` seconds.
+  """
   t0, c0 = time.perf_counter(), time.process_time()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - t0, time.process_time() - c0
@@ -62,7 +72,19 @@ def seconds(fn: Callable, *args) -> tuple[float, float]:
 def microbatch_shape(
     config: ml_collections.ConfigDict, mesh_shape: dict, microbatches: int
 ) -> tuple[int, int]:
-  """Sequences and tokens one device holds of one micro-batch: [batch / (dp ep m), seq / cp]."""
+  """Sequences and tokens one device holds of one micro-batch: [batch / (dp ep m), seq / cp].
+
+  Args:
+    config: the run's config (its `data.batch` and `data.seq_len`).
+    mesh_shape: axis sizes (dp, ep and cp are read).
+    microbatches: m, micro-batches per step.
+
+  Returns:
+    `(sequences, tokens per sequence)` per device.
+
+  Raises:
+    ConfigError: `data.batch` does not split into the data ranks x `microbatches`.
+  """
   replicas = mesh_shape["dp"] * mesh_shape["ep"]
   if config.data.batch % (replicas * microbatches):
     raise config_lib.ConfigError(
@@ -74,9 +96,23 @@ def microbatch_shape(
 
 
 def part_table(kind: str, ticks: int, ranks: int) -> np.ndarray:
-  """Executor rows [ticks, ranks, FIELDS] where every rank runs `kind` on every tick after the
-  first (which runs a first-and-last forward, and for W then an I, to fill the slots the part
-  reads); each part reads slot 0 and writes its output back there, so ticks chain."""
+  """Executor rows where every rank runs `kind` on every tick after the first.
+
+  The first tick runs a first-and-last forward (and for W then an I) to fill the slots the part
+  reads; each part reads slot 0 and writes its output back there, so ticks chain.
+
+  Args:
+    kind: the part, one of `PARTS`: 'F', 'I', 'B', 'W', 'F&B', 'embed' (a forward that embeds),
+      'head' (one that ends in the head and loss) or 'idle'.
+    ticks: the table's rows.
+    ranks: pipeline ranks.
+
+  Returns:
+    The table, int [ticks, ranks, FIELDS].
+
+  Raises:
+    ValueError: an unknown `kind`.
+  """
   table = np.tile(idle_row(), (ticks, ranks, 1))
 
   def put(t, branch, **fields):
@@ -238,7 +274,15 @@ class StageTimer:
     self.hops = 1
 
   def call(self, kind: str) -> tuple[float, float]:
-    """(wall, CPU) seconds of one call: a part's table, the one-tick table, or the hop loop."""
+    """The wall and CPU seconds of one call: a part's table, the one-tick table, or the hop loop.
+
+    Args:
+      kind: a part of `PARTS`, 'short' (the one-tick idle table) or 'hops' (the ppermute loop);
+        one of `self.kinds`.
+
+    Returns:
+      `(wall, cpu)` seconds (`seconds`).
+    """
     if kind == "short":
       return seconds(self._short, self._one_idle, *self._args)
     if kind == "hops":
@@ -257,7 +301,16 @@ class StageTimer:
     """The cost file entry from per-call (wall, CPU) samples of every kind, medians.
 
     Every table starts with a first-and-last forward (and W's with an I): a table's time is
-    call + that start + its ticks' overheads + its parts, and the one-tick table's call + one."""
+    call + that start + its ticks' overheads + its parts, and the one-tick table's call + one.
+
+    Args:
+      samples: per kind of `self.kinds`, the `(wall, cpu)` seconds of its calls.
+
+    Returns:
+      The entry: micro-batches, stages, the micro-batch shape, layers per stage, bytes, and the
+      per-part `seconds` and `cpu_seconds` (F, I, B, W, F&B, embed, head, tick, call,
+      ppermute).
+    """
     out = {}
     n = self.ticks - 1  # ticks running the part
     for i, name in ((0, "seconds"), (1, "cpu_seconds")):
@@ -285,8 +338,19 @@ class StageTimer:
 def time_rounds(
     timers: list, repeats: int, extra: dict[str, Callable[[], tuple]] | None = None
 ) -> tuple[list[dict], dict[str, list[tuple[float, float]]]]:
-  """`repeats` rounds, each timing every part of every timer once (and each of `extra`), so
-  that load drifting during the run hits all of them alike."""
+  """Times `repeats` rounds, each timing every part of every timer once (and each of `extra`).
+
+  Load that drifts during the run thus hits all of them alike.
+
+  Args:
+    timers: the `StageTimer`s.
+    repeats: the number of rounds.
+    extra: further calls to time, by name, each returning `(wall, cpu)` seconds; None: none.
+
+  Returns:
+    `(samples, others)`: per timer, its kinds' `(wall, cpu)` samples; per name of `extra`, its
+    samples.
+  """
   extra = {} if extra is None else extra
   samples = [{k: [] for k in t.kinds} for t in timers]
   others = {name: [] for name in extra}
@@ -309,8 +373,19 @@ def load_average() -> str:
 def update_timer(
     config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
 ) -> tuple[Callable[[], tuple[float, float]], dict]:
-  """A call timing one optimizer update on the real train state (layers split over pp, one
-  copy), and the state's and gradients' bytes per device, the layer stack's share apart."""
+  """A call timing one optimizer update on the real train state, and its bytes per device.
+
+  The state is stored as the trainer does (layers split over pp, one copy).
+
+  Args:
+    config: the run's config (model and optimizer).
+    mesh: the device mesh.
+
+  Returns:
+    `(timer, sizes)`: `timer()` runs one update and returns its `(wall, cpu)` seconds; sizes:
+    the state's and gradients' bytes per device, the layer stack's share apart
+    (`layer_state_bytes`, `shared_state_bytes`, `layer_grad_bytes`, `shared_grad_bytes`).
+  """
   cfg = config_lib.model_config(config)
   optimizer = make_optimizer(config.optimizer, config.train.steps)
 
@@ -359,9 +434,23 @@ def measure(
 ) -> dict:
   """The cost file's contents for the config's model and mesh at each (micro-batches, stages).
 
-  step: a call timing the config's own train step (`jaxpipe.measure.step_timer`), timed in the
-  same rounds (setup.paired.step_s), so a prediction from these costs meets a step measured
-  under the same load."""
+  Args:
+    config: the run's config (model, mesh, data, optimizer, pipeline).
+    pairs: the `(micro-batches, stages)` pairs to measure.
+    repeats: the timing rounds; medians are kept.
+    log: called with a line per measured pair, or None.
+    step: a call timing the config's own train step (`jaxpipe.measure.step_timer`), timed in
+      the same rounds (setup.paired.step_s), so a prediction from these costs meets a step
+      measured under the same load; None: not timed.
+
+  Returns:
+    The cost file's JSON object (`format`, `setup`, `devices`, `step`, `entries`), checked by
+    `costs.parse`.
+
+  Raises:
+    ConfigError: the batch does not split into a pair's micro-batches, or the layers into its
+      stages.
+  """
   mesh_shape = config_lib.mesh_shape(config.mesh, jax.device_count())
   mesh = make_mesh(config.mesh)
   cfg = config_lib.model_config(config)
@@ -440,8 +529,23 @@ def measure(
 def choose(
     config: ml_collections.ConfigDict, mesh_shape: dict, log: Callable[[str], None] | None = None
 ) -> tuple[auto_lib.Ranking, dict | None]:
-  """Ranks the auto candidates with pipeline.costs, or with costs measured now (returned, to be
-  saved); the config's pipeline.schedule must be 'auto'."""
+  """Ranks the auto candidates with pipeline.costs, or with costs it measures on the devices.
+
+  The config's pipeline.schedule must be 'auto'.
+
+  Args:
+    config: the run's config.
+    mesh_shape: axis sizes.
+    log: called with progress lines, or None.
+
+  Returns:
+    `(ranking, measured)`: the `auto.Ranking`, and the measured cost file's contents (to be
+    saved), or None when pipeline.costs gave them.
+
+  Raises:
+    CostFileError: pipeline.costs names no readable cost file.
+    AutoError: no candidate can run.
+  """
   p = config.pipeline
   measured = None
   if p.costs:
