@@ -6,6 +6,7 @@ Pure text and importlib: no subprocess, no JAX. `mkdocs build --strict` checks t
 links; this keeps the README's, which the site does not build, honest.
 """
 
+import ast
 import importlib.util
 import pathlib
 import re
@@ -211,3 +212,45 @@ def test_documented_flags_are_the_runners_flags():
         bad.append(f"{where}: python -m {module} --{name}: no such flag")
   assert len(flags_of) >= 10, sorted(flags_of)
   assert not bad, "\n".join(bad)
+
+
+def _public_functions() -> list[tuple[str, ast.FunctionDef]]:
+  """(where, node) of every public function and public method of a public class in jaxpipe/."""
+  found = []
+  for path in sorted((ROOT / "jaxpipe").rglob("*.py")):
+    tree = ast.parse(path.read_text())
+    nodes = [(n.name, n) for n in tree.body if hasattr(n, "name")]
+    for c in tree.body:
+      if isinstance(c, ast.ClassDef) and not c.name.startswith("_"):
+        nodes += [(f"{c.name}.{m.name}", m) for m in c.body if hasattr(m, "name")]
+    for name, node in nodes:
+      is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+      if is_function and not node.name.startswith("_"):
+        found.append((f"{path.relative_to(ROOT)}::{name}", node))
+  return found
+
+
+def _parameters(node: ast.FunctionDef) -> list[str]:
+  a = node.args
+  names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+  names += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+  return [n for n in names if n not in ("self", "cls")]
+
+
+def test_public_functions_document_their_arguments():
+  """Public functions take their parameters' meaning from an `Args:` section naming each one
+  (Google style, as JAX and Flax write them)."""
+  bad = []
+  for where, node in _public_functions():
+    params = _parameters(node)
+    if not params:
+      continue
+    doc = ast.get_docstring(node) or ""
+    args = doc.partition("Args:")[2] if "Args:" in doc else None
+    if args is None:
+      bad.append(f"{where}: no Args section")
+      continue
+    missing = [p for p in params if not re.search(rf"(^|\W){re.escape(p)}\b", args)]
+    if missing:
+      bad.append(f"{where}: Args leaves out {missing}")
+  assert not bad, f"{len(bad)} public functions:\n" + "\n".join(bad[:40])

@@ -3,63 +3,17 @@
 Per tick every rank reads its row of the table and runs the parts it names (W, then I or B,
 then F: readers of a slot before its next writer), each only where the row asks for it, and
 then every rank takes part in the same `ppermute`s, outside the parts. A part reads its inputs
-from the rank's slot buffers and writes its outputs into them in place (residuals layer by
-layer, weight cotangents straight into the gradient), so a tick costs what its parts compute
-and move: no zero-filled outputs for parts a rank does not run, no copies of buffers it leaves
-alone. Collectives over the other mesh axes may sit inside a stage (an MoE layer's
-`all_to_all` over `ep`, a psum over a data axis): the table is indexed by the pp rank only, so
-all devices of such a collective, which share their pp rank, read the same row, run the same
-parts and reach them at the same tick. Only pp-axis collectives, whose members are on
-different rows, must stay outside the parts.
+from the rank's slot buffers and writes its outputs into them in place, so a tick costs what its
+parts compute and move. The backward is explicit: F keeps the `jax.vjp` closure's leaves in a
+residual slot (less the parameters and what derives from them alone), I applies it for the
+input cotangent and W for the weight cotangent; a `layered` stage's layer backward is split
+once into those two halves (`split_backward`), so I and W together cost one backward.
 
-Stage parameters are replicated over the other mesh axes unless the `PipelineSharding`'s
-`param_specs` shards a leaf over some of them (experts over `ep`): each device then holds and
-updates only its slice, the stage function sees that slice, and the leaf's gradient is reduced
-over the remaining data axes only (its shards are different parameters, not copies; a stage
-that all-gathers a leaf split over data axes, FSDP, gets the sum from the gather's transpose).
-`grad_specs` (ZeRO-2) returns a leaf's gradient reduce-scattered over data axes instead of
-summed over them.
-
-A stage may also report statistics: with `Model.stage_aux` the stage function (a `layered`
-stage's layer function) returns `(y, aux)`, a pytree of arrays it computed on the way (e.g. how
-many tokens each expert received). F adds each micro-batch's aux into a buffer per local chunk
-(per layer for a layered stage), returned after the gradients, unreduced over the data axes:
-a stage that already reduced over them reports the same value on every data shard.
-
-The backward is explicit: F keeps the leaves of the `jax.vjp` closure in a residual slot, except
-leaves that are the stage's own parameters (matched by identity while tracing) or functions of
-the parameters alone (casts, transposes), which the backward takes from, or recomputes from, the
-live parameters. I applies that closure for the input cotangent, W for the weight cotangent,
-which is added to the gradient at once. For a `layered` stage the closure is kept per layer and
-each layer's backward is split once into two halves (`split_backward`): I runs the equations the
-input cotangent needs and keeps, per layer, what the rest read from them (the cotangents at
-each weight product's output); W runs only the rest, chiefly the weight products, so I and W
-together cost one backward, as B does (B runs the two halves back to back). For an opaque
-stage, or with recomputation, I keeps the stage's (each layer's) output cotangent and W
-re-derives the weight cotangents from it (the input-cotangent chain runs again).
-
-Slot buffers hold exactly the lowering's peak counts; a table entry of -1 drops the write.
-The tables are array arguments, not constants, so one compiled program runs any schedule with
-the same `ExecSpec` (ranks, chunks per rank, padded ticks and slots, branch set).
-
-Side inputs: the executor moves one activation array between ranks, but a stage may also need
-per-micro-batch data that is not an activation (a packed batch's segment ids and positions,
-which every stage of an LM reads). With `Model.side_inputs` the caller passes a pytree `side`
-of leaves [microbatches, batch, ...], split like `xs` (batch over the data axes, axis 2 over the
-sequence axes), and the stage function (a `layered` stage's layer function) takes a third
-argument, `side` indexed at the micro-batch its part runs: F at the row's `f_mb`, I and B at
-`b_mb`, W at `w_mb`. Every rank already holds every micro-batch's side inputs (they are inputs
-of the program, like `xs`, and small), so nothing about them crosses the pipeline axis and the
-executor needs to know nothing of what they mean. They are not differentiated. What the
-stage's vjp closure derives from them (an attention mask, rotary angles) is stored with the
-other residuals: `_Residuals.probe` traces them as inputs, so such leaves count as depending on
-the inputs, not on the parameters alone. With recomputation I, B and W rerun the forward on the
-stored input and their own micro-batch's side inputs.
-
-In a profiler trace a tick's parts are named `tick/<part>` (`tick/F`, `tick/I`, `tick/B`,
-`tick/W`) in their HLO metadata (`op_name`; GPU traces show it, CPU traces show the HLO
-instruction names); which stage and micro-batch a tick ran is in the lowered table
-(`Lowered.to_csv`) and the schedule's own Perfetto trace, indexed by tick.
+The tables are array arguments, not constants: one compiled program runs any schedule with the
+same `ExecSpec`. The parts are named `tick/F`, `tick/I`, `tick/B`, `tick/W` in profiler traces.
+Collectives inside a stage, sharded parameters (`PipelineSharding`), stage statistics
+(`Model.stage_aux`) and per-micro-batch side inputs (`Model.side_inputs`): docs/schedules.md,
+"The executor".
 """
 
 from __future__ import annotations
@@ -191,7 +145,7 @@ class Model:
   embed_fn: Callable | None = None  # (embed_params, xs[mb]) -> x on the first stage; None: xs
   stage_aux: bool = False  # stage_fn (layer_fn if layered) returns (x, aux); aux summed by F
   # stage_fn (layer_fn if layered) takes (params, x, side): side is one micro-batch's slice of
-  # the side inputs (see the module docstring), not differentiated
+  # the side inputs (docs/schedules.md, "The executor"), not differentiated
   side_inputs: bool = False
   # (key path of a stage parameter leaf) -> True where that leaf's gradient is combined by max
   # over micro-batches, data shards and stage copies instead of summed (observed statistics)
@@ -1224,7 +1178,7 @@ def make_executor(model: Model, spec: ExecSpec, sharding: PipelineSharding | Mes
     axes; a data shard, in what follows, is one slice over data and sequence axes).
   - head_params, embed_params: the loss and embed functions' parameters.
   - side: with `model.side_inputs`, the side inputs, leaves [microbatches, batch, ...] split as
-    xs is (see the module docstring).
+    xs is (docs/schedules.md, "The executor").
   - stages: int32 [p, chunks], the model stage each rank's chunk computes
     (`Lowered.layout()`), which `Model.unit_index` needs to number the layers.
 

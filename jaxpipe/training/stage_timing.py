@@ -11,8 +11,9 @@ no ppermute, as none is received) and the call around the ticks; a loop of pperm
 ppermute a tick runs adds; the optimizer update is timed on the real train state, and a `step`
 timer adds the config's own train step. After a warm-up, `repeats` rounds time every kind once
 each (so load that drifts during the run hits all alike); medians are kept, in wall and process
-CPU seconds. Bytes come
-from the shapes (`executor.stage_ops`): exact.
+CPU seconds. The activation, residual and weight-gradient bytes come from the shapes
+(`executor.stage_ops`): exact; the working bytes are XLA's compiled temporaries less those
+slots: an estimate.
 """
 
 from __future__ import annotations
