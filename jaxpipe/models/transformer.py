@@ -38,6 +38,7 @@ import numpy as np
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
+from jaxpipe.models.layers import Dense, Kernel, RMSNorm, rms_norm
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.ops.vma import vary_like
 from jaxpipe.parallel import overlap
@@ -180,25 +181,6 @@ class TransformerConfig:
     return len(set(self.layer_windows)) > 1
 
 
-def rms_norm(
-    x_BxLxD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False
-) -> jax.Array:
-  """`x / rms(x) * scale`, computed in float32.
-
-  Args:
-    x_BxLxD: the activations, [..., D].
-    scale_D: the norm's scale, [D].
-    eps: added to the mean square.
-    plus_one: scale by `1 + scale` instead (Gemma's).
-
-  Returns:
-    The normalised activations, shaped as `x_BxLxD`, in its dtype.
-  """
-  x = x_BxLxD.astype(jnp.float32)
-  y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-  return (y * (1.0 + scale_D if plus_one else scale_D)).astype(x_BxLxD.dtype)
-
-
 def layer_window(cfg: TransformerConfig, layer: jax.Array | None) -> int | jax.Array:
   """A layer's sliding window (0: full attention).
 
@@ -258,84 +240,6 @@ def rotary(
   sliding = window > 0
   inv = jnp.where(sliding, inv_l, inv_f)
   return rope_lib.rotate(x_BxLxHxK, positions, inv, jnp.where(sliding, att_l, att_f))
-
-
-# Normal, not Flax's default truncated normal: same scale, and XLA compiles it several times faster.
-_KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  plus_one: bool = False  # scale by 1 + w, w starting at 0 (Gemma)
-
-  @nn.compact
-  def __call__(self, x_BxLxD):
-    """Normalises `x_BxLxD` with the module's `scale` parameter [D].
-
-    Args:
-      x_BxLxD: the activations, [..., D].
-
-    Returns:
-      `rms_norm(x_BxLxD, scale, eps, plus_one)`, shaped as `x_BxLxD`.
-    """
-    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-    scale_D = self.param("scale", init, (x_BxLxD.shape[-1],), jnp.float32)
-    return rms_norm(x_BxLxD, scale_D, self.eps, self.plus_one)
-
-
-def _kernel_init(in_dims: int):
-  def init(rng, shape, dtype):  # DenseGeneral's: fan-in over all contracted axes together
-    flat = (int(np.prod(shape[:in_dims])), int(np.prod(shape[in_dims:])))
-    return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
-
-  return init
-
-
-class Kernel(nn.Module):
-  """A bias-free DenseGeneral's kernel alone (same name, shape and init), for fused callers."""
-
-  shape: tuple[int, ...]
-  in_dims: int  # leading axes of `shape` that the projection contracts
-
-  @nn.compact
-  def __call__(self) -> jax.Array:
-    return self.param("kernel", _kernel_init(self.in_dims), self.shape, jnp.float32)
-
-
-class Dense(nn.Module):
-  """x's last `in_dims` axes projected to `features`: a bias-free DenseGeneral (same kernel name,
-  shape and init) whose matmul runs in `cfg.fp8` (`fp8.dot`); every projection of the model."""
-
-  features: tuple[int, ...]
-  cfg: TransformerConfig
-  in_dims: int = 1
-  use_bias: bool = False  # a bias [features], added after `reduce`
-  # applied to the product before the bias (a row-parallel projection's sum over tp ranks)
-  reduce: Any = None
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Projects `x`'s last `in_dims` axes to `features`.
-
-    Args:
-      x: the input, [..., *in].
-
-    Returns:
-      [..., *features] in the compute dtype: the product, passed through `reduce` when set, plus
-      the bias when `use_bias`.
-    """
-    shape = x.shape[x.ndim - self.in_dims :] + tuple(self.features)
-    w = self.param("kernel", _kernel_init(self.in_dims), shape, jnp.float32)
-    scale_3 = None
-    if self.cfg.fp8 == "delayed":  # dequantisation scales of (x, w, g); see fp8.py
-      scale_3 = self.param("fp8_scale", nn.initializers.ones, (3,), jnp.float32)
-    y = fp8_lib.dot(x, w, self.in_dims, self.cfg.fp8, scale_3, self.cfg.compute_dtype)
-    if self.reduce is not None:
-      y = self.reduce(y)
-    if self.use_bias:
-      b = self.param("bias", nn.initializers.zeros, tuple(self.features), jnp.float32)
-      y = y + b.astype(y.dtype)
-    return y
 
 
 class Attention(nn.Module):

@@ -1,0 +1,151 @@
+"""Multi-head latent attention (jaxpipe.models.mla) against transformers' DeepseekV3Attention:
+outputs and input gradients on random weights, with and without the query's low rank, in both
+rotary layouts, under plain and yarn rotary positions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.models import mla as mla_lib
+from jaxpipe.models import rope as rope_lib
+from jaxpipe.models.transformer import TransformerConfig
+
+torch = pytest.importorskip("torch")
+deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+from transformers import DeepseekV3Config  # noqa: E402
+
+D, H, B, L = 64, 4, 2, 12
+YARN = dict(
+    rope_type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=8,
+    mscale=0.9,
+    mscale_all_dim=1.1,
+    beta_fast=32,
+    beta_slow=1,
+)
+
+
+def _hf_config(q_lora_rank, interleave, yarn):
+  rope = dict(rope_theta=500.0, **(YARN if yarn else {"rope_type": "default"}))
+  return DeepseekV3Config(
+      hidden_size=D,
+      num_attention_heads=H,
+      num_key_value_heads=H,
+      q_lora_rank=q_lora_rank,
+      kv_lora_rank=24,
+      qk_nope_head_dim=16,
+      qk_rope_head_dim=8,
+      v_head_dim=12,
+      rope_interleave=interleave,
+      rope_parameters=rope,
+      max_position_embeddings=64,
+      rms_norm_eps=1e-6,
+      attn_implementation="eager",
+  )
+
+
+def _ours(hf, yarn):
+  scaling = None
+  if yarn:
+    scaling = rope_lib.RopeScaling(
+        type="yarn",
+        factor=YARN["factor"],
+        original_max_position=YARN["original_max_position_embeddings"],
+        mscale=YARN["mscale"],
+        mscale_all_dim=YARN["mscale_all_dim"],
+        beta_fast=YARN["beta_fast"],
+        beta_slow=YARN["beta_slow"],
+    )
+  cfg = TransformerConfig(
+      vocab=32, d_model=D, n_heads=H, n_kv_heads=H, head_dim=16, norm_eps=1e-6, rope_theta=500.0,
+      rope_scaling=scaling, attention="xla",
+  )  # fmt: skip
+  mla = mla_lib.MLAConfig(
+      kv_lora_rank=24,
+      qk_nope_head_dim=16,
+      qk_rope_head_dim=8,
+      v_head_dim=12,
+      q_lora_rank=hf.q_lora_rank,
+      rope_interleave=hf.rope_interleave,
+  )
+  return mla_lib.LatentAttention(cfg, mla)
+
+
+def _params(attn, q_lora_rank):
+  """Our parameter tree from the torch module's weights (Linear: [out, in])."""
+  w = lambda lin, *shape: jnp.asarray(lin.weight.detach().numpy().T.reshape(shape))
+  p = {
+      "kv_a": {"kernel": w(attn.kv_a_proj_with_mqa, D, 24 + 8)},
+      "kv_a_norm": {"scale": jnp.asarray(attn.kv_a_layernorm.weight.detach().numpy())},
+      "kv_b": {"kernel": w(attn.kv_b_proj, 24, H, 16 + 12)},
+      "o": {"kernel": w(attn.o_proj, H, 12, D)},
+  }
+  if q_lora_rank is None:
+    p["q"] = {"kernel": w(attn.q_proj, D, H, 24)}
+  else:
+    p["q_a"] = {"kernel": w(attn.q_a_proj, D, q_lora_rank)}
+    p["q_a_norm"] = {"scale": jnp.asarray(attn.q_a_layernorm.weight.detach().numpy())}
+    p["q_b"] = {"kernel": w(attn.q_b_proj, q_lora_rank, H, 24)}
+  return {"params": p}
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank, interleave, yarn",
+    [(None, True, True), (20, False, False), (20, True, True)],  # each setting both ways
+    ids=["q-plain-interleaved-yarn", "q-lora-halves-rope", "q-lora-interleaved-yarn"],
+)
+def test_latent_attention_equals_transformers(q_lora_rank, interleave, yarn):
+  torch.manual_seed(0)
+  hf = _hf_config(q_lora_rank, interleave, yarn)
+  attn = deepseek.DeepseekV3Attention(hf, layer_idx=0).eval()
+  with torch.no_grad():  # norms away from 1, so that a norm left out shows
+    for norm in (attn.kv_a_layernorm, attn.q_a_layernorm):
+      if norm is not None:
+        norm.weight.uniform_(0.5, 1.5)
+  rotary = deepseek.DeepseekV3RotaryEmbedding(hf)
+  x = torch.randn(B, L, D, requires_grad=True)
+  positions = torch.arange(L)[None].expand(B, L)
+  causal = torch.full((L, L), float("-inf")).triu(1)[None, None].expand(B, 1, L, L)
+  want, _ = attn(x, rotary(x, positions), causal)
+  want.sum().backward()
+
+  ours = _ours(hf, yarn)
+  params = _params(attn, q_lora_rank)
+  x_j = jnp.asarray(x.detach().numpy())
+  f = lambda x: ours.apply(params, x, jnp.arange(L))
+  got, vjp = jax.vjp(f, x_j)
+  (dx,) = vjp(jnp.ones_like(got))
+  np.testing.assert_allclose(got, want.detach().numpy(), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(dx, x.grad.numpy(), rtol=2e-5, atol=2e-6)
+
+
+def test_yarn_scales_the_scores_by_mscale_all_dim_squared():
+  """transformers' yarn_apply_mscale: (0.1 · mscale_all_dim · ln(factor) + 1)^2 on
+  qk_head_dim^-1/2; none without yarn's factor above 1."""
+  m = mla_lib.MLAConfig(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+  yarn = rope_lib.RopeScaling(type="yarn", factor=40.0, original_max_position=4096,
+                              mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
+  assert mla_lib.score_scale(m, None) == pytest.approx(192**-0.5)
+  assert mla_lib.score_scale(m, yarn) == pytest.approx(192**-0.5 * (0.1 * np.log(40) + 1) ** 2)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(kv_lora_rank=0), r"MLAConfig.kv_lora_rank=0 must be a positive integer"),
+        (dict(q_lora_rank=0), r"MLAConfig.q_lora_rank=0 must be a positive integer or None"),
+        (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 must be even"),
+        (dict(v_head_dim=64), r"v_head_dim=64 exceeds qk_nope_head_dim \+ qk_rope_head_dim = 24"),
+    ],
+)
+def test_bad_widths_are_one_line(fields, match):
+  with pytest.raises(ValueError, match=match):
+    mla_lib.MLAConfig(**fields)
+
+
+def test_the_latent_cache_holds_576_values_per_token_for_deepseek_v3():
+  v3 = mla_lib.MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128, q_lora_rank=1536)  # fmt: skip
+  assert v3.cache_width == 576 and v3.qk_head_dim == 192
