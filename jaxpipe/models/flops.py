@@ -22,6 +22,13 @@ def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: boo
   qkv = 2 * l * d * (h + 2 * g) * k
   out = 2 * l * h * k * d
   scores_and_values = 2 * 2 * l * l * h * k // (2 if causal else 1)
+  if cfg.mla is not None:  # latent attention: its own projections and widths
+    m = cfg.mla
+    q = m.q_lora_rank
+    qkv = 2 * l * (d * h * m.qk_head_dim if q is None else d * q + q * h * m.qk_head_dim)
+    qkv += 2 * l * (d * m.cache_width + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
+    out = 2 * l * h * m.v_head_dim * d
+    scores_and_values = 2 * l * l * h * (m.qk_head_dim + m.v_head_dim) // (2 if causal else 1)
   mlp = 2 * l * d * f * 3
   head = 2 * l * d * cfg.vocab
   return cfg.n_layers * (qkv + out + scores_and_values + mlp) + head

@@ -146,6 +146,7 @@ _MODEL_FIELDS = (
     "attn_softcap",
     "final_softcap",
     "layer_windows",
+    "mla",
 )
 _MOE_FIELDS = (
     "num_experts",

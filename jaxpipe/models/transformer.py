@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.models import mla as mla_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
@@ -100,6 +101,10 @@ class TransformerConfig:
   sliding_window: int = 0  # a sliding layer's query sees the keys of its last this many positions
   # per layer 'full' or 'sliding' (LAYER_TYPES); (): every layer sliding when sliding_window > 0
   layer_types: tuple = ()
+  # multi-head latent attention (mla.MLAConfig, or its dict; DeepSeek-V2/V3) in place of
+  # grouped-query attention; None: grouped-query. n_heads counts its heads; head_dim,
+  # n_kv_heads and the q/k/v settings above do not apply.
+  mla: Any = None
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
@@ -124,12 +129,39 @@ class TransformerConfig:
           f"fp8={self.fp8!r} with cp_overlap=True: the projections fused with "
           "Ulysses' all-to-alls run in the compute dtype only; set cp_overlap=False"
       )
+    self._check_mla()
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
     if self.moe is not None and self.n_layers % self.moe.every:
       raise ValueError(
           f"n_layers={self.n_layers} is not a multiple of moe.every={self.moe.every}; "
           "layers come in groups of moe.every (the last of each is MoE)"
+      )
+
+  def _check_mla(self):
+    if isinstance(self.mla, dict):  # from an ml_collections config
+      object.__setattr__(self, "mla", mla_lib.MLAConfig(**self.mla))
+    if self.mla is None:
+      return
+    if not isinstance(self.mla, mla_lib.MLAConfig):
+      raise ValueError(f"mla={self.mla!r} must be an mla.MLAConfig, its dict, or None")
+    refused = {
+        "qk_norm": self.qk_norm,
+        "qkv_bias": self.qkv_bias,
+        "o_bias": self.o_bias,
+        "cp_overlap": self.cp_overlap,
+        "attn_softcap": self.attn_softcap,
+        "attn_scale_dim": self.attn_scale_dim,
+        "sliding_window": self.sliding_window,
+        "rope_local_theta": self.rope_local_theta,
+    }
+    if self.rope_fraction != 1.0:
+      refused["rope_fraction"] = self.rope_fraction
+    on = [f"{name}={value!r}" for name, value in refused.items() if value]
+    if on:
+      raise ValueError(
+          f"mla is set (latent attention) with {', '.join(on)}, which only grouped-query "
+          "attention computes; leave them at their defaults"
       )
 
   def _check_family_fields(self):
@@ -441,9 +473,8 @@ class Block(nn.Module):
     c = self.cfg
     norm = lambda name: RMSNorm(c.norm_eps, c.norm_plus_one, name=name)
     post = lambda name, y: norm(name)(y) if c.sandwich_norm else y
-    y_BxLxD = Attention(c, name="attn")(
-        norm("attn_norm")(x_BxLxD), positions_L, segment_ids_BxL, layer, seq_lens
-    )
+    attn = mla_lib.LatentAttention(c, c.mla, name="attn") if c.mla else Attention(c, name="attn")
+    y_BxLxD = attn(norm("attn_norm")(x_BxLxD), positions_L, segment_ids_BxL, layer, seq_lens)
     x_BxLxD = x_BxLxD + post("attn_post_norm", y_BxLxD)
     if self.moe:
       y_BxLxD, aux = moe_lib.MoEFFN(c.moe, c.compute_dtype, c.fp8, name="moe")(

@@ -337,7 +337,16 @@ def serving_config(cfg: TransformerConfig) -> TransformerConfig:
 
   Returns:
     `cfg`, its MoE dispatch 'dropless'.
+
+  Raises:
+    ValueError: the model uses latent attention (`cfg.mla`), whose cache the engine does not
+      hold yet.
   """
+  if cfg.mla is not None:
+    raise ValueError(
+        "this model uses multi-head latent attention (model.mla); the serving engine's pages "
+        "hold per-head K and V, not MLA's latent, and do not serve it yet"
+    )
   if cfg.moe is None or cfg.moe.dispatch == "dropless":
     return cfg
   return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))

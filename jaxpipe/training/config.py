@@ -349,6 +349,12 @@ def validate(
   elif shape["pp"] > 1 or schedule.endswith(".csv"):
     _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
   cp = shape["cp"]
+  if m.mla is not None and (cp > 1 or shape["tp"] > 1):
+    raise ConfigError(
+        f"model.mla (latent attention) with mesh.cp={cp} and mesh.tp={shape['tp']}: neither "
+        "context nor tensor parallelism splits it yet; use mesh.cp=1 and mesh.tp=1 (pipeline, "
+        "data, expert parallelism and the sharded optimizers do)"
+    )
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:
       raise ConfigError(

@@ -78,8 +78,16 @@ def model_of(config: ml_collections.ConfigDict) -> L.Model:
 
   Returns:
     The planner's `Model`.
+
+  Raises:
+    ConfigError: the model uses latent attention, which the planner does not model.
   """
   m = config.model
+  if m.mla is not None:
+    raise config_lib.ConfigError(
+        "the layout planner models grouped-query attention only, not model.mla (latent "
+        "attention); choose the layout yourself (pipeline.auto_layout=False)"
+    )
   moe = m.moe
   kw = {}
   if moe is not None:

@@ -149,3 +149,77 @@ def test_the_latent_cache_holds_576_values_per_token_for_deepseek_v3():
   v3 = mla_lib.MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                          v_head_dim=128, q_lora_rank=1536)  # fmt: skip
   assert v3.cache_width == 576 and v3.qk_head_dim == 192
+
+
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12)
+
+
+def _tiny_mla(**mesh):
+  """configs/mla_tiny.py (DualPipe at pp = 2, MLA's widths as `MLA`), its mesh updated."""
+  from configs import mla_tiny
+
+  c = mla_tiny.get_config()
+  assert c.model.mla.to_dict() == {**MLA, "rope_interleave": True}
+  c.mesh.update(mesh)
+  return c
+
+
+def test_a_latent_attention_model_under_dualpipe_equals_the_unpipelined_step():
+  """DeepSeek-V3's schedule on its attention: loss and every gradient of a DualPipe step at
+  pp = 2 equal jax.value_and_grad of the unpipelined model."""
+  from jaxpipe.models import transformer
+  from jaxpipe.training.losses import data_parallel_loss_and_grads
+  from jaxpipe.training.trainer import Trainer
+
+  c = _tiny_mla()
+  assert (c.mesh.pp, c.pipeline.schedule, c.pipeline.microbatches) == (2, "dualpipe", 4)
+  trainer = Trainer(c)
+  cfg = trainer.model_cfg
+  assert isinstance(cfg.mla, mla_lib.MLAConfig)
+  params = transformer.init_params(cfg, jax.random.key(0))
+  assert "kv_b" in params["layers"]["attn"] and "k" not in params["layers"]["attn"]
+  batch = trainer.batch(0)
+  loss, grads, _ = jax.jit(trainer.loss_and_grads)(trainer.stored_params(params), batch)
+  grads = trainer.model_params(grads)
+  want_loss, want_grads, _ = jax.jit(data_parallel_loss_and_grads(cfg))(params, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  want = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    w = np.asarray(want[path])
+    np.testing.assert_allclose(
+        g, w, rtol=0, atol=1e-5 * np.max(np.abs(w)), err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def test_what_does_not_run_latent_attention_yet_says_so_in_one_line():
+  from jaxpipe.models import hf
+  from jaxpipe.serve import model as serve_model
+  from jaxpipe.training import config as config_lib
+  from jaxpipe.training import plan
+
+  with pytest.raises(config_lib.ConfigError, match=r"model.mla .* mesh.cp=1 and mesh.tp=2"):
+    config_lib.validate(_tiny_mla(pp=1, tp=2), 8)
+  with pytest.raises(ValueError, match=r"mla is set \(latent attention\) with qk_norm=True"):
+    TransformerConfig(mla=MLA, qk_norm=True)
+  cfg = config_lib.model_config(_tiny_mla())
+  with pytest.raises(ValueError, match="do not serve it yet"):
+    serve_model.serving_config(cfg)
+  with pytest.raises(hf.CheckpointError, match=r"model.mla=MLAConfig\(.*has no counterpart"):
+    hf.config_to_hf(cfg)
+  with pytest.raises(config_lib.ConfigError, match="the layout planner models grouped-query"):
+    plan.model_of(_tiny_mla())
+
+
+def test_flops_count_the_latent_projections():
+  """One layer, no MLP or head: q_a + q_b, kv_a, kv_b, o, and the causal half of the scores
+  (q·k over 12 channels) and values (8 channels), 2 FLOPs per multiply-add, by hand."""
+  from jaxpipe.models import flops
+
+  cfg = TransformerConfig(vocab=1, d_model=32, n_layers=1, n_heads=2, d_ff=0, mla=MLA)
+  l = 10
+  q = 2 * l * (32 * 12 + 12 * 2 * 12)  # q_a, q_b
+  kv = 2 * l * (32 * 20 + 16 * 2 * 16)  # kv_a (latent + rope key), kv_b (nope + v per head)
+  o = 2 * l * 2 * 8 * 32
+  attn = 2 * l * l * 2 * (12 + 8) // 2
+  head = 2 * l * 32 * 1
+  assert flops.forward_flops_per_sequence(cfg, l) == q + kv + o + attn + head
