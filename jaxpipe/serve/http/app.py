@@ -381,10 +381,7 @@ class CompletionServer:
   async def chat_completions(self, request: Request) -> Response:
     """POST /v1/chat/completions: OpenAI's chat completions, whole or streamed.
 
-    A request the server refuses is answered with OpenAI's error body: 400 for its content, 404
-    for another model, 429 (with Retry-After) when the server is full, 503 when the engine failed
-    or the server is draining; 500 when the engine fails during it; 499 when the client goes away
-    before the end.
+    Refusals are answered as `completions` answers them.
 
     Args:
       request: the HTTP request.
