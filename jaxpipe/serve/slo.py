@@ -123,7 +123,8 @@ def attainment(requests: Sequence, slo: SLO) -> float:
 
 
 def e2e(r) -> float | None:
-  """End-to-end latency of a finished request: arrival to its last token.
+  """End-to-end latency of a finished request: arrival to its finish (the last token, or the
+  cancellation or error that ended it).
 
   Args:
     r: a request with .arrival and .finish_time.
