@@ -353,7 +353,7 @@ def validate(
     raise ConfigError(
         f"model.mla (latent attention) with mesh.cp={cp} and mesh.tp={shape['tp']}: neither "
         "context nor tensor parallelism splits it yet; use mesh.cp=1 and mesh.tp=1 (pipeline, "
-        "data, expert parallelism and the sharded optimizers do)"
+        "data and expert parallelism do)"
     )
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:
