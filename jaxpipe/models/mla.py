@@ -25,7 +25,6 @@ attention core and the padding dropped after, so every core that takes equal wid
 """
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -94,9 +93,8 @@ def score_scale(mla: MLAConfig, rope_scaling: Any) -> float:
   """
   scale = mla.qk_head_dim**-0.5
   s = rope_lib.scaling_of(rope_scaling)
-  if s.type != "default" and s.mscale_all_dim and s.factor and s.factor > 1:
-    m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
-    scale *= m * m
+  if s.type != "default" and s.mscale_all_dim and s.factor:
+    scale *= rope_lib.yarn_mscale(s.factor, s.mscale_all_dim) ** 2
   return scale
 
 

@@ -119,18 +119,27 @@ def _yarn_factor(s: RopeScaling) -> float:
   return s.factor if s.factor is not None else s.max_position / s.original_max_position
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+  """Yarn's attention factor for a context `scale` times the original: 0.1 m ln(scale) + 1.
+
+  Args:
+    scale: the context extension factor.
+    m: the multiplier (DeepSeek's `mscale` or `mscale_all_dim`).
+
+  Returns:
+    The factor; 1 when `scale` <= 1.
+  """
+  return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(theta: float, dim: int, s: RopeScaling) -> tuple[np.ndarray, float]:
   factor = _yarn_factor(s)
-
-  def mscale(scale, m=1.0):
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
   attention = s.attention_factor
   if attention is None:
     if s.mscale and s.mscale_all_dim:
-      attention = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
+      attention = yarn_mscale(factor, s.mscale) / yarn_mscale(factor, s.mscale_all_dim)
     else:
-      attention = mscale(factor)
+      attention = yarn_mscale(factor)
   fast, slow = s.beta_fast or 32, s.beta_slow or 1
 
   def correction_dim(rotations):
