@@ -110,12 +110,9 @@ class Trainer:
       run = config
     else:
       run = resolve(config, workdir, existing_run)
-    self.resolved = run
-    config = self.config = run.config
-    self.mesh_shape, self.model_cfg, self.workdir = run.mesh_shape, run.model_cfg, run.workdir
-    self.auto_report, self.notices = run.auto_report, run.notices
+    self.resolved = run  # the config as it runs, and what resolving it found (properties below)
+    config, workdir = run.config, run.workdir
     self.checkpointer = None
-    workdir = run.workdir
     self.layer_order = layer_order(config, self.model_cfg, self.mesh_shape)
     self._units = self._to_model = self._counted = None
     copies = False
@@ -146,6 +143,38 @@ class Trainer:
     self._train_step = None
     self._eval_step = None
     self.compile_stats: dict[str, float] = {}  # set by compile(): seconds, bytes per device
+
+  # What `resolve` found, read from the one place that holds it.
+
+  @property
+  def config(self) -> ml_collections.ConfigDict:
+    """The config as it runs (pipeline.schedule='auto' replaced by the choice)."""
+    return self.resolved.config
+
+  @property
+  def mesh_shape(self) -> dict[str, int]:
+    """Devices per mesh axis."""
+    return self.resolved.mesh_shape
+
+  @property
+  def model_cfg(self) -> transformer.TransformerConfig:
+    """The model the config describes."""
+    return self.resolved.model_cfg
+
+  @property
+  def workdir(self) -> str | None:
+    """Where the run writes; None: nowhere."""
+    return self.resolved.workdir
+
+  @property
+  def auto_report(self) -> str | None:
+    """pipeline.schedule='auto': the ranking and why the choice won; else None."""
+    return self.resolved.auto_report
+
+  @property
+  def notices(self) -> list[str]:
+    """What the workdir check accepted and the user should know."""
+    return self.resolved.notices
 
   def close(self) -> None:
     """Waits for background saves and releases the workdir (also done when garbage-collected)."""
