@@ -16,6 +16,7 @@ import numpy as np
 
 from configs import tiny
 from jaxpipe.models import transformer
+from jaxpipe.models.mla import MLAConfig
 from jaxpipe.models.moe import MoEConfig
 from jaxpipe.training.trainer import Trainer
 
@@ -277,7 +278,40 @@ GEMMA = dataclasses.replace(
 SLIDING = dataclasses.replace(DENSE, sliding_window=5)
 
 
-CONFIGS = {"dense": DENSE, "moe": MOE, "gemma": GEMMA, "sliding": SLIDING}
+# DeepSeek-V3's parts (tests/models/test_deepseek_v3.py holds them equal to transformers'):
+# latent attention with a low-rank query and yarn rope, a dense first layer, then MoE layers
+# with the sigmoid router, expert groups and a shared expert; a latent of 24 channels
+MLA = dataclasses.replace(
+    DENSE,
+    n_layers=3,
+    first_dense=1,
+    mla=MLAConfig(
+        kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12
+    ),
+    moe=MoEConfig(
+        num_experts=4,
+        top_k=2,
+        d_ff=16,
+        router="sigmoid",
+        num_shared_experts=1,
+        n_groups=2,
+        topk_groups=1,
+        routed_scaling=2.5,
+    ),
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        original_max_position=16,
+        max_position=64,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
+
+
+CONFIGS = {"dense": DENSE, "moe": MOE, "gemma": GEMMA, "sliding": SLIDING, "mla": MLA}
 
 
 # One compiled step per engine: every step is padded to 16 tokens and the longest block table.
@@ -620,6 +654,47 @@ TINY_FAMILIES = {
 }
 
 
+# DeepSeek-V3 (MoE, so not in TINY_FAMILIES, whose tests are the dense families'): latent
+# attention with a low-rank query and yarn rope, one dense first layer then MoE layers with the
+# sigmoid router, two expert groups of which each token uses one, and a shared expert
+TINY_DEEPSEEK_V3 = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=5,  # one dense, then four MoE layers: one per DualPipeV stage at pp 2
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    q_lora_rank=12,
+    kv_lora_rank=20,  # a latent of 24 channels: the CPU kernel's multiple of 8
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=64,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
+MODEL_CLASSES = {  # family -> (config class, model class, fields) of every tiny model
+    **{f: (c, m, {**TINY_LLAMA, **own}) for f, (c, m, own) in TINY_FAMILIES.items()},
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3),
+}
+
+
 def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields) -> str:
   """A random LlamaForCausalLM (`write_tiny_model`) of TINY_LLAMA's shape and `llama_fields`."""
   return write_tiny_model(path, "llama", seed, vocab_size, plain=True, **llama_fields)
@@ -628,7 +703,7 @@ def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields)
 def write_tiny_model(
     path, family: str, seed: int = 0, vocab_size: int = 384, plain: bool = False, **fields
 ) -> str:
-  """A random model of `family` (TINY_FAMILIES; float32, eager attention) and its BPE tokenizer
+  """A random model of `family` (MODEL_CLASSES; float32, eager attention) and its BPE tokenizer
   with a chat template, saved by transformers into `path` (config, safetensors, tokenizer files
   and a generation_config whose eos_token_id is [</s>, <|eot_id|>]). Returns the path as a string.
 
@@ -649,8 +724,8 @@ def write_tiny_model(
   )
   bos, eos = fast.convert_tokens_to_ids("<s>"), fast.convert_tokens_to_ids("</s>")
   eot = fast.convert_tokens_to_ids("<|eot_id|>")
-  config_cls, model_cls, own = TINY_FAMILIES[family]
-  fields = {**TINY_LLAMA, **({} if plain else own), **fields}
+  config_cls, model_cls, own = MODEL_CLASSES[family]
+  fields = {**(TINY_LLAMA if plain else own), **fields}
   config = getattr(transformers, config_cls)(
       vocab_size=vocab_size,
       bos_token_id=bos,
@@ -663,6 +738,9 @@ def write_tiny_model(
   model = getattr(transformers, model_cls)(config)
   gen = torch.Generator().manual_seed(seed)
   plus_one = family.startswith("gemma")
+  # DeepSeek-V3's five layers of experts amplify float32 rounding to 1e-4 of the gradients at
+  # twice the unit-variance weights (transformers' own float32 run against its float64 one)
+  scale = 1.0 if family == "deepseek_v3" else 2.0
   with torch.no_grad():
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
@@ -671,7 +749,10 @@ def write_tiny_model(
       elif name.endswith("bias"):
         p.copy_(0.5 * noise)
       else:
-        p.copy_(2.0 * noise / p.shape[-1] ** 0.5)
+        p.copy_(scale * noise / p.shape[-1] ** 0.5)
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek's router: changes the choice
+        b.copy_(0.5 * torch.randn(b.shape, generator=gen))
   model.generation_config = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot])
   model.save_pretrained(path)
   fast.save_pretrained(path)

@@ -66,6 +66,46 @@ def kv_cache(hook):
     _KV_CACHE.reset(token)
 
 
+def caches_latents() -> bool:
+  """Whether the `kv_cache` being traced holds latent attention's latents (the serving engine's
+  `mla_cache='latent'`), so that the layer must call `latent_attention`."""
+  return bool(getattr(_KV_CACHE.get(), "latent", False))
+
+
+def latent_attention(
+    q_BxLxHxC: jax.Array,
+    latent_BxLxC: jax.Array,
+    *,
+    values: int,
+    sm_scale: float,
+    backend: str = "xla",
+) -> jax.Array:
+  """Causal multi-query attention whose key is each token's latent and whose value is the
+  latent's first `values` channels: MLA with its up-projections absorbed (DeepSeek-V2 §2.1.2).
+
+  Inside `kv_cache(hook)` the hook stores the latents and attends over its cached ones
+  (`hook.latent_attention`).
+
+  Args:
+    q_BxLxHxC: queries in the latent's space, [B, L, H, C].
+    latent_BxLxC: each token's latent, [B, L, C].
+    values: the value channels, the latent's first ones.
+    sm_scale: the scores' scale.
+    backend: the attention core's backend (outside a cache).
+
+  Returns:
+    [B, L, H, values].
+  """
+  hook = _KV_CACHE.get()
+  latent_BxLx1xC = latent_BxLxC[:, :, None]
+  if hook is not None:
+    return hook.latent_attention(q_BxLxHxC, latent_BxLx1xC, values, sm_scale)
+  o_BxLxHxC = core.attention(
+      q_BxLxHxC, latent_BxLx1xC, latent_BxLx1xC, causal=True, backend=backend, sm_scale=sm_scale
+  )
+  return o_BxLxHxC[..., :values]
+
+
 def context_axis() -> str | None:
   """The axis the sequence is split over while tracing inside `context_parallel`, else None."""
   return _CONTEXT_AXIS.get()

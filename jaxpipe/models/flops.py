@@ -7,8 +7,9 @@ def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: boo
   """Forward-pass FLOPs of one sequence.
 
   Matmuls only, 2 FLOPs per multiply-accumulate: the QKV and output projections, attention scores
-  and values, the gated MLP of every layer, and the output head. Causal attention counts only the
-  unmasked half of the scores and values.
+  and values, the gated MLP of every dense layer, the router and the `top_k` routed plus the
+  shared experts of every MoE layer (the FLOPs a token activates), and the output head. Causal
+  attention counts only the unmasked half of the scores and values.
 
   Args:
     cfg: the model's shape (layers, widths, heads, vocabulary).
@@ -31,7 +32,12 @@ def forward_flops_per_sequence(cfg: TransformerConfig, seq_len: int, causal: boo
     scores_and_values = 2 * l * l * h * (m.qk_head_dim + m.v_head_dim) // (2 if causal else 1)
   mlp = 2 * l * d * f * 3
   head = 2 * l * d * cfg.vocab
-  return cfg.n_layers * (qkv + out + scores_and_values + mlp) + head
+  total = cfg.n_layers * (qkv + out + scores_and_values + mlp) + head
+  if cfg.moe is not None:  # an MoE layer's FFN: the router, its top_k experts, the shared ones
+    e = cfg.moe
+    moe_mlp = 2 * l * d * e.num_experts + 2 * l * d * e.d_ff * 3 * (e.top_k + e.num_shared_experts)
+    total += cfg.stack_units * (moe_mlp - mlp)
+  return total
 
 
 def training_flops_per_step(cfg: TransformerConfig, batch: int, seq_len: int) -> int:

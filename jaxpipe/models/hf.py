@@ -147,6 +147,7 @@ _MODEL_FIELDS = (
     "final_softcap",
     "layer_windows",
     "mla",
+    "first_dense",
 )
 _MOE_FIELDS = (
     "num_experts",
@@ -168,6 +169,8 @@ def _function_fields(cfg: transformer.TransformerConfig) -> dict[str, Any]:
   fields = {f: getattr(cfg, f) for f in _MODEL_FIELDS}
   fields["rope_scaling"] = rope_lib.scaling_of(cfg.rope_scaling)
   fields["attn_scale_dim"] = cfg.attn_scale_dim or cfg.head_dim
+  if cfg.mla is not None:  # latent attention: its own widths; every head its own keys
+    fields.update(n_kv_heads=None, head_dim=None, attn_scale_dim=None)
   if any(cfg.layer_windows):  # the sliding layers' rotary, which full layers do not use
     fields["rope_local"] = (
         (cfg.rope_local_theta, rope_lib.RopeScaling())
@@ -191,7 +194,7 @@ def _computes(family, cfg, hf: dict) -> str | None:
   except CheckpointError as e:
     return f"no {family.model_type} config.json computes this model: {e}"
   want, got = _function_fields(cfg), _function_fields(back)
-  for field in want:
+  for field in sorted(want, key=lambda f: f != "mla"):  # the attention's kind decides the rest
     if want[field] != got.get(field):
       return (
           f"model.{field}={want[field]!r} has no counterpart in {family.model_type} (which would "

@@ -12,9 +12,11 @@ projection (`q_lora_rank=None`). A serving cache need hold only `c_kv` and the r
 
 Parameters (flax names; DenseGeneral kernels as `jaxpipe.models.layers.Dense` holds them):
 
-  q_a: [D, q_lora_rank], q_a_norm: [q_lora_rank], q_b: [q_lora_rank, H, nope + rope]
+  q_a: [D, q_lora_rank], q_a_norm: [q_lora_rank] (eps 1e-6, as transformers'),
+  q_b: [q_lora_rank, H, nope + rope]
     (or q: [D, H, nope + rope] without q_lora_rank)
-  kv_a: [D, kv_lora_rank + rope], kv_a_norm: [kv_lora_rank], kv_b: [kv_lora_rank, H, nope + v]
+  kv_a: [D, kv_lora_rank + rope], kv_a_norm: [kv_lora_rank] (eps 1e-6),
+  kv_b: [kv_lora_rank, H, nope + v]
   o: [H, v, D]
 
 The rotary channels are rotated as DeepSeek's checkpoints lay them out: in interleaved pairs
@@ -32,8 +34,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.models import rope as rope_lib
-from jaxpipe.models.attention import attention
-from jaxpipe.models.layers import Dense, RMSNorm
+from jaxpipe.models.attention import attention, caches_latents, latent_attention
+from jaxpipe.models.layers import Dense, Kernel, RMSNorm
+
+# the latent norms' epsilon: transformers' DeepseekV3RMSNorm default, which q_a_layernorm and
+# kv_a_layernorm keep whatever the model's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +149,10 @@ class LatentAttention(nn.Module):
       q_BxLxHxQ = Dense((h, m.qk_head_dim), c, name="q")(x_BxLxD)
     else:
       q_BxLxR = Dense((m.q_lora_rank,), c, name="q_a")(x_BxLxD)
-      q_BxLxR = RMSNorm(c.norm_eps, name="q_a_norm")(q_BxLxR)
+      q_BxLxR = RMSNorm(LATENT_NORM_EPS, name="q_a_norm")(q_BxLxR)
       q_BxLxHxQ = Dense((h, m.qk_head_dim), c, name="q_b")(q_BxLxR)
     kv_BxLxC = Dense((m.cache_width,), c, name="kv_a")(x_BxLxD)
-    c_kv_BxLxR = RMSNorm(c.norm_eps, name="kv_a_norm")(kv_BxLxC[..., : m.kv_lora_rank])
+    c_kv_BxLxR = RMSNorm(LATENT_NORM_EPS, name="kv_a_norm")(kv_BxLxC[..., : m.kv_lora_rank])
     k_rope_BxLx1xP = kv_BxLxC[..., None, m.kv_lora_rank :]
     q_nope_BxLxHxN, q_rope_BxLxHxP = q_BxLxHxQ[..., :nope], q_BxLxHxQ[..., nope:]
     if m.rope_interleave:
@@ -156,6 +162,9 @@ class LatentAttention(nn.Module):
       seq_lens = x_BxLxD.shape[1]
     turn = lambda x: rope_lib.apply(x, positions_L, c.rope_theta, scaling, rope, seq_lens)
     q_rope_BxLxHxP, k_rope_BxLx1xP = turn(q_rope_BxLxHxP), turn(k_rope_BxLx1xP)
+    if caches_latents():  # a serving cache of latents: attend in the latent's space
+      o_BxLxHxV = self._absorbed(q_nope_BxLxHxN, q_rope_BxLxHxP, c_kv_BxLxR, k_rope_BxLx1xP)
+      return Dense((c.d_model,), c, 2, name="o")(o_BxLxHxV)
     kv_BxLxHxW = Dense((h, nope + v_dim), c, name="kv_b")(c_kv_BxLxR)
     k_nope_BxLxHxN, v_BxLxHxV = kv_BxLxHxW[..., :nope], kv_BxLxHxW[..., nope:]
     k_rope_BxLxHxP = jnp.broadcast_to(k_rope_BxLx1xP, k_rope_BxLx1xP.shape[:2] + (h, rope))
@@ -172,3 +181,28 @@ class LatentAttention(nn.Module):
         sm_scale=score_scale(m, c.rope_scaling),
     )
     return Dense((c.d_model,), c, 2, name="o")(o_BxLxHxQ[..., :v_dim])
+
+  def _absorbed(self, q_nope_BxLxHxN, q_rope_BxLxHxP, c_kv_BxLxR, k_rope_BxLx1xP):
+    """The heads' outputs [B, L, H, v_head_dim], attending over latents.
+
+    A head's score of a key is q_nope · (W_uk c) + q_rope · k_rope = [W_ukᵀ q_nope, q_rope] ·
+    [c, k_rope], and its output W_uv Σ p c: one multi-query attention over each token's latent
+    [c_kv, k_rope] (`attention.latent_attention`), the key up-projection absorbed into the
+    query and the value up-projection applied after.
+    """
+    c, m = self.cfg, self.mla
+    dt = c.compute_dtype
+    w_RxHxW = Kernel((m.kv_lora_rank, c.n_heads, m.qk_nope_head_dim + m.v_head_dim), 1, name="kv_b")
+    w_RxHxW = w_RxHxW().astype(dt)
+    w_uk_RxHxN, w_uv_RxHxV = w_RxHxW[..., : m.qk_nope_head_dim], w_RxHxW[..., m.qk_nope_head_dim :]
+    q_lat_BxLxHxR = jnp.einsum("blhn,rhn->blhr", q_nope_BxLxHxN.astype(dt), w_uk_RxHxN)
+    q_BxLxHxC = jnp.concatenate([q_lat_BxLxHxR, q_rope_BxLxHxP.astype(dt)], axis=-1)
+    latent_BxLxC = jnp.concatenate([c_kv_BxLxR, k_rope_BxLx1xP[:, :, 0]], axis=-1).astype(dt)
+    o_BxLxHxR = latent_attention(
+        q_BxLxHxC,
+        latent_BxLxC,
+        values=m.kv_lora_rank,
+        sm_scale=score_scale(m, c.rope_scaling),
+        backend=c.attention,
+    )
+    return jnp.einsum("blhr,rhv->blhv", o_BxLxHxR.astype(dt), w_uv_RxHxV)

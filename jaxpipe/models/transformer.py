@@ -5,18 +5,24 @@ Parameters are a plain dict pytree:
   {'embed': [vocab, d_model],
    'layers': per-layer params stacked on a leading [n_layers] axis,
    'final_norm': {'scale': [d_model]},
-   'head': [d_model, vocab]}              # absent when cfg.tied_embeddings
+   'head': [d_model, vocab],              # absent when cfg.tied_embeddings
+   'first_layers': dense layers stacked on a leading [first_dense] axis}  # with cfg.first_dense
 
-The model is `embed -> apply_layers -> head_loss`. `apply_layers` is a `lax.scan` over whatever
-leading layer axis it is given, so any contiguous slice of `params['layers']` is a valid block:
+The model is `embed -> apply_first -> apply_layers -> head_loss` (`embed_first` is the first
+two; `apply_first` is the identity without `cfg.first_dense`). `apply_layers` is a `lax.scan`
+over whatever leading layer axis it is given, so any contiguous slice of `params['layers']` is a
+valid block:
 reshaping every leaf to `[num_stages, layers_per_stage, ...]` and indexing a stage gives that
 pipeline stage's `(params, x) -> x` function.
 
 With `cfg.moe` (an MoE FFN every `moe.every` = k layers) the scanned unit is a group of k
 layers, k-1 dense then one MoE, so the leading axis of `params['layers']` counts groups,
 n_layers / k of them: `{'dense': [groups, k-1, ...], 'moe': [groups, ...]}` ('dense' absent for
-k = 1). `apply_layers_aux` also returns the MoE layers' auxiliary losses and routing statistics;
-`apply_layers` folds the auxiliary losses into the gradient instead (`attach_aux_loss`).
+k = 1). DeepSeek's first dense layers (`cfg.first_dense`, of width d_ff) sit apart in
+`params['first_layers']`, before that stack: pipelined, they run with the embedding on the first
+stage, as DeepSeek-V3 and MaxText place them. `apply_layers_aux` also returns the MoE layers'
+auxiliary losses and routing statistics; `apply_layers` folds the auxiliary losses into the
+gradient instead (`attach_aux_loss`).
 
 Every projection (QKV, attention output, MLP) is a `Dense`, whose matmul runs in `cfg.fp8`
 (`jaxpipe.ops.fp8`: none, or Transformer Engine's delayed, current or block recipe); MoE
@@ -105,6 +111,9 @@ class TransformerConfig:
   # grouped-query attention; None: grouped-query. n_heads counts its heads; head_dim,
   # n_kv_heads and the q/k/v settings above do not apply.
   mla: Any = None
+  # the first this many layers have a dense FFN (d_ff) and come before the stack of MoE groups,
+  # stored apart as params['first_layers'] (DeepSeek's first_k_dense_replace); needs moe
+  first_dense: int = 0
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
@@ -132,10 +141,28 @@ class TransformerConfig:
     self._check_mla()
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
-    if self.moe is not None and self.n_layers % self.moe.every:
+    self._check_first_dense()
+    if self.moe is not None and (self.n_layers - self.first_dense) % self.moe.every:
+      after = f" after first_dense={self.first_dense}" if self.first_dense else ""
       raise ValueError(
-          f"n_layers={self.n_layers} is not a multiple of moe.every={self.moe.every}; "
-          "layers come in groups of moe.every (the last of each is MoE)"
+          f"n_layers={self.n_layers} leaves {self.n_layers - self.first_dense} layers{after}, "
+          f"not a multiple of moe.every={self.moe.every}; layers come in groups of moe.every "
+          "(the last of each is MoE)"
+      )
+
+  def _check_first_dense(self):
+    k = self.first_dense
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+      raise ValueError(f"first_dense={k!r} must be an integer >= 0 (0: no dense first layers)")
+    if k and self.moe is None:
+      raise ValueError(
+          f"first_dense={k} places dense layers before the MoE ones, but moe is None (every "
+          "layer dense); set moe, or first_dense=0"
+      )
+    if k and k >= self.n_layers:
+      raise ValueError(
+          f"first_dense={k} leaves none of the n_layers={self.n_layers} layers for the MoE "
+          "stack; lower first_dense or raise n_layers"
       )
 
   def _check_mla(self):
@@ -206,6 +233,13 @@ class TransformerConfig:
     """Each layer's sliding window (0: full attention)."""
     types = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.n_layers
     return tuple(self.sliding_window if t == "sliding" else 0 for t in types)
+
+  @property
+  def stack_units(self) -> int:
+    """Entries of params['layers'] leading axis: the layers after the first dense ones, or
+    their groups of moe.every."""
+    every = 1 if self.moe is None else self.moe.every
+    return (self.n_layers - self.first_dense) // every
 
   @property
   def mixed_layers(self) -> bool:
@@ -493,9 +527,10 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
 
   Returns:
     The parameter dict (module docstring); `layers` leaves carry a leading [n_layers] axis
-    ([n_layers / moe.every] groups with `cfg.moe`).
+    ([cfg.stack_units] groups with `cfg.moe`), `first_layers` ones [cfg.first_dense].
   """
   k_embed, k_layers, k_head = jax.random.split(rng, 3)
+  k_first = jax.random.fold_in(k_layers, 1)
   x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
   block = Block(cfg)
   # any layer's parameters have the same shapes: initialise as layer 0
@@ -513,7 +548,7 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
         group["dense"] = jax.vmap(init_dense)(jax.random.split(k_dense, every - 1))
       return group
 
-    layers = jax.vmap(init_group)(jax.random.split(k_layers, cfg.n_layers // every))
+    layers = jax.vmap(init_group)(jax.random.split(k_layers, cfg.stack_units))
   # Unit-variance logits at init: normalised x (entries ~1) times entries of scale d_model^-1/2.
   scale = cfg.d_model**-0.5
   params = {
@@ -523,6 +558,8 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
           "scale": jnp.full((cfg.d_model,), 0.0 if cfg.norm_plus_one else 1.0, jnp.float32)
       },
   }
+  if cfg.first_dense:
+    params["first_layers"] = jax.vmap(init_dense)(jax.random.split(k_first, cfg.first_dense))
   if not cfg.tied_embeddings:
     params["head"] = scale * jax.random.normal(k_head, (cfg.d_model, cfg.vocab), jnp.float32)
   return params
@@ -631,6 +668,65 @@ def apply_layers(
   return _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach=True)[0]
 
 
+def apply_first(
+    cfg: TransformerConfig,
+    params: dict,
+    x_BxLxD: jax.Array,
+    positions_L: jax.Array | None = None,
+    segment_ids_BxL: jax.Array | None = None,
+) -> jax.Array:
+  """Runs the first dense layers (`cfg.first_dense`), which come before the stack; x without.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters (`first_layers` is read).
+    x_BxLxD: the embedded tokens, [B, L, D].
+    positions_L: [L] or [B, L]; default 0..L-1 of the whole sequence.
+    segment_ids_BxL: keeps attention within each document (`Attention`).
+
+  Returns:
+    The residual stream after those layers, [B, L, D].
+  """
+  k = cfg.first_dense
+  if not k:
+    return x_BxLxD
+  if positions_L is None:
+    positions_L = jnp.arange(x_BxLxD.shape[1] * tp_lib.token_split())
+
+  def body(x_BxLxD, layer_j):
+    layer, j = layer_j
+    block = Block(cfg).apply({"params": layer}, x_BxLxD, positions_L, segment_ids_BxL, j)
+    return block, None
+
+  if cfg.remat is True:
+    body = jax.checkpoint(body)
+  xs = (params["first_layers"], jnp.arange(k) if cfg.mixed_layers else None)
+  return jax.lax.scan(body, x_BxLxD, xs, unroll=stack_unroll(cfg, k))[0]
+
+
+def embed_first(
+    cfg: TransformerConfig,
+    params: dict,
+    tokens_BxL: jax.Array,
+    positions_L: jax.Array | None = None,
+    segment_ids_BxL: jax.Array | None = None,
+) -> jax.Array:
+  """The stack's input: the tokens embedded, then the first dense layers (`apply_first`).
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+    positions_L: [L] or [B, L]; default 0..L-1 of the whole sequence.
+    segment_ids_BxL: keeps attention within each document.
+
+  Returns:
+    [B, L, D] (this rank's tokens with sequence parallelism).
+  """
+  x_BxLxD = embed(cfg, params, tokens_BxL)
+  return apply_first(cfg, params, x_BxLxD, positions_L, segment_ids_BxL)
+
+
 def apply_layers_aux(
     cfg: TransformerConfig,
     layers: Any,
@@ -713,7 +809,7 @@ def apply_unit(
   """
   seg = segment_ids_BxL
   every = 1 if cfg.moe is None else cfg.moe.every
-  layer = lambda j: None if index is None else index * every + j
+  layer = lambda j: None if index is None else cfg.first_dense + index * every + j
   if cfg.moe is None:
     return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L, seg, layer(0), seq_lens)
   if "dense" in unit:
@@ -882,9 +978,8 @@ def forward(
     ValueError: packed keys of another shape than the tokens, or not integers.
   """
   check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "forward")
-  x_BxLxD, _ = apply_layers_aux(
-      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
-  )
+  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
+  x_BxLxD, _ = apply_layers_aux(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
   return logits(cfg, params, x_BxLxD)
 
 
@@ -924,9 +1019,8 @@ def loss(
         "mean cross-entropy"
     )
   check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss")
-  x_BxLxD = apply_layers(
-      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
-  )
+  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
+  x_BxLxD = apply_layers(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
   return head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL)
 
 
@@ -960,9 +1054,8 @@ def loss_and_aux(
     ValueError: bad packed keys.
   """
   check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss_and_aux")
-  x_BxLxD, aux = apply_layers_aux(
-      cfg, params["layers"], embed(cfg, params, tokens_BxL), positions_BxL, segment_ids_BxL
-  )
+  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
+  x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 

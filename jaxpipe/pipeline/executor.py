@@ -939,8 +939,8 @@ class _RankProgram:
   def first_in(self, mb) -> jax.Array:
     """The first stage's input for micro-batch mb: its embedding, or xs[mb] without embed_fn."""
     if self.embed_fn:
-      return self.embed_fn(self.embed_params, self.xs[mb])
-    return self.xs[mb]
+      return self.embed_fn(self.embed_params, _index(self.xs, mb))
+    return _index(self.xs, mb)
 
   # -- parts -----------------------------------------------------------------------------------
 
@@ -996,7 +996,9 @@ class _RankProgram:
 
   def _embed_grad(self, dx, row, s: dict) -> dict:
     """The embedding's gradient from the first stage's input cotangent dx."""
-    _, embed_vjp = jax.vjp(lambda e: self.embed_fn(e, self.xs[row[COL["b_mb"]]]), self.embed_params)
+    _, embed_vjp = jax.vjp(
+        lambda e: self.embed_fn(e, _index(self.xs, row[COL["b_mb"]])), self.embed_params
+    )
     return dict(
         s,
         embed_g=jax.tree.map(lambda a, d: a + d.astype(a.dtype), s["embed_g"], embed_vjp(dx)[0]),

@@ -330,11 +330,13 @@ def validate(
       raise ConfigError(
           f"model.moe.every={every!r} must be a positive integer (1: every layer MoE)"
       )
-    if m.n_layers % every:
+    first = m.get("first_dense", 0)
+    if (m.n_layers - first) % every:
+      after = f" after model.first_dense={first}" if first else ""
       raise ConfigError(
-          f"model.n_layers={m.n_layers} is not a multiple of model.moe.every={every}; "
+          f"model.n_layers={m.n_layers}{after} is not a multiple of model.moe.every={every}; "
           "layers come in groups of moe.every (the last of each is MoE), so use a "
-          f"multiple of {every} layers"
+          f"multiple of {every} layers" + (" plus first_dense" if first else "")
       )
     try:  # the MoE layer's own checks: at construction, then against the expert axis
       model_config(config).moe.validate(shape["ep"])
@@ -347,7 +349,7 @@ def validate(
   if schedule == AUTO:
     _check_auto(config, shape)
   elif shape["pp"] > 1 or schedule.endswith(".csv"):
-    _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]))
+    _check_stages(m.n_layers, every, pipeline_schedule(p, shape["pp"]), m.get("first_dense", 0))
   cp = shape["cp"]
   if m.mla is not None and (cp > 1 or shape["tp"] > 1):
     raise ConfigError(
@@ -678,17 +680,19 @@ def layer_units(config: ml_collections.ConfigDict) -> int:
     config: the run's config.
 
   Returns:
-    model.n_layers, over moe.every for a MoE model.
+    model.n_layers less model.first_dense (those run with the embedding), over moe.every for
+    a MoE model.
   """
   m = config.model
-  return m.n_layers // (m.moe.every if m.moe is not None else 1)
+  return (m.n_layers - m.get("first_dense", 0)) // (m.moe.every if m.moe is not None else 1)
 
 
-def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
-  """Every model stage of `schedule` must get the same whole number of layers (MoE: groups)."""
+def _check_stages(n_layers: int, every: int, schedule: Schedule, first: int = 0) -> None:
+  """Every model stage of `schedule` must get the same whole number of layers (MoE: groups),
+  the `first` dense ones apart (they run with the embedding)."""
   pl = schedule.placement
   stages, pp = schedule.num_stages, schedule.num_ranks
-  units = n_layers // every
+  units = (n_layers - first) // every
   if units % stages == 0:
     return
   if pl.copies > 1:
@@ -703,10 +707,11 @@ def _check_stages(n_layers: int, every: int, schedule: Schedule) -> None:
   else:
     how = f"one per rank on mesh.pp={pp} ranks"
   what = f" ({units} groups of model.moe.every={every} layers)" if every > 1 else ""
+  plus = f" plus model.first_dense={first}" if first else ""
   raise ConfigError(
       f"model.n_layers={n_layers}{what} does not split into the {stages} model "
       f"stages of schedule {schedule.name!r} ({how}); every stage holds the same "
-      f"number of layers, so use a multiple of {stages * every} layers or change "
+      f"number of layers, so use a multiple of {stages * every} layers{plus} or change "
       "mesh.pp, pipeline.chunks or the schedule"
   )
 

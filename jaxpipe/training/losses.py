@@ -241,13 +241,13 @@ def context_parallel_loss_and_grads(
         context_parallel(cp_axis),
         tensor_parallel(tp_axis if tp > 1 else None, cfg.sequence_parallel),
     ):
-      x_BxSxD = transformer.embed(cfg, params, tokens_BxS)
       positions_S = packed_BxS.get("positions")  # this rank's slice of each row's positions
       if positions_S is None and cp_axis is None:
         positions_S = jnp.arange(tokens_BxS.shape[1])
       elif positions_S is None:
         positions_S = positions_local(tokens_BxS.shape[1], axis_name)
       segment_ids_BxS = packed_BxS.get("segment_ids")
+      x_BxSxD = transformer.embed_first(cfg, params, tokens_BxS, positions_S, segment_ids_BxS)
       x_BxSxD, aux = apply_layers(
           params["layers"], x_BxSxD, positions_S, segment_ids_BxS, layer_specs
       )

@@ -118,6 +118,14 @@ def lm_model(
   """
   placed = lambda: tensor_parallel(tensor_axis, cfg.sequence_parallel)
 
+  def positions_of(side, seq):
+    positions_L = side.get("positions")  # this rank's slice of the rows' positions
+    if positions_L is None and context_axis is None:
+      return jnp.arange(seq)
+    if positions_L is None:
+      return positions_local(seq, context_axis)
+    return positions_L
+
   def layer_fn(unit, x_BxLxD, side, index=None):
     # a layer, or with cfg.moe a group of layers ending in MoE whose auxiliary loss rides on
     # the gradient of its output and whose routing statistics are the executor's stage aux
@@ -125,11 +133,7 @@ def lm_model(
     side = side or {}
     with context_parallel(context_axis, point_to_point=False), placed():
       seq = x_BxLxD.shape[1] * tp_lib.token_split()  # this context rank's tokens
-      positions_L = side.get("positions")  # this rank's slice of the rows' positions
-      if positions_L is None and context_axis is None:
-        positions_L = jnp.arange(seq)
-      elif positions_L is None:
-        positions_L = positions_local(seq, context_axis)
+      positions_L = positions_of(side, seq)
       seg = side.get("segment_ids")
       if cfg.moe is None:
         return transformer.apply_unit(cfg, unit, x_BxLxD, positions_L, True, seg, index)
@@ -138,9 +142,18 @@ def lm_model(
       tokens = x_BxLxD.shape[0] * seq / tp_lib.size()
       return transformer.moe_unit(cfg, unit, x_BxLxD, positions_L, seg, tokens, index)
 
-  def embed_fn(embed_params, tokens_BxL):
-    with placed():
-      return transformer.embed(cfg, embed_params, tokens_BxL)
+  def embed_fn(embed_params, xs):
+    # with cfg.first_dense, xs holds the tokens and the packed-row keys: the first dense layers
+    # run here, on the stage that embeds (`pipeline_lm_inputs`)
+    if not cfg.first_dense:
+      with placed():
+        return transformer.embed(cfg, embed_params, xs)
+    with context_parallel(context_axis, point_to_point=False), placed():
+      tokens_BxL = xs["tokens"]
+      positions_L = positions_of(xs, tokens_BxL.shape[1])
+      return transformer.embed_first(
+          cfg, embed_params, tokens_BxL, positions_L, xs.get("segment_ids")
+      )
 
   def loss_fn(head_params, x_BxLxD, target):
     targets_BxL, mask_BxL = target
@@ -202,8 +215,7 @@ def lm_layer_order(
   Raises:
     ConfigError: the schedule cannot be built (`lm_schedule`).
   """
-  every = cfg.moe.every if cfg.moe is not None else 1
-  return placement_order(lm_schedule(pipeline, pp), cfg.n_layers // every)
+  return placement_order(lm_schedule(pipeline, pp), cfg.stack_units)
 
 
 def layer_order(
@@ -323,13 +335,14 @@ def pipeline_loss_and_grads(
   schedule = lm_schedule(pipeline, mesh.shape["pp"])
   stages = schedule.num_stages
   every = cfg.moe.every if cfg.moe is not None else 1
-  units = cfg.n_layers // every  # entries on params['layers'] leading axis
+  units = cfg.stack_units  # entries on params['layers'] leading axis
   if units % stages:
-    what = f"{units} groups of moe.every={every} layers" if every > 1 else "layers"
+    what = f"{units} groups of moe.every={every} layers" if every > 1 else f"{units} layers"
+    first = f" after model.first_dense={cfg.first_dense}" if cfg.first_dense else ""
     raise ValueError(
-        f"model.n_layers={cfg.n_layers} ({what}) does not split into the "
+        f"model.n_layers={cfg.n_layers} ({what}{first}) does not split into the "
         f"{stages} model stages of schedule {schedule.name!r}; use a multiple of "
-        f"{stages * every}"
+        f"{stages * every}" + (" plus first_dense" if cfg.first_dense else "")
     )
   m = schedule.num_microbatches
   order = placement_order(schedule, units) if layers_in_placement_order else None
@@ -386,11 +399,15 @@ def pipeline_loss_and_grads(
     stage_params = jax.tree.map(
         lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]
     )
-    head_params = {k: v for k, v in params.items() if k != "layers"}
+    head_params = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
+    embed_params = {k: params[k] for k in ("embed", "first_layers") if k in params}
+    xs = split["tokens"]
+    if cfg.first_dense:  # the first dense layers run with the embedding, on the packed rows too
+      xs = {"tokens": xs, **{k: split[k] for k in packed_keys}}
     total, stage_grads, head_grads, embed_grads, *stage_aux = pipeline_value_and_grad(
         model,
         stage_params,
-        split["tokens"],
+        xs,
         (split["targets"], split["mask"]),
         schedule=schedule,
         sharding=PipelineSharding(
@@ -402,17 +419,19 @@ def pipeline_loss_and_grads(
                 split_specs if shard == "fsdp" else stage_param_specs(stage_params, ep_axis, tp)
             ),
             head_specs=io_param_specs(head_params, tp=tp),
-            embed_specs=io_param_specs({"embed": params["embed"]}, tp=tp),
+            embed_specs=io_param_specs(embed_params, tp=tp),
             grad_specs=split_specs if shard == "zero2" else None,
         ),
         head_params=head_params,
-        embed_params={"embed": params["embed"]},
+        embed_params=embed_params,
         recompute=bool(pipeline.recompute),
         stage_order="placement" if in_placement else "model",
         side_inputs={k: split[k] for k in packed_keys},
     )
     grads = dict(head_grads)
     grads["embed"] = grads["embed"] + embed_grads["embed"]
+    if cfg.first_dense:
+      grads["first_layers"] = embed_grads["first_layers"]
     grads["layers"] = jax.tree.map(
         lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), stage_grads
     )

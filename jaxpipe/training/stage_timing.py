@@ -172,7 +172,7 @@ class StageTimer:
       ticks: int = TICKS,
   ):
     every = cfg.moe.every if cfg.moe is not None else 1
-    units = cfg.n_layers // every
+    units = cfg.stack_units
     if units % stages:
       raise config_lib.ConfigError(
           f"model.n_layers={cfg.n_layers} does not split into {stages} "
@@ -186,14 +186,16 @@ class StageTimer:
     model = lm_model(cfg, seq_axes[0] if seq_axes else None)
     params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
     stage = jax.tree.map(lambda a: a[: units // stages], params["layers"])
-    head = {k: v for k, v in params.items() if k != "layers"}
-    embed = {"embed": params["embed"]}
+    head = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
+    embed = {k: params[k] for k in ("embed", "first_layers") if k in params}
     b, seq = shape
     data = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     replicas = math.prod(mesh.shape[a] for a in data)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab, (1, b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
     target = (np.roll(tokens, -1, axis=2), np.ones(tokens.shape, np.float32))
+    if cfg.first_dense:  # the embedding stage's inputs (`pipeline_lm.lm_model`)
+      tokens = {"tokens": tokens}
     ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None
     stage_specs = stage_param_specs(jax.tree.map(lambda a: a[None], stage), ep_axis)
     local = jax.tree.map(lambda a: jnp.broadcast_to(a[None, None], (p, 1) + a.shape), stage)
@@ -234,7 +236,7 @@ class StageTimer:
     found: dict = {}
 
     def sizes(stage, embed, tokens):
-      x = model.embed_fn(embed, tokens[0])
+      x = model.embed_fn(embed, jax.tree.map(lambda a: a[0], tokens))
       ops = stage_ops(model, stage, jax.ShapeDtypeStruct(x.shape, x.dtype))
       found["bytes"] = {
           "activation": _nbytes(x),

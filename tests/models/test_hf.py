@@ -473,7 +473,7 @@ def _edited(case, tmp_path, config=None, tensors=None):
 @pytest.mark.parametrize(
     "config, tensors, message",
     [
-        ({"model_type": "deepseek_v3"}, None, r"model_type='deepseek_v3' is not supported"),
+        ({"model_type": "mamba"}, None, r"model_type='mamba' is not supported"),
         ({"attention_dropout": 0.1}, None, r"attention_dropout=0.1 is not implemented"),
         (
             {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},

@@ -192,8 +192,8 @@ def test_a_latent_attention_model_under_dualpipe_equals_the_unpipelined_step():
 
 
 def test_what_does_not_run_latent_attention_yet_says_so_in_one_line():
-  from jaxpipe.models import hf
-  from jaxpipe.serve import model as serve_model
+  from jaxpipe.models import hf, transformer
+  from jaxpipe.serve import Engine, EngineConfig
   from jaxpipe.training import config as config_lib
   from jaxpipe.training import plan
 
@@ -202,8 +202,12 @@ def test_what_does_not_run_latent_attention_yet_says_so_in_one_line():
   with pytest.raises(ValueError, match=r"mla is set \(latent attention\) with qk_norm=True"):
     TransformerConfig(mla=MLA, qk_norm=True)
   cfg = config_lib.model_config(_tiny_mla())
-  with pytest.raises(ValueError, match="do not serve it yet"):
-    serve_model.serving_config(cfg)
+  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
+  params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), params)
+  with pytest.raises(ValueError, match="not split over tensor-parallel devices; serve it on one"):
+    Engine(cfg, params, devices=jax.devices()[:2], num_pages=8, page_size=4, max_seq_len=16)
+  with pytest.raises(ValueError, match=r"mla_cache='compressed' is unknown; use one of"):
+    EngineConfig(mla_cache="compressed")
   with pytest.raises(hf.CheckpointError, match=r"model.mla=MLAConfig\(.*has no counterpart"):
     hf.config_to_hf(cfg)
   with pytest.raises(config_lib.ConfigError, match="the layout planner models grouped-query"):

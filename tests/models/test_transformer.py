@@ -252,6 +252,22 @@ def test_analytic_flops_match_compiled_count():
   )
 
 
+def test_flops_count_an_moe_layer_by_the_experts_a_token_runs():
+  """A dense first layer (d_ff 96), then two MoE layers: each the router (2·l·d·E) and its
+  top_k routed plus shared experts' three projections (2·l·d·f·3 each) in place of the dense
+  FFN, worked out by hand."""
+  from jaxpipe.models.moe import MoEConfig
+
+  dense = TransformerConfig(vocab=8, d_model=64, n_layers=3, n_heads=4, head_dim=16, d_ff=96)
+  moe = MoEConfig(num_experts=8, top_k=2, d_ff=32, num_shared_experts=1)
+  mixed = dataclasses.replace(dense, moe=moe, first_dense=1)
+  l = 16
+  router, experts, ffn = 2 * l * 64 * 8, 2 * l * 64 * 32 * 3 * 3, 2 * l * 64 * 96 * 3
+  assert (router, experts, ffn) == (16384, 589824, 589824)
+  want = flops.forward_flops_per_sequence(dense, l) + 2 * (router + experts - ffn)
+  assert flops.forward_flops_per_sequence(mixed, l) == want
+
+
 def test_unrolled_layer_stack_has_the_loops_gradients():
   """model.unroll_layers: a stack of at most that many units runs unrolled (no while loop, no
   more temporaries), a longer one (or 0, or any under remat) as the lax.scan loop; the loss and
@@ -322,3 +338,23 @@ def test_bad_unroll_layers_is_refused(bad):
     helpers.assert_refused(
         {"model.unroll_layers": -1}, "model.unroll_layers=-1 must be an integer >= 0"
     )
+
+
+MOE = moe_lib.MoEConfig(num_experts=4, top_k=2, d_ff=32)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(first_dense=1), r"first_dense=1 places dense layers before the MoE ones, but moe"),
+        (dict(first_dense=-1, moe=MOE), r"first_dense=-1 must be an integer >= 0"),
+        (dict(first_dense=4, moe=MOE), r"first_dense=4 leaves none of the n_layers=4 layers"),
+        (
+            dict(first_dense=1, moe=dataclasses.replace(MOE, every=2)),
+            r"n_layers=4 leaves 3 layers after first_dense=1, not a multiple of moe.every=2",
+        ),
+    ],
+)
+def test_bad_first_dense_layers_are_one_line(fields, match):
+  with pytest.raises(ValueError, match=match):
+    TransformerConfig(n_layers=4, **fields)

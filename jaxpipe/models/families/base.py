@@ -350,6 +350,8 @@ def write_rope(hf: dict, cfg: transformer.TransformerConfig) -> None:
     params["partial_rotary_factor"] = cfg.rope_fraction
     if "partial_rotary_factor" in hf:
       hf["partial_rotary_factor"] = cfg.rope_fraction
+  if scaling.max_position is not None:  # dynamic, yarn and longrope read it from here
+    hf["max_position_embeddings"] = scaling.max_position
   if "original_max_position_embeddings" in hf and scaling.original_max_position is not None:
     hf["original_max_position_embeddings"] = scaling.original_max_position
   if "rope_parameters" in hf or "rope_theta" not in hf:

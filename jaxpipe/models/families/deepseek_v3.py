@@ -1,0 +1,237 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention in every layer, a dense FFN
+in the first `first_k_dense_replace` layers and an MoE FFN in the rest (the sigmoid router with
+its score-correction bias, group-limited top-k, `routed_scaling_factor`, shared experts),
+experts stored one tensor each.
+
+transformers computes no multi-token prediction: `num_nextn_predict_layers` is read, and a
+checkpoint's MTP layers (`model.layers.{num_hidden_layers}.*`) are not part of the model.
+"""
+
+import numpy as np
+
+from jaxpipe.models import mla as mla_lib
+from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import transformer
+from jaxpipe.models.families import base
+
+DEFAULTS = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_interleave=True,
+    attention_bias=False,
+    attention_dropout=0.0,
+    num_nextn_predict_layers=1,
+    output_router_logits=False,
+)
+# what transformers derives in __post_init__ whatever config.json says: head_dim (the rotary
+# width, qk_rope_head_dim) and qk_head_dim (nope + rope)
+IGNORED = frozenset({"head_dim", "qk_head_dim"})
+EXPERTS = {n: f"{n}_proj" for n in ("gate", "up", "down")}
+BIAS = "e_score_correction_bias"  # the router's choice-only bias (a buffer in transformers)
+
+
+def read(f: base.Fields) -> transformer.TransformerConfig:
+  """The `TransformerConfig` of a DeepSeek-V3 config.json.
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
+  base.no_dropout(f)
+  f.require("attention_bias", lambda v: not v, "the latent attention has no biases", False)
+  heads = f.get("num_attention_heads")
+  f.require(
+      "num_key_value_heads",
+      lambda v: v is None or v == heads,
+      "latent attention expands keys and values for every query head",
+      heads,
+  )
+  theta, scaling = base.whole_rope(f, "DeepSeek-V3")
+  mla = mla_lib.MLAConfig(
+      kv_lora_rank=f.get("kv_lora_rank"),
+      qk_nope_head_dim=f.get("qk_nope_head_dim"),
+      qk_rope_head_dim=f.get("qk_rope_head_dim"),
+      v_head_dim=f.get("v_head_dim"),
+      q_lora_rank=f.get("q_lora_rank"),
+      rope_interleave=bool(f.get("rope_interleave")),
+  )
+  moe = moe_lib.MoEConfig(
+      num_experts=f.get("n_routed_experts"),
+      top_k=f.get("num_experts_per_tok"),
+      d_ff=f.get("moe_intermediate_size"),
+      num_shared_experts=f.get("n_shared_experts") or 0,
+      router="sigmoid",
+      norm_topk_prob=bool(f.get("norm_topk_prob")),
+      routed_scaling=float(f.get("routed_scaling_factor")),
+      n_groups=f.get("n_group") or 1,
+      topk_groups=f.get("topk_group") or 1,
+      # transformers trains DeepSeek-V3 with no auxiliary loss and a fixed bias
+      lb_loss_coef=0.0,
+      z_loss_coef=0.0,
+  )
+  f.get("output_router_logits")  # adds no loss: DeepseekV3ForCausalLM computes none
+  f.get("num_nextn_predict_layers")  # MTP modules, which transformers does not run
+  common = base.common(f)
+  common.update(head_dim=mla.qk_rope_head_dim, n_kv_heads=heads)
+  return transformer.TransformerConfig(
+      **common,
+      rope_theta=theta,
+      rope_scaling=scaling,
+      activation=base.activation(f),
+      mla=mla,
+      moe=moe,
+      first_dense=f.get("first_k_dense_replace") or 0,
+  )
+
+
+def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
+  """Sets the fields of a DeepSeek-V3 config.json to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+  """
+  base.write_common(hf, cfg)
+  m, e = cfg.mla, cfg.moe
+  if m is None or e is None:
+    return  # not a DeepSeek-V3 model: the caller's check names the difference
+  hf.update(
+      num_key_value_heads=cfg.n_heads,
+      head_dim=m.qk_rope_head_dim,
+      qk_head_dim=m.qk_head_dim,
+      kv_lora_rank=m.kv_lora_rank,
+      q_lora_rank=m.q_lora_rank,
+      qk_rope_head_dim=m.qk_rope_head_dim,
+      qk_nope_head_dim=m.qk_nope_head_dim,
+      v_head_dim=m.v_head_dim,
+      rope_interleave=m.rope_interleave,
+      n_routed_experts=e.num_experts,
+      num_experts_per_tok=e.top_k,
+      moe_intermediate_size=e.d_ff,
+      n_shared_experts=e.num_shared_experts,
+      norm_topk_prob=e.norm_topk_prob,
+      routed_scaling_factor=e.routed_scaling,
+      n_group=e.n_groups,
+      topk_group=e.topk_groups,
+      first_k_dense_replace=cfg.first_dense,
+      hidden_act=base.act_name(cfg),
+  )
+
+
+def attention_tensors(cfg, prefix, layers) -> list[base.Tensor]:
+  """One decoder layer's norms and latent attention.
+
+  Args:
+    cfg: the model, with `cfg.mla`.
+    prefix: keys of the layer's leaves in the params dict.
+    layers: the layer index at each position of the leaves' stack axes.
+
+  Returns:
+    Their `Tensor`s.
+  """
+  d, h, m = cfg.d_model, cfg.n_heads, cfg.mla
+  p, a = "model.layers.{i}.", "model.layers.{i}.self_attn."
+  at = lambda *keys: prefix + ("attn",) + keys
+  linear = lambda leaf, name, out, inp: base.linear(at(leaf, "kernel"), a + name, layers, out, inp)
+  norm = lambda path, name, width: base.vector(path, name + ".weight", layers, (width,))
+  out = [
+      norm(prefix + ("attn_norm", "scale"), p + "input_layernorm", d),
+      norm(prefix + ("mlp_norm", "scale"), p + "post_attention_layernorm", d),
+      linear("kv_a", "kv_a_proj_with_mqa.weight", (m.cache_width,), (d,)),
+      norm(at("kv_a_norm", "scale"), a + "kv_a_layernorm", m.kv_lora_rank),
+      linear("kv_b", "kv_b_proj.weight", (h, m.qk_nope_head_dim + m.v_head_dim), (m.kv_lora_rank,)),
+      linear("o", "o_proj.weight", (d,), (h, m.v_head_dim)),
+  ]
+  if m.q_lora_rank is None:
+    return out + [linear("q", "q_proj.weight", (h, m.qk_head_dim), (d,))]
+  return out + [
+      linear("q_a", "q_a_proj.weight", (m.q_lora_rank,), (d,)),
+      norm(at("q_a_norm", "scale"), a + "q_a_layernorm", m.q_lora_rank),
+      linear("q_b", "q_b_proj.weight", (h, m.qk_head_dim), (m.q_lora_rank,)),
+  ]
+
+
+def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """Every parameter leaf of a DeepSeek-V3 model with its checkpoint tensors.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The `Tensor`s of every leaf.
+
+  Raises:
+    CheckpointError: a model DeepseekV3ForCausalLM does not compute (no latent attention or
+      experts, or MoE groups of more than one layer).
+  """
+  if cfg.mla is None or cfg.moe is None or cfg.moe.every != 1:
+    raise base.CheckpointError(
+        "a deepseek_v3 checkpoint holds latent attention (model.mla) and an MoE FFN in every "
+        "layer after model.first_dense (model.moe with every=1)"
+    )
+  e, d, k = cfg.moe, cfg.d_model, cfg.first_dense
+  first, stack = np.arange(k), k + np.arange(cfg.stack_units)
+  w, at = ("layers", "moe", "moe"), "model.layers.{i}.mlp."
+  s = e.num_shared_experts * e.d_ff
+  expert = lambda leaf, name, shape: base.Tensor(
+      w + (leaf,), at + "experts.{e}." + EXPERTS[name] + ".weight", stack, e.num_experts, shape, 1
+  )
+  shared = lambda leaf, name, out, inp: base.linear(
+      w + (leaf,), at + f"shared_experts.{name}_proj.weight", stack, out, inp
+  )
+  out = base.top_tensors(cfg) + attention_tensors(cfg, ("layers", "moe"), stack)
+  out += [
+      base.linear(w + ("router_DxE",), at + "gate.weight", stack, (e.num_experts,), (d,)),
+      base.vector(w + ("expert_bias_E",), at + "gate." + BIAS, stack, (e.num_experts,)),
+      expert("wi_gate_ExDxF", "gate", (d, e.d_ff)),
+      expert("wi_up_ExDxF", "up", (d, e.d_ff)),
+      expert("wo_ExFxD", "down", (e.d_ff, d)),
+  ]
+  if s:
+    out += [
+        shared("shared_gate_DxS", "gate", (s,), (d,)),
+        shared("shared_up_DxS", "up", (s,), (d,)),
+        shared("shared_down_SxD", "down", (d,), (s,)),
+    ]
+  if k:
+    out += attention_tensors(cfg, ("first_layers",), first)
+    out += base.mlp_tensors(cfg, ("first_layers",), first)
+  return out
+
+
+FAMILY = base.Family(
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    DEFAULTS,
+    read,
+    write,
+    tensors,
+    ignored=IGNORED,
+    moe=True,
+)
