@@ -113,6 +113,11 @@ def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
   """Raises ValueError (one line, the value and the fix) unless the model splits over tp
   devices as training's tensor parallelism does (`tp_lib.check`); the pools split the KV
   heads, so they must divide too (no replicated KV groups)."""
+  if cfg.mla is not None and tp > 1:
+    raise ValueError(
+        f"this model uses latent attention (model.mla), which is not split over tensor-parallel "
+        f"devices; serve it on one device, not {tp}"
+    )
   tp_lib.check(
       tp=tp,
       n_heads=cfg.n_heads,
@@ -200,6 +205,9 @@ class EngineConfig:
   # 'auto' (the model's compute dtype), 'bfloat16', 'int8' or 'fp8' (float8_e4m3fn; the 8-bit
   # ones with a float32 scale per KV head and slot: `serve.model`)
   kv_cache_dtype: str = "auto"
+  # a latent-attention model's pages: 'latent' (c_kv and the rotary key per token, decode
+  # absorbed) or 'expanded' (every head's K and V); `serve.model.cached_heads`
+  mla_cache: str = "latent"
   # `step` dispatches the next step before waiting for this one (the module docstring); None:
   # on, except on a prefill_only engine
   async_scheduling: bool | None = None
@@ -211,6 +219,10 @@ class EngineConfig:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if self.num_pages < 2:
       raise ValueError(f"num_pages={self.num_pages} must be >= 2: page 0 is the scratch page")
+    if self.mla_cache not in model_lib.MLA_CACHES:
+      raise ValueError(
+          f"mla_cache={self.mla_cache!r} is unknown; use one of {model_lib.MLA_CACHES}"
+      )
     if self.async_scheduling and self.prefill_only:
       raise ValueError(
           "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "
@@ -278,9 +290,9 @@ class Engine:
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
     self.max_tokens_per_step, self.max_seq_len = max_tokens_per_step, max_seq_len
     self.eos_id = config.eos_id
-    self.backend = resolve_step_backend(
-        config.attention, model_cfg.head_dim, page_size, self.kv_dtype
-    )
+    # (heads, key width, value width) of what a layer's pages hold per token
+    self.cached = model_lib.cached_heads(model_cfg, config.mla_cache)
+    self.backend = resolve_step_backend(config.attention, self.cached[1], page_size, self.kv_dtype)
     self.max_pages_per_seq = max_pages_per_seq
     self.token_buckets = batch_lib.check_buckets(
         "token_buckets",
@@ -331,6 +343,7 @@ class Engine:
         sharding=self.pool_sharding,
         kv_cache_dtype=kv_cache_dtype,
         window_pages=window_pages,
+        mla_cache=config.mla_cache,
     )
     self._to_fill: list[int] = []
     self._to_fill_ring: list[int] = []

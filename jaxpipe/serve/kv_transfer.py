@@ -191,7 +191,7 @@ class KVTransfer:
       if chunks:
         k, v = jax.tree.map(lambda *c: np.concatenate(c, axis=2), *chunks)
       else:
-        k, v = self._empty_kv(r.computed), self._empty_kv(r.computed)
+        k, v = self._empty_kv(r.computed), self._empty_kv(r.computed, v=True)
     return KVState(
         list(r.prompt),
         list(r.output),
@@ -209,31 +209,34 @@ class KVTransfer:
 
   # -- the destination side ---------------------------------------------------------------------
 
-  def kv_shape(self, computed: int, layers: int | None = None) -> tuple[int, ...]:
-    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, head_dim].
+  def kv_shape(self, computed: int, layers: int | None = None, v: bool = False) -> tuple[int, ...]:
+    """Shape of K (or V) for `computed` cached tokens: [G, layers, pages, page_size, width].
 
     Args:
       computed: cached tokens; pages = ceil(computed / page_size).
       layers: layers moved; None: all.
+      v: V's shape (width 0 for latents, which the K pool holds whole), else K's.
 
     Returns:
-      The shape, G the KV heads.
+      The shape, G the cached heads (`model.cached_heads`).
     """
     cfg = self.engine.cfg
+    heads, k_width, v_width = self.engine.cached
     return (
-        cfg.n_kv_heads,
+        heads,
         cfg.n_layers if layers is None else layers,
         math.ceil(computed / self.engine.page_size),
         self.engine.page_size,
-        cfg.head_dim,
+        v_width if v else k_width,
     )
 
-  def _empty_kv(self, computed: int):
+  def _empty_kv(self, computed: int, v: bool = False):
     """K (or V) of a request with no cached pages, as `export_request` gives it."""
-    values = np.zeros(self.kv_shape(computed), self.engine.kv_dtype)
+    shape = self.kv_shape(computed, v=v)
+    values = np.zeros(shape, self.engine.kv_dtype)
     if self.engine.kv.k_scales is None:
       return values
-    return values, np.zeros(self.kv_shape(computed)[:-1], np.float32)
+    return values, np.zeros(shape[:-1], np.float32)
 
   def _shape_error(self, name: str, x, want: tuple[int, ...]) -> str | None:
     """Why x does not hold K (or V) of shape `want` for this engine's cache, or None."""
@@ -276,6 +279,7 @@ class KVTransfer:
     want = self.kv_shape(state.computed)
     if error is None and state.k is not None:
       error = self._shape_error("the K", state.k, want)
+      error = error or self._shape_error("the V", state.v, self.kv_shape(state.computed, v=True))
       if error:
         error += f" for {state.computed} tokens ([kv_heads, layers, pages, page_size, head_dim])"
     if error is None and not e.scheduler.has_slot():
@@ -324,13 +328,9 @@ class KVTransfer:
       raise ValueError(f"request {rid} is {r.state}; K/V are written only into a reserved request")
     values = k[0] if isinstance(k, tuple) and k else k
     size = values.shape[2] if getattr(values, "ndim", 0) == 5 else -1
-    want = (
-        self.kv_shape(r.computed, None if layer is None else 1)[:2]
-        + (size,)
-        + (e.page_size, e.cfg.head_dim)
-    )
-    for name, x in (("k", k), ("v", v)):
-      error = self._shape_error(name, x, want)
+    want = self.kv_shape(r.computed, None if layer is None else 1)[:2] + (size, e.page_size)
+    for name, x, width in (("k", k, e.cached[1]), ("v", v, e.cached[2])):
+      error = self._shape_error(name, x, want + (width,))
       if error or not 0 <= first <= len(r.pages) - size:
         error = error or f"{name} has shape {tuple(jax.tree.leaves(x)[0].shape)}"
         raise ValueError(

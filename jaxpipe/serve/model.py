@@ -241,12 +241,13 @@ def kv_bytes(
     dtype=None,
     kv_cache_dtype="auto",
     window_pages: int = 0,
+    mla_cache: str = "latent",
 ) -> int:
   """Bytes of both pools.
 
-  2 · kv_heads · (head_dim · bytes per element + 4 for the float32 scale of an 8-bit cache) ·
-  slots of every layer (num_pages each, window_pages each for the sliding-window layers given
-  window_pages > 0).
+  heads · ((key width + value width) · bytes per element + 8 for the two float32 scales of an
+  8-bit cache) · slots of every layer (num_pages each, window_pages each for the sliding-window
+  layers given window_pages > 0); `cached_heads` gives the heads and widths.
 
   Args:
     cfg: the model.
@@ -255,15 +256,17 @@ def kv_bytes(
     dtype: the element dtype (default: kv_cache_dtype's).
     kv_cache_dtype: one of KV_CACHE_DTYPES.
     window_pages: pages per sliding-window layer; 0: num_pages, as every layer.
+    mla_cache: what a latent-attention model's pages hold (`cached_heads`).
 
   Returns:
     The bytes.
   """
   dtype = jnp.dtype(dtype or kv_dtype(cfg, kv_cache_dtype))
-  per_head = cfg.head_dim * dtype.itemsize + (4 if quantized(dtype) else 0)
+  heads, k_width, v_width = cached_heads(cfg, mla_cache)
+  per_head = (k_width + v_width) * dtype.itemsize + (8 if quantized(dtype) else 0)
   rings = len(ring_layers(cfg)) if window_pages else 0
   pages = (cfg.n_layers - rings) * num_pages + rings * window_pages
-  return 2 * cfg.n_kv_heads * per_head * pages * page_size
+  return heads * per_head * pages * page_size
 
 
 def init_kv(
@@ -274,6 +277,7 @@ def init_kv(
     sharding=None,
     kv_cache_dtype: str = "auto",
     window_pages: int = 0,
+    mla_cache: str = "latent",
 ) -> KVPages:
   """Pools for `num_pages` pages per layer, every slot `fill`.
 
@@ -289,21 +293,23 @@ def init_kv(
     sharding: of each pool and scale pool (default: the default device).
     kv_cache_dtype: one of KV_CACHE_DTYPES.
     window_pages: pages per sliding-window layer; 0: no rings.
+    mla_cache: what a latent-attention model's pages hold (`cached_heads`).
 
   Returns:
-    The `KVPages`, pools [kv_heads, pages of every layer, page_size, head_dim].
+    The `KVPages`, pools [heads, pages of every layer, page_size, width] (`cached_heads`).
   """
   dtype = kv_dtype(cfg, kv_cache_dtype)
   rings = ring_layers(cfg) if window_pages else ()
   total = (cfg.n_layers - len(rings)) * num_pages + len(rings) * window_pages
-  shape = (cfg.n_kv_heads, total, page_size, cfg.head_dim)
+  heads, k_width, v_width = cached_heads(cfg, mla_cache)
+  k_shape, v_shape = ((heads, total, page_size, w) for w in (k_width, v_width))
   layout = dict(window_pages=window_pages if rings else 0, ring_layers=rings)
   if not quantized(dtype):
-    make = jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
-    return KVPages(make(), make(), num_pages, **layout)
-  pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-  scales = jax.jit(lambda: jnp.full(shape[:3], fill, jnp.float32), out_shardings=sharding)
-  return KVPages(pool(), pool(), num_pages, scales(), scales(), **layout)
+    make = lambda shape: jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
+    return KVPages(make(k_shape), make(v_shape), num_pages, **layout)
+  pool = lambda shape: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  scales = jax.jit(lambda: jnp.full(k_shape[:3], fill, jnp.float32), out_shardings=sharding)
+  return KVPages(pool(k_shape), pool(v_shape), num_pages, scales(), scales(), **layout)
 
 
 def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -329,6 +335,37 @@ def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   return jnp.clip(y, -top, top).astype(dtype), scale_TxG
 
 
+MLA_CACHES = ("latent", "expanded")  # what a latent-attention model's pages hold
+
+
+def cached_heads(cfg: TransformerConfig, mla_cache: str = "latent") -> tuple[int, int, int]:
+  """(heads, key width, value width) of what one layer's pages hold per token.
+
+  Grouped-query attention caches its KV heads at head_dim. Latent attention caches, with
+  `mla_cache='latent'`, one vector per token: its latent c_kv then its rotary key
+  (`kv_lora_rank + qk_rope_head_dim` values, in the K pool; the V pool is empty), which decode
+  attends with the up-projections absorbed (`mla.LatentAttention`); with 'expanded', every
+  query head's key at qk_nope + qk_rope channels and its value zero-padded to that width.
+
+  Args:
+    cfg: the model.
+    mla_cache: 'latent' or 'expanded' (`MLA_CACHES`); moot without `cfg.mla`.
+
+  Returns:
+    `(heads, key width, value width)`.
+
+  Raises:
+    ValueError: an unknown `mla_cache`.
+  """
+  if mla_cache not in MLA_CACHES:
+    raise ValueError(f"mla_cache={mla_cache!r} is unknown; use one of {MLA_CACHES}")
+  if cfg.mla is not None and mla_cache == "latent":
+    return 1, cfg.mla.cache_width, 0
+  if cfg.mla is not None:
+    return cfg.n_heads, cfg.mla.qk_head_dim, cfg.mla.qk_head_dim
+  return cfg.n_kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def serving_config(cfg: TransformerConfig) -> TransformerConfig:
   """The model as served: MoE layers dropless, so that no token's output depends on its batch.
 
@@ -337,16 +374,7 @@ def serving_config(cfg: TransformerConfig) -> TransformerConfig:
 
   Returns:
     `cfg`, its MoE dispatch 'dropless'.
-
-  Raises:
-    ValueError: the model uses latent attention (`cfg.mla`), whose cache the engine does not
-      hold yet.
   """
-  if cfg.mla is not None:
-    raise ValueError(
-        "this model uses multi-head latent attention (model.mla); the serving engine's pages "
-        "hold per-head K and V, not MLA's latent, and do not serve it yet"
-    )
   if cfg.moe is None or cfg.moe.dispatch == "dropless":
     return cfg
   return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
@@ -362,8 +390,46 @@ class _PagedHook:
     self.pools, self.layout = pools, layout
     self.batch, self.backend = batch, backend
     self.layer = None  # set before each layer (a traced index inside the layer scan)
+    # the pools hold latent attention's latents (`cached_heads`: an empty V pool)
+    self.latent = pools[1].shape[-1] == 0
 
   def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK, sm_scale=None, window=0, softcap=0.0):
+    slots, rows, offset = self._rows()
+    o_TxHxK, self.pools = _write_and_attend(
+        q_1xTxHxK[0],
+        k_1xTxGxK[0],
+        v_1xTxGxK[0],
+        self.pools,
+        slots,
+        rows,
+        offset,
+        backend=self.backend,
+        sm_scale=sm_scale,
+        window=window,
+        softcap=softcap,
+    )
+    return o_TxHxK[None]
+
+  def latent_attention(self, q_1xTxHxC, latent_1xTx1xC, values, sm_scale):
+    """`attention.latent_attention` over the pages: the latents stored in the K pool, which the
+    kernels then read as both keys and values."""
+    slots, rows, offset = self._rows()
+    o_TxHxC, self.pools = _write_and_attend(
+        q_1xTxHxC[0],
+        latent_1xTx1xC[0],
+        None,
+        self.pools,
+        slots,
+        rows,
+        offset,
+        backend=self.backend,
+        sm_scale=sm_scale,
+    )
+    return o_TxHxC[None, ..., :values]
+
+  def _rows(self):
+    """This layer's slots of the step's tokens, its rows (as `_write_and_attend` takes them)
+    and its first page in the pools."""
     b, layout = self.batch, self.layout
     offset = jnp.asarray(layout.offsets)[self.layer]
     slots, tables, seq_tables = b.slots_T, b.tables_TxN, b.seq_tables_BxN
@@ -381,20 +447,7 @@ class _PagedHook:
       rows = RaggedRows(seq_tables + offset, b.seq_starts_B, b.seq_counts_B, b.seq_cached_B)
     else:
       rows = (tables + offset, b.positions_T + 1)
-    o_TxHxK, self.pools = _write_and_attend(
-        q_1xTxHxK[0],
-        k_1xTxGxK[0],
-        v_1xTxGxK[0],
-        self.pools,
-        slots,
-        rows,
-        offset,
-        backend=self.backend,
-        sm_scale=sm_scale,
-        window=window,
-        softcap=softcap,
-    )
-    return o_TxHxK[None]
+    return slots, rows, offset
 
 
 # Inside a step a bfloat16 pool travels as its bits: XLA:CPU widens a bfloat16 scatter (and a
@@ -439,28 +492,34 @@ def _write_and_attend(
   """Writes the T tokens' K/V at their slots (quantised into an 8-bit pool) and attends through
   the pages; pools = (k, v, k_scales, v_scales), the scales None for a float cache; rows: the
   tokens by sequence (`RaggedRows`) for xla_ragged, else (tables_TxN, lengths_T) per token.
-  sm_scale, window, softcap: the layer's (`ops.attention.ragged_paged_attention`)."""
+  sm_scale, window, softcap: the layer's (`ops.attention.ragged_paged_attention`). v_TxGxK
+  None: the K pool's vectors are the values too (latents), the V pool left as it is."""
   k_pool, v_pool, k_scales, v_scales = pools
   s = k_pool.shape[2]
   g_G = jnp.arange(k_pool.shape[0])[None, :]
   at = (g_G, (offset + slots_T // s)[:, None], (slots_T % s)[:, None])
   if k_scales is None:
-    k_pool, v_pool = _scatter(k_pool, at, k_TxGxK), _scatter(v_pool, at, v_TxGxK)
+    k_pool = _scatter(k_pool, at, k_TxGxK)
+    if v_TxGxK is not None:
+      v_pool = _scatter(v_pool, at, v_TxGxK)
   else:
-    (k_q, k_scale_TxG), (v_q, v_scale_TxG) = (quantize(x, k_pool.dtype) for x in (k_TxGxK, v_TxGxK))
-    k_pool, v_pool = k_pool.at[at].set(k_q), v_pool.at[at].set(v_q)
-    k_scales, v_scales = k_scales.at[at].set(k_scale_TxG), v_scales.at[at].set(v_scale_TxG)
+    k_q, k_scale_TxG = quantize(k_TxGxK, k_pool.dtype)
+    k_pool, k_scales = k_pool.at[at].set(k_q), k_scales.at[at].set(k_scale_TxG)
+    if v_TxGxK is not None:
+      v_q, v_scale_TxG = quantize(v_TxGxK, v_pool.dtype)
+      v_pool, v_scales = v_pool.at[at].set(v_q), v_scales.at[at].set(v_scale_TxG)
+  values_pool, values_scales = (v_pool, v_scales) if v_TxGxK is not None else (k_pool, k_scales)
   scales = dict(
       k_scales_GxPxS=k_scales,
-      v_scales_GxPxS=v_scales,
+      v_scales_GxPxS=values_scales,
       sm_scale=sm_scale,
       window=window,
       softcap=softcap,
   )
   # the CPU kernel reads a bfloat16 pool's bits as they are; the others a bfloat16 view
-  k_read, v_read = k_pool, v_pool
+  k_read, v_read = k_pool, values_pool
   if k_pool.dtype == BITS and backend != "cpu_ragged":
-    k_read, v_read = _from_bits(k_pool, jnp.bfloat16), _from_bits(v_pool, jnp.bfloat16)
+    k_read, v_read = _from_bits(k_pool, jnp.bfloat16), _from_bits(values_pool, jnp.bfloat16)
   if backend in RAGGED_BACKENDS:
     o_TxHxK = ragged_paged_attention(
         q_TxHxK, k_read, v_read, rows, block=RAGGED_BLOCK, kernel=RAGGED_KERNELS[backend], **scales
@@ -540,9 +599,9 @@ def forward_paged(
   if batch.seq_counts_B is None:  # tokens not grouped by sequence: a per-token backend
     if backend in RAGGED_BACKENDS:
       raise ValueError(f"the {backend} backend needs the batch's rows (TokenBatch.seq_*)")
-    backend = resolve_paged_backend(backend, cfg.head_dim, kv.page_size)
+    backend = resolve_paged_backend(backend, kv.k.shape[-1], kv.page_size)
   else:
-    backend = resolve_step_backend(backend, cfg.head_dim, kv.page_size, kv.k.dtype)
+    backend = resolve_step_backend(backend, kv.k.shape[-1], kv.page_size, kv.k.dtype)
   run = functools.partial(_forward_local, cfg, layout=kv.layout, backend=backend)
   if mesh is not None and mesh.size > 1:
     tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)
@@ -578,6 +637,14 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend):
   if rope_lib.scaling_of(cfg.rope_scaling).length_dependent:
     seq_lens_T = _seq_lens(batch)
 
+  first = cfg.first_dense  # the first dense layers (pools 0..first-1), then the stack's
+
+  def dense_body(carry, xs):
+    x, hook.pools = carry
+    layer, i = xs
+    x = _layer(cfg, hook, layer, i, x, positions_T, False, seq_lens_T)
+    return (x, hook.pools), None
+
   def unit_body(carry, xs):
     x, hook.pools = carry
     unit, u = xs
@@ -585,22 +652,18 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend):
       x = _layer(cfg, hook, unit, u, x, positions_T, False, seq_lens_T)
     else:
       if "dense" in unit:
-
-        def dense_body(carry, xs):
-          x, hook.pools = carry
-          layer, j = xs
-          x = _layer(cfg, hook, layer, u * every + j, x, positions_T, False, seq_lens_T)
-          return (x, hook.pools), None
-
         (x, hook.pools), _ = jax.lax.scan(
-            dense_body, (x, hook.pools), (unit["dense"], jnp.arange(every - 1))
+            dense_body, (x, hook.pools), (unit["dense"], first + u * every + jnp.arange(every - 1))
         )
-      x = _layer(cfg, hook, unit["moe"], u * every + every - 1, x, positions_T, True, seq_lens_T)
+      moe_layer = first + u * every + every - 1
+      x = _layer(cfg, hook, unit["moe"], moe_layer, x, positions_T, True, seq_lens_T)
     return (x, hook.pools), None
 
-  units = cfg.n_layers // every
+  carry = (x_1xTxD, hook.pools)
+  if first:
+    carry, _ = jax.lax.scan(dense_body, carry, (params["first_layers"], jnp.arange(first)))
   (x_1xTxD, pools), _ = jax.lax.scan(
-      unit_body, (x_1xTxD, hook.pools), (params["layers"], jnp.arange(units))
+      unit_body, carry, (params["layers"], jnp.arange(cfg.stack_units))
   )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
   return logits_1xRxV[0], tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))

@@ -1,7 +1,8 @@
 """`python -m jaxpipe.serve --http` on each family's converted checkpoint says what transformers'
 `generate` says: greedy text and token ids through the `openai` client, on a prompt longer
-than the sliding windows, with the server's default attention (the CPU kernel here) and sliding
-layers holding only their window's pages. One server per family, all started at once."""
+than the sliding windows, with the server's default attention (the CPU kernel here; the XLA
+ragged path for DeepSeek-V3's latent attention, whose expanded keys are 12 channels wide) and
+sliding layers holding only their window's pages. One server per family, all started at once."""
 
 import contextlib
 import os
@@ -19,7 +20,7 @@ from jaxpipe.training import hf_workdir
 from tests import helpers
 
 ROOT = helpers.ROOT
-FAMILIES = list(helpers.TINY_FAMILIES)
+FAMILIES = list(helpers.MODEL_CLASSES)  # the dense families and DeepSeek-V3
 # longer than four windows of 5 positions, past the rotary variants' 16-position context
 PROMPT = "def main():\n    return 0\n\nfor i in range(10):\n    print(i * i)\n"
 
