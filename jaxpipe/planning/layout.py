@@ -192,6 +192,9 @@ class Layout:
   shard: str = "none"  # optimizer sharding over the data-parallel group: SHARDS
   sp: bool = False  # Megatron sequence parallelism (norms and residuals split over tp)
   recompute: str = "none"  # RECOMPUTE: selective drops attention scores, full keeps layer inputs
+  # stages of unequal layer counts (the largest ceil(layers / stages), as DeepSeek-V3's 61 layers
+  # at pp 16): priced, the busiest stage setting the pace, but not a layout jaxpipe runs
+  uneven: bool = False
 
   @property
   def devices(self) -> int:
@@ -213,6 +216,8 @@ class Layout:
       extra.append("sp")
     if self.recompute != "none":
       extra.append(f"rc-{self.recompute}")
+    if self.uneven:
+      extra.append("uneven")
     return f"{mesh}{sched} {' '.join(extra)}"
 
 
@@ -465,11 +470,28 @@ def check(model: Model, layout: Layout, batch: Batch) -> None:
   if layout.pp > 1:
     stages = pipeline(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     units = model.n_layers
-    if units % stages.stages:
+    if units % stages.stages and not layout.uneven:
       raise LayoutError(
           f"{units} layers do not split into the {stages.stages} stages of "
-          f"{layout.schedule} at pp={layout.pp}"
+          f"{layout.schedule} at pp={layout.pp}; jaxpipe's stages hold equal layer counts "
+          "(uneven=True prices the largest stage setting the pace)"
       )
+
+
+def stage_imbalance(model: Model, layout: Layout) -> float:
+  """The busiest pipeline stage's layers over the average: 1 unless `layout.uneven`.
+
+  Args:
+    model: the model's shape.
+    layout: the layout.
+
+  Returns:
+    ceil(layers / stages) / (layers / stages); 1.0 at pp = 1 or with equal stages.
+  """
+  if layout.pp == 1 or not layout.uneven:
+    return 1.0
+  stages = pipeline(layout.schedule, layout.pp, layout.microbatches, layout.chunks).stages
+  return math.ceil(model.n_layers / stages) / (model.n_layers / stages)
 
 
 # --- the pipeline --------------------------------------------------------------------------------
@@ -573,7 +595,7 @@ def device_params(model: Model, layout: Layout) -> dict[str, float]:
     copies = pl.copies
     pp_stages = layout.pp
   t, e = layout.tp, layout.ep
-  share = copies / pp_stages
+  share = copies / pp_stages * stage_imbalance(model, layout)
   dense_layers = model.n_layers - model.moe_layers
   dense = expert = 0.0
   for moe, n in ((False, dense_layers), (True, model.moe_layers)):
@@ -663,7 +685,7 @@ def memory(
   if layout.pp > 1:
     pl = pipeline(layout.schedule, layout.pp, m, layout.chunks)
     layers = model.n_layers / pl.stages  # per virtual stage
-    step = int(layers)
+    step = math.ceil(layers)  # the largest stage's (uneven: one more than some)
     # per-layer elements -> the largest virtual stage's sum
     biggest = lambda per: max(sum(per[i : i + step]) for i in range(0, len(per), step))
     residual = tokens * biggest(per_layer) * a
@@ -796,7 +818,8 @@ def step_time(
   if model.experts and layout.tp > 1 and not layout.sp:
     per_token = 6 * (model.top_k + model.shared_experts) * 3 * model.d_model * model.expert_d_ff
     redundant = (layout.tp - 1) * per_token * model.moe_layers * tokens
-  compute = (flops + redundant) * (1 + extra) / rate
+  # the busiest stage sets every rank's pace
+  compute = (flops + redundant) * (1 + extra) / rate * stage_imbalance(model, layout)
   bubble = 0.0
   m = layout.microbatches
   if layout.pp > 1:

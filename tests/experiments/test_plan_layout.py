@@ -4,6 +4,8 @@ layouts that do not fit, bad input.
   python -m pytest -q -x -p no:cacheprovider -n 0 tests/experiments/test_plan_layout.py
 """
 
+import dataclasses
+
 import pytest
 
 from experiments import plan_layout
@@ -148,6 +150,29 @@ def test_a_layout_that_does_not_fit_is_reported():
   assert plans and not any(p.fits for p in plans)
   text = plan_layout.cluster_table("llama3-405b", [8], 3)
   assert "nothing fits" in text
+
+
+def test_deepseek_v3s_published_layout_is_priced_with_its_uneven_stages():
+  """PP 16 x EP 64 x ZeRO-1 on 2,048 devices under DualPipe: 61 layers over 16 stages, which
+  jaxpipe's stages cannot hold, priced with the 4-layer stages setting the pace (64/61 of the
+  even compute) and beside the planner's picks in the table."""
+  model, batch = plan_layout.MODELS["deepseek-v3"], plan_layout.BATCHES["deepseek-v3"]
+  devices, layouts = plan_layout.PUBLISHED_LAYOUTS["deepseek-v3"]
+  published = layouts[0]
+  assert (devices, published.devices, published.schedule) == (2048, 2048, "dualpipe")
+  assert (published.pp, published.ep, published.shard, published.tp) == (16, 64, "zero1", 1)
+  even = dataclasses.replace(published, uneven=False)
+  with pytest.raises(L.LayoutError, match=r"61 layers do not split into the 16 stages of dual"):
+    L.memory(model, even, batch)
+  cluster = L.h200(devices)
+  flat = L.Layout(ep=64, dp=2, cp=16)  # the same FLOPs and devices, no pipeline
+  ratio = (
+      L.step_time(model, published, batch, cluster).compute_s
+      / L.step_time(model, flat, batch, cluster).compute_s
+  )
+  assert ratio == pytest.approx(64 / 61, rel=1e-12)
+  text = plan_layout.cluster_table("deepseek-v3", [], 3)
+  assert "| 2,048 published | pp16xep64xdp2 dualpipe m40 zero1 uneven |" in text
 
 
 def test_tp_must_divide_the_heads():
