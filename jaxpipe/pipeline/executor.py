@@ -977,15 +977,19 @@ class _RankProgram:
     c = row[COL["b_chunk"]]
     params, slot = _index(self.local, c), row[COL["b_res"]]
     side_mb = self.side_of(row[COL["b_mb"]], c)
-    dy = s["cot"][row[COL["b_cot"]]]
+    res, dy = s.get("res"), None
+    if res is None:  # its own copies of the slots (`backward_reads`)
+      res, slot, dy = s["b_res"], 0, s["b_dy"][0]
+    else:
+      dy = s["cot"][row[COL["b_cot"]]]
     # The first stage's input cotangent feeds only the embedding, if there is one.
     need_dx = row[COL["b_first"]] == 0 if self.embed_fn is None else jnp.bool_(True)
     if full:
-      dx, grads = self.ops.full_grad(params, side_mb, s["res"], slot, dy, need_dx, s["grads"], c)
+      dx, grads = self.ops.full_grad(params, side_mb, res, slot, dy, need_dx, s["grads"], c)
       s = dict(s, grads=grads)
     else:
       dx, wg = self.ops.input_grad(
-          params, side_mb, s["res"], slot, dy, need_dx, s["wg"], row[COL["b_wg"]]
+          params, side_mb, res, slot, dy, need_dx, s["wg"], row[COL["b_wg"]]
       )
       s = dict(s, wg=wg)
     s[self.plan.out_b] = dx
@@ -993,6 +997,13 @@ class _RankProgram:
       return s
     embed_grad = functools.partial(self._embed_grad, dx)
     return _gated(row, COL["b_first"], embed_grad, s, ("embed_g",))
+
+  def backward_reads(self, row, s: dict) -> dict:
+    """I's or B's residual slot and input cotangent copied into buffers of their own (`b_res`,
+    `b_dy`), so that the backward's chain reads nothing F writes in the tick."""
+    slot, cot = row[COL["b_res"]], row[COL["b_cot"]]
+    one = lambda buf, i: lax.dynamic_slice_in_dim(buf, i, 1)
+    return dict(s, b_res=[one(r, slot) for r in s["res"]], b_dy=one(s["cot"], cot))
 
   def _embed_grad(self, dx, row, s: dict) -> dict:
     """The embedding's gradient from the first stage's input cotangent dx."""
@@ -1043,27 +1054,33 @@ class _RankProgram:
     # A part reads only values written in earlier ticks, and a slot freed by its last read may
     # be written again in the same tick: so readers run first (W reads res and wg; I or B reads
     # res and cot and writes wg; F reads act and writes res and cot), receipts last.
+    # Where a branch runs F beside I or B (`overlap`: DualPipe's F&B), the backward first copies
+    # its slots out (`backward_reads`) and the two chains share no buffer: F waits for that copy
+    # only, and neither chain's collectives wait for the other's compute.
+    overlap = not plan.shared_link
+    reads = ("b_res", "b_dy") if overlap else ("res", "cot")
     parts = {
         "W": (self.weight, ("res", "wg", "grads")),
-        "I": (
-            functools.partial(self.backward, full=False),
-            ("res", "cot", "wg", out_b, "embed_g"),
-        ),
-        "B": (
-            functools.partial(self.backward, full=True),
-            ("res", "cot", "grads", out_b, "embed_g"),
-        ),
+        "I": (functools.partial(self.backward, full=False), reads + ("wg", out_b, "embed_g")),
+        "B": (functools.partial(self.backward, full=True), reads + ("grads", out_b, "embed_g")),
         "F": (self.forward, ("act", "res", "cot", out_f, "loss", "head_g", "stats")),
     }
     for kind in ("W", "I", "B", "F"):
-      if kind in plan.present:
-        fn, keys = parts[kind]
-        with jax.named_scope(f"tick/{kind}"):
-          s = _gated(row, plan.run_col[kind], fn, s, keys)
-      if kind == "B" and plan.present & {"I", "B"} and self.spec.local_moves[1]:
-        s = self.keep_local(row, s, "b_local", out_b, "cot")
-      if kind == "F" and "F" in plan.present and self.spec.local_moves[0]:
-        s = self.keep_local(row, s, "f_local", out_f, "act")
+      if kind not in plan.present:
+        continue
+      fn, keys = parts[kind]
+      if overlap and kind in ("I", "B"):
+        with jax.named_scope(f"tick/{kind}_reads"):
+          s = _gated(
+              row, plan.run_col[kind], self.backward_reads, s, ("res", "cot", "b_res", "b_dy")
+          )
+      with jax.named_scope(f"tick/{kind}"):
+        s = _gated(row, plan.run_col[kind], fn, s, keys)
+    # after both chains: B's kept cotangent goes into `cot`, which F writes too
+    if plan.present & {"I", "B"} and self.spec.local_moves[1]:
+      s = self.keep_local(row, s, "b_local", out_b, "cot")
+    if "F" in plan.present and self.spec.local_moves[0]:
+      s = self.keep_local(row, s, "f_local", out_f, "act")
     # A ppermute runs where some rank receives over it this tick (its flag is the same on every
     # rank, so every rank takes part or none does); a rank with nothing to send sends whatever
     # its buffer holds and its neighbour's table discards it.
@@ -1102,6 +1119,8 @@ class _RankProgram:
     )
     for name in {self.plan.out_f, self.plan.out_b}:
       state[name] = ops.zero_x()
+    if not self.plan.shared_link:  # the backward's own copies of its slots (`backward_reads`)
+      state.update(b_res=[slots(1, s) for s in ops.stored], b_dy=slots(1, x_sd))
     return state
 
   def results(self, state: dict, scatter: tuple | None) -> tuple:
