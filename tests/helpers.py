@@ -900,3 +900,48 @@ def ragged_engine(attention: str, devices: int = 1, name: str = "dense"):
   )
   assert engine.backend == attention
   return engine
+
+
+# --- from models/test_families.py and test_deepseek_v3.py --------------------------------
+
+
+def hf_oracle(model, ids, grad_dir):
+  """transformers' (loss, logits, gradients by checkpoint name) for labels = ids; the gradients
+  saved by save_pretrained as if they were weights, so that transformers lays them out."""
+  import copy
+
+  import torch
+  from safetensors.numpy import load_file
+
+  model.zero_grad()
+  out = model(input_ids=torch.tensor(ids), labels=torch.tensor(ids))
+  out.loss.backward()
+  grads = copy.deepcopy(model)
+  with torch.no_grad():
+    for p, g in zip(model.parameters(), grads.parameters()):
+      g.copy_(p.grad)
+  grads.save_pretrained(grad_dir)
+  return out.loss.item(), out.logits.detach().numpy(), load_file(f"{grad_dir}/model.safetensors")
+
+
+def lm_batch(ids):
+  """The batch of token rows `ids` as transformers' labels=ids counts them."""
+  mask = np.ones(ids.shape, np.float32)
+  mask[:, -1] = 0.0  # transformers shifts the labels
+  return dict(
+      tokens=ids.astype(np.int32), targets=np.roll(ids, -1, axis=1).astype(np.int32), mask=mask
+  )
+
+
+def rel_f64(a, b):
+  """The largest difference relative to b's largest magnitude, in float64."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+  """Tokens generated before each request's first divergence from `want`, over all."""
+  same = 0
+  for g, w in zip(got, want):
+    same += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+  return same / sum(map(len, want))

@@ -114,6 +114,10 @@ class TransformerConfig:
   # the first this many layers have a dense FFN (d_ff) and come before the stack of MoE groups,
   # stored apart as params['first_layers'] (DeepSeek's first_k_dense_replace); needs moe
   first_dense: int = 0
+  # multi-token prediction (DeepSeek-V3 §2.2, `jaxpipe.models.mtp`): this many sequential
+  # modules after the model, in params['mtp'], their losses weighted by mtp_weight (λ) / depth
+  mtp_depth: int = 0
+  mtp_weight: float = 0.3  # λ: DeepSeek-V3's for its first 10T tokens (0.1 after)
 
   def __post_init__(self):
     fp8_lib.check_recipe(self.fp8)
@@ -142,6 +146,7 @@ class TransformerConfig:
     if isinstance(self.moe, dict):  # from an ml_collections config
       object.__setattr__(self, "moe", moe_lib.MoEConfig(**self.moe))
     self._check_first_dense()
+    self._check_mtp()
     if self.moe is not None and (self.n_layers - self.first_dense) % self.moe.every:
       after = f" after first_dense={self.first_dense}" if self.first_dense else ""
       raise ValueError(
@@ -149,6 +154,13 @@ class TransformerConfig:
           f"not a multiple of moe.every={self.moe.every}; layers come in groups of moe.every "
           "(the last of each is MoE)"
       )
+
+  def _check_mtp(self):
+    d = self.mtp_depth
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+      raise ValueError(f"mtp_depth={d!r} must be an integer >= 0 (0: no multi-token prediction)")
+    if self.mtp_weight < 0:
+      raise ValueError(f"mtp_weight={self.mtp_weight} must be >= 0 (DeepSeek-V3: 0.3, then 0.1)")
 
   def _check_first_dense(self):
     k = self.first_dense
@@ -560,9 +572,32 @@ def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
   }
   if cfg.first_dense:
     params["first_layers"] = jax.vmap(init_dense)(jax.random.split(k_first, cfg.first_dense))
+  if cfg.mtp_depth:
+    params["mtp"] = _init_mtp(cfg, jax.random.fold_in(k_layers, 2))
   if not cfg.tied_embeddings:
     params["head"] = scale * jax.random.normal(k_head, (cfg.d_model, cfg.vocab), jnp.float32)
   return params
+
+
+def _init_mtp(cfg: TransformerConfig, rng: jax.Array) -> dict:
+  """Fresh parameters of the `cfg.mtp_depth` multi-token prediction modules, stacked
+  (`jaxpipe.models.mtp`, which runs them)."""
+  d = cfg.d_model
+  x_1x1xD = jnp.zeros((1, 1, d), cfg.compute_dtype)
+  block = Block(cfg, moe=cfg.moe is not None)
+
+  def one(k):
+    k_block, k_proj = jax.random.split(k)
+    ones = lambda: {"scale": jnp.full((d,), 0.0 if cfg.norm_plus_one else 1.0, jnp.float32)}
+    return {
+        "enorm": ones(),
+        "hnorm": ones(),
+        "final_norm": ones(),
+        "eh_proj": {"kernel": jax.random.normal(k_proj, (2 * d, d), jnp.float32) * (2 * d) ** -0.5},
+        "block": block.init(k_block, x_1x1xD, jnp.arange(1))["params"],
+    }
+
+  return jax.vmap(one)(jax.random.split(rng, cfg.mtp_depth))
 
 
 def embed(cfg: TransformerConfig, params: dict, tokens_BxL: jax.Array) -> jax.Array:

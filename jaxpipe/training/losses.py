@@ -28,6 +28,7 @@ its load-balancing part is transformers' form,
 pooled over the layers.
 """
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -74,6 +75,9 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
     global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
 
+  if cfg.mtp_depth:  # its modules' losses beside the main one, as the MoE path adds them
+    return _mtp_loss_and_grads(cfg, None, microbatches)
+
   def loss_sum(params, batch):
     return transformer.loss(
         cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
@@ -85,6 +89,53 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
     (total, count), grads = microbatch.accumulate(grad_fn, params, batch, microbatches)
     denom = jnp.maximum(count, 1.0)
     return total / denom, fp8_lib.map_grads(lambda g: g / denom, grads), {"tokens": count}
+
+  return loss_and_grads
+
+
+def _mtp_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int) -> LossAndGrads:
+  """The data-parallel (and, with `mesh`, expert-parallel) step of a model with multi-token
+  prediction: mean cross-entropy, plus λ/D times each module's mean cross-entropy
+  (`mtp.weights`, over the whole batch), plus the MoE aux. Reports the main cross-entropy;
+  metrics add `mtp_loss`, the modules' term."""
+  from jaxpipe.models import mtp as mtp_lib  # noqa: PLC0415
+
+  def objective(params, batch, denom, n_tokens):
+    kw = _packed_kwargs(batch)
+    with moe_lib.expert_parallel(mesh) if mesh is not None else contextlib.nullcontext():
+      x = transformer.embed_first(
+          cfg, params, batch["tokens"], kw.get("positions_BxL"), kw.get("segment_ids_BxL")
+      )
+      x, aux = transformer.apply_layers_aux(
+          cfg, params["layers"], x, kw.get("positions_BxL"), kw.get("segment_ids_BxL")
+      )
+      total, _ = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
+      weights = jnp.swapaxes(batch["mtp_weights"], 0, 1)
+      mtp_sum, mtp_aux = mtp_lib.loss(
+          cfg, params, x, batch["targets"], weights, kw.get("positions_BxL")
+      )
+    ce, mtp_term = total / denom, mtp_sum / n_tokens
+    aux_loss = jnp.zeros(())
+    if cfg.moe is not None:
+      aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, mtp_aux)
+      aux_loss = moe_lib.aux_objective(cfg.moe, aux) / microbatches
+    return ce + mtp_term + aux_loss, (ce, mtp_term, aux, aux_loss)
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def loss_and_grads(params, batch):
+    n_tokens = batch["tokens"].size
+    count = jnp.sum(batch["mask"].astype(jnp.float32))
+    denom = jnp.maximum(count, 1.0)
+    batch = {**batch, "mtp_weights": mtp_lib.batch_weights(cfg, batch)}
+    (_, (loss, mtp_term, aux, aux_loss)), grads = microbatch.accumulate(
+        grad_fn, params, batch, microbatches, denom, n_tokens
+    )
+    metrics = {"tokens": count, "mtp_loss": mtp_term}
+    if cfg.moe is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+      metrics["moe_aux_loss"] = aux_loss
+    return loss, grads, metrics
 
   return loss_and_grads
 
@@ -106,6 +157,8 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
     global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
   moe_cfg = cfg.moe
+  if cfg.mtp_depth:
+    return _mtp_loss_and_grads(cfg, mesh, microbatches)
 
   def objective(params, batch, denom):
     with moe_lib.expert_parallel(mesh):

@@ -25,7 +25,6 @@ from jaxpipe.models import hf, transformer
 from jaxpipe.training import hf_workdir as convert_lib
 from jaxpipe.training.state import make_optimizer
 from tests import helpers
-from tests.models import test_families as families
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -38,7 +37,6 @@ BIAS = "e_score_correction_bias"  # a buffer in transformers: no gradient there
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """(transformers' checkpoint directory, its model)."""
-  families._import_oracle()
   src = helpers.write_tiny_model(tmp_path_factory.mktemp("deepseek_v3") / "src", "deepseek_v3")
   return src, _load(src)
 
@@ -58,7 +56,7 @@ def _ids(seed=0, batch=BATCH):
 def _check(cfg, params, model, ids, tmp):
   """Logits, loss and every gradient against transformers' (the bias buffer's gradient: zero),
   at the test of the dense families (tests/models/test_families.py)."""
-  batch = families._batch(ids)
+  batch = helpers.lm_batch(ids)
 
   def objective(params):
     total, count, _ = transformer.loss_and_aux(
@@ -67,8 +65,8 @@ def _check(cfg, params, model, ids, tmp):
     return total / count, transformer.forward(cfg, params, batch["tokens"])
 
   (loss, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-  want_loss, want_logits, want_grads = families._oracle(model, ids, str(tmp))
-  assert families._rel(logits, want_logits) < 1e-5
+  want_loss, want_logits, want_grads = helpers.hf_oracle(model, ids, str(tmp))
+  assert helpers.rel_f64(logits, want_logits) < 1e-5
   assert abs(float(loss) - want_loss) < 1e-5 * want_loss
   got = dict(hf.hf_tensors(cfg, grads, "deepseek_v3"))
   assert got.keys() == want_grads.keys()
@@ -76,7 +74,7 @@ def _check(cfg, params, model, ids, tmp):
     if name.endswith(BIAS):  # the choice's bias steers which experts run: no gradient
       assert not np.any(got[name]), name
     else:
-      assert families._rel(got[name], g) < 2e-5, name
+      assert helpers.rel_f64(got[name], g) < 2e-5, name
 
 
 def test_the_config_reads_as_deepseek_v3s_parts(checkpoint):
@@ -130,7 +128,7 @@ def test_steps_under_dualpipev_at_pp2_ep2_with_zero1_equal_the_one_device_steps(
   workdir = str(tmp_path / "run")
   convert_lib.hf_to_orbax(src, workdir)
   cfg, params = hf.load(src)
-  batches = [families._batch(_ids(seed, 2 * BATCH)) for seed in range(3)]  # dp 2 x 4 mbs x 2
+  batches = [helpers.lm_batch(_ids(seed, 2 * BATCH)) for seed in range(3)]  # dp 2 x 4 mbs x 2
   config = convert_lib.finetune_config(workdir)
   config.mesh.pp, config.mesh.ep = 2, 2
   config.pipeline.schedule, config.pipeline.microbatches = "dualpipev", 4

@@ -16,7 +16,6 @@ Greedy text through `python -m jaxpipe.serve --http` is checked against `generat
 tests/serve/http/test_families.py.
 """
 
-import copy
 import functools
 import json
 import os
@@ -63,33 +62,6 @@ def _ids(seed=0):
   return np.random.default_rng(seed).integers(0, 384, (BATCH, SEQ))
 
 
-def _oracle(model, ids, grad_dir):
-  """transformers' (loss, logits, gradients by checkpoint name) for labels = ids; the gradients
-  saved by save_pretrained as if they were weights, so that transformers lays them out."""
-  model.zero_grad()
-  out = model(input_ids=torch.tensor(ids), labels=torch.tensor(ids))
-  out.loss.backward()
-  grads = copy.deepcopy(model)
-  with torch.no_grad():
-    for p, g in zip(model.parameters(), grads.parameters()):
-      g.copy_(p.grad)
-  grads.save_pretrained(grad_dir)
-  return out.loss.item(), out.logits.detach().numpy(), load_file(f"{grad_dir}/model.safetensors")
-
-
-def _batch(ids):
-  mask = np.ones(ids.shape, np.float32)
-  mask[:, -1] = 0.0  # transformers shifts the labels
-  return dict(
-      tokens=ids.astype(np.int32), targets=np.roll(ids, -1, axis=1).astype(np.int32), mask=mask
-  )
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-
-
 @functools.cache
 def _step(cfg):
   def objective(params, batch):
@@ -102,14 +74,14 @@ def _step(cfg):
 
 
 def _check(cfg, family, model_type, params, model, ids, tmp):
-  (loss, logits), grads = _step(cfg)(params, _batch(ids))
-  want_loss, want_logits, want_grads = _oracle(model, ids, str(tmp))
-  assert _rel(logits, want_logits) < 1e-5, family
+  (loss, logits), grads = _step(cfg)(params, helpers.lm_batch(ids))
+  want_loss, want_logits, want_grads = helpers.hf_oracle(model, ids, str(tmp))
+  assert helpers.rel_f64(logits, want_logits) < 1e-5, family
   assert abs(float(loss) - want_loss) < 1e-5 * want_loss, family
   got = dict(hf.hf_tensors(cfg, grads, model_type))
   assert got.keys() == want_grads.keys(), family
   for name, g in want_grads.items():
-    assert _rel(got[name], g) < 2e-5, (family, name)
+    assert helpers.rel_f64(got[name], g) < 2e-5, (family, name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -204,7 +176,7 @@ def test_three_steps_at_pp2_tp2_equal_the_one_device_steps(family, checkpoints, 
   workdir = str(tmp_path / "run")
   convert_lib.hf_to_orbax(src, workdir)
   cfg, params = hf.load(src)
-  batches = [_batch(_ids(seed)) for seed in range(3)]
+  batches = [helpers.lm_batch(_ids(seed)) for seed in range(3)]
   losses, got, config = _trainer_steps(workdir, batches)
   want_losses, want = _one_device_steps(cfg, params, batches, config)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

@@ -138,14 +138,6 @@ def test_attention_over_an_8bit_cache_is_within_the_rounding_bound(kind, backend
 AGREEMENT_FLOOR = {"int8": (0.75, 11), "fp8": (0.3, 10)}  # (prefix share, first tokens of 12)
 
 
-def agreement(got: list[list[int]], want: list[list[int]]) -> float:
-  """Tokens generated before each request's first divergence from the float cache, over all."""
-  same = 0
-  for g, w in zip(got, want):
-    same += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
-  return same / sum(map(len, want))
-
-
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_greedy_agreement_with_the_float_cache(kind):
   engine = Engine(
@@ -159,7 +151,7 @@ def test_greedy_agreement_with_the_float_cache(kind):
   prompts = helpers.prompts(seed=0, n=12)
   got = engine.generate(prompts, max_tokens=10)
   want = helpers.oracle("dense", prompts, 10)  # the float cache's tokens (test_engine)
-  share = agreement(got, want)
+  share = helpers.agreement(got, want)
   first = sum(g[0] == w[0] for g, w in zip(got, want))
   print(f"{kind}: {share:.0%} of greedy tokens before the first divergence, {first}/12 first")
   assert engine.counts["preemptions"] > 0

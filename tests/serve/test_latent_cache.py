@@ -19,7 +19,6 @@ from jaxpipe.serve import Engine
 from jaxpipe.serve import model as serve_model
 from jaxpipe.serve.deploy import Colocated, Disaggregated
 from tests import helpers
-from tests.serve.test_kv_quant import agreement
 
 CFG, PAGE = helpers.MLA, helpers.PAGE
 WIDTH = CFG.mla.kv_lora_rank + CFG.mla.qk_rope_head_dim  # 24: the CPU kernel's multiple of 8
@@ -82,7 +81,7 @@ def test_8bit_latent_pages_agree_with_the_float_ones(kind):
   prompts = helpers.prompts(seed=0, n=12)
   got = _serve(engine, prompts)
   want = helpers.oracle("mla", prompts, 10)
-  share = agreement(got, want)
+  share = helpers.agreement(got, want)
   first = sum(g[0] == w[0] for g, w in zip(got, want))
   print(f"{kind}: {share:.0%} of greedy tokens before the first divergence, {first}/12 first")
   assert (share, first) >= FLOOR[kind] and first >= FLOOR[kind][1]

@@ -1,0 +1,135 @@
+"""Multi-token prediction (`jaxpipe.models.mtp`) against a direct single-device implementation of
+DeepSeek-V3's equations (§2.2, eqs. 21-25), written here apart from the library's.
+
+For depth k = 1..D, on each sequence t_1..t_T (with t_{T+1} the last target):
+
+  h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]      i = 1..T-k
+  h^k_{1:T-k} = TRM_k(h'^k_{1:T-k})
+  P^k_{i+k+1} = OutHead(h^k_i)
+  L^k = -1/T Σ_{i=2+k}^{T+1} log P^k_i[t_i]
+  L_MTP = λ/D Σ_k L^k
+
+Sequences cut to T - k positions at each depth (no masks), h^0 the main model's last hidden
+states; the batch's loss the mean over its rows. The library's module runs at full length with
+shifted weights instead. Their losses and every gradient agree, and the trainer's step adds
+L_MTP to the cross-entropy.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.models import mtp, transformer
+from jaxpipe.models.layers import rms_norm
+from jaxpipe.models.moe import MoEConfig
+from jaxpipe.training import losses
+from tests import helpers
+
+B, L = 4, 12
+DENSE = transformer.TransformerConfig(
+    vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, mtp_depth=2
+)
+MOE = dataclasses.replace(
+    DENSE,
+    moe=MoEConfig(num_experts=4, top_k=2, d_ff=16, lb_loss_coef=0.0, z_loss_coef=0.0),
+    mtp_depth=1,
+    mtp_weight=0.1,
+)
+
+
+def _paper(cfg, params, tokens, next_tokens):
+  """L_MTP by the equations: per depth, the sequences cut to T - k, no masks."""
+  x = transformer.embed(cfg, params, tokens)
+  h, _ = transformer.apply_layers_aux(cfg, params["layers"], x)
+  t_all = jnp.concatenate([tokens, next_tokens[:, -1:]], axis=1)  # t_1 .. t_{T+1}
+  total = 0.0
+  for k in range(1, cfg.mtp_depth + 1):
+    p = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
+    n = L - k
+    e = params["embed"][t_all[:, k : k + n]]  # Emb(t_{i+k}), i = 1..T-k
+    norm = lambda v, w: rms_norm(v, w, cfg.norm_eps)
+    h_in = jnp.concatenate([norm(e, p["enorm"]["scale"]), norm(h[:, :n], p["hnorm"]["scale"])], -1)
+    h_in = h_in @ p["eh_proj"]["kernel"]
+    out = transformer.Block(cfg, moe=cfg.moe is not None).apply(
+        {"params": p["block"]}, h_in, jnp.arange(n)
+    )
+    h = out[0] if cfg.moe is not None else out
+    logits = norm(h, p["final_norm"]["scale"]) @ (
+        params["embed"].T if cfg.tied_embeddings else params["head"]
+    )
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    target = t_all[:, k + 1 : k + 1 + n]  # t_{i+k+1}
+    picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    total = total + (-jnp.sum(picked, axis=1) / L).mean()  # 1/T, then the rows' mean
+  return cfg.mtp_weight / cfg.mtp_depth * total
+
+
+def _ours(cfg, params, tokens, targets):
+  mask = jnp.ones(tokens.shape, jnp.float32)
+  x = transformer.embed(cfg, params, tokens)
+  h, _ = transformer.apply_layers_aux(cfg, params["layers"], x)
+  total, _ = mtp.loss(cfg, params, h, targets, mtp.weights(cfg, mask))
+  return total / tokens.size
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense-depth2", "moe-depth1"])
+def test_the_loss_and_its_gradients_equal_the_papers_equations(cfg):
+  params = helpers.random_params(cfg, seed=3)
+  rng = np.random.default_rng(0)
+  seq = rng.integers(0, cfg.vocab, (B, L + 1)).astype(np.int32)
+  tokens, targets = seq[:, :-1], seq[:, 1:]
+  want, want_g = jax.jit(jax.value_and_grad(lambda p: _paper(cfg, p, tokens, targets)))(params)
+  got, got_g = jax.jit(jax.value_and_grad(lambda p: _ours(cfg, p, tokens, targets)))(params)
+  assert float(want) > 0.1 * cfg.mtp_weight
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  want_flat = helpers.flat(want_g)
+  for path, g in helpers.flat(got_g).items():
+    helpers.close(g, want_flat[path], jax.tree_util.keystr(path), rtol=2e-5)
+  for part in ("mtp", "layers", "embed"):  # the modules and the model under them both learn
+    assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(got_g[part])), part
+
+
+def test_the_step_adds_the_modules_loss_to_the_cross_entropy():
+  """The data-parallel step's gradient is that of CE + L_MTP, its loss the CE alone."""
+  cfg = DENSE
+  params = helpers.random_params(cfg, seed=4)
+  rng = np.random.default_rng(1)
+  seq = rng.integers(0, cfg.vocab, (B, L + 1)).astype(np.int32)
+  batch = dict(tokens=seq[:, :-1], targets=seq[:, 1:], mask=np.ones((B, L), np.float32))
+  loss, grads, metrics = jax.jit(losses.data_parallel_loss_and_grads(cfg, microbatches=2))(
+      params, batch
+  )
+
+  def objective(p):
+    total, count = transformer.loss(cfg, p, batch["tokens"], batch["targets"], batch["mask"])
+    return total / count + _paper(cfg, p, batch["tokens"], batch["targets"]), total / count
+
+  (_, want_ce), want = jax.value_and_grad(objective, has_aux=True)(params)
+  np.testing.assert_allclose(loss, want_ce, rtol=1e-6)
+  np.testing.assert_allclose(
+      metrics["mtp_loss"], _paper(cfg, params, batch["tokens"], batch["targets"]), rtol=1e-5
+  )
+  want = helpers.flat(want)
+  for path, g in helpers.flat(grads).items():
+    helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=2e-5)
+
+
+def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
+  from configs import tiny
+  from jaxpipe.training import config as config_lib
+  from jaxpipe.training.trainer import Trainer
+
+  c = tiny.get_config()
+  c.model.mtp_depth, c.model.mtp_weight = 1, 0.3
+  trainer = Trainer(c)
+  assert trainer.model_cfg.mtp_depth == 1
+  trainer.init()
+  first = trainer.step()
+  assert "mtp_loss" in first and float(first["mtp_loss"]) > 0
+  c.mesh.pp = 2
+  match = r"model.mtp_depth=1 \(multi-token prediction\) .* not with mesh.pp; use mesh.pp=1"
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c, 8)
