@@ -945,3 +945,39 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> float:
   for g, w in zip(got, want):
     same += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
   return same / sum(map(len, want))
+
+
+def check_round_trip(src: str, dst: str):
+  """Imports `src` (a checkpoint transformers wrote), exports it into `dst` and checks the two
+  bit for bit: the same tensors in the same dtypes and bytes, the same config.json, the same
+  model read back. Returns the model's config."""
+  from safetensors.numpy import load_file
+
+  from jaxpipe.models import hf
+
+  plan = hf.check(src)
+  cfg, params = hf.load(plan)
+  written = hf.save(cfg, params, dst, hf_config=plan.hf_config)
+  want, got = (load_file(os.path.join(d, hf.WEIGHTS_FILE)) for d in (src, dst))
+  assert want.keys() == got.keys()
+  for name in want:
+    assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes(), name
+  with open(os.path.join(src, hf.CONFIG_FILE)) as f:
+    assert json.load(f) == written
+  assert hf.check(dst).cfg == cfg
+  return cfg
+
+
+def run_deployments(deployments, prompts, max_tokens: int) -> list[list]:
+  """Each deployment's finished requests for `prompts` (greedy, no EOS), in prompt order, the
+  pages of every engine checked after every step (`check_pages`)."""
+  results = []
+  for dep in deployments:
+    ids = [dep.add_request(p, max_tokens, eos_id=None) for p in prompts]
+    while dep.has_work():
+      dep.step()
+      for e in dep.engines:
+        check_pages(e)
+    done = {r.id: r for r in dep.finished()}
+    results.append([done[i] for i in ids])
+  return results

@@ -394,11 +394,20 @@ class _PagedHook:
     self.latent = pools[1].shape[-1] == 0
 
   def __call__(self, q_1xTxHxK, k_1xTxGxK, v_1xTxGxK, sm_scale=None, window=0, softcap=0.0):
+    return self._attend(q_1xTxHxK, k_1xTxGxK, v_1xTxGxK[0], sm_scale, window, softcap)
+
+  def latent_attention(self, q_1xTxHxC, latent_1xTx1xC, values, sm_scale):
+    """`attention.latent_attention` over the pages: the latents stored in the K pool, which the
+    kernels then read as both keys and values."""
+    return self._attend(q_1xTxHxC, latent_1xTx1xC, None, sm_scale)[..., :values]
+
+  def _attend(self, q_1xTxHxK, k_1xTxGxK, v_TxGxK, sm_scale, window=0, softcap=0.0):
+    """`_write_and_attend` on this layer's slots and rows."""
     slots, rows, offset = self._rows()
     o_TxHxK, self.pools = _write_and_attend(
         q_1xTxHxK[0],
         k_1xTxGxK[0],
-        v_1xTxGxK[0],
+        v_TxGxK,
         self.pools,
         slots,
         rows,
@@ -409,23 +418,6 @@ class _PagedHook:
         softcap=softcap,
     )
     return o_TxHxK[None]
-
-  def latent_attention(self, q_1xTxHxC, latent_1xTx1xC, values, sm_scale):
-    """`attention.latent_attention` over the pages: the latents stored in the K pool, which the
-    kernels then read as both keys and values."""
-    slots, rows, offset = self._rows()
-    o_TxHxC, self.pools = _write_and_attend(
-        q_1xTxHxC[0],
-        latent_1xTx1xC[0],
-        None,
-        self.pools,
-        slots,
-        rows,
-        offset,
-        backend=self.backend,
-        sm_scale=sm_scale,
-    )
-    return o_TxHxC[None, ..., :values]
 
   def _rows(self):
     """This layer's slots of the step's tokens, its rows (as `_write_and_attend` takes them)

@@ -17,15 +17,12 @@ tests/serve/http/test_families.py.
 """
 
 import functools
-import json
-import os
 import shutil
 
 import jax
 import numpy as np
 import optax
 import pytest
-from safetensors.numpy import load_file
 
 from jaxpipe.models import hf, transformer
 from jaxpipe.training import hf_workdir as convert_lib
@@ -103,24 +100,9 @@ def test_logits_loss_and_gradients_equal_transformers_before_and_after_export(
   _check(cfg, family, model_type, params, changed, _ids(1), tmp_path / "grads2")
 
 
-def _weights(directory):
-  return load_file(os.path.join(directory, hf.WEIGHTS_FILE))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_and_import_round_trip_bit_for_bit(family, checkpoints, tmp_path):
-  src, _ = checkpoints[family]
-  plan = hf.check(src)
-  cfg, params = hf.load(plan)
-  dst = str(tmp_path / family)
-  written = hf.save(cfg, params, dst, hf_config=plan.hf_config)
-  want, got = _weights(src), _weights(dst)
-  assert want.keys() == got.keys()
-  for name in want:
-    assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes(), name
-  with open(os.path.join(src, hf.CONFIG_FILE)) as f:
-    assert json.load(f) == written
-  assert hf.check(dst).cfg == cfg
+  helpers.check_round_trip(checkpoints[family][0], str(tmp_path / family))
 
 
 def _trainer_steps(workdir, batches):

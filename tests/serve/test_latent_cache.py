@@ -99,16 +99,7 @@ def test_a_latent_handoff_gives_the_tokens_of_colocated():
   colo = Colocated(*args, [d[0:1]], **kw)
   dis = Disaggregated(*args, [d[1:2]], [d[2:3]], **kw)
   prompts = helpers.prompts(seed=4, n=6)
-  results = []
-  for dep in (colo, dis):
-    ids = [dep.add_request(p, 8, eos_id=None) for p in prompts]
-    while dep.has_work():
-      dep.step()
-      for e in dep.engines:
-        helpers.check_pages(e)
-    done = {r.id: r for r in dep.finished()}
-    results.append([done[i] for i in ids])
-  a, b = results
+  a, b = helpers.run_deployments((colo, dis), prompts, 8)
   assert [r.output for r in a] == [r.output for r in b] == helpers.oracle("mla", prompts, 8)
   per_token = CFG.n_layers * WIDTH * 4  # float32 latents, nothing in the V pool
   for r, p in zip(b, prompts):
