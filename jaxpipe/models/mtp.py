@@ -82,6 +82,7 @@ def loss(
     targets_BxL: jax.Array,
     weights_DxBxL: jax.Array,
     positions_L: jax.Array | None = None,
+    segment_ids_BxL: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
   """The modules' weighted cross-entropy sum and their MoE aux.
 
@@ -92,6 +93,7 @@ def loss(
     targets_BxL: the main model's targets (the next tokens).
     weights_DxBxL: `weights` ([D, B, L]; `batch_weights`' [B, D, L] swapped).
     positions_L: [L] or [B, L]; default 0..L-1.
+    segment_ids_BxL: packed rows' document ids: each module's layer attends within them.
 
   Returns:
     `(Σ_k Σ_i weights[k, i] · CE_k(i), aux)`: aux the modules' MoE aux with a leading [depth]
@@ -114,7 +116,7 @@ def loss(
     )
     x = jnp.dot(both, p["eh_proj"]["kernel"].astype(cfg.compute_dtype))
     out = transformer.Block(cfg, moe=cfg.moe is not None).apply(
-        {"params": p["block"]}, x, positions_L
+        {"params": p["block"]}, x, positions_L, segment_ids_BxL
     )
     h, aux = out if cfg.moe is not None else (out, None)
     if aux is not None:

@@ -112,7 +112,13 @@ def _mtp_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int) -> Loss
       total, _ = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
       weights = jnp.swapaxes(batch["mtp_weights"], 0, 1)
       mtp_sum, mtp_aux = mtp_lib.loss(
-          cfg, params, x, batch["targets"], weights, kw.get("positions_BxL")
+          cfg,
+          params,
+          x,
+          batch["targets"],
+          weights,
+          kw.get("positions_BxL"),
+          kw.get("segment_ids_BxL"),
       )
     ce, mtp_term = total / denom, mtp_sum / n_tokens
     aux_loss = jnp.zeros(())

@@ -133,3 +133,35 @@ def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
   match = r"model.mtp_depth=1 \(multi-token prediction\) .* not with mesh.pp; use mesh.pp=1"
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, 8)
+
+
+def test_packed_rows_keep_each_module_inside_its_document():
+  """Two documents packed in one row give the modules' loss of the two alone, padded."""
+  cfg = DENSE
+  params = helpers.random_params(cfg, seed=5)
+  rng = np.random.default_rng(2)
+  docs = [rng.integers(0, cfg.vocab, n + 1).astype(np.int32) for n in (5, 7)]
+  packed = {
+      k: np.zeros((1, L), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")
+  }
+  alone = {k: np.zeros((2, L), np.int32) for k in ("tokens", "targets")}
+  alone["mask"] = np.zeros((2, L), np.float32)
+  start = 0
+  for d, seq in enumerate(docs):
+    n = len(seq) - 1
+    span = slice(start, start + n)
+    packed["tokens"][0, span], packed["targets"][0, span] = seq[:-1], seq[1:]
+    packed["segment_ids"][0, span], packed["positions"][0, span] = d + 1, np.arange(n)
+    alone["tokens"][d, :n], alone["targets"][d, :n], alone["mask"][d, :n] = seq[:-1], seq[1:], 1
+    start += n
+  packed["mask"] = np.ones((1, L), np.float32)
+
+  def term(batch, seg=None, pos=None):
+    x = transformer.embed(cfg, params, batch["tokens"])
+    h, _ = transformer.apply_layers_aux(cfg, params["layers"], x, pos, seg)
+    w = mtp.weights(cfg, batch["mask"], seg)
+    return mtp.loss(cfg, params, h, batch["targets"], w, pos, seg)[0] / batch["tokens"].size
+
+  got = term(packed, packed["segment_ids"], packed["positions"])
+  np.testing.assert_allclose(got, term(alone), rtol=1e-6)
+  assert float(got) != pytest.approx(float(term(packed, None, packed["positions"])), rel=1e-3)
