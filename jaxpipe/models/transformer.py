@@ -20,7 +20,7 @@ layers, k-1 dense then one MoE, so the leading axis of `params['layers']` counts
 n_layers / k of them: `{'dense': [groups, k-1, ...], 'moe': [groups, ...]}` ('dense' absent for
 k = 1). DeepSeek's first dense layers (`cfg.first_dense`, of width d_ff) sit apart in
 `params['first_layers']`, before that stack: pipelined, they run with the embedding on the first
-stage, as DeepSeek-V3 and MaxText place them. `apply_layers_aux` also returns the MoE layers'
+stage, as DeepSeek-V3's first stage holds them. `apply_layers_aux` also returns the MoE layers'
 auxiliary losses and routing statistics; `apply_layers` folds the auxiliary losses into the
 gradient instead (`attach_aux_loss`).
 
