@@ -6,7 +6,8 @@ Parameters are a plain dict pytree:
    'layers': per-layer params stacked on a leading [n_layers] axis,
    'final_norm': {'scale': [d_model]},
    'head': [d_model, vocab],              # absent when cfg.tied_embeddings
-   'first_layers': dense layers stacked on a leading [first_dense] axis}  # with cfg.first_dense
+   'first_layers': dense layers stacked on a leading [first_dense] axis,  # with cfg.first_dense
+   'mtp': multi-token prediction modules on a leading [mtp_depth] axis}  # `jaxpipe.models.mtp`
 
 The model is `embed -> apply_first -> apply_layers -> head_loss` (`embed_first` is the first
 two; `apply_first` is the identity without `cfg.first_dense`). `apply_layers` is a `lax.scan`
@@ -989,6 +990,35 @@ def mean_weights(mask_BxL: jax.Array) -> jax.Array:
   return mask_BxL * (mask_BxL.size / jnp.maximum(jnp.sum(mask_BxL), 1.0))
 
 
+def hidden_and_aux(
+    cfg: TransformerConfig,
+    params: dict,
+    tokens_BxL: jax.Array,
+    segment_ids_BxL: jax.Array | None = None,
+    positions_BxL: jax.Array | None = None,
+    where: str = "hidden_and_aux",
+) -> tuple[jax.Array, dict]:
+  """The last layer's output (before the final norm) and the MoE layers' aux, on one device.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters.
+    tokens_BxL: token ids, [B, L].
+    segment_ids_BxL: packed rows' segment ids (see `check_packed`); None: one sequence per row.
+    positions_BxL: packed rows' positions; None: 0..L-1.
+    where: the caller's name, for the packed keys' message.
+
+  Returns:
+    `(x [B, L, D], aux)`, aux as `apply_layers_aux` gives it.
+
+  Raises:
+    ValueError: packed keys of another shape than the tokens, or not integers.
+  """
+  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, where)
+  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
+  return apply_layers_aux(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
+
+
 def forward(
     cfg: TransformerConfig,
     params: dict,
@@ -1012,9 +1042,9 @@ def forward(
   Raises:
     ValueError: packed keys of another shape than the tokens, or not integers.
   """
-  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "forward")
-  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
-  x_BxLxD, _ = apply_layers_aux(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
+  x_BxLxD, _ = hidden_and_aux(
+      cfg, params, tokens_BxL, segment_ids_BxL, positions_BxL, where="forward"
+  )
   return logits(cfg, params, x_BxLxD)
 
 
@@ -1088,9 +1118,9 @@ def loss_and_aux(
   Raises:
     ValueError: bad packed keys.
   """
-  check_packed(tokens_BxL, segment_ids_BxL, positions_BxL, "loss_and_aux")
-  x_BxLxD = embed_first(cfg, params, tokens_BxL, positions_BxL, segment_ids_BxL)
-  x_BxLxD, aux = apply_layers_aux(cfg, params["layers"], x_BxLxD, positions_BxL, segment_ids_BxL)
+  x_BxLxD, aux = hidden_and_aux(
+      cfg, params, tokens_BxL, segment_ids_BxL, positions_BxL, where="loss_and_aux"
+  )
   return (*head_loss(cfg, params, x_BxLxD, targets_BxL, mask_BxL), aux)
 
 

@@ -219,10 +219,7 @@ class EngineConfig:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     if self.num_pages < 2:
       raise ValueError(f"num_pages={self.num_pages} must be >= 2: page 0 is the scratch page")
-    if self.mla_cache not in model_lib.MLA_CACHES:
-      raise ValueError(
-          f"mla_cache={self.mla_cache!r} is unknown; use one of {model_lib.MLA_CACHES}"
-      )
+    model_lib.check_mla_cache(self.mla_cache)
     if self.async_scheduling and self.prefill_only:
       raise ValueError(
           "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "

@@ -304,12 +304,13 @@ def init_kv(
   heads, k_width, v_width = cached_heads(cfg, mla_cache)
   k_shape, v_shape = ((heads, total, page_size, w) for w in (k_width, v_width))
   layout = dict(window_pages=window_pages if rings else 0, ring_layers=rings)
+  # one program per shape (K and V alike but for a latent cache's empty V)
+  full = jax.jit(jnp.full, static_argnums=(0, 2), out_shardings=sharding)
   if not quantized(dtype):
-    make = lambda shape: jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
-    return KVPages(make(k_shape), make(v_shape), num_pages, **layout)
-  pool = lambda shape: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-  scales = jax.jit(lambda: jnp.full(k_shape[:3], fill, jnp.float32), out_shardings=sharding)
-  return KVPages(pool(k_shape), pool(v_shape), num_pages, scales(), scales(), **layout)
+    return KVPages(full(k_shape, fill, dtype), full(v_shape, fill, dtype), num_pages, **layout)
+  pools = full(k_shape, 0, dtype), full(v_shape, 0, dtype)
+  scales = [full(k_shape[:3], fill, jnp.float32) for _ in range(2)]
+  return KVPages(*pools, num_pages, *scales, **layout)
 
 
 def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -338,6 +339,16 @@ def quantize(x_TxGxK: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 MLA_CACHES = ("latent", "expanded")  # what a latent-attention model's pages hold
 
 
+def check_mla_cache(mla_cache: str) -> None:
+  """Raises ValueError (one line) unless `mla_cache` is one of `MLA_CACHES`.
+
+  Args:
+    mla_cache: the name to check.
+  """
+  if mla_cache not in MLA_CACHES:
+    raise ValueError(f"mla_cache={mla_cache!r} is unknown; use one of {MLA_CACHES}")
+
+
 def cached_heads(cfg: TransformerConfig, mla_cache: str = "latent") -> tuple[int, int, int]:
   """(heads, key width, value width) of what one layer's pages hold per token.
 
@@ -357,8 +368,7 @@ def cached_heads(cfg: TransformerConfig, mla_cache: str = "latent") -> tuple[int
   Raises:
     ValueError: an unknown `mla_cache`.
   """
-  if mla_cache not in MLA_CACHES:
-    raise ValueError(f"mla_cache={mla_cache!r} is unknown; use one of {MLA_CACHES}")
+  check_mla_cache(mla_cache)
   if cfg.mla is not None and mla_cache == "latent":
     return 1, cfg.mla.cache_width, 0
   if cfg.mla is not None:

@@ -76,7 +76,7 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   """
 
   if cfg.mtp_depth:  # its modules' losses beside the main one, as the MoE path adds them
-    return _mtp_loss_and_grads(cfg, None, microbatches)
+    return moe_loss_and_grads(cfg, None, microbatches)
 
   def loss_sum(params, batch):
     return transformer.loss(
@@ -93,87 +93,51 @@ def data_parallel_loss_and_grads(cfg: TransformerConfig, microbatches: int = 1) 
   return loss_and_grads
 
 
-def _mtp_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int) -> LossAndGrads:
-  """The data-parallel (and, with `mesh`, expert-parallel) step of a model with multi-token
-  prediction: mean cross-entropy, plus λ/D times each module's mean cross-entropy
-  (`mtp.weights`, over the whole batch), plus the MoE aux. Reports the main cross-entropy;
-  metrics add `mtp_loss`, the modules' term."""
-  from jaxpipe.models import mtp as mtp_lib  # noqa: PLC0415
-
-  def objective(params, batch, denom, n_tokens):
-    kw = _packed_kwargs(batch)
-    with moe_lib.expert_parallel(mesh) if mesh is not None else contextlib.nullcontext():
-      x = transformer.embed_first(
-          cfg, params, batch["tokens"], kw.get("positions_BxL"), kw.get("segment_ids_BxL")
-      )
-      x, aux = transformer.apply_layers_aux(
-          cfg, params["layers"], x, kw.get("positions_BxL"), kw.get("segment_ids_BxL")
-      )
-      total, _ = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
-      weights = jnp.swapaxes(batch["mtp_weights"], 0, 1)
-      mtp_sum, mtp_aux = mtp_lib.loss(
-          cfg,
-          params,
-          x,
-          batch["targets"],
-          weights,
-          kw.get("positions_BxL"),
-          kw.get("segment_ids_BxL"),
-      )
-    ce, mtp_term = total / denom, mtp_sum / n_tokens
-    aux_loss = jnp.zeros(())
-    if cfg.moe is not None:
-      aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, mtp_aux)
-      aux_loss = moe_lib.aux_objective(cfg.moe, aux) / microbatches
-    return ce + mtp_term + aux_loss, (ce, mtp_term, aux, aux_loss)
-
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
-
-  def loss_and_grads(params, batch):
-    n_tokens = batch["tokens"].size
-    count = jnp.sum(batch["mask"].astype(jnp.float32))
-    denom = jnp.maximum(count, 1.0)
-    batch = {**batch, "mtp_weights": mtp_lib.batch_weights(cfg, batch)}
-    (_, (loss, mtp_term, aux, aux_loss)), grads = microbatch.accumulate(
-        grad_fn, params, batch, microbatches, denom, n_tokens
-    )
-    metrics = {"tokens": count, "mtp_loss": mtp_term}
-    if cfg.moe is not None:
-      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
-      metrics["moe_aux_loss"] = aux_loss
-    return loss, grads, metrics
-
-  return loss_and_grads
-
-
 def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> LossAndGrads:
-  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis.
+  """`data_parallel_loss_and_grads` for an MoE model, experts split over the mesh's `ep` axis,
+  or for a model with multi-token prediction.
 
   Differentiates the mean cross-entropy plus the mean over micro-batches of the MoE layers'
-  weighted auxiliary losses (the module docstring's objective); reports the cross-entropy as
-  `loss`. Metrics add the routing statistics (`moe.train_metrics`), as every MoE path does.
+  weighted auxiliary losses (the module docstring's objective), plus with `cfg.mtp_depth` λ/D
+  times each prediction module's loss (`mtp.weights`, over the whole batch); reports the
+  cross-entropy as `loss`. Metrics add the routing statistics (`moe.train_metrics`), as every
+  MoE path does, and `mtp_loss`, the modules' term.
 
   Args:
-    cfg: the model, with MoE layers.
-    mesh: the device mesh, with an `ep` axis.
+    cfg: the model, with MoE layers or prediction modules (or both).
+    mesh: the device mesh, with an `ep` axis; None: no experts to split.
     microbatches: slices the batch is processed in.
 
   Returns:
     `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
     global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
-  moe_cfg = cfg.moe
-  if cfg.mtp_depth:
-    return _mtp_loss_and_grads(cfg, mesh, microbatches)
+  from jaxpipe.models import mtp as mtp_lib  # noqa: PLC0415 (only models that have it)
 
-  def objective(params, batch, denom):
-    with moe_lib.expert_parallel(mesh):
-      total, _, aux = transformer.loss_and_aux(
-          cfg, params, batch["tokens"], batch["targets"], batch["mask"], **_packed_kwargs(batch)
-      )
-    ce = total / denom
-    aux_loss = moe_lib.aux_objective(moe_cfg, aux)
-    return ce + aux_loss / microbatches, (ce, {**aux, "objective": aux_loss})
+  moe_cfg = cfg.moe
+
+  def objective(params, batch, denom, n_tokens):
+    kw = _packed_kwargs(batch)
+    with moe_lib.expert_parallel(mesh) if mesh is not None else contextlib.nullcontext():
+      x, aux = transformer.hidden_and_aux(cfg, params, batch["tokens"], **kw)
+      total, _ = transformer.head_loss(cfg, params, x, batch["targets"], batch["mask"])
+      ce, terms = total / denom, {}
+      if cfg.mtp_depth:
+        weights = jnp.swapaxes(batch["mtp_weights"], 0, 1)
+        mtp_sum, mtp_aux = mtp_lib.loss(
+            cfg,
+            params,
+            x,
+            batch["targets"],
+            weights,
+            kw.get("positions_BxL"),
+            kw.get("segment_ids_BxL"),
+        )
+        aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux, mtp_aux)
+        terms["mtp_loss"] = mtp_sum / n_tokens
+    if moe_cfg is not None:
+      terms["moe_aux_loss"] = moe_lib.aux_objective(moe_cfg, aux) / microbatches
+    return ce + sum(terms.values()), (ce, terms, aux)
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -181,12 +145,14 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
     denom = jnp.maximum(count, 1.0)
-    (_, (loss, aux)), grads = microbatch.accumulate(grad_fn, params, batch, microbatches, denom)
-    metrics = {
-        "tokens": count,
-        **moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k),
-        "moe_aux_loss": aux["objective"] / microbatches,
-    }  # the pooled form's lb included
+    if cfg.mtp_depth:
+      batch = {**batch, "mtp_weights": mtp_lib.batch_weights(cfg, batch)}
+    (_, (loss, terms, aux)), grads = microbatch.accumulate(
+        grad_fn, params, batch, microbatches, denom, n_tokens
+    )
+    metrics = {"tokens": count, **terms}  # the pooled form's lb included in moe_aux_loss
+    if moe_cfg is not None:
+      metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k))
     return loss, grads, metrics
 
   return loss_and_grads

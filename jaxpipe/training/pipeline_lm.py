@@ -246,6 +246,20 @@ def layer_order(
   return lm_layer_order(cfg, config.pipeline, mesh_shape["pp"])
 
 
+def io_params(params: dict) -> tuple[dict, dict]:
+  """The parameters outside the stages: the head's (all but the layer stacks) and the
+  embedding's (the embedding, and with `first_dense` the first dense layers, which run with it).
+
+  Args:
+    params: the model's parameters.
+
+  Returns:
+    `(head_params, embed_params)` for the executor's `loss_fn` and `embed_fn`.
+  """
+  head = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
+  return head, {k: params[k] for k in ("embed", "first_layers") if k in params}
+
+
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep", tp: int = 1, tp_axis: str = "tp"):
   """PartitionSpecs over one stage's layer params.
 
@@ -399,8 +413,7 @@ def pipeline_loss_and_grads(
     stage_params = jax.tree.map(
         lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]
     )
-    head_params = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
-    embed_params = {k: params[k] for k in ("embed", "first_layers") if k in params}
+    head_params, embed_params = io_params(params)
     xs = split["tokens"]
     if cfg.first_dense:  # the first dense layers run with the embedding, on the packed rows too
       xs = {"tokens": xs, **{k: split[k] for k in packed_keys}}

@@ -40,7 +40,7 @@ from jaxpipe.planning import auto as auto_lib
 from jaxpipe.planning import costs as costs_lib
 from jaxpipe.training import config as config_lib
 from jaxpipe.training.mesh import BATCH_AXES, make_mesh
-from jaxpipe.training.pipeline_lm import CONTEXT_AXIS, lm_model, stage_param_specs
+from jaxpipe.training.pipeline_lm import CONTEXT_AXIS, io_params, lm_model, stage_param_specs
 from jaxpipe.training.state import fresh_state, make_optimizer, state_shardings
 
 
@@ -186,8 +186,7 @@ class StageTimer:
     model = lm_model(cfg, seq_axes[0] if seq_axes else None)
     params = jax.jit(transformer.init_params, static_argnums=0)(cfg, jax.random.key(0))
     stage = jax.tree.map(lambda a: a[: units // stages], params["layers"])
-    head = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
-    embed = {k: params[k] for k in ("embed", "first_layers") if k in params}
+    head, embed = io_params(params)
     b, seq = shape
     data = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     replicas = math.prod(mesh.shape[a] for a in data)
