@@ -150,9 +150,11 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
     (_, (loss, terms, aux)), grads = microbatch.accumulate(
         grad_fn, params, batch, microbatches, denom, n_tokens
     )
-    metrics = {"tokens": count, **terms}  # the pooled form's lb included in moe_aux_loss
+    metrics = {"tokens": count}
     if moe_cfg is not None:
       metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, moe_cfg.top_k))
+    # after the routing statistics: the objective's moe_aux_loss holds the pooled form's lb
+    metrics.update(terms)
     return loss, grads, metrics
 
   return loss_and_grads
