@@ -951,21 +951,28 @@ def check_round_trip(src: str, dst: str):
   """Imports `src` (a checkpoint transformers wrote), exports it into `dst` and checks the two
   bit for bit: the same tensors in the same dtypes and bytes, the same config.json, the same
   model read back. Returns the model's config."""
-  from safetensors.numpy import load_file
-
   from jaxpipe.models import hf
 
   plan = hf.check(src)
   cfg, params = hf.load(plan)
   written = hf.save(cfg, params, dst, hf_config=plan.hf_config)
-  want, got = (load_file(os.path.join(d, hf.WEIGHTS_FILE)) for d in (src, dst))
-  assert want.keys() == got.keys()
-  for name in want:
-    assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes(), name
+  same_weights(src, dst)
   with open(os.path.join(src, hf.CONFIG_FILE)) as f:
     assert json.load(f) == written
   assert hf.check(dst).cfg == cfg
   return cfg
+
+
+def same_weights(src: str, dst: str) -> None:
+  """The two checkpoint directories hold the same tensors, dtypes and bytes (one file each)."""
+  from safetensors.numpy import load_file
+
+  from jaxpipe.models import hf
+
+  want, got = (load_file(os.path.join(d, hf.WEIGHTS_FILE)) for d in (src, dst))
+  assert want.keys() == got.keys()
+  for name in want:
+    assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes(), name
 
 
 def run_deployments(deployments, prompts, max_tokens: int) -> list[list]:

@@ -342,10 +342,16 @@ def check(directory: str) -> Plan:
     hf = json.load(f)
   cfg = config_from_hf(hf)
   where, meta = _headers(directory)
+  depth = _family(hf["model_type"]).mtp_depth(hf, set(where))
+  if depth:  # the multi-token prediction modules the checkpoint holds
+    cfg = dataclasses.replace(cfg, mtp_depth=depth)
   plan = tensors(cfg, hf["model_type"])
   _check_leaves(cfg, plan)
-  want = {name: t for t in plan for _, name in t.names()}
+  want = {name: t for t in plan if not t.copy for _, name in t.names()}
   ignored = {name: why for name in where for pattern, why in _DERIVED if pattern.fullmatch(name)}
+  for t in plan:
+    if t.copy:  # not read: the leaf is read from its own tensor
+      ignored.update({n: f"a copy of parameter {'/'.join(t.path)}" for _, n in t.names()})
   missing = [name for name in want if name not in where]
   if missing:
     raise CheckpointError(
@@ -389,7 +395,7 @@ def _check_leaves(cfg: transformer.TransformerConfig, plan: list[Tensor]) -> Non
       for p, s in jax.tree_util.tree_leaves_with_path(shapes)
       if not fp8.is_state(p)
   }
-  mapped = {t.path: t.leaf_shape for t in plan}
+  mapped = {t.path: t.leaf_shape for t in plan if not t.copy}
   if leaves != mapped:
     diff = sorted(set(leaves.items()) ^ set(mapped.items()))
     raise CheckpointError(
@@ -494,7 +500,7 @@ def load(
     shard_of = flat.__getitem__
   with contextlib.ExitStack() as stack:
     reader = _Reader(plan, stack)
-    leaves = [(t.path, _place(t, reader, shard_of(t.path))) for t in plan.tensors]
+    leaves = [(t.path, _place(t, reader, shard_of(t.path))) for t in plan.tensors if not t.copy]
   return plan.cfg, _nest(leaves)
 
 

@@ -1,13 +1,15 @@
 """Multi-token prediction (DeepSeek-V3 §2.2): `depth` sequential modules after the main model,
 module k predicting the token k + 1 places ahead of each position.
 
-Module k (1..D) takes the previous depth's hidden states h^{k-1} (the main model's, before its
-final norm, for k = 1) and the embeddings of the tokens k places ahead, both normed, projects
-their concatenation back to d_model (DeepSeek's checkpoints put the embedding first:
-`eh_proj([enorm(e); hnorm(h)])`), runs one decoder layer over it, and predicts through its own
-final norm and the model's shared output head. Its loss is the cross-entropy summed over the
-positions whose target exists, over the main loss's token count T (the paper's 1/T); the
-objective adds λ/D times their sum to the main loss.
+Module k (1..D) takes the previous depth's states h^{k-1} and the embeddings of the tokens k
+places ahead, both normed, projects their concatenation back to d_model (embedding first:
+`eh_proj([enorm(e); hnorm(h)])`), runs one decoder layer over it and norms the result with its
+own norm (`shared_head.norm` in DeepSeek's checkpoints): that is h^k, which the model's shared
+output head projects to module k's logits. h^0 is the main model's output after its final norm.
+This is transformers' `MtpModel` (which `generate(use_mtp=True)` drafts with) and what vLLM
+feeds DeepSeek's MTP layer. Module k's loss is the cross-entropy summed over the positions whose
+target exists, over the main loss's token count T (the paper's 1/T); the objective adds λ/D
+times their sum to the main loss.
 
 Parameters, stacked on a leading [depth] axis (`params['mtp']`, which
 `transformer.init_params` makes):
@@ -75,6 +77,35 @@ def _ahead(x_BxL, k: int, fill):
   return jnp.concatenate([x_BxL[:, k:], pad], axis=1)
 
 
+def _states(cfg, params, h_BxLxD, tokens_ahead, positions_L, segment_ids_BxL):
+  """Yields each module's normed states h^k, [B, L, D], and its MoE aux (None if dense).
+
+  `tokens_ahead(k)` gives the tokens k places ahead of each position, [B, L].
+  """
+  eps, plus = cfg.norm_eps, cfg.norm_plus_one
+  h = rms_norm(h_BxLxD, params["final_norm"]["scale"], eps, plus)
+  block = transformer.Block(cfg, moe=cfg.moe is not None)
+  for k in range(1, cfg.mtp_depth + 1):
+    p = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
+    e_BxLxD = transformer.embed(cfg, params, tokens_ahead(k))
+    both = jnp.concatenate(
+        [
+            rms_norm(e_BxLxD, p["enorm"]["scale"], eps, plus),
+            rms_norm(h, p["hnorm"]["scale"], eps, plus),
+        ],
+        axis=-1,
+    )
+    x = jnp.dot(both, p["eh_proj"]["kernel"].astype(cfg.compute_dtype))
+    out = block.apply({"params": p["block"]}, x, positions_L, segment_ids_BxL)
+    out, aux = out if cfg.moe is not None else (out, None)
+    h = rms_norm(out, p["final_norm"]["scale"], eps, plus)
+    yield h, aux
+
+
+def _positions(h_BxLxD, positions_L):
+  return jnp.arange(h_BxLxD.shape[1]) if positions_L is None else positions_L
+
+
 def loss(
     cfg: transformer.TransformerConfig,
     params: dict,
@@ -88,7 +119,7 @@ def loss(
 
   Args:
     cfg: the model, with `mtp_depth` > 0.
-    params: the model's parameters (`mtp`, `embed`, and `head` unless tied).
+    params: the model's parameters (`mtp`, `embed`, `final_norm`, and `head` unless tied).
     h_BxLxD: the main model's last hidden states (before its final norm).
     targets_BxL: the main model's targets (the next tokens).
     weights_DxBxL: `weights` ([D, B, L]; `batch_weights`' [B, D, L] swapped).
@@ -99,30 +130,39 @@ def loss(
     `(Σ_k Σ_i weights[k, i] · CE_k(i), aux)`: aux the modules' MoE aux with a leading [depth]
     axis ({} for a dense model).
   """
-  l = h_BxLxD.shape[1]
-  positions_L = jnp.arange(l) if positions_L is None else positions_L
-  eps, plus = cfg.norm_eps, cfg.norm_plus_one
-  total, auxes, h = jnp.zeros((), jnp.float32), [], h_BxLxD
-  for k in range(1, cfg.mtp_depth + 1):
-    p = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
-    # module k at i reads the token k ahead, t[i + k] = targets[i + k - 1]
-    e_BxLxD = transformer.embed(cfg, params, _ahead(targets_BxL, k - 1, 0))
-    both = jnp.concatenate(
-        [
-            rms_norm(e_BxLxD, p["enorm"]["scale"], eps, plus),
-            rms_norm(h, p["hnorm"]["scale"], eps, plus),
-        ],
-        axis=-1,
-    )
-    x = jnp.dot(both, p["eh_proj"]["kernel"].astype(cfg.compute_dtype))
-    out = transformer.Block(cfg, moe=cfg.moe is not None).apply(
-        {"params": p["block"]}, x, positions_L, segment_ids_BxL
-    )
-    h, aux = out if cfg.moe is not None else (out, None)
+  # module k at i reads the token k ahead, t[i + k] = targets[i + k - 1]
+  ahead = lambda k: _ahead(targets_BxL, k - 1, 0)
+  states = _states(cfg, params, h_BxLxD, ahead, _positions(h_BxLxD, positions_L), segment_ids_BxL)
+  total, auxes = jnp.zeros((), jnp.float32), []
+  for k, (h, aux) in enumerate(states, start=1):
     if aux is not None:
       auxes.append(aux)
-    head = {**params, "final_norm": p["final_norm"]}
-    ce, _ = transformer.head_loss(cfg, head, h, _ahead(targets_BxL, k, 0), weights_DxBxL[k - 1])
+    logits = transformer.project(cfg, params, h)
+    ce, _ = transformer.logits_loss(logits, _ahead(targets_BxL, k, 0), weights_DxBxL[k - 1])
     total = total + ce
   aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else {}
   return total, aux
+
+
+def logits(
+    cfg: transformer.TransformerConfig,
+    params: dict,
+    h_BxLxD: jax.Array,
+    tokens_ahead_DxBxL: jax.Array,
+    positions_L: jax.Array | None = None,
+) -> jax.Array:
+  """Each module's logits, for drafting and inspection.
+
+  Args:
+    cfg: the model, with `mtp_depth` > 0.
+    params: the model's parameters.
+    h_BxLxD: the main model's last hidden states (before its final norm).
+    tokens_ahead_DxBxL: for module k (row k - 1), the token k places ahead of each position.
+    positions_L: [L] or [B, L]; default 0..L-1.
+
+  Returns:
+    Float32 [D, B, L, V]: module k's predictions of the token k + 1 places ahead.
+  """
+  ahead = lambda k: tokens_ahead_DxBxL[k - 1]
+  states = _states(cfg, params, h_BxLxD, ahead, _positions(h_BxLxD, positions_L), None)
+  return jnp.stack([transformer.project(cfg, params, h) for h, _ in states])

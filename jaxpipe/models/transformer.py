@@ -940,7 +940,22 @@ def logits(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Arra
     whole sequence), soft-capped with `cfg.final_softcap`.
   """
   scale_D = params["final_norm"]["scale"]
-  x_BxLxD = tp_lib.gather_tokens(rms_norm(x_BxLxD, scale_D, cfg.norm_eps, cfg.norm_plus_one))
+  return project(cfg, params, rms_norm(x_BxLxD, scale_D, cfg.norm_eps, cfg.norm_plus_one))
+
+
+def project(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Array:
+  """The output head alone, over states already normed (`logits` norms, then projects).
+
+  Args:
+    cfg: the model.
+    params: the model's parameters (`embed`, and `head` unless tied).
+    x_BxLxD: normed hidden states, [B, L, D].
+
+  Returns:
+    Float32 logits [B, L, V] (under `tp_lib`: this rank's vocabulary slice), soft-capped with
+    `cfg.final_softcap`.
+  """
+  x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
   w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
   logits = jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
   if cfg.final_softcap:
@@ -967,7 +982,23 @@ def head_loss(
   Returns:
     `(sum of masked cross-entropy, number of valid tokens)`, float32 scalars.
   """
-  logz_BxL, target_BxL = tp_lib.vocab_cross_entropy(logits(cfg, params, x_BxLxD), targets_BxL)
+  return logits_loss(logits(cfg, params, x_BxLxD), targets_BxL, mask_BxL)
+
+
+def logits_loss(
+    logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """`head_loss` from the logits (under `tp_lib`: this rank's vocabulary slice).
+
+  Args:
+    logits_BxLxV: float32 logits.
+    targets_BxL: the tokens to score.
+    mask_BxL: the weight of each position (1 where a target counts).
+
+  Returns:
+    `(sum of weighted cross-entropy, sum of weights)`, float32 scalars.
+  """
+  logz_BxL, target_BxL = tp_lib.vocab_cross_entropy(logits_BxLxV, targets_BxL)
   mask_BxL = mask_BxL.astype(jnp.float32)
   return jnp.sum((logz_BxL - target_BxL) * mask_BxL), jnp.sum(mask_BxL)
 

@@ -54,6 +54,7 @@ def get_config(arg=None):
   del arg
   c = hf_workdir.finetune_config(os.path.dirname(os.path.abspath(__file__)))
   c.model.fp8 = {fp8!r}  # hf-to-orbax --fp8: checkpoints/0 holds this recipe's state
+  c.model.mtp_depth = {mtp_depth!r}  # the checkpoint's multi-token prediction modules
   return c
 '''
 
@@ -149,6 +150,7 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "no
             workdir=os.path.abspath(workdir),
             model_type=plan.hf_config["model_type"],
             fp8=fp8,
+            mtp_depth=plan.cfg.mtp_depth,
         )
     )
   with open(

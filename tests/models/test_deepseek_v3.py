@@ -9,9 +9,16 @@ routed_scaling_factor and a shared expert. Its logits, loss and every gradient e
 transformers', before and after changed weights are exported and read back by transformers; the
 round trip is bit for bit; training steps under DualPipeV at pp 2 x ep 2 with ZeRO-1 equal the
 one-device steps.
+
+A checkpoint holding two multi-token prediction modules as DeepSeek's does (each module's decoder
+layer after the model's, named model.layers.{5,6}.*, with enorm, hnorm, eh_proj,
+shared_head.norm and copies of the embedding and head) reads into `model.mtp_depth` 2; each
+module's logits equal those of transformers' `MtpModel` (what `generate(use_mtp=True)` drafts
+with) holding the same weights, and the round trip through a training workdir is bit for bit.
 """
 
 import json
+import runpy
 import shutil
 
 import jax
@@ -19,7 +26,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpipe.models import hf, transformer
+from jaxpipe.models import hf, mtp, transformer
 from jaxpipe.training import hf_workdir as convert_lib
 from jaxpipe.training.state import make_optimizer
 from tests import helpers
@@ -104,6 +111,94 @@ def test_export_and_import_round_trip_bit_for_bit(checkpoint, tmp_path):
   # no source config: the first family that computes the model is DeepSeek-V3's
   fresh = hf.config_to_hf(cfg)
   assert fresh["model_type"] == "deepseek_v3" and fresh["first_k_dense_replace"] == 1
+
+
+MTP_DEPTH = 2
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+  """(a DeepSeek-V3 checkpoint with MTP_DEPTH modules, transformers' main model, transformers'
+  `MtpModel` holding the modules' weights).
+
+  transformers writes each module's decoder layer in the checkpoint's layout as a layer of a
+  deeper model (layers 5 and 6 of seven); the checkpoint is that file under a config of five
+  layers, with the modules' other tensors added under DeepSeek-V3's names."""
+  from safetensors.torch import load_file, save_file
+  from transformers.modeling_layers import MtpModel
+
+  root = tmp_path_factory.mktemp("deepseek_v3_mtp")
+  n, d = FIELDS["num_hidden_layers"], FIELDS["hidden_size"]
+  deep = helpers.write_tiny_model(root / "deep", "deepseek_v3", num_hidden_layers=n + MTP_DEPTH)
+  src = root / "src"
+  shutil.copytree(deep, src)
+  with open(src / "config.json") as f:
+    config = json.load(f)
+  config.update(num_hidden_layers=n, num_nextn_predict_layers=MTP_DEPTH)
+  with open(src / "config.json", "w") as f:
+    json.dump(config, f, indent=2)
+  weights = load_file(src / "model.safetensors")
+  gen = torch.Generator().manual_seed(5)
+  extra = {}
+  for k in range(MTP_DEPTH):
+    p = f"model.layers.{n + k}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+      extra[p + norm + ".weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    extra[p + "eh_proj.weight"] = torch.randn(d, 2 * d, generator=gen) / (2 * d) ** 0.5
+    extra[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    extra[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+  save_file({**weights, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+
+  main = _load(src)
+  layers = _load(deep).model.layers
+  oracle = MtpModel(main, MTP_DEPTH).eval()
+  with torch.no_grad():
+    for k, layer in enumerate(oracle.layers):
+      layer.mtp_block.load_state_dict(layers[n + k].state_dict())
+      p = f"model.layers.{n + k}."
+      layer.enorm.weight.copy_(extra[p + "enorm.weight"])
+      layer.hnorm.weight.copy_(extra[p + "hnorm.weight"])
+      layer.post_norm.weight.copy_(extra[p + "shared_head.norm.weight"])
+      layer.eh_proj.weight.copy_(extra[p + "eh_proj.weight"])
+  return str(src), main, oracle
+
+
+def test_the_mtp_modules_logits_equal_transformers_mtp_model(mtp_checkpoint):
+  src, main, oracle = mtp_checkpoint
+  cfg, params = hf.load(src)
+  assert cfg.mtp_depth == MTP_DEPTH and params["mtp"]["eh_proj"]["kernel"].shape[0] == MTP_DEPTH
+  ids = _ids(3, 2)
+  with torch.no_grad():  # module k: the states of positions 0..L-1-k, the tokens k ahead
+    h = main(torch.tensor(ids), output_hidden_states=True).hidden_states[-1]
+    want = []
+    for k in range(1, MTP_DEPTH + 1):
+      n = SEQ - k
+      positions = torch.arange(k, k + n)[None].expand(len(ids), n)
+      h = oracle.forward_layer(
+          k - 1, h[:, :n], positions, None, input_ids=torch.tensor(ids[:, k : k + n])
+      )
+      want.append(oracle._project_to_logits(h).numpy())
+  ahead = np.stack([np.pad(ids[:, k:], ((0, 0), (0, k))) for k in range(1, MTP_DEPTH + 1)])
+  hidden, _ = transformer.hidden_and_aux(cfg, params, ids)
+  got = np.asarray(jax.jit(mtp.logits, static_argnums=0)(cfg, params, hidden, ahead))
+  for k in range(1, MTP_DEPTH + 1):
+    assert helpers.rel_f64(got[k - 1][:, : SEQ - k], want[k - 1]) < 1e-5, k
+
+
+def test_the_mtp_modules_round_trip_through_a_workdir_bit_for_bit(mtp_checkpoint, tmp_path):
+  src = mtp_checkpoint[0]
+  assert helpers.check_round_trip(src, str(tmp_path / "out")).mtp_depth == MTP_DEPTH
+  workdir = str(tmp_path / "run")
+  convert_lib.hf_to_orbax(src, workdir)
+  config = runpy.run_path(f"{workdir}/config.py")["get_config"]()  # what the trainer reads
+  assert config.model.mtp_depth == MTP_DEPTH
+  convert_lib.orbax_to_hf(workdir, str(tmp_path / "back"))
+  helpers.same_weights(src, str(tmp_path / "back"))
+
+
+def test_a_checkpoint_without_the_modules_reads_without_them(checkpoint):
+  plan = hf.check(checkpoint[0])  # transformers writes num_nextn_predict_layers 1, no modules
+  assert plan.hf_config["num_nextn_predict_layers"] == 1 and plan.cfg.mtp_depth == 0
 
 
 def test_steps_under_dualpipev_at_pp2_ep2_with_zero1_equal_the_one_device_steps(

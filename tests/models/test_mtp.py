@@ -4,13 +4,15 @@ DeepSeek-V3's equations (§2.2, eqs. 21-25), written here apart from the library
 For depth k = 1..D, on each sequence t_1..t_T (with t_{T+1} the last target):
 
   h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]      i = 1..T-k
-  h^k_{1:T-k} = TRM_k(h'^k_{1:T-k})
+  h^k_{1:T-k} = RMSNorm_k(TRM_k(h'^k_{1:T-k}))
   P^k_{i+k+1} = OutHead(h^k_i)
   L^k = -1/T Σ_{i=2+k}^{T+1} log P^k_i[t_i]
   L_MTP = λ/D Σ_k L^k
 
-Sequences cut to T - k positions at each depth (no masks), h^0 the main model's last hidden
-states; the batch's loss the mean over its rows. The library's module runs at full length with
+Sequences cut to T - k positions at each depth (no masks), h^0 the main model's output after
+its final norm, each h^k normed by the module's own norm and OutHead the shared projection, where
+transformers' `MtpModel` and vLLM put the norms (the paper names none); the batch's loss the mean
+over its rows. The library's module runs at full length with
 shifted weights instead. Their losses and every gradient agree, and the trainer's step adds
 L_MTP to the cross-entropy.
 """
@@ -44,22 +46,21 @@ def _paper(cfg, params, tokens, next_tokens):
   """L_MTP by the equations: per depth, the sequences cut to T - k, no masks."""
   x = transformer.embed(cfg, params, tokens)
   h, _ = transformer.apply_layers_aux(cfg, params["layers"], x)
+  norm = lambda v, w: rms_norm(v, w, cfg.norm_eps)
+  h = norm(h, params["final_norm"]["scale"])
   t_all = jnp.concatenate([tokens, next_tokens[:, -1:]], axis=1)  # t_1 .. t_{T+1}
   total = 0.0
   for k in range(1, cfg.mtp_depth + 1):
     p = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
     n = L - k
     e = params["embed"][t_all[:, k : k + n]]  # Emb(t_{i+k}), i = 1..T-k
-    norm = lambda v, w: rms_norm(v, w, cfg.norm_eps)
     h_in = jnp.concatenate([norm(e, p["enorm"]["scale"]), norm(h[:, :n], p["hnorm"]["scale"])], -1)
     h_in = h_in @ p["eh_proj"]["kernel"]
     out = transformer.Block(cfg, moe=cfg.moe is not None).apply(
         {"params": p["block"]}, h_in, jnp.arange(n)
     )
-    h = out[0] if cfg.moe is not None else out
-    logits = norm(h, p["final_norm"]["scale"]) @ (
-        params["embed"].T if cfg.tied_embeddings else params["head"]
-    )
+    h = norm(out[0] if cfg.moe is not None else out, p["final_norm"]["scale"])
+    logits = h @ (params["embed"].T if cfg.tied_embeddings else params["head"])
     logp = jax.nn.log_softmax(logits, axis=-1)
     target = t_all[:, k + 1 : k + 1 + n]  # t_{i+k+1}
     picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]

@@ -490,6 +490,7 @@ class Tensor:
   rows: tuple[int, int] | None = None  # this leaf's rows of a fused checkpoint tensor
   total: int = 0  # the fused tensor's rows
   flat: bool = False  # stored as one axis (a bias of several heads: [H * K] on disk)
+  copy: bool = False  # another leaf's tensor stored again under this name: written, not read
 
   @property
   def leaf_shape(self) -> tuple[int, ...]:
@@ -721,6 +722,8 @@ class Family:
   tensors: Callable[[transformer.TransformerConfig], list[Tensor]]  # every leaf's tensors
   ignored: frozenset = frozenset()  # fields its transformers class never reads
   moe: bool = False  # an MoE architecture (what an export without a source config tries)
+  # the multi-token prediction modules a checkpoint holds, from config.json and its tensor names
+  mtp_depth: Callable[[dict, set], int] = lambda hf, names: 0
 
 
 def moe_tensors(

@@ -3,9 +3,15 @@ in the first `first_k_dense_replace` layers and an MoE FFN in the rest (the sigm
 its score-correction bias, group-limited top-k, `routed_scaling_factor`, shared experts),
 experts stored one tensor each.
 
-transformers computes no multi-token prediction: `num_nextn_predict_layers` is read, and a
-checkpoint's MTP layers (`model.layers.{num_hidden_layers}.*`) are not part of the model.
+Multi-token prediction modules (`num_nextn_predict_layers`) are read where the checkpoint holds
+them, as DeepSeek's does: module k's layer `model.layers.{num_hidden_layers + k - 1}.*` (an MoE
+layer) with its `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` beside it, and copies of the
+shared embedding and head (`embed_tokens`, `shared_head.head`), which are written but not read,
+as transformers' `MtpModel` takes the main model's. A checkpoint without them (transformers'
+`save_pretrained` writes none) gives a model without modules (`model.mtp_depth` 0).
 """
+
+import dataclasses
 
 import numpy as np
 
@@ -96,7 +102,7 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
       z_loss_coef=0.0,
   )
   f.get("output_router_logits")  # adds no loss: DeepseekV3ForCausalLM computes none
-  f.get("num_nextn_predict_layers")  # MTP modules, which transformers does not run
+  f.get("num_nextn_predict_layers")  # the modules' count, if the tensors are there (mtp_depth)
   common = base.common(f)
   common.update(head_dim=mla.qk_rope_head_dim, n_kv_heads=heads)
   return transformer.TransformerConfig(
@@ -142,6 +148,25 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
       first_k_dense_replace=cfg.first_dense,
       hidden_act=base.act_name(cfg),
   )
+  if cfg.mtp_depth or "num_nextn_predict_layers" not in hf:
+    hf["num_nextn_predict_layers"] = cfg.mtp_depth
+
+
+def mtp_depth(hf: dict, names: set) -> int:
+  """The MTP modules a checkpoint holds: config.json's count where module 1's projection is
+  among its tensors, else 0.
+
+  Args:
+    hf: config.json.
+    names: the checkpoint's tensor names.
+
+  Returns:
+    The modules to read (`model.mtp_depth`).
+  """
+  n = hf.get("num_hidden_layers", DEFAULTS["num_hidden_layers"])
+  if f"model.layers.{n}.eh_proj.weight" not in names:
+    return 0
+  return hf.get("num_nextn_predict_layers", DEFAULTS["num_nextn_predict_layers"]) or 0
 
 
 def attention_tensors(cfg, prefix, layers) -> list[base.Tensor]:
@@ -177,6 +202,79 @@ def attention_tensors(cfg, prefix, layers) -> list[base.Tensor]:
   ]
 
 
+def moe_layer_tensors(cfg, prefix, layers) -> list[base.Tensor]:
+  """MoE decoder layers: norms, latent attention, router with its bias, experts, shared experts.
+
+  Args:
+    cfg: the model, with `cfg.mla` and `cfg.moe`.
+    prefix: keys of the layer's leaves in the params dict (a `Block(moe=True)`'s).
+    layers: the layer index at each position of the leaves' stack axes.
+
+  Returns:
+    Their `Tensor`s.
+  """
+  e, d = cfg.moe, cfg.d_model
+  w, at = prefix + ("moe",), "model.layers.{i}.mlp."
+  s = e.num_shared_experts * e.d_ff
+  expert = lambda leaf, name, shape: base.Tensor(
+      w + (leaf,), at + "experts.{e}." + EXPERTS[name] + ".weight", layers, e.num_experts, shape, 1
+  )
+  shared = lambda leaf, name, out, inp: base.linear(
+      w + (leaf,), at + f"shared_experts.{name}_proj.weight", layers, out, inp
+  )
+  out = attention_tensors(cfg, prefix, layers) + [
+      base.linear(w + ("router_DxE",), at + "gate.weight", layers, (e.num_experts,), (d,)),
+      base.vector(w + ("expert_bias_E",), at + "gate." + BIAS, layers, (e.num_experts,)),
+      expert("wi_gate_ExDxF", "gate", (d, e.d_ff)),
+      expert("wi_up_ExDxF", "up", (d, e.d_ff)),
+      expert("wo_ExFxD", "down", (e.d_ff, d)),
+  ]
+  if s:
+    out += [
+        shared("shared_gate_DxS", "gate", (s,), (d,)),
+        shared("shared_up_DxS", "up", (s,), (d,)),
+        shared("shared_down_SxD", "down", (d,), (s,)),
+    ]
+  return out
+
+
+def mtp_tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
+  """The multi-token prediction modules (`jaxpipe.models.mtp`), one layer index each after the
+  model's, and their copies of the shared embedding and head.
+
+  Args:
+    cfg: the model, with `mtp_depth` > 0.
+
+  Returns:
+    Their `Tensor`s.
+  """
+  d, v = cfg.d_model, cfg.vocab
+  layers = cfg.n_layers + np.arange(cfg.mtp_depth)
+  p = "model.layers.{i}."
+  norm = lambda leaf, name: base.vector(("mtp", leaf, "scale"), p + name + ".weight", layers, (d,))
+  out = [
+      norm("enorm", "enorm"),
+      norm("hnorm", "hnorm"),
+      norm("final_norm", "shared_head.norm"),
+      base.linear(("mtp", "eh_proj", "kernel"), p + "eh_proj.weight", layers, (d,), (2 * d,)),
+      *moe_layer_tensors(cfg, ("mtp", "block"), layers),
+  ]
+  for k in range(cfg.mtp_depth):
+    layer = np.array(cfg.n_layers + k)
+    embed = base.Tensor(("embed",), p + "embed_tokens.weight", layer, 0, (v, d), 0, copy=True)
+    out.append(embed)
+    head = ("embed",) if cfg.tied_embeddings else ("head",)
+    if cfg.tied_embeddings:
+      out.append(dataclasses.replace(embed, pattern=p + "shared_head.head.weight"))
+    else:
+      out.append(
+          dataclasses.replace(
+              base.linear(head, p + "shared_head.head.weight", layer, (v,), (d,)), copy=True
+          )
+      )
+  return out
+
+
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
   """Every parameter leaf of a DeepSeek-V3 model with its checkpoint tensors.
 
@@ -195,33 +293,14 @@ def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
         "a deepseek_v3 checkpoint holds latent attention (model.mla) and an MoE FFN in every "
         "layer after model.first_dense (model.moe with every=1)"
     )
-  e, d, k = cfg.moe, cfg.d_model, cfg.first_dense
+  k = cfg.first_dense
   first, stack = np.arange(k), k + np.arange(cfg.stack_units)
-  w, at = ("layers", "moe", "moe"), "model.layers.{i}.mlp."
-  s = e.num_shared_experts * e.d_ff
-  expert = lambda leaf, name, shape: base.Tensor(
-      w + (leaf,), at + "experts.{e}." + EXPERTS[name] + ".weight", stack, e.num_experts, shape, 1
-  )
-  shared = lambda leaf, name, out, inp: base.linear(
-      w + (leaf,), at + f"shared_experts.{name}_proj.weight", stack, out, inp
-  )
-  out = base.top_tensors(cfg) + attention_tensors(cfg, ("layers", "moe"), stack)
-  out += [
-      base.linear(w + ("router_DxE",), at + "gate.weight", stack, (e.num_experts,), (d,)),
-      base.vector(w + ("expert_bias_E",), at + "gate." + BIAS, stack, (e.num_experts,)),
-      expert("wi_gate_ExDxF", "gate", (d, e.d_ff)),
-      expert("wi_up_ExDxF", "up", (d, e.d_ff)),
-      expert("wo_ExFxD", "down", (e.d_ff, d)),
-  ]
-  if s:
-    out += [
-        shared("shared_gate_DxS", "gate", (s,), (d,)),
-        shared("shared_up_DxS", "up", (s,), (d,)),
-        shared("shared_down_SxD", "down", (d,), (s,)),
-    ]
+  out = base.top_tensors(cfg) + moe_layer_tensors(cfg, ("layers", "moe"), stack)
   if k:
     out += attention_tensors(cfg, ("first_layers",), first)
     out += base.mlp_tensors(cfg, ("first_layers",), first)
+  if cfg.mtp_depth:
+    out += mtp_tensors(cfg)
   return out
 
 
@@ -234,4 +313,5 @@ FAMILY = base.Family(
     tensors,
     ignored=IGNORED,
     moe=True,
+    mtp_depth=mtp_depth,
 )
