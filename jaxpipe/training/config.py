@@ -358,7 +358,6 @@ def validate(
         "data and expert parallelism do)"
     )
   off_path = {
-      "mesh.pp": shape["pp"] > 1,
       "mesh.cp": cp > 1,
       "mesh.tp": shape["tp"] > 1,
       "optimizer.shard='fsdp'": o.shard == "fsdp",
@@ -366,9 +365,9 @@ def validate(
   if m.get("mtp_depth", 0) and any(off_path.values()):
     on = ", ".join(k for k, v in off_path.items() if v)
     raise ConfigError(
-        f"model.mtp_depth={m.mtp_depth} (multi-token prediction) trains on the data- and "
-        f"expert-parallel path only yet, not with {on}; use mesh.pp=1, mesh.cp=1, mesh.tp=1 "
-        "and optimizer.shard none, zero1 or zero2, or model.mtp_depth=0"
+        f"model.mtp_depth={m.mtp_depth} (multi-token prediction) trains with pipeline, data "
+        f"and expert parallelism only yet, not with {on}; use mesh.cp=1, mesh.tp=1 and "
+        "optimizer.shard none, zero1 or zero2, or model.mtp_depth=0"
     )
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:

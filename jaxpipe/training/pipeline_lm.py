@@ -40,10 +40,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import mtp as mtp_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
@@ -156,9 +158,27 @@ def lm_model(
       )
 
   def loss_fn(head_params, x_BxLxD, target):
-    targets_BxL, mask_BxL = target
+    # target: `targets`, `mask` (mean-weighted); with cfg.mtp_depth also `mtp_weights` and the
+    # packed-row keys (`lm_targets`)
     with placed():
-      return transformer.head_loss(cfg, head_params, x_BxLxD, targets_BxL, mask_BxL)[0]
+      ce = transformer.head_loss(cfg, head_params, x_BxLxD, target["targets"], target["mask"])[0]
+      if not cfg.mtp_depth:
+        return ce
+      # The prediction modules run here, on the stage that holds the head they share. Their
+      # loss (and their MoE layers' aux, weighed by the micro-batch's tokens as moe_unit weighs
+      # the stages') rides on the gradient: the value stays the cross-entropy every path reports.
+      extra, aux = mtp_lib.loss(
+          cfg,
+          head_params,
+          x_BxLxD,
+          target["targets"],
+          jnp.swapaxes(target["mtp_weights"], 0, 1),
+          target.get("positions"),
+          target.get("segment_ids"),
+      )
+      if aux:
+        extra = extra + aux["loss"].sum() * x_BxLxD.shape[0] * x_BxLxD.shape[1]
+      return ce + (extra - lax.stop_gradient(extra))
 
   if layer_gather is not None:  # fsdp: each unit gathered just before use, again in the backward
     layer_fn = zero.gathered_layer(layer_fn, jax.tree.unflatten(*layer_gather), tie=True)
@@ -258,6 +278,23 @@ def io_params(params: dict) -> tuple[dict, dict]:
   """
   head = {k: v for k, v in params.items() if k not in ("layers", "first_layers")}
   return head, {k: params[k] for k in ("embed", "first_layers") if k in params}
+
+
+def lm_targets(cfg: TransformerConfig, split: dict) -> dict:
+  """The head's targets (`lm_model`'s loss_fn) from the split batch.
+
+  Args:
+    cfg: the model.
+    split: leaves [microbatches, batch, ...]: `targets`, `mask` (weighted), and with
+      `cfg.mtp_depth` `mtp_weights` ([.., batch, depth, seq]) and any packed-row keys.
+
+  Returns:
+    The loss function's target dict.
+  """
+  keys = ("targets", "mask") + (
+      ("mtp_weights", "positions", "segment_ids") if cfg.mtp_depth else ()
+  )
+  return {k: split[k] for k in keys if k in split}
 
 
 def stage_param_specs(stage_layers, ep_axis: str | None = "ep", tp: int = 1, tp_axis: str = "tp"):
@@ -409,6 +446,8 @@ def pipeline_loss_and_grads(
         "mask": transformer.mean_weights(batch["mask"]),
         **packed_keys,
     }
+    if cfg.mtp_depth:  # the whole batch's weights, split by rows as the rows are
+      weighted["mtp_weights"] = mtp_lib.batch_weights(cfg, batch)
     split = microbatch.split(weighted, m)  # as every path splits
     stage_params = jax.tree.map(
         lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]
@@ -421,7 +460,7 @@ def pipeline_loss_and_grads(
         model,
         stage_params,
         xs,
-        (split["targets"], split["mask"]),
+        lm_targets(cfg, split),
         schedule=schedule,
         sharding=PipelineSharding(
             mesh,

@@ -130,10 +130,50 @@ def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
   trainer.init()
   first = trainer.step()
   assert "mtp_loss" in first and float(first["mtp_loss"]) > 0
-  c.mesh.pp = 2
-  match = r"model.mtp_depth=1 \(multi-token prediction\) .* not with mesh.pp; use mesh.pp=1"
+  c.mesh.cp = 2
+  match = r"model.mtp_depth=1 \(multi-token prediction\) .* not with mesh.cp; use mesh.cp=1"
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, 8)
+
+
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "dualpipev"]  # DeepSeek's first
+)
+def test_the_pipeline_trains_the_modules_on_its_last_stage(schedule):
+  """Pipelined at pp 2 x ep 2, the modules run beside the head on the last stage: the step's loss
+  is the cross-entropy and its gradient that of CE + L_MTP + every MoE layer's aux (the module's
+  too), as the one-device step's, on packed rows."""
+  from jaxpipe.training.config import model_config
+  from jaxpipe.training.mesh import make_mesh
+  from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
+
+  c = helpers.moe_config(ep=2, every=1, dispatch="dropless")  # lb and z losses on
+  c.model.mtp_depth, c.model.mtp_weight = 1, 0.3
+  c.mesh.pp = 2
+  c.pipeline.schedule, c.pipeline.microbatches = schedule, 4
+  cfg = model_config(c)
+  params = helpers.random_params(cfg, seed=6)
+  rng = np.random.default_rng(6)
+  rows = 8  # 4 micro-batches of 2 rows, one on each expert rank
+  seq = rng.integers(0, cfg.vocab, (rows, L + 1)).astype(np.int32)
+  cut = rng.integers(3, L - 3, rows)  # two documents a row, positions restarting at the second
+  second = np.arange(L)[None] >= cut[:, None]
+  batch = dict(
+      tokens=seq[:, :-1],
+      targets=seq[:, 1:],
+      mask=np.where(np.arange(L)[None] == cut[:, None] - 1, 0, 1).astype(np.float32),
+      segment_ids=(1 + second).astype(np.int32),
+      positions=np.where(second, np.arange(L)[None] - cut[:, None], np.arange(L)[None]),
+  )
+  mesh = make_mesh(c.mesh, jax.devices()[:4])
+  loss, grads, metrics = jax.jit(pipeline_loss_and_grads(cfg, c.pipeline, mesh))(params, batch)
+  want_loss, want, want_metrics = jax.jit(losses.moe_loss_and_grads(cfg, None, 4))(params, batch)
+  assert float(want_metrics["mtp_loss"]) > 0.05 and float(want_metrics["moe_aux_loss"]) > 0.05
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)  # the cross-entropy alone
+  want = helpers.flat(want)
+  for path, g in helpers.flat(grads).items():
+    helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=2e-5)
+  assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["mtp"]))
 
 
 def test_packed_rows_keep_each_module_inside_its_document():
