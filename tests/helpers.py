@@ -689,9 +689,19 @@ TINY_DEEPSEEK_V3 = dict(
         "beta_slow": 1,
     },
 )
+# DeepSeek-V2-Lite's shape: V3's latent attention with a plain query projection, the softmax
+# router choosing by score alone (topk_method greedy), two shared experts
+TINY_DEEPSEEK_V2 = dict(
+    {k: v for k, v in TINY_DEEPSEEK_V3.items() if k not in ("n_group", "topk_group")},
+    q_lora_rank=None,
+    topk_method="greedy",
+    n_shared_experts=2,
+    routed_scaling_factor=1.5,
+)
 MODEL_CLASSES = {  # family -> (config class, model class, fields) of every tiny model
     **{f: (c, m, {**TINY_LLAMA, **own}) for f, (c, m, own) in TINY_FAMILIES.items()},
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", TINY_DEEPSEEK_V2),
 }
 
 
@@ -740,7 +750,7 @@ def write_tiny_model(
   plus_one = family.startswith("gemma")
   # DeepSeek-V3's five layers of experts amplify float32 rounding to 1e-4 of the gradients at
   # twice the unit-variance weights (transformers' own float32 run against its float64 one)
-  scale = 1.0 if family == "deepseek_v3" else 2.0
+  scale = 1.0 if family.startswith("deepseek") else 2.0
   with torch.no_grad():
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
@@ -922,6 +932,43 @@ def hf_oracle(model, ids, grad_dir):
       g.copy_(p.grad)
   grads.save_pretrained(grad_dir)
   return out.loss.item(), out.logits.detach().numpy(), load_file(f"{grad_dir}/model.safetensors")
+
+
+def load_hf_model(directory):
+  """transformers' model of a checkpoint directory, eager attention and experts, in eval mode."""
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, attn_implementation="eager", experts_implementation="eager"
+  )
+  return model.eval()
+
+
+def check_against_transformers(cfg, params, model, ids, tmp, model_type, frozen=None):
+  """jaxpipe's logits, loss and every gradient against transformers' `model` on token rows
+  `ids`, at the dense families' tolerances (tests/models/test_families.py); tensors whose name
+  ends in `frozen` (a buffer there, such as DeepSeek-V3's choice bias) get a zero gradient."""
+  from jaxpipe.models import hf, transformer
+
+  batch = lm_batch(ids)
+
+  def objective(params):
+    total, count, _ = transformer.loss_and_aux(
+        cfg, params, batch["tokens"], batch["targets"], batch["mask"]
+    )
+    return total / count, transformer.forward(cfg, params, batch["tokens"])
+
+  (loss, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+  want_loss, want_logits, want_grads = hf_oracle(model, ids, str(tmp))
+  assert rel_f64(logits, want_logits) < 1e-5
+  assert abs(float(loss) - want_loss) < 1e-5 * want_loss
+  got = dict(hf.hf_tensors(cfg, grads, model_type))
+  assert got.keys() == want_grads.keys()
+  for name, g in want_grads.items():
+    if frozen and name.endswith(frozen):
+      assert not np.any(got[name]), name
+    else:
+      assert rel_f64(got[name], g) < 2e-5, name
 
 
 def lm_batch(ids):

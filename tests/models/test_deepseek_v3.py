@@ -47,11 +47,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _load(directory):
-  """transformers' model, eager attention and experts."""
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, attn_implementation="eager", experts_implementation="eager"
-  )
-  return model.eval()
+  return helpers.load_hf_model(directory)
 
 
 def _ids(seed=0, batch=BATCH):
@@ -59,27 +55,7 @@ def _ids(seed=0, batch=BATCH):
 
 
 def _check(cfg, params, model, ids, tmp):
-  """Logits, loss and every gradient against transformers' (the bias buffer's gradient: zero),
-  at the test of the dense families (tests/models/test_families.py)."""
-  batch = helpers.lm_batch(ids)
-
-  def objective(params):
-    total, count, _ = transformer.loss_and_aux(
-        cfg, params, batch["tokens"], batch["targets"], batch["mask"]
-    )
-    return total / count, transformer.forward(cfg, params, batch["tokens"])
-
-  (loss, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-  want_loss, want_logits, want_grads = helpers.hf_oracle(model, ids, str(tmp))
-  assert helpers.rel_f64(logits, want_logits) < 1e-5
-  assert abs(float(loss) - want_loss) < 1e-5 * want_loss
-  got = dict(hf.hf_tensors(cfg, grads, "deepseek_v3"))
-  assert got.keys() == want_grads.keys()
-  for name, g in want_grads.items():
-    if name.endswith(BIAS):  # the choice's bias steers which experts run: no gradient
-      assert not np.any(got[name]), name
-    else:
-      assert helpers.rel_f64(got[name], g) < 2e-5, name
+  helpers.check_against_transformers(cfg, params, model, ids, tmp, "deepseek_v3", BIAS)
 
 
 def test_the_config_reads_as_deepseek_v3s_parts(checkpoint):

@@ -8,6 +8,7 @@ Adding a family is adding a module here (a `FAMILY = base.Family(...)`) and its 
 """
 
 from jaxpipe.models.families import (
+    deepseek_v2,
     deepseek_v3,
     gemma2,
     gemma3,
@@ -24,7 +25,10 @@ from jaxpipe.models.families.base import CheckpointError, Family, Fields, Tensor
 # in the order an export without a source config tries them: the first that computes the model
 FAMILIES: dict[str, Family] = {
     m.FAMILY.model_type: m.FAMILY
-    for m in (llama, qwen3, mistral, qwen2, phi3, gemma2, gemma3, mixtral, qwen3_moe, deepseek_v3)
+    for m in (
+        *(llama, qwen3, mistral, qwen2, phi3, gemma2, gemma3),
+        *(mixtral, qwen3_moe, deepseek_v3, deepseek_v2),
+    )
 }
 
 __all__ = ["FAMILIES", "CheckpointError", "Family", "Fields", "Tensor"]

@@ -69,8 +69,60 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
   Raises:
     CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
   """
+  moe = moe_lib.MoEConfig(
+      **routed_experts(f),
+      router="sigmoid",
+      norm_topk_prob=bool(f.get("norm_topk_prob")),
+      n_groups=f.get("n_group") or 1,
+      topk_groups=f.get("topk_group") or 1,
+  )
+  f.get("num_nextn_predict_layers")  # the modules' count, if the tensors are there (mtp_depth)
+  return latent_model(f, "DeepSeek-V3", bool(f.get("rope_interleave")), moe)
+
+
+def routed_experts(f: base.Fields) -> dict:
+  """The `MoEConfig` fields DeepSeek-V2 and V3 spell alike: experts, shared experts, scaling,
+  and no auxiliary loss (neither transformers class computes one).
+
+  Args:
+    f: the config.json fields.
+
+  Returns:
+    `MoEConfig` keyword arguments.
+  """
+  f.get("output_router_logits")  # adds no loss: neither causal LM computes one
+  return dict(
+      num_experts=f.get("n_routed_experts"),
+      top_k=f.get("num_experts_per_tok"),
+      d_ff=f.get("moe_intermediate_size"),
+      num_shared_experts=f.get("n_shared_experts") or 0,
+      routed_scaling=float(f.get("routed_scaling_factor")),
+      lb_loss_coef=0.0,
+      z_loss_coef=0.0,
+  )
+
+
+def latent_model(
+    f: base.Fields, family: str, rope_interleave: bool, moe: moe_lib.MoEConfig
+) -> transformer.TransformerConfig:
+  """A DeepSeek model: latent attention in every layer, `first_k_dense_replace` dense layers,
+  then `moe`'s FFN.
+
+  Args:
+    f: the config.json fields.
+    family: the family's name, for messages.
+    rope_interleave: whether the rotary channels come in interleaved pairs.
+    moe: the MoE FFN.
+
+  Returns:
+    The model's `TransformerConfig`.
+
+  Raises:
+    CheckpointError: a field jaxpipe does not compute, or a missing one without a default.
+  """
   base.no_dropout(f)
   f.require("attention_bias", lambda v: not v, "the latent attention has no biases", False)
+  f.require("mlp_bias", lambda v: not v, "the FFNs have no biases", False)
   heads = f.get("num_attention_heads")
   f.require(
       "num_key_value_heads",
@@ -78,31 +130,15 @@ def read(f: base.Fields) -> transformer.TransformerConfig:
       "latent attention expands keys and values for every query head",
       heads,
   )
-  theta, scaling = base.whole_rope(f, "DeepSeek-V3")
+  theta, scaling = base.whole_rope(f, family)
   mla = mla_lib.MLAConfig(
       kv_lora_rank=f.get("kv_lora_rank"),
       qk_nope_head_dim=f.get("qk_nope_head_dim"),
       qk_rope_head_dim=f.get("qk_rope_head_dim"),
       v_head_dim=f.get("v_head_dim"),
       q_lora_rank=f.get("q_lora_rank"),
-      rope_interleave=bool(f.get("rope_interleave")),
+      rope_interleave=rope_interleave,
   )
-  moe = moe_lib.MoEConfig(
-      num_experts=f.get("n_routed_experts"),
-      top_k=f.get("num_experts_per_tok"),
-      d_ff=f.get("moe_intermediate_size"),
-      num_shared_experts=f.get("n_shared_experts") or 0,
-      router="sigmoid",
-      norm_topk_prob=bool(f.get("norm_topk_prob")),
-      routed_scaling=float(f.get("routed_scaling_factor")),
-      n_groups=f.get("n_group") or 1,
-      topk_groups=f.get("topk_group") or 1,
-      # transformers trains DeepSeek-V3 with no auxiliary loss and a fixed bias
-      lb_loss_coef=0.0,
-      z_loss_coef=0.0,
-  )
-  f.get("output_router_logits")  # adds no loss: DeepseekV3ForCausalLM computes none
-  f.get("num_nextn_predict_layers")  # the modules' count, if the tensors are there (mtp_depth)
   common = base.common(f)
   common.update(head_dim=mla.qk_rope_head_dim, n_kv_heads=heads)
   return transformer.TransformerConfig(
@@ -123,10 +159,32 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
     hf: the config.json dict, changed in place.
     cfg: the model.
   """
+  if not write_latent(hf, cfg):
+    return  # not a DeepSeek model: the caller's check names the difference
+  hf.update(
+      rope_interleave=cfg.mla.rope_interleave,
+      norm_topk_prob=cfg.moe.norm_topk_prob,
+      n_group=cfg.moe.n_groups,
+      topk_group=cfg.moe.topk_groups,
+  )
+  if cfg.mtp_depth or "num_nextn_predict_layers" not in hf:
+    hf["num_nextn_predict_layers"] = cfg.mtp_depth
+
+
+def write_latent(hf: dict, cfg: transformer.TransformerConfig) -> bool:
+  """Sets the fields DeepSeek-V2 and V3 spell alike to cfg's.
+
+  Args:
+    hf: the config.json dict, changed in place.
+    cfg: the model.
+
+  Returns:
+    Whether cfg has latent attention and experts (else only the common fields are set).
+  """
   base.write_common(hf, cfg)
   m, e = cfg.mla, cfg.moe
   if m is None or e is None:
-    return  # not a DeepSeek-V3 model: the caller's check names the difference
+    return False
   hf.update(
       num_key_value_heads=cfg.n_heads,
       head_dim=m.qk_rope_head_dim,
@@ -136,20 +194,15 @@ def write(hf: dict, cfg: transformer.TransformerConfig) -> None:
       qk_rope_head_dim=m.qk_rope_head_dim,
       qk_nope_head_dim=m.qk_nope_head_dim,
       v_head_dim=m.v_head_dim,
-      rope_interleave=m.rope_interleave,
       n_routed_experts=e.num_experts,
       num_experts_per_tok=e.top_k,
       moe_intermediate_size=e.d_ff,
       n_shared_experts=e.num_shared_experts,
-      norm_topk_prob=e.norm_topk_prob,
       routed_scaling_factor=e.routed_scaling,
-      n_group=e.n_groups,
-      topk_group=e.topk_groups,
       first_k_dense_replace=cfg.first_dense,
       hidden_act=base.act_name(cfg),
   )
-  if cfg.mtp_depth or "num_nextn_predict_layers" not in hf:
-    hf["num_nextn_predict_layers"] = cfg.mtp_depth
+  return True
 
 
 def mtp_depth(hf: dict, names: set) -> int:
@@ -224,11 +277,12 @@ def moe_layer_tensors(cfg, prefix, layers) -> list[base.Tensor]:
   )
   out = attention_tensors(cfg, prefix, layers) + [
       base.linear(w + ("router_DxE",), at + "gate.weight", layers, (e.num_experts,), (d,)),
-      base.vector(w + ("expert_bias_E",), at + "gate." + BIAS, layers, (e.num_experts,)),
       expert("wi_gate_ExDxF", "gate", (d, e.d_ff)),
       expert("wi_up_ExDxF", "up", (d, e.d_ff)),
       expert("wo_ExFxD", "down", (e.d_ff, d)),
   ]
+  if e.router == "sigmoid":  # V3's choice-only bias
+    out.append(base.vector(w + ("expert_bias_E",), at + "gate." + BIAS, layers, (e.num_experts,)))
   if s:
     out += [
         shared("shared_gate_DxS", "gate", (s,), (d,)),
@@ -276,7 +330,7 @@ def mtp_tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
 
 
 def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
-  """Every parameter leaf of a DeepSeek-V3 model with its checkpoint tensors.
+  """Every parameter leaf of a DeepSeek-V2 or V3 model with its checkpoint tensors.
 
   Args:
     cfg: the model.
@@ -290,7 +344,7 @@ def tensors(cfg: transformer.TransformerConfig) -> list[base.Tensor]:
   """
   if cfg.mla is None or cfg.moe is None or cfg.moe.every != 1:
     raise base.CheckpointError(
-        "a deepseek_v3 checkpoint holds latent attention (model.mla) and an MoE FFN in every "
+        "a DeepSeek checkpoint holds latent attention (model.mla) and an MoE FFN in every "
         "layer after model.first_dense (model.moe with every=1)"
     )
   k = cfg.first_dense
