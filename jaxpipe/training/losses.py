@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models import moe as moe_lib
+from jaxpipe.models import mtp as mtp_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.attention import context_parallel
 from jaxpipe.models.transformer import TransformerConfig
@@ -112,8 +113,6 @@ def moe_loss_and_grads(cfg: TransformerConfig, mesh, microbatches: int = 1) -> L
     `loss_and_grads(params, batch) -> (loss, grads, metrics)` (module docstring): `batch` holds
     global [batch, seq] arrays, `loss` is a scalar, `grads` has the tree of `params`.
   """
-  from jaxpipe.models import mtp as mtp_lib  # noqa: PLC0415 (only models that have it)
-
   moe_cfg = cfg.moe
 
   def objective(params, batch, denom, n_tokens):
@@ -253,7 +252,7 @@ def context_parallel_loss_and_grads(
     x_BxSxD, aux = jax.lax.scan(lambda x, xs: body(x, *xs), x_BxSxD, xs, unroll=unroll)
     return x_BxSxD, {} if aux is None else aux
 
-  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, specs=None):
+  def local_sums(params, tokens_BxS, targets_BxS, weights_BxS, packed_BxS, mtp_w, specs=None):
     layer_specs = None
     if specs is not None and shard == "zero2":  # all gathered here
       params, specs = zero.gather_local(params, specs), None
@@ -279,7 +278,23 @@ def context_parallel_loss_and_grads(
           params["layers"], x_BxSxD, positions_S, segment_ids_BxS, layer_specs
       )
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
-    return total[None], aux
+      mtp_sum = jnp.zeros((), jnp.float32)
+      if cfg.mtp_depth:  # whole rows on every rank (cp refuses it): the shift stays in the row
+        mtp_sum, mtp_aux = mtp_lib.loss(
+            cfg,
+            params,
+            x_BxSxD,
+            targets_BxS,
+            jnp.swapaxes(mtp_w, 0, 1),
+            packed_BxS.get("positions"),
+            segment_ids_BxS,
+        )
+        extra = mtp_sum
+        if mtp_aux:  # the modules' MoE aux, weighed as moe_unit weighs the layers'
+          extra = extra + mtp_aux["loss"].sum() * tokens_BxS.size
+        # on the gradient only: the value stays the cross-entropy every path reports
+        total = total + (extra - jax.lax.stop_gradient(extra))
+    return total[None], aux, mtp_sum[None]
 
   def param_specs(params):
     if split:
@@ -289,30 +304,42 @@ def context_parallel_loss_and_grads(
   sharded = lambda params, *args: jax.shard_map(
       functools.partial(local_sums, specs=zero.gather_specs(params, mesh) if split else None),
       mesh=mesh,
-      in_specs=(param_specs(params), spec, spec, spec, spec),
-      out_specs=(every_axis, aux_spec),
+      in_specs=(param_specs(params), spec, spec, spec, spec, P(batch_axes)),
+      out_specs=(every_axis, aux_spec, every_axis),
       check_vma=cfg.attention != "pallas",
   )(params, *args)
 
   def loss_sum(params, batch):
-    total, aux = sharded(params, batch["tokens"], batch["targets"], batch["weights"], packed(batch))
-    return jnp.sum(total), aux
+    total, aux, mtp_sum = sharded(
+        params,
+        batch["tokens"],
+        batch["targets"],
+        batch["weights"],
+        packed(batch),
+        batch.get("mtp_weights", jnp.zeros(batch["tokens"].shape[:1])),
+    )
+    return jnp.sum(total), (aux, jnp.sum(mtp_sum))
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
   def loss_and_grads(params, batch):
     n_tokens = batch["tokens"].size
     count = jnp.sum(batch["mask"].astype(jnp.float32))
+    given = batch
     batch = {
         "tokens": batch["tokens"],
         "targets": batch["targets"],
         "weights": transformer.mean_weights(batch["mask"]),
         **packed(batch),
     }
-    (total, aux), grads = microbatch.accumulate(grad_fn, params, batch, microbatches)
+    if cfg.mtp_depth:  # the whole batch's weights, split by rows as the rows are
+      batch["mtp_weights"] = mtp_lib.batch_weights(cfg, given)
+    (total, (aux, mtp_sum)), grads = microbatch.accumulate(grad_fn, params, batch, microbatches)
     metrics = {"tokens": count}
     if cfg.moe is not None:
       metrics.update(moe_lib.train_metrics(aux, microbatches, n_tokens, cfg.moe.top_k))
+    if cfg.mtp_depth:
+      metrics["mtp_loss"] = mtp_sum / n_tokens
     return total / n_tokens, fp8_lib.map_grads(lambda g: g / n_tokens, grads), metrics
 
   return loss_and_grads

@@ -131,7 +131,7 @@ def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
   first = trainer.step()
   assert "mtp_loss" in first and float(first["mtp_loss"]) > 0
   c.mesh.cp = 2
-  match = r"model.mtp_depth=1 \(multi-token prediction\) .* not with mesh.cp; use mesh.cp=1"
+  match = r"model.mtp_depth=1 \(multi-token prediction\) with mesh.cp=2: .*; use mesh.cp=1"
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, 8)
 
@@ -152,28 +152,70 @@ def test_the_pipeline_trains_the_modules_on_its_last_stage(schedule):
   c.mesh.pp = 2
   c.pipeline.schedule, c.pipeline.microbatches = schedule, 4
   cfg = model_config(c)
-  params = helpers.random_params(cfg, seed=6)
-  rng = np.random.default_rng(6)
-  rows = 8  # 4 micro-batches of 2 rows, one on each expert rank
+  batch = _packed_batch(cfg, rows=8, seed=6)  # 4 micro-batches of 2 rows, one per expert rank
+  mesh = make_mesh(c.mesh, jax.devices()[:4])
+  step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
+  want_metrics = _equals_one_device(cfg, step, batch, microbatches=4)
+  assert float(want_metrics["moe_aux_loss"]) > 0.05
+
+
+@pytest.mark.parametrize("path", ["tp", "fsdp"])
+def test_the_shard_map_path_trains_the_modules(path):
+  """Under tensor parallelism with sequence parallelism (dense) and under fsdp over two expert
+  ranks (MoE), the modules run in the one shard_map beside the head: the step's loss is the
+  cross-entropy, `mtp_loss` the modules' term and the gradient that of their sum, as the
+  one-device step's, on packed rows."""
+  from jaxpipe.training.config import model_config
+  from jaxpipe.training.mesh import make_mesh
+
+  if path == "tp":
+    c = helpers.moe_config(ep=1)
+    c.model.moe, c.model.sequence_parallel, c.mesh.tp = None, True, 2
+    shard = "none"
+  else:
+    c = helpers.moe_config(ep=2, every=1, dispatch="dropless")
+    shard = c.optimizer.shard = "fsdp"
+  c.model.n_layers, c.model.mtp_depth, c.mesh.dp = 2, 2, 1
+  cfg = model_config(c)
+  mesh = make_mesh(c.mesh, jax.devices()[:2])
+  step = losses.context_parallel_loss_and_grads(cfg, mesh, 2, shard=shard)
+  want_metrics = _equals_one_device(cfg, step, _packed_batch(cfg, rows=4, seed=7), 2)
+  assert float(want_metrics["mtp_loss"]) > 0.05
+
+
+def _packed_batch(cfg, rows, seed):
+  """`rows` rows of two documents each, positions restarting at the second."""
+  rng = np.random.default_rng(seed)
   seq = rng.integers(0, cfg.vocab, (rows, L + 1)).astype(np.int32)
-  cut = rng.integers(3, L - 3, rows)  # two documents a row, positions restarting at the second
+  cut = rng.integers(3, L - 3, rows)
   second = np.arange(L)[None] >= cut[:, None]
-  batch = dict(
+  return dict(
       tokens=seq[:, :-1],
       targets=seq[:, 1:],
       mask=np.where(np.arange(L)[None] == cut[:, None] - 1, 0, 1).astype(np.float32),
       segment_ids=(1 + second).astype(np.int32),
       positions=np.where(second, np.arange(L)[None] - cut[:, None], np.arange(L)[None]),
   )
-  mesh = make_mesh(c.mesh, jax.devices()[:4])
-  loss, grads, metrics = jax.jit(pipeline_loss_and_grads(cfg, c.pipeline, mesh))(params, batch)
-  want_loss, want, want_metrics = jax.jit(losses.moe_loss_and_grads(cfg, None, 4))(params, batch)
-  assert float(want_metrics["mtp_loss"]) > 0.05 and float(want_metrics["moe_aux_loss"]) > 0.05
+
+
+def _equals_one_device(cfg, step, batch, microbatches):
+  """`step`'s loss, metrics and gradients against the one-device step with the modules
+  (`moe_loss_and_grads` without a mesh, held to the paper's equations above); returns the
+  one-device metrics."""
+  params = helpers.random_params(cfg, seed=6)
+  loss, grads, metrics = jax.jit(step)(params, batch)
+  want_loss, want, want_metrics = jax.jit(losses.moe_loss_and_grads(cfg, None, microbatches))(
+      params, batch
+  )
+  assert float(want_metrics["mtp_loss"]) > 0.05
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)  # the cross-entropy alone
+  if "mtp_loss" in metrics:
+    np.testing.assert_allclose(metrics["mtp_loss"], want_metrics["mtp_loss"], rtol=1e-5)
   want = helpers.flat(want)
   for path, g in helpers.flat(grads).items():
     helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=2e-5)
   assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["mtp"]))
+  return want_metrics
 
 
 def test_packed_rows_keep_each_module_inside_its_document():
