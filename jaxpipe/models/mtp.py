@@ -73,6 +73,8 @@ def batch_weights(cfg: transformer.TransformerConfig, batch: dict) -> jax.Array:
 
 def _ahead(x_BxL, k: int, fill):
   """x shifted k places left along each row (x[i + k] at i), `fill` past the end."""
+  if k == 0:
+    return x_BxL
   pad = jnp.full(x_BxL.shape[:1] + (k,), fill, x_BxL.dtype)
   return jnp.concatenate([x_BxL[:, k:], pad], axis=1)
 
@@ -114,6 +116,7 @@ def loss(
     weights_DxBxL: jax.Array,
     positions_L: jax.Array | None = None,
     segment_ids_BxL: jax.Array | None = None,
+    ahead=None,
 ) -> tuple[jax.Array, dict]:
   """The modules' weighted cross-entropy sum and their MoE aux.
 
@@ -125,20 +128,24 @@ def loss(
     weights_DxBxL: `weights` ([D, B, L]; `batch_weights`' [B, D, L] swapped).
     positions_L: [L] or [B, L]; default 0..L-1.
     segment_ids_BxL: packed rows' document ids: each module's layer attends within them.
+    ahead: `(x_BxL, k, fill) -> x_BxL` shifted k places left along each row; default within
+      the rows given (context parallelism passes one that reads the next rank's slice).
 
   Returns:
     `(Σ_k Σ_i weights[k, i] · CE_k(i), aux)`: aux the modules' MoE aux with a leading [depth]
     axis ({} for a dense model).
   """
+  shift = _ahead if ahead is None else ahead
   # module k at i reads the token k ahead, t[i + k] = targets[i + k - 1]
-  ahead = lambda k: _ahead(targets_BxL, k - 1, 0)
-  states = _states(cfg, params, h_BxLxD, ahead, _positions(h_BxLxD, positions_L), segment_ids_BxL)
+  tokens_ahead = lambda k: shift(targets_BxL, k - 1, 0)
+  positions_L = _positions(h_BxLxD, positions_L)
+  states = _states(cfg, params, h_BxLxD, tokens_ahead, positions_L, segment_ids_BxL)
   total, auxes = jnp.zeros((), jnp.float32), []
   for k, (h, aux) in enumerate(states, start=1):
     if aux is not None:
       auxes.append(aux)
     logits = transformer.project(cfg, params, h)
-    ce, _ = transformer.logits_loss(logits, _ahead(targets_BxL, k, 0), weights_DxBxL[k - 1])
+    ce, _ = transformer.logits_loss(logits, shift(targets_BxL, k, 0), weights_DxBxL[k - 1])
     total = total + ce
   aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else {}
   return total, aux
@@ -166,3 +173,32 @@ def logits(
   ahead = lambda k: tokens_ahead_DxBxL[k - 1]
   states = _states(cfg, params, h_BxLxD, ahead, _positions(h_BxLxD, positions_L), None)
   return jnp.stack([transformer.project(cfg, params, h) for h, _ in states])
+
+
+def ahead_over(axis_name: str, ranks: int):
+  """`loss`'s `ahead` for rows split along the sequence over `axis_name` (context parallelism):
+  each rank's slice continued by the next rank's first k entries, `fill` past the last rank's.
+
+  Args:
+    axis_name: the mesh axis the sequence is split over.
+    ranks: its size.
+
+  Returns:
+    `(x_BxS, k, fill) -> x_BxS`, to call inside a shard_map over `axis_name`.
+  """
+
+  def ahead(x_BxS, k: int, fill):
+    if k == 0:
+      return x_BxS
+    if k > x_BxS.shape[1]:
+      raise ValueError(
+          f"mtp_depth reads {k} tokens ahead, beyond one context rank's {x_BxS.shape[1]}; "
+          "use a longer sequence or fewer context ranks"
+      )
+    perm = [(r, r - 1) for r in range(1, ranks)]  # rank r gets rank r + 1's first k
+    nxt = jax.lax.ppermute(x_BxS[:, :k], axis_name, perm)
+    last = jax.lax.axis_index(axis_name) == ranks - 1
+    nxt = jnp.where(last, jnp.full_like(nxt, fill), nxt)
+    return jnp.concatenate([x_BxS[:, k:], nxt], axis=1)
+
+  return ahead

@@ -279,15 +279,16 @@ def context_parallel_loss_and_grads(
       )
       total, _ = transformer.head_loss(cfg, params, x_BxSxD, targets_BxS, weights_BxS)
       mtp_sum = jnp.zeros((), jnp.float32)
-      if cfg.mtp_depth:  # whole rows on every rank (cp refuses it): the shift stays in the row
+      if cfg.mtp_depth:  # under cp a module reads the next rank's first tokens too
         mtp_sum, mtp_aux = mtp_lib.loss(
             cfg,
             params,
             x_BxSxD,
             targets_BxS,
             jnp.swapaxes(mtp_w, 0, 1),
-            packed_BxS.get("positions"),
+            positions_S,
             segment_ids_BxS,
+            None if cp_axis is None else mtp_lib.ahead_over(cp_axis, mesh.shape[cp_axis]),
         )
         extra = mtp_sum
         if mtp_aux:  # the modules' MoE aux, weighed as moe_unit weighs the layers'
@@ -304,7 +305,7 @@ def context_parallel_loss_and_grads(
   sharded = lambda params, *args: jax.shard_map(
       functools.partial(local_sums, specs=zero.gather_specs(params, mesh) if split else None),
       mesh=mesh,
-      in_specs=(param_specs(params), spec, spec, spec, spec, P(batch_axes)),
+      in_specs=(param_specs(params), spec, spec, spec, spec, P(batch_axes, None, axis_name)),
       out_specs=(every_axis, aux_spec, every_axis),
       check_vma=cfg.attention != "pallas",
   )(params, *args)
@@ -316,7 +317,9 @@ def context_parallel_loss_and_grads(
         batch["targets"],
         batch["weights"],
         packed(batch),
-        batch.get("mtp_weights", jnp.zeros(batch["tokens"].shape[:1])),
+        batch.get(
+            "mtp_weights", jnp.zeros((batch["tokens"].shape[0], 1, batch["tokens"].shape[1]))
+        ),
     )
     return jnp.sum(total), (aux, jnp.sum(mtp_sum))
 

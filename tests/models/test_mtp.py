@@ -130,8 +130,8 @@ def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
   trainer.init()
   first = trainer.step()
   assert "mtp_loss" in first and float(first["mtp_loss"]) > 0
-  c.mesh.cp = 2
-  match = r"model.mtp_depth=1 \(multi-token prediction\) with mesh.cp=2: .*; use mesh.cp=1"
+  c.mesh.pp, c.mesh.cp = 2, 2
+  match = r"model.mtp_depth=1 \(multi-token prediction\) with mesh.pp=2 and mesh.cp=2.*; use"
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, 8)
 
@@ -159,19 +159,23 @@ def test_the_pipeline_trains_the_modules_on_its_last_stage(schedule):
   assert float(want_metrics["moe_aux_loss"]) > 0.05
 
 
-@pytest.mark.parametrize("path", ["tp", "fsdp"])
+@pytest.mark.parametrize("path", ["cp", "tp", "fsdp"])
 def test_the_shard_map_path_trains_the_modules(path):
-  """Under tensor parallelism with sequence parallelism (dense) and under fsdp over two expert
-  ranks (MoE), the modules run in the one shard_map beside the head: the step's loss is the
-  cross-entropy, `mtp_loss` the modules' term and the gradient that of their sum, as the
+  """Under context parallelism and tensor parallelism with sequence parallelism (dense), and
+  under fsdp over two expert ranks (MoE), the modules run in the one shard_map beside the head
+  (under cp each rank's slice continued by the next rank's first tokens): the step's loss is
+  the cross-entropy, `mtp_loss` the modules' term and the gradient that of their sum, as the
   one-device step's, on packed rows."""
   from jaxpipe.training.config import model_config
   from jaxpipe.training.mesh import make_mesh
 
-  if path == "tp":
+  shard = "none"
+  if path == "cp":
+    c = helpers.moe_config(ep=1)
+    c.model.moe, c.mesh.cp = None, 2
+  elif path == "tp":
     c = helpers.moe_config(ep=1)
     c.model.moe, c.model.sequence_parallel, c.mesh.tp = None, True, 2
-    shard = "none"
   else:
     c = helpers.moe_config(ep=2, every=1, dispatch="dropless")
     shard = c.optimizer.shard = "fsdp"
