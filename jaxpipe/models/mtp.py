@@ -175,13 +175,13 @@ def logits(
   return jnp.stack([transformer.project(cfg, params, h) for h, _ in states])
 
 
-def ahead_over(axis_name: str, ranks: int):
+def ahead_over(axis_name: str):
   """`loss`'s `ahead` for rows split along the sequence over `axis_name` (context parallelism):
-  each rank's slice continued by the next rank's first k entries, `fill` past the last rank's.
+  each rank's slice continued by the next rank's first k entries, `fill` past the last rank's
+  (gathered from every rank: k entries a row).
 
   Args:
     axis_name: the mesh axis the sequence is split over.
-    ranks: its size.
 
   Returns:
     `(x_BxS, k, fill) -> x_BxS`, to call inside a shard_map over `axis_name`.
@@ -195,10 +195,12 @@ def ahead_over(axis_name: str, ranks: int):
           f"mtp_depth reads {k} tokens ahead, beyond one context rank's {x_BxS.shape[1]}; "
           "use a longer sequence or fewer context ranks"
       )
-    perm = [(r, r - 1) for r in range(1, ranks)]  # rank r gets rank r + 1's first k
-    nxt = jax.lax.ppermute(x_BxS[:, :k], axis_name, perm)
-    last = jax.lax.axis_index(axis_name) == ranks - 1
-    nxt = jnp.where(last, jnp.full_like(nxt, fill), nxt)
+    # every rank's first k (a few tokens per row), not a ppermute: the pipeline runs this in
+    # its per-tick branch, where the executor admits no point-to-point collective
+    firsts_RxBxK = jax.lax.all_gather(x_BxS[:, :k], axis_name)
+    r = jax.lax.axis_index(axis_name)
+    nxt = firsts_RxBxK[jnp.minimum(r + 1, jax.lax.axis_size(axis_name) - 1)]
+    nxt = jnp.where(r == jax.lax.axis_size(axis_name) - 1, jnp.full_like(nxt, fill), nxt)
     return jnp.concatenate([x_BxS[:, k:], nxt], axis=1)
 
   return ahead

@@ -357,13 +357,6 @@ def validate(
         "context nor tensor parallelism splits it yet; use mesh.cp=1 and mesh.tp=1 (pipeline, "
         "data and expert parallelism do)"
     )
-  if m.get("mtp_depth", 0) and shape["pp"] > 1 and (cp > 1 or shape["tp"] > 1):
-    raise ConfigError(
-        f"model.mtp_depth={m.mtp_depth} (multi-token prediction) with mesh.pp={shape['pp']} "
-        f"and mesh.cp={cp}, mesh.tp={shape['tp']}: the pipeline's last stage runs the modules "
-        "on whole rows only yet; use mesh.cp=1 and mesh.tp=1 with mesh.pp > 1 (or mesh.pp=1, "
-        "where context and tensor parallelism run them)"
-    )
   for name in ("n_heads", "n_kv_heads"):
     if m[name] % cp:
       raise ConfigError(

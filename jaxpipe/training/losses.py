@@ -288,11 +288,11 @@ def context_parallel_loss_and_grads(
             jnp.swapaxes(mtp_w, 0, 1),
             positions_S,
             segment_ids_BxS,
-            None if cp_axis is None else mtp_lib.ahead_over(cp_axis, mesh.shape[cp_axis]),
+            None if cp_axis is None else mtp_lib.ahead_over(cp_axis),
         )
         extra = mtp_sum
         if mtp_aux:  # the modules' MoE aux, weighed as moe_unit weighs the layers'
-          extra = extra + mtp_aux["loss"].sum() * tokens_BxS.size
+          extra = extra + mtp_aux["loss"].sum() * x_BxSxD.shape[0] * x_BxSxD.shape[1]
         # on the gradient only: the value stays the cross-entropy every path reports
         total = total + (extra - jax.lax.stop_gradient(extra))
     return total[None], aux, mtp_sum[None]

@@ -164,20 +164,24 @@ def lm_model(
       ce = transformer.head_loss(cfg, head_params, x_BxLxD, target["targets"], target["mask"])[0]
       if not cfg.mtp_depth:
         return ce
-      # The prediction modules run here, on the stage that holds the head they share. Their
-      # loss (and their MoE layers' aux, weighed by the micro-batch's tokens as moe_unit weighs
-      # the stages') rides on the gradient: the value stays the cross-entropy every path reports.
+    # The prediction modules run here, on the stage that holds the head they share (under cp
+    # each slice continued by the next rank's first tokens). Their loss, and their MoE layers'
+    # aux weighed as layer_fn weighs the stages', rides on the gradient: the value stays the
+    # cross-entropy every path reports.
+    with context_parallel(context_axis, point_to_point=False), placed():
+      seq = x_BxLxD.shape[1] * tp_lib.token_split()  # this context rank's tokens
       extra, aux = mtp_lib.loss(
           cfg,
           head_params,
           x_BxLxD,
           target["targets"],
-          jnp.swapaxes(target["mtp_weights"], 0, 1),
-          target.get("positions"),
+          jnp.moveaxis(target["mtp_weights"], 2, 0),  # [B, L, D]: the sequence at axis 2
+          positions_of(target, seq),
           target.get("segment_ids"),
+          None if context_axis is None else mtp_lib.ahead_over(context_axis),
       )
       if aux:
-        extra = extra + aux["loss"].sum() * x_BxLxD.shape[0] * x_BxLxD.shape[1]
+        extra = extra + aux["loss"].sum() * x_BxLxD.shape[0] * seq / tp_lib.size()
       return ce + (extra - lax.stop_gradient(extra))
 
   if layer_gather is not None:  # fsdp: each unit gathered just before use, again in the backward
@@ -286,7 +290,7 @@ def lm_targets(cfg: TransformerConfig, split: dict) -> dict:
   Args:
     cfg: the model.
     split: leaves [microbatches, batch, ...]: `targets`, `mask` (weighted), and with
-      `cfg.mtp_depth` `mtp_weights` ([.., batch, depth, seq]) and any packed-row keys.
+      `cfg.mtp_depth` `mtp_weights` ([.., batch, seq, depth]) and any packed-row keys.
 
   Returns:
     The loss function's target dict.
@@ -446,8 +450,8 @@ def pipeline_loss_and_grads(
         "mask": transformer.mean_weights(batch["mask"]),
         **packed_keys,
     }
-    if cfg.mtp_depth:  # the whole batch's weights, split by rows as the rows are
-      weighted["mtp_weights"] = mtp_lib.batch_weights(cfg, batch)
+    if cfg.mtp_depth:  # the whole batch's, split as the rows are, the sequence at axis 2 (cp)
+      weighted["mtp_weights"] = jnp.swapaxes(mtp_lib.batch_weights(cfg, batch), 1, 2)
     split = microbatch.split(weighted, m)  # as every path splits
     stage_params = jax.tree.map(
         lambda a: a.reshape(entries, a.shape[0] // entries, *a.shape[1:]), params["layers"]

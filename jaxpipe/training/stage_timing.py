@@ -194,7 +194,7 @@ class StageTimer:
     tokens = rng.integers(0, cfg.vocab, (1, b * replicas, seq * mesh.shape[CONTEXT_AXIS]), np.int32)
     target = {"targets": np.roll(tokens, -1, axis=2), "mask": np.ones(tokens.shape, np.float32)}
     if cfg.mtp_depth:  # the prediction modules run with the head (`pipeline_lm.lm_model`)
-      target["mtp_weights"] = np.ones((1, b * replicas, cfg.mtp_depth, tokens.shape[2]), np.float32)
+      target["mtp_weights"] = np.ones(tokens.shape + (cfg.mtp_depth,), np.float32)
     if cfg.first_dense:  # the embedding stage's inputs (`pipeline_lm.lm_model`)
       tokens = {"tokens": tokens}
     ep_axis = "ep" if cfg.moe is not None and "ep" in mesh.axis_names else None

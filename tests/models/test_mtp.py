@@ -118,9 +118,8 @@ def test_the_step_adds_the_modules_loss_to_the_cross_entropy():
     helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=2e-5)
 
 
-def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
+def test_the_trainer_trains_it():
   from configs import tiny
-  from jaxpipe.training import config as config_lib
   from jaxpipe.training.trainer import Trainer
 
   c = tiny.get_config()
@@ -130,33 +129,43 @@ def test_the_trainer_trains_it_and_refuses_the_paths_without_it():
   trainer.init()
   first = trainer.step()
   assert "mtp_loss" in first and float(first["mtp_loss"]) > 0
-  c.mesh.pp, c.mesh.cp = 2, 2
-  match = r"model.mtp_depth=1 \(multi-token prediction\) with mesh.pp=2 and mesh.cp=2.*; use"
-  with pytest.raises(config_lib.ConfigError, match=match):
-    config_lib.validate(c, 8)
 
 
 @pytest.mark.parametrize(
-    "schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "dualpipev"]  # DeepSeek's first
+    "schedule, axis",
+    [
+        ("dualpipev", "ep"),  # DeepSeek's
+        pytest.param("1f1b", "ep", marks=pytest.mark.slow),
+        ("1f1b", "cp"),
+        ("1f1b", "tp"),
+    ],
 )
-def test_the_pipeline_trains_the_modules_on_its_last_stage(schedule):
-  """Pipelined at pp 2 x ep 2, the modules run beside the head on the last stage: the step's loss
-  is the cross-entropy and its gradient that of CE + L_MTP + every MoE layer's aux (the module's
-  too), as the one-device step's, on packed rows."""
+def test_the_pipeline_trains_the_modules_on_its_last_stage(schedule, axis):
+  """Pipelined at pp 2 beside ep 2 (MoE), cp 2 or tp 2 with sequence parallelism (dense), the
+  modules run beside the head on the last stage (under cp each slice continued by the next
+  rank's first tokens): the step's loss is the cross-entropy and its gradient that of CE +
+  L_MTP + every MoE layer's aux (the module's too), as the one-device step's, on packed rows."""
   from jaxpipe.training.config import model_config
   from jaxpipe.training.mesh import make_mesh
   from jaxpipe.training.pipeline_lm import pipeline_loss_and_grads
 
   c = helpers.moe_config(ep=2, every=1, dispatch="dropless")  # lb and z losses on
-  c.model.mtp_depth, c.model.mtp_weight = 1, 0.3
+  if axis != "ep":
+    c = helpers.moe_config(ep=1)
+    c.model.moe, c.mesh.dp, c.mesh[axis] = None, 1, 2
+    c.model.sequence_parallel = axis == "tp"
+  c.model.mtp_depth, c.model.mtp_weight = 1 if axis == "ep" else 2, 0.3
   c.mesh.pp = 2
   c.pipeline.schedule, c.pipeline.microbatches = schedule, 4
   cfg = model_config(c)
   batch = _packed_batch(cfg, rows=8, seed=6)  # 4 micro-batches of 2 rows, one per expert rank
   mesh = make_mesh(c.mesh, jax.devices()[:4])
   step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
-  want_metrics = _equals_one_device(cfg, step, batch, microbatches=4)
-  assert float(want_metrics["moe_aux_loss"]) > 0.05
+  # tp's split sums reorder float32 additions through two modules: two entries of one leaf
+  # were found just over 2e-5 of its largest gradient off
+  want_metrics = _equals_one_device(cfg, step, batch, 4, rtol=5e-5 if axis == "tp" else 2e-5)
+  if cfg.moe is not None:
+    assert float(want_metrics["moe_aux_loss"]) > 0.05
 
 
 @pytest.mark.parametrize("path", ["cp", "tp", "fsdp"])
@@ -202,10 +211,10 @@ def _packed_batch(cfg, rows, seed):
   )
 
 
-def _equals_one_device(cfg, step, batch, microbatches):
+def _equals_one_device(cfg, step, batch, microbatches, rtol=2e-5):
   """`step`'s loss, metrics and gradients against the one-device step with the modules
-  (`moe_loss_and_grads` without a mesh, held to the paper's equations above); returns the
-  one-device metrics."""
+  (`moe_loss_and_grads` without a mesh, held to the paper's equations above), each gradient
+  within `rtol` of its leaf's largest element; returns the one-device metrics."""
   params = helpers.random_params(cfg, seed=6)
   loss, grads, metrics = jax.jit(step)(params, batch)
   want_loss, want, want_metrics = jax.jit(losses.moe_loss_and_grads(cfg, None, microbatches))(
@@ -217,7 +226,7 @@ def _equals_one_device(cfg, step, batch, microbatches):
     np.testing.assert_allclose(metrics["mtp_loss"], want_metrics["mtp_loss"], rtol=1e-5)
   want = helpers.flat(want)
   for path, g in helpers.flat(grads).items():
-    helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=2e-5)
+    helpers.close(g, want[path], jax.tree_util.keystr(path), rtol=rtol)
   assert any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["mtp"]))
   return want_metrics
 
