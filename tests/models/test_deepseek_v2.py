@@ -70,6 +70,7 @@ def test_export_and_import_round_trip_bit_for_bit(checkpoint, tmp_path):
         (dict(topk_method="noaux_tc"), r"topk_method='noaux_tc'.*one of \('greedy'"),
         (dict(mlp_bias=True), r"mlp_bias=True.*the FFNs have no biases"),
         (dict(attention_bias=True), r"attention_bias=True.*the latent attention has no biases"),
+        (dict(num_experts_per_tok=None), r"'num_experts_per_tok' is missing.*'deepseek_v2'"),
     ],
 )
 def test_what_deepseek_v2_cannot_read_is_one_line(changes, match):

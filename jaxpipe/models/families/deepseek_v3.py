@@ -91,9 +91,15 @@ def routed_experts(f: base.Fields) -> dict:
     `MoEConfig` keyword arguments.
   """
   f.get("output_router_logits")  # adds no loss: neither causal LM computes one
+  top_k = f.get("num_experts_per_tok")
+  if top_k is None:  # DeepSeek-V2's default: a config must name it
+    raise base.CheckpointError(
+        f"config.json: field 'num_experts_per_tok' is missing; model_type {f.model_type!r} "
+        "needs the experts each token uses"
+    )
   return dict(
       num_experts=f.get("n_routed_experts"),
-      top_k=f.get("num_experts_per_tok"),
+      top_k=top_k,
       d_ff=f.get("moe_intermediate_size"),
       num_shared_experts=f.get("n_shared_experts") or 0,
       routed_scaling=float(f.get("routed_scaling_factor")),
