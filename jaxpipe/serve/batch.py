@@ -17,7 +17,7 @@ import numpy as np
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.request import PENDING, Request, token_slice
-from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
+from jaxpipe.serve.sampling import MAX_BANNED, LogitBias, Penalties, SamplingBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +180,75 @@ def build(
       ring_tables,
       ring_seq_tables,
   )
-  sampling = SamplingBatch(temp, top_k, top_p, seed, out_index, banned)
+  sampling = SamplingBatch(
+      temp,
+      top_k,
+      top_p,
+      seed,
+      out_index,
+      banned,
+      _min_p(sampled, r_max),
+      _logit_bias(sampled, r_max),
+      _penalties(sampled, r_max, after_rows),
+  )
   index = out_index[: len(sampled)].tolist()
   return StepBatch(batch, sampling, sampled, t, t_real, n_pages, index)
+
+
+def _pow2(n: int) -> int:
+  """The smallest power of two >= max(n, 1): padded widths, so steps share compiled programs."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _min_p(sampled: list[Request], r_max: int) -> np.ndarray | None:
+  """Each sampled row's min_p, or None when no row uses it."""
+  if not any(r.sampling.min_p for r in sampled):
+    return None
+  out = np.zeros(r_max, np.float32)
+  out[: len(sampled)] = [r.sampling.min_p for r in sampled]
+  return out
+
+
+def _logit_bias(sampled: list[Request], r_max: int) -> LogitBias | None:
+  """Each sampled row's biased ids and biases, or None when no row biases a token."""
+  width = max((len(r.sampling.logit_bias) for r in sampled), default=0)
+  if not width:
+    return None
+  ids = np.full((r_max, _pow2(width)), -1, np.int32)
+  values = np.zeros(ids.shape, np.float32)
+  for j, r in enumerate(sampled):
+    for b, (token, bias) in enumerate(r.sampling.logit_bias):
+      ids[j, b], values[j, b] = token, bias
+  return LogitBias(ids, values)
+
+
+def _penalties(
+    sampled: list[Request], r_max: int, after_rows: Mapping[int, int] | None
+) -> Penalties | None:
+  """Each sampled row's penalties and the tokens they count, or None when no row is penalized.
+
+  A penalized row's last output token may still be in the step in flight (PENDING): `pending_R`
+  names its row there, and the device reads it from that step's sampled tokens.
+  """
+  rows = [(j, r) for j, r in enumerate(sampled) if r.sampling.penalized]
+  if not rows:
+    return None
+  presence, frequency = np.zeros(r_max, np.float32), np.zeros(r_max, np.float32)
+  repetition, pending = np.ones(r_max, np.float32), np.full(r_max, -1, np.int32)
+  known = {j: [t for t in r.output if t != PENDING] for j, r in rows}
+  output = np.full((r_max, _pow2(max(len(k) for k in known.values()))), -1, np.int32)
+  prompts = [r for _, r in rows if r.sampling.repetition_penalty != 1]
+  prompt = np.full((r_max, _pow2(max((len(r.prompt) for r in prompts), default=0))), -1, np.int32)
+  for j, r in rows:
+    sp = r.sampling
+    presence[j], frequency[j], repetition[j] = (
+        sp.presence_penalty,
+        sp.frequency_penalty,
+        sp.repetition_penalty,
+    )
+    output[j, : len(known[j])] = known[j]
+    if sp.repetition_penalty != 1:
+      prompt[j, : len(r.prompt)] = r.prompt
+    if r.output and r.output[-1] == PENDING:
+      pending[j] = after_rows[r.id]
+  return Penalties(presence, frequency, repetition, output, prompt, pending)

@@ -62,6 +62,7 @@ from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve import model as model_lib
+from jaxpipe.serve import sampling as sampling_lib
 from jaxpipe.serve.batch import bucket
 from jaxpipe.serve.kv_transfer import KVTransfer
 from jaxpipe.serve.pages import PageAllocator, PrefixCache, page_key
@@ -442,6 +443,12 @@ class Engine:
           f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})",
           "stop_token_ids",
       )
+    bad = [t for t, _ in sampling.logit_bias if t >= self.cfg.vocab]
+    if bad:
+      return Refusal(
+          f"logit_bias names token ids {bad} outside the vocabulary [0, {self.cfg.vocab})",
+          "logit_bias",
+      )
     eos = self.eos_id if eos_id == ENGINE_EOS else eos_id
     banned = len(set(eos_ids(eos)) | set(sampling.stop_token_ids))
     if sampling.min_tokens and banned > MAX_BANNED:
@@ -690,17 +697,18 @@ class Engine:
         firsts = self._layer_pages(ring)
         self.kv = self._fill_fn(self.kv, firsts, pages, np.int32(size))
 
-  def step_program(self, t: int, n: int) -> jax.stages.Compiled:
+  def step_program(self, t: int, n: int, controls: tuple | None = None) -> jax.stages.Compiled:
     """The compiled step for t tokens and n pages per sequence (`StepPrograms.get`).
 
     Args:
       t: the token bucket.
       n: the page bucket.
+      controls: the step's `sampling.controls_key`; None: no optional sampling controls.
 
     Returns:
       The compiled program (compiled on first use).
     """
-    return self.compiled.get(t, n, self.params, self.kv)
+    return self.compiled.get(t, n, self.params, self.kv, controls)
 
   @property
   def programs(self) -> list[tuple[int, int]]:
@@ -787,7 +795,7 @@ class Engine:
     step = batch_lib.build(plan, self._batch_shape, after_rows)
     self.flush_fills()
     built = time.perf_counter()
-    program = self.step_program(step.t, step.pages)
+    program = self.step_program(step.t, step.pages, sampling_lib.controls_key(step.sampling))
     compiled = time.perf_counter()
     new_R, finite_R, logprobs, self.kv = program(
         self.params,

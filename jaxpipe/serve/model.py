@@ -709,7 +709,7 @@ def serve_step(
     from_prev_T = prev_R[jnp.maximum(batch.prev_T, 0)]
     batch = batch.replace(tokens_T=jnp.where(batch.prev_T >= 0, from_prev_T, batch.tokens_T))
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
-  sampled_R = sample(logits_RxV, sampling)
+  sampled_R = sample(logits_RxV, sampling, prev_R)
   finite_R = jnp.all(jnp.isfinite(logits_RxV), axis=-1)
   tokens_R = jnp.where(finite_R, sampled_R, -1)
   if logprobs:

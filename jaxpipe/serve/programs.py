@@ -2,7 +2,9 @@
 
 A step's arrays are padded to a bucket of tokens and of pages per sequence (`serve.batch`), so
 the programs an engine ever compiles are bounded by the product of the two bucket lists. Each
-is compiled ahead of time from shapes, once, and kept.
+is compiled ahead of time from shapes, once, and kept. Steps whose rows use optional sampling
+controls (min-p, logit bias, penalties) take a variant of their shape's program for each
+`sampling.controls_key` they bring (widths padded to powers of two).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.serve import model as model_lib
-from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
+from jaxpipe.serve import sampling as sampling_lib
 
 
 class StepPrograms:
@@ -42,14 +44,20 @@ class StepPrograms:
     self.cfg, self.backend, self.mesh, self.max_batch = cfg, backend, mesh, max_batch
     self._params, self._kv, self._replicated = shardings
     self.ring = ring
-    self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+    self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
   @property
   def shapes(self) -> list[tuple[int, int]]:
-    """(tokens, pages per sequence) of every program compiled so far."""
-    return sorted(self._compiled)
+    """(tokens, pages per sequence) of every program compiled so far (a shape's variants with
+    sampling controls count once)."""
+    return sorted({key[:2] for key in self._compiled})
 
-  def get(self, t: int, n: int, params, kv) -> jax.stages.Compiled:
+  @property
+  def variants(self) -> int:
+    """Programs compiled so far, sampling-control variants included."""
+    return len(self._compiled)
+
+  def get(self, t: int, n: int, params, kv, controls: tuple | None = None) -> jax.stages.Compiled:
     """The compiled step for t tokens and n pages per sequence, compiled on first use.
 
     Args:
@@ -57,6 +65,7 @@ class StepPrograms:
       n: padded pages per sequence.
       params: the engine's parameters (their shapes and shardings).
       kv: the engine's K/V pools (likewise).
+      controls: the step's `sampling.controls_key`; None: no optional controls.
 
     Returns:
       `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
@@ -64,7 +73,8 @@ class StepPrograms:
       read where `TokenBatch.prev_T` says). The pools are donated: the caller keeps the
       returned ones.
     """
-    if (t, n) not in self._compiled:
+    key = (t, n, controls or sampling_lib.controls_key(sampling_lib.batch_shapes(1)))
+    if key not in self._compiled:
       r = self.max_batch
       step = functools.partial(
           model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
@@ -84,10 +94,9 @@ class StepPrograms:
           i32(t),
           *rings,
       )
-      f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
-      sampling = SamplingBatch(f32, i32(r), f32, i32(r), i32(r), i32(r, MAX_BANNED))
+      sampling = sampling_lib.batch_shapes(r, key[2])
       rep = self._replicated
-      self._compiled[(t, n)] = (
+      self._compiled[key] = (
           jax.jit(
               step,
               donate_argnums=1,
@@ -97,4 +106,4 @@ class StepPrograms:
           .lower(params, kv, batch, sampling, i32(r))
           .compile()
       )
-    return self._compiled[(t, n)]
+    return self._compiled[key]

@@ -1,4 +1,10 @@
-"""Next-token sampling, one row per request: greedy, temperature, top-k, top-p; log-probabilities.
+"""Next-token sampling, one row per request: greedy, temperature, top-k, top-p, min-p, logit
+bias, presence, frequency and repetition penalties; log-probabilities.
+
+The order is vLLM's: min_tokens bans and `logit_bias` first, then the penalties (repetition
+over the prompt's and the output's tokens, frequency and presence over the output's), then the
+argmax for greedy rows, else temperature, min-p (tokens whose probability is below min_p times
+the most likely one's are dropped), top-k and top-p, and the draw.
 
 Row r's randomness is `fold_in(key(seed_r), index_r)` with index_r the number of tokens the
 request has generated so far: a request's tokens depend on its own seed alone, not on what it
@@ -23,6 +29,8 @@ from jaxpipe.serve.refusal import Refusal
 MAX_TEMPERATURE = 100.0  # above it sampling is all but uniform; 1e308 or inf would only overflow
 MAX_BANNED = 16  # ids a row can keep from being sampled before min_tokens (EOS + stop ids)
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs)
+MAX_LOGIT_BIAS = 300  # most token ids one request may bias (OpenAI's limit)
+MAX_BIAS = 100.0  # a bias's magnitude (OpenAI's range: -100 bans a token, 100 all but forces it)
 
 # (the token's log-probability, the top-k (id, log-probability) pairs, most likely first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -37,6 +45,16 @@ class SamplingParams:
   min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
   stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end the request (kept in it)
   logprobs: int | None = None  # None: none; k: each token's log-probability and the top k's
+  min_p: float = 0.0  # drop tokens less likely than min_p times the most likely; 0 = off
+  presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+  frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
+  repetition_penalty: float = 1.0  # divides (> 0) or multiplies (< 0) seen tokens' logits
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+
+  @property
+  def penalized(self) -> bool:
+    """Whether any penalty is on (the step then carries the row's tokens)."""
+    return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
   def check(self) -> Refusal | None:
     """Why these values cannot be used (the field at fault in `.param`), or None."""
@@ -67,6 +85,28 @@ class SamplingParams:
           "(the number of most likely alternatives to list)",
           "logprobs",
       )
+    if not 0 <= self.min_p <= 1:
+      return Refusal(f"min_p={self.min_p} must lie in [0, 1] (0 = off)", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, name) <= 2:
+        return Refusal(f"{name}={getattr(self, name)} must lie in [-2, 2] (0 = off)", name)
+    if not 0 < self.repetition_penalty <= 10:
+      return Refusal(
+          f"repetition_penalty={self.repetition_penalty} must lie in (0, 10] (1 = off; above 1 "
+          "discourages repeats)",
+          "repetition_penalty",
+      )
+    if len(self.logit_bias) > MAX_LOGIT_BIAS:
+      return Refusal(
+          f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias"
+      )
+    for token, bias in self.logit_bias:
+      if not isinstance(token, int) or token < 0 or not -MAX_BIAS <= bias <= MAX_BIAS:
+        return Refusal(
+            f"logit_bias {{{token!r}: {bias!r}}}: keys must be token ids (integers >= 0) and "
+            f"values lie in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+            "logit_bias",
+        )
     return None
 
 
@@ -80,6 +120,140 @@ class SamplingBatch:
   # int32 [R, MAX_BANNED] ids whose logits are -inf for the row (min_tokens: EOS and stop ids
   # before the request has that many tokens), -1 padded; None: no row bans any
   banned_RxS: jax.Array | None = None
+  min_p_R: jax.Array | None = None  # float32; None: no row uses min-p
+  bias: LogitBias | None = None  # None: no row biases a token
+  penalties: Penalties | None = None  # None: no row is penalized
+
+
+@flax.struct.dataclass
+class LogitBias:
+  """Each row's biased ids (-1 padded) and the biases added to their logits."""
+
+  ids_RxB: jax.Array  # int32
+  values_RxB: jax.Array  # float32
+
+
+@flax.struct.dataclass
+class Penalties:
+  """Each row's penalties and the tokens they count (vLLM's definitions)."""
+
+  presence_R: jax.Array  # float32
+  frequency_R: jax.Array  # float32
+  repetition_R: jax.Array  # float32, 1 = off
+  output_RxO: jax.Array  # int32 the row's generated tokens, -1 padded
+  prompt_RxP: jax.Array  # int32 the row's prompt tokens, -1 padded (repetition only)
+  # int32: where >= 0, the row's last generated token is the previous step's sampled token at
+  # that row, still on the device (async scheduling)
+  pending_R: jax.Array
+
+
+def controls_key(s: SamplingBatch) -> tuple:
+  """The shape of a batch's optional controls (min-p, bias width, penalties' token widths):
+  each distinct key is its own compiled step program (`serve.programs`).
+
+  Args:
+    s: a step's sampling batch.
+
+  Returns:
+    `(min_p used, bias width or 0, (output width, prompt width) or None)`.
+  """
+  bias = 0 if s.bias is None else s.bias.ids_RxB.shape[1]
+  p = s.penalties
+  widths = None if p is None else (p.output_RxO.shape[1], p.prompt_RxP.shape[1])
+  return (s.min_p_R is not None, bias, widths)
+
+
+def batch_shapes(r: int, key: tuple = (False, 0, None)) -> SamplingBatch:
+  """The `SamplingBatch` of r rows with the optional controls `key` names, as shapes.
+
+  Args:
+    r: rows.
+    key: `controls_key` of the batches the program will take.
+
+  Returns:
+    A SamplingBatch of `jax.ShapeDtypeStruct`s.
+  """
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  min_p, bias, widths = key
+  return SamplingBatch(
+      f32(r),
+      i32(r),
+      f32(r),
+      i32(r),
+      i32(r),
+      i32(r, MAX_BANNED),
+      f32(r) if min_p else None,
+      LogitBias(i32(r, bias), f32(r, bias)) if bias else None,
+      None
+      if widths is None
+      else Penalties(f32(r), f32(r), f32(r), i32(r, widths[0]), i32(r, widths[1]), i32(r)),
+  )
+
+
+def counts(ids_RxN: jax.Array, v: int) -> jax.Array:
+  """How often each id occurs in each row (entries < 0 count nothing), float32 [R, V]."""
+  r = ids_RxN.shape[0]
+  rows_RxN = jnp.broadcast_to(jnp.arange(r)[:, None], ids_RxN.shape)
+  valid = ids_RxN >= 0
+  return (
+      jnp.zeros((r, v), jnp.float32)
+      .at[rows_RxN, jnp.where(valid, ids_RxN, 0)]
+      .add(valid.astype(jnp.float32))
+  )
+
+
+def apply_bias(logits_RxV: jax.Array, bias: LogitBias | None) -> jax.Array:
+  """logits plus each row's `logit_bias` (OpenAI's: added before anything else samples).
+
+  Args:
+    logits_RxV: [R, V] float32 logits.
+    bias: the rows' biases, or None.
+
+  Returns:
+    [R, V] logits.
+  """
+  if bias is None:
+    return logits_RxV
+  r, v = logits_RxV.shape
+  rows_RxB = jnp.broadcast_to(jnp.arange(r)[:, None], bias.ids_RxB.shape)
+  valid = (bias.ids_RxB >= 0) & (bias.ids_RxB < v)
+  add_RxV = (
+      jnp.zeros((r, v), jnp.float32)
+      .at[rows_RxB, jnp.where(valid, bias.ids_RxB, 0)]
+      .add(jnp.where(valid, bias.values_RxB, 0.0))
+  )
+  return logits_RxV + add_RxV
+
+
+def apply_penalties(
+    logits_RxV: jax.Array, p: Penalties | None, prev_R: jax.Array | None = None
+) -> jax.Array:
+  """vLLM's penalties: a token the prompt or the output holds has its logit divided by the
+  repetition penalty where positive, multiplied where not; then the frequency penalty times its
+  count in the output and the presence penalty, once if the output holds it, are subtracted.
+
+  Args:
+    logits_RxV: [R, V] float32 logits.
+    p: the rows' penalties and tokens, or None.
+    prev_R: the previous step's sampled tokens (where `p.pending_R` points), or None.
+
+  Returns:
+    [R, V] logits.
+  """
+  if p is None:
+    return logits_RxV
+  v = logits_RxV.shape[-1]
+  output_RxO = p.output_RxO
+  if prev_R is not None:  # the last output token, sampled by the step before, on the device
+    last_R = jnp.where(p.pending_R >= 0, prev_R[jnp.maximum(p.pending_R, 0)], -1)
+    output_RxO = jnp.concatenate([output_RxO, last_R[:, None]], axis=1)
+  out_RxV = counts(output_RxO, v)
+  seen_RxV = (out_RxV > 0) | (counts(p.prompt_RxP, v) > 0)
+  rep_RxV = jnp.where(seen_RxV, p.repetition_R[:, None], 1.0)
+  logits_RxV = jnp.where(logits_RxV > 0, logits_RxV / rep_RxV, logits_RxV * rep_RxV)
+  logits_RxV = logits_RxV - p.frequency_R[:, None] * out_RxV
+  return logits_RxV - p.presence_R[:, None] * (out_RxV > 0)
 
 
 def ban(logits_RxV: jax.Array, banned_RxS: jax.Array | None) -> jax.Array:
@@ -134,20 +308,22 @@ def as_token_logprobs(chosen: float, top_M, ids_M, k: int) -> TokenLogprobs:
   return float(chosen), [(int(i), float(x)) for i, x in zip(ids_M[:k], top_M[:k])]
 
 
-def sample(logits_RxV: jax.Array, s: SamplingBatch) -> jax.Array:
-  """Token ids [R] (int32), one per row of logits.
+def sample(logits_RxV: jax.Array, s: SamplingBatch, prev_R: jax.Array | None = None) -> jax.Array:
+  """Token ids [R] (int32), one per row of logits, in the module docstring's order.
 
   A step whose rows are all greedy takes the argmax alone (`lax.cond` runs one branch): the sort
   over the vocabulary that top-k / top-p need is skipped.
 
   Args:
     logits_RxV: [R, V] logits.
-    s: each row's sampling values (temperature 0: greedy) and banned ids.
+    s: each row's sampling values (temperature 0: greedy), banned ids, biases and penalties.
+    prev_R: the previous step's sampled tokens on the device (`Penalties.pending_R`), or None.
 
   Returns:
     [R] int32 token ids.
   """
-  logits_RxV = ban(logits_RxV, s.banned_RxS)
+  logits_RxV = ban(logits_RxV.astype(jnp.float32), s.banned_RxS)
+  logits_RxV = apply_penalties(apply_bias(logits_RxV, s.bias), s.penalties, prev_R)
   greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   return jax.lax.cond(
       jnp.any(s.temperature_R > 0), lambda: _sample(logits_RxV, s, greedy_R), lambda: greedy_R
@@ -158,6 +334,10 @@ def _sample(logits_RxV: jax.Array, s: SamplingBatch, greedy_R: jax.Array) -> jax
   """Each row sampled with its temperature, top-k and top-p (greedy where temperature is 0)."""
   v = logits_RxV.shape[-1]
   scaled_RxV = logits_RxV / jnp.maximum(s.temperature_R, 1e-6)[:, None]
+  if s.min_p_R is not None:  # below min_p x the most likely token's probability: dropped
+    logp_RxV = jax.nn.log_softmax(scaled_RxV, axis=-1)
+    floor_R = jnp.max(logp_RxV, axis=-1) + jnp.log(s.min_p_R)
+    scaled_RxV = jnp.where(logp_RxV < floor_R[:, None], -jnp.inf, scaled_RxV)
   sorted_RxV, order_RxV = jax.lax.top_k(scaled_RxV, v)
   rank_V = jnp.arange(v)
   keep_RxV = (s.top_k_R[:, None] == 0) | (rank_V[None, :] < s.top_k_R[:, None])

@@ -53,11 +53,11 @@ class _Sampling(pydantic.BaseModel):
   min_tokens: int | None = None  # vLLM's: EOS and stop_token_ids are not sampled before
   stop_token_ids: list[int] | None = None  # vLLM's: ids that end the choice besides EOS
   user: str | None = None  # accepted, unused
-  # Accepted only at their defaults (clients send them unasked); anything else is refused.
-  presence_penalty: float | None = None
-  frequency_penalty: float | None = None
-  repetition_penalty: float | None = None
-  logit_bias: dict[str, float] | None = None
+  presence_penalty: float | None = None  # -2..2, over the generated tokens (vLLM's definition)
+  frequency_penalty: float | None = None  # -2..2, times each generated token's count
+  repetition_penalty: float | None = None  # vLLM's: (0, 10], over prompt and generated tokens
+  logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
+  min_p: float | None = None  # vLLM's: 0..1, below min_p x the top token's probability: dropped
 
 
 class CompletionRequest(_Sampling):
@@ -81,13 +81,7 @@ class ChatRequest(_Sampling):
   top_logprobs: int | None = None  # 0..20, with logprobs
 
 
-UNSUPPORTED = {
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
-}
+UNSUPPORTED = {"suffix": (None, "")}  # accepted at their defaults only (clients send them unasked)
 
 
 class BadRequest(Exception):
@@ -354,7 +348,24 @@ def sampling_of(req: _Sampling) -> SamplingParams:
       1.0 if req.top_p is None else req.top_p,
       min_tokens=req.min_tokens or 0,
       stop_token_ids=tuple(req.stop_token_ids or ()),
+      min_p=req.min_p or 0.0,
+      presence_penalty=req.presence_penalty or 0.0,
+      frequency_penalty=req.frequency_penalty or 0.0,
+      repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+      logit_bias=tuple((_token_key(k), v) for k, v in (req.logit_bias or {}).items()),
   )
+
+
+def _token_key(key: str) -> int:
+  """A logit_bias key (a token id written as a string, OpenAI's form) as the id."""
+  try:
+    return int(key)
+  except ValueError:
+    raise BadRequest(
+        f"logit_bias key {key!r} is not a token id; keys are token ids as strings, e.g. "
+        '{"50256": -100}',
+        "logit_bias",
+    ) from None
 
 
 def job_of(req: _Sampling, prompts: list, chat: bool) -> Job:

@@ -147,6 +147,37 @@ def test_greedy_completion_equals_engine_generate(client, reference):
   assert [c.token_ids for c in _by_index(r)] == want
 
 
+def test_penalties_bias_and_min_p_reach_the_sampler(client, reference):
+  """The openai client's presence, frequency and logit_bias, and vLLM's repetition_penalty and
+  min_p (extra_body), give the engine's tokens for the same sampling values; a bias of 100 on
+  one token makes every greedy token that one."""
+  from jaxpipe.serve.sampling import SamplingParams
+
+  kw = dict(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={"7": 2.0, "1": -100.0})
+  extra = dict(repetition_penalty=1.3, min_p=0.1)
+  sp = SamplingParams(
+      temperature=0.9,
+      seed=5,
+      min_p=0.1,
+      presence_penalty=0.8,
+      frequency_penalty=0.5,
+      repetition_penalty=1.3,
+      logit_bias=((7, 2.0), (1, -100.0)),
+  )
+  rid = reference.add_request(list(b"0123"), 16, sp, eos_id=None)
+  while reference.has_work():
+    reference.step()
+  want = {r.id: r.output for r in reference.finished()}[rid]
+  r = client.completions.create(
+      model="tiny", prompt="0123", max_tokens=16, temperature=0.9, seed=5, extra_body=extra, **kw
+  )
+  assert r.choices[0].token_ids == want
+  forced = client.completions.create(
+      model="tiny", prompt="0123", max_tokens=6, temperature=0, logit_bias={"42": 100}
+  )
+  assert forced.choices[0].token_ids == [42] * 6
+
+
 def test_stream_concatenates_to_the_completion_and_both_equal_the_engine_sample(client, reference):
   kw = dict(model="tiny", prompt="0123", max_tokens=24, temperature=0.9, top_p=0.9, seed=11, n=2)
   # choice k samples with seed + k, as generate's prompt k does
@@ -455,6 +486,27 @@ BAD = [  # body, status, words of the message, the error's param
     ({"prompt": "01", "n": 17}, 400, "17 sequences exceed the server's 16", "n"),
     ({"prompt": "01", "stop": ["1", "2", "3", "4", "5"]}, 400, "at most 4", "stop"),
     ({"prompt": "01", "suffix": "x"}, 400, "suffix='x' is not supported", "suffix"),
+    (
+        {"prompt": "01", "logit_bias": {"a": 1}},
+        400,
+        "logit_bias key 'a' is not a token id",
+        "logit_bias",
+    ),
+    ({"prompt": "01", "logit_bias": {"64": 1}}, 400, "token ids [64] outside", "logit_bias"),
+    ({"prompt": "01", "logit_bias": {"5": 101}}, 400, "logit_bias {5: 101.0}", "logit_bias"),
+    (
+        {"prompt": "01", "presence_penalty": 3},
+        400,
+        "presence_penalty=3.0 must lie",
+        "presence_penalty",
+    ),
+    (
+        {"prompt": "01", "repetition_penalty": 0},
+        400,
+        "repetition_penalty=0.0",
+        "repetition_penalty",
+    ),
+    ({"prompt": "01", "min_p": 2}, 400, "min_p=2.0 must lie in [0, 1]", "min_p"),
     (
         {"prompt": "01", "max_tokens": 0, "echo": False},
         400,
