@@ -37,8 +37,8 @@ def _recorded(engine: Engine) -> list:
     events.append(("collect", launched is not None))
     return collect(launched)
 
-  def program_(t, n):
-    run = program(t, n)
+  def program_(t, n, controls=None):
+    run = program(t, n, controls)
 
     def call(params, kv, batch, sampling, prev_R):
       events.append(("batch", np.asarray(batch.tokens_T), np.asarray(batch.prev_T)))
