@@ -956,12 +956,15 @@ class Engine:
     """Pages in use and how full they are:
     tokens stored / slots of the pages running requests hold."""
     owned = {p for r in self.running for p in r.pages}
+    held = owned | {p for r in self.prefilled + self.incoming for p in r.pages}
     tokens = sum(r.computed for r in self.running)
     slots = sum(len(r.pages) for r in self.running) * self.page_size
     usage = {
         "pages_total": self.num_pages - 1,
         "pages_in_use": self.allocator.num_used,
         "pages_running": len(owned),
+        # pages some request holds; the prefix cache's alone are free to evict (vLLM's "used")
+        "pages_held": len(held),
         "cached_pages": len(self.prefix_cache or ()),
         "tokens": tokens,
         "slots": slots,

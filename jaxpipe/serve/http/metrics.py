@@ -319,12 +319,13 @@ class Metrics:
 
     Args:
       engines: the engines behind the backend (`loop.engines_of`).
-      usage: their summed `kv_usage`: pages_in_use and pages_total.
+      usage: their summed `kv_usage`: pages_held and pages_total.
     """
     v = self.vllm
     v.running.set(sum(len(e.running) for e in engines))
     v.waiting.set(sum(len(e.waiting) for e in engines))
-    v.kv_usage.set(usage["pages_in_use"] / max(usage["pages_total"], 1))
+    # vLLM counts a cached page no request holds as free (its pool evicts it on demand)
+    v.kv_usage.set(usage["pages_held"] / max(usage["pages_total"], 1))
     for key, counter in (("preemptions", v.preemptions), ("cached_tokens", v.prefix_hits)):
       total = sum(e.counts[key] for e in engines if hasattr(e, "counts"))
       if total > self._engine_counts[key]:

@@ -400,6 +400,13 @@ def test_metrics_parse_and_count_what_was_served(url, client):
       "jaxpipe_generation_tokens_per_second",
   ):
     assert (name,) in after
+  # idle, a finished request's full pages kept by the prefix cache: vLLM counts those as free
+  client.completions.create(model="tiny", prompt="0123456789" * 4, max_tokens=4, temperature=0)
+  idle = helpers.metrics(url)
+  labels = ("engine", "0"), ("model_name", "tiny")
+  assert idle[("jaxpipe_kv_pages_cached",)] >= 2
+  assert idle[("jaxpipe_kv_pages_used",)] == idle[("jaxpipe_kv_pages_cached",)]
+  assert idle[("vllm:kv_cache_usage_perc", *labels)] == 0
 
 
 BAD = [  # body, status, words of the message, the error's param
