@@ -192,7 +192,15 @@ def batch_shapes(r: int, key: tuple = (False, 0, None)) -> SamplingBatch:
 
 
 def counts(ids_RxN: jax.Array, v: int) -> jax.Array:
-  """How often each id occurs in each row (entries < 0 count nothing), float32 [R, V]."""
+  """How often each id occurs in each row.
+
+  Args:
+    ids_RxN: [R, N] token ids; entries < 0 count nothing.
+    v: the vocabulary size.
+
+  Returns:
+    Float32 [R, V] counts.
+  """
   r = ids_RxN.shape[0]
   rows_RxN = jnp.broadcast_to(jnp.arange(r)[:, None], ids_RxN.shape)
   valid = ids_RxN >= 0
