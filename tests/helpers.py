@@ -502,14 +502,26 @@ TINY_TEXTS = [
     "for i in range(10):\n    print(i * i)\n",
 ]
 TINY_SPECIALS = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-# Llama 3's chat template, shape and whitespace.
+# Llama 3's chat template, shape and whitespace; tools (their names, to fit the tiny context)
+# and calls as Qwen's (Hermes) template writes them.
 TINY_CHAT_TEMPLATE = """{{ bos_token }}
+{% if tools %}
+  {{ '<|start_header_id|>system<|end_header_id|>\\n\\n<tools>' }}
+  {% for tool in tools %}
+    {{- tool['function']['name'] + ' ' }}
+  {% endfor %}
+  {{- '</tools> Call: <tool_call>{"name", "arguments"}</tool_call>' }}
+<|eot_id|>
+{% endif %}
 {% for message in messages %}
-  {% if message['role'] not in ['system', 'user', 'assistant'] %}
+  {% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
     {{ raise_exception('unknown role ' + message['role']) }}
   {% endif %}
   {{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
   {{- message['content'] | trim }}
+  {% for call in message.get('tool_calls', []) %}
+    {{- '<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}
+  {% endfor %}
 <|eot_id|>
 {% endfor %}
 {% if add_generation_prompt %}

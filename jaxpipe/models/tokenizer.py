@@ -125,13 +125,17 @@ class Tokenizer(abc.ABC):
 
   @abc.abstractmethod
   def apply_chat_template(
-      self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: list[dict[str, Any]] | None = None,
   ) -> list[int]:
     """The ids of a conversation as the model was tuned to read it.
 
     Args:
       messages: the conversation, a list of `{role, content, ...}`.
       add_generation_prompt: end with the header of an assistant turn for the model to write.
+      tools: the functions the model may call (OpenAI's `tools`), for the template.
 
     Returns:
       The ids.
@@ -207,13 +211,17 @@ class ByteTokenizer(Tokenizer):
     return _ByteDecoder()
 
   def apply_chat_template(
-      self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: list[dict[str, Any]] | None = None,
   ) -> list[int]:
     """Refused: the byte tokenizer has no chat template.
 
     Args:
       messages: the conversation.
       add_generation_prompt: unused.
+      tools: unused.
 
     Raises:
       ValueError: always; encode the prompt text instead.
@@ -475,6 +483,14 @@ class HFTokenizer(Tokenizer):
     """
     return self._backend.decode(list(ids), skip_special_tokens=False)
 
+  def to_json(self) -> str:
+    """The `tokenizers` tokenizer as its tokenizer.json text (what other libraries load).
+
+    Returns:
+      The JSON text.
+    """
+    return self._backend.to_str()
+
   def decoder(self, context: Sequence[int] = ()) -> Decoder:
     """A fresh `IncrementalDecoder` over `decode`.
 
@@ -486,7 +502,12 @@ class HFTokenizer(Tokenizer):
     """
     return IncrementalDecoder(self.decode, context)
 
-  def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+  def render_chat(
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: list[dict[str, Any]] | None = None,
+  ) -> str:
     """The conversation as text: the template rendered as transformers renders it.
 
     Keys whose value is None are dropped from each message before rendering.
@@ -494,6 +515,7 @@ class HFTokenizer(Tokenizer):
     Args:
       messages: the conversation, a list of `{role, content, ...}`; at least one.
       add_generation_prompt: end with the header of an assistant turn.
+      tools: the functions the model may call, as the template's `tools` (None: none).
 
     Returns:
       The rendered text.
@@ -508,25 +530,32 @@ class HFTokenizer(Tokenizer):
       )
     if not messages:
       raise ValueError("apply_chat_template needs at least one message")
-    return self._render(messages, add_generation_prompt)
+    return self._render(messages, add_generation_prompt, tools)
 
-  def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+  def _render(
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool,
+      tools: list[dict[str, Any]] | None = None,
+  ) -> str:
     if self._compiled is None:
       self._compiled = compile_chat_template(self.chat_template)
     # transformers drops the keys whose value is None before rendering (`"tool_calls": None`).
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
     return self._compiled.render(
         messages=chat,
-        tools=None,
+        tools=tools or None,
         documents=None,
         add_generation_prompt=add_generation_prompt,
         **self.special_tokens,
     )
 
   def apply_chat_template(
-      self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+      self,
+      messages: list[dict[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: list[dict[str, Any]] | None = None,
   ) -> list[int]:
-    # The template writes BOS itself where the model wants one: no special tokens added here.
     """The ids of a conversation as the model was tuned to read it.
 
     The template writes BOS itself where the model wants one: no special tokens are added.
@@ -534,6 +563,7 @@ class HFTokenizer(Tokenizer):
     Args:
       messages: the conversation, a list of `{role, content, ...}`.
       add_generation_prompt: end with the header of an assistant turn.
+      tools: the functions the model may call, as the template's `tools` (None: none).
 
     Returns:
       The ids.
@@ -541,7 +571,8 @@ class HFTokenizer(Tokenizer):
     Raises:
       ValueError: the tokenizer has no chat template, or `messages` is empty.
     """
-    return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    text = self.render_chat(messages, add_generation_prompt, tools)
+    return self.encode(text, add_special_tokens=False)
 
   def chat_ids_and_mask(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """A whole conversation's ids and a loss mask over them.

@@ -169,6 +169,14 @@ _MODEL_NAME = flags.DEFINE_string(
     "--http: the served model's name; default the workdir's or config file's name.",
     flag_values=FLAGS,
 )
+_TOOL_CALL_PARSER = flags.DEFINE_enum(
+    "tool_call_parser",
+    None,
+    ["hermes", "llama3_json", "mistral"],
+    "--http: the format of the model's tool calls (vLLM's names); default: the one its chat "
+    "template writes (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: llama3_json).",
+    flag_values=FLAGS,
+)
 
 
 def _ints(name: str, values: list[str] | None) -> list[int] | None:
@@ -411,6 +419,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
         drain_s=_DRAIN_S.value,
         engine_info=info,
         tokenizer=tok,
+        tool_call_parser=_TOOL_CALL_PARSER.value,
     )
   except ValueError as e:
     sys.exit(f"error: {e}")

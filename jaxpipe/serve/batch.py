@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxpipe.serve import grammar as grammar_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.pages import SCRATCH_PAGE
 from jaxpipe.serve.request import PENDING, Request, token_slice
@@ -190,9 +191,20 @@ def build(
       _min_p(sampled, r_max),
       _logit_bias(sampled, r_max),
       _penalties(sampled, r_max, after_rows),
+      _allowed(sampled, r_max),
   )
   index = out_index[: len(sampled)].tolist()
   return StepBatch(batch, sampling, sampled, t, t_real, n_pages, index)
+
+
+def _allowed(sampled: list[Request], r_max: int) -> np.ndarray | None:
+  """The grammars' token bitmask of the sampled rows (`serve.grammar`), or None when no row is
+  constrained. A constrained row's last token is on the host: the scheduler holds it back
+  while that token is in flight."""
+  rows = [(j, r.grammar) for j, r in enumerate(sampled) if r.grammar is not None]
+  if not rows:
+    return None
+  return grammar_lib.fill_masks(rows, r_max, rows[0][1].vocab)
 
 
 def _pow2(n: int) -> int:

@@ -361,6 +361,7 @@ class Engine:
         token_budget=max_tokens_per_step,
         on_admit=self._admitted,
         on_preempt=self._preempted,
+        ready=lambda r: r.ready,
     )
     self.prefill_only = prefill_only
     self.async_scheduling = (
@@ -443,6 +444,12 @@ class Engine:
           f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})",
           "stop_token_ids",
       )
+    if sampling.guide is not None and sampling.guide.vocab != self.cfg.vocab:
+      return Refusal(
+          f"the grammar's masks cover {sampling.guide.vocab} token ids but the model has "
+          f"{self.cfg.vocab}; compile it for this model's vocabulary (`grammar.Compiler`)",
+          "response_format",
+      )
     bad = [t for t, _ in sampling.logit_bias if t >= self.cfg.vocab]
     if bad:
       return Refusal(
@@ -521,6 +528,8 @@ class Engine:
       r.error = error
       self._finish(r, "error")
     else:
+      if sampling.guide is not None:
+        r.grammar = sampling.guide.matcher()
       self.scheduler.add(r)
     return rid
 
@@ -604,6 +613,7 @@ class Engine:
         logprobs=list(r.logprobs),
         pages=self.allocator.fork(r.pages),
         ring=ring,
+        grammar=None if r.grammar is None else r.grammar.copy(),
         token_times=list(r.token_times),
         page_keys=list(r.page_keys),
         cached_tokens=0,
@@ -865,6 +875,13 @@ class Engine:
         r.first_token_time = now
       out[r.id] = [token]
       stopped = token in r.stop_ids and k + 1 > r.sampling.min_tokens
+      if r.grammar is not None and not stopped:
+        if not r.grammar.accept(token):  # the mask allowed it: cannot happen
+          r.error = f"output token {k} ({token}) broke the grammar: {r.grammar.error}"
+          self.scheduler.remove(r)
+          self._finish(r, "error")
+          continue
+        stopped = r.grammar.done  # the grammar is complete: nothing may follow
       if stopped or k + 1 >= r.max_tokens:
         self.scheduler.remove(r)  # its pages are freed now
         self._finish(r, "eos" if stopped else "length")

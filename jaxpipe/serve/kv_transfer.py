@@ -305,6 +305,8 @@ class KVTransfer:
         first_token_time=state.first_token_time,
         token_times=list(state.token_times),
     )
+    if state.sampling.guide is not None:  # the grammar, past the tokens generated so far
+      r.grammar = state.sampling.guide.matcher(state.output)
     r.pages = [e.allocator.alloc() for _ in range(want[2])]
     self._unwritten[r.id] = {(l, i) for l in range(e.cfg.n_layers) for i in range(want[2])}
     e.requests[r.id] = r

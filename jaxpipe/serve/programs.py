@@ -3,8 +3,8 @@
 A step's arrays are padded to a bucket of tokens and of pages per sequence (`serve.batch`), so
 the programs an engine ever compiles are bounded by the product of the two bucket lists. Each
 is compiled ahead of time from shapes, once, and kept. Steps whose rows use optional sampling
-controls (min-p, logit bias, penalties) take a variant of their shape's program for each
-`sampling.controls_key` they bring (widths padded to powers of two).
+controls (min-p, logit bias, penalties, a grammar's mask) take a variant of their shape's
+program for each `sampling.controls_key` they bring (widths padded to powers of two).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class StepPrograms:
           i32(t),
           *rings,
       )
-      sampling = sampling_lib.batch_shapes(r, key[2])
+      sampling = sampling_lib.batch_shapes(r, key[2], self.cfg.vocab)
       rep = self._replicated
       self._compiled[key] = (
           jax.jit(

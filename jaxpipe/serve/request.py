@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpipe.serve import slo
+from jaxpipe.serve.grammar import Matcher
 from jaxpipe.serve.refusal import Refusal
 from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
 
@@ -85,6 +86,13 @@ class Request:
   cached_tokens: int = 0  # prompt tokens taken from the prefix cache (summed over admissions)
   page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of full pages
   registered: int = 0  # full pages offered to the prefix cache since the last admission
+  grammar: Matcher | None = None  # structured output: where the output is in its grammar
+
+  @property
+  def ready(self) -> bool:
+    """Whether it can be scheduled now: a constrained request waits for its last token to reach
+    the host (its next token's mask needs it)."""
+    return self.grammar is None or not self.output or self.output[-1] != PENDING
 
   @property
   def tokens(self) -> list[int]:

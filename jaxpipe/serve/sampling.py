@@ -1,7 +1,8 @@
 """Next-token sampling, one row per request: greedy, temperature, top-k, top-p, min-p, logit
-bias, presence, frequency and repetition penalties; log-probabilities.
+bias, presence, frequency and repetition penalties, a grammar's token mask; log-probabilities.
 
-The order is vLLM's: min_tokens bans and `logit_bias` first, then the penalties (repetition
+The order is vLLM's: a grammar's mask (`serve.grammar`: tokens it does not allow are -inf),
+min_tokens bans and `logit_bias` first, then the penalties (repetition
 over the prompt's and the output's tokens, frequency and presence over the output's), then the
 argmax for greedy rows, else temperature, min-p (tokens whose probability is below min_p times
 the most likely one's are dropped), top-k and top-p, and the draw.
@@ -24,6 +25,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.serve.grammar import Guide
 from jaxpipe.serve.refusal import Refusal
 
 MAX_TEMPERATURE = 100.0  # above it sampling is all but uniform; 1e308 or inf would only overflow
@@ -50,6 +52,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
   repetition_penalty: float = 1.0  # divides (> 0) or multiplies (< 0) seen tokens' logits
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+  guide: Guide | None = None  # structured output: the grammar every token follows
 
   @property
   def penalized(self) -> bool:
@@ -100,6 +103,12 @@ class SamplingParams:
       return Refusal(
           f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias"
       )
+    if self.guide is not None and self.min_tokens:
+      return Refusal(
+          f"min_tokens={self.min_tokens} cannot be combined with structured output: the grammar "
+          "decides where the text ends; leave min_tokens out",
+          "min_tokens",
+      )
     for token, bias in self.logit_bias:
       if not isinstance(token, int) or token < 0 or not -MAX_BIAS <= bias <= MAX_BIAS:
         return Refusal(
@@ -123,6 +132,9 @@ class SamplingBatch:
   min_p_R: jax.Array | None = None  # float32; None: no row uses min-p
   bias: LogitBias | None = None  # None: no row biases a token
   penalties: Penalties | None = None  # None: no row is penalized
+  # int32 [R, ceil(V / 32)]: bit i % 32 of word i // 32 set where token i is allowed (a
+  # grammar's mask, `serve.grammar`; unconstrained rows all ones); None: no row is constrained
+  allowed_RxW: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -155,27 +167,28 @@ def controls_key(s: SamplingBatch) -> tuple:
     s: a step's sampling batch.
 
   Returns:
-    `(min_p used, bias width or 0, (output width, prompt width) or None)`.
+    `(min_p used, bias width or 0, (output width, prompt width) or None, mask used)`.
   """
   bias = 0 if s.bias is None else s.bias.ids_RxB.shape[1]
   p = s.penalties
   widths = None if p is None else (p.output_RxO.shape[1], p.prompt_RxP.shape[1])
-  return (s.min_p_R is not None, bias, widths)
+  return (s.min_p_R is not None, bias, widths, s.allowed_RxW is not None)
 
 
-def batch_shapes(r: int, key: tuple = (False, 0, None)) -> SamplingBatch:
+def batch_shapes(r: int, key: tuple = (False, 0, None, False), vocab: int = 0) -> SamplingBatch:
   """The `SamplingBatch` of r rows with the optional controls `key` names, as shapes.
 
   Args:
     r: rows.
     key: `controls_key` of the batches the program will take.
+    vocab: the model's vocabulary (the width of a grammar's mask, when the key has one).
 
   Returns:
     A SamplingBatch of `jax.ShapeDtypeStruct`s.
   """
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  min_p, bias, widths = key
+  min_p, bias, widths, masked = key
   return SamplingBatch(
       f32(r),
       i32(r),
@@ -188,6 +201,7 @@ def batch_shapes(r: int, key: tuple = (False, 0, None)) -> SamplingBatch:
       None
       if widths is None
       else Penalties(f32(r), f32(r), f32(r), i32(r, widths[0]), i32(r, widths[1]), i32(r)),
+      i32(r, (vocab + 31) // 32) if masked else None,
   )
 
 
@@ -209,6 +223,24 @@ def counts(ids_RxN: jax.Array, v: int) -> jax.Array:
       .at[rows_RxN, jnp.where(valid, ids_RxN, 0)]
       .add(valid.astype(jnp.float32))
   )
+
+
+def apply_mask(logits_RxV: jax.Array, allowed_RxW: jax.Array | None) -> jax.Array:
+  """logits with the tokens each row's grammar does not allow at -inf.
+
+  Args:
+    logits_RxV: [R, V] logits.
+    allowed_RxW: [R, ceil(V / 32)] int32 bitmask (bit i % 32 of word i // 32: token i), or None.
+
+  Returns:
+    [R, V] logits.
+  """
+  if allowed_RxW is None:
+    return logits_RxV
+  v = logits_RxV.shape[-1]
+  ids_V = jnp.arange(v)
+  bits_RxV = jnp.right_shift(allowed_RxW[:, ids_V // 32], ids_V % 32) & 1
+  return jnp.where(bits_RxV == 1, logits_RxV, -jnp.inf)
 
 
 def apply_bias(logits_RxV: jax.Array, bias: LogitBias | None) -> jax.Array:
@@ -330,7 +362,8 @@ def sample(logits_RxV: jax.Array, s: SamplingBatch, prev_R: jax.Array | None = N
   Returns:
     [R] int32 token ids.
   """
-  logits_RxV = ban(logits_RxV.astype(jnp.float32), s.banned_RxS)
+  logits_RxV = apply_mask(logits_RxV.astype(jnp.float32), s.allowed_RxW)
+  logits_RxV = ban(logits_RxV, s.banned_RxS)
   logits_RxV = apply_penalties(apply_bias(logits_RxV, s.bias), s.penalties, prev_R)
   greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
   return jax.lax.cond(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -36,12 +37,14 @@ from starlette.routing import Route
 
 import jaxpipe
 from jaxpipe.models import tokenizer as tokenizer_lib
+from jaxpipe.serve import grammar
 from jaxpipe.serve.http import checks, protocol
 from jaxpipe.serve.http import logprobs as logprobs_lib
+from jaxpipe.serve.http import tools as tools_lib
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import BadRequest, Choice, Job, usage_of
-from jaxpipe.serve.request import ENGINE_EOS
+from jaxpipe.serve.request import ENGINE_EOS, eos_ids
 
 log = logging.getLogger(__name__)
 DECODER_CONTEXT = 6  # prompt ids a choice's decoder starts from (SentencePiece's leading space)
@@ -76,11 +79,13 @@ class CompletionServer:
       drain_s: float = 30.0,
       engine_info: dict | None = None,
       tokenizer: tokenizer_lib.Tokenizer | None = None,
+      tool_call_parser: str | None = None,
   ):
     """max_batch + max_queue: the sequences held at once; drain_s: how long running requests
     may go on after SIGTERM before they are cancelled; engine_info: shown by /v1/models;
     tokenizer: the model's (default: bytes); its EOS ids end a choice (without any, the
-    engine's own EOS does)."""
+    engine's own EOS does); tool_call_parser: the format of the model's tool calls (one of
+    `tools.PARSERS`; default: the one its chat template writes, if known)."""
     if max_queue < 0 or drain_s < 0:
       raise ValueError(f"max_queue={max_queue} and drain_s={drain_s} must be >= 0")
     self.backend, self.model_name, self.drain_s = backend, model_name, drain_s
@@ -90,6 +95,11 @@ class CompletionServer:
     self.eos = tuple(self.tok.eos_ids) or ENGINE_EOS
     self.limits = checks.Limits(self.max_seq_len, self.eos)
     self.hidden = self.tok.special_ids  # dropped from output text (skip_special_tokens)
+    if tool_call_parser is not None and tool_call_parser not in tools_lib.PARSERS:
+      raise ValueError(
+          f"tool_call_parser={tool_call_parser!r}: use one of {', '.join(tools_lib.PARSERS)}"
+      )
+    self.tool_parser = tool_call_parser or tools_lib.detect(self.tok.chat_template)
     self.capacity = max_batch + max_queue
     self.engine_info = engine_info or {}
     self.metrics = Metrics(model_name, self.max_seq_len)
@@ -329,13 +339,36 @@ class CompletionServer:
           "model_not_found",
       )
 
+  def _ends(self, s: Seq) -> frozenset[int]:
+    """The ids that end a sequence (EOS and stop ids): a choice does not show their text."""
+    eos = engines_of(self.backend)[0].eos_id if s.eos_id == ENGINE_EOS else s.eos_id
+    return frozenset(eos_ids(eos) + tuple(s.sampling.stop_token_ids))
+
+  @functools.cached_property
+  def _grammars(self) -> grammar.Compiler:
+    """The compiler of requests' grammars over this model's tokenizer and vocabulary."""
+    engine = engines_of(self.backend)[0]
+    eos = engine.eos_id if self.eos == ENGINE_EOS else self.eos
+    return grammar.Compiler(self.tok, engine.cfg.vocab, eos_ids(eos))
+
+  def _guide(self, structured: protocol.Structured) -> grammar.Guide:
+    """A request's structured output compiled (`grammar.Compiler`), or BadRequest naming it."""
+    try:
+      return self._grammars.compile(structured.kind, structured.spec)
+    except ValueError as e:
+      raise BadRequest(f"{structured.param}: {e}", structured.param.split(".")[0]) from None
+
   def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     if add_special_tokens or isinstance(self.tok, tokenizer_lib.ByteTokenizer):
       return self.tok.encode(text)
     return self.tok.encode(text, add_special_tokens=False)
 
-  def _chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+  def _chat_ids(
+      self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+  ) -> list[int]:
     try:
+      if tools:
+        return self.tok.apply_chat_template(messages, add_generation_prompt, tools)
       return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
       if "chat template" in str(e):
@@ -354,8 +387,21 @@ class CompletionServer:
     if chat:
       req = protocol.parse_chat(body)
       self._check_model(req.model)
-      ids = self._chat_ids(protocol.chat_messages(req.messages))
-      return protocol.job_of(req, [(ids, None)], chat=True)
+      plan = tools_lib.plan_of(
+          req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls
+      )
+      messages = tools_lib.template_messages(protocol.chat_messages(req.messages))
+      ids = self._chat_ids(messages, tools=plan and plan.tools)
+      job = protocol.job_of(req, [(ids, None)], chat=True)
+      forced = plan and tools_lib.structured(plan)
+      if forced and job.structured:
+        raise BadRequest(
+            f"tool_choice {plan.choice!r} and {job.structured.param} both constrain the output; "
+            "give one",
+            "tool_choice",
+        )
+      job.structured, job.tools = job.structured or forced, plan
+      return job
     req = protocol.parse_request(body)
     self._check_model(req.model)
     return protocol.job_of(req, protocol.prompts_of(req.prompt, self.tok), chat=False)
@@ -395,6 +441,9 @@ class CompletionServer:
     arrival = time.perf_counter()
     try:
       job = self._job(await request.body(), chat)
+      if job.structured is not None:  # compiling can take a second: off the event loop
+        guide = await asyncio.to_thread(self._guide, job.structured)
+        job.sampling = dataclasses.replace(job.sampling, guide=guide)
       seqs, prompt_tokens = self._accept(job, arrival)
     except BadRequest as e:
       self.metrics.rejected.labels(str(e.status)).inc()
@@ -405,6 +454,7 @@ class CompletionServer:
             job.stops,
             self.tok.decoder(s.prompt[-DECODER_CONTEXT:]),
             self.hidden,
+            self._ends(s),
         )
         for i, s in enumerate(seqs)
     ]
@@ -433,6 +483,7 @@ class CompletionServer:
     error = collect.result()
     if error:
       return error_response(BadRequest(error, status=500, kind="server_error"))
+    choices = best(choices, job.candidates, job.n)
     return JSONResponse(fmt.whole(choices, usage_of(prompt_tokens, choices)))
 
   def _accept(self, job: Job, arrival: float) -> tuple[list[Seq], int]:
@@ -452,7 +503,9 @@ class CompletionServer:
     """
     max_tokens = checks.check(job, self.backend, self.limits)
     sampling = logprobs_lib.with_logprobs(job.sampling, job.logprobs)
-    k = job.n * len(job.prompts)
+    if job.candidates > job.n and sampling.logprobs is None:  # best_of ranks by log-probability
+      sampling = dataclasses.replace(sampling, logprobs=0)
+    k = job.candidates * len(job.prompts)
     if k > self.capacity:
       raise BadRequest(
           f"n x prompts = {k} sequences exceed the server's {self.capacity} "
@@ -490,7 +543,7 @@ class CompletionServer:
             echo=job.echo,
         )
         for i, (tokens, m) in enumerate(
-            (t, m) for (t, _), m in zip(job.prompts, max_tokens) for _ in range(job.n)
+            (t, m) for (t, _), m in zip(job.prompts, max_tokens) for _ in range(job.candidates)
         )
     ]
     self.inflight += k
@@ -608,6 +661,27 @@ class CompletionServer:
     self.uvicorn_server(host, port, log_level).run(sockets=[sock])
 
 
+def best(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
+  """Each prompt's n candidates of highest cumulative log-probability (best_of), most likely first.
+
+  Args:
+    choices: `candidates` per prompt, prompt by prompt, each with its tokens' log-probabilities.
+    candidates: the candidates per prompt (best_of).
+    n: the choices to keep per prompt.
+
+  Returns:
+    The kept choices, prompt by prompt; `choices` itself when every candidate is kept.
+  """
+  if candidates == n:
+    return choices
+  out = []
+  for at in range(0, len(choices), candidates):
+    group = choices[at : at + candidates]
+    score = lambda c: sum(lp[0] for lp in c.logprobs)
+    out += sorted(group, key=score, reverse=True)[:n]
+  return out
+
+
 class _CompletionFormat:
   """OpenAI's text_completion bodies and chunks."""
 
@@ -625,7 +699,7 @@ class _CompletionFormat:
     self.echoed = [
         (text if text is not None else tok.decode(tokens)) if job.echo else ""
         for tokens, text in job.prompts
-        for _ in range(job.n)
+        for _ in range(job.candidates)
     ]
 
   def _logprobs(self, c: Choice, whole: bool) -> dict | None:
@@ -655,7 +729,8 @@ class _CompletionFormat:
         **self.head,
         "choices": [
             self._choice(c, self.echoed[c.index] + c.text, c.tokens, self._logprobs(c, True))
-            for c in choices
+            | {"index": i}
+            for i, c in enumerate(choices)
         ],
         "usage": usage,
     }
@@ -680,7 +755,9 @@ class _ChatFormat:
   """OpenAI's chat.completion bodies and chat.completion.chunk chunks."""
 
   def __init__(self, server: CompletionServer, job: Job, seqs: list[Seq]):
-    self.server, self.job = server, job
+    self.server, self.job, self.seqs = server, job, seqs
+    # with tools the model may call, a streamed choice is held until it ends (then parsed)
+    self.held = job.tools is not None and job.tools.choice != "none"
     self.head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -696,21 +773,33 @@ class _ChatFormat:
       return None
     return logprobs_lib.chat(self.server.tok, tokens, entries, self.job.logprobs)
 
+  def _reply(self, c: Choice) -> tuple[str | None, list[tools_lib.ToolCall], str | None]:
+    """(content, tool calls, finish reason) of a finished choice."""
+    if self.job.tools is None:
+      return c.text, [], c.finish_reason
+    ends = self.server._ends(self.seqs[c.index])
+    raw = self.server.tok.decode([t for t in c.tokens if t not in ends])
+    content, calls = tools_lib.calls_of(self.job.tools, c.text, raw)
+    called = calls and c.finish_reason == "stop" and self.job.tools.choice != "named"
+    return content, calls, "tool_calls" if called else c.finish_reason
+
   def whole(self, choices: list[Choice], usage: dict) -> dict:
-    return {
-        **self.head,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.tokens, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "token_ids": c.tokens,
-            }
-            for c in choices
-        ],
-        "usage": usage,
-    }
+    out = []
+    for c in choices:
+      content, calls, finish = self._reply(c)
+      message = {"role": "assistant", "content": content}
+      if self.job.tools is not None:
+        message["tool_calls"] = [call.as_json() for call in calls]
+      out.append(
+          {
+              "index": c.index,
+              "message": message,
+              "logprobs": self._logprobs(c.tokens, c.logprobs),
+              "finish_reason": finish,
+              "token_ids": c.tokens,
+          }
+      )
+    return {**self.head, "choices": out, "usage": usage}
 
   def _chunk(self, c: Choice, delta: dict, logprobs=None, finish=None, tokens=()) -> dict:
     choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -722,12 +811,30 @@ class _ChatFormat:
 
   def chunks(self, c: Choice, text: str, tokens: list[int], lp: list, usage) -> list[dict]:
     del usage  # only the include_usage chunk carries it
+    if self.held:
+      return self._held_chunks(c)
     out = []
     if text or lp:
       out.append(self._chunk(c, {"content": text}, self._logprobs(tokens, lp), tokens=tokens))
       tokens = []
     if c.finish_reason is not None:
       out.append(self._chunk(c, {}, finish=c.finish_reason, tokens=tokens))
+    return out
+
+  def _held_chunks(self, c: Choice) -> list[dict]:
+    """A choice that may call tools, streamed when it ends: its content, its calls (one delta
+    each, OpenAI's form) and its finish."""
+    if c.finish_reason is None:
+      return []
+    content, calls, finish = self._reply(c)
+    out = []
+    if content:
+      lp = self._logprobs(c.tokens, c.logprobs)
+      out.append(self._chunk(c, {"content": content}, lp, tokens=c.tokens))
+    for i, call in enumerate(calls):
+      delta = {"tool_calls": [call.as_json(index=i)]}
+      out.append(self._chunk(c, delta, tokens=() if content or i else c.tokens))
+    out.append(self._chunk(c, {}, finish=finish, tokens=() if out else c.tokens))
     return out
 
 

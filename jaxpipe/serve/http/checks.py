@@ -4,8 +4,8 @@
 or its backend cannot serve: the number of choices, stop sequences and stop ids, the seed,
 logprobs and echo, and each prompt with its max_tokens and sampling values (the backend's
 `check_request`). Before a request is a `Job`, `protocol` refuses what does not parse: wrong
-types, unknown fields, values of fields a `Job` does not keep (`suffix`, the penalties,
-`best_of`, a chat's `top_logprobs` without `logprobs` or `max_tokens` and
+types, unknown fields, values of fields a `Job` does not keep (`suffix`, `best_of` below n or
+streamed, a chat's `top_logprobs` without `logprobs` or `max_tokens` and
 `max_completion_tokens` that differ), text that is not Unicode and malformed messages. Whether
 the server can take a request now (capacity, failure, draining) is the app's to decide, after
 these checks.

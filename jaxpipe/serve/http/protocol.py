@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
@@ -27,13 +27,42 @@ from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve.sampling import SamplingParams
 
 FINISH = {"eos": "stop", "length": "length", "cancelled": "abort"}  # engine reason -> OpenAI's
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class StreamOptions(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid", strict=True)
   include_usage: bool | None = None  # a last chunk with empty choices and the usage
   continuous_usage_stats: bool | None = None  # accepted (vLLM's); every chunk's usage is null
+
+
+class JsonSchema(pydantic.BaseModel):
+  """`response_format.json_schema`: OpenAI's named schema."""
+
+  model_config = pydantic.ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+  name: str | None = None
+  description: str | None = None
+  schema_: dict[str, Any] | None = pydantic.Field(None, alias="schema")  # None: any JSON object
+  strict: bool | None = None  # accepted: the output always follows the schema
+
+
+class ResponseFormat(pydantic.BaseModel):
+  """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+  model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchema | None = None  # with type json_schema
+
+
+class StructuredOutputs(pydantic.BaseModel):
+  """vLLM's `structured_outputs`: one of a schema, a regex, a choice, a grammar, any object."""
+
+  model_config = pydantic.ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+  json_: dict[str, Any] | str | None = pydantic.Field(None, alias="json")  # a JSON schema
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None  # Lark (or GBNF) text
+  json_object: bool | None = None
 
 
 class _Sampling(pydantic.BaseModel):
@@ -58,6 +87,14 @@ class _Sampling(pydantic.BaseModel):
   repetition_penalty: float | None = None  # vLLM's: (0, 10], over prompt and generated tokens
   logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
   min_p: float | None = None  # vLLM's: 0..1, below min_p x the top token's probability: dropped
+  # structured output (`serve.grammar`), at most one of these: OpenAI's response_format, vLLM's
+  # structured_outputs, and vLLM's older guided_* fields
+  response_format: ResponseFormat | None = None
+  structured_outputs: StructuredOutputs | None = None
+  guided_json: dict[str, Any] | str | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
+  guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -67,7 +104,7 @@ class CompletionRequest(_Sampling):
   max_tokens: int | None = None  # default 16, OpenAI's; 0 with echo: score the prompt only
   echo: bool | None = None  # the prompt before the generated text (and its logprobs)
   logprobs: int | None = None  # 0..20: each token's log-probability and the top k's
-  best_of: int | None = None
+  best_of: int | None = None  # candidates per prompt; the n most likely are returned
   suffix: str | None = None
 
 
@@ -79,6 +116,9 @@ class ChatRequest(_Sampling):
   max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
   logprobs: bool | None = None
   top_logprobs: int | None = None  # 0..20, with logprobs
+  tools: list[Any] | None = None  # functions the model may call (`http.tools`)
+  tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or a named function
+  parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call
 
 
 UNSUPPORTED = {"suffix": (None, "")}  # accepted at their defaults only (clients send them unasked)
@@ -166,12 +206,17 @@ def parse_request(body: bytes) -> CompletionRequest:
     The `CompletionRequest`.
 
   Raises:
-    BadRequest: a body that does not validate, or best_of other than 1 or n.
+    BadRequest: a body that does not validate, best_of below n, or best_of above n with stream.
   """
   req = _validate(CompletionRequest, body)
-  if req.best_of not in (None, 1, req.n or 1):
+  n = 1 if req.n is None else req.n
+  if req.best_of is not None and req.best_of < n:
+    raise BadRequest(f"best_of={req.best_of} must be >= n={n} (the choices returned)", "best_of")
+  if req.best_of is not None and req.best_of > n and req.stream:
     raise BadRequest(
-        f"best_of={req.best_of} is not supported; leave it out (or equal to n)", "best_of"
+        f"best_of={req.best_of} > n={n} cannot be streamed: the best are known only at the end; "
+        "send stream=false",
+        "best_of",
     )
   return req
 
@@ -252,10 +297,12 @@ def prompts_of(
   return out
 
 
-def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
-  """A chat's messages as a template reads them ({"role", "content"[, "name"]}).
+def chat_messages(raw: list[Any]) -> list[dict[str, Any]]:
+  """A chat's messages as a template reads them ({"role", "content"[, "name"]}; an assistant's
+  "tool_calls", a tool result's "tool_call_id").
 
-  Content parts are joined by newlines (vLLM's).
+  Content parts are joined by newlines (vLLM's). An assistant message with tool calls may have
+  no content.
 
   Args:
     raw: the request's `messages`.
@@ -274,12 +321,22 @@ def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
       raise BadRequest(f"{where} is a JSON {type(m).__name__}; give an object", "messages")
-    extra = set(m) - {"role", "content", "name"}
+    extra = set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if extra:
       raise BadRequest(
-          f"{where} has {sorted(extra)}; a message has role, content and name only", "messages"
+          f"{where} has {sorted(extra)}; a message has role, content, name, tool_calls and "
+          "tool_call_id only",
+          "messages",
       )
     role, content = m.get("role"), m.get("content")
+    calls = m.get("tool_calls")
+    if calls is not None and not (role == "assistant" and isinstance(calls, list)):
+      raise BadRequest(
+          f"{where}.tool_calls: only an assistant message has tool_calls, a list of calls",
+          "messages",
+      )
+    if content is None and calls:
+      content = ""
     if role not in ROLES:
       raise BadRequest(
           f"{where}.role={role!r}: the role must be one of {', '.join(ROLES)}", "messages"
@@ -308,7 +365,8 @@ def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
     name = m.get("name")
     if name is not None and not isinstance(name, str):
       raise BadRequest(f"{where}.name={name!r:.80} must be a string", "messages")
-    out.append({"role": role, "content": content} | ({"name": name} if name else {}))
+    more = {k: m[k] for k in ("name", "tool_calls", "tool_call_id") if m.get(k)}
+    out.append({"role": role, "content": content} | more)
   return out
 
 
@@ -328,6 +386,80 @@ class Job:
   include_usage: bool
   logprobs: int | None  # None: none; k: the top k alternatives of every token
   echo: bool = False
+  structured: Structured | None = None  # the grammar every choice follows (compiled by the app)
+  best_of: int | None = None  # candidates per prompt, of which the n most likely are returned
+  tools: Any = None  # a chat's `tools.ToolPlan`, set by the app
+
+  @property
+  def candidates(self) -> int:
+    """Sequences generated per prompt: best_of, or n."""
+    return self.best_of or self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class Structured:
+  """A request's structured output, as `grammar.Compiler.compile` takes it."""
+
+  kind: str  # one of grammar.KINDS
+  spec: Any  # the schema, pattern, choices or grammar text (None: any JSON object)
+  param: str  # the request field it came in, for messages
+
+
+# vLLM's structured_outputs fields -> grammar kinds
+STRUCTURED_OUTPUTS = {
+    "json_": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+
+
+def structured_of(req: _Sampling) -> Structured | None:
+  """The structured output a request asks for, from whichever field it used.
+
+  Args:
+    req: a completions or chat request.
+
+  Returns:
+    The `Structured`, or None for free text.
+
+  Raises:
+    BadRequest: more than one field asks for it, or json_schema without its schema.
+  """
+  found = []
+  rf = req.response_format
+  if rf is not None and rf.type == "json_object":
+    found.append(Structured("json_object", None, "response_format"))
+  elif rf is not None and rf.type == "json_schema":
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+      raise BadRequest(
+          'response_format type "json_schema" needs json_schema.schema (the JSON schema); use '
+          'type "json_object" for any JSON object',
+          "response_format",
+      )
+    found.append(Structured("json_schema", rf.json_schema.schema_, "response_format"))
+  so = req.structured_outputs
+  if so is not None:
+    for field, kind in STRUCTURED_OUTPUTS.items():
+      value = getattr(so, field)
+      if value is not None and value is not False:
+        spec = None if kind == "json_object" else value
+        found.append(Structured(kind, spec, f"structured_outputs.{field.rstrip('_')}"))
+  for field, kind in (
+      ("guided_json", "json_schema"),
+      ("guided_regex", "regex"),
+      ("guided_choice", "choice"),
+      ("guided_grammar", "grammar"),
+  ):
+    if getattr(req, field) is not None:
+      found.append(Structured(kind, getattr(req, field), field))
+  if len(found) > 1:
+    raise BadRequest(
+        f"{found[0].param} and {found[1].param} both constrain the output; give one",
+        found[1].param,
+    )
+  return found[0] if found else None
 
 
 def sampling_of(req: _Sampling) -> SamplingParams:
@@ -399,6 +531,8 @@ def job_of(req: _Sampling, prompts: list, chat: bool) -> Job:
       include_usage=bool(req.stream_options and req.stream_options.include_usage),
       logprobs=logprobs,
       echo=echo,
+      structured=structured_of(req),
+      best_of=None if chat else req.best_of,
   )
 
 
@@ -407,7 +541,9 @@ class Choice:
 
   Text that could be the start of a stop sequence is held back until it is not, so no chunk
   ever carries part of a stop sequence. Ids in `hidden` (the tokenizer's special tokens) have no
-  text, and neither has the EOS or stop token id that ends the choice (vLLM's defaults).
+  text, and neither has the EOS or stop token id (one of `ends`) that ends the choice (vLLM's
+  defaults). A choice its grammar ends (structured output) ends with finish "stop" on a token
+  that is text.
   """
 
   def __init__(
@@ -416,8 +552,10 @@ class Choice:
       stops: Sequence[str],
       decoder: tokenizer_lib.Decoder,
       hidden: frozenset[int] = frozenset(),
+      ends: frozenset[int] | None = None,
   ):
-    self.index, self.stops, self.hidden = index, list(stops), hidden
+    """ends: the EOS and stop ids; None: any token that ends a choice with "stop" is one."""
+    self.index, self.stops, self.hidden, self.ends = index, list(stops), hidden, ends
     self._decoder = decoder
     self.text, self.sent, self.tokens = "", 0, []
     self.logprobs: list = []  # per generated token, when asked for: (logprob, top pairs)
@@ -426,7 +564,8 @@ class Choice:
   def add(self, token: int | None, finish: str | None) -> str:
     """Takes one token and the finish reason if the choice ends with it.
 
-    A token with finish "stop" is the EOS or stop id that ended it (its text is not released).
+    A token in `ends` with finish "stop" is the EOS or stop id that ended it (its text is not
+    released).
     Text that may begin a stop sequence is held back until it cannot.
 
     Args:
@@ -438,7 +577,8 @@ class Choice:
     """
     if token is not None:
       self.tokens.append(token)
-      if token not in self.hidden and finish != "stop":
+      ended = finish == "stop" and (self.ends is None or token in self.ends)
+      if token not in self.hidden and not ended:
         self.text += self._decoder.push(token)
     if finish is not None:
       self.text += self._decoder.flush()

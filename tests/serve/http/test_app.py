@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -286,6 +287,63 @@ def test_a_disaggregated_deployment_serves_the_same_tokens_and_frees_both_sides(
   m = _wait(disagg_url, lambda m: m.get(abort, 0) == 1)
   assert m[("jaxpipe_kv_pages_running",)] == 0  # summed over both workers
   assert m[("jaxpipe_kv_pages_used",)] == m[("jaxpipe_kv_pages_cached",)]
+
+
+def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob(client, reference):
+  """best_of=4, n=2: the engine's four candidates (seeds seed..seed+3, as the server seeds
+  choices) ranked by the sum of their tokens' log-probabilities; the top two come back, most
+  likely first, without logprobs unless asked for."""
+  from jaxpipe.serve.sampling import SamplingParams
+
+  seed, k = 21, 4
+  rids = [
+      reference.add_request(
+          list(b"0123"), 10, SamplingParams(temperature=1.2, seed=seed + i, logprobs=0), eos_id=None
+      )
+      for i in range(k)
+  ]
+  while reference.has_work():
+    reference.step()
+  done = {r.id: r for r in reference.finished()}
+  score = {i: sum(lp for lp, _ in done[rid].logprobs) for i, rid in enumerate(rids)}
+  order = sorted(range(k), key=lambda i: -score[i])
+  r = client.completions.create(
+      model="tiny", prompt="0123", max_tokens=10, temperature=1.2, seed=seed, n=2, best_of=k
+  )
+  assert [c.index for c in r.choices] == [0, 1]
+  assert [c.token_ids for c in r.choices] == [done[rids[i]].output for i in order[:2]]
+  assert order[:2] != [0, 1]  # the ranking, not the first two candidates
+  assert all(c.logprobs is None for c in r.choices)
+  assert r.usage.completion_tokens == 20
+
+
+def test_guided_choices_end_where_their_grammar_does_on_one_engine_and_on_two(client, disagg_url):
+  """A model without EOS ids: a constrained choice ends where its grammar must (finish "stop",
+  its last token's text kept). The disaggregated deployment moves each request, and its place
+  in the grammar, from the prefill worker to the decode worker: the same tokens."""
+  split = openai.OpenAI(base_url=disagg_url + "/v1", api_key="unused", max_retries=0)
+  pattern = r"[1-9][0-9]{2}(,[0-9]{3}){2}\."
+  kw = dict(model="tiny", prompt="0123", max_tokens=40, temperature=1.0, seed=9, n=3)
+  extra = {"guided_regex": pattern}
+  one = client.completions.create(**kw, extra_body=extra)
+  two = split.completions.create(**kw, extra_body=extra)
+  for r in (one, two):
+    for c in r.choices:
+      assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c
+  assert [c.token_ids for c in _by_index(one)] == [c.token_ids for c in _by_index(two)]
+  free = client.completions.create(**kw)
+  assert not any(re.fullmatch(pattern, c.text) for c in free.choices)
+  pick = client.chat.completions.create  # no chat template: 400 before any grammar
+  with pytest.raises(openai.BadRequestError):
+    pick(model="tiny", messages=[{"role": "user", "content": "1"}], extra_body=extra)
+  r = client.completions.create(
+      model="tiny",
+      prompt="7",
+      max_tokens=8,
+      temperature=0,
+      extra_body={"guided_choice": ["12", "3"]},
+  )
+  assert r.choices[0].text in ("12", "3") and r.choices[0].finish_reason == "stop"
 
 
 class _Failing:

@@ -5,14 +5,18 @@ client. One converted tiny Llama and one server for the module."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from typing import Literal
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 import torch
 import transformers
@@ -209,7 +213,7 @@ def test_a_chat_completion_is_transformers_chat_template_and_generate(client, hf
 @pytest.mark.parametrize(
     "messages,words",
     [
-        ([{"role": "tool", "content": "x"}], "messages[0].role='tool'"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role='wizard'"),
         ([{"role": "user", "content": "ok"}, {"role": "user", "content": 3}], "messages[1]"),
         ([{"role": "user", "content": "\ud800"}], "lone UTF-16 surrogate"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts"),
@@ -390,3 +394,273 @@ def test_chat_logprobs_are_transformers_log_softmax(client, hf):
     assert e.bytes == list(e.token.encode())
     assert len(e.top_logprobs) == 2
     assert [x.logprob for x in e.top_logprobs] == pytest.approx(np.sort(row)[::-1][:2], abs=2e-4)
+
+
+# -- structured output ----------------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def _valid(text: str, schema: dict) -> bool:
+  try:
+    jsonschema.validate(json.loads(text), schema)
+  except (json.JSONDecodeError, jsonschema.ValidationError):
+    return False
+  return True
+
+
+def test_a_json_schema_response_validates_where_free_text_does_not(client):
+  """OpenAI's response_format json_schema, greedy and sampled (n=3): every content parses and
+  validates; the same model unconstrained writes no JSON at all."""
+  fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+  greedy = client.chat.completions.create(
+      model=NAME, messages=ASK, response_format=fmt, temperature=0, max_tokens=120
+  )
+  sampled = client.chat.completions.create(
+      model=NAME, messages=ASK, response_format=fmt, temperature=1, seed=4, n=3, max_tokens=120
+  )
+  for c in greedy.choices + sampled.choices:
+    assert c.finish_reason == "stop", c.message.content
+    assert _valid(c.message.content, PERSON), c.message.content
+  assert len({c.message.content for c in sampled.choices}) > 1  # the draws differ
+  free = client.chat.completions.create(model=NAME, messages=ASK, temperature=0, max_tokens=60)
+  assert not _valid(free.choices[0].message.content, {"type": "object"})
+
+
+def test_the_openai_clients_parse_fills_a_pydantic_model(client):
+  """`client.chat.completions.parse(response_format=Model)`: the client sends the model's strict
+  schema and parses the content into the model."""
+
+  class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = pydantic.Field(ge=0, le=8)
+
+  r = client.chat.completions.parse(
+      model=NAME, messages=ASK, response_format=Pet, temperature=0, max_tokens=60
+  )
+  pet = r.choices[0].message.parsed
+  assert isinstance(pet, Pet) and pet.kind in ("cat", "dog", "fish")
+
+
+def test_a_streamed_json_schema_response_concatenates_to_its_json(client):
+  fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+  chunks = client.chat.completions.create(
+      model=NAME, messages=ASK, response_format=fmt, temperature=0, max_tokens=120, stream=True
+  )
+  chunks = list(chunks)
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+  assert _valid(text, PERSON), text
+  assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_json_object_response_parses_with_a_logit_bias_beside_it(client, hf):
+  """json_object allows any object; the quote's bias closes the random model's strings soon
+  enough to finish (the grammar's mask and the bias apply to the same logits)."""
+  (quote,) = hf[0].encode('"', add_special_tokens=False)
+  r = client.chat.completions.create(
+      model=NAME,
+      messages=ASK,
+      response_format={"type": "json_object"},
+      logit_bias={str(quote): 6},
+      temperature=0,
+      max_tokens=120,
+  )
+  (c,) = r.choices
+  assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict), c
+
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        ({"guided_regex": r"[0-9]{3}-[a-z]{2,4}"}, r"[0-9]{3}-[a-z]{2,4}"),
+        ({"guided_choice": ["yes", "no", "maybe so"]}, r"yes|no|maybe so"),
+        ({"structured_outputs": {"regex": r"(ab|cd)+!"}}, r"(ab|cd)+!"),
+        ({"structured_outputs": {"grammar": 'start: "x=" /[1-9]/ (";" "x=" /[1-9]/)*'}}, None),
+    ],
+)
+def test_vllms_guided_fields_constrain_completions(client, extra, pattern):
+  r = client.completions.create(
+      model=NAME,
+      prompt="The answer:",
+      max_tokens=40,
+      temperature=1,
+      seed=1,
+      n=4,
+      extra_body=extra,
+  )
+  for c in r.choices:
+    assert c.finish_reason == "stop", c.text
+    assert re.fullmatch(pattern or r"x=[1-9](;x=[1-9])*", c.text), c.text
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"guided_regex": "[0-9]+("}, "guided_regex", "unclosed group"),
+        ({"guided_choice": []}, "guided_choice", "must be a non-empty list"),
+        (
+            {"guided_regex": "[0-9]", "guided_choice": ["a"]},
+            "guided_choice",
+            "guided_regex and guided_choice both constrain the output",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "needs json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format"),
+    ],
+)
+def test_bad_structured_output_is_a_400_naming_the_field(url, fields, param, words):
+  body = {"model": NAME, "messages": ASK, "max_tokens": 4, **fields}
+  r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["param"] == param and words in err["message"], err
+
+
+# -- tool calling ---------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(calls):
+  assert calls
+  for call in calls:
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_tools_reach_the_chat_template_as_transformers_renders_them(client, hf):
+  """The prompt with tools, and a conversation holding a call and its result, has the token
+  count of transformers' apply_chat_template with the same tools and messages."""
+  call = {"name": "get_time", "arguments": {"zone": "utc"}}
+  history = ASK + [
+      {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+      {"role": "tool", "content": "12:00", "tool_call_id": "chatcmpl-tool-1"},
+  ]
+  sent = history[:1] + [
+      {
+          "role": "assistant",
+          "content": None,
+          "tool_calls": [
+              {
+                  "id": "chatcmpl-tool-1",
+                  "type": "function",
+                  "function": {"name": "get_time", "arguments": json.dumps(call["arguments"])},
+              }
+          ],
+      },
+      history[2],
+  ]
+  for messages, oracle in ((ASK, ASK), (sent, history)):
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=2, temperature=0
+    )
+    want = hf[0].apply_chat_template(oracle, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert r.usage.prompt_tokens == len(want)
+    assert r.choices[0].message.tool_calls == [] and r.choices[0].finish_reason == "length"
+  plain = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=1)
+  assert plain.usage.prompt_tokens < len(_chat_ids(hf, ASK)) + 20 < r.usage.prompt_tokens
+
+
+def test_tool_choice_required_calls_the_tools(client):
+  """Sampled (n=3) with parallel_tool_calls=false: one valid call each."""
+  r = client.chat.completions.create(
+      model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1, seed=2, n=3,
+      max_tokens=100, parallel_tool_calls=False,
+  )  # fmt: skip
+  for c in r.choices:
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert len(c.message.tool_calls) == 1
+    _check_calls(c.message.tool_calls)
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+  named = {"type": "function", "function": {"name": "get_weather"}}
+  r = client.chat.completions.create(
+      model=NAME, messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=60
+  )
+  (c,) = r.choices
+  assert c.finish_reason == "stop" and [t.function.name for t in c.message.tool_calls] == [
+      "get_weather"
+  ]
+  _check_calls(c.message.tool_calls)
+
+
+def test_streamed_tool_calls_assemble_as_the_openai_client_reads_them(client):
+  """The stream's tool_calls deltas, gathered by index as clients gather them, are the calls
+  of the same request unstreamed."""
+  kw = dict(
+      model=NAME,
+      messages=ASK,
+      tools=TOOLS,
+      tool_choice="required",
+      parallel_tool_calls=False,
+      temperature=0,
+      max_tokens=100,
+  )
+  whole = client.chat.completions.create(**kw).choices[0]
+  calls, finish = {}, None
+  for chunk in client.chat.completions.create(stream=True, **kw):
+    for c in chunk.choices:
+      finish = c.finish_reason or finish
+      for d in c.delta.tool_calls or []:
+        got = calls.setdefault(d.index, {"name": "", "arguments": ""})
+        got["name"] += d.function.name or ""
+        got["arguments"] += d.function.arguments or ""
+  assert finish == "tool_calls"
+  assert [calls[i] for i in sorted(calls)] == [
+      {"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls
+  ]
+
+
+def test_auto_tool_choice_returns_text_the_model_did_not_write_as_a_call(client):
+  """The random model writes no <tool_call>: "auto" (the default with tools) gives its text as
+  content and no calls, where the hermes parser (found in the template) finds none."""
+  r = client.chat.completions.create(
+      model=NAME, messages=ASK, tools=TOOLS, temperature=0, max_tokens=12
+  )
+  (c,) = r.choices
+  assert c.message.content and c.message.tool_calls == [] and c.finish_reason == "length"

@@ -46,7 +46,8 @@ def test_requests_parse_or_are_refused_naming_the_value():
       (b'{"prompt": "1", "colour": 1}', "'colour'"),
       (b'{"prompt": "1", "suffix": "x"}', "suffix='x' is not supported"),
       (b'{"prompt": "1", "stop": "\\ud800"}', "stop holds a lone UTF-16 surrogate"),
-      (b'{"prompt": "1", "best_of": 3}', "best_of=3"),
+      (b'{"prompt": "1", "n": 3, "best_of": 2}', r"best_of=2 must be >= n=3"),
+      (b'{"prompt": "1", "best_of": 2, "stream": true}', "best_of=2 > n=1 cannot be streamed"),
   ):
     with pytest.raises(BadRequest, match=words) as e:
       parse_request(body)
@@ -60,6 +61,10 @@ def test_the_token_that_ends_a_choice_and_special_tokens_have_no_text():
   assert c.tokens == [97, 300, 98] and c.text == "a"
   c = Choice(0, [], BYTES.decoder())
   assert c.add(ord("b"), "length") == "b"  # a length finish keeps its last token's text
+  c = Choice(0, [], BYTES.decoder(), ends=frozenset({0}))
+  assert c.add(ord("}"), "stop") == "}"  # a grammar's last token is text
+  c = Choice(0, [], BYTES.decoder(), ends=frozenset({0}))
+  assert c.add(0, "stop") == "" and c.tokens == [0]
 
 
 def test_chat_messages_are_checked_naming_the_message():
@@ -70,8 +75,12 @@ def test_chat_messages_are_checked_naming_the_message():
   for messages, words in (
       ([], "messages is empty"),
       (
-          [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}],
-          "messages[1].role='tool'",
+          [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}],
+          "messages[1].role='wizard'",
+      ),
+      (
+          [{"role": "user", "content": "x", "tool_calls": []}],
+          "messages[0].tool_calls: only an assistant message has tool_calls",
       ),
       ([{"role": "user", "content": 5}], "messages[0].content=5"),
       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "content[0]"),
