@@ -90,6 +90,21 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
     "KV pages' dtype: auto (the compute dtype), int8 or fp8 (quantized, a scale per slot).",
     flag_values=FLAGS,
 )
+_SPECULATIVE = flags.DEFINE_enum(
+    "speculative",
+    None,
+    ["ngram"],
+    "Speculative decoding: ngram (drafts from the request's own tokens: prompt lookup), each "
+    "step verifying up to --num_speculative_tokens drafts per request; turns async scheduling "
+    "off.",
+    flag_values=FLAGS,
+)
+_NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
+    "num_speculative_tokens", 4, "--speculative: drafts per request per step.", flag_values=FLAGS
+)
+_NGRAM_MAX = flags.DEFINE_integer(
+    "ngram_max", 4, "--speculative ngram: the longest suffix matched.", flag_values=FLAGS
+)
 _ATTENTION = flags.DEFINE_string(
     "attention",
     "auto",
@@ -219,6 +234,7 @@ def main(argv: list[str]) -> None:
   import jax
 
   from jaxpipe.serve.engine import Engine
+  from jaxpipe.serve.speculative import SpecConfig
   from jaxpipe.training import config as config_lib
   from jaxpipe.training import restore
 
@@ -270,6 +286,13 @@ def main(argv: list[str]) -> None:
   if _KV_CACHE_DTYPE.value != "auto":
     kw["kv_cache_dtype"] = _KV_CACHE_DTYPE.value
   try:
+    if _SPECULATIVE.value:
+      kw["speculative"] = SpecConfig(
+          _SPECULATIVE.value,
+          _NUM_SPECULATIVE_TOKENS.value,
+          _NGRAM_MAX.value,
+          min(2, _NGRAM_MAX.value),
+      )
     if _MODE.value == "engine":
       engine = Engine(cfg, params, devices=_engine_devices(_TENSOR_PARALLEL.value), **kw)
     else:
@@ -298,6 +321,9 @@ def main(argv: list[str]) -> None:
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
       + (f"; {engine.rings_note()}" if engine.ring_size else "")
   )
+  if engine.speculative is not None:
+    drafts, kept = engine.counts["spec_drafts"], engine.counts["spec_accepted"]
+    print(f"# speculative: {kept} of {drafts} drafts accepted ({kept / max(drafts, 1):.0%})")
   for prompt, out in zip(_PROMPT.value, outputs):
     print(prompt + tok.decode([t for t in out if t not in tok.eos_ids]))
     print(f"# tokens: {out}")

@@ -31,6 +31,7 @@ class BatchShape:
   page_buckets: tuple[int, ...]  # padded pages per sequence, ascending
   ring_size: int = 0  # pages of a sliding layer's ring; 0: no ring layers
   per_token: bool = True  # the backend reads per-token block tables (tables_TxN)
+  spec_tokens: int = 0  # drafts per row of a verify step (`serve.speculative`); 0: none
 
 
 @dataclasses.dataclass
@@ -117,12 +118,14 @@ def build(
     The step's `TokenBatch` and `SamplingBatch`, the sampled requests and the sizes.
   """
   s, r_max = shape.page_size, shape.max_batch
+  k = shape.spec_tokens if any(r.drafts for r, _ in plan) else 0  # a verify step's drafts
   t_real = sum(n for _, n in plan)
   t = bucket(t_real, shape.token_buckets)
   n_pages = bucket(max(len(r.pages) for r, _ in plan), shape.page_buckets)
   tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
   slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)
-  rows = np.zeros(r_max, np.int32)
+  rows = np.zeros(r_max * (k + 1), np.int32)
+  drafts = np.full((r_max, k), -1, np.int32)
   seq_tables = np.zeros((r_max, n_pages), np.int32)
   seq_starts, seq_counts, seq_cached = (np.zeros(r_max, np.int32) for _ in range(3))
   temp, top_p = np.zeros(r_max, np.float32), np.ones(r_max, np.float32)
@@ -141,7 +144,8 @@ def build(
     seq_tables[i, : len(table)] = table
     seq_starts[i], seq_counts[i], seq_cached[i] = at, n, r.computed
     pos = np.arange(r.computed, r.computed + n)
-    tokens[at : at + n] = token_slice(r, r.computed, r.computed + n)
+    known = min(r.computed + n, r.length)  # then the drafts, which follow the known tokens
+    tokens[at : at + n] = token_slice(r, r.computed, known) + r.drafts[: r.computed + n - known]
     if r.computed + n == r.length and r.output and r.output[-1] == PENDING:
       # only the step in flight can have left a token unknown: it is read on the devices
       prev_T[at + n - 1] = after_rows[r.id]
@@ -156,9 +160,13 @@ def build(
       if shape.per_token:
         ring_tables[at : at + n] = ring[around]
     at += n
-    if r.computed + n == r.length:  # all its tokens cached after this step: sample
-      j = len(sampled)
-      rows[j] = at - 1
+    if r.computed + n == r.length + len(r.drafts):  # all its tokens cached after it: sample
+      j, m = len(sampled), len(r.drafts)
+      if k:  # row j's logits after its last token and each draft: k + 1 rows (padding repeats)
+        rows[j * (k + 1) : (j + 1) * (k + 1)] = at - 1 - m + np.minimum(np.arange(k + 1), m)
+        drafts[j, :m] = r.drafts
+      else:
+        rows[j] = at - 1
       sp = r.sampling
       temp[j], top_k[j], top_p[j], seed[j] = sp.temperature, sp.top_k, sp.top_p, sp.seed
       out_index[j] = len(r.output)
@@ -192,6 +200,7 @@ def build(
       _logit_bias(sampled, r_max),
       _penalties(sampled, r_max, after_rows),
       _allowed(sampled, r_max),
+      drafts if k else None,
   )
   index = out_index[: len(sampled)].tolist()
   return StepBatch(batch, sampling, sampled, t, t_real, n_pages, index)

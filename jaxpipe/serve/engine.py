@@ -63,6 +63,7 @@ from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import sampling as sampling_lib
+from jaxpipe.serve import speculative as speculative_lib
 from jaxpipe.serve.batch import bucket
 from jaxpipe.serve.kv_transfer import KVTransfer
 from jaxpipe.serve.pages import PageAllocator, PrefixCache, page_key
@@ -108,6 +109,7 @@ class _Launched:
   new_R: jax.Array
   finite_R: jax.Array
   logprobs: tuple[jax.Array, jax.Array, jax.Array]  # `sampling.top_logprobs` of the rows
+  drafted: list[int] | None = None  # a verify step's drafts per sampled row; None: no drafts
 
 
 def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
@@ -210,8 +212,10 @@ class EngineConfig:
   # absorbed) or 'expanded' (every head's K and V); `serve.model.cached_heads`
   mla_cache: str = "latent"
   # `step` dispatches the next step before waiting for this one (the module docstring); None:
-  # on, except on a prefill_only engine
+  # on, except on a prefill_only or speculating engine
   async_scheduling: bool | None = None
+  # draft tokens verified in the step (`serve.speculative`); None: one token per step
+  speculative: speculative_lib.SpecConfig | None = None
 
   def __post_init__(self):
     for name in ("page_size", "num_pages", "max_batch", "max_tokens_per_step", "max_seq_len"):
@@ -226,6 +230,11 @@ class EngineConfig:
           "async_scheduling=True with prefill_only=True: a prefill worker parks each request at "
           "its first token, which async scheduling would already have given a decode step; "
           "leave async_scheduling off on prefill workers"
+      )
+    if self.async_scheduling and self.speculative is not None:
+      raise ValueError(
+          "async_scheduling=True with speculative decoding: the tokens a verify step emits "
+          "decide where the next step starts; leave async_scheduling off (its default here)"
       )
 
 
@@ -311,6 +320,7 @@ class Engine:
         self.page_buckets,
         self.ring_size,
         per_token=self.backend not in model_lib.RAGGED_BACKENDS,  # only these read tables_TxN
+        spec_tokens=config.speculative.num_tokens if config.speculative else 0,
     )
     self.mesh = Mesh(np.array(devices), (model_lib.KV_AXIS,))
     self._replicated = NamedSharding(self.mesh, P())
@@ -364,8 +374,11 @@ class Engine:
         ready=lambda r: r.ready,
     )
     self.prefill_only = prefill_only
+    self.speculative = config.speculative
     self.async_scheduling = (
-        not prefill_only if config.async_scheduling is None else config.async_scheduling
+        not prefill_only and config.speculative is None
+        if config.async_scheduling is None
+        else config.async_scheduling
     )
     self._inflight: _Launched | None = None  # async: the step dispatched and not collected yet
     self._early: dict[int, list[int]] = {}  # tokens collected early (`_drain`), for step()
@@ -802,7 +815,12 @@ class Engine:
         )
       return None
     after_rows = {} if after is None else {r.id: j for j, r in enumerate(after.sampled)}
+    if self.speculative is not None:
+      plan = self._propose(plan)
     step = batch_lib.build(plan, self._batch_shape, after_rows)
+    drafted = [len(r.drafts) for r in step.sampled]
+    for r, _ in plan:
+      r.drafts = []
     self.flush_fills()
     built = time.perf_counter()
     program = self.step_program(step.t, step.pages, sampling_lib.controls_key(step.sampling))
@@ -830,8 +848,41 @@ class Engine:
         self.scheduler.remove(r)
         r.state = FINISHING
     return _Launched(
-        plan, step.sampled, step.t, step.t_real, step.index, step.pages, new_R, finite_R, logprobs
+        plan,
+        step.sampled,
+        step.t,
+        step.t_real,
+        step.index,
+        step.pages,
+        new_R,
+        finite_R,
+        logprobs,
+        drafted if step.sampling.drafts_RxK is not None else None,
     )
+
+  def _propose(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """Drafts for the plan's eligible decoding requests (`serve.speculative`), their pages
+    reserved, within the step's token budget: the plan with each one's tokens grown by them."""
+    spec = self.speculative
+    budget = self.max_tokens_per_step - sum(n for _, n in plan)
+    out = []
+    for r, n in plan:
+      left = min(spec.num_tokens, budget, r.max_tokens - len(r.output) - 1)
+      decoding = n == 1 and r.computed + 1 == r.length
+      if (
+          left > 0
+          and decoding
+          and speculative_lib.eligible(
+              r.sampling, len(r.output), r.sampling.logprobs is not None, r.grammar is not None
+          )
+      ):
+        drafts = speculative_lib.ngram_drafts(r.tokens, left, spec.ngram_max, spec.ngram_min)
+        if drafts and self.scheduler.pages.reserve(r, 1 + len(drafts)):
+          r.drafts = drafts
+          n += len(drafts)
+          budget -= len(drafts)
+      out.append((r, n))
+    return out
 
   def collect(self, launched: _Launched | None) -> dict[int, list[int]]:
     """Waits for a launched iteration and applies it.
@@ -859,33 +910,32 @@ class Engine:
       k = launched.index[j]
       if r.state == FINISHED:  # cancelled, or (async) stopped by its token of the step before
         continue
-      if new_R[j] < 0:  # serve_step's mark of non-finite logits
+      if launched.drafted is None:
+        emitted = [int(new_R[j])]
+      else:  # a verify step: its tokens, then their count
+        emitted = new_R[j, : max(new_R[j, -1], 1)].tolist()
+        drafted, kept = launched.drafted[j], len(emitted) - 1
+        r.computed -= drafted - kept  # the rejected drafts' K/V are not the sequence's
+        held = math.ceil(r.computed / self.page_size)
+        if len(r.pages) > held:  # pages that only rejected drafts reached
+          self.allocator.free(r.pages[held:])
+          r.pages = r.pages[:held]
+        self.counts["spec_drafts"] += drafted
+        self.counts["spec_accepted"] += kept
+      if emitted[0] < 0:  # serve_step's mark of non-finite logits
         r.error = f"non-finite logits at output token {k}; the request was stopped"
         self.scheduler.remove(r)
         self._finish(r, "error")
         continue
-      token = int(new_R[j])
-      r.output[k] = token
-      if r.sampling.logprobs is not None:
+      if r.sampling.logprobs is not None:  # never a verify step's row: one token
         r.logprobs.append(
             as_token_logprobs(chosen_R[j], top_RxM[j], ids_RxM[j], r.sampling.logprobs)
         )
-      r.token_times.append(now)
-      if r.first_token_time is None:
-        r.first_token_time = now
-      out[r.id] = [token]
-      stopped = token in r.stop_ids and k + 1 > r.sampling.min_tokens
-      if r.grammar is not None and not stopped:
-        if not r.grammar.accept(token):  # the mask allowed it: cannot happen
-          r.error = f"output token {k} ({token}) broke the grammar: {r.grammar.error}"
-          self.scheduler.remove(r)
-          self._finish(r, "error")
-          continue
-        stopped = r.grammar.done  # the grammar is complete: nothing may follow
-      if stopped or k + 1 >= r.max_tokens:
-        self.scheduler.remove(r)  # its pages are freed now
-        self._finish(r, "eos" if stopped else "length")
-      elif self.prefill_only:
+      out[r.id] = []
+      for i, token in enumerate(emitted):
+        if not self._emit(r, k + i, token, now, out[r.id]):
+          break
+      if r.state == RUNNING and self.prefill_only:
         self.scheduler.park(r)
         r.state = PREFILLED
     if self.prefix_cache is not None:
@@ -894,6 +944,30 @@ class Engine:
           self._register(r)
     self.host_time["apply"] += time.perf_counter() - now
     return out
+
+  def _emit(self, r: Request, k: int, token: int, now: float, out: list[int]) -> bool:
+    """Applies output token k of r (sampled, or a kept draft); False once r has finished."""
+    if k < len(r.output):
+      r.output[k] = token  # the PENDING the step's dispatch left
+    else:
+      r.output.append(token)  # a verify step's second token on
+    r.token_times.append(now)
+    if r.first_token_time is None:
+      r.first_token_time = now
+    out.append(token)
+    stopped = token in r.stop_ids and k + 1 > r.sampling.min_tokens
+    if r.grammar is not None and not stopped:
+      if not r.grammar.accept(token):  # the mask allowed it: cannot happen
+        r.error = f"output token {k} ({token}) broke the grammar: {r.grammar.error}"
+        self.scheduler.remove(r)
+        self._finish(r, "error")
+        return False
+      stopped = r.grammar.done  # the grammar is complete: nothing may follow
+    if stopped or k + 1 >= r.max_tokens:
+      self.scheduler.remove(r)  # its pages are freed now
+      self._finish(r, "eos" if stopped else "length")
+      return False
+    return True
 
   def _register(self, r: Request) -> None:
     """Offers r's newly completed full pages to the prefix cache."""

@@ -58,6 +58,7 @@ from jaxpipe.ops.attention import (
     resolve_step_backend,
 )
 from jaxpipe.parallel import tensor as tp_lib
+from jaxpipe.serve import speculative
 from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
@@ -701,7 +702,9 @@ def serve_step(
     logprobs: also return the log-probabilities.
 
   Returns:
-    (sampled tokens [R], whether each row's logits are finite [R], pools); with logprobs,
+    (sampled tokens [R], whether each row's logits are finite [R], pools), or in a verify step
+    (`sampling.drafts_RxK`, `serve.speculative`) [R, k + 2]: the tokens each row emits (-1 past
+    them) and their count last; with logprobs,
     (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled tokens, pools): a
     few numbers per row, never the logits, for the host to read back.
   """
@@ -709,9 +712,19 @@ def serve_step(
     from_prev_T = prev_R[jnp.maximum(batch.prev_T, 0)]
     batch = batch.replace(tokens_T=jnp.where(batch.prev_T >= 0, from_prev_T, batch.tokens_T))
   logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
+  drafts = sampling.drafts_RxK
+  if drafts is not None:  # a verify step: k + 1 rows of logits per sequence
+    r, k = drafts.shape
+    logits_RxKxV = logits_RxV.reshape(r, k + 1, -1)
+    logits_RxV = logits_RxKxV[:, 0]
   sampled_R = sample(logits_RxV, sampling, prev_R)
   finite_R = jnp.all(jnp.isfinite(logits_RxV), axis=-1)
   tokens_R = jnp.where(finite_R, sampled_R, -1)
+  if drafts is not None:  # [R, k + 2]: the tokens emitted (-1 past them), then their count
+    tokens_RxK1, count_R = speculative.verify(logits_RxKxV, sampling, sampled_R)
+    finite_R = jnp.all(jnp.isfinite(logits_RxKxV), axis=(1, 2))
+    emitted_RxK2 = jnp.concatenate([tokens_RxK1, count_R[:, None]], axis=1)
+    tokens_R = jnp.where(finite_R[:, None], emitted_RxK2, -1)
   if logprobs:
     return tokens_R, finite_R, top_logprobs(logits_RxV, sampled_R), kv
   return tokens_R, finite_R, kv

@@ -86,7 +86,7 @@ class StepPrograms:
           i32(t),
           i32(t),
           i32(t, n),
-          i32(r),
+          i32(r * (key[2][4] + 1)),  # the rows wanted: each draft's too in a verify step
           i32(r, n),
           i32(r),
           i32(r),

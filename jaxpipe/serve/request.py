@@ -87,6 +87,7 @@ class Request:
   page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of full pages
   registered: int = 0  # full pages offered to the prefix cache since the last admission
   grammar: Matcher | None = None  # structured output: where the output is in its grammar
+  drafts: list[int] = dataclasses.field(default_factory=list)  # proposed for the step built now
 
   @property
   def ready(self) -> bool:

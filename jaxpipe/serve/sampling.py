@@ -135,6 +135,9 @@ class SamplingBatch:
   # int32 [R, ceil(V / 32)]: bit i % 32 of word i // 32 set where token i is allowed (a
   # grammar's mask, `serve.grammar`; unconstrained rows all ones); None: no row is constrained
   allowed_RxW: jax.Array | None = None
+  # int32 [R, k]: each row's draft tokens (-1 padded; `serve.speculative`): the step verifies
+  # them from the logits after the row's last token and each draft; None: no drafts
+  drafts_RxK: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -167,15 +170,20 @@ def controls_key(s: SamplingBatch) -> tuple:
     s: a step's sampling batch.
 
   Returns:
-    `(min_p used, bias width or 0, (output width, prompt width) or None, mask used)`.
+    `(min_p used, bias width or 0, (output width, prompt width) or None, mask used, drafts
+    per row or 0)`.
   """
   bias = 0 if s.bias is None else s.bias.ids_RxB.shape[1]
   p = s.penalties
   widths = None if p is None else (p.output_RxO.shape[1], p.prompt_RxP.shape[1])
-  return (s.min_p_R is not None, bias, widths, s.allowed_RxW is not None)
+  drafts = 0 if s.drafts_RxK is None else s.drafts_RxK.shape[1]
+  return (s.min_p_R is not None, bias, widths, s.allowed_RxW is not None, drafts)
 
 
-def batch_shapes(r: int, key: tuple = (False, 0, None, False), vocab: int = 0) -> SamplingBatch:
+NO_CONTROLS = (False, 0, None, False, 0)  # `controls_key` of a batch without optional controls
+
+
+def batch_shapes(r: int, key: tuple = NO_CONTROLS, vocab: int = 0) -> SamplingBatch:
   """The `SamplingBatch` of r rows with the optional controls `key` names, as shapes.
 
   Args:
@@ -188,7 +196,7 @@ def batch_shapes(r: int, key: tuple = (False, 0, None, False), vocab: int = 0) -
   """
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  min_p, bias, widths, masked = key
+  min_p, bias, widths, masked, drafts = key
   return SamplingBatch(
       f32(r),
       i32(r),
@@ -202,6 +210,7 @@ def batch_shapes(r: int, key: tuple = (False, 0, None, False), vocab: int = 0) -
       if widths is None
       else Penalties(f32(r), f32(r), f32(r), i32(r, widths[0]), i32(r, widths[1]), i32(r)),
       i32(r, (vocab + 31) // 32) if masked else None,
+      i32(r, drafts) if drafts else None,
   )
 
 

@@ -69,6 +69,19 @@ def test_a_training_checkpoint_is_served(tmp_path):
   assert f"# tokens: {want}" in run.stdout
 
 
+def test_speculative_decoding_prints_the_plain_tokens_in_fewer_steps():
+  """--speculative ngram on a prompt that repeats itself: the greedy tokens of the plain run,
+  with its acceptance reported and fewer steps."""
+  flags = ("--config", "configs/tiny.py", "--prompt", "0120120120", "--max_tokens", "24")
+  flags += ("--max_seq_len", "64")
+  plain, spec = _serve(*flags), _serve(*flags, "--speculative", "ngram")
+  assert plain.returncode == 0 and spec.returncode == 0, spec.stderr[-2000:]
+  tokens = lambda run: [line for line in run.stdout.splitlines() if line.startswith("# tokens")]
+  steps = lambda run: int(run.stdout.split(" steps")[0].rsplit(" ", 1)[1])
+  assert tokens(spec) == tokens(plain)
+  assert "# speculative: " in spec.stdout and steps(spec) < steps(plain), spec.stdout
+
+
 def test_runner_refuses_a_workdir_without_a_run(tmp_path):
   run = _serve("--workdir", str(tmp_path), "--prompt", "x")
   assert run.returncode != 0

@@ -80,6 +80,10 @@ class VllmMetrics:
     self.preemptions = make(
         Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."
     )
+    self.spec_drafts = make(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+    self.spec_accepted = make(
+        Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+    )
     self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
     self.generation_tokens = make(
         Counter, "vllm:generation_tokens", "Number of generation tokens processed."
@@ -157,7 +161,9 @@ class Metrics:
     r = self.registry = CollectorRegistry()
     ProcessCollector(registry=r)
     self.vllm = VllmMetrics(r, model_name, max_model_len)
-    self._engine_counts = {"preemptions": 0, "cached_tokens": 0}
+    self._engine_counts = dict.fromkeys(
+        ("preemptions", "cached_tokens", "spec_drafts", "spec_accepted"), 0
+    )
     self.running = Gauge(
         "jaxpipe_num_requests_running", "Sequences in the running batch.", registry=r
     )
@@ -326,7 +332,12 @@ class Metrics:
     v.waiting.set(sum(len(e.waiting) for e in engines))
     # vLLM counts a cached page no request holds as free (its pool evicts it on demand)
     v.kv_usage.set(usage["pages_held"] / max(usage["pages_total"], 1))
-    for key, counter in (("preemptions", v.preemptions), ("cached_tokens", v.prefix_hits)):
+    for key, counter in (
+        ("preemptions", v.preemptions),
+        ("cached_tokens", v.prefix_hits),
+        ("spec_drafts", v.spec_drafts),
+        ("spec_accepted", v.spec_accepted),
+    ):
       total = sum(e.counts[key] for e in engines if hasattr(e, "counts"))
       if total > self._engine_counts[key]:
         counter.inc(total - self._engine_counts[key])

@@ -346,6 +346,29 @@ def test_guided_choices_end_where_their_grammar_does_on_one_engine_and_on_two(cl
   assert r.choices[0].text in ("12", "3") and r.choices[0].finish_reason == "stop"
 
 
+def test_a_speculating_server_serves_the_plain_greedy_tokens_and_counts_its_drafts(
+    model, reference
+):
+  from jaxpipe.serve.speculative import SpecConfig
+
+  engine = Engine(*model, speculative=SpecConfig(num_tokens=3), **ENGINE)
+  prompts = ["0120120120", "4545454"]
+  want = reference.generate([list(p.encode()) for p in prompts], max_tokens=20)
+  with _serving(engine) as url:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    for prompt, tokens in zip(prompts, want):
+      r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+      assert r.choices[0].token_ids == tokens
+    m = helpers.metrics(url)
+  drafts, kept = engine.counts["spec_drafts"], engine.counts["spec_accepted"]
+  assert 0 < kept <= drafts
+  assert m[
+      ("vllm:spec_decode_num_draft_tokens_total", ("engine", "0"), ("model_name", "tiny"))
+  ] == (drafts)
+  key = ("vllm:spec_decode_num_accepted_tokens_total", ("engine", "0"), ("model_name", "tiny"))
+  assert m[key] == kept
+
+
 class _Failing:
   """A backend that generates token 48 twice, then its device work fails."""
 
