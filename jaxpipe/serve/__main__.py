@@ -93,10 +93,17 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
 _SPECULATIVE = flags.DEFINE_enum(
     "speculative",
     None,
-    ["ngram"],
-    "Speculative decoding: ngram (drafts from the request's own tokens: prompt lookup), each "
-    "step verifying up to --num_speculative_tokens drafts per request; turns async scheduling "
-    "off.",
+    ["ngram", "draft"],
+    "Speculative decoding: ngram (drafts from the request's own tokens: prompt lookup) or draft "
+    "(a smaller model's greedy tokens: --draft_workdir), each step verifying up to "
+    "--num_speculative_tokens drafts per request; turns async scheduling off.",
+    flag_values=FLAGS,
+)
+_DRAFT_WORKDIR = flags.DEFINE_string(
+    "draft_workdir",
+    None,
+    "--speculative draft: the draft model's workdir (a training run or converted checkpoint "
+    "with the served model's tokenizer); it gets the served engine's page and batch settings.",
     flag_values=FLAGS,
 )
 _NUM_SPECULATIVE_TOKENS = flags.DEFINE_integer(
@@ -292,6 +299,7 @@ def main(argv: list[str]) -> None:
           _NUM_SPECULATIVE_TOKENS.value,
           _NGRAM_MAX.value,
           min(2, _NGRAM_MAX.value),
+          _drafter(cfg, kw) if _SPECULATIVE.value == "draft" else None,
       )
     if _MODE.value == "engine":
       engine = Engine(cfg, params, devices=_engine_devices(_TENSOR_PARALLEL.value), **kw)
@@ -371,6 +379,31 @@ def _tokenizer(cfg):
   except ValueError as e:
     sys.exit(f"error: {e}")
   return tok
+
+
+def _drafter(cfg, kw: dict):
+  """--speculative draft: a `ModelDrafter` over --draft_workdir's model (refused: one line)."""
+  from jaxpipe.serve.drafter import ModelDrafter
+  from jaxpipe.training import config as config_lib
+  from jaxpipe.training import restore
+
+  if not _DRAFT_WORKDIR.value:
+    sys.exit("error: --speculative draft needs --draft_workdir (the draft model's workdir)")
+  try:
+    config = restore.run_config(_DRAFT_WORKDIR.value)
+    _, params = restore.restore_params(_DRAFT_WORKDIR.value, config)
+  except (FileNotFoundError, RuntimeError) as e:
+    sys.exit(f"error: --draft_workdir: {e}")
+  draft = config_lib.model_config(config)
+  if draft.vocab != cfg.vocab:
+    sys.exit(
+        f"error: the draft model's vocabulary ({draft.vocab}) is not the served model's "
+        f"({cfg.vocab}); give a draft model with the same tokenizer"
+    )
+  if _DTYPE.value is not None:
+    draft, params = in_dtype(draft, params, _DTYPE.value)
+  fields = ("page_size", "num_pages", "max_batch", "max_tokens_per_step", "max_seq_len")
+  return ModelDrafter(draft, params, **{f: kw[f] for f in fields}, attention=kw["attention"])
 
 
 def _model_context(workdir: str | None) -> int | None:

@@ -375,6 +375,7 @@ class Engine:
     )
     self.prefill_only = prefill_only
     self.speculative = config.speculative
+    self._drafter = speculative_lib.drafter_of(config.speculative) if config.speculative else None
     self.async_scheduling = (
         not prefill_only and config.speculative is None
         if config.async_scheduling is None
@@ -579,6 +580,60 @@ class Engine:
       raise ValueError(f"request {rid} is finished; there is nothing to release")
     r.state = FINISHED
 
+  def rewind(self, rid: int, output: Sequence[int]) -> None:
+    """Replaces a running or parked request's output; the cached K/V of the tokens the old and
+    the new share stay, the rest are recomputed when it next runs (a drafter's rejected drafts).
+
+    Args:
+      rid: the request's id.
+      output: its new output tokens.
+
+    Raises:
+      ValueError: the request is finished or not yet admitted.
+    """
+    self.drain()
+    r = self.requests[rid]
+    if r.state not in (RUNNING, PREFILLED):
+      raise ValueError(f"request {rid} is {r.state}; only a running or parked one can rewind")
+    new = r.prompt + list(output)
+    common = next((i for i, (a, b) in enumerate(zip(r.tokens, new)) if a != b), None)
+    common = min(len(r.tokens), len(new)) if common is None else common
+    r.output = list(output)
+    r.computed = min(r.computed, common, len(new) - 1)
+    held = math.ceil(r.computed / self.page_size)
+    if len(r.pages) > held:
+      self.allocator.free(r.pages[held:])
+      r.pages = r.pages[:held]
+    r.page_keys = r.page_keys[: r.computed // self.page_size]
+    r.registered = min(r.registered, len(r.page_keys))
+
+  def pause(self, rid: int) -> None:
+    """Takes a running request out of the batch, its pages kept, until `resume`.
+
+    Args:
+      rid: the request's id.
+    """
+    self.drain()
+    r = self.requests[rid]
+    self.scheduler.park(r)
+    r.state = PREFILLED
+
+  def resume(self, rid: int) -> None:
+    """Puts a paused request back into the batch.
+
+    Args:
+      rid: the request's id.
+
+    Raises:
+      ValueError: the batch is full.
+    """
+    r = self.requests[rid]
+    if not self.scheduler.has_slot():
+      raise ValueError(f"the batch is full ({self.max_batch} running requests); resume later")
+    self.scheduler.parked.remove(r)
+    self.scheduler.join(r)
+    r.state = RUNNING
+
   def fork(self, rid: int, sampling: SamplingParams | None = None) -> int:
     """A second sample of a running request.
 
@@ -660,6 +715,8 @@ class Engine:
       r.output.pop()
     r.state, r.finish_reason, r.finish_time = FINISHED, reason, time.perf_counter()
     self._finished.append(r)
+    if self._drafter is not None:
+      self._drafter.forget(r.id)
 
   # -- the scheduler's callbacks ----------------------------------------------------------------
 
@@ -863,24 +920,26 @@ class Engine:
   def _propose(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     """Drafts for the plan's eligible decoding requests (`serve.speculative`), their pages
     reserved, within the step's token budget: the plan with each one's tokens grown by them."""
-    spec = self.speculative
+    k = self.speculative.num_tokens
     budget = self.max_tokens_per_step - sum(n for _, n in plan)
+    asks = []
+    for r, n in plan:
+      left = min(k, r.max_tokens - len(r.output) - 1)
+      decoding = n == 1 and r.computed + 1 == r.length
+      plain = speculative_lib.eligible(
+          r.sampling, len(r.output), r.sampling.logprobs is not None, r.grammar is not None
+      )
+      if left > 0 and decoding and plain:
+        asks.append((r, left))
+    proposed = self._drafter.propose([r for r, _ in asks], [m for _, m in asks]) if asks else []
+    drafts = {r.id: d for (r, _), d in zip(asks, proposed)}
     out = []
     for r, n in plan:
-      left = min(spec.num_tokens, budget, r.max_tokens - len(r.output) - 1)
-      decoding = n == 1 and r.computed + 1 == r.length
-      if (
-          left > 0
-          and decoding
-          and speculative_lib.eligible(
-              r.sampling, len(r.output), r.sampling.logprobs is not None, r.grammar is not None
-          )
-      ):
-        drafts = speculative_lib.ngram_drafts(r.tokens, left, spec.ngram_max, spec.ngram_min)
-        if drafts and self.scheduler.pages.reserve(r, 1 + len(drafts)):
-          r.drafts = drafts
-          n += len(drafts)
-          budget -= len(drafts)
+      d = drafts.get(r.id, [])[:budget]
+      if d and self.scheduler.pages.reserve(r, 1 + len(d)):
+        r.drafts = d
+        n += len(d)
+        budget -= len(d)
       out.append((r, n))
     return out
 

@@ -12,17 +12,21 @@ et al., 2023; Chen et al., 2023, for a draft that puts all its mass on one token
   distributed exactly as the target's (the draft's choice is deterministic, so the rejection
   rule's min(1, p/q) is p, and the residual max(0, p - q) is p less the draft).
 
-Between one and m + 1 tokens come out of each such step. Drafts come from n-gram lookup in the
-request's own tokens (vLLM's `ngram`, "prompt lookup decoding"): the longest suffix of up to
-`ngram_max` tokens that occurred before is matched, and the tokens that followed it are
-proposed. Only rows that sample from the plain distribution speculate (no penalties, bias,
-grammar, log-probabilities or min_tokens bans); the others decode one token as always.
+Between one and m + 1 tokens come out of each such step. Drafts come from a `Drafter`: n-gram
+lookup in the request's own tokens (`method="ngram"`, vLLM's; "prompt lookup decoding": the
+longest suffix of up to `ngram_max` tokens that occurred before is matched, and the tokens that
+followed it are proposed), or a smaller model's greedy continuation (`method="draft"`,
+`serve.drafter.ModelDrafter`). Both drafters are certain of their tokens, so the rule above
+keeps the target's distribution for either. Only rows that sample from the plain distribution
+speculate (no penalties, bias, grammar, log-probabilities or min_tokens bans); the others decode
+one token as always.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +34,34 @@ import numpy as np
 
 from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
-@dataclasses.dataclass(frozen=True)
+class Drafter(Protocol):
+  """What proposes drafts for an engine's decoding requests."""
+
+  def propose(self, requests: Sequence[Any], limits: Sequence[int]) -> list[list[int]]:
+    """Drafts for each request (`serve.request.Request`: its prompt and output so far).
+
+    Args:
+      requests: the requests that may speculate this step.
+      limits: the most drafts each may take.
+
+    Returns:
+      Each request's drafts, at most its limit ([] for none).
+    """
+    ...
+
+  def forget(self, rid: int) -> None:
+    """Drops what it keeps of a request that finished.
+
+    Args:
+      rid: the request's id on the target engine.
+    """
+    ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class SpecConfig:
   """How an engine speculates."""
 
@@ -41,10 +69,16 @@ class SpecConfig:
   num_tokens: int = 4  # drafts per request per step at most (k)
   ngram_max: int = 4  # the longest suffix matched
   ngram_min: int = 1  # the shortest
+  drafter: Drafter | None = None  # method "draft": the drafter (`serve.drafter.ModelDrafter`)
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"speculative method={self.method!r}: use one of {', '.join(METHODS)}")
+    if (self.method == "draft") != (self.drafter is not None):
+      raise ValueError(
+          f"speculative method={self.method!r} with drafter={self.drafter!r:.40}: method "
+          "'draft' takes a drafter (serve.drafter.ModelDrafter), 'ngram' none"
+      )
     if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
       raise ValueError(f"speculative num_tokens={self.num_tokens!r} must be an integer >= 1")
     if not 1 <= self.ngram_min <= self.ngram_max:
@@ -77,6 +111,45 @@ def ngram_drafts(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[
       start = int(hits[-1]) + n
       return seq[start : start + k].tolist()
   return []
+
+
+class NgramDrafter:
+  """`ngram_drafts` over each request's own tokens (`Drafter`)."""
+
+  def __init__(self, spec: SpecConfig):
+    self.n_max, self.n_min = spec.ngram_max, spec.ngram_min
+
+  def propose(self, requests: Sequence[Any], limits: Sequence[int]) -> list[list[int]]:
+    """Each request's n-gram drafts.
+
+    Args:
+      requests: the requests (their `tokens`).
+      limits: the most drafts each may take.
+
+    Returns:
+      Their drafts.
+    """
+    return [ngram_drafts(r.tokens, k, self.n_max, self.n_min) for r, k in zip(requests, limits)]
+
+  def forget(self, rid: int) -> None:
+    """Nothing is kept per request.
+
+    Args:
+      rid: unused.
+    """
+    del rid
+
+
+def drafter_of(spec: SpecConfig) -> Drafter:
+  """The drafter a config names.
+
+  Args:
+    spec: the engine's speculative config.
+
+  Returns:
+    Its `drafter`, or an `NgramDrafter`.
+  """
+  return spec.drafter or NgramDrafter(spec)
 
 
 def eligible(sp: SamplingParams, generated: int, logprobs: bool, grammar: bool) -> bool:

@@ -1,6 +1,7 @@
 """`python -m jaxpipe.serve` serves what `python -m jaxpipe.train` wrote."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,15 @@ def test_a_converted_checkpoint_speaks_its_tokenizer_and_one_too_large_is_refuse
   assert "# the context is capped at 128 tokens" in run.stdout and "model's is 256" in run.stdout
   assert f"# tokens: {want}" in run.stdout  # the prompt went through the BPE tokenizer
   assert prompt + tok.decode(want, skip_special_tokens=True) in run.stdout
+  # the model as its own drafter: every draft kept, the same tokens
+  run = _serve(*flags, "--speculative", "draft", "--draft_workdir", workdir)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert f"# tokens: {want}" in run.stdout
+  assert re.search(r"# speculative: (\d+) of \1 drafts accepted \(100%\)", run.stdout), run.stdout
+  run = _serve(*flags, "--speculative", "draft")
+  assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == (
+      "error: --speculative draft needs --draft_workdir (the draft model's workdir)"
+  )
 
   helpers.tiny_bpe(vocab_size=512).save(os.path.join(workdir, "hf", "tokenizer.json"))
   run = _serve(*flags)

@@ -3,12 +3,15 @@ NumPy (greedy) and against the target's distribution in chi-square tests (sample
 engine's greedy tokens with drafts equal to the plain engine's, preempted, beside rows that may
 not speculate."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 import scipy.stats
 
 from jaxpipe.serve import sampling, speculative
+from jaxpipe.serve.drafter import ModelDrafter
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.sampling import SamplingParams
 from jaxpipe.serve.speculative import SpecConfig
@@ -147,5 +150,37 @@ def test_speculation_is_refused_with_async_scheduling_and_bad_values():
     )
   with pytest.raises(ValueError, match="num_tokens=0 must be an integer >= 1"):
     SpecConfig(num_tokens=0)
-  with pytest.raises(ValueError, match="method='eagle': use one of ngram"):
+  with pytest.raises(ValueError, match="method 'draft' takes a drafter"):
+    SpecConfig("draft")
+  with pytest.raises(ValueError, match="method='eagle': use one of ngram, draft"):
     SpecConfig(method="eagle")
+
+
+def test_a_draft_models_tokens_are_verified_to_the_plain_engines():
+  """A draft model (serve.drafter.ModelDrafter): the target itself as its drafter has every
+  draft kept; a smaller random model has nearly none kept. Both give the plain engine's greedy
+  outputs, preempted, and the drafter holds nothing once the requests finish."""
+  prompts = helpers.prompts(seed=7, n=6)
+  plain, _ = _engines()
+  want = helpers.serve_arrivals(plain, prompts, 14, first=4, eos_id=None)
+  small = dataclasses.replace(helpers.DENSE, n_layers=1)
+  for cfg, params in ((helpers.DENSE, helpers.engine_params("dense")),
+                      (small, helpers.random_params(small, seed=3))):  # fmt: skip
+    drafter = ModelDrafter(cfg, params, **dict(helpers.ENGINE_ARGS, num_pages=40))
+    spec = Engine(
+        helpers.DENSE,
+        helpers.engine_params("dense"),
+        speculative=SpecConfig("draft", 3, drafter=drafter),
+        **dict(helpers.ENGINE_ARGS, num_pages=15, nan_freed_pages=True),
+    )
+    got = helpers.serve_arrivals(spec, prompts, 14, first=4, eos_id=None)
+    assert [r.output for r in got] == [r.output for r in want]
+    drafts, kept = spec.counts["spec_drafts"], spec.counts["spec_accepted"]
+    if cfg is helpers.DENSE:
+      assert drafts > 20 and kept == drafts and spec.steps < plain.steps / 2
+    else:
+      assert kept < drafts / 4
+    assert sum(r.preemptions for r in got) > 0 or cfg is helpers.DENSE
+    helpers.check_pages(spec)
+    d = drafter.engine
+    assert not d.running and not d.prefilled and d.allocator.num_free == d.num_pages - 1
