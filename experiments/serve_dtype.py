@@ -72,34 +72,42 @@ flags.DEFINE_integer("seed", 0, "Seed of the workload and the weights.", flag_va
 def engine(cfg, params, dtype: str, work, args) -> Engine:
   """An engine holding the weights in `dtype` (serve --dtype) over pools for the workload."""
   cfg, params = serve_main.in_dtype(cfg, params, dtype)
+  # few programs, all compiled before the clock starts: decode batches and prefill chunks
+  return pool_engine(cfg, params, work, args, token_buckets=(args.max_batch, args.token_budget))
+
+
+def pool_engine(cfg, params, work, args, **fields) -> Engine:
+  """An engine whose pools hold every request of the workload at once (no prefix cache, every
+  sequence's table padded to the longest); `fields` add to or replace its `EngineConfig`."""
   s = args.page_size
   length = -(-max(len(w.prompt) + w.max_tokens for w in work) // s) * s
-  return Engine(
-      cfg,
-      params,
+  settings = dict(
       page_size=s,
       num_pages=args.max_batch * (length // s) + 1,
       max_batch=args.max_batch,
       max_tokens_per_step=args.token_budget,
       max_seq_len=length,
       prefix_caching=False,
-      # few programs, all compiled before the clock starts: decode batches and prefill chunks,
-      # every sequence's table padded to the longest
-      token_buckets=(args.max_batch, args.token_budget),
       page_buckets=(length // s,),
   )
+  return Engine(cfg, params, **(settings | fields))
 
 
-def serve_round(e: Engine, work) -> dict:
-  """The workload once -> its tokens and each request's token times."""
-  t0 = time.perf_counter()
-  ids = [e.add_request(w.prompt, w.max_tokens, eos_id=None) for w in work]
+def serve_round(e: Engine, work, samplings=None) -> dict:
+  """The workload once (greedy, or each request's `samplings`) -> its tokens, each request's
+  token times, the steps, and the drafts proposed and kept (speculative decoding)."""
+  t0, steps, counts = time.perf_counter(), e.steps, dict(e.counts)
+  samplings = samplings or [None] * len(work)
+  ids = [e.add_request(w.prompt, w.max_tokens, sp, eos_id=None) for w, sp in zip(work, samplings)]
   while e.has_work():
     e.step()
   done = {r.id: r for r in e.finished()}
   return {
       "tokens": [done[i].output for i in ids],
       "times": [[t - t0 for t in done[i].token_times] for i in ids],
+      "steps": e.steps - steps,
+      "drafts": e.counts["spec_drafts"] - counts.get("spec_drafts", 0),
+      "kept": e.counts["spec_accepted"] - counts.get("spec_accepted", 0),
   }
 
 

@@ -340,15 +340,26 @@ def forward(name):
 
 def oracle(name: str, prompts, max_tokens: int) -> list[list[int]]:
   """Greedy generation recomputing every whole sequence at every step."""
+  return recompute(name, prompts, max_tokens, lambda i, logits_V, out: int(np.argmax(logits_V)))
+
+
+def recompute(name: str, prompts, max_tokens: int, pick) -> list[list[int]]:
+  """Generation recomputing every whole sequence at every step: token i of a step is
+  pick(i, its next-token logits, its output so far); a sequence whose pick is None stops."""
   seqs, outs = [list(p) for p in prompts], [[] for _ in prompts]
+  live = [True] * len(seqs)
   for _ in range(max_tokens):
     tokens = np.zeros((len(seqs), CONTEXT), np.int32)
     for i, s in enumerate(seqs):
       tokens[i, : len(s)] = s
     logits = np.asarray(forward(name)(tokens))
     for i, s in enumerate(seqs):
-      s.append(int(np.argmax(logits[i, len(s) - 1])))
-      outs[i].append(s[-1])
+      t = pick(i, logits[i, len(s) - 1], outs[i]) if live[i] else None
+      if t is None:
+        live[i] = False
+        continue
+      s.append(t)
+      outs[i].append(t)
   return outs
 
 

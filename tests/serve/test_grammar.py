@@ -64,28 +64,19 @@ CASES = [  # (kind, spec, what the output's text must fullmatch)
 def _recompute(prompts, guides, max_tokens):
   """Greedy tokens recomputing every sequence at every step, the grammar's mask applied on the
   host (a fresh llguidance matcher per sequence); a sequence ends when its grammar does."""
-  seqs, outs = [list(p) for p in prompts], [[] for _ in prompts]
   matchers = [g and llguidance.LLMatcher(g.tokenizer, g.grammar) for g in guides]
-  live = [True] * len(seqs)
-  for _ in range(max_tokens):
-    tokens = np.zeros((len(seqs), helpers.CONTEXT), np.int32)
-    for i, s in enumerate(seqs):
-      tokens[i, : len(s)] = s
-    logits = np.asarray(helpers.forward("dense")(tokens))
-    for i, s in enumerate(seqs):
-      if not live[i]:
-        continue
-      x = logits[i, len(s) - 1]
-      if matchers[i] is not None:
-        mask = np.frombuffer(matchers[i].compute_bitmask(), np.int32)
-        x = np.where(_bits(mask, V), x, -np.inf)
-      t = int(np.argmax(x))
-      s.append(t)
-      outs[i].append(t)
-      if matchers[i] is not None:
-        assert matchers[i].consume_token(t)
-        live[i] = not matchers[i].is_stopped()
-  return outs
+
+  def pick(i, x, out):
+    m = matchers[i]
+    if m is None:
+      return int(np.argmax(x))
+    if m.is_stopped():
+      return None
+    t = int(np.argmax(np.where(_bits(np.frombuffer(m.compute_bitmask(), np.int32), V), x, -np.inf)))
+    assert m.consume_token(t)
+    return t
+
+  return helpers.recompute("dense", prompts, max_tokens, pick)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -156,17 +156,8 @@ def test_the_engines_greedy_tokens_follow_the_numpy_rules():
 
 
 def _recompute(prompts, sps, steps):
-  seqs, outs = [list(p) for p in prompts], [[] for _ in prompts]
-  for _ in range(steps):
-    tokens = np.zeros((len(seqs), helpers.CONTEXT), np.int32)
-    for i, s in enumerate(seqs):
-      tokens[i, : len(s)] = s
-    logits = np.asarray(helpers.forward("dense")(tokens))
-    for i, s in enumerate(seqs):
-      x = np_controls(logits[i, len(s) - 1], sps[i], prompts[i], outs[i])
-      s.append(int(np.argmax(x)))
-      outs[i].append(s[-1])
-  return outs
+  pick = lambda i, x, out: int(np.argmax(np_controls(x, sps[i], prompts[i], out)))
+  return helpers.recompute("dense", prompts, steps, pick)
 
 
 @pytest.mark.parametrize(
