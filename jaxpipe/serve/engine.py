@@ -725,6 +725,8 @@ class Engine:
     r.state = RUNNING
     r.cached_tokens += r.computed
     self.counts["cached_tokens"] += r.computed
+    if not r.preemptions:  # vLLM's hits: a preempted request's re-lookup is counted apart
+      self.counts["prefix_hits"] += r.computed
 
   def _preempted(self, r: Request) -> None:
     """Recompute preemption freed r's pages; its full pages are offered to the cache again."""
@@ -822,9 +824,14 @@ class Engine:
     """One iteration; returns the tokens each request generated in it (by request id).
 
     With async_scheduling the iteration whose tokens it returns is the one dispatched by the
-    call before (or now, when none is in flight), and it leaves the next one in flight."""
-    if not self.async_scheduling:
-      return self.collect(self.launch())
+    call before (or now, when none is in flight), and it leaves the next one in flight; while a
+    grammar-constrained request runs, steps are synchronous (its mask needs its last token)."""
+    if not self.async_scheduling or any(r.grammar is not None for r in self.scheduler.running):
+      self.drain()
+      out, self._early = self._early, {}
+      for rid, tokens in self.collect(self.launch()).items():
+        out.setdefault(rid, []).extend(tokens)
+      return out
     launched, self._inflight = self._inflight or self.launch(), None
     if launched is not None:
       self._inflight = self.launch(after=launched)  # while `launched` runs on the devices

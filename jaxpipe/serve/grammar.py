@@ -9,10 +9,10 @@ it, the matcher takes the sampled token. A request whose grammar is complete end
 reason "eos"; the EOS ids may be sampled wherever the grammar may end. A model without EOS ids
 ends where its grammar must.
 
-A constrained request's next mask needs its last token. Under async scheduling the step after
-the one that samples it is dispatched before that token reaches the host, so a constrained
-request sits that step out (`Engine`'s scheduler holds it back) and its mask is computed while
-that step runs: the rest of the batch never waits for a mask.
+A constrained request's next mask needs its last token, which under async scheduling is still
+on the device when the next step is built. While a constrained request runs, the engine's steps
+are therefore synchronous (async scheduling resumes when none runs); the one step that admits
+it ahead of that holds it back (the scheduler's `ready`) until its token is read.
 """
 
 from __future__ import annotations

@@ -110,20 +110,27 @@ def test_the_engines_greedy_tokens_follow_their_grammars(compiler, async_schedul
   helpers.check_pages(engine)
 
 
-def test_a_constrained_request_sits_out_the_step_after_its_token(compiler):
-  """Under async scheduling a constrained request's next mask needs the token still in flight:
-  it is in every other plan while a plain request runs in each."""
+def test_steps_are_synchronous_while_a_constrained_request_runs(compiler):
+  """A constrained request's next mask needs its last token: async scheduling (on) pauses while
+  one runs, so it joins every step, and resumes after it (a step in flight again)."""
   engine = Engine(helpers.DENSE, helpers.engine_params("dense"), **helpers.ENGINE_ARGS)
   engine.scheduler.trace = []
-  guided = engine.add_request(
-      [5, 6], 8, SamplingParams(guide=compiler.compile("regex", "[0-9]{8}")), eos_id=None
-  )
-  plain = engine.add_request([7, 8], 8, SamplingParams(), eos_id=None)
-  while engine.has_work():
+  first = engine.add_request([7, 8], 14, SamplingParams(), eos_id=None)
+  engine.step()
+  assert engine._inflight is not None  # async before the constrained request comes
+  guide = compiler.compile("regex", "[0-9]{8}")
+  guided = engine.add_request([5, 6], 8, SamplingParams(guide=guide), eos_id=None)
+  inflight = []
+  while engine.requests[guided].state != "finished":
     engine.step()
+    inflight.append(engine._inflight is not None)
   plans = [{r.id for r, _ in p} for kind, p in engine.scheduler.trace if kind == "plan"]
-  assert all(plain in p for p in plans[:8])  # its 8 tokens in the first 8 steps
-  assert [guided in p for p in plans[:8]] == [True, False] * 4
+  with_guided = [i for i, p in enumerate(plans) if guided in p]
+  assert len(with_guided) == 8 and with_guided == list(range(with_guided[0], with_guided[-1] + 1))
+  assert all(first in p for p in plans[: with_guided[-1] + 1])
+  assert inflight.count(True) <= 1  # only the step that admitted it ran ahead
+  engine.step()
+  assert engine._inflight is not None  # async again
   assert re.fullmatch("[0-9]{8}", bytes(engine.requests[guided].output).decode())
 
 

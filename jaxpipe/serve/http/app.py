@@ -756,8 +756,11 @@ class _ChatFormat:
 
   def __init__(self, server: CompletionServer, job: Job, seqs: list[Seq]):
     self.server, self.job, self.seqs = server, job, seqs
-    # with tools the model may call, a streamed choice is held until it ends (then parsed)
-    self.held = job.tools is not None and job.tools.choice != "none"
+    # with tools the model may call, a streamed choice goes through a ToolStream
+    self.streams: dict[int, tools_lib.ToolStream] | None = None
+    if job.tools is not None and job.tools.choice != "none":
+      self.streams = {s.index: tools_lib.ToolStream(job.tools) for s in seqs}
+    self._unsent: dict[int, tuple[list, list]] = {}  # per choice: tokens and logprobs not sent
     self.head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -811,8 +814,8 @@ class _ChatFormat:
 
   def chunks(self, c: Choice, text: str, tokens: list[int], lp: list, usage) -> list[dict]:
     del usage  # only the include_usage chunk carries it
-    if self.held:
-      return self._held_chunks(c)
+    if self.streams is not None:
+      return self._tool_chunks(c, tokens, lp)
     out = []
     if text or lp:
       out.append(self._chunk(c, {"content": text}, self._logprobs(tokens, lp), tokens=tokens))
@@ -821,20 +824,30 @@ class _ChatFormat:
       out.append(self._chunk(c, {}, finish=c.finish_reason, tokens=tokens))
     return out
 
-  def _held_chunks(self, c: Choice) -> list[dict]:
-    """A choice that may call tools, streamed when it ends: its content, its calls (one delta
-    each, OpenAI's form) and its finish."""
+  def _tool_chunks(self, c: Choice, tokens: list[int], lp: list) -> list[dict]:
+    """A choice that may call tools (`tools.ToolStream`): content while it cannot be a call, a
+    named function's arguments as they come, other calls when it ends (one delta each, OpenAI's
+    form). Tokens and logprobs ride on the next chunk sent."""
+    held_tokens, held_lp = self._unsent.pop(c.index, ([], []))
+    tokens, lp = held_tokens + tokens, held_lp + lp
+    ends = self.server._ends(self.seqs[c.index])
+    raw = self.server.tok.decode([t for t in c.tokens if t not in ends])
+    stream = self.streams[c.index]
     if c.finish_reason is None:
-      return []
-    content, calls, finish = self._reply(c)
+      content, calls = stream.push(c.text[: c.sent], raw)
+    else:
+      content, calls = stream.finish(c.text, raw)
     out = []
     if content:
-      lp = self._logprobs(c.tokens, c.logprobs)
-      out.append(self._chunk(c, {"content": content}, lp, tokens=c.tokens))
-    for i, call in enumerate(calls):
-      delta = {"tool_calls": [call.as_json(index=i)]}
-      out.append(self._chunk(c, delta, tokens=() if content or i else c.tokens))
-    out.append(self._chunk(c, {}, finish=finish, tokens=() if out else c.tokens))
+      out.append(self._chunk(c, {"content": content}, self._logprobs(tokens, lp), tokens=tokens))
+      tokens, lp = [], []
+    for delta in calls:
+      out.append(self._chunk(c, {"tool_calls": [delta]}, tokens=tokens))
+      tokens = []
+    if c.finish_reason is not None:
+      out.append(self._chunk(c, {}, finish=self._reply(c)[2], tokens=tokens))
+    elif tokens or lp:
+      self._unsent[c.index] = (tokens, lp)
     return out
 
 

@@ -162,7 +162,7 @@ class Metrics:
     ProcessCollector(registry=r)
     self.vllm = VllmMetrics(r, model_name, max_model_len)
     self._engine_counts = dict.fromkeys(
-        ("preemptions", "cached_tokens", "spec_drafts", "spec_accepted"), 0
+        ("preemptions", "prefix_hits", "spec_drafts", "spec_accepted"), 0
     )
     self.running = Gauge(
         "jaxpipe_num_requests_running", "Sequences in the running batch.", registry=r
@@ -334,7 +334,7 @@ class Metrics:
     v.kv_usage.set(usage["pages_held"] / max(usage["pages_total"], 1))
     for key, counter in (
         ("preemptions", v.preemptions),
-        ("cached_tokens", v.prefix_hits),
+        ("prefix_hits", v.prefix_hits),
         ("spec_drafts", v.spec_drafts),
         ("spec_accepted", v.spec_accepted),
     ):

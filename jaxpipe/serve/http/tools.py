@@ -201,7 +201,82 @@ def calls_of(plan: ToolPlan, text: str, raw: str) -> tuple[str | None, list[Tool
     except json.JSONDecodeError:  # cut short by max_tokens
       return text, []
     return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in items]
-  return parse(plan.parser, raw)
+  content, calls = parse(plan.parser, raw)
+  return (content, calls) if calls else (text, [])
+
+
+MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}  # where a call begins
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolStream:
+  """One streamed choice of a request with tools: what of its reply may be sent as it arrives.
+
+  Content is sent until a call may have begun (text that could begin the format's marker is
+  held back, as stop strings are; a Llama reply that opens with `{` or `<|python_tag|>` is all
+  calls); a named function's arguments are sent as they come, after a first delta with its id
+  and name; other calls are sent, whole, when the choice ends.
+  """
+
+  def __init__(self, plan: ToolPlan):
+    self.plan = plan
+    self.sent = 0  # characters of the text sent (content, or a named call's arguments)
+    self.calling = False  # a call has begun: no more content
+
+  def push(self, text: str, raw: str) -> tuple[str, list[dict]]:
+    """What to send now of a reply still arriving.
+
+    Args:
+      text: the reply so far (special tokens left out).
+      raw: the reply so far with its special tokens.
+
+    Returns:
+      (content to send, tool_calls deltas to send).
+    """
+    if self.plan.choice == "named":
+      head = []
+      if not self.calling:
+        self.calling, self.call = True, ToolCall(self.plan.name, "")
+        head = [self.call.as_json(index=0)]
+      out, self.sent = text[self.sent :], len(text)
+      return "", head + ([{"index": 0, "function": {"arguments": out}}] if out else [])
+    if self.plan.choice != "auto" or self.calling:
+      return "", []
+    marker = MARKERS.get(self.plan.parser)
+    if marker is None:  # llama3_json: a reply that opens with a call is all calls
+      body = raw.lstrip()
+      if body.startswith(("{", PYTHON_TAG)):
+        self.calling = True
+        return "", []
+      if not body or PYTHON_TAG.startswith(body):
+        return "", []
+      end = len(text)
+    elif marker in raw:
+      self.calling = True
+      end = text.index(marker) if marker in text else self.sent
+    else:
+      hold = max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+      end = len(text) - hold
+    out = text[self.sent : end]
+    self.sent += len(out)
+    return out, []
+
+  def finish(self, text: str, raw: str) -> tuple[str, list[dict]]:
+    """What is left to send when the choice ends: content not yet sent, and the calls.
+
+    Args:
+      text: the whole reply (special tokens left out).
+      raw: the whole reply with its special tokens.
+
+    Returns:
+      (content to send, tool_calls deltas).
+    """
+    if self.plan.choice == "named":
+      return self.push(text, raw)
+    content, calls = calls_of(self.plan, text, raw)
+    if calls:
+      return "", [call.as_json(index=i) for i, call in enumerate(calls)]
+    return (content or "")[self.sent :], []
 
 
 def _call(obj: Any, arguments_key: str = "arguments") -> ToolCall | None:

@@ -457,6 +457,30 @@ def test_a_prompt_that_cannot_be_scored_fails_its_request_not_the_server():
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0]
 
 
+def test_a_preempted_request_finding_its_own_pages_is_no_prefix_cache_hit():
+  """vLLM counts a preempted request's lookup on readmission apart from its prefix-cache
+  queries and hits. Prompts that share nothing, in a pool small enough to preempt: the engine
+  takes tokens from the cache when the preempted come back, yet vllm:prefix_cache_hits_total
+  reads 0, and vllm:num_preemptions_total the engine's preemptions."""
+  from prometheus_client import generate_latest
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from jaxpipe.serve.http.metrics import Metrics
+
+  engine = Engine(
+      helpers.DENSE, helpers.engine_params("dense"), num_pages=12, **helpers.ENGINE_ARGS
+  )
+  helpers.serve_arrivals(engine, helpers.prompts(seed=8, n=8), 14, first=4, eos_id=None)
+  metrics = Metrics("tiny")
+  metrics.engines([engine], engine.kv_usage())
+  text = generate_latest(metrics.registry).decode()
+  got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+  assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
+  assert engine.counts["prefix_hits"] == 0
+  assert got["vllm:prefix_cache_hits_total"] == 0
+  assert got["vllm:num_preemptions_total"] == engine.counts["preemptions"]
+
+
 def test_metrics_parse_and_count_what_was_served(url, client):
   before = helpers.metrics(url)
   for n in (3, 5, 7):

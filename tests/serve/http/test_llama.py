@@ -664,3 +664,20 @@ def test_auto_tool_choice_returns_text_the_model_did_not_write_as_a_call(client)
   )
   (c,) = r.choices
   assert c.message.content and c.message.tool_calls == [] and c.finish_reason == "length"
+
+
+def test_a_named_functions_arguments_stream_delta_by_delta(client):
+  """The first delta names the function (with its id); the arguments follow as they are
+  generated and join to the unstreamed request's."""
+  named = {"type": "function", "function": {"name": "get_weather"}}
+  kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=60)
+  whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+  deltas = [
+      d
+      for chunk in client.chat.completions.create(stream=True, **kw)
+      for c in chunk.choices
+      for d in c.delta.tool_calls or []
+  ]
+  assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("chatcmpl-tool-")
+  assert len(deltas) > 3  # the arguments came in pieces
+  assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments

@@ -141,3 +141,58 @@ def test_assistant_tool_call_arguments_reach_the_template_as_objects():
   out = tools.template_messages(messages)
   assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
   assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # not modified
+
+
+def _stream(plan, pieces, specials=()):
+  """Feeds a reply piece by piece (raw: with the special pieces; text: without) -> the content
+  sent, each push's content, and the tool-call deltas."""
+  s = tools.ToolStream(plan)
+  text = raw = ""
+  sent, deltas = [], []
+  for p in pieces:
+    raw += p
+    text += "" if p in specials else p
+    content, calls = s.push(text, raw)
+    sent.append(content)
+    deltas += calls
+  content, calls = s.finish(text, raw)
+  sent.append(content)
+  return "".join(sent), sent, deltas + calls
+
+
+AUTO = {p: tools.plan_of([WEATHER, TIME], None, p) for p in tools.PARSERS}
+
+
+def test_hermes_content_streams_until_the_call_and_never_part_of_its_marker():
+  pieces = ["Let", " me", " check", ".", "\n<", "tool", "_call", ">", '{"name": "get_time", ']
+  pieces += ['"arguments": {}}', "</tool_call>"]
+  content, sent, deltas = _stream(AUTO["hermes"], pieces)
+  assert content == "Let me check.\n"
+  assert sent[:4] == ["Let", " me", " check", "."]  # as they came
+  assert not any("<" in s for s in sent)  # the marker's start was held back
+  assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time")]
+
+
+def test_a_reply_without_calls_streams_all_its_text():
+  content, _, deltas = _stream(AUTO["hermes"], ["The ", "answer ", "is <", "5."])
+  assert content == "The answer is <5." and deltas == []
+  content, _, deltas = _stream(AUTO["llama3_json"], [" It", " is", " {x}"])
+  assert content == " It is {x}" and deltas == []
+
+
+def test_llama3_json_and_mistral_calls_send_no_content():
+  pieces = ["<|python_tag|>", '{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}']
+  content, _, deltas = _stream(AUTO["llama3_json"], pieces, specials={"<|python_tag|>"})
+  assert content == "" and [json.loads(d["function"]["arguments"]) for d in deltas] == [
+      {"city": "Oslo"}
+  ]
+  pieces = ["Sure", ".", "[TOOL_CALLS]", '[{"name": "get_time", "arguments": {}}]']
+  content, _, deltas = _stream(AUTO["mistral"], pieces, specials={"[TOOL_CALLS]"})
+  assert content == "Sure." and [d["function"]["name"] for d in deltas] == ["get_time"]
+
+
+def test_a_named_functions_arguments_stream_as_they_come():
+  plan = tools.plan_of([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+  _, _, deltas = _stream(plan, ['{"ci', 'ty": ', '"Rome"}'])
+  assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
+  assert [d["function"]["arguments"] for d in deltas[1:]] == ['{"ci', 'ty": ', '"Rome"}']
