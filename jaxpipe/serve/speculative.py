@@ -185,6 +185,37 @@ def _filtered(logits_NxV: jax.Array, temperature_N, top_k_N, top_p_N, min_p_N) -
   return jnp.where(keep_vocab, scaled, -jnp.inf)
 
 
+def _sampled(logits_RxKxV, s, safe_RxK, live_RxK, m_R, greedy_a_R, greedy_next_R):
+  """(kept drafts [R], the token after them [R]) by the sampled rule; greedy rows keep theirs."""
+  r, k1, v = logits_RxKxV.shape
+  k = k1 - 1
+  rep = lambda x: None if x is None else jnp.repeat(x, k1)
+  filtered = _filtered(
+      logits_RxKxV.reshape(r * k1, v).astype(jnp.float32),
+      rep(s.temperature_R),
+      rep(s.top_k_R),
+      rep(s.top_p_R),
+      rep(s.min_p_R),
+  ).reshape(r, k1, v)
+  probs_RxK1xV = jax.nn.softmax(filtered, axis=-1)
+  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+      s.seed_R, s.index_R
+  )
+  u_RxK = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (k,)))(keys_R)
+  p_draft_RxK = jnp.take_along_axis(probs_RxK1xV[:, :k], safe_RxK[:, :, None], axis=-1)[..., 0]
+  kept_RxK = (u_RxK < p_draft_RxK) & live_RxK  # kept with the target's probability of it
+  a_R = jnp.sum(jnp.cumprod(kept_RxK.astype(jnp.int32), axis=1), axis=1)  # leading kept
+  probs_RxV = jnp.take_along_axis(probs_RxK1xV, a_R[:, None, None], axis=1)[:, 0]
+  rejected_draft_R = jnp.take_along_axis(safe_RxK, jnp.minimum(a_R, k - 1)[:, None], axis=1)[:, 0]
+  rejected_RxV = (a_R < m_R)[:, None] & (jnp.arange(v)[None, :] == rejected_draft_R[:, None])
+  residual_RxV = jnp.where(rejected_RxV, 0.0, probs_RxV)  # the target less the rejected draft
+  draw_R = jax.vmap(lambda key, p: jax.random.categorical(jax.random.fold_in(key, 2), jnp.log(p)))(
+      keys_R, residual_RxV
+  ).astype(jnp.int32)
+  greedy_R = s.temperature_R <= 0
+  return jnp.where(greedy_R, greedy_a_R, a_R), jnp.where(greedy_R, greedy_next_R, draw_R)
+
+
 def verify(
     logits_RxKxV: jax.Array, s: SamplingBatch, first_R: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -204,40 +235,18 @@ def verify(
   drafts_RxK = s.drafts_RxK
   m_R = jnp.sum(drafts_RxK >= 0, axis=1)
   safe_RxK = jnp.maximum(drafts_RxK, 0)
-  greedy_R = s.temperature_R <= 0
+  live_RxK = jnp.arange(k)[None, :] < m_R[:, None]
   # greedy: a draft is kept where it is the argmax at its position
   argmax_RxK1 = jnp.argmax(logits_RxKxV, axis=-1).astype(jnp.int32)
-  # sampled: kept with the target's probability of it
-  rep = lambda x: None if x is None else jnp.repeat(x, k1)
-  filtered = _filtered(
-      logits_RxKxV.reshape(r * k1, v).astype(jnp.float32),
-      rep(s.temperature_R),
-      rep(s.top_k_R),
-      rep(s.top_p_R),
-      rep(s.min_p_R),
-  ).reshape(r, k1, v)
-  probs_RxK1xV = jax.nn.softmax(filtered, axis=-1)
-  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
-      s.seed_R, s.index_R
+  greedy_kept_RxK = (safe_RxK == argmax_RxK1[:, :k]) & live_RxK
+  greedy_a_R = jnp.sum(jnp.cumprod(greedy_kept_RxK.astype(jnp.int32), axis=1), axis=1)
+  greedy_next_R = jnp.take_along_axis(argmax_RxK1, greedy_a_R[:, None], axis=1)[:, 0]
+  # a step whose rows are all greedy skips the sampled rule's sort over the vocabulary
+  a_R, next_R = jax.lax.cond(
+      jnp.any(s.temperature_R > 0),
+      lambda: _sampled(logits_RxKxV, s, safe_RxK, live_RxK, m_R, greedy_a_R, greedy_next_R),
+      lambda: (greedy_a_R, greedy_next_R),
   )
-  u_RxK = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (k,)))(keys_R)
-  p_draft_RxK = jnp.take_along_axis(probs_RxK1xV[:, :k], safe_RxK[:, :, None], axis=-1)[..., 0]
-  kept_RxK = jnp.where(greedy_R[:, None], safe_RxK == argmax_RxK1[:, :k], u_RxK < p_draft_RxK)
-  kept_RxK &= jnp.arange(k)[None, :] < m_R[:, None]
-  a_R = jnp.sum(jnp.cumprod(kept_RxK.astype(jnp.int32), axis=1), axis=1)  # leading kept
-  # the token after the kept drafts
-  at_R = a_R
-  rejected_R = a_R < m_R
-  probs_RxV = jnp.take_along_axis(probs_RxK1xV, at_R[:, None, None], axis=1)[:, 0]
-  rejected_draft_R = jnp.take_along_axis(safe_RxK, jnp.minimum(at_R, k - 1)[:, None], axis=1)[:, 0]
-  residual_RxV = jnp.where(
-      rejected_R[:, None] & (jnp.arange(v)[None, :] == rejected_draft_R[:, None]), 0.0, probs_RxV
-  )
-  draw_R = jax.vmap(lambda key, p: jax.random.categorical(jax.random.fold_in(key, 2), jnp.log(p)))(
-      keys_R, residual_RxV
-  ).astype(jnp.int32)
-  greedy_next_R = jnp.take_along_axis(argmax_RxK1, at_R[:, None], axis=1)[:, 0]
-  next_R = jnp.where(greedy_R, greedy_next_R, draw_R)
   next_R = jnp.where(m_R == 0, first_R, next_R)  # no drafts: the plain token
   pos_K1 = jnp.arange(k1)[None, :]
   drafts_RxK1 = jnp.concatenate([drafts_RxK, jnp.full((r, 1), -1, jnp.int32)], axis=1)
