@@ -600,12 +600,16 @@ class Engine:
     common = min(len(r.tokens), len(new)) if common is None else common
     r.output = list(output)
     r.computed = min(r.computed, common, len(new) - 1)
+    self._free_past_computed(r)
+    r.page_keys = r.page_keys[: r.computed // self.page_size]
+    r.registered = min(r.registered, len(r.page_keys))
+
+  def _free_past_computed(self, r: Request) -> None:
+    """Frees r's pages past those its computed tokens fill."""
     held = math.ceil(r.computed / self.page_size)
     if len(r.pages) > held:
       self.allocator.free(r.pages[held:])
       r.pages = r.pages[:held]
-    r.page_keys = r.page_keys[: r.computed // self.page_size]
-    r.registered = min(r.registered, len(r.page_keys))
 
   def pause(self, rid: int) -> None:
     """Takes a running request out of the batch, its pages kept, until `resume`.
@@ -982,10 +986,7 @@ class Engine:
         emitted = new_R[j, : max(new_R[j, -1], 1)].tolist()
         drafted, kept = launched.drafted[j], len(emitted) - 1
         r.computed -= drafted - kept  # the rejected drafts' K/V are not the sequence's
-        held = math.ceil(r.computed / self.page_size)
-        if len(r.pages) > held:  # pages that only rejected drafts reached
-          self.allocator.free(r.pages[held:])
-          r.pages = r.pages[:held]
+        self._free_past_computed(r)  # pages that only rejected drafts reached
         self.counts["spec_drafts"] += drafted
         self.counts["spec_accepted"] += kept
       if emitted[0] < 0:  # serve_step's mark of non-finite logits

@@ -380,23 +380,56 @@ def sample(logits_RxV: jax.Array, s: SamplingBatch, prev_R: jax.Array | None = N
   )
 
 
-def _sample(logits_RxV: jax.Array, s: SamplingBatch, greedy_R: jax.Array) -> jax.Array:
-  """Each row sampled with its temperature, top-k and top-p (greedy where temperature is 0)."""
+def truncated(
+    logits_RxV: jax.Array,
+    temperature_R: jax.Array,
+    top_k_R: jax.Array,
+    top_p_R: jax.Array,
+    min_p_R: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+  """Each row's logits over its temperature, most likely first, with what min-p, top-k and top-p
+  drop at -inf: the distribution a sampled row draws from.
+
+  Args:
+    logits_RxV: [R, V] logits.
+    temperature_R: [R] temperatures (> 0 where rows sample).
+    top_k_R: [R] top-k (0: all).
+    top_p_R: [R] top-p (1: all).
+    min_p_R: [R] min-p, or None for none.
+
+  Returns:
+    (the kept scaled logits, sorted descending, -inf where dropped [R, V]; their ids [R, V]).
+  """
   v = logits_RxV.shape[-1]
-  scaled_RxV = logits_RxV / jnp.maximum(s.temperature_R, 1e-6)[:, None]
-  if s.min_p_R is not None:  # below min_p x the most likely token's probability: dropped
+  scaled_RxV = logits_RxV / jnp.maximum(temperature_R, 1e-6)[:, None]
+  if min_p_R is not None:  # below min_p x the most likely token's probability: dropped
     logp_RxV = jax.nn.log_softmax(scaled_RxV, axis=-1)
-    floor_R = jnp.max(logp_RxV, axis=-1) + jnp.log(s.min_p_R)
+    floor_R = jnp.max(logp_RxV, axis=-1) + jnp.log(min_p_R)
     scaled_RxV = jnp.where(logp_RxV < floor_R[:, None], -jnp.inf, scaled_RxV)
   sorted_RxV, order_RxV = jax.lax.top_k(scaled_RxV, v)
   rank_V = jnp.arange(v)
-  keep_RxV = (s.top_k_R[:, None] == 0) | (rank_V[None, :] < s.top_k_R[:, None])
+  keep_RxV = (top_k_R[:, None] == 0) | (rank_V[None, :] < top_k_R[:, None])
   probs_RxV = jax.nn.softmax(jnp.where(keep_RxV, sorted_RxV, -jnp.inf), axis=-1)
   before_RxV = jnp.cumsum(probs_RxV, axis=-1) - probs_RxV  # mass of the more likely tokens
-  keep_RxV &= (before_RxV < s.top_p_R[:, None]) | (rank_V[None, :] == 0)
-  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
-      s.seed_R, s.index_R
-  )
-  pick_R = jax.vmap(jax.random.categorical)(keys_R, jnp.where(keep_RxV, sorted_RxV, -jnp.inf))
+  keep_RxV &= (before_RxV < top_p_R[:, None]) | (rank_V[None, :] == 0)
+  return jnp.where(keep_RxV, sorted_RxV, -jnp.inf), order_RxV
+
+
+def row_keys(s: SamplingBatch) -> jax.Array:
+  """Each row's random key: `fold_in(key(seed), tokens generated so far)`.
+
+  Args:
+    s: the rows' sampling values.
+
+  Returns:
+    [R] keys.
+  """
+  return jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed_R, s.index_R)
+
+
+def _sample(logits_RxV: jax.Array, s: SamplingBatch, greedy_R: jax.Array) -> jax.Array:
+  """Each row sampled with its temperature, top-k and top-p (greedy where temperature is 0)."""
+  kept_RxV, order_RxV = truncated(logits_RxV, s.temperature_R, s.top_k_R, s.top_p_R, s.min_p_R)
+  pick_R = jax.vmap(jax.random.categorical)(row_keys(s), kept_RxV)
   sampled_R = jnp.take_along_axis(order_RxV, pick_R[:, None], axis=-1)[:, 0].astype(jnp.int32)
   return jnp.where(s.temperature_R > 0, sampled_R, greedy_R)

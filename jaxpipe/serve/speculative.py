@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.serve import sampling as sampling_lib
 from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
 
 METHODS = ("ngram", "draft")
@@ -167,40 +168,22 @@ def eligible(sp: SamplingParams, generated: int, logprobs: bool, grammar: bool) 
   return not (sp.penalized or sp.logit_bias or grammar or logprobs or generated < sp.min_tokens)
 
 
-def _filtered(logits_NxV: jax.Array, temperature_N, top_k_N, top_p_N, min_p_N) -> jax.Array:
-  """Scaled logits with what temperature's min-p, top-k and top-p drop at -inf (vocab order)."""
-  n, v = logits_NxV.shape
-  scaled = logits_NxV / jnp.maximum(temperature_N, 1e-6)[:, None]
-  if min_p_N is not None:
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    floor = jnp.max(logp, axis=-1) + jnp.log(min_p_N)
-    scaled = jnp.where(logp < floor[:, None], -jnp.inf, scaled)
-  sorted_NxV, order_NxV = jax.lax.top_k(scaled, v)
-  rank_V = jnp.arange(v)
-  keep = (top_k_N[:, None] == 0) | (rank_V[None, :] < top_k_N[:, None])
-  probs = jax.nn.softmax(jnp.where(keep, sorted_NxV, -jnp.inf), axis=-1)
-  keep &= (jnp.cumsum(probs, axis=-1) - probs < top_p_N[:, None]) | (rank_V[None, :] == 0)
-  rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, v))
-  keep_vocab = jnp.zeros((n, v), bool).at[rows, order_NxV].set(keep)
-  return jnp.where(keep_vocab, scaled, -jnp.inf)
-
-
 def _sampled(logits_RxKxV, s, safe_RxK, live_RxK, m_R, greedy_a_R, greedy_next_R):
   """(kept drafts [R], the token after them [R]) by the sampled rule; greedy rows keep theirs."""
   r, k1, v = logits_RxKxV.shape
   k = k1 - 1
   rep = lambda x: None if x is None else jnp.repeat(x, k1)
-  filtered = _filtered(
+  kept_NxV, order_NxV = sampling_lib.truncated(
       logits_RxKxV.reshape(r * k1, v).astype(jnp.float32),
       rep(s.temperature_R),
       rep(s.top_k_R),
       rep(s.top_p_R),
       rep(s.min_p_R),
-  ).reshape(r, k1, v)
-  probs_RxK1xV = jax.nn.softmax(filtered, axis=-1)
-  keys_R = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
-      s.seed_R, s.index_R
   )
+  rows_NxV = jnp.broadcast_to(jnp.arange(r * k1)[:, None], (r * k1, v))
+  filtered = jnp.full((r * k1, v), -jnp.inf).at[rows_NxV, order_NxV].set(kept_NxV)  # vocab order
+  probs_RxK1xV = jax.nn.softmax(filtered.reshape(r, k1, v), axis=-1)
+  keys_R = sampling_lib.row_keys(s)
   u_RxK = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (k,)))(keys_R)
   p_draft_RxK = jnp.take_along_axis(probs_RxK1xV[:, :k], safe_RxK[:, :, None], axis=-1)[..., 0]
   kept_RxK = (u_RxK < p_draft_RxK) & live_RxK  # kept with the target's probability of it

@@ -339,17 +339,19 @@ class CompletionServer:
           "model_not_found",
       )
 
+  def _eos_ids(self, eos_id) -> tuple[int, ...]:
+    """An eos_id as the engine reads it (ENGINE_EOS: the engine's own), as a tuple of ids."""
+    return eos_ids(engines_of(self.backend)[0].eos_id if eos_id == ENGINE_EOS else eos_id)
+
   def _ends(self, s: Seq) -> frozenset[int]:
     """The ids that end a sequence (EOS and stop ids): a choice does not show their text."""
-    eos = engines_of(self.backend)[0].eos_id if s.eos_id == ENGINE_EOS else s.eos_id
-    return frozenset(eos_ids(eos) + tuple(s.sampling.stop_token_ids))
+    return frozenset(self._eos_ids(s.eos_id) + tuple(s.sampling.stop_token_ids))
 
   @functools.cached_property
   def _grammars(self) -> grammar.Compiler:
     """The compiler of requests' grammars over this model's tokenizer and vocabulary."""
-    engine = engines_of(self.backend)[0]
-    eos = engine.eos_id if self.eos == ENGINE_EOS else self.eos
-    return grammar.Compiler(self.tok, engine.cfg.vocab, eos_ids(eos))
+    vocab = engines_of(self.backend)[0].cfg.vocab
+    return grammar.Compiler(self.tok, vocab, self._eos_ids(self.eos))
 
   def _guide(self, structured: protocol.Structured) -> grammar.Guide:
     """A request's structured output compiled (`grammar.Compiler`), or BadRequest naming it."""
@@ -755,7 +757,7 @@ class _ChatFormat:
   """OpenAI's chat.completion bodies and chat.completion.chunk chunks."""
 
   def __init__(self, server: CompletionServer, job: Job, seqs: list[Seq]):
-    self.server, self.job, self.seqs = server, job, seqs
+    self.server, self.job = server, job
     # with tools the model may call, a streamed choice goes through a ToolStream
     self.streams: dict[int, tools_lib.ToolStream] | None = None
     if job.tools is not None and job.tools.choice != "none":
@@ -780,8 +782,7 @@ class _ChatFormat:
     """(content, tool calls, finish reason) of a finished choice."""
     if self.job.tools is None:
       return c.text, [], c.finish_reason
-    ends = self.server._ends(self.seqs[c.index])
-    raw = self.server.tok.decode([t for t in c.tokens if t not in ends])
+    raw = self.server.tok.decode([t for t in c.tokens if t not in c.ends])
     content, calls = tools_lib.calls_of(self.job.tools, c.text, raw)
     called = calls and c.finish_reason == "stop" and self.job.tools.choice != "named"
     return content, calls, "tool_calls" if called else c.finish_reason
@@ -830,8 +831,7 @@ class _ChatFormat:
     form). Tokens and logprobs ride on the next chunk sent."""
     held_tokens, held_lp = self._unsent.pop(c.index, ([], []))
     tokens, lp = held_tokens + tokens, held_lp + lp
-    ends = self.server._ends(self.seqs[c.index])
-    raw = self.server.tok.decode([t for t in c.tokens if t not in ends])
+    raw = self.server.tok.decode([t for t in c.tokens if t not in c.ends])
     stream = self.streams[c.index]
     if c.finish_reason is None:
       content, calls = stream.push(c.text[: c.sent], raw)
