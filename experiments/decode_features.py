@@ -10,10 +10,12 @@ Contenders, one engine each over the same random weights of a Llama of the given
 - `plain`: the engine as served (async scheduling);
 - `plain sync`: without async scheduling, which a speculating engine gives up;
 - `ngram k=4`: prompt-lookup drafts, up to 4 a step (`serve.speculative`);
+- `mtp k=2`: drafts from the model's own multi-token prediction module (DeepSeek-V3's, one
+  module, random like the rest: what running it costs, `serve.mtp_drafter`);
 - `grammar half` / `grammar all`: half or all of the requests constrained by a regex grammar
   over byte tokens (`[a-z]+( [a-z]+)*`; ids past 255 are special), compiled by llguidance for
-  the model's whole vocabulary: the token masks' cost, and the constrained rows' step held back
-  under async scheduling (`serve.grammar`).
+  the model's whole vocabulary: the token masks' cost, filled while the step's model runs
+  (`serve.grammar`).
 
 Prompts are random segments of `--repeat` tokens repeated to their length (text that repeats
 itself, as code and edited documents do, is where prompt lookup finds drafts); with random
@@ -78,7 +80,7 @@ def workload(args, vocab: int) -> list[Work]:
 def main(argv) -> None:
   del argv
   args = FLAGS
-  cfg = SHAPES[args.shape]
+  cfg = dataclasses.replace(SHAPES[args.shape], mtp_depth=1)  # the others leave it unused
   params = transformer.init_params(cfg, jax.random.key(args.seed))
   work = workload(args, cfg.vocab)
   guide = grammar.Compiler(tokenizer_lib.ByteTokenizer(), cfg.vocab, []).compile("regex", PATTERN)
@@ -88,6 +90,10 @@ def main(argv) -> None:
       "plain sync": (engine(cfg, params, work, args, async_scheduling=False), [plain] * len(work)),
       "ngram k=4": (
           engine(cfg, params, work, args, speculative=SpecConfig(num_tokens=4)),
+          [plain] * len(work),
+      ),
+      "mtp k=2": (
+          engine(cfg, params, work, args, speculative=SpecConfig("mtp", num_tokens=2)),
           [plain] * len(work),
       ),
       "grammar half": (

@@ -5,7 +5,9 @@ import functools
 import json
 import math
 import os
+import pathlib
 import re
+import shutil
 import sys
 import time
 
@@ -311,7 +313,16 @@ MLA = dataclasses.replace(
 )
 
 
-CONFIGS = {"dense": DENSE, "moe": MOE, "gemma": GEMMA, "sliding": SLIDING, "mla": MLA}
+CONFIGS = {
+    "dense": DENSE,
+    "moe": MOE,
+    "gemma": GEMMA,
+    "sliding": SLIDING,
+    "mla": MLA,
+    # with DeepSeek-V3's multi-token prediction module (the MTP drafter's)
+    "dense_mtp": dataclasses.replace(DENSE, mtp_depth=1),
+    "mla_mtp": dataclasses.replace(MLA, mtp_depth=1),
+}
 
 
 # One compiled step per engine: every step is padded to 16 tokens and the longest block table.
@@ -731,6 +742,48 @@ MODEL_CLASSES = {  # family -> (config class, model class, fields) of every tiny
 def write_tiny_llama(path, seed: int = 0, vocab_size: int = 384, **llama_fields) -> str:
   """A random LlamaForCausalLM (`write_tiny_model`) of TINY_LLAMA's shape and `llama_fields`."""
   return write_tiny_model(path, "llama", seed, vocab_size, plain=True, **llama_fields)
+
+
+def write_deepseek_v3_mtp(root, depth: int) -> tuple[str, str, dict]:
+  """A tiny DeepSeek-V3 checkpoint with `depth` MTP modules, as transformers lays them out.
+
+  transformers writes each module's decoder layer in the checkpoint's layout as a layer of a
+  deeper model (layers n..n+depth-1); the checkpoint is that file under a config of n layers and
+  `num_nextn_predict_layers` depth, with the modules' other tensors added under DeepSeek-V3's
+  names (random norms and eh_proj, copies of the embedding and head).
+
+  Args:
+    root: a directory for it.
+    depth: the MTP modules.
+
+  Returns:
+    (the checkpoint's directory, the deeper model's directory, the added tensors by name).
+  """
+  import torch
+  from safetensors.torch import load_file, save_file
+
+  root = pathlib.Path(root)
+  n, d = TINY_DEEPSEEK_V3["num_hidden_layers"], TINY_DEEPSEEK_V3["hidden_size"]
+  deep = write_tiny_model(root / "deep", "deepseek_v3", num_hidden_layers=n + depth)
+  src = root / "src"
+  shutil.copytree(deep, src)
+  with open(src / "config.json") as f:
+    config = json.load(f)
+  config.update(num_hidden_layers=n, num_nextn_predict_layers=depth)
+  with open(src / "config.json", "w") as f:
+    json.dump(config, f, indent=2)
+  weights = load_file(src / "model.safetensors")
+  gen = torch.Generator().manual_seed(5)
+  extra = {}
+  for k in range(depth):
+    p = f"model.layers.{n + k}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+      extra[p + norm + ".weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
+    extra[p + "eh_proj.weight"] = torch.randn(d, 2 * d, generator=gen) / (2 * d) ** 0.5
+    extra[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    extra[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+  save_file({**weights, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+  return str(src), deep, extra
 
 
 def write_tiny_model(

@@ -84,24 +84,70 @@ def _states(cfg, params, h_BxLxD, tokens_ahead, positions_L, segment_ids_BxL):
 
   `tokens_ahead(k)` gives the tokens k places ahead of each position, [B, L].
   """
-  eps, plus = cfg.norm_eps, cfg.norm_plus_one
-  h = rms_norm(h_BxLxD, params["final_norm"]["scale"], eps, plus)
+  h = rms_norm(h_BxLxD, params["final_norm"]["scale"], cfg.norm_eps, cfg.norm_plus_one)
   block = transformer.Block(cfg, moe=cfg.moe is not None)
   for k in range(1, cfg.mtp_depth + 1):
-    p = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
-    e_BxLxD = transformer.embed(cfg, params, tokens_ahead(k))
-    both = jnp.concatenate(
-        [
-            rms_norm(e_BxLxD, p["enorm"]["scale"], eps, plus),
-            rms_norm(h, p["hnorm"]["scale"], eps, plus),
-        ],
-        axis=-1,
-    )
-    x = jnp.dot(both, p["eh_proj"]["kernel"].astype(cfg.compute_dtype))
+    p = module(params, k)
+    x = module_input(cfg, params, p, tokens_ahead(k), h)
     out = block.apply({"params": p["block"]}, x, positions_L, segment_ids_BxL)
     out, aux = out if cfg.moe is not None else (out, None)
-    h = rms_norm(out, p["final_norm"]["scale"], eps, plus)
+    h = rms_norm(out, p["final_norm"]["scale"], cfg.norm_eps, cfg.norm_plus_one)
     yield h, aux
+
+
+def module(params: dict, k: int) -> dict:
+  """Module k's parameters (1..depth), off the stacked `params['mtp']`.
+
+  Args:
+    params: the model's parameters.
+    k: the module's depth.
+
+  Returns:
+    Its `enorm`, `hnorm`, `eh_proj`, `block` and `final_norm`.
+  """
+  return jax.tree.map(lambda a: a[k - 1], params["mtp"])
+
+
+def module_input(
+    cfg: transformer.TransformerConfig, params: dict, p: dict, tokens_BxL, h_BxLxD
+) -> jax.Array:
+  """A module's decoder-layer input: `eh_proj([enorm(embed(tokens)); hnorm(h)])`.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters (the shared embedding).
+    p: the module's (`module`).
+    tokens_BxL: the tokens ahead, [B, L].
+    h_BxLxD: the states it continues (the previous depth's, normed), [B, L, D].
+
+  Returns:
+    [B, L, D] in the compute dtype.
+  """
+  eps, plus = cfg.norm_eps, cfg.norm_plus_one
+  both = jnp.concatenate(
+      [
+          rms_norm(transformer.embed(cfg, params, tokens_BxL), p["enorm"]["scale"], eps, plus),
+          rms_norm(h_BxLxD, p["hnorm"]["scale"], eps, plus),
+      ],
+      axis=-1,
+  )
+  return jnp.dot(both, p["eh_proj"]["kernel"].astype(cfg.compute_dtype))
+
+
+def module_logits(cfg: transformer.TransformerConfig, params: dict, p: dict, out_BxLxD):
+  """A module's logits from its decoder layer's output: its own norm, then the shared head.
+
+  Args:
+    cfg: the model.
+    params: the model's parameters (the shared head).
+    p: the module's (`module`).
+    out_BxLxD: the layer's output, [B, L, D].
+
+  Returns:
+    Float32 [B, L, V].
+  """
+  h = rms_norm(out_BxLxD, p["final_norm"]["scale"], cfg.norm_eps, cfg.norm_plus_one)
+  return transformer.project(cfg, params, h)
 
 
 def _positions(h_BxLxD, positions_L):

@@ -93,10 +93,11 @@ _KV_CACHE_DTYPE = flags.DEFINE_enum(
 _SPECULATIVE = flags.DEFINE_enum(
     "speculative",
     None,
-    ["ngram", "draft"],
-    "Speculative decoding: ngram (drafts from the request's own tokens: prompt lookup) or draft "
-    "(a smaller model's greedy tokens: --draft_workdir), each step verifying up to "
-    "--num_speculative_tokens drafts per request; turns async scheduling off.",
+    ["ngram", "draft", "mtp"],
+    "Speculative decoding: ngram (drafts from the request's own tokens: prompt lookup), draft "
+    "(a smaller model's greedy tokens: --draft_workdir) or mtp (the model's own multi-token "
+    "prediction module: DeepSeek-V3's), each step verifying up to --num_speculative_tokens "
+    "drafts per request; turns async scheduling off.",
     flag_values=FLAGS,
 )
 _DRAFT_WORKDIR = flags.DEFINE_string(

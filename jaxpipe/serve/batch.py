@@ -207,13 +207,13 @@ def build(
 
 
 def _allowed(sampled: list[Request], r_max: int) -> np.ndarray | None:
-  """The grammars' token bitmask of the sampled rows (`serve.grammar`), or None when no row is
-  constrained. A constrained row's last token is on the host: the scheduler holds it back
-  while that token is in flight."""
-  rows = [(j, r.grammar) for j, r in enumerate(sampled) if r.grammar is not None]
-  if not rows:
+  """The sampled rows' token bitmask, all ones, or None when no row is constrained: the
+  engine fills the constrained rows from their grammars (`grammar.fill_masks`) while the
+  step's model runs, once their last tokens are on the host (`Engine.launch`)."""
+  guides = [r.grammar for r in sampled if r.grammar is not None]
+  if not guides:
     return None
-  return grammar_lib.fill_masks(rows, r_max, rows[0][1].vocab)
+  return np.full((r_max, grammar_lib.words(guides[0].vocab)), -1, np.int32)
 
 
 def _pow2(n: int) -> int:

@@ -38,7 +38,9 @@ host's work of a step overlaps the devices' work of the one before. Step n+1 is 
 every request sampled in step n had its token; the token itself goes from step n's output to
 step n+1's input on the device (`TokenBatch.prev_T`), never through the host. A request that
 stops on its step-n token (EOS, a stop token) was already given step n+1: that step's work for
-it is dropped, as vLLM drops it. A `prefill_only` engine parks each
+it is dropped, as vLLM drops it. A step with grammar-constrained rows runs as two programs,
+the model's and the sampling's: the host fills the rows' token masks between the two dispatches,
+while the model runs, once step n's tokens have reached it. A `prefill_only` engine parks each
 request once its first token is sampled (`prefilled`), pages kept, for a decode engine to take.
 """
 
@@ -61,11 +63,13 @@ from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import batch as batch_lib
+from jaxpipe.serve import grammar as grammar_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import sampling as sampling_lib
 from jaxpipe.serve import speculative as speculative_lib
 from jaxpipe.serve.batch import bucket
 from jaxpipe.serve.kv_transfer import KVTransfer
+from jaxpipe.serve.mtp_drafter import MtpDrafter, Span
 from jaxpipe.serve.pages import PageAllocator, PrefixCache, page_key
 from jaxpipe.serve.programs import StepPrograms
 from jaxpipe.serve.refusal import Refusal
@@ -91,9 +95,10 @@ from jaxpipe.serve.scheduler import Scheduler
 from jaxpipe.serve.scoring import Scorer
 
 # Engine.host_time's keys, in a step's order: plan the step (scheduler, pages, copy-on-write);
-# build its host arrays; compile a new step program; dispatch it; wait for its sampled tokens
-# (the device's time, less what dispatch overlapped); apply them (outputs, finishes, cache).
-HOST_PHASES = ("schedule", "build", "compile", "dispatch", "wait", "apply")
+# build its host arrays; compile a new step program; dispatch it; fill its grammars' token masks
+# (while its model runs); wait for its sampled tokens (the device's time, less what dispatch
+# overlapped); apply them (outputs, finishes, cache).
+HOST_PHASES = ("schedule", "build", "compile", "dispatch", "mask", "wait", "apply")
 
 
 @dataclasses.dataclass
@@ -110,6 +115,13 @@ class _Launched:
   finite_R: jax.Array
   logprobs: tuple[jax.Array, jax.Array, jax.Array]  # `sampling.top_logprobs` of the rows
   drafted: list[int] | None = None  # a verify step's drafts per sampled row; None: no drafts
+  # a step with constrained rows, until its sampling is dispatched (`Engine._sample`): (the
+  # sampling program, the model's logits on the devices, the SamplingBatch, prev_R)
+  sample: tuple | None = None
+  # an MTP drafter's engine: the step's last hidden states [T, D] on the devices, and each plan
+  # entry's first token index in the step and its position
+  hidden: jax.Array | None = None
+  spans: list[tuple[int, int]] | None = None
 
 
 def _check_tensor_parallel(cfg: TransformerConfig, tp: int) -> None:
@@ -371,11 +383,29 @@ class Engine:
         token_budget=max_tokens_per_step,
         on_admit=self._admitted,
         on_preempt=self._preempted,
-        ready=lambda r: r.ready,
     )
     self.prefill_only = prefill_only
     self.speculative = config.speculative
-    self._drafter = speculative_lib.drafter_of(config.speculative) if config.speculative else None
+    self._drafter = None
+    if config.speculative is not None and config.speculative.method == "mtp":
+      if len(devices) > 1:
+        raise ValueError(
+            f"speculative method 'mtp' runs on one device, not the {len(devices)} given; serve "
+            "on one, or use method 'ngram'"
+        )
+      k = config.speculative.num_tokens
+      self._drafter = MtpDrafter(
+          self.cfg,
+          self.params,
+          k,
+          num_pages=num_pages + max_batch * (math.ceil(k / page_size) + 1),
+          page_size=page_size,
+          max_batch=max_batch,
+          max_seq_len=max_seq_len,
+          mla_cache=config.mla_cache,
+      )
+    elif config.speculative is not None:
+      self._drafter = speculative_lib.drafter_of(config.speculative)
     self.async_scheduling = (
         not prefill_only and config.speculative is None
         if config.async_scheduling is None
@@ -395,6 +425,7 @@ class Engine:
         max_batch,
         (self._param_sharding, self.kv_cache_sharding, self._replicated),
         ring=bool(self.ring_size),
+        hidden=isinstance(self._drafter, MtpDrafter),
     )
     self.scorer = Scorer(self.cfg, self._param_sharding, self._replicated, max_seq_len)
     self.transfer = KVTransfer(self)
@@ -828,10 +859,8 @@ class Engine:
     """One iteration; returns the tokens each request generated in it (by request id).
 
     With async_scheduling the iteration whose tokens it returns is the one dispatched by the
-    call before (or now, when none is in flight), and it leaves the next one in flight; while a
-    grammar-constrained request runs, steps are synchronous (its mask needs its last token)."""
-    if not self.async_scheduling or any(r.grammar is not None for r in self.scheduler.running):
-      self.drain()
+    call before (or now, when none is in flight), and it leaves the next one in flight."""
+    if not self.async_scheduling:
       out, self._early = self._early, {}
       for rid, tokens in self.collect(self.launch()).items():
         out.setdefault(rid, []).extend(tokens)
@@ -840,6 +869,7 @@ class Engine:
     if launched is not None:
       self._inflight = self.launch(after=launched)  # while `launched` runs on the devices
       self._collect_early(launched)
+      self._sample(self._inflight)  # its constrained rows' masks need `launched`'s tokens
     out, self._early = self._early, {}
     return out
 
@@ -891,15 +921,26 @@ class Engine:
       r.drafts = []
     self.flush_fills()
     built = time.perf_counter()
-    program = self.step_program(step.t, step.pages, sampling_lib.controls_key(step.sampling))
-    compiled = time.perf_counter()
-    new_R, finite_R, logprobs, self.kv = program(
-        self.params,
-        self.kv,
-        step.tokens,
-        step.sampling,
-        self._no_prev if after is None else after.new_R,
-    )
+    key = sampling_lib.controls_key(step.sampling)
+    prev_R = self._no_prev if after is None else after.new_R
+    new_R = finite_R = logprobs = sample = None
+    if step.sampling.allowed_RxW is None:
+      program = self.step_program(step.t, step.pages, key)
+      compiled = time.perf_counter()
+      new_R, finite_R, logprobs, *hidden, self.kv = program(
+          self.params, self.kv, step.tokens, step.sampling, prev_R
+      )
+    else:  # constrained rows: the model runs while the host fills their masks (`_sample`)
+      forward, sample_program = self.compiled.get_split(
+          step.t, step.pages, self.params, self.kv, key
+      )
+      compiled = time.perf_counter()
+      logits, *hidden, self.kv = forward(self.params, self.kv, step.tokens, prev_R)
+      sample = (sample_program, logits, step.sampling, prev_R)
+    spans = None
+    if hidden:  # where each plan entry's tokens lie in the step, for the MTP drafter
+      ats = np.cumsum([0] + [n for _, n in plan[:-1]]).tolist()
+      spans = [(at, r.computed) for at, (r, _) in zip(ats, plan)]
     self.host_time["build"] += built - planned
     self.host_time["compile"] += compiled - built
     self.host_time["dispatch"] += time.perf_counter() - compiled
@@ -915,7 +956,7 @@ class Engine:
       if len(r.output) >= r.max_tokens:
         self.scheduler.remove(r)
         r.state = FINISHING
-    return _Launched(
+    launched = _Launched(
         plan,
         step.sampled,
         step.t,
@@ -926,7 +967,36 @@ class Engine:
         finite_R,
         logprobs,
         drafted if step.sampling.drafts_RxK is not None else None,
+        sample,
+        hidden[0] if hidden else None,
+        spans,
     )
+    if after is None:  # every constrained row's last token is on the host: sample now
+      self._sample(launched)
+    return launched
+
+  def _sample(self, launched: _Launched | None) -> None:
+    """Dispatches a launched step's sampling, once its constrained rows' last tokens are on the
+    host: each row's grammar fills its mask (`grammar.fill_masks`) while the model runs. A row
+    that finished on its token of the step before keeps an all-ones mask (its token is
+    dropped)."""
+    if launched is None or launched.sample is None:
+      return
+    start = time.perf_counter()
+    program, logits, sampling, prev_R = launched.sample
+    rows = [
+        (j, r.grammar)
+        for j, r in enumerate(launched.sampled)
+        if r.grammar is not None and r.state != FINISHED and not r.grammar.done
+    ]
+    if rows:
+      allowed = grammar_lib.fill_masks(rows, len(sampling.allowed_RxW), rows[0][1].vocab)
+      sampling = dataclasses.replace(sampling, allowed_RxW=allowed)
+    filled = time.perf_counter()
+    launched.new_R, launched.finite_R, launched.logprobs = program(logits, sampling, prev_R)
+    launched.sample = None
+    self.host_time["mask"] += filled - start
+    self.host_time["dispatch"] += time.perf_counter() - filled
 
   def _propose(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     """Drafts for the plan's eligible decoding requests (`serve.speculative`), their pages
@@ -1009,6 +1079,13 @@ class Engine:
       for r, _ in plan:
         if r.state in (RUNNING, PREFILLED):
           self._register(r)
+    if launched.hidden is not None:  # what the target kept, for the MTP module (`MtpDrafter`)
+      kept = [
+          Span(r, at, first, r.computed - first)
+          for (r, _), (at, first) in zip(plan, launched.spans)
+          if r.state == RUNNING
+      ]
+      self._drafter.observe(kept, launched.hidden)
     self.host_time["apply"] += time.perf_counter() - now
     return out
 

@@ -10,9 +10,9 @@ reason "eos"; the EOS ids may be sampled wherever the grammar may end. A model w
 ends where its grammar must.
 
 A constrained request's next mask needs its last token, which under async scheduling is still
-on the device when the next step is built. While a constrained request runs, the engine's steps
-are therefore synchronous (async scheduling resumes when none runs); the one step that admits
-it ahead of that holds it back (the scheduler's `ready`) until its token is read.
+on the device when the next step is built. Such a step dispatches its model first; the host
+reads the previous step's tokens, advances the matchers and fills the masks while the model
+runs, then dispatches the sampling (`Engine.launch`), as vLLM's async scheduling does it.
 """
 
 from __future__ import annotations

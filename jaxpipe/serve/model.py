@@ -577,7 +577,8 @@ def forward_paged(
     *,
     backend: str = "auto",
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, KVPages]:
+    hidden: bool = False,
+) -> tuple:
   """The model on one step's tokens over the paged pools.
 
   Args:
@@ -591,9 +592,11 @@ def forward_paged(
       tensor-parallel (`jaxpipe.parallel.tensor`): parameters split as `param_specs`, each rank
       projecting its heads and its share of d_ff and of the vocabulary into its own share of the
       pools' KV heads; the rows' logits are gathered whole for sampling.
+    hidden: also return every token's last hidden states (before the final norm).
 
   Returns:
-    (logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written).
+    (logits [R, vocab] float32 of the wanted rows, pools with this step's K/V written); with
+    hidden, (logits, states [T, D], pools).
 
   Raises:
     ValueError: a ragged backend for a batch without its rows.
@@ -605,7 +608,7 @@ def forward_paged(
     backend = resolve_paged_backend(backend, kv.k.shape[-1], kv.page_size)
   else:
     backend = resolve_step_backend(backend, kv.k.shape[-1], kv.page_size, kv.k.dtype)
-  run = functools.partial(_forward_local, cfg, layout=kv.layout, backend=backend)
+  run = functools.partial(_forward_local, cfg, layout=kv.layout, backend=backend, hidden=hidden)
   if mesh is not None and mesh.size > 1:
     tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)
     heads = P(KV_AXIS)
@@ -616,21 +619,23 @@ def forward_paged(
         # the paged kernels (Pallas, interpreted on CPU) do not track varying axes
         check_vma=False,
         in_specs=(param_specs(params, mesh.size), pool_specs, P()),
-        out_specs=(P(), pool_specs),
+        out_specs=(P(), P(), pool_specs) if hidden else (P(), pool_specs),
     )
-  logits_RxV, pools = run(params, kv.pools, batch)
-  return logits_RxV, kv.with_pools(*pools)
+  *out, pools = run(params, kv.pools, batch)
+  return *out, kv.with_pools(*pools)
 
 
 def _tensor_parallel(run, params, pools, batch, *, axis):
-  """`run` as one tensor rank: this rank's vocabulary slice of the logits, gathered whole."""
+  """`run` as one tensor rank: this rank's vocabulary slice of the logits, gathered whole (the
+  states, when `run` returns them, are every rank's)."""
   with tp_lib.tensor_parallel(axis):
-    logits_RxVp, pools = run(params, pools, batch)
-  return jax.lax.all_gather(logits_RxVp, axis, axis=1, tiled=True), pools
+    logits_RxVp, *rest = run(params, pools, batch)
+  return jax.lax.all_gather(logits_RxVp, axis, axis=1, tiled=True), *rest
 
 
-def _forward_local(cfg, params, pools, batch, *, layout, backend):
-  """The layer stack over one device's pools: (logits [R, vocab or its tp slice], pools)."""
+def _forward_local(cfg, params, pools, batch, *, layout, backend, hidden=False):
+  """The layer stack over one device's pools: (logits [R, vocab or its tp slice], pools); with
+  hidden, (logits, the last layer's output of every token [T, D], pools)."""
   dtypes = [None if p is None else p.dtype for p in pools]
   hook = _PagedHook(tuple(_to_bits(p) for p in pools), layout, batch, backend)
   x_1xTxD = transformer.embed(cfg, params, batch.tokens_T[None])
@@ -669,49 +674,68 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend):
       unit_body, carry, (params["layers"], jnp.arange(cfg.stack_units))
   )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
-  return logits_1xRxV[0], tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))
+  pools = tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))
+  return (logits_1xRxV[0], x_1xTxD[0], pools) if hidden else (logits_1xRxV[0], pools)
 
 
-def serve_step(
+def serve_forward(
     cfg: TransformerConfig,
     params: dict,
     kv: KVPages,
     batch: TokenBatch,
-    sampling: SamplingBatch,
     prev_R: jax.Array | None = None,
     *,
     backend: str = "auto",
     mesh: Mesh | None = None,
-    logprobs: bool = False,
+    hidden: bool = False,
 ) -> tuple:
-  """One engine iteration: the model, then sampling, on the devices.
-
-  A row whose logits are not all finite samples -1, so that the tokens alone tell the host.
+  """The model half of an engine iteration: the step's tokens in, its sampled rows' logits out.
 
   Args:
     cfg: the model.
     params: its params.
     kv: the pools.
     batch: the step's tokens.
-    sampling: each row's sampling values.
     prev_R: the previous step's sampled tokens, still on the device: token t of this step is
       prev_R[batch.prev_T[t]] where prev_T[t] >= 0 (the engine's async scheduling builds step
       n+1 before step n's tokens reach the host).
     backend: the paged attention backend.
     mesh: the engine's devices (`forward_paged`).
-    logprobs: also return the log-probabilities.
+    hidden: also return every token's last hidden states (`forward_paged`).
 
   Returns:
-    (sampled tokens [R], whether each row's logits are finite [R], pools), or in a verify step
-    (`sampling.drafts_RxK`, `serve.speculative`) [R, k + 2]: the tokens each row emits (-1 past
-    them) and their count last; with logprobs,
-    (tokens, finite, `sampling.top_logprobs` of the raw logits and the sampled tokens, pools): a
-    few numbers per row, never the logits, for the host to read back.
+    (logits of the rows `batch.rows_R` names [R', V], pools); with hidden, (logits, states
+    [T, D], pools).
   """
   if prev_R is not None and batch.prev_T is not None:
     from_prev_T = prev_R[jnp.maximum(batch.prev_T, 0)]
     batch = batch.replace(tokens_T=jnp.where(batch.prev_T >= 0, from_prev_T, batch.tokens_T))
-  logits_RxV, kv = forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh)
+  return forward_paged(cfg, params, kv, batch, backend=backend, mesh=mesh, hidden=hidden)
+
+
+def serve_sample(
+    logits_RxV: jax.Array,
+    sampling: SamplingBatch,
+    prev_R: jax.Array | None = None,
+    *,
+    logprobs: bool = False,
+) -> tuple:
+  """The sampling half of an engine iteration, on the devices.
+
+  A row whose logits are not all finite samples -1, so that the tokens alone tell the host.
+
+  Args:
+    logits_RxV: `serve_forward`'s logits (in a verify step, k + 1 rows per sequence).
+    sampling: each row's sampling values.
+    prev_R: the previous step's sampled tokens (a penalized row's pending token).
+    logprobs: also return the log-probabilities.
+
+  Returns:
+    (sampled tokens [R], whether each row's logits are finite [R]), or in a verify step
+    (`sampling.drafts_RxK`, `serve.speculative`) [R, k + 2]: the tokens each row emits (-1 past
+    them) and their count last; with logprobs, `sampling.top_logprobs` of the raw logits and the
+    sampled tokens third: a few numbers per row, never the logits, for the host to read back.
+  """
   drafts = sampling.drafts_RxK
   if drafts is not None:  # a verify step: k + 1 rows of logits per sequence
     r, k = drafts.shape
@@ -726,8 +750,44 @@ def serve_step(
     emitted_RxK2 = jnp.concatenate([tokens_RxK1, count_R[:, None]], axis=1)
     tokens_R = jnp.where(finite_R[:, None], emitted_RxK2, -1)
   if logprobs:
-    return tokens_R, finite_R, top_logprobs(logits_RxV, sampled_R), kv
-  return tokens_R, finite_R, kv
+    return tokens_R, finite_R, top_logprobs(logits_RxV, sampled_R)
+  return tokens_R, finite_R
+
+
+def serve_step(
+    cfg: TransformerConfig,
+    params: dict,
+    kv: KVPages,
+    batch: TokenBatch,
+    sampling: SamplingBatch,
+    prev_R: jax.Array | None = None,
+    *,
+    backend: str = "auto",
+    mesh: Mesh | None = None,
+    logprobs: bool = False,
+    hidden: bool = False,
+) -> tuple:
+  """One engine iteration in one program: `serve_forward`, then `serve_sample`.
+
+  Args:
+    cfg: the model.
+    params: its params.
+    kv: the pools.
+    batch: the step's tokens.
+    sampling: each row's sampling values.
+    prev_R: the previous step's sampled tokens, still on the device (`serve_forward`).
+    backend: the paged attention backend.
+    mesh: the engine's devices (`forward_paged`).
+    logprobs: also return the log-probabilities.
+    hidden: also return every token's last hidden states (`forward_paged`).
+
+  Returns:
+    `serve_sample`'s outputs, then with hidden the states [T, D], then the pools.
+  """
+  logits_RxV, *states, kv = serve_forward(
+      cfg, params, kv, batch, prev_R, backend=backend, mesh=mesh, hidden=hidden
+  )
+  return (*serve_sample(logits_RxV, sampling, prev_R, logprobs=logprobs), *states, kv)
 
 
 _forward_jit = jax.jit(forward_paged, static_argnums=0, static_argnames="backend", donate_argnums=2)

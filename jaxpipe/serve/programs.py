@@ -31,6 +31,7 @@ class StepPrograms:
       max_batch: int,
       shardings: tuple,
       ring: bool,
+      hidden: bool = False,
   ):
     """Args:
     cfg: the serving model.
@@ -40,22 +41,44 @@ class StepPrograms:
     shardings: (parameters' tree, the K/V pools' `KVPages`, the replicated sharding).
     ring: whether the model keeps rings of pages for sliding-window layers (their block tables
       are part of the step's batch).
+    hidden: the programs also return every token's last hidden states (what an MTP drafter
+      continues: `serve.mtp_drafter`), before the pools.
     """
     self.cfg, self.backend, self.mesh, self.max_batch = cfg, backend, mesh, max_batch
     self._params, self._kv, self._replicated = shardings
-    self.ring = ring
+    self.ring, self.hidden = ring, hidden
     self._compiled: dict[tuple, jax.stages.Compiled] = {}
+    self._forward: dict[tuple, jax.stages.Compiled] = {}  # `get_split`'s halves
+    self._sample: dict[tuple, jax.stages.Compiled] = {}
 
   @property
   def shapes(self) -> list[tuple[int, int]]:
     """(tokens, pages per sequence) of every program compiled so far (a shape's variants with
     sampling controls count once)."""
-    return sorted({key[:2] for key in self._compiled})
+    return sorted({key[:2] for key in (*self._compiled, *self._forward)})
 
   @property
   def variants(self) -> int:
-    """Programs compiled so far, sampling-control variants included."""
-    return len(self._compiled)
+    """Programs compiled so far, sampling-control variants and split halves included."""
+    return len(self._compiled) + len(self._forward) + len(self._sample)
+
+  def _batch_shapes(self, t: int, n: int, drafts: int) -> model_lib.TokenBatch:
+    """The step's `TokenBatch` as shapes (drafts: per row, in a verify step)."""
+    r = self.max_batch
+    rings = (_i32(t), _i32(t, n), _i32(r, n)) if self.ring else (None,) * 3
+    return model_lib.TokenBatch(
+        _i32(t),
+        _i32(t),
+        _i32(t),
+        _i32(t, n),
+        _i32(r * (drafts + 1)),  # the rows wanted: each draft's too in a verify step
+        _i32(r, n),
+        _i32(r),
+        _i32(r),
+        _i32(r),
+        _i32(t),
+        *rings,
+    )
 
   def get(self, t: int, n: int, params, kv, controls: tuple | None = None) -> jax.stages.Compiled:
     """The compiled step for t tokens and n pages per sequence, compiled on first use.
@@ -70,29 +93,19 @@ class StepPrograms:
     Returns:
       `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
       kv)` (logprobs: `sampling.top_logprobs` of every row; prev_R: the previous step's new_R,
-      read where `TokenBatch.prev_T` says). The pools are donated: the caller keeps the
-      returned ones.
+      read where `TokenBatch.prev_T` says; with `hidden`, the states before kv). The pools are
+      donated: the caller keeps the returned ones.
     """
     key = (t, n, controls or sampling_lib.controls_key(sampling_lib.batch_shapes(1)))
     if key not in self._compiled:
       r = self.max_batch
       step = functools.partial(
-          model_lib.serve_step, self.cfg, backend=self.backend, mesh=self.mesh, logprobs=True
-      )
-      i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-      rings = (i32(t), i32(t, n), i32(r, n)) if self.ring else (None,) * 3
-      batch = model_lib.TokenBatch(
-          i32(t),
-          i32(t),
-          i32(t),
-          i32(t, n),
-          i32(r * (key[2][4] + 1)),  # the rows wanted: each draft's too in a verify step
-          i32(r, n),
-          i32(r),
-          i32(r),
-          i32(r),
-          i32(t),
-          *rings,
+          model_lib.serve_step,
+          self.cfg,
+          backend=self.backend,
+          mesh=self.mesh,
+          logprobs=True,
+          hidden=self.hidden,
       )
       sampling = sampling_lib.batch_shapes(r, key[2], self.cfg.vocab)
       rep = self._replicated
@@ -101,9 +114,67 @@ class StepPrograms:
               step,
               donate_argnums=1,
               in_shardings=(self._params, self._kv, rep, rep, rep),
-              out_shardings=(rep, rep, rep, self._kv),
+              out_shardings=(rep, rep, rep, *(rep,) * self.hidden, self._kv),
           )
-          .lower(params, kv, batch, sampling, i32(r))
+          .lower(params, kv, self._batch_shapes(t, n, key[2][4]), sampling, _i32(r))
           .compile()
       )
     return self._compiled[key]
+
+  def get_split(
+      self, t: int, n: int, params, kv, controls: tuple
+  ) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+    """The step for t tokens and n pages per sequence as two programs, the model's and the
+    sampling's, so that the host can work between them (a grammar's masks: `Engine.launch`).
+
+    Args:
+      t: padded tokens.
+      n: padded pages per sequence.
+      params: the engine's parameters (their shapes and shardings).
+      kv: the engine's K/V pools (likewise).
+      controls: the step's `sampling.controls_key`.
+
+    Returns:
+      (`forward(params, kv, TokenBatch, prev_R) -> (logits, kv)`, the pools donated (with
+      `hidden`, the states before kv);
+      `sample(logits, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs)`), each compiled on
+      first use: together they compute what `get`'s program does.
+    """
+    r, drafts, rep = self.max_batch, controls[4], self._replicated
+    forward_key, sample_key = (t, n, drafts), controls
+    if forward_key not in self._forward:
+      step = functools.partial(
+          model_lib.serve_forward,
+          self.cfg,
+          backend=self.backend,
+          mesh=self.mesh,
+          hidden=self.hidden,
+      )
+      self._forward[forward_key] = (
+          jax.jit(
+              step,
+              donate_argnums=1,
+              in_shardings=(self._params, self._kv, rep, rep),
+              out_shardings=(rep, *(rep,) * self.hidden, self._kv),
+          )
+          .lower(params, kv, self._batch_shapes(t, n, drafts), _i32(r))
+          .compile()
+      )
+    if sample_key not in self._sample:
+      logits = jax.ShapeDtypeStruct((r * (drafts + 1), self.cfg.vocab), jnp.float32)
+      sampling = sampling_lib.batch_shapes(r, controls, self.cfg.vocab)
+      self._sample[sample_key] = (
+          jax.jit(
+              functools.partial(model_lib.serve_sample, logprobs=True),
+              in_shardings=(rep, rep, rep),
+              out_shardings=(rep, rep, rep),
+          )
+          .lower(logits, sampling, _i32(r))
+          .compile()
+      )
+    return self._forward[forward_key], self._sample[sample_key]
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+  """An int32 array's shape."""
+  return jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -90,12 +90,6 @@ class Request:
   drafts: list[int] = dataclasses.field(default_factory=list)  # proposed for the step built now
 
   @property
-  def ready(self) -> bool:
-    """Whether it can be scheduled now: a constrained request waits for its last token to reach
-    the host (its next token's mask needs it)."""
-    return self.grammar is None or not self.output or self.output[-1] != PENDING
-
-  @property
   def tokens(self) -> list[int]:
     return self.prompt + self.output
 

@@ -115,17 +115,14 @@ class Scheduler(Generic[S]):
       policy: Literal["decode-first", "prefill-first"] = "decode-first",
       on_admit: Callable[[S], None] | None = None,
       on_preempt: Callable[[S], None] | None = None,
-      ready: Callable[[S], bool] | None = None,
   ):
     """on_admit(seq): called when a waiting sequence joins the batch (its prefix-cache hits in
-    seq.computed); on_preempt(seq): after a sequence is preempted (pages freed, computed 0);
-    ready(seq): False for a running sequence that sits this step out (a grammar-constrained one
-    whose last token is still in flight)."""
+    seq.computed); on_preempt(seq): after a sequence is preempted (pages freed, computed 0)."""
     if policy not in POLICIES:
       raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
     self.pages, self.policy = pages, policy
     self.max_batch, self.token_budget = max_batch, token_budget
-    self._on_admit, self._on_preempt, self._ready = on_admit, on_preempt, ready
+    self._on_admit, self._on_preempt = on_admit, on_preempt
     self.waiting: collections.deque[S] = collections.deque()
     self._waiting_left = 0  # sum of length - computed over `waiting` (constant while they wait)
     self.running: list[S] = []
@@ -228,9 +225,6 @@ class Scheduler(Generic[S]):
     budget, plan, i = self.token_budget, [], 0
     while i < len(self.running) and budget > 0:
       seq = self.running[i]
-      if self._ready is not None and not self._ready(seq):
-        i += 1
-        continue
       n = min(seq.length - seq.computed, budget)
       if self.pages.reserve(seq, n):
         plan.append((seq, n))
@@ -265,8 +259,6 @@ class Scheduler(Generic[S]):
     plan = []
     while self.waiting and budget > 0 and self.has_slot():
       seq = self.waiting[0]
-      if self._ready is not None and not self._ready(seq):  # FCFS: the rest wait behind it
-        break
       left = seq.length - seq.computed  # before its prefix-cache hits change `computed`
       n = self._fit(seq, budget, whole and bool(plan))
       if n == 0:

@@ -15,11 +15,12 @@ et al., 2023; Chen et al., 2023, for a draft that puts all its mass on one token
 Between one and m + 1 tokens come out of each such step. Drafts come from a `Drafter`: n-gram
 lookup in the request's own tokens (`method="ngram"`, vLLM's; "prompt lookup decoding": the
 longest suffix of up to `ngram_max` tokens that occurred before is matched, and the tokens that
-followed it are proposed), or a smaller model's greedy continuation (`method="draft"`,
-`serve.drafter.ModelDrafter`). Both drafters are certain of their tokens, so the rule above
-keeps the target's distribution for either. Only rows that sample from the plain distribution
-speculate (no penalties, bias, grammar, log-probabilities or min_tokens bans); the others decode
-one token as always.
+followed it are proposed), a smaller model's greedy continuation (`method="draft"`,
+`serve.drafter.ModelDrafter`), or the served model's own multi-token prediction module
+(`method="mtp"`, DeepSeek-V3's; `serve.mtp_drafter.MtpDrafter`). Every drafter is certain of
+its tokens, so the rule above keeps the target's distribution for each. Only rows that sample
+from the plain distribution speculate (no penalties, bias, grammar, log-probabilities or
+min_tokens bans); the others decode one token as always.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 from jaxpipe.serve import sampling as sampling_lib
 from jaxpipe.serve.sampling import SamplingBatch, SamplingParams
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 
 
 class Drafter(Protocol):
@@ -78,7 +79,7 @@ class SpecConfig:
     if (self.method == "draft") != (self.drafter is not None):
       raise ValueError(
           f"speculative method={self.method!r} with drafter={self.drafter!r:.40}: method "
-          "'draft' takes a drafter (serve.drafter.ModelDrafter), 'ngram' none"
+          "'draft' takes a drafter (serve.drafter.ModelDrafter), 'ngram' and 'mtp' none"
       )
     if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
       raise ValueError(f"speculative num_tokens={self.num_tokens!r} must be an integer >= 1")

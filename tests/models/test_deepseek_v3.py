@@ -95,36 +95,11 @@ MTP_DEPTH = 2
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
   """(a DeepSeek-V3 checkpoint with MTP_DEPTH modules, transformers' main model, transformers'
-  `MtpModel` holding the modules' weights).
-
-  transformers writes each module's decoder layer in the checkpoint's layout as a layer of a
-  deeper model (layers 5 and 6 of seven); the checkpoint is that file under a config of five
-  layers, with the modules' other tensors added under DeepSeek-V3's names."""
-  from safetensors.torch import load_file, save_file
+  `MtpModel` holding the modules' weights: `helpers.write_deepseek_v3_mtp`)."""
   from transformers.modeling_layers import MtpModel
 
-  root = tmp_path_factory.mktemp("deepseek_v3_mtp")
-  n, d = FIELDS["num_hidden_layers"], FIELDS["hidden_size"]
-  deep = helpers.write_tiny_model(root / "deep", "deepseek_v3", num_hidden_layers=n + MTP_DEPTH)
-  src = root / "src"
-  shutil.copytree(deep, src)
-  with open(src / "config.json") as f:
-    config = json.load(f)
-  config.update(num_hidden_layers=n, num_nextn_predict_layers=MTP_DEPTH)
-  with open(src / "config.json", "w") as f:
-    json.dump(config, f, indent=2)
-  weights = load_file(src / "model.safetensors")
-  gen = torch.Generator().manual_seed(5)
-  extra = {}
-  for k in range(MTP_DEPTH):
-    p = f"model.layers.{n + k}."
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-      extra[p + norm + ".weight"] = 1 + 0.2 * torch.randn(d, generator=gen)
-    extra[p + "eh_proj.weight"] = torch.randn(d, 2 * d, generator=gen) / (2 * d) ** 0.5
-    extra[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    extra[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
-  save_file({**weights, **extra}, src / "model.safetensors", metadata={"format": "pt"})
-
+  n = FIELDS["num_hidden_layers"]
+  src, deep, extra = helpers.write_deepseek_v3_mtp(tmp_path_factory.mktemp("mtp"), MTP_DEPTH)
   main = _load(src)
   layers = _load(deep).model.layers
   oracle = MtpModel(main, MTP_DEPTH).eval()

@@ -13,6 +13,7 @@ import pytest
 from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve import grammar, sampling
 from jaxpipe.serve.engine import Engine
+from jaxpipe.serve.request import PENDING
 from jaxpipe.serve.sampling import SamplingParams
 from tests import helpers
 
@@ -110,28 +111,50 @@ def test_the_engines_greedy_tokens_follow_their_grammars(compiler, async_schedul
   helpers.check_pages(engine)
 
 
-def test_steps_are_synchronous_while_a_constrained_request_runs(compiler):
-  """A constrained request's next mask needs its last token: async scheduling (on) pauses while
-  one runs, so it joins every step, and resumes after it (a step in flight again)."""
+def test_masks_are_filled_while_the_model_runs_and_async_stays_on(compiler, monkeypatch):
+  """A constrained request's next mask needs its last token: under async scheduling its step
+  dispatches the model, then the host reads the step before, fills the mask and dispatches the
+  sampling. The request joins every step while async scheduling stays on (a step in flight
+  after every call), and each mask is filled with its model dispatched and its sampling not,
+  every earlier token of the request known."""
   engine = Engine(helpers.DENSE, helpers.engine_params("dense"), **helpers.ENGINE_ARGS)
   engine.scheduler.trace = []
-  first = engine.add_request([7, 8], 14, SamplingParams(), eos_id=None)
+  first = engine.add_request([7, 8], 20, SamplingParams(), eos_id=None)
   engine.step()
-  assert engine._inflight is not None  # async before the constrained request comes
   guide = compiler.compile("regex", "[0-9]{8}")
   guided = engine.add_request([5, 6], 8, SamplingParams(guide=guide), eos_id=None)
+  r = engine.requests[guided]
+  fills = []
+  fill_masks = grammar.fill_masks
+
+  def spy(rows, r_max, vocab):
+    ((j, m),) = rows
+    assert m is r.grammar
+    pending = engine._inflight
+    fills.append(
+        (
+            pending is not None and pending.sample is not None and pending.new_R is None,
+            pending is not None and pending.sampled[j] is r,
+            r.output[-1] == PENDING and PENDING not in r.output[:-1],
+        )
+    )
+    return fill_masks(rows, r_max, vocab)
+
+  monkeypatch.setattr(grammar, "fill_masks", spy)
   inflight = []
-  while engine.requests[guided].state != "finished":
+  while r.state != "finished":
     engine.step()
     inflight.append(engine._inflight is not None)
-  plans = [{r.id for r, _ in p} for kind, p in engine.scheduler.trace if kind == "plan"]
+  plans = [{q.id for q, _ in p} for kind, p in engine.scheduler.trace if kind == "plan"]
   with_guided = [i for i, p in enumerate(plans) if guided in p]
   assert len(with_guided) == 8 and with_guided == list(range(with_guided[0], with_guided[-1] + 1))
   assert all(first in p for p in plans[: with_guided[-1] + 1])
-  assert inflight.count(True) <= 1  # only the step that admitted it ran ahead
-  engine.step()
-  assert engine._inflight is not None  # async again
-  assert re.fullmatch("[0-9]{8}", bytes(engine.requests[guided].output).decode())
+  assert all(inflight)  # async scheduling never paused
+  assert len(fills) == 8 and all(all(f) for f in fills), fills
+  assert re.fullmatch("[0-9]{8}", bytes(r.output).decode())
+  while engine.has_work():
+    engine.step()
+  helpers.check_pages(engine)
 
 
 def test_a_fork_continues_the_grammar_from_where_it_is(compiler):

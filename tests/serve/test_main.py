@@ -83,6 +83,30 @@ def test_speculative_decoding_prints_the_plain_tokens_in_fewer_steps():
   assert "# speculative: " in spec.stdout and steps(spec) < steps(plain), spec.stdout
 
 
+def test_deepseek_v3s_mtp_module_drafts_for_its_own_model(tmp_path):
+  """A DeepSeek-V3 checkpoint with its MTP layer (as transformers lays it out), converted and
+  served with --speculative mtp: transformers' greedy tokens, the drafts' acceptance reported."""
+  import torch
+  import transformers
+
+  from jaxpipe.training import hf_workdir
+
+  src, _, _ = helpers.write_deepseek_v3_mtp(tmp_path, 1)
+  workdir = str(tmp_path / "w")
+  hf_workdir.hf_to_orbax(src, workdir)
+  tok = transformers.AutoTokenizer.from_pretrained(src)
+  model = transformers.AutoModelForCausalLM.from_pretrained(src)
+  ids = tok("def main").input_ids
+  with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+  want = out[0, len(ids) :].tolist()
+  flags = ("--workdir", workdir, "--max_tokens", "8", "--prompt", "def main")
+  run = _serve(*flags, "--speculative", "mtp", "--num_speculative_tokens", "2")
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert f"# tokens: {want}" in run.stdout
+  assert re.search(r"# speculative: \d+ of [1-9]\d* drafts accepted", run.stdout), run.stdout
+
+
 def test_runner_refuses_a_workdir_without_a_run(tmp_path):
   run = _serve("--workdir", str(tmp_path), "--prompt", "x")
   assert run.returncode != 0
