@@ -402,6 +402,7 @@ class Engine:
           page_size=page_size,
           max_batch=max_batch,
           max_seq_len=max_seq_len,
+          backend=self.backend,
           mla_cache=config.mla_cache,
       )
     elif config.speculative is not None:

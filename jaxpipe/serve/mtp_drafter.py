@@ -36,7 +36,6 @@ from jaxpipe.models import mtp as mtp_lib
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.layers import rms_norm
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.ops.attention import resolve_paged_backend
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.pages import PageAllocator
 from jaxpipe.serve.request import RUNNING, Request
@@ -85,7 +84,10 @@ def _draft(
   for j in range(1, k):  # the layer again, one token a row, from its own output
     pos_R = row_pos_R + j
     slots_R = row_tables_RxN[rows, pos_R // s] * s + pos_R % s
-    hook.batch = model_lib.TokenBatch(drafts[-1], pos_R, slots_R, row_tables_RxN, rows)
+    one = jnp.ones_like(rows)  # each row a sequence of one token (padding rows: page 0's)
+    hook.batch = model_lib.TokenBatch(
+        drafts[-1], pos_R, slots_R, row_tables_RxN, rows, row_tables_RxN, rows, one, pos_R
+    )
     x = mtp_lib.module_input(cfg, params, p, drafts[-1][None], out_R[None])
     out_R = model_lib._layer(cfg, hook, p["block"], 0, x, pos_R, moe, lens(pos_R))[0]
     drafts.append(draft(out_R).astype(jnp.int32))
@@ -106,6 +108,7 @@ class MtpDrafter:
       page_size: int,
       max_batch: int,
       max_seq_len: int,
+      backend: str,
       mla_cache: str = "latent",
   ):
     """Args:
@@ -116,6 +119,7 @@ class MtpDrafter:
     page_size: tokens per page.
     max_batch: the engine's rows.
     max_seq_len: the engine's context.
+    backend: the engine's paged attention backend (resolved: `Engine.backend`).
     mla_cache: what a latent-attention model's pages hold (`model.cached_heads`).
 
     Raises:
@@ -136,7 +140,6 @@ class MtpDrafter:
     self.kv = model_lib.KVPages(zeros(k_width), zeros(v_width), num_pages)
     self.allocator = PageAllocator(num_pages)
     self.mirrors: dict[int, _Mirror] = {}
-    backend = resolve_paged_backend("auto", k_width, page_size)
     self._program = jax.jit(
         functools.partial(_draft, cfg, k=k, s=page_size, layout=self.kv.layout, backend=backend),
         donate_argnums=1,
@@ -158,6 +161,10 @@ class MtpDrafter:
     tables = np.zeros((t_max, self.width), np.int32)
     rows, row_pos = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.int32)
     row_tables = np.zeros((self.max_batch, self.width), np.int32)
+    # the tokens by request, as the ragged backends read them (`TokenBatch.seq_*`)
+    seq_tables = np.zeros((self.max_batch, self.width), np.int32)
+    seq_starts, seq_counts, seq_cached = (np.zeros(self.max_batch, np.int32) for _ in range(3))
+    b = 0
     self._rows, at = {}, 0
     for span in spans:
       r = span.request
@@ -175,6 +182,9 @@ class MtpDrafter:
       slots[at : at + n] = table[pos // s] * s + pos % s
       tables[at : at + n, : len(table)] = table
       gather[at : at + n] = np.arange(span.at, span.at + n)
+      seq_tables[b, : len(table)] = table
+      seq_starts[b], seq_counts[b], seq_cached[b] = at, n, span.first
+      b += 1
       m.done = max(m.done, end)
       at += n
       self.counts["observed"] += n
@@ -185,7 +195,9 @@ class MtpDrafter:
     if not at:
       self._drafts = None
       return
-    batch = model_lib.TokenBatch(tokens, positions, slots, tables, rows)
+    batch = model_lib.TokenBatch(
+        tokens, positions, slots, tables, rows, seq_tables, seq_starts, seq_counts, seq_cached
+    )
     self._drafts, pools = self._program(
         self.params, self.kv.pools, hidden_SxD, gather, batch, row_pos, row_tables
     )
