@@ -329,7 +329,9 @@ class Metrics:
     """
     v = self.vllm
     v.running.set(sum(len(e.running) for e in engines))
-    v.waiting.set(sum(len(e.waiting) for e in engines))
+    # vLLM's decode instance keeps a request whose K/V is on its way in its waiting queue
+    # (WAITING_FOR_REMOTE_KVS); a prefill instance's finished prefill is in neither
+    v.waiting.set(sum(len(e.waiting) + len(getattr(e, "incoming", ())) for e in engines))
     # vLLM counts a cached page no request holds as free (its pool evicts it on demand)
     v.kv_usage.set(usage["pages_held"] / max(usage["pages_total"], 1))
     for key, counter in (

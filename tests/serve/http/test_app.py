@@ -514,6 +514,30 @@ def test_metrics_parse_and_count_what_was_served(url, client):
   assert idle[("vllm:kv_cache_usage_perc", *labels)] == 0
 
 
+def test_a_request_whose_kv_is_on_its_way_is_waiting_as_vllm_counts_it():
+  """vLLM's decode instance keeps a request whose K/V it awaits in its waiting queue, and a
+  prefill instance's finished prefill in neither gauge: a prefilled request parked on a prefill
+  engine counts nowhere, then waiting once a decode engine reserved it."""
+  from jaxpipe.serve.http.metrics import Metrics
+
+  fields = dict(helpers.ENGINE_ARGS, async_scheduling=False)
+  params = helpers.engine_params("dense")
+  p = Engine(helpers.DENSE, params, prefill_only=True, **fields)
+  d = Engine(helpers.DENSE, params, **fields)
+  p.add_request([1, 2, 3, 4, 5], 4, eos_id=None)
+  while not p.prefilled:
+    p.step()
+  m = Metrics("tiny")
+  gauge = lambda name: m.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+  usage = {"pages_held": 0, "pages_total": 1}
+  m.engines([p, d], usage)
+  assert gauge("vllm:num_requests_running") == gauge("vllm:num_requests_waiting") == 0
+  d.transfer.reserve_request(p.transfer.export_request(p.prefilled[0].id))
+  m.engines([p, d], usage)
+  assert len(d.incoming) == 1 and not d.waiting and not d.running
+  assert gauge("vllm:num_requests_waiting") == 1 and gauge("vllm:num_requests_running") == 0
+
+
 BAD = [  # body, status, words of the message, the error's param
     (b'{"prompt": "01", ', 400, "not valid JSON", None),
     (b'["01"]', 400, "send a JSON object", None),
