@@ -862,6 +862,7 @@ class Engine:
     With async_scheduling the iteration whose tokens it returns is the one dispatched by the
     call before (or now, when none is in flight), and it leaves the next one in flight."""
     if not self.async_scheduling:
+      self.drain()  # a step left in flight before async scheduling was turned off
       out, self._early = self._early, {}
       for rid, tokens in self.collect(self.launch()).items():
         out.setdefault(rid, []).extend(tokens)

@@ -61,25 +61,36 @@ class Span:
 
 
 def _draft(
-    cfg, params, pools, hidden_SxD, gather_T, batch, row_pos_R, row_tables_RxN, *, k, s, **kw
+    cfg,
+    params,
+    pools,
+    hidden_SxD,
+    gather_T,
+    batch,
+    row_pos_R,
+    row_tables_RxN,
+    *,
+    k: int,
+    s: int,
+    layout: model_lib.PoolLayout,
+    backend: str,
 ):
   """The module over a step's kept positions, then k - 1 more tokens per row: (drafts [R, k],
   pools). gather_T: each token's index in the target's states; batch.rows_R: each row's last
   real token; row_pos_R: that token's position; row_tables_RxN: the row's block table."""
-  layout, backend = kw["layout"], kw["backend"]
   p, moe = mtp_lib.module(params, 1), cfg.moe is not None
   dtypes = [None if x is None else x.dtype for x in pools]
   hook = model_lib._PagedHook(tuple(model_lib._to_bits(x) for x in pools), layout, batch, backend)
-  length_dependent = rope_lib.scaling_of(cfg.rope_scaling).length_dependent
-  lens = lambda pos: pos + 1 if length_dependent else None
+  # what transformers' length-dependent rotary variants take (`model._seq_lens`)
+  dynamic = rope_lib.scaling_of(cfg.rope_scaling).length_dependent
   scale = params["final_norm"]["scale"]
   h_TxD = rms_norm(hidden_SxD[gather_T], scale, cfg.norm_eps, cfg.norm_plus_one)
   x = mtp_lib.module_input(cfg, params, p, batch.tokens_T[None], h_TxD[None])
-  positions = batch.positions_T
-  out_R = model_lib._layer(cfg, hook, p["block"], 0, x, positions, moe, lens(positions))[0]
-  out_R = out_R[batch.rows_R]
+  positions, lens = batch.positions_T, model_lib._seq_lens(batch) if dynamic else None
+  out_TxD = model_lib._layer(cfg, hook, p["block"], 0, x, positions, moe, lens)[0]
+  out_RxD = out_TxD[batch.rows_R]
   draft = lambda out: jnp.argmax(mtp_lib.module_logits(cfg, params, p, out[None])[0], -1)
-  drafts = [draft(out_R).astype(jnp.int32)]
+  drafts = [draft(out_RxD).astype(jnp.int32)]
   rows = jnp.arange(row_pos_R.shape[0])
   for j in range(1, k):  # the layer again, one token a row, from its own output
     pos_R = row_pos_R + j
@@ -88,9 +99,10 @@ def _draft(
     hook.batch = model_lib.TokenBatch(
         drafts[-1], pos_R, slots_R, row_tables_RxN, rows, row_tables_RxN, rows, one, pos_R
     )
-    x = mtp_lib.module_input(cfg, params, p, drafts[-1][None], out_R[None])
-    out_R = model_lib._layer(cfg, hook, p["block"], 0, x, pos_R, moe, lens(pos_R))[0]
-    drafts.append(draft(out_R).astype(jnp.int32))
+    x = mtp_lib.module_input(cfg, params, p, drafts[-1][None], out_RxD[None])
+    lens = pos_R + 1 if dynamic else None
+    out_RxD = model_lib._layer(cfg, hook, p["block"], 0, x, pos_R, moe, lens)[0]
+    drafts.append(draft(out_RxD).astype(jnp.int32))
   pools = tuple(model_lib._from_bits(x, d) for x, d in zip(hook.pools, dtypes))
   return jnp.stack(drafts, axis=1), pools
 
