@@ -1,0 +1,103 @@
+"""K/V pages between two processes over JAX's transfer server (`jaxpipe.serve.kv_wire`): a
+sending process (tests/serve/wire_peer.py) serves prompts until one was preempted and resumed,
+then offers its running requests; this process pulls each into its own engine. The pages arrive
+bit for bit (float32, int8 and fp8 pools, scales included), and the requests continue to the
+tokens a single engine serves. A pull of a transfer never offered, or from a sender that died,
+fails in one line within its timeout, and the receiver keeps no page of it."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpipe.serve.engine import Engine
+from jaxpipe.serve.kv_wire import KVWire, Ticket
+from tests import helpers
+from tests.serve import wire_peer
+
+
+def _sender(dtype, out):
+  """The sending process, its tickets by prompt index."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tests.serve.wire_peer", dtype, out],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      cwd=helpers.ROOT,
+      env={**os.environ, "PYTHONPATH": helpers.ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+  )
+  tickets = {}
+  for line in proc.stdout:
+    if line.strip() == "ready":
+      return proc, tickets
+    i, text = line.split(" ", 1)
+    tickets[int(i)] = Ticket.from_json(text)
+  proc.wait(timeout=30)
+  raise AssertionError(proc.stderr.read()[-3000:])
+
+
+def _engine(dtype, **fields):
+  return Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      kv_cache_dtype=dtype,
+      async_scheduling=False,
+      prefix_caching=False,  # every page of a finished request comes back to the free list
+      **{**helpers.ENGINE_ARGS, **fields},
+  )
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8"])
+def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(dtype, tmp_path):
+  proc, tickets = _sender(dtype, str(tmp_path))
+  try:
+    receiver = _engine(dtype, num_pages=40)
+    wire = KVWire()
+    free = receiver.allocator.num_free
+    ids = {i: wire.receive(receiver, t) for i, t in tickets.items()}
+    preempted = 0
+    for i, rid in ids.items():
+      sent = np.load(tmp_path / f"{i}.npz")
+      preempted += int(sent["preemptions"])
+      state = receiver.transfer.export_request(rid)
+      got = [np.asarray(x).view(np.uint8) for x in jax.tree.leaves((state.k, state.v))]
+      assert len(got) == (2 if dtype == "auto" else 4)
+      for j, x in enumerate(got):
+        np.testing.assert_array_equal(x, sent[f"arr_{j}"])
+      assert receiver.requests[rid].computed == tickets[i].request["computed"] > 0
+    assert len(ids) >= 2 and preempted >= 1
+    while receiver.has_work():
+      receiver.step()
+    single = _engine(dtype, num_pages=40)
+    want = single.generate(wire_peer.PROMPTS, wire_peer.MAX_TOKENS)
+    for i, rid in ids.items():
+      assert receiver.requests[rid].output == want[i], i
+    receiver.finished()
+    assert receiver.allocator.num_free == free
+    helpers.check_pages(receiver)
+  finally:
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=60)
+
+
+def test_a_pull_that_cannot_complete_fails_in_one_line_and_keeps_no_page(tmp_path):
+  proc, tickets = _sender("auto", str(tmp_path))
+  receiver = _engine("auto", num_pages=40)
+  wire = KVWire()
+  free = receiver.allocator.num_free
+  ticket = next(iter(tickets.values()))
+  never = Ticket(ticket.uuid + 1000, ticket.address, ticket.request, ticket.chunks)
+  with pytest.raises(ValueError, match=f"pulling request K/V {never.uuid} from .* failed"):
+    wire.receive(receiver, never, timeout_s=2)
+  assert receiver.allocator.num_free == free and not receiver.incoming
+  proc.kill()  # the sender dies holding the offer
+  proc.wait(timeout=30)
+  with pytest.raises(ValueError, match=f"from {ticket.address} failed"):
+    wire.receive(receiver, ticket, timeout_s=5)
+  assert receiver.allocator.num_free == free and not receiver.incoming
+  assert not receiver.has_work()
