@@ -110,7 +110,6 @@ def main(argv) -> None:
   for r in range(args.rounds):
     for n in names[r % len(names) :] + names[: r % len(names)]:
       rounds[n].append(serve_round(contenders[n][0], work, contenders[n][1]))
-  tps = {n: [round_figures(x["times"])["tokens_per_s"] for x in rs] for n, rs in rounds.items()}
   prompts = [len(w.prompt) for w in work]
   print(
       f"# {args.shape} Llama, float32 (random weights); {len(work)} requests, prompts "
@@ -119,23 +118,43 @@ def main(argv) -> None:
       f"{os.cpu_count()} cores ({jax.devices()[0].device_kind}); {args.rounds} rounds, load "
       f"{load0:.1f} -> {os.getloadavg()[0]:.1f}"
   )
-  print(
+  print(table(rounds, len(work)))
+
+
+def table(rounds: dict[str, list[dict]], requests: int, sampled: bool = False) -> str:
+  """The contenders' rounds as a Markdown table, each against the first (`plain`).
+
+  Args:
+    rounds: each contender's `serve_round` results, the baseline first.
+    requests: requests per round.
+    sampled: the rounds sampled (their tokens are other draws than the baseline's: not compared).
+
+  Returns:
+    The table: tokens/s per round, median, ratio to the baseline per round, steps, drafts kept,
+    how many requests' tokens equal the baseline's.
+  """
+  tps = {n: [round_figures(x["times"])["tokens_per_s"] for x in rs] for n, rs in rounds.items()}
+  base = next(iter(rounds))
+  lines = [
       "| contender | tokens/s (rounds) | median | vs plain | steps | drafts kept | "
-      "tokens = plain's |"
-  )
-  print("| --- | --- | --- | --- | --- | --- | --- |")
-  for n in names:
-    ratio = [a / b for a, b in zip(tps[n], tps["plain"])]
-    last = rounds[n][-1]
-    same, _ = agreement(last["tokens"], rounds["plain"][-1]["tokens"])
-    kept = f"{last['kept']} of {last['drafts']}" if last["drafts"] else "-"
-    print(
+      "tokens = plain's |",
+      "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for n, rs in rounds.items():
+    ratio = [a / b for a, b in zip(tps[n], tps[base])]
+    last = rs[-1]
+    same, _ = agreement(last["tokens"], rounds[base][-1]["tokens"])
+    kept = "-"
+    if last["drafts"]:
+      kept = f"{last['kept']} of {last['drafts']} ({last['kept'] / last['drafts']:.0%})"
+    lines.append(
         f"| {n} | "
         + ", ".join(f"{x:,.0f}" for x in tps[n])
         + f" | {statistics.median(tps[n]):,.0f} | "
         + ", ".join(f"{x:.2f}x" for x in ratio)
-        + f" | {last['steps']} | {kept} | {same}/{len(work)} |"
+        + f" | {last['steps']} | {kept} | {'-' if sampled else f'{same}/{requests}'} |"
     )
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ speculation keeps the plain engine's tokens.
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 
@@ -33,10 +32,9 @@ import jax
 import numpy as np
 from absl import flags
 
-from experiments.decode_features import Work
+from experiments.decode_features import Work, table
 from experiments.serve_dtype import pool_engine as engine
 from experiments.serve_dtype import serve_round
-from experiments.serve_peer import agreement, round_figures
 from jaxpipe.runtime import cli
 from jaxpipe.serve.sampling import SamplingParams
 from jaxpipe.serve.speculative import SpecConfig
@@ -121,7 +119,6 @@ def main(argv) -> None:
   for r in range(args.rounds):
     for n in names[r % len(names) :] + names[: r % len(names)]:
       rounds[n].append(serve_round(contenders[n], work, samplings))
-  tps = {n: [round_figures(x["times"])["tokens_per_s"] for x in rs] for n, rs in rounds.items()}
   print(
       f"# {args.workdir} at step {step}: byte-level Llama d_model {cfg.d_model}, "
       f"{cfg.n_layers} layers, one MTP module, float32; {len(work)} requests of {args.prompt} "
@@ -131,26 +128,7 @@ def main(argv) -> None:
       f"cores ({jax.devices()[0].device_kind}); {args.rounds} rounds, load {load0:.1f} -> "
       f"{os.getloadavg()[0]:.1f}"
   )
-  print(
-      "| contender | tokens/s (rounds) | median | vs plain | steps | drafts kept | "
-      "tokens = plain's |"
-  )
-  print("| --- | --- | --- | --- | --- | --- | --- |")
-  for n in names:
-    ratio = [a / b for a, b in zip(tps[n], tps["plain"])]
-    last = rounds[n][-1]
-    same, _ = agreement(last["tokens"], rounds["plain"][-1]["tokens"])
-    same = "-" if args.temperature else f"{same}/{len(work)}"  # sampled: other draws
-    kept = "-"
-    if last["drafts"]:
-      kept = f"{last['kept']} of {last['drafts']} ({last['kept'] / last['drafts']:.0%})"
-    print(
-        f"| {n} | "
-        + ", ".join(f"{x:,.0f}" for x in tps[n])
-        + f" | {statistics.median(tps[n]):,.0f} | "
-        + ", ".join(f"{x:.2f}x" for x in ratio)
-        + f" | {last['steps']} | {kept} | {same} |"
-    )
+  print(table(rounds, len(work), sampled=bool(args.temperature)))
 
 
 if __name__ == "__main__":

@@ -403,6 +403,7 @@ class Engine:
           max_batch=max_batch,
           max_seq_len=max_seq_len,
           backend=self.backend,
+          sharding=self.pool_sharding,
           mla_cache=config.mla_cache,
       )
     elif config.speculative is not None:

@@ -121,6 +121,7 @@ class MtpDrafter:
       max_batch: int,
       max_seq_len: int,
       backend: str,
+      sharding: jax.sharding.Sharding,
       mla_cache: str = "latent",
   ):
     """Args:
@@ -132,6 +133,7 @@ class MtpDrafter:
     max_batch: the engine's rows.
     max_seq_len: the engine's context.
     backend: the engine's paged attention backend (resolved: `Engine.backend`).
+    sharding: the engine's pools' (`Engine.pool_sharding`).
     mla_cache: what a latent-attention model's pages hold (`model.cached_heads`).
 
     Raises:
@@ -148,7 +150,8 @@ class MtpDrafter:
     self.width = math.ceil((max_seq_len + k) / page_size)  # a block table's entries
     heads, k_width, v_width = model_lib.cached_heads(cfg, mla_cache)
     dtype = model_lib.kv_dtype(cfg)
-    zeros = lambda w: jnp.zeros((heads, num_pages, page_size, w), dtype)
+    # placed as the program returns them (over the engine's mesh): one program per shape
+    zeros = lambda w: jax.device_put(jnp.zeros((heads, num_pages, page_size, w), dtype), sharding)
     self.kv = model_lib.KVPages(zeros(k_width), zeros(v_width), num_pages)
     self.allocator = PageAllocator(num_pages)
     self.mirrors: dict[int, _Mirror] = {}
