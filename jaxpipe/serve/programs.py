@@ -4,7 +4,9 @@ A step's arrays are padded to a bucket of tokens and of pages per sequence (`ser
 the programs an engine ever compiles are bounded by the product of the two bucket lists. Each
 is compiled ahead of time from shapes, once, and kept. Steps whose rows use optional sampling
 controls (min-p, logit bias, penalties, a grammar's mask) take a variant of their shape's
-program for each `sampling.controls_key` they bring (widths padded to powers of two).
+program for each `sampling.controls_key` they bring (widths padded to powers of two). A step
+with a grammar's mask runs as two programs, the model's and the sampling's (`get_split`), so
+that the host fills the mask between their dispatches.
 """
 
 from __future__ import annotations

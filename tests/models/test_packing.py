@@ -93,15 +93,15 @@ def trivially_packed(batch):
   return {**unpacked(batch), "segment_ids": ones, "positions": ones.cumsum(1) - 1}
 
 
-def assert_sums(got, want, what):
+def assert_sums(got, want, what, rtol=1e-5):
   (loss, grads, metrics), (want_total, want_grads) = got, want
   n = float(metrics["tokens"])
-  helpers.close(float(loss) * n, want_total, f"{what}: summed loss")
+  helpers.close(float(loss) * n, want_total, f"{what}: summed loss", rtol)
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
   wanted = dict(jax.tree_util.tree_flatten_with_path(want_grads)[0])
   assert len(flat) == len(wanted)
   for path, g in flat:
-    helpers.close(np.asarray(g) * n, wanted[path], f"{what}: {jax.tree_util.keystr(path)}")
+    helpers.close(np.asarray(g) * n, wanted[path], f"{what}: {jax.tree_util.keystr(path)}", rtol)
 
 
 def assert_same(got, want, what, rtol=0.0):
@@ -131,10 +131,11 @@ def dense_setup():
   return c, cfg, params, packed, alone_sums(cfg, params, alone)
 
 
-def check_path(step, params, packed, want, what, rtol_same=0.0):
-  """Packed batch vs. the documents alone; all-ones segments vs. none, exactly (or rtol_same)."""
+def check_path(step, params, packed, want, what, rtol_same=0.0, rtol=1e-5):
+  """Packed batch vs. the documents alone (rtol of each leaf's largest entry); all-ones
+  segments vs. none, exactly (or rtol_same)."""
   step = jax.jit(step)
-  assert_sums(step(params, packed), want, what)
+  assert_sums(step(params, packed), want, what, rtol)
   got, plain = step(params, trivially_packed(packed)), step(params, unpacked(packed))
   assert_same(got, plain, what, rtol_same)
 
@@ -282,6 +283,11 @@ def test_executor_side_inputs_reach_every_part(recompute):
 # beside a full layer with its own rotary base, q/k/v, o and FFN biases, GeGLU, (1 + w) and
 # sandwich norms, scaled embeddings, the scores' scale and caps, the final cap, llama3 rotary on
 # half of each head. Each parallel path equals the documents alone on one device.
+# The variants' packed and alone gradients differ by up to 1.9e-5 of a leaf's largest entry
+# where the suite compiles at LLVM level 0 (conftest) on an AVX-512 EPYC, 7e-6 at the default
+# level: float32 sums through soft-caps, GELU and sliding windows in another order. Documents
+# that see each other (segment ids all one) move every leaf by 0.4 of its largest entry or more.
+VARIANTS_RTOL = 4e-5
 VARIANTS = dict(
     n_kv_heads=4,
     sliding_window=3,
@@ -321,7 +327,14 @@ def variants_setup():
 def test_model_variants_on_the_data_parallel_path():
   cfg, params, packed, want = variants_setup()
   assert cfg.mixed_layers and cfg.layer_windows == (3, 0)
-  check_path(losses.data_parallel_loss_and_grads(cfg, 2), params, packed, want, "variants dp")
+  check_path(
+      losses.data_parallel_loss_and_grads(cfg, 2),
+      params,
+      packed,
+      want,
+      "variants dp",
+      rtol=VARIANTS_RTOL,
+  )
 
 
 @pytest.mark.parametrize("mesh, shard", [(dict(cp=2, tp=2), "none"), (dict(dp=2), "fsdp")])
@@ -333,7 +346,7 @@ def test_model_variants_on_the_shard_map_path(mesh, shard):
   if shard == "fsdp":
     params = jax.device_put(params, zero.data_split(params, mesh))
   step = losses.context_parallel_loss_and_grads(cfg, mesh, 2, shard=shard)
-  check_path(step, params, packed, want, f"variants {shard}", rtol_same=1e-6)
+  check_path(step, params, packed, want, f"variants {shard}", 1e-6, VARIANTS_RTOL)
 
 
 def test_model_variants_on_the_pipeline_path():
@@ -344,4 +357,4 @@ def test_model_variants_on_the_pipeline_path():
   c.pipeline.schedule = "zb-h1"
   mesh = make_mesh(c.mesh, jax.devices()[:2])
   step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
-  check_path(step, params, packed, want, "variants pp")
+  check_path(step, params, packed, want, "variants pp", rtol=VARIANTS_RTOL)
