@@ -192,6 +192,13 @@ _MODEL_NAME = flags.DEFINE_string(
     "--http: the served model's name; default the workdir's or config file's name.",
     flag_values=FLAGS,
 )
+_API_KEY = flags.DEFINE_string(
+    "api_key",
+    None,
+    "--http: the Bearer token every request but /health, /metrics and /version must carry "
+    "(vLLM's --api-key); default: $JAXPIPE_API_KEY, else none (anyone may call).",
+    flag_values=FLAGS,
+)
 _TOOL_CALL_PARSER = flags.DEFINE_enum(
     "tool_call_parser",
     None,
@@ -480,6 +487,8 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
         engine_info=info,
         tokenizer=tok,
         tool_call_parser=_TOOL_CALL_PARSER.value,
+        # the environment keeps the key out of the process list
+        api_key=_API_KEY.value if _API_KEY.value is not None else os.environ.get("JAXPIPE_API_KEY"),
     )
   except ValueError as e:
     sys.exit(f"error: {e}")

@@ -107,6 +107,50 @@ def test_deepseek_v3s_mtp_module_drafts_for_its_own_model(tmp_path):
   assert re.search(r"# speculative: \d+ of [1-9]\d* drafts accepted", run.stdout), run.stdout
 
 
+def test_the_http_server_takes_its_api_key_from_the_environment():
+  """$JAXPIPE_API_KEY (which keeps the key out of the process list) guards the server as
+  --api_key does: 401 without it, 200 with it, /health open."""
+  import socket
+  import time
+
+  import httpx
+
+  with socket.create_server(("127.0.0.1", 0)) as s:
+    port = s.getsockname()[1]
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxpipe.serve", "--config", "configs/tiny.py", "--http"]
+      + ["--port", str(port), "--max_seq_len", "32"],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env={
+          **os.environ,
+          "PYTHONPATH": ROOT,
+          "JAXPIPE_HOST_DEVICES": "1",
+          "JAXPIPE_API_KEY": "from-env",
+      },
+  )
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 300
+    while True:
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.monotonic() < deadline, "the server did not start"
+      try:
+        if httpx.get(url + "/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.2)
+    assert httpx.get(url + "/v1/models").status_code == 401
+    auth = {"Authorization": "Bearer from-env"}
+    assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+  finally:
+    proc.terminate()
+    proc.wait(60)
+
+
 def test_runner_refuses_a_workdir_without_a_run(tmp_path):
   run = _serve("--workdir", str(tmp_path), "--prompt", "x")
   assert run.returncode != 0

@@ -31,6 +31,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -41,6 +42,7 @@ from jaxpipe.serve import grammar
 from jaxpipe.serve.http import checks, protocol
 from jaxpipe.serve.http import logprobs as logprobs_lib
 from jaxpipe.serve.http import tools as tools_lib
+from jaxpipe.serve.http.auth import ApiKey
 from jaxpipe.serve.http.loop import Backend, EngineLoop, Seq, engines_of
 from jaxpipe.serve.http.metrics import Metrics
 from jaxpipe.serve.http.protocol import BadRequest, Choice, Job, usage_of
@@ -80,14 +82,19 @@ class CompletionServer:
       engine_info: dict | None = None,
       tokenizer: tokenizer_lib.Tokenizer | None = None,
       tool_call_parser: str | None = None,
+      api_key: str | None = None,
   ):
     """max_batch + max_queue: the sequences held at once; drain_s: how long running requests
     may go on after SIGTERM before they are cancelled; engine_info: shown by /v1/models;
     tokenizer: the model's (default: bytes); its EOS ids end a choice (without any, the
     engine's own EOS does); tool_call_parser: the format of the model's tool calls (one of
-    `tools.PARSERS`; default: the one its chat template writes, if known)."""
+    `tools.PARSERS`; default: the one its chat template writes, if known); api_key: the
+    Bearer token every request but monitoring must carry (`http.auth`; None: anyone may
+    call)."""
     if max_queue < 0 or drain_s < 0:
       raise ValueError(f"max_queue={max_queue} and drain_s={drain_s} must be >= 0")
+    if api_key is not None and not api_key:
+      raise ValueError("the API key is empty; give a non-empty --api_key or leave it unset")
     self.backend, self.model_name, self.drain_s = backend, model_name, drain_s
     engines = engines_of(backend)
     self.max_seq_len = min(e.max_seq_len for e in engines)
@@ -121,6 +128,7 @@ class CompletionServer:
         ],
         exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
         lifespan=self._lifespan,
+        middleware=[] if api_key is None else [Middleware(ApiKey, key=api_key)],
     )
 
   @contextlib.asynccontextmanager

@@ -514,6 +514,29 @@ def test_metrics_parse_and_count_what_was_served(url, client):
   assert idle[("vllm:kv_cache_usage_perc", *labels)] == 0
 
 
+def test_an_api_key_guards_every_route_but_monitoring(model, reference):
+  """With --api_key, a request without the Bearer token, or with another, gets 401 (the openai
+  package's AuthenticationError); with it, the completion is the engine's; /health, /metrics
+  and /version stay open. An empty key is refused."""
+  engine = Engine(*model, **ENGINE)
+  with _serving(engine, api_key="s3cret") as url:
+    for key in ("wrong", "s3cre", "s3cret2"):  # another key, a prefix of it, one longer
+      bad = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+      with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="012", max_tokens=3)
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize")):
+      r = httpx.request(method, url + path, json={"prompt": "012", "max_tokens": 3})
+      assert r.status_code == 401, path
+      assert r.json()["error"]["type"] == "authentication_error"
+    for path in ("/health", "/metrics", "/version"):
+      assert httpx.get(url + path).status_code == 200, path
+    good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+    out = good.completions.create(model="tiny", prompt="012", max_tokens=3, temperature=0)
+    assert out.choices[0].token_ids == reference.generate([list(b"012")], 3)[0]
+  with pytest.raises(ValueError, match="the API key is empty"):
+    CompletionServer(engine, model_name="tiny", max_batch=4, api_key="")
+
+
 def test_a_request_whose_kv_is_on_its_way_is_waiting_as_vllm_counts_it():
   """vLLM's decode instance keeps a request whose K/V it awaits in its waiting queue, and a
   prefill instance's finished prefill in neither gauge: a prefilled request parked on a prefill

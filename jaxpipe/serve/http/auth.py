@@ -1,0 +1,48 @@
+"""Who may call: a Bearer token on every request, as vLLM's `--api-key` asks for it.
+
+With a key set, each HTTP request but the monitoring routes (`/health`, `/metrics`, `/version`)
+and CORS preflights must carry `Authorization: Bearer <key>`; the header is compared in constant
+time (`hmac.compare_digest`). A request without it gets 401 with an OpenAI-style error body,
+which the `openai` package raises as `AuthenticationError`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+OPEN = ("/health", "/metrics", "/version")  # monitoring: readable without the key
+
+
+class ApiKey:
+  """ASGI middleware that turns away requests without the server's Bearer token."""
+
+  def __init__(self, app, key: str):
+    """Args:
+    app: the ASGI app it guards.
+    key: the token clients send (non-empty: `CompletionServer` checks).
+    """
+    self.app = app
+    self._want = b"Bearer " + key.encode()
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN:
+      await self.app(scope, receive, send)
+      return
+    got = dict(scope["headers"]).get(b"authorization", b"")
+    if hmac.compare_digest(got, self._want):
+      await self.app(scope, receive, send)
+      return
+    body = json.dumps(
+        {
+            "error": {
+                "message": "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
