@@ -12,7 +12,8 @@ server into its first device, writes them into its pool (`write_kv`) and admits 
 (`admit_request`). A pull that fails or outlasts its timeout cancels the reservation: no page
 is kept, and the error names the sender.
 
-The values arrive bit for bit, whatever the pool's dtype (float, int8, fp8 with their scales).
+The values arrive bit for bit, whatever the pool's dtype (float, int8, fp8 with their scales);
+an empty array (a latent cache's V pool) is not sent but made by the receiver.
 Positions and times do not cross: the request's token times restart at the receiver's clock.
 A grammar-constrained request does not move between processes (its grammar is an object of the
 sender's). JAX's transfer server has no authentication of its own: it listens only on the
@@ -118,7 +119,7 @@ class KVWire:
     arrays, chunks = [], []
     for first, k, v in engine.transfer.kv_of(rid):
       parts = [jax.device_put(x, self.device) for x in jax.tree.leaves((k, v))]
-      arrays += parts
+      arrays += [x for x in parts if x.size]  # a latent cache's V is empty: nothing to send
       chunks.append({"first": first, "arrays": [_spec(x) for x in parts]})
     uuid = next(self._ids)
     if timeout_s is None:
@@ -179,11 +180,13 @@ class KVWire:
         for c in ticket.chunks
         for shape, dtype in c["arrays"]
     ]
+    sent = [x for x in specs if np.prod(x.shape)]  # empty arrays are made here, not pulled
     try:
       conn = self._connections.get(ticket.address)
       if conn is None:
         conn = self._connections[ticket.address] = self.server.connect(ticket.address)
-      arrays = conn.pull(ticket.uuid, specs) if specs else []
+      pulled = iter(conn.pull(ticket.uuid, sent) if sent else [])
+      arrays = [next(pulled) if np.prod(x.shape) else _empty(x) for x in specs]
       _wait(arrays, time.perf_counter() + timeout_s)
       at = 0
       for c in ticket.chunks:
@@ -201,6 +204,11 @@ class KVWire:
           f"pulling request K/V {ticket.uuid} from {ticket.address} failed: {error}"
       ) from None
     return rid
+
+
+def _empty(spec: jax.ShapeDtypeStruct) -> jax.Array:
+  """An array of no elements, where the spec says."""
+  return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
 
 
 def _deadline(seconds: float) -> datetime.datetime:

@@ -1,7 +1,8 @@
 """K/V pages between two processes over JAX's transfer server (`jaxpipe.serve.kv_wire`): a
 sending process (tests/serve/wire_peer.py) serves prompts until one was preempted and resumed,
 then offers its running requests; this process pulls each into its own engine. The pages arrive
-bit for bit (float32, int8 and fp8 pools, scales included), and the requests continue to the
+bit for bit (float32, int8 and fp8 pools, scales included; DeepSeek-V3's latent cache), and the
+requests continue to the
 tokens a single engine serves. A pull of a transfer never offered, or from a sender that died,
 fails in one line within its timeout, and the receiver keeps no page of it."""
 
@@ -19,10 +20,10 @@ from tests import helpers
 from tests.serve import wire_peer
 
 
-def _sender(dtype, out):
+def _sender(name, dtype, out):
   """The sending process, its tickets by prompt index."""
   proc = subprocess.Popen(
-      [sys.executable, "-m", "tests.serve.wire_peer", dtype, out],
+      [sys.executable, "-m", "tests.serve.wire_peer", name, dtype, out],
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
@@ -40,10 +41,10 @@ def _sender(dtype, out):
   raise AssertionError(proc.stderr.read()[-3000:])
 
 
-def _engine(dtype, **fields):
+def _engine(name, dtype, **fields):
   return Engine(
-      helpers.DENSE,
-      helpers.engine_params("dense"),
+      helpers.CONFIGS[name],
+      helpers.engine_params(name),
       kv_cache_dtype=dtype,
       async_scheduling=False,
       prefix_caching=False,  # every page of a finished request comes back to the free list
@@ -51,11 +52,14 @@ def _engine(dtype, **fields):
   )
 
 
-@pytest.mark.parametrize("dtype", ["auto", "int8", "fp8"])
-def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(dtype, tmp_path):
-  proc, tickets = _sender(dtype, str(tmp_path))
+@pytest.mark.parametrize(
+    "name, dtype", [("dense", "auto"), ("dense", "int8"), ("dense", "fp8"), ("mla", "auto")]
+)
+def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(name, dtype, tmp_path):
+  """mla: DeepSeek-V3's latent cache, whose V pool is empty (made by the receiver, not sent)."""
+  proc, tickets = _sender(name, dtype, str(tmp_path))
   try:
-    receiver = _engine(dtype, num_pages=40)
+    receiver = _engine(name, dtype, num_pages=40)
     wire = KVWire()
     free = receiver.allocator.num_free
     ids = {i: wire.receive(receiver, t) for i, t in tickets.items()}
@@ -72,7 +76,7 @@ def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(dtype, tmp_
     assert len(ids) >= 2 and preempted >= 1
     while receiver.has_work():
       receiver.step()
-    single = _engine(dtype, num_pages=40)
+    single = _engine(name, dtype, num_pages=40)
     want = single.generate(wire_peer.PROMPTS, wire_peer.MAX_TOKENS)
     for i, rid in ids.items():
       assert receiver.requests[rid].output == want[i], i
@@ -86,8 +90,8 @@ def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(dtype, tmp_
 
 
 def test_a_pull_that_cannot_complete_fails_in_one_line_and_keeps_no_page(tmp_path):
-  proc, tickets = _sender("auto", str(tmp_path))
-  receiver = _engine("auto", num_pages=40)
+  proc, tickets = _sender("dense", "auto", str(tmp_path))
+  receiver = _engine("dense", "auto", num_pages=40)
   wire = KVWire()
   free = receiver.allocator.num_free
   ticket = next(iter(tickets.values()))

@@ -1,8 +1,8 @@
-"""The sending process of tests/serve/test_kv_wire.py: an engine that serves the test's prompts
-until one of them has been preempted and resumed, then offers every running request over a
-`KVWire` (`jaxpipe.serve.kv_wire`).
+"""The sending process of tests/serve/test_kv_wire.py: an engine (a model of `helpers.CONFIGS`)
+that serves the test's prompts until one of them has been preempted and resumed, then offers
+every running request over a `KVWire` (`jaxpipe.serve.kv_wire`).
 
-  python -m tests.serve.wire_peer KV_CACHE_DTYPE OUT_DIR
+  python -m tests.serve.wire_peer MODEL KV_CACHE_DTYPE OUT_DIR
 
 Writes each offered request's K/V as `export_request` gives them, as bytes (OUT_DIR/<i>.npz,
 i: the prompt's index), prints one ticket per line (`<i> <ticket JSON>`), then `ready`, and exits at
@@ -23,10 +23,11 @@ PROMPTS = helpers.prompts(seed=8, n=4)
 MAX_TOKENS = 12
 
 
-def main(kv_cache_dtype: str, out: str) -> None:
+def main(name: str, kv_cache_dtype: str, out: str) -> None:
+  """name: a model of `helpers.CONFIGS`."""
   engine = Engine(
-      helpers.DENSE,
-      helpers.engine_params("dense"),
+      helpers.CONFIGS[name],
+      helpers.engine_params(name),
       num_pages=12,
       async_scheduling=False,
       kv_cache_dtype=kv_cache_dtype,
