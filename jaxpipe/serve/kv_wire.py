@@ -197,8 +197,7 @@ class KVWire:
         at += 2 * n
       engine.transfer.admit_request(rid)
     except Exception as e:  # the pull, or K/V that do not fit: nothing is kept
-      engine.cancel(rid)
-      engine.finished()
+      engine.release(rid)  # its pages back; the engine's other finished requests stay
       error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise ValueError(
           f"pulling request K/V {ticket.uuid} from {ticket.address} failed: {error}"

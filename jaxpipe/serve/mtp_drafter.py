@@ -161,7 +161,7 @@ class MtpDrafter:
     )
     self._drafts: jax.Array | None = None  # the last observe's [R, k], on the device
     self._rows: dict[int, tuple[int, int]] = {}  # request id -> (its row there, positions)
-    self.counts = {"observed": 0, "lost": 0}
+    self.counts = {"lost": 0}  # requests that stopped speculating
 
   def observe(self, spans: Sequence[Span], hidden_SxD: jax.Array) -> None:
     """Writes the module's entries for what the target kept of a step, and drafts for the
@@ -202,7 +202,6 @@ class MtpDrafter:
       b += 1
       m.done = max(m.done, end)
       at += n
-      self.counts["observed"] += n
       if end == len(r.tokens) - 1 and len(self._rows) < self.max_batch:  # it sampled: drafts
         j = len(self._rows)
         rows[j], row_pos[j], row_tables[j, : len(table)] = at - 1, end - 1, table
@@ -231,8 +230,7 @@ class MtpDrafter:
     """m drafts no more; its pages go back."""
     m.lost = True
     self.counts["lost"] += 1
-    for page in m.table:
-      self.allocator.decref(page)
+    self.allocator.free(m.table)
     m.table = []
 
   def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
@@ -263,5 +261,4 @@ class MtpDrafter:
     """
     m = self.mirrors.pop(rid, None)
     if m is not None:
-      for page in m.table:
-        self.allocator.decref(page)
+      self.allocator.free(m.table)
