@@ -848,6 +848,29 @@ def write_tiny_model(
 # --- from serve/http/test_app.py and test_llama.py ----------------------------------------
 
 
+def wait_healthy(url, alive, timeout=300.0, output=lambda: "") -> None:
+  """Waits until a server's /health answers 200.
+
+  Args:
+    url: the server's base URL.
+    alive: whether the server still runs (a thread's or a process' check).
+    timeout: seconds to wait at most.
+    output: what the server printed, for the message when it died.
+  """
+  import httpx
+
+  deadline = time.monotonic() + timeout
+  while True:
+    assert alive(), f"the server at {url} died while starting: {output()}"
+    assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout:.0f} s"
+    try:
+      if httpx.get(url + "/health").status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    time.sleep(0.2)
+
+
 def metrics(url) -> dict[tuple, float]:
   """Every sample of a server's /metrics as {(name, labels...): value}, through Prometheus' own
   parser."""

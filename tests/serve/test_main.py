@@ -111,7 +111,6 @@ def test_the_http_server_takes_its_api_key_from_the_environment():
   """$JAXPIPE_API_KEY (which keeps the key out of the process list) guards the server as
   --api_key does: 401 without it, 200 with it, /health open."""
   import socket
-  import time
 
   import httpx
 
@@ -133,16 +132,7 @@ def test_the_http_server_takes_its_api_key_from_the_environment():
   )
   url = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.monotonic() + 300
-    while True:
-      assert proc.poll() is None, proc.stdout.read()
-      assert time.monotonic() < deadline, "the server did not start"
-      try:
-        if httpx.get(url + "/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
+    helpers.wait_healthy(url, lambda: proc.poll() is None, output=proc.stdout.read)
     assert httpx.get(url + "/v1/models").status_code == 401
     auth = {"Authorization": "Bearer from-env"}
     assert httpx.get(url + "/v1/models", headers=auth).status_code == 200

@@ -67,7 +67,7 @@ def _serving(backend, **kw):
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-  _wait_healthy(url, lambda: thread.is_alive())
+  helpers.wait_healthy(url, thread.is_alive)
   yield url
   server.should_exit = True
   thread.join(30)
@@ -94,19 +94,6 @@ def disagg_url(model):
 @pytest.fixture
 def client(url):
   return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-def _wait_healthy(url, alive, timeout=300):
-  start = time.monotonic()
-  while time.monotonic() - start < timeout:
-    assert alive(), "the server died while starting"
-    try:
-      if httpx.get(url + "/health").status_code == 200:
-        return
-    except httpx.TransportError:
-      pass
-    time.sleep(0.2)
-  raise TimeoutError(f"{url} did not become healthy in {timeout} s")
 
 
 def _stream(client, **kw):
@@ -824,7 +811,7 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
       env={**os.environ, "PYTHONPATH": ROOT, "JAXPIPE_HOST_DEVICES": "1"},
   )
   try:
-    _wait_healthy(url, lambda: proc.poll() is None)
+    helpers.wait_healthy(url, lambda: proc.poll() is None, output=proc.stdout.read)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     results, started = {}, {"short": threading.Event(), "long": threading.Event()}
 

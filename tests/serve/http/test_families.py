@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import torch
 import transformers
@@ -60,15 +59,8 @@ def test_greedy_text_is_transformers_generate(tmp_path):
       procs[family] = (proc, f"http://127.0.0.1:{port}", src, workdir)
     deadline = time.monotonic() + 600
     for family, (proc, url, src, workdir) in procs.items():
-      while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, f"the {family} server did not start"
-        try:
-          if httpx.get(url + "/health").status_code == 200:
-            break
-        except httpx.TransportError:
-          pass
-        time.sleep(0.2)
+      left = deadline - time.monotonic()  # one deadline for every family's server
+      helpers.wait_healthy(url, lambda p=proc: p.poll() is None, left, output=proc.stdout.read)
       tok = transformers.AutoTokenizer.from_pretrained(os.path.join(workdir, "hf"))
       model = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
       ids = tok(PROMPT).input_ids

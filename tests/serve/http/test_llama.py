@@ -9,7 +9,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from typing import Literal
 
 import httpx
@@ -68,16 +67,7 @@ def url(llama):
   )  # fmt: skip
   url = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.monotonic() + 300
-    while True:
-      assert proc.poll() is None, proc.stdout.read()
-      assert time.monotonic() < deadline, "the server did not start"
-      try:
-        if httpx.get(url + "/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
+    helpers.wait_healthy(url, lambda: proc.poll() is None, output=proc.stdout.read)
     yield url
   finally:
     proc.terminate()
