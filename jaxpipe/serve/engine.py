@@ -82,11 +82,9 @@ from jaxpipe.serve.request import (
     RUNNING,
     WAITING,
     Request,
-    eos_ids,
-    outside_vocab,
+    RequestLimits,
 )
 from jaxpipe.serve.sampling import (
-    MAX_BANNED,
     SamplingParams,
     TokenLogprobs,
     as_token_logprobs,
@@ -309,6 +307,7 @@ class Engine:
     self.page_size, self.num_pages, self.max_batch = page_size, num_pages, max_batch
     self.max_tokens_per_step, self.max_seq_len = max_tokens_per_step, max_seq_len
     self.eos_id = config.eos_id
+    self.limits = RequestLimits(model_cfg.vocab, max_seq_len, page_size, num_pages, config.eos_id)
     # (heads, key width, value width) of what a layer's pages hold per token
     self.cached = model_lib.cached_heads(model_cfg, config.mla_cache)
     self.backend = resolve_step_backend(config.attention, self.cached[1], page_size, self.kv_dtype)
@@ -480,63 +479,7 @@ class Engine:
       None, or a `Refusal`: one line naming the fix, with the request field at fault in
       `.param` (`max_tokens`, `prompt`, `stop_token_ids`, `min_tokens` or a sampling field).
     """
-    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-      return Refusal(f"max_tokens={max_tokens!r} must be a positive integer", "max_tokens")
-    reason = sampling.check()
-    if reason:
-      return reason
-    bad = [t for t in sampling.stop_token_ids if t >= self.cfg.vocab]
-    if bad:
-      return Refusal(
-          f"stop_token_ids {bad} are outside the vocabulary [0, {self.cfg.vocab})",
-          "stop_token_ids",
-      )
-    if sampling.guide is not None and sampling.guide.vocab != self.cfg.vocab:
-      return Refusal(
-          f"the grammar's masks cover {sampling.guide.vocab} token ids but the model has "
-          f"{self.cfg.vocab}; compile it for this model's vocabulary (`grammar.Compiler`)",
-          "response_format",
-      )
-    bad = [t for t, _ in sampling.logit_bias if t >= self.cfg.vocab]
-    if bad:
-      return Refusal(
-          f"logit_bias names token ids {bad} outside the vocabulary [0, {self.cfg.vocab})",
-          "logit_bias",
-      )
-    eos = self.eos_id if eos_id == ENGINE_EOS else eos_id
-    banned = len(set(eos_ids(eos)) | set(sampling.stop_token_ids))
-    if sampling.min_tokens and banned > MAX_BANNED:
-      return Refusal(
-          f"min_tokens={sampling.min_tokens} holds back {banned} EOS and stop ids, more than "
-          f"{MAX_BANNED}; give fewer stop_token_ids",
-          "min_tokens",
-      )
-    if len(prompt) == 0:
-      return Refusal("the prompt is empty; give at least one token", "prompt")
-    outside = outside_vocab(prompt, self.cfg.vocab)
-    if outside:
-      return outside
-    if len(prompt) >= self.max_seq_len:
-      return Refusal(
-          f"the prompt has {len(prompt)} tokens, which leaves no room in the context of "
-          f"{self.max_seq_len}; shorten it",
-          "prompt",
-      )
-    total = len(prompt) + max_tokens
-    if total > self.max_seq_len:
-      return Refusal(
-          f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-          f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens",
-          "max_tokens",
-      )
-    pages = math.ceil(total / self.page_size)
-    if pages > self.num_pages - 1:
-      return Refusal(
-          f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
-          f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages",
-          "max_tokens",
-      )
-    return None
+    return self.limits.check(prompt, max_tokens, sampling, eos_id)
 
   def add_request(
       self,

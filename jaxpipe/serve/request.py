@@ -8,6 +8,7 @@ K/V holds it INCOMING. Outputs sampled by a step in flight are PENDING until rea
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from jaxpipe.serve import slo
 from jaxpipe.serve.grammar import Matcher
 from jaxpipe.serve.refusal import Refusal
-from jaxpipe.serve.sampling import SamplingParams, TokenLogprobs
+from jaxpipe.serve.sampling import MAX_BANNED, SamplingParams, TokenLogprobs
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFILLED = "prefilled"  # prefill_only: token sampled, pages kept until release() or cancel()
@@ -58,6 +59,95 @@ def outside_vocab(prompt: Sequence[int], vocab: int) -> Refusal | None:
       f"prompt token {bad[0]!r} is outside the vocabulary [0, {vocab}) ({len(bad)} such tokens)",
       "prompt",
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+  """What an engine can serve: the numbers `Engine.check_request` judges a request by (a router
+  judges requests for remote engines by the same numbers, read from them)."""
+
+  vocab: int  # the model's token ids: [0, vocab)
+  max_seq_len: int  # prompt + generated tokens, at most
+  page_size: int  # tokens per KV page
+  num_pages: int  # pages of the pool, page 0 (scratch) included
+  eos_id: int | tuple[int, ...] | None = None  # the engine's EOS ids (ENGINE_EOS means these)
+
+  def check(
+      self,
+      prompt: Sequence[int],
+      max_tokens: int,
+      sampling: SamplingParams,
+      eos_id: int | Sequence[int] | None | str = ENGINE_EOS,
+  ) -> Refusal | None:
+    """Why this request cannot be served, or None.
+
+    Args:
+      prompt: the prompt's token ids.
+      max_tokens: the most tokens to generate.
+      sampling: the request's sampling values.
+      eos_id: as `Engine.add_request` takes it (ENGINE_EOS: the engine's own).
+
+    Returns:
+      None, or a `Refusal`: one line naming the fix, with the request field at fault in
+      `.param` (`max_tokens`, `prompt`, `stop_token_ids`, `min_tokens` or a sampling field).
+    """
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+      return Refusal(f"max_tokens={max_tokens!r} must be a positive integer", "max_tokens")
+    reason = sampling.check()
+    if reason:
+      return reason
+    bad = [t for t in sampling.stop_token_ids if t >= self.vocab]
+    if bad:
+      return Refusal(
+          f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab})",
+          "stop_token_ids",
+      )
+    if sampling.guide is not None and sampling.guide.vocab != self.vocab:
+      return Refusal(
+          f"the grammar's masks cover {sampling.guide.vocab} token ids but the model has "
+          f"{self.vocab}; compile it for this model's vocabulary (`grammar.Compiler`)",
+          "response_format",
+      )
+    bad = [t for t, _ in sampling.logit_bias if t >= self.vocab]
+    if bad:
+      return Refusal(
+          f"logit_bias names token ids {bad} outside the vocabulary [0, {self.vocab})",
+          "logit_bias",
+      )
+    eos = self.eos_id if eos_id == ENGINE_EOS else eos_id
+    banned = len(set(eos_ids(eos)) | set(sampling.stop_token_ids))
+    if sampling.min_tokens and banned > MAX_BANNED:
+      return Refusal(
+          f"min_tokens={sampling.min_tokens} holds back {banned} EOS and stop ids, more than "
+          f"{MAX_BANNED}; give fewer stop_token_ids",
+          "min_tokens",
+      )
+    if len(prompt) == 0:
+      return Refusal("the prompt is empty; give at least one token", "prompt")
+    outside = outside_vocab(prompt, self.vocab)
+    if outside:
+      return outside
+    if len(prompt) >= self.max_seq_len:
+      return Refusal(
+          f"the prompt has {len(prompt)} tokens, which leaves no room in the context of "
+          f"{self.max_seq_len}; shorten it",
+          "prompt",
+      )
+    total = len(prompt) + max_tokens
+    if total > self.max_seq_len:
+      return Refusal(
+          f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+          f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens",
+          "max_tokens",
+      )
+    pages = math.ceil(total / self.page_size)
+    if pages > self.num_pages - 1:
+      return Refusal(
+          f"prompt + max_tokens = {total} tokens need {pages} pages of {self.page_size}, but "
+          f"the pool has {self.num_pages - 1}; lower max_tokens or give the engine more pages",
+          "max_tokens",
+      )
+    return None
 
 
 @dataclasses.dataclass(eq=False)

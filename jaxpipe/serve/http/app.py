@@ -20,9 +20,6 @@ import functools
 import json
 import logging
 import random
-import signal
-import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,13 +30,13 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxpipe
 from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.serve import grammar
-from jaxpipe.serve.http import checks, protocol
+from jaxpipe.serve.http import checks, protocol, serving
 from jaxpipe.serve.http import logprobs as logprobs_lib
 from jaxpipe.serve.http import tools as tools_lib
 from jaxpipe.serve.http.auth import ApiKey
@@ -97,7 +94,7 @@ class CompletionServer:
       raise ValueError("the API key is empty; give a non-empty --api_key or leave it unset")
     self.backend, self.model_name, self.drain_s = backend, model_name, drain_s
     engines = engines_of(backend)
-    self.max_seq_len = min(e.max_seq_len for e in engines)
+    self.max_seq_len = min(e.limits.max_seq_len for e in engines)
     self.tok = tokenizer or tokenizer_lib.ByteTokenizer()
     self.eos = tuple(self.tok.eos_ids) or ENGINE_EOS
     self.limits = checks.Limits(self.max_seq_len, self.eos)
@@ -349,7 +346,7 @@ class CompletionServer:
 
   def _eos_ids(self, eos_id) -> tuple[int, ...]:
     """An eos_id as the engine reads it (ENGINE_EOS: the engine's own), as a tuple of ids."""
-    return eos_ids(engines_of(self.backend)[0].eos_id if eos_id == ENGINE_EOS else eos_id)
+    return eos_ids(engines_of(self.backend)[0].limits.eos_id if eos_id == ENGINE_EOS else eos_id)
 
   def _ends(self, s: Seq) -> frozenset[int]:
     """The ids that end a sequence (EOS and stop ids): a choice does not show their text."""
@@ -358,7 +355,7 @@ class CompletionServer:
   @functools.cached_property
   def _grammars(self) -> grammar.Compiler:
     """The compiler of requests' grammars over this model's tokenizer and vocabulary."""
-    vocab = engines_of(self.backend)[0].cfg.vocab
+    vocab = engines_of(self.backend)[0].limits.vocab
     return grammar.Compiler(self.tok, vocab, self._eos_ids(self.eos))
 
   def _guide(self, structured: protocol.Structured) -> grammar.Guide:
@@ -475,13 +472,13 @@ class CompletionServer:
       self.loop.submit_scores(seqs)
     updates = self._updates(seqs[0].sink, seqs, choices)
     if job.stream:
-      return _Stream(
+      return serving.Stream(
           self._sse(updates, fmt, choices, prompt_tokens, job.include_usage),
           media_type="text/event-stream",
           on_close=lambda: self._cancel(seqs),
       )
     collect = asyncio.ensure_future(self._collect(updates))
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(serving.disconnected(request))
     try:
       await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -638,16 +635,7 @@ class CompletionServer:
     Returns:
       The server (not started).
     """
-    config = uvicorn.Config(
-        self.app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        lifespan="on",
-    )
-    return _DrainingServer(config, self)
+    return serving.draining_server(self, host, port, log_level)
 
   def run(self, host: str, port: int, log_level: str = "warning") -> None:
     """Serves on host:port until SIGTERM/SIGINT, then drains and returns.
@@ -660,15 +648,7 @@ class CompletionServer:
     Raises:
       OSError: the address cannot be listened on.
     """
-    try:
-      sock = socket.create_server(
-          (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
-      )
-    except OSError as e:
-      raise OSError(
-          f"cannot listen on {host}:{port} ({e.strerror}); choose another --port"
-      ) from None
-    self.uvicorn_server(host, port, log_level).run(sockets=[sock])
+    serving.run(self, host, port, log_level)
 
 
 def best(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
@@ -857,58 +837,3 @@ class _ChatFormat:
     elif tokens or lp:
       self._unsent[c.index] = (tokens, lp)
     return out
-
-
-class _DrainingServer(uvicorn.Server):
-  """uvicorn, with SIGTERM/SIGINT draining the app before it exits (the socket still open, so
-  that /health says "draining" and new requests get 503), and no signal re-raised after."""
-
-  def __init__(self, config: uvicorn.Config, app: CompletionServer):
-    super().__init__(config)
-    self._app = app
-    self._drain_requested = False
-
-  async def on_tick(self, counter: int) -> bool:
-    if self._drain_requested and self._app.drained:
-      self.should_exit = True
-    return await super().on_tick(counter)
-
-  @contextlib.contextmanager
-  def capture_signals(self):
-    if threading.current_thread() is not threading.main_thread():
-      yield
-      return
-
-    def handle(sig, frame):
-      if self._drain_requested and sig == signal.SIGINT:  # a second Ctrl-C: now
-        self.should_exit = self.force_exit = True
-      self._app.drain()
-      self._drain_requested = True
-
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-      yield
-    finally:
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
-class _Stream(StreamingResponse):
-  """A streamed response that calls `on_close` however it ends: done, failed, or the client gone
-  (Starlette then cancels the stream, possibly before it has started)."""
-
-  def __init__(self, content, *, media_type: str, on_close):
-    super().__init__(content, media_type=media_type)
-    self._on_close = on_close
-
-  async def __call__(self, scope, receive, send) -> None:
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      self._on_close()
-
-
-async def _disconnected(request: Request) -> None:
-  """Returns when the client disconnects (the body must have been read)."""
-  while (await request.receive())["type"] != "http.disconnect":
-    pass

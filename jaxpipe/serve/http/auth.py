@@ -17,16 +17,24 @@ OPEN = ("/health", "/metrics", "/version")  # monitoring: readable without the k
 class ApiKey:
   """ASGI middleware that turns away requests without the server's Bearer token."""
 
-  def __init__(self, app, key: str):
+  def __init__(self, app, key: str, guarded: str = "/", what: str = "API key"):
     """Args:
     app: the ASGI app it guards.
     key: the token clients send (non-empty: `CompletionServer` checks).
+    guarded: the paths under this prefix need the key (monitoring's never do).
+    what: the key's name in the 401's message.
     """
     self.app = app
     self._want = b"Bearer " + key.encode()
+    self._guarded, self._what = guarded, what
 
   async def __call__(self, scope, receive, send):
-    if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN:
+    if (
+        scope["type"] != "http"
+        or scope["method"] == "OPTIONS"
+        or scope["path"] in OPEN
+        or not scope["path"].startswith(self._guarded)
+    ):
       await self.app(scope, receive, send)
       return
     got = dict(scope["headers"]).get(b"authorization", b"")
@@ -36,7 +44,7 @@ class ApiKey:
     body = json.dumps(
         {
             "error": {
-                "message": "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                "message": f"a valid {self._what} is needed: send 'Authorization: Bearer <key>'",
                 "type": "authentication_error",
                 "param": None,
                 "code": "invalid_api_key",

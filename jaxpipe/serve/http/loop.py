@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-  """What the server drives: an `Engine`, or a deployment of several (`serve.deploy`: Colocated,
-  Disaggregated) that lists them in `engines`; limits and gauges are read from those engines."""
+  """What the server drives: an `Engine`, a deployment of several (`serve.deploy`: Colocated,
+  Disaggregated) that lists them in `engines`, or a router's fleet (`serve.fleet.router`).
+
+  The server reads the request limits (`limits`: a `request.RequestLimits`) of the backend's
+  engines (`engines_of`), and its gauges from `load_of`."""
 
   def check_request(
       self,
@@ -104,6 +107,39 @@ def engines_of(backend: Backend) -> list:
     The engines.
   """
   return list(getattr(backend, "engines", None) or [backend])
+
+
+ENGINE_COUNTS = ("preemptions", "prefix_hits", "spec_drafts", "spec_accepted")
+
+
+def load_of(backend: Backend) -> dict:
+  """What a backend holds now, summed over its engines, as the gauges read it.
+
+  A backend that is not in this process (a router's fleet) gives its own `load()`.
+
+  Args:
+    backend: an `Engine`, a deployment, or anything with `load()`.
+
+  Returns:
+    {"running", "waiting", "incoming": requests; "usage": `Engine.kv_usage` summed; "counts":
+    `Engine.counts`' ENGINE_COUNTS summed}.
+  """
+  load = getattr(backend, "load", None)
+  if callable(load):
+    return load()
+  engines = engines_of(backend)
+  usage = collections.Counter()
+  for e in engines:
+    usage.update(e.kv_usage())
+  return {
+      "running": sum(len(e.running) for e in engines),
+      "waiting": sum(len(e.waiting) for e in engines),
+      "incoming": sum(len(getattr(e, "incoming", ())) for e in engines),
+      "usage": dict(usage),
+      "counts": {
+          k: sum(e.counts[k] for e in engines if hasattr(e, "counts")) for k in ENGINE_COUNTS
+      },
+  }
 
 
 @dataclasses.dataclass(eq=False)
@@ -323,24 +359,22 @@ class EngineLoop:
     self.metrics.finish(s, reason, time.perf_counter())
 
   def _update_gauges(self, stepped: bool, new: dict, now: float, window: collections.deque) -> None:
-    m, engines = self.metrics, engines_of(self.backend)
+    m, load = self.metrics, load_of(self.backend)
     generated = sum(len(t) for t in new.values())
-    usage = collections.Counter()
-    for e in engines:
-      usage.update(e.kv_usage())
+    usage = load["usage"]
     if stepped:  # as serve_bench sums them: after every step
       m.steps.inc()
-      m.kv_tokens.inc(usage["tokens"])
-      m.kv_slots.inc(usage["slots"])
+      m.kv_tokens.inc(usage.get("tokens", 0))
+      m.kv_slots.inc(usage.get("slots", 0))
     m.generated(generated)
-    m.engines(engines, usage)
+    m.engines(load)
     window.append((now, generated))
     while window[0][0] < now - self.WINDOW_S:
       window.popleft()
     m.tokens_per_second.set(sum(n for _, n in window) / self.WINDOW_S)
-    m.running.set(sum(len(e.running) for e in engines))
-    m.waiting.set(sum(len(e.waiting) for e in engines))
-    m.pages_total.set(usage["pages_total"])
-    m.pages_used.set(usage["pages_in_use"])
-    m.pages_running.set(usage["pages_running"])
-    m.pages_cached.set(usage["cached_pages"])
+    m.running.set(load["running"])
+    m.waiting.set(load["waiting"])
+    m.pages_total.set(usage.get("pages_total", 0))
+    m.pages_used.set(usage.get("pages_in_use", 0))
+    m.pages_running.set(usage.get("pages_running", 0))
+    m.pages_cached.set(usage.get("cached_pages", 0))

@@ -320,27 +320,28 @@ class Metrics:
       self.tpot.observe(tpot)
       self.vllm.request_tpot.observe(tpot)
 
-  def engines(self, engines: list, usage: dict) -> None:
-    """Gauges and engine counters after a loop iteration (`Engine.counts`, `kv_usage` summed).
+  def engines(self, load: dict) -> None:
+    """Gauges and engine counters after a loop iteration.
 
     Args:
-      engines: the engines behind the backend (`loop.engines_of`).
-      usage: their summed `kv_usage`: pages_held and pages_total.
+      load: what the backend holds (`loop.load_of`): requests running, waiting and incoming,
+        its summed `kv_usage` (pages_held, pages_total) and `Engine.counts`.
     """
     v = self.vllm
-    v.running.set(sum(len(e.running) for e in engines))
+    v.running.set(load["running"])
     # vLLM's decode instance keeps a request whose K/V is on its way in its waiting queue
     # (WAITING_FOR_REMOTE_KVS); a prefill instance's finished prefill is in neither
-    v.waiting.set(sum(len(e.waiting) + len(getattr(e, "incoming", ())) for e in engines))
+    v.waiting.set(load["waiting"] + load["incoming"])
     # vLLM counts a cached page no request holds as free (its pool evicts it on demand)
-    v.kv_usage.set(usage["pages_held"] / max(usage["pages_total"], 1))
+    usage = load["usage"]
+    v.kv_usage.set(usage.get("pages_held", 0) / max(usage.get("pages_total", 0), 1))
     for key, counter in (
         ("preemptions", v.preemptions),
         ("prefix_hits", v.prefix_hits),
         ("spec_drafts", v.spec_drafts),
         ("spec_accepted", v.spec_accepted),
     ):
-      total = sum(e.counts[key] for e in engines if hasattr(e, "counts"))
+      total = load["counts"].get(key, 0)
       if total > self._engine_counts[key]:
         counter.inc(total - self._engine_counts[key])
       self._engine_counts[key] = total

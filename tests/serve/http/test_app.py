@@ -26,7 +26,8 @@ from jaxpipe.models import transformer
 from jaxpipe.serve import deploy, workload
 from jaxpipe.serve.engine import Engine
 from jaxpipe.serve.http import CompletionServer, checks, protocol
-from jaxpipe.serve.request import ENGINE_EOS
+from jaxpipe.serve.http.loop import load_of
+from jaxpipe.serve.request import ENGINE_EOS, RequestLimits
 from jaxpipe.training import config as config_lib
 from tests import helpers
 
@@ -359,7 +360,8 @@ def test_a_speculating_server_serves_the_plain_greedy_tokens_and_counts_its_draf
 class _Failing:
   """A backend that generates token 48 twice, then its device work fails."""
 
-  max_seq_len, eos_id, running, waiting = 64, None, [], []
+  limits = RequestLimits(vocab=256, max_seq_len=64, page_size=16, num_pages=9)
+  running, waiting = [], []
 
   def __init__(self):
     self.steps = None
@@ -459,7 +461,7 @@ def test_a_preempted_request_finding_its_own_pages_is_no_prefix_cache_hit():
   )
   helpers.serve_arrivals(engine, helpers.prompts(seed=8, n=8), 14, first=4, eos_id=None)
   metrics = Metrics("tiny")
-  metrics.engines([engine], engine.kv_usage())
+  metrics.engines(load_of(engine))
   text = generate_latest(metrics.registry).decode()
   got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
   assert engine.counts["preemptions"] > 0 and engine.counts["cached_tokens"] > 0
@@ -539,11 +541,10 @@ def test_a_request_whose_kv_is_on_its_way_is_waiting_as_vllm_counts_it():
     p.step()
   m = Metrics("tiny")
   gauge = lambda name: m.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
-  usage = {"pages_held": 0, "pages_total": 1}
-  m.engines([p, d], usage)
+  m.engines(load_of(types.SimpleNamespace(engines=[p, d])))
   assert gauge("vllm:num_requests_running") == gauge("vllm:num_requests_waiting") == 0
   d.transfer.reserve_request(p.transfer.export_request(p.prefilled[0].id))
-  m.engines([p, d], usage)
+  m.engines(load_of(types.SimpleNamespace(engines=[p, d])))
   assert len(d.incoming) == 1 and not d.waiting and not d.running
   assert gauge("vllm:num_requests_waiting") == 1 and gauge("vllm:num_requests_running") == 0
 
