@@ -67,8 +67,19 @@ class Ticket:
 
     Returns:
       The ticket.
+
+    Raises:
+      ValueError: one line: the text is not a ticket's JSON.
     """
-    return cls(**json.loads(text))
+    try:
+      ticket = cls(**json.loads(text))
+      fields = (int(ticket.uuid), str(ticket.address), dict(ticket.request), list(ticket.chunks))
+      if not all(f"{k}" in ticket.request for k in ("prompt", "output", "sampling", "computed")):
+        raise ValueError("its request lacks prompt, output, sampling or computed")
+    except (TypeError, ValueError, AttributeError) as e:
+      error = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise ValueError(f"not a K/V ticket ({error}); send what KVWire.offer returns") from None
+    return cls(*fields)
 
 
 def _spec(x) -> list:
@@ -126,13 +137,11 @@ class KVWire:
       self.server.await_pull(uuid, arrays)
     else:
       self.server.await_pull(uuid, arrays, timeout=_deadline(timeout_s))
-    sampling = dataclasses.asdict(dataclasses.replace(state.sampling, guide=None))
-    del sampling["guide"]
     request = dict(
         prompt=state.prompt,
         output=state.output,
         max_tokens=state.max_tokens,
-        sampling=sampling,
+        sampling=state.sampling.to_dict(),
         eos_id=state.eos_id,
         computed=state.computed,
         logprobs=state.logprobs,
@@ -140,7 +149,7 @@ class KVWire:
     return Ticket(uuid, self.address, request, chunks)
 
   def receive(self, engine, ticket: Ticket, timeout_s: float = 60.0) -> int:
-    """Pulls a ticket's request into an engine, pages and all, and admits it.
+    """Pulls a ticket's request into an engine, pages and all, and admits it (`pull`, waiting).
 
     Args:
       engine: the receiver's `Engine`.
@@ -154,26 +163,32 @@ class KVWire:
       ValueError: one line: the engine cannot take the request (`reserve_request`'s reasons),
         or the pull failed or timed out (the reservation cancelled, its pages back).
     """
-    q = ticket.request
-    s = dict(q["sampling"])
-    s["stop_token_ids"] = tuple(s["stop_token_ids"])
-    s["logit_bias"] = tuple(tuple(pair) for pair in s["logit_bias"])
-    now = time.perf_counter()
-    state = KVState(
-        list(q["prompt"]),
-        list(q["output"]),
-        q["max_tokens"],
-        SamplingParams(**s),
-        q["eos_id"],
-        q["computed"],
-        None,
-        None,
-        now,
-        now if q["output"] else None,
-        [now] * len(q["output"]),
-        [(lp[0], [tuple(pair) for pair in lp[1]]) for lp in q["logprobs"]],
-    )
-    rid = engine.transfer.reserve_request(state)
+    pull = self.pull(engine, ticket, timeout_s)
+    pause = 1e-4
+    while not pull.ready():
+      time.sleep(pause)
+      pause = min(2 * pause, 0.01)
+    return pull.land()
+
+  def pull(self, engine, ticket: Ticket, timeout_s: float = 60.0) -> Pull:
+    """Reserves a ticket's request in an engine and starts pulling its K/V, without waiting.
+
+    The caller polls `Pull.ready` (the engine may step meanwhile: the request holds its pages
+    and a batch slot, and is not scheduled) and then `Pull.land`s it.
+
+    Args:
+      engine: the receiver's `Engine`.
+      ticket: the sender's offer.
+      timeout_s: how long the pull may take.
+
+    Returns:
+      The pull in flight.
+
+    Raises:
+      ValueError: one line: the engine cannot take the request (`reserve_request`'s reasons),
+        or the sender cannot be reached (nothing reserved).
+    """
+    rid = engine.transfer.reserve_request(_state(ticket.request))
     sharding = jax.sharding.SingleDeviceSharding(self.device)
     specs = [
         jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
@@ -181,28 +196,112 @@ class KVWire:
         for shape, dtype in c["arrays"]
     ]
     sent = [x for x in specs if np.prod(x.shape)]  # empty arrays are made here, not pulled
+    pull = Pull(self, engine, ticket, rid, time.perf_counter() + timeout_s)
     try:
       conn = self._connections.get(ticket.address)
       if conn is None:
         conn = self._connections[ticket.address] = self.server.connect(ticket.address)
       pulled = iter(conn.pull(ticket.uuid, sent) if sent else [])
-      arrays = [next(pulled) if np.prod(x.shape) else _empty(x) for x in specs]
-      _wait(arrays, time.perf_counter() + timeout_s)
+      pull.arrays = [next(pulled) if np.prod(x.shape) else _empty(x) for x in specs]
+    except Exception as e:  # noqa: BLE001 -- reported in one line, the reservation cancelled
+      pull.fail(e)
+    return pull
+
+
+class Pull:
+  """One ticket's K/V on its way into an engine (`KVWire.pull`): its request reserved there
+  (pages, a batch slot), its arrays arriving."""
+
+  def __init__(self, wire: KVWire, engine, ticket: Ticket, rid: int, deadline: float):
+    self.wire, self.engine, self.ticket = wire, engine, ticket
+    self.rid = rid  # the request's id on the receiver
+    self.deadline = deadline  # time.perf_counter() by which the arrays must be here
+    self.arrays: list[jax.Array] = []
+    self.open = True  # the reservation is held (False once landed or cancelled)
+
+  def ready(self) -> bool:
+    """Whether every array has arrived (then `land` it).
+
+    Returns:
+      True once all are here; False while some are on their way.
+
+    Raises:
+      ValueError: one line: the deadline passed (the reservation cancelled, its pages back).
+    """
+    if all(x.is_ready() for x in self.arrays):
+      return True
+    if time.perf_counter() > self.deadline:
+      self.fail(TimeoutError("no K/V arrived before the timeout"))
+    return False
+
+  def land(self) -> int:
+    """Writes the arrived K/V into the request's pages and admits it to the batch.
+
+    Returns:
+      The request's id on the receiver.
+
+    Raises:
+      ValueError: one line: the transfer failed (a failed pull's arrays raise when read) or the
+        K/V do not fit (the reservation cancelled, its pages back).
+    """
+    try:
+      jax.block_until_ready(self.arrays)
       at = 0
-      for c in ticket.chunks:
+      for c in self.ticket.chunks:
         n = len(c["arrays"]) // len(_PARTS)
-        k, v = (arrays[at : at + n], arrays[at + n : at + 2 * n])
+        k, v = (self.arrays[at : at + n], self.arrays[at + n : at + 2 * n])
         k, v = (tuple(x) if n == 2 else x[0] for x in (k, v))
-        engine.transfer.write_kv(rid, k, v, first=c["first"])
+        self.engine.transfer.write_kv(self.rid, k, v, first=c["first"])
         at += 2 * n
-      engine.transfer.admit_request(rid)
-    except Exception as e:  # the pull, or K/V that do not fit: nothing is kept
-      engine.release(rid)  # its pages back; the engine's other finished requests stay
-      error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise ValueError(
-          f"pulling request K/V {ticket.uuid} from {ticket.address} failed: {error}"
-      ) from None
-    return rid
+      self.engine.transfer.admit_request(self.rid)
+      self.open = False
+    except Exception as e:  # noqa: BLE001 -- the pull, or K/V that do not fit: nothing is kept
+      self.fail(e)
+    return self.rid
+
+  def cancel(self) -> None:
+    """Gives the reservation back (its pages, its slot): nobody waits for the request now."""
+    self.arrays = []
+    if self.open:
+      self.open = False
+      self.engine.release(self.rid)
+
+  def fail(self, e: BaseException) -> None:
+    """Cancels the reservation and raises the failure as one line naming the sender.
+
+    Args:
+      e: what went wrong.
+
+    Raises:
+      ValueError: always.
+    """
+    self.cancel()  # its pages back; the engine's other finished requests stay
+    # a connection to a sender that died is not kept: a server restarted there gets a new one
+    self.wire._connections.pop(self.ticket.address, None)
+    error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(
+        f"pulling request K/V {self.ticket.uuid} from {self.ticket.address} failed: {error}"
+    ) from None
+
+
+def _state(q: dict) -> KVState:
+  """A ticket's request as `reserve_request` takes it; its times restart at this clock."""
+  now = time.perf_counter()
+  eos = q["eos_id"]
+  return KVState(
+      list(q["prompt"]),
+      list(q["output"]),
+      q["max_tokens"],
+      SamplingParams.from_dict(q["sampling"]),
+      tuple(eos) if isinstance(eos, list) else eos,
+      q["computed"],
+      None,
+      None,
+      now,
+      now if q["output"] else None,
+      [now] * len(q["output"]),
+      [(lp[0], [tuple(pair) for pair in lp[1]]) for lp in q["logprobs"]],
+  )
 
 
 def _empty(spec: jax.ShapeDtypeStruct) -> jax.Array:
@@ -212,20 +311,3 @@ def _empty(spec: jax.ShapeDtypeStruct) -> jax.Array:
 
 def _deadline(seconds: float) -> datetime.datetime:
   return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
-
-
-def _wait(arrays: list[jax.Array], deadline: float) -> None:
-  """Waits for pulled arrays until `deadline` (`time.perf_counter`). The pull's own timeout
-  does not end a pull the sender never serves (jax 0.10), so the receiver keeps time itself.
-
-  Raises:
-    TimeoutError: not all arrived by the deadline.
-    Exception: the transfer's error, which a failed pull's arrays raise when read.
-  """
-  pause = 1e-4
-  while not all(x.is_ready() for x in arrays):
-    if time.perf_counter() > deadline:
-      raise TimeoutError("no K/V arrived before the timeout")
-    time.sleep(pause)
-    pause = min(2 * pause, 0.01)
-  jax.block_until_ready(arrays)

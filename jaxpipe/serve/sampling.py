@@ -118,6 +118,47 @@ class SamplingParams:
         )
     return None
 
+  def to_dict(self) -> dict:
+    """The values as JSON takes them, for another process (`from_dict` reads them back).
+
+    Returns:
+      Every field but `guide`.
+
+    Raises:
+      ValueError: a grammar (`guide`), which is an object of this process.
+    """
+    if self.guide is not None:
+      raise ValueError("a request with structured output (a grammar) cannot leave this process")
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "guide"}
+    d["stop_token_ids"] = list(self.stop_token_ids)
+    d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> SamplingParams:
+    """Sampling values from `to_dict`'s JSON.
+
+    Args:
+      d: the values.
+
+    Returns:
+      The params (their ranges unchecked: `check` judges them).
+
+    Raises:
+      ValueError: one line: an unknown field or a malformed one.
+    """
+    names = {f.name for f in dataclasses.fields(cls)} - {"guide"}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown sampling fields {unknown}; known: {sorted(names)}")
+    d = dict(d)
+    try:
+      d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
+      d["logit_bias"] = tuple((int(t), float(b)) for t, b in d.get("logit_bias", ()))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"malformed stop_token_ids or logit_bias: {e}") from None
+    return cls(**d)
+
 
 @flax.struct.dataclass
 class SamplingBatch:
