@@ -8,6 +8,11 @@
       [--max_batch 16] [--max_queue 64] [--drain_s 30] [--token_buckets 8,32,256]
       [--page_buckets 16]
       [--mode disaggregated --prefill_workers 1 --decode_workers 2 --devices_per_worker 1]
+  python -m jaxpipe.serve --workdir /tmp/qs --role prefill|decode|replica --port 8001
+      [--transfer_address 127.0.0.1:0] [--fleet_secret S] [--offer_timeout_s 30]
+  python -m jaxpipe.serve --workdir /tmp/qs --role router --port 8000
+      --prefill_urls http://127.0.0.1:8001 --decode_urls http://127.0.0.1:8002
+      [--replica_urls URL,URL] [--routing cache_aware|least_loaded] [--fleet_secret S]
 
 --workdir serves the newest checkpoint of a `python -m jaxpipe.train` run (its config.json
 gives the model) or of a checkpoint converted by `python -m jaxpipe.convert hf-to-orbax`;
@@ -21,8 +26,14 @@ converted checkpoint, data.seq_len for jaxpipe's own, unless --max_seq_len says 
 get --drain_s seconds to finish before they are cancelled; every step program is compiled first.
 --mode colocated|disaggregated serves a deployment of several engines (jaxpipe/serve/deploy.py)
 behind the same endpoint, each worker with the engine flags; the default is one engine.
+--role serves past one process (jaxpipe/serve/fleet/): a prefill, decode or replica server
+takes token ids from a router over HTTP (its /fleet/ routes need --fleet_secret when one is
+set), and K/V pages move from prefill to decode servers over JAX's transfer server at
+--transfer_address; the router serves the OpenAI API above them (--api_key, --max_queue and
+--drain_s as --http) and needs the model's config and tokenizer, not its weights.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -199,6 +210,73 @@ _API_KEY = flags.DEFINE_string(
     "(vLLM's --api-key); default: $JAXPIPE_API_KEY, else none (anyone may call).",
     flag_values=FLAGS,
 )
+_ROLE = flags.DEFINE_enum(
+    "role",
+    "engine",
+    ["engine", "prefill", "decode", "replica", "router"],
+    "engine: one process serves (--http or --prompt); prefill, decode, replica: a server of a "
+    "fleet, behind a --role router (jaxpipe/serve/fleet/).",
+    flag_values=FLAGS,
+)
+_PREFILL_URLS = flags.DEFINE_list(
+    "prefill_urls", [], "--role router: the prefill servers' URLs.", flag_values=FLAGS
+)
+_DECODE_URLS = flags.DEFINE_list(
+    "decode_urls", [], "--role router: the decode servers' URLs.", flag_values=FLAGS
+)
+_REPLICA_URLS = flags.DEFINE_list(
+    "replica_urls",
+    [],
+    "--role router: colocated servers' URLs (--role replica), instead of prefill and decode.",
+    flag_values=FLAGS,
+)
+_ROUTING = flags.DEFINE_enum(
+    "routing",
+    "cache_aware",
+    ["cache_aware", "least_loaded"],
+    "--role router: cache_aware (SGLang's: the server with the longest cached prefix unless the "
+    "loads are uneven) or least_loaded (by KV pages in flight).",
+    flag_values=FLAGS,
+)
+_CACHE_THRESHOLD = flags.DEFINE_float(
+    "cache_threshold",
+    0.5,
+    "--routing cache_aware: route by prefix when it covers at least this share of the prompt.",
+    flag_values=FLAGS,
+)
+_BALANCE_ABS = flags.DEFINE_integer(
+    "balance_abs_threshold",
+    32,
+    "--routing cache_aware: loads (KV pages) this far apart, and --balance_rel_threshold times "
+    "apart, are uneven: the least-loaded server takes the request.",
+    flag_values=FLAGS,
+)
+_BALANCE_REL = flags.DEFINE_float(
+    "balance_rel_threshold", 1.5, "See --balance_abs_threshold.", flag_values=FLAGS
+)
+_FLEET_SECRET = flags.DEFINE_string(
+    "fleet_secret",
+    None,
+    "--role: the Bearer token of calls between a fleet's servers (every /fleet/ route); default: "
+    "$JAXPIPE_FLEET_SECRET, else none (anyone who reaches a server may call it).",
+    flag_values=FLAGS,
+)
+_TRANSFER_ADDRESS = flags.DEFINE_string(
+    "transfer_address",
+    "127.0.0.1:0",
+    "--role prefill|decode: where the K/V transfer server listens (host:port, 0: any port). It "
+    "has no authentication of its own: name an address only the fleet's network reaches.",
+    flag_values=FLAGS,
+)
+_OFFER_TIMEOUT_S = flags.DEFINE_float(
+    "offer_timeout_s",
+    30.0,
+    "--role prefill: seconds a request's K/V pages wait to be pulled before they are freed.",
+    flag_values=FLAGS,
+)
+_PULL_TIMEOUT_S = flags.DEFINE_float(
+    "pull_timeout_s", 30.0, "--role decode: seconds a K/V pull may take.", flag_values=FLAGS
+)
 _TOOL_CALL_PARSER = flags.DEFINE_enum(
     "tool_call_parser",
     None,
@@ -234,7 +312,10 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(
         "give exactly one of --workdir (a training run) or --config (fresh parameters)"
     )
-  if _HTTP.value == bool(_PROMPT.value):
+  fleet = _ROLE.value != "engine"
+  if fleet and (_PROMPT.value or _MODE.value != "engine"):
+    raise app.UsageError(f"--role={_ROLE.value} serves over HTTP alone: drop --prompt and --mode")
+  if not fleet and _HTTP.value == bool(_PROMPT.value):
     raise app.UsageError('give --prompt (e.g. --prompt "def ") or --http, not both')
   if _MODE.value != "engine" and not _HTTP.value:
     raise app.UsageError(f"--mode={_MODE.value} serves over HTTP only; add --http")
@@ -262,6 +343,9 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
   cfg = config_lib.model_config(config)
   tok = _tokenizer(cfg)  # refused before any device work
+  if _ROLE.value == "router":  # the model's config and tokenizer; its servers hold the weights
+    _serve_router(cfg, tok)
+    return
   if _WORKDIR.value:
     try:
       step, params = restore.restore_params(_WORKDIR.value, config)
@@ -285,7 +369,7 @@ def main(argv: list[str]) -> None:
         flush=True,
     )
     max_seq_len = pool
-  max_batch = _MAX_BATCH.value or (16 if _HTTP.value else min(16, len(_PROMPT.value)))
+  max_batch = _MAX_BATCH.value or (16 if _HTTP.value or fleet else min(16, len(_PROMPT.value)))
   # One page bucket (the whole context) by default: one program per token bucket.
   kw = dict(
       page_size=_PAGE_SIZE.value,
@@ -309,12 +393,19 @@ def main(argv: list[str]) -> None:
           min(2, _NGRAM_MAX.value),
           _drafter(cfg, kw) if _SPECULATIVE.value == "draft" else None,
       )
+    if _ROLE.value == "prefill":
+      kw["prefill_only"] = True
+    elif _ROLE.value == "decode":
+      kw["prefix_caching"] = False  # it takes whole requests, never prompts
     if _MODE.value == "engine":
       engine = Engine(cfg, params, devices=_engine_devices(_TENSOR_PARALLEL.value), **kw)
     else:
       engine = _deployment(cfg, params, kw)
   except ValueError as e:
     sys.exit(f"error: {e}")
+  if fleet:
+    _serve_worker(engine, source)
+    return
   if _HTTP.value:
     _serve_http(engine, cfg, source, tok)
     return
@@ -448,11 +539,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
     from jaxpipe.serve.http import CompletionServer, engines_of
   except ImportError as e:
     sys.exit(f"error: --http needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
-  name = _MODEL_NAME.value or os.path.basename(
-      os.path.normpath(
-          _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(FLAGS["config"]))[0]
-      )
-  )
+  name = _model_name()
   start = time.perf_counter()
   backend.precompile()
   engines = engines_of(backend)
@@ -507,6 +594,123 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
     server.run(_HOST.value, _PORT.value)
   except OSError as e:
     sys.exit(f"error: {e}")
+  print("# drained; exiting", flush=True)
+
+
+def _model_name() -> str:
+  return _MODEL_NAME.value or os.path.basename(
+      os.path.normpath(
+          _WORKDIR.value or os.path.splitext(config_flags.get_config_filename(FLAGS["config"]))[0]
+      )
+  )
+
+
+def _secret() -> str | None:
+  """--fleet_secret, else $JAXPIPE_FLEET_SECRET (the environment keeps it out of `ps`)."""
+  if _FLEET_SECRET.value is not None:
+    return _FLEET_SECRET.value
+  return os.environ.get("JAXPIPE_FLEET_SECRET")
+
+
+def _serve_worker(engine, source: str) -> None:
+  """--role prefill|decode|replica: the engine served to a router until SIGTERM drains it."""
+  try:
+    from jaxpipe.serve.fleet.worker import WorkerServer
+  except ImportError as e:
+    sys.exit(f"error: --role needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
+  start = time.perf_counter()
+  role = _ROLE.value
+  try:
+    server = WorkerServer(
+        engine,
+        role,
+        transfer_address=_TRANSFER_ADDRESS.value,
+        fleet_secret=_secret(),
+        offer_timeout_s=_OFFER_TIMEOUT_S.value,
+        pull_timeout_s=_PULL_TIMEOUT_S.value,
+        drain_s=_DRAIN_S.value,
+        info={"model": _model_name(), "source": source},
+    )
+    # the K/V moves of a whole context, and every step program
+    engine.precompile(None, 0 if role == "replica" else engine.max_pages_per_seq)
+  except (ValueError, RuntimeError) as e:
+    sys.exit(f"error: {e}")
+  wire = f", K/V transfer server on {server.wire.address}" if server.wire else ""
+  print(
+      f"# {source}; {role} server, paged attention {engine.backend}, {len(engine.programs)} step "
+      f"programs compiled in {time.perf_counter() - start:.1f} s{wire}; serving on "
+      f"http://{_HOST.value}:{_PORT.value} (SIGTERM drains for {_DRAIN_S.value:g} s)",
+      flush=True,
+  )
+  try:
+    server.run(_HOST.value, _PORT.value)
+  except OSError as e:
+    sys.exit(f"error: {e}")
+  print("# drained; exiting", flush=True)
+
+
+def _serve_router(cfg, tok) -> None:
+  """--role router: the OpenAI API over a fleet of servers, until SIGTERM drains it."""
+  try:
+    from jaxpipe.serve.fleet import routing
+    from jaxpipe.serve.fleet.router import FleetBackend
+    from jaxpipe.serve.http import CompletionServer
+  except ImportError as e:
+    sys.exit(f"error: --role router needs the serving extra ({e}); pip install 'jaxpipe[serve]'")
+  try:
+    policy = routing.RoutingConfig(
+        _ROUTING.value, _CACHE_THRESHOLD.value, _BALANCE_ABS.value, _BALANCE_REL.value
+    )
+    backend = FleetBackend(
+        prefill_urls=_PREFILL_URLS.value,
+        decode_urls=_DECODE_URLS.value,
+        replica_urls=_REPLICA_URLS.value,
+        fleet_secret=_secret(),
+        routing_config=policy,
+    )
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if backend.limits.vocab != cfg.vocab:
+    sys.exit(
+        f"error: the servers' model has {backend.limits.vocab} token ids, this config's "
+        f"{cfg.vocab}; give the router the servers' --workdir"
+    )
+  name = _model_name()
+  info = {
+      "mode": "router",
+      "servers": {s.url: s.role for s in backend.servers},
+      "routing": dataclasses.asdict(policy),
+      "tokenizer": type(tok).__name__,
+      "eos_ids": list(tok.eos_ids),
+      "model": dataclasses.asdict(cfg),
+  }
+  try:
+    server = CompletionServer(
+        backend,
+        model_name=name,
+        max_batch=backend.max_batch,
+        max_queue=_MAX_QUEUE.value,
+        drain_s=_DRAIN_S.value,
+        engine_info=info,
+        tokenizer=tok,
+        tool_call_parser=_TOOL_CALL_PARSER.value,
+        api_key=_API_KEY.value if _API_KEY.value is not None else os.environ.get("JAXPIPE_API_KEY"),
+    )
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  kinds = collections.Counter(s.role for s in backend.servers)
+  print(
+      f"# router over {', '.join(f'{n} {role}' for role, n in kinds.items())} servers "
+      f"({_ROUTING.value}); serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM "
+      f"drains for {_DRAIN_S.value:g} s)",
+      flush=True,
+  )
+  try:
+    server.run(_HOST.value, _PORT.value)
+  except OSError as e:
+    sys.exit(f"error: {e}")
+  finally:
+    backend.close()
   print("# drained; exiting", flush=True)
 
 
