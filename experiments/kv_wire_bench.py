@@ -8,7 +8,9 @@ A sending process (this module with `--role send`) prefills one request per leng
 (random float32 weights) and offers each (`KVWire.offer`); this process pulls each into its
 own engine (`KVWire.receive`: reserve, pull, write, admit). Per
 length: the request's KV bytes (what its pages hold), the bytes pulled, and the seconds of
-`receive`, median over the repeats, with the bandwidth they make. KV bytes are the prompt's
+`receive`, median over the repeats, with the bandwidth they make; then latency + bytes /
+bandwidth fitted to every timed move, the cost the P:D planner prices a move at
+(`pd_plan --cpu --transfer_bw --transfer_latency`). KV bytes are the prompt's
 tokens'; the pull carries whole pages. Each process has one CPU
 host device; both share the machine's cores.
 """
@@ -140,6 +142,29 @@ def main(argv) -> None:
     s = statistics.median(times[n])
     kv_bytes = n * per_token  # the tokens' K/V; pulled: whole pages
     print(f"| {n:,} | {kv_bytes:,} | {pulled[n]:,} | {s:.4f} | {pulled[n] / s / 1e6:,.0f} |")
+  if len(lengths) > 1:
+    latency, bandwidth = fit(
+        [pulled[n] for n in lengths for _ in times[n]], [t for n in lengths for t in times[n]]
+    )
+    print(
+        f"\nfit: seconds = {1e3 * latency:.2f} ms + bytes / {bandwidth / 1e9:.2f} GB/s; price "
+        f"it in the planner: python -m experiments.pd_plan --cpu --transfer_bw {bandwidth:.3g} "
+        f"--transfer_latency {latency:.3g}"
+    )
+
+
+def fit(nbytes: list[int], seconds: list[float]) -> tuple[float, float]:
+  """A move's cost as latency + bytes / bandwidth, least squares over the timed moves.
+
+  Args:
+    nbytes: each move's bytes.
+    seconds: each move's seconds.
+
+  Returns:
+    (latency in seconds, at least 0; bandwidth in bytes per second).
+  """
+  slope, intercept = np.polyfit(np.asarray(nbytes, np.float64), np.asarray(seconds), 1)
+  return max(0.0, float(intercept)), 1.0 / float(slope)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ flags.DEFINE_float(
     "steps); on a loaded host, the share of them this process gets.",
     flag_values=FLAGS,
 )
+flags.DEFINE_float(
+    "transfer_bw",
+    math.inf,
+    "--cpu: bytes/s of a K/V move between prefill and decode workers; inf: workers of one "
+    "process (a host copy). Between server processes (--role prefill|decode) give what "
+    "`experiments.kv_wire_bench` fits over loopback.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "transfer_latency", 0.0, "--cpu: seconds per K/V move besides its bytes.", flag_values=FLAGS
+)
 flags.DEFINE_string("models", "8b,70b", "Models to plan for: 8b, 70b.", flag_values=FLAGS)
 flags.DEFINE_string("gpus", "8,16,32,64", "Cluster sizes.", flag_values=FLAGS)
 flags.DEFINE_string(
@@ -556,6 +567,7 @@ def cpu_cluster(
       cores=args.cores,
       kv_bytes_per_token=args.kv_bytes_per_token,
       transfer_bw=args.transfer_bw,
+      transfer_latency=args.transfer_latency,
   )
 
 
@@ -582,7 +594,8 @@ def cpu_plan(args) -> None:
   calibration = generate(24, 1.0, prompt, output, cfg.vocab, sb.seed + 1)
   table = profile_engine(engine, args.repeats, calibration, print)
   sb.kv_bytes_per_token = kv_bytes(cfg, 1, 1)
-  sb.transfer_bw = math.inf  # a host memcpy: negligible beside a step
+  sb.transfer_bw = args.transfer_bw  # inf: a host copy, negligible beside a step
+  sb.transfer_latency = args.transfer_latency
   sb.cores = args.cores
   work = Workload(prompt, output, sb.requests, sb.seed, sb.horizon, vocab=cfg.vocab)
   rates = [float(r) for r in sb.rates.split(",")]

@@ -89,8 +89,10 @@ async def _request(client: httpx.AsyncClient, model: str, w: Work, t0: float) ->
       now, chunk = time.perf_counter(), json.loads(line[6:])
       if "error" in chunk:
         raise RuntimeError(f"the server failed the request: {chunk['error']}")
-      for c in chunk["choices"]:  # a chunk's tokens: its token ids, else one if it has text
-        times += [now] * len(c.get("token_ids") or ([1] if c.get("text") else []))
+      for c in chunk["choices"]:  # a chunk's tokens: its token ids (jaxpipe's, even []), else
+        # one if it has text (a server without token ids: vLLM streams a token a chunk)
+        ids = c.get("token_ids")
+        times += [now] * (len(ids) if ids is not None else 1 if c.get("text") else 0)
       usage = chunk.get("usage") or usage
   if usage is None or usage["completion_tokens"] != w.max_tokens or len(times) != w.max_tokens:
     raise RuntimeError(

@@ -216,7 +216,10 @@ class Pull:
     self.wire, self.engine, self.ticket = wire, engine, ticket
     self.rid = rid  # the request's id on the receiver
     self.deadline = deadline  # time.perf_counter() by which the arrays must be here
+    self.start = time.perf_counter()
     self.arrays: list[jax.Array] = []
+    self.nbytes = 0  # what arrived, once landed
+    self.seconds = 0.0  # from `KVWire.pull` until written and admitted
     self.open = True  # the reservation is held (False once landed or cancelled)
 
   def ready(self) -> bool:
@@ -255,6 +258,8 @@ class Pull:
         at += 2 * n
       self.engine.transfer.admit_request(self.rid)
       self.open = False
+      self.nbytes = sum(x.nbytes for x in self.arrays)
+      self.seconds = time.perf_counter() - self.start
     except Exception as e:  # noqa: BLE001 -- the pull, or K/V that do not fit: nothing is kept
       self.fail(e)
     return self.rid

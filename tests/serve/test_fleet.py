@@ -249,6 +249,7 @@ def test_greedy_tokens_through_prefill_and_decode_servers_equal_one_engines(flee
   seeded), streamed and logprob requests agree with the replica's router; every page is back."""
   prompts = [[ord(c) for c in p] for p in PROMPTS]
   want = single.generate(prompts, 24)
+  before = fleet.load("decode")["moved"]
   with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
     runs = [
         pool.submit(_complete, fleet.url("router"), prompt=p, max_tokens=24, temperature=0)
@@ -272,7 +273,13 @@ def test_greedy_tokens_through_prefill_and_decode_servers_equal_one_engines(flee
   assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == want[1]
   loads = fleet.settled("prefill", "decode")
   assert loads["prefill"]["lapsed"] == 0  # every offer was released once pulled
-  assert loads["decode"]["counts"]["step_tokens"] > 0
+  moved = {k: v - before[k] for k, v in loads["decode"]["moved"].items()}
+  # each request's prompt pages moved, whole: 2 layers x 2 KV heads x 8 float32 values, K and V,
+  # is 256 bytes a token, 4 KiB a page of 16
+  pages = sum(-(-len(p) // 16) for p in PROMPTS) + 2 + 1 + 1  # and the n=2, echo and streamed
+  assert moved["pulls"] == len(PROMPTS) + 4
+  assert moved["bytes"] == 256 * 16 * pages
+  assert moved["seconds"] > 0
 
 
 def test_the_fleets_calls_need_its_secret_and_the_router_its_api_key(fleet):
@@ -309,7 +316,13 @@ def test_a_decode_server_killed_mid_stream_ends_the_request_and_its_restart_rejo
   assert "error" in rest[-1] and "decode server" in rest[-1]["error"]["message"], rest[-1]
   fleet.settled("prefill")
   assert httpx.get(fleet.url("router") + "/health").status_code == 200
+  deadline = time.monotonic() + 5  # the router's polls find the decode server gone
+  while (ready := httpx.get(fleet.url("router") + "/ready")).status_code != 503:
+    assert time.monotonic() < deadline, ready.text
+    time.sleep(0.1)
+  assert "no decode server is up" in ready.json()["why"]
   fleet.restart("decode")
+  assert httpx.get(fleet.url("router") + "/ready").json() == {"ready": True}
   out = _complete(fleet.url("router"), prompt="0123", max_tokens=8, temperature=0)
   assert out["choices"][0]["finish_reason"] == "length"
   fleet.settled("prefill", "decode")

@@ -267,6 +267,19 @@ class FleetBackend:
     """Whether a request is in flight."""
     return bool(self.requests)
 
+  def ready(self) -> str | None:
+    """Why the fleet cannot serve a request now (a role with no server up), or None.
+
+    Returns:
+      One line naming the role and its servers, or None.
+    """
+    for role, servers in (("prefill", self.prefill), ("decode", self.decode)):
+      if servers and not any(s.up for s in servers):
+        return f"no {role} server is up ({', '.join(s.url for s in servers)})"
+    if self.replicas and not any(s.up for s in self.replicas):
+      return f"no replica is up ({', '.join(s.url for s in self.replicas)})"
+    return None
+
   def precompile(self) -> None:
     """Nothing: every server compiles its own programs before it says it is up."""
 

@@ -132,6 +132,8 @@ class WorkerLoop:
     self._deadline: float | None = None  # drain: cancel whatever runs past it
     self.failed: str | None = None  # why the loop stopped on an error
     self.lapsed = 0  # offers no one released in time (their pages freed)
+    # decode: K/V pulls landed, their bytes and seconds (pull to admission), summed
+    self.moved = {"pulls": 0, "bytes": 0, "seconds": 0.0}
     self.snapshot: dict = {}  # the latest `load` (the engine thread writes it whole)
 
   def start(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -244,16 +246,24 @@ class WorkerLoop:
             continue
           pulls.remove(job)
           live[job.rid] = job
+          self.moved.update(
+              pulls=self.moved["pulls"] + 1,
+              bytes=self.moved["bytes"] + job.pull.nbytes,
+              seconds=self.moved["seconds"] + job.pull.seconds,
+          )
           self._send(job, {"pulled": True})
         new = e.step() if e.has_work() else {}
+        events = {}  # a job's tokens of this step, and its finish with them (one event)
         for rid, tokens in new.items():
           job = live.get(rid)
           if job is not None:
-            self._send(job, {"tokens": list(tokens), "logprobs": self._logprobs(rid, len(tokens))})
+            events[job] = {"tokens": list(tokens), "logprobs": self._logprobs(rid, len(tokens))}
         for r in e.finished():
           job = live.pop(r.id, None)
           if job is not None:
-            self._end(job, r.finish_reason, r.error)
+            events.setdefault(job, {}).update(finish=r.finish_reason, error=r.error)
+        for job, event in events.items():
+          self._send(job, event)
         if self.role == "prefill":
           self._offer(live, offers)
         self._publish(live, pulls, offers)
@@ -327,6 +337,7 @@ class WorkerLoop:
         "pulls": len(pulls),
         "jobs": len(live) + len(pulls),
         "lapsed": self.lapsed,
+        "moved": dict(self.moved),
         "free_pages": e.allocator.num_free,
         "usage": e.kv_usage(),
         "counts": dict(e.counts),

@@ -1,11 +1,11 @@
 """The HTTP application: Starlette routes for POST /v1/completions and /v1/chat/completions
 (whole, or streamed as server-sent events), POST /tokenize and /detokenize (vLLM's), GET
-/v1/models, /version, /health and /metrics, over an `EngineLoop`; admission and backpressure (at
-most `max_batch + max_queue` sequences, then 429 with `Retry-After`); client disconnects
-cancelling their sequences; and uvicorn with SIGTERM / SIGINT draining (the listening socket
-stays open so that /health can answer 503 "draining" and new requests 503, running and queued
-requests get `drain_s` seconds, what is left is cancelled with finish_reason "abort", and `run`
-returns once nothing is in flight).
+/v1/models, /version, /health, /ready and /metrics, over an `EngineLoop`; admission and
+backpressure (at most `max_batch + max_queue` sequences, then 429 with `Retry-After`); client
+disconnects cancelling their sequences; and uvicorn with SIGTERM / SIGINT draining (the
+listening socket stays open so that /health can answer 503 "draining" and new requests 503,
+running and queued requests get `drain_s` seconds, what is left is cancelled with finish_reason
+"abort", and `run` returns once nothing is in flight).
 
 Both generating endpoints reduce a request to a `protocol.Job` (prompts as token ids, sampling,
 stops, logprobs) and share its sequences, choices and streaming; only the JSON shapes differ.
@@ -121,6 +121,7 @@ class CompletionServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ],
         exception_handlers={HTTPException: self._http_error, Exception: self._server_error},
@@ -172,6 +173,27 @@ class CompletionServer:
     if self.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+  async def ready(self, request: Request) -> Response:
+    """GET /ready: whether the server takes requests now (a router: and its fleet can serve).
+
+    Args:
+      request: the HTTP request.
+
+    Returns:
+      {"ready": true}; 503 with {"ready": false, "why"} when failed, draining, or the backend
+      says it cannot serve (`ready()`: a fleet without a server of some role up).
+    """
+    why = None
+    if self.loop.failed:
+      why = f"the engine failed: {self.loop.failed}"
+    elif self.draining:
+      why = "the server is draining"
+    elif callable(getattr(self.backend, "ready", None)):
+      why = self.backend.ready()
+    if why:
+      return JSONResponse({"ready": False, "why": why}, status_code=503)
+    return JSONResponse({"ready": True})
 
   async def version(self, request: Request) -> Response:
     """GET /version: jaxpipe's version.

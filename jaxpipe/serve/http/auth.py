@@ -1,6 +1,7 @@
 """Who may call: a Bearer token on every request, as vLLM's `--api-key` asks for it.
 
-With a key set, each HTTP request but the monitoring routes (`/health`, `/metrics`, `/version`)
+With a key set, each HTTP request but the monitoring routes (`/health`, `/ready`, `/metrics`,
+`/version`)
 and CORS preflights must carry `Authorization: Bearer <key>`; the header is compared in constant
 time (`hmac.compare_digest`). A request without it gets 401 with an OpenAI-style error body,
 which the `openai` package raises as `AuthenticationError`.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 
-OPEN = ("/health", "/metrics", "/version")  # monitoring: readable without the key
+OPEN = ("/health", "/ready", "/metrics", "/version")  # monitoring: readable without the key
 
 
 class ApiKey:

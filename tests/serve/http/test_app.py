@@ -517,7 +517,7 @@ def test_an_api_key_guards_every_route_but_monitoring(model, reference):
       r = httpx.request(method, url + path, json={"prompt": "012", "max_tokens": 3})
       assert r.status_code == 401, path
       assert r.json()["error"]["type"] == "authentication_error"
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ready", "/metrics", "/version"):
       assert httpx.get(url + path).status_code == 200, path
     good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
     out = good.completions.create(model="tiny", prompt="012", max_tokens=3, temperature=0)
@@ -836,6 +836,8 @@ def test_sigterm_drains_finishes_or_cancels_and_exits_0():
     # From now on nothing new is taken, but the socket stays open to say so.
     r = _until(lambda: httpx.get(url + "/health"), lambda r: r.status_code == 503)
     assert r.json() == {"status": "draining"}
+    r = httpx.get(url + "/ready")
+    assert r.status_code == 503 and r.json() == {"ready": False, "why": "the server is draining"}
     r = httpx.post(url + "/v1/completions", json={"prompt": "01", "max_tokens": 2})
     assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
     assert proc.poll() is None  # still draining: the long request runs on
