@@ -31,6 +31,9 @@ takes token ids from a router over HTTP (its /fleet/ routes need --fleet_secret 
 set), and K/V pages move from prefill to decode servers over JAX's transfer server at
 --transfer_address; the router serves the OpenAI API above them (--api_key, --max_queue and
 --drain_s as --http) and needs the model's config and tokenizer, not its weights.
+Started by `python -m jaxpipe.launch --processes N -- python -m jaxpipe.serve ... --tensor_parallel
+D` (D: every process's devices), one engine spans the processes (jaxpipe/serve/lockstep.py):
+process 0 serves --http (or prints --prompt's text) and the others replay its engine's calls.
 """
 
 import collections
@@ -327,6 +330,15 @@ def main(argv: list[str]) -> None:
   token_buckets = _ints("token_buckets", _TOKEN_BUCKETS.value)
   page_buckets = _ints("page_buckets", _PAGE_BUCKETS.value)
   logging.set_verbosity(logging.WARNING)
+  try:  # a multi-process run (python -m jaxpipe.launch): one engine over every process's devices
+    multi = process.initialize()
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if multi and (fleet or _MODE.value != "engine"):
+    sys.exit(
+        "error: over several processes the engine serves alone (--http or --prompt); --role "
+        "and --mode run one process per server or worker"
+    )
   import jax
 
   from jaxpipe.serve.engine import Engine
@@ -407,7 +419,16 @@ def main(argv: list[str]) -> None:
     _serve_worker(engine, source)
     return
   if _HTTP.value:
+    if multi:
+      engine = _lockstep(engine)
+      if engine is None:  # a follower: it replayed process 0's calls until it stopped
+        return
     _serve_http(engine, cfg, source, tok)
+    if multi:
+      engine.close()
+    return
+  if multi and jax.process_index():  # every process generates the same; process 0 prints
+    engine.generate([tok.encode(p) for p in _PROMPT.value], max_tokens=_MAX_TOKENS.value)
     return
   try:
     prompts = [tok.encode(p) for p in _PROMPT.value]
@@ -454,11 +475,42 @@ def in_dtype(cfg, params, dtype: str):
   return dataclasses.replace(cfg, dtype=dtype), jax.tree.map(cast, params)
 
 
+def _spans(engine) -> str:
+  """' x N tensor-parallel' (and ' over P processes') for an engine over several devices."""
+  import jax
+
+  n = engine.mesh.size
+  over = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
+  return f" x {n} tensor-parallel{over}" if n > 1 else ""
+
+
+def _lockstep(engine):
+  """A multi-process run: process 0's engine as a `lockstep.Leader`; None on the others, once
+  they have followed it to its end (they leave SIGTERM to process 0, which drains and stops
+  them)."""
+  import signal
+
+  import jax
+
+  from jaxpipe.serve import lockstep
+
+  if jax.process_index():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+  return lockstep.connect(engine)
+
+
 def _engine_devices(n: int) -> list:
-  """The first n devices; exits with one line when there are fewer."""
+  """The first n devices; exits with one line when there are fewer, or, over several
+  processes, when they are not all of them (every process must hold a part of the engine)."""
   import jax
 
   devices = jax.devices()
+  if jax.process_count() > 1 and n != len(devices):
+    sys.exit(
+        f"error: --tensor_parallel={n}: over {jax.process_count()} processes the engine spans "
+        f"every device of every process; give --tensor_parallel={len(devices)}"
+    )
   if not 1 <= n <= len(devices):
     sys.exit(
         f"error: --tensor_parallel={n} needs 1 to {len(devices)} devices (this process has "
@@ -582,7 +634,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
   programs = sum(len(e.programs) for e in engines)
   workers = f" ({len(engines)} workers)" if len(engines) > 1 else ""
   print(
-      f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}, paged "
+      f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}{_spans(engine)}, paged "
       f"attention {engine.backend}, {programs} step programs compiled in "
       f"{time.perf_counter() - start:.1f} s; "
       + "".join(f"{e.rings_note()}; " for e in engines[:1] if e.ring_size)
