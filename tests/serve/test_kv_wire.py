@@ -1,7 +1,8 @@
 """K/V pages between two processes over JAX's transfer server (`jaxpipe.serve.kv_wire`): a
 sending process (tests/serve/wire_peer.py) serves prompts until one was preempted and resumed,
 then offers its running requests; this process pulls each into its own engine. The pages arrive
-bit for bit (float32, int8 and fp8 pools, scales included; DeepSeek-V3's latent cache), and the
+bit for bit (float32, int8 and fp8 pools, scales included; DeepSeek-V3's latent cache; engines
+tensor-parallel over two devices), and the
 requests continue to the
 tokens a single engine serves. A pull of a transfer never offered, or from a sender that died,
 fails in one line within its timeout, and the receiver keeps no page of it."""
@@ -20,16 +21,16 @@ from tests import helpers
 from tests.serve import wire_peer
 
 
-def _sender(name, dtype, out):
+def _sender(name, dtype, out, devices=1):
   """The sending process, its tickets by prompt index."""
   proc = subprocess.Popen(
-      [sys.executable, "-m", "tests.serve.wire_peer", name, dtype, out],
+      [sys.executable, "-m", "tests.serve.wire_peer", name, dtype, out, str(devices)],
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
       cwd=helpers.ROOT,
-      env={**os.environ, "PYTHONPATH": helpers.ROOT, "JAXPIPE_HOST_DEVICES": "1"},
+      env={**os.environ, "PYTHONPATH": helpers.ROOT, "JAXPIPE_HOST_DEVICES": str(devices)},
   )
   tickets = {}
   for line in proc.stdout:
@@ -53,13 +54,21 @@ def _engine(name, dtype, **fields):
 
 
 @pytest.mark.parametrize(
-    "name, dtype", [("dense", "auto"), ("dense", "int8"), ("dense", "fp8"), ("mla", "auto")]
+    "name, dtype, tp",
+    [
+        ("dense", "auto", 1),
+        ("dense", "int8", 1),
+        ("dense", "fp8", 1),
+        ("mla", "auto", 1),
+        ("dense", "int8", 2),
+    ],
 )
-def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(name, dtype, tmp_path):
-  """mla: DeepSeek-V3's latent cache, whose V pool is empty (made by the receiver, not sent)."""
-  proc, tickets = _sender(name, dtype, str(tmp_path))
+def test_pages_cross_processes_bit_for_bit_and_the_requests_continue(name, dtype, tp, tmp_path):
+  """mla: DeepSeek-V3's latent cache, whose V pool is empty (made by the receiver, not sent).
+  tp 2: both engines tensor-parallel over two devices (KV heads split over them)."""
+  proc, tickets = _sender(name, dtype, str(tmp_path), tp)
   try:
-    receiver = _engine(name, dtype, num_pages=40)
+    receiver = _engine(name, dtype, num_pages=40, devices=jax.devices()[:tp])
     wire = KVWire()
     free = receiver.allocator.num_free
     ids = {i: wire.receive(receiver, t) for i, t in tickets.items()}

@@ -2,7 +2,7 @@
 that serves the test's prompts until one of them has been preempted and resumed, then offers
 every running request over a `KVWire` (`jaxpipe.serve.kv_wire`).
 
-  python -m tests.serve.wire_peer MODEL KV_CACHE_DTYPE OUT_DIR
+  python -m tests.serve.wire_peer MODEL KV_CACHE_DTYPE OUT_DIR [DEVICES]
 
 Writes each offered request's K/V as `export_request` gives them, as bytes (OUT_DIR/<i>.npz,
 i: the prompt's index), prints one ticket per line (`<i> <ticket JSON>`), then `ready`, and exits at
@@ -23,11 +23,12 @@ PROMPTS = helpers.prompts(seed=8, n=4)
 MAX_TOKENS = 12
 
 
-def main(name: str, kv_cache_dtype: str, out: str) -> None:
-  """name: a model of `helpers.CONFIGS`."""
+def main(name: str, kv_cache_dtype: str, out: str, devices: str = "1") -> None:
+  """name: a model of `helpers.CONFIGS`; devices: the engine's, tensor-parallel over them."""
   engine = Engine(
       helpers.CONFIGS[name],
       helpers.engine_params(name),
+      devices=jax.devices()[: int(devices)],
       num_pages=12,
       async_scheduling=False,
       kv_cache_dtype=kv_cache_dtype,
