@@ -170,6 +170,19 @@ class KVWire:
       pause = min(2 * pause, 0.01)
     return pull.land()
 
+  def fits(self, engine, ticket: Ticket) -> bool:
+    """Whether the engine has a batch slot and the pages for the ticket's request now.
+
+    Args:
+      engine: the receiver's `Engine`.
+      ticket: the sender's offer.
+
+    Returns:
+      True if `pull` would find room (a full engine: wait for its requests to finish).
+    """
+    pages = sum(c["arrays"][0][0][2] for c in ticket.chunks)  # [G, L, pages, page, ...]
+    return engine.scheduler.has_slot() and engine.allocator.can_alloc(pages)
+
   def pull(self, engine, ticket: Ticket, timeout_s: float = 60.0) -> Pull:
     """Reserves a ticket's request in an engine and starts pulling its K/V, without waiting.
 

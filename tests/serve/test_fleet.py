@@ -176,7 +176,10 @@ class Fleet:
 def fleet(tmp_path_factory):
   f = Fleet(str(tmp_path_factory.mktemp("fleet")))
   f.start("prefill", "--role", "prefill", "--offer_timeout_s", "4")
-  f.start("decode", "--role", "decode", "--pull_timeout_s", "3", "--drain_s", "60")
+  # a batch of 2: tickets wait for a slot (the six requests at once of the first test)
+  f.start(
+      "decode", "--role", "decode", "--pull_timeout_s", "3", "--drain_s", "60", "--max_batch", "2"
+  )
   f.start("replica", "--role", "replica")
   f.wait("prefill", "decode", "replica")
   urls = ["--prefill_urls", f.url("prefill"), "--decode_urls", f.url("decode")]
@@ -245,8 +248,9 @@ def _decode(fleet, ticket: dict) -> list[dict]:
 
 
 def test_greedy_tokens_through_prefill_and_decode_servers_equal_one_engines(fleet, single):
-  """Six requests at once through router -> prefill server -> decode server; then sampled (n=2,
-  seeded), streamed and logprob requests agree with the replica's router; every page is back."""
+  """Six requests at once through router -> prefill server -> decode server (a batch of 2: the
+  tickets wait their turn there); then sampled (n=2, seeded), streamed and logprob requests agree
+  with the replica's router; every page is back."""
   prompts = [[ord(c) for c in p] for p in PROMPTS]
   want = single.generate(prompts, 24)
   before = fleet.load("decode")["moved"]

@@ -11,9 +11,10 @@ reason, "error": text | null}` (the engine's finish reasons: eos, length, cancel
   (`kv_wire.KVWire.offer`): the pages stay until `POST /fleet/release {"uuid"}` or until the
   offer lapses (`offer_timeout_s`: a router or decode server that died frees them so). A request
   that ends at its first token (EOS, max_tokens 1) finishes instead.
-- `POST /fleet/decode` (decode): `{"ticket": ...}` in; the server reserves pages and a batch slot,
-  pulls the ticket's pages while it steps its other requests (`KVWire.pull`), says `pulled`, and
-  streams the tokens after the ticket's.
+- `POST /fleet/decode` (decode): `{"ticket": ...}` in; once the engine has a batch slot and the
+  pages (tickets wait their turn, first come first served, up to `pull_timeout_s`), the server
+  reserves them, pulls the ticket's pages while it steps its other requests (`KVWire.pull`), says
+  `pulled`, and streams the tokens after the ticket's.
 - `POST /fleet/score` (prefill, replica): a prompt's log-probabilities (echo with logprobs).
 - `GET /fleet/info`: the role, the engine's request limits, pages and transfer address;
   `GET /fleet/load`: what it holds now (requests, pages, offers, counters).
@@ -67,7 +68,7 @@ class Job:
   rid: int | None = None  # the engine's id (engine thread)
   pull: Pull | None = None  # decode: its K/V on the way
   offer: Ticket | None = None  # prefill: its K/V offered, pages held until released
-  deadline: float = 0.0  # prefill: when the offer lapses (time.perf_counter)
+  deadline: float = 0.0  # prefill: when the offer lapses; decode: when the pull gives up
 
 
 def job_json(prompt, max_tokens: int, sampling: SamplingParams, eos_id) -> dict:
@@ -190,25 +191,26 @@ class WorkerLoop:
   def _run(self) -> None:
     e = self.engine
     live: dict[int, Job] = {}  # engine id -> job (running, waiting, or offered)
+    queued: list[Job] = []  # decode: tickets waiting for a batch slot and pages, oldest first
     pulls: list[Job] = []  # decode: K/V on the way
     offers: dict[int, Job] = {}  # prefill: ticket uuid -> job whose pages wait to be pulled
     stopping = False
-    self._publish(live, pulls, offers)
-    while not (stopping and not live and not pulls):
+    self._publish(live, pulls, offers, queued)
+    while not (stopping and not live and not pulls and not queued):
       commands = self._take(0.0 if e.has_work() or pulls else 0.02)
       try:
         for kind, arg in commands:
           if kind == "add":
             arg.rid = e.add_request(arg.prompt, arg.max_tokens, arg.sampling, eos_id=arg.eos_id)
             live[arg.rid] = arg
-          elif kind == "pull":
-            try:
-              arg.pull = self.wire.pull(e, arg.ticket, self.pull_timeout_s)
-              pulls.append(arg)
-            except ValueError as err:
-              self._end(arg, "error", str(err))
+          elif kind == "pull":  # pulled once the engine has room (`_start_pulls`)
+            arg.deadline = time.perf_counter() + self.pull_timeout_s
+            queued.append(arg)
           elif kind == "cancel":
-            if arg in pulls:
+            if arg in queued:
+              queued.remove(arg)
+              self._end(arg, "cancelled")
+            elif arg in pulls:
               pulls.remove(arg)
               arg.pull.cancel()
               self._end(arg, "cancelled")
@@ -234,7 +236,11 @@ class WorkerLoop:
           else:
             stopping = True
         if stopping or (self._deadline is not None and time.perf_counter() >= self._deadline):
+          for job in queued:
+            self._end(job, "cancelled")
+          queued.clear()
           self._cancel_all(live, pulls, offers)
+        self._start_pulls(queued, pulls)
         for job in list(pulls):
           try:
             if not job.pull.ready():
@@ -266,14 +272,33 @@ class WorkerLoop:
           self._send(job, event)
         if self.role == "prefill":
           self._offer(live, offers)
-        self._publish(live, pulls, offers)
+        self._publish(live, pulls, offers, queued)
       except Exception as err:  # noqa: BLE001 -- an engine fault fails its jobs, not the server
         log.exception("worker loop failed")
         self.failed = f"{type(err).__name__}: {err}"
-        for job in set(live.values()) | set(pulls):
+        for job in set(live.values()) | set(pulls) | set(queued):
           self._end(job, "error", f"the engine failed: {self.failed}")
         self._fail_later(stopping)
         return
+
+  def _start_pulls(self, queued: list[Job], pulls: list[Job]) -> None:
+    """Starts the queued pulls the engine has room for, in order (a ticket that does not fit
+    waits, and those behind it: first come, first served); ends those past their timeout."""
+    now = time.perf_counter()
+    while queued:
+      job = queued[0]
+      if now > job.deadline:
+        queued.pop(0)
+        self._end(job, "error", "no batch slot or pages came free before the pull's timeout")
+        continue
+      if not self.wire.fits(self.engine, job.ticket):
+        return
+      queued.pop(0)
+      try:
+        job.pull = self.wire.pull(self.engine, job.ticket, max(job.deadline - now, 0.0))
+        pulls.append(job)
+      except ValueError as err:
+        self._end(job, "error", str(err))
 
   def _offer(self, live: dict[int, Job], offers: dict[int, Job]) -> None:
     """Offers each newly prefilled request's K/V; frees the pages of offers that lapsed."""
@@ -325,7 +350,7 @@ class WorkerLoop:
       return None
     return [_lp(x) for x in r.logprobs[-n:]]
 
-  def _publish(self, live: dict, pulls: list, offers: dict) -> None:
+  def _publish(self, live: dict, pulls: list, offers: dict, queued: list) -> None:
     e = self.engine
     self.snapshot = {
         "role": self.role,
@@ -335,7 +360,8 @@ class WorkerLoop:
         "prefilled": len(e.prefilled),
         "offers": len(offers),
         "pulls": len(pulls),
-        "jobs": len(live) + len(pulls),
+        "queued": len(queued),
+        "jobs": len(live) + len(pulls) + len(queued),
         "lapsed": self.lapsed,
         "moved": dict(self.moved),
         "free_pages": e.allocator.num_free,
