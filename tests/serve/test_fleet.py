@@ -5,8 +5,8 @@ Greedy tokens through router -> prefill server -> decode server equal one engine
 streamed ones equal the replica's; the fleet's calls need its secret; and each fault ends in a
 retry or one line, no server keeps a page, and the router stays up: a decode server killed
 mid-stream (then restarted at its address), a prefill server killed holding the pages, an offer
-nobody pulls, a pull nobody serves, the router killed mid-stream (and restarted), SIGTERM on a
-decode server (it finishes its stream, then exits).
+nobody pulls, a pull nobody serves, the router killed mid-stream (and restarted), and SIGTERM on
+each role (what runs finishes, nothing new is taken, the process exits 0).
 """
 
 import concurrent.futures
@@ -143,11 +143,12 @@ class Fleet:
           self.url(name), lambda: proc.poll() is None, 300, lambda: self.output(name)
       )
 
-  def restart(self, name: str) -> None:
-    self.stop(name)
-    self.start(name, *self.flags[name])
-    self.wait(name)
-    time.sleep(1.0)  # the routers' next polls see it up
+  def restart(self, *names: str) -> None:
+    for name in names:
+      self.stop(name)
+      self.start(name, *self.flags[name])
+    self.wait(*names)
+    time.sleep(1.0)  # the routers' next polls see them up
 
   def stop(self, name: str, sig=signal.SIGKILL) -> None:
     proc = self.procs[name]
@@ -404,3 +405,37 @@ def test_sigterm_drains_a_decode_server_what_runs_finishes_and_it_exits(fleet, s
   assert "drained; exiting" in fleet.output("decode")
   fleet.restart("decode")
   fleet.settled("prefill", "decode")
+
+
+def test_sigterm_drains_a_prefill_server_a_replica_and_a_router(fleet, single):
+  """The prefill server keeps its offer until it lapses, taking nothing new, then exits 0; the
+  router in front of the replica lets its stream finish (every token), then both exit 0."""
+  ticket = _prefill_ticket(fleet)
+  assert ticket and fleet.load("prefill")["offers"] == 1
+  fleet.procs["prefill"].send_signal(signal.SIGTERM)
+  chunks = _stream(fleet.url("replicas"), key=None, prompt="0", max_tokens=200, temperature=0)
+  tokens = []
+  while len(tokens) < 10:
+    tokens += next(chunks)["choices"][0]["token_ids"]
+  fleet.procs["replicas"].send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + 5
+  while httpx.get(fleet.url("replicas") + "/ready").status_code != 503:
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  for c in chunks:
+    assert "choices" in c, c
+    tokens += c["choices"][0].get("token_ids") or []
+  assert tokens == single.generate([[ord("0")]], 200)[0]
+  assert fleet.procs["replicas"].wait(30) == 0
+  fleet.procs["replica"].send_signal(signal.SIGTERM)
+  assert (
+      httpx.get(fleet.url("prefill") + "/ready").json()["why"].startswith("the server is draining")
+  )
+  body = job_json([48], 4, SamplingParams(), None)
+  refused = httpx.post(fleet.url("prefill") + "/fleet/prefill", json=body, headers=AUTH)
+  assert refused.status_code == 503
+  assert fleet.procs["prefill"].wait(30) == 0  # once its offer lapsed (--offer_timeout_s 4)
+  assert fleet.procs["replica"].wait(30) == 0
+  for name in ("prefill", "replica", "replicas"):
+    assert "drained; exiting" in fleet.output(name)
+  fleet.restart("prefill", "replica", "replicas")
