@@ -46,6 +46,7 @@ from starlette.routing import Route
 import jaxpipe
 from jaxpipe.serve.http import serving
 from jaxpipe.serve.http.auth import ApiKey
+from jaxpipe.serve.http.loop import take
 from jaxpipe.serve.kv_wire import KVWire, Pull, Ticket
 from jaxpipe.serve.sampling import SamplingParams
 
@@ -180,13 +181,7 @@ class WorkerLoop:
     self._send(job, {"finish": reason, "error": error})
 
   def _take(self, timeout: float) -> list:
-    commands = []
-    try:
-      commands.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
-      while True:
-        commands.append(self._inbox.get_nowait())
-    except queue.Empty:
-      return commands
+    return take(self._inbox, timeout)
 
   def _run(self) -> None:
     e = self.engine

@@ -109,6 +109,25 @@ def engines_of(backend: Backend) -> list:
   return list(getattr(backend, "engines", None) or [backend])
 
 
+def take(inbox: queue.SimpleQueue, timeout: float) -> list:
+  """Everything queued in an inbox, waiting up to `timeout` seconds for the first item.
+
+  Args:
+    inbox: the queue an engine thread's commands arrive in.
+    timeout: seconds to wait when it is empty (0: do not wait).
+
+  Returns:
+    The items, oldest first; [] if none came.
+  """
+  items = []
+  try:
+    items.append(inbox.get(timeout=timeout) if timeout else inbox.get_nowait())
+    while True:
+      items.append(inbox.get_nowait())
+  except queue.Empty:
+    return items
+
+
 ENGINE_COUNTS = ("preemptions", "prefix_hits", "spec_drafts", "spec_accepted")
 
 
@@ -294,14 +313,7 @@ class EngineLoop:
         self._send([(s, *e) for s, e in events.items()])
 
   def _take(self, timeout: float) -> list[tuple[str, Any]]:
-    """The queued commands, waiting up to `timeout` seconds for the first."""
-    commands = []
-    try:
-      commands.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
-      while True:
-        commands.append(self._inbox.get_nowait())
-    except queue.Empty:
-      return commands
+    return take(self._inbox, timeout)
 
   def _send(self, events: list) -> None:
     try:
