@@ -201,13 +201,17 @@ class KVWire:
       ValueError: one line: the engine cannot take the request (`reserve_request`'s reasons),
         or the sender cannot be reached (nothing reserved).
     """
-    rid = engine.transfer.reserve_request(_state(ticket.request))
     sharding = jax.sharding.SingleDeviceSharding(self.device)
-    specs = [
-        jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
-        for c in ticket.chunks
-        for shape, dtype in c["arrays"]
-    ]
+    try:  # a malformed ticket is refused before anything is reserved
+      specs = [
+          jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+          for c in ticket.chunks
+          for shape, dtype in c["arrays"]
+      ]
+      state = _state(ticket.request)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"a malformed ticket: {type(e).__name__}: {e}") from None
+    rid = engine.transfer.reserve_request(state)
     sent = [x for x in specs if np.prod(x.shape)]  # empty arrays are made here, not pulled
     pull = Pull(self, engine, ticket, rid, time.perf_counter() + timeout_s)
     try:

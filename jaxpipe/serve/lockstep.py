@@ -9,15 +9,19 @@ SGLang's multi-node tensor parallelism broadcast the scheduler's decisions.
 
 `Leader` wraps process 0's engine: each call that changes the engine or runs device work is sent
 to the followers before it runs here; reads (`requests`, `limits`, `kv_usage`, ...) stay local.
+Any other engine method is refused on the leader (it would run on process 0 alone).
 `follow` runs on every other process: it replays the leader's calls on its own engine until the
-leader stops (`Leader.close`) or goes away (then it exits with one line). The calls travel over
-TCP: the leader listens on its host (the coordinator's) on a port it broadcasts once through
-JAX's collectives, accepts exactly one connection per follower, and closes the listener.
+leader stops (`Leader.close`) or goes away (then it exits with one line); a replayed call that
+raises is logged and passed (the leader met the same error and handles it). The calls travel over
+TCP: the leader listens on its host at a port, broadcasts its address once through JAX's
+collectives, accepts exactly one connection per follower, and closes the listener.
 A request with structured output (a grammar object) is refused: it cannot be sent.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import pickle
 import socket
@@ -26,14 +30,22 @@ import struct
 import jax
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 # the engine's calls that change it or run device work: every process makes them
 REPLAYED = ("add_request", "cancel", "step", "finished", "score", "precompile", "drain", "release")
+# the engine's methods that only read it: process 0 alone calls them
+READS = ("check_request", "has_work", "kv_usage", "rings_note", "step_program", "max_programs")
 
 
 def _host() -> str:
-  """This run's process 0 host: the coordinator's ($JAX_COORDINATOR_ADDRESS), else loopback."""
-  address = os.environ.get("JAX_COORDINATOR_ADDRESS", "127.0.0.1:0")
-  return address.rsplit(":", 1)[0]
+  """Process 0's address as the others reach it: the coordinator's host when
+  $JAX_COORDINATOR_ADDRESS names it (jaxpipe.launch), else this host's name resolved (SLURM,
+  Open MPI)."""
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if address:
+    return socket.gethostbyname(address.rsplit(":", 1)[0])
+  return socket.gethostbyname(socket.gethostname())
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -77,11 +89,13 @@ def connect(engine) -> Leader | None:
 
   leader = jax.process_index() == 0
   listener = None
-  port = 0
+  address = np.zeros(5, np.int32)  # process 0's IPv4 address and port
   if leader:
     listener = socket.create_server(("", 0))
-    port = listener.getsockname()[1]
-  port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
+    host = [int(x) for x in _host().split(".")]
+    address = np.asarray([*host, listener.getsockname()[1]], np.int32)
+  address = np.asarray(multihost_utils.broadcast_one_to_all(address))
+  host, port = ".".join(str(int(x)) for x in address[:4]), int(address[4])
   if leader:
     followers = []
     listener.settimeout(120)
@@ -91,7 +105,12 @@ def connect(engine) -> Leader | None:
       followers.append(conn)
     listener.close()
     return Leader(engine, followers)
-  sock = socket.create_connection((_host(), port), timeout=120)
+  try:
+    sock = socket.create_connection((host, port), timeout=120)
+  except OSError as e:
+    raise SystemExit(
+        f"error: process {jax.process_index()} cannot reach process 0 at {host}:{port} ({e})"
+    ) from None
   sock.settimeout(None)
   sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   follow(engine, sock)
@@ -117,7 +136,10 @@ def follow(engine, sock: socket.socket) -> None:
     name, args, kwargs = call
     if name == "close":
       return
-    getattr(engine, name)(*args, **kwargs)
+    try:
+      getattr(engine, name)(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- process 0 met the same error and handles it
+      log.exception("a replayed %s raised (as on process 0)", name)
 
 
 class Leader:
@@ -131,16 +153,21 @@ class Leader:
     self.engine, self._followers = engine, followers
 
   def __getattr__(self, name: str):
+    value = getattr(self.engine, name)
     if name in REPLAYED:
-      method = getattr(self.engine, name)
 
       def replayed(*args, **kwargs):
         for sock in self._followers:
           _send(sock, (name, args, kwargs))
-        return method(*args, **kwargs)
+        return value(*args, **kwargs)
 
       return replayed
-    return getattr(self.engine, name)
+    if inspect.ismethod(value) and name not in READS:  # it would run on process 0 alone
+      raise AttributeError(
+          f"Engine.{name} is not replayed on the other processes of a multi-process engine; "
+          "drive it through add_request, cancel, step, finished and score"
+      )
+    return value
 
   def check_request(self, prompt, max_tokens, sampling, eos_id="engine"):
     """The engine's check, and a grammar refused (it cannot be sent to the followers).

@@ -306,6 +306,22 @@ def test_the_fleets_calls_need_its_secret_and_the_router_its_api_key(fleet):
     FleetBackend(replica_urls=[fleet.url("replica")], fleet_secret="wrong")
 
 
+def test_a_malformed_ticket_fails_its_request_and_the_decode_server_goes_on(fleet):
+  ticket = _prefill_ticket(fleet)
+  chunks = [
+      {**c, "arrays": [[shape, "nonsense"] for shape, _ in c["arrays"]]} for c in ticket["chunks"]
+  ]
+  ended = _decode(fleet, {**ticket, "chunks": chunks})
+  assert ended[-1]["finish"] == "error" and "malformed ticket" in ended[-1]["error"], ended
+  bad = {**ticket, "request": {**ticket["request"], "max_tokens": "many"}}
+  refused = httpx.post(fleet.url("decode") + "/fleet/decode", json={"ticket": bad}, headers=AUTH)
+  assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+  assert httpx.get(fleet.url("decode") + "/health").status_code == 200
+  assert _complete(fleet.url("router"), prompt="01", max_tokens=4)["choices"][0]["token_ids"]
+  fleet.settled("decode")
+  fleet.settled("prefill", timeout=10)  # the first ticket's offer lapses
+
+
 def test_a_decode_server_killed_mid_stream_ends_the_request_and_its_restart_rejoins(fleet):
   """The request ends with an error naming the decode server; the prefill server had released
   the pages once pulled; the router stays up; the server restarted at its address serves."""

@@ -99,3 +99,41 @@ def test_settings_that_cannot_span_processes_are_refused_in_one_line():
   assert proc.returncode != 0
   assert "over 2 processes the engine spans every device of every process" in out
   assert "give --tensor_parallel=2" in out
+
+
+def test_the_leader_replays_what_changes_the_engine_and_refuses_what_it_cannot_replay():
+  """Without processes: a `Leader` over a stand-in engine sends each replayed call (name and
+  arguments) to its followers before running it, runs reads alone, and refuses other methods."""
+  import pickle
+  import struct
+
+  from jaxpipe.serve import lockstep
+
+  class Engine:
+    limits = "limits"
+
+    def __init__(self):
+      self.calls = []
+
+    def step(self, *args):
+      self.calls.append(("step", args))
+      return {}
+
+    def has_work(self):
+      return False
+
+    def fork(self, rid):
+      raise AssertionError("not to be called")
+
+  here, there = socket.socketpair()
+  engine = Engine()
+  leader = lockstep.Leader(engine, [here])
+  assert leader.step(7) == {} and engine.calls == [("step", (7,))]
+  head = there.recv(8)
+  assert pickle.loads(there.recv(struct.unpack("!Q", head)[0])) == ("step", (7,), {})
+  assert leader.has_work() is False and leader.limits == "limits"
+  with pytest.raises(AttributeError, match="Engine.fork is not replayed"):
+    leader.fork(0)
+  leader.close()
+  head = there.recv(8)
+  assert pickle.loads(there.recv(struct.unpack("!Q", head)[0]))[0] == "close"

@@ -12,14 +12,15 @@ prefill server's pages. With replicas, one replica serves the whole request.
 
 Faults end in a retry or one line, and the router stays up:
 - a server that cannot be reached, or answers 503 (draining, failed), before the request's first
-  token from it: the next server of that role is tried (a decode server's ticket stays valid on
-  the prefill server until it is released or lapses);
+  token from it: the next server of that role is tried (a ticket no decode server began to pull
+  stays valid on its prefill server until it is released or lapses);
 - a server that dies mid-stream: the request ends with `error` naming it;
 - a prefill server that dies holding the pages: the decode server's pull fails and frees its
   reservation; the request ends with that error;
 - the router itself: its servers see the streams close and cancel (held offers lapse).
-A server is polled (`/fleet/load`) every `poll_s`; one that does not answer is routed around
-until it answers again (a server restarted at the same address rejoins).
+A server is polled (`/fleet/load`) every `poll_s`; one that refuses the connection, says it
+takes no work, or leaves POLL_MISSES polls in a row unanswered is routed around until it answers
+again (a server restarted at the same address rejoins).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from jaxpipe.serve.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+POLL_MISSES = 3  # polls in a row a server may leave unanswered before it counts as down
+
+
 class Unreachable(Exception):
   """A server did not take the request (no connection, or 503): another may."""
 
@@ -60,8 +64,11 @@ class Server:
   info: dict  # its /fleet/info
   prefix: routing.PrefixIndex | None  # the prompts sent there (servers with a prefix cache)
   up: bool = True  # answered the last poll, and takes work
-  load: int = 0  # KV pages of the requests in flight there (the router's count)
+  # KV pages of the requests the router has in flight there (a prefill server's until their
+  # ticket arrives, though it holds their pages until released)
+  load: int = 0
   snapshot: dict = dataclasses.field(default_factory=dict)  # its last /fleet/load
+  misses: int = 0  # polls in a row it did not answer
   routed: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by why
 
   def __repr__(self) -> str:
@@ -136,9 +143,12 @@ class FleetBackend:
     wanted += [("replica", u) for u in replica_urls]
     try:
       servers = self._call(self._connect(wanted, startup_timeout_s), startup_timeout_s + 10)
-    except BaseException:
+    except ValueError:
       self.close()
       raise
+    except Exception as e:  # noqa: BLE001 -- reported in one line
+      self.close()
+      raise ValueError(f"the fleet's servers could not be read: {type(e).__name__}: {e}") from None
     self.prefill = [s for s in servers if s.role == "prefill"]
     self.decode = [s for s in servers if s.role == "decode"]
     self.replicas = [s for s in servers if s.role == "replica"]
@@ -219,7 +229,7 @@ class FleetBackend:
         r.output += tokens
         out.setdefault(rid, []).extend(tokens)
         if logprobs is not None:
-          r.logprobs += [(lp, [tuple(pair) for pair in top]) for lp, top in logprobs]
+          r.logprobs += logprobs
       if finish is not None:
         r.finish_reason, r.error, r.done = finish, error, True
         self._finished.append(r)
@@ -300,10 +310,21 @@ class FleetBackend:
     return {**load, "usage": dict(usage), "counts": dict(counts)}
 
   def close(self) -> None:
-    """Stops the router's event loop (requests in flight are dropped)."""
-    if self._aloop.is_running():
-      self._aloop.call_soon_threadsafe(self._aloop.stop)
-      self._thread.join(timeout=5)
+    """Stops polling, closes the connections and the router's event loop (requests in flight
+    are dropped)."""
+    if not self._aloop.is_running():
+      return
+    poller = getattr(self, "_poller", None)
+    if poller is not None:
+      poller.cancel()
+    client = getattr(self, "client", None)
+    if client is not None:
+      try:
+        self._call(client.aclose(), 5)
+      except Exception:  # noqa: BLE001 -- closing anyway
+        pass
+    self._aloop.call_soon_threadsafe(self._aloop.stop)
+    self._thread.join(timeout=5)
 
   # -- on the router's event loop ---------------------------------------------------------------
 
@@ -311,8 +332,11 @@ class FleetBackend:
     return asyncio.run_coroutine_threadsafe(coro, self._aloop).result(timeout)
 
   async def _connect(self, wanted: list[tuple[str, str]], timeout_s: float) -> list[Server]:
-    self.client = httpx.AsyncClient(
-        headers=self._headers, timeout=httpx.Timeout(5.0, read=None), trust_env=False
+    self.client = httpx.AsyncClient(  # a stream per request in flight: no connection limit
+        headers=self._headers,
+        timeout=httpx.Timeout(5.0, read=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        trust_env=False,
     )
     deadline = time.monotonic() + timeout_s
     servers = []
@@ -325,6 +349,8 @@ class FleetBackend:
             raise ValueError(f"{url} refused the router's fleet secret (401); give the same one")
           got.raise_for_status()
           info = got.json()
+          if not isinstance(info, dict) or "limits" not in info:
+            raise ValueError(f"{url}/fleet/info is not a jaxpipe server's: {str(info)[:100]}")
           break
         except (httpx.HTTPError, ValueError) as e:
           if isinstance(e, ValueError) or time.monotonic() > deadline:
@@ -353,13 +379,24 @@ class FleetBackend:
       await asyncio.sleep(self.poll_s)
 
   async def _poll_one(self, s: Server) -> None:
+    """Reads a server's load. It is down at once when it refuses the connection or says it
+    does not take work, and after POLL_MISSES polls in a row without an answer (a busy host
+    answers late)."""
     try:
       got = await self.client.get(s.url + "/fleet/load", timeout=max(1.0, 4 * self.poll_s))
       snap = got.json() if got.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-      snap = {}
-    s.snapshot = snap
-    s.up = bool(snap) and not snap.get("draining") and not snap.get("failed")
+      if not isinstance(snap, dict):
+        snap = {}
+      up = bool(snap) and not snap.get("draining") and not snap.get("failed")
+      s.misses = 0
+    except httpx.ConnectError:
+      snap, up = {}, False
+    except Exception:  # noqa: BLE001 -- no answer in time, or not a server's: missed
+      s.misses += 1
+      snap, up = {}, s.up and s.misses < POLL_MISSES
+    if not snap:  # its counters stay summed until it answers
+      snap = {"counts": s.snapshot.get("counts", {})}
+    s.snapshot, s.up = snap, up
 
   def _emit(self, r: Remote, tokens=(), logprobs=None, finish=None, error=None) -> None:
     self._events.put((r.id, list(tokens), logprobs, finish, error))
@@ -413,6 +450,14 @@ class FleetBackend:
         s.up = False
 
   async def _disaggregated(self, r: Remote) -> None:
+    state = {"p": None, "ticket": None, "pulled": False}
+    try:
+      await self._prefill_then_decode(r, state)
+    finally:
+      if state["ticket"] is not None and not state["pulled"]:  # its pages go back now
+        self._release(state["p"], state["ticket"]["uuid"])
+
+  async def _prefill_then_decode(self, r: Remote, state: dict) -> None:
     tried, job = set(), job_json(r.prompt, r.max_tokens, r.sampling, r.eos_id)
     ticket = None
     while ticket is None:
@@ -423,7 +468,8 @@ class FleetBackend:
           async with contextlib.aclosing(self._stream(p, "/fleet/prefill", job, got)) as events:
             async for event in events:
               if "ticket" in event:
-                ticket = event["ticket"]
+                ticket = state["ticket"] = event["ticket"]
+                state["p"] = p
                 break
               if self._forward(r, event):
                 return
@@ -433,29 +479,25 @@ class FleetBackend:
         if got:
           raise
         p.up = False
-    pulled, tried = False, set()
-    try:
-      while True:
-        d = self._pick(self.decode, r, tried)
-        got = []
-        try:
-          async with self._holding(d, r):
-            body = {"ticket": ticket}
-            async with contextlib.aclosing(self._stream(d, "/fleet/decode", body, got)) as events:
-              async for event in events:
-                if event.get("pulled"):
-                  pulled = True
-                  self._release(p, ticket["uuid"])
-                elif self._forward(r, event):
-                  return
-          raise RuntimeError(f"the {d} closed the stream before the request finished")
-        except Unreachable:
-          if got:
-            raise
-          d.up = False
-    finally:
-      if not pulled:  # the pages held for it on the prefill server go back now
-        self._release(p, ticket["uuid"])
+    tried = set()
+    while True:
+      d = self._pick(self.decode, r, tried)
+      got = []
+      try:
+        async with self._holding(d, r):
+          body = {"ticket": ticket}
+          async with contextlib.aclosing(self._stream(d, "/fleet/decode", body, got)) as events:
+            async for event in events:
+              if event.get("pulled"):
+                state["pulled"] = True
+                self._release(p, ticket["uuid"])
+              elif self._forward(r, event):
+                return
+        raise RuntimeError(f"the {d} closed the stream before the request finished")
+      except Unreachable:
+        if got:
+          raise
+        d.up = False
 
   async def _score(self, prompt: list[int], top: int) -> list:
     servers = sorted((s for s in self.replicas or self.prefill if s.up), key=lambda s: s.load)
@@ -463,7 +505,7 @@ class FleetBackend:
     for s in servers:
       try:
         got = await self.client.post(
-            s.url + "/fleet/score", json={"prompt": prompt, "top_logprobs": top}, timeout=60.0
+            s.url + "/fleet/score", json={"prompt": prompt, "top_logprobs": top}, timeout=10.0
         )
       except httpx.HTTPError as e:
         errors.append(f"{s}: {e}")
@@ -476,9 +518,20 @@ class FleetBackend:
     raise RuntimeError(f"no server scored the prompt ({'; '.join(errors) or 'none is up'})")
 
   def _forward(self, r: Remote, event: dict) -> bool:
-    """Passes a server's event on; True when it finished the request."""
-    if event.get("tokens"):
-      self._emit(r, event["tokens"], event.get("logprobs"))
+    """Passes a server's event on (checked here: a malformed one fails this request, not the
+    router); True when it finished the request."""
+    tokens, logprobs = event.get("tokens") or [], event.get("logprobs")
+    if not all(isinstance(t, int) for t in tokens):
+      raise RuntimeError(f"a server sent tokens {tokens!r}, not token ids")
+    if tokens and logprobs is not None:
+      try:
+        logprobs = [(float(lp), [(int(i), float(x)) for i, x in top]) for lp, top in logprobs]
+      except (TypeError, ValueError) as e:
+        raise RuntimeError(f"a server sent malformed logprobs: {e}") from None
+      if len(logprobs) != len(tokens):
+        raise RuntimeError(f"a server sent {len(logprobs)} logprobs for {len(tokens)} tokens")
+    if tokens:
+      self._emit(r, tokens, logprobs)
     if "finish" in event:
       self._emit(r, finish=event["finish"], error=event.get("error"))
       return True

@@ -192,7 +192,8 @@ class WorkerLoop:
     stopping = False
     self._publish(live, pulls, offers, queued)
     while not (stopping and not live and not pulls and not queued):
-      commands = self._take(0.0 if e.has_work() or pulls else 0.02)
+      # a pull in flight is polled every millisecond; nothing at all: every 20 ms
+      commands = self._take(0.0 if e.has_work() else 0.001 if pulls or queued else 0.02)
       try:
         for kind, arg in commands:
           if kind == "add":
@@ -223,9 +224,9 @@ class WorkerLoop:
             prompt, top, done = arg
             try:
               scores = [None if x is None else _lp(x) for x in e.score(prompt, top)]
-              self._aloop.call_soon_threadsafe(done.set_result, scores)
+              self._resolve(done, scores)
             except Exception as err:  # noqa: BLE001 -- this prompt's error, not the engine's
-              self._aloop.call_soon_threadsafe(done.set_exception, ValueError(str(err)))
+              self._resolve(done, exception=ValueError(str(err)))
           elif kind == "drain":
             self._deadline = arg
           else:
@@ -273,6 +274,8 @@ class WorkerLoop:
         self.failed = f"{type(err).__name__}: {err}"
         for job in set(live.values()) | set(pulls) | set(queued):
           self._end(job, "error", f"the engine failed: {self.failed}")
+        self.snapshot = {**self.snapshot, "jobs": 0}  # nothing runs any more: SIGTERM exits
+        self._refuse(commands)  # the rest of this batch (those done are answered already)
         self._fail_later(stopping)
         return
 
@@ -286,14 +289,16 @@ class WorkerLoop:
         queued.pop(0)
         self._end(job, "error", "no batch slot or pages came free before the pull's timeout")
         continue
-      if not self.wire.fits(self.engine, job.ticket):
-        return
-      queued.pop(0)
       try:
+        if not self.wire.fits(self.engine, job.ticket):
+          return
+        queued.pop(0)
         job.pull = self.wire.pull(self.engine, job.ticket, max(job.deadline - now, 0.0))
         pulls.append(job)
-      except ValueError as err:
-        self._end(job, "error", str(err))
+      except Exception as err:  # noqa: BLE001 -- this ticket's fault (malformed), not the server's
+        if queued and queued[0] is job:
+          queued.pop(0)
+        self._end(job, "error", f"{type(err).__name__}: {err}".splitlines()[0])
 
   def _offer(self, live: dict[int, Job], offers: dict[int, Job]) -> None:
     """Offers each newly prefilled request's K/V; frees the pages of offers that lapsed."""
@@ -304,10 +309,10 @@ class WorkerLoop:
         continue
       try:
         job.offer = self.wire.offer(e, r.id, timeout_s=self.offer_timeout_s)
-      except ValueError as err:  # e.g. a grammar (refused before this: a router sends none)
+      except Exception as err:  # noqa: BLE001 -- this request's offer failed, not the server
         e.cancel(r.id)
         live.pop(r.id)
-        self._end(job, "error", str(err))
+        self._end(job, "error", f"offering its K/V failed: {err}".splitlines()[0])
         continue
       job.deadline = now + self.offer_timeout_s
       offers[job.offer.uuid] = job
@@ -334,10 +339,30 @@ class WorkerLoop:
   def _fail_later(self, stopping: bool) -> None:
     """After an engine fault: every later job ends with the error."""
     while not stopping:
-      for kind, arg in self._take(1.0):
-        if kind in ("add", "pull"):
-          self._end(arg, "error", f"the engine failed: {self.failed}")
-        stopping = stopping or kind == "stop"
+      commands = self._take(1.0)
+      self._refuse(commands)
+      stopping = any(kind == "stop" for kind, _ in commands)
+
+  def _refuse(self, commands: list) -> None:
+    """Answers commands with the engine's failure (a job's end; a score's exception)."""
+    error = f"the engine failed: {self.failed}"
+    for kind, arg in commands:
+      if kind in ("add", "pull"):
+        self._end(arg, "error", error)
+      elif kind == "score":
+        self._resolve(arg[2], exception=RuntimeError(error))
+
+  def _resolve(self, done: asyncio.Future, value=None, exception=None) -> None:
+    """Sets a handler's future from this thread (a handler gone: nothing to set)."""
+
+    def resolve():
+      if not done.done():
+        done.set_exception(exception) if exception is not None else done.set_result(value)
+
+    try:
+      self._aloop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the event loop is closed
+      pass
 
   def _logprobs(self, rid: int, n: int) -> list | None:
     r = self.engine.requests.get(rid)
@@ -386,7 +411,7 @@ class WorkerServer:
     transfer_address: where the transfer server listens (prefill and decode; port 0 picks one).
     fleet_secret: the Bearer token every /fleet/ call must carry (None: anyone may call).
     offer_timeout_s: prefill: how long an offer's pages wait to be pulled and released.
-    pull_timeout_s: decode: how long a pull may take.
+    pull_timeout_s: decode: how long a ticket may wait for room and be pulled, together.
     drain_s: after SIGTERM, how long running requests may go on.
     info: more to show at /fleet/info (the model's name, its source).
     """
@@ -449,8 +474,8 @@ class WorkerServer:
 
   @property
   def drained(self) -> bool:
-    """Draining, and nothing is in flight any more."""
-    return self.draining and self.loop.idle
+    """Draining, and nothing is in flight any more (or the engine failed: nothing can run)."""
+    return self.draining and (self.loop.idle or self.loop.failed is not None)
 
   def run(self, host: str, port: int, log_level: str = "warning") -> None:
     """Serves on host:port until SIGTERM/SIGINT, then drains and returns.
@@ -563,6 +588,9 @@ class WorkerServer:
       ticket = Ticket.from_json(json.dumps(body["ticket"]))
       q = ticket.request
       prompt, max_tokens, sampling, eos = job_from_json({**q, "eos_id": q.get("eos_id")})
+      refusal = self.engine.check_request(prompt, max_tokens, sampling, eos)
+      if refusal:
+        raise ValueError(refusal)
     except (ValueError, KeyError, TypeError) as e:
       return _error(f"bad decode request: {e}", 400)
     job = Job(prompt, max_tokens, sampling, eos, asyncio.Queue(), ticket=ticket)
@@ -631,9 +659,9 @@ class WorkerServer:
       return _error(why, 503)
     try:
       prompt, max_tokens, sampling, eos = job_from_json(json.loads(await request.body()))
-    except ValueError as e:
+      refusal = self.engine.check_request(prompt, max_tokens, sampling, eos)
+    except (ValueError, TypeError) as e:
       return _error(f"bad job: {e}", 400)
-    refusal = self.engine.check_request(prompt, max_tokens, sampling, eos)
     if refusal:
       return _error(str(refusal), 400)
     return Job(prompt, max_tokens, sampling, eos, asyncio.Queue())
