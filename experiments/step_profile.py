@@ -1,0 +1,264 @@
+"""Where a serving step's time goes at a real model's size, against the matmul rate of this CPU.
+
+  python -m experiments.step_profile [--shape smollm2-135m] [--dtypes float32,bfloat16]
+      [--batch 64 --context 256 --prefill 1024 --steps 8]
+
+First the limit, measured in this run: the model's GEMMs (QKV, attention output, gate and up,
+down, the LM head) at a decode step's M (`--batch` rows) and a prefill step's (`--prefill`
+tokens), timed as one XLA program each and, as a second opinion, through torch's CPU matmul
+(oneDNN), in each dtype. Per dtype, the fastest of these is the peak the steps are held to.
+
+Then the engine's steps at that shape (random weights held in the dtype, pools for the batch):
+- decode: `--batch` requests of `--context` prompt tokens, all running (their contexts grow by
+  up to `--batch * --context / 256` tokens while the others' prompts are computed); each step
+  computes one token of each. Its FLOPs: the GEMMs above for `--batch` tokens plus attention
+  over their mean context (2 FLOPs a multiply-add, matmuls only, as `jaxpipe.models.flops`
+  counts).
+- prefill: one prompt of `--prefill` tokens, in one step (`forward_flops_per_sequence`).
+Per step: wall seconds (median of `--steps`), MFU against the dtype's peak, the engine's host
+phases (`Engine.host_time`), and the device time of the step programs by kind of op
+(`op_breakdown`: matmuls, other arithmetic, slot reads and writes, copies, control), from a
+profiler trace of the timed steps.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from experiments import op_breakdown
+from experiments.serve_dtype import SHAPES
+from jaxpipe.models import flops, transformer
+from jaxpipe.runtime import cli
+from jaxpipe.serve import __main__ as serve_main
+from jaxpipe.serve.engine import HOST_PHASES, Engine
+
+FLAGS = cli.flag_values(__name__)
+flags.DEFINE_enum("shape", "smollm2-135m", list(SHAPES), "The Llama's shape.", flag_values=FLAGS)
+flags.DEFINE_list(
+    "dtypes", ["float32", "bfloat16"], "Weights' and compute dtypes.", flag_values=FLAGS
+)
+flags.DEFINE_integer("batch", 64, "Decode: requests running at once.", flag_values=FLAGS)
+flags.DEFINE_integer("context", 256, "Decode: each request's tokens so far.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "prefill", 1024, "Prefill: the prompt's tokens, in one step.", flag_values=FLAGS
+)
+flags.DEFINE_integer("steps", 8, "Timed steps of each kind.", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 5, "Timed runs of each GEMM (the fastest counts).", flag_values=FLAGS)
+
+
+def gemms(cfg: transformer.TransformerConfig, m: int) -> dict[str, tuple[int, int, int]]:
+  """The model's weight GEMMs for m tokens, as (M, K, N).
+
+  Args:
+    cfg: the model's shape.
+    m: tokens in the step.
+
+  Returns:
+    {name: (M, K, N)}, each once per layer but the head.
+  """
+  d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  return {
+      "qkv": (m, d, (h + 2 * g) * k),
+      "attention out": (m, h * k, d),
+      "gate + up": (m, d, 2 * f),
+      "down": (m, f, d),
+      "lm head": (m, d, cfg.vocab),
+  }
+
+
+def decode_flops(cfg: transformer.TransformerConfig, batch: int, context: int) -> int:
+  """FLOPs of a decode step: `batch` tokens through the GEMMs, each attending `context` tokens.
+
+  Args:
+    cfg: the model's shape.
+    batch: tokens in the step (one a request).
+    context: tokens each attends (its own included).
+
+  Returns:
+    Matmul FLOPs, 2 a multiply-add.
+  """
+  shapes = gemms(cfg, batch)
+  per_layer = sum(2 * m * kk * n for name, (m, kk, n) in shapes.items() if name != "lm head")
+  head = 2 * np.prod(shapes["lm head"])
+  attention = 2 * 2 * batch * context * cfg.n_heads * cfg.head_dim  # scores and values
+  return int(cfg.n_layers * (per_layer + attention) + head)
+
+
+def _best(fn, reps: int) -> float:
+  fn()  # compiled, warm
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str, float]]:
+  """(engine, GEMM, GFLOP/s) for each of the model's GEMMs at each m, by XLA and by torch.
+
+  Args:
+    cfg: the model's shape.
+    ms: the tokens of the steps.
+    dtype: float32 or bfloat16.
+    reps: timed runs (the fastest counts).
+
+  Returns:
+    The rates, XLA's then torch's (torch's left out if it is not installed).
+  """
+  out = []
+  rng = np.random.default_rng(0)
+  for m in ms:
+    for name, (mm, kk, n) in gemms(cfg, m).items():
+      a = jnp.asarray(rng.standard_normal((mm, kk)), dtype)
+      b = jnp.asarray(rng.standard_normal((kk, n)), dtype)
+      f = jax.jit(lambda x, y: x @ y)
+      seconds = _best(lambda a=a, b=b, f=f: f(a, b).block_until_ready(), reps)
+      out.append(("xla", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
+  try:
+    import torch
+  except ImportError:
+    return out
+  torch.set_num_threads(os.cpu_count() or 1)
+  tdtype = getattr(torch, dtype)
+  for m in ms:
+    for name, (mm, kk, n) in gemms(cfg, m).items():
+      a, b = torch.randn(mm, kk, dtype=tdtype), torch.randn(kk, n, dtype=tdtype)
+      seconds = _best(lambda a=a, b=b: torch.matmul(a, b), reps)
+      out.append(("torch", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
+  return out
+
+
+def _decode_tokens(args) -> int:
+  """Tokens each decode request may generate: through the warm-up (the batch's prompts take a
+  step of 256 tokens each, while the earlier ones decode) and the timed steps."""
+  return -(-args.batch * args.context // 256) + args.steps + 16
+
+
+def _engine(cfg, params, args, tokens: int) -> Engine:
+  s = 16
+  pages = -(-(args.context + _decode_tokens(args) + 2) // s)
+  return Engine(
+      cfg,
+      params,
+      page_size=s,
+      num_pages=args.batch * pages + -(-(args.prefill + 2) // s) + 1,
+      max_batch=args.batch,
+      max_tokens_per_step=tokens,
+      max_seq_len=max(pages * s, args.prefill + 2),
+      token_buckets=(args.batch, tokens) if tokens > args.batch else (tokens,),
+      prefix_caching=False,
+      async_scheduling=False,  # each step's time is its own
+  )
+
+
+def timed_steps(engine: Engine, n: int) -> tuple[list[float], dict, dict]:
+  """n steps, profiled: (wall seconds each, host seconds by phase, device seconds by kind)."""
+  host0 = dict(engine.host_time)
+  programs = [engine.step_program(t, p) for t, p in engine.programs]
+  kinds = {}
+  for compiled in programs:
+    kinds.update(op_breakdown.op_kinds(compiled.as_text()))
+  times = []
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(n):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    (trace,) = pathlib.Path(d).glob("**/*.xplane.pb")
+    seconds, _ = op_breakdown.exclusive_times(str(trace))
+  device = dict.fromkeys(op_breakdown.KINDS, 0.0)
+  for name, s in seconds.items():
+    if name in kinds:
+      device[kinds[name][0]] += s / n
+  host = {p: (engine.host_time[p] - host0.get(p, 0.0)) / n for p in HOST_PHASES}
+  return times, host, device
+
+
+def main(argv) -> None:
+  """Prints the GEMM rates, then each step's time, MFU and breakdown (module docstring).
+
+  Args:
+    argv: the program name.
+  """
+  del argv
+  args = FLAGS
+  base = SHAPES[args.shape]
+  print(
+      f"# step_profile {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load "
+      f"{os.getloadavg()[0]:.2f}; {args.shape}, decode {args.batch} x {args.context} tokens, "
+      f"prefill {args.prefill} tokens"
+  )
+  params32 = jax.jit(transformer.init_params, static_argnums=0)(base, jax.random.key(0))
+  for dtype in args.dtypes:
+    rates = gemm_rates(base, [args.batch, args.prefill], dtype, args.reps)
+    peak = max(r for _, _, r in rates)
+    print(f"\n## {dtype}\n\n| GEMM (M x K x N) | XLA GFLOP/s | torch GFLOP/s |\n|---|---|---|")
+    table = {}
+    for who, name, r in rates:
+      table.setdefault(name, {})[who] = r
+    for name, by in table.items():
+      cells = [f"{by[w]:,.1f}" if w in by else "—" for w in ("xla", "torch")]
+      print(f"| {name} | {cells[0]} | {cells[1]} |")
+    print(f"\npeak (the fastest above): {peak:,.1f} GFLOP/s\n")
+    cfg, params = serve_main.in_dtype(base, params32, dtype)
+    rows = []
+    # decode: every request prefilled first (untimed), then steps of one token each
+    e = _engine(cfg, params, args, max(args.batch, 256))
+    e.precompile()
+    rng = np.random.default_rng(1)
+    for _ in range(args.batch):
+      prompt = list(map(int, rng.integers(0, cfg.vocab, args.context)))
+      e.add_request(prompt, _decode_tokens(args), eos_id=None)
+    while len(e.running) < args.batch or any(r.computed < args.context for r in e.running):
+      e.step()
+    context = round(statistics.mean(r.length for r in e.running)) + args.steps // 2
+    times, host, device = timed_steps(e, args.steps)
+    rows.append(("decode", times, decode_flops(cfg, args.batch, context), host, device))
+    # prefill: one prompt a step, its whole length
+    e = _engine(cfg, params, args, args.prefill)
+    e.precompile()
+    times, hosts, devices = [], [], []
+    for _ in range(args.steps):
+      rid = e.add_request(list(map(int, rng.integers(0, cfg.vocab, args.prefill))), 1, eos_id=None)
+      t, h, dv = timed_steps(e, 1)
+      times += t
+      hosts.append(h)
+      devices.append(dv)
+      e.cancel(rid)
+      e.finished()
+    mean = lambda ds: {k: statistics.mean(d[k] for d in ds) for k in ds[0]}
+    fl = flops.forward_flops_per_sequence(cfg, args.prefill)
+    rows.append(("prefill", times, fl, mean(hosts), mean(devices)))
+    print(
+        "| step | wall ms (median) | GFLOP | GFLOP/s | MFU | host ms: "
+        + ", ".join(HOST_PHASES)
+        + " | device ms: "
+        + ", ".join(op_breakdown.KINDS[:5])
+        + " |\n|---|---|---|---|---|---|---|"
+    )
+    for name, ts, fl, host, device in rows:
+      s = statistics.median(ts)
+      print(
+          f"| {name} | {1e3 * s:,.1f} | {fl / 1e9:,.1f} | {fl / s / 1e9:,.1f} | "
+          f"{100 * fl / s / 1e9 / peak:.0f}% | "
+          + " / ".join(f"{1e3 * host[p]:.1f}" for p in HOST_PHASES)
+          + " | "
+          + " / ".join(f"{1e3 * device[k]:.1f}" for k in op_breakdown.KINDS[:5])
+          + " |",
+          flush=True,
+      )
+
+
+if __name__ == "__main__":
+  cli.run(main)
