@@ -209,7 +209,7 @@ _MODEL_NAME = flags.DEFINE_string(
 _API_KEY = flags.DEFINE_string(
     "api_key",
     None,
-    "--http: the Bearer token every request but /health, /metrics and /version must carry "
+    "--http: the Bearer token every request but /health, /ready, /metrics and /version must carry "
     "(vLLM's --api-key); default: $JAXPIPE_API_KEY, else none (anyone may call).",
     flag_values=FLAGS,
 )
@@ -278,7 +278,10 @@ _OFFER_TIMEOUT_S = flags.DEFINE_float(
     flag_values=FLAGS,
 )
 _PULL_TIMEOUT_S = flags.DEFINE_float(
-    "pull_timeout_s", 30.0, "--role decode: seconds a K/V pull may take.", flag_values=FLAGS
+    "pull_timeout_s",
+    30.0,
+    "--role decode: seconds a ticket may wait for a batch slot and pages and be pulled.",
+    flag_values=FLAGS,
 )
 _TOOL_CALL_PARSER = flags.DEFINE_enum(
     "tool_call_parser",
@@ -626,8 +629,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
         engine_info=info,
         tokenizer=tok,
         tool_call_parser=_TOOL_CALL_PARSER.value,
-        # the environment keeps the key out of the process list
-        api_key=_API_KEY.value if _API_KEY.value is not None else os.environ.get("JAXPIPE_API_KEY"),
+        api_key=_api_key(),
     )
   except ValueError as e:
     sys.exit(f"error: {e}")
@@ -657,11 +659,19 @@ def _model_name() -> str:
   )
 
 
+def _from_flag_or_env(flag, env: str) -> str | None:
+  """A flag's value, else the environment's (which keeps a secret out of `ps`)."""
+  return flag.value if flag.value is not None else os.environ.get(env)
+
+
+def _api_key() -> str | None:
+  """--api_key, else $JAXPIPE_API_KEY."""
+  return _from_flag_or_env(_API_KEY, "JAXPIPE_API_KEY")
+
+
 def _secret() -> str | None:
-  """--fleet_secret, else $JAXPIPE_FLEET_SECRET (the environment keeps it out of `ps`)."""
-  if _FLEET_SECRET.value is not None:
-    return _FLEET_SECRET.value
-  return os.environ.get("JAXPIPE_FLEET_SECRET")
+  """--fleet_secret, else $JAXPIPE_FLEET_SECRET."""
+  return _from_flag_or_env(_FLEET_SECRET, "JAXPIPE_FLEET_SECRET")
 
 
 def _serve_worker(engine, source: str) -> None:
@@ -746,7 +756,7 @@ def _serve_router(cfg, tok) -> None:
         engine_info=info,
         tokenizer=tok,
         tool_call_parser=_TOOL_CALL_PARSER.value,
-        api_key=_API_KEY.value if _API_KEY.value is not None else os.environ.get("JAXPIPE_API_KEY"),
+        api_key=_api_key(),
     )
   except ValueError as e:
     sys.exit(f"error: {e}")

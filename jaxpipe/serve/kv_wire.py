@@ -50,13 +50,44 @@ class Ticket:
   # in the order the sender offered them (K then V; values then scales)
   chunks: list[dict]
 
+  def to_dict(self) -> dict:
+    """The ticket as a JSON object (what `to_json` writes).
+
+    Returns:
+      Its fields.
+    """
+    return dataclasses.asdict(self)
+
   def to_json(self) -> str:
     """The ticket as one line of JSON.
 
     Returns:
       The JSON text.
     """
-    return json.dumps(dataclasses.asdict(self))
+    return json.dumps(self.to_dict())
+
+  @classmethod
+  def from_dict(cls, d) -> Ticket:
+    """A ticket from `to_dict`'s object.
+
+    Args:
+      d: the parsed JSON.
+
+    Returns:
+      The ticket.
+
+    Raises:
+      ValueError: one line: it is not a ticket's.
+    """
+    try:
+      ticket = cls(**d)
+      fields = (int(ticket.uuid), str(ticket.address), dict(ticket.request), list(ticket.chunks))
+      if not all(k in ticket.request for k in ("prompt", "output", "sampling", "computed")):
+        raise ValueError("its request lacks prompt, output, sampling or computed")
+    except (TypeError, ValueError, AttributeError) as e:
+      error = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise ValueError(f"not a K/V ticket ({error}); send what KVWire.offer returns") from None
+    return cls(*fields)
 
   @classmethod
   def from_json(cls, text: str) -> Ticket:
@@ -72,14 +103,10 @@ class Ticket:
       ValueError: one line: the text is not a ticket's JSON.
     """
     try:
-      ticket = cls(**json.loads(text))
-      fields = (int(ticket.uuid), str(ticket.address), dict(ticket.request), list(ticket.chunks))
-      if not all(f"{k}" in ticket.request for k in ("prompt", "output", "sampling", "computed")):
-        raise ValueError("its request lacks prompt, output, sampling or computed")
-    except (TypeError, ValueError, AttributeError) as e:
-      error = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise ValueError(f"not a K/V ticket ({error}); send what KVWire.offer returns") from None
-    return cls(*fields)
+      d = json.loads(text)
+    except ValueError as e:
+      raise ValueError(f"not a K/V ticket ({e}); send what KVWire.offer returns") from None
+    return cls.from_dict(d)
 
 
 def _spec(x) -> list:

@@ -433,21 +433,8 @@ class FleetBackend:
       self._emit(r, finish="error", error=str(e).splitlines()[0] if str(e) else repr(e))
 
   async def _colocated(self, r: Remote) -> None:
-    tried, job = set(), job_json(r.prompt, r.max_tokens, r.sampling, r.eos_id)
-    while True:
-      s = self._pick(self.replicas, r, tried)
-      got = []
-      try:
-        async with self._holding(s, r):
-          async with contextlib.aclosing(self._stream(s, "/fleet/generate", job, got)) as events:
-            async for event in events:
-              if self._forward(r, event):
-                return
-        raise RuntimeError(f"the {s} closed the stream before the request finished")
-      except Unreachable:
-        if got:  # it had begun: its tokens were sent on
-          raise
-        s.up = False
+    job = job_json(r.prompt, r.max_tokens, r.sampling, r.eos_id)
+    await self._on_one(self.replicas, r, "/fleet/generate", job, lambda s, e: self._forward(r, e))
 
   async def _disaggregated(self, r: Remote) -> None:
     state = {"p": None, "ticket": None, "pulled": False}
@@ -458,46 +445,45 @@ class FleetBackend:
         self._release(state["p"], state["ticket"]["uuid"])
 
   async def _prefill_then_decode(self, r: Remote, state: dict) -> None:
-    tried, job = set(), job_json(r.prompt, r.max_tokens, r.sampling, r.eos_id)
-    ticket = None
-    while ticket is None:
-      p = self._pick(self.prefill, r, tried)
-      got = []
-      try:
-        async with self._holding(p, r):
-          async with contextlib.aclosing(self._stream(p, "/fleet/prefill", job, got)) as events:
-            async for event in events:
-              if "ticket" in event:
-                ticket = state["ticket"] = event["ticket"]
-                state["p"] = p
-                break
-              if self._forward(r, event):
-                return
-            else:
-              raise RuntimeError(f"the {p} closed the stream before the request's first token")
-      except Unreachable:
-        if got:
-          raise
-        p.up = False
+    def prefilled(p: Server, event: dict) -> bool:
+      if "ticket" in event:
+        state["p"], state["ticket"] = p, event["ticket"]
+        return True
+      return self._forward(r, event)
+
+    def decoded(d: Server, event: dict) -> bool:
+      if event.get("pulled"):
+        state["pulled"] = True
+        self._release(state["p"], state["ticket"]["uuid"])
+        return False
+      return self._forward(r, event)
+
+    job = job_json(r.prompt, r.max_tokens, r.sampling, r.eos_id)
+    await self._on_one(self.prefill, r, "/fleet/prefill", job, prefilled)
+    if state["ticket"] is not None:  # else it ended at its first token
+      body = {"ticket": state["ticket"]}
+      await self._on_one(self.decode, r, "/fleet/decode", body, decoded)
+
+  async def _on_one(self, servers: list[Server], r: Remote, path: str, body: dict, handle) -> None:
+    """Streams `body` to one of `servers` and hands each event to `handle(server, event)` until
+    it returns True. A server that does not take the request before its first event (no
+    connection, 503) is marked down and the next one is tried; one that fails or closes the
+    stream after that fails the request."""
     tried = set()
     while True:
-      d = self._pick(self.decode, r, tried)
+      s = self._pick(servers, r, tried)
       got = []
       try:
-        async with self._holding(d, r):
-          body = {"ticket": ticket}
-          async with contextlib.aclosing(self._stream(d, "/fleet/decode", body, got)) as events:
+        async with self._holding(s, r):
+          async with contextlib.aclosing(self._stream(s, path, body, got)) as events:
             async for event in events:
-              if event.get("pulled"):
-                state["pulled"] = True
-                self._release(p, ticket["uuid"])
-              elif self._forward(r, event):
+              if handle(s, event):
                 return
-        raise RuntimeError(f"the {d} closed the stream before the request finished")
+        raise RuntimeError(f"the {s} closed the stream before the request finished")
       except Unreachable:
-        if got:
+        if got:  # it had begun: its events were passed on
           raise
-        d.up = False
+        s.up = False
 
   async def _score(self, prompt: list[int], top: int) -> list:
     servers = sorted((s for s in self.replicas or self.prefill if s.up), key=lambda s: s.load)

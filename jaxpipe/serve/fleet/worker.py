@@ -316,7 +316,7 @@ class WorkerLoop:
         continue
       job.deadline = now + self.offer_timeout_s
       offers[job.offer.uuid] = job
-      self._send(job, {"ticket": json.loads(job.offer.to_json())})
+      self._send(job, {"ticket": job.offer.to_dict()})
     for uuid, job in list(offers.items()):
       if now > job.deadline:  # no decode server took it: its router or puller is gone
         del offers[uuid]
@@ -585,7 +585,7 @@ class WorkerServer:
       return _error(why, 503)
     try:
       body = json.loads(await request.body())
-      ticket = Ticket.from_json(json.dumps(body["ticket"]))
+      ticket = Ticket.from_dict(body["ticket"])
       q = ticket.request
       prompt, max_tokens, sampling, eos = job_from_json({**q, "eos_id": q.get("eos_id")})
       refusal = self.engine.check_request(prompt, max_tokens, sampling, eos)

@@ -1,10 +1,9 @@
 """Who may call: a Bearer token on every request, as vLLM's `--api-key` asks for it.
 
 With a key set, each HTTP request but the monitoring routes (`/health`, `/ready`, `/metrics`,
-`/version`)
-and CORS preflights must carry `Authorization: Bearer <key>`; the header is compared in constant
-time (`hmac.compare_digest`). A request without it gets 401 with an OpenAI-style error body,
-which the `openai` package raises as `AuthenticationError`.
+`/version`) and CORS preflights must carry `Authorization: Bearer <key>`; the header is compared
+in constant time (`hmac.compare_digest`). A request without it gets 401 with an OpenAI-style
+error body, which the `openai` package raises as `AuthenticationError`.
 """
 
 from __future__ import annotations
