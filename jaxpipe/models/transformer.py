@@ -48,6 +48,7 @@ from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
 from jaxpipe.models.layers import Dense, Kernel, RMSNorm, rms_norm
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.ops.vma import vary_like
 from jaxpipe.parallel import overlap
 from jaxpipe.parallel import tensor as tp_lib
@@ -956,8 +957,9 @@ def project(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Arr
     `cfg.final_softcap`.
   """
   x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
-  w_DxV = params["embed"].T if cfg.tied_embeddings else params["head"]
-  logits = jnp.dot(x_BxLxD, w_DxV.astype(cfg.compute_dtype), preferred_element_type=jnp.float32)
+  tied = cfg.tied_embeddings  # the embedding [V, D] read as the head's transpose
+  w = (params["embed"] if tied else params["head"]).astype(cfg.compute_dtype)
+  logits = matmul_lib.dot(x_BxLxD, w, out_dtype=jnp.float32, transpose_w=tied)
   if cfg.final_softcap:
     logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
   return logits

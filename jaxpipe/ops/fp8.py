@@ -52,6 +52,7 @@ import numpy as np
 from flax.linen import fp8_ops
 from jax import lax
 
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.ops.vma import vary_like, varying_axes
 
 RECIPES = ("none", "delayed", "current", "block")
@@ -342,9 +343,9 @@ def dot(
 ) -> jax.Array:
   """`x`'s last `in_dims` axes contracted with `w`'s first `in_dims` (nn.DenseGeneral's product).
 
-  With recipe `'none'` this is DenseGeneral's own `lax.dot_general` in `dtype`; otherwise the
-  recipe's FP8 GEMM on the flattened [M, K] x [K, N] product. Per-tensor amaxes are maxima over
-  the axes of an enclosing `amax_over` too.
+  With recipe `'none'` this is DenseGeneral's own product in `dtype` (`ops.matmul.dot`);
+  otherwise the recipe's FP8 GEMM on the flattened [M, K] x [K, N] product. Per-tensor amaxes
+  are maxima over the axes of an enclosing `amax_over` too.
 
   Args:
     x: the input, [..., *contracted].
@@ -362,9 +363,8 @@ def dot(
       missing for it).
   """
   x, w = x.astype(dtype), w.astype(dtype)
-  if recipe == "none":
-    x_axes = tuple(range(x.ndim - in_dims, x.ndim))
-    return lax.dot_general(x, w, ((x_axes, tuple(range(in_dims))), ((), ())))
+  if recipe == "none":  # XLA's dot, or oneDNN's inside a serving step (`ops.matmul`)
+    return matmul_lib.dot(x, w, in_dims)
   lead, out = x.shape[: x.ndim - in_dims], w.shape[in_dims:]
   k = int(np.prod(w.shape[:in_dims]))
   y = _matmul(x.reshape(-1, k), w.reshape(k, -1), None, recipe, scale_3, dtype, _AMAX_AXES.get())

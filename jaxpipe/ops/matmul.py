@@ -1,0 +1,127 @@
+"""The GEMM behind the model's projections and output head: XLA's dot, or oneDNN's.
+
+Backends: `xla` (`lax.dot_general`, everywhere, differentiable), `onednn`
+(`kernels_cpu.matmul`: CPU only, float32 or bfloat16, forward only) and `auto`, which a serving
+engine resolves to onednn on a CPU where the kernel builds and to xla elsewhere. A kernel that
+cannot be built is said once per process (a `RuntimeWarning`), and auto then takes xla.
+
+The choice is made while tracing: code traced inside `backend('onednn')` runs its projections
+(`dot`) through oneDNN; everything else, training included, runs XLA's dot. A product oneDNN
+does not take (another dtype, mixed dtypes) runs XLA's dot there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kernels_cpu import matmul as onednn_lib
+
+BACKENDS = ("xla", "onednn", "auto")
+_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("matmul_backend", default="xla")
+
+
+@functools.cache
+def _fall_back(reason: str) -> None:
+  """Says once per process why auto runs XLA's dot."""
+  warnings.warn(
+      f"matmul: the oneDNN kernel is unavailable ({reason}); running XLA's dot",
+      RuntimeWarning,
+      stacklevel=3,
+  )
+
+
+def resolve(name: str) -> str:
+  """The backend a serving engine runs for `name`.
+
+  Args:
+    name: one of `BACKENDS`.
+
+  Returns:
+    'xla' or 'onednn'.
+
+  Raises:
+    ValueError: an unknown name, or 'onednn' where the kernel cannot run (the reason, and the
+      fix).
+  """
+  if name not in BACKENDS:
+    raise ValueError(f"unknown matmul backend {name!r}; choose one of {BACKENDS}")
+  if name == "xla":
+    return name
+  reason = onednn_lib.unavailable()
+  if name == "onednn" and reason is not None:
+    raise ValueError(f"matmul backend 'onednn' is unavailable: {reason}; use 'xla'")
+  if reason is not None:
+    if jax.default_backend() == "cpu":  # not worth a word on an accelerator
+      _fall_back(reason)
+    return "xla"
+  return "onednn"
+
+
+@contextlib.contextmanager
+def backend(name: str):
+  """While tracing inside, `dot` runs on this backend.
+
+  Args:
+    name: 'xla' or 'onednn' (`resolve`'s result).
+
+  Raises:
+    ValueError: another name.
+  """
+  if name not in ("xla", "onednn"):
+    raise ValueError(f"matmul backend {name!r}: resolve it first ('xla' or 'onednn')")
+  token = _BACKEND.set(name)
+  try:
+    yield
+  finally:
+    _BACKEND.reset(token)
+
+
+def dot(
+    x: jax.Array,
+    w: jax.Array,
+    in_dims: int = 1,
+    out_dtype=None,
+    *,
+    transpose_w: bool = False,
+) -> jax.Array:
+  """`x`'s last `in_dims` axes contracted with `w`'s first `in_dims` (DenseGeneral's product).
+
+  Args:
+    x: the input, [..., *contracted].
+    w: the weight, [*contracted, *out]; with transpose_w, [N, K] (2-D, contracted last).
+    in_dims: how many axes are contracted.
+    out_dtype: the result's dtype; None: the inputs' (XLA's default for a dot).
+    transpose_w: w is given transposed, [N, K] (a tied embedding as the output head).
+
+  Returns:
+    The product, [..., *out].
+  """
+  if transpose_w and (w.ndim != 2 or in_dims != 1):
+    raise ValueError(f"transpose_w takes a 2-D w and in_dims 1, not {w.shape}, {in_dims}")
+  out_dtype = None if out_dtype is None else jnp.dtype(out_dtype)
+  k = int(np.prod(x.shape[x.ndim - in_dims :]))
+  out = w.shape[:1] if transpose_w else w.shape[in_dims:]
+  onednn = (
+      _BACKEND.get() == "onednn"
+      and x.dtype in onednn_lib.DTYPES
+      and w.dtype == x.dtype
+      and out_dtype in (None, x.dtype, jnp.float32)
+  )
+  if onednn:
+    w_2d = w if transpose_w else w.reshape(k, -1)
+    y = onednn_lib.matmul(x.reshape(-1, k), w_2d, out_dtype, transpose_w=transpose_w)
+    return y.reshape(x.shape[: x.ndim - in_dims] + tuple(out))
+  if transpose_w:
+    w = w.T
+  x_axes = tuple(range(x.ndim - in_dims, x.ndim))
+  return lax.dot_general(
+      x, w, ((x_axes, tuple(range(in_dims))), ((), ())), preferred_element_type=out_dtype
+  )

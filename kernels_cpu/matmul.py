@@ -1,0 +1,121 @@
+"""A GEMM on the CPU through oneDNN: `matmul.cc` through XLA's FFI.
+
+oneDNN comes from the `onednn-cpu-gomp` and `onednn-devel-cpu-gomp` packages (its library and
+its headers; installed with jaxpipe on x86-64 Linux). The C++ source is compiled on first use
+(`kernels_cpu.build`) and linked against that library. `unavailable()` says why the kernel
+cannot run here (not a CPU, no oneDNN, no compiler, a failed build); callers then take XLA's dot.
+
+Why: on an AVX512_BF16 CPU oneDNN's matmul runs bfloat16 GEMMs at about twice float32's rate,
+while XLA:CPU's dots run them no faster than float32 (docs/benchmarks.md, "Where a serving step's
+time goes"); oneDNN's float32 GEMMs are also ahead of XLA's at a decode step's few rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels_cpu import build as build_lib
+
+SOURCE = Path(__file__).with_name("matmul.cc")
+TARGET = "jaxpipe_matmul"
+DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
+_LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
+_INSTALL = f"pip install {_LIBRARY} {_HEADERS}"
+
+
+def _found(package: str, name: str) -> Path:
+  """The installed file of `package` whose path ends in `name`; FileNotFoundError naming the
+  package and how to install it otherwise."""
+  try:
+    files = importlib.metadata.files(package) or []
+  except importlib.metadata.PackageNotFoundError:
+    files = []
+  for f in files:
+    if str(f).endswith(name):  # the wheels' paths are relative to site-packages
+      return Path(f.locate()).resolve()
+  raise FileNotFoundError(f"oneDNN's {name} is not installed ({_INSTALL})")
+
+
+def onednn() -> tuple[Path, Path]:
+  """(oneDNN's library directory, its include directory), from the installed packages.
+
+  Returns:
+    The two directories.
+
+  Raises:
+    FileNotFoundError: a package is missing (the message says what to install).
+  """
+  lib = _found(_LIBRARY, "/libdnnl.so").parent
+  header = _found(_HEADERS, "/oneapi/dnnl/dnnl.hpp")
+  return lib, header.parents[2]
+
+
+def build() -> Path:
+  """The compiled library, built now unless the cache holds it; an error says why not."""
+  lib, include = onednn()
+  link = (f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}")
+  return build_lib.library(SOURCE, (*FLAGS, f"-I{include}"), link)
+
+
+@functools.cache
+def unavailable() -> str | None:
+  """None once the kernel is built and registered with XLA for the CPU; else the reason."""
+  if jax.default_backend() != "cpu":
+    return f"runs on CPU only, and this process runs on {jax.default_backend()}"
+  try:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxpipeMatmul), platform="cpu")
+  except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+    return str(e)
+  return None
+
+
+def matmul(
+    x_MxK: jax.Array, w: jax.Array, out_dtype=None, *, transpose_w: bool = False
+) -> jax.Array:
+  """x @ w by oneDNN, where w is [K, N], or with transpose_w [N, K] and its transpose is used.
+
+  Forward only: the call has no derivative (serving's steps take none).
+
+  Args:
+    x_MxK: float32 or bfloat16.
+    w: the weight, of x's dtype.
+    out_dtype: x's dtype (when None) or float32.
+    transpose_w: w is [N, K] (read in place, as a tied embedding for the output head).
+
+  Returns:
+    [M, N] in out_dtype, accumulated in float32.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here (the reason).
+    ValueError: dtypes or shapes it does not take.
+  """
+  reason = unavailable()
+  if reason is not None:
+    raise RuntimeError(f"the oneDNN matmul kernel is unavailable: {reason}")
+  out_dtype = jnp.dtype(out_dtype or x_MxK.dtype)
+  if (
+      x_MxK.dtype not in DTYPES
+      or w.dtype != x_MxK.dtype
+      or out_dtype not in (x_MxK.dtype, jnp.float32)
+  ):
+    raise ValueError(
+        "the oneDNN matmul takes x and w both float32 (giving float32) or both bfloat16 (giving "
+        f"bfloat16 or float32), not x {x_MxK.dtype}, w {w.dtype} -> {out_dtype}"
+    )
+  k, n = w.shape[::-1] if transpose_w else w.shape
+  if x_MxK.ndim != 2 or w.ndim != 2 or x_MxK.shape[1] != k:
+    raise ValueError(
+        f"the oneDNN matmul takes x [M, K] and w [K, N] (or [N, K] transposed), not x "
+        f"{x_MxK.shape} and w {w.shape}{' transposed' if transpose_w else ''}"
+    )
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype))
+  return call(x_MxK, w, transpose_w=bool(transpose_w))
