@@ -993,9 +993,9 @@ def ragged_case():
   return q, k_pages, v_pages, rows, tables_TxN, lengths_T, at
 
 
-def ragged_engine(attention: str, devices: int = 1, name: str = "dense"):
+def ragged_engine(attention: str, devices: int = 1, name: str = "dense", **kw):
   """An engine of model `name` with a small pool (preemption happens) whose freed pages are NaN,
-  on `attention`, over `devices` devices."""
+  on `attention`, over `devices` devices; `kw`: further `EngineConfig` fields."""
   from jaxpipe.serve import Engine
 
   engine = Engine(
@@ -1006,6 +1006,7 @@ def ragged_engine(attention: str, devices: int = 1, name: str = "dense"):
       attention=attention,
       devices=jax.devices()[:devices],
       **ENGINE_ARGS,
+      **kw,
   )
   assert engine.backend == attention
   return engine

@@ -135,6 +135,14 @@ _ATTENTION = flags.DEFINE_string(
     "cache; else xla_ragged)",
     flag_values=FLAGS,
 )
+_MATMUL = flags.DEFINE_enum(
+    "matmul",
+    "auto",
+    ["auto", "onednn", "xla"],
+    "The GEMM of the projections and the output head: onednn (oneDNN's, CPU only), xla (XLA's "
+    "dot), auto (onednn on a CPU where it builds; else xla)",
+    flag_values=FLAGS,
+)
 _MAX_BATCH = flags.DEFINE_integer(
     "max_batch",
     None,
@@ -395,6 +403,7 @@ def main(argv: list[str]) -> None:
       token_buckets=token_buckets,
       page_buckets=page_buckets or (-(-max_seq_len // _PAGE_SIZE.value),),
       attention=_ATTENTION.value,
+      matmul=_MATMUL.value,
       eos_id=tok.eos_ids or None,
   )
   if _KV_CACHE_DTYPE.value != "auto":
@@ -448,7 +457,7 @@ def main(argv: list[str]) -> None:
   print(
       f"# {source}; {jax.devices()[0].platform}"
       f"{f' x {engine.mesh.size} tensor-parallel' if engine.mesh.size > 1 else ''}, "
-      f"paged attention {engine.backend}, "
+      f"paged attention {engine.backend}, matmul {engine.matmul}, "
       f"{len(engine.programs)} compiled step programs, {engine.steps} steps"
       + (f"; {engine.rings_note()}" if engine.ring_size else "")
   )
@@ -612,6 +621,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
       "token_buckets": list(engine.token_buckets),
       "page_buckets": list(engine.page_buckets),
       "attention": engine.backend,
+      "matmul": engine.matmul,
       "kv_cache_dtype": _KV_CACHE_DTYPE.value,
       "tokenizer": type(tok).__name__,
       "eos_ids": list(tok.eos_ids),
@@ -637,7 +647,7 @@ def _serve_http(backend, cfg, source: str, tok) -> None:
   workers = f" ({len(engines)} workers)" if len(engines) > 1 else ""
   print(
       f"# {source}; {jax.devices()[0].platform}, {_MODE.value}{workers}{_spans(engine)}, paged "
-      f"attention {engine.backend}, {programs} step programs compiled in "
+      f"attention {engine.backend}, matmul {engine.matmul}, {programs} step programs compiled in "
       f"{time.perf_counter() - start:.1f} s; "
       + "".join(f"{e.rings_note()}; " for e in engines[:1] if e.ring_size)
       + f"serving {name!r} on http://{_HOST.value}:{_PORT.value} (SIGTERM drains for "
@@ -699,7 +709,8 @@ def _serve_worker(engine, source: str) -> None:
     sys.exit(f"error: {e}")
   wire = f", K/V transfer server on {server.wire.address}" if server.wire else ""
   print(
-      f"# {source}; {role} server, paged attention {engine.backend}, {len(engine.programs)} step "
+      f"# {source}; {role} server, paged attention {engine.backend}, matmul {engine.matmul}, "
+      f"{len(engine.programs)} step "
       f"programs compiled in {time.perf_counter() - start:.1f} s{wire}; serving on "
       f"http://{_HOST.value}:{_PORT.value} (SIGTERM drains for {_DRAIN_S.value:g} s)",
       flush=True,

@@ -60,6 +60,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.ops.attention import resolve_step_backend
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.serve import batch as batch_lib
@@ -205,6 +206,9 @@ class EngineConfig:
   max_tokens_per_step: int = 256  # the scheduler's token budget per step
   max_seq_len: int = 2048  # prompt + generated tokens of one request at most
   attention: str = "auto"  # the step's attention backend (`ops.attention.resolve_step_backend`)
+  # the GEMM of the step's projections and head (`ops.matmul`): 'auto' (oneDNN on a CPU where it
+  # builds, else XLA's dot), 'onednn' or 'xla'
+  matmul: str = "auto"
   eos_id: int | Sequence[int] | None = None  # the engine's EOS ids (add_request's default)
   prefix_caching: bool = True  # reuse the cached pages of shared prompt prefixes
   # padded sizes a step may take (tokens per step, pages per sequence); None: powers of two up
@@ -272,7 +276,9 @@ class Engine:
 
     Args:
       model_cfg: the model.
-      params: its parameters (`transformer.init_params`'s tree).
+      params: its parameters (`transformer.init_params`'s tree). On CPU the engine keeps each
+        layer's weights as arrays of their own (`serve.model.unstack_layers`: a copy; drop yours
+        to hold the weights once).
       config: the engine's settings (default `EngineConfig()`).
       devices: the engine's devices (default: the first device); several run the model
         tensor-parallel.
@@ -311,6 +317,7 @@ class Engine:
     # (heads, key width, value width) of what a layer's pages hold per token
     self.cached = model_lib.cached_heads(model_cfg, config.mla_cache)
     self.backend = resolve_step_backend(config.attention, self.cached[1], page_size, self.kv_dtype)
+    self.matmul = matmul_lib.resolve(config.matmul)
     self.max_pages_per_seq = max_pages_per_seq
     self.token_buckets = batch_lib.check_buckets(
         "token_buckets",
@@ -346,6 +353,8 @@ class Engine:
         window_pages,
         rings if self.ring_size else (),
     )
+    if devices[0].platform == "cpu":  # each layer's weights read in place (`unstack_layers`)
+      params = model_lib.unstack_layers(params)
     # Megatron's tensor-parallel layout over the engine's devices (`model_lib.forward_paged`)
     self._param_sharding = jax.tree.map(
         lambda spec: NamedSharding(self.mesh, spec),
@@ -422,6 +431,7 @@ class Engine:
     self.compiled = StepPrograms(
         self.cfg,
         self.backend,
+        self.matmul,
         self.mesh,
         max_batch,
         (self._param_sharding, self.kv_cache_sharding, self._replicated),
@@ -734,7 +744,8 @@ class Engine:
       # entries of `size` or more (padding) drop
       idx = (firsts_L[:, None] + pages_F[None, :]).reshape(-1)
       idx = jnp.where(jnp.tile(pages_F, firsts_L.shape[0]) < size, idx, kv.k.shape[1])
-      nan = lambda x: x.at[:, idx].set(jnp.nan, mode="drop")
+      nan_of = lambda x: model_lib.NAN_BITS if x.dtype == model_lib.BITS else jnp.nan
+      nan = lambda x: x.at[:, idx].set(nan_of(x), mode="drop")
       if kv.k_scales is not None:  # 8-bit: a NaN scale makes the slot's value NaN
         return kv.replace(k_scales=nan(kv.k_scales), v_scales=nan(kv.v_scales))
       return kv.with_pools(nan(kv.k), nan(kv.v))

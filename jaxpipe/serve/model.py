@@ -62,6 +62,12 @@ from jaxpipe.serve import speculative
 from jaxpipe.serve.sampling import SamplingBatch, sample, top_logprobs
 
 KV_AXIS = "kv"  # the engine's mesh axis; the pools' KV heads are split over it
+# A bfloat16 pool is held as its bits, at rest and in a step: XLA:CPU widens a bfloat16 scatter
+# (and a bfloat16 operand of a custom call in a loop) to float32 copies of the whole pool, every
+# layer, where it updates uint16 ones in place; and a conversion at a step's edges copies the
+# whole pool (four copies a step: 200 ms of a 350 ms decode step at SmolLM2-135M's shape).
+BITS = jnp.uint16
+NAN_BITS = 0x7FC0  # a bfloat16 NaN's bits
 RAGGED_BLOCK = 32  # queries per block of a multi-token row (`ragged_paged_attention`'s default)
 RAGGED_BACKENDS = tuple(RAGGED_KERNELS)  # the backends that read TokenBatch.seq_*
 
@@ -71,7 +77,8 @@ class KVPages:
   """K and V pools of every layer: a full-attention layer owns `num_pages` pages, a ring layer
   (sliding window, `ring_layers`) `window_pages`, each layer's from its `offsets` entry."""
 
-  k: jax.Array  # [G, pages of every layer, page_size, head_dim]
+  # [G, pages of every layer, page_size, head_dim]; a bfloat16 pool is held as its bits (BITS)
+  k: jax.Array
   v: jax.Array
   num_pages: int = flax.struct.field(pytree_node=False)  # pages per layer, scratch page 0 included
   k_scales: jax.Array | None = None  # float32 [G, pages of every layer, page_size]; 8-bit pools
@@ -83,6 +90,11 @@ class KVPages:
   def pools(self) -> tuple:
     """(k, v, k_scales, v_scales): what a layer reads and writes."""
     return self.k, self.v, self.k_scales, self.v_scales
+
+  @property
+  def dtype(self):
+    """The values' dtype: bfloat16 for pools held as their bits."""
+    return jnp.dtype(jnp.bfloat16) if self.k.dtype == BITS else self.k.dtype
 
   @property
   def page_size(self) -> int:
@@ -307,6 +319,12 @@ def init_kv(
   layout = dict(window_pages=window_pages if rings else 0, ring_layers=rings)
   # one program per shape (K and V alike but for a latent cache's empty V)
   full = jax.jit(jnp.full, static_argnums=(0, 2), out_shardings=sharding)
+  if dtype == jnp.bfloat16:  # held as its bits (BITS)
+    full = jax.jit(
+        lambda shape, fill, dtype: jax.lax.bitcast_convert_type(jnp.full(shape, fill, dtype), BITS),
+        static_argnums=(0, 2),
+        out_shardings=sharding,
+    )
   if not quantized(dtype):
     return KVPages(full(k_shape, fill, dtype), full(v_shape, fill, dtype), num_pages, **layout)
   pools = full(k_shape, 0, dtype), full(v_shape, 0, dtype)
@@ -453,12 +471,6 @@ class _PagedHook:
     return slots, rows, offset
 
 
-# Inside a step a bfloat16 pool travels as its bits: XLA:CPU widens a bfloat16 scatter (and a
-# bfloat16 operand of a custom call in a loop) to float32 copies of the whole pool, every layer;
-# uint16 ones it updates in place. `_forward_local` converts at the step's edges.
-BITS = jnp.uint16
-
-
 def _to_bits(pool):
   if pool is None or pool.dtype != jnp.bfloat16:
     return pool
@@ -553,6 +565,45 @@ def _seq_lens(batch: TokenBatch) -> jax.Array:
   return jnp.max(jnp.where(mine_TxB, ends_B[None], batch.positions_T[:, None] + 1), axis=1)
 
 
+def unstack_layers(params: dict) -> dict:
+  """The parameters with each layer's weights (a MoE model's: each unit's) as arrays of their own.
+
+  `forward_paged` then runs the layers in a Python loop, each reading its weights in place;
+  a stacked tree runs them in a `lax.scan`, where XLA:CPU copies every layer's weights out of
+  the stack each step (and converts a bfloat16 stack to float32 whole first).
+
+  Args:
+    params: `transformer.init_params`'s tree (`layers`, `first_layers` stacked on axis 0).
+
+  Returns:
+    The same tree but `layers` (and `first_layers`) lists of one tree per layer (unit).
+  """
+  out = dict(params)
+  for name in ("first_layers", "layers"):
+    stack = params.get(name)
+    if stack is None or isinstance(stack, (list, tuple)):
+      continue
+    n = jax.tree.leaves(stack)[0].shape[0]
+    out[name] = [jax.tree.map(lambda x, i=i: x[i], stack) for i in range(n)]
+  return out
+
+
+def stack_layers(params: dict) -> dict:
+  """`unstack_layers` undone: the layers stacked on axis 0 again, as `transformer` takes them.
+
+  Args:
+    params: a tree from `unstack_layers` (or already stacked: returned as it is).
+
+  Returns:
+    `transformer.init_params`'s tree.
+  """
+  out = dict(params)
+  for name in ("first_layers", "layers"):
+    if isinstance(params.get(name), (list, tuple)):
+      out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *params[name])
+  return out
+
+
 def param_specs(params: dict, tp: int) -> dict:
   """PartitionSpecs of the parameters on an engine's mesh.
 
@@ -607,7 +658,7 @@ def forward_paged(
       raise ValueError(f"the {backend} backend needs the batch's rows (TokenBatch.seq_*)")
     backend = resolve_paged_backend(backend, kv.k.shape[-1], kv.page_size)
   else:
-    backend = resolve_step_backend(backend, kv.k.shape[-1], kv.page_size, kv.k.dtype)
+    backend = resolve_step_backend(backend, kv.k.shape[-1], kv.page_size, kv.dtype)
   run = functools.partial(_forward_local, cfg, layout=kv.layout, backend=backend, hidden=hidden)
   if mesh is not None and mesh.size > 1:
     tensor = functools.partial(_tensor_parallel, run, axis=KV_AXIS)
@@ -668,11 +719,18 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend, hidden=False):
     return (x, hook.pools), None
 
   carry = (x_1xTxD, hook.pools)
-  if first:
-    carry, _ = jax.lax.scan(dense_body, carry, (params["first_layers"], jnp.arange(first)))
-  (x_1xTxD, pools), _ = jax.lax.scan(
-      unit_body, carry, (params["layers"], jnp.arange(cfg.stack_units))
-  )
+  if isinstance(params["layers"], (list, tuple)):  # unstacked (`unstack_layers`)
+    for i, layer in enumerate(params.get("first_layers", ())):
+      carry, _ = dense_body(carry, (layer, i))
+    for u, unit in enumerate(params["layers"]):
+      carry, _ = unit_body(carry, (unit, u))
+    x_1xTxD, pools = carry
+  else:
+    if first:
+      carry, _ = jax.lax.scan(dense_body, carry, (params["first_layers"], jnp.arange(first)))
+    (x_1xTxD, pools), _ = jax.lax.scan(
+        unit_body, carry, (params["layers"], jnp.arange(cfg.stack_units))
+    )
   logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
   pools = tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))
   return (logits_1xRxV[0], x_1xTxD[0], pools) if hidden else (logits_1xRxV[0], pools)

@@ -150,6 +150,7 @@ class MtpDrafter:
     self.width = math.ceil((max_seq_len + k) / page_size)  # a block table's entries
     heads, k_width, v_width = model_lib.cached_heads(cfg, mla_cache)
     dtype = model_lib.kv_dtype(cfg)
+    dtype = model_lib.BITS if dtype == jnp.bfloat16 else dtype  # held as its bits
     # placed as the program returns them (over the engine's mesh): one program per shape
     zeros = lambda w: jax.device_put(jnp.zeros((heads, num_pages, page_size, w), dtype), sharding)
     self.kv = model_lib.KVPages(zeros(k_width), zeros(v_width), num_pages)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import sampling as sampling_lib
 
@@ -29,6 +30,7 @@ class StepPrograms:
       self,
       cfg: TransformerConfig,
       backend: str,
+      matmul: str,
       mesh: Mesh,
       max_batch: int,
       shardings: tuple,
@@ -38,6 +40,7 @@ class StepPrograms:
     """Args:
     cfg: the serving model.
     backend: the step's attention backend.
+    matmul: the GEMM of its projections, resolved (`ops.matmul`): 'xla' or 'onednn'.
     mesh: the engine's devices.
     max_batch: the sampled rows of a step.
     shardings: (parameters' tree, the K/V pools' `KVPages`, the replicated sharding).
@@ -47,6 +50,7 @@ class StepPrograms:
       continues: `serve.mtp_drafter`), before the pools.
     """
     self.cfg, self.backend, self.mesh, self.max_batch = cfg, backend, mesh, max_batch
+    self.matmul = matmul
     self._params, self._kv, self._replicated = shardings
     self.ring, self.hidden = ring, hidden
     self._compiled: dict[tuple, jax.stages.Compiled] = {}
@@ -111,16 +115,15 @@ class StepPrograms:
       )
       sampling = sampling_lib.batch_shapes(r, key[2], self.cfg.vocab)
       rep = self._replicated
-      self._compiled[key] = (
-          jax.jit(
-              step,
-              donate_argnums=1,
-              in_shardings=(self._params, self._kv, rep, rep, rep),
-              out_shardings=(rep, rep, rep, *(rep,) * self.hidden, self._kv),
-          )
-          .lower(params, kv, self._batch_shapes(t, n, key[2][4]), sampling, _i32(r))
-          .compile()
+      program = jax.jit(
+          step,
+          donate_argnums=1,
+          in_shardings=(self._params, self._kv, rep, rep, rep),
+          out_shardings=(rep, rep, rep, *(rep,) * self.hidden, self._kv),
       )
+      with matmul_lib.backend(self.matmul):  # read while tracing
+        lowered = program.lower(params, kv, self._batch_shapes(t, n, key[2][4]), sampling, _i32(r))
+      self._compiled[key] = lowered.compile()
     return self._compiled[key]
 
   def get_split(
@@ -152,16 +155,15 @@ class StepPrograms:
           mesh=self.mesh,
           hidden=self.hidden,
       )
-      self._forward[forward_key] = (
-          jax.jit(
-              step,
-              donate_argnums=1,
-              in_shardings=(self._params, self._kv, rep, rep),
-              out_shardings=(rep, *(rep,) * self.hidden, self._kv),
-          )
-          .lower(params, kv, self._batch_shapes(t, n, drafts), _i32(r))
-          .compile()
+      program = jax.jit(
+          step,
+          donate_argnums=1,
+          in_shardings=(self._params, self._kv, rep, rep),
+          out_shardings=(rep, *(rep,) * self.hidden, self._kv),
       )
+      with matmul_lib.backend(self.matmul):  # read while tracing
+        lowered = program.lower(params, kv, self._batch_shapes(t, n, drafts), _i32(r))
+      self._forward[forward_key] = lowered.compile()
     if sample_key not in self._sample:
       logits = jax.ShapeDtypeStruct((r * (drafts + 1), self.cfg.vocab), jnp.float32)
       sampling = sampling_lib.batch_shapes(r, controls, self.cfg.vocab)

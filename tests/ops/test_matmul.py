@@ -1,0 +1,194 @@
+"""oneDNN's GEMM (`kernels_cpu.matmul`) against XLA's dot, and the rule that picks it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.ops import matmul as matmul_lib
+from jaxpipe.serve import Engine
+from jaxpipe.serve import model as model_lib
+from jaxpipe.serve.sampling import SamplingParams
+from kernels_cpu import matmul as onednn
+from tests import helpers
+
+pytestmark = pytest.mark.skipif(
+    onednn.unavailable() is not None, reason=f"oneDNN kernel: {onednn.unavailable()}"
+)
+
+
+def _reference(x, w):
+  """The product in float64 on the host."""
+  return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 8, 3), (64, 576, 192), (37, 130, 1000), (5, 0, 4)])
+def test_float32_gemm_equals_the_float64_product(m, k, n):
+  rng = np.random.default_rng(m)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  got = np.asarray(jax.jit(onednn.matmul)(x, w))
+  assert got.dtype == np.float32 and got.shape == (m, n)
+  np.testing.assert_allclose(got, _reference(x, w), rtol=1e-5, atol=1e-4 * np.sqrt(max(k, 1)))
+  wt = jax.jit(lambda a, b: onednn.matmul(a, b, transpose_w=True))(x, np.ascontiguousarray(w.T))
+  np.testing.assert_allclose(np.asarray(wt), got, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_bfloat16_gemm_rounds_the_exact_product_once(out):
+  """bfloat16 inputs, float32 sums: a float32 result is the exact product of the bfloat16 values
+  to float32 rounding; a bfloat16 one is that rounded once more (half a bfloat16 ulp)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((16, 96)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((96, 40)), jnp.bfloat16)
+  got = np.asarray(jax.jit(lambda a, b: onednn.matmul(a, b, out))(x, w), np.float64)
+  want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+  assert jax.eval_shape(lambda: onednn.matmul(x, w, out)).dtype == out
+  ulp = 2.0**-8 if out == jnp.bfloat16 else 2.0**-20
+  np.testing.assert_allclose(got, want, rtol=ulp, atol=1e-3)
+
+
+def test_the_kernel_refuses_what_it_does_not_take():
+  f32 = np.zeros((2, 3), np.float32)
+  with pytest.raises(ValueError, match="both float32 .* not x float32, w bfloat16"):
+    onednn.matmul(f32, jnp.zeros((3, 4), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"not x float32, w float32 -> bfloat16"):
+    onednn.matmul(f32, np.zeros((3, 4), np.float32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"not x \(2, 3\) and w \(4, 4\)"):
+    onednn.matmul(f32, np.zeros((4, 4), np.float32))
+
+
+def _custom_calls(f, *args) -> int:
+  return jax.jit(f).lower(*args).compile().as_text().count('custom_call_target="jaxpipe_matmul"')
+
+
+def test_dot_runs_onednn_only_inside_its_backend_and_for_the_dtypes_it_takes():
+  """DenseGeneral's product (two contracted axes too, as the attention output's) on oneDNN
+  equals XLA's; outside `backend('onednn')`, or for float16, the dot stays XLA's."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, 5, 4, 8)).astype(np.float32)  # [B, L, H, K]
+  w = rng.standard_normal((4, 8, 6)).astype(np.float32)  # [H, K, D]
+  # a fresh function each time: jit's cache does not know the backend it was traced under
+  f = lambda: lambda a, b: matmul_lib.dot(a, b, in_dims=2)
+  assert _custom_calls(f(), x, w) == 0
+  want = np.asarray(jax.jit(f())(x, w))
+  with matmul_lib.backend("onednn"):
+    assert _custom_calls(f(), x, w) == 1
+    got = np.asarray(jax.jit(f())(x, w))
+    half = x.astype(np.float16), w.astype(np.float16)
+    assert _custom_calls(f(), *half) == 0
+    head = lambda a, e: matmul_lib.dot(a, e, out_dtype=jnp.float32, transpose_w=True)
+    e = rng.standard_normal((10, 8)).astype(np.float32)  # a tied embedding [V, D]
+    np.testing.assert_allclose(np.asarray(jax.jit(head)(x[0, 0], e)), x[0, 0] @ e.T, rtol=1e-5)
+  assert got.shape == (2, 5, 6)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_onednn_on_cpu_and_says_why_when_it_cannot(monkeypatch):
+  assert matmul_lib.resolve("auto") == "onednn"
+  assert matmul_lib.resolve("xla") == "xla"
+  with pytest.raises(ValueError, match="unknown matmul backend 'mkl'"):
+    matmul_lib.resolve("mkl")
+  with pytest.raises(ValueError, match="resolve it first"):
+    with matmul_lib.backend("auto"):
+      pass
+  reason = "oneDNN's /libdnnl.so is not installed (test)"
+  monkeypatch.setattr(onednn, "unavailable", lambda: reason)
+  with pytest.raises(ValueError, match=r"'onednn' is unavailable: .*not installed \(test\); use"):
+    matmul_lib.resolve("onednn")
+  with pytest.warns(RuntimeWarning, match=r"oneDNN kernel is unavailable \(oneDNN's"):
+    assert matmul_lib.resolve("auto") == "xla"
+
+
+def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
+  """The engine's defaults on CPU: the step's projections on oneDNN, no layer loop (each layer's
+  weights their own arrays, read in place, where a scan copies them out of the stack)."""
+  cfg = helpers.DENSE
+  engine = Engine(cfg, helpers.engine_params("dense"), num_pages=9, **helpers.ENGINE_ARGS)
+  assert engine.matmul == "onednn"
+  layers = engine.params["layers"]
+  assert isinstance(layers, list) and len(layers) == cfg.n_layers
+  text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
+  per_layer = 7  # q, k, v, o, gate, up, down; a layer scan's body would hold them once
+  assert text.count('custom_call_target="jaxpipe_matmul"') == per_layer * cfg.n_layers + 1
+  stacked = model_lib.stack_layers(engine.params)
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(helpers.engine_params("dense"))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  xla = Engine(
+      cfg, helpers.engine_params("dense"), num_pages=9, matmul="xla", **helpers.ENGINE_ARGS
+  )
+  assert xla.matmul == "xla"
+  assert "jaxpipe_matmul" not in xla.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_onednn_steps_give_the_oracles_logprobs(devices):
+  """Each prompt's first greedy token and its log-probability on oneDNN, on one device and
+  tensor-parallel over two (row-parallel products summed over the halves), against the XLA
+  recompute oracle's log-softmax."""
+  engine = Engine(
+      helpers.DENSE,
+      helpers.engine_params("dense"),
+      num_pages=33,
+      devices=jax.devices()[:devices],
+      matmul="onednn",
+      **helpers.ENGINE_ARGS,
+  )
+  prompts = helpers.prompts(seed=5, n=6)
+  greedy = SamplingParams(logprobs=0)
+  ids = [engine.add_request(p, 1, greedy, eos_id=None) for p in prompts]
+  while engine.has_work():
+    engine.step()
+  done = {r.id: r for r in engine.finished()}
+  tokens = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  logits = np.asarray(helpers.forward("dense")(tokens), np.float64)
+  for i, (rid, p) in enumerate(zip(ids, prompts)):
+    row = logits[i, len(p) - 1]
+    logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    (token,), ((chosen, _),) = done[rid].output, done[rid].logprobs
+    assert logp[token] >= logp.max() - 1e-4  # the argmax, up to a near tie
+    assert abs(chosen - logp[token]) < 1e-4
+
+
+def test_bfloat16_pools_are_held_as_bits_and_never_converted_whole():
+  """A bfloat16 cache lives as uint16 bits: the step reads and writes it in place, with no
+  conversion of a whole pool at its edges (four copies of the pools a step, before)."""
+  cfg = helpers.DENSE
+  engine = Engine(
+      cfg,
+      helpers.engine_params("dense"),
+      num_pages=9,
+      kv_cache_dtype="bfloat16",
+      nan_freed_pages=True,
+      **helpers.ENGINE_ARGS,
+  )
+  assert engine.kv.k.dtype == model_lib.BITS and engine.kv.dtype == jnp.bfloat16
+  assert np.isnan(np.asarray(jax.lax.bitcast_convert_type(engine.kv.k, jnp.bfloat16))).all()
+  text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
+  pool = ",".join(map(str, engine.kv.k.shape))
+  assert f"bf16[{pool}]" not in text
+  out = engine.generate(helpers.prompts(seed=2, n=3), max_tokens=4)
+  assert all(len(o) == 4 for o in out)
+
+
+def test_calls_at_once_each_get_their_own_product():
+  """Independent products in one program run at once on XLA's threads, and on every host device
+  at once: each call has its own scratchpad (oneDNN's shared one let them write over each
+  other's partial sums)."""
+  rng = np.random.default_rng(3)
+  xs = [rng.standard_normal((48, 160 + 16 * i)).astype(np.float32) for i in range(6)]
+  ws = [rng.standard_normal((160 + 16 * i, 200)).astype(np.float32) for i in range(6)]
+  f = jax.jit(lambda xs, ws: [onednn.matmul(x, w) for x, w in zip(xs, ws)])
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  on_each = jax.jit(
+      jax.shard_map(f, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("d"), check_vma=False)
+  )
+  want = [_reference(x, w) for x, w in zip(xs, ws)]
+  for _ in range(3):
+    for got, ref in zip(f(xs, ws), want):
+      np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-3)
+    for got, ref in zip(on_each(xs, ws), want):
+      for part in np.split(np.asarray(got), len(jax.devices())):
+        np.testing.assert_allclose(part, ref, rtol=1e-4, atol=1e-3)
