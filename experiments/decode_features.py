@@ -34,9 +34,10 @@ import jax
 import numpy as np
 from absl import flags
 
-from experiments.serve_dtype import SHAPES, serve_round
 from experiments.serve_dtype import pool_engine as engine
+from experiments.serve_dtype import serve_round
 from experiments.serve_peer import agreement, round_figures
+from experiments.shapes import SHAPES
 from jaxpipe.models import tokenizer as tokenizer_lib
 from jaxpipe.models import transformer
 from jaxpipe.runtime import cli

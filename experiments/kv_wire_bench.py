@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from experiments.serve_dtype import SHAPES
+from experiments.shapes import SHAPES
 from jaxpipe.models import transformer
 from jaxpipe.runtime import cli
 from jaxpipe.serve.engine import Engine

@@ -159,6 +159,20 @@ flags.DEFINE_string(
     flag_values=FLAGS,
 )
 flags.DEFINE_integer("peer_rounds", 3, "--peer: timed rounds of every engine.", flag_values=FLAGS)
+flags.DEFINE_enum(
+    "peer_shape",
+    "toy",
+    ["toy", "smollm2-135m", "llama3.2-1b"],
+    "--peer: the checkpoint's Llama shape (experiments/shapes.py), random weights.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "peer_dtype",
+    "float32",
+    ["float32", "bfloat16"],
+    "--peer: both engines cast the weights to this and compute in it (serve --dtype).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_float(
     "peer_timeout", 900, "--peer: seconds for a vLLM start or round.", flag_values=FLAGS
 )

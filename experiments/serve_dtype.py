@@ -26,37 +26,13 @@ import jax
 from absl import flags
 
 from experiments.serve_peer import agreement, round_figures, workload
+from experiments.shapes import SHAPES
 from jaxpipe.models import transformer
 from jaxpipe.runtime import cli
 from jaxpipe.serve import __main__ as serve_main
 from jaxpipe.serve.engine import Engine
 
 FLAGS = cli.flag_values(__name__)
-SHAPES = {
-    "toy": transformer.TransformerConfig(
-        vocab=1024,
-        d_model=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=32,
-        d_ff=1024,
-        norm_eps=1e-5,
-        tied_embeddings=False,
-    ),
-    "smollm2-135m": transformer.TransformerConfig(
-        vocab=49152,
-        d_model=576,
-        n_layers=30,
-        n_heads=9,
-        n_kv_heads=3,
-        head_dim=64,
-        d_ff=1536,
-        norm_eps=1e-5,
-        rope_theta=100_000.0,
-        tied_embeddings=True,
-    ),
-}
 DTYPES = ("float32", "bfloat16")
 flags.DEFINE_enum("shape", "toy", list(SHAPES), "The Llama's shape.", flag_values=FLAGS)
 flags.DEFINE_integer("requests", 64, "Requests, all arriving at once.", flag_values=FLAGS)

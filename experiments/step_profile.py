@@ -5,8 +5,9 @@
 
 First the limit, measured in this run: the model's GEMMs (QKV, attention output, gate and up,
 down, the LM head) at a decode step's M (`--batch` rows) and a prefill step's (`--prefill`
-tokens), timed as one XLA program each and, as a second opinion, through torch's CPU matmul
-(oneDNN), in each dtype. Per dtype, the fastest of these is the peak the steps are held to.
+tokens), timed as one XLA program each, through the oneDNN kernel the engine's steps run
+(`kernels_cpu.matmul`, `--matmul`), and, as a second opinion, through torch's CPU matmul (its
+own oneDNN), in each dtype. Per dtype, the fastest of these is the peak the steps are held to.
 
 Then the engine's steps at that shape (random weights held in the dtype, pools for the batch):
 - decode: `--batch` requests of `--context` prompt tokens, all running (their contexts grow by
@@ -35,11 +36,12 @@ import numpy as np
 from absl import flags
 
 from experiments import op_breakdown
-from experiments.serve_dtype import SHAPES
+from experiments.shapes import SHAPES
 from jaxpipe.models import flops, transformer
 from jaxpipe.runtime import cli
 from jaxpipe.serve import __main__ as serve_main
 from jaxpipe.serve.engine import HOST_PHASES, Engine
+from kernels_cpu import matmul as onednn
 
 FLAGS = cli.flag_values(__name__)
 flags.DEFINE_enum("shape", "smollm2-135m", list(SHAPES), "The Llama's shape.", flag_values=FLAGS)
@@ -104,7 +106,7 @@ def _best(fn, reps: int) -> float:
 
 
 def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str, float]]:
-  """(engine, GEMM, GFLOP/s) for each of the model's GEMMs at each m, by XLA and by torch.
+  """(engine, GEMM, GFLOP/s) for each of the model's GEMMs at each m: XLA, oneDNN, torch.
 
   Args:
     cfg: the model's shape.
@@ -113,7 +115,8 @@ def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str
     reps: timed runs (the fastest counts).
 
   Returns:
-    The rates, XLA's then torch's (torch's left out if it is not installed).
+    The rates, XLA's (each followed by the oneDNN kernel's where it builds), then torch's (left
+    out if torch is not installed).
   """
   out = []
   rng = np.random.default_rng(0)
@@ -124,6 +127,10 @@ def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str
       f = jax.jit(lambda x, y: x @ y)
       seconds = _best(lambda a=a, b=b, f=f: f(a, b).block_until_ready(), reps)
       out.append(("xla", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
+      if onednn.unavailable() is None:  # the kernel the engine's steps run (`--matmul`)
+        f = jax.jit(onednn.matmul)
+        seconds = _best(lambda a=a, b=b, f=f: f(a, b).block_until_ready(), reps)
+        out.append(("onednn", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
   try:
     import torch
   except ImportError:
@@ -203,13 +210,16 @@ def main(argv) -> None:
   for dtype in args.dtypes:
     rates = gemm_rates(base, [args.batch, args.prefill], dtype, args.reps)
     peak = max(r for _, _, r in rates)
-    print(f"\n## {dtype}\n\n| GEMM (M x K x N) | XLA GFLOP/s | torch GFLOP/s |\n|---|---|---|")
+    print(
+        f"\n## {dtype}\n\n| GEMM (M x K x N) | XLA GFLOP/s | oneDNN kernel GFLOP/s | torch "
+        "GFLOP/s |\n|---|---|---|---|"
+    )
     table = {}
     for who, name, r in rates:
       table.setdefault(name, {})[who] = r
     for name, by in table.items():
-      cells = [f"{by[w]:,.1f}" if w in by else "—" for w in ("xla", "torch")]
-      print(f"| {name} | {cells[0]} | {cells[1]} |")
+      cells = [f"{by[w]:,.1f}" if w in by else "—" for w in ("xla", "onednn", "torch")]
+      print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"\npeak (the fastest above): {peak:,.1f} GFLOP/s\n")
     cfg, params = serve_main.in_dtype(base, params32, dtype)
     rows = []

@@ -70,7 +70,7 @@ def _engine(spec: dict):
   return vllm.LLM(
       model=spec["model"],
       skip_tokenizer_init=True,
-      dtype="float32",
+      dtype=spec.get("dtype", "float32"),  # the weights cast at load, as jaxpipe's
       max_model_len=spec["max_model_len"],
       max_num_seqs=spec["max_num_seqs"],
       max_num_batched_tokens=spec["max_num_batched_tokens"],

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import serve_bench, serve_peer, vllm_peer
+from experiments.shapes import SHAPES
 from jaxpipe.runtime import cli
 from tests import helpers
 
@@ -330,12 +331,14 @@ def test_jaxpipe_serves_the_checkpoint_the_peer_writes(tmp_path, monkeypatch):
   import torch
   import transformers
 
-  model = dict(serve_peer.PEER_MODEL, vocab_size=128, hidden_size=64, intermediate_size=128)
+  model = dict(serve_peer.llama_fields(SHAPES["toy"]), vocab_size=128, hidden_size=64)
+  model.update(intermediate_size=128)
   model.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
   vllm_peer.write(str(tmp_path), model)
   args = type("A", (), {})()
   args.requests, args.prompt, args.output, args.seed = 3, "3:9", "4", 0
   args.max_batch, args.token_budget, args.page_size, args.attention = 4, 16, 4, "xla"
+  args.peer_dtype = "float32"
   work = serve_peer.workload(args, 128)
   length = serve_peer.max_len(work, 4)
   assert length % 4 == 0 and length >= max(len(w.prompt) + 4 for w in work)
@@ -358,3 +361,36 @@ def test_jaxpipe_serves_the_checkpoint_the_peer_writes(tmp_path, monkeypatch):
   assert all(got["host"][p] > 0 for p in HOST_PHASES if p not in ("compile", "mask"))
   assert np.isclose(got["host"]["compile"], 0.0, atol=0.05)  # all compiled in the first round
   assert os.path.isfile(tmp_path / "model.safetensors")
+
+
+def test_the_checkpoint_fields_are_the_shapes_own():
+  """--peer_shape's LlamaConfig fields; the toy one is the checkpoint the toy rows measured."""
+  assert serve_peer.llama_fields(SHAPES["toy"]) == {
+      "vocab_size": 1024,
+      "hidden_size": 256,
+      "intermediate_size": 1024,
+      "num_hidden_layers": 4,
+      "num_attention_heads": 8,
+      "num_key_value_heads": 4,
+      "head_dim": 32,
+      "rms_norm_eps": 1e-5,
+      "rope_theta": 10000.0,
+      "tie_word_embeddings": False,
+  }
+  one_b = serve_peer.llama_fields(SHAPES["llama3.2-1b"])
+  assert (one_b["hidden_size"], one_b["num_hidden_layers"], one_b["vocab_size"]) == (
+      2048,
+      16,
+      128256,
+  )
+  assert (one_b["num_attention_heads"], one_b["num_key_value_heads"]) == (32, 8)
+  assert one_b["intermediate_size"] == 8192 and one_b["tie_word_embeddings"]
+
+
+def test_the_peer_casts_to_the_runs_dtype(fake_vllm, tmp_path):
+  spec = tmp_path / "spec.json"
+  spec.write_text(json.dumps({**SPEC, "dtype": "bfloat16"}))
+  peer = serve_peer.Peer(sys.executable, str(spec), {}, str(tmp_path / "log"), timeout=60)
+  peer.close()
+  (record,) = [json.loads(s) for s in fake_vllm.read_text().splitlines()]
+  assert record["kw"]["dtype"] == "bfloat16"

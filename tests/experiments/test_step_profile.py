@@ -2,7 +2,7 @@
 forward FLOPs (`jaxpipe.models.flops`), and its GEMM timing covers every weight matmul."""
 
 from experiments import step_profile
-from experiments.serve_dtype import SHAPES
+from experiments.shapes import SHAPES
 from jaxpipe.models import flops
 
 
