@@ -2,13 +2,14 @@
 
 Each HLO instruction the runtime executes leaves a trace event named after it; its exclusive
 time (minus the events nested in it) is charged to the kind of op it is, read from the compiled
-HLO: matmuls (a dot, or a fusion around one), the other arithmetic, slot reads
-(dynamic-slice, slice), slot writes (dynamic-update-slice, select), copies and zero fills,
-pipeline transfers (collective-permute, including the wait for the neighbour), and control
-(while, conditional, call and their predicates). Times are wall time on the devices' threads,
-summed over devices: where the devices share fewer cores, or the machine is loaded, every figure
-grows. The bytes each kind writes (an in-place dynamic-update-slice writes its update, any other
-op its output; times the runs counted in the trace) do not depend on the machine.
+HLO: matmuls (a dot, a fusion around one, or the oneDNN kernel's custom call), the other
+arithmetic, slot reads (dynamic-slice, slice), slot writes (dynamic-update-slice, select),
+copies and zero fills, pipeline transfers (collective-permute, including the wait for the
+neighbour), and control (while, conditional, call and their predicates). Times are wall time on
+the devices' threads, summed over devices: where the devices share fewer cores, or the machine is
+loaded, every figure grows. The bytes each kind writes (an in-place dynamic-update-slice writes
+its update, any other op its output; times the runs counted in the trace) do not depend on the
+machine.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def op_kinds(hlo: str) -> dict[str, tuple[str, int]]:
     opcode = re.match(r"(?:\(.*?\)|\S+) ([\w\-]+)\(", rest)
     opcode = opcode[1] if opcode else ""
     calls = re.search(r"calls=%([\w.\-]+)", rest)
-    if opcode == "dot" or (calls and calls[1] in with_dot):
+    gemm_call = 'custom_call_target="jaxpipe_matmul"' in rest  # the oneDNN kernel's GEMM
+    if opcode == "dot" or (calls and calls[1] in with_dot) or gemm_call:
       kind = "matmul"
     elif opcode.startswith("collective-permute"):
       kind = "ppermute"

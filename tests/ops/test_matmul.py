@@ -192,3 +192,14 @@ def test_calls_at_once_each_get_their_own_product():
     for got, ref in zip(on_each(xs, ws), want):
       for part in np.split(np.asarray(got), len(jax.devices())):
         np.testing.assert_allclose(part, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_the_step_profile_counts_the_kernels_calls_as_matmuls():
+  from experiments import op_breakdown
+
+  x, w = np.ones((4, 8), np.float32), np.ones((8, 3), np.float32)
+  with matmul_lib.backend("onednn"):
+    hlo = jax.jit(lambda a, b: matmul_lib.dot(a, b) + 1).lower(x, w).compile().as_text()
+  kinds = op_breakdown.op_kinds(hlo)
+  (call,) = [n for n in kinds if "jaxpipe_matmul" in hlo.split(f"%{n} = ", 1)[1].split("\n")[0]]
+  assert kinds[call][0] == "matmul"
