@@ -427,6 +427,7 @@ def main(argv: list[str]) -> None:
       engine = _deployment(cfg, params, kw)
   except ValueError as e:
     sys.exit(f"error: {e}")
+  del params  # each engine holds its own (on CPU, each layer's weights unstacked: a copy)
   if fleet:
     _serve_worker(engine, source)
     return
