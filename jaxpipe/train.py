@@ -309,13 +309,19 @@ def _multiprocess() -> bool:
   return jax is not None and jax.distributed.is_initialized()
 
 
-def _exit(status: int) -> None:
+def _exit(status: int, shared: bool = False) -> None:
   """sys.exit; in a multi-process run os._exit, since JAX's shutdown would wait (minutes) for the
   other processes, which may be stuck in a collective with this one: gone, this process makes
-  that collective fail at once on them."""
+  that collective fail at once on them. A failure every process `shared` (a failed checkpoint
+  write, which all raise at the same step) waits for the others first, so that none is aborted
+  by process 0's exit before printing its own line."""
   if _multiprocess():
     sys.stdout.flush()
     sys.stderr.flush()
+    if shared:
+      from jaxpipe.runtime import multihost
+
+      multihost.leave_together(timeout_s=30.0)
     os._exit(status)
   sys.exit(status)
 
@@ -364,7 +370,9 @@ def main(argv: list[str]) -> None:
           else f"error: {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)",
           file=sys.stderr,
       )
-    _exit(status)
+    from jaxpipe.runtime.checkpoint import CheckpointSaveError
+
+    _exit(status, shared=isinstance(e, CheckpointSaveError))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,37 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def leave_together(timeout_s: float) -> bool:
+  """Waits, up to `timeout_s`, until every process has reached `leave_together` (each on its way
+  out of a failure they all share).
+
+  Process 0 hosts the coordination service: once it exits, another process still at work (closing
+  its checkpointer, printing its error) aborts at its next call to the service, before it has said
+  why. A process that is stuck, or dead, never arrives: the wait then ends at `timeout_s`. Returns
+  at once in a single process.
+
+  Args:
+    timeout_s: the longest wait, in seconds.
+
+  Returns:
+    True if every process arrived in time.
+  """
+  if jax.process_count() == 1:
+    return True
+  from jax._src import distributed  # the coordination service's client has no public handle
+
+  client = distributed.global_state.client
+  here = "jaxpipe/leaving/"
+  client.key_value_set(f"{here}{jax.process_index()}", "")
+  deadline, pause = time.monotonic() + timeout_s, 1e-3
+  while len(client.key_value_dir_get(here)) < jax.process_count():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(pause)
+    pause = min(2 * pause, 0.05)
+  return True
+
+
 def to_host(tree):
   """NumPy copies of a tree of arrays, whole.
 

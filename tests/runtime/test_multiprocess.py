@@ -249,6 +249,49 @@ def test_training_across_processes_equals_one_process_through_faults(tmp_path):
   np.testing.assert_allclose([loss for _, loss in evals], want_evals, rtol=1e-6, atol=0)
 
 
+_LEAVE = """
+import os, sys, time
+from jaxpipe.runtime import multihost, process
+process.initialize()
+import jax
+together, late = sys.argv[1] == "1", float(sys.argv[2])
+started = time.monotonic()
+if jax.process_index() == 1:
+  time.sleep(late)
+  print("rank 1 says why", flush=True)
+if together:
+  arrived = multihost.leave_together(timeout_s=3.0)
+  took = time.monotonic() - started
+  print(f"rank {jax.process_index()} arrived={arrived} after {took:.1f} s", flush=True)
+os._exit(1)
+"""
+
+
+def test_process_0_leaving_first_aborts_the_others_unless_they_leave_together(tmp_path):
+  """Process 0's exit takes the coordination service with it: a process 1 that has not yet spoken
+  is aborted silently. `leave_together` holds process 0 until the others arrive (process 1, 1 s
+  late, says its line), and ends its wait when one never does (process 1, 20 s late)."""
+  script = tmp_path / "leave.py"
+  script.write_text(_LEAVE)
+  outs = {}
+  for together, late in ((0, 1.0), (1, 1.0), (1, 20.0)):
+    name = f"leave{together}_{late:.0f}"
+    launcher = _launch(
+        tmp_path, name, sys.executable, str(script), str(together), str(late), heartbeat=60
+    )
+    try:
+      launcher.wait(timeout=120)
+    finally:
+      launcher.kill()
+    outs[together, late] = _output(tmp_path, name)
+  alone, together, abandoned = outs[0, 1.0], outs[1, 1.0], outs[1, 20.0]
+  assert "rank 1 says why" not in alone and "SIGABRT" in alone, alone[-3000:]
+  assert "[1] rank 1 says why" in together, together[-3000:]
+  waited = float(re.search(r"\[0\] rank 0 arrived=True after ([\d.]+) s", together).group(1))
+  assert 0.9 < waited < 10, together[-3000:]
+  assert "[0] rank 0 arrived=False after 3." in abandoned, abandoned[-3000:]
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_write_that_fails_on_one_process_stops_every_process_at_once(tmp_path, async_save):
   """Rank 1's checkpoint write fails (a file-size limit on that process alone, as a full local disk
