@@ -398,6 +398,25 @@ def as_token_logprobs(chosen: float, top_M, ids_M, k: int) -> TokenLogprobs:
   return float(chosen), [(int(i), float(x)) for i, x in zip(ids_M[:k], top_M[:k])]
 
 
+def argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax` over the last axis (the first index of the largest value), as int32, for rows
+  without NaN (a row with one gives an index in range, not the NaN's).
+
+  Two vectorized passes, the max and then the least index holding it: XLA:CPU runs argmax's
+  (value, index) reduction element by element, 3x slower over a 64 x 49,152 step's logits.
+
+  Args:
+    x: [..., V] values.
+
+  Returns:
+    [...] int32 indices.
+  """
+  v = x.shape[-1]
+  top = jnp.max(x, axis=-1, keepdims=True)
+  index = jnp.arange(v, dtype=jnp.int32)
+  return jnp.minimum(jnp.min(jnp.where(x == top, index, v), axis=-1), v - 1)
+
+
 def sample(logits_RxV: jax.Array, s: SamplingBatch, prev_R: jax.Array | None = None) -> jax.Array:
   """Token ids [R] (int32), one per row of logits, in the module docstring's order.
 
@@ -415,7 +434,7 @@ def sample(logits_RxV: jax.Array, s: SamplingBatch, prev_R: jax.Array | None = N
   logits_RxV = apply_mask(logits_RxV.astype(jnp.float32), s.allowed_RxW)
   logits_RxV = ban(logits_RxV, s.banned_RxS)
   logits_RxV = apply_penalties(apply_bias(logits_RxV, s.bias), s.penalties, prev_R)
-  greedy_R = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+  greedy_R = argmax(logits_RxV)
   return jax.lax.cond(
       jnp.any(s.temperature_R > 0), lambda: _sample(logits_RxV, s, greedy_R), lambda: greedy_R
   )

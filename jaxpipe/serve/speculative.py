@@ -221,7 +221,7 @@ def verify(
   safe_RxK = jnp.maximum(drafts_RxK, 0)
   live_RxK = jnp.arange(k)[None, :] < m_R[:, None]
   # greedy: a draft is kept where it is the argmax at its position
-  argmax_RxK1 = jnp.argmax(logits_RxKxV, axis=-1).astype(jnp.int32)
+  argmax_RxK1 = sampling_lib.argmax(logits_RxKxV)
   greedy_kept_RxK = (safe_RxK == argmax_RxK1[:, :k]) & live_RxK
   greedy_a_R = jnp.sum(jnp.cumprod(greedy_kept_RxK.astype(jnp.int32), axis=1), axis=1)
   greedy_next_R = jnp.take_along_axis(argmax_RxK1, greedy_a_R[:, None], axis=1)[:, 0]

@@ -60,6 +60,20 @@ ROWS = [  # (sampling, prompt, output)
 ]
 
 
+def test_argmax_is_numpys_first_largest_index():
+  """Ties (few distinct values), rows of -inf, +inf and one-hot rows, over 2 and 3 axes."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(-3, 3, (9, 4, 257)).astype(np.float32)
+  x[0] = -np.inf
+  x[1, :, 100] = np.inf
+  x[1, :, 200] = np.inf
+  x[2] = -1.0
+  x[2, :, 256] = 0.0
+  for a in (x, x[3]):
+    got = np.asarray(sampling.argmax(a))
+    assert got.dtype == np.int32 and (got == np.argmax(a, axis=-1)).all()
+
+
 def test_bias_and_penalties_equal_numpy_on_fixed_logits():
   rng = np.random.default_rng(0)
   logits = rng.normal(0, 2, (len(ROWS), V)).astype(np.float32)  # positive and negative
