@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -155,6 +156,8 @@ template <typename T>
 struct Rows {
   std::vector<const T*> k, v;  // key j of the chunk: its K and V rows
   std::vector<float> k_scale, v_scale;
+  std::vector<const float*> kf, vf;  // the same rows as floats: in place, or converted
+  std::vector<float> k_float, v_float;  // [L, D] the chunk's rows converted (pools not float)
 };
 
 template <typename T>
@@ -195,6 +198,14 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   rows.v_scale.assign(L, 1.0f);
   auto& k_rows = rows.k;
   auto& v_rows = rows.v;
+  rows.kf.resize(L);
+  rows.vf.resize(L);
+  const float** kf = rows.kf.data();
+  const float** vf = rows.vf.data();
+  if constexpr (!std::is_same_v<T, float>) {
+    rows.k_float.resize(L * D);
+    rows.v_float.resize(L * D);
+  }
   float* k_sc = rows.k_scale.data();
   float* v_sc = rows.v_scale.data();
   const int64_t page0 = lowest / S;
@@ -222,12 +233,29 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         __builtin_prefetch(v_head + page + x);
       }
     }
+    // A chunk of bfloat16 or int8 rows is converted to floats once, here, rather than at each
+    // of its reads (a key is read for each of the tile's query vectors, R to R * kTile of them).
+    for (int64_t j = 0; j < n_pages * S; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        kf[j] = k_rows[j];
+        vf[j] = v_rows[j];
+      } else {
+        float* kd = rows.k_float.data() + j * D;
+        float* vd = rows.v_float.data() + j * D;
+        for (int64_t d = 0; d < D; d += kW) {
+          Store(kd + d, Load(k_rows[j] + d));
+          Store(vd + d, Load(v_rows[j] + d));
+        }
+        kf[j] = kd;
+        vf[j] = vd;
+      }
+    }
     // The tile's tokens at or past the chunk's first key.
     const int64_t from = std::max<int64_t>(0, j0 - cached - it.first);
     const bool transposed = (tokens - from) * R >= kTranspose;
     if (transposed) {
       for (int64_t j = 0; j < n_pages * S; ++j) {
-        const T* krow = k_rows[j];
+        const float* krow = kf[j];
         const F8 sc = Splat(k_sc[j]);
         for (int64_t d = 0; d < D; d += kW) {
           const F8 x = Load(krow + d) * sc;
@@ -258,7 +286,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         }
       } else {  // key by key, each row read once for the token's R query heads
         for (int64_t j = begin; j < seen; ++j) {
-          const T* krow = k_rows[j];
+          const float* krow = kf[j];
           for (int64_t r = 0; r < R; ++r) {
             const float* qv = q_i + r * D;
             F8 t = Splat(0.0f);
@@ -304,13 +332,13 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           F32x4 t = F32x4::Load(a + d);
           t.Scale(al);
           for (int64_t j = begin; j < seen; ++j) {  // stale slots past `seen` are never read
-            t.AddScaled(Splat(sr[j] * v_sc[j]), F32x4::Load(v_rows[j] + d));
+            t.AddScaled(Splat(sr[j] * v_sc[j]), F32x4::Load(vf[j] + d));
           }
           t.Store(a + d);
         }
         for (; d < D; d += kW) {
           F8 t = Load(a + d) * al;
-          for (int64_t j = begin; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(v_rows[j] + d);
+          for (int64_t j = begin; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(vf[j] + d);
           Store(a + d, t);
         }
       }
