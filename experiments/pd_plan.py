@@ -492,14 +492,16 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
   the engine serving `calibration` (a list of workload.Work) alone."""
   import jax
 
+  from jaxpipe.serve import batch as batch_lib
   from jaxpipe.serve import model as model_lib
   from jaxpipe.serve.sampling import MAX_BANNED, SamplingBatch
 
   engine.precompile()
-  r, i32 = engine.max_batch, lambda *shape: np.zeros(shape, np.int32)
+  i32 = lambda *shape: np.zeros(shape, np.int32)
   samples = {tn: [] for tn in engine.programs}
   for _ in range(repeats + 1):  # round robin, so that the machine's load drifts over all alike
     for t, n in engine.programs:
+      r = batch_lib.row_count(t, engine.max_batch)
       batch = model_lib.TokenBatch(
           i32(t), i32(t), i32(t), i32(t, n), i32(r), i32(r, n), i32(r), i32(r), i32(r), i32(t) - 1
       )
@@ -513,7 +515,9 @@ def profile_engine(engine, repeats: int, calibration: list, log) -> sim.StepTabl
       )
       t0 = time.perf_counter()
       program = engine.step_program(t, n)
-      out, _, _, engine.kv = program(engine.params, engine.kv, batch, sampling, i32(r))
+      out, _, _, engine.kv = program(
+          engine.params, engine.kv, batch, sampling, i32(engine.max_batch)
+      )
       np.asarray(out)
       samples[(t, n)].append(time.perf_counter() - t0)
   times = {tn: float(np.median(x[1:])) for tn, x in samples.items()}

@@ -26,7 +26,7 @@ class BatchShape:
   """What an engine's steps are padded to and which arrays its attention reads."""
 
   page_size: int  # tokens per page
-  max_batch: int  # rows of the per-sequence and sampling arrays (R = B)
+  max_batch: int  # rows of the per-sequence and sampling arrays (R = B) at most (`row_count`)
   token_buckets: tuple[int, ...]  # padded tokens per step, ascending
   page_buckets: tuple[int, ...]  # padded pages per sequence, ascending
   ring_size: int = 0  # pages of a sliding layer's ring; 0: no ring layers
@@ -102,6 +102,21 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
+def row_count(t: int, max_batch: int) -> int:
+  """The sequence and sampled rows of a step of t padded tokens: each sequence brings at least one
+  token, so a step of few tokens (a small decode batch) pads its rows, its logits and its
+  sampling to t rather than to `max_batch`.
+
+  Args:
+    t: the step's padded tokens.
+    max_batch: the engine's running sequences at most.
+
+  Returns:
+    min(t, max_batch).
+  """
+  return min(t, max_batch)
+
+
 def build(
     plan: Sequence[tuple[Request, int]], shape: BatchShape, after_rows: Mapping[int, int]
 ) -> StepBatch:
@@ -117,10 +132,12 @@ def build(
   Returns:
     The step's `TokenBatch` and `SamplingBatch`, the sampled requests and the sizes.
   """
-  s, r_max = shape.page_size, shape.max_batch
+  s = shape.page_size
   k = shape.spec_tokens if any(r.drafts for r, _ in plan) else 0  # a verify step's drafts
   t_real = sum(n for _, n in plan)
   t = bucket(t_real, shape.token_buckets)
+  r_max = row_count(t, shape.max_batch)
+  assert len(plan) <= r_max and all(n > 0 for _, n in plan), plan  # a row per sequence
   n_pages = bucket(max(len(r.pages) for r, _ in plan), shape.page_buckets)
   tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
   slots, tables = np.full(t, SCRATCH_PAGE * s, np.int32), np.zeros((t, n_pages), np.int32)

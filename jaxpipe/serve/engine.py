@@ -112,7 +112,7 @@ class _Launched:
   pages: int  # padded pages per sequence
   new_R: jax.Array
   finite_R: jax.Array
-  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # `sampling.top_logprobs` of the rows
+  logprobs: tuple | None  # `sampling.top_logprobs` of the rows; None: no row wanted them
   drafted: list[int] | None = None  # a verify step's drafts per sampled row; None: no drafts
   # a step with constrained rows, until its sampling is dispatched (`Engine._sample`): (the
   # sampling program, the model's logits on the devices, the SamplingBatch, prev_R)
@@ -770,18 +770,21 @@ class Engine:
         firsts = self._layer_pages(ring)
         self.kv = self._fill_fn(self.kv, firsts, pages, np.int32(size))
 
-  def step_program(self, t: int, n: int, controls: tuple | None = None) -> jax.stages.Compiled:
+  def step_program(
+      self, t: int, n: int, controls: tuple | None = None, logprobs: bool = False
+  ) -> jax.stages.Compiled:
     """The compiled step for t tokens and n pages per sequence (`StepPrograms.get`).
 
     Args:
       t: the token bucket.
       n: the page bucket.
       controls: the step's `sampling.controls_key`; None: no optional sampling controls.
+      logprobs: the variant that computes log-probabilities (a row of the step wants them).
 
     Returns:
       The compiled program (compiled on first use).
     """
-    return self.compiled.get(t, n, self.params, self.kv, controls)
+    return self.compiled.get(t, n, self.params, self.kv, controls, logprobs)
 
   @property
   def programs(self) -> list[tuple[int, int]]:
@@ -879,17 +882,18 @@ class Engine:
     self.flush_fills()
     built = time.perf_counter()
     key = sampling_lib.controls_key(step.sampling)
+    wants = any(r.sampling.logprobs is not None for r in step.sampled)
     prev_R = self._no_prev if after is None else after.new_R
     new_R = finite_R = logprobs = sample = None
     if step.sampling.allowed_RxW is None:
-      program = self.step_program(step.t, step.pages, key)
+      program = self.step_program(step.t, step.pages, key, wants)
       compiled = time.perf_counter()
       new_R, finite_R, logprobs, *hidden, self.kv = program(
           self.params, self.kv, step.tokens, step.sampling, prev_R
       )
     else:  # constrained rows: the model runs while the host fills their masks (`_sample`)
       forward, sample_program = self.compiled.get_split(
-          step.t, step.pages, self.params, self.kv, key
+          step.t, step.pages, self.params, self.kv, key, wants
       )
       compiled = time.perf_counter()
       logits, *hidden, self.kv = forward(self.params, self.kv, step.tokens, prev_R)

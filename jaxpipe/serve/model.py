@@ -190,7 +190,8 @@ class TokenBatch:
   tables_TxN: jax.Array  # int32 the token's sequence's block table (padding entries: 0)
   rows_R: jax.Array  # int32 token index of each wanted row (padding: 0)
   # The same tokens grouped by sequence (`ops.attention.RaggedRows`, what `xla_ragged` reads):
-  # B rows (the engine's max_batch), each sequence's tokens contiguous in the flat batch.
+  # B rows (`serve.batch.row_count`: at most the engine's max_batch), each sequence's tokens
+  # contiguous in the flat batch.
   seq_tables_BxN: jax.Array | None = None  # int32 the sequence's block table
   seq_starts_B: jax.Array | None = None  # int32 its first token index
   seq_counts_B: jax.Array | None = None  # int32 its tokens this step (0: padding row)

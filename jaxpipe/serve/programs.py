@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxpipe.models.transformer import TransformerConfig
 from jaxpipe.ops import matmul as matmul_lib
+from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve import model as model_lib
 from jaxpipe.serve import sampling as sampling_lib
 
@@ -70,7 +71,7 @@ class StepPrograms:
 
   def _batch_shapes(self, t: int, n: int, drafts: int) -> model_lib.TokenBatch:
     """The step's `TokenBatch` as shapes (drafts: per row, in a verify step)."""
-    r = self.max_batch
+    r = batch_lib.row_count(t, self.max_batch)
     rings = (_i32(t), _i32(t, n), _i32(r, n)) if self.ring else (None,) * 3
     return model_lib.TokenBatch(
         _i32(t),
@@ -86,7 +87,16 @@ class StepPrograms:
         *rings,
     )
 
-  def get(self, t: int, n: int, params, kv, controls: tuple | None = None) -> jax.stages.Compiled:
+  def _outputs(self, sampled: tuple, logprobs: bool) -> tuple:
+    """`serve_sample`'s outputs as a program returns them: the sampled tokens padded to
+    `max_batch` rows (the next step's prev_R, whatever its rows), logprobs None unless asked."""
+    new_R, finite_R, *top = sampled
+    pad = [(0, self.max_batch - new_R.shape[0])] + [(0, 0)] * (new_R.ndim - 1)
+    return jnp.pad(new_R, pad), finite_R, top[0] if logprobs else None
+
+  def get(
+      self, t: int, n: int, params, kv, controls: tuple | None = None, logprobs: bool = False
+  ) -> jax.stages.Compiled:
     """The compiled step for t tokens and n pages per sequence, compiled on first use.
 
     Args:
@@ -95,25 +105,36 @@ class StepPrograms:
       params: the engine's parameters (their shapes and shardings).
       kv: the engine's K/V pools (likewise).
       controls: the step's `sampling.controls_key`; None: no optional controls.
+      logprobs: whether a row of the step wants log-probabilities (a variant computes them).
 
     Returns:
       `program(params, kv, TokenBatch, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs,
-      kv)` (logprobs: `sampling.top_logprobs` of every row; prev_R: the previous step's new_R,
-      read where `TokenBatch.prev_T` says; with `hidden`, the states before kv). The pools are
+      kv)` (new_R: `max_batch` rows, the step's `batch.row_count(t)` first; logprobs:
+      `sampling.top_logprobs` of every row, or None; prev_R: the previous step's new_R, read
+      where `TokenBatch.prev_T` says; with `hidden`, the states before kv). The pools are
       donated: the caller keeps the returned ones.
     """
-    key = (t, n, controls or sampling_lib.controls_key(sampling_lib.batch_shapes(1)))
+    controls = controls or sampling_lib.controls_key(sampling_lib.batch_shapes(1))
+    key = (t, n, controls, logprobs)
     if key not in self._compiled:
-      r = self.max_batch
-      step = functools.partial(
-          model_lib.serve_step,
-          self.cfg,
-          backend=self.backend,
-          mesh=self.mesh,
-          logprobs=True,
-          hidden=self.hidden,
-      )
-      sampling = sampling_lib.batch_shapes(r, key[2], self.cfg.vocab)
+      r = batch_lib.row_count(t, self.max_batch)
+
+      def step(params, kv, batch, sampling, prev_R):
+        out = model_lib.serve_step(
+            self.cfg,
+            params,
+            kv,
+            batch,
+            sampling,
+            prev_R,
+            backend=self.backend,
+            mesh=self.mesh,
+            logprobs=logprobs,
+            hidden=self.hidden,
+        )
+        sampled = 3 if logprobs else 2
+        return (*self._outputs(out[:sampled], logprobs), *out[sampled:])
+
       rep = self._replicated
       program = jax.jit(
           step,
@@ -121,13 +142,15 @@ class StepPrograms:
           in_shardings=(self._params, self._kv, rep, rep, rep),
           out_shardings=(rep, rep, rep, *(rep,) * self.hidden, self._kv),
       )
+      sampling = sampling_lib.batch_shapes(r, controls, self.cfg.vocab)
+      prev = _i32(self.max_batch)
       with matmul_lib.backend(self.matmul):  # read while tracing
-        lowered = program.lower(params, kv, self._batch_shapes(t, n, key[2][4]), sampling, _i32(r))
+        lowered = program.lower(params, kv, self._batch_shapes(t, n, controls[4]), sampling, prev)
       self._compiled[key] = lowered.compile()
     return self._compiled[key]
 
   def get_split(
-      self, t: int, n: int, params, kv, controls: tuple
+      self, t: int, n: int, params, kv, controls: tuple, logprobs: bool = False
   ) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
     """The step for t tokens and n pages per sequence as two programs, the model's and the
     sampling's, so that the host can work between them (a grammar's masks: `Engine.launch`).
@@ -138,6 +161,7 @@ class StepPrograms:
       params: the engine's parameters (their shapes and shardings).
       kv: the engine's K/V pools (likewise).
       controls: the step's `sampling.controls_key`.
+      logprobs: whether a row of the step wants log-probabilities.
 
     Returns:
       (`forward(params, kv, TokenBatch, prev_R) -> (logits, kv)`, the pools donated (with
@@ -145,8 +169,9 @@ class StepPrograms:
       `sample(logits, SamplingBatch, prev_R) -> (new_R, finite_R, logprobs)`), each compiled on
       first use: together they compute what `get`'s program does.
     """
-    r, drafts, rep = self.max_batch, controls[4], self._replicated
-    forward_key, sample_key = (t, n, drafts), controls
+    r, drafts, rep = batch_lib.row_count(t, self.max_batch), controls[4], self._replicated
+    forward_key, sample_key = (t, n, drafts), (r, controls, logprobs)
+    prev = _i32(self.max_batch)
     if forward_key not in self._forward:
       step = functools.partial(
           model_lib.serve_forward,
@@ -162,18 +187,19 @@ class StepPrograms:
           out_shardings=(rep, *(rep,) * self.hidden, self._kv),
       )
       with matmul_lib.backend(self.matmul):  # read while tracing
-        lowered = program.lower(params, kv, self._batch_shapes(t, n, drafts), _i32(r))
+        lowered = program.lower(params, kv, self._batch_shapes(t, n, drafts), prev)
       self._forward[forward_key] = lowered.compile()
     if sample_key not in self._sample:
+
+      def sample(logits, sampling, prev_R):
+        out = model_lib.serve_sample(logits, sampling, prev_R, logprobs=logprobs)
+        return self._outputs(out, logprobs)
+
       logits = jax.ShapeDtypeStruct((r * (drafts + 1), self.cfg.vocab), jnp.float32)
       sampling = sampling_lib.batch_shapes(r, controls, self.cfg.vocab)
       self._sample[sample_key] = (
-          jax.jit(
-              functools.partial(model_lib.serve_sample, logprobs=True),
-              in_shardings=(rep, rep, rep),
-              out_shardings=(rep, rep, rep),
-          )
-          .lower(logits, sampling, _i32(r))
+          jax.jit(sample, in_shardings=(rep, rep, rep), out_shardings=(rep, rep, rep))
+          .lower(logits, sampling, prev)
           .compile()
       )
     return self._forward[forward_key], self._sample[sample_key]

@@ -37,8 +37,8 @@ def _recorded(engine: Engine) -> list:
     events.append(("collect", launched is not None))
     return collect(launched)
 
-  def program_(t, n, controls=None):
-    run = program(t, n, controls)
+  def program_(t, n, controls=None, logprobs=False):
+    run = program(t, n, controls, logprobs)
 
     def call(params, kv, batch, sampling, prev_R):
       events.append(("batch", np.asarray(batch.tokens_T), np.asarray(batch.prev_T)))
@@ -73,6 +73,34 @@ def test_async_serves_what_sync_serves():
       continue  # sampled: equal between the modes, not to the greedy oracle
     stop = want[i].index(eos[i]) + 1 if eos[i] is not None else 10
     assert output == want[i][:stop] and reason == ("eos" if eos[i] is not None else "length")
+
+
+def test_a_step_of_few_tokens_samples_few_rows_and_the_next_reads_them_whatever_its_rows():
+  """Token buckets below max_batch: a step of t tokens brings min(t, max_batch) sequence and
+  sampled rows (a lone decode: one), its tokens padded back to max_batch for the next step to
+  read, whose rows differ: greedy tokens equal the recompute oracle, async or not."""
+  prompts = helpers.prompts(seed=6, n=6)
+  want = helpers.oracle("dense", prompts, 8)
+  for mode in (True, False):
+    engine = _engine(mode, token_buckets=(1, 2, 4, 16))
+    seen, program = set(), engine.step_program
+
+    def program_(t, n, controls=None, logprobs=False, program=program):
+      run = program(t, n, controls, logprobs)
+
+      def call(params, kv, batch, sampling, prev_R):
+        seen.add((t, len(batch.seq_starts_B), len(sampling.temperature_R), len(prev_R)))
+        new_R, *rest = run(params, kv, batch, sampling, prev_R)
+        assert new_R.shape == (engine.max_batch,)
+        return (new_R, *rest)
+
+      return call
+
+    engine.step_program = program_
+    done = helpers.serve_arrivals(engine, prompts, max_tokens=8, first=1, per_arrival=1)
+    assert [r.output for r in done] == want
+    assert all(b == r == min(t, 4) and p == 4 for t, b, r, p in seen), seen
+    assert {t for t, *_ in seen} >= {1, 2, 4, 16}, seen
 
 
 def test_the_next_step_is_dispatched_before_this_one_is_read_back():

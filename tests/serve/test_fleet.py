@@ -399,6 +399,10 @@ def test_sigterm_drains_a_decode_server_what_runs_finishes_and_it_exits(fleet, s
   never = {**ticket, "uuid": ticket["uuid"] + 10**6}
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     waiting = pool.submit(_decode, fleet, never)
+    deadline = time.monotonic() + 5
+    while fleet.load("decode")["pulls"] < 1:  # the pull reached the server before its SIGTERM
+      assert time.monotonic() < deadline
+      time.sleep(0.02)
     chunks = _stream(fleet.url("router"), prompt="0", max_tokens=200, temperature=0)
     tokens = []
     while len(tokens) < 10:  # the decode server streams

@@ -91,6 +91,35 @@ def test_generated_logprobs_equal_the_recompute_oracle(engine):
   assert abs(sampled.logprobs[0][0] - first) > 1e-3
 
 
+def test_only_a_step_whose_rows_want_logprobs_computes_them():
+  """A step program computes log-probabilities (log-softmax and top-k over the vocabulary) only
+  where a row of the step asked: requests without them run the variant that returns None, and a
+  request asking mid-way gets its steps' right (the recompute oracle)."""
+  engine = Engine(helpers.DENSE, helpers.engine_params("dense"), **helpers.ENGINE_ARGS)
+  calls, program = [], engine.step_program
+
+  def program_(t, n, controls=None, logprobs=False):
+    run = program(t, n, controls, logprobs)
+
+    def call(*args):
+      out = run(*args)
+      calls.append((logprobs, out[2] is None))
+      return out
+
+    return call
+
+  engine.step_program = program_
+  prompts = helpers.prompts(seed=5, n=2)
+  plain = run(engine, prompts[:1], 6, [SamplingParams()])
+  assert calls and all(c == (False, True) for c in calls), calls
+  calls.clear()
+  got = run(engine, prompts, 6, [SamplingParams(), SamplingParams(logprobs=3)])
+  assert got[0].output == plain[0].output and got[0].logprobs == []
+  # the steps that sample its six tokens compute them (a prompt's first chunks sample nothing)
+  assert sum(lp for lp, _ in calls) == 6 and all(lp != none for lp, none in calls), calls
+  assert_logprobs(got[1], oracle_logprobs(prompts, [r.output for r in got])[1])
+
+
 # -- prompt scoring against transformers ------------------------------------------------------
 
 
