@@ -83,7 +83,8 @@ def matmul(
 ) -> jax.Array:
   """x @ w by oneDNN, where w is [K, N], or with transpose_w [N, K] and its transpose is used.
 
-  Forward only: the call has no derivative (serving's steps take none).
+  Differentiable: the gradients are oneDNN products too (dx = g @ w^T with w read in place, dw =
+  x^T @ g after XLA transposes x), taken in x's dtype and accumulated in float32.
 
   Args:
     x_MxK: float32 or bfloat16.
@@ -117,5 +118,36 @@ def matmul(
         f"the oneDNN matmul takes x [M, K] and w [K, N] (or [N, K] transposed), not x "
         f"{x_MxK.shape} and w {w.shape}{' transposed' if transpose_w else ''}"
     )
+  return _product(x_MxK, w, out_dtype, bool(transpose_w))
+
+
+def _call(x_MxK: jax.Array, w: jax.Array, out_dtype, transpose_w: bool) -> jax.Array:
+  """The FFI call itself (arguments checked)."""
+  n = w.shape[0] if transpose_w else w.shape[1]
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype))
-  return call(x_MxK, w, transpose_w=bool(transpose_w))
+  return call(x_MxK, w, transpose_w=transpose_w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(x_MxK, w, out_dtype, transpose_w):
+  return _call(x_MxK, w, out_dtype, transpose_w)
+
+
+def _product_fwd(x_MxK, w, out_dtype, transpose_w):
+  return _call(x_MxK, w, out_dtype, transpose_w), (x_MxK, w)
+
+
+def _product_bwd(out_dtype, transpose_w, saved, g_MxN):
+  del out_dtype
+  x_MxK, w = saved
+  g_MxN, f32 = g_MxN.astype(x_MxK.dtype), jnp.float32
+  if transpose_w:  # y = x @ w^T, w [N, K]
+    dx_MxK = _call(g_MxN, w, f32, False)
+    dw = _call(g_MxN.T, x_MxK, f32, False)  # [N, K]
+  else:  # y = x @ w, w [K, N]
+    dx_MxK = _call(g_MxN, w, f32, True)
+    dw = _call(x_MxK.T, g_MxN, f32, False)  # [K, N]
+  return dx_MxK.astype(x_MxK.dtype), dw.astype(w.dtype)
+
+
+_product.defvjp(_product_fwd, _product_bwd)

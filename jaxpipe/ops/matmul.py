@@ -1,13 +1,15 @@
 """The GEMM behind the model's projections and output head: XLA's dot, or oneDNN's.
 
-Backends: `xla` (`lax.dot_general`, everywhere, differentiable), `onednn`
-(`kernels_cpu.matmul`: CPU only, float32 or bfloat16, forward only) and `auto`, which a serving
-engine resolves to onednn on a CPU where the kernel builds and to xla elsewhere. A kernel that
-cannot be built is said once per process (a `RuntimeWarning`), and auto then takes xla.
+Backends: `xla` (`lax.dot_general`, everywhere), `onednn` (`kernels_cpu.matmul`: CPU only,
+float32 or bfloat16, its gradients oneDNN products too) and `auto`, which resolves to onednn on a
+CPU where the kernel builds and to xla elsewhere. A kernel that cannot be built is said once per
+process (a `RuntimeWarning`), and auto then takes xla.
 
 The choice is made while tracing: code traced inside `backend('onednn')` runs its projections
-(`dot`) through oneDNN; everything else, training included, runs XLA's dot. A product oneDNN
-does not take (another dtype, mixed dtypes) runs XLA's dot there too.
+(`dot`) through oneDNN; everything else runs XLA's dot. A serving engine traces its steps
+inside its `EngineConfig.matmul` (default auto), the trainer its step inside `train.matmul`
+(default xla). A product oneDNN does not take (another dtype, mixed dtypes) runs XLA's dot there
+too.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _fall_back(reason: str) -> None:
 
 
 def resolve(name: str) -> str:
-  """The backend a serving engine runs for `name`.
+  """The backend a serving engine or the trainer runs for `name`.
 
   Args:
     name: one of `BACKENDS`.

@@ -16,6 +16,7 @@ from ml_collections import config_dict
 from jaxpipe.data import source as data_source
 from jaxpipe.models.transformer import REMAT, TransformerConfig
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.parallel import tensor as tp_lib
 from jaxpipe.pipeline import SCHEDULE_NAMES, Placement, Schedule, make_schedule
 from jaxpipe.training import zero
@@ -98,6 +99,9 @@ def default_config() -> ml_collections.ConfigDict:
   # CPU devices: keep freed host memory in the heap (glibc), as device allocators pool theirs, so
   # no step maps and faults its temporaries in again (python -m jaxpipe.train)
   t.pool_host_memory = True
+  # the GEMMs of the model's projections and output head (`ops.matmul`): xla, onednn (CPU,
+  # float32 or bfloat16, its gradients oneDNN products too) or auto (onednn where it builds)
+  t.matmul = "xla"
 
   c.checkpoint = k = ml_collections.ConfigDict()
   k.every = 100  # steps between checkpoints; 0 saves only at the end and on SIGTERM
@@ -246,6 +250,10 @@ def validate(
   for name in ("b1", "b2"):
     if not 0 <= o[name] < 1:
       raise ConfigError(f"optimizer.{name}={o[name]!r} must lie in [0, 1)")
+  if t.matmul not in matmul_lib.BACKENDS:
+    raise ConfigError(
+        f"train.matmul={t.matmul!r} is unknown; use one of {', '.join(matmul_lib.BACKENDS)}"
+    )
   if o.shard not in zero.MODES:
     raise ConfigError(f"optimizer.shard={o.shard!r} is unknown; use one of {', '.join(zero.MODES)}")
   if m.head_dim % 2:

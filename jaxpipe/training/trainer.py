@@ -21,6 +21,7 @@ import tqdm
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import transformer
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.runtime import files, multihost
 from jaxpipe.runtime.checkpoint import Checkpointer
 from jaxpipe.runtime.metrics import MetricWriter
@@ -127,6 +128,10 @@ class Trainer:
     self.loss_and_grads = make_loss_and_grads(
         config, self.model_cfg, self.mesh_shape, self.layer_order is not None
     )
+    try:  # auto and onednn build the kernel here (once per machine: the build is cached)
+      self.matmul = matmul_lib.resolve(config.train.matmul)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"train.matmul: {e}") from e
     self.mesh = make_mesh(config.mesh)
     self.source = data_lib.make_source(config.data, self.model_cfg.vocab, workdir)
     self.optimizer = make_optimizer(
@@ -375,7 +380,8 @@ class Trainer:
     )
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-      loss, grads, metrics = loss_and_grads(state.params, batch)
+      with matmul_lib.backend(self.matmul):  # read while tracing
+        loss, grads, metrics = loss_and_grads(state.params, batch)
       if grad_sharding is not None:
         grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
       history = state.fp8
@@ -463,7 +469,8 @@ class Trainer:
       loss_and_grads = self.loss_and_grads
 
       def eval_step(params, batch):
-        loss, _, metrics = loss_and_grads(params, batch)
+        with matmul_lib.backend(self.matmul):
+          loss, _, metrics = loss_and_grads(params, batch)
         return loss * metrics["tokens"], metrics["tokens"]
 
       self._eval_step = jax.jit(

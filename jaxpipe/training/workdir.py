@@ -49,6 +49,7 @@ CADENCE = (
     "checkpoint.keep",
     "checkpoint.async_save",
     "train.pool_host_memory",  # how the host allocator serves the step, not what it computes
+    "train.matmul",  # which library runs the GEMMs (float32 rounding apart, the same step)
 )
 LAYOUT = (
     "pipeline.schedule",
