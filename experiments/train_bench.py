@@ -3,6 +3,7 @@
   python -m experiments.train_bench [--config configs/quickstart.py] [--batch 32] \
       [--pp 2,4] [--schedules 1f1b,zb-h1] [--microbatches 8[,4]] [--rounds 3] [--steps 3] \
       [--warmup 2] [--noplain_scan] [--unroll_layers 16] [--nopool_host_memory] \
+      [--shape smollm2-135m] [--dtypes float32,bfloat16] [--matmuls xla,onednn] \
       [--peer_python PATH] \
       [--out train_bench.json] [--config.key=value]
 
@@ -19,6 +20,9 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   with the config's `model.unroll_layers` (the quickstart's: 16, its 4 layers unrolled);
   `--unroll_layers 16,...` adds it at each of those `model.unroll_layers` values (stacks of at
   most that many layers unrolled; 0: a `lax.scan` loop), named with its `unroll_layers=`.
+- jaxpipe pp=1 DTYPE matmul=M: the same step with `model.dtype` at each of `--dtypes`
+  (bfloat16: float32 master weights, bfloat16 compute) and `train.matmul` at each of
+  `--matmuls` (onednn: the projections' GEMMs and their gradients by oneDNN, `ops.matmul`).
 - jaxpipe pp=P SCHEDULE: the Trainer's pipelined step, for each `--pp` and `--schedules`, with
   `--microbatches` micro-batches (dp = devices / P); given several counts, one contender per
   count, named with its `m=`.
@@ -81,6 +85,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from experiments.shapes import SHAPES  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)
@@ -119,6 +124,28 @@ flags.DEFINE_list(
     "unroll_layers",
     [],
     "Also time jaxpipe pp=1 with model.unroll_layers at each value (0: the layer scan a loop).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_list(
+    "dtypes",
+    [],
+    "Also time jaxpipe pp=1 with model.dtype at each value (bfloat16: float32 master weights,"
+    " bfloat16 compute), with each of --matmuls.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_list(
+    "matmuls",
+    [],
+    "Also time jaxpipe pp=1 with train.matmul at each value (xla, onednn, auto: ops.matmul), in"
+    " each of --dtypes.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "shape",
+    None,
+    list(SHAPES),
+    "The model's shape (experiments/shapes.py) in place of the config's; its data, optimizer and"
+    " settings kept.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
@@ -354,6 +381,26 @@ def plain_contender(config, host_batches, flops, tokens, scan: bool = False) -> 
     return metrics, plain.state
 
   return Contender(PLAIN_SCAN if scan else PLAIN, timed(step), flops, tokens, info)
+
+
+SHAPE_FIELDS = (
+    "vocab",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "norm_eps",
+    "rope_theta",
+    "tied_embeddings",
+)
+
+
+def with_shape(config, shape) -> None:
+  """Sets the config's model to `shape`'s sizes (`experiments.shapes`), in place."""
+  for name in SHAPE_FIELDS:
+    config.model[name] = getattr(shape, name)
 
 
 def jaxpipe_config(config, batch: int, pp: int = 1, schedule: str = "1f1b", microbatches: int = 1):
@@ -727,6 +774,12 @@ def build(args, config) -> list[Contender]:
     c = jaxpipe_config(config, batch)
     c.model.unroll_layers = unroll
     cells.append((f"jaxpipe pp=1 unroll_layers={unroll}", c))
+  for dtype in args.dtypes or [config.model.dtype]:
+    for matmul in args.matmuls or [config.train.matmul]:
+      if (dtype, matmul) != (config.model.dtype, config.train.matmul):
+        c = jaxpipe_config(config, batch)
+        c.model.dtype, c.train.matmul = dtype, matmul
+        cells.append((f"jaxpipe pp=1 {dtype} matmul={matmul}", c))
   for pp in args.pp:
     for schedule in args.schedules:
       for m in args.microbatches:
@@ -773,6 +826,8 @@ def main(argv: list[str]) -> None:
   if min(args.microbatches, default=0) < 1:
     raise app.UsageError(f"--microbatches {args.microbatches}: each must be at least 1")
   config = _CONFIG.value
+  if args.shape:
+    with_shape(config, SHAPES[args.shape])
   if args.peer_python:
     args.peer_package = check_peer(args.peer_python)  # before any compile
   pooled = args.pool_host_memory and process.pool_host_memory()
