@@ -278,6 +278,9 @@ def _run(*flags):
         (["--microbatches=8,0"], "--microbatches [8, 0]"),
         (["--rounds=0"], "--rounds=0"),
         (["--steps=x"], "steps"),
+        (["--matmuls=xla,mkl"], "train.matmul='mkl' is unknown"),
+        (["--dtypes=float8"], "model.dtype='float8' is unknown"),
+        (["--shape=gpt5"], "shape"),
     ],
 )
 def test_bad_flags_are_one_line(flags, words):
@@ -306,3 +309,18 @@ def test_faults_per_step_are_the_median_over_rounds_of_the_mean_per_step():
   assert [r["faults_per_step"] for r in rows] == [5, 50]
   ((wall, cpu, faults),) = train_bench.timed(lambda: np.ones(1 << 24, np.float32))(1)
   assert wall > 0 and cpu >= 0 and faults > 0
+
+
+def test_shape_sets_the_models_sizes_and_keeps_the_rest():
+  from configs import quickstart
+  from experiments.shapes import SHAPES
+  from jaxpipe.training.config import model_config
+
+  c = quickstart.get_config()
+  seq, unroll = c.data.seq_len, c.model.unroll_layers
+  train_bench.with_shape(c, SHAPES["smollm2-135m"])
+  got = model_config(c)
+  for name in train_bench.SHAPE_FIELDS:
+    assert getattr(got, name) == getattr(SHAPES["smollm2-135m"], name), name
+  assert (got.d_model, got.n_layers, got.vocab) == (576, 30, 49152)
+  assert c.data.seq_len == seq and c.model.unroll_layers == unroll
