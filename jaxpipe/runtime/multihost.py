@@ -44,19 +44,20 @@ def barrier(name: str) -> None:
 
 
 def leave_together(timeout_s: float) -> bool:
-  """Waits, up to `timeout_s`, until every process has reached `leave_together` (each on its way
-  out of a failure they all share).
+  """Holds process 0 until every process has reached `leave_together` (each on its way out of a
+  failure they all share), up to `timeout_s`; the others say they are here and return at once.
 
   Process 0 hosts the coordination service: once it exits, another process still at work (closing
   its checkpointer, printing its error) aborts at its next call to the service, before it has said
-  why. A process that is stuck, or dead, never arrives: the wait then ends at `timeout_s`. Returns
-  at once in a single process.
+  why. So process 0 leaves last: after the others have arrived, and a moment for their exits. A
+  process that is stuck, or dead, never arrives: the wait then ends at `timeout_s`. Returns at once
+  in a single process; a service already gone ends the wait too.
 
   Args:
-    timeout_s: the longest wait, in seconds.
+    timeout_s: process 0's longest wait, in seconds.
 
   Returns:
-    True if every process arrived in time.
+    True if every process arrived in time (on process 0; True on the others).
   """
   if jax.process_count() == 1:
     return True
@@ -64,13 +65,19 @@ def leave_together(timeout_s: float) -> bool:
 
   client = distributed.global_state.client
   here = "jaxpipe/leaving/"
-  client.key_value_set(f"{here}{jax.process_index()}", "")
-  deadline, pause = time.monotonic() + timeout_s, 1e-3
-  while len(client.key_value_dir_get(here)) < jax.process_count():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(pause)
-    pause = min(2 * pause, 0.05)
+  try:
+    client.key_value_set(f"{here}{jax.process_index()}", "")
+    if jax.process_index() != 0:
+      return True
+    deadline, pause = time.monotonic() + timeout_s, 1e-3
+    while len(client.key_value_dir_get(here)) < jax.process_count():
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(pause)
+      pause = min(2 * pause, 0.05)
+  except jax.errors.JaxRuntimeError:  # the service or a peer is gone: nothing left to wait for
+    return False
+  time.sleep(0.25)  # the others exit as soon as they have said they are here
   return True
 
 
