@@ -27,13 +27,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// How a product reads its weights: [K, N] row-major, its [N, K] transpose in place, or packed
+// (`Packed`: oneDNN's own blocked layout, reordered once).
+enum Layout { kRowMajor = 0, kTransposed = 1, kPacked = 2 };
+
 struct Key {
   int64_t m, k, n;
   int x_type, y_type;
-  bool transpose_w;
+  int layout;
   bool operator==(const Key& o) const {
     return m == o.m && k == o.k && n == o.n && x_type == o.x_type && y_type == o.y_type &&
-           transpose_w == o.transpose_w;
+           layout == o.layout;
   }
 };
 
@@ -41,7 +45,7 @@ struct KeyHash {
   size_t operator()(const Key& key) const {
     size_t h = std::hash<int64_t>()(key.m);
     for (int64_t v : {key.k, key.n, int64_t(key.x_type), int64_t(key.y_type),
-                      int64_t(key.transpose_w)}) {
+                      int64_t(key.layout)}) {
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     }
     return h;
@@ -58,17 +62,44 @@ dnnl::engine& Engine() {
   return engine;
 }
 
-const Gemm& Cached(const Key& key) {
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+// The rows of the product that chooses a packed layout: oneDNN blocks the weights for the
+// kernels it would pick at this M, and runs products of any M on that layout.
+constexpr int64_t kProbeRows = 128;
+
+// The packed layout of [K, N] weights of a dtype: the weights' format oneDNN chooses (`any`) for
+// a product of kProbeRows rows. Deterministic within a process; packed bytes are not kept across
+// processes.
+dnnl::memory::desc PackedDesc(int64_t k, int64_t n, dt type) {
   static std::mutex mu;
-  static std::unordered_map<Key, Gemm, KeyHash> cache;
+  static std::unordered_map<Key, dnnl::memory::desc, KeyHash> cache;
+  const Key key{0, k, n, int(type), int(type), kPacked};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  using dt = dnnl::memory::data_type;
-  using tag = dnnl::memory::format_tag;
+  dnnl::memory::desc x({kProbeRows, k}, type, tag::ab);
+  dnnl::memory::desc w({k, n}, type, tag::any);
+  dnnl::memory::desc y({kProbeRows, n}, type, tag::ab);
+  dnnl::matmul::primitive_desc pd(Engine(), x, w, y);
+  return cache.emplace(key, pd.weights_desc()).first->second;
+}
+
+const Gemm& Cached(const Key& key) {
+  static std::mutex mu;
+  static std::unordered_map<Key, Gemm, KeyHash> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
   const auto x_type = static_cast<dt>(key.x_type), y_type = static_cast<dt>(key.y_type);
   dnnl::memory::desc x({key.m, key.k}, x_type, tag::ab);
-  dnnl::memory::desc w({key.k, key.n}, x_type, key.transpose_w ? tag::ba : tag::ab);
+  dnnl::memory::desc w =
+      key.layout == kPacked
+          ? PackedDesc(key.k, key.n, x_type)
+          : dnnl::memory::desc({key.k, key.n}, x_type, key.layout == kTransposed ? tag::ba : tag::ab);
   dnnl::memory::desc y({key.m, key.n}, y_type, tag::ab);
   // The caller's scratchpad: oneDNN's own is one buffer shared by every primitive, which two
   // calls at once (XLA runs independent ops, and each host device, on threads of its own) would
@@ -76,8 +107,9 @@ const Gemm& Cached(const Key& key) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   dnnl::matmul::primitive_desc pd(Engine(), x, w, y, attr);
-  return cache.emplace(key, Gemm{dnnl::matmul(pd), x, w, y, pd.scratchpad_desc()})
-      .first->second;
+  Gemm gemm{dnnl::matmul(pd), x, w, y, pd.scratchpad_desc()};
+  std::lock_guard<std::mutex> lock(mu);  // a thread that created the same one first wins
+  return cache.emplace(key, std::move(gemm)).first->second;
 }
 
 bool OneDnnType(ffi::DataType t, dnnl::memory::data_type* out) {
@@ -91,36 +123,22 @@ bool OneDnnType(ffi::DataType t, dnnl::memory::data_type* out) {
   return true;
 }
 
-ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                bool transpose_w) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("matmul: x, w and y must be 2-D");
-  }
-  const int64_t m = xd[0], k = xd[1];
-  const int64_t n = transpose_w ? wd[0] : wd[1];
-  if ((transpose_w ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
-    return ffi::Error::InvalidArgument("matmul: shapes of x, w and y do not agree");
-  }
-  dnnl::memory::data_type x_type, w_type, y_type;
-  if (!OneDnnType(x.element_type(), &x_type) || !OneDnnType(w.element_type(), &w_type) ||
-      !OneDnnType(y->element_type(), &y_type) || x_type != w_type ||
-      (y_type != x_type && y_type != dnnl::memory::data_type::f32)) {
-    return ffi::Error::InvalidArgument(
-        "matmul: x and w must both be float32 or both bfloat16, y float32 or x's dtype");
-  }
+// y = x @ w for checked 2-D x [M, K] and y [M, N], w at `w` in `layout`.
+ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t n, dt x_type,
+               dt y_type, Layout layout) {
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // an empty sum
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
   try {
-    const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), transpose_w});
+    const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout});
     thread_local dnnl::stream stream(Engine());
     thread_local std::vector<uint8_t> scratch;  // this thread's scratchpad
     scratch.resize(std::max<size_t>(scratch.size(), g.scratch.get_size()));
     dnnl::memory xm(g.x, Engine(), x.untyped_data());
-    dnnl::memory wm(g.w, Engine(), w.untyped_data());
+    dnnl::memory wm(g.w, Engine(), w);
     dnnl::memory ym(g.y, Engine(), y->untyped_data());
     dnnl::memory sm(g.scratch, Engine(), scratch.data());
     g.primitive.execute(stream, {{DNNL_ARG_SRC, xm},
@@ -134,11 +152,107 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
   return ffi::Error::Success();
 }
 
+// x's and y's dtypes as oneDNN's, checked: x float32 or bfloat16, y float32 or x's dtype.
+ffi::Error Types(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& y, dt* x_type, dt* y_type) {
+  if (!OneDnnType(x.element_type(), x_type) || !OneDnnType(y->element_type(), y_type) ||
+      (*y_type != *x_type && *y_type != dt::f32)) {
+    return ffi::Error::InvalidArgument(
+        "matmul: x must be float32 or bfloat16, y float32 or x's dtype");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                bool transpose_w) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("matmul: x, w and y must be 2-D");
+  }
+  const int64_t m = xd[0], k = xd[1];
+  const int64_t n = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
+    return ffi::Error::InvalidArgument("matmul: shapes of x, w and y do not agree");
+  }
+  dt x_type, w_type, y_type;
+  if (ffi::Error e = Types(x, y, &x_type, &y_type); e.failure()) return e;
+  if (!OneDnnType(w.element_type(), &w_type) || w_type != x_type) {
+    return ffi::Error::InvalidArgument("matmul: x and w must both be float32 or both bfloat16");
+  }
+  return Run(x, w.untyped_data(), y, n, x_type, y_type, transpose_w ? kTransposed : kRowMajor);
+}
+
+// y = x @ w, w packed by `PackImpl` for x's K, y's N and x's dtype.
+ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("packed matmul: x [M, K] and y [M, N] must be 2-D");
+  }
+  dt x_type, y_type;
+  if (ffi::Error e = Types(x, y, &x_type, &y_type); e.failure()) return e;
+  try {
+    if (packed.element_type() != ffi::DataType::U8 ||
+        packed.size_bytes() != PackedDesc(xd[1], yd[1], x_type).get_size()) {
+      return ffi::Error::InvalidArgument(
+          "packed matmul: the weights were not packed for this K, N and dtype");
+    }
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
+  }
+  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked);
+}
+
+// packed = w [K, N] (or its [N, K] transpose) reordered into `PackedDesc`'s layout.
+ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, bool transpose_w) {
+  auto wd = w.dimensions();
+  dt type;
+  if (wd.size() != 2 || !OneDnnType(w.element_type(), &type)) {
+    return ffi::Error::InvalidArgument("pack: w must be 2-D, float32 or bfloat16");
+  }
+  const int64_t k = transpose_w ? wd[1] : wd[0], n = transpose_w ? wd[0] : wd[1];
+  try {
+    dnnl::memory::desc to = PackedDesc(k, n, type);
+    if (packed->size_bytes() != to.get_size()) {
+      return ffi::Error::InvalidArgument("pack: the output's size is not the packed layout's");
+    }
+    if (k == 0 || n == 0) return ffi::Error::Success();
+    dnnl::memory from({{k, n}, type, transpose_w ? tag::ba : tag::ab}, Engine(), w.untyped_data());
+    dnnl::memory into(to, Engine(), packed->untyped_data());
+    dnnl::stream stream(Engine());
+    dnnl::reorder(from, into).execute(stream, from, into);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+// The bytes of [K, N] weights packed (`PackImpl`), for Python to shape the packed array; -1 where
+// oneDNN has no product of these weights. bf16: 1 for bfloat16, 0 for float32.
+extern "C" int64_t JaxpipePrepackedBytes(int64_t k, int64_t n, int bf16) {
+  try {
+    return int64_t(PackedDesc(k, n, bf16 ? dt::bf16 : dt::f32).get_size());
+  } catch (const dnnl::error&) {
+    return -1;
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()  // w [K, N], or [N, K] transposed
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
+                                  .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmulPrepacked, PrepackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()   // w packed, uint8 [bytes]
+                                  .Ret<ffi::AnyBuffer>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipePrepack, PrepackImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N], or [N, K] transposed
+                                  .Ret<ffi::AnyBuffer>()  // packed, uint8 [bytes]
                                   .Attr<bool>("transpose_w"));

@@ -25,6 +25,7 @@ from kernels_cpu import build as build_lib
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_matmul"
+PREPACKED_TARGET, PREPACK_TARGET = "jaxpipe_matmul_prepacked", "jaxpipe_prepack"
 DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
@@ -72,10 +73,111 @@ def unavailable() -> str | None:
     return f"runs on CPU only, and this process runs on {jax.default_backend()}"
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxpipeMatmul), platform="cpu")
+    for target, symbol in (
+        (TARGET, library.JaxpipeMatmul),
+        (PREPACKED_TARGET, library.JaxpipeMatmulPrepacked),
+        (PREPACK_TARGET, library.JaxpipePrepack),
+    ):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    library.JaxpipePrepackedBytes.restype = ctypes.c_int64
+    library.JaxpipePrepackedBytes.argtypes = (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+    _LOADED.append(library)
   except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
     return str(e)
   return None
+
+
+_LOADED: list[ctypes.CDLL] = []  # the library, once `unavailable()` has loaded it
+
+
+def _check_available() -> None:
+  reason = unavailable()
+  if reason is not None:
+    raise RuntimeError(f"the oneDNN matmul kernel is unavailable: {reason}")
+
+
+def prepacked_bytes(k: int, n: int, dtype) -> int:
+  """The size of [K, N] weights of `dtype` in oneDNN's packed layout (`prepack`).
+
+  Args:
+    k: the contracted size.
+    n: the output size.
+    dtype: float32 or bfloat16.
+
+  Returns:
+    The packed array's length in bytes.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here, or oneDNN has no product of these weights.
+    ValueError: another dtype.
+  """
+  _check_available()
+  dtype = jnp.dtype(dtype)
+  if dtype not in DTYPES:
+    raise ValueError(f"oneDNN packs float32 or bfloat16 weights, not {dtype}")
+  size = _LOADED[0].JaxpipePrepackedBytes(int(k), int(n), int(dtype == jnp.bfloat16))
+  if size < 0:
+    raise RuntimeError(f"oneDNN has no packed layout for [{k}, {n}] {dtype} weights")
+  return size
+
+
+def prepack(w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+  """w [K, N] (or with transpose_w its [N, K] transpose) in oneDNN's packed layout.
+
+  oneDNN's matmul reads packed weights in the blocks its kernels load, where row-major weights
+  are reordered into them at every call: decode's few rows pay that copy once per weight read.
+  The layout is this process's (this CPU's kernels): packed bytes are not saved.
+
+  Args:
+    w: float32 or bfloat16, 2-D.
+    transpose_w: w is [N, K].
+
+  Returns:
+    uint8 [prepacked_bytes(K, N, w.dtype)], for `matmul_prepacked`.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+    ValueError: w is not 2-D float32 or bfloat16.
+  """
+  if w.ndim != 2 or jnp.dtype(w.dtype) not in DTYPES:
+    raise ValueError(f"oneDNN packs 2-D float32 or bfloat16 weights, not {w.shape} {w.dtype}")
+  k, n = w.shape[::-1] if transpose_w else w.shape
+  out = jax.ShapeDtypeStruct((prepacked_bytes(k, n, w.dtype),), jnp.uint8)
+  return jax.ffi.ffi_call(PREPACK_TARGET, out)(w, transpose_w=bool(transpose_w))
+
+
+def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None) -> jax.Array:
+  """x @ w by oneDNN, w [K, N] given prepacked (`prepack`, in x's dtype). Not differentiable.
+
+  Args:
+    x_MxK: float32 or bfloat16.
+    packed: `prepack(w)` for w of x's dtype, K and this n.
+    n: the output size.
+    out_dtype: x's dtype (when None) or float32.
+
+  Returns:
+    [M, N] in out_dtype, accumulated in float32.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+    ValueError: dtypes, or a packed size that is not this K, n and dtype's (N is padded to
+      oneDNN's blocks: weights packed for a nearby N are not told apart here, but by
+      `ops.matmul.Prepacked`'s shape).
+  """
+  out_dtype = jnp.dtype(out_dtype or x_MxK.dtype)
+  if x_MxK.ndim != 2 or x_MxK.dtype not in DTYPES or out_dtype not in (x_MxK.dtype, jnp.float32):
+    raise ValueError(
+        f"the packed oneDNN matmul takes x [M, K] float32 or bfloat16 giving its dtype or float32, "
+        f"not x {x_MxK.shape} {x_MxK.dtype} -> {out_dtype}"
+    )
+  size = prepacked_bytes(x_MxK.shape[1], n, x_MxK.dtype)
+  if packed.dtype != jnp.uint8 or packed.shape != (size,):
+    raise ValueError(
+        f"packed weights of {packed.shape} {packed.dtype} are not [{x_MxK.shape[1]}, {n}] "
+        f"{x_MxK.dtype} weights packed (uint8 [{size}]); pack them with `prepack`"
+    )
+  out = jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype)
+  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed)
 
 
 def matmul(
@@ -99,9 +201,7 @@ def matmul(
     RuntimeError: the kernel is unavailable here (the reason).
     ValueError: dtypes or shapes it does not take.
   """
-  reason = unavailable()
-  if reason is not None:
-    raise RuntimeError(f"the oneDNN matmul kernel is unavailable: {reason}")
+  _check_available()
   out_dtype = jnp.dtype(out_dtype or x_MxK.dtype)
   if (
       x_MxK.dtype not in DTYPES

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe.ops import fp8 as fp8_lib
+from jaxpipe.ops import matmul as matmul_lib
 
 
 def rms_norm(
@@ -83,7 +84,11 @@ class Kernel(nn.Module):
 
 class Dense(nn.Module):
   """x's last `in_dims` axes projected to `features`: a bias-free DenseGeneral (same kernel name,
-  shape and init) whose matmul runs in `cfg.fp8` (`fp8.dot`); every projection of the model."""
+  shape and init) whose matmul runs in `cfg.fp8` (`fp8.dot`); every projection of the model.
+
+  Traced inside `ops.matmul.prepacking()` (and without FP8), it also puts its kernel prepacked
+  in the compute dtype into the `ops.matmul.PREPACKED` collection; an apply given that
+  collection runs the product on the prepacked kernel."""
 
   features: tuple[int, ...]
   cfg: Any  # the model's config: its `fp8` recipe and `compute_dtype`
@@ -104,7 +109,15 @@ class Dense(nn.Module):
       the bias when `use_bias`.
     """
     shape = x.shape[x.ndim - self.in_dims :] + tuple(self.features)
-    w = self.param("kernel", kernel_init(self.in_dims), shape, jnp.float32)
+    if self.has_variable(matmul_lib.PREPACKED, "kernel"):
+      w = self.get_variable(matmul_lib.PREPACKED, "kernel")
+      if w.shape != shape:
+        raise ValueError(f"{self.path}: a kernel prepacked as {w.shape} projects {shape}")
+    else:
+      w = self.param("kernel", kernel_init(self.in_dims), shape, jnp.float32)
+      if matmul_lib.is_prepacking() and self.cfg.fp8 == "none":
+        w = matmul_lib.prepack(w.astype(self.cfg.compute_dtype), self.in_dims)
+        self.put_variable(matmul_lib.PREPACKED, "kernel", w)
     scale_3 = None
     if self.cfg.fp8 == "delayed":  # dequantisation scales of (x, w, g); see fp8.py
       scale_3 = self.param("fp8_scale", nn.initializers.ones, (3,), jnp.float32)

@@ -949,7 +949,8 @@ def project(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Arr
 
   Args:
     cfg: the model.
-    params: the model's parameters (`embed`, and `head` unless tied).
+    params: the model's parameters (`embed`, and `head` unless tied; or the head prepacked, as
+      `ops.matmul.PREPACKED`'s `head`).
     x_BxLxD: normed hidden states, [B, L, D].
 
   Returns:
@@ -957,9 +958,13 @@ def project(cfg: TransformerConfig, params: dict, x_BxLxD: jax.Array) -> jax.Arr
     `cfg.final_softcap`.
   """
   x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
-  tied = cfg.tied_embeddings  # the embedding [V, D] read as the head's transpose
-  w = (params["embed"] if tied else params["head"]).astype(cfg.compute_dtype)
-  logits = matmul_lib.dot(x_BxLxD, w, out_dtype=jnp.float32, transpose_w=tied)
+  prepacked = params.get(matmul_lib.PREPACKED, {})
+  if "head" in prepacked:  # the head in oneDNN's layout (a serving engine's, `ops.matmul`)
+    logits = matmul_lib.dot(x_BxLxD, prepacked["head"], out_dtype=jnp.float32)
+  else:
+    tied = cfg.tied_embeddings  # the embedding [V, D] read as the head's transpose
+    w = (params["embed"] if tied else params["head"]).astype(cfg.compute_dtype)
+    logits = matmul_lib.dot(x_BxLxD, w, out_dtype=jnp.float32, transpose_w=tied)
   if cfg.final_softcap:
     logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
   return logits

@@ -10,12 +10,20 @@ The choice is made while tracing: code traced inside `backend('onednn')` runs it
 inside its `EngineConfig.matmul` (default auto), the trainer its step inside `train.matmul`
 (default xla). A product oneDNN does not take (another dtype, mixed dtypes) runs XLA's dot there
 too.
+
+Prepacked weights: a serving engine on oneDNN holds each projection's kernel (and the output
+head) also in oneDNN's blocked layout (`Prepacked`), made once by `prepack`, so that a step's
+products read the blocks their kernels load instead of reordering row-major weights every call
+(decode's few rows paid that copy at every weight read). `layers.Dense`, traced inside
+`prepacking()`, stores its kernel so in the `PREPACKED` collection, and an apply given that
+collection reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import warnings
 
@@ -27,7 +35,83 @@ from jax import lax
 from kernels_cpu import matmul as onednn_lib
 
 BACKENDS = ("xla", "onednn", "auto")
+PREPACKED = "prepacked"  # the flax collection of prepacked kernels (`layers.Dense`)
 _BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("matmul_backend", default="xla")
+_PREPACKING: contextvars.ContextVar[bool] = contextvars.ContextVar("prepacking", default=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prepacked:
+  """A weight [*contracted, *out] in oneDNN's blocked layout, as `dot` takes it (`prepack`)."""
+
+  data: jax.Array  # uint8 [bytes]: the [K, N] product's weights, oneDNN's layout
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the weight's own
+  dtype: np.dtype = dataclasses.field(metadata=dict(static=True))  # float32 or bfloat16
+  in_dims: int = dataclasses.field(metadata=dict(static=True))  # leading axes contracted
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def astype(self, dtype) -> Prepacked:
+    """Itself, for its own dtype (a projection's cast to the compute dtype).
+
+    Args:
+      dtype: the dtype a product runs in.
+
+    Returns:
+      This weight.
+
+    Raises:
+      ValueError: another dtype (prepack the weight in the dtype it is used in).
+    """
+    if jnp.dtype(dtype) != self.dtype:
+      raise ValueError(
+          f"a weight prepacked in {self.dtype} is used in {jnp.dtype(dtype)}; prepack it in the "
+          "compute dtype"
+      )
+    return self
+
+
+def prepack(w: jax.Array, in_dims: int = 1, *, transpose_w: bool = False) -> Prepacked:
+  """`w` in oneDNN's blocked layout, for `dot` on the CPU.
+
+  Args:
+    w: [*contracted, *out], float32 or bfloat16 (the dtype the products run in); with
+      transpose_w, [N, K] (a tied embedding as the output head).
+    in_dims: how many of w's leading axes are contracted (1 with transpose_w).
+    transpose_w: w is given transposed.
+
+  Returns:
+    The prepacked weight: the logical shape [*contracted, *out] ([K, N] with transpose_w).
+
+  Raises:
+    RuntimeError: the oneDNN kernel is unavailable here (the reason).
+    ValueError: another dtype, or transpose_w with in_dims other than 1 or w not 2-D.
+  """
+  if transpose_w and (w.ndim != 2 or in_dims != 1):
+    raise ValueError(f"transpose_w takes a 2-D w and in_dims 1, not {w.shape}, {in_dims}")
+  shape = tuple(w.shape[::-1]) if transpose_w else tuple(w.shape)
+  k = int(np.prod(shape[:in_dims]))
+  w_2d = w if transpose_w else w.reshape(k, -1)
+  data = onednn_lib.prepack(w_2d, transpose_w=transpose_w)
+  return Prepacked(data, shape, jnp.dtype(w.dtype), in_dims)
+
+
+@contextlib.contextmanager
+def prepacking():
+  """While tracing inside, a `layers.Dense` puts its kernel prepacked in `PREPACKED`."""
+  token = _PREPACKING.set(True)
+  try:
+    yield
+  finally:
+    _PREPACKING.reset(token)
+
+
+def is_prepacking() -> bool:
+  """Whether the code being traced runs inside `prepacking()`."""
+  return _PREPACKING.get()
 
 
 @functools.cache
@@ -88,7 +172,7 @@ def backend(name: str):
 
 def dot(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | Prepacked,
     in_dims: int = 1,
     out_dtype=None,
     *,
@@ -98,14 +182,21 @@ def dot(
 
   Args:
     x: the input, [..., *contracted].
-    w: the weight, [*contracted, *out]; with transpose_w, [N, K] (2-D, contracted last).
+    w: the weight, [*contracted, *out]; with transpose_w, [N, K] (2-D, contracted last); or
+      the weight prepacked (`prepack`, in x's dtype), which oneDNN runs whatever the backend.
     in_dims: how many axes are contracted.
     out_dtype: the result's dtype; None: the inputs' (XLA's default for a dot).
     transpose_w: w is given transposed, [N, K] (a tied embedding as the output head).
 
   Returns:
     The product, [..., *out].
+
+  Raises:
+    ValueError: transpose_w with a w not 2-D or in_dims not 1; a prepacked w for another
+      in_dims, or of another dtype than x's.
   """
+  if isinstance(w, Prepacked):
+    return _prepacked(x, w, in_dims, out_dtype)
   if transpose_w and (w.ndim != 2 or in_dims != 1):
     raise ValueError(f"transpose_w takes a 2-D w and in_dims 1, not {w.shape}, {in_dims}")
   out_dtype = None if out_dtype is None else jnp.dtype(out_dtype)
@@ -127,3 +218,15 @@ def dot(
   return lax.dot_general(
       x, w, ((x_axes, tuple(range(in_dims))), ((), ())), preferred_element_type=out_dtype
   )
+
+
+def _prepacked(x: jax.Array, w: Prepacked, in_dims: int, out_dtype) -> jax.Array:
+  """`dot` of a prepacked weight."""
+  if in_dims != w.in_dims or x.dtype != w.dtype:
+    raise ValueError(
+        f"a weight prepacked for {w.in_dims} contracted axes in {w.dtype} is used for {in_dims} "
+        f"in {x.dtype}; prepack it for the product it runs in"
+    )
+  k, out = int(np.prod(w.shape[:in_dims])), w.shape[in_dims:]
+  y = onednn_lib.matmul_prepacked(x.reshape(-1, k), w.data, int(np.prod(out)), out_dtype)
+  return y.reshape(x.shape[: x.ndim - in_dims] + tuple(out))

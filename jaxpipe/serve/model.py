@@ -49,6 +49,7 @@ from jaxpipe.models import attention as attention_lib
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
+from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.ops.attention import (
     RAGGED_KERNELS,
     RaggedRows,
@@ -549,9 +550,85 @@ def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool, seq_
   hook.layer = index
   with attention_lib.kv_cache(hook):
     out = transformer.Block(cfg, moe=moe).apply(
-        {"params": layer_params}, x_1xTxD, positions_T, None, index, seq_lens_T
+        _variables(layer_params), x_1xTxD, positions_T, None, index, seq_lens_T
     )
   return out[0] if moe else out
+
+
+def _variables(layer_params: dict) -> dict:
+  """A layer's flax variables: its params, and its prepacked kernels where it holds them."""
+  if matmul_lib.PREPACKED not in layer_params:
+    return {"params": layer_params}
+  params = {k: v for k, v in layer_params.items() if k != matmul_lib.PREPACKED}
+  return {"params": params, matmul_lib.PREPACKED: layer_params[matmul_lib.PREPACKED]}
+
+
+def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
+  """The parameters with every projection's kernel and the output head also prepacked for oneDNN.
+
+  Each dense layer's (and each MoE layer's attention and shared experts') `layers.Dense`
+  kernels, cast to the compute dtype and in oneDNN's blocked layout (`ops.matmul.prepack`), under
+  the layer's `ops.matmul.PREPACKED` key, and the head under the tree's; `forward_paged` runs
+  those products on them. The kernels stay as they were for every other reader (prompt scoring).
+
+  Args:
+    cfg: the model (served as `serving_config`).
+    params: its params, layers unstacked (`unstack_layers`).
+
+  Returns:
+    The tree with the prepacked kernels added.
+
+  Raises:
+    ValueError: stacked layers.
+    RuntimeError: the oneDNN kernel is unavailable here.
+  """
+  cfg = serving_config(cfg)
+  if not isinstance(params["layers"], (list, tuple)):
+    raise ValueError("prepack_params takes unstacked layers (serve.model.unstack_layers)")
+  out = dict(params)
+
+  def with_prepacked(layer_params: dict, index: int, moe: bool) -> dict:
+    kernels = _prepack_layer(cfg, moe, layer_params, index)
+    return {**layer_params, matmul_lib.PREPACKED: kernels}
+
+  first = params.get("first_layers", ())
+  if first:
+    out["first_layers"] = [with_prepacked(p, i, False) for i, p in enumerate(first)]
+  if cfg.moe is None:
+    out["layers"] = [with_prepacked(p, i, False) for i, p in enumerate(params["layers"])]
+  else:  # the MoE layer of each unit (its dense layers stay stacked, unprepacked)
+    every = cfg.moe.every
+    out["layers"] = [
+        {**u, "moe": with_prepacked(u["moe"], cfg.first_dense + i * every + every - 1, True)}
+        for i, u in enumerate(params["layers"])
+    ]
+  head = params["embed"] if cfg.tied_embeddings else params["head"]
+  out[matmul_lib.PREPACKED] = {
+      "head": _prepack_head(head.astype(cfg.compute_dtype), cfg.tied_embeddings)
+  }
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _prepack_head(w, tied: bool):
+  return matmul_lib.prepack(w, transpose_w=tied)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prepack_layer(cfg: TransformerConfig, moe: bool, layer_params: dict, index) -> dict:
+  """Layer `index`'s Dense kernels prepacked, collected from one token through it."""
+  x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
+  with matmul_lib.prepacking():
+    _, state = transformer.Block(cfg, moe=moe).apply(
+        {"params": layer_params},
+        x_1x1xD,
+        jnp.zeros((1,), jnp.int32),
+        None,
+        index,
+        None,
+        mutable=[matmul_lib.PREPACKED],
+    )
+  return state[matmul_lib.PREPACKED]
 
 
 def _seq_lens(batch: TokenBatch) -> jax.Array:
@@ -596,12 +673,21 @@ def stack_layers(params: dict) -> dict:
     params: a tree from `unstack_layers` (or already stacked: returned as it is).
 
   Returns:
-    `transformer.init_params`'s tree.
+    `transformer.init_params`'s tree (without the layers' prepacked kernels, `prepack_params`).
   """
   out = dict(params)
   for name in ("first_layers", "layers"):
     if isinstance(params.get(name), (list, tuple)):
-      out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *params[name])
+      layers = [_unprepacked(layer) for layer in params[name]]
+      out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return out
+
+
+def _unprepacked(tree: dict) -> dict:
+  """A layer's (or MoE unit's) params without its prepacked kernels (`prepack_params`)."""
+  out = {k: v for k, v in tree.items() if k != matmul_lib.PREPACKED}
+  if isinstance(out.get("moe"), dict):
+    out["moe"] = _unprepacked(out["moe"])
   return out
 
 

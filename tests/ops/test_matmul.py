@@ -103,8 +103,9 @@ def test_auto_takes_onednn_on_cpu_and_says_why_when_it_cannot(monkeypatch):
 
 
 def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
-  """The engine's defaults on CPU: the step's projections on oneDNN, no layer loop (each layer's
-  weights their own arrays, read in place, where a scan copies them out of the stack)."""
+  """The engine's defaults on CPU: the step's projections on oneDNN over weights prepacked in
+  its layout, no layer loop (each layer's weights their own arrays, read in place, where a scan
+  copies them out of the stack); without prepack_weights, over the row-major weights."""
   cfg = helpers.DENSE
   engine = Engine(cfg, helpers.engine_params("dense"), num_pages=9, **helpers.ENGINE_ARGS)
   assert engine.matmul == "onednn"
@@ -112,10 +113,20 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   assert isinstance(layers, list) and len(layers) == cfg.n_layers
   text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
   per_layer = 7  # q, k, v, o, gate, up, down; a layer scan's body would hold them once
-  assert text.count('custom_call_target="jaxpipe_matmul"') == per_layer * cfg.n_layers + 1
+  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == per_layer * cfg.n_layers + 1
+  assert 'custom_call_target="jaxpipe_matmul"' not in text
   stacked = model_lib.stack_layers(engine.params)
-  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(helpers.engine_params("dense"))):
+  stacked.pop(matmul_lib.PREPACKED)
+  want = helpers.engine_params("dense")
+  assert jax.tree.structure(stacked) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rowmajor = Engine(
+      cfg, want, num_pages=9, prepack_weights=False, **helpers.ENGINE_ARGS
+  ).step_program(16, helpers.CONTEXT // helpers.PAGE)
+  text = rowmajor.as_text()
+  assert text.count('custom_call_target="jaxpipe_matmul"') == per_layer * cfg.n_layers + 1
+  assert "jaxpipe_matmul_prepacked" not in text
   xla = Engine(
       cfg, helpers.engine_params("dense"), num_pages=9, matmul="xla", **helpers.ENGINE_ARGS
   )
@@ -202,9 +213,13 @@ def test_the_step_profile_counts_the_kernels_calls_as_matmuls():
   x, w = np.ones((4, 8), np.float32), np.ones((8, 3), np.float32)
   with matmul_lib.backend("onednn"):
     hlo = jax.jit(lambda a, b: matmul_lib.dot(a, b) + 1).lower(x, w).compile().as_text()
-  kinds = op_breakdown.op_kinds(hlo)
-  (call,) = [n for n in kinds if "jaxpipe_matmul" in hlo.split(f"%{n} = ", 1)[1].split("\n")[0]]
-  assert kinds[call][0] == "matmul"
+  packed = matmul_lib.prepack(w)
+  hlo_packed = jax.jit(lambda a, b: matmul_lib.dot(a, b) + 1).lower(x, packed).compile().as_text()
+  for text in (hlo, hlo_packed):
+    kinds = op_breakdown.op_kinds(text)
+    (call,) = [n for n in kinds if "jaxpipe_matmul" in text.split(f"%{n} = ", 1)[1].split("\n")[0]]
+    assert kinds[call][0] == "matmul"
+  assert "jaxpipe_matmul_prepacked" in hlo_packed
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
@@ -265,3 +280,83 @@ def test_training_runs_its_gemms_on_onednn_with_train_matmul():
   c.train.matmul = "mkl"
   with pytest.raises(ConfigError, match="train.matmul='mkl' is unknown; use one of xla, onednn"):
     validate(c, 1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prepacked_weights_give_the_row_major_weights_products_at_every_m(dtype):
+  """oneDNN's blocked layout, made once (`prepack`, from [K, N] or its [N, K] transpose alike),
+  gives products of any number of rows (the layout is chosen for 128) equal to the float64
+  product of the same values, to float32's rounding of K terms."""
+  rng = np.random.default_rng(7)
+  k, n = 200, 333
+  w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+  packed = jax.jit(onednn.prepack)(w)
+  assert packed.dtype == jnp.uint8 and packed.shape == (onednn.prepacked_bytes(k, n, dtype),)
+  packed_t = jax.jit(functools.partial(onednn.prepack, transpose_w=True))(w.T)
+  np.testing.assert_array_equal(np.asarray(packed_t), np.asarray(packed))
+  f = jax.jit(functools.partial(onednn.matmul_prepacked, n=n, out_dtype=jnp.float32))
+  for m in (1, 7, 64, 129, 300):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = np.asarray(f(x, packed))
+    want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_prepacking_refuses_what_it_does_not_take():
+  f32 = np.zeros((2, 3), np.float32)
+  packed = onednn.prepack(np.zeros((3, 4), np.float32))
+  with pytest.raises(ValueError, match=r"are not \[300, 4\] float32 weights packed"):
+    onednn.matmul_prepacked(np.zeros((2, 300), np.float32), packed, 4)
+  with pytest.raises(ValueError, match=r"not x \(2, 3\) float32 -> float16"):
+    onednn.matmul_prepacked(f32, packed, 4, np.float16)
+  with pytest.raises(ValueError, match=r"not \(2, 3, 4\) float16"):
+    onednn.prepack(np.zeros((2, 3, 4), np.float16))
+  with pytest.raises(ValueError, match="float32 or bfloat16 weights, not float16"):
+    onednn.prepacked_bytes(3, 4, np.float16)
+
+
+def test_dot_of_a_prepacked_weight_equals_the_weights_own():
+  """DenseGeneral's product with two contracted axes (the attention output's) and a tied
+  embedding as the head, on the weights prepacked, against XLA's dot of the weights."""
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((2, 5, 4, 8)).astype(np.float32)  # [B, L, H, K]
+  w = rng.standard_normal((4, 8, 6)).astype(np.float32)  # [H, K, D]
+  p = jax.jit(functools.partial(matmul_lib.prepack, in_dims=2))(w)
+  assert p.shape == w.shape and p.in_dims == 2 and p.astype(jnp.float32) is p
+  got = jax.jit(lambda a, b: matmul_lib.dot(a, b, in_dims=2))(x, p)  # a pytree through jit
+  want = np.einsum("blhk,hkd->bld", x.astype(np.float64), w.astype(np.float64))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  embed = rng.standard_normal((50, 6)).astype(np.float32)  # [V, D]
+  head = matmul_lib.prepack(embed, transpose_w=True)
+  assert head.shape == (6, 50)
+  logits = matmul_lib.dot(np.asarray(got), head, out_dtype=jnp.float32)
+  want_logits = np.asarray(got, np.float64) @ embed.T.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="prepacked in float32 is used in bfloat16"):
+    p.astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match="prepacked for 2 contracted axes in float32 is used for 1"):
+    matmul_lib.dot(x, p, in_dims=1)
+
+
+def test_a_dense_layer_prepacks_its_kernel_and_runs_on_it():
+  """`layers.Dense` traced in `prepacking()` puts its kernel, cast to the compute dtype, in the
+  PREPACKED collection; an apply given it runs on it (the row-major kernel not read: an apply of
+  prepacked kernels alone works) with the kernel's product; a kernel of another shape is named."""
+  from jaxpipe.models import layers
+  from jaxpipe.models.transformer import TransformerConfig
+
+  cfg = TransformerConfig(vocab=8, d_model=8, n_layers=1, n_heads=2, head_dim=4, d_ff=8)
+  dense = layers.Dense((3, 5), cfg, in_dims=2)
+  x = np.random.default_rng(4).standard_normal((2, 4, 6)).astype(np.float32)
+  params = dense.init(jax.random.key(0), x)
+  want = dense.apply(params, x)
+  with matmul_lib.prepacking():
+    _, state = jax.jit(lambda v: dense.apply(v, x, mutable=[matmul_lib.PREPACKED]))(params)
+  kernel = state[matmul_lib.PREPACKED]["kernel"]
+  assert isinstance(kernel, matmul_lib.Prepacked) and kernel.shape == (4, 6, 3, 5)
+  got = dense.apply({matmul_lib.PREPACKED: state[matmul_lib.PREPACKED]}, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  other = layers.Dense((3, 5), cfg, in_dims=1)
+  wrong = r"a kernel prepacked as \(4, 6, 3, 5\) projects \(6, 3, 5\)"
+  with pytest.raises(ValueError, match=wrong):
+    other.apply({matmul_lib.PREPACKED: state[matmul_lib.PREPACKED]}, x)
