@@ -9,8 +9,12 @@
 // c·tanh(s / c) (Gemma 2). This is exactly the gather reference's semantics
 // (jaxpipe.ops.attention.ragged_paged_attention), in one pass over the pages: the pages are read
 // in place, never gathered into a copy, and a page's keys are transposed once into a small
-// buffer shared by every query of a tile. Work items are (row, KV head, tile of up to kTile
-// tokens), taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
+// buffer shared by every query of a tile. A tile's query vectors (token x query head) run in
+// blocks of kBlock: their scores and their weighted values are register blocks of kBlock
+// vectors x 32 keys or channels, each key or value row loaded once for the block, over the union
+// of the block's keys, a vector's weight set to exactly 0 at a key outside its own. Work items
+// are (row, KV head, tile of up to kTile tokens), taken in turn by the caller and the tasks it
+// schedules on XLA's intra-op thread pool.
 //
 // Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32 or bfloat16, or of int8 with
 // scales [G, P, S] (a key or value row is its int8 values times its slot's scale), tables [B, N],
@@ -42,6 +46,7 @@ namespace {
 constexpr int64_t kTile = 16;       // tokens of one row per work item
 constexpr int64_t kChunkKeys = 64;  // keys (whole pages) read and scored together
 constexpr int64_t kTranspose = 8;   // a chunk's keys are transposed for this many queries or more
+constexpr int64_t kBlock = 4;       // query vectors whose scores and weighted values run together
 
 // Eight floats as one value: GCC's and Clang's vector extensions, one AVX register on x86, two
 // NEON registers on Arm. The loops below hold their running sums in these.
@@ -158,6 +163,7 @@ struct Rows {
   std::vector<float> k_scale, v_scale;
   std::vector<const float*> kf, vf;  // the same rows as floats: in place, or converted
   std::vector<float> k_float, v_float;  // [L, D] the chunk's rows converted (pools not float)
+  std::vector<int64_t> begin, end;      // each query vector's keys in the chunk
 };
 
 template <typename T>
@@ -166,14 +172,21 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   const int64_t C = std::max<int64_t>(1, kChunkKeys / S);  // pages a chunk
   const int64_t L = (C * S + 4 * kW - 1) / (4 * kW) * (4 * kW);  // its keys, whole blocks of 32
   const int64_t tokens = it.last - it.first, vecs = tokens * R;
-  scratch.resize(vecs * (2 * D + 2) + D * L + R * L + R);
-  float* qs = scratch.data();   // [vecs, D] scaled queries
-  float* acc = qs + vecs * D;   // [vecs, D] running sum of weighted values
-  float* m = acc + vecs * D;    // [vecs] running max
-  float* l = m + vecs;          // [vecs] running sum of weights
-  float* kt = l + vecs;         // [D, L] this chunk's keys, keys minor
-  float* s = kt + D * L;        // [R, L] one token's scores over the chunk, per query head
-  float* alpha = s + R * L;     // [R] the token's rescale of each head's running sums
+  // query vectors (token i, head r at i * R + r) in blocks of kBlock, the last padded with zeros
+  const int64_t padded_vecs = (vecs + kBlock - 1) / kBlock * kBlock;
+  scratch.resize(padded_vecs * (2 * D + 3 + L) + D * L);
+  float* qs = scratch.data();          // [vecs, D] scaled queries
+  float* acc = qs + padded_vecs * D;   // [vecs, D] running sum of weighted values
+  float* m = acc + padded_vecs * D;    // [vecs] running max
+  float* l = m + padded_vecs;          // [vecs] running sum of weights
+  float* alpha = l + padded_vecs;      // [vecs] this chunk's rescale of the running sums
+  float* s = alpha + padded_vecs;      // [vecs, L] scores over the chunk, then their weights
+  float* kt = s + padded_vecs * L;     // [D, L] this chunk's keys, keys minor
+  rows.begin.resize(padded_vecs);
+  rows.end.resize(padded_vecs);
+  int64_t* begin = rows.begin.data();  // [vecs] a vector's keys in the chunk: begin .. end - 1
+  int64_t* end = rows.end.data();
+  std::fill(qs + vecs * D, qs + padded_vecs * D, 0.0f);
   const int64_t cached = p.cached[it.row], start = p.starts[it.row];
   for (int64_t i = 0; i < tokens; ++i) {
     for (int64_t r = 0; r < R; ++r) {
@@ -182,9 +195,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
     }
   }
-  std::fill(acc, acc + vecs * D, 0.0f);
-  std::fill(m, m + vecs, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + vecs, 0.0f);
+  std::fill(acc, acc + padded_vecs * D, 0.0f);
+  std::fill(m, m + padded_vecs, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + padded_vecs, 0.0f);
   const int64_t pages = (cached + it.last - 1) / S + 1;  // up to the tile's last position
   // the first key any token of the tile sees: its chunks start at that key's page
   const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, cached + it.first - p.window + 1) : 0;
@@ -250,11 +263,27 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         vf[j] = vd;
       }
     }
-    // The tile's tokens at or past the chunk's first key.
+    // Each query vector's keys in the chunk: its token's positions up to its own, within the
+    // window; none for the tile's tokens before the chunk's first key, and for the padding.
+    const int64_t keys = n_pages * S;
+    // the tile's first token at or past the chunk's first key
     const int64_t from = std::max<int64_t>(0, j0 - cached - it.first);
-    const bool transposed = (tokens - from) * R >= kTranspose;
-    if (transposed) {
-      for (int64_t j = 0; j < n_pages * S; ++j) {
+    int64_t lo = keys, hi = 0;  // the union of the vectors' keys
+    for (int64_t vec = 0; vec < padded_vecs; ++vec) {
+      const int64_t i = vec / R, pos = cached + it.first + i;
+      begin[vec] = end[vec] = 0;
+      if (i < from || vec >= vecs) continue;
+      const int64_t seen = std::min(keys, pos - j0 + 1);
+      // keys before j0 + first lie outside the window: never scored, weighted or read
+      const int64_t first = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      if (first >= seen) continue;
+      begin[vec] = first, end[vec] = seen;
+      lo = std::min(lo, first), hi = std::max(hi, seen);
+    }
+    if (lo >= hi) continue;
+    const bool transposed = (vecs - from * R) >= kTranspose;
+    if (transposed) {  // the scores of kBlock vectors x 32 keys at a time, sums over d
+      for (int64_t j = lo / (4 * kW) * (4 * kW); j < n_pages * S; ++j) {
         const float* krow = kf[j];
         const F8 sc = Splat(k_sc[j]);
         for (int64_t d = 0; d < D; d += kW) {
@@ -262,85 +291,122 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           for (int64_t e = 0; e < kW; ++e) kt[(d + e) * L + j] = x[e];
         }
       }
-      const int64_t padded = (n_pages * S + 4 * kW - 1) / (4 * kW) * (4 * kW);
+      const int64_t padded = (keys + 4 * kW - 1) / (4 * kW) * (4 * kW);
       for (int64_t d = 0; d < D; ++d) {  // the padding keys score 0 and are never weighted
-        std::fill(kt + d * L + n_pages * S, kt + d * L + padded, 0.0f);
+        std::fill(kt + d * L + keys, kt + d * L + padded, 0.0f);
+      }
+      for (int64_t b = from * R / kBlock * kBlock; b < vecs; b += kBlock) {
+        int64_t b_lo = keys, b_hi = 0;
+        for (int64_t u = 0; u < kBlock; ++u) {
+          if (begin[b + u] < end[b + u]) {
+            b_lo = std::min(b_lo, begin[b + u]), b_hi = std::max(b_hi, end[b + u]);
+          }
+        }
+        const float* q0 = qs + b * D;
+        for (int64_t j = b_lo / (4 * kW) * (4 * kW); j < b_hi; j += 4 * kW) {
+          F32x4 t[kBlock] = {};
+          for (int64_t d = 0; d < D; ++d) {
+            const F32x4 k = F32x4::Load(kt + d * L + j);
+            for (int64_t u = 0; u < kBlock; ++u) t[u].AddScaled(Splat(q0[u * D + d]), k);
+          }
+          for (int64_t u = 0; u < kBlock; ++u) t[u].Store(s + (b + u) * L + j);
+        }
+      }
+    } else {  // key by key, each row read once for the chunk's few query vectors
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* krow = kf[j];
+        for (int64_t vec = from * R; vec < vecs; ++vec) {
+          if (j < begin[vec] || j >= end[vec]) continue;
+          const float* qv = qs + vec * D;
+          F8 t = Splat(0.0f);
+          for (int64_t d = 0; d < D; d += kW) t += Load(qv + d) * Load(krow + d);
+          s[vec * L + j] = Sum(t) * k_sc[j];
+        }
       }
     }
-    for (int64_t i = from; i < tokens; ++i) {
-      const int64_t pos = cached + it.first + i;
-      const int64_t seen = std::min(n_pages * S, pos - j0 + 1);  // keys j0 .. j0 + seen - 1
-      // keys before j0 + begin lie outside the window: never scored, weighted or read
-      const int64_t begin = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
-      if (begin >= seen) continue;
-      const float* q_i = qs + i * R * D;
-      if (transposed) {  // 32 keys at a time: four independent sums over d
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qv = q_i + r * D;
-          float* sr = s + r * L;
-          for (int64_t j = begin / (4 * kW) * (4 * kW); j < seen; j += 4 * kW) {
-            F32x4 t = {};
-            for (int64_t d = 0; d < D; ++d) t.AddScaled(Splat(qv[d]), F32x4::Load(kt + d * L + j));
-            t.Store(sr + j);
-          }
+    // The online softmax's update: each vector's new max, its scores' weights and the factor
+    // alpha by which its running sums shrink. A weight is then set to exactly 0 at each key of
+    // lo .. hi - 1 outside the vector's own (a score there may be a stale slot's NaN, and the
+    // blocks below weigh keys of the union).
+    for (int64_t vec = from * R / kBlock * kBlock; vec < padded_vecs; ++vec) {
+      float* sr = s + vec * L;
+      const int64_t b0 = begin[vec], e0 = end[vec];
+      if (b0 >= e0) {  // no keys here: its sums stay
+        alpha[vec] = 1.0f;
+        std::fill(sr + lo, sr + hi, 0.0f);
+        continue;
+      }
+      if (p.softcap > 0) {
+        for (int64_t j = b0; j < e0; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
+      }
+      float mx = m[vec];
+      {  // eight running maxima: one chain of dependent maxss per key was the loop's cost
+        F8 mx8 = Splat(mx);
+        int64_t j = b0;
+        for (; j + kW <= e0; j += kW) {
+          const F8 x = Load(sr + j);
+          mx8 = x > mx8 ? x : mx8;
         }
-      } else {  // key by key, each row read once for the token's R query heads
-        for (int64_t j = begin; j < seen; ++j) {
-          const float* krow = kf[j];
-          for (int64_t r = 0; r < R; ++r) {
-            const float* qv = q_i + r * D;
-            F8 t = Splat(0.0f);
-            for (int64_t d = 0; d < D; d += kW) t += Load(qv + d) * Load(krow + d);
-            s[r * L + j] = Sum(t) * k_sc[j];
-          }
+        for (int64_t e = 0; e < kW; ++e) mx = std::max(mx, mx8[e]);
+        for (; j < e0; ++j) mx = std::max(mx, sr[j]);
+      }
+      alpha[vec] = Exp(m[vec] - mx);
+      F8 sum = Splat(0.0f);
+      const F8 mx8 = Splat(mx);
+      int64_t j = b0;
+      for (; j + kW <= e0; j += kW) {
+        const F8 e = Exp(Load(sr + j) - mx8);
+        Store(sr + j, e);
+        sum += e;
+      }
+      float total = Sum(sum);
+      for (; j < e0; ++j) {
+        sr[j] = Exp(sr[j] - mx);
+        total += sr[j];
+      }
+      l[vec] = l[vec] * alpha[vec] + total;
+      m[vec] = mx;
+      if (p.v_scale != nullptr) {  // an int8 value row's scale
+        for (j = b0; j < e0; ++j) sr[j] *= v_sc[j];
+      }
+      std::fill(sr + lo, sr + b0, 0.0f);
+      std::fill(sr + e0, sr + hi, 0.0f);
+    }
+    // The weighted values: kBlock vectors x 32 channels held over their keys, each value row
+    // read once for the block's vectors.
+    for (int64_t b = from * R / kBlock * kBlock; b < vecs; b += kBlock) {
+      int64_t b_lo = keys, b_hi = 0;
+      for (int64_t u = 0; u < kBlock; ++u) {
+        if (begin[b + u] < end[b + u]) {
+          b_lo = std::min(b_lo, begin[b + u]), b_hi = std::max(b_hi, end[b + u]);
         }
       }
-      // The online softmax's update: each head's new max, its scores' weights and the factor
-      // alpha[r] by which its running sums shrink; then the weighted values, 32 channels at a
-      // time held over the keys, each value row read for the token's R heads while in cache.
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t vec = i * R + r;
-        float* sr = s + r * L;
-        if (p.softcap > 0) {
-          for (int64_t j = begin; j < seen; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
-        }
-        float mx = m[vec];
-        for (int64_t j = begin; j < seen; ++j) mx = std::max(mx, sr[j]);
-        alpha[r] = Exp(m[vec] - mx);
-        F8 sum = Splat(0.0f);
-        const F8 mx8 = Splat(mx);
-        int64_t j = begin;
-        for (; j + kW <= seen; j += kW) {
-          const F8 e = Exp(Load(sr + j) - mx8);
-          Store(sr + j, e);
-          sum += e;
-        }
-        float total = Sum(sum);
-        for (; j < seen; ++j) {
-          sr[j] = Exp(sr[j] - mx);
-          total += sr[j];
-        }
-        l[vec] = l[vec] * alpha[r] + total;
-        m[vec] = mx;
+      const float* w0 = s + b * L;
+      float* a0 = acc + b * D;
+      if (b_lo >= b_hi) {
+        continue;  // alpha is 1 for each: the sums stay
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const float* sr = s + r * L;
-        float* a = acc + (i * R + r) * D;
-        const F8 al = Splat(alpha[r]);
-        int64_t d = 0;
-        for (; d + 4 * kW <= D; d += 4 * kW) {
-          F32x4 t = F32x4::Load(a + d);
-          t.Scale(al);
-          for (int64_t j = begin; j < seen; ++j) {  // stale slots past `seen` are never read
-            t.AddScaled(Splat(sr[j] * v_sc[j]), F32x4::Load(vf[j] + d));
-          }
-          t.Store(a + d);
+      int64_t d = 0;
+      for (; d + 4 * kW <= D; d += 4 * kW) {
+        F32x4 t[kBlock];
+        for (int64_t u = 0; u < kBlock; ++u) {
+          t[u] = F32x4::Load(a0 + u * D + d);
+          t[u].Scale(Splat(alpha[b + u]));
         }
-        for (; d < D; d += kW) {
-          F8 t = Load(a + d) * al;
-          for (int64_t j = begin; j < seen; ++j) t += Splat(sr[j] * v_sc[j]) * Load(vf[j] + d);
-          Store(a + d, t);
+        for (int64_t j = b_lo; j < b_hi; ++j) {
+          const F32x4 x = F32x4::Load(vf[j] + d);
+          for (int64_t u = 0; u < kBlock; ++u) t[u].AddScaled(Splat(w0[u * L + j]), x);
         }
+        for (int64_t u = 0; u < kBlock; ++u) t[u].Store(a0 + u * D + d);
+      }
+      for (; d < D; d += kW) {
+        F8 t[kBlock];
+        for (int64_t u = 0; u < kBlock; ++u) t[u] = Load(a0 + u * D + d) * Splat(alpha[b + u]);
+        for (int64_t j = b_lo; j < b_hi; ++j) {
+          const F8 x = Load(vf[j] + d);
+          for (int64_t u = 0; u < kBlock; ++u) t[u] += Splat(w0[u * L + j]) * x;
+        }
+        for (int64_t u = 0; u < kBlock; ++u) Store(a0 + u * D + d, t[u]);
       }
     }
   }
