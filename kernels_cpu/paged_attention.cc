@@ -33,7 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -87,6 +87,27 @@ inline F8 Load(const uint16_t* x) {  // eight bfloat16 values: each a float's up
 inline void Store(float* x, F8 v) { std::memcpy(x, &v, sizeof(v)); }
 inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
 inline float Sum(F8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// Lane u of the result: the sum of t[u]'s lanes (eight horizontal sums at once).
+inline F8 Sums(const F8* t) {
+#if defined(__AVX__)
+  __m256 a[kW];
+  std::memcpy(a, t, sizeof(a));
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  // each 128-bit half: the partial sums of t[0..3] (t[4..7]) over that half's lanes
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                    _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  F8 r;
+  std::memcpy(&r, &sums, sizeof(r));
+  return r;
+#else
+  F8 r;
+  for (int64_t u = 0; u < kW; ++u) r[u] = Sum(t[u]);
+  return r;
+#endif
+}
 
 // 32 consecutive floats as four F8 sums, independent so that their multiply-adds overlap: the
 // register block of both the scores (32 keys) and the weighted values (32 channels).
@@ -207,7 +228,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   const int64_t scale_head = it.head * p.P * S;
   rows.k.resize(L);
   rows.v.resize(L);
-  rows.k_scale.assign(L, 1.0f);
+  rows.k_scale.assign(L + kW, 1.0f);  // kW past the keys: the key-by-key scores' last load
   rows.v_scale.assign(L, 1.0f);
   auto& k_rows = rows.k;
   auto& v_rows = rows.v;
@@ -312,15 +333,26 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           for (int64_t u = 0; u < kBlock; ++u) t[u].Store(s + (b + u) * L + j);
         }
       }
-    } else {  // key by key, each row read once for the chunk's few query vectors
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* krow = kf[j];
+    } else {  // the chunk's few query vectors: eight keys at a time, their sums reduced together
+      for (int64_t j = lo; j < hi; j += kW) {
+        const int64_t n = std::min(kW, hi - j);
+        const float* krow[kW];
+        for (int64_t u = 0; u < kW; ++u) krow[u] = kf[j + std::min(u, n - 1)];
+        const F8 sc = Load(k_sc + j);  // k_sc holds kW slots past the chunk's keys
         for (int64_t vec = from * R; vec < vecs; ++vec) {
-          if (j < begin[vec] || j >= end[vec]) continue;
+          if (begin[vec] >= end[vec]) continue;
           const float* qv = qs + vec * D;
-          F8 t = Splat(0.0f);
-          for (int64_t d = 0; d < D; d += kW) t += Load(qv + d) * Load(krow + d);
-          s[vec * L + j] = Sum(t) * k_sc[j];
+          F8 t[kW] = {};
+          for (int64_t d = 0; d < D; d += kW) {
+            const F8 x = Load(qv + d);
+            for (int64_t u = 0; u < kW; ++u) t[u] += x * Load(krow[u] + d);
+          }
+          const F8 scores = Sums(t) * sc;
+          if (n == kW) {
+            Store(s + vec * L + j, scores);
+          } else {
+            for (int64_t u = 0; u < n; ++u) s[vec * L + j + u] = scores[u];
+          }
         }
       }
     }
