@@ -31,6 +31,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX__)
@@ -187,6 +188,17 @@ struct Rows {
   std::vector<int64_t> begin, end;      // each query vector's keys in the chunk
 };
 
+// The union of a block of kBlock query vectors' keys (begin .. end - 1 each; empty ranges left
+// out): (keys, 0) when every range is empty.
+inline std::pair<int64_t, int64_t> BlockKeys(const int64_t* begin, const int64_t* end,
+                                             int64_t keys) {
+  int64_t lo = keys, hi = 0;
+  for (int64_t u = 0; u < kBlock; ++u) {
+    if (begin[u] < end[u]) lo = std::min(lo, begin[u]), hi = std::max(hi, end[u]);
+  }
+  return {lo, hi};
+}
+
 template <typename T>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows<T>& rows) {
   const int64_t D = p.D, S = p.S, R = p.R;
@@ -317,12 +329,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         std::fill(kt + d * L + keys, kt + d * L + padded, 0.0f);
       }
       for (int64_t b = from * R / kBlock * kBlock; b < vecs; b += kBlock) {
-        int64_t b_lo = keys, b_hi = 0;
-        for (int64_t u = 0; u < kBlock; ++u) {
-          if (begin[b + u] < end[b + u]) {
-            b_lo = std::min(b_lo, begin[b + u]), b_hi = std::max(b_hi, end[b + u]);
-          }
-        }
+        const auto [b_lo, b_hi] = BlockKeys(begin + b, end + b, keys);
         const float* q0 = qs + b * D;
         for (int64_t j = b_lo / (4 * kW) * (4 * kW); j < b_hi; j += 4 * kW) {
           F32x4 t[kBlock] = {};
@@ -407,12 +414,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     // The weighted values: kBlock vectors x 32 channels held over their keys, each value row
     // read once for the block's vectors.
     for (int64_t b = from * R / kBlock * kBlock; b < vecs; b += kBlock) {
-      int64_t b_lo = keys, b_hi = 0;
-      for (int64_t u = 0; u < kBlock; ++u) {
-        if (begin[b + u] < end[b + u]) {
-          b_lo = std::min(b_lo, begin[b + u]), b_hi = std::max(b_hi, end[b + u]);
-        }
-      }
+      const auto [b_lo, b_hi] = BlockKeys(begin + b, end + b, keys);
       const float* w0 = s + b * L;
       float* a0 = acc + b * D;
       if (b_lo >= b_hi) {
