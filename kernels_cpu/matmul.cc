@@ -4,6 +4,8 @@
 // y [M, N] = x [M, K] @ w, where w is [K, N] row-major, or with transpose_w its [N, K] transpose
 // read in place (a tied embedding [V, D] as the output head). x and w are float32 or bfloat16
 // alike; y is float32, or bfloat16 for bfloat16 x and w (oneDNN accumulates in float32).
+// JaxpipePrepack reorders w once into oneDNN's blocked layout, and JaxpipeMatmulPrepacked runs
+// the product on those bytes (no reorder at each call).
 // Why: XLA:CPU's own dots run bfloat16 at well under half the rate oneDNN's brgemm kernels get
 // from AVX512_BF16 (docs/benchmarks.md, "Where a serving step's time goes").
 //
@@ -28,7 +30,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // How a product reads its weights: [K, N] row-major, its [N, K] transpose in place, or packed
-// (`Packed`: oneDNN's own blocked layout, reordered once).
+// (`PackedDesc`: oneDNN's own blocked layout, reordered once by `PrepackImpl`).
 enum Layout { kRowMajor = 0, kTransposed = 1, kPacked = 2 };
 
 struct Key {
@@ -181,7 +183,7 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
   return Run(x, w.untyped_data(), y, n, x_type, y_type, transpose_w ? kTransposed : kRowMajor);
 }
 
-// y = x @ w, w packed by `PackImpl` for x's K, y's N and x's dtype.
+// y = x @ w, w packed by `PrepackImpl` for x's K, y's N and x's dtype.
 ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
@@ -228,8 +230,8 @@ ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, boo
 
 }  // namespace
 
-// The bytes of [K, N] weights packed (`PackImpl`), for Python to shape the packed array; -1 where
-// oneDNN has no product of these weights. bf16: 1 for bfloat16, 0 for float32.
+// The bytes of [K, N] weights packed (`PrepackImpl`), for Python to shape the packed array;
+// -1 where oneDNN has no product of these weights. bf16: 1 for bfloat16, 0 for float32.
 extern "C" int64_t JaxpipePrepackedBytes(int64_t k, int64_t n, int bf16) {
   try {
     return int64_t(PackedDesc(k, n, bf16 ? dt::bf16 : dt::f32).get_size());

@@ -50,10 +50,6 @@ class Prepacked:
   dtype: np.dtype = dataclasses.field(metadata=dict(static=True))  # float32 or bfloat16
   in_dims: int = dataclasses.field(metadata=dict(static=True))  # leading axes contracted
 
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
   def astype(self, dtype) -> Prepacked:
     """Itself, for its own dtype (a projection's cast to the compute dtype).
 
