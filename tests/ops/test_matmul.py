@@ -136,9 +136,9 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_onednn_steps_give_the_oracles_logprobs(devices):
-  """Each prompt's first greedy token and its log-probability on oneDNN, on one device and
-  tensor-parallel over two (row-parallel products summed over the halves), against the XLA
-  recompute oracle's log-softmax."""
+  """Each prompt's first greedy token and its log-probability on oneDNN, on one device (weights
+  prepacked) and tensor-parallel over two (row-major weights; row-parallel products summed over
+  the halves), against the XLA recompute oracle's log-softmax."""
   engine = Engine(
       helpers.DENSE,
       helpers.engine_params("dense"),
@@ -147,6 +147,8 @@ def test_onednn_steps_give_the_oracles_logprobs(devices):
       matmul="onednn",
       **helpers.ENGINE_ARGS,
   )
+  # one device prepacks its weights; tensor-parallel ranks run the row-major kernel
+  assert (matmul_lib.PREPACKED in engine.params) == (devices == 1)
   prompts = helpers.prompts(seed=5, n=6)
   greedy = SamplingParams(logprobs=0)
   ids = [engine.add_request(p, 1, greedy, eos_id=None) for p in prompts]
