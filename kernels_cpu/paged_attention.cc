@@ -78,9 +78,14 @@ inline F8 Load(const int8_t* x) {  // eight int8 values as floats
 #endif
 }
 inline F8 Load(const uint16_t* x) {  // eight bfloat16 values: each a float's upper 16 bits
+#if defined(__AVX2__)  // one zero-extending load and a shift (GCC splits the generic one in halves)
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16);
+#else
   H8 h;
   std::memcpy(&h, x, sizeof(h));
   const U8 bits = __builtin_convertvector(h, U8) << 16;
+#endif
   F8 r;
   std::memcpy(&r, &bits, sizeof(r));
   return r;
@@ -183,8 +188,8 @@ template <typename T>
 struct Rows {
   std::vector<const T*> k, v;  // key j of the chunk: its K and V rows
   std::vector<float> k_scale, v_scale;
-  std::vector<const float*> kf, vf;  // the same rows as floats: in place, or converted
-  std::vector<float> k_float, v_float;  // [L, D] the chunk's rows converted (pools not float)
+  std::vector<const float*> vf;  // V rows converted to floats (pools not float, many vectors)
+  std::vector<float> v_float;    // [L, D] their storage
   std::vector<int64_t> begin, end;      // each query vector's keys in the chunk
 };
 
@@ -197,6 +202,36 @@ inline std::pair<int64_t, int64_t> BlockKeys(const int64_t* begin, const int64_t
     if (begin[u] < end[u]) lo = std::min(lo, begin[u]), hi = std::max(hi, end[u]);
   }
   return {lo, hi};
+}
+
+// One block's weighted values: the kBlock vectors' running sums a0 [kBlock, D] times alpha, plus
+// their weights w0 [kBlock, L] times the value rows v_rows[b_lo .. b_hi - 1] (floats, or the
+// pool's rows converted as they load), 32 channels at a time, each row read once for the block.
+template <typename U>
+void WeighValues(const U* const* v_rows, int64_t b_lo, int64_t b_hi, int64_t D, int64_t L,
+                 const float* w0, const float* alpha, float* a0) {
+  int64_t d = 0;
+  for (; d + 4 * kW <= D; d += 4 * kW) {
+    F32x4 t[kBlock];
+    for (int64_t u = 0; u < kBlock; ++u) {
+      t[u] = F32x4::Load(a0 + u * D + d);
+      t[u].Scale(Splat(alpha[u]));
+    }
+    for (int64_t j = b_lo; j < b_hi; ++j) {
+      const F32x4 x = F32x4::Load(v_rows[j] + d);
+      for (int64_t u = 0; u < kBlock; ++u) t[u].AddScaled(Splat(w0[u * L + j]), x);
+    }
+    for (int64_t u = 0; u < kBlock; ++u) t[u].Store(a0 + u * D + d);
+  }
+  for (; d < D; d += kW) {
+    F8 t[kBlock];
+    for (int64_t u = 0; u < kBlock; ++u) t[u] = Load(a0 + u * D + d) * Splat(alpha[u]);
+    for (int64_t j = b_lo; j < b_hi; ++j) {
+      const F8 x = Load(v_rows[j] + d);
+      for (int64_t u = 0; u < kBlock; ++u) t[u] += Splat(w0[u * L + j]) * x;
+    }
+    for (int64_t u = 0; u < kBlock; ++u) Store(a0 + u * D + d, t[u]);
+  }
 }
 
 template <typename T>
@@ -244,14 +279,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   rows.v_scale.assign(L, 1.0f);
   auto& k_rows = rows.k;
   auto& v_rows = rows.v;
-  rows.kf.resize(L);
   rows.vf.resize(L);
-  const float** kf = rows.kf.data();
   const float** vf = rows.vf.data();
-  if constexpr (!std::is_same_v<T, float>) {
-    rows.k_float.resize(L * D);
-    rows.v_float.resize(L * D);
-  }
+  if constexpr (!std::is_same_v<T, float>) rows.v_float.resize(L * D);
   float* k_sc = rows.k_scale.data();
   float* v_sc = rows.v_scale.data();
   const int64_t page0 = lowest / S;
@@ -279,23 +309,6 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         __builtin_prefetch(v_head + page + x);
       }
     }
-    // A chunk of bfloat16 or int8 rows is converted to floats once, here, rather than at each
-    // of its reads (a key is read for each of the tile's query vectors, R to R * kTile of them).
-    for (int64_t j = 0; j < n_pages * S; ++j) {
-      if constexpr (std::is_same_v<T, float>) {
-        kf[j] = k_rows[j];
-        vf[j] = v_rows[j];
-      } else {
-        float* kd = rows.k_float.data() + j * D;
-        float* vd = rows.v_float.data() + j * D;
-        for (int64_t d = 0; d < D; d += kW) {
-          Store(kd + d, Load(k_rows[j] + d));
-          Store(vd + d, Load(v_rows[j] + d));
-        }
-        kf[j] = kd;
-        vf[j] = vd;
-      }
-    }
     // Each query vector's keys in the chunk: its token's positions up to its own, within the
     // window; none for the tile's tokens before the chunk's first key, and for the padding.
     const int64_t keys = n_pages * S;
@@ -315,9 +328,20 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     }
     if (lo >= hi) continue;
     const bool transposed = (vecs - from * R) >= kTranspose;
+    // Many query vectors read each row many times: bfloat16 or int8 rows are then converted to
+    // floats once, here (the keys as they are transposed). A few read the pools in place,
+    // converting as they load: at decode's one token a row, a copy would cost more than the
+    // products that read it.
+    if (transposed && !std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < n_pages * S; ++j) {
+        float* vd = rows.v_float.data() + j * D;
+        for (int64_t d = 0; d < D; d += kW) Store(vd + d, Load(v_rows[j] + d));
+        vf[j] = vd;
+      }
+    }
     if (transposed) {  // the scores of kBlock vectors x 32 keys at a time, sums over d
       for (int64_t j = lo / (4 * kW) * (4 * kW); j < n_pages * S; ++j) {
-        const float* krow = kf[j];
+        const T* krow = k_rows[j];
         const F8 sc = Splat(k_sc[j]);
         for (int64_t d = 0; d < D; d += kW) {
           const F8 x = Load(krow + d) * sc;
@@ -343,8 +367,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     } else {  // the chunk's few query vectors: eight keys at a time, their sums reduced together
       for (int64_t j = lo; j < hi; j += kW) {
         const int64_t n = std::min(kW, hi - j);
-        const float* krow[kW];
-        for (int64_t u = 0; u < kW; ++u) krow[u] = kf[j + std::min(u, n - 1)];
+        const T* krow[kW];
+        for (int64_t u = 0; u < kW; ++u) krow[u] = k_rows[j + std::min(u, n - 1)];
         const F8 sc = Load(k_sc + j);  // k_sc holds kW slots past the chunk's keys
         for (int64_t vec = from * R; vec < vecs; ++vec) {
           if (begin[vec] >= end[vec]) continue;
@@ -420,27 +444,10 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       if (b_lo >= b_hi) {
         continue;  // alpha is 1 for each: the sums stay
       }
-      int64_t d = 0;
-      for (; d + 4 * kW <= D; d += 4 * kW) {
-        F32x4 t[kBlock];
-        for (int64_t u = 0; u < kBlock; ++u) {
-          t[u] = F32x4::Load(a0 + u * D + d);
-          t[u].Scale(Splat(alpha[b + u]));
-        }
-        for (int64_t j = b_lo; j < b_hi; ++j) {
-          const F32x4 x = F32x4::Load(vf[j] + d);
-          for (int64_t u = 0; u < kBlock; ++u) t[u].AddScaled(Splat(w0[u * L + j]), x);
-        }
-        for (int64_t u = 0; u < kBlock; ++u) t[u].Store(a0 + u * D + d);
-      }
-      for (; d < D; d += kW) {
-        F8 t[kBlock];
-        for (int64_t u = 0; u < kBlock; ++u) t[u] = Load(a0 + u * D + d) * Splat(alpha[b + u]);
-        for (int64_t j = b_lo; j < b_hi; ++j) {
-          const F8 x = Load(vf[j] + d);
-          for (int64_t u = 0; u < kBlock; ++u) t[u] += Splat(w0[u * L + j]) * x;
-        }
-        for (int64_t u = 0; u < kBlock; ++u) Store(a0 + u * D + d, t[u]);
+      if (transposed && !std::is_same_v<T, float>) {
+        WeighValues(vf, b_lo, b_hi, D, L, w0, alpha + b, a0);
+      } else {
+        WeighValues(v_rows.data(), b_lo, b_hi, D, L, w0, alpha + b, a0);
       }
     }
   }

@@ -87,12 +87,15 @@ def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, so
   _check(q, k8, v8, rows, tables_T, lengths_T, live, **scales)
 
 
-def test_kernel_on_bfloat16_pages_equals_the_gather_reference():
-  """A bfloat16 cache (serve --dtype bfloat16): both sides widen the same stored values."""
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_kernel_on_bfloat16_pages_equals_the_gather_reference(head_dim):
+  """A bfloat16 cache (serve --dtype bfloat16): both sides widen the same stored values; decode
+  rows read the pages in place, prefills a float copy; head dims of whole 32-channel blocks and
+  not (48)."""
   rng = np.random.default_rng(1)
   seqs = [(0, 150), (37, 1), (70, 45), (129, 17), (0, 1)]
-  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(seqs, 16, 2, 32, rng, rows=7)
-  q = rng.standard_normal((tables_T.shape[0], 4, 32)).astype(np.float32)
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(seqs, 16, 2, head_dim, rng, rows=7)
+  q = rng.standard_normal((tables_T.shape[0], 4, head_dim)).astype(np.float32)
   bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
   _check(q, bf16(k), bf16(v), rows, tables_T, lengths_T, live, window=40, softcap=3.0)
   assert attn.resolve_step_backend("auto", 32, 16, jnp.bfloat16) == "cpu_ragged"
