@@ -234,6 +234,16 @@ void WeighValues(const U* const* v_rows, int64_t b_lo, int64_t b_hi, int64_t D, 
   }
 }
 
+// Fetches pages table[first .. last - 1] of one KV head's pool (`head`, pages of `page`
+// elements) into L2.
+template <typename T>
+void Prefetch(const T* head, const int32_t* table, int64_t page, int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) {
+    const T* at = head + static_cast<int64_t>(table[i]) * page;
+    for (int64_t x = 0; x < page; x += 64 / sizeof(T)) __builtin_prefetch(at + x, 0, 2);
+  }
+}
+
 template <typename T>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows<T>& rows) {
   const int64_t D = p.D, S = p.S, R = p.R;
@@ -299,16 +309,13 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         std::memcpy(v_sc + pi * S, p.v_scale + at, sizeof(float) * S);
       }
     }
-    // The next chunk's pages are fetched while this one is scored (the first chunk's before
-    // it): a sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot
-    // follow from one to the next.
-    for (int64_t pi = c0 == page0 ? page0 : c0 + C; pi < std::min(pages, c0 + 2 * C); ++pi) {
-      const int64_t page = static_cast<int64_t>(table[pi]) * S * D;
-      for (int64_t x = 0; x < S * D; x += 64 / sizeof(T)) {
-        __builtin_prefetch(k_head + page + x);
-        __builtin_prefetch(v_head + page + x);
-      }
-    }
+    // The next chunk's keys are fetched while this one is scored and its values while this
+    // one's are weighed (the first chunk's before they are read): a sequence's pages lie
+    // anywhere in the pool, so the hardware prefetcher cannot follow from one to the next.
+    // Into L2, a half at a time: fetched into L1, or all at once, they evicted the rows being
+    // read, or waited for room.
+    const int64_t ahead = c0 == page0 ? page0 : c0 + C, ahead_end = std::min(pages, c0 + 2 * C);
+    Prefetch(k_head, table, S * D, ahead, ahead_end);
     // Each query vector's keys in the chunk: its token's positions up to its own, within the
     // window; none for the tile's tokens before the chunk's first key, and for the padding.
     const int64_t keys = n_pages * S;
@@ -387,6 +394,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         }
       }
     }
+    Prefetch(v_head, table, S * D, ahead, ahead_end);
     // The online softmax's update: each vector's new max, its scores' weights and the factor
     // alpha by which its running sums shrink. A weight is then set to exactly 0 at each key of
     // lo .. hi - 1 outside the vector's own (a score there may be a stale slot's NaN, and the
