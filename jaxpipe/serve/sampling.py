@@ -402,8 +402,11 @@ def argmax(x: jax.Array) -> jax.Array:
   """`jnp.argmax` over the last axis (the first index of the largest value), as int32, for rows
   without NaN (a row with one gives an index in range, not the NaN's).
 
-  Two vectorized passes, the max and then the least index holding it: XLA:CPU runs argmax's
-  (value, index) reduction element by element, 3x slower over a 64 x 49,152 step's logits.
+  In blocks of up to 256 values (the largest power of two from 16 dividing V; else one block):
+  each block's max, the first block holding the row's, then the first index of it within that
+  block. XLA:CPU runs argmax's (value, index) reduction element by element, and the two passes
+  over the whole row (`_first_max`) materialized the broadcast max and an index per value:
+  12 ms of a 64 x 49,152 decode step, against under 1 ms in blocks.
 
   Args:
     x: [..., V] values.
@@ -411,6 +414,18 @@ def argmax(x: jax.Array) -> jax.Array:
   Returns:
     [...] int32 indices.
   """
+  v = x.shape[-1]
+  b = next((b for b in (256, 128, 64, 32, 16) if v % b == 0 and v > b), 0)
+  if not b:
+    return _first_max(x)
+  x_NxB = x.reshape(*x.shape[:-1], v // b, b)
+  first = _first_max(jnp.max(x_NxB, axis=-1))  # the first block holding the row's max
+  block_B = jnp.take_along_axis(x_NxB, first[..., None, None], axis=-2)[..., 0, :]
+  return first * b + _first_max(block_B)
+
+
+def _first_max(x: jax.Array) -> jax.Array:
+  """The first index of the last axis's max, in two vectorized passes (clamped into range)."""
   v = x.shape[-1]
   top = jnp.max(x, axis=-1, keepdims=True)
   index = jnp.arange(v, dtype=jnp.int32)

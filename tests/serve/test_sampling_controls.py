@@ -74,6 +74,27 @@ def test_argmax_is_numpys_first_largest_index():
     assert got.dtype == np.int32 and (got == np.argmax(a, axis=-1)).all()
 
 
+@pytest.mark.parametrize("vocab", [1024, 49152, 32064, 48])
+def test_argmax_in_blocks_is_numpys_first_largest_index(vocab):
+  """Vocabularies taken in blocks of 256, 64 (Phi-3's 32,064) and 16: the row's max tied in
+  several blocks and within one (the first wins), a max in a block's last slot, rows of -inf;
+  a row holding NaN gives an index in range."""
+  rng = np.random.default_rng(vocab)
+  x = rng.integers(-3, 3, (7, 2, vocab)).astype(np.float32)
+  x[0] = -np.inf
+  x[1] = -1.0
+  x[1, :, [vocab // 2 + 3, vocab - 1, vocab // 2 + 5]] = 4.0  # ties in two blocks
+  x[2] = -1.0
+  x[2, :, vocab - 1] = 0.0  # the last block's last slot
+  x[3] = -1.0
+  x[3, :, 15] = 0.0  # the first block's last slot at width 16
+  got = np.asarray(sampling.argmax(x))
+  assert got.dtype == np.int32 and (got == np.argmax(x, axis=-1)).all()
+  assert got[1].tolist() == [vocab // 2 + 3] * 2
+  x[4, 0, 9] = np.nan
+  assert 0 <= int(sampling.argmax(x[4, 0])) < vocab
+
+
 def test_bias_and_penalties_equal_numpy_on_fixed_logits():
   rng = np.random.default_rng(0)
   logits = rng.normal(0, 2, (len(ROWS), V)).astype(np.float32)  # positive and negative
