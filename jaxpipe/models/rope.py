@@ -287,6 +287,29 @@ def apply(
   return rotate(x_BxLxHxK, positions, inv, attention)
 
 
+def cos_sin(angle: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of `angle`, each computed once per value.
+
+  On the CPU they are computed inside a conditional (both branches alike): fused into the
+  rotation, XLA:CPU recomputed them for every head and channel that reads them, 10x the cost of
+  the rotation itself (a 1,024-token step of 9 query heads at head dim 64: 1.6 against 0.17 ms a
+  layer). Other platforms compute them as they are.
+
+  Args:
+    angle: the angles, any shape.
+
+  Returns:
+    (cos, sin) of `angle`, float32.
+  """
+  both = lambda a: (jnp.cos(a), jnp.sin(a))
+  if angle.size == 0:
+    return both(angle)
+  # a conditional XLA cannot resolve at compile time keeps its results out of the consumers'
+  # fusions; which branch runs does not matter
+  held = lambda a: jax.lax.cond(a.reshape(-1)[0] > 0, both, both, a)
+  return jax.lax.platform_dependent(angle, cpu=held, default=both)
+
+
 def rotate(
     x_BxLxHxK: jax.Array, positions: jax.Array, inv: jax.Array, attention: float | jax.Array = 1.0
 ) -> jax.Array:
@@ -307,8 +330,9 @@ def rotate(
   """
   angle = positions.astype(jnp.float32)[..., None] * inv  # [L or B,L, d/2]
   angle_BxLxK2 = angle[None] if angle.ndim == 2 else angle
-  cos = jnp.cos(angle_BxLxK2)[:, :, None, :] * attention
-  sin = jnp.sin(angle_BxLxK2)[:, :, None, :] * attention
+  cos, sin = cos_sin(angle_BxLxK2)
+  cos = cos[:, :, None, :] * attention
+  sin = sin[:, :, None, :] * attention
   x = x_BxLxHxK.astype(jnp.float32)
   half = inv.shape[-1]
   x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]

@@ -3,6 +3,8 @@ model's RotaryEmbedding and `apply_rotary_pos_emb`), on positions up to the pre-
 and beyond it: default, linear, dynamic, yarn (with and without DeepSeek's mscale), longrope with
 partial rotary (Phi-3.5), llama3."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,34 @@ def test_length_dependent_variants_switch_past_the_original_context():
 def test_bad_variants_are_refused(fields, message):
   with pytest.raises(ValueError, match=message):
     rope.RopeScaling(**fields)
+
+
+def test_cos_and_sin_are_computed_once_per_angle_not_per_head():
+  """Compiled for the CPU, a rotation of many heads evaluates cos and sin on the [L, d/2]
+  angles alone (inside a conditional), never inside the fusion that rotates [L, H, d/2]
+  values; and gives the plain expression's values exactly, in a program that is differentiated
+  and vmapped too."""
+  import jax
+  import jax.numpy as jnp
+
+  inv = rope.inverse_frequencies(10000.0, HEAD_DIM, rope.RopeScaling(), None)[0]
+  x = np.random.default_rng(0).standard_normal((2, LENGTH, 9, HEAD_DIM)).astype(np.float32)
+  positions = np.arange(LENGTH, dtype=np.int32)
+  fn = jax.jit(lambda x, p: rope.rotate(x, p, inv))
+  hlo = fn.lower(x, positions).compile().as_text()
+  # each fused computation evaluating cos or sin, and the shape of the fusion that calls it
+  bodies = dict(re.findall(r"^%(\S+) \(.*?\n((?:.*\n)*?)\}", hlo, re.M))
+  trig = {name for name, body in bodies.items() if re.search(r" (?:cosine|sine)\(", body)}
+  calls = re.findall(r"= f32\[([0-9,]*)\]\S* fusion\(.*calls=%([^,\s]+)", hlo)
+  sizes = [int(np.prod([int(n) for n in dims.split(",")])) for dims, c in calls if c in trig]
+  assert sizes and set(sizes) == {LENGTH * HEAD_DIM // 2}, sizes  # the angles', not [L, 9, d/2]
+
+  angle = positions.astype(np.float32)[:, None] * np.asarray(inv)
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2 :]
+  want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  np.testing.assert_array_equal(np.asarray(fn(x, positions)), want)
+  grad = jax.grad(lambda x: jnp.sum(rope.rotate(x, positions, inv) ** 2))(x)
+  np.testing.assert_allclose(np.asarray(grad), 2 * x, rtol=1e-5, atol=1e-5)  # a rotation
+  per_row = jax.vmap(lambda x, p: rope.rotate(x[None], p, inv)[0])(x, np.stack([positions] * 2))
+  np.testing.assert_array_equal(np.asarray(per_row), want)
