@@ -489,7 +489,11 @@ class Mlp(nn.Module):
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)  # tensor parallel: d_ff / tp of the whole sequence
     d_ff = c.d_ff // tp_lib.size()
     act = ACTIVATION_FNS[c.activation]
-    h_BxLxF = act(dense(d_ff, "gate")(x_BxLxD)) * dense(d_ff, "up")(x_BxLxD)
+    g_BxLxF = dense(d_ff, "gate")(x_BxLxD)
+    # computed in float32 and rounded once, as torch's kernels compute a bfloat16 activation
+    # (bit-equal to them; rounded after each of its ops it was not, and 2x slower on XLA:CPU)
+    h_BxLxF = act(g_BxLxF.astype(jnp.float32)).astype(g_BxLxF.dtype)
+    h_BxLxF = h_BxLxF * dense(d_ff, "up")(x_BxLxD)
     down = Dense((c.d_model,), c, 1, c.mlp_bias, tp_lib.reduce_tokens, name="down")
     return down(h_BxLxF)
 
