@@ -188,9 +188,9 @@ template <typename T>
 struct Rows {
   std::vector<const T*> k, v;  // key j of the chunk: its K and V rows
   std::vector<float> k_scale, v_scale;
-  std::vector<const float*> vf;  // V rows converted to floats (pools not float, many vectors)
-  std::vector<float> v_float;    // [L, D] their storage
-  std::vector<int64_t> begin, end;      // each query vector's keys in the chunk
+  std::vector<const float*> vf;     // V rows converted to floats (pools not float, many vectors)
+  std::vector<float> v_float;       // [L, D] their storage
+  std::vector<int64_t> begin, end;  // each query vector's keys in the chunk
 };
 
 // The union of a block of kBlock query vectors' keys (begin .. end - 1 each; empty ranges left
@@ -339,7 +339,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
     // floats once, here (the keys as they are transposed). A few read the pools in place,
     // converting as they load: at decode's one token a row, a copy would cost more than the
     // products that read it.
-    if (transposed && !std::is_same_v<T, float>) {
+    const bool v_converted = transposed && !std::is_same_v<T, float>;
+    if (v_converted) {
       for (int64_t j = 0; j < n_pages * S; ++j) {
         float* vd = rows.v_float.data() + j * D;
         for (int64_t d = 0; d < D; d += kW) Store(vd + d, Load(v_rows[j] + d));
@@ -452,7 +453,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       if (b_lo >= b_hi) {
         continue;  // alpha is 1 for each: the sums stay
       }
-      if (transposed && !std::is_same_v<T, float>) {
+      if (v_converted) {
         WeighValues(vf, b_lo, b_hi, D, L, w0, alpha + b, a0);
       } else {
         WeighValues(v_rows.data(), b_lo, b_hi, D, L, w0, alpha + b, a0);

@@ -5,6 +5,8 @@ partial rotary (Phi-3.5), llama3."""
 
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -178,9 +180,6 @@ def test_cos_and_sin_are_computed_once_per_angle_not_per_head():
   angles alone (inside a conditional), never inside the fusion that rotates [L, H, d/2]
   values; and gives the plain expression's values exactly, in a program that is differentiated
   and vmapped too."""
-  import jax
-  import jax.numpy as jnp
-
   inv = rope.inverse_frequencies(10000.0, HEAD_DIM, rope.RopeScaling(), None)[0]
   x = np.random.default_rng(0).standard_normal((2, LENGTH, 9, HEAD_DIM)).astype(np.float32)
   positions = np.arange(LENGTH, dtype=np.int32)
