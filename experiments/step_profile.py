@@ -3,11 +3,12 @@
   python -m experiments.step_profile [--shape smollm2-135m] [--dtypes float32,bfloat16]
       [--batch 64 --context 256 --prefill 1024 --steps 8]
 
-First the limit, measured in this run: the model's GEMMs (q, k, v, attention output, gate, up,
-down, the LM head) at a decode step's M (`--batch` rows) and a prefill step's (`--prefill`
-tokens), timed as one XLA program each, through the oneDNN kernel the engine's steps run
-(`kernels_cpu.matmul`, `--matmul`), and, as a second opinion, through torch's CPU matmul (its
-own oneDNN), in each dtype. Per dtype, the fastest of these is the peak the steps are held to.
+First the limit, measured in this run: the model's GEMMs (q+k+v, attention output, gate+up,
+down, the LM head: siblings fused as the engine's prepacked layers run them) at a decode step's
+M (`--batch` rows) and a prefill step's (`--prefill` tokens), timed as one XLA program each,
+through the oneDNN kernel the engine's steps run (`kernels_cpu.matmul`, `--matmul`), and, as a
+second opinion, through torch's CPU matmul (its own oneDNN), in each dtype. Per dtype, the
+fastest of these is the peak the steps are held to.
 
 Then the engine's steps at that shape (random weights held in the dtype, pools for the batch):
 - decode: `--batch` requests of `--context` prompt tokens, all running (their contexts grow by
@@ -59,8 +60,8 @@ flags.DEFINE_integer("reps", 5, "Timed runs of each GEMM (the fastest counts).",
 
 
 def gemms(cfg: transformer.TransformerConfig, m: int) -> dict[str, tuple[int, int, int]]:
-  """The model's weight GEMMs for m tokens, as (M, K, N): one per projection, as the layers
-  run them (q, k and v apart, gate and up apart).
+  """The model's weight GEMMs for m tokens, as (M, K, N), as an engine's prepacked layers run
+  them: q, k and v one product, gate and up one (`layers.dense_group`).
 
   Args:
     cfg: the model's shape.
@@ -71,12 +72,9 @@ def gemms(cfg: transformer.TransformerConfig, m: int) -> dict[str, tuple[int, in
   """
   d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   return {
-      "q": (m, d, h * k),
-      "k": (m, d, g * k),
-      "v": (m, d, g * k),
+      "q+k+v": (m, d, (h + 2 * g) * k),
       "attention out": (m, h * k, d),
-      "gate": (m, d, f),
-      "up": (m, d, f),
+      "gate+up": (m, d, 2 * f),
       "down": (m, f, d),
       "lm head": (m, d, cfg.vocab),
   }

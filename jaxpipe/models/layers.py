@@ -1,6 +1,7 @@
 """The layers every model block is built of: RMSNorm and the projections (`Dense`, whose matmul
 runs in the model's FP8 recipe), with DenseGeneral's parameter names, shapes and init."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -96,6 +97,8 @@ class Dense(nn.Module):
   use_bias: bool = False  # a bias [features], added after `reduce`
   # applied to the product before the bias (a row-parallel projection's sum over tp ranks)
   reduce: Any = None
+  # inside `prepacking()`, store the kernel prepacked (False: a `dense_group` stores it fused)
+  prepack: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -115,7 +118,7 @@ class Dense(nn.Module):
         raise ValueError(f"{self.path}: a kernel prepacked as {w.shape} projects {shape}")
     else:
       w = self.param("kernel", kernel_init(self.in_dims), shape, jnp.float32)
-      if matmul_lib.is_prepacking() and self.cfg.fp8 == "none":
+      if self.prepack and matmul_lib.is_prepacking() and self.cfg.fp8 == "none":
         w = matmul_lib.prepack(w.astype(self.cfg.compute_dtype), self.in_dims)
         self.put_variable(matmul_lib.PREPACKED, "kernel", w)
     scale_3 = None
@@ -128,3 +131,50 @@ class Dense(nn.Module):
       b = self.param("bias", nn.initializers.zeros, tuple(self.features), jnp.float32)
       y = y + b.astype(y.dtype)
     return y
+
+
+def dense_group(
+    parent: nn.Module,
+    x: jax.Array,
+    outs: Sequence[tuple[str, tuple[int, ...]]],
+    cfg: Any,
+    use_bias: bool = False,
+) -> list[jax.Array]:
+  """`x` projected by `parent`'s sibling `Dense`s of one input (q, k and v; gate and up).
+
+  Traced inside `ops.matmul.prepacking()` (and without FP8), it puts their kernels side by side
+  along the output axis, prepacked in the compute dtype, with their biases, into the
+  `ops.matmul.PREPACKED` collection under their names joined by '+'; an apply given that
+  collection runs one product on it and splits the result (decode's few rows then read one
+  weight where they read several). Otherwise each is its own `Dense`.
+
+  Args:
+    parent: the module whose children the projections are (called in its compact `__call__`).
+    x: the input, [..., D].
+    outs: each projection's name and features.
+    cfg: the model's config: its `fp8` recipe and `compute_dtype`.
+    use_bias: each projection adds a bias [features].
+
+  Returns:
+    Each projection's output, [..., *features], in the compute dtype.
+  """
+  fused = "+".join(name for name, _ in outs)
+  widths = [int(np.prod(features)) for _, features in outs]
+  if parent.has_variable(matmul_lib.PREPACKED, fused):
+    entry = parent.get_variable(matmul_lib.PREPACKED, fused)
+    y = matmul_lib.dot(x.astype(cfg.compute_dtype), entry["kernel"])
+    if "bias" in entry:
+      y = y + entry["bias"].astype(y.dtype)
+    parts = jnp.split(y, np.cumsum(widths)[:-1], axis=-1)
+    return [p.reshape(x.shape[:-1] + tuple(f)) for p, (_, f) in zip(parts, outs, strict=True)]
+  fuse = matmul_lib.is_prepacking() and cfg.fp8 == "none"
+  denses = [Dense(f, cfg, use_bias=use_bias, prepack=not fuse, name=name) for name, f in outs]
+  ys = [dense(x) for dense in denses]
+  if fuse:
+    params = [dense.variables["params"] for dense in denses]
+    w = jnp.concatenate([p["kernel"].reshape(x.shape[-1], -1) for p in params], axis=1)
+    entry = {"kernel": matmul_lib.prepack(w.astype(cfg.compute_dtype))}
+    if use_bias:
+      entry["bias"] = jnp.concatenate([p["bias"].reshape(-1) for p in params])
+    parent.put_variable(matmul_lib.PREPACKED, fused, entry)
+  return ys

@@ -46,7 +46,7 @@ from jaxpipe.models import mla as mla_lib
 from jaxpipe.models import moe as moe_lib
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models.attention import attention, context_axis, context_parallel, point_to_point
-from jaxpipe.models.layers import Dense, Kernel, RMSNorm, rms_norm
+from jaxpipe.models.layers import Dense, Kernel, RMSNorm, dense_group, rms_norm
 from jaxpipe.ops import fp8 as fp8_lib
 from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.ops.vma import vary_like
@@ -363,10 +363,12 @@ class Attention(nn.Module):
     # Under tensor parallelism: this rank's heads of the whole sequence (tp_lib)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)
     heads, kv_heads = tp_lib.local_heads(c.n_heads, c.n_kv_heads)
-    dense = lambda width, name: Dense((width, c.head_dim), c, use_bias=c.qkv_bias, name=name)
-    q_BxLxHxK = dense(heads, "q")(x_BxLxD)
-    k_BxLxGxK = dense(kv_heads, "k")(x_BxLxD)
-    v_BxLxGxK = dense(kv_heads, "v")(x_BxLxD)
+    outs = (
+        ("q", (heads, c.head_dim)),
+        ("k", (kv_heads, c.head_dim)),
+        ("v", (kv_heads, c.head_dim)),
+    )
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = dense_group(self, x_BxLxD, outs, c, c.qkv_bias)
     k_BxLxGxK = tp_lib.kv_group(k_BxLxGxK, c.n_heads, c.n_kv_heads)
     v_BxLxGxK = tp_lib.kv_group(v_BxLxGxK, c.n_heads, c.n_kv_heads)
     q_BxLxHxK, k_BxLxGxK = self._qk_norm(q_BxLxHxK, k_BxLxGxK)
@@ -485,15 +487,14 @@ class Mlp(nn.Module):
       The FFN's output, shaped as `x_BxLxD`.
     """
     c = self.cfg
-    dense = lambda width, name: Dense((width,), c, use_bias=c.mlp_bias, name=name)
     x_BxLxD = tp_lib.gather_tokens(x_BxLxD)  # tensor parallel: d_ff / tp of the whole sequence
     d_ff = c.d_ff // tp_lib.size()
     act = ACTIVATION_FNS[c.activation]
-    g_BxLxF = dense(d_ff, "gate")(x_BxLxD)
+    outs = (("gate", (d_ff,)), ("up", (d_ff,)))
+    g_BxLxF, u_BxLxF = dense_group(self, x_BxLxD, outs, c, c.mlp_bias)
     # computed in float32 and rounded once, as torch's kernels compute a bfloat16 activation
     # (bit-equal to them; rounded after each of its ops it was not, and 2x slower on XLA:CPU)
-    h_BxLxF = act(g_BxLxF.astype(jnp.float32)).astype(g_BxLxF.dtype)
-    h_BxLxF = h_BxLxF * dense(d_ff, "up")(x_BxLxD)
+    h_BxLxF = act(g_BxLxF.astype(jnp.float32)).astype(g_BxLxF.dtype) * u_BxLxF
     down = Dense((c.d_model,), c, 1, c.mlp_bias, tp_lib.reduce_tokens, name="down")
     return down(h_BxLxF)
 

@@ -112,8 +112,8 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   layers = engine.params["layers"]
   assert isinstance(layers, list) and len(layers) == cfg.n_layers
   text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
-  per_layer = 7  # q, k, v, o, gate, up, down; a layer scan's body would hold them once
-  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == per_layer * cfg.n_layers + 1
+  # q+k+v, o, gate+up, down (siblings fused, `layers.dense_group`); a scan's body holds them once
+  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == 4 * cfg.n_layers + 1
   assert 'custom_call_target="jaxpipe_matmul"' not in text
   stacked = model_lib.stack_layers(engine.params)
   stacked.pop(matmul_lib.PREPACKED)
@@ -125,6 +125,7 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
       cfg, want, num_pages=9, prepack_weights=False, **helpers.ENGINE_ARGS
   ).step_program(16, helpers.CONTEXT // helpers.PAGE)
   text = rowmajor.as_text()
+  per_layer = 7  # q, k, v, o, gate, up, down
   assert text.count('custom_call_target="jaxpipe_matmul"') == per_layer * cfg.n_layers + 1
   assert "jaxpipe_matmul_prepacked" not in text
   xla = Engine(
@@ -362,3 +363,51 @@ def test_a_dense_layer_prepacks_its_kernel_and_runs_on_it():
   wrong = r"a kernel prepacked as \(4, 6, 3, 5\) projects \(6, 3, 5\)"
   with pytest.raises(ValueError, match=wrong):
     other.apply({matmul_lib.PREPACKED: state[matmul_lib.PREPACKED]}, x)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_a_dense_group_prepacks_its_kernels_fused_and_splits_one_product(use_bias):
+  """`layers.dense_group` traced in `prepacking()` puts its Denses' kernels side by side,
+  prepacked, with their biases, under one entry named by their names (none of its own each); an
+  apply given only that collection runs one product and gives each Dense's output."""
+  import flax.linen as nn
+
+  from jaxpipe.models import layers
+  from jaxpipe.models.transformer import TransformerConfig
+
+  cfg = TransformerConfig(vocab=8, d_model=6, n_layers=1, n_heads=2, head_dim=4, d_ff=8)
+  outs = (("q", (3, 4)), ("k", (1, 4)), ("v", (1, 4)))
+
+  class Group(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return layers.dense_group(self, x, outs, cfg, use_bias)
+
+  group = Group()
+  x = np.random.default_rng(5).standard_normal((2, 4, 6)).astype(np.float32)
+  params = group.init(jax.random.key(0), x)
+  if use_bias:  # nonzero, so that a lost bias shows
+    params = jax.tree.map(lambda a: a + 0.5, params)
+  want = group.apply(params, x)
+  for name, features in outs:  # the separate Denses' own products
+    p = params["params"][name]
+    y = np.einsum("bld,dhk->blhk", x, np.asarray(p["kernel"]).reshape(6, *features))
+    np.testing.assert_allclose(
+        np.asarray(want[[n for n, _ in outs].index(name)]),
+        y + (np.asarray(p["bias"]) if use_bias else 0),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+  with matmul_lib.prepacking():
+    _, state = jax.jit(lambda v: group.apply(v, x, mutable=[matmul_lib.PREPACKED]))(params)
+  packed = state[matmul_lib.PREPACKED]
+  assert list(packed) == ["q+k+v"]
+  entry = packed["q+k+v"]
+  assert sorted(entry) == (["bias", "kernel"] if use_bias else ["kernel"])
+  assert isinstance(entry["kernel"], matmul_lib.Prepacked)
+  assert entry["kernel"].shape == (6, 20)
+  got = group.apply({matmul_lib.PREPACKED: packed}, x)
+  assert [g.shape for g in got] == [(2, 4, 3, 4), (2, 4, 1, 4), (2, 4, 1, 4)]
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
