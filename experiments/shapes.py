@@ -1,8 +1,9 @@
-"""The model shapes the serving benches run at: a toy Llama and real Llamas' sizes.
+"""The model shapes the benches run at: a toy Llama and real Llamas' sizes.
 
 Random weights of these shapes stand in for the checkpoints: speed depends on the shapes alone.
-smollm2-135m is SmolLM2-135M's (tied embeddings, vocabulary 49,152); llama3.2-1b
-is Llama 3.2 1B's (vocabulary 128,256, tied) without its rope scaling, which changes no cost.
+smollm2-135m and smollm2-360m are SmolLM2-135M's and SmolLM2-360M's (tied embeddings,
+vocabulary 49,152); llama3.2-1b is Llama 3.2 1B's (vocabulary 128,256, tied) without its rope
+scaling, which changes no cost.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ SHAPES = {
         n_kv_heads=3,
         head_dim=64,
         d_ff=1536,
+        norm_eps=1e-5,
+        rope_theta=100_000.0,
+        tied_embeddings=True,
+    ),
+    "smollm2-360m": transformer.TransformerConfig(
+        vocab=49152,
+        d_model=960,
+        n_layers=32,
+        n_heads=15,
+        n_kv_heads=5,
+        head_dim=64,
+        d_ff=2560,
         norm_eps=1e-5,
         rope_theta=100_000.0,
         tied_embeddings=True,

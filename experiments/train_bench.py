@@ -34,25 +34,26 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   its first `MAXTEXT_MIN_WARMUP` steps are never timed. Tested with maxtext 0.2.5 (Python >=
   3.12, JAX 0.12). MaxText is never a dependency of jaxpipe.
 
-Each contender is compiled and warmed up (`--warmup` steps), then `--rounds` rounds each run
-every contender for `--steps` steps in turn, the order rotated by one per round, and a float32
-matmul (`--matmul_n`) timed the same way as the steps. Per step: wall time, process CPU time
-(`time.process_time()` around a blocked step; the 8 host devices share the machine's cores, so
-CPU time is the steadier measure) and the process's minor page faults (`getrusage`): glibc
-returns a freed allocation over 32 MB to the OS, so a program whose temporaries come in such
-allocations faults them in again on every step. By default the bench keeps freed memory in the
-heap instead (`mallopt`, as a device allocator pools its memory, and as `python -m jaxpipe.train`
-does on CPU: `train.pool_host_memory`), for every contender in its process alike;
-`--nopool_host_memory` measures with glibc's defaults. A peer runs in its own process as its
-users run it.
+Each contender is compiled and warmed up (`--warmup` steps), then `--rounds` rounds each run every
+contender for `--steps` steps in turn, the order rotated by one per round, and the reference GEMMs
+timed the same way as the steps: the model's weight GEMMs once each (q+k+v, attention out, gate+up,
+down, the head) at a step's tokens a device (`--matmul_tokens`), in each dtype the steps compute in,
+on XLA's dot and on each other matmul backend the contenders use (`ops.matmul`); a dtype's peak in a
+round is the fastest of these. Per step: wall time, process CPU time (`time.process_time()` around a
+blocked step; the 8 host devices share the machine's cores, so CPU time is the steadier measure) and
+the process's minor page faults (`getrusage`): glibc returns a freed allocation over 32 MB to the
+OS, so a program whose temporaries come in such allocations faults them in again on every step. By
+default the bench keeps freed memory in the heap instead (`mallopt`, as a device allocator pools its
+memory, and as `python -m jaxpipe.train` does on CPU: `train.pool_host_memory`), for every contender
+in its process alike; `--nopool_host_memory` measures with glibc's defaults. A peer runs in its own
+process as its users run it.
 Columns: tokens/s (median over rounds of the round's tokens over its wall time); ms/step; CPU
-s/step; MFU = model FLOPs per CPU second (`jaxpipe.models.flops`, matmuls only) over the
-matmul's FLOPs per CPU second in the same round, median over rounds; wall and CPU ratio = the
-contender's time per step over the plain step's in the same round, median (lowest-highest)
-over rounds (below 1 = faster than plain); faults/step = minor page faults per step, median
-over rounds; temp MB = per-device temporaries from `compiled.memory_analysis()`; HLO =
-instructions in the compiled program's text. `--out FILE.json` keeps every raw sample and the
-load of each round.
+s/step; MFU = model FLOPs per CPU second (`jaxpipe.models.flops`, matmuls only) over the peak FLOPs
+per CPU second of the contender's dtype in the same round, median over rounds; wall and CPU ratio =
+the contender's time per step over the plain step's in the same round, median (lowest-highest) over
+rounds (below 1 = faster than plain); faults/step = minor page faults per step, median over rounds;
+temp MB = per-device temporaries from `compiled.memory_analysis()`; HLO = instructions in the
+compiled program's text. `--out FILE.json` keeps every raw sample and the load of each round.
 """
 
 from __future__ import annotations
@@ -160,7 +161,11 @@ flags.DEFINE_integer("rounds", 3, "Timed rounds; every contender runs in each.",
 flags.DEFINE_integer("steps", 3, "Timed steps of each contender per round.", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "Untimed steps of each contender first.", flag_values=FLAGS)
 flags.DEFINE_integer(
-    "matmul_n", 1024, "The reference matmul: [devices*N, N] x [N, N], float32.", flag_values=FLAGS
+    "matmul_tokens",
+    0,
+    "Rows a device of the reference GEMMs (the peak MFU is read against); 0: a step's tokens a"
+    " device.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_string(
     "peer_python",
@@ -373,7 +378,7 @@ def plain_contender(config, host_batches, flops, tokens, scan: bool = False) -> 
   batches = [plain.put(b) for b in host_batches]
   t0 = time.perf_counter()
   compiled = plain.compile(batches[0])
-  info = compiled_info(compiled, time.perf_counter() - t0)
+  info = {**compiled_info(compiled, time.perf_counter() - t0), "dtype": config.model.dtype}
   it = itertools.count()
 
   def step():
@@ -418,7 +423,10 @@ def jaxpipe_contender(name, config, host_batches, flops, tokens) -> Contender:
   trainer.init()
   batches = [trainer.shard_batch(b) for b in host_batches]
   compiled = trainer.compile()
-  info = compiled_info(compiled, trainer.compile_stats["compile_s"])
+  info = {
+      **compiled_info(compiled, trainer.compile_stats["compile_s"]),
+      "dtype": config.model.dtype,
+  }
   it = itertools.count()
 
   def step():  # what Trainer.step runs, on the compiled program
@@ -428,17 +436,48 @@ def jaxpipe_contender(name, config, host_batches, flops, tokens) -> Contender:
   return Contender(name, timed(step), flops, tokens, info)
 
 
-def matmul_contender(n: int) -> Contender:
-  """[devices*n, n] x [n, n] in float32, rows split over every device (as the batch is)."""
+def matmul_contenders(model_cfg, tokens: int, dtypes, backends) -> list[Contender]:
+  """The peak the steps are held to: the model's weight GEMMs once each (q+k+v, attention out,
+  gate+up, down, the head) at `tokens` rows a device, rows split over every device as the batch
+  is; one contender per dtype and matmul backend.
+
+  Args:
+    model_cfg: the model (`TransformerConfig`).
+    tokens: rows of each product on each device (a step's tokens per device).
+    dtypes: the steps' compute dtypes.
+    backends: resolved `ops.matmul` backends ('xla', 'onednn').
+
+  Returns:
+    Contenders named `matmul DTYPE BACKEND`, info['reference'] set, info['dtype'] theirs.
+  """
+  from jaxpipe.ops import matmul as matmul_lib
+
+  c = model_cfg
+  d, h, g, k, f = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+  kn = [(d, (h + 2 * g) * k), (h * k, d), (d, 2 * f), (f, d), (d, c.vocab)]
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
   rng = np.random.default_rng(0)
-  x_MxN = jax.device_put(
-      rng.standard_normal((len(devices) * n, n), np.float32), NamedSharding(mesh, P("dp"))
-  )
-  w_NxN = jax.device_put(rng.standard_normal((n, n), np.float32), NamedSharding(mesh, P()))
-  dot = jax.jit(jnp.dot).lower(x_MxN, w_NxN).compile()
-  return Contender(MATMUL, timed(lambda: dot(x_MxN, w_NxN)), 2.0 * len(devices) * n**3, 0)
+  flops = 2.0 * len(devices) * tokens * sum(kk * n for kk, n in kn)
+  out = []
+  for dtype in dtypes:
+    put = lambda shape, spec, dtype=dtype: jax.device_put(
+        jnp.asarray(rng.standard_normal(shape, np.float32), dtype), NamedSharding(mesh, spec)
+    )
+    xs = [put((len(devices) * tokens, kk), P("dp")) for kk, _ in kn]
+    ws = [put((kk, n), P()) for kk, n in kn]
+    for backend in backends:
+
+      def gemms(xs, ws, backend=backend):
+        with matmul_lib.backend(backend):
+          return [matmul_lib.dot(x, w) for x, w in zip(xs, ws, strict=True)]
+
+      program = jax.jit(jax.shard_map(gemms, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp")))
+      compiled = program.lower(xs, ws).compile()
+      info = {"reference": True, "dtype": dtype}
+      step = lambda compiled=compiled, xs=xs, ws=ws: compiled(xs, ws)
+      out.append(Contender(f"{MATMUL} {dtype} {backend}", timed(step), flops, 0, info))
+  return out
 
 
 # -- MaxText ------------------------------------------------------------------------------------
@@ -623,7 +662,7 @@ def maxtext_contender(config, batch, flops, tokens, args, package: str) -> Conte
     info["parameters"] = parse_maxtext_params(text)
     return [(s["seconds"], *cpu.get(s["step"], (None, None))) for s in logged[-steps:]]
 
-  info = {}
+  info = {"dtype": config.model.dtype}
   return Contender(MAXTEXT, run, flops, tokens, info)
 
 
@@ -664,19 +703,31 @@ def per_round(rounds: list[list[list[float | None]]], i: int) -> list[float | No
   return out
 
 
+def peaks(contenders: list[Contender], measured: dict) -> dict[str, list[float]]:
+  """Each dtype's peak in each round: the fastest reference matmul's FLOPs per CPU second."""
+  out = {}
+  for c in contenders:
+    if c.info.get("reference"):
+      rates = [c.flops / x for x in per_round(measured["samples"][c.name], 1)]
+      best = out.get(c.info["dtype"], [0.0] * len(rates))
+      out[c.info["dtype"]] = [max(a, b) for a, b in zip(best, rates, strict=True)]
+  return out
+
+
 def summarise(contenders: list[Contender], measured: dict) -> list[dict]:
-  """One row per contender (the matmul left out): medians over rounds and per-round ratios."""
+  """One row per contender (the reference matmuls left out): medians over rounds and per-round
+  ratios; MFU against the contender's dtype's peak in each round (`peaks`)."""
   samples = measured["samples"]
   base_wall, base_cpu = per_round(samples[PLAIN], 0), per_round(samples[PLAIN], 1)
-  mm_cpu = per_round(samples[MATMUL], 1)
-  mm_rate = [contenders_by(contenders)[MATMUL].flops / c for c in mm_cpu]  # FLOP per CPU s
+  peak = peaks(contenders, measured)
   rows = []
   for c in contenders:
-    if c.name == MATMUL:
+    if c.info.get("reference"):
       continue
     wall, cpu = per_round(samples[c.name], 0), per_round(samples[c.name], 1)
     faults = per_round(samples[c.name], 2)
     has_cpu = None not in cpu
+    mm_rate = peak.get(c.info.get("dtype"))
     rows.append(
         {
             "name": c.name,
@@ -685,7 +736,7 @@ def summarise(contenders: list[Contender], measured: dict) -> list[dict]:
             "cpu_s_per_step": statistics.median(cpu) if has_cpu else None,
             "mfu_percent": (
                 statistics.median(100 * c.flops / x / rate for x, rate in zip(cpu, mm_rate))
-                if has_cpu
+                if has_cpu and mm_rate
                 else None
             ),
             "wall_ratio": [w / b for w, b in zip(wall, base_wall)],
@@ -760,6 +811,7 @@ def table(rows: list[dict]) -> str:
 def build(args, config) -> list[Contender]:
   """The contenders, compiled and ready: plain first, then jaxpipe's, MaxText, the matmul."""
   from jaxpipe.models import flops as flops_lib
+  from jaxpipe.ops import matmul as matmul_lib
   from jaxpipe.training import batches as data_lib
   from jaxpipe.training import config as config_lib
 
@@ -806,7 +858,10 @@ def build(args, config) -> list[Contender]:
     print(f"compiled {name}: {out[-1].info['compile_s']:.1f} s", flush=True)
   if peer is not None:
     out.append(peer)
-  out.append(matmul_contender(args.matmul_n))
+  dtypes = sorted({c.model.dtype for _, c in cells})
+  backends = sorted({"xla"} | {matmul_lib.resolve(c.train.matmul) for _, c in cells})
+  per_device = args.matmul_tokens or tokens // devices
+  out.extend(matmul_contenders(model_cfg, per_device, dtypes, backends))
   return out
 
 
@@ -820,7 +875,9 @@ def main(argv: list[str]) -> None:
       raise app.UsageError(
           f"--{name} {','.join(getattr(args, name))}: integers, comma-separated"
       ) from None
-  for name in ("rounds", "steps", "matmul_n"):
+  if args.matmul_tokens < 0:
+    raise app.UsageError(f"--matmul_tokens={args.matmul_tokens} must be 0 (a step's) or more")
+  for name in ("rounds", "steps"):
     if getattr(args, name) < 1:
       raise app.UsageError(f"--{name}={getattr(args, name)} must be at least 1")
   if min(args.microbatches, default=0) < 1:
@@ -852,6 +909,11 @@ def main(argv: list[str]) -> None:
       "during the rounds"
   )
   print(table(rows))
+  for dtype, rates in peaks(contenders, measured).items():
+    print(
+        f"peak {dtype} (the reference GEMMs' fastest): "
+        f"{statistics.median(rates) / 1e9:,.1f} GFLOP per CPU second (median over rounds)"
+    )
   if args.peer_python:
     theirs = contenders_by(contenders)[MAXTEXT].info.get("parameters")
     ours = parameter_count(config)

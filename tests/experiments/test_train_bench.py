@@ -187,7 +187,6 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
       "--rounds=2",
       "--steps=2",
       "--warmup=1",
-      "--matmul_n=128",
       f"--peer_python={sys.executable}",
       f"--out={out}",
   ]
@@ -198,7 +197,7 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
       "jaxpipe pp=1",
       "jaxpipe pp=2 1f1b",
       train_bench.MAXTEXT,
-      train_bench.MATMUL,
+      f"{train_bench.MATMUL} float32 xla",
   ]
   got = json.loads(out.read_text())
   assert got["order"] == [names, names[1:] + names[:1]]
@@ -230,6 +229,7 @@ def test_bench_table_samples_and_maxtext(tmp_path, capsys, fake_maxtext):
   assert all(line.count("|") == len(train_bench.COLUMNS) + 1 for line in table)
   n = train_bench.parameter_count(tiny_config())
   assert f"parameters: jaxpipe {n:,}, MaxText {n:,}" in printed
+  assert any(line.startswith("peak float32 (the reference GEMMs' fastest): ") for line in printed)
 
   runs = [json.loads(line) for line in fake_maxtext.read_text().splitlines()]
   assert len(runs) == 2  # one MaxText run per round, none for the warm-up
@@ -297,13 +297,13 @@ def test_faults_per_step_are_the_median_over_rounds_of_the_mean_per_step():
   contenders = [
       train_bench.Contender(train_bench.PLAIN, None, 1.0, 1),
       train_bench.Contender("other", None, 1.0, 1),
-      train_bench.Contender(train_bench.MATMUL, None, 1.0, 0),
+      train_bench.Contender("matmul", None, 1.0, 0, {"reference": True, "dtype": "float32"}),
   ]
   one = lambda faults: [[[1.0, 1.0, f] for f in faults]]
   samples = {
       train_bench.PLAIN: one([10, 30]) + one([0, 0]) + one([5, 5]),
       "other": one([100, 300]) + one([50, 50]) + one([0, 0]),
-      train_bench.MATMUL: one([0, 0]) * 3,
+      "matmul": one([0, 0]) * 3,
   }
   rows = train_bench.summarise(contenders, {"samples": samples})
   assert [r["faults_per_step"] for r in rows] == [5, 50]
@@ -324,3 +324,35 @@ def test_shape_sets_the_models_sizes_and_keeps_the_rest():
     assert getattr(got, name) == getattr(SHAPES["smollm2-135m"], name), name
   assert (got.d_model, got.n_layers, got.vocab) == (576, 30, 49152)
   assert c.data.seq_len == seq and c.model.unroll_layers == unroll
+
+
+def test_mfu_is_against_the_fastest_reference_of_the_contenders_dtype_in_each_round():
+  """A dtype's peak in a round is its fastest reference GEMM's FLOPs per CPU second (another
+  dtype's faster one does not count); MFU is the median over rounds of each round's ratio."""
+  ref = lambda name, dtype, flops: train_bench.Contender(
+      name, None, flops, 0, {"reference": True, "dtype": dtype}
+  )
+  contenders = [
+      train_bench.Contender(train_bench.PLAIN, None, 10.0, 1, {"dtype": "float32"}),
+      train_bench.Contender("half", None, 10.0, 1, {"dtype": "bfloat16"}),
+      train_bench.Contender("unmatched", None, 10.0, 1, {"dtype": "float16"}),
+      ref("matmul float32 xla", "float32", 100.0),
+      ref("matmul float32 onednn", "float32", 100.0),
+      ref("matmul bfloat16 onednn", "bfloat16", 400.0),
+  ]
+  rounds = lambda *cpu: [[[c, c, 0]] for c in cpu]  # one step a round: (wall, CPU s, faults)
+  samples = {
+      train_bench.PLAIN: rounds(1.0, 1.0, 1.0),  # 10 FLOP/s
+      "half": rounds(0.5, 0.5, 0.5),  # 20 FLOP/s
+      "unmatched": rounds(1.0, 1.0, 1.0),
+      "matmul float32 xla": rounds(2.0, 5.0, 4.0),  # 50, 20, 25 FLOP/s
+      "matmul float32 onednn": rounds(4.0, 2.5, 5.0),  # 25, 40, 20
+      "matmul bfloat16 onednn": rounds(2.0, 2.0, 4.0),  # 200, 200, 100
+  }
+  peak = train_bench.peaks(contenders, {"samples": samples})
+  assert peak == {"float32": [50.0, 40.0, 25.0], "bfloat16": [200.0, 200.0, 100.0]}
+  rows = {r["name"]: r for r in train_bench.summarise(contenders, {"samples": samples})}
+  assert list(rows) == [train_bench.PLAIN, "half", "unmatched"]
+  assert rows[train_bench.PLAIN]["mfu_percent"] == pytest.approx(25.0)  # 20, 25, 40
+  assert rows["half"]["mfu_percent"] == pytest.approx(10.0)  # 10, 10, 20
+  assert rows["unmatched"]["mfu_percent"] is None
