@@ -3,7 +3,8 @@
 Random weights of these shapes stand in for the checkpoints: speed depends on the shapes alone.
 smollm2-135m and smollm2-360m are SmolLM2-135M's and SmolLM2-360M's (tied embeddings,
 vocabulary 49,152); llama3.2-1b is Llama 3.2 1B's (vocabulary 128,256, tied) without its rope
-scaling, which changes no cost.
+scaling, which changes no cost. `gemms`: the weight GEMMs a step of a shape runs, as the benches
+time them.
 """
 
 from __future__ import annotations
@@ -59,3 +60,24 @@ SHAPES = {
         tied_embeddings=True,
     ),
 }
+
+
+def gemms(cfg: transformer.TransformerConfig, m: int) -> dict[str, tuple[int, int, int]]:
+  """The model's weight GEMMs for m tokens, as (M, K, N), as an engine's prepacked layers run
+  them: q, k and v one product, gate and up one (`layers.dense_group`).
+
+  Args:
+    cfg: the model's shape.
+    m: tokens in the step.
+
+  Returns:
+    {name: (M, K, N)}, each once per layer but the head.
+  """
+  d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  return {
+      "q+k+v": (m, d, (h + 2 * g) * k),
+      "attention out": (m, h * k, d),
+      "gate+up": (m, d, 2 * f),
+      "down": (m, f, d),
+      "lm head": (m, d, cfg.vocab),
+  }

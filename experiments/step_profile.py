@@ -38,7 +38,7 @@ import numpy as np
 from absl import flags
 
 from experiments import op_breakdown
-from experiments.shapes import SHAPES
+from experiments.shapes import SHAPES, gemms
 from jaxpipe.models import flops, transformer
 from jaxpipe.runtime import cli
 from jaxpipe.serve import __main__ as serve_main
@@ -57,27 +57,6 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("steps", 8, "Timed steps of each kind.", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 5, "Timed runs of each GEMM (the fastest counts).", flag_values=FLAGS)
-
-
-def gemms(cfg: transformer.TransformerConfig, m: int) -> dict[str, tuple[int, int, int]]:
-  """The model's weight GEMMs for m tokens, as (M, K, N), as an engine's prepacked layers run
-  them: q, k and v one product, gate and up one (`layers.dense_group`).
-
-  Args:
-    cfg: the model's shape.
-    m: tokens in the step.
-
-  Returns:
-    {name: (M, K, N)}, each once per layer but the head.
-  """
-  d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-  return {
-      "q+k+v": (m, d, (h + 2 * g) * k),
-      "attention out": (m, h * k, d),
-      "gate+up": (m, d, 2 * f),
-      "down": (m, f, d),
-      "lm head": (m, d, cfg.vocab),
-  }
 
 
 def decode_flops(cfg: transformer.TransformerConfig, batch: int, context: int) -> int:

@@ -86,7 +86,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from experiments.shapes import SHAPES  # noqa: E402
+from experiments.shapes import SHAPES, gemms  # noqa: E402
 from jaxpipe.runtime import cli  # noqa: E402
 
 FLAGS = cli.flag_values(__name__)
@@ -452,9 +452,7 @@ def matmul_contenders(model_cfg, tokens: int, dtypes, backends) -> list[Contende
   """
   from jaxpipe.ops import matmul as matmul_lib
 
-  c = model_cfg
-  d, h, g, k, f = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
-  kn = [(d, (h + 2 * g) * k), (h * k, d), (d, 2 * f), (f, d), (d, c.vocab)]
+  kn = [(kk, n) for _, kk, n in gemms(model_cfg, tokens).values()]
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
   rng = np.random.default_rng(0)
@@ -468,11 +466,13 @@ def matmul_contenders(model_cfg, tokens: int, dtypes, backends) -> list[Contende
     ws = [put((kk, n), P()) for kk, n in kn]
     for backend in backends:
 
-      def gemms(xs, ws, backend=backend):
+      def products(xs, ws, backend=backend):
         with matmul_lib.backend(backend):
           return [matmul_lib.dot(x, w) for x, w in zip(xs, ws, strict=True)]
 
-      program = jax.jit(jax.shard_map(gemms, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp")))
+      program = jax.jit(
+          jax.shard_map(products, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+      )
       compiled = program.lower(xs, ws).compile()
       info = {"reference": True, "dtype": dtype}
       step = lambda compiled=compiled, xs=xs, ws=ws: compiled(xs, ws)
@@ -809,7 +809,8 @@ def table(rows: list[dict]) -> str:
 
 
 def build(args, config) -> list[Contender]:
-  """The contenders, compiled and ready: plain first, then jaxpipe's, MaxText, the matmul."""
+  """The contenders, compiled and ready: plain first, then jaxpipe's, MaxText, the reference
+  GEMMs."""
   from jaxpipe.models import flops as flops_lib
   from jaxpipe.ops import matmul as matmul_lib
   from jaxpipe.training import batches as data_lib

@@ -277,6 +277,7 @@ def _run(*flags):
         (["--pp=two"], "--pp two"),
         (["--microbatches=8,0"], "--microbatches [8, 0]"),
         (["--rounds=0"], "--rounds=0"),
+        (["--matmul_tokens=-1"], "--matmul_tokens=-1 must be 0"),
         (["--steps=x"], "steps"),
         (["--matmuls=xla,mkl"], "train.matmul='mkl' is unknown"),
         (["--dtypes=float8"], "model.dtype='float8' is unknown"),
