@@ -14,3 +14,28 @@ def test_a_decode_step_counts_the_forward_flops_of_its_tokens():
   extra = step_profile.decode_flops(cfg, 1, 101) - step_profile.decode_flops(cfg, 1, 1)
   assert extra == 100 * 4 * cfg.n_heads * cfg.head_dim * cfg.n_layers
   assert step_profile.decode_flops(cfg, 64, 1) == 64 * step_profile.decode_flops(cfg, 1, 1)
+
+
+def test_gemm_timings_take_the_median_within_a_budget(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
+
+  def runs_lasting(seconds):
+    calls = []
+
+    def run():
+      calls.append(1)
+      if len(calls) > 2:  # after the two warm-up calls, each run lasts its seconds
+        now[0] += seconds[len(calls) - 3]
+
+    return run, calls
+
+  run, calls = runs_lasting([1, 9, 3, 2, 8, 7, 1])
+  assert step_profile._median(run, reps=7, budget_s=100.0) == 3.0  # the median, not the 1
+  assert len(calls) == 2 + 7  # reps bounds the runs when the budget does not
+  run, calls = runs_lasting([1.0] * 50)
+  assert step_profile._median(run, reps=50, budget_s=2.0) == 1.0
+  assert len(calls) == 2 + 5  # past the budget after 2, but 5 at least
+  run, calls = runs_lasting([0.25] * 50)
+  step_profile._median(run, reps=50, budget_s=2.0)
+  assert len(calls) == 2 + 8  # stops once the runs took the budget
