@@ -191,7 +191,12 @@ struct Rows {
   std::vector<const float*> vf;     // V rows converted to floats (pools not float, many vectors)
   std::vector<float> v_float;       // [L, D] their storage
   std::vector<int64_t> begin, end;  // each query vector's keys in the chunk
+  std::vector<uint32_t> q_pairs;    // [vecs, D / 2] the queries' channel pairs, bfloat16 bits
+  std::vector<uint32_t> k_pairs;    // [D / 2, L] the chunk's keys' channel pairs, keys minor
 };
+
+// Items whose scores ran as bfloat16 dot products (`Bf16Scores`); -1 where not built.
+std::atomic<int64_t> bf16_score_items{0};
 
 // The union of a block of kBlock query vectors' keys (begin .. end - 1 each; empty ranges left
 // out): (keys, 0) when every range is empty.
@@ -244,6 +249,37 @@ void Prefetch(const T* head, const int32_t* table, int64_t page, int64_t first, 
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Scores = true;
+
+// A block of kBlock query vectors' scores over keys j .. j + 31 (of L a row): s [kBlock, L] =
+// scale * q_pairs [kBlock, D / 2] . k_pairs [D / 2, L], as `vdpbf16ps` sums: each pair of
+// channels' two products exact in float32 (the values are bfloat16), added in float32.
+inline void Bf16Scores(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t half_d,
+                       int64_t L, int64_t j, float scale, float* s) {
+  __m512 acc[kBlock][2];
+  for (int64_t u = 0; u < kBlock; ++u) acc[u][0] = acc[u][1] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < half_d; ++e) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k_pairs + e * L + j);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k_pairs + e * L + j + 16);
+    for (int64_t u = 0; u < kBlock; ++u) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(int(q_pairs[u * half_d + e]));
+      acc[u][0] = _mm512_dpbf16_ps(acc[u][0], q, k0);
+      acc[u][1] = _mm512_dpbf16_ps(acc[u][1], q, k1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t u = 0; u < kBlock; ++u) {
+    _mm512_storeu_ps(s + u * L + j, _mm512_mul_ps(acc[u][0], sc));
+    _mm512_storeu_ps(s + u * L + j + 16, _mm512_mul_ps(acc[u][1], sc));
+  }
+}
+#else
+constexpr bool kBf16Scores = false;
+inline void Bf16Scores(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, float,
+                       float*) {}
+#endif
+
 template <typename T>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows<T>& rows) {
   const int64_t D = p.D, S = p.S, R = p.R;
@@ -266,12 +302,41 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
   int64_t* end = rows.end.data();
   std::fill(qs + vecs * D, qs + padded_vecs * D, 0.0f);
   const int64_t cached = p.cached[it.row], start = p.starts[it.row];
+  uint32_t low_bits = 0;  // of every query value: 0 when all are bfloat16 values
   for (int64_t i = 0; i < tokens; ++i) {
     for (int64_t r = 0; r < R; ++r) {
       const float* src = p.q + ((start + it.first + i) * p.H + it.head * R + r) * D;
       float* dst = qs + (i * R + r) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+      for (int64_t d = 0; d < D; ++d) {
+        uint32_t bits;
+        std::memcpy(&bits, src + d, 4);
+        low_bits |= bits & 0xffffu;
+        dst[d] = src[d] * p.scale;
+      }
     }
+  }
+  // A bfloat16 pool and queries of bfloat16 values (a bfloat16 model's): the scores of many
+  // query vectors are bfloat16 dot products, twice float32's multiply-adds a cycle, each
+  // product exact as in float32 (the scale applied to the sums, not the queries).
+  const bool bf16_scores = kBf16Scores && std::is_same_v<T, uint16_t> && p.k_scale == nullptr &&
+                           low_bits == 0 && vecs >= kTranspose;
+  const int64_t half_d = D / 2;
+  if (bf16_scores) {
+    rows.q_pairs.assign(padded_vecs * half_d, 0u);
+    for (int64_t i = 0; i < tokens; ++i) {
+      for (int64_t r = 0; r < R; ++r) {
+        const float* src = p.q + ((start + it.first + i) * p.H + it.head * R + r) * D;
+        uint32_t* dst = rows.q_pairs.data() + (i * R + r) * half_d;
+        for (int64_t e = 0; e < half_d; ++e) {
+          uint32_t lo, hi;
+          std::memcpy(&lo, src + 2 * e, 4);
+          std::memcpy(&hi, src + 2 * e + 1, 4);
+          dst[e] = (lo >> 16) | (hi & 0xffff0000u);  // channel 2e low, 2e + 1 high
+        }
+      }
+    }
+    rows.k_pairs.resize(half_d * L);
+    bf16_score_items.fetch_add(1, std::memory_order_relaxed);
   }
   std::fill(acc, acc + padded_vecs * D, 0.0f);
   std::fill(m, m + padded_vecs, -std::numeric_limits<float>::infinity());
@@ -347,7 +412,23 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
         vf[j] = vd;
       }
     }
-    if (transposed) {  // the scores of kBlock vectors x 32 keys at a time, sums over d
+    if (transposed && bf16_scores) {  // the same blocks from channel pairs of the keys
+      uint32_t* kp = rows.k_pairs.data();
+      for (int64_t j = lo / (4 * kW) * (4 * kW); j < n_pages * S; ++j) {
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(k_rows[j]);
+        for (int64_t e = 0; e < half_d; ++e) kp[e * L + j] = krow[e];
+      }
+      const int64_t padded = (keys + 4 * kW - 1) / (4 * kW) * (4 * kW);
+      for (int64_t e = 0; e < half_d; ++e) {  // the padding keys score 0, never weighted
+        std::fill(kp + e * L + keys, kp + e * L + padded, 0u);
+      }
+      for (int64_t b = from * R / kBlock * kBlock; b < vecs; b += kBlock) {
+        const auto [b_lo, b_hi] = BlockKeys(begin + b, end + b, keys);
+        for (int64_t j = b_lo / (4 * kW) * (4 * kW); j < b_hi; j += 4 * kW) {
+          Bf16Scores(rows.q_pairs.data() + b * half_d, kp, half_d, L, j, p.scale, s + b * L);
+        }
+      }
+    } else if (transposed) {  // the scores of kBlock vectors x 32 keys at a time, sums over d
       for (int64_t j = lo / (4 * kW) * (4 * kW); j < n_pages * S; ++j) {
         const T* krow = k_rows[j];
         const F8 sc = Splat(k_sc[j]);
@@ -619,6 +700,12 @@ ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
 }
 
 }  // namespace
+
+// How many work items in this process scored their keys as bfloat16 dot products; -1 where
+// the kernel was built without AVX512_BF16.
+extern "C" int64_t JaxpipeBf16ScoreItems() {
+  return kBf16Scores ? bf16_score_items.load() : -1;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedPagedAttention, Impl,
                               ffi::Ffi::Bind()

@@ -51,9 +51,32 @@ def unavailable() -> str | None:
       jax.ffi.register_ffi_target(
           target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
       )
+    library.JaxpipeBf16ScoreItems.restype = ctypes.c_int64
+    _LOADED.append(library)
   except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
     return str(e)
   return None
+
+
+_LOADED: list[ctypes.CDLL] = []  # the library, once `unavailable()` has loaded it
+
+
+def bf16_score_items() -> int | None:
+  """Work items of this process whose scores ran as bfloat16 dot products; None where the
+  kernel was built without them (a CPU without AVX512_BF16).
+
+  A tile of many query vectors (a prefill's) over a bfloat16 pool scores its keys so when
+  every query value is a bfloat16 value (a bfloat16 model's queries): the products are exact
+  either way, at twice float32's multiply-adds a cycle.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  reason = unavailable()
+  if reason is not None:
+    raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
+  items = int(_LOADED[0].JaxpipeBf16ScoreItems())
+  return None if items < 0 else items
 
 
 def ragged_paged_attention(

@@ -101,6 +101,36 @@ def test_kernel_on_bfloat16_pages_equals_the_gather_reference(head_dim):
   assert attn.resolve_step_backend("auto", 32, 16, jnp.bfloat16) == "cpu_ragged"
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_bfloat16_queries_on_bfloat16_pages_score_as_bfloat16_dot_products(head_dim):
+  """A bfloat16 model's step: queries of bfloat16 values over a bfloat16 cache. Tiles of many
+  query vectors (prefills) score their keys as bfloat16 dot products, whose products are exact
+  as float32's: the result equals the gather reference to float32's rounding, windows, soft
+  caps and stale NaN keys included. Queries that are not all bfloat16 values keep the float32
+  scores (the items counted do not move)."""
+  if cpu_pa.bf16_score_items() is None:
+    pytest.skip("the kernel's bfloat16 scores are built only for a CPU with AVX512_BF16")
+  rng = np.random.default_rng(2)
+  seqs = [(0, 150), (37, 1), (70, 45), (129, 17), (0, 1), (3, 40)]
+  bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+  before = cpu_pa.bf16_score_items()
+  for window, softcap in ((0, 0.0), (40, 3.0)):  # with a window, the keys before it are NaN
+    k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
+        seqs, 16, 3, head_dim, rng, rows=8, window=window
+    )
+    q = rng.standard_normal((tables_T.shape[0], 9, head_dim)).astype(np.float32)
+    q_bf16 = np.asarray(bf16(q), np.float32)
+    kw = dict(window=window, softcap=softcap)
+    _check(q_bf16, bf16(k), bf16(v), rows, tables_T, lengths_T, live, **kw)
+  taken = cpu_pa.bf16_score_items() - before
+  # the prefill rows' tiles of 8 query vectors or more (150, 45, 17 and 40 tokens in tiles of
+  # 16: 10 + 3 + 1 + 3, the 17th token's tile left out) x 3 KV heads, twice; tiles of 3
+  # vectors (decode rows, that last token) keep the key-by-key scores
+  assert taken == 2 * 3 * (10 + 3 + 1 + 3)
+  _check(q, bf16(k), bf16(v), rows, tables_T, lengths_T, live, **kw)
+  assert cpu_pa.bf16_score_items() - before == taken
+
+
 def _int8(pages):
   """An 8-bit cache of float pages: int8 values and a float32 scale per (head, page, slot), the
   engine's rounding (`serve.model.quantize`); NaN scales in the slots no row owns."""
