@@ -12,7 +12,9 @@
 // buffer shared by every query of a tile. A tile's query vectors (token x query head) run in
 // blocks of kBlock: their scores and their weighted values are register blocks of kBlock
 // vectors x 32 keys or channels, each key or value row loaded once for the block, over the union
-// of the block's keys, a vector's weight set to exactly 0 at a key outside its own. Work items
+// of the block's keys, a vector's weight set to exactly 0 at a key outside its own. Over a
+// bfloat16 pool, a tile of queries that are all bfloat16 values scores as bfloat16 dot products
+// of channel pairs (`Bf16Scores`, where the CPU has AVX512_BF16). Work items
 // are (row, KV head, tile of up to kTile tokens), taken in turn by the caller and the tasks it
 // schedules on XLA's intra-op thread pool.
 //
@@ -195,7 +197,7 @@ struct Rows {
   std::vector<uint32_t> k_pairs;    // [D / 2, L] the chunk's keys' channel pairs, keys minor
 };
 
-// Items whose scores ran as bfloat16 dot products (`Bf16Scores`); -1 where not built.
+// Items whose scores ran as bfloat16 dot products (`Bf16Scores`), for JaxpipeBf16ScoreItems.
 std::atomic<int64_t> bf16_score_items{0};
 
 // The union of a block of kBlock query vectors' keys (begin .. end - 1 each; empty ranges left
@@ -254,7 +256,8 @@ constexpr bool kBf16Scores = true;
 
 // A block of kBlock query vectors' scores over keys j .. j + 31 (of L a row): s [kBlock, L] =
 // scale * q_pairs [kBlock, D / 2] . k_pairs [D / 2, L], as `vdpbf16ps` sums: each pair of
-// channels' two products exact in float32 (the values are bfloat16), added in float32.
+// channels' two products exact in float32 (the values are bfloat16), added in float32
+// (denormal inputs and sums flushed to zero, as the instruction does).
 inline void Bf16Scores(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t half_d,
                        int64_t L, int64_t j, float scale, float* s) {
   __m512 acc[kBlock][2];
