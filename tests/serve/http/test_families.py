@@ -39,9 +39,13 @@ def _start(workdir, port):
   )  # fmt: skip
 
 
-def _free_port() -> int:
-  with socket.create_server(("127.0.0.1", 0)) as s:
-    return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+  """n distinct free ports: each socket is held until all are chosen, so that the system cannot
+  hand one out twice before the servers bind them (two servers on one port would answer one
+  family's request with another's model)."""
+  with contextlib.ExitStack() as stack:
+    socks = [stack.enter_context(socket.create_server(("127.0.0.1", 0))) for _ in range(n)]
+    return [s.getsockname()[1] for s in socks]
 
 
 def test_greedy_text_is_transformers_generate(tmp_path):
@@ -49,11 +53,12 @@ def test_greedy_text_is_transformers_generate(tmp_path):
   worker: text, token ids and prompt length as transformers' tokenizer and `generate` give."""
   procs = {}
   with contextlib.ExitStack() as stack:
+    ports = _free_ports(len(FAMILIES))
     for i, family in enumerate(FAMILIES):
       src = helpers.write_tiny_model(tmp_path / family, family, seed=i)
       workdir = str(tmp_path / f"{family}_run")
       hf_workdir.hf_to_orbax(src, workdir)
-      port = _free_port()
+      port = ports[i]
       proc = _start(workdir, port)
       stack.callback(lambda p=proc: (p.terminate(), p.wait(60)))
       procs[family] = (proc, f"http://127.0.0.1:{port}", src, workdir)
