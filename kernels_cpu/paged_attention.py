@@ -61,6 +61,12 @@ def unavailable() -> str | None:
 _LOADED: list[ctypes.CDLL] = []  # the library, once `unavailable()` has loaded it
 
 
+def _check_available() -> None:
+  reason = unavailable()
+  if reason is not None:
+    raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
+
+
 def bf16_score_items() -> int | None:
   """Work items of this process whose scores ran as bfloat16 dot products; None where the
   kernel was built without them (a CPU without AVX512_BF16).
@@ -72,9 +78,7 @@ def bf16_score_items() -> int | None:
   Raises:
     RuntimeError: the kernel is unavailable here.
   """
-  reason = unavailable()
-  if reason is not None:
-    raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
+  _check_available()
   items = int(_LOADED[0].JaxpipeBf16ScoreItems())
   return None if items < 0 else items
 
@@ -102,9 +106,7 @@ def ragged_paged_attention(
   window: > 0, a token at position p sees the keys at p - window + 1 .. p only, and only their
   pages are read (a traced int32 may vary by layer); softcap: > 0, scores become
   softcap·tanh(s / softcap) before the softmax."""
-  reason = unavailable()
-  if reason is not None:
-    raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {reason}")
+  _check_available()
   dtype = k_pages_GxPxSxK.dtype
   if dtype == BF16_BITS and v_pages_GxPxSxK.dtype == dtype:
     dtype = jnp.dtype(jnp.bfloat16)  # read as the bits they are
