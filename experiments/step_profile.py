@@ -35,7 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 from experiments import op_breakdown
 from experiments.shapes import SHAPES, gemms
@@ -197,6 +197,8 @@ def main(argv) -> None:
   """
   del argv
   args = FLAGS
+  if args.reps < 1:
+    raise app.UsageError(f"--reps={args.reps} must be 1 or more (timed runs of each GEMM)")
   base = SHAPES[args.shape]
   print(
       f"# step_profile {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load "

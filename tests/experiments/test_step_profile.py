@@ -1,9 +1,14 @@
 """`experiments.step_profile`: its FLOP count of a decode step agrees with the model's analytic
 forward FLOPs (`jaxpipe.models.flops`)."""
 
+import subprocess
+import sys
+
 from experiments import step_profile
 from experiments.shapes import SHAPES
 from jaxpipe.models import flops
+from jaxpipe.runtime import cli
+from tests import helpers
 
 
 def test_a_decode_step_counts_the_forward_flops_of_its_tokens():
@@ -39,3 +44,17 @@ def test_gemm_timings_take_the_median_within_a_budget(monkeypatch):
   run, calls = runs_lasting([0.25] * 50)
   step_profile._median(run, reps=50, budget_s=2.0)
   assert len(calls) == 2 + 8  # stops once the runs took the budget
+
+
+def test_no_timed_runs_is_a_one_line_error():
+  r = subprocess.run(
+      [sys.executable, "-m", "experiments.step_profile", "--reps=0"],
+      cwd=helpers.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert r.returncode == cli.USAGE, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: --reps=0 must be 1 or more"), r.stderr
+  assert r.stdout == ""
