@@ -14,7 +14,10 @@
 // vectors x 32 keys or channels, each key or value row loaded once for the block, over the union
 // of the block's keys, a vector's weight set to exactly 0 at a key outside its own. Over a
 // bfloat16 pool, a tile of queries that are all bfloat16 values scores as bfloat16 dot products
-// of channel pairs (`Bf16Scores`, where the CPU has AVX512_BF16). Work items
+// of channel pairs (where the CPU has AVX512_BF16): a prefill's tiles from the transposed keys
+// (`Bf16Scores`), decode's few vectors from the rows in place, 16 keys at a time
+// (`Bf16KeyScores`). Decode's weighted values read the rows in place, in 512-bit registers
+// where the CPU has AVX-512 (`WeighValuesWide`). Work items
 // are (row, KV head, tile of up to kTile tokens), taken in turn by the caller and the tasks it
 // schedules on XLA's intra-op thread pool.
 //
@@ -214,9 +217,12 @@ inline std::pair<int64_t, int64_t> BlockKeys(const int64_t* begin, const int64_t
 // One block's weighted values: the kBlock vectors' running sums a0 [kBlock, D] times alpha, plus
 // their weights w0 [kBlock, L] times the value rows v_rows[b_lo .. b_hi - 1] (floats, or the
 // pool's rows converted as they load), 32 channels at a time, each row read once for the block.
+// Not inlined, as WeighValuesWide: inlined into RunItem they slowed its other loops (a float32
+// prefill's call 5-8% slower, measured alternated in one process).
 template <typename U>
-void WeighValues(const U* const* v_rows, int64_t b_lo, int64_t b_hi, int64_t D, int64_t L,
-                 const float* w0, const float* alpha, float* a0) {
+__attribute__((noinline)) void WeighValues(const U* const* v_rows, int64_t b_lo, int64_t b_hi,
+                                           int64_t D, int64_t L, const float* w0,
+                                           const float* alpha, float* a0) {
   int64_t d = 0;
   for (; d + 4 * kW <= D; d += 4 * kW) {
     F32x4 t[kBlock];
@@ -241,6 +247,102 @@ void WeighValues(const U* const* v_rows, int64_t b_lo, int64_t b_hi, int64_t D, 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kWide = true;
+
+// 16 channels of a row as floats, those outside `in` zero.
+inline __m512 Load16(__mmask16 in, const float* x) { return _mm512_maskz_loadu_ps(in, x); }
+inline __m512 Load16(__mmask16 in, const uint16_t* x) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+inline __m512 Load16(__mmask16 in, const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(in, x)));
+}
+
+// WeighValues for NB <= kBlock vectors in 512-bit registers: 64 channels at a time (a block's
+// last quarters masked where D is not a multiple of 64), each row read once for the NB.
+template <int NB, typename U>
+__attribute__((noinline)) void WeighValuesWide(const U* const* v_rows, int64_t b_lo, int64_t b_hi,
+                                               int64_t D, int64_t L, const float* w0,
+                                               const float* alpha, float* a0) {
+  for (int64_t d = 0; d < D; d += 64) {
+    __mmask16 in[4];
+    for (int q = 0; q < 4; ++q) {
+      const int64_t n = std::clamp<int64_t>(D - d - 16 * q, 0, 16);
+      in[q] = static_cast<__mmask16>((1u << n) - 1);
+    }
+    __m512 t[NB][4];
+    for (int u = 0; u < NB; ++u) {
+      const __m512 a = _mm512_set1_ps(alpha[u]);
+      for (int q = 0; q < 4; ++q) {
+        t[u][q] = _mm512_mul_ps(_mm512_maskz_loadu_ps(in[q], a0 + u * D + d + 16 * q), a);
+      }
+    }
+    for (int64_t j = b_lo; j < b_hi; ++j) {
+      __m512 x[4];
+      for (int q = 0; q < 4; ++q) x[q] = Load16(in[q], v_rows[j] + d + 16 * q);
+      for (int u = 0; u < NB; ++u) {
+        const __m512 w = _mm512_set1_ps(w0[u * L + j]);
+        for (int q = 0; q < 4; ++q) t[u][q] = _mm512_fmadd_ps(w, x[q], t[u][q]);
+      }
+    }
+    for (int u = 0; u < NB; ++u) {
+      for (int q = 0; q < 4; ++q) _mm512_mask_storeu_ps(a0 + u * D + d + 16 * q, in[q], t[u][q]);
+    }
+  }
+}
+
+// Lane u of the result: the sum of a[u]'s 16 lanes, for 16 vectors at once. Keys 2i, 2i + 1
+// first: lanes (0, 2) of each 128-bit quarter hold 2i's partial sums, (1, 3) 2i + 1's; then
+// keys 4i .. 4i + 3, lane r of each quarter key 4i + r's; then the quarters.
+inline __m512 Sums16(const __m512* a) {
+  __m512 b[8];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  __m512 c[4];
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // quarters (c0's 0 + 1, c0's 2 + 3, c1's 0 + 1, c1's 2 + 3), and the same of c2, c3
+  __m512 d[2];
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __mmask16 First(int64_t n) {  // lanes 0 .. n - 1 of 16
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+#else
+constexpr bool kWide = false;
+template <int NB, typename U>
+void WeighValuesWide(const U* const*, int64_t, int64_t, int64_t, int64_t, const float*,
+                     const float*, float*) {}
+#endif
+
+// A block's weighted values for its first nb vectors (the others' weights all 0).
+template <typename U>
+void WeighBlock(int64_t nb, const U* const* v_rows, int64_t b_lo, int64_t b_hi, int64_t D,
+                int64_t L, const float* w0, const float* alpha, float* a0) {
+  if constexpr (kWide) {
+    switch (nb) {
+      case 1: return WeighValuesWide<1>(v_rows, b_lo, b_hi, D, L, w0, alpha, a0);
+      case 2: return WeighValuesWide<2>(v_rows, b_lo, b_hi, D, L, w0, alpha, a0);
+      case 3: return WeighValuesWide<3>(v_rows, b_lo, b_hi, D, L, w0, alpha, a0);
+      default: return WeighValuesWide<kBlock>(v_rows, b_lo, b_hi, D, L, w0, alpha, a0);
+    }
+  }
+  WeighValues(v_rows, b_lo, b_hi, D, L, w0, alpha, a0);
+}
+
 // Fetches pages table[first .. last - 1] of one KV head's pool (`head`, pages of `page`
 // elements) into L2.
 template <typename T>
@@ -251,7 +353,7 @@ void Prefetch(const T* head, const int32_t* table, int64_t page, int64_t first, 
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kBf16Scores = true;
 
 // A block of kBlock query vectors' scores over keys j .. j + 31 (of L a row): s [kBlock, L] =
@@ -277,10 +379,33 @@ inline void Bf16Scores(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t
     _mm512_storeu_ps(s + u * L + j + 16, _mm512_mul_ps(acc[u][1], sc));
   }
 }
+
+// One query vector's scores over n <= 16 keys read in place, as the rows k_rows[0 .. n - 1]
+// hold them: s[u] = scale * q_pairs [D / 2] . key u's channel pairs, `vdpbf16ps` sums as above.
+// The 16 keys' sums reduced together (`Sums16`).
+inline void Bf16KeyScores(const uint32_t* q_pairs, const uint16_t* const* k_rows, int64_t n,
+                          int64_t half_d, float scale, float* s) {
+  const uint32_t* k[16];
+  for (int64_t u = 0; u < 16; ++u) {
+    k[u] = reinterpret_cast<const uint32_t*>(k_rows[std::min<int64_t>(u, n - 1)]);
+  }
+  __m512 a[16];
+  for (int64_t u = 0; u < 16; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < half_d; e += 16) {
+    const __mmask16 in = First(half_d - e);
+    const __m512bh q = (__m512bh)_mm512_maskz_loadu_epi32(in, q_pairs + e);
+    for (int64_t u = 0; u < 16; ++u) {
+      a[u] = _mm512_dpbf16_ps(a[u], q, (__m512bh)_mm512_maskz_loadu_epi32(in, k[u] + e));
+    }
+  }
+  _mm512_mask_storeu_ps(s, First(n), _mm512_mul_ps(Sums16(a), _mm512_set1_ps(scale)));
+}
 #else
 constexpr bool kBf16Scores = false;
 inline void Bf16Scores(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, float,
                        float*) {}
+inline void Bf16KeyScores(const uint32_t*, const uint16_t* const*, int64_t, int64_t, float,
+                          float*) {}
 #endif
 
 template <typename T>
@@ -318,11 +443,11 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       }
     }
   }
-  // A bfloat16 pool and queries of bfloat16 values (a bfloat16 model's): the scores of many
-  // query vectors are bfloat16 dot products, twice float32's multiply-adds a cycle, each
-  // product exact as in float32 (the scale applied to the sums, not the queries).
+  // A bfloat16 pool and queries of bfloat16 values (a bfloat16 model's): the scores are
+  // bfloat16 dot products, twice float32's multiply-adds a cycle, each product exact as in
+  // float32 (the scale applied to the sums, not the queries).
   const bool bf16_scores = kBf16Scores && std::is_same_v<T, uint16_t> && p.k_scale == nullptr &&
-                           low_bits == 0 && vecs >= kTranspose;
+                           low_bits == 0;
   const int64_t half_d = D / 2;
   if (bf16_scores) {
     rows.q_pairs.assign(padded_vecs * half_d, 0u);
@@ -456,6 +581,16 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           for (int64_t u = 0; u < kBlock; ++u) t[u].Store(s + (b + u) * L + j);
         }
       }
+    } else if (bf16_scores) {  // few query vectors: 16 keys at a time, read in place
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        for (int64_t vec = from * R; vec < vecs; ++vec) {
+          const uint32_t* qp = rows.q_pairs.data() + vec * half_d;
+          for (int64_t j = begin[vec]; j < end[vec]; j += 16) {
+            const int64_t n = std::min<int64_t>(16, end[vec] - j);
+            Bf16KeyScores(qp, k_rows.data() + j, n, half_d, p.scale, s + vec * L + j);
+          }
+        }
+      }
     } else {  // the chunk's few query vectors: eight keys at a time, their sums reduced together
       for (int64_t j = lo; j < hi; j += kW) {
         const int64_t n = std::min(kW, hi - j);
@@ -540,7 +675,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       if (v_converted) {
         WeighValues(vf, b_lo, b_hi, D, L, w0, alpha + b, a0);
       } else {
-        WeighValues(v_rows.data(), b_lo, b_hi, D, L, w0, alpha + b, a0);
+        const int64_t nb = std::min(kBlock, vecs - b);  // decode's R vectors, no padding
+        WeighBlock(nb, v_rows.data(), b_lo, b_hi, D, L, w0, alpha + b, a0);
       }
     }
   }

@@ -71,9 +71,9 @@ def bf16_score_items() -> int | None:
   """Work items of this process whose scores ran as bfloat16 dot products; None where the
   kernel was built without them (a CPU without AVX512_BF16).
 
-  A tile of many query vectors (a prefill's) over a bfloat16 pool scores its keys so when
-  every query value is a bfloat16 value (a bfloat16 model's queries): the products are exact
-  either way, at twice float32's multiply-adds a cycle.
+  Every tile (a prefill's many query vectors or decode's few) over a bfloat16 pool scores its
+  keys so when every query value is a bfloat16 value (a bfloat16 model's queries): the
+  products are exact either way, at twice float32's multiply-adds a cycle.
 
   Raises:
     RuntimeError: the kernel is unavailable here.

@@ -103,11 +103,12 @@ def test_kernel_on_bfloat16_pages_equals_the_gather_reference(head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_bfloat16_queries_on_bfloat16_pages_score_as_bfloat16_dot_products(head_dim):
-  """A bfloat16 model's step: queries of bfloat16 values over a bfloat16 cache. Tiles of many
-  query vectors (prefills) score their keys as bfloat16 dot products, whose products are exact
-  as float32's: the result equals the gather reference to float32's rounding, windows, soft
-  caps and stale NaN keys included. Queries that are not all bfloat16 values keep the float32
-  scores (the items counted do not move)."""
+  """A bfloat16 model's step: queries of bfloat16 values over a bfloat16 cache. Every tile
+  scores its keys as bfloat16 dot products, whose products are exact as float32's: prefills'
+  tiles from transposed keys, decode rows' few query vectors from the rows in place (16 keys'
+  sums reduced together, a row's last keys a partial group). The result equals the gather
+  reference to float32's rounding, windows, soft caps and stale NaN keys included. Queries that
+  are not all bfloat16 values keep the float32 scores (the items counted do not move)."""
   if cpu_pa.bf16_score_items() is None:
     pytest.skip("the kernel's bfloat16 scores are built only for a CPU with AVX512_BF16")
   rng = np.random.default_rng(2)
@@ -123,10 +124,9 @@ def test_bfloat16_queries_on_bfloat16_pages_score_as_bfloat16_dot_products(head_
     kw = dict(window=window, softcap=softcap)
     _check(q_bf16, bf16(k), bf16(v), rows, tables_T, lengths_T, live, **kw)
   taken = cpu_pa.bf16_score_items() - before
-  # the prefill rows' tiles of 8 query vectors or more (150, 45, 17 and 40 tokens in tiles of
-  # 16: 10 + 3 + 1 + 3, the 17th token's tile left out) x 3 KV heads, twice; tiles of 3
-  # vectors (decode rows, that last token) keep the key-by-key scores
-  assert taken == 2 * 3 * (10 + 3 + 1 + 3)
+  # every tile: 150, 1, 45, 17, 1 and 40 tokens in tiles of 16 (10 + 1 + 3 + 2 + 1 + 3) x 3
+  # KV heads, twice
+  assert taken == 2 * 3 * (10 + 1 + 3 + 2 + 1 + 3)
   _check(q, bf16(k), bf16(v), rows, tables_T, lengths_T, live, **kw)
   assert cpu_pa.bf16_score_items() - before == taken
 
