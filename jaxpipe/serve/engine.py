@@ -549,13 +549,30 @@ class Engine:
     self.transfer.forget(r.id)
     return True
 
+  def _request(self, rid: int) -> Request:
+    """The request `rid` -> KeyError naming it and why this engine holds none by that id."""
+    r = self.requests.get(rid)
+    if r is None:
+      if 0 <= rid < self._next_id:
+        why = "it finished and `finished()` returned it, or it was released"
+      else:
+        why = f"this engine never gave that id (its ids so far: 0 to {self._next_id - 1})"
+      raise KeyError(f"no request {rid}: {why}")
+    return r
+
   def cancel(self, rid: int) -> None:
-    """Stops a request now; its pages are freed at once. A finished request is left as it is.
+    """Stops a request now; its pages are freed at once. A finished request is left as it is,
+    also one that `finished()` has returned (a client that leaves after its last token).
 
     Args:
       rid: the request's id.
+
+    Raises:
+      KeyError: this engine never gave that id.
     """
-    r = self.requests[rid]
+    if rid not in self.requests and 0 <= rid < self._next_id:
+      return
+    r = self._request(rid)
     if self._detach(r):
       self._finish(r, "cancelled")
 
@@ -567,9 +584,11 @@ class Engine:
 
     Raises:
       ValueError: the request is finished; there is nothing to release.
+      KeyError: no request by that id (never given, or returned by `finished()`).
     """
     self.drain()
-    r = self.requests.pop(rid)
+    r = self._request(rid)
+    del self.requests[rid]
     if not self._detach(r):
       raise ValueError(f"request {rid} is finished; there is nothing to release")
     r.state = FINISHED
@@ -584,9 +603,10 @@ class Engine:
 
     Raises:
       ValueError: the request is finished or not yet admitted.
+      KeyError: no request by that id (never given, or returned by `finished()`).
     """
     self.drain()
-    r = self.requests[rid]
+    r = self._request(rid)
     if r.state not in (RUNNING, PREFILLED):
       raise ValueError(f"request {rid} is {r.state}; only a running or parked one can rewind")
     new = r.prompt + list(output)
@@ -610,9 +630,12 @@ class Engine:
 
     Args:
       rid: the request's id.
+
+    Raises:
+      KeyError: no request by that id (never given, or returned by `finished()`).
     """
     self.drain()
-    r = self.requests[rid]
+    r = self._request(rid)
     self.scheduler.park(r)
     r.state = PREFILLED
 
@@ -624,8 +647,9 @@ class Engine:
 
     Raises:
       ValueError: the batch is full.
+      KeyError: no request by that id (never given, or returned by `finished()`).
     """
-    r = self.requests[rid]
+    r = self._request(rid)
     if not self.scheduler.has_slot():
       raise ValueError(f"the batch is full ({self.max_batch} running requests); resume later")
     self.scheduler.parked.remove(r)
@@ -648,9 +672,10 @@ class Engine:
     Raises:
       ValueError: the request is not running, the batch is full, the sampling is refused, it asks
         for log-probabilities the request's tokens so far lack, or no ring pages are free.
+      KeyError: no request by that id (never given, or returned by `finished()`).
     """
     self.drain()
-    r = self.requests[rid]
+    r = self._request(rid)
     if r.state != RUNNING:
       raise ValueError(f"request {rid} is {r.state}; only a running request can be forked")
     if not self.scheduler.has_slot():

@@ -196,6 +196,27 @@ def test_cancel_frees_pages_at_once():
   assert not np.isnan(k[:, :, kept]).any()
 
 
+def test_an_id_the_engine_does_not_hold_is_a_one_line_error_and_cancel_of_a_done_one_is_not():
+  """Cancelling a request that finished and was returned by `finished()` (a client leaving after
+  its last token) does nothing; an id the engine never gave is a KeyError naming it, from
+  cancel and from every call that takes an id, and one `finished()` returned names that."""
+  engine = _engine("dense")
+  rid = engine.add_request(list(range(5)), 2)
+  while engine.has_work():
+    engine.step()
+  assert [r.id for r in engine.finished()] == [rid]
+  used = engine.allocator.num_used
+  engine.cancel(rid)  # nothing to do, and no error
+  assert engine.finished() == [] and engine.allocator.num_used == used
+  never = engine.new_id() + 1000
+  calls = [engine.cancel, engine.pause, engine.resume, engine.fork, engine.release]
+  for call in calls + [lambda r: engine.rewind(r, [1])]:
+    with pytest.raises(KeyError, match=rf"no request {never}: this engine never gave that id"):
+      call(never)
+  with pytest.raises(KeyError, match=rf"no request {rid}: it finished and `finished\(\)` returned"):
+    engine.pause(rid)
+
+
 def test_fork_shares_pages_and_copies_on_write():
   """Two greedy samples of one prompt, the second forked mid-page: both follow the oracle."""
   engine = _engine("dense")
