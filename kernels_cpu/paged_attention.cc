@@ -293,34 +293,6 @@ __attribute__((noinline)) void WeighValuesWide(const U* const* v_rows, int64_t b
   }
 }
 
-// Lane u of the result: the sum of a[u]'s 16 lanes, for 16 vectors at once. Keys 2i, 2i + 1
-// first: lanes (0, 2) of each 128-bit quarter hold 2i's partial sums, (1, 3) 2i + 1's; then
-// keys 4i .. 4i + 3, lane r of each quarter key 4i + r's; then the quarters.
-inline __m512 Sums16(const __m512* a) {
-  __m512 b[8];
-  for (int i = 0; i < 8; ++i) {
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  }
-  __m512 c[4];
-  for (int i = 0; i < 4; ++i) {
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // quarters (c0's 0 + 1, c0's 2 + 3, c1's 0 + 1, c1's 2 + 3), and the same of c2, c3
-  __m512 d[2];
-  for (int i = 0; i < 2; ++i) {
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-inline __mmask16 First(int64_t n) {  // lanes 0 .. n - 1 of 16
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-}
-
 #else
 constexpr bool kWide = false;
 template <int NB, typename U>
@@ -378,6 +350,34 @@ inline void Bf16Scores(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t
     _mm512_storeu_ps(s + u * L + j, _mm512_mul_ps(acc[u][0], sc));
     _mm512_storeu_ps(s + u * L + j + 16, _mm512_mul_ps(acc[u][1], sc));
   }
+}
+
+// Lane u of the result: the sum of a[u]'s 16 lanes, for 16 vectors at once. Keys 2i, 2i + 1
+// first: lanes (0, 2) of each 128-bit quarter hold 2i's partial sums, (1, 3) 2i + 1's; then
+// keys 4i .. 4i + 3, lane r of each quarter key 4i + r's; then the quarters.
+inline __m512 Sums16(const __m512* a) {
+  __m512 b[8];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  __m512 c[4];
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // quarters (c0's 0 + 1, c0's 2 + 3, c1's 0 + 1, c1's 2 + 3), and the same of c2, c3
+  __m512 d[2];
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __mmask16 First(int64_t n) {  // lanes 0 .. n - 1 of 16
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
 
 // One query vector's scores over n <= 16 keys read in place, as the rows k_rows[0 .. n - 1]
