@@ -253,8 +253,23 @@ class _Deployment:
     return engines[0].score(prompt, top_logprobs)
 
   def cancel(self, rid: int) -> None:
-    """Stops a request now, wherever it is; every page it holds on any worker is freed."""
-    r = self.requests[rid]
+    """Stops a request now, wherever it is; every page it holds on any worker is freed. A
+    finished request is left as it is, also one that `finished()` has returned.
+
+    Args:
+      rid: the request's id, from `add_request`.
+
+    Raises:
+      KeyError: this deployment never gave that id.
+    """
+    r = self.requests.get(rid)
+    if r is None:
+      if 0 <= rid < self._next_id:
+        return  # finished and returned by `finished()`: a client leaving after its last token
+      raise KeyError(
+          f"no request {rid}: this deployment never gave that id "
+          f"(its ids so far: 0 to {self._next_id - 1})"
+      )
     if r.state == FINISHED:
       return
     if r in self._pending:

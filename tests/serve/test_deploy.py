@@ -138,6 +138,8 @@ def test_streaming_layer_by_layer_moves_the_same_bytes(disagg):
 
 
 def test_cancel_mid_prefill_mid_transfer_and_mid_decode_frees_every_page(disagg):
+  """Cancelled in each phase, a request keeps the tokens it had and frees every page; cancel of
+  one that finished and was returned does nothing, and of an id never given is a KeyError."""
   prompts = helpers.prompts(seed=9, n=6)
   prompts[0] = list(range(30))  # 30 tokens: two chunks of the 16-token budget
   cancelled = {}
@@ -166,6 +168,11 @@ def test_cancel_mid_prefill_mid_transfer_and_mid_decode_frees_every_page(disagg)
       assert r.output == want[i]
   assert got[0].output == [] and got[1].output == want[1][:1] and got[1].kv_bytes == 0
   assert_no_pages_held(disagg)
+  disagg.cancel(got[3].id)  # finished and returned by finished(): a client leaving; no error
+  assert disagg.finished() == [] and not disagg.requests
+  never = got[-1].id + 1000
+  with pytest.raises(KeyError, match=rf"no request {never}: this deployment never gave that id"):
+    disagg.cancel(never)
 
 
 def test_a_full_decode_side_keeps_requests_waiting_on_prefill(disagg):
