@@ -3,7 +3,8 @@
 Oracle: every document run alone (unpacked, at the start of its own row, no segment ids, the
 model's 1-D positions), summed. Each training path (data-parallel, MoE, context-parallel,
 pipelined with and without recomputation) must give the packed batch that summed loss and
-gradient, and, handed all-ones segment ids and positions 0..L-1, exactly what it gives without.
+gradient, and, handed all-ones segment ids and positions 0..L-1, what it gives without (to a
+few ulps: `SAME_RTOL`).
 """
 
 import dataclasses
@@ -104,13 +105,9 @@ def assert_sums(got, want, what, rtol=1e-5):
     helpers.close(np.asarray(g) * n, wanted[path], f"{what}: {jax.tree_util.keystr(path)}", rtol)
 
 
-def assert_same(got, want, what, rtol=0.0):
+def assert_same(got, want, what, rtol):
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    where = f"{what}: {jax.tree_util.keystr(path)}"
-    if rtol:
-      helpers.close(a, b, where, rtol=rtol)
-    else:
-      np.testing.assert_array_equal(a, b, err_msg=where)
+    helpers.close(a, b, f"{what}: {jax.tree_util.keystr(path)}", rtol=rtol)
 
 
 def config(**mesh):
@@ -131,9 +128,16 @@ def dense_setup():
   return c, cfg, params, packed, alone_sums(cfg, params, alone)
 
 
-def check_path(step, params, packed, want, what, rtol_same=0.0, rtol=1e-5):
+# All-ones segments against none: the same sums, but one program builds its attention mask from
+# data and the other from a constant, and under the suite's XLA flags (backend -O0, XLA:CPU's LLVM
+# IR fusion emitters) CPU code rounds a few of them one ulp apart. 1e-6 of a leaf's largest entry
+# is a few ulps; a key reaching across a document moves gradients by orders of magnitude more.
+SAME_RTOL = 1e-6
+
+
+def check_path(step, params, packed, want, what, rtol_same=SAME_RTOL, rtol=1e-5):
   """Packed batch vs. the documents alone (rtol of each leaf's largest entry); all-ones
-  segments vs. none, exactly (or rtol_same)."""
+  segments vs. none, to rtol_same."""
   step = jax.jit(step)
   assert_sums(step(params, packed), want, what, rtol)
   got, plain = step(params, trivially_packed(packed)), step(params, unpacked(packed))
@@ -170,11 +174,7 @@ def test_pipeline_path(recompute):
   c.pipeline.schedule, c.pipeline.recompute = "zb-h1", recompute
   mesh = make_mesh(c.mesh, jax.devices()[:2])
   step = pipeline_loss_and_grads(cfg, c.pipeline, mesh)
-  # Recomputing backward parts build the attention mask from data instead of a constant, and under
-  # the suite's XLA flags (backend -O0) CPU code rounds a few of their sums one ulp apart from the
-  # unmasked program's (exactly equal under default flags, and without recomputation).
-  rtol_same = 1e-6 if recompute else 0.0
-  check_path(step, params, packed, want, f"pp, recompute={recompute}", rtol_same)
+  check_path(step, params, packed, want, f"pp, recompute={recompute}")
 
 
 @pytest.mark.parametrize("path", ["pp", "cp"])
@@ -196,9 +196,7 @@ def test_first_dense_layers_keep_to_each_document(path):
   else:
     step = losses.context_parallel_loss_and_grads(cfg, mesh, 2)
   want = alone_sums(cfg, params, alone)
-  # All-ones segments against none: as under recompute (test_pipeline_path), the first layers'
-  # program with a mask built from data rounds a few sums one ulp apart from the unmasked one.
-  check_path(step, params, packed, want, f"first_dense, {path}", rtol_same=1e-6)
+  check_path(step, params, packed, want, f"first_dense, {path}")
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -346,7 +344,7 @@ def test_model_variants_on_the_shard_map_path(mesh, shard):
   if shard == "fsdp":
     params = jax.device_put(params, zero.data_split(params, mesh))
   step = losses.context_parallel_loss_and_grads(cfg, mesh, 2, shard=shard)
-  check_path(step, params, packed, want, f"variants {shard}", 1e-6, VARIANTS_RTOL)
+  check_path(step, params, packed, want, f"variants {shard}", rtol=VARIANTS_RTOL)
 
 
 def test_model_variants_on_the_pipeline_path():

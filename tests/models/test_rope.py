@@ -185,11 +185,18 @@ def test_cos_and_sin_are_computed_once_per_angle_not_per_head():
   positions = np.arange(LENGTH, dtype=np.int32)
   fn = jax.jit(lambda x, p: rope.rotate(x, p, inv))
   hlo = fn.lower(x, positions).compile().as_text()
-  # each fused computation evaluating cos or sin, and the shape of the fusion that calls it
+  # Where cos or sin runs: a fused one runs once per element of the fusion that calls it (its
+  # outputs' shapes), an unfused one once per element of its own result.
+  size = lambda dims: int(np.prod([int(n) for n in dims.split(",") if n]))
   bodies = dict(re.findall(r"^%(\S+) \(.*?\n((?:.*\n)*?)\}", hlo, re.M))
-  trig = {name for name, body in bodies.items() if re.search(r" (?:cosine|sine)\(", body)}
-  calls = re.findall(r"= f32\[([0-9,]*)\]\S* fusion\(.*calls=%([^,\s]+)", hlo)
-  sizes = [int(np.prod([int(n) for n in dims.split(",")])) for dims, c in calls if c in trig]
+  trig = {name: body for name, body in bodies.items() if re.search(r" (?:cosine|sine)\(", body)}
+  fusions = {c: out for out, c in re.findall(r"= (\S+|\(.*?\)) fusion\(.*calls=%([^,\s]+)", hlo)}
+  sizes = []
+  for name, body in trig.items():
+    if name in fusions:
+      sizes += [size(dims) for dims in re.findall(r"f32\[([0-9,]*)\]", fusions[name])]
+    else:
+      sizes += [size(d) for d in re.findall(r"= f32\[([0-9,]*)\]\S* (?:cosine|sine)\(", body)]
   assert sizes and set(sizes) == {LENGTH * HEAD_DIM // 2}, sizes  # the angles', not [L, 9, d/2]
 
   angle = positions.astype(np.float32)[:, None] * np.asarray(inv)

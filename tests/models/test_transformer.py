@@ -284,7 +284,9 @@ def test_unrolled_layer_stack_has_the_loops_gradients():
     for remat in (False, True):
       compiled = grad(dataclasses.replace(CFG, unroll_layers=unroll, remat=remat), params)
       looped = unroll < CFG.n_layers or remat
-      assert (" while(" in compiled.as_text()) == looped, (unroll, remat)
+      # the layer scan's loops (a scatter-add's gradient may be expanded into a loop of its own)
+      loops = re.findall(r" while\(.*op_name=\"[^\"]*/while\"", compiled.as_text())
+      assert bool(loops) == looped, (unroll, remat)
       temp[unroll, remat] = compiled.memory_analysis().temp_size_in_bytes
       got[unroll, remat] = compiled(params)
   assert temp[4, False] <= temp[0, False]
