@@ -12,7 +12,9 @@
 // One primitive per (M, K, N, dtypes, layout) is created on first use and kept: creation costs
 // about a millisecond, execution is what each call pays. Primitives are immutable and oneDNN
 // executes one from several threads at once, each with its own stream and scratchpad, so the
-// cache's lock is held only to look up or insert. oneDNN threads the GEMM itself (OpenMP).
+// cache's lock is held only to look up or insert. oneDNN threads the GEMM itself (OpenMP), on
+// as many threads as the call is given: a product split over several host devices runs on each
+// device's share of the cores (more threads than cores, their teams would take turns).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +26,12 @@
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+
+// OpenMP's runtime, which oneDNN's gomp build loads (libgomp); its threads are oneDNN's.
+extern "C" {
+int omp_get_max_threads(void);
+void omp_set_num_threads(int);
+}
 
 namespace ffi = xla::ffi;
 
@@ -37,9 +45,10 @@ struct Key {
   int64_t m, k, n;
   int x_type, y_type;
   int layout;
+  int threads;  // oneDNN blocks a product for the threads it is created under
   bool operator==(const Key& o) const {
     return m == o.m && k == o.k && n == o.n && x_type == o.x_type && y_type == o.y_type &&
-           layout == o.layout;
+           layout == o.layout && threads == o.threads;
   }
 };
 
@@ -47,7 +56,7 @@ struct KeyHash {
   size_t operator()(const Key& key) const {
     size_t h = std::hash<int64_t>()(key.m);
     for (int64_t v : {key.k, key.n, int64_t(key.x_type), int64_t(key.y_type),
-                      int64_t(key.layout)}) {
+                      int64_t(key.layout), int64_t(key.threads)}) {
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     }
     return h;
@@ -77,7 +86,7 @@ constexpr int64_t kProbeRows = 128;
 dnnl::memory::desc PackedDesc(int64_t k, int64_t n, dt type) {
   static std::mutex mu;
   static std::unordered_map<Key, dnnl::memory::desc, KeyHash> cache;
-  const Key key{0, k, n, int(type), int(type), kPacked};
+  const Key key{0, k, n, int(type), int(type), kPacked, 0};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
@@ -125,17 +134,27 @@ bool OneDnnType(ffi::DataType t, dnnl::memory::data_type* out) {
   return true;
 }
 
-// y = x @ w for checked 2-D x [M, K] and y [M, N], w at `w` in `layout`.
+// OpenMP's thread count before any call set one: OMP_NUM_THREADS, else every core.
+int DefaultThreads() {
+  static const int threads = omp_get_max_threads();
+  return threads;
+}
+
+// y = x @ w for checked 2-D x [M, K] and y [M, N], w at `w` in `layout`, on `threads` threads
+// (0: OpenMP's default).
 ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t n, dt x_type,
-               dt y_type, Layout layout) {
+               dt y_type, Layout layout, int64_t threads) {
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  // set at every call: the count stays with the calling thread (one of XLA's), for its next call
+  const int team = threads > 0 ? int(threads) : DefaultThreads();
+  omp_set_num_threads(team);
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // an empty sum
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
   try {
-    const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout});
+    const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout, team});
     thread_local dnnl::stream stream(Engine());
     thread_local std::vector<uint8_t> scratch;  // this thread's scratchpad
     scratch.resize(std::max<size_t>(scratch.size(), g.scratch.get_size()));
@@ -165,7 +184,7 @@ ffi::Error Types(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& y, dt* x_type, d
 }
 
 ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                bool transpose_w) {
+                bool transpose_w, int64_t threads) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("matmul: x, w and y must be 2-D");
@@ -180,11 +199,13 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
   if (!OneDnnType(w.element_type(), &w_type) || w_type != x_type) {
     return ffi::Error::InvalidArgument("matmul: x and w must both be float32 or both bfloat16");
   }
-  return Run(x, w.untyped_data(), y, n, x_type, y_type, transpose_w ? kTransposed : kRowMajor);
+  return Run(x, w.untyped_data(), y, n, x_type, y_type, transpose_w ? kTransposed : kRowMajor,
+             threads);
 }
 
 // y = x @ w, w packed by `PrepackImpl` for x's K, y's N and x's dtype.
-ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t threads) {
   auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
     return ffi::Error::InvalidArgument("packed matmul: x [M, K] and y [M, N] must be 2-D");
@@ -200,7 +221,7 @@ ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ff
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
   }
-  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked);
+  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads);
 }
 
 // packed = w [K, N] (or its [N, K] transpose) reordered into `PackedDesc`'s layout.
@@ -245,13 +266,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmul, Impl,
                                   .Arg<ffi::AnyBuffer>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()  // w [K, N], or [N, K] transposed
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
-                                  .Attr<bool>("transpose_w"));
+                                  .Attr<bool>("transpose_w")
+                                  .Attr<int64_t>("threads"));  // 0: OpenMP's default
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmulPrepacked, PrepackedImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()   // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()   // w packed, uint8 [bytes]
-                                  .Ret<ffi::AnyBuffer>());  // y [M, N]
+                                  .Arg<ffi::AnyBuffer>()  // w packed, uint8 [bytes]
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N]
+                                  .Attr<int64_t>("threads"));  // 0: OpenMP's default
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipePrepack, PrepackImpl,
                               ffi::Ffi::Bind()

@@ -15,11 +15,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
+import os
 import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_cpu import build as build_lib
 
@@ -177,7 +181,7 @@ def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None
         f"{x_MxK.dtype} weights packed (uint8 [{size}]); pack them with `prepack`"
     )
   out = jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype)
-  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed)
+  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed, threads=_threads())
 
 
 def matmul(
@@ -221,11 +225,98 @@ def matmul(
   return _product(x_MxK, w, out_dtype, bool(transpose_w))
 
 
-def _call(x_MxK: jax.Array, w: jax.Array, out_dtype, transpose_w: bool) -> jax.Array:
-  """The FFI call itself (arguments checked)."""
+def _threads(devices: int | None = None) -> int:
+  """oneDNN's threads for one device's call while `devices` run theirs at once (by default the
+  devices of the `shard_map` being traced, if any): its share of this process's cores; 0 (every
+  core) for a call on one device."""
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = mesh.size if mesh.manual_axes else 1
+  return 0 if devices <= 1 else max(1, len(os.sched_getaffinity(0)) // devices)
+
+
+def _ffi(x_MxK: jax.Array, w: jax.Array, out_dtype, transpose_w: bool, threads: int) -> jax.Array:
+  """The FFI call itself (arguments checked): one device's whole product."""
   n = w.shape[0] if transpose_w else w.shape[1]
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype))
-  return call(x_MxK, w, transpose_w=transpose_w)
+  return call(x_MxK, w, transpose_w=transpose_w, threads=threads)
+
+
+def _call(x_MxK: jax.Array, w: jax.Array, out_dtype, transpose_w: bool) -> jax.Array:
+  """The product, each device computing its share of a sharded one.
+
+  XLA's partitioner replicates an FFI call's operands: x sharded over a data axis would be
+  gathered and every device would run the whole batch's product. Partitioned here instead: y's
+  rows follow x's, its columns w's, and a sharded contraction is summed across its axes. Inside
+  `shard_map` each device's call is already its own share.
+  """
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    return _ffi(x_MxK, w, out_dtype, transpose_w, _threads())
+  return _partitioned(jnp.dtype(out_dtype).name, transpose_w)(x_MxK, w)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _split(mesh, x_spec, w_spec, transpose_w: bool):
+  """(x's, w's and y's PartitionSpecs, the contraction's axes) for the shardings proposed.
+
+  Rows keep x's axes and columns w's, unless they share one (then columns are gathered); the
+  contraction stays sharded only where x and w shard it alike, and on no axis of rows or columns.
+  """
+  del mesh
+  x_spec, w_spec = (tuple(s) + (None,) * (2 - len(s)) for s in (x_spec, w_spec))
+  m, k_x = x_spec
+  n, k_w = w_spec if transpose_w else w_spec[::-1]
+  if set(_axes(m)) & set(_axes(n)):
+    n = None
+  k = k_x if _axes(k_x) == _axes(k_w) else None
+  if set(_axes(k)) & (set(_axes(m)) | set(_axes(n))):
+    k = None
+  w = P(n, k) if transpose_w else P(k, n)
+  return P(m, k), w, P(m, n), _axes(k)
+
+
+@functools.cache
+def _partitioned(out_dtype: str, transpose_w: bool):
+  """The product of x [M, K] and w as a `custom_partitioning` (see `_call`), one per variant."""
+
+  @custom_partitioning
+  def product(x_MxK, w):  # one device's (XLA partitions nothing then)
+    return _ffi(x_MxK, w, out_dtype, transpose_w, 0)
+
+  def shardings(mesh, arg_shapes):
+    x, w = (a.sharding for a in arg_shapes)
+    return _split(mesh, x.spec, w.spec, transpose_w)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return NamedSharding(mesh, shardings(mesh, arg_shapes)[2])
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    x, w, y, summed = shardings(mesh, arg_shapes)
+    threads = _threads(mesh.size)
+
+    def local(x_MxK, w):
+      if not summed:
+        return _ffi(x_MxK, w, out_dtype, transpose_w, threads)
+      # each device holds a part of the sum: add them in float32, round once
+      part = _ffi(x_MxK, w, jnp.float32, transpose_w, threads)
+      return jax.lax.psum(part, summed).astype(out_dtype)
+
+    arg = (NamedSharding(mesh, x), NamedSharding(mesh, w))
+    return mesh, local, NamedSharding(mesh, y), arg
+
+  product.def_partition(
+      partition=partition,
+      infer_sharding_from_operands=infer,
+      sharding_rule="m k, n k -> m n" if transpose_w else "m k, k n -> m n",
+      reduction_factors=("k",),
+  )
+  return product
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

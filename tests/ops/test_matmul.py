@@ -1,11 +1,15 @@
 """oneDNN's GEMM (`kernels_cpu.matmul`) against XLA's dot, and the rule that picks it."""
 
 import functools
+import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.serve import Engine
@@ -192,7 +196,8 @@ def test_bfloat16_pools_are_held_as_bits_and_never_converted_whole():
 def test_calls_at_once_each_get_their_own_product():
   """Independent products in one program run at once on XLA's threads, and on every host device
   at once: each call has its own scratchpad (oneDNN's shared one let them write over each
-  other's partial sums)."""
+  other's partial sums). A call on one device takes every core, one of a `shard_map` over all
+  devices its share of them."""
   rng = np.random.default_rng(3)
   xs = [rng.standard_normal((48, 160 + 16 * i)).astype(np.float32) for i in range(6)]
   ws = [rng.standard_normal((160 + 16 * i, 200)).astype(np.float32) for i in range(6)]
@@ -202,12 +207,88 @@ def test_calls_at_once_each_get_their_own_product():
       jax.shard_map(f, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("d"), check_vma=False)
   )
   want = [_reference(x, w) for x, w in zip(xs, ws)]
+  assert _threads(jax.jit(f).lower(xs, ws).compile().as_text()) == {0}  # one device: every core
+  shares = _threads(on_each.lower(xs, ws).compile().as_text())
+  assert shares == {max(1, len(os.sched_getaffinity(0)) // len(jax.devices()))}
   for _ in range(3):
     for got, ref in zip(f(xs, ws), want):
       np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-3)
     for got, ref in zip(on_each(xs, ws), want):
       for part in np.split(np.asarray(got), len(jax.devices())):
         np.testing.assert_allclose(part, ref, rtol=1e-4, atol=1e-3)
+
+
+AUTO = jax.sharding.AxisType.Auto  # the trainer's meshes: XLA's partitioner places the values
+
+
+def _threads(compiled_text: str) -> set[int]:
+  """The thread counts the program's oneDNN calls are given (0: every core)."""
+  return {int(t) for t in re.findall(r"jaxpipe_matmul.*threads = (\d+) : i64", compiled_text)}
+
+
+def _operands(compiled_text: str) -> list[list[str]]:
+  """The operand shapes of each oneDNN call in a compiled program (each device's own)."""
+  calls = [line for line in compiled_text.splitlines() if 'target="jaxpipe_matmul"' in line]
+  shapes = lambda line: re.findall(r"\w+\[([\d,]*)\]", line.split("operand_layout_constraints=")[1])
+  return [shapes(line)[:2] for line in calls]
+
+
+@pytest.mark.parametrize(
+    "x_spec, w_spec, transpose_w, x_part, w_part, summed",
+    [
+        (P("a"), P(), False, "16,40", "40,56", False),  # data parallel: x's rows
+        (P(), P(None, "b"), False, "32,40", "40,28", False),  # column parallel: w's columns
+        (P(None, "b"), P("b"), False, "32,20", "20,56", True),  # row parallel: the contraction
+        (P("a", "b"), P("b", None), False, "16,20", "20,56", True),  # rows and contraction
+        (P("a"), P("b"), True, "16,40", "28,40", False),  # rows and a [N, K] weight's columns
+        (P("a"), P("a"), False, "16,40", "40,56", False),  # columns on rows' axis: gathered
+    ],
+)
+def test_sharded_operands_give_each_device_its_share_of_the_product(
+    x_spec, w_spec, transpose_w, x_part, w_part, summed
+):
+  """Under jit over a 2 x 2 mesh, each device's oneDNN call takes its shards (y's rows follow
+  x's, its columns w's; a sharded contraction is summed across devices, in float32 for a
+  bfloat16 product), never the gathered whole, on its quarter of the cores; values equal the
+  float64 product."""
+  mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4], axis_types=(AUTO,) * 2)
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal((32, 40)).astype(np.float32)
+  w = rng.standard_normal((56, 40) if transpose_w else (40, 56)).astype(np.float32)
+  want = _reference(x, w.T if transpose_w else w)
+  for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0**-7)):
+    xs = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, x_spec))
+    ws = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, w_spec))
+    f = jax.jit(lambda x, w: onednn.matmul(x, w, transpose_w=transpose_w))
+    text = f.lower(xs, ws).compile().as_text()
+    (operands,) = _operands(text)
+    assert operands == [x_part, w_part], text
+    assert _threads(text) == {max(1, len(os.sched_getaffinity(0)) // 4)}
+    assert (" all-reduce(" in text) == summed
+    assert " all-gather(" not in text or x_spec == w_spec == P("a")
+    got = np.asarray(f(xs, ws), np.float64)
+    ref = np.asarray(jnp.asarray(want, dtype), np.float64)  # the product rounded once
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_data_parallel_gradients_sum_each_devices_share_and_equal_xlas():
+  """d(loss)/dw of a product whose rows are split over 4 devices: each device multiplies its own
+  rows (a quarter of the batch) and the parts are summed; dx and dw equal XLA's dot's."""
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(AUTO,))
+  rng = np.random.default_rng(5)
+  x = jax.device_put(
+      rng.standard_normal((64, 24)).astype(np.float32), NamedSharding(mesh, P("data"))
+  )
+  w = rng.standard_normal((24, 40)).astype(np.float32)
+  t = rng.standard_normal((64, 40)).astype(np.float32)
+  loss = lambda dot, x, w: jnp.sum(jnp.sin(dot(x, w)) * t)
+  grad = lambda dot: jax.jit(jax.grad(functools.partial(loss, dot), (0, 1)))
+  text = grad(onednn.matmul).lower(x, w).compile().as_text()
+  # y = x @ w, dx = g @ w^T (w read as [N, K]), dw = x^T @ g over each device's 16 rows
+  assert sorted(_operands(text)) == [["16,24", "24,40"], ["16,40", "24,40"], ["24,16", "16,40"]]
+  assert " all-reduce(" in text and " all-gather(" not in text
+  for g, h in zip(grad(onednn.matmul)(x, w), grad(lax_dot)(x, w)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=2e-5, atol=2e-5 * np.abs(h).max())
 
 
 def test_the_step_profile_counts_the_kernels_calls_as_matmuls():
