@@ -260,13 +260,12 @@ def _axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _split(mesh, x_spec, w_spec, transpose_w: bool):
+def _split(x_spec, w_spec, transpose_w: bool):
   """(x's, w's and y's PartitionSpecs, the contraction's axes) for the shardings proposed.
 
   Rows keep x's axes and columns w's, unless they share one (then columns are gathered); the
   contraction stays sharded only where x and w shard it alike, and on no axis of rows or columns.
   """
-  del mesh
   x_spec, w_spec = (tuple(s) + (None,) * (2 - len(s)) for s in (x_spec, w_spec))
   m, k_x = x_spec
   n, k_w = w_spec if transpose_w else w_spec[::-1]
@@ -287,17 +286,17 @@ def _partitioned(out_dtype: str, transpose_w: bool):
   def product(x_MxK, w):  # one device's (XLA partitions nothing then)
     return _ffi(x_MxK, w, out_dtype, transpose_w, 0)
 
-  def shardings(mesh, arg_shapes):
+  def shardings(arg_shapes):
     x, w = (a.sharding for a in arg_shapes)
-    return _split(mesh, x.spec, w.spec, transpose_w)
+    return _split(x.spec, w.spec, transpose_w)
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    return NamedSharding(mesh, shardings(mesh, arg_shapes)[2])
+    return NamedSharding(mesh, shardings(arg_shapes)[2])
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    x, w, y, summed = shardings(mesh, arg_shapes)
+    x, w, y, summed = shardings(arg_shapes)
     threads = _threads(mesh.size)
 
     def local(x_MxK, w):
