@@ -181,7 +181,8 @@ def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None
         f"{x_MxK.dtype} weights packed (uint8 [{size}]); pack them with `prepack`"
     )
   out = jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype)
-  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed, threads=_threads())
+  threads = _threads(_shard_map_devices())
+  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed, threads=threads)
 
 
 def matmul(
@@ -225,13 +226,15 @@ def matmul(
   return _product(x_MxK, w, out_dtype, bool(transpose_w))
 
 
-def _threads(devices: int | None = None) -> int:
-  """oneDNN's threads for one device's call while `devices` run theirs at once (by default the
-  devices of the `shard_map` being traced, if any): its share of this process's cores; 0 (every
-  core) for a call on one device."""
-  if devices is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = mesh.size if mesh.manual_axes else 1
+def _shard_map_devices() -> int:
+  """The devices of the `shard_map` being traced, each running its own calls; 0 outside one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.size if mesh.manual_axes else 0
+
+
+def _threads(devices: int) -> int:
+  """oneDNN's threads for one device's call while `devices` run theirs at once: its share of this
+  process's cores; 0 (every core) for a call on one device."""
   return 0 if devices <= 1 else max(1, len(os.sched_getaffinity(0)) // devices)
 
 
@@ -250,8 +253,8 @@ def _call(x_MxK: jax.Array, w: jax.Array, out_dtype, transpose_w: bool) -> jax.A
   rows follow x's, its columns w's, and a sharded contraction is summed across its axes. Inside
   `shard_map` each device's call is already its own share.
   """
-  if jax.sharding.get_abstract_mesh().manual_axes:
-    return _ffi(x_MxK, w, out_dtype, transpose_w, _threads())
+  if devices := _shard_map_devices():
+    return _ffi(x_MxK, w, out_dtype, transpose_w, _threads(devices))
   return _partitioned(jnp.dtype(out_dtype).name, transpose_w)(x_MxK, w)
 
 
