@@ -155,7 +155,8 @@ _MAX_TOKENS_PER_STEP = flags.DEFINE_integer(
 _TOKEN_BUCKETS = flags.DEFINE_list(
     "token_buckets",
     None,
-    "Padded step sizes in tokens; default powers of two from 8 to --max_tokens_per_step.",
+    "Padded step sizes in tokens; default powers of two from 8 and, from 64 on, 1.5 times "
+    "each (96, 192, ...), up to --max_tokens_per_step.",
     flag_values=FLAGS,
 )
 _PAGE_BUCKETS = flags.DEFINE_list(

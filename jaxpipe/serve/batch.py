@@ -64,6 +64,30 @@ def powers_of_two(limit: int, start: int = 1) -> tuple[int, ...]:
   return tuple(out) + (limit,)
 
 
+def token_buckets(limit: int, start: int = 8, halves_from: int = 64) -> tuple[int, ...]:
+  """Default step sizes: powers of two from `start`, and from `halves_from` on also 1.5 times
+  each (96, 192, 384, 768, ...), below `limit`, then `limit`.
+
+  From a few dozen rows on a step's GEMMs take time in proportion to its padded rows; the
+  half-steps cap the padding at a third of a step (a 280-token step runs 384 rows, not 512)
+  for a third more programs than powers of two alone.
+
+  Args:
+    limit: the largest bucket (the step's token budget).
+    start: the smallest bucket (at most `limit`).
+    halves_from: the first power of two followed by a half-step.
+
+  Returns:
+    The ascending buckets, `limit` last.
+  """
+  out = set()
+  for b in powers_of_two(limit, min(start, limit))[:-1]:
+    out.add(b)
+    if b >= halves_from and b * 3 // 2 < limit:
+      out.add(b * 3 // 2)
+  return tuple(sorted(out)) + (limit,)
+
+
 def check_buckets(
     name: str, buckets: Sequence[int] | None, limit: int, default: tuple[int, ...]
 ) -> tuple[int, ...]:

@@ -214,8 +214,9 @@ class EngineConfig:
   prepack_weights: bool = True
   eos_id: int | Sequence[int] | None = None  # the engine's EOS ids (add_request's default)
   prefix_caching: bool = True  # reuse the cached pages of shared prompt prefixes
-  # padded sizes a step may take (tokens per step, pages per sequence); None: powers of two up
-  # to the limits, which are always included
+  # padded sizes a step may take (tokens per step, pages per sequence); None: tokens
+  # `batch.token_buckets` (powers of two from 8, half-steps from 64), pages powers of two; the
+  # limits always included
   token_buckets: Sequence[int] | None = None
   page_buckets: Sequence[int] | None = None
   # pools start as NaN and every freed page is refilled with NaN (tests: a read of a slot a
@@ -326,7 +327,7 @@ class Engine:
         "token_buckets",
         config.token_buckets,
         max_tokens_per_step,
-        batch_lib.powers_of_two(max_tokens_per_step, min(8, max_tokens_per_step)),
+        batch_lib.token_buckets(max_tokens_per_step),
     )
     self.page_buckets = batch_lib.check_buckets(
         "page_buckets",

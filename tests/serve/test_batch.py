@@ -77,3 +77,25 @@ def test_ring_layers_get_slots_and_tables_in_ring_numbering():
 
 def test_a_size_pads_to_the_smallest_bucket_that_holds_it():
   assert [batch_lib.bucket(n, (2, 4, 7)) for n in (1, 2, 3, 5, 7)] == [2, 2, 4, 7, 7]
+
+
+def test_default_token_buckets_are_powers_of_two_with_half_steps_from_64():
+  assert batch_lib.token_buckets(1024) == (8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+  assert batch_lib.token_buckets(256) == (8, 16, 32, 64, 96, 128, 192, 256)
+  assert batch_lib.token_buckets(100) == (8, 16, 32, 64, 96, 100)
+  assert batch_lib.token_buckets(48) == (8, 16, 32, 48)
+  assert batch_lib.token_buckets(4) == (4,)
+  buckets = batch_lib.token_buckets(1024)
+  assert batch_lib.bucket(280, buckets) == 384  # not 512
+  # past 64 tokens a step is padded by less than half of itself (powers of two: up to double)
+  assert all(batch_lib.bucket(n, buckets) < 1.5 * n for n in range(65, 1025))
+
+
+def test_an_engine_without_token_buckets_takes_the_default_ones():
+  from jaxpipe.serve import Engine
+  from tests import helpers
+
+  args = {k: v for k, v in helpers.ENGINE_ARGS.items() if k != "token_buckets"}
+  args["max_tokens_per_step"] = 200
+  engine = Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), num_pages=17, **args)
+  assert engine.token_buckets == (8, 16, 32, 64, 96, 128, 192, 200)
