@@ -5,7 +5,8 @@
 // read in place (a tied embedding [V, D] as the output head). x and w are float32 or bfloat16
 // alike; y is float32, or bfloat16 for bfloat16 x and w (oneDNN accumulates in float32).
 // JaxpipePrepack reorders w once into oneDNN's blocked layout, and JaxpipeMatmulPrepacked runs
-// the product on those bytes (no reorder at each call).
+// the product on those bytes (no reorder at each call); JaxpipeMatmulPrepackedRows computes only
+// the first rows of y that an operand names (a serving step's real tokens), the rest zeros.
 // Why: XLA:CPU's own dots run bfloat16 at well under half the rate oneDNN's brgemm kernels get
 // from AVX512_BF16 (docs/benchmarks.md, "Where a serving step's time goes").
 //
@@ -140,14 +141,27 @@ int DefaultThreads() {
   return threads;
 }
 
+// Rows a row-limited product computes past its last wanted one, at most: its M is rounded up to
+// a multiple of this, so that a few primitives serve every count.
+constexpr int64_t kRowGrain = 16;
+
 // y = x @ w for checked 2-D x [M, K] and y [M, N], w at `w` in `layout`, on `threads` threads
-// (0: OpenMP's default).
+// (0: OpenMP's default). With rows >= 0 only y's first rows (rounded up to kRowGrain, at most M)
+// are computed and the rest are zeros: a step's padding rows cost no multiply-adds.
 ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t n, dt x_type,
-               dt y_type, Layout layout, int64_t threads) {
-  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+               dt y_type, Layout layout, int64_t threads, int64_t rows = -1) {
+  const int64_t k = x.dimensions()[1];
+  int64_t m = x.dimensions()[0];
   // set at every call: the count stays with the calling thread (one of XLA's), for its next call
   const int team = threads > 0 ? int(threads) : DefaultThreads();
   omp_set_num_threads(team);
+  if (rows >= 0 && rows < m) {
+    const int64_t used = std::min(m, (rows + kRowGrain - 1) / kRowGrain * kRowGrain);
+    const size_t row_bytes = y->size_bytes() / size_t(m);
+    std::memset(static_cast<uint8_t*>(y->untyped_data()) + used * row_bytes, 0,
+                (m - used) * row_bytes);
+    m = used;
+  }
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // an empty sum
     std::memset(y->untyped_data(), 0, y->size_bytes());
@@ -224,6 +238,32 @@ ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ff
   return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads);
 }
 
+// PrepackedImpl on y's first `rows` rows only (rounded up to kRowGrain), the rest zeros.
+ffi::Error PrepackedRowsImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed,
+                             ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
+                             int64_t threads) {
+  if (rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument("packed matmul: rows must hold one count");
+  }
+  auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("packed matmul: x [M, K] and y [M, N] must be 2-D");
+  }
+  dt x_type, y_type;
+  if (ffi::Error e = Types(x, y, &x_type, &y_type); e.failure()) return e;
+  try {
+    if (packed.element_type() != ffi::DataType::U8 ||
+        packed.size_bytes() != PackedDesc(xd[1], yd[1], x_type).get_size()) {
+      return ffi::Error::InvalidArgument(
+          "packed matmul: the weights were not packed for this K, N and dtype");
+    }
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
+  }
+  const int64_t wanted = std::max<int64_t>(0, rows.typed_data()[0]);
+  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads, wanted);
+}
+
 // packed = w [K, N] (or its [N, K] transpose) reordered into `PackedDesc`'s layout.
 ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, bool transpose_w) {
   auto wd = w.dimensions();
@@ -275,6 +315,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmulPrepacked, PrepackedImpl,
                                   .Arg<ffi::AnyBuffer>()  // w packed, uint8 [bytes]
                                   .Ret<ffi::AnyBuffer>()  // y [M, N]
                                   .Attr<int64_t>("threads"));  // 0: OpenMP's default
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeMatmulPrepackedRows, PrepackedRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()        // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()        // w packed, uint8 [bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows wanted, one count
+                                  .Ret<ffi::AnyBuffer>()        // y [M, N]
+                                  .Attr<int64_t>("threads"));   // 0: OpenMP's default
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipePrepack, PrepackImpl,
                               ffi::Ffi::Bind()

@@ -30,6 +30,8 @@ from kernels_cpu import build as build_lib
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_matmul"
 PREPACKED_TARGET, PREPACK_TARGET = "jaxpipe_matmul_prepacked", "jaxpipe_prepack"
+ROWS_TARGET = "jaxpipe_matmul_prepacked_rows"  # the prepacked product of its first rows only
+ROW_GRAIN = 16  # a row-limited product computes its rows rounded up to this (matmul.cc)
 DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
@@ -80,6 +82,7 @@ def unavailable() -> str | None:
     for target, symbol in (
         (TARGET, library.JaxpipeMatmul),
         (PREPACKED_TARGET, library.JaxpipeMatmulPrepacked),
+        (ROWS_TARGET, library.JaxpipeMatmulPrepackedRows),
         (PREPACK_TARGET, library.JaxpipePrepack),
     ):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
@@ -150,7 +153,9 @@ def prepack(w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
   return jax.ffi.ffi_call(PREPACK_TARGET, out)(w, transpose_w=bool(transpose_w))
 
 
-def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None) -> jax.Array:
+def matmul_prepacked(
+    x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None, rows: jax.Array | None = None
+) -> jax.Array:
   """x @ w by oneDNN, w [K, N] given prepacked (`prepack`, in x's dtype). Not differentiable.
 
   Args:
@@ -158,6 +163,8 @@ def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None
     packed: `prepack(w)` for w of x's dtype, K and this n.
     n: the output size.
     out_dtype: x's dtype (when None) or float32.
+    rows: None, or an int32 scalar r: only the first r rows (rounded up to ROW_GRAIN, at most M)
+      are computed and the rest are zeros (a serving step's padding rows).
 
   Returns:
     [M, N] in out_dtype, accumulated in float32.
@@ -182,7 +189,10 @@ def matmul_prepacked(x_MxK: jax.Array, packed: jax.Array, n: int, out_dtype=None
     )
   out = jax.ShapeDtypeStruct((x_MxK.shape[0], n), out_dtype)
   threads = _threads(_shard_map_devices())
-  return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed, threads=threads)
+  if rows is None:
+    return jax.ffi.ffi_call(PREPACKED_TARGET, out)(x_MxK, packed, threads=threads)
+  rows = jnp.asarray(rows, jnp.int32).reshape(())
+  return jax.ffi.ffi_call(ROWS_TARGET, out)(x_MxK, packed, rows, threads=threads)
 
 
 def matmul(

@@ -11,6 +11,9 @@ inside its `EngineConfig.matmul` (default auto), the trainer its step inside `tr
 (default xla). A product oneDNN does not take (another dtype, mixed dtypes) runs XLA's dot there
 too.
 
+Padding rows: traced inside `leading_rows(n, T)`, a prepacked product of T rows computes only the
+first n (rounded up to 16) and zeros the rest (a serving step's padding to its token bucket).
+
 Prepacked weights: a serving engine on oneDNN holds each projection's kernel (and the output
 head) also in oneDNN's blocked layout (`Prepacked`), made once by `prepack`, so that a step's
 products read the blocks their kernels load instead of reordering row-major weights every call
@@ -38,6 +41,8 @@ BACKENDS = ("xla", "onednn", "auto")
 PREPACKED = "prepacked"  # the flax collection of prepacked kernels (`layers.Dense`)
 _BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("matmul_backend", default="xla")
 _PREPACKING: contextvars.ContextVar[bool] = contextvars.ContextVar("prepacking", default=False)
+# (rows wanted, the rows they are of): `leading_rows`
+_ROWS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("matmul_rows", default=None)
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +113,26 @@ def prepacking():
 def is_prepacking() -> bool:
   """Whether the code being traced runs inside `prepacking()`."""
   return _PREPACKING.get()
+
+
+@contextlib.contextmanager
+def leading_rows(rows: jax.Array, total: int):
+  """While tracing inside, a product on prepacked weights whose input has `total` rows (its
+  leading axes flattened) computes only the first `rows` of them, the others zeros.
+
+  A serving step's tokens are its real ones, then padding to a bucket: the padding's rows then
+  cost no multiply-adds. Products of another row count (the head over the sampled rows) are
+  computed whole.
+
+  Args:
+    rows: an int32 scalar traced in the same program, at most `total`.
+    total: the rows of the products it limits.
+  """
+  token = _ROWS.set((rows, int(total)))
+  try:
+    yield
+  finally:
+    _ROWS.reset(token)
 
 
 @functools.cache
@@ -224,5 +249,8 @@ def _prepacked(x: jax.Array, w: Prepacked, in_dims: int, out_dtype) -> jax.Array
         f"in {x.dtype}; prepack it for the product it runs in"
     )
   k, out = int(np.prod(w.shape[:in_dims])), w.shape[in_dims:]
-  y = onednn_lib.matmul_prepacked(x.reshape(-1, k), w.data, int(np.prod(out)), out_dtype)
+  x_MxK = x.reshape(-1, k)
+  limit = _ROWS.get()
+  rows = limit[0] if limit is not None and limit[1] == x_MxK.shape[0] else None
+  y = onednn_lib.matmul_prepacked(x_MxK, w.data, int(np.prod(out)), out_dtype, rows)
   return y.reshape(x.shape[: x.ndim - in_dims] + tuple(out))

@@ -35,6 +35,7 @@ quantised once, as it is written; attention dequantises on the fly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -807,10 +808,15 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend, hidden=False):
 
   carry = (x_1xTxD, hook.pools)
   if isinstance(params["layers"], (list, tuple)):  # unstacked (`unstack_layers`)
-    for i, layer in enumerate(params.get("first_layers", ())):
-      carry, _ = dense_body(carry, (layer, i))
-    for u, unit in enumerate(params["layers"]):
-      carry, _ = unit_body(carry, (unit, u))
+    # the step's real tokens come first: the prepacked projections skip the padding's rows
+    real = contextlib.nullcontext()
+    if batch.seq_counts_B is not None:
+      real = matmul_lib.leading_rows(jnp.sum(batch.seq_counts_B), batch.tokens_T.shape[0])
+    with real:
+      for i, layer in enumerate(params.get("first_layers", ())):
+        carry, _ = dense_body(carry, (layer, i))
+      for u, unit in enumerate(params["layers"]):
+        carry, _ = unit_body(carry, (unit, u))
     x_1xTxD, pools = carry
   else:
     if first:

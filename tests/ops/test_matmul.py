@@ -116,8 +116,10 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   layers = engine.params["layers"]
   assert isinstance(layers, list) and len(layers) == cfg.n_layers
   text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
-  # q+k+v, o, gate+up, down (siblings fused, `layers.dense_group`); a scan's body holds them once
-  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == 4 * cfg.n_layers + 1
+  # q+k+v, o, gate+up, down (siblings fused, `layers.dense_group`), each on the step's real
+  # tokens' rows alone; the head over the sampled rows whole
+  assert text.count('custom_call_target="jaxpipe_matmul_prepacked_rows"') == 4 * cfg.n_layers
+  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == 1
   assert 'custom_call_target="jaxpipe_matmul"' not in text
   stacked = model_lib.stack_layers(engine.params)
   stacked.pop(matmul_lib.PREPACKED)
@@ -169,6 +171,53 @@ def test_onednn_steps_give_the_oracles_logprobs(devices):
     logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
     (token,), ((chosen, _),) = done[rid].output, done[rid].logprobs
     assert logp[token] >= logp.max() - 1e-4  # the argmax, up to a near tie
+    assert abs(chosen - logp[token]) < 1e-4
+
+
+def test_a_prepacked_product_of_its_leading_rows_computes_those_and_zeros_the_rest():
+  """`matmul_prepacked(rows=r)`: the first r rows rounded up to ROW_GRAIN (at most M) equal the
+  whole product's, bit for bit; every row after them is zero. Counts below 0 or past M clamp."""
+  rng = np.random.default_rng(3)
+  grain = onednn.ROW_GRAIN
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal((6 * grain, 64)), dtype)
+    packed = onednn.prepack(jnp.asarray(rng.standard_normal((64, 48)), dtype))
+    whole = np.asarray(onednn.matmul_prepacked(x, packed, 48), np.float32)
+    assert np.abs(whole).min(axis=1).max() > 0  # every row of the whole product is nonzero
+    part = jax.jit(lambda x, p, r: onednn.matmul_prepacked(x, p, 48, rows=r))
+    cases = [(0, 0), (1, grain), (grain, grain), (grain + 1, 2 * grain), (40, 3 * grain)]
+    cases += [(6 * grain, 6 * grain), (500, 6 * grain), (-3, 0)]  # past M, below 0: clamped
+    for rows, used in cases:
+      y = np.asarray(part(x, packed, jnp.int32(rows)), np.float32)
+      np.testing.assert_array_equal(y[:used], whole[:used])
+      assert not y[used:].any(), (dtype, rows)
+
+
+def test_prepacked_steps_compute_their_real_tokens_and_skip_the_padding():
+  """A step of 27 real tokens padded to 64: its projections compute 32 rows (the real ones,
+  rounded up) and the three prompts' first tokens and log-probabilities are the oracle's. A
+  count short of the real tokens (the sequences', 3) would zero the last prompt's rows."""
+  args = dict(helpers.ENGINE_ARGS, max_batch=8, max_tokens_per_step=64, token_buckets=(64,))
+  engine = Engine(
+      helpers.DENSE, helpers.engine_params("dense"), num_pages=33, matmul="onednn", **args
+  )
+  rng = np.random.default_rng(11)
+  prompts = [list(map(int, rng.integers(0, 64, n))) for n in (7, 9, 11)]
+  ids = [engine.add_request(p, 1, SamplingParams(logprobs=0), eos_id=None) for p in prompts]
+  engine.step()  # all three prompts in one step
+  while engine.has_work():
+    engine.step()
+  assert engine.steps == 1 and engine.counts["padded_tokens"] == 64 - 27
+  done = {r.id: r for r in engine.finished()}
+  tokens = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  logits = np.asarray(helpers.forward("dense")(tokens), np.float64)
+  for i, (rid, p) in enumerate(zip(ids, prompts)):
+    row = logits[i, len(p) - 1]
+    logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    (token,), ((chosen, _),) = done[rid].output, done[rid].logprobs
+    assert logp[token] >= logp.max() - 1e-4
     assert abs(chosen - logp[token]) < 1e-4
 
 
