@@ -70,7 +70,7 @@ def token_buckets(limit: int, start: int = 8, halves_from: int = 64) -> tuple[in
 
   From a few dozen rows on a step's GEMMs take time in proportion to its padded rows; the
   half-steps cap the padding at a third of a step (a 280-token step runs 384 rows, not 512)
-  for a third more programs than powers of two alone.
+  for a few more programs (12 against 8 up to 1,024 tokens).
 
   Args:
     limit: the largest bucket (the step's token budget).
