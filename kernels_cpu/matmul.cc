@@ -217,9 +217,9 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
              threads);
 }
 
-// y = x @ w, w packed by `PrepackImpl` for x's K, y's N and x's dtype.
-ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t threads) {
+// y = x @ w, w packed by `PrepackImpl` for x's K, y's N and x's dtype; rows as `Run` takes it.
+ffi::Error Packed(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y,
+                  int64_t threads, int64_t rows) {
   auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
     return ffi::Error::InvalidArgument("packed matmul: x [M, K] and y [M, N] must be 2-D");
@@ -235,33 +235,22 @@ ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ff
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
   }
-  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads);
+  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads, rows);
 }
 
-// PrepackedImpl on y's first `rows` rows only (rounded up to kRowGrain), the rest zeros.
+ffi::Error PrepackedImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t threads) {
+  return Packed(x, packed, y, threads, -1);
+}
+
+// The packed product of y's first `rows` rows only (rounded up to kRowGrain), the rest zeros.
 ffi::Error PrepackedRowsImpl(ffi::AnyBuffer x, ffi::AnyBuffer packed,
                              ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
                              int64_t threads) {
   if (rows.element_count() != 1) {
     return ffi::Error::InvalidArgument("packed matmul: rows must hold one count");
   }
-  auto xd = x.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0]) {
-    return ffi::Error::InvalidArgument("packed matmul: x [M, K] and y [M, N] must be 2-D");
-  }
-  dt x_type, y_type;
-  if (ffi::Error e = Types(x, y, &x_type, &y_type); e.failure()) return e;
-  try {
-    if (packed.element_type() != ffi::DataType::U8 ||
-        packed.size_bytes() != PackedDesc(xd[1], yd[1], x_type).get_size()) {
-      return ffi::Error::InvalidArgument(
-          "packed matmul: the weights were not packed for this K, N and dtype");
-    }
-  } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("oneDNN packing failed: ") + e.what());
-  }
-  const int64_t wanted = std::max<int64_t>(0, rows.typed_data()[0]);
-  return Run(x, packed.untyped_data(), y, yd[1], x_type, y_type, kPacked, threads, wanted);
+  return Packed(x, packed, y, threads, std::max<int64_t>(0, rows.typed_data()[0]));
 }
 
 // packed = w [K, N] (or its [N, K] transpose) reordered into `PackedDesc`'s layout.
