@@ -2,9 +2,11 @@
 
 import numpy as np
 
+from jaxpipe.serve import Engine
 from jaxpipe.serve import batch as batch_lib
 from jaxpipe.serve.request import PENDING, Request
 from jaxpipe.serve.sampling import MAX_BANNED, SamplingParams
+from tests import helpers
 
 SHAPE = batch_lib.BatchShape(
     page_size=4, max_batch=4, token_buckets=(4, 8, 16), page_buckets=(2, 4)
@@ -92,9 +94,6 @@ def test_default_token_buckets_are_powers_of_two_with_half_steps_from_64():
 
 
 def test_an_engine_without_token_buckets_takes_the_default_ones():
-  from jaxpipe.serve import Engine
-  from tests import helpers
-
   args = {k: v for k, v in helpers.ENGINE_ARGS.items() if k != "token_buckets"}
   args["max_tokens_per_step"] = 200
   engine = Engine(helpers.CONFIGS["dense"], helpers.engine_params("dense"), num_pages=17, **args)
