@@ -176,6 +176,13 @@ flags.DEFINE_enum(
 flags.DEFINE_float(
     "peer_timeout", 900, "--peer: seconds for a vLLM start or round.", flag_values=FLAGS
 )
+flags.DEFINE_bool(
+    "pool_host_memory",
+    True,
+    "--peer: jaxpipe's process keeps freed host memory in the heap, as `python -m jaxpipe.serve` "
+    "does on CPU; --nopool_host_memory: glibc's defaults.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_float(
     "peer_settle",
     2.0,

@@ -14,10 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from absl import app
 
 from experiments import serve_bench, serve_peer, vllm_peer
 from experiments.shapes import SHAPES
-from jaxpipe.runtime import cli
+from jaxpipe.runtime import cli, process
 from tests import helpers
 
 # A stand-in for vLLM 0.32's offline API as vllm_peer.py uses it: LLM(**kwargs).llm_engine with
@@ -394,3 +395,26 @@ def test_the_peer_casts_to_the_runs_dtype(fake_vllm, tmp_path):
   peer.close()
   (record,) = [json.loads(s) for s in fake_vllm.read_text().splitlines()]
   assert record["kw"]["dtype"] == "bfloat16"
+
+
+def test_a_libc_that_refuses_pooling_is_one_line(tmp_path, capsys, monkeypatch):
+  """--pool_host_memory (default on) where mallopt refuses: one line naming the way out, before
+  the checkpoint is written; --nopool_host_memory never asks."""
+  good = script(tmp_path / "good", "echo 0.32.0")
+  asked = []
+  monkeypatch.setattr(process, "pool_host_memory", lambda: asked.append(1) or False)
+  args = ["--peer", "vllm", "--peer_python", good]
+  assert cli.call(serve_bench.main, serve_bench.FLAGS, args) == cli.USAGE
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [
+      "error: --pool_host_memory: this C library refuses glibc's mallopt settings; pass "
+      "--nopool_host_memory"
+  ]
+  assert asked == [1]
+
+  def written(*a, **k):
+    raise app.UsageError("stop at the checkpoint")
+
+  monkeypatch.setattr(serve_peer, "write_checkpoint", written)
+  assert cli.call(serve_bench.main, serve_bench.FLAGS, [*args, "--nopool_host_memory"]) == cli.USAGE
+  assert asked == [1] and "stop at the checkpoint" in capsys.readouterr().err

@@ -233,3 +233,30 @@ def test_the_cpu_kernel_asked_for_an_fp8_cache_is_one_error_line():
   assert lines[-1].startswith("error: ") and "not float8_e4m3fn" in lines[-1], lines
   assert "use 'xla_ragged'" in lines[-1]
   assert "Traceback" not in run.stderr
+
+
+class _Stop(Exception):
+  """Raised where the runner would first touch the model: the host memory is set by then."""
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_the_runner_pools_host_memory_on_cpu_unless_told_not_to(monkeypatch, pooled):
+  """--pool_host_memory (default on): `python -m jaxpipe.serve` keeps freed host memory in the
+  heap on CPU devices (process.pool_host_memory) before it builds anything, and leaves glibc's
+  defaults with --nopool_host_memory."""
+  from jaxpipe.runtime import cli, process
+  from jaxpipe.serve import __main__ as serve_main
+
+  calls = []
+  monkeypatch.setattr(process, "pool_host_memory", lambda: calls.append(1) or True)
+
+  def stop(cfg):
+    raise _Stop
+
+  monkeypatch.setattr(serve_main, "_tokenizer", stop)
+  flags = [f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}", "--prompt=x"]
+  with pytest.raises(_Stop):
+    cli.call(
+        serve_main.main, serve_main.FLAGS, flags if pooled else [*flags, "--nopool_host_memory"]
+    )
+  assert calls == ([1] if pooled else [])
