@@ -37,9 +37,9 @@ flip one). jaxpipe's host time per step is split into `Engine.host_time`'s phase
 step buckets' padding counted (real tokens / padded tokens).
 
 jaxpipe's process keeps freed host memory in the heap (`--pool_host_memory`, default on), as
-`python -m jaxpipe.serve` does on CPU: at Llama-3.2-1B's shape in bfloat16 its decode steps
-ran about 5% faster than with glibc's defaults, which unmap and fault in again each step's
-larger temporaries.
+`python -m jaxpipe.serve` does on CPU (what loading the checkpoint freed is given back once the
+engine is built): at Llama-3.2-1B's shape in bfloat16 its decode steps ran about 5% faster than
+with glibc's defaults, which unmap and fault in again each step's larger temporaries.
 
 `--peer_threads`: per vLLM process, `auto` (vLLM's own CPU binding: on x86 it reserves a core
 for its scheduler process and binds the model's OpenMP threads to the others) or N (binds them
@@ -516,6 +516,8 @@ def run(args, present: Sequence[str]) -> None:
     write_checkpoint(args.peer_python, tmp, args.peer_timeout, llama_fields(shape))
     ckpt = os.path.join(tmp, "checkpoint")
     jaxpipe = Jaxpipe(ckpt, args, work, length)
+    if args.pool_host_memory:  # the float32 checkpoint's pages back, as the serve runner does
+      process.trim_host_memory()
     kv_bytes = int(sum(x.nbytes for x in (jaxpipe.engine.kv.k, jaxpipe.engine.kv.v)))
     spec = os.path.join(tmp, "serve.json")
     with open(spec, "w") as f:

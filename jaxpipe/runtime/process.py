@@ -1,5 +1,6 @@
 """Process set-up that must happen before JAX is imported."""
 
+import gc
 import os
 import sys
 
@@ -174,3 +175,24 @@ def pool_host_memory() -> bool:
   return all(
       libc.mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
   )
+
+
+def trim_host_memory() -> bool:
+  """glibc: give the heap's free memory back to the OS now (`malloc_trim`).
+
+  A pooled heap (`pool_host_memory`) keeps what a load freed: a checkpoint read in float32 and
+  served in bfloat16 would hold its float32 copy's pages for good. Called once the weights are
+  where they stay, the steps that follow still pool their temporaries.
+
+  Returns:
+    Whether glibc's `malloc_trim` ran (False off glibc).
+  """
+  import ctypes  # noqa: PLC0415 -- only the runners that pool load libc
+
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return False
+  gc.collect()  # arrays held only by reference cycles are freed first
+  libc.malloc_trim(0)
+  return True

@@ -236,27 +236,35 @@ def test_the_cpu_kernel_asked_for_an_fp8_cache_is_one_error_line():
 
 
 class _Stop(Exception):
-  """Raised where the runner would first touch the model: the host memory is set by then."""
+  """Raised where the runner would first generate."""
 
 
 @pytest.mark.parametrize("pooled", [True, False])
 def test_the_runner_pools_host_memory_on_cpu_unless_told_not_to(monkeypatch, pooled):
   """--pool_host_memory (default on): `python -m jaxpipe.serve` keeps freed host memory in the
-  heap on CPU devices (process.pool_host_memory) before it builds anything, and leaves glibc's
-  defaults with --nopool_host_memory."""
+  heap on CPU devices (process.pool_host_memory) from the start, and gives back what loading
+  freed once the engine holds its weights (process.trim_host_memory); --nopool_host_memory
+  leaves glibc's defaults."""
   from jaxpipe.runtime import cli, process
   from jaxpipe.serve import __main__ as serve_main
+  from jaxpipe.serve import engine as engine_lib
 
-  calls = []
-  monkeypatch.setattr(process, "pool_host_memory", lambda: calls.append(1) or True)
+  events = []
+  monkeypatch.setattr(process, "pool_host_memory", lambda: events.append("pool") or True)
+  monkeypatch.setattr(process, "trim_host_memory", lambda: events.append("trim") or True)
 
-  def stop(cfg):
-    raise _Stop
+  class Built:
 
-  monkeypatch.setattr(serve_main, "_tokenizer", stop)
+    def __init__(self, *args, **kwargs):
+      events.append("engine")
+
+    def generate(self, *args, **kwargs):
+      raise _Stop
+
+  monkeypatch.setattr(engine_lib, "Engine", Built)
   flags = [f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}", "--prompt=x"]
   with pytest.raises(_Stop):
     cli.call(
         serve_main.main, serve_main.FLAGS, flags if pooled else [*flags, "--nopool_host_memory"]
     )
-  assert calls == ([1] if pooled else [])
+  assert events == (["pool", "engine", "trim"] if pooled else ["engine"])
