@@ -79,7 +79,11 @@ def test_the_planner_prices_the_stack_as_the_step_runs_it():
   shape = {"pp": 1, "dp": 8, "tp": 1, "cp": 1, "ep": 1}
   c = _config(False)
   assert c.model.unroll_layers >= c.model.n_layers and plan.unrolled(c, shape)
-  for key, value in (("model.remat", "selective"), ("model.remat", True), ("model.n_layers", 32)):
+  for key, value in (
+      ("model.remat", "selective"),
+      ("model.remat", True),
+      ("model.n_layers", c.model.unroll_layers + 1),
+  ):
     section, name = key.split(".")
     other = _config(False)
     other[section][name] = value
