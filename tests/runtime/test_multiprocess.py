@@ -269,9 +269,9 @@ os._exit(1)
 
 def test_process_0_leaving_first_aborts_the_others_unless_they_leave_together(tmp_path):
   """Process 0's exit takes the coordination service with it: a process 1 that has not yet spoken
-  (5 s late: on a loaded machine the abort can take over a second to land) is aborted silently. `leave_together` holds process 0 until the others arrive (process 1, 1 s
-  late, says its line and exits cleanly), and ends its wait when one never does (process 1, 20 s
-  late)."""
+  (5 s late: on a loaded machine the abort can take over a second to land) is aborted silently.
+  `leave_together` holds process 0 until the others arrive (process 1, 1 s late, says its line
+  and exits cleanly), and ends its wait when one never does (process 1, 20 s late)."""
   script = tmp_path / "leave.py"
   script.write_text(_LEAVE)
   outs = {}
