@@ -161,15 +161,22 @@ def initialize(
   return True
 
 
+def _glibc():
+  """glibc through ctypes, or None where this C library is another."""
+  import ctypes  # noqa: PLC0415 -- only the runners that set the allocator load libc
+
+  try:
+    return ctypes.CDLL("libc.so.6")
+  except OSError:
+    return None
+
+
 def pool_host_memory() -> bool:
   """glibc: serve every allocation from the heap and never give freed memory back to the OS, so
   that no step maps and faults its temporaries in again (benchmarks; the arenas stay one per
   thread, a single one would serialise XLA's compile threads); False where libc refuses."""
-  import ctypes  # noqa: PLC0415 -- only the benchmarks that ask for it load libc
-
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
+  libc = _glibc()
+  if libc is None:
     return False
   m_trim_threshold, m_mmap_max = -1, -4
   return all(
@@ -187,11 +194,8 @@ def trim_host_memory() -> bool:
   Returns:
     Whether glibc's `malloc_trim` ran (False off glibc).
   """
-  import ctypes  # noqa: PLC0415 -- only the runners that pool load libc
-
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:
+  libc = _glibc()
+  if libc is None:
     return False
   gc.collect()  # arrays held only by reference cycles are freed first
   libc.malloc_trim(0)
