@@ -67,7 +67,7 @@ from absl import app
 
 from experiments import vllm_peer
 from experiments.shapes import SHAPES
-from jaxpipe.runtime import process
+from jaxpipe.runtime import cli, process
 from jaxpipe.serve import slo
 from jaxpipe.serve.workload import Lengths, Work, generate
 
@@ -503,11 +503,8 @@ def run(args, present: Sequence[str]) -> None:
 
   peer_args(args, present)
   threads = check_peer_args(args)
-  if args.pool_host_memory and not process.pool_host_memory():
-    raise app.UsageError(
-        "--pool_host_memory: this C library refuses glibc's mallopt settings; pass "
-        "--nopool_host_memory"
-    )
+  if args.pool_host_memory:
+    cli.pool_host_memory()
   shape = SHAPES[args.peer_shape]
   work = workload(args, shape.vocab)
   length = max_len(work, args.page_size)

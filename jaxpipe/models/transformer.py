@@ -537,6 +537,22 @@ class Block(nn.Module):
     return x_BxLxD + post("mlp_post_norm", Mlp(c, name="mlp")(norm("mlp_norm")(x_BxLxD)))
 
 
+def block_variables(layer_params: dict) -> dict:
+  """A layer's flax variables: its params, and the kernels it holds prepacked, if any.
+
+  Args:
+    layer_params: one layer's (or MoE group's layer's) parameters; a serving engine's may hold
+      its projections prepacked under `ops.matmul.PREPACKED` (`serve.model.prepack_params`).
+
+  Returns:
+    The variables `Block.apply` takes.
+  """
+  if matmul_lib.PREPACKED not in layer_params:
+    return {"params": layer_params}
+  params = {k: v for k, v in layer_params.items() if k != matmul_lib.PREPACKED}
+  return {"params": params, matmul_lib.PREPACKED: layer_params[matmul_lib.PREPACKED]}
+
+
 def init_params(cfg: TransformerConfig, rng: jax.Array) -> dict:
   """Fresh float32 parameters.
 
@@ -694,7 +710,8 @@ def apply_layers(
 
   Args:
     cfg: the model.
-    layers: the layers' parameters, with a leading layer (MoE: group) axis.
+    layers: the layers' parameters, with a leading layer (MoE: group) axis, or a list of one
+      tree per layer (group), run in a loop.
     x_BxLxD: the residual stream, [B, L, D].
     positions_L: [L] or [B, L] (packed rows restart them at each document); default 0..L-1 of the
       whole sequence.
@@ -737,13 +754,13 @@ def apply_first(
 
   def body(x_BxLxD, layer_j):
     layer, j = layer_j
-    block = Block(cfg).apply({"params": layer}, x_BxLxD, positions_L, segment_ids_BxL, j)
+    block = Block(cfg).apply(block_variables(layer), x_BxLxD, positions_L, segment_ids_BxL, j)
     return block, None
 
   if cfg.remat is True:
     body = jax.checkpoint(body)
   xs = (params["first_layers"], jnp.arange(k) if cfg.mixed_layers else None)
-  return jax.lax.scan(body, x_BxLxD, xs, unroll=stack_unroll(cfg, k))[0]
+  return _stack_scan(body, x_BxLxD, xs, stack_unroll(cfg, k))[0]
 
 
 def embed_first(
@@ -782,7 +799,8 @@ def apply_layers_aux(
 
   Args:
     cfg: the model.
-    layers: the layers' parameters, with a leading layer (MoE: group) axis.
+    layers: the layers' parameters, with a leading layer (MoE: group) axis, or a list of one
+      tree per layer (group), run in a loop.
     x_BxLxD: the residual stream, [B, L, D].
     positions_L: [L] or [B, L]; default 0..L-1 of the whole sequence.
     segment_ids_BxL: keeps attention within each document.
@@ -853,7 +871,7 @@ def apply_unit(
   every = 1 if cfg.moe is None else cfg.moe.every
   layer = lambda j: None if index is None else cfg.first_dense + index * every + j
   if cfg.moe is None:
-    return Block(cfg).apply({"params": unit}, x_BxLxD, positions_L, seg, layer(0), seq_lens)
+    return Block(cfg).apply(block_variables(unit), x_BxLxD, positions_L, seg, layer(0), seq_lens)
   if "dense" in unit:
 
     def dense(x, layer_j):
@@ -862,7 +880,7 @@ def apply_unit(
 
     x_BxLxD, _ = jax.lax.scan(dense, x_BxLxD, (unit["dense"], jnp.arange(every - 1)))
   x_BxLxD, aux = Block(cfg, moe=True).apply(
-      {"params": unit["moe"]}, x_BxLxD, positions_L, seg, layer(every - 1), seq_lens
+      block_variables(unit["moe"]), x_BxLxD, positions_L, seg, layer(every - 1), seq_lens
   )
   if not attach:
     return x_BxLxD, aux
@@ -910,10 +928,24 @@ def _apply_layers(cfg, layers, x_BxLxD, positions_L, segment_ids_BxL, attach):
 
   if cfg.remat is True:  # 'selective' is the attention core's own (Attention)
     body = jax.checkpoint(body)
-  units = jax.tree.leaves(layers)[0].shape[0]
+  listed = isinstance(layers, (list, tuple))
+  units = len(layers) if listed else jax.tree.leaves(layers)[0].shape[0]
   xs = (layers, unit_indices(cfg, units))
-  x_BxLxD, aux = jax.lax.scan(body, x_BxLxD, xs, unroll=stack_unroll(cfg, units))
+  x_BxLxD, aux = _stack_scan(body, x_BxLxD, xs, stack_unroll(cfg, units))
   return x_BxLxD, {} if aux is None else aux
+
+
+def _stack_scan(body, x, xs, unroll: int):
+  """`lax.scan` of body over (layers, indices); layers given as a list of one tree per layer (a
+  serving engine's, `serve.model.unstack_layers`) run in a Python loop, each read in place."""
+  layers, indices = xs
+  if not isinstance(layers, (list, tuple)):
+    return jax.lax.scan(body, x, xs, unroll=unroll)
+  ys = []
+  for i, layer in enumerate(layers):
+    x, y = body(x, (layer, None if indices is None else indices[i]))
+    ys.append(y)
+  return x, None if not ys or ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def stack_unroll(cfg: TransformerConfig, units: int) -> int:

@@ -36,6 +36,8 @@ from typing import NoReturn
 
 from absl import app, flags, logging
 
+from jaxpipe.runtime import process
+
 USAGE = 2  # exit status of a command line that cannot run: a bad flag or argument
 
 
@@ -111,6 +113,19 @@ def no_arguments(argv: Sequence[str]) -> None:
     raise app.UsageError(
         f"unexpected arguments {list(argv[1:])}: this command takes flags only, "
         "--name=value (--help lists them)"
+    )
+
+
+def pool_host_memory() -> None:
+  """`runtime.process.pool_host_memory` for a benchmark's `--pool_host_memory` flag.
+
+  Raises:
+    app.UsageError: one line naming `--nopool_host_memory`, where libc refuses glibc's settings.
+  """
+  if not process.pool_host_memory():
+    raise app.UsageError(
+        "--pool_host_memory: this C library refuses glibc's mallopt settings; pass "
+        "--nopool_host_memory"
     )
 
 

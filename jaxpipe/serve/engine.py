@@ -209,8 +209,8 @@ class EngineConfig:
   # the GEMM of the step's projections and head (`ops.matmul`): 'auto' (oneDNN on a CPU where it
   # builds, else XLA's dot), 'onednn' or 'xla'
   matmul: str = "auto"
-  # with oneDNN's GEMMs on one device, also hold the projections and the head in its blocked
-  # layout (`serve.model.prepack_params`): faster decode, the projections' weights held twice
+  # with oneDNN's GEMMs on one device, hold the projections and the head in its blocked layout
+  # instead of row-major (`serve.model.prepack_params`): faster decode, the weights held once
   prepack_weights: bool = True
   eos_id: int | Sequence[int] | None = None  # the engine's EOS ids (add_request's default)
   prefix_caching: bool = True  # reuse the cached pages of shared prompt prefixes
@@ -367,7 +367,7 @@ class Engine:
     )
     self.params = jax.device_put(params, self._param_sharding)
     if config.prepack_weights and self.matmul == "onednn" and len(devices) == 1:
-      # the projections and head also in oneDNN's layout (`serve.model.prepack_params`)
+      # the projections and head in oneDNN's layout (`serve.model.prepack_params`)
       self.params = model_lib.prepack_params(self.cfg, self.params)
       self._param_sharding = jax.tree.map(lambda _: self._replicated, self.params)
       self.params = jax.device_put(self.params, self._param_sharding)

@@ -551,17 +551,9 @@ def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool, seq_
   hook.layer = index
   with attention_lib.kv_cache(hook):
     out = transformer.Block(cfg, moe=moe).apply(
-        _variables(layer_params), x_1xTxD, positions_T, None, index, seq_lens_T
+        transformer.block_variables(layer_params), x_1xTxD, positions_T, None, index, seq_lens_T
     )
   return out[0] if moe else out
-
-
-def _variables(layer_params: dict) -> dict:
-  """A layer's flax variables: its params, and its prepacked kernels where it holds them."""
-  if matmul_lib.PREPACKED not in layer_params:
-    return {"params": layer_params}
-  params = {k: v for k, v in layer_params.items() if k != matmul_lib.PREPACKED}
-  return {"params": params, matmul_lib.PREPACKED: layer_params[matmul_lib.PREPACKED]}
 
 
 def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
@@ -569,15 +561,17 @@ def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
 
   Each dense layer's (and each MoE layer's attention and shared experts') `layers.Dense`
   kernels, cast to the compute dtype and in oneDNN's blocked layout (`ops.matmul.prepack`), under
-  the layer's `ops.matmul.PREPACKED` key, and the head under the tree's; `forward_paged` runs
-  those products on them. The kernels stay as they were for every other reader (prompt scoring).
+  the layer's `ops.matmul.PREPACKED` key, and the head under the tree's; `forward_paged` and
+  prompt scoring (`transformer.forward` over the unstacked layers) run those products on them.
+  The weights are held once: each prepacked kernel's row-major one (and an untied head's) is
+  dropped, but for latent attention's `kv_b`, which its serving path reads whole.
 
   Args:
     cfg: the model (served as `serving_config`).
     params: its params, layers unstacked (`unstack_layers`).
 
   Returns:
-    The tree with the prepacked kernels added.
+    The tree with the prepacked kernels in place of the row-major ones.
 
   Raises:
     ValueError: stacked layers.
@@ -590,7 +584,7 @@ def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
 
   def with_prepacked(layer_params: dict, index: int, moe: bool) -> dict:
     kernels = _prepack_layer(cfg, moe, layer_params, index)
-    return {**layer_params, matmul_lib.PREPACKED: kernels}
+    return {**_without(layer_params, kernels), matmul_lib.PREPACKED: kernels}
 
   first = params.get("first_layers", ())
   if first:
@@ -607,6 +601,30 @@ def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
   out[matmul_lib.PREPACKED] = {
       "head": _prepack_head(head.astype(cfg.compute_dtype), cfg.tied_embeddings)
   }
+  if not cfg.tied_embeddings:  # a tied one stays: the embedding's lookup reads it
+    del out["head"]
+  return out
+
+
+# read whole besides its `Dense` (`mla.LatentAttention`'s serving path), so kept row-major too
+_READ_WHOLE = ("kv_b",)
+
+
+def _without(params: dict, kernels: dict) -> dict:
+  """A module's params without the row-major kernels (and fused biases) held in `kernels`, its
+  prepacked collection (a `Dense`'s "kernel", a `layers.dense_group`'s "q+k+v" entry)."""
+  out = dict(params)
+  for name, packed in kernels.items():
+    if name == "kernel":
+      del out["kernel"]
+    elif "+" in name:  # a fused group: its members' kernels and biases are in the entry
+      for member in name.split("+"):
+        rest = {k: v for k, v in out[member].items() if k not in ("kernel", "bias")}
+        out[member] = rest
+        if not rest:
+          del out[member]
+    elif name not in _READ_WHOLE:
+      out[name] = _without(out[name], packed)
   return out
 
 
@@ -664,31 +682,6 @@ def unstack_layers(params: dict) -> dict:
       continue
     n = jax.tree.leaves(stack)[0].shape[0]
     out[name] = [jax.tree.map(lambda x, i=i: x[i], stack) for i in range(n)]
-  return out
-
-
-def stack_layers(params: dict) -> dict:
-  """`unstack_layers` undone: the layers stacked on axis 0 again, as `transformer` takes them.
-
-  Args:
-    params: a tree from `unstack_layers` (or already stacked: returned as it is).
-
-  Returns:
-    `transformer.init_params`'s tree (without the layers' prepacked kernels, `prepack_params`).
-  """
-  out = dict(params)
-  for name in ("first_layers", "layers"):
-    if isinstance(params.get(name), (list, tuple)):
-      layers = [_unprepacked(layer) for layer in params[name]]
-      out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return out
-
-
-def _unprepacked(tree: dict) -> dict:
-  """A layer's (or MoE unit's) params without its prepacked kernels (`prepack_params`)."""
-  out = {k: v for k, v in tree.items() if k != matmul_lib.PREPACKED}
-  if isinstance(out.get("moe"), dict):
-    out["moe"] = _unprepacked(out["moe"])
   return out
 
 

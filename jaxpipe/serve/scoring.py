@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 
 from jaxpipe.models import transformer
 from jaxpipe.models.transformer import TransformerConfig
-from jaxpipe.serve import model as model_lib
 from jaxpipe.serve.batch import bucket, powers_of_two
 from jaxpipe.serve.request import outside_vocab
 from jaxpipe.serve.sampling import MAX_LOGPROBS, TokenLogprobs, as_token_logprobs, top_logprobs
@@ -49,8 +48,8 @@ class Scorer:
     """The jitted forward and scoring (one compiled program per padded length)."""
 
     def score(params, tokens_1xL):  # row i: the distribution after token i, scored at token i+1
-      # an engine's unstacked layers stacked again, as transformer takes them (a copy a call)
-      logits_LxV = transformer.forward(self.cfg, model_lib.stack_layers(params), tokens_1xL)[0]
+      # an engine's unstacked layers each read in place, on its prepacked kernels where it has
+      logits_LxV = transformer.forward(self.cfg, params, tokens_1xL)[0]
       return top_logprobs(logits_LxV, jnp.roll(tokens_1xL[0], -1))
 
     rep = self._replicated

@@ -1,5 +1,6 @@
 """oneDNN's GEMM (`kernels_cpu.matmul`) against XLA's dot, and the rule that picks it."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.models import transformer
 from jaxpipe.ops import matmul as matmul_lib
 from jaxpipe.serve import Engine
 from jaxpipe.serve import model as model_lib
@@ -109,7 +111,7 @@ def test_auto_takes_onednn_on_cpu_and_says_why_when_it_cannot(monkeypatch):
 def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   """The engine's defaults on CPU: the step's projections on oneDNN over weights prepacked in
   its layout, no layer loop (each layer's weights their own arrays, read in place, where a scan
-  copies them out of the stack); without prepack_weights, over the row-major weights."""
+  copies them out of the stack), held once; without prepack_weights, over the row-major weights."""
   cfg = helpers.DENSE
   engine = Engine(cfg, helpers.engine_params("dense"), num_pages=9, **helpers.ENGINE_ARGS)
   assert engine.matmul == "onednn"
@@ -121,12 +123,17 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   assert text.count('custom_call_target="jaxpipe_matmul_prepacked_rows"') == 4 * cfg.n_layers
   assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == 1
   assert 'custom_call_target="jaxpipe_matmul"' not in text
-  stacked = model_lib.stack_layers(engine.params)
-  stacked.pop(matmul_lib.PREPACKED)
+  # the weights held once: no layer keeps a row-major projection beside its prepacked ones,
+  # and what stays (norms, the tied embedding) is the weights given, layer by layer
   want = helpers.engine_params("dense")
-  assert jax.tree.structure(stacked) == jax.tree.structure(want)
-  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for i, layer in enumerate(layers):
+    held = {k: v for k, v in layer.items() if k != matmul_lib.PREPACKED}
+    kernels = [p for p, _ in jax.tree_util.tree_leaves_with_path(held) if "kernel" in str(p)]
+    assert not kernels, f"layer {i} holds row-major kernels {kernels}"
+    given = jax.tree.map(lambda x, i=i: x[i], want["layers"])
+    for path, x in jax.tree_util.tree_leaves_with_path(held):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(_at(given, path)))
+  np.testing.assert_array_equal(np.asarray(engine.params["embed"]), np.asarray(want["embed"]))
   rowmajor = Engine(
       cfg, want, num_pages=9, prepack_weights=False, **helpers.ENGINE_ARGS
   ).step_program(16, helpers.CONTEXT // helpers.PAGE)
@@ -139,6 +146,32 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   )
   assert xla.matmul == "xla"
   assert "jaxpipe_matmul" not in xla.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
+
+
+def test_an_untied_head_is_held_once_and_scores_and_generates_as_the_training_forward():
+  """An untied head prepacked in place of its row-major one: prompt scoring (the training
+  forward over the engine's prepacked layers and head) and greedy generation both equal the
+  training forward on the weights given."""
+  cfg = dataclasses.replace(helpers.DENSE, tied_embeddings=False)
+  params = transformer.init_params(cfg, jax.random.key(3))
+  engine = Engine(cfg, params, num_pages=9, **helpers.ENGINE_ARGS)
+  assert "head" not in engine.params and "head" in engine.params[matmul_lib.PREPACKED]
+  forward = jax.jit(functools.partial(transformer.forward, cfg, params))
+  prompt = [3, 9, 27, 17, 50, 1, 4, 33]
+  want_LxV = np.asarray(jax.nn.log_softmax(forward(jnp.array([prompt]))[0]))
+  got = [lp for lp, _ in engine.score(prompt)[1:]]
+  np.testing.assert_allclose(got, want_LxV[np.arange(7), prompt[1:]], rtol=1e-5)
+  seq = list(prompt)
+  for token in engine.generate([prompt], max_tokens=4)[0]:
+    assert token == int(np.argmax(forward(jnp.array([seq]))[0, -1]))
+    seq.append(token)
+
+
+def _at(tree, path):
+  """The leaf of `tree` at a `tree_leaves_with_path` path."""
+  for key in path:
+    tree = tree[key.key]
+  return tree
 
 
 @pytest.mark.parametrize("devices", [1, 2])
