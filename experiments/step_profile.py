@@ -16,7 +16,8 @@ Then the engine's steps at that shape (random weights held in the dtype, pools f
   computes one token of each. Its FLOPs: the GEMMs above for `--batch` tokens plus attention
   over their mean context (2 FLOPs a multiply-add, matmuls only, as `jaxpipe.models.flops`
   counts).
-- prefill: one prompt of `--prefill` tokens, in one step (`forward_flops_per_sequence`).
+- prefill: one prompt of `--prefill` tokens, in one step (`forward_flops_per_sequence`, the
+  output head on the last token alone: the engine computes only the rows it samples).
 Per step: wall seconds (median of `--steps`), MFU against the dtype's peak, the engine's host
 phases (`Engine.host_time`), and the device time of the step programs by kind of op
 (`op_breakdown`: matmuls, other arithmetic, slot reads and writes, copies, control), from a
@@ -80,6 +81,22 @@ def decode_flops(cfg: transformer.TransformerConfig, batch: int, context: int) -
   head = 2 * np.prod(shapes["lm head"])
   attention = 2 * 2 * batch * context * cfg.n_heads * cfg.head_dim  # scores and values
   return int(cfg.n_layers * (per_layer + attention) + head)
+
+
+def prefill_flops(cfg: transformer.TransformerConfig, tokens: int) -> int:
+  """FLOPs of a prefill step: one prompt's forward pass, the head on its last token alone.
+
+  The engine computes logits only for the rows it samples: a prompt's last.
+
+  Args:
+    cfg: the model's shape.
+    tokens: the prompt's tokens, all in the step.
+
+  Returns:
+    Matmul FLOPs, 2 a multiply-add (causal attention counted half).
+  """
+  head = 2 * cfg.d_model * cfg.vocab
+  return flops.forward_flops_per_sequence(cfg, tokens) - (tokens - 1) * head
 
 
 def _median(fn, reps: int, budget_s: float = 1.0) -> float:
@@ -247,7 +264,7 @@ def main(argv) -> None:
       e.cancel(rid)
       e.finished()
     mean = lambda ds: {k: statistics.mean(d[k] for d in ds) for k in ds[0]}
-    fl = flops.forward_flops_per_sequence(cfg, args.prefill)
+    fl = prefill_flops(cfg, args.prefill)
     rows.append(("prefill", times, fl, mean(hosts), mean(devices)))
     print(
         "| step | wall ms (median) | GFLOP | GFLOP/s | MFU | host ms: "

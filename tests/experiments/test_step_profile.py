@@ -21,6 +21,15 @@ def test_a_decode_step_counts_the_forward_flops_of_its_tokens():
   assert step_profile.decode_flops(cfg, 64, 1) == 64 * step_profile.decode_flops(cfg, 1, 1)
 
 
+def test_a_prefill_step_counts_the_head_on_its_last_token_alone():
+  cfg = SHAPES["smollm2-135m"]
+  d, f, h, g, k, v = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab
+  n = 1024
+  # per layer: q, k, v and out projections, gate, up and down, causal scores and values (half)
+  layer = 2 * n * d * (h + 2 * g) * k + 2 * n * h * k * d + 3 * 2 * n * d * f + 2 * n * n * h * k
+  assert step_profile.prefill_flops(cfg, n) == cfg.n_layers * layer + 2 * d * v
+
+
 def test_gemm_timings_take_the_median_within_a_budget(monkeypatch):
   now = [0.0]
   monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])

@@ -134,6 +134,22 @@ def test_double_free_and_sharing_a_free_page_are_refused():
     PageAllocator(1)
 
 
+def test_the_lowest_free_page_goes_first_so_a_drained_pool_lays_pages_out_afresh():
+  alloc = PageAllocator(9)
+  # two sequences growing in turn, then freed in the order they finished (the second first)
+  a, b = [], []
+  for _ in range(3):
+    a.append(alloc.alloc())
+    b.append(alloc.alloc())
+  assert (a, b) == ([1, 3, 5], [2, 4, 6])
+  alloc.free(b)
+  alloc.free(a[::-1])
+  # the next prompt of four pages takes 1..4, consecutive, as from a fresh pool
+  assert [alloc.alloc() for _ in range(4)] == [1, 2, 3, 4]
+  alloc.decref(2)
+  assert alloc.alloc() == 2  # a hole is filled before the pages past it
+
+
 def test_eviction_frees_only_pages_nobody_else_holds_least_recently_used_first():
   alloc = PageAllocator(4)
   cache = PrefixCache(alloc, PAGE)
