@@ -557,7 +557,7 @@ def _layer(cfg, hook, layer_params, index, x_1xTxD, positions_T, moe: bool, seq_
 
 
 def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
-  """The parameters with every projection's kernel and the output head also prepacked for oneDNN.
+  """The parameters with every projection's kernel and the output head prepacked for oneDNN.
 
   Each dense layer's (and each MoE layer's attention and shared experts') `layers.Dense`
   kernels, cast to the compute dtype and in oneDNN's blocked layout (`ops.matmul.prepack`), under
