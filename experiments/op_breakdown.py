@@ -68,8 +68,9 @@ def op_kinds(hlo: str) -> dict[str, tuple[str, int]]:
     opcode = re.match(r"(?:\(.*?\)|\S+) ([\w\-]+)\(", rest)
     opcode = opcode[1] if opcode else ""
     calls = re.search(r"calls=%([\w.\-]+)", rest)
-    # the oneDNN kernel's GEMMs, over row-major or prepacked weights
-    gemm_call = re.search(r'custom_call_target="jaxpipe_matmul(_prepacked)?"', rest) is not None
+    # the oneDNN kernel's GEMMs, over row-major or prepacked weights (all rows or the leading ones)
+    gemm = r'custom_call_target="jaxpipe_matmul(_prepacked(_rows)?)?"'
+    gemm_call = re.search(gemm, rest) is not None
     if opcode == "dot" or (calls and calls[1] in with_dot) or gemm_call:
       kind = "matmul"
     elif opcode.startswith("collective-permute"):

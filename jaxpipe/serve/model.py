@@ -190,7 +190,7 @@ class TokenBatch:
   positions_T: jax.Array  # int32; the token sees keys at positions 0..position of its sequence
   slots_T: jax.Array  # int32 page * page_size + offset (in layer 0's numbering); padding: 0
   tables_TxN: jax.Array  # int32 the token's sequence's block table (padding entries: 0)
-  rows_R: jax.Array  # int32 token index of each wanted row (padding: 0)
+  rows_R: jax.Array  # int32 token index of each wanted row (in order), then padding 0
   # The same tokens grouped by sequence (`ops.attention.RaggedRows`, what `xla_ragged` reads):
   # B rows (`serve.batch.row_count`: at most the engine's max_batch), each sequence's tokens
   # contiguous in the flat batch.
@@ -817,7 +817,12 @@ def _forward_local(cfg, params, pools, batch, *, layout, backend, hidden=False):
     (x_1xTxD, pools), _ = jax.lax.scan(
         unit_body, carry, (params["layers"], jnp.arange(cfg.stack_units))
     )
-  logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
+  # the head's prepacked product computes the wanted rows alone (those up to the last nonzero
+  # index: rows_R holds them first, in order, then padding 0), not a bucket's max_batch rows
+  r = batch.rows_R.shape[0]
+  wanted = jnp.max(jnp.where(batch.rows_R > 0, jnp.arange(1, r + 1), 1))
+  with matmul_lib.leading_rows(wanted, r):
+    logits_1xRxV = transformer.logits(cfg, params, x_1xTxD[:, batch.rows_R])
   pools = tuple(_from_bits(p, d) for p, d in zip(pools, dtypes))
   return (logits_1xRxV[0], x_1xTxD[0], pools) if hidden else (logits_1xRxV[0], pools)
 

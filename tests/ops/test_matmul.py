@@ -119,9 +119,9 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   assert isinstance(layers, list) and len(layers) == cfg.n_layers
   text = engine.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
   # q+k+v, o, gate+up, down (siblings fused, `layers.dense_group`), each on the step's real
-  # tokens' rows alone; the head over the sampled rows whole
-  assert text.count('custom_call_target="jaxpipe_matmul_prepacked_rows"') == 4 * cfg.n_layers
-  assert text.count('custom_call_target="jaxpipe_matmul_prepacked"') == 1
+  # tokens' rows alone; the head on the rows it samples alone
+  assert text.count('custom_call_target="jaxpipe_matmul_prepacked_rows"') == 4 * cfg.n_layers + 1
+  assert 'custom_call_target="jaxpipe_matmul_prepacked"' not in text
   assert 'custom_call_target="jaxpipe_matmul"' not in text
   # the weights held once: no layer keeps a row-major projection beside its prepacked ones,
   # and what stays (norms, the tied embedding) is the weights given, layer by layer
@@ -248,6 +248,47 @@ def test_prepacked_steps_compute_their_real_tokens_and_skip_the_padding():
     engine.step()
   assert engine.steps == 1 and engine.counts["padded_tokens"] == 64 - 27
   _check_first_tokens(engine, ids, prompts)
+
+
+def test_the_head_multiplies_the_rows_a_step_samples_alone():
+  """A step of 32 rows (its max_batch) that samples 3: the prepacked head computes its first
+  ROW_GRAIN rows and zeros the rest, and the 3 wanted rows' logits are the training forward's at
+  each prompt's last token. A head over all its rows fills rows 16.. with token 0's logits."""
+  cfg, params = helpers.DENSE, helpers.engine_params("dense")
+  args = dict(helpers.ENGINE_ARGS, max_batch=32, max_tokens_per_step=32, token_buckets=(32,))
+  engine = Engine(cfg, params, num_pages=33, matmul="onednn", **args)
+  rng = np.random.default_rng(12)
+  prompts = [list(map(int, rng.integers(0, 64, n))) for n in (7, 9, 11)]
+  s, t, r, n = helpers.PAGE, 32, 32, helpers.CONTEXT // helpers.PAGE
+  tokens, positions, slots = (np.zeros(t, np.int32) for _ in range(3))
+  tables, seq_tables = np.zeros((t, n), np.int32), np.zeros((r, n), np.int32)
+  starts, counts, rows = (np.zeros(r, np.int32) for _ in range(3))
+  at, page = 0, 1  # page 0: the scratch page the padding writes
+  for i, p in enumerate(prompts):
+    table = np.arange(page, page + -(-len(p) // s))
+    page += len(table)
+    pos = np.arange(len(p))
+    tokens[at : at + len(p)], positions[at : at + len(p)] = p, pos
+    slots[at : at + len(p)] = table[pos // s] * s + pos % s
+    tables[at : at + len(p), : len(table)] = seq_tables[i, : len(table)] = table
+    starts[i], counts[i] = at, len(p)
+    at += len(p)
+    rows[i] = at - 1
+  batch = model_lib.TokenBatch(
+      *(jnp.asarray(x) for x in (tokens, positions, slots, tables, rows, seq_tables)),
+      jnp.asarray(starts),
+      jnp.asarray(counts),
+      jnp.zeros(r, jnp.int32),
+  )
+  run = jax.jit(functools.partial(model_lib.forward_paged, engine.cfg, backend=engine.backend))
+  logits_RxV = np.asarray(run(engine.params, engine.kv, batch)[0])
+  assert not logits_RxV[onednn.ROW_GRAIN :].any()
+  padded = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
+  for i, p in enumerate(prompts):
+    padded[i, : len(p)] = p
+  want = np.asarray(helpers.forward("dense")(padded))
+  want_3xV = want[np.arange(3), [len(p) - 1 for p in prompts]]
+  np.testing.assert_allclose(logits_RxV[:3], want_3xV, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_pools_are_held_as_bits_and_never_converted_whole():
@@ -383,7 +424,9 @@ def test_the_step_profile_counts_the_kernels_calls_as_matmuls():
     hlo = jax.jit(lambda a, b: matmul_lib.dot(a, b) + 1).lower(x, w).compile().as_text()
   packed = matmul_lib.prepack(w)
   hlo_packed = jax.jit(lambda a, b: matmul_lib.dot(a, b) + 1).lower(x, packed).compile().as_text()
-  for text in (hlo, hlo_packed):
+  rows = jax.jit(lambda a, b: onednn.matmul_prepacked(a, b.data, 3, jnp.float32, jnp.int32(2)))
+  hlo_rows = rows.lower(x, packed).compile().as_text()
+  for text in (hlo, hlo_packed, hlo_rows):
     kinds = op_breakdown.op_kinds(text)
     (call,) = [n for n in kinds if "jaxpipe_matmul" in text.split(f"%{n} = ", 1)[1].split("\n")[0]]
     assert kinds[call][0] == "matmul"
