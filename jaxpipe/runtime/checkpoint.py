@@ -112,6 +112,9 @@ def _by_path(tree: Any) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], np.
   return out
 
 
+_ITEM = "default"  # the state's directory in a step's (orbax's name for a manager's one item)
+
+
 class Checkpointer:
   """Saves and restores a state pytree under `directory/<step>`; with `read_only`, restores only
   and never renames or deletes anything (a reader beside a run that may be writing)."""
@@ -315,7 +318,34 @@ class Checkpointer:
         + f"; free at least {needed:,} bytes there and rerun the same command to resume"
     )
 
-  def restore_latest(self, abstract_state: Any) -> tuple[int, Any] | None:
+  def restore_part(self, step: int, name: str, abstract_part: Any) -> Any:
+    """One top-level field of step `step`'s state, the rest left unread (an optimizer's moments
+    are twice the parameters' bytes).
+
+    Args:
+      step: a committed step.
+      name: the field, e.g. 'params' (a `TrainState`'s).
+      abstract_part: the field's structure and shapes as saved, with the dtypes and shardings
+        wanted (`jax.ShapeDtypeStruct` leaves): a leaf saved in another dtype is cast to it as
+        it is read, so the field is never held in its saved dtype.
+
+    Returns:
+      The field's tree.
+    """
+    item = {name: abstract_part}
+    restore_args = jax.tree.map(
+        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), abstract_part
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+      restored = reader.restore(
+          os.path.join(self.directory, str(step), _ITEM),
+          args=ocp.args.PyTreeRestore(item, {name: restore_args}, partial_restore=True),
+      )
+    return restored[name]
+
+  def restore_latest(
+      self, abstract_state: Any, part: tuple[str, Any] | None = None
+  ) -> tuple[int, Any] | None:
     """Restores the newest step that restores onto `abstract_state`'s shapes and shardings.
 
     A newer step that fails (on any process) while an older one restores is corrupt and is set
@@ -324,9 +354,13 @@ class Checkpointer:
     Args:
       abstract_state: the state's structure, shapes, dtypes and shardings (e.g.
         `jax.ShapeDtypeStruct` leaves).
+      part: None, or (name, abstract field): read only that field of the state, as
+        `restore_part` (its leaves in their own dtypes and shardings); the whole state's
+        metadata is still checked against `abstract_state`.
 
     Returns:
-      `(step, state)` of the newest step that restores, or None when there is no committed step.
+      `(step, state)` of the newest step that restores (with `part`: `(step, the field)`), or
+      None when there is no committed step.
 
     Raises:
       CheckpointMismatchError: no step restores and every step's metadata disagrees with the model
@@ -345,7 +379,10 @@ class Checkpointer:
         continue
       error = None
       try:
-        state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        if part is None:
+          state = self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        else:
+          state = self.restore_part(step, *part)
       except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for bad files
         error = e
       if multihost.any_process(error is not None):  # every process resumes from the same step

@@ -385,7 +385,7 @@ def main(argv: list[str]) -> None:
     return
   if _WORKDIR.value:
     try:
-      step, params = restore.restore_params(_WORKDIR.value, config)
+      step, params = restore.restore_params(_WORKDIR.value, config, dtype=_DTYPE.value)
     except (FileNotFoundError, RuntimeError) as e:
       sys.exit(f"error: {e}")
     source = f"step {step} of {_WORKDIR.value}"
@@ -501,6 +501,7 @@ def in_dtype(cfg, params, dtype: str):
   import jax.numpy as jnp
 
   cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  # (a leaf already in `dtype`, as `restore.restore_params(dtype=)` reads them, is kept as is)
   return dataclasses.replace(cfg, dtype=dtype), jax.tree.map(cast, params)
 
 
@@ -571,7 +572,7 @@ def _drafter(cfg, kw: dict):
     sys.exit("error: --speculative draft needs --draft_workdir (the draft model's workdir)")
   try:
     config = restore.run_config(_DRAFT_WORKDIR.value)
-    _, params = restore.restore_params(_DRAFT_WORKDIR.value, config)
+    _, params = restore.restore_params(_DRAFT_WORKDIR.value, config, dtype=_DTYPE.value)
   except (FileNotFoundError, RuntimeError) as e:
     sys.exit(f"error: --draft_workdir: {e}")
   draft = config_lib.model_config(config)

@@ -7,6 +7,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from jaxpipe.models import transformer
@@ -37,18 +38,23 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def restore_params(
-    workdir: str, config: ml_collections.ConfigDict, device: jax.Device | None = None
+    workdir: str,
+    config: ml_collections.ConfigDict,
+    device: jax.Device | None = None,
+    dtype: str | None = None,
 ) -> tuple[int, dict]:
   """(step, model parameters) of the newest checkpoint under `workdir`, on one device.
 
   Checkpoints hold the whole TrainState with the layers in the model's order, whatever the
-  schedule; the optimizer state is read with it (its structure is the config's) and dropped.
+  schedule; only its parameters are read (the optimizer's moments, twice their bytes, are not).
   The checkpoints are only read: the run may be saving into the directory at the same time.
 
   Args:
     workdir: the training run's directory.
     config: the run's config (`run_config`).
     device: where the parameters go; None: the first device.
+    dtype: e.g. 'bfloat16': floating-point parameters are cast to it as they are read, never
+      held in their saved dtype; None: as saved.
 
   Returns:
     (step, params) of the newest committed checkpoint.
@@ -72,12 +78,17 @@ def restore_params(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
       jax.eval_shape(fresh, jax.random.key(0)),
   )
+  floating = lambda s: dtype is not None and jnp.issubdtype(s.dtype, jnp.floating)
+  params = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, dtype if floating(s) else s.dtype, sharding=sharding),
+      abstract.params,
+  )
   # a reader: the run may be saving into this directory right now, so nothing is renamed
   checkpointer = Checkpointer(
       os.path.join(workdir, "checkpoints"), config.checkpoint.keep, async_save=False, read_only=True
   )
   try:
-    restored = checkpointer.restore_latest(abstract)
+    restored = checkpointer.restore_latest(abstract, part=("params", params))
   finally:
     checkpointer.close()
   if restored is None:
@@ -85,8 +96,7 @@ def restore_params(
         f"no committed checkpoint in {checkpointer.directory}; train longer "
         "(checkpoint.every) or serve fresh parameters with --config"
     )
-  step, state = restored
-  return step, state.params
+  return restored
 
 
 def fresh_params(config: ml_collections.ConfigDict) -> dict:

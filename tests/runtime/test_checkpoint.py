@@ -102,6 +102,39 @@ def test_unfinished_and_corrupt_steps_are_not_latest(tmp_path):
   assert ckpt.latest_step() == 5
 
 
+def test_one_field_is_read_alone_and_cast_as_it_is_read(tmp_path, monkeypatch):
+  """`restore_latest(part=)`: only the named field's arrays are deserialized (the optimizer's
+  moments are left on disk), each in the dtype asked for; a corrupt newer step falls back to
+  the older one as a whole-state restore does."""
+  import orbax.checkpoint as ocp
+
+  d = str(tmp_path)
+  state = lambda s: {"params": _tree(s), "opt": {"mu": jnp.ones((64, 4)) * s}}
+  ckpt = Checkpointer(d, keep=10)
+  for s in (2, 4):
+    ckpt.save(s, state(s))
+  ckpt.close()
+  _corrupt(os.path.join(d, "4"))
+  read = []
+  deserialize = ocp.type_handlers.ArrayHandler.deserialize
+
+  def spy(self, infos, args=None):
+    read.extend(i.name for i in infos)
+    return deserialize(self, infos, args)
+
+  monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "deserialize", spy)
+  whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(0))
+  params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16), "b": whole["params"]["b"]}
+  reader = Checkpointer(d, keep=10, read_only=True)
+  step, got = reader.restore_latest(whole, part=("params", params))
+  reader.close()
+  assert step == 2 and set(got) == {"w", "b"}
+  assert got["w"].dtype == jnp.bfloat16 and got["b"].dtype == jnp.int32
+  np.testing.assert_array_equal(got["w"], _tree(2)["w"].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(got["b"], _tree(2)["b"])
+  assert read and not [n for n in read if "opt" in n], read
+
+
 def test_mismatched_model_is_an_error_not_a_silent_fresh_start(tmp_path):
   _save_steps(str(tmp_path), [1, 2])
   ckpt = Checkpointer(str(tmp_path), keep=10)

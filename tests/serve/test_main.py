@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -44,6 +45,10 @@ def test_a_training_checkpoint_is_served(tmp_path):
   step, params = restore.restore_params(workdir, restore.run_config(workdir))
   assert step == 3
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), trained)
+  # --dtype bfloat16 reads the parameters cast (the optimizer's moments are never read)
+  _, cast = restore.restore_params(workdir, restore.run_config(workdir), dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(a.dtype)), cast, trained)
 
   prompt = "0123"  # bytes 48..51, inside the tiny model's 64-token vocabulary
   forward = jax.jit(lambda tokens: transformer.forward(trainer.model_cfg, trained, tokens))
