@@ -357,7 +357,8 @@ class Engine:
         window_pages,
         rings if self.ring_size else (),
     )
-    if devices[0].platform == "cpu":  # each layer's weights read in place (`unstack_layers`)
+    prepack = config.prepack_weights and self.matmul == "onednn" and len(devices) == 1
+    if devices[0].platform == "cpu" and not prepack:  # each layer read in place (unstacked)
       params = model_lib.unstack_layers(params)
     # Megatron's tensor-parallel layout over the engine's devices (`model_lib.forward_paged`)
     self._param_sharding = jax.tree.map(
@@ -366,8 +367,7 @@ class Engine:
         is_leaf=lambda x: isinstance(x, P),
     )
     self.params = jax.device_put(params, self._param_sharding)
-    if config.prepack_weights and self.matmul == "onednn" and len(devices) == 1:
-      # the projections and head in oneDNN's layout (`serve.model.prepack_params`)
+    if prepack:  # the projections and head in oneDNN's layout, the layers unstacked one by one
       self.params = model_lib.prepack_params(self.cfg, self.params)
       self._param_sharding = jax.tree.map(lambda _: self._replicated, self.params)
       self.params = jax.device_put(self.params, self._param_sharding)

@@ -568,34 +568,35 @@ def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
 
   Args:
     cfg: the model (served as `serving_config`).
-    params: its params, layers unstacked (`unstack_layers`).
+    params: its params, layers unstacked (`unstack_layers`) or stacked: each layer (unit) is
+      then sliced out of the stack as it is prepacked, so only one layer's row-major copy is
+      held beside the stack at a time.
 
   Returns:
-    The tree with the prepacked kernels in place of the row-major ones.
+    The tree with the prepacked kernels in place of the row-major ones, layers unstacked.
 
   Raises:
-    ValueError: stacked layers.
     RuntimeError: the oneDNN kernel is unavailable here.
   """
   cfg = serving_config(cfg)
-  if not isinstance(params["layers"], (list, tuple)):
-    raise ValueError("prepack_params takes unstacked layers (serve.model.unstack_layers)")
   out = dict(params)
 
   def with_prepacked(layer_params: dict, index: int, moe: bool) -> dict:
     kernels = _prepack_layer(cfg, moe, layer_params, index)
     return {**_without(layer_params, kernels), matmul_lib.PREPACKED: kernels}
 
-  first = params.get("first_layers", ())
-  if first:
+  first = _each_layer(params.get("first_layers"))
+  if params.get("first_layers") is not None:
     out["first_layers"] = [with_prepacked(p, i, False) for i, p in enumerate(first)]
   if cfg.moe is None:
-    out["layers"] = [with_prepacked(p, i, False) for i, p in enumerate(params["layers"])]
+    out["layers"] = [
+        with_prepacked(p, i, False) for i, p in enumerate(_each_layer(params["layers"]))
+    ]
   else:  # the MoE layer of each unit (its dense layers stay stacked, unprepacked)
     every = cfg.moe.every
     out["layers"] = [
         {**u, "moe": with_prepacked(u["moe"], cfg.first_dense + i * every + every - 1, True)}
-        for i, u in enumerate(params["layers"])
+        for i, u in enumerate(_each_layer(params["layers"]))
     ]
   head = params["embed"] if cfg.tied_embeddings else params["head"]
   out[matmul_lib.PREPACKED] = {
@@ -677,12 +678,19 @@ def unstack_layers(params: dict) -> dict:
   """
   out = dict(params)
   for name in ("first_layers", "layers"):
-    stack = params.get(name)
-    if stack is None or isinstance(stack, (list, tuple)):
-      continue
-    n = jax.tree.leaves(stack)[0].shape[0]
-    out[name] = [jax.tree.map(lambda x, i=i: x[i], stack) for i in range(n)]
+    if params.get(name) is not None:
+      out[name] = list(_each_layer(params[name]))
   return out
+
+
+def _each_layer(stack):
+  """The layers (units) of a stacked tree, each sliced out (a copy) only when it is reached; an
+  unstacked list as it is; None: none."""
+  if stack is None or isinstance(stack, (list, tuple)):
+    return stack or ()
+  return (
+      jax.tree.map(lambda x, i=i: x[i], stack) for i in range(jax.tree.leaves(stack)[0].shape[0])
+  )
 
 
 def param_specs(params: dict, tp: int) -> dict:

@@ -148,6 +148,20 @@ def test_an_engine_on_cpu_runs_onednn_over_each_layers_own_weights():
   assert "jaxpipe_matmul" not in xla.step_program(16, helpers.CONTEXT // helpers.PAGE).as_text()
 
 
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_stacked_layers_are_prepacked_one_by_one_into_the_unstacked_trees(name):
+  """`prepack_params` on a stacked tree (what the engine hands it: each layer sliced out only as
+  it is prepacked) gives the tree it gives on the layers unstacked first, leaf for leaf."""
+  cfg, params = helpers.CONFIGS[name], helpers.engine_params(name)
+  stacked = model_lib.prepack_params(cfg, params)
+  unstacked = model_lib.prepack_params(cfg, model_lib.unstack_layers(params))
+  assert isinstance(stacked["layers"], list) and len(stacked["layers"]) == len(unstacked["layers"])
+  a, b = jax.tree_util.tree_flatten(stacked), jax.tree_util.tree_flatten(unstacked)
+  assert a[1] == b[1]
+  for x, y in zip(a[0], b[0]):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_an_untied_head_is_held_once_and_scores_and_generates_as_the_training_forward():
   """An untied head prepacked in place of its row-major one: prompt scoring (the training
   forward over the engine's prepacked layers and head) and greedy generation both equal the
