@@ -409,7 +409,8 @@ class Jaxpipe:
     from jaxpipe.serve import __main__ as serve_main
     from jaxpipe.serve.engine import Engine
 
-    cfg, params = serve_main.in_dtype(*hf.load(ckpt), args.peer_dtype)  # as serve --dtype
+    # as serve --dtype, each weight cast as it is read
+    cfg, params = serve_main.in_dtype(*hf.load(ckpt, dtype=args.peer_dtype), args.peer_dtype)
     s = args.page_size
     self.work = work
     self.engine = Engine(

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe.models import rope as rope_lib
@@ -447,8 +448,9 @@ def _read_block(t: Tensor, reader: _Reader, index: tuple[slice, ...]) -> np.ndar
   return block
 
 
-def _place(t: Tensor, reader: _Reader, sharding: jax.sharding.Sharding) -> jax.Array:
-  """t's leaf on `sharding`: each distinct block read once and put on the devices that hold it."""
+def _place(t: Tensor, reader: _Reader, sharding: jax.sharding.Sharding, dtype) -> jax.Array:
+  """t's leaf on `sharding` in `dtype`: each distinct block read once, cast, and put on the
+  devices that hold it."""
   shape = t.leaf_shape
   blocks: dict[tuple, list] = {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -456,7 +458,7 @@ def _place(t: Tensor, reader: _Reader, sharding: jax.sharding.Sharding) -> jax.A
     blocks.setdefault(key, []).append(device)
   arrays = []
   for key, devices in blocks.items():
-    block = _read_block(t, reader, tuple(slice(*k) for k in key))
+    block = _read_block(t, reader, tuple(slice(*k) for k in key)).astype(dtype, copy=False)
     arrays += [jax.device_put(block, device) for device in devices]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -472,7 +474,7 @@ def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
 
 
 def load(
-    directory: str | Plan, shardings: Any = None
+    directory: str | Plan, shardings: Any = None, dtype: str = "float32"
 ) -> tuple[transformer.TransformerConfig, dict]:
   """Reads a checkpoint's weights onto the devices, one tensor at a time.
 
@@ -481,9 +483,11 @@ def load(
     shardings: a pytree of Shardings shaped like the params (e.g.
       `jaxpipe.training.state.state_shardings` of their shapes on a mesh), one Sharding for all,
       or None for the first device.
+    dtype: the params' dtype; each block is cast as it is read (e.g. 'bfloat16' to serve in:
+      the weights are never held whole in float32).
 
   Returns:
-    (the model config, its float32 params), each leaf placed on its sharding.
+    (the model config, its params in `dtype`), each leaf placed on its sharding.
   """
   plan = directory if isinstance(directory, Plan) else check(directory)
   if shardings is None:
@@ -500,7 +504,10 @@ def load(
     shard_of = flat.__getitem__
   with contextlib.ExitStack() as stack:
     reader = _Reader(plan, stack)
-    leaves = [(t.path, _place(t, reader, shard_of(t.path))) for t in plan.tensors if not t.copy]
+    dtype = jnp.dtype(dtype)
+    leaves = [
+        (t.path, _place(t, reader, shard_of(t.path), dtype)) for t in plan.tensors if not t.copy
+    ]
   return plan.cfg, _nest(leaves)
 
 

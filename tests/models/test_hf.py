@@ -272,6 +272,11 @@ def test_round_trip_is_bit_exact_in_float32_and_bfloat16(cases, tmp_path):
   assert plan.dtype == "bfloat16"
   hf.save(*hf.load(plan), str(tmp_path / "bf16_out"), hf_config=plan.hf_config)
   _assert_bit_equal(_weights(bf16), _weights(str(tmp_path / "bf16_out")))
+  # read in bfloat16 (each tensor cast as it is read): the same weights, never float32
+  _, params = hf.load(plan, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  hf.save(plan.cfg, params, str(tmp_path / "bf16_read"), hf_config=plan.hf_config)
+  _assert_bit_equal(_weights(bf16), _weights(str(tmp_path / "bf16_read")))
 
 
 def _trainer_config(cfg, **mesh):
