@@ -168,7 +168,10 @@ def hf_to_orbax(src: str, workdir: str, pp: int = 1, ep: int = 1, fp8: str = "no
     ones = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), fp8_lib.state_of(shapes))
     return fresh_state(cfg, optimizer, fp8_lib.with_state(params, ones))
 
-  state = jax.jit(start, out_shardings=state_shardings(jax.eval_shape(start, params), mesh))(params)
+  # the params donated: the state takes their buffers rather than a copy beside them
+  out = state_shardings(jax.eval_shape(start, params), mesh)
+  state = jax.jit(start, out_shardings=out, donate_argnums=0)(params)
+  del params
   checkpointer = checkpoint_lib.Checkpointer(ckpt_dir, config.checkpoint.keep, async_save=False)
   checkpointer.save(0, state, force=True)
   checkpointer.wait()
@@ -242,31 +245,17 @@ def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, 
   Returns:
     The params tree, sharded over `mesh`.
   """
-  import orbax.checkpoint as ocp
-
   shapes, shardings = _param_shardings(cfg, mesh)
-  abstract = {
-      "params": jax.tree.map(
-          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-      )
-  }
-  manager = ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, "checkpoints")),
-      item_handlers=ocp.PyTreeCheckpointHandler(),
-      options=ocp.CheckpointManagerOptions(create=False),
+  abstract = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
+  checkpointer = checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"), keep=1, async_save=False, read_only=True
   )
   try:
-    restored = manager.restore(
-        step,
-        args=ocp.args.PyTreeRestore(
-            item=abstract,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-            partial_restore=True,
-        ),
-    )
+    return checkpointer.restore_part(step, "params", abstract)
   finally:
-    manager.close()
-  return restored["params"]
+    checkpointer.close()
 
 
 def orbax_to_hf(
