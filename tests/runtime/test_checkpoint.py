@@ -123,8 +123,12 @@ def test_one_field_is_read_alone_and_cast_as_it_is_read(tmp_path, monkeypatch):
     return deserialize(self, infos, args)
 
   monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "deserialize", spy)
-  whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(0))
-  params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16), "b": whole["params"]["b"]}
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), state(0))
+  params = {
+      "w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=one),
+      "b": whole["params"]["b"],
+  }
   reader = Checkpointer(d, keep=10, read_only=True)
   step, got = reader.restore_latest(whole, part=("params", params))
   reader.close()
