@@ -26,8 +26,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from jaxpipe.models import rope as rope_lib
 from jaxpipe.models import transformer
@@ -502,12 +505,24 @@ def load(
         )
     }
     shard_of = flat.__getitem__
-  with contextlib.ExitStack() as stack:
+  dtype = jnp.dtype(dtype)
+  read = [t for t in plan.tensors if not t.copy]
+  nbytes = lambda t: math.prod(t.leaf_shape) * dtype.itemsize
+  # a bar on a terminal only (disable=None): a large checkpoint reads for minutes
+  bar = tqdm.tqdm(
+      total=sum(map(nbytes, read)),
+      unit="B",
+      unit_scale=True,
+      desc="reading weights",
+      disable=None,
+      file=sys.stderr,
+  )
+  leaves = []
+  with contextlib.ExitStack() as stack, bar:
     reader = _Reader(plan, stack)
-    dtype = jnp.dtype(dtype)
-    leaves = [
-        (t.path, _place(t, reader, shard_of(t.path), dtype)) for t in plan.tensors if not t.copy
-    ]
+    for t in read:
+      leaves.append((t.path, _place(t, reader, shard_of(t.path), dtype)))
+      bar.update(nbytes(t))
   return plan.cfg, _nest(leaves)
 
 

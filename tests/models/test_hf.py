@@ -279,6 +279,35 @@ def test_round_trip_is_bit_exact_in_float32_and_bfloat16(cases, tmp_path):
   _assert_bit_equal(_weights(bf16), _weights(str(tmp_path / "bf16_read")))
 
 
+def test_loading_shows_its_bytes_read_on_a_terminal(cases, monkeypatch):
+  """`hf.load` counts the bytes it has placed on a progress bar shown on a terminal alone
+  (tqdm's disable=None): its total is the loaded params' bytes, reached leaf by leaf."""
+  bars = []
+
+  class Bar:
+
+    def __init__(self, **kw):
+      self.kw, self.done = kw, []
+      bars.append(self)
+
+    def update(self, n):
+      self.done.append(n)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+  monkeypatch.setattr(hf.tqdm, "tqdm", Bar)
+  case = next(iter(cases.values()))
+  _, params = hf.load(case.src, dtype="bfloat16")
+  (bar,) = bars
+  total = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert bar.kw["total"] == total == sum(bar.done)
+  assert len(bar.done) == len(jax.tree.leaves(params)) and bar.kw["disable"] is None
+
+
 def _trainer_config(cfg, **mesh):
   c = config_lib.default_config()
   model = dataclasses.asdict(cfg)
