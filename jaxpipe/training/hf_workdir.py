@@ -232,9 +232,10 @@ def committed_steps(workdir: str) -> list[int]:
 def restore_params(workdir: str, step: int, cfg: transformer.TransformerConfig, mesh) -> dict:
   """The params of checkpoint `step` (model order) on `mesh`; optimizer moments are not read.
 
-  Unlike `jaxpipe.training.restore.restore_params` (the newest readable step, whole TrainState,
-  one device), this reads a third of the bytes, needs no optimizer config and splits the model
-  over pp and ep, as an export of a model too large for one device must.
+  Unlike `jaxpipe.training.restore.restore_params` (the newest readable step, checked against
+  the whole TrainState's metadata, on one device), this reads a given step, needs no optimizer
+  config and splits the model over pp and ep, as an export of a model too large for one device
+  must. Both read the params alone (`Checkpointer.restore_part`).
 
   Args:
     workdir: the workdir whose checkpoints/ holds the step.
