@@ -585,8 +585,8 @@ def prepack_params(cfg: TransformerConfig, params: dict) -> dict:
     kernels = _prepack_layer(cfg, moe, layer_params, index)
     return {**_without(layer_params, kernels), matmul_lib.PREPACKED: kernels}
 
-  first = _each_layer(params.get("first_layers"))
   if params.get("first_layers") is not None:
+    first = _each_layer(params["first_layers"])
     out["first_layers"] = [with_prepacked(p, i, False) for i, p in enumerate(first)]
   if cfg.moe is None:
     out["layers"] = [
@@ -685,9 +685,9 @@ def unstack_layers(params: dict) -> dict:
 
 def _each_layer(stack):
   """The layers (units) of a stacked tree, each sliced out (a copy) only when it is reached; an
-  unstacked list as it is; None: none."""
-  if stack is None or isinstance(stack, (list, tuple)):
-    return stack or ()
+  unstacked list as it is."""
+  if isinstance(stack, (list, tuple)):
+    return stack
   return (
       jax.tree.map(lambda x, i=i: x[i], stack) for i in range(jax.tree.leaves(stack)[0].shape[0])
   )

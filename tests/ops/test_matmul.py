@@ -215,16 +215,20 @@ def _check_first_tokens(engine, ids, prompts):
   """Each finished request's one greedy token and its log-probability against the XLA recompute
   oracle's log-softmax at its prompt's last position."""
   done = {r.id: r for r in engine.finished()}
-  tokens = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, : len(p)] = p
-  logits = np.asarray(helpers.forward("dense")(tokens), np.float64)
-  for i, (rid, p) in enumerate(zip(ids, prompts)):
-    row = logits[i, len(p) - 1]
+  for row, rid in zip(_last_logits(prompts).astype(np.float64), ids):
     logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
     (token,), ((chosen, _),) = done[rid].output, done[rid].logprobs
     assert logp[token] >= logp.max() - 1e-4  # the argmax, up to a near tie
     assert abs(chosen - logp[token]) < 1e-4
+
+
+def _last_logits(prompts):
+  """The XLA recompute oracle's logits [N, V] at each prompt's last position."""
+  tokens = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  logits = np.asarray(helpers.forward("dense")(tokens))
+  return logits[np.arange(len(prompts)), [len(p) - 1 for p in prompts]]
 
 
 def test_a_prepacked_product_of_its_leading_rows_computes_those_and_zeros_the_rest():
@@ -297,12 +301,7 @@ def test_the_head_multiplies_the_rows_a_step_samples_alone():
   run = jax.jit(functools.partial(model_lib.forward_paged, engine.cfg, backend=engine.backend))
   logits_RxV = np.asarray(run(engine.params, engine.kv, batch)[0])
   assert not logits_RxV[onednn.ROW_GRAIN :].any()
-  padded = np.zeros((len(prompts), helpers.CONTEXT), np.int32)
-  for i, p in enumerate(prompts):
-    padded[i, : len(p)] = p
-  want = np.asarray(helpers.forward("dense")(padded))
-  want_3xV = want[np.arange(3), [len(p) - 1 for p in prompts]]
-  np.testing.assert_allclose(logits_RxV[:3], want_3xV, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits_RxV[:3], _last_logits(prompts), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_pools_are_held_as_bits_and_never_converted_whole():
