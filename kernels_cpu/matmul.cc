@@ -10,6 +10,13 @@
 // Why: XLA:CPU's own dots run bfloat16 at well under half the rate oneDNN's brgemm kernels get
 // from AVX512_BF16 (docs/benchmarks.md, "Where a serving step's time goes").
 //
+// On a CPU without bfloat16 dot products (no AVX512_BF16 or AMX: Ice Lake, Cascade Lake, Zen 3,
+// AVX2 machines) oneDNN's bfloat16 matmul is a slow emulated GEMM, at about a fifth of its
+// float32 rate. There a bfloat16 product runs as a float32 one instead (`Bf16InFloat32`): x is
+// widened (exactly), packed bfloat16 weights are packed as float32 (twice the bytes), row-major
+// ones widened at each call, and the float32 sums are rounded to bfloat16 once, as oneDNN's
+// bfloat16 kernels round them: the same product, at float32's rate.
+//
 // One primitive per (M, K, N, dtypes, layout) is created on first use and kept: creation costs
 // about a millisecond, execution is what each call pays. Primitives are immutable and oneDNN
 // executes one from several threads at once, each with its own stream and scratchpad, so the
@@ -18,6 +25,7 @@
 // device's share of the cores (more threads than cores, their teams would take turns).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -25,14 +33,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include <omp.h>  // the runtime oneDNN's gomp build threads with (libgomp)
+
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
-// OpenMP's runtime, which oneDNN's gomp build loads (libgomp); its threads are oneDNN's.
-extern "C" {
-int omp_get_max_threads(void);
-void omp_set_num_threads(int);
-}
 
 namespace ffi = xla::ffi;
 
@@ -77,6 +82,24 @@ dnnl::engine& Engine() {
 using dt = dnnl::memory::data_type;
 using tag = dnnl::memory::format_tag;
 
+// -1: decide by the CPU; 0 or 1: as set (`JaxpipeSetBf16InFloat32`, for tests).
+std::atomic<int> bf16_in_float32_override{-1};
+
+// Whether bfloat16 products run as float32 ones here: oneDNN's effective ISA (the CPU's, capped
+// by ONEDNN_MAX_CPU_ISA) has no bfloat16 dot products (AVX512_BF16, AMX and later include them).
+bool Bf16InFloat32() {
+  const int set = bf16_in_float32_override.load();
+  if (set >= 0) return set != 0;
+  static const bool emulate = [] {
+    const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+    return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16) != bf16;
+  }();
+  return emulate;
+}
+
+// The dtype a product of `type` inputs runs in (and its packed weights are held in).
+dt ComputeType(dt type) { return type == dt::bf16 && Bf16InFloat32() ? dt::f32 : type; }
+
 // The rows of the product that chooses a packed layout: oneDNN blocks the weights for the
 // kernels it would pick at this M, and runs products of any M on that layout.
 constexpr int64_t kProbeRows = 128;
@@ -85,6 +108,7 @@ constexpr int64_t kProbeRows = 128;
 // a product of kProbeRows rows. Deterministic within a process; packed bytes are not kept across
 // processes.
 dnnl::memory::desc PackedDesc(int64_t k, int64_t n, dt type) {
+  type = ComputeType(type);
   static std::mutex mu;
   static std::unordered_map<Key, dnnl::memory::desc, KeyHash> cache;
   const Key key{0, k, n, int(type), int(type), kPacked, 0};
@@ -145,6 +169,68 @@ int DefaultThreads() {
 // a multiple of this, so that a few primitives serve every count.
 constexpr int64_t kRowGrain = 16;
 
+// Runs `g` on x, w and y at these addresses, with this thread's stream and scratchpad.
+void Execute(const Gemm& g, void* x, void* w, void* y) {
+  thread_local dnnl::stream stream(Engine());
+  thread_local std::vector<uint8_t> scratch;  // this thread's scratchpad
+  scratch.resize(std::max<size_t>(scratch.size(), g.scratch.get_size()));
+  dnnl::memory xm(g.x, Engine(), x);
+  dnnl::memory wm(g.w, Engine(), w);
+  dnnl::memory ym(g.y, Engine(), y);
+  dnnl::memory sm(g.scratch, Engine(), scratch.data());
+  g.primitive.execute(stream, {{DNNL_ARG_SRC, xm},
+                               {DNNL_ARG_WEIGHTS, wm},
+                               {DNNL_ARG_DST, ym},
+                               {DNNL_ARG_SCRATCHPAD, sm}});
+  stream.wait();
+}
+
+// Conversions of at least this many elements are split over the call's threads; fewer (a decode
+// step's x and y) cost less than starting the team.
+constexpr int64_t kParallelCount = int64_t(1) << 16;
+
+// to[i] = from[i] widened: a bfloat16 is a float32's upper half.
+void Widen(const uint16_t* from, int64_t count, float* to) {
+#pragma omp parallel for schedule(static) if (count >= kParallelCount)
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t bits = uint32_t(from[i]) << 16;
+    std::memcpy(&to[i], &bits, sizeof(bits));
+  }
+}
+
+// to[i] = from[i] rounded to the nearest bfloat16, ties to even (a NaN stays a quiet NaN).
+void Narrow(const float* from, int64_t count, uint16_t* to) {
+#pragma omp parallel for schedule(static) if (count >= kParallelCount)
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &from[i], sizeof(bits));
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    to[i] = nan ? uint16_t((bits >> 16) | 0x40u) : uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+// A bfloat16 product as a float32 one (`Bf16InFloat32`): x [m, k] widened; packed weights are
+// float32 already, row-major ones widened for this call; the sums rounded once into a bfloat16 y.
+void RunInFloat32(const void* x, void* w, void* y, int64_t m, int64_t k, int64_t n, dt y_type,
+                  Layout layout, int team) {
+  thread_local std::vector<float> x_f32, y_f32;  // a step's activations, kept for the next call
+  x_f32.resize(std::max<size_t>(x_f32.size(), size_t(m * k)));
+  Widen(static_cast<const uint16_t*>(x), m * k, x_f32.data());
+  std::vector<float> w_f32;  // a whole weight: not kept past the call
+  if (layout != kPacked) {
+    w_f32.resize(size_t(k * n));
+    Widen(static_cast<const uint16_t*>(w), k * n, w_f32.data());
+    w = w_f32.data();
+  }
+  float* out = static_cast<float*>(y);
+  if (y_type == dt::bf16) {
+    y_f32.resize(std::max<size_t>(y_f32.size(), size_t(m * n)));
+    out = y_f32.data();
+  }
+  Execute(Cached(Key{m, k, n, int(dt::f32), int(dt::f32), layout, team}), x_f32.data(), w, out);
+  if (y_type == dt::bf16) Narrow(out, m * n, static_cast<uint16_t*>(y));
+}
+
 // y = x @ w for checked 2-D x [M, K] and y [M, N], w at `w` in `layout`, on `threads` threads
 // (0: OpenMP's default). With rows >= 0 only y's first rows (rounded up to kRowGrain, at most M)
 // are computed and the rest are zeros: a step's padding rows cost no multiply-adds.
@@ -168,19 +254,12 @@ ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t
     return ffi::Error::Success();
   }
   try {
-    const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout, team});
-    thread_local dnnl::stream stream(Engine());
-    thread_local std::vector<uint8_t> scratch;  // this thread's scratchpad
-    scratch.resize(std::max<size_t>(scratch.size(), g.scratch.get_size()));
-    dnnl::memory xm(g.x, Engine(), x.untyped_data());
-    dnnl::memory wm(g.w, Engine(), w);
-    dnnl::memory ym(g.y, Engine(), y->untyped_data());
-    dnnl::memory sm(g.scratch, Engine(), scratch.data());
-    g.primitive.execute(stream, {{DNNL_ARG_SRC, xm},
-                                 {DNNL_ARG_WEIGHTS, wm},
-                                 {DNNL_ARG_DST, ym},
-                                 {DNNL_ARG_SCRATCHPAD, sm}});
-    stream.wait();
+    if (ComputeType(x_type) != x_type) {
+      RunInFloat32(x.untyped_data(), w, y->untyped_data(), m, k, n, y_type, layout, team);
+    } else {
+      const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout, team});
+      Execute(g, x.untyped_data(), w, y->untyped_data());
+    }
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul failed: ") + e.what());
   }
@@ -279,6 +358,13 @@ ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, boo
 }
 
 }  // namespace
+
+// Sets whether bfloat16 products run as float32 ones: 1 or 0, or -1 to decide by the CPU (the
+// default). Weights packed before a change are refused after it (their size is the other's).
+extern "C" void JaxpipeSetBf16InFloat32(int value) { bf16_in_float32_override.store(value); }
+
+// Whether bfloat16 products run as float32 ones here (`Bf16InFloat32`): 1 or 0.
+extern "C" int JaxpipeBf16InFloat32() { return Bf16InFloat32() ? 1 : 0; }
 
 // The bytes of [K, N] weights packed (`PrepackImpl`), for Python to shape the packed array;
 // -1 where oneDNN has no product of these weights. bf16: 1 for bfloat16, 0 for float32.

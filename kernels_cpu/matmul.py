@@ -7,11 +7,13 @@ cannot run here (not a CPU, no oneDNN, no compiler, a failed build); callers the
 
 Why: on an AVX512_BF16 CPU oneDNN's matmul runs bfloat16 GEMMs at about twice float32's rate,
 while XLA:CPU's dots run them no faster than float32 (docs/benchmarks.md, "Where a serving step's
-time goes"); oneDNN's float32 GEMMs are also ahead of XLA's at a decode step's few rows.
+time goes"); oneDNN's float32 GEMMs are also ahead of XLA's at a decode step's few rows. On a CPU
+without bfloat16 dot products, bfloat16 products run as float32 ones (`bf16_in_float32`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.metadata
@@ -33,7 +35,7 @@ PREPACKED_TARGET, PREPACK_TARGET = "jaxpipe_matmul_prepacked", "jaxpipe_prepack"
 ROWS_TARGET = "jaxpipe_matmul_prepacked_rows"  # the prepacked product of its first rows only
 ROW_GRAIN = 16  # a row-limited product computes its rows rounded up to this (matmul.cc)
 DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 _INSTALL = f"pip install {_LIBRARY} {_HEADERS}"
 
@@ -86,6 +88,7 @@ def unavailable() -> str | None:
         (PREPACK_TARGET, library.JaxpipePrepack),
     ):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    library.JaxpipeSetBf16InFloat32.argtypes = (ctypes.c_int,)
     library.JaxpipePrepackedBytes.restype = ctypes.c_int64
     library.JaxpipePrepackedBytes.argtypes = (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
     _LOADED.append(library)
@@ -101,6 +104,45 @@ def _check_available() -> None:
   reason = unavailable()
   if reason is not None:
     raise RuntimeError(f"the oneDNN matmul kernel is unavailable: {reason}")
+
+
+def bf16_in_float32() -> bool:
+  """Whether bfloat16 products run as float32 ones on this CPU.
+
+  Where oneDNN has no bfloat16 dot products (its ISA lacks AVX512_BF16 and AMX: Ice Lake,
+  Cascade Lake, Zen 3, AVX2 machines; or ONEDNN_MAX_CPU_ISA caps it below them) its bfloat16
+  GEMM is emulated at about a fifth of its float32 rate. There x is widened (exactly), prepacked
+  bfloat16 weights are held as float32 (twice the bytes) and the float32 sums are rounded to
+  bfloat16 once: the same product at float32's rate.
+
+  Returns:
+    True where bfloat16 products run as float32 ones.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  return bool(_LOADED[0].JaxpipeBf16InFloat32())
+
+
+@contextlib.contextmanager
+def bf16_as_float32(value: bool):
+  """Runs bfloat16 products as float32 ones (True) or on oneDNN's bfloat16 kernels (False)
+  inside, whatever the CPU (tests of either path). Weights prepacked inside are refused outside
+  where the two differ, and the other way round.
+
+  Args:
+    value: the path to take.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  _LOADED[0].JaxpipeSetBf16InFloat32(int(bool(value)))
+  try:
+    yield
+  finally:
+    _LOADED[0].JaxpipeSetBf16InFloat32(-1)
 
 
 def prepacked_bytes(k: int, n: int, dtype) -> int:

@@ -56,6 +56,68 @@ def test_bfloat16_gemm_rounds_the_exact_product_once(out):
   np.testing.assert_allclose(got, want, rtol=ulp, atol=1e-3)
 
 
+def _cpu_flags() -> set[str]:
+  with open("/proc/cpuinfo") as f:
+    return {w for line in f if line.startswith("flags") for w in line.split()[2:]}
+
+
+@pytest.mark.skipif("ONEDNN_MAX_CPU_ISA" in os.environ, reason="oneDNN's ISA is capped")
+def test_bfloat16_products_run_as_float32_ones_where_the_cpu_has_no_bfloat16_dots():
+  """The CPU's flags decide: with AVX512_BF16 (or AMX) oneDNN's bfloat16 kernels run, and
+  bfloat16 weights pack smaller than float32 ones; without, the products run in float32 and the
+  weights pack as float32 ones."""
+  native = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+  assert onednn.bf16_in_float32() is (not native)
+  sizes = {t: onednn.prepacked_bytes(256, 512, t) for t in (jnp.bfloat16, jnp.float32)}
+  assert (sizes[jnp.bfloat16] < sizes[jnp.float32]) is native
+
+
+@pytest.mark.parametrize("in_float32", [True, False])
+def test_either_bfloat16_path_rounds_the_exact_product_once(in_float32):
+  """Forced either way (`bf16_as_float32`), whatever the CPU: float32 sums of the exact products,
+  rounded once to bfloat16, ties to even (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), NaN and
+  infinities kept; row-major, transposed, prepacked and row-limited products alike. Weights
+  packed on one path are refused on the other."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((40, 96)).astype(np.float32)
+  x[0, :2], x[0, 2:] = 1.0, 0.0  # row 0 sums its two first weights alone
+  x[1, 0] = np.inf
+  w = rng.standard_normal((96, 200)).astype(np.float32)
+  w[:2, :2] = [[1.0, 1.0], [2.0**-8, 3 * 2.0**-8]]
+  w[:, 2] = 0.0  # inf * 0: NaN in row 1
+  x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  with np.errstate(invalid="ignore"):
+    want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+  with onednn.bf16_as_float32(in_float32):
+    packed = onednn.prepack(w)
+    f32_size = onednn.prepacked_bytes(96, 200, jnp.float32)
+    assert (packed.shape == (f32_size,)) is in_float32
+    ys = {
+        "row-major": onednn.matmul(x, w),
+        "transposed": onednn.matmul(x, w.T, transpose_w=True),
+        "prepacked": onednn.matmul_prepacked(x, packed, 200),
+        "rows": onednn.matmul_prepacked(x, packed, 200, rows=jnp.int32(20)),
+    }
+    f32 = np.asarray(onednn.matmul_prepacked(x, packed, 200, jnp.float32), np.float64)
+  with onednn.bf16_as_float32(not in_float32), pytest.raises(ValueError, match="pack them"):
+    onednn.matmul_prepacked(x, packed, 200)
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(f32[finite], want[finite], rtol=2.0**-20, atol=1e-3)
+  for name, y in ys.items():
+    assert y.dtype == jnp.bfloat16 and y.shape == (40, 200), name
+    y = np.asarray(y, np.float64)
+    if name == "rows":
+      assert not y[32:].any()  # 20 rows rounded up to 32
+      y, part = y[:32], slice(0, 32)
+    else:
+      part = slice(None)
+    np.testing.assert_array_equal(y[0, :2], [1.0, 1.0 + 2.0**-6], err_msg=name)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want[part]), err_msg=name)
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(want[part]), err_msg=name)
+    ok = finite[part]
+    np.testing.assert_allclose(y[ok], want[part][ok], rtol=2.0**-8, atol=1e-3, err_msg=name)
+
+
 def test_the_kernel_refuses_what_it_does_not_take():
   f32 = np.zeros((2, 3), np.float32)
   with pytest.raises(ValueError, match="both float32 .* not x float32, w bfloat16"):
