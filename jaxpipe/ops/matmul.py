@@ -172,6 +172,25 @@ def resolve(name: str) -> str:
   return "onednn"
 
 
+def bfloat16_note(name: str, dtype) -> str | None:
+  """A line for the user where products on `name` in `dtype` run as float32 ones on this CPU.
+
+  Args:
+    name: the resolved backend ('xla' or 'onednn').
+    dtype: the dtype the model computes in.
+
+  Returns:
+    The line for oneDNN's bfloat16 products on a CPU without bfloat16 dot products
+    (`kernels_cpu.matmul.bf16_in_float32`); None otherwise.
+  """
+  if name != "onednn" or jnp.dtype(dtype) != jnp.bfloat16 or not onednn_lib.bf16_in_float32():
+    return None
+  return (
+      "# this CPU has no bfloat16 dot products (AVX512_BF16 or AMX): bfloat16 GEMMs run as "
+      "float32 ones, their prepacked weights held as float32 (twice bfloat16's bytes)"
+  )
+
+
 @contextlib.contextmanager
 def backend(name: str):
   """While tracing inside, `dot` runs on this backend.

@@ -366,6 +366,7 @@ def main(argv: list[str]) -> None:
     # Llama-3.2-1B's shape in bfloat16 decode steps ran 5% faster pooled (docs/serving.md)
     process.pool_host_memory()
 
+  from jaxpipe.ops import matmul as matmul_lib
   from jaxpipe.serve.engine import Engine
   from jaxpipe.serve.speculative import SpecConfig
   from jaxpipe.training import config as config_lib
@@ -442,6 +443,8 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     sys.exit(f"error: {e}")
   del params  # each engine holds its own (on CPU, each layer's weights unstacked: a copy)
+  if note := matmul_lib.bfloat16_note(matmul_lib.resolve(_MATMUL.value), cfg.compute_dtype):
+    print(note, flush=True)
   if pooled:  # what the load freed (a float32 checkpoint served in bfloat16) back to the OS
     process.trim_host_memory()
   if fleet:

@@ -118,6 +118,17 @@ def test_either_bfloat16_path_rounds_the_exact_product_once(in_float32):
     np.testing.assert_allclose(y[ok], want[part][ok], rtol=2.0**-8, atol=1e-3, err_msg=name)
 
 
+def test_the_serve_runner_says_when_bfloat16_runs_as_float32():
+  """One line, for oneDNN's bfloat16 products on the float32 path alone."""
+  with onednn.bf16_as_float32(True):
+    note = matmul_lib.bfloat16_note("onednn", jnp.bfloat16)
+    assert note.startswith("# ") and "run as float32 ones" in note and "\n" not in note
+    assert matmul_lib.bfloat16_note("onednn", jnp.float32) is None
+    assert matmul_lib.bfloat16_note("xla", jnp.bfloat16) is None
+  with onednn.bf16_as_float32(False):
+    assert matmul_lib.bfloat16_note("onednn", jnp.bfloat16) is None
+
+
 def test_the_kernel_refuses_what_it_does_not_take():
   f32 = np.zeros((2, 3), np.float32)
   with pytest.raises(ValueError, match="both float32 .* not x float32, w bfloat16"):
