@@ -38,7 +38,6 @@
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
-
 namespace ffi = xla::ffi;
 
 namespace {
@@ -205,7 +204,8 @@ void Narrow(const float* from, int64_t count, uint16_t* to) {
     uint32_t bits;
     std::memcpy(&bits, &from[i], sizeof(bits));
     const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    to[i] = nan ? uint16_t((bits >> 16) | 0x40u) : uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    to[i] = uint16_t(nan ? (bits >> 16) | 0x40u : rounded);
   }
 }
 
