@@ -187,7 +187,8 @@ def bfloat16_note(name: str, dtype) -> str | None:
     return None
   return (
       "# this CPU has no bfloat16 dot products (AVX512_BF16 or AMX): bfloat16 GEMMs run as "
-      "float32 ones, their prepacked weights held as float32 (twice bfloat16's bytes)"
+      "float32 ones, prepacked weights held as float32 (twice bfloat16's bytes) and row-major "
+      "ones (a tensor-parallel engine's) widened at each call"
   )
 
 
