@@ -35,6 +35,10 @@
 
 #include <omp.h>  // the runtime oneDNN's gomp build threads with (libgomp)
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -209,6 +213,118 @@ void Narrow(const float* from, int64_t count, uint16_t* to) {
   }
 }
 
+// -- Panels: float32 products on packed weights, in 512-bit registers ---------------------------
+//
+// Packed float32 weights are oneDNN's BA16a64b layout on AVX-512 CPUs: N in panels of 64
+// columns, each panel's K rows (padded to a multiple of 16) one after another, 64 floats a row.
+// `Panels` multiplies x by those bytes directly: tiles of 6 rows of x times one panel, their 6 x
+// 64 sums held in 24 registers over the whole of K (each weight row loaded once for the tile's 6
+// rows, each x value broadcast once for its 64 columns). Where a panel has few tiles (a decode
+// step's few rows) each tile also fetches its share of the next panel into L2, so that the
+// weights stream from memory while the sums are computed. On the Ice Lake machine oneDNN 3.2's
+// brgemm ran these products at 150-210 GFLOP/s and `Panels` at 190-280 (docs/serving.md, "GEMMs
+// on the CPU"); it runs on Intel CPUs with AVX-512 (`PanelsHere`), oneDNN elsewhere.
+
+// -1: decide by the CPU; 0 or 1: as set (`JaxpipeSetPanels`, for tests).
+std::atomic<int> panels_override{-1};
+std::atomic<int64_t> panels_calls{0};  // products `Panels` ran, for JaxpipePanelsCalls
+
+#if defined(__AVX512F__)
+constexpr bool kPanelsBuilt = true;
+constexpr int64_t kPanel = 64;     // columns of a panel (BA16a64b's inner block)
+constexpr int64_t kTileRows = 6;   // 6 x 4 sums + 4 weight vectors + 1 broadcast: 29 of 32 zmm
+constexpr int64_t kAheadTiles = 16;  // at most this many tiles a panel: fetch the next one ahead
+
+// y[0 .. R - 1, panel's columns] = x[0 .. R - 1, :] @ panel: x rows ldx apart, y rows n apart,
+// the panel's 4 column quarters stored under `cols`; fetches `lines` cache lines from `ahead`
+// into L2 along the way, spread over K.
+template <int R>
+void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, int64_t n,
+          const __mmask16* cols, const char* ahead, int64_t lines) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  }
+  const int64_t every = lines > 0 ? std::max<int64_t>(1, k / lines) : k + 1;
+  int64_t countdown = 0;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    if (lines > 0 && --countdown <= 0) {
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      ahead += 64;
+      --lines;
+      countdown = every;
+    }
+    const float* row = panel + kk * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
+    const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_set1_ps(x[r * ldx + kk]);
+      acc[r][0] = _mm512_fmadd_ps(v, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(v, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(v, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(v, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < 4; ++q) _mm512_mask_storeu_ps(y + r * n + 16 * q, cols[q], acc[r][q]);
+  }
+}
+
+// y [m, n] = x [m, k] @ w, w float32 packed as BA16a64b; on the OpenMP team the caller set.
+void Panels(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+  const int64_t kp = (k + 15) / 16 * 16, panels = (n + kPanel - 1) / kPanel;
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows, units = panels * tiles;
+  const int64_t panel_lines = kp * kPanel * int64_t(sizeof(float)) / 64;
+  const bool ahead = tiles <= kAheadTiles;
+  panels_calls.fetch_add(1, std::memory_order_relaxed);
+#pragma omp parallel if (units > 1)
+  {
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    // consecutive units (panel-major) per thread: each reads a few panels, each panel once
+    for (int64_t u = units * t / team; u < units * (t + 1) / team; ++u) {
+      const int64_t p = u / tiles, tile = u % tiles, i = tile * kTileRows;
+      const int64_t rows = std::min(kTileRows, m - i), valid = std::min(kPanel, n - p * kPanel);
+      __mmask16 cols[4];
+      for (int q = 0; q < 4; ++q) {
+        const int64_t c = std::clamp<int64_t>(valid - 16 * q, 0, 16);
+        cols[q] = __mmask16((uint32_t(1) << c) - 1);
+      }
+      const float* panel = w + p * kp * kPanel;
+      const char* next = reinterpret_cast<const char*>(panel + kp * kPanel);
+      const int64_t first = panel_lines * tile / tiles, last = panel_lines * (tile + 1) / tiles;
+      const int64_t lines = ahead && p + 1 < panels ? last - first : 0;
+      next += 64 * first;
+      const float* xi = x + i * k;
+      float* yi = y + i * n + p * kPanel;
+      switch (rows) {
+        case 6: Tile<6>(xi, k, panel, k, yi, n, cols, next, lines); break;
+        case 5: Tile<5>(xi, k, panel, k, yi, n, cols, next, lines); break;
+        case 4: Tile<4>(xi, k, panel, k, yi, n, cols, next, lines); break;
+        case 3: Tile<3>(xi, k, panel, k, yi, n, cols, next, lines); break;
+        case 2: Tile<2>(xi, k, panel, k, yi, n, cols, next, lines); break;
+        default: Tile<1>(xi, k, panel, k, yi, n, cols, next, lines); break;
+      }
+    }
+  }
+}
+#else
+constexpr bool kPanelsBuilt = false;
+void Panels(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+#endif
+
+// Whether float32 products on packed [k, n] weights run `Panels`: built with AVX-512, on an
+// Intel CPU (where it was measured; elsewhere oneDNN's own), and the weights packed as BA16a64b.
+bool PanelsHere(int64_t k, int64_t n) {
+  const int set = panels_override.load();
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") && __builtin_cpu_supports("avx512f");
+  }();
+  if (!kPanelsBuilt || !(set >= 0 ? set != 0 : intel)) return false;
+  return PackedDesc(k, n, dt::f32) == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
+}
+
 // A bfloat16 product as a float32 one (`Bf16InFloat32`): x [m, k] widened; packed weights are
 // float32 already, row-major ones widened for this call; the sums rounded once into a bfloat16 y.
 void RunInFloat32(const void* x, void* w, void* y, int64_t m, int64_t k, int64_t n, dt y_type,
@@ -227,7 +343,11 @@ void RunInFloat32(const void* x, void* w, void* y, int64_t m, int64_t k, int64_t
     y_f32.resize(std::max<size_t>(y_f32.size(), size_t(m * n)));
     out = y_f32.data();
   }
-  Execute(Cached(Key{m, k, n, int(dt::f32), int(dt::f32), layout, team}), x_f32.data(), w, out);
+  if (layout == kPacked && PanelsHere(k, n)) {
+    Panels(x_f32.data(), static_cast<const float*>(w), out, m, k, n);
+  } else {
+    Execute(Cached(Key{m, k, n, int(dt::f32), int(dt::f32), layout, team}), x_f32.data(), w, out);
+  }
   if (y_type == dt::bf16) Narrow(out, m * n, static_cast<uint16_t*>(y));
 }
 
@@ -256,6 +376,9 @@ ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t
   try {
     if (ComputeType(x_type) != x_type) {
       RunInFloat32(x.untyped_data(), w, y->untyped_data(), m, k, n, y_type, layout, team);
+    } else if (layout == kPacked && x_type == dt::f32 && PanelsHere(k, n)) {
+      Panels(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(w),
+             static_cast<float*>(y->untyped_data()), m, k, n);
     } else {
       const Gemm& g = Cached(Key{m, k, n, int(x_type), int(y_type), layout, team});
       Execute(g, x.untyped_data(), w, y->untyped_data());
@@ -362,6 +485,22 @@ ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, boo
 // Sets whether bfloat16 products run as float32 ones: 1 or 0, or -1 to decide by the CPU (the
 // default). Weights packed before a change are refused after it (their size is the other's).
 extern "C" void JaxpipeSetBf16InFloat32(int value) { bf16_in_float32_override.store(value); }
+
+// Sets whether float32 products on packed weights run `Panels`: 1 or 0, or -1 to decide by the
+// CPU (the default). Both read the same packed bytes.
+extern "C" void JaxpipeSetPanels(int value) { panels_override.store(value); }
+
+// Whether float32 products on packed [k, n] weights run `Panels` here: 1 or 0.
+extern "C" int JaxpipePanels(int64_t k, int64_t n) {
+  try {
+    return PanelsHere(k, n) ? 1 : 0;
+  } catch (const dnnl::error&) {
+    return 0;
+  }
+}
+
+// Products `Panels` ran in this process so far.
+extern "C" int64_t JaxpipePanelsCalls() { return panels_calls.load(); }
 
 // Whether bfloat16 products run as float32 ones here (`Bf16InFloat32`): 1 or 0.
 extern "C" int JaxpipeBf16InFloat32() { return Bf16InFloat32() ? 1 : 0; }

@@ -89,6 +89,9 @@ def unavailable() -> str | None:
     ):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     library.JaxpipeSetBf16InFloat32.argtypes = (ctypes.c_int,)
+    library.JaxpipeSetPanels.argtypes = (ctypes.c_int,)
+    library.JaxpipePanels.argtypes = (ctypes.c_int64, ctypes.c_int64)
+    library.JaxpipePanelsCalls.restype = ctypes.c_int64
     library.JaxpipePrepackedBytes.restype = ctypes.c_int64
     library.JaxpipePrepackedBytes.argtypes = (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
     _LOADED.append(library)
@@ -143,6 +146,57 @@ def bf16_as_float32(value: bool):
     yield
   finally:
     _LOADED[0].JaxpipeSetBf16InFloat32(-1)
+
+
+def panels(k: int, n: int) -> bool:
+  """Whether float32 products on prepacked [K, N] weights run the kernel's own AVX-512 GEMM.
+
+  Prepacked float32 weights (and bfloat16 ones on a CPU without bfloat16 dot products, held as
+  float32) are oneDNN's blocked layout; on Intel CPUs with AVX-512, where oneDNN 3.2's brgemm
+  runs float32 products on it well below the CPU's rate, the kernel's own tiles (`Panels` in
+  matmul.cc) multiply by the same bytes instead. Elsewhere oneDNN runs them.
+
+  Args:
+    k: the weights' rows.
+    n: their columns.
+
+  Returns:
+    True where `Panels` runs them.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  return bool(_LOADED[0].JaxpipePanels(k, n))
+
+
+def panels_calls() -> int:
+  """Products the kernel's own AVX-512 GEMM (`panels`) ran in this process so far.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  return int(_LOADED[0].JaxpipePanelsCalls())
+
+
+@contextlib.contextmanager
+def panels_forced(value: bool):
+  """Runs float32 products on prepacked weights on `Panels` (True; where it is built, with
+  AVX-512) or on oneDNN (False) inside, whatever the CPU (tests and benchmarks of either).
+
+  Args:
+    value: the kernel to take.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  _LOADED[0].JaxpipeSetPanels(int(bool(value)))
+  try:
+    yield
+  finally:
+    _LOADED[0].JaxpipeSetPanels(-1)
 
 
 def prepacked_bytes(k: int, n: int, dtype) -> int:

@@ -72,6 +72,57 @@ def test_bfloat16_products_run_as_float32_ones_where_the_cpu_has_no_bfloat16_dot
   assert (sizes[jnp.bfloat16] < sizes[jnp.float32]) is native
 
 
+def _cpu_vendor() -> str:
+  with open("/proc/cpuinfo") as f:
+    return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+
+
+@pytest.mark.skipif("ONEDNN_MAX_CPU_ISA" in os.environ, reason="oneDNN's ISA is capped")
+def test_packed_float32_products_run_panels_on_intel_cpus_with_avx512():
+  """The CPU decides: an Intel CPU with AVX-512 runs packed float32 products on the kernel's own
+  tiles (`panels`), any other on oneDNN's matmul; forcing either way overrides it."""
+  native = _cpu_vendor() == "GenuineIntel" and "avx512f" in _cpu_flags()
+  assert onednn.panels(576, 3072) is native and onednn.panels(100, 70) is native
+  with onednn.panels_forced(False):
+    assert not onednn.panels(576, 3072)
+  with onednn.panels_forced(True):
+    assert onednn.panels(576, 3072) is ("avx512f" in _cpu_flags())
+
+
+@pytest.mark.parametrize("use_panels", [True, False])
+def test_either_packed_float32_kernel_equals_the_float64_product(use_panels):
+  """Forced either way: packed float32 products whose last 6-row tile holds each of 1-6 rows (M
+  1, 8, 15, 64, 101, 12), K not a multiple of the 16-row blocks and N not of the 64-column panels
+  (below one, across several), whole or row-limited, equal the float64 product to float32's
+  rounding of K terms; a row-limited one zeros the rows after its count (rounded up). bfloat16
+  values run as float32 ones round their sums once."""
+  with onednn.panels_forced(use_panels):
+    if use_panels and not onednn.panels(64, 64):
+      pytest.skip("the kernel's own tiles need AVX-512")
+    calls = onednn.panels_calls()
+    rng = np.random.default_rng(11)
+    shapes = [(1, 17, 5), (8, 100, 70), (15, 576, 130), (64, 33, 960), (101, 1536, 257)]
+    for m, k, n in shapes + [(12, 64, 64)]:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+      packed = onednn.prepack(w)
+      want = _reference(x, w)
+      got = np.asarray(onednn.matmul_prepacked(x, packed, n))
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=(m, k, n))
+      rows = np.asarray(onednn.matmul_prepacked(x, packed, n, rows=jnp.int32(3)))
+      used = min(m, onednn.ROW_GRAIN)
+      np.testing.assert_array_equal(rows[:used], got[:used])
+      assert not rows[used:].any()
+    x = jnp.asarray(rng.standard_normal((9, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16)
+    with onednn.bf16_as_float32(True):
+      y = onednn.matmul_prepacked(x, onednn.prepack(w), 80)
+    want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2.0**-8, atol=1e-3)
+    # 6 shapes whole and row-limited, and the bfloat16 one: on the tiles, or never
+    assert onednn.panels_calls() - calls == (13 if use_panels else 0)
+
+
 @pytest.mark.parametrize("in_float32", [True, False])
 def test_either_bfloat16_path_rounds_the_exact_product_once(in_float32):
   """Forced either way (`bf16_as_float32`), whatever the CPU: float32 sums of the exact products,
