@@ -8,7 +8,10 @@ down, the LM head: siblings fused as the engine's prepacked layers run them) at 
 M (`--batch` rows) and a prefill step's (`--prefill` tokens), timed as one XLA program each,
 through the oneDNN kernel the engine's steps run (`kernels_cpu.matmul`, `--matmul`), and, as a
 second opinion, through torch's CPU matmul (its own oneDNN), in each dtype. Per dtype, the
-fastest of these is the peak the steps are held to.
+fastest of these is the peak the steps are held to. Where packed products run on the kernel's own
+tiles (`kernels_cpu.matmul.panels`: Intel CPUs with AVX-512; float32, and bfloat16 where it runs
+as float32), those and oneDNN's matmul on the weights packed for each, over every layer's own
+weights, alternated round by round (`--kernel_rounds`).
 
 Then the engine's steps at that shape (random weights held in the dtype, pools for the batch):
 - decode: `--batch` requests of `--context` prompt tokens, all running (their contexts grow by
@@ -57,6 +60,13 @@ flags.DEFINE_integer(
     "prefill", 1024, "Prefill: the prompt's tokens, in one step.", flag_values=FLAGS
 )
 flags.DEFINE_integer("steps", 8, "Timed steps of each kind.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "kernel_rounds",
+    10,
+    "Where the kernel's own tiles run packed products (Intel, AVX-512): rounds of every "
+    "layer's GEMMs on them and on oneDNN's matmul, alternated (0: none).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer(
     "reps",
     50,
@@ -159,6 +169,54 @@ def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str
   return out
 
 
+def packed_kernels(
+    cfg, ms: list[int], rounds: int, dtype: str = "float32"
+) -> list[tuple[str, float, float]]:
+  """Packed products on the kernel's own tiles against oneDNN's matmul, alternated.
+
+  Each GEMM runs over as many distinct weights as the model has layers (the head over one), as a
+  step reads them: from memory, not from a cache that one weight's repeats would warm. Each
+  kernel reads the weights as they are packed for it (bfloat16 ones, on a CPU without bfloat16
+  dot products: as bfloat16 for the tiles, as float32 for oneDNN).
+
+  Args:
+    cfg: the model's shape.
+    ms: the tokens of the steps.
+    rounds: timed rounds; each runs every layer's product on both kernels, in turn.
+    dtype: the weights' and products' dtype.
+
+  Returns:
+    (GEMM, the tiles' median seconds over the layers, oneDNN's), the GEMMs of each m and then
+    their sums ("all, M = m").
+  """
+  rng = np.random.default_rng(0)
+  out = []
+  for m in ms:
+    total = [0.0, 0.0]
+    for name, (mm, kk, n) in gemms(cfg, m).items():
+      layers = 1 if name == "lm head" else cfg.n_layers
+      x = jnp.asarray(rng.standard_normal((mm, kk)), dtype)
+      weights = [jnp.asarray(rng.standard_normal((kk, n)), dtype) for _ in range(layers)]
+      packed = []
+      for tiles in (True, False):
+        with onednn.panels_forced(tiles):  # packed before the setting changes back
+          packed.append(jax.block_until_ready([onednn.prepack(w) for w in weights]))
+      f = jax.jit(functools.partial(onednn.matmul_prepacked, n=n))
+      times = ([], [])
+      for r in range(rounds + 1):  # the first round compiles and warms
+        for i, tiles in enumerate((True, False)):
+          with onednn.panels_forced(tiles):
+            start = time.perf_counter()
+            jax.block_until_ready([f(x, p) for p in packed[i]])
+            if r:
+              times[i].append(time.perf_counter() - start)
+      row = (statistics.median(times[0]), statistics.median(times[1]))
+      out.append((f"{name} {mm}x{kk}x{n} x{layers}", *row))
+      total = [total[0] + row[0], total[1] + row[1]]
+    out.append((f"all, M = {m}", *total))
+  return out
+
+
 def _decode_tokens(args) -> int:
   """Tokens each decode request may generate: through the warm-up (the batch's prompts take a
   step of 256 tokens each, while the earlier ones decode) and the timed steps."""
@@ -237,6 +295,17 @@ def main(argv) -> None:
       cells = [f"{by[w]:,.1f}" if w in by else "—" for w in ("xla", "onednn", "prepacked", "torch")]
       print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"\npeak (the fastest above): {peak:,.1f} GFLOP/s\n")
+    tiles = onednn.unavailable() is None and onednn.panels(base.d_model, base.d_ff)
+    if tiles and (dtype == "float32" or onednn.bf16_in_float32()) and args.kernel_rounds > 0:
+      rows = packed_kernels(base, [args.batch, args.prefill], args.kernel_rounds, dtype)
+      print(
+          f"packed {dtype} products over each layer's own weights, {args.kernel_rounds} rounds "
+          "alternated (median ms):\n\n| GEMM (M x K x N x weights) | own tiles | oneDNN | "
+          "oneDNN / tiles |\n|---|---|---|---|"
+      )
+      for name, own, dnnl in rows:
+        print(f"| {name} | {1e3 * own:,.1f} | {1e3 * dnnl:,.1f} | {dnnl / own:.2f} |")
+      print()
     cfg, params = serve_main.in_dtype(base, params32, dtype)
     rows = []
     # decode: every request prefilled first (untimed), then steps of one token each

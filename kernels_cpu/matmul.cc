@@ -13,9 +13,10 @@
 // On a CPU without bfloat16 dot products (no AVX512_BF16 or AMX: Ice Lake, Cascade Lake, Zen 3,
 // AVX2 machines) oneDNN's bfloat16 matmul is a slow emulated GEMM, at about a fifth of its
 // float32 rate. There a bfloat16 product runs as a float32 one instead (`Bf16InFloat32`): x is
-// widened (exactly), packed bfloat16 weights are packed as float32 (twice the bytes), row-major
-// ones widened at each call, and the float32 sums are rounded to bfloat16 once, as oneDNN's
-// bfloat16 kernels round them: the same product, at float32's rate.
+// widened (exactly), packed bfloat16 weights are held as bfloat16 and widened in registers where
+// `Panels` runs (`Bf16Panels`: Intel CPUs with AVX-512), else packed as float32 (twice the
+// bytes), row-major ones widened at each call, and the float32 sums are rounded to bfloat16
+// once, as oneDNN's bfloat16 kernels round them: the same product, at float32's rate.
 //
 // One primitive per (M, K, N, dtypes, layout) is created on first use and kept: creation costs
 // about a millisecond, execution is what each call pays. Primitives are immutable and oneDNN
@@ -221,9 +222,11 @@ void Narrow(const float* from, int64_t count, uint16_t* to) {
 // 64 sums held in 24 registers over the whole of K (each weight row loaded once for the tile's 6
 // rows, each x value broadcast once for its 64 columns). Where a panel has few tiles (a decode
 // step's few rows) each tile also fetches its share of the next panel into L2, so that the
-// weights stream from memory while the sums are computed. On the Ice Lake machine oneDNN 3.2's
-// brgemm ran these products at 150-210 GFLOP/s and `Panels` at 190-280 (docs/serving.md, "GEMMs
-// on the CPU"); it runs on Intel CPUs with AVX-512 (`PanelsHere`), oneDNN elsewhere.
+// weights stream from memory while the sums are computed. Weights of bfloat16 values may be
+// held as bfloat16 in the same layout and widened as they load (half the bytes to stream). On
+// the Ice Lake machine, alternated with oneDNN 3.2's brgemm on the same bytes, SmolLM2-135M's
+// 64-row GEMMs ran 1.17x as fast, its 1,024-row ones level (docs/serving.md, "GEMMs on the
+// CPU"); it runs on Intel CPUs with AVX-512 (`PanelsHere`), oneDNN elsewhere.
 
 // -1: decide by the CPU; 0 or 1: as set (`JaxpipeSetPanels`, for tests).
 std::atomic<int> panels_override{-1};
@@ -238,12 +241,21 @@ constexpr int64_t kAheadTiles = 16;  // at most this many tiles a panel: fetch t
 // y[0 .. R - 1, panel's columns] = x[0 .. R - 1, :] @ panel: x rows ldx apart, y rows n apart,
 // the panel's 4 column quarters stored under `cols`; fetches `lines` cache lines from `ahead`
 // into L2 along the way, spread over K.
-template <int R>
-void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, int64_t n,
-          const __mmask16* cols, const char* ahead, int64_t lines) {
+// 16 weights from `at` as floats: float32 as they are, bfloat16 widened (a float's upper half).
+inline __m512 Weights16(const float* at) { return _mm512_loadu_ps(at); }
+inline __m512 Weights16(const uint16_t* at) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int R, typename W>
+void Tile(const float* x, int64_t ldx, const W* panel, int64_t k, float* y, int64_t n,
+          const __mmask16* cols, bool add, const char* ahead, int64_t lines) {
   __m512 acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {  // a later block of K adds to the sums the earlier ones stored
+    for (int q = 0; q < 4; ++q) {
+      acc[r][q] = add ? _mm512_maskz_loadu_ps(cols[q], y + r * n + 16 * q) : _mm512_setzero_ps();
+    }
   }
   const int64_t every = lines > 0 ? std::max<int64_t>(1, k / lines) : k + 1;
   int64_t countdown = 0;
@@ -254,9 +266,9 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, 
       --lines;
       countdown = every;
     }
-    const float* row = panel + kk * kPanel;
-    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
-    const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
+    const W* row = panel + kk * kPanel;
+    const __m512 w0 = Weights16(row), w1 = Weights16(row + 16);
+    const __m512 w2 = Weights16(row + 32), w3 = Weights16(row + 48);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 v = _mm512_set1_ps(x[r * ldx + kk]);
@@ -271,46 +283,73 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, 
   }
 }
 
-// y [m, n] = x [m, k] @ w, w float32 packed as BA16a64b; on the OpenMP team the caller set.
-void Panels(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+// A panel's K rows are taken in blocks of at most this many bytes, each block run by every tile
+// before the next: a longer panel (the 1B's down projection: 8,192 rows, 2 MB in float32) would
+// leave L2 between one tile and the next, and each tile would stream it from memory again
+// (0.59x oneDNN's rate at 16 rows, before the blocks).
+constexpr int64_t kBlockBytes = 256 << 10;
+
+// y [m, n] = x [m, k] @ w, w float32 or bfloat16 laid out as BA16a64b; on the OpenMP team the
+// caller set.
+template <typename W>
+void Panels(const float* x, const W* w, float* y, int64_t m, int64_t k, int64_t n) {
   const int64_t kp = (k + 15) / 16 * 16, panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (m + kTileRows - 1) / kTileRows, units = panels * tiles;
-  const int64_t panel_lines = kp * kPanel * int64_t(sizeof(float)) / 64;
+  const int64_t row_bytes = kPanel * int64_t(sizeof(W));
+  const int64_t blocks = std::max<int64_t>(1, (k * row_bytes + kBlockBytes - 1) / kBlockBytes);
+  const int64_t kb = (k + blocks - 1) / blocks;  // rows a block
   const bool ahead = tiles <= kAheadTiles;
   panels_calls.fetch_add(1, std::memory_order_relaxed);
 #pragma omp parallel if (units > 1)
   {
     const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
     // consecutive units (panel-major) per thread: each reads a few panels, each panel once
-    for (int64_t u = units * t / team; u < units * (t + 1) / team; ++u) {
-      const int64_t p = u / tiles, tile = u % tiles, i = tile * kTileRows;
-      const int64_t rows = std::min(kTileRows, m - i), valid = std::min(kPanel, n - p * kPanel);
+    const int64_t u0 = units * t / team, u1 = units * (t + 1) / team;
+    for (int64_t p = u0 / tiles; p * tiles < u1; ++p) {
+      const int64_t tile0 = std::max(u0 - p * tiles, int64_t(0));
+      const int64_t tile1 = std::min(u1 - p * tiles, tiles);
+      const int64_t valid = std::min(kPanel, n - p * kPanel);
       __mmask16 cols[4];
       for (int q = 0; q < 4; ++q) {
         const int64_t c = std::clamp<int64_t>(valid - 16 * q, 0, 16);
         cols[q] = __mmask16((uint32_t(1) << c) - 1);
       }
-      const float* panel = w + p * kp * kPanel;
-      const char* next = reinterpret_cast<const char*>(panel + kp * kPanel);
-      const int64_t first = panel_lines * tile / tiles, last = panel_lines * (tile + 1) / tiles;
-      const int64_t lines = ahead && p + 1 < panels ? last - first : 0;
-      next += 64 * first;
-      const float* xi = x + i * k;
-      float* yi = y + i * n + p * kPanel;
-      switch (rows) {
-        case 6: Tile<6>(xi, k, panel, k, yi, n, cols, next, lines); break;
-        case 5: Tile<5>(xi, k, panel, k, yi, n, cols, next, lines); break;
-        case 4: Tile<4>(xi, k, panel, k, yi, n, cols, next, lines); break;
-        case 3: Tile<3>(xi, k, panel, k, yi, n, cols, next, lines); break;
-        case 2: Tile<2>(xi, k, panel, k, yi, n, cols, next, lines); break;
-        default: Tile<1>(xi, k, panel, k, yi, n, cols, next, lines); break;
+      const W* panel = w + p * kp * kPanel;
+      for (int64_t k0 = 0; k0 < k; k0 += kb) {
+        const int64_t rows_k = std::min(kb, k - k0);
+        // what the tiles fetch meanwhile: the panel's next block, or the next panel's first
+        const bool last_block = k0 + kb >= k;
+        const W* next_block = last_block ? panel + kp * kPanel : panel + (k0 + kb) * kPanel;
+        const int64_t next_rows = last_block ? std::min(kb, k) : std::min(kb, k - k0 - kb);
+        const int64_t block_lines = next_rows * row_bytes / 64;
+        const bool fetch = ahead && !(last_block && p + 1 >= panels);
+        for (int64_t tile = tile0; tile < tile1; ++tile) {
+          const int64_t i = tile * kTileRows, rows = std::min(kTileRows, m - i);
+          const int64_t first = block_lines * (tile - tile0) / (tile1 - tile0);
+          const int64_t last = block_lines * (tile - tile0 + 1) / (tile1 - tile0);
+          const char* next = reinterpret_cast<const char*>(next_block) + 64 * first;
+          const int64_t lines = fetch ? last - first : 0;
+          const float* xi = x + i * k + k0;
+          const W* pb = panel + k0 * kPanel;
+          float* yi = y + i * n + p * kPanel;
+          const bool add = k0 > 0;
+          switch (rows) {
+            case 6: Tile<6>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+            case 5: Tile<5>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+            case 4: Tile<4>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+            case 3: Tile<3>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+            case 2: Tile<2>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+            default: Tile<1>(xi, k, pb, rows_k, yi, n, cols, add, next, lines); break;
+          }
+        }
       }
     }
   }
 }
 #else
 constexpr bool kPanelsBuilt = false;
-void Panels(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+template <typename W>
+void Panels(const float*, const W*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
 // Whether float32 products on packed [k, n] weights run `Panels`: built with AVX-512, on an
@@ -325,8 +364,35 @@ bool PanelsHere(int64_t k, int64_t n) {
   return PackedDesc(k, n, dt::f32) == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
 }
 
+// Float32 products of at most this many rows run `Panels` where it runs, longer ones oneDNN's
+// matmul on the same bytes: alternated on the Ice Lake machine, the tiles ran 1.16-1.17x
+// oneDNN's rate at 16 and 64 rows, but 0.99x (SmolLM2-135M's GEMMs) and 0.94x (Llama-3.2-1B's)
+// at 1,024, where oneDNN's blocking over rows keeps x in cache. bfloat16 weights held for the
+// tiles (`Bf16Panels`) run them at every row count.
+constexpr int64_t kPanelsRows = 256;
+
+// Bytes after bfloat16 weights held for `Panels` (zeros): they make the array's size differ from
+// any other packing of the same weights, so that weights packed on one path are refused on
+// another (`bf16_as_float32`, `panels_forced`) rather than misread.
+constexpr int64_t kBf16PanelsTrailer = 64;
+
+// Whether bfloat16 [k, n] weights are held as bfloat16 in BA16a64b for `Panels`, which widens
+// them in registers: where bfloat16 products run as float32 ones and float32 ones run `Panels`.
+// Elsewhere on such CPUs they are packed as float32, twice the bytes.
+bool Bf16Panels(int64_t k, int64_t n) { return Bf16InFloat32() && PanelsHere(k, n); }
+
+// The packed bytes of [k, n] weights of `type` (`PrepackImpl`'s output).
+int64_t PackedBytes(int64_t k, int64_t n, dt type) {
+  if (type == dt::bf16 && Bf16Panels(k, n)) {
+    return int64_t(dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b).get_size()) +
+           kBf16PanelsTrailer;
+  }
+  return int64_t(PackedDesc(k, n, type).get_size());
+}
+
 // A bfloat16 product as a float32 one (`Bf16InFloat32`): x [m, k] widened; packed weights are
-// float32 already, row-major ones widened for this call; the sums rounded once into a bfloat16 y.
+// bfloat16 widened in registers (`Bf16Panels`) or float32 already, row-major ones widened for
+// this call; the sums rounded once into a bfloat16 y.
 void RunInFloat32(const void* x, void* w, void* y, int64_t m, int64_t k, int64_t n, dt y_type,
                   Layout layout, int team) {
   thread_local std::vector<float> x_f32, y_f32;  // a step's activations, kept for the next call
@@ -343,8 +409,8 @@ void RunInFloat32(const void* x, void* w, void* y, int64_t m, int64_t k, int64_t
     y_f32.resize(std::max<size_t>(y_f32.size(), size_t(m * n)));
     out = y_f32.data();
   }
-  if (layout == kPacked && PanelsHere(k, n)) {
-    Panels(x_f32.data(), static_cast<const float*>(w), out, m, k, n);
+  if (layout == kPacked && Bf16Panels(k, n)) {  // bfloat16 weights, widened in registers
+    Panels(x_f32.data(), static_cast<const uint16_t*>(w), out, m, k, n);
   } else {
     Execute(Cached(Key{m, k, n, int(dt::f32), int(dt::f32), layout, team}), x_f32.data(), w, out);
   }
@@ -376,7 +442,7 @@ ffi::Error Run(ffi::AnyBuffer x, void* w, ffi::Result<ffi::AnyBuffer> y, int64_t
   try {
     if (ComputeType(x_type) != x_type) {
       RunInFloat32(x.untyped_data(), w, y->untyped_data(), m, k, n, y_type, layout, team);
-    } else if (layout == kPacked && x_type == dt::f32 && PanelsHere(k, n)) {
+    } else if (layout == kPacked && x_type == dt::f32 && m <= kPanelsRows && PanelsHere(k, n)) {
       Panels(static_cast<const float*>(x.untyped_data()), static_cast<const float*>(w),
              static_cast<float*>(y->untyped_data()), m, k, n);
     } else {
@@ -430,7 +496,7 @@ ffi::Error Packed(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::Result<ffi::AnyB
   if (ffi::Error e = Types(x, y, &x_type, &y_type); e.failure()) return e;
   try {
     if (packed.element_type() != ffi::DataType::U8 ||
-        packed.size_bytes() != PackedDesc(xd[1], yd[1], x_type).get_size()) {
+        int64_t(packed.size_bytes()) != PackedBytes(xd[1], yd[1], x_type)) {
       return ffi::Error::InvalidArgument(
           "packed matmul: the weights were not packed for this K, N and dtype");
     }
@@ -464,9 +530,15 @@ ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, boo
   }
   const int64_t k = transpose_w ? wd[1] : wd[0], n = transpose_w ? wd[0] : wd[1];
   try {
-    dnnl::memory::desc to = PackedDesc(k, n, type);
-    if (packed->size_bytes() != to.get_size()) {
+    const bool bf16_panels = type == dt::bf16 && Bf16Panels(k, n);
+    dnnl::memory::desc to =
+        bf16_panels ? dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b) : PackedDesc(k, n, type);
+    if (int64_t(packed->size_bytes()) != PackedBytes(k, n, type)) {
       return ffi::Error::InvalidArgument("pack: the output's size is not the packed layout's");
+    }
+    if (bf16_panels) {
+      std::memset(static_cast<uint8_t*>(packed->untyped_data()) + to.get_size(), 0,
+                  kBf16PanelsTrailer);
     }
     if (k == 0 || n == 0) return ffi::Error::Success();
     dnnl::memory from({{k, n}, type, transpose_w ? tag::ba : tag::ab}, Engine(), w.untyped_data());
@@ -509,7 +581,7 @@ extern "C" int JaxpipeBf16InFloat32() { return Bf16InFloat32() ? 1 : 0; }
 // -1 where oneDNN has no product of these weights. bf16: 1 for bfloat16, 0 for float32.
 extern "C" int64_t JaxpipePrepackedBytes(int64_t k, int64_t n, int bf16) {
   try {
-    return int64_t(PackedDesc(k, n, bf16 ? dt::bf16 : dt::f32).get_size());
+    return PackedBytes(k, n, bf16 ? dt::bf16 : dt::f32);
   } catch (const dnnl::error&) {
     return -1;
   }

@@ -34,6 +34,9 @@ TARGET = "jaxpipe_matmul"
 PREPACKED_TARGET, PREPACK_TARGET = "jaxpipe_matmul_prepacked", "jaxpipe_prepack"
 ROWS_TARGET = "jaxpipe_matmul_prepacked_rows"  # the prepacked product of its first rows only
 ROW_GRAIN = 16  # a row-limited product computes its rows rounded up to this (matmul.cc)
+PANELS_ROWS = (
+    256  # float32 products of more rows run oneDNN's matmul, not the own tiles (matmul.cc)
+)
 DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
@@ -115,8 +118,9 @@ def bf16_in_float32() -> bool:
   Where oneDNN has no bfloat16 dot products (its ISA lacks AVX512_BF16 and AMX: Ice Lake,
   Cascade Lake, Zen 3, AVX2 machines; or ONEDNN_MAX_CPU_ISA caps it below them) its bfloat16
   GEMM is emulated at about a fifth of its float32 rate. There x is widened (exactly), prepacked
-  bfloat16 weights are held as float32 (twice the bytes) and the float32 sums are rounded to
-  bfloat16 once: the same product at float32's rate.
+  bfloat16 weights are held as bfloat16 and widened as they load where the kernel's own tiles
+  run (`panels`: Intel CPUs with AVX-512), else as float32 (twice the bytes), and the float32
+  sums are rounded to bfloat16 once: the same product at float32's rate.
 
   Returns:
     True where bfloat16 products run as float32 ones.
@@ -151,10 +155,12 @@ def bf16_as_float32(value: bool):
 def panels(k: int, n: int) -> bool:
   """Whether float32 products on prepacked [K, N] weights run the kernel's own AVX-512 GEMM.
 
-  Prepacked float32 weights (and bfloat16 ones on a CPU without bfloat16 dot products, held as
-  float32) are oneDNN's blocked layout; on Intel CPUs with AVX-512, where oneDNN 3.2's brgemm
-  runs float32 products on it well below the CPU's rate, the kernel's own tiles (`Panels` in
-  matmul.cc) multiply by the same bytes instead. Elsewhere oneDNN runs them.
+  Prepacked float32 weights are oneDNN's blocked layout (BA16a64b); on Intel CPUs with AVX-512
+  the kernel's own tiles (`Panels` in matmul.cc) multiply by the same bytes instead of oneDNN's
+  brgemm, for products of at most PANELS_ROWS rows (1.16-1.17x its rate at a decode step's 16
+  and 64 rows on an Ice Lake Xeon, 0.94-0.99x at 1,024, where oneDNN runs them).
+  bfloat16 products on a CPU without bfloat16 dot products take them too, on bfloat16 weights
+  held in that layout and widened as they load. Elsewhere oneDNN runs them.
 
   Args:
     k: the weights' rows.

@@ -185,10 +185,15 @@ def bfloat16_note(name: str, dtype) -> str | None:
   """
   if name != "onednn" or jnp.dtype(dtype) != jnp.bfloat16 or not onednn_lib.bf16_in_float32():
     return None
+  held = (
+      "prepacked weights held as bfloat16 and widened as they load (the kernel's own AVX-512 "
+      "tiles)"
+      if onednn_lib.panels(1024, 1024)
+      else "prepacked weights held as float32 (twice bfloat16's bytes)"
+  )
   return (
       "# this CPU has no bfloat16 dot products (AVX512_BF16 or AMX): bfloat16 GEMMs run as "
-      "float32 ones, prepacked weights held as float32 (twice bfloat16's bytes) and row-major "
-      "ones (a tensor-parallel engine's) widened at each call"
+      f"float32 ones, {held}, row-major ones (a tensor-parallel engine's) widened at each call"
   )
 
 

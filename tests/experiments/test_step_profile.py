@@ -4,10 +4,13 @@ forward FLOPs (`jaxpipe.models.flops`)."""
 import subprocess
 import sys
 
+import pytest
+
 from experiments import step_profile
 from experiments.shapes import SHAPES
 from jaxpipe.models import flops
 from jaxpipe.runtime import cli
+from kernels_cpu import matmul as onednn
 from tests import helpers
 
 
@@ -28,6 +31,23 @@ def test_a_prefill_step_counts_the_head_on_its_last_token_alone():
   # per layer: q, k, v and out projections, gate, up and down, causal scores and values (half)
   layer = 2 * n * d * (h + 2 * g) * k + 2 * n * h * k * d + 3 * 2 * n * d * f + 2 * n * n * h * k
   assert step_profile.prefill_flops(cfg, n) == cfg.n_layers * layer + 2 * d * v
+
+
+@pytest.mark.skipif(onednn.unavailable() is not None, reason="needs the oneDNN kernel")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_packed_kernels_are_timed_per_gemm_and_summed_per_row_count(dtype):
+  cfg = SHAPES["toy"]
+  rows = step_profile.packed_kernels(cfg, [8, 16], rounds=2, dtype=dtype)
+  names = [
+      f"{n} {m}x{k}x{c} x{1 if n == 'lm head' else cfg.n_layers}"
+      for n, (m, k, c) in step_profile.gemms(cfg, 8).items()
+  ]
+  assert [r[0] for r in rows[: len(names)]] == names and rows[len(names)][0] == "all, M = 8"
+  assert rows[-1][0] == "all, M = 16" and len(rows) == 2 * (len(names) + 1)
+  for part in (rows[: len(names) + 1], rows[len(names) + 1 :]):
+    for i in (1, 2):  # the sums are the GEMMs' own
+      assert part[-1][i] == pytest.approx(sum(r[i] for r in part[:-1]))
+      assert all(r[i] > 0 for r in part)
 
 
 def test_gemm_timings_take_the_median_within_a_budget(monkeypatch):

@@ -65,11 +65,13 @@ def _cpu_flags() -> set[str]:
 def test_bfloat16_products_run_as_float32_ones_where_the_cpu_has_no_bfloat16_dots():
   """The CPU's flags decide: with AVX512_BF16 (or AMX) oneDNN's bfloat16 kernels run, and
   bfloat16 weights pack smaller than float32 ones; without, the products run in float32 and the
-  weights pack as float32 ones."""
+  weights pack as float32 ones, unless the kernel's own tiles (Intel, AVX-512) widen them."""
   native = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
   assert onednn.bf16_in_float32() is (not native)
   sizes = {t: onednn.prepacked_bytes(256, 512, t) for t in (jnp.bfloat16, jnp.float32)}
-  assert (sizes[jnp.bfloat16] < sizes[jnp.float32]) is native
+  # held as bfloat16 where the CPU multiplies them, or the kernel's own tiles widen them
+  tiles = _cpu_vendor() == "GenuineIntel" and "avx512f" in _cpu_flags()
+  assert (sizes[jnp.bfloat16] < sizes[jnp.float32]) is (native or tiles)
 
 
 def _cpu_vendor() -> str:
@@ -95,7 +97,9 @@ def test_either_packed_float32_kernel_equals_the_float64_product(use_panels):
   1, 8, 15, 64, 101, 12), K not a multiple of the 16-row blocks and N not of the 64-column panels
   (below one, across several), whole or row-limited, equal the float64 product to float32's
   rounding of K terms; a row-limited one zeros the rows after its count (rounded up). bfloat16
-  values run as float32 ones round their sums once."""
+  values run as float32 ones round their sums once; on the tiles their weights are held as
+  bfloat16, and refused by oneDNN's path. Float32 products of more than PANELS_ROWS rows run on
+  oneDNN even where the tiles would, bfloat16 ones on weights held for the tiles on those."""
   with onednn.panels_forced(use_panels):
     if use_panels and not onednn.panels(64, 64):
       pytest.skip("the kernel's own tiles need AVX-512")
@@ -105,7 +109,7 @@ def test_either_packed_float32_kernel_equals_the_float64_product(use_panels):
     for m, k, n in shapes + [(12, 64, 64)]:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
       w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-      packed = onednn.prepack(w)
+      packed = jax.block_until_ready(onednn.prepack(w))
       want = _reference(x, w)
       got = np.asarray(onednn.matmul_prepacked(x, packed, n))
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=(m, k, n))
@@ -115,12 +119,29 @@ def test_either_packed_float32_kernel_equals_the_float64_product(use_panels):
       assert not rows[used:].any()
     x = jnp.asarray(rng.standard_normal((9, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((96, 80)), jnp.bfloat16)
-    with onednn.bf16_as_float32(True):
-      y = onednn.matmul_prepacked(x, onednn.prepack(w), 80)
+    with onednn.bf16_as_float32(True):  # each run before the setting changes back
+      packed = jax.block_until_ready(onednn.prepack(w))
+      y = np.asarray(onednn.matmul_prepacked(x, packed, 80))
+      # the tiles hold bfloat16 weights as bfloat16 (half of float32's bytes, and 64 more)
+      halves = packed.shape[0] < onednn.prepacked_bytes(96, 80, jnp.float32)
+      assert halves is use_panels
     want = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2.0**-8, atol=1e-3)
+    if use_panels:  # the tiles' bfloat16 weights are refused where oneDNN would read them
+      with onednn.bf16_as_float32(True), onednn.panels_forced(False):
+        with pytest.raises(ValueError, match="pack them"):
+          onednn.matmul_prepacked(x, packed, 80)
     # 6 shapes whole and row-limited, and the bfloat16 one: on the tiles, or never
     assert onednn.panels_calls() - calls == (13 if use_panels else 0)
+    # past ROWS float32 products run oneDNN's matmul; bfloat16 weights held for the tiles do not
+    x = jnp.asarray(rng.standard_normal((onednn.PANELS_ROWS + 1, 96)), jnp.float32)
+    calls = onednn.panels_calls()
+    y = np.asarray(onednn.matmul_prepacked(x, onednn.prepack(w.astype(jnp.float32)), 80))
+    np.testing.assert_allclose(y, _reference(x, w.astype(jnp.float32)), rtol=1e-5, atol=1e-4)
+    assert onednn.panels_calls() == calls
+    with onednn.bf16_as_float32(True):
+      np.asarray(onednn.matmul_prepacked(x.astype(jnp.bfloat16), onednn.prepack(w), 80))
+    assert onednn.panels_calls() - calls == (1 if use_panels else 0)
 
 
 @pytest.mark.parametrize("in_float32", [True, False])
@@ -142,7 +163,9 @@ def test_either_bfloat16_path_rounds_the_exact_product_once(in_float32):
   with onednn.bf16_as_float32(in_float32):
     packed = onednn.prepack(w)
     f32_size = onednn.prepacked_bytes(96, 200, jnp.float32)
-    assert (packed.shape == (f32_size,)) is in_float32
+    # on the float32 path held as float32, unless the kernel's own tiles widen bfloat16 ones
+    as_f32 = in_float32 and not onednn.panels(96, 200)
+    assert (packed.shape == (f32_size,)) is as_f32 and packed.shape[0] <= f32_size
     ys = {
         "row-major": onednn.matmul(x, w),
         "transposed": onednn.matmul(x, w.T, transpose_w=True),
@@ -174,6 +197,8 @@ def test_the_serve_runner_says_when_bfloat16_runs_as_float32():
   with onednn.bf16_as_float32(True):
     note = matmul_lib.bfloat16_note("onednn", jnp.bfloat16)
     assert note.startswith("# ") and "run as float32 ones" in note and "\n" not in note
+    tiles = onednn.panels(1024, 1024)
+    assert ("held as float32" in note) is not tiles and ("widened as" in note) is tiles
     assert matmul_lib.bfloat16_note("onednn", jnp.float32) is None
     assert matmul_lib.bfloat16_note("xla", jnp.bfloat16) is None
   with onednn.bf16_as_float32(False):
