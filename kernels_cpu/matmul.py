@@ -133,6 +133,19 @@ def bf16_in_float32() -> bool:
 
 
 @contextlib.contextmanager
+def _overridden(setter: str, value: bool):
+  """One of the library's process-wide choices set to `value` inside, and back to the CPU's
+  rule after (`setter`: its C function, which takes 1, 0 or -1)."""
+  _check_available()
+  set_choice = getattr(_LOADED[0], setter)
+  set_choice(int(bool(value)))
+  try:
+    yield
+  finally:
+    set_choice(-1)
+
+
+@contextlib.contextmanager
 def bf16_as_float32(value: bool):
   """Runs bfloat16 products as float32 ones (True) or on oneDNN's bfloat16 kernels (False)
   inside, whatever the CPU (tests of either path). Weights prepacked inside are refused outside
@@ -144,12 +157,8 @@ def bf16_as_float32(value: bool):
   Raises:
     RuntimeError: the kernel is unavailable here.
   """
-  _check_available()
-  _LOADED[0].JaxpipeSetBf16InFloat32(int(bool(value)))
-  try:
+  with _overridden("JaxpipeSetBf16InFloat32", value):
     yield
-  finally:
-    _LOADED[0].JaxpipeSetBf16InFloat32(-1)
 
 
 def panels(k: int, n: int) -> bool:
@@ -197,12 +206,8 @@ def panels_forced(value: bool):
   Raises:
     RuntimeError: the kernel is unavailable here.
   """
-  _check_available()
-  _LOADED[0].JaxpipeSetPanels(int(bool(value)))
-  try:
+  with _overridden("JaxpipeSetPanels", value):
     yield
-  finally:
-    _LOADED[0].JaxpipeSetPanels(-1)
 
 
 def prepacked_bytes(k: int, n: int, dtype) -> int:
