@@ -357,8 +357,12 @@ void Panels(const float*, const W*, float*, int64_t, int64_t, int64_t) {}
 bool PanelsHere(int64_t k, int64_t n) {
   const int set = panels_override.load();
   static const bool intel = [] {
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") && __builtin_cpu_supports("avx512f");
+#else
+    return false;  // the vendor test is x86's; the tiles are AVX-512 anyway
+#endif
   }();
   if (!kPanelsBuilt || !(set >= 0 ? set != 0 : intel)) return false;
   return PackedDesc(k, n, dt::f32) == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
