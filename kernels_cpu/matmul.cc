@@ -219,14 +219,15 @@ void Narrow(const float* from, int64_t count, uint16_t* to) {
 // Packed float32 weights are oneDNN's BA16a64b layout on AVX-512 CPUs: N in panels of 64
 // columns, each panel's K rows (padded to a multiple of 16) one after another, 64 floats a row.
 // `Panels` multiplies x by those bytes directly: tiles of 6 rows of x times one panel, their 6 x
-// 64 sums held in 24 registers over the whole of K (each weight row loaded once for the tile's 6
+// 64 sums held in 24 registers over a block of K (each weight row loaded once for the tile's 6
 // rows, each x value broadcast once for its 64 columns). Where a panel has few tiles (a decode
-// step's few rows) each tile also fetches its share of the next panel into L2, so that the
+// step's few rows) each tile also fetches its share of the next block into L2, so that the
 // weights stream from memory while the sums are computed. Weights of bfloat16 values may be
 // held as bfloat16 in the same layout and widened as they load (half the bytes to stream). On
-// the Ice Lake machine, alternated with oneDNN 3.2's brgemm on the same bytes, SmolLM2-135M's
-// 64-row GEMMs ran 1.17x as fast, its 1,024-row ones level (docs/serving.md, "GEMMs on the
-// CPU"); it runs on Intel CPUs with AVX-512 (`PanelsHere`), oneDNN elsewhere.
+// the Ice Lake machine, alternated with oneDNN 3.2's brgemm on the same bytes, the 64-row GEMMs
+// of SmolLM2-135M and 16-row ones of Llama-3.2-1B ran 1.16-1.17x as fast, 1,024-row ones
+// 0.94-0.99x (docs/serving.md, "GEMMs on the CPU"): it runs on Intel CPUs with AVX-512
+// (`PanelsHere`) for float32 products of up to kPanelsRows rows, oneDNN elsewhere.
 
 // -1: decide by the CPU; 0 or 1: as set (`JaxpipeSetPanels`, for tests).
 std::atomic<int> panels_override{-1};
@@ -238,9 +239,6 @@ constexpr int64_t kPanel = 64;     // columns of a panel (BA16a64b's inner block
 constexpr int64_t kTileRows = 6;   // 6 x 4 sums + 4 weight vectors + 1 broadcast: 29 of 32 zmm
 constexpr int64_t kAheadTiles = 16;  // at most this many tiles a panel: fetch the next one ahead
 
-// y[0 .. R - 1, panel's columns] = x[0 .. R - 1, :] @ panel: x rows ldx apart, y rows n apart,
-// the panel's 4 column quarters stored under `cols`; fetches `lines` cache lines from `ahead`
-// into L2 along the way, spread over K.
 // 16 weights from `at` as floats: float32 as they are, bfloat16 widened (a float's upper half).
 inline __m512 Weights16(const float* at) { return _mm512_loadu_ps(at); }
 inline __m512 Weights16(const uint16_t* at) {
@@ -248,6 +246,10 @@ inline __m512 Weights16(const uint16_t* at) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// y[0 .. R - 1, panel's columns] (+)= x[0 .. R - 1, :k] @ panel[:k]: x rows ldx apart, y rows n
+// apart, the panel's 4 column quarters stored under `cols`, added to what y holds when `add` (a
+// later block of K); fetches `lines` cache lines from `ahead` into L2 along the way, spread
+// over the k rows.
 template <int R, typename W>
 void Tile(const float* x, int64_t ldx, const W* panel, int64_t k, float* y, int64_t n,
           const __mmask16* cols, bool add, const char* ahead, int64_t lines) {
