@@ -322,7 +322,7 @@ void Panels(const float* x, const W* w, float* y, int64_t m, int64_t k, int64_t 
         // what the tiles fetch meanwhile: the panel's next block, or the next panel's first
         const bool last_block = k0 + kb >= k;
         const W* next_block = last_block ? panel + kp * kPanel : panel + (k0 + kb) * kPanel;
-        const int64_t next_rows = last_block ? std::min(kb, k) : std::min(kb, k - k0 - kb);
+        const int64_t next_rows = last_block ? kb : std::min(kb, k - k0 - kb);
         const int64_t block_lines = next_rows * row_bytes / 64;
         const bool fetch = ahead && !(last_block && p + 1 >= panels);
         for (int64_t tile = tile0; tile < tile1; ++tile) {

@@ -34,9 +34,7 @@ TARGET = "jaxpipe_matmul"
 PREPACKED_TARGET, PREPACK_TARGET = "jaxpipe_matmul_prepacked", "jaxpipe_prepack"
 ROWS_TARGET = "jaxpipe_matmul_prepacked_rows"  # the prepacked product of its first rows only
 ROW_GRAIN = 16  # a row-limited product computes its rows rounded up to this (matmul.cc)
-PANELS_ROWS = (
-    256  # float32 products of more rows run oneDNN's matmul, not the own tiles (matmul.cc)
-)
+PANELS_ROWS = 256  # float32 products of more rows run oneDNN, not the own tiles (matmul.cc)
 DTYPES = (jnp.float32, jnp.bfloat16)  # x and w alike; a bfloat16 product may come out float32
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _LIBRARY, _HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"

@@ -318,8 +318,8 @@ void WeighBlock(int64_t nb, const U* const* v_rows, int64_t b_lo, int64_t b_hi, 
 // The bytes at the start of a page that `Prefetch` asks for: the CPU's L2 streamer, which runs
 // ahead of ascending lines within a 4 KB page, fetches the rest. Each prefetch holds one of the
 // core's few line-fill buffers until its line arrives, so a whole page's (a float32 page of 16
-// slots: 64 lines) stalled the loop; its first 1 KB ran a decode step's attention 1.13-1.18x
-// faster (Ice Lake, float32 pools, contexts 200-500; 4 or 64 lines a page were slower).
+// slots: 64 lines) stalled the loop; its first 1 KB ran a decode step's attention 1.15x faster
+// (Ice Lake, float32 pools, contexts 200 and 500; 1, 4, 8 or 32 lines a page were slower).
 constexpr int64_t kPrefetchBytes = 1024;
 
 // Fetches the starts of pages table[first .. last - 1] of one KV head's pool (`head`, pages of
