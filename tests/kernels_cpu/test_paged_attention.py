@@ -57,7 +57,7 @@ def test_kernel_equals_the_gather_reference_on_the_ragged_case():
     [(16, 4, 8, 32), (8, 2, 2, 64), (16, 1, 4, 48), (4, 2, 8, 40)],
 )
 def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads, heads, head_dim):
-  """Contexts of several 64-key chunks, rows longer than a work item's 16 tokens (several
+  """Contexts of several 64-key chunks, rows longer than a work item's 64 tokens (several
   tiles), prefills with and without a cached prefix (a tile's queries starting mid-chunk),
   decode rows; one to four query heads per KV head (so both the transposed and the key-by-key
   scores run); head dims of 1 to 8 register blocks and not a multiple of 32 (48, 40)."""
@@ -67,6 +67,20 @@ def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads
       seqs, page_size, kv_heads, head_dim, rng, rows=11, tokens=live_pad(seqs)
   )
   q = rng.standard_normal((tables_T.shape[0], heads, head_dim)).astype(np.float32)
+  _check(q, k, v, rows, tables_T, lengths_T, live)
+
+
+@pytest.mark.parametrize("cached", [0, 21])
+def test_kernel_equals_the_gather_reference_on_a_lone_prompt(cached):
+  """One prompt of 50 tokens and one KV head: too few 64-token work items to share among the
+  threads, so the call takes 16-token ones (several tiles of one row); keys transposed 16 at a
+  time and a last chunk's keys past a multiple of 16 (page size 8)."""
+  rng = np.random.default_rng(cached)
+  seqs = [(cached, 50)]
+  k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
+      seqs, 8, 1, 64, rng, rows=2, tokens=live_pad(seqs)
+  )
+  q = rng.standard_normal((tables_T.shape[0], 4, 64)).astype(np.float32)
   _check(q, k, v, rows, tables_T, lengths_T, live)
 
 
