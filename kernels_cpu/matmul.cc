@@ -367,7 +367,17 @@ bool PanelsHere(int64_t k, int64_t n) {
 #endif
   }();
   if (!kPanelsBuilt || !(set >= 0 ? set != 0 : intel)) return false;
-  return PackedDesc(k, n, dt::f32) == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
+  // oneDNN's packing of a shape is fixed within a process: the answer is kept per shape, as
+  // every packed product asks (building a memory::desc to compare took about a microsecond)
+  static std::mutex mu;
+  static std::unordered_map<Key, bool, KeyHash> cache;
+  const Key key{0, k, n, int(dt::f32), int(dt::f32), kPacked, 0};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool panels =
+      PackedDesc(k, n, dt::f32) == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
+  return cache.emplace(key, panels).first->second;
 }
 
 // Float32 products of at most this many rows run `Panels` where it runs, longer ones oneDNN's
