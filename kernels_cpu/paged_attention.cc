@@ -18,9 +18,9 @@
 // (`Bf16Scores`), decode's few vectors from the rows in place, 16 keys at a time
 // (`Bf16KeyScores`). Where the CPU has AVX-512, 512-bit registers hold decode's weighted values
 // (read in place, `WeighValuesWide`), a prefill's float32 scores (64 keys at a time,
-// `WideScores`) and its keys' transposes (`TransposeKeys`), and the softmax's exponentials
-// (`ExpSumWide`). Work items are (row, KV head, tile of up to kTile tokens), taken in turn by
-// the caller and the tasks it schedules on XLA's intra-op thread pool.
+// `WideScores`) and its keys' transposes (`TransposeKeys`), and the softmax's maxima and
+// exponentials (`MaxOf`, `ExpSum`). Work items are (row, KV head, tile of up to kTile tokens),
+// taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
 //
 // Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32 or bfloat16, or of int8 with
 // scales [G, P, S] (a key or value row is its int8 values times its slot's scale), tables [B, N],
@@ -329,7 +329,7 @@ __attribute__((noinline)) void WideScores(const float* q0, const float* kt, int6
 }
 
 // The largest of x[0 .. n - 1] and mx, 16 lanes at a time.
-inline float MaxWide(const float* x, int64_t n, float mx) {
+inline float MaxOf(const float* x, int64_t n, float mx) {
   __m512 m16 = _mm512_set1_ps(mx);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 in = First(n - j);
@@ -343,7 +343,7 @@ typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 
 // x[j] = exp(x[j] - mx) for j < n, 16 at a time (`Exp`'s steps); returns their sum.
-inline float ExpSumWide(float* x, int64_t n, float mx) {
+inline float ExpSum(float* x, int64_t n, float mx) {
   __m512 sum = _mm512_setzero_ps();
   const __m512 m16 = _mm512_set1_ps(mx);
   for (int64_t j = 0; j < n; j += 16) {
@@ -391,12 +391,10 @@ template <typename T>
 int64_t TransposeKeys(const T* const* k_rows, const float* k_sc, int64_t j, int64_t keys,
                       int64_t D, int64_t L, float* kt) {
   for (; j + 16 <= keys; j += 16) {
-    const __m512 sc = _mm512_loadu_ps(k_sc + j);
     for (int64_t d = 0; d < D; d += 16) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
-        r[i] = _mm512_mul_ps(Load16(0xffff, k_rows[j + i] + d),
-                             _mm512_permutexvar_ps(_mm512_set1_epi32(i), sc));
+        r[i] = _mm512_mul_ps(Load16(0xffff, k_rows[j + i] + d), _mm512_set1_ps(k_sc[j + i]));
       }
       Transpose16(r);
       for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (d + c) * L + j, r[c]);
@@ -412,8 +410,37 @@ void WeighValuesWide(const U* const*, int64_t, int64_t, int64_t, int64_t, const 
                      const float*, float*) {}
 template <int NJ>
 void WideScores(const float*, const float*, int64_t, int64_t, int64_t, float*) {}
-inline float MaxWide(const float*, int64_t, float mx) { return mx; }
-inline float ExpSumWide(float*, int64_t, float) { return 0.0f; }
+// The largest of x[0 .. n - 1] and mx, eight running maxima: one chain of dependent maxss per
+// key was the loop's cost.
+inline float MaxOf(const float* x, int64_t n, float mx) {
+  F8 mx8 = Splat(mx);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const F8 v = Load(x + j);
+    mx8 = v > mx8 ? v : mx8;
+  }
+  for (int64_t e = 0; e < kW; ++e) mx = std::max(mx, mx8[e]);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// x[j] = exp(x[j] - mx) for j < n, eight at a time; returns their sum.
+inline float ExpSum(float* x, int64_t n, float mx) {
+  F8 sum = Splat(0.0f);
+  const F8 mx8 = Splat(mx);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const F8 e = Exp(Load(x + j) - mx8);
+    Store(x + j, e);
+    sum += e;
+  }
+  float total = Sum(sum);
+  for (; j < n; ++j) {
+    x[j] = Exp(x[j] - mx);
+    total += x[j];
+  }
+  return total;
+}
 template <typename T>
 int64_t TransposeKeys(const T* const*, const float*, int64_t j, int64_t, int64_t, int64_t, float*) {
   return j;
@@ -680,7 +707,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
           Bf16Scores(rows.q_pairs.data() + b * half_d, kp, half_d, L, j, p.scale, s + b * L);
         }
       }
-    } else if (transposed) {  // the scores of kBlock vectors x 32 keys at a time, sums over d
+    } else if (transposed) {  // the scores of kBlock vectors x 32 (or 64) keys at a time
       int64_t first = lo / (4 * kW) * (4 * kW);
       if (kWide && D % 16 == 0) first = TransposeKeys(k_rows.data(), k_sc, first, keys, D, L, kt);
       for (int64_t j = first; j < keys; ++j) {
@@ -762,38 +789,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       if (p.softcap > 0) {
         for (int64_t j = b0; j < e0; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
       }
-      float mx = m[vec];
-      float total = 0.0f;
-      if constexpr (kWide) {
-        mx = MaxWide(sr + b0, e0 - b0, mx);
-        alpha[vec] = Exp(m[vec] - mx);
-        total = ExpSumWide(sr + b0, e0 - b0, mx);
-      } else {
-        {  // eight running maxima: one chain of dependent maxss per key was the loop's cost
-          F8 mx8 = Splat(mx);
-          int64_t j = b0;
-          for (; j + kW <= e0; j += kW) {
-            const F8 x = Load(sr + j);
-            mx8 = x > mx8 ? x : mx8;
-          }
-          for (int64_t e = 0; e < kW; ++e) mx = std::max(mx, mx8[e]);
-          for (; j < e0; ++j) mx = std::max(mx, sr[j]);
-        }
-        alpha[vec] = Exp(m[vec] - mx);
-        F8 sum = Splat(0.0f);
-        const F8 mx8 = Splat(mx);
-        int64_t j = b0;
-        for (; j + kW <= e0; j += kW) {
-          const F8 e = Exp(Load(sr + j) - mx8);
-          Store(sr + j, e);
-          sum += e;
-        }
-        total = Sum(sum);
-        for (; j < e0; ++j) {
-          sr[j] = Exp(sr[j] - mx);
-          total += sr[j];
-        }
-      }
+      const float mx = MaxOf(sr + b0, e0 - b0, m[vec]);
+      alpha[vec] = Exp(m[vec] - mx);
+      const float total = ExpSum(sr + b0, e0 - b0, mx);
       l[vec] = l[vec] * alpha[vec] + total;
       m[vec] = mx;
       if (p.v_scale != nullptr) {  // an int8 value row's scale
