@@ -397,13 +397,20 @@ constexpr int64_t kBf16PanelsTrailer = 64;
 // Elsewhere on such CPUs they are packed as float32, twice the bytes.
 bool Bf16Panels(int64_t k, int64_t n) { return Bf16InFloat32() && PanelsHere(k, n); }
 
-// The packed bytes of [k, n] weights of `type` (`PrepackImpl`'s output).
-int64_t PackedBytes(int64_t k, int64_t n, dt type) {
+// The layout packed [k, n] weights of `type` are held in: bfloat16 ones as bfloat16 BA16a64b
+// where `Bf16Panels`, else oneDNN's (`PackedDesc`).
+dnnl::memory::desc HeldDesc(int64_t k, int64_t n, dt type) {
   if (type == dt::bf16 && Bf16Panels(k, n)) {
-    return int64_t(dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b).get_size()) +
-           kBf16PanelsTrailer;
+    return dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b);
   }
-  return int64_t(PackedDesc(k, n, type).get_size());
+  return PackedDesc(k, n, type);
+}
+
+// The packed bytes of [k, n] weights of `type` (`PrepackImpl`'s output): the held layout's, and
+// the trailer of bfloat16 weights held for `Panels`.
+int64_t PackedBytes(int64_t k, int64_t n, dt type) {
+  const bool trailer = type == dt::bf16 && Bf16Panels(k, n);
+  return int64_t(HeldDesc(k, n, type).get_size()) + (trailer ? kBf16PanelsTrailer : 0);
 }
 
 // A bfloat16 product as a float32 one (`Bf16InFloat32`): x [m, k] widened; packed weights are
@@ -546,16 +553,14 @@ ffi::Error PrepackImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> packed, boo
   }
   const int64_t k = transpose_w ? wd[1] : wd[0], n = transpose_w ? wd[0] : wd[1];
   try {
-    const bool bf16_panels = type == dt::bf16 && Bf16Panels(k, n);
-    dnnl::memory::desc to =
-        bf16_panels ? dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b) : PackedDesc(k, n, type);
-    if (int64_t(packed->size_bytes()) != PackedBytes(k, n, type)) {
+    const dnnl::memory::desc to = HeldDesc(k, n, type);
+    const int64_t bytes = PackedBytes(k, n, type);
+    if (int64_t(packed->size_bytes()) != bytes) {
       return ffi::Error::InvalidArgument("pack: the output's size is not the packed layout's");
     }
-    if (bf16_panels) {
-      std::memset(static_cast<uint8_t*>(packed->untyped_data()) + to.get_size(), 0,
-                  kBf16PanelsTrailer);
-    }
+    // the trailer of bfloat16 weights held for `Panels` (none elsewhere): zeros
+    std::memset(static_cast<uint8_t*>(packed->untyped_data()) + to.get_size(), 0,
+                bytes - int64_t(to.get_size()));
     if (k == 0 || n == 0) return ffi::Error::Success();
     dnnl::memory from({{k, n}, type, transpose_w ? tag::ba : tag::ab}, Engine(), w.untyped_data());
     dnnl::memory into(to, Engine(), packed->untyped_data());

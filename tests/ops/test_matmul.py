@@ -133,7 +133,8 @@ def test_either_packed_float32_kernel_equals_the_float64_product(use_panels):
           onednn.matmul_prepacked(x, packed, 80)
     # 6 shapes whole and row-limited, and the bfloat16 one: on the tiles, or never
     assert onednn.panels_calls() - calls == (13 if use_panels else 0)
-    # past ROWS float32 products run oneDNN's matmul; bfloat16 weights held for the tiles do not
+    # past PANELS_ROWS float32 products run oneDNN's matmul; bfloat16 weights held for the
+    # tiles do not
     x = jnp.asarray(rng.standard_normal((onednn.PANELS_ROWS + 1, 96)), jnp.float32)
     calls = onednn.panels_calls()
     y = np.asarray(onednn.matmul_prepacked(x, onednn.prepack(w.astype(jnp.float32)), 80))
