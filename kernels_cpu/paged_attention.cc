@@ -210,6 +210,8 @@ struct Rows {
 
 // Items whose scores ran as bfloat16 dot products (`Bf16Scores`), for JaxpipeBf16ScoreItems.
 std::atomic<int64_t> bf16_score_items{0};
+// Work items the calls of this process made, for JaxpipeWorkItems.
+std::atomic<int64_t> work_items{0};
 
 // The union of a block of kBlock query vectors' keys (begin .. end - 1 each; empty ranges left
 // out): (keys, 0) when every range is empty.
@@ -920,6 +922,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
       }
     }
   }
+  work_items.fetch_add(static_cast<int64_t>(p.items.size()), std::memory_order_relaxed);
   // The longest items first, so that the last ones taken are short.
   std::stable_sort(p.items.begin(), p.items.end(), [&](const Item& a, const Item& b) {
     auto cost = [&](const Item& x) {
@@ -984,6 +987,9 @@ ffi::Error ImplInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
 
 // How many work items in this process scored their keys as bfloat16 dot products; -1 where
 // the kernel was built without AVX512_BF16.
+// Work items made by the calls of this process so far (each a row's tile of tokens, one KV head).
+extern "C" int64_t JaxpipeWorkItems() { return work_items.load(); }
+
 extern "C" int64_t JaxpipeBf16ScoreItems() {
   return kBf16Scores ? bf16_score_items.load() : -1;
 }

@@ -52,6 +52,7 @@ def unavailable() -> str | None:
           target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
       )
     library.JaxpipeBf16ScoreItems.restype = ctypes.c_int64
+    library.JaxpipeWorkItems.restype = ctypes.c_int64
     _LOADED.append(library)
   except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
     return str(e)
@@ -81,6 +82,18 @@ def bf16_score_items() -> int | None:
   _check_available()
   items = int(_LOADED[0].JaxpipeBf16ScoreItems())
   return None if items < 0 else items
+
+
+def work_items() -> int:
+  """Work items this process's calls made so far: each a row's tile of up to 64 tokens under
+  one KV head, or of up to 16 where a call's 64-token items would be fewer than 4 for each of
+  the intra-op pool's threads.
+
+  Raises:
+    RuntimeError: the kernel is unavailable here.
+  """
+  _check_available()
+  return int(_LOADED[0].JaxpipeWorkItems())
 
 
 def ragged_paged_attention(

@@ -84,6 +84,20 @@ def test_kernel_equals_the_gather_reference_on_a_lone_prompt(cached):
   _check(q, k, v, rows, tables_T, lengths_T, live)
 
 
+def test_work_items_take_64_tokens_unless_too_few_to_share():
+  """Rows cut into 64-token items, or 16-token ones where the 64-token items would be fewer
+  than 4 a thread: a lone 50-token prompt under one KV head (1 such item) takes 4, and 32
+  prompts of 256 tokens under 8 KV heads (1,024 such items) take 1,024."""
+  rng = np.random.default_rng(0)
+  fn = jax.jit(ragged_paged_attention, static_argnames=("kernel",))
+  for seqs, kv_heads, want in (([(0, 50)], 1, 4), ([(0, 256)] * 32, 8, 32 * 4 * 8)):
+    k, v, rows, tables_T, *_ = helpers.ragged_pages(seqs, 16, kv_heads, 16, rng)
+    q = rng.standard_normal((tables_T.shape[0], kv_heads, 16)).astype(np.float32)
+    before = cpu_pa.work_items()
+    jax.block_until_ready(fn(q, k, v, rows, kernel="cpu"))
+    assert cpu_pa.work_items() - before == want
+
+
 @pytest.mark.parametrize("window, softcap", [(5, 0.0), (70, 2.0), (1, 0.0), (0, 1.5)])
 def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, softcap):
   """Sliding windows (a traced one, as a layer of a mixed stack passes it) from the token alone
