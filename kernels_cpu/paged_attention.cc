@@ -18,8 +18,8 @@
 // (`Bf16Scores`), decode's few vectors from the rows in place, 16 keys at a time
 // (`Bf16KeyScores`). Where the CPU has AVX-512, 512-bit registers hold decode's weighted values
 // (read in place, `WeighValuesWide`), a prefill's float32 scores (64 keys at a time,
-// `WideScores`) and its keys' transposes (`TransposeKeys`), and the softmax's maxima and
-// exponentials (`MaxOf`, `ExpSum`). Work items are (row, KV head, tile of up to kTile tokens),
+// `WideScores`) and its keys' transposes (`TransposeKeys`), and the softmax of a block's
+// vectors together (`SoftmaxBlock`). Work items are (row, KV head, tile of up to kTile tokens),
 // taken in turn by the caller and the tasks it schedules on XLA's intra-op thread pool.
 //
 // Layouts (row-major): q [T, H, D], pools [G, P, S, D] of float32 or bfloat16, or of int8 with
@@ -56,7 +56,7 @@ namespace {
 constexpr int64_t kTile = 64;
 constexpr int64_t kShortTile = 16;
 constexpr int64_t kItemsPerThread = 4;
-constexpr int64_t kChunkKeys = 64;  // keys (whole pages) read and scored together
+constexpr int64_t kChunkKeys = 128;  // keys (whole pages) read and scored together
 constexpr int64_t kTranspose = 8;   // a chunk's keys are transposed for this many queries or more
 constexpr int64_t kBlock = 4;       // query vectors whose scores and weighted values run together
 
@@ -330,36 +330,76 @@ __attribute__((noinline)) void WideScores(const float* q0, const float* kt, int6
   }
 }
 
-// The largest of x[0 .. n - 1] and mx, 16 lanes at a time.
-inline float MaxOf(const float* x, int64_t n, float mx) {
-  __m512 m16 = _mm512_set1_ps(mx);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 in = First(n - j);
-    m16 = _mm512_mask_max_ps(m16, in, m16, _mm512_maskz_loadu_ps(in, x + j));
-  }
-  return _mm512_reduce_max_ps(m16);
-}
-
 // Sixteen floats: one AVX-512 register, for the softmax's exponentials.
 typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 
-// x[j] = exp(x[j] - mx) for j < n, 16 at a time (`Exp`'s steps); returns their sum.
-inline float ExpSum(float* x, int64_t n, float mx) {
-  __m512 sum = _mm512_setzero_ps();
-  const __m512 m16 = _mm512_set1_ps(mx);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 in = First(n - j);
-    F16 v;
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + j), m16);
-    std::memcpy(&v, &d, sizeof(v));
-    v = ExpOf<F16, I16>(v);
-    __m512 e;
-    std::memcpy(&e, &v, sizeof(e));
-    _mm512_mask_storeu_ps(x + j, in, e);
-    sum = _mm512_mask_add_ps(sum, in, sum, e);
+inline __m512 Exp16(__m512 x) {
+  F16 v;
+  std::memcpy(&v, &x, sizeof(v));
+  v = ExpOf<F16, I16>(v);
+  std::memcpy(&x, &v, sizeof(x));
+  return x;
+}
+
+// The online softmax's update for a block of kBlock query vectors over the keys lo .. hi - 1 of
+// their scores s [kBlock, L] (vector u's own keys begin[u] .. end[u] - 1): each one's new max
+// (into m), the factor alpha by which its running sums shrink, its scores replaced by their
+// weights (0 outside its own keys, times v_sc where not null) and their sum added to l. The
+// block's four vectors run in the same loops, 16 keys a register: one vector at a time, each
+// step waited on the last (a max, its sum across lanes, the exponentials, their sum), the
+// softmax took more of a prefill's call than the scores.
+inline void SoftmaxBlock(float* s, int64_t L, const int64_t* begin, const int64_t* end,
+                         int64_t lo, int64_t hi, const float* v_sc, float* m, float* l,
+                         float* alpha) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 mx[kBlock];
+  __m512i b[kBlock], e[kBlock];
+  for (int u = 0; u < kBlock; ++u) {
+    mx[u] = _mm512_set1_ps(m[u]);
+    b[u] = _mm512_set1_epi32(static_cast<int32_t>(begin[u]));
+    e[u] = _mm512_set1_epi32(static_cast<int32_t>(end[u]));
   }
-  return _mm512_reduce_add_ps(sum);
+  const int64_t first = lo / 16 * 16;
+  for (int64_t j = first; j < hi; j += 16) {
+    const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    for (int u = 0; u < kBlock; ++u) {
+      const __mmask16 in = _mm512_cmpge_epi32_mask(at, b[u]) & _mm512_cmplt_epi32_mask(at, e[u]);
+      mx[u] = _mm512_mask_max_ps(mx[u], in, mx[u], _mm512_maskz_loadu_ps(in, s + u * L + j));
+    }
+  }
+  __m512 top[kBlock], sum[kBlock];
+  float a[16] = {};
+  for (int u = 0; u < kBlock; ++u) {
+    const float new_m = _mm512_reduce_max_ps(mx[u]);
+    a[u] = m[u] - new_m;
+    m[u] = new_m;
+    top[u] = _mm512_set1_ps(new_m);
+    sum[u] = _mm512_setzero_ps();
+  }
+  _mm512_storeu_ps(a, Exp16(_mm512_loadu_ps(a)));
+  const __m512i kept_lo = _mm512_set1_epi32(static_cast<int32_t>(lo));
+  const __m512i kept_hi = _mm512_set1_epi32(static_cast<int32_t>(hi));
+  for (int64_t j = first; j < hi; j += 16) {
+    const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    const __mmask16 kept = _mm512_cmpge_epi32_mask(at, kept_lo) & _mm512_cmplt_epi32_mask(at, kept_hi);
+    const __m512 vs = v_sc != nullptr ? _mm512_maskz_loadu_ps(kept, v_sc + j) : _mm512_set1_ps(1);
+    for (int u = 0; u < kBlock; ++u) {
+      const __mmask16 in = _mm512_cmpge_epi32_mask(at, b[u]) & _mm512_cmplt_epi32_mask(at, e[u]);
+      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + u * L + j), top[u]);
+      const __m512 w = _mm512_maskz_mov_ps(in, Exp16(x));
+      sum[u] = _mm512_add_ps(sum[u], w);
+      _mm512_mask_storeu_ps(s + u * L + j, kept, v_sc != nullptr ? _mm512_mul_ps(w, vs) : w);
+    }
+  }
+  for (int u = 0; u < kBlock; ++u) {
+    if (begin[u] >= end[u]) {  // no keys here: its sums stay (its max may still be -inf)
+      alpha[u] = 1.0f;
+      continue;
+    }
+    alpha[u] = a[u];
+    l[u] = l[u] * a[u] + _mm512_reduce_add_ps(sum[u]);
+  }
 }
 
 // r[c] = column c of the 16 x 16 floats r[0 .. 15] held (a transpose in registers).
@@ -442,6 +482,29 @@ inline float ExpSum(float* x, int64_t n, float mx) {
     total += x[j];
   }
   return total;
+}
+// SoftmaxBlock (above) one vector at a time.
+inline void SoftmaxBlock(float* s, int64_t L, const int64_t* begin, const int64_t* end,
+                         int64_t lo, int64_t hi, const float* v_sc, float* m, float* l,
+                         float* alpha) {
+  for (int64_t u = 0; u < kBlock; ++u) {
+    float* sr = s + u * L;
+    const int64_t b0 = begin[u], e0 = end[u];
+    if (b0 >= e0) {  // no keys here: its sums stay
+      alpha[u] = 1.0f;
+      std::fill(sr + lo, sr + hi, 0.0f);
+      continue;
+    }
+    const float mx = MaxOf(sr + b0, e0 - b0, m[u]);
+    alpha[u] = Exp(m[u] - mx);
+    l[u] = l[u] * alpha[u] + ExpSum(sr + b0, e0 - b0, mx);
+    m[u] = mx;
+    if (v_sc != nullptr) {  // an int8 value row's scale
+      for (int64_t j = b0; j < e0; ++j) sr[j] *= v_sc[j];
+    }
+    std::fill(sr + lo, sr + b0, 0.0f);
+    std::fill(sr + e0, sr + hi, 0.0f);
+  }
 }
 template <typename T>
 int64_t TransposeKeys(const T* const*, const float*, int64_t j, int64_t, int64_t, int64_t, float*) {
@@ -776,31 +839,21 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch, Rows
       }
     }
     Prefetch(v_head, table, S * D, ahead, ahead_end);
-    // The online softmax's update: each vector's new max, its scores' weights and the factor
-    // alpha by which its running sums shrink. A weight is then set to exactly 0 at each key of
-    // lo .. hi - 1 outside the vector's own (a score there may be a stale slot's NaN, and the
-    // blocks below weigh keys of the union).
-    for (int64_t vec = from * R / kBlock * kBlock; vec < padded_vecs; ++vec) {
-      float* sr = s + vec * L;
-      const int64_t b0 = begin[vec], e0 = end[vec];
-      if (b0 >= e0) {  // no keys here: its sums stay
-        alpha[vec] = 1.0f;
-        std::fill(sr + lo, sr + hi, 0.0f);
-        continue;
-      }
+    // The online softmax's update, a block of vectors at a time: each vector's new max, its
+    // scores' weights and the factor alpha by which its running sums shrink. A weight is set to
+    // exactly 0 at each key of lo .. hi - 1 outside the vector's own (a score there may be a
+    // stale slot's NaN, and the blocks below weigh keys of the union).
+    for (int64_t b = from * R / kBlock * kBlock; b < padded_vecs; b += kBlock) {
       if (p.softcap > 0) {
-        for (int64_t j = b0; j < e0; ++j) sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
+        for (int64_t vec = b; vec < b + kBlock; ++vec) {
+          float* sr = s + vec * L;
+          for (int64_t j = begin[vec]; j < end[vec]; ++j) {
+            sr[j] = p.softcap * std::tanh(sr[j] / p.softcap);
+          }
+        }
       }
-      const float mx = MaxOf(sr + b0, e0 - b0, m[vec]);
-      alpha[vec] = Exp(m[vec] - mx);
-      const float total = ExpSum(sr + b0, e0 - b0, mx);
-      l[vec] = l[vec] * alpha[vec] + total;
-      m[vec] = mx;
-      if (p.v_scale != nullptr) {  // an int8 value row's scale
-        for (int64_t j = b0; j < e0; ++j) sr[j] *= v_sc[j];
-      }
-      std::fill(sr + lo, sr + b0, 0.0f);
-      std::fill(sr + e0, sr + hi, 0.0f);
+      SoftmaxBlock(s + b * L, L, begin + b, end + b, lo, hi, p.v_scale != nullptr ? v_sc : nullptr,
+                   m + b, l + b, alpha + b);
     }
     // The weighted values: kBlock vectors x 32 channels held over their keys, each value row
     // read once for the block's vectors.

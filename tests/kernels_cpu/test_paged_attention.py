@@ -3,7 +3,7 @@ gather reference, its errors, the rule that picks it, and the engine on it again
 oracle.
 
 `paged_attention_reference` gathers every token's pages and takes one softmax with XLA; the
-kernel reads the pages in place with an online softmax over chunks of 64 keys, its own
+kernel reads the pages in place with an online softmax over chunks of 128 keys, its own
 exponential, and scores summed in another order: the two agree to a relative 1e-5 of the
 output's scale. Slots no row owns, and the unwritten tail of each row's last page, hold NaN, so
 a key read outside a row's positions would show. The tests need a C++ compiler; without one on
@@ -57,12 +57,12 @@ def test_kernel_equals_the_gather_reference_on_the_ragged_case():
     [(16, 4, 8, 32), (8, 2, 2, 64), (16, 1, 4, 48), (4, 2, 8, 40)],
 )
 def test_kernel_equals_the_gather_reference_over_many_chunks(page_size, kv_heads, heads, head_dim):
-  """Contexts of several 64-key chunks, rows longer than a work item's 64 tokens (several
+  """Contexts of several 128-key chunks, rows longer than a work item's 64 tokens (several
   tiles), prefills with and without a cached prefix (a tile's queries starting mid-chunk),
   decode rows; one to four query heads per KV head (so both the transposed and the key-by-key
   scores run); head dims of 1 to 8 register blocks and not a multiple of 32 (48, 40)."""
   rng = np.random.default_rng(page_size + head_dim)
-  seqs = [(0, 150), (37, 1), (0, 3), (200, 1), (70, 45), (129, 17), (0, 1), (5, 60)]
+  seqs = [(0, 150), (37, 1), (0, 3), (300, 1), (70, 45), (250, 17), (0, 1), (5, 60)]
   k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
       seqs, page_size, kv_heads, head_dim, rng, rows=11, tokens=live_pad(seqs)
   )
@@ -104,7 +104,7 @@ def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, so
   to longer than a chunk, and soft-capped scores, float32 and int8: the keys before each row's
   window are NaN, as freed pages given to another sequence would be, and never reach it."""
   rng = np.random.default_rng(window)
-  seqs = [(0, 150), (37, 1), (0, 3), (200, 1), (70, 45), (129, 17), (0, 1), (5, 60)]
+  seqs = [(0, 150), (37, 1), (0, 3), (300, 1), (70, 45), (250, 17), (0, 1), (5, 60)]
   k, v, rows, tables_T, lengths_T, live = helpers.ragged_pages(
       seqs, 16, 2, 32, rng, rows=11, tokens=live_pad(seqs), window=window
   )
