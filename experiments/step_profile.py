@@ -21,7 +21,10 @@ Then the engine's steps at that shape (random weights held in the dtype, pools f
   counts).
 - prefill: one prompt of `--prefill` tokens, in one step (`forward_flops_per_sequence`, the
   output head on the last token alone: the engine computes only the rows it samples).
-Per step: wall seconds (median of `--steps`), MFU against the dtype's peak, the engine's host
+Per step: wall seconds (median of `--steps`), MFU against the dtype's peak, and against the
+peak's GEMM timed again beside the steps (before each prefill step and after the last, before
+and after the decode steps; the median: a shared machine's speed drifts from minute to minute,
+and the first figure may hold a step to a peak timed in another minute), the engine's host
 phases (`Engine.host_time`), and the device time of the step programs by kind of op
 (`op_breakdown`: matmuls, other arithmetic, slot reads and writes, copies, control), from a
 profiler trace of the timed steps.
@@ -35,6 +38,7 @@ import pathlib
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +128,35 @@ def _median(fn, reps: int, budget_s: float = 1.0) -> float:
   return statistics.median(times)
 
 
+def gemm_run(who: str, mm: int, kk: int, n: int, dtype: str, rng) -> Callable[[], object]:
+  """One of the model's GEMMs as a contender runs it, on random operands.
+
+  Args:
+    who: "xla" (one XLA program), "onednn" (the kernel the engine's steps run), "prepacked" (the
+      same on the weights prepacked, as an engine holds them) or "torch" (its CPU matmul).
+    mm: rows; kk: the contraction; n: columns.
+    dtype: float32 or bfloat16.
+    rng: a NumPy generator for the operands.
+
+  Returns:
+    A call that computes the product once, to completion, and returns it (a [mm, n] array).
+  """
+  if who == "torch":
+    import torch
+
+    a = torch.from_numpy(rng.standard_normal((mm, kk), np.float32)).to(getattr(torch, dtype))
+    b = torch.from_numpy(rng.standard_normal((kk, n), np.float32)).to(getattr(torch, dtype))
+    return lambda: torch.matmul(a, b)
+  a = jnp.asarray(rng.standard_normal((mm, kk)), dtype)
+  b = jnp.asarray(rng.standard_normal((kk, n)), dtype)
+  if who == "prepacked":
+    f = jax.jit(functools.partial(onednn.matmul_prepacked, n=n))
+    packed = jax.jit(onednn.prepack)(b)
+    return lambda: f(a, packed).block_until_ready()
+  f = jax.jit(onednn.matmul if who == "onednn" else lambda x, y: x @ y)
+  return lambda: f(a, b).block_until_ready()
+
+
 def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str, float]]:
   """(engine, GEMM, GFLOP/s) for each of the model's GEMMs at each m: XLA, oneDNN, torch.
 
@@ -134,39 +167,45 @@ def gemm_rates(cfg, ms: list[int], dtype: str, reps: int) -> list[tuple[str, str
     reps: timed runs at most (`_median`).
 
   Returns:
-    The rates, XLA's (each followed by the oneDNN kernel's where it builds), then torch's (left
-    out if torch is not installed).
+    The rates, XLA's (each followed by the oneDNN kernel's, on row-major and on prepacked
+    weights, where it builds), then torch's (left out if torch is not installed).
   """
+  who = ["xla"] + (["onednn", "prepacked"] if onednn.unavailable() is None else [])
   out = []
   rng = np.random.default_rng(0)
   for m in ms:
     for name, (mm, kk, n) in gemms(cfg, m).items():
-      a = jnp.asarray(rng.standard_normal((mm, kk)), dtype)
-      b = jnp.asarray(rng.standard_normal((kk, n)), dtype)
-      f = jax.jit(lambda x, y: x @ y)
-      seconds = _median(lambda a=a, b=b, f=f: f(a, b).block_until_ready(), reps)
-      out.append(("xla", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
-      if onednn.unavailable() is None:  # the kernel the engine's steps run (`--matmul`)
-        f = jax.jit(onednn.matmul)
-        seconds = _median(lambda a=a, b=b, f=f: f(a, b).block_until_ready(), reps)
-        out.append(("onednn", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
-        # and on the weights prepacked, as an engine holds them (`prepack_weights`)
-        f = jax.jit(functools.partial(onednn.matmul_prepacked, n=n))
-        packed = jax.jit(onednn.prepack)(b)
-        seconds = _median(lambda a=a, p=packed, f=f: f(a, p).block_until_ready(), reps)
-        out.append(("prepacked", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
+      for w in who:
+        seconds = _median(gemm_run(w, mm, kk, n, dtype, rng), reps)
+        out.append((w, f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
   try:
     import torch
   except ImportError:
     return out
   torch.set_num_threads(os.cpu_count() or 1)
-  tdtype = getattr(torch, dtype)
   for m in ms:
     for name, (mm, kk, n) in gemms(cfg, m).items():
-      a, b = torch.randn(mm, kk, dtype=tdtype), torch.randn(kk, n, dtype=tdtype)
-      seconds = _median(lambda a=a, b=b: torch.matmul(a, b), reps)
+      seconds = _median(gemm_run("torch", mm, kk, n, dtype, rng), reps)
       out.append(("torch", f"{name} {mm}x{kk}x{n}", 2 * mm * kk * n / seconds / 1e9))
   return out
+
+
+def peak_probe(who: str, gemm: str, dtype: str) -> Callable[[], float]:
+  """The run's peak GEMM again, to time beside a step: a shared machine's speed can drift by a
+  fifth from minute to minute, so a peak timed minutes before a step may not be the step's.
+
+  Args:
+    who: the contender that ran it fastest (`gemm_rates`' first field).
+    gemm: its GEMM, as `gemm_rates` names it ("gate+up 1024x576x3072").
+    dtype: float32 or bfloat16.
+
+  Returns:
+    A call that times it now (the median of its runs within a quarter second, 5 at least) and
+    returns its GFLOP/s.
+  """
+  mm, kk, n = map(int, gemm.split()[-1].split("x"))
+  run = gemm_run(who, mm, kk, n, dtype, np.random.default_rng(0))
+  return lambda: 2 * mm * kk * n / _median(run, 50, budget_s=0.25) / 1e9
 
 
 def packed_kernels(
@@ -286,7 +325,9 @@ def main(argv) -> None:
   params32 = jax.jit(transformer.init_params, static_argnums=0)(base, jax.random.key(0))
   for dtype in args.dtypes:
     rates = gemm_rates(base, [args.batch, args.prefill], dtype, args.reps)
-    peak = max(r for _, _, r in rates)
+    fastest = max(rates, key=lambda r: r[2])
+    peak = fastest[2]
+    probe = peak_probe(fastest[0], fastest[1], dtype)
     print(
         f"\n## {dtype}\n\n| GEMM (M x K x N) | XLA GFLOP/s | oneDNN kernel GFLOP/s | prepacked "
         "GFLOP/s | torch GFLOP/s |\n|---|---|---|---|---|"
@@ -297,7 +338,7 @@ def main(argv) -> None:
     for name, by in table.items():
       cells = [f"{by[w]:,.1f}" if w in by else "—" for w in ("xla", "onednn", "prepacked", "torch")]
       print(f"| {name} | " + " | ".join(cells) + " |")
-    print(f"\npeak (the fastest above): {peak:,.1f} GFLOP/s\n")
+    print(f"\npeak (the fastest above: {fastest[0]}, {fastest[1]}): {peak:,.1f} GFLOP/s\n")
     tiles = onednn.unavailable() is None and onednn.panels(base.d_model, base.d_ff)
     if tiles and (dtype == "float32" or onednn.bf16_in_float32()) and args.kernel_rounds > 0:
       rows = packed_kernels(base, [args.batch, args.prefill], args.kernel_rounds, dtype)
@@ -321,14 +362,17 @@ def main(argv) -> None:
     while len(e.running) < args.batch or any(r.computed < args.context for r in e.running):
       e.step()
     context = round(statistics.mean(r.length for r in e.running)) + args.steps // 2
+    beside = [probe()]  # the peak GEMM just before the timed steps and just after
     times, host, device = timed_steps(e, args.steps)
-    rows.append(("decode", times, decode_flops(cfg, args.batch, context), host, device))
+    beside.append(probe())
+    rows.append(("decode", times, decode_flops(cfg, args.batch, context), beside, host, device))
     # prefill: one prompt a step, its whole length
     e = _engine(cfg, params, args, args.prefill)
     e.precompile()
-    times, hosts, devices = [], [], []
+    times, hosts, devices, beside = [], [], [], []
     for _ in range(args.steps):
       rid = e.add_request(list(map(int, rng.integers(0, cfg.vocab, args.prefill))), 1, eos_id=None)
+      beside.append(probe())  # the peak GEMM before each step, and after the last
       t, h, dv = timed_steps(e, 1)
       times += t
       hosts.append(h)
@@ -337,19 +381,22 @@ def main(argv) -> None:
       e.finished()
     mean = lambda ds: {k: statistics.mean(d[k] for d in ds) for k in ds[0]}
     fl = prefill_flops(cfg, args.prefill)
-    rows.append(("prefill", times, fl, mean(hosts), mean(devices)))
+    beside.append(probe())
+    rows.append(("prefill", times, fl, beside, mean(hosts), mean(devices)))
     print(
-        "| step | wall ms (median) | GFLOP | GFLOP/s | MFU | host ms: "
+        "| step | wall ms (median) | GFLOP | GFLOP/s | MFU | peak beside, GFLOP/s | MFU beside "
+        "| host ms: "
         + ", ".join(HOST_PHASES)
         + " | device ms: "
         + ", ".join(op_breakdown.KINDS[:5])
-        + " |\n|---|---|---|---|---|---|---|"
+        + " |\n|---|---|---|---|---|---|---|---|---|"
     )
-    for name, ts, fl, host, device in rows:
+    for name, ts, fl, near, host, device in rows:
       s = statistics.median(ts)
+      near = statistics.median(near)
       print(
           f"| {name} | {1e3 * s:,.1f} | {fl / 1e9:,.1f} | {fl / s / 1e9:,.1f} | "
-          f"{100 * fl / s / 1e9 / peak:.0f}% | "
+          f"{100 * fl / s / 1e9 / peak:.0f}% | {near:,.1f} | {100 * fl / s / 1e9 / near:.0f}% | "
           + " / ".join(f"{1e3 * host[p]:.1f}" for p in HOST_PHASES)
           + " | "
           + " / ".join(f"{1e3 * device[k]:.1f}" for k in op_breakdown.KINDS[:5])

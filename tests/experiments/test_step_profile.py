@@ -4,6 +4,7 @@ forward FLOPs (`jaxpipe.models.flops`)."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import step_profile
@@ -51,6 +52,33 @@ def test_the_packed_kernels_are_timed_per_gemm_and_summed_per_row_count(dtype):
     for i in (1, 2):  # the sums are the GEMMs' own
       assert part[-1][i] == pytest.approx(sum(r[i] for r in part[:-1]))
       assert all(r[i] > 0 for r in part)
+
+
+@pytest.mark.parametrize("who", ["xla", "onednn", "prepacked", "torch"])
+def test_each_contender_computes_the_gemm_it_is_timed_on(who):
+  if who in ("onednn", "prepacked") and onednn.unavailable() is not None:
+    pytest.skip("needs the oneDNN kernel")
+  mm, kk, n = 8, 48, 40
+  got = np.asarray(step_profile.gemm_run(who, mm, kk, n, "float32", np.random.default_rng(3))())
+  rng = np.random.default_rng(3)  # the same operands, drawn as gemm_run draws them
+  kind = np.float32 if who == "torch" else np.float64
+  a, b = rng.standard_normal((mm, kk), kind), rng.standard_normal((kk, n), kind)
+  want = a.astype(np.float32) @ b.astype(np.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_peak_is_timed_again_on_the_fastest_contenders_own_gemm(monkeypatch):
+  made = []
+
+  def fake_run(who, mm, kk, n, dtype, rng):
+    made.append((who, mm, kk, n, dtype))
+    return lambda: None
+
+  monkeypatch.setattr(step_profile, "gemm_run", fake_run)
+  monkeypatch.setattr(step_profile, "_median", lambda run, reps, budget_s: 0.5)
+  probe = step_profile.peak_probe("prepacked", "gate+up 1024x576x3072", "bfloat16")
+  assert made == [("prepacked", 1024, 576, 3072, "bfloat16")]
+  assert probe() == pytest.approx(2 * 1024 * 576 * 3072 / 0.5 / 1e9)
 
 
 def test_gemm_timings_take_the_median_within_a_budget(monkeypatch):
