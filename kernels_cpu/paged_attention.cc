@@ -334,12 +334,17 @@ __attribute__((noinline)) void WideScores(const float* q0, const float* kt, int6
 typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 
-inline __m512 Exp16(__m512 x) {
+inline __m512 Exp16(__m512 x) {  // `ExpOf` on a register's 16 lanes
   F16 v;
   std::memcpy(&v, &x, sizeof(v));
   v = ExpOf<F16, I16>(v);
   std::memcpy(&x, &v, sizeof(x));
   return x;
+}
+
+// The lanes of `at` (16 key indices) in lo .. hi - 1.
+inline __mmask16 Within(__m512i at, __m512i lo, __m512i hi) {
+  return _mm512_cmpge_epi32_mask(at, lo) & _mm512_cmplt_epi32_mask(at, hi);
 }
 
 // The online softmax's update for a block of kBlock query vectors over the keys lo .. hi - 1 of
@@ -364,7 +369,7 @@ inline void SoftmaxBlock(float* s, int64_t L, const int64_t* begin, const int64_
   for (int64_t j = first; j < hi; j += 16) {
     const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j)));
     for (int u = 0; u < kBlock; ++u) {
-      const __mmask16 in = _mm512_cmpge_epi32_mask(at, b[u]) & _mm512_cmplt_epi32_mask(at, e[u]);
+      const __mmask16 in = Within(at, b[u], e[u]);
       mx[u] = _mm512_mask_max_ps(mx[u], in, mx[u], _mm512_maskz_loadu_ps(in, s + u * L + j));
     }
   }
@@ -382,10 +387,10 @@ inline void SoftmaxBlock(float* s, int64_t L, const int64_t* begin, const int64_
   const __m512i kept_hi = _mm512_set1_epi32(static_cast<int32_t>(hi));
   for (int64_t j = first; j < hi; j += 16) {
     const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j)));
-    const __mmask16 kept = _mm512_cmpge_epi32_mask(at, kept_lo) & _mm512_cmplt_epi32_mask(at, kept_hi);
+    const __mmask16 kept = Within(at, kept_lo, kept_hi);
     const __m512 vs = v_sc != nullptr ? _mm512_maskz_loadu_ps(kept, v_sc + j) : _mm512_set1_ps(1);
     for (int u = 0; u < kBlock; ++u) {
-      const __mmask16 in = _mm512_cmpge_epi32_mask(at, b[u]) & _mm512_cmplt_epi32_mask(at, e[u]);
+      const __mmask16 in = Within(at, b[u], e[u]);
       const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + u * L + j), top[u]);
       const __m512 w = _mm512_maskz_mov_ps(in, Exp16(x));
       sum[u] = _mm512_add_ps(sum[u], w);
@@ -979,7 +984,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, Pool& k, Pool& v
   // The longest items first, so that the last ones taken are short.
   std::stable_sort(p.items.begin(), p.items.end(), [&](const Item& a, const Item& b) {
     auto cost = [&](const Item& x) {
-      return static_cast<int64_t>(x.last - x.first) * (static_cast<int64_t>(p.cached[x.row]) + x.last);
+      const int64_t tokens = x.last - x.first;
+      return tokens * (static_cast<int64_t>(p.cached[x.row]) + x.last);
     };
     return cost(a) > cost(b);
   });
