@@ -17,7 +17,7 @@ Contenders, one model (the config's) and one global batch (`--batch`, 0 = the co
   default) is the same step with its layers in a `lax.scan`, as jaxpipe runs them: what the
   loop over layers costs by itself.
 - jaxpipe pp=1: the Trainer's compiled step at pp = 1 (dp = all devices, one micro-batch),
-  with the config's `model.unroll_layers` (the quickstart's: 16, its 4 layers unrolled);
+  with the config's `model.unroll_layers` (the quickstart's: 32);
   `--unroll_layers 16,...` adds it at each of those `model.unroll_layers` values (stacks of at
   most that many layers unrolled; 0: a `lax.scan` loop), named with its `unroll_layers=`.
 - jaxpipe pp=1 DTYPE matmul=M: the same step with `model.dtype` at each of `--dtypes`
