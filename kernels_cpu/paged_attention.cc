@@ -59,7 +59,7 @@ constexpr int64_t kShortTile = 16;
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kChunkKeys = 128;  // keys (whole pages) read and scored together
 constexpr int64_t kTranspose = 8;   // a chunk's keys are transposed for this many queries or more
-constexpr int64_t kBlock = 4;       // query vectors whose scores and weighted values run together
+constexpr int64_t kBlock = 4;       // query vectors whose scores and softmax run together
 // query vectors whose weighted values run together in 512-bit registers (4 x 16 channels each):
 // each value row is read once for the 6 (1,024-token float32 prefill 1.02x against 4, Ice Lake)
 constexpr int64_t kWideGroup = 6;

@@ -98,7 +98,7 @@ def test_work_items_take_64_tokens_unless_too_few_to_share():
     assert cpu_pa.work_items() - before == want
 
 
-@pytest.mark.parametrize("window, softcap", [(5, 0.0), (70, 2.0), (1, 0.0), (0, 1.5)])
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (150, 2.0), (1, 0.0), (0, 1.5)])
 def test_kernel_with_a_window_and_softcap_equals_the_gather_reference(window, softcap):
   """Sliding windows (a traced one, as a layer of a mixed stack passes it) from the token alone
   to longer than a chunk, and soft-capped scores, float32 and int8: the keys before each row's
